@@ -1,0 +1,55 @@
+"""asyncplane: a durable work store for asyncio agent fleets.
+
+Many coroutines and processes on one machine share one SQLite file that holds their
+work: a queue of items per project, an atomic claim of each item by exactly one worker,
+leases whose lapse hands the item on with a higher fence, an append-only ledger of every
+transition, and scope enforced by the store itself.
+"""
+
+from asyncplane._clock import Clock, SystemClock
+from asyncplane._errors import (
+    AsyncplaneError,
+    DatabaseLocked,
+    FenceRejected,
+    InvalidInput,
+    InvalidPayload,
+    InvalidType,
+    NotAnAsyncplaneDatabase,
+    ProjectExists,
+    SchemaVersionError,
+    ScopeDenied,
+    StorageError,
+    StoreClosed,
+    UnknownItem,
+    UnknownProject,
+)
+from asyncplane._ledger import LEDGER_PROBLEM_KINDS, verify_ledger
+from asyncplane._models import ClaimedItem, LedgerProblem
+from asyncplane._store import ControlStore
+
+__version__ = "0.1.0"
+
+__all__ = (
+    "LEDGER_PROBLEM_KINDS",
+    "AsyncplaneError",
+    "ClaimedItem",
+    "Clock",
+    "ControlStore",
+    "DatabaseLocked",
+    "FenceRejected",
+    "InvalidInput",
+    "InvalidPayload",
+    "InvalidType",
+    "LedgerProblem",
+    "NotAnAsyncplaneDatabase",
+    "ProjectExists",
+    "SchemaVersionError",
+    "ScopeDenied",
+    "StorageError",
+    "StoreClosed",
+    "SystemClock",
+    "UnknownItem",
+    "UnknownProject",
+    "__version__",
+    "verify_ledger",
+)

@@ -1,0 +1,209 @@
+"""The backend seam: the operations a storage engine must provide, with typed parameters.
+
+`ControlStore` validates arguments, then calls exactly one operation here per public call.
+A backend owns its SQL, its connections, its migrations and its notion of "now" (the
+SQLite backend reads the injected clock inside the write transaction; a server backend
+may use the server's clock). No SQL crosses this seam, only the dataclasses below.
+
+Rules every backend keeps, because the store's guarantees rest on them:
+
+* Each write operation is atomic: the state change and its ledger event commit together
+  or not at all.
+* An operation that refuses (FenceRejected, ScopeDenied, UnknownItem, ...) writes nothing.
+* A claim is decided inside the write transaction that records it; fences only rise.
+* With an actor, scope is checked in the same statement or transaction as the access, and
+  "absent" and "not yours" produce the same ScopeDenied message.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Protocol
+
+from asyncplane import _models
+
+__all__ = (
+    "Backend",
+    "ClaimOp",
+    "ClaimRow",
+    "EnqueueOp",
+    "EventRow",
+    "FinishOp",
+    "ItemRow",
+    "NewProject",
+    "ProjectRow",
+    "RenewOp",
+)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class NewProject:
+    """Parameters of create_project."""
+
+    project_id: str
+    name: str
+    status: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class EnqueueOp:
+    """Parameters of enqueue: the payload is already validated, compact JSON."""
+
+    project_id: str
+    payload_json: str
+    actor_id: str | None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ClaimOp:
+    """Parameters of claim: up to ``limit`` items for ``owner``."""
+
+    owner: str
+    limit: int
+    lease_seconds: float
+    actor_id: str | None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RenewOp:
+    """Parameters of renew."""
+
+    item_id: int
+    fence: int
+    lease_seconds: float
+    actor_id: str | None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class FinishOp:
+    """Parameters of finish."""
+
+    item_id: int
+    fence: int
+    status: str
+    actor_id: str | None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ProjectRow:
+    """A project as stored."""
+
+    project_id: str
+    name: str
+    status: str
+    created_at: float
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ClaimRow:
+    """One item handed out by a claim, as the backend recorded it."""
+
+    item_id: int
+    project_id: str
+    payload_json: str
+    fence: int
+    attempts: int
+    owner: str
+    lease_expires_at: float
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ItemRow:
+    """An item's current row."""
+
+    item_id: int
+    project_id: str
+    state: str
+    payload_json: str
+    fence: int
+    attempts: int
+    owner: str | None
+    lease_expires_at: float | None
+    created_at: float
+    updated_at: float
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class EventRow:
+    """One ledger event."""
+
+    event_id: int
+    item_id: int
+    event_type: str
+    fence: int
+    owner: str | None
+    actor_id: str | None
+    at: float
+    detail_json: str | None
+
+
+class Backend(Protocol):
+    """One method per operation. Implementations: `asyncplane._sqlite.SQLiteBackend`."""
+
+    async def open(self) -> None:
+        """Connect, create or migrate the schema; idempotent."""
+        ...
+
+    async def close(self) -> None:
+        """Finish queued writes, then release every connection."""
+        ...
+
+    def forget(self) -> None:
+        """Drop handles left behind by an event loop that has ended."""
+        ...
+
+    async def create_project(self, op: NewProject) -> None:
+        """Create a project; ProjectExists if the id is taken."""
+        ...
+
+    async def set_project_status(self, project_id: str, status: str) -> None:
+        """Change a project's status; UnknownProject if absent."""
+        ...
+
+    async def get_project(self, project_id: str) -> ProjectRow:
+        """Read one project; UnknownProject if absent."""
+        ...
+
+    async def list_projects(self) -> list[ProjectRow]:
+        """Every project, ordered by id."""
+        ...
+
+    async def assign(self, project_id: str, actor_id: str) -> None:
+        """Give an actor a project (idempotent); UnknownProject if absent."""
+        ...
+
+    async def unassign(self, project_id: str, actor_id: str) -> None:
+        """Take a project from an actor (idempotent); UnknownProject if absent."""
+        ...
+
+    async def visible_projects(self, actor_id: str) -> list[str]:
+        """The ids of the projects assigned to an actor, ordered."""
+        ...
+
+    async def enqueue(self, op: EnqueueOp) -> int:
+        """Add a ready item and its "queued" event; return the new item id."""
+        ...
+
+    async def claim(self, op: ClaimOp) -> list[ClaimRow]:
+        """Claim up to ``op.limit`` items, each with a fence above any it had before."""
+        ...
+
+    async def renew(self, op: RenewOp) -> float:
+        """Extend a current claim's lease; return the new expiry (epoch seconds)."""
+        ...
+
+    async def finish(self, op: FinishOp) -> None:
+        """Settle a current claim as done or failed."""
+        ...
+
+    async def get_item(self, item_id: int, actor_id: str | None) -> ItemRow:
+        """Read an item's row."""
+        ...
+
+    async def get_events(self, item_id: int, actor_id: str | None) -> list[EventRow]:
+        """Read an item's events, oldest first."""
+        ...
+
+    async def verify_ledger(self, limit: int | None) -> list[_models.LedgerProblem]:
+        """Compare every row with its history, in the database, and list disagreements."""
+        ...

@@ -1,0 +1,43 @@
+"""Where asyncplane's time comes from.
+
+Leases are stored as wall-clock instants (seconds since the Unix epoch, UTC) because
+several processes compare them and only the wall clock is shared between processes;
+a monotonic clock is per-process. The clock is injectable so that a test can lapse a
+lease by moving time instead of sleeping (see `asyncplane.testing.ManualClock`).
+
+The store reads the clock inside the write transaction, after it holds the write lock,
+so a lease is measured from the moment it is granted, not from when it was requested.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Protocol, runtime_checkable
+
+__all__ = ("Clock", "SystemClock")
+
+
+@runtime_checkable
+class Clock(Protocol):
+    """A source of wall-clock time in seconds since the Unix epoch.
+
+    ``now()`` may be called from the store's connection threads, so it must be safe to
+    call from any thread.
+    """
+
+    def now(self) -> float:
+        """Return the current time as seconds since the Unix epoch."""
+        ...
+
+
+class SystemClock:
+    """The real wall clock, ``time.time()``."""
+
+    __slots__ = ()
+
+    def now(self) -> float:
+        """Return ``time.time()``."""
+        return time.time()
+
+    def __repr__(self) -> str:
+        return "SystemClock()"

@@ -1,0 +1,114 @@
+"""Connection setup, and the one way asyncplane runs work on a connection's thread.
+
+aiosqlite gives every connection a thread of its own and forwards each call to it: one
+statement costs one round trip between the event loop and that thread, about as long as
+the statement itself on a small machine. A claim is four statements, so asyncplane runs a
+whole transaction, or a whole group commit, as one function on the connection's thread
+(`run`), which is one round trip. aiosqlite's public calls cannot do that; `run` uses its
+``Connection._execute`` hook, the only private name asyncplane touches, kept here alone so
+that an aiosqlite change shows up in one place (tests/test_connection.py guards it).
+
+Connections run in autocommit mode (``isolation_level=None``): the sqlite3 module never
+opens a transaction behind our back, and asyncplane issues ``BEGIN IMMEDIATE`` and
+``COMMIT`` itself where a reader can see them.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import sqlite3
+from collections.abc import Callable
+from typing import Any, Literal, TypeVar
+
+import aiosqlite
+
+from asyncplane import _errors
+
+__all__ = ("Synchronous", "open_reader", "open_writer", "run")
+
+T = TypeVar("T")
+
+Synchronous = Literal["NORMAL", "FULL"]
+
+#: WAL files are truncated back to this size after a checkpoint.
+JOURNAL_SIZE_LIMIT = 64 * 1024 * 1024
+
+# SQLite 3.35 brought RETURNING, which every write statement here relies on.
+MIN_SQLITE_VERSION = (3, 35, 0)
+
+
+def _check_sqlite_version() -> None:
+    if sqlite3.sqlite_version_info < MIN_SQLITE_VERSION:
+        found = sqlite3.sqlite_version
+        need = ".".join(map(str, MIN_SQLITE_VERSION))
+        raise _errors.StorageError(f"asyncplane needs SQLite {need} or newer; Python has {found}")
+
+
+async def run(conn: aiosqlite.Connection, fn: Callable[..., T], *args: Any) -> T:
+    """Run ``fn(sqlite3_connection, *args)`` on the connection's own thread, in one round trip."""
+    raw = conn._conn  # the sqlite3.Connection, to be used only on that thread
+    result: T = await conn._execute(fn, raw, *args)  # type: ignore[no-untyped-call]
+    return result
+
+
+async def open_writer(
+    path: pathlib.Path, *, synchronous: Synchronous, busy_timeout: float
+) -> aiosqlite.Connection:
+    """Open the store's only write connection: WAL, the chosen synchronous level, FKs on."""
+    _check_sqlite_version()
+    try:
+        conn = await aiosqlite.connect(
+            str(path), isolation_level=None, timeout=busy_timeout, cached_statements=256
+        )
+    except sqlite3.Error as exc:
+        raise _errors.translate_sqlite(exc) from exc
+    try:
+        await run(conn, _configure_writer, synchronous, busy_timeout)
+    except BaseException:
+        await conn.close()
+        raise
+    return conn
+
+
+async def open_reader(path: pathlib.Path, *, busy_timeout: float) -> aiosqlite.Connection:
+    """Open a read-only connection (``mode=ro``): reads never queue behind the writer."""
+    uri = path.as_uri() + "?mode=ro"  # the store keeps its path absolute
+    try:
+        conn = await aiosqlite.connect(
+            uri, uri=True, isolation_level=None, timeout=busy_timeout, cached_statements=64
+        )
+    except sqlite3.Error as exc:
+        raise _errors.translate_sqlite(exc) from exc
+    try:
+        await run(conn, _configure_reader, busy_timeout)
+    except BaseException:
+        await conn.close()
+        raise
+    return conn
+
+
+def _configure_writer(
+    db: sqlite3.Connection, synchronous: Synchronous, busy_timeout: float
+) -> None:
+    try:
+        db.execute(f"PRAGMA busy_timeout = {int(busy_timeout * 1000)}")
+        mode = db.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+        if str(mode).lower() != "wal":
+            raise _errors.StorageError(
+                f"could not put the database in WAL mode (it stayed in {mode!r} mode); "
+                "asyncplane needs WAL for concurrent readers and writers"
+            )
+        # synchronous is one of two literals checked by the store; never user text.
+        db.execute(f"PRAGMA synchronous = {synchronous}")
+        db.execute(f"PRAGMA journal_size_limit = {JOURNAL_SIZE_LIMIT}")
+        db.execute("PRAGMA foreign_keys = ON")
+    except sqlite3.Error as exc:
+        raise _errors.translate_sqlite(exc) from exc
+
+
+def _configure_reader(db: sqlite3.Connection, busy_timeout: float) -> None:
+    try:
+        db.execute(f"PRAGMA busy_timeout = {int(busy_timeout * 1000)}")
+        db.execute("PRAGMA query_only = ON")
+    except sqlite3.Error as exc:
+        raise _errors.translate_sqlite(exc) from exc

@@ -1,0 +1,133 @@
+"""The error hierarchy: one root, and one place where driver errors are translated.
+
+Every exception asyncplane raises on purpose derives from `AsyncplaneError`. Errors from
+the database driver (sqlite3, through aiosqlite) never escape as themselves: the storage
+boundary calls `translate_sqlite` once and raises the result `from` the original, so the
+cause stays attached for debugging while callers catch one family.
+
+Input errors are raised before anything is written and derive from `ValueError` or
+`TypeError` as well, so code that already guards against those keeps working.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+
+__all__ = (
+    "AsyncplaneError",
+    "DatabaseLocked",
+    "FenceRejected",
+    "InvalidInput",
+    "InvalidPayload",
+    "InvalidType",
+    "NotAnAsyncplaneDatabase",
+    "ProjectExists",
+    "SchemaVersionError",
+    "ScopeDenied",
+    "StorageError",
+    "StoreClosed",
+    "UnknownItem",
+    "UnknownProject",
+)
+
+
+class AsyncplaneError(Exception):
+    """The root of every error asyncplane raises on purpose."""
+
+
+class FenceRejected(AsyncplaneError):
+    """The fence presented is not the item's current claim.
+
+    Raised by renew() and finish() when the item was taken over after its lease lapsed
+    (a higher fence exists), or when the item is not claimed at all: finished already,
+    or never claimed. The caller's work must be discarded; someone else owns the item now.
+    """
+
+    def __init__(
+        self,
+        item_id: int,
+        fence: int,
+        *,
+        current_fence: int,
+        state: str,
+    ) -> None:
+        self.item_id = item_id
+        self.fence = fence
+        self.current_fence = current_fence
+        self.state = state
+        if state == "claimed":
+            why = f"the item is claimed at fence {current_fence}"
+        else:
+            why = f"the item is {state}, not claimed"
+        super().__init__(f"item {item_id}: fence {fence} is not current ({why})")
+
+
+class ScopeDenied(AsyncplaneError):
+    """The actor may not see or touch this project or item.
+
+    The message is the same whether the target does not exist or belongs to a project
+    the actor is not assigned to: a denial must not reveal which of the two it was.
+    """
+
+
+class UnknownProject(AsyncplaneError, LookupError):
+    """No project has this id (raised to the control plane, which may know that)."""
+
+
+class UnknownItem(AsyncplaneError, LookupError):
+    """No item has this id (raised to the control plane, which may know that)."""
+
+
+class ProjectExists(AsyncplaneError, ValueError):
+    """create_project() was given an id that is already taken."""
+
+
+class InvalidInput(AsyncplaneError, ValueError):
+    """An argument has the right type but a value asyncplane refuses; nothing was written."""
+
+
+class InvalidPayload(InvalidInput):
+    """A payload is not a JSON object of plain JSON values, holds NaN or infinity, or is too big."""
+
+
+class InvalidType(AsyncplaneError, TypeError):
+    """An argument has the wrong type (an id that is not a str/int, say); nothing was written."""
+
+
+class StoreClosed(AsyncplaneError):
+    """The store was closed, or its writer stopped, and cannot take this call."""
+
+
+class StorageError(AsyncplaneError):
+    """The database failed underneath asyncplane; the driver's error is the ``__cause__``."""
+
+
+class DatabaseLocked(StorageError):
+    """The write lock could not be had within the busy timeout."""
+
+
+class NotAnAsyncplaneDatabase(StorageError):
+    """The file is not an asyncplane store: another application's database, or not SQLite."""
+
+
+class SchemaVersionError(StorageError):
+    """The file was written by a newer asyncplane whose schema this version does not know."""
+
+
+# Primary result codes (https://sqlite.org/rescode.html); sqlite3 names them only from 3.11.
+_SQLITE_BUSY = 5
+_SQLITE_LOCKED = 6
+_SQLITE_NOTADB = 26
+
+
+def translate_sqlite(exc: sqlite3.Error) -> StorageError:
+    """Map a driver error to asyncplane's family; the caller raises it ``from exc``."""
+    message = str(exc)
+    lowered = message.lower()
+    # sqlite_errorcode is the extended code (Python 3.11+); its low byte is the primary code.
+    code = getattr(exc, "sqlite_errorcode", -1) & 0xFF
+    if code in (_SQLITE_BUSY, _SQLITE_LOCKED) or "database is locked" in lowered:
+        return DatabaseLocked(f"database is locked: {message}")
+    if code == _SQLITE_NOTADB or "file is not a database" in lowered:
+        return NotAnAsyncplaneDatabase(f"not an SQLite database: {message}")
+    return StorageError(f"{type(exc).__name__}: {message}")

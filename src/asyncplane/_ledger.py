@@ -1,0 +1,55 @@
+"""verify_ledger: do the rows agree with their own history?
+
+Every transition of an item appends an event in the same transaction as the row change,
+so an item's state can be replayed from its events (``queued`` leaves it ready,
+``claimed`` and ``lease_expired`` claimed, ``done`` and ``failed`` terminal). The
+verifier looks for rows and histories that disagree: a write that changed state without
+recording it, or a record that was removed or added behind the store's back.
+
+The checks run inside the database, one query per kind over an index, in one read
+snapshot, so a store with a million items is verified without loading them into Python.
+An empty list means rows and history agree; it cannot say that the right work was done,
+only that nothing wrote state without recording it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Final
+
+from asyncplane import _models, _validate
+
+if TYPE_CHECKING:
+    from asyncplane._store import ControlStore
+
+__all__ = ("LEDGER_PROBLEM_KINDS", "verify_ledger")
+
+#: Every kind of problem verify_ledger reports, with what it means.
+LEDGER_PROBLEM_KINDS: Final = {
+    "no_creation_event": "the item exists but nothing recorded its arrival",
+    "two_terminal_events": "it reached a terminal state (done/failed) more than once",
+    "terminal_without_event": "the row is terminal but no event says how it got there",
+    "terminal_events_disagree": "row and events are both terminal, but for different outcomes",
+    "event_without_terminal": "an event says it finished but the row still says otherwise",
+    "fence_not_monotonic": "claim fences repeated or fell instead of rising",
+    "fence_disagrees": "the row's fence differs from the last claim recorded",
+    "ready_after_claim": "the row says ready but the history shows it was claimed",
+    "orphan_events": "events reference an item that no longer exists",
+}
+
+
+async def verify_ledger(
+    store: ControlStore, *, limit: int | None = None
+) -> list[_models.LedgerProblem]:
+    """List every disagreement between item rows and their events; [] when they agree.
+
+    Args:
+        store: The store to check (opened on first use, like every other call).
+        limit: Stop after this many problems (all of them when None).
+
+    Returns:
+        The problems ordered by item id, each with its kind, item id and a detail.
+    """
+    if limit is not None:
+        limit = _validate.positive_int(limit, "limit")
+    backend = await store._ready()
+    return await backend.verify_ledger(limit)

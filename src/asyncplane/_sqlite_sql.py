@@ -1,0 +1,319 @@
+"""Every SQL statement the SQLite backend runs, as named constants.
+
+Nothing here is ever formatted with user input: values travel only as bound parameters.
+Where a statement has a scoped and an unscoped form, both are written out in full so a
+reader sees exactly what runs.
+
+Times are REAL seconds since the Unix epoch (wall clock, UTC). Item ids come from
+AUTOINCREMENT so an id is never reused, even after rows are purged: a late report or an
+orphaned event can then never be mistaken for a newer item's.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+#: Written to the header so a foreign SQLite file is recognised as "not ours" ('APLN').
+APPLICATION_ID: Final = 0x41504C4E
+
+# --- schema and migrations -------------------------------------------------------------
+
+#: Migration n takes the schema from user_version n-1 to n. Append, never edit.
+MIGRATIONS: Final[tuple[str, ...]] = (
+    # 1: projects, assignments, items, the append-only event ledger.
+    """
+    CREATE TABLE projects (
+        project_id  TEXT PRIMARY KEY NOT NULL,
+        name        TEXT NOT NULL,
+        status      TEXT NOT NULL,
+        created_at  REAL NOT NULL
+    );
+    CREATE TABLE assignments (
+        actor_id    TEXT NOT NULL,
+        project_id  TEXT NOT NULL REFERENCES projects (project_id),
+        assigned_at REAL NOT NULL,
+        PRIMARY KEY (actor_id, project_id)
+    ) WITHOUT ROWID;
+    CREATE TABLE items (
+        item_id          INTEGER PRIMARY KEY AUTOINCREMENT,
+        project_id       TEXT NOT NULL REFERENCES projects (project_id),
+        state            TEXT NOT NULL,
+        payload          TEXT NOT NULL,
+        fence            INTEGER NOT NULL DEFAULT 0,
+        attempts         INTEGER NOT NULL DEFAULT 0,
+        owner            TEXT,
+        lease_expires_at REAL,
+        created_at       REAL NOT NULL,
+        updated_at       REAL NOT NULL
+    );
+    -- The claim order comes from these two partial indexes, never from a table scan.
+    CREATE INDEX items_ready ON items (item_id) WHERE state = 'ready';
+    CREATE INDEX items_lease ON items (lease_expires_at) WHERE state = 'claimed';
+    CREATE INDEX items_by_project ON items (project_id, state);
+    CREATE TABLE events (
+        event_id   INTEGER PRIMARY KEY AUTOINCREMENT,
+        item_id    INTEGER NOT NULL,
+        event_type TEXT NOT NULL,
+        fence      INTEGER NOT NULL,
+        owner      TEXT,
+        actor_id   TEXT,
+        at         REAL NOT NULL,
+        detail     TEXT
+    );
+    -- Covers the ledger checks (per item, by type, with fence) without touching the table.
+    CREATE INDEX events_by_item ON events (item_id, event_type, fence);
+    -- Append-only: an event, once written, is never rewritten.
+    CREATE TRIGGER events_append_only BEFORE UPDATE ON events
+    BEGIN
+        SELECT RAISE(ABORT, 'the asyncplane ledger is append-only');
+    END;
+    """,
+)
+
+SCHEMA_VERSION: Final = len(MIGRATIONS)
+
+READ_HEADER: Final = "SELECT * FROM pragma_application_id, pragma_user_version"
+COUNT_OBJECTS: Final = "SELECT count(*) FROM sqlite_master WHERE name NOT LIKE 'sqlite_%'"
+# PRAGMA takes no bound parameters; both values are integers from this module.
+SET_HEADER: Final = "PRAGMA application_id = {application_id}; PRAGMA user_version = {version};"
+
+# --- projects and scope ----------------------------------------------------------------
+
+PROJECT_EXISTS: Final = "SELECT 1 FROM projects WHERE project_id = ?"
+INSERT_PROJECT: Final = (
+    "INSERT INTO projects (project_id, name, status, created_at) VALUES (?, ?, ?, ?)"
+)
+SET_PROJECT_STATUS: Final = "UPDATE projects SET status = ? WHERE project_id = ?"
+GET_PROJECT: Final = (
+    "SELECT project_id, name, status, created_at FROM projects WHERE project_id = ?"
+)
+LIST_PROJECTS: Final = (
+    "SELECT project_id, name, status, created_at FROM projects ORDER BY project_id"
+)
+ASSIGN: Final = (
+    "INSERT INTO assignments (actor_id, project_id, assigned_at) VALUES (?, ?, ?) "
+    "ON CONFLICT (actor_id, project_id) DO NOTHING"
+)
+UNASSIGN: Final = "DELETE FROM assignments WHERE actor_id = ? AND project_id = ?"
+VISIBLE_PROJECTS: Final = (
+    "SELECT project_id FROM assignments WHERE actor_id = ? ORDER BY project_id"
+)
+IS_ASSIGNED: Final = "SELECT 1 FROM assignments WHERE actor_id = ? AND project_id = ?"
+
+# --- items -----------------------------------------------------------------------------
+
+INSERT_ITEM: Final = (
+    "INSERT INTO items (project_id, state, payload, created_at, updated_at) "
+    "VALUES (?, 'ready', ?, ?, ?) RETURNING item_id"
+)
+INSERT_EVENT: Final = (
+    "INSERT INTO events (item_id, event_type, fence, owner, actor_id, at, detail) "
+    "VALUES (?, ?, ?, ?, ?, ?, ?)"
+)
+
+# Claim candidates: the oldest ready items, merged with the oldest items whose lease has
+# lapsed, of open projects only. Each arm walks its own partial index; the outer ORDER BY
+# merges at most 2 * limit rows. Run inside BEGIN IMMEDIATE: the write lock is held from
+# this read to the UPDATE that records the claim, so no other writer can slip in between.
+CLAIM_CANDIDATES: Final = """
+SELECT item_id, state, fence, owner FROM (
+    SELECT item_id, state, fence, owner FROM items
+    WHERE state = 'ready'
+      AND project_id IN (SELECT project_id FROM projects WHERE status = 'open')
+    ORDER BY item_id LIMIT :limit
+)
+UNION ALL
+SELECT item_id, state, fence, owner FROM (
+    SELECT item_id, state, fence, owner FROM items
+    WHERE state = 'claimed' AND lease_expires_at <= :now
+      AND project_id IN (SELECT project_id FROM projects WHERE status = 'open')
+    ORDER BY item_id LIMIT :limit
+)
+ORDER BY item_id LIMIT :limit
+"""
+
+CLAIM_CANDIDATES_SCOPED: Final = """
+SELECT item_id, state, fence, owner FROM (
+    SELECT item_id, state, fence, owner FROM items
+    WHERE state = 'ready'
+      AND project_id IN (
+          SELECT a.project_id FROM assignments AS a JOIN projects AS p USING (project_id)
+          WHERE a.actor_id = :actor_id AND p.status = 'open')
+    ORDER BY item_id LIMIT :limit
+)
+UNION ALL
+SELECT item_id, state, fence, owner FROM (
+    SELECT item_id, state, fence, owner FROM items
+    WHERE state = 'claimed' AND lease_expires_at <= :now
+      AND project_id IN (
+          SELECT a.project_id FROM assignments AS a JOIN projects AS p USING (project_id)
+          WHERE a.actor_id = :actor_id AND p.status = 'open')
+    ORDER BY item_id LIMIT :limit
+)
+ORDER BY item_id LIMIT :limit
+"""
+
+# The fence rises by one on every claim and is never set any other way.
+CLAIM_ITEM: Final = """
+UPDATE items
+SET state = 'claimed', fence = fence + 1, attempts = attempts + 1,
+    owner = ?, lease_expires_at = ?, updated_at = ?
+WHERE item_id = ?
+RETURNING item_id, project_id, payload, fence, attempts
+"""
+
+RENEW: Final = """
+UPDATE items SET lease_expires_at = ?, updated_at = ?
+WHERE item_id = ? AND state = 'claimed' AND fence = ?
+RETURNING lease_expires_at
+"""
+RENEW_SCOPED: Final = """
+UPDATE items SET lease_expires_at = ?, updated_at = ?
+WHERE item_id = ? AND state = 'claimed' AND fence = ?
+  AND project_id IN (SELECT project_id FROM assignments WHERE actor_id = ?)
+RETURNING lease_expires_at
+"""
+
+FINISH: Final = """
+UPDATE items SET state = ?, lease_expires_at = NULL, updated_at = ?
+WHERE item_id = ? AND state = 'claimed' AND fence = ?
+RETURNING owner
+"""
+FINISH_SCOPED: Final = """
+UPDATE items SET state = ?, lease_expires_at = NULL, updated_at = ?
+WHERE item_id = ? AND state = 'claimed' AND fence = ?
+  AND project_id IN (SELECT project_id FROM assignments WHERE actor_id = ?)
+RETURNING owner
+"""
+
+# Why a fenced update matched nothing: absent, out of scope, or a stale fence.
+DIAGNOSE_ITEM: Final = """
+SELECT state, fence,
+       EXISTS (SELECT 1 FROM assignments AS a
+               WHERE a.actor_id = ? AND a.project_id = items.project_id) AS in_scope
+FROM items WHERE item_id = ?
+"""
+
+_ITEM_COLUMNS = (
+    "item_id, project_id, state, payload, fence, attempts, owner, lease_expires_at, "
+    "created_at, updated_at"
+)
+GET_ITEM: Final = f"SELECT {_ITEM_COLUMNS} FROM items WHERE item_id = ?"
+GET_ITEM_SCOPED: Final = (
+    f"SELECT {_ITEM_COLUMNS} FROM items WHERE item_id = ? "
+    "AND project_id IN (SELECT project_id FROM assignments WHERE actor_id = ?)"
+)
+
+# A LEFT JOIN from the item, so "visible, no events yet" (one row of NULLs) differs from
+# "not visible" (no row at all) in a single snapshot.
+GET_EVENTS: Final = """
+SELECT e.event_id, e.item_id, e.event_type, e.fence, e.owner, e.actor_id, e.at, e.detail
+FROM items AS i LEFT JOIN events AS e ON e.item_id = i.item_id
+WHERE i.item_id = ?
+ORDER BY e.event_id
+"""
+GET_EVENTS_SCOPED: Final = """
+SELECT e.event_id, e.item_id, e.event_type, e.fence, e.owner, e.actor_id, e.at, e.detail
+FROM items AS i LEFT JOIN events AS e ON e.item_id = i.item_id
+WHERE i.item_id = ?
+  AND i.project_id IN (SELECT project_id FROM assignments WHERE actor_id = ?)
+ORDER BY e.event_id
+"""
+
+# --- the ledger verifier ---------------------------------------------------------------
+# One query per problem kind, each returning (item_id, detail), each a single pass over
+# an index. They run in one read transaction so every check sees the same snapshot.
+
+LEDGER_CHECKS: Final[tuple[tuple[str, str], ...]] = (
+    (
+        "no_creation_event",
+        """
+        SELECT i.item_id, 'no "queued" event for an item in state ' || i.state
+        FROM items AS i
+        WHERE NOT EXISTS (SELECT 1 FROM events AS e
+                          WHERE e.item_id = i.item_id AND e.event_type = 'queued')
+        """,
+    ),
+    (
+        "two_terminal_events",
+        """
+        SELECT e.item_id, count(*) || ' terminal events: ' || group_concat(e.event_type, ', ')
+        FROM events AS e
+        WHERE e.event_type IN ('done', 'failed')
+          AND EXISTS (SELECT 1 FROM items AS i WHERE i.item_id = e.item_id)
+        GROUP BY e.item_id HAVING count(*) > 1
+        """,
+    ),
+    (
+        "terminal_without_event",
+        """
+        SELECT i.item_id, 'row is ' || i.state || ' but no terminal event was recorded'
+        FROM items AS i
+        WHERE i.state IN ('done', 'failed')
+          AND NOT EXISTS (SELECT 1 FROM events AS e
+                          WHERE e.item_id = i.item_id AND e.event_type IN ('done', 'failed'))
+        """,
+    ),
+    (
+        "terminal_events_disagree",
+        """
+        SELECT i.item_id, 'row is ' || i.state || ' but an event says ' || e.event_type
+        FROM items AS i JOIN events AS e ON e.item_id = i.item_id
+        WHERE i.state IN ('done', 'failed')
+          AND e.event_type IN ('done', 'failed') AND e.event_type <> i.state
+        GROUP BY i.item_id
+        """,
+    ),
+    (
+        "event_without_terminal",
+        """
+        SELECT i.item_id, 'a ' || e.event_type || ' event exists but the row is ' || i.state
+        FROM items AS i JOIN events AS e ON e.item_id = i.item_id
+        WHERE i.state NOT IN ('done', 'failed') AND e.event_type IN ('done', 'failed')
+        GROUP BY i.item_id
+        """,
+    ),
+    (
+        "fence_not_monotonic",
+        """
+        SELECT item_id, 'claim fence ' || fence || ' follows claim fence ' || previous
+        FROM (SELECT item_id, fence,
+                     lag(fence) OVER (PARTITION BY item_id ORDER BY event_id) AS previous
+              FROM events WHERE event_type = 'claimed')
+        WHERE fence <= previous
+        GROUP BY item_id
+        """,
+    ),
+    (
+        "fence_disagrees",
+        """
+        SELECT i.item_id,
+               'row fence ' || i.fence || ' but the last claim recorded fence '
+               || coalesce(c.fence, 'none')
+        FROM items AS i
+        LEFT JOIN (SELECT item_id, fence FROM events
+                   WHERE event_id IN (SELECT max(event_id) FROM events
+                                      WHERE event_type = 'claimed' GROUP BY item_id)) AS c
+               ON c.item_id = i.item_id
+        WHERE i.fence IS NOT coalesce(c.fence, 0)
+        """,
+    ),
+    (
+        "ready_after_claim",
+        """
+        SELECT i.item_id, 'row is ready but the item was claimed at fence ' || max(e.fence)
+        FROM items AS i JOIN events AS e ON e.item_id = i.item_id
+        WHERE i.state = 'ready' AND e.event_type = 'claimed'
+        GROUP BY i.item_id
+        """,
+    ),
+    (
+        "orphan_events",
+        """
+        SELECT e.item_id, count(*) || ' event(s) for an item that does not exist'
+        FROM events AS e
+        WHERE NOT EXISTS (SELECT 1 FROM items AS i WHERE i.item_id = e.item_id)
+        GROUP BY e.item_id
+        """,
+    ),
+)

@@ -1,0 +1,264 @@
+"""The writer task: every write of a store goes through it, one transaction at a time.
+
+A store has exactly one write connection and one asyncio task, the writer, that owns it.
+Callers hand the writer an *operation*: a plain function ``op(db, now)`` that runs on the
+connection's thread inside a transaction the writer opened with ``BEGIN IMMEDIATE``.
+
+Group commit. While one transaction is on the connection's thread, new requests queue up;
+the next round takes all of them (up to ``max_batch``) into one transaction, so under load
+many claims and finishes share one BEGIN/COMMIT. Each request still succeeds or fails on
+its own:
+
+* An operation that refuses (raises an AsyncplaneError such as FenceRejected) must have
+  written nothing; the writer checks ``total_changes`` to be sure, and the others commit.
+* An operation that fails inside the database (sqlite3.Error), or refuses after writing,
+  rolls the whole transaction back; that request gets its error and the rest are run
+  again in a fresh transaction without it.
+* A failure to begin or to commit fails every request of that round with the same
+  translated error: none of them was saved.
+
+``now`` is read from the clock after ``BEGIN IMMEDIATE`` has the write lock, so a lease is
+measured from when it was granted, not from when it was asked for.
+
+Cancellation never decides what is saved. A caller cancelled before its round starts is
+dropped without writing; a caller cancelled during its round gets nothing back, but the
+round commits or rolls back as a whole (a claim taken that way simply lapses). The
+writer's own round is shielded: if the writer task is cancelled (event loop shutdown), it
+waits for the round on the thread to finish and delivers its results before it stops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import sqlite3
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import aiosqlite
+
+from asyncplane import _clock, _connection, _errors
+
+__all__ = ("Operation", "Writer")
+
+T = TypeVar("T")
+
+#: A write operation: runs on the connection's thread inside the writer's transaction.
+Operation = Callable[[sqlite3.Connection, float], T]
+
+_Request = tuple[Operation[Any], "asyncio.Future[Any]"]
+
+
+class Writer:
+    """Serialises and group-commits the writes of one store on one connection."""
+
+    def __init__(
+        self,
+        conn: aiosqlite.Connection,
+        clock: _clock.Clock,
+        *,
+        name: str,
+        max_batch: int = 256,
+        on_exit: Callable[[], Awaitable[None]] | None = None,
+    ) -> None:
+        self._conn = conn
+        self._clock = clock
+        self._name = name
+        self._max_batch = max_batch
+        self._on_exit = on_exit
+        self._pending: collections.deque[_Request] = collections.deque()
+        self._wakeup = asyncio.Event()
+        self._stopping = False
+        self._failure: BaseException | None = None
+        self._task: asyncio.Task[None] | None = None
+        #: Rounds run, requests served, and requests in the round now on the thread;
+        #: read by tests and benchmarks.
+        self.rounds = 0
+        self.requests = 0
+        self.in_flight = 0
+
+    def start(self) -> None:
+        """Start the writer task on the running loop."""
+        self._task = asyncio.get_running_loop().create_task(
+            self._run(), name=f"asyncplane-writer[{self._name}]"
+        )
+
+    @property
+    def running(self) -> bool:
+        """True while the writer accepts requests."""
+        return self._task is not None and not self._task.done() and not self._stopping
+
+    async def submit(self, op: Operation[T]) -> T:
+        """Queue one operation and wait for its own result or error."""
+        if not self.running:
+            raise self._closed_error()
+        future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+        self._pending.append((op, future))
+        self._wakeup.set()
+        return await future
+
+    async def stop(self) -> None:
+        """Serve every queued request, close the connection, run ``on_exit``; idempotent."""
+        self._stopping = True
+        self._wakeup.set()
+        if self._task is not None and not self._task.done():
+            # Wait for the writer without cancelling it: it finishes its queue and exits.
+            # (asyncio.wait neither cancels the task nor raises what ended it.)
+            await asyncio.wait([self._task])
+
+    def _closed_error(self) -> _errors.StoreClosed:
+        if self._failure is not None:
+            err = _errors.StoreClosed(f"the store's writer stopped: {self._failure!r}")
+            err.__cause__ = self._failure
+            return err
+        return _errors.StoreClosed("the store is closed")
+
+    async def _run(self) -> None:
+        try:
+            while True:
+                if not self._pending:
+                    if self._stopping:
+                        return
+                    self._wakeup.clear()
+                    await self._wakeup.wait()
+                    continue
+                batch: list[_Request] = []
+                while self._pending and len(batch) < self._max_batch:
+                    request = self._pending.popleft()
+                    if not request[1].cancelled():  # its caller gave up before it was written
+                        batch.append(request)
+                if batch:
+                    await self._round(batch)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:
+            self._failure = exc
+            raise
+        finally:
+            self._stopping = True
+            failure = self._closed_error()
+            while self._pending:
+                _, future = self._pending.popleft()
+                if not future.done():
+                    future.set_exception(failure)
+            await asyncio.shield(self._conn.close())
+            if self._on_exit is not None:
+                await asyncio.shield(self._on_exit())
+
+    async def _round(self, batch: list[_Request]) -> None:
+        """Run one transaction for ``batch`` and deliver each outcome to its caller."""
+        ops = [op for op, _ in batch]
+        work = asyncio.get_running_loop().create_task(
+            _connection.run(self._conn, _execute_round, ops, self._clock),
+            name=f"asyncplane-writer-round[{self._name}]",
+        )
+        cancelled = False
+        self.in_flight = len(batch)
+        try:
+            while True:
+                try:
+                    outcomes = await asyncio.shield(work)
+                    break
+                except asyncio.CancelledError:
+                    if work.cancelled():
+                        raise
+                    # The writer was cancelled mid-round: finish the round first, so that
+                    # its callers learn what was saved, then stop.
+                    cancelled = True
+        except BaseException as exc:
+            error = exc if not isinstance(exc, asyncio.CancelledError) else self._closed_error()
+            for _, future in batch:
+                if not future.done():
+                    future.set_exception(error)
+            raise
+        finally:
+            self.in_flight = 0
+        self.rounds += 1
+        self.requests += len(batch)
+        for (_, future), outcome in zip(batch, outcomes, strict=True):
+            if future.done():  # cancelled while its round ran; the round stands
+                continue
+            if isinstance(outcome, _Raised):
+                future.set_exception(outcome.error)
+            else:
+                future.set_result(outcome)
+        if cancelled:
+            raise asyncio.CancelledError
+
+
+class _Raised:
+    """Marks an operation's error among the results of a round."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+def _translated(exc: sqlite3.Error) -> _errors.StorageError:
+    err = _errors.translate_sqlite(exc)
+    err.__cause__ = exc
+    return err
+
+
+def _rollback(db: sqlite3.Connection) -> None:
+    # A failed ROLLBACK leaves nothing better to do: SQLite rolls back a transaction whose
+    # connection errors out, and the next BEGIN reports any lasting problem.
+    if db.in_transaction:
+        try:
+            db.execute("ROLLBACK")
+        except sqlite3.Error:
+            pass
+
+
+def _execute_round(
+    db: sqlite3.Connection, ops: list[Operation[Any]], clock: _clock.Clock
+) -> list[Any]:
+    """Run on the connection's thread: one transaction for all ops, isolating failures."""
+    outcomes: list[Any] = [None] * len(ops)
+    todo = list(range(len(ops)))
+    while todo:
+        try:
+            db.execute("BEGIN IMMEDIATE")
+        except sqlite3.Error as exc:
+            error = _translated(exc)
+            for index in todo:
+                outcomes[index] = _Raised(error)
+            return outcomes
+        now = clock.now()
+        broken: int | None = None  # position in todo of an op that spoiled the transaction
+        for position, index in enumerate(todo):
+            before = db.total_changes
+            try:
+                outcomes[index] = ops[index](db, now)
+            except _errors.AsyncplaneError as exc:
+                outcomes[index] = _Raised(exc)
+                if db.total_changes != before:  # refused after writing: not isolated
+                    broken = position
+                    break
+            except sqlite3.Error as exc:
+                outcomes[index] = _Raised(_translated(exc))
+                broken = position
+                break
+            except Exception as exc:  # a bug in an operation: report it to its caller
+                outcomes[index] = _Raised(exc)
+                broken = position
+                break
+        if broken is None:
+            try:
+                db.execute("COMMIT")
+            except sqlite3.Error as exc:
+                _rollback(db)
+                error = _translated(exc)
+                for index in todo:
+                    if not isinstance(outcomes[index], _Raised):
+                        outcomes[index] = _Raised(error)
+                return outcomes
+            return outcomes
+        # Undo everything this round wrote and run the others again without the culprit.
+        _rollback(db)
+        culprit = todo[broken]
+        todo = [index for index in todo if index != culprit]
+        for index in todo:
+            outcomes[index] = None
+    return outcomes

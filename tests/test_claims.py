@@ -1,0 +1,242 @@
+"""Atomic claims, fences and leases."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+
+import pytest
+
+from asyncplane import ControlStore, FenceRejected, verify_ledger
+from asyncplane.testing import ManualClock
+
+
+async def test_claim_hands_an_item_to_exactly_one_caller(store: ControlStore) -> None:
+    item_id = await store.enqueue("alpha", {"n": 1})
+    first = await store.claim(owner="w1")
+    assert first is not None
+    assert first.item_id == item_id
+    assert first.project_id == "alpha"
+    assert first.payload == {"n": 1}
+    assert first.fence == 1
+    assert first.attempts == 1
+    assert first.owner == "w1"
+    assert await store.claim(owner="w2") is None
+
+
+async def test_claim_returns_none_on_an_empty_queue(store: ControlStore) -> None:
+    assert await store.claim(owner="w1") is None
+
+
+async def test_claims_come_oldest_first(store: ControlStore) -> None:
+    ids = [await store.enqueue("alpha", {"n": n}) for n in range(5)]
+    claimed = [(await store.claim(owner="w")) for _ in ids]
+    assert [c.item_id for c in claimed if c] == ids
+
+
+async def test_lease_is_measured_by_the_store_clock(
+    store: ControlStore, clock: ManualClock
+) -> None:
+    await store.enqueue("alpha", {})
+    claim = await store.claim(owner="w1", lease_seconds=30)
+    assert claim is not None
+    assert claim.lease_expires_at == clock.datetime() + dt.timedelta(seconds=30)
+    row = await store.item(claim.item_id)
+    assert row["lease_expires_at"] == claim.lease_expires_at
+    assert row["state"] == "claimed"
+    assert row["owner"] == "w1"
+
+
+async def test_a_live_lease_is_not_taken_over(store: ControlStore, clock: ManualClock) -> None:
+    await store.enqueue("alpha", {})
+    await store.claim(owner="w1")
+    clock.advance(store.lease_seconds - 1)
+    assert await store.claim(owner="w2") is None
+
+
+async def test_lapsed_lease_is_taken_over_with_a_higher_fence(
+    store: ControlStore, clock: ManualClock
+) -> None:
+    item_id = await store.enqueue("alpha", {})
+    first = await store.claim(owner="w1")
+    assert first is not None
+    clock.advance(store.lease_seconds)  # expiry is inclusive: at the instant, it has lapsed
+    second = await store.claim(owner="w2")
+    assert second is not None
+    assert second.item_id == item_id
+    assert second.fence > first.fence
+    assert second.attempts == first.attempts + 1
+    row = await store.item(item_id)
+    assert (row["state"], row["owner"], row["fence"]) == ("claimed", "w2", second.fence)
+
+
+async def test_old_holder_is_fenced_out_after_a_takeover(
+    store: ControlStore, clock: ManualClock
+) -> None:
+    item_id = await store.enqueue("alpha", {})
+    first = await store.claim(owner="w1")
+    assert first is not None
+    clock.advance(store.lease_seconds + 1)
+    second = await store.claim(owner="w2")
+    assert second is not None
+
+    with pytest.raises(FenceRejected) as renew_refused:
+        await store.renew(item_id, fence=first.fence)
+    assert renew_refused.value.current_fence == second.fence
+    with pytest.raises(FenceRejected) as finish_refused:
+        await store.finish(item_id, fence=first.fence, status="done")
+    assert "claimed at fence 2" in str(finish_refused.value)
+
+    await store.finish(item_id, fence=second.fence, status="done")
+    assert (await store.item(item_id))["state"] == "done"
+    assert await verify_ledger(store) == []
+
+
+async def test_takeover_is_visible_in_the_events(store: ControlStore, clock: ManualClock) -> None:
+    item_id = await store.enqueue("alpha", {})
+    await store.claim(owner="w1")
+    clock.advance(store.lease_seconds + 1)
+    await store.claim(owner="w2")
+    events = await store.events(item_id)
+    assert [(e["event_type"], e["fence"], e["owner"]) for e in events] == [
+        ("queued", 0, None),
+        ("claimed", 1, "w1"),
+        ("lease_expired", 1, "w1"),
+        ("claimed", 2, "w2"),
+    ]
+    assert events[2]["detail"] == {"taken_over_by": "w2"}
+
+
+async def test_fences_rise_across_many_takeovers(store: ControlStore, clock: ManualClock) -> None:
+    item_id = await store.enqueue("alpha", {})
+    fences = []
+    for n in range(6):
+        claim = await store.claim(owner=f"w{n}")
+        assert claim is not None
+        fences.append(claim.fence)
+        clock.advance(store.lease_seconds + 1)
+    assert fences == sorted(set(fences))
+    claim_events = [e for e in await store.events(item_id) if e["event_type"] == "claimed"]
+    assert [e["fence"] for e in claim_events] == fences
+
+
+async def test_finish_refuses_an_item_that_was_never_claimed(store: ControlStore) -> None:
+    item_id = await store.enqueue("alpha", {})
+    with pytest.raises(FenceRejected, match="is ready, not claimed"):
+        await store.finish(item_id, fence=1, status="done")
+    assert (await store.item(item_id))["state"] == "ready"
+    assert [e["event_type"] for e in await store.events(item_id)] == ["queued"]
+
+
+async def test_finish_refuses_a_second_report(store: ControlStore) -> None:
+    item_id = await store.enqueue("alpha", {})
+    claim = await store.claim(owner="w1")
+    assert claim is not None
+    await store.finish(item_id, fence=claim.fence, status="failed")
+    with pytest.raises(FenceRejected, match="is failed, not claimed"):
+        await store.finish(item_id, fence=claim.fence, status="done")
+    assert (await store.item(item_id))["state"] == "failed"
+    assert [e["event_type"] for e in await store.events(item_id)] == [
+        "queued",
+        "claimed",
+        "failed",
+    ]
+
+
+async def test_finish_with_a_fence_from_the_future_is_refused(store: ControlStore) -> None:
+    item_id = await store.enqueue("alpha", {})
+    claim = await store.claim(owner="w1")
+    assert claim is not None
+    with pytest.raises(FenceRejected):
+        await store.finish(item_id, fence=claim.fence + 1)
+
+
+async def test_renew_extends_the_lease_from_now(store: ControlStore, clock: ManualClock) -> None:
+    item_id = await store.enqueue("alpha", {})
+    claim = await store.claim(owner="w1", lease_seconds=60)
+    assert claim is not None
+    clock.advance(50)
+    expires = await store.renew(item_id, fence=claim.fence, lease_seconds=60)
+    assert expires == clock.datetime() + dt.timedelta(seconds=60)
+    clock.advance(50)  # past the first lease, inside the renewed one
+    assert await store.claim(owner="w2") is None
+    await store.finish(item_id, fence=claim.fence)
+    assert await verify_ledger(store) == []
+
+
+async def test_renew_of_an_unclaimed_item_is_refused(store: ControlStore) -> None:
+    item_id = await store.enqueue("alpha", {})
+    with pytest.raises(FenceRejected):
+        await store.renew(item_id, fence=1)
+
+
+async def test_a_lapsed_holder_may_still_finish_if_nobody_took_over(
+    store: ControlStore, clock: ManualClock
+) -> None:
+    # The fence, not the clock, decides: until someone else claims the item, the
+    # holder's fence is the current one, and its report is the only report.
+    item_id = await store.enqueue("alpha", {})
+    claim = await store.claim(owner="w1")
+    assert claim is not None
+    clock.advance(store.lease_seconds * 2)
+    await store.renew(item_id, fence=claim.fence)
+    await store.finish(item_id, fence=claim.fence)
+    assert await store.claim(owner="w2") is None
+    assert await verify_ledger(store) == []
+
+
+async def test_nothing_moves_a_claimed_item_back_to_ready(
+    store: ControlStore, clock: ManualClock
+) -> None:
+    item_id = await store.enqueue("alpha", {})
+    await store.claim(owner="w1")
+    clock.advance(store.lease_seconds * 10)
+    # Lapsed and unclaimed for a long time: still "claimed" (with a lapsed lease).
+    assert (await store.item(item_id))["state"] == "claimed"
+    taken = await store.claim(owner="w2")
+    assert taken is not None
+    assert (await store.item(item_id))["state"] == "claimed"
+
+
+async def test_ready_items_and_lapsed_claims_are_served_in_id_order(
+    store: ControlStore, clock: ManualClock
+) -> None:
+    older = await store.enqueue("alpha", {"n": 1})
+    await store.claim(owner="w1")
+    newer = await store.enqueue("alpha", {"n": 2})
+    clock.advance(store.lease_seconds + 1)
+    first = await store.claim(owner="w2")
+    second = await store.claim(owner="w3")
+    assert first is not None and second is not None
+    assert (first.item_id, second.item_id) == (older, newer)
+
+
+async def test_paused_and_closed_projects_hand_out_no_claims(
+    store: ControlStore, clock: ManualClock
+) -> None:
+    await store.create_project("paused", "Paused", status="paused")
+    await store.enqueue("paused", {})
+    assert await store.claim(owner="w") is None
+
+    item_id = await store.enqueue("alpha", {})
+    claim = await store.claim(owner="w1")
+    assert claim is not None
+    await store.set_project_status("alpha", "closed")
+    clock.advance(store.lease_seconds + 1)
+    assert await store.claim(owner="w2") is None  # not even a takeover
+    await store.set_project_status("alpha", "open")
+    taken = await store.claim(owner="w2")
+    assert taken is not None and taken.item_id == item_id
+
+    await store.set_project_status("paused", "open")
+    assert await store.claim(owner="w3") is not None
+
+
+async def test_concurrent_claims_in_one_store_never_share_an_item(store: ControlStore) -> None:
+    for n in range(50):
+        await store.enqueue("alpha", {"n": n})
+    results = await asyncio.gather(*(store.claim(owner=f"w{n}") for n in range(80)))
+    got = [r.item_id for r in results if r is not None]
+    assert len(got) == 50
+    assert len(set(got)) == 50
+    assert sum(r is None for r in results) == 30

@@ -1,0 +1,223 @@
+"""The ledger: every transition is an event, and verify_ledger finds every disagreement.
+
+Each tamper test changes the database behind the store's back with a plain sqlite3
+connection and checks that exactly the expected kind of problem, and no other, is found.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+
+import pytest
+
+from asyncplane import (
+    LEDGER_PROBLEM_KINDS,
+    ClaimedItem,
+    ControlStore,
+    LedgerProblem,
+    verify_ledger,
+)
+from asyncplane import _sqlite_sql as sql
+from asyncplane.testing import ManualClock
+
+# The state each event type leaves an item in: replaying a history gives the row's state.
+REPLAY = {
+    "queued": "ready",
+    "claimed": "claimed",
+    "lease_expired": "claimed",
+    "done": "done",
+    "failed": "failed",
+}
+
+
+async def claimed_item(store: ControlStore) -> ClaimedItem:
+    await store.enqueue("alpha", {})
+    claim = await store.claim(owner="w1")
+    assert claim is not None
+    return claim
+
+
+async def kinds(store: ControlStore) -> set[str]:
+    return {p.kind for p in await verify_ledger(store)}
+
+
+def test_every_kind_is_checked_and_documented() -> None:
+    assert [kind for kind, _ in sql.LEDGER_CHECKS] == list(LEDGER_PROBLEM_KINDS)
+    assert set(LEDGER_PROBLEM_KINDS) == {
+        "no_creation_event",
+        "two_terminal_events",
+        "terminal_without_event",
+        "terminal_events_disagree",
+        "event_without_terminal",
+        "fence_not_monotonic",
+        "fence_disagrees",
+        "ready_after_claim",
+        "orphan_events",
+    }
+
+
+async def test_every_transition_appends_an_event(store: ControlStore, clock: ManualClock) -> None:
+    item_id = await store.enqueue("alpha", {})
+    first = await store.claim(owner="w1")
+    assert first is not None
+    clock.advance(store.lease_seconds + 1)
+    second = await store.claim(owner="w2")
+    assert second is not None
+    await store.finish(item_id, fence=second.fence, status="done")
+    events = await store.events(item_id)
+    assert [e["event_type"] for e in events] == [
+        "queued",
+        "claimed",
+        "lease_expired",
+        "claimed",
+        "done",
+    ]
+    assert all(e["at"] is not None for e in events)
+    assert [e["event_id"] for e in events] == sorted(e["event_id"] for e in events)
+
+
+async def test_row_state_is_derivable_from_events(store: ControlStore, clock: ManualClock) -> None:
+    ids = [await store.enqueue("alpha", {"n": n}) for n in range(6)]
+    a = await store.claim(owner="w")
+    b = await store.claim(owner="w")
+    c = await store.claim(owner="w")
+    assert a and b and c
+    await store.finish(a.item_id, fence=a.fence, status="done")
+    await store.finish(b.item_id, fence=b.fence, status="failed")
+    clock.advance(store.lease_seconds + 1)
+    await store.claim(owner="x")  # takes over c
+    for item_id in ids:
+        state = None
+        for event in await store.events(item_id):
+            state = REPLAY[event["event_type"]]
+        assert state == (await store.item(item_id))["state"]
+
+
+async def test_events_are_append_only(store: ControlStore, raw: sqlite3.Connection) -> None:
+    await store.enqueue("alpha", {})
+    with pytest.raises(sqlite3.IntegrityError, match="append-only"):
+        raw.execute("UPDATE events SET event_type = 'done'")
+
+
+async def test_clean_store_verifies_clean(store: ControlStore) -> None:
+    assert await verify_ledger(store) == []
+    claim = await claimed_item(store)
+    await store.finish(claim.item_id, fence=claim.fence)
+    assert await verify_ledger(store) == []
+
+
+async def test_no_creation_event(store: ControlStore, raw: sqlite3.Connection) -> None:
+    item_id = await store.enqueue("alpha", {})
+    raw.execute("DELETE FROM events WHERE item_id = ? AND event_type = 'queued'", (item_id,))
+    problems = await verify_ledger(store)
+    assert problems == [LedgerProblem("no_creation_event", item_id, problems[0].detail)]
+    assert "queued" in problems[0].detail
+
+
+async def test_two_terminal_events(store: ControlStore, raw: sqlite3.Connection) -> None:
+    claim = await claimed_item(store)
+    await store.finish(claim.item_id, fence=claim.fence, status="done")
+    raw.execute(
+        "INSERT INTO events (item_id, event_type, fence, owner, at) VALUES (?, 'done', ?, 'w9', 0)",
+        (claim.item_id, claim.fence),
+    )
+    assert await kinds(store) == {"two_terminal_events"}
+
+
+async def test_terminal_without_event(store: ControlStore, raw: sqlite3.Connection) -> None:
+    claim = await claimed_item(store)
+    raw.execute("UPDATE items SET state = 'done' WHERE item_id = ?", (claim.item_id,))
+    assert await kinds(store) == {"terminal_without_event"}
+
+
+async def test_terminal_events_disagree(store: ControlStore, raw: sqlite3.Connection) -> None:
+    claim = await claimed_item(store)
+    await store.finish(claim.item_id, fence=claim.fence, status="done")
+    raw.execute("UPDATE items SET state = 'failed' WHERE item_id = ?", (claim.item_id,))
+    assert await kinds(store) == {"terminal_events_disagree"}
+
+
+async def test_event_without_terminal(store: ControlStore, raw: sqlite3.Connection) -> None:
+    claim = await claimed_item(store)
+    await store.finish(claim.item_id, fence=claim.fence, status="done")
+    raw.execute("UPDATE items SET state = 'claimed' WHERE item_id = ?", (claim.item_id,))
+    assert await kinds(store) == {"event_without_terminal"}
+
+
+async def test_fence_not_monotonic(
+    store: ControlStore, raw: sqlite3.Connection, clock: ManualClock
+) -> None:
+    claim = await claimed_item(store)
+    clock.advance(store.lease_seconds + 1)
+    second = await store.claim(owner="w2")
+    assert second is not None
+    # A repeated claim at the current fence: the last claim still matches the row.
+    raw.execute(
+        "INSERT INTO events (item_id, event_type, fence, owner, at) "
+        "VALUES (?, 'claimed', ?, 'w3', 0)",
+        (claim.item_id, second.fence),
+    )
+    problems = await verify_ledger(store)
+    assert {p.kind for p in problems} == {"fence_not_monotonic"}
+    assert problems[0].item_id == claim.item_id
+
+
+async def test_fence_disagrees(store: ControlStore, raw: sqlite3.Connection) -> None:
+    claim = await claimed_item(store)
+    raw.execute("UPDATE items SET fence = fence + 5 WHERE item_id = ?", (claim.item_id,))
+    assert await kinds(store) == {"fence_disagrees"}
+
+
+async def test_fence_disagrees_for_a_fence_with_no_claim(
+    store: ControlStore, raw: sqlite3.Connection
+) -> None:
+    item_id = await store.enqueue("alpha", {})
+    raw.execute("UPDATE items SET fence = 3 WHERE item_id = ?", (item_id,))
+    assert await kinds(store) == {"fence_disagrees"}
+
+
+async def test_ready_after_claim(store: ControlStore, raw: sqlite3.Connection) -> None:
+    claim = await claimed_item(store)
+    raw.execute(
+        "UPDATE items SET state = 'ready', owner = NULL, lease_expires_at = NULL WHERE item_id = ?",
+        (claim.item_id,),
+    )
+    assert await kinds(store) == {"ready_after_claim"}
+
+
+async def test_orphan_events(store: ControlStore, raw: sqlite3.Connection) -> None:
+    claim = await claimed_item(store)
+    raw.execute("DELETE FROM items WHERE item_id = ?", (claim.item_id,))
+    problems = await verify_ledger(store)
+    assert [(p.kind, p.item_id) for p in problems] == [("orphan_events", claim.item_id)]
+
+
+async def test_problems_name_the_item_and_respect_the_limit(
+    store: ControlStore, raw: sqlite3.Connection
+) -> None:
+    ids = [await store.enqueue("alpha", {}) for _ in range(5)]
+    raw.execute("DELETE FROM events WHERE event_type = 'queued'")
+    problems = await verify_ledger(store)
+    assert [p.item_id for p in problems] == ids
+    assert len(await verify_ledger(store, limit=2)) == 2
+
+
+async def test_verify_runs_in_sql_over_many_items(
+    store: ControlStore, raw: sqlite3.Connection
+) -> None:
+    # 20,000 items written straight into the file, one tampered: the checks run in the
+    # database and still name exactly that one.
+    raw.execute("BEGIN")
+    raw.executemany(
+        "INSERT INTO items (item_id, project_id, state, payload, created_at, updated_at) "
+        "VALUES (?, 'alpha', 'ready', '{}', 0, 0)",
+        [(n,) for n in range(1, 20_001)],
+    )
+    raw.executemany(
+        "INSERT INTO events (item_id, event_type, fence, at) VALUES (?, 'queued', 0, 0)",
+        [(n,) for n in range(1, 20_001)],
+    )
+    raw.execute("UPDATE items SET state = 'done' WHERE item_id = 777")
+    raw.execute("COMMIT")
+    problems = await verify_ledger(store)
+    assert [(p.kind, p.item_id) for p in problems] == [("terminal_without_event", 777)]
