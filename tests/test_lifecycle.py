@@ -142,6 +142,7 @@ async def test_another_applications_database_is_refused(tmp_path: pathlib.Path) 
         await ControlStore(path).open()
     conn = sqlite3.connect(path)  # and it was left exactly as it was
     assert conn.execute("SELECT name FROM sqlite_master").fetchall() == [("invoices",)]
+    assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "delete"  # not switched to WAL
     conn.close()
 
 

@@ -214,3 +214,18 @@ async def test_close_serves_every_queued_write_first(store: ControlStore) -> Non
     await store.open()
     assert len(await verify_ledger(store)) == 0
     assert (await store.item(ids[-1]))["payload"] == {"n": 49}
+
+
+async def test_a_broken_connection_stops_the_writer_loudly(
+    store: ControlStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    writer = await writer_of(store)
+    await writer._conn.close()  # pull the connection out from under the writer
+    with pytest.raises(StorageError, match="write connection failed"):
+        await store.enqueue("alpha", {})
+    assert writer._task is not None
+    await asyncio.wait([writer._task])
+    with pytest.raises(StoreClosed, match="writer stopped") as caught:
+        await store.enqueue("alpha", {})
+    assert caught.value.__cause__ is not None
+    assert "asyncplane writer" in caplog.text

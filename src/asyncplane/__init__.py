@@ -53,3 +53,11 @@ __all__ = (
     "__version__",
     "verify_ledger",
 )
+
+# Present re-exported classes and functions as asyncplane's own (in reprs, tracebacks and
+# docs), as anyio does: users import them from here, never from the private modules.
+for _name in __all__:
+    _value = globals()[_name]
+    if getattr(_value, "__module__", "").startswith("asyncplane._"):
+        _value.__module__ = __name__
+del _name, _value

@@ -52,9 +52,17 @@ async def run(conn: aiosqlite.Connection, fn: Callable[..., T], *args: Any) -> T
 
 
 async def open_writer(
-    path: pathlib.Path, *, synchronous: Synchronous, busy_timeout: float
+    path: pathlib.Path,
+    *,
+    synchronous: Synchronous,
+    busy_timeout: float,
+    vet: Callable[[sqlite3.Connection], object] | None = None,
 ) -> aiosqlite.Connection:
-    """Open the store's only write connection: WAL, the chosen synchronous level, FKs on."""
+    """Open the store's only write connection: WAL, the chosen synchronous level, FKs on.
+
+    ``vet(db)`` runs first, before any setting that writes to the file (WAL mode does),
+    so a file that is not ours can be refused untouched.
+    """
     _check_sqlite_version()
     try:
         conn = await aiosqlite.connect(
@@ -63,7 +71,7 @@ async def open_writer(
     except sqlite3.Error as exc:
         raise _errors.translate_sqlite(exc) from exc
     try:
-        await run(conn, _configure_writer, synchronous, busy_timeout)
+        await run(conn, _configure_writer, synchronous, busy_timeout, vet)
     except BaseException:
         await conn.close()
         raise
@@ -88,10 +96,15 @@ async def open_reader(path: pathlib.Path, *, busy_timeout: float) -> aiosqlite.C
 
 
 def _configure_writer(
-    db: sqlite3.Connection, synchronous: Synchronous, busy_timeout: float
+    db: sqlite3.Connection,
+    synchronous: Synchronous,
+    busy_timeout: float,
+    vet: Callable[[sqlite3.Connection], object] | None,
 ) -> None:
     try:
         db.execute(f"PRAGMA busy_timeout = {int(busy_timeout * 1000)}")
+        if vet is not None:
+            vet(db)
         mode = db.execute("PRAGMA journal_mode = WAL").fetchone()[0]
         if str(mode).lower() != "wal":
             raise _errors.StorageError(

@@ -12,6 +12,7 @@ Input errors are raised before anything is written and derive from `ValueError` 
 from __future__ import annotations
 
 import sqlite3
+from typing import Any
 
 __all__ = (
     "AsyncplaneError",
@@ -41,6 +42,12 @@ class FenceRejected(AsyncplaneError):
     Raised by renew() and finish() when the item was taken over after its lease lapsed
     (a higher fence exists), or when the item is not claimed at all: finished already,
     or never claimed. The caller's work must be discarded; someone else owns the item now.
+
+    Attributes:
+        item_id: The item the call named.
+        fence: The fence the caller presented.
+        current_fence: The item's fence now (its latest claim's).
+        state: The item's state now ("claimed" by someone else, "done", "ready", ...).
     """
 
     def __init__(
@@ -60,6 +67,11 @@ class FenceRejected(AsyncplaneError):
         else:
             why = f"the item is {state}, not claimed"
         super().__init__(f"item {item_id}: fence {fence} is not current ({why})")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Keyword-only arguments: rebuild through a helper so the error pickles (and so
+        # crosses process boundaries) intact.
+        return (_rebuild_fence_rejected, (self.item_id, self.fence, self.current_fence, self.state))
 
 
 class ScopeDenied(AsyncplaneError):
@@ -95,7 +107,13 @@ class InvalidType(AsyncplaneError, TypeError):
 
 
 class StoreClosed(AsyncplaneError):
-    """The store was closed, or its writer stopped, and cannot take this call."""
+    """The store cannot serve this call where it is.
+
+    Raised when a call waited on a writer that stopped before serving it (the store was
+    closed while the call was queued, or the event loop shut down), or when the store is
+    used from a second event loop while the loop that opened it is still running. A store
+    that was closed normally simply opens again on its next call.
+    """
 
 
 class StorageError(AsyncplaneError):
@@ -118,6 +136,12 @@ class SchemaVersionError(StorageError):
 _SQLITE_BUSY = 5
 _SQLITE_LOCKED = 6
 _SQLITE_NOTADB = 26
+
+
+def _rebuild_fence_rejected(
+    item_id: int, fence: int, current_fence: int, state: str
+) -> FenceRejected:
+    return FenceRejected(item_id, fence, current_fence=current_fence, state=state)
 
 
 def translate_sqlite(exc: sqlite3.Error) -> StorageError:

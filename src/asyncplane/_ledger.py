@@ -16,14 +16,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Final
 
-from asyncplane import _models, _validate
+from asyncplane import _validate
+from asyncplane._models import LedgerProblem
 
 if TYPE_CHECKING:
     from asyncplane._store import ControlStore
 
 __all__ = ("LEDGER_PROBLEM_KINDS", "verify_ledger")
 
-#: Every kind of problem verify_ledger reports, with what it means.
 LEDGER_PROBLEM_KINDS: Final = {
     "no_creation_event": "the item exists but nothing recorded its arrival",
     "two_terminal_events": "it reached a terminal state (done/failed) more than once",
@@ -35,11 +35,10 @@ LEDGER_PROBLEM_KINDS: Final = {
     "ready_after_claim": "the row says ready but the history shows it was claimed",
     "orphan_events": "events reference an item that no longer exists",
 }
+"""Every kind of problem verify_ledger reports, mapped to what it means."""
 
 
-async def verify_ledger(
-    store: ControlStore, *, limit: int | None = None
-) -> list[_models.LedgerProblem]:
+async def verify_ledger(store: ControlStore, *, limit: int | None = None) -> list[LedgerProblem]:
     """List every disagreement between item rows and their events; [] when they agree.
 
     Args:

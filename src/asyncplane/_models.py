@@ -42,6 +42,15 @@ class ClaimedItem:
 
     Pass ``fence`` back to renew() and finish(); once the lease lapses and someone else
     claims the item, that fence is refused with FenceRejected.
+
+    Attributes:
+        item_id: The item's id.
+        project_id: The project the item belongs to.
+        payload: The payload given to enqueue().
+        fence: This claim's token: above every earlier claim of the item.
+        attempts: How many times the item has been claimed, this claim included.
+        lease_expires_at: When the lease lapses unless renewed (aware, UTC).
+        owner: Who claimed it.
     """
 
     item_id: int
@@ -57,7 +66,10 @@ class ClaimedItem:
 class LedgerProblem:
     """One disagreement between an item's row and its recorded history.
 
-    ``kind`` is one of the names in `asyncplane.LEDGER_PROBLEM_KINDS`.
+    Attributes:
+        kind: One of the names in `asyncplane.LEDGER_PROBLEM_KINDS`.
+        item_id: The item whose row and events disagree.
+        detail: What was found, in words.
     """
 
     kind: str

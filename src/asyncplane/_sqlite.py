@@ -70,7 +70,10 @@ class SQLiteBackend:
         if self._writer is not None and self._writer.running:
             return
         conn = await _connection.open_writer(
-            self._path, synchronous=self._synchronous, busy_timeout=self._busy_timeout
+            self._path,
+            synchronous=self._synchronous,
+            busy_timeout=self._busy_timeout,
+            vet=_check_header,
         )
         try:
             await _connection.run(conn, _migrate)
@@ -326,23 +329,33 @@ def _statements(script: str) -> list[str]:
     return statements
 
 
+def _check_header(db: sqlite3.Connection) -> tuple[int, int]:
+    """Refuse a file that is not an asyncplane store, or is newer than this release.
+
+    Runs before anything writes to the file, and again inside the migration transaction.
+    Returns (application_id, user_version).
+    """
+    application_id, version = db.execute(sql.READ_HEADER).fetchone()
+    if application_id != sql.APPLICATION_ID and (
+        application_id != 0 or version != 0 or db.execute(sql.COUNT_OBJECTS).fetchone()[0]
+    ):
+        raise _errors.NotAnAsyncplaneDatabase(
+            "the file is an SQLite database of another application, not an asyncplane store"
+        )
+    if version > sql.SCHEMA_VERSION:
+        raise _errors.SchemaVersionError(
+            f"the store has schema version {version}; this asyncplane knows versions up "
+            f"to {sql.SCHEMA_VERSION}: upgrade asyncplane to open it"
+        )
+    return application_id, version
+
+
 def _migrate(db: sqlite3.Connection) -> None:
     """Create or upgrade the schema, all in one write transaction."""
     try:
         db.execute("BEGIN IMMEDIATE")
         try:
-            application_id, version = db.execute(sql.READ_HEADER).fetchone()
-            if application_id != sql.APPLICATION_ID and (
-                application_id != 0 or version != 0 or db.execute(sql.COUNT_OBJECTS).fetchone()[0]
-            ):
-                raise _errors.NotAnAsyncplaneDatabase(
-                    "the file is an SQLite database of another application, not an asyncplane store"
-                )
-            if version > sql.SCHEMA_VERSION:
-                raise _errors.SchemaVersionError(
-                    f"the store has schema version {version}; this asyncplane knows versions up "
-                    f"to {sql.SCHEMA_VERSION}: upgrade asyncplane to open it"
-                )
+            application_id, version = _check_header(db)
             for script in sql.MIGRATIONS[version:]:
                 for statement in _statements(script):
                     db.execute(statement)

@@ -1,4 +1,7 @@
-"""Every SQL statement the SQLite backend runs, as named constants.
+"""Every SQL statement of the SQLite backend's operations, as named constants.
+
+(Connection pragmas live with connection setup in `asyncplane._connection`; BEGIN
+IMMEDIATE and COMMIT are issued by the writer, where a reader can see them.)
 
 Nothing here is ever formatted with user input: values travel only as bound parameters.
 Where a statement has a scoped and an unscoped form, both are written out in full so a
@@ -49,7 +52,6 @@ MIGRATIONS: Final[tuple[str, ...]] = (
     -- The claim order comes from these two partial indexes, never from a table scan.
     CREATE INDEX items_ready ON items (item_id) WHERE state = 'ready';
     CREATE INDEX items_lease ON items (lease_expires_at) WHERE state = 'claimed';
-    CREATE INDEX items_by_project ON items (project_id, state);
     CREATE TABLE events (
         event_id   INTEGER PRIMARY KEY AUTOINCREMENT,
         item_id    INTEGER NOT NULL,
@@ -74,8 +76,6 @@ SCHEMA_VERSION: Final = len(MIGRATIONS)
 
 READ_HEADER: Final = "SELECT * FROM pragma_application_id, pragma_user_version"
 COUNT_OBJECTS: Final = "SELECT count(*) FROM sqlite_master WHERE name NOT LIKE 'sqlite_%'"
-# PRAGMA takes no bound parameters; both values are integers from this module.
-SET_HEADER: Final = "PRAGMA application_id = {application_id}; PRAGMA user_version = {version};"
 
 # --- projects and scope ----------------------------------------------------------------
 
@@ -112,19 +112,21 @@ INSERT_EVENT: Final = (
 )
 
 # Claim candidates: the oldest ready items, merged with the oldest items whose lease has
-# lapsed, of open projects only. Each arm walks its own partial index; the outer ORDER BY
-# merges at most 2 * limit rows. Run inside BEGIN IMMEDIATE: the write lock is held from
-# this read to the UPDATE that records the claim, so no other writer can slip in between.
+# lapsed, of open projects only. Each arm walks its own partial index (INDEXED BY: the
+# order must come from an index, whatever the planner guesses; a claim must not sort the
+# queue), and the outer ORDER BY merges at most 2 * limit rows. Run inside BEGIN
+# IMMEDIATE: the write lock is held from this read to the UPDATE that records the claim,
+# so no other writer can slip in between.
 CLAIM_CANDIDATES: Final = """
 SELECT item_id, state, fence, owner FROM (
-    SELECT item_id, state, fence, owner FROM items
+    SELECT item_id, state, fence, owner FROM items INDEXED BY items_ready
     WHERE state = 'ready'
       AND project_id IN (SELECT project_id FROM projects WHERE status = 'open')
     ORDER BY item_id LIMIT :limit
 )
 UNION ALL
 SELECT item_id, state, fence, owner FROM (
-    SELECT item_id, state, fence, owner FROM items
+    SELECT item_id, state, fence, owner FROM items INDEXED BY items_lease
     WHERE state = 'claimed' AND lease_expires_at <= :now
       AND project_id IN (SELECT project_id FROM projects WHERE status = 'open')
     ORDER BY item_id LIMIT :limit
@@ -134,7 +136,7 @@ ORDER BY item_id LIMIT :limit
 
 CLAIM_CANDIDATES_SCOPED: Final = """
 SELECT item_id, state, fence, owner FROM (
-    SELECT item_id, state, fence, owner FROM items
+    SELECT item_id, state, fence, owner FROM items INDEXED BY items_ready
     WHERE state = 'ready'
       AND project_id IN (
           SELECT a.project_id FROM assignments AS a JOIN projects AS p USING (project_id)
@@ -143,7 +145,7 @@ SELECT item_id, state, fence, owner FROM (
 )
 UNION ALL
 SELECT item_id, state, fence, owner FROM (
-    SELECT item_id, state, fence, owner FROM items
+    SELECT item_id, state, fence, owner FROM items INDEXED BY items_lease
     WHERE state = 'claimed' AND lease_expires_at <= :now
       AND project_id IN (
           SELECT a.project_id FROM assignments AS a JOIN projects AS p USING (project_id)

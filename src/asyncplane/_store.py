@@ -12,14 +12,15 @@ opens itself on first use; ``async with`` or ``await store.close()`` releases it
 from __future__ import annotations
 
 import asyncio
-import datetime as dt
 import json
 import os
 import pathlib
 import types
+from datetime import datetime
 from typing import Any, Literal
 
 from asyncplane import _backend, _clock, _errors, _models, _sqlite, _validate
+from asyncplane._models import ClaimedItem
 
 __all__ = ("ControlStore",)
 
@@ -34,7 +35,8 @@ class ControlStore:
         clock: Where "now" comes from; `asyncplane.testing.ManualClock` in tests.
         synchronous: ``"NORMAL"`` (the default: durable against process crashes, a power
             loss may undo the last commits) or ``"FULL"`` (also durable against power loss).
-        busy_timeout: Seconds a write waits for another process's write lock before it
+        busy_timeout: Seconds a write waits for the database's write lock, held by another
+            connection (another process, or another store on the same file), before it
             fails with DatabaseLocked.
         max_payload_bytes: The largest payload accepted, in bytes of compact JSON.
         max_batch: The most requests one group commit may carry.
@@ -74,7 +76,7 @@ class ControlStore:
         self._lease_seconds = _validate.lease_seconds(lease_seconds)
         self._clock: _clock.Clock = clock if clock is not None else _clock.SystemClock()
         self._synchronous: Literal["NORMAL", "FULL"] = synchronous
-        self._busy_timeout = _validate.lease_seconds(busy_timeout)
+        self._busy_timeout = _validate.seconds(busy_timeout, "busy_timeout")
         self._max_payload_bytes = _validate.positive_int(max_payload_bytes, "max_payload_bytes")
         self._backend: _backend.Backend = _sqlite.SQLiteBackend(
             self._path,
@@ -260,7 +262,7 @@ class ControlStore:
         *,
         actor_id: str | None = None,
         lease_seconds: float | None = None,
-    ) -> _models.ClaimedItem | None:
+    ) -> ClaimedItem | None:
         """Claim the oldest available item for ``owner``, or return None if there is none.
 
         Available means ready, or claimed by someone whose lease has lapsed (a takeover,
@@ -268,6 +270,11 @@ class ControlStore:
         and, with ``actor_id``, assigned to that actor. The claim is decided and recorded
         in one write transaction, so an item goes to exactly one caller; its fence is
         above every earlier fence of the item.
+
+        Args:
+            owner: Who is claiming (a worker name); recorded on the item and its events.
+            actor_id: Act as this actor: claim only from its assigned projects.
+            lease_seconds: This claim's lease length instead of the store's default.
         """
         owner = _validate.text_id(owner, "owner")
         actor = _validate.optional_actor(actor_id)
@@ -284,11 +291,13 @@ class ControlStore:
         fence: int,
         actor_id: str | None = None,
         lease_seconds: float | None = None,
-    ) -> dt.datetime:
+    ) -> datetime:
         """Extend a current claim's lease to ``lease_seconds`` from now; return the new expiry.
 
         Raises:
             FenceRejected: The fence is not current (taken over, finished, never claimed).
+            UnknownItem: No such item (control plane only).
+            ScopeDenied: The actor may not see the item (or it does not exist).
         """
         op = _backend.RenewOp(
             _validate.item_id(item_id),
@@ -314,6 +323,9 @@ class ControlStore:
         Raises:
             FenceRejected: The fence is not current: the item was taken over after the
                 lease lapsed, was finished already, or was never claimed.
+            UnknownItem: No such item (control plane only).
+            ScopeDenied: The actor may not see the item (or it does not exist).
+            InvalidInput: ``status`` is neither "done" nor "failed"; nothing was written.
         """
         op = _backend.FinishOp(
             _validate.item_id(item_id),
@@ -328,6 +340,10 @@ class ControlStore:
 
         Keys: item_id, project_id, state, payload, fence, attempts, owner,
         lease_expires_at, created_at, updated_at (times as aware UTC datetimes).
+
+        Raises:
+            UnknownItem: No such item (control plane only).
+            ScopeDenied: The actor may not see the item; never an empty answer.
         """
         item_id = _validate.item_id(item_id)
         actor = _validate.optional_actor(actor_id)
@@ -350,6 +366,10 @@ class ControlStore:
 
         Each event is a dict with event_id, item_id, event_type, fence, owner, actor_id,
         at (an aware UTC datetime) and detail (a dict or None).
+
+        Raises:
+            UnknownItem: No such item (control plane only).
+            ScopeDenied: The actor may not see the item; never an empty list.
         """
         item_id = _validate.item_id(item_id)
         actor = _validate.optional_actor(actor_id)
@@ -369,7 +389,7 @@ class ControlStore:
         ]
 
 
-def _optional_time(value: float | None) -> dt.datetime | None:
+def _optional_time(value: float | None) -> datetime | None:
     return None if value is None else _models.from_timestamp(value)
 
 
@@ -382,8 +402,8 @@ def _project_dict(row: _backend.ProjectRow) -> dict[str, Any]:
     }
 
 
-def _claimed_item(row: _backend.ClaimRow) -> _models.ClaimedItem:
-    return _models.ClaimedItem(
+def _claimed_item(row: _backend.ClaimRow) -> ClaimedItem:
+    return ClaimedItem(
         item_id=row.item_id,
         project_id=row.project_id,
         payload=json.loads(row.payload_json),

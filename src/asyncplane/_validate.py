@@ -23,6 +23,7 @@ __all__ = (
     "optional_actor",
     "positive_int",
     "project_status",
+    "seconds",
     "text_id",
 )
 
@@ -74,15 +75,18 @@ def positive_int(value: object, what: str) -> int:
 
 
 def lease_seconds(value: object) -> float:
-    """A finite, positive number of seconds."""
+    """A lease length: a finite, positive number of seconds."""
+    return seconds(value, "lease_seconds")
+
+
+def seconds(value: object, what: str) -> float:
+    """A finite, positive number of seconds (int or float, bool excluded)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise _errors.InvalidType(
-            f"lease_seconds must be an int or float, not {type(value).__name__}"
-        )
-    seconds = float(value)
-    if not math.isfinite(seconds) or seconds <= 0:
-        raise _errors.InvalidInput(f"lease_seconds must be positive and finite, got {value!r}")
-    return seconds
+        raise _errors.InvalidType(f"{what} must be an int or float, not {type(value).__name__}")
+    number = float(value)
+    if not math.isfinite(number) or number <= 0:
+        raise _errors.InvalidInput(f"{what} must be positive and finite, got {value!r}")
+    return number
 
 
 def finish_status(value: object) -> str:

@@ -20,17 +20,24 @@ its own:
 ``now`` is read from the clock after ``BEGIN IMMEDIATE`` has the write lock, so a lease is
 measured from when it was granted, not from when it was asked for.
 
+Outcomes travel straight from the connection's thread to the callers: the round ends by
+scheduling its own delivery on the event loop (``call_soon_threadsafe``), so a caller
+wakes as soon as its transaction has committed, and learns what was saved even if the
+writer task is cancelled while the round runs.
+
 Cancellation never decides what is saved. A caller cancelled before its round starts is
 dropped without writing; a caller cancelled during its round gets nothing back, but the
-round commits or rolls back as a whole (a claim taken that way simply lapses). The
-writer's own round is shielded: if the writer task is cancelled (event loop shutdown), it
-waits for the round on the thread to finish and delivers its results before it stops.
+round commits or rolls back as a whole (a claim taken that way simply lapses). A round
+once handed to the thread cannot be interrupted: if the writer task is cancelled (event
+loop shutdown), the round still runs to its end and delivers, the requests still queued
+are refused with StoreClosed, and the connection closes after the round, never during it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import logging
 import sqlite3
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
@@ -42,6 +49,8 @@ from asyncplane import _clock, _connection, _errors
 __all__ = ("Operation", "Writer")
 
 T = TypeVar("T")
+
+_log = logging.getLogger("asyncplane")
 
 #: A write operation: runs on the connection's thread inside the writer's transaction.
 Operation = Callable[[sqlite3.Connection, float], T]
@@ -82,6 +91,13 @@ class Writer:
         self._task = asyncio.get_running_loop().create_task(
             self._run(), name=f"asyncplane-writer[{self._name}]"
         )
+        self._task.add_done_callback(self._supervise)
+
+    def _supervise(self, task: asyncio.Task[None]) -> None:
+        # The writer's failure reaches every caller as StoreClosed (with the failure as its
+        # cause); here it is logged once, and marked as seen so asyncio does not complain.
+        if not task.cancelled() and task.exception() is not None:
+            _log.error("asyncplane writer %s stopped", self._name, exc_info=task.exception())
 
     @property
     def running(self) -> bool:
@@ -141,49 +157,46 @@ class Writer:
                 _, future = self._pending.popleft()
                 if not future.done():
                     future.set_exception(failure)
-            await asyncio.shield(self._conn.close())
-            if self._on_exit is not None:
-                await asyncio.shield(self._on_exit())
+            try:
+                await asyncio.shield(self._conn.close())
+            finally:
+                if self._on_exit is not None:
+                    await asyncio.shield(self._on_exit())
 
     async def _round(self, batch: list[_Request]) -> None:
-        """Run one transaction for ``batch`` and deliver each outcome to its caller."""
-        ops = [op for op, _ in batch]
-        work = asyncio.get_running_loop().create_task(
-            _connection.run(self._conn, _execute_round, ops, self._clock),
-            name=f"asyncplane-writer-round[{self._name}]",
-        )
-        cancelled = False
+        """Run one transaction for ``batch``; its outcomes reach the callers from the thread."""
+        loop = asyncio.get_running_loop()
         self.in_flight = len(batch)
+        self.rounds += 1
+        self.requests += len(batch)
         try:
-            while True:
-                try:
-                    outcomes = await asyncio.shield(work)
-                    break
-                except asyncio.CancelledError:
-                    if work.cancelled():
-                        raise
-                    # The writer was cancelled mid-round: finish the round first, so that
-                    # its callers learn what was saved, then stop.
-                    cancelled = True
-        except BaseException as exc:
-            error = exc if not isinstance(exc, asyncio.CancelledError) else self._closed_error()
+            # The round hands its outcomes to the callers itself (call_soon_threadsafe), so
+            # they arrive even if this task is cancelled while the round runs, and without
+            # waiting for this task to wake up first.
+            await _connection.run(self._conn, _execute_round, batch, self._clock, loop, self)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # the round itself broke (connection closed, a bug)
+            error = _errors.StorageError(f"the store's write connection failed: {exc!r}")
+            error.__cause__ = exc
             for _, future in batch:
                 if not future.done():
                     future.set_exception(error)
             raise
         finally:
             self.in_flight = 0
-        self.rounds += 1
-        self.requests += len(batch)
-        for (_, future), outcome in zip(batch, outcomes, strict=True):
-            if future.done():  # cancelled while its round ran; the round stands
-                continue
-            if isinstance(outcome, _Raised):
-                future.set_exception(outcome.error)
-            else:
-                future.set_result(outcome)
-        if cancelled:
-            raise asyncio.CancelledError
+
+
+def _deliver(writer: Writer, batch: list[_Request], outcomes: list[Any]) -> None:
+    """On the event loop: hand each caller its own outcome."""
+    writer.in_flight = 0
+    for (_, future), outcome in zip(batch, outcomes, strict=True):
+        if future.done():  # cancelled while its round ran; the round stands
+            continue
+        if isinstance(outcome, _Raised):
+            future.set_exception(outcome.error)
+        else:
+            future.set_result(outcome)
 
 
 class _Raised:
@@ -212,9 +225,19 @@ def _rollback(db: sqlite3.Connection) -> None:
 
 
 def _execute_round(
-    db: sqlite3.Connection, ops: list[Operation[Any]], clock: _clock.Clock
-) -> list[Any]:
-    """Run on the connection's thread: one transaction for all ops, isolating failures."""
+    db: sqlite3.Connection,
+    batch: list[_Request],
+    clock: _clock.Clock,
+    loop: asyncio.AbstractEventLoop,
+    writer: Writer,
+) -> None:
+    """Run on the connection's thread: one transaction for the batch, then deliver."""
+    outcomes = _transact([op for op, _ in batch], db, clock)
+    loop.call_soon_threadsafe(_deliver, writer, batch, outcomes)
+
+
+def _transact(ops: list[Operation[Any]], db: sqlite3.Connection, clock: _clock.Clock) -> list[Any]:
+    """One transaction for all ops, isolating each op's failure; returns their outcomes."""
     outcomes: list[Any] = [None] * len(ops)
     todo = list(range(len(ops)))
     while todo:

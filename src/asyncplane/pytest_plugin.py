@@ -1,19 +1,17 @@
 """asyncplane's pytest plugin: a store on ``tmp_path`` and a clock you move by hand.
 
-Installed with asyncplane and loaded by pytest through the ``pytest11`` entry point.
+Installed with asyncplane and loaded by pytest through the `pytest11` entry point.
 Fixtures (the async ones need pytest-asyncio):
 
-``asyncplane_clock``
-    A `asyncplane.testing.ManualClock` shared by every store the test opens.
-``asyncplane_store``
-    An open `asyncplane.ControlStore` on ``tmp_path / "asyncplane.db"`` using that clock,
-    closed after the test.
-``asyncplane_store_factory``
-    ``await asyncplane_store_factory(name="asyncplane.db", **options)`` opens further
-    stores (another file, or a second store on the same file, as a second process would
-    have); every one is closed after the test.
+- `asyncplane_clock`: a `asyncplane.testing.ManualClock` shared by every store the test
+  opens.
+- `asyncplane_store`: an open `asyncplane.ControlStore` on `tmp_path / "asyncplane.db"`
+  using that clock, closed after the test.
+- `asyncplane_store_factory`: `await asyncplane_store_factory(name="asyncplane.db",
+  **options)` opens further stores (another file, or a second store on the same file, as
+  a second process would have); every one is closed after the test.
 
-A test lapses a lease without sleeping::
+A test lapses a lease without sleeping:
 
     async def test_takeover(asyncplane_store, asyncplane_clock):
         await asyncplane_store.create_project("p", "P")

@@ -7,7 +7,8 @@
         taken = await store.claim(owner="b")   # a takeover with a higher fence
 
 The pytest plugin (`asyncplane.pytest_plugin`, loaded automatically once asyncplane is
-installed) offers the same as fixtures: ``asyncplane_clock`` and ``asyncplane_store``.
+installed) offers the same as fixtures: ``asyncplane_clock``, ``asyncplane_store`` and
+``asyncplane_store_factory``.
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ import threading
 
 __all__ = ("DEFAULT_START", "ManualClock")
 
-#: Where a ManualClock starts unless told otherwise: 2026-01-01T00:00:00Z.
 DEFAULT_START = dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc)
+"""Where a ManualClock starts unless told otherwise: 2026-01-01T00:00:00Z."""
 
 
 class ManualClock:

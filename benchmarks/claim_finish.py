@@ -1,0 +1,160 @@
+"""Claim+finish round trips per second: asyncplane beside raw sqlite3, in the same run.
+
+    python benchmarks/claim_finish.py [--items N] [--repeats R] [--synchronous NORMAL|FULL]
+
+Three measurements on fresh files with the same schema (asyncplane's own, so indexes
+and the ledger trigger are identical), each repeated and interleaved so that a noisy
+neighbour hits all of them alike:
+
+* raw: one plain sqlite3 connection, one BEGIN IMMEDIATE transaction per claim and one
+  per finish, each writing its event row: the fastest honest way to do this by hand;
+* asyncplane with 1 coroutine claiming and finishing in a loop;
+* asyncplane with 64 coroutines doing the same on one store (group commit).
+
+It prints each rate (the median of the repeats) and the ratios to raw. Targets:
+64 coroutines >= 2.0x raw, 1 coroutine >= 0.4x raw.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import pathlib
+import sqlite3
+import statistics
+import sys
+import tempfile
+import time
+
+from asyncplane import ControlStore
+
+RAW_CLAIM = """
+UPDATE items SET state = 'claimed', fence = fence + 1, attempts = attempts + 1,
+                 owner = ?, lease_expires_at = ?, updated_at = ?
+WHERE item_id = (SELECT item_id FROM items WHERE state = 'ready' ORDER BY item_id LIMIT 1)
+RETURNING item_id, fence
+"""
+RAW_FINISH = """
+UPDATE items SET state = 'done', lease_expires_at = NULL, updated_at = ?
+WHERE item_id = ? AND state = 'claimed' AND fence = ?
+"""
+RAW_EVENT = (
+    "INSERT INTO events (item_id, event_type, fence, owner, actor_id, at, detail) "
+    "VALUES (?, ?, ?, ?, NULL, ?, NULL)"
+)
+
+
+async def prepare(path: pathlib.Path, items: int, synchronous: str) -> None:
+    """Create the schema through asyncplane, and the items in one transaction."""
+    async with ControlStore(path, synchronous=synchronous) as store:  # type: ignore[arg-type]
+        await store.create_project("bench", "Benchmark")
+    conn = sqlite3.connect(path, isolation_level=None)
+    now = time.time()
+    conn.execute("BEGIN IMMEDIATE")
+    for _ in range(items):
+        (item_id,) = conn.execute(
+            "INSERT INTO items (project_id, state, payload, created_at, updated_at) "
+            "VALUES ('bench', 'ready', '{\"task\": \"x\"}', ?, ?) RETURNING item_id",
+            (now, now),
+        ).fetchone()
+        conn.execute(RAW_EVENT, (item_id, "queued", 0, None, now))
+    conn.execute("COMMIT")
+    conn.close()
+
+
+def run_raw(path: pathlib.Path, synchronous: str) -> tuple[int, float]:
+    conn = sqlite3.connect(path, isolation_level=None)
+    conn.execute("PRAGMA journal_mode = WAL")
+    conn.execute(f"PRAGMA synchronous = {synchronous}")
+    conn.execute("PRAGMA busy_timeout = 30000")
+    done = 0
+    started = time.perf_counter()
+    while True:
+        now = time.time()
+        conn.execute("BEGIN IMMEDIATE")
+        row = conn.execute(RAW_CLAIM, ("raw", now + 900, now)).fetchall()
+        if not row:
+            conn.execute("COMMIT")
+            break
+        item_id, fence = row[0]
+        conn.execute(RAW_EVENT, (item_id, "claimed", fence, "raw", now))
+        conn.execute("COMMIT")
+        now = time.time()
+        conn.execute("BEGIN IMMEDIATE")
+        conn.execute(RAW_FINISH, (now, item_id, fence))
+        conn.execute(RAW_EVENT, (item_id, "done", fence, "raw", now))
+        conn.execute("COMMIT")
+        done += 1
+    elapsed = time.perf_counter() - started
+    conn.close()
+    return done, elapsed
+
+
+async def run_store(path: pathlib.Path, coroutines: int, synchronous: str) -> tuple[int, float]:
+    async with ControlStore(path, synchronous=synchronous) as store:  # type: ignore[arg-type]
+        await store.projects()  # opened before the clock starts
+        counts = [0] * coroutines
+
+        async def worker(index: int) -> None:
+            owner = f"w{index}"
+            while True:
+                claim = await store.claim(owner=owner)
+                if claim is None:
+                    return
+                await store.finish(claim.item_id, fence=claim.fence)
+                counts[index] += 1
+
+        started = time.perf_counter()
+        await asyncio.gather(*(worker(n) for n in range(coroutines)))
+        elapsed = time.perf_counter() - started
+    return sum(counts), elapsed
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--items", type=int, default=4000)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--synchronous", choices=("NORMAL", "FULL"), default="NORMAL")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    args = parser.parse_args()
+
+    rates: dict[str, list[float]] = {"raw": [], "1 coroutine": [], "64 coroutines": []}
+    with tempfile.TemporaryDirectory(prefix="asyncplane-bench-") as tmp:
+        for repeat in range(args.repeats):
+            for label in rates:
+                path = pathlib.Path(tmp) / f"{repeat}-{label.replace(' ', '-')}.db"
+                asyncio.run(prepare(path, args.items, args.synchronous))
+                if label == "raw":
+                    done, elapsed = run_raw(path, args.synchronous)
+                else:
+                    coroutines = int(label.split()[0])
+                    done, elapsed = asyncio.run(run_store(path, coroutines, args.synchronous))
+                if done != args.items:
+                    print(f"{label}: finished {done} of {args.items} items", file=sys.stderr)
+                    return 1
+                rates[label].append(done / elapsed)
+
+    median = {label: statistics.median(values) for label, values in rates.items()}
+    ratios = {
+        "1 coroutine / raw": median["1 coroutine"] / median["raw"],
+        "64 coroutines / raw": median["64 coroutines"] / median["raw"],
+    }
+    targets = {"1 coroutine / raw": 0.4, "64 coroutines / raw": 2.0}
+    if args.json:
+        print(json.dumps({"rates": median, "ratios": ratios, "targets": targets}))
+    else:
+        print(
+            f"claim+finish round trips per second, {args.items} items, "
+            f"synchronous={args.synchronous}, median of {args.repeats}"
+        )
+        for label, rate in median.items():
+            print(f"  {label:<14} {rate:>9,.0f}/s")
+        for label, ratio in ratios.items():
+            verdict = "meets" if ratio >= targets[label] else "MISSES"
+            print(f"  {label:<20} {ratio:5.2f}x  ({verdict} target {targets[label]}x)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# Set up a virtual environment (once) and run the fleet demo on an embedded SQLite file.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON="${PYTHON:-python3}"
+[ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
+.venv/bin/python -m pip install --quiet --disable-pip-version-check -e .
+exec .venv/bin/python examples/fleet.py "$@"

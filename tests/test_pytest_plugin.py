@@ -1,0 +1,96 @@
+"""asyncplane's pytest plugin, exercised the way a user's suite would use it."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest_plugins = ["pytester"]
+
+USER_TESTS = """
+import pytest
+from asyncplane import ControlStore, FenceRejected, verify_ledger
+from asyncplane.testing import ManualClock
+
+
+@pytest.mark.asyncio
+async def test_store_is_open_on_tmp_path(asyncplane_store, tmp_path):
+    assert isinstance(asyncplane_store, ControlStore)
+    assert asyncplane_store.path == tmp_path / "asyncplane.db"
+    await asyncplane_store.create_project("p", "P")
+    assert [p["project_id"] for p in await asyncplane_store.projects()] == ["p"]
+
+
+@pytest.mark.asyncio
+async def test_manual_clock_lapses_a_lease(asyncplane_store, asyncplane_clock):
+    assert isinstance(asyncplane_clock, ManualClock)
+    assert asyncplane_store.clock is asyncplane_clock
+    await asyncplane_store.create_project("p", "P")
+    item_id = await asyncplane_store.enqueue("p", {})
+    first = await asyncplane_store.claim(owner="a")
+    asyncplane_clock.advance(asyncplane_store.lease_seconds + 1)
+    second = await asyncplane_store.claim(owner="b")
+    assert second.fence > first.fence
+    with pytest.raises(FenceRejected):
+        await asyncplane_store.finish(item_id, fence=first.fence)
+    assert await verify_ledger(asyncplane_store) == []
+
+
+@pytest.mark.asyncio
+async def test_factory_opens_a_second_store_on_the_same_file(asyncplane_store_factory):
+    one = await asyncplane_store_factory(lease_seconds=5)
+    two = await asyncplane_store_factory()
+    await one.create_project("p", "P")
+    await one.enqueue("p", {})
+    assert one.lease_seconds == 5
+    assert (await two.claim(owner="x")).item_id == 1
+    assert await one.claim(owner="y") is None
+
+
+@pytest.mark.asyncio
+async def test_each_test_gets_a_fresh_store(asyncplane_store):
+    assert await asyncplane_store.projects() == []
+"""
+
+
+def test_plugin_fixtures_work_in_a_users_suite(pytester: pytest.Pytester) -> None:
+    pytester.makeini(
+        "[pytest]\nasyncio_default_fixture_loop_scope = function\nfilterwarnings = error\n"
+    )
+    pytester.makepyfile(test_user=USER_TESTS)
+    result = pytester.runpytest_subprocess("-q")
+    result.assert_outcomes(passed=4)
+
+
+def test_plugin_is_registered_through_the_entry_point(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(
+        test_registered="""
+def test_registered(request):
+    assert request.config.pluginmanager.has_plugin("asyncplane")
+"""
+    )
+    result = pytester.runpytest_subprocess("-q")
+    result.assert_outcomes(passed=1)
+
+
+def test_stores_are_closed_after_each_test(pytester: pytest.Pytester) -> None:
+    # A store left open would leak its connection threads; the fixture closes it, so a
+    # later test can even delete the file.
+    pytester.makeini("[pytest]\nasyncio_default_fixture_loop_scope = function\n")
+    pytester.makepyfile(
+        test_closing="""
+import pytest
+
+stores = []
+
+@pytest.mark.asyncio
+async def test_use(asyncplane_store):
+    stores.append(asyncplane_store)
+    await asyncplane_store.projects()
+
+def test_closed_after():
+    (store,) = stores
+    assert "closed" in repr(store)
+"""
+    )
+    result = pytester.runpytest_subprocess("-q")
+    result.assert_outcomes(passed=2)
