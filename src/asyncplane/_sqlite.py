@@ -280,7 +280,9 @@ def _claim(op: _backend.ClaimOp, db: sqlite3.Connection, now: float) -> list[_ba
         (row,) = db.execute(sql.CLAIM_ITEM, (op.owner, expires, now, item_id)).fetchall()
         claimed.append(_backend.ClaimRow(row[0], row[1], row[2], row[3], row[4], op.owner, expires))
         events.append((item_id, "claimed", row[3], op.owner, op.actor_id, now, None))
-    if events:
+    if len(events) == 1:
+        db.execute(sql.INSERT_EVENT, events[0])
+    elif events:
         db.executemany(sql.INSERT_EVENT, events)
     return claimed
 

@@ -167,6 +167,8 @@ class ControlStore:
 
     async def _ready(self) -> _backend.Backend:
         """The backend, opened on first use."""
+        if self._is_open and self._loop is asyncio.get_running_loop():
+            return self._backend  # the hot path: open, on its own loop
         self._check_loop()
         if self._is_open:
             return self._backend
