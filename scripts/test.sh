@@ -12,5 +12,5 @@ PYTHON="${PYTHON:-python3}"
 .venv/bin/mypy
 site_dir="$(mktemp -d)"
 trap 'rm -rf "$site_dir"' EXIT
-.venv/bin/mkdocs build --strict --quiet --site-dir "$site_dir"
+NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --quiet --site-dir "$site_dir"
 echo "all checks passed"

@@ -294,7 +294,9 @@ class ControlStore:
         actor_id: str | None = None,
         lease_seconds: float | None = None,
     ) -> datetime:
-        """Extend a current claim's lease to ``lease_seconds`` from now; return the new expiry.
+        """Set a current claim's lease to end ``lease_seconds`` from now; return the new end.
+
+        The new end replaces the old one (a shorter ``lease_seconds`` shortens the lease).
 
         Raises:
             FenceRejected: The fence is not current (taken over, finished, never claimed).
