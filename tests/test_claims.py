@@ -240,3 +240,16 @@ async def test_concurrent_claims_in_one_store_never_share_an_item(store: Control
     assert len(got) == 50
     assert len(set(got)) == 50
     assert sum(r is None for r in results) == 30
+
+
+async def test_counts_by_state(store: ControlStore, clock: ManualClock) -> None:
+    assert await store.counts() == {"ready": 0, "claimed": 0, "done": 0, "failed": 0}
+    for n in range(4):
+        await store.enqueue("alpha", {"n": n})
+    a = await store.claim(owner="w")
+    b = await store.claim(owner="w")
+    await store.claim(owner="w")
+    assert a and b
+    await store.finish(a.item_id, fence=a.fence, status="done")
+    await store.finish(b.item_id, fence=b.fence, status="failed")
+    assert await store.counts() == {"ready": 1, "claimed": 1, "done": 1, "failed": 1}

@@ -52,6 +52,7 @@ def test_every_kind_is_checked_and_documented() -> None:
         "fence_not_monotonic",
         "fence_disagrees",
         "ready_after_claim",
+        "state_disagrees",
         "orphan_events",
     }
 
@@ -94,9 +95,22 @@ async def test_row_state_is_derivable_from_events(store: ControlStore, clock: Ma
 
 
 async def test_events_are_append_only(store: ControlStore, raw: sqlite3.Connection) -> None:
-    await store.enqueue("alpha", {})
+    item_id = await store.enqueue("alpha", {})
     with pytest.raises(sqlite3.IntegrityError, match="append-only"):
         raw.execute("UPDATE events SET event_type = 'done'")
+    with pytest.raises(sqlite3.IntegrityError, match="append-only"):
+        raw.execute("DELETE FROM events WHERE item_id = ?", (item_id,))
+    # Once the item itself is gone (as retention will do), its history may go too.
+    raw.execute("BEGIN")
+    raw.execute("DELETE FROM items WHERE item_id = ?", (item_id,))
+    raw.execute("DELETE FROM events WHERE item_id = ?", (item_id,))
+    raw.execute("COMMIT")
+    assert await verify_ledger(store) == []
+
+
+def unprotect(raw: sqlite3.Connection) -> None:
+    """Drop the ledger's delete guard, as a determined tamperer could."""
+    raw.execute("DROP TRIGGER events_kept")
 
 
 async def test_clean_store_verifies_clean(store: ControlStore) -> None:
@@ -108,6 +122,7 @@ async def test_clean_store_verifies_clean(store: ControlStore) -> None:
 
 async def test_no_creation_event(store: ControlStore, raw: sqlite3.Connection) -> None:
     item_id = await store.enqueue("alpha", {})
+    unprotect(raw)
     raw.execute("DELETE FROM events WHERE item_id = ? AND event_type = 'queued'", (item_id,))
     problems = await verify_ledger(store)
     assert problems == [LedgerProblem("no_creation_event", item_id, problems[0].detail)]
@@ -185,6 +200,26 @@ async def test_ready_after_claim(store: ControlStore, raw: sqlite3.Connection) -
     assert await kinds(store) == {"ready_after_claim"}
 
 
+async def test_state_disagrees_for_a_claim_never_recorded(
+    store: ControlStore, raw: sqlite3.Connection
+) -> None:
+    item_id = await store.enqueue("alpha", {})
+    raw.execute("UPDATE items SET state = 'claimed', owner = 'ghost' WHERE item_id = ?", (item_id,))
+    problems = await verify_ledger(store)
+    assert [(p.kind, p.item_id) for p in problems] == [("state_disagrees", item_id)]
+    assert "no claim was ever recorded" in problems[0].detail
+
+
+async def test_state_disagrees_for_an_unknown_state(
+    store: ControlStore, raw: sqlite3.Connection
+) -> None:
+    item_id = await store.enqueue("alpha", {})
+    raw.execute("UPDATE items SET state = 'bogus' WHERE item_id = ?", (item_id,))
+    problems = await verify_ledger(store)
+    assert [(p.kind, p.item_id) for p in problems] == [("state_disagrees", item_id)]
+    assert "unknown state 'bogus'" in problems[0].detail
+
+
 async def test_orphan_events(store: ControlStore, raw: sqlite3.Connection) -> None:
     claim = await claimed_item(store)
     raw.execute("DELETE FROM items WHERE item_id = ?", (claim.item_id,))
@@ -196,6 +231,7 @@ async def test_problems_name_the_item_and_respect_the_limit(
     store: ControlStore, raw: sqlite3.Connection
 ) -> None:
     ids = [await store.enqueue("alpha", {}) for _ in range(5)]
+    unprotect(raw)
     raw.execute("DELETE FROM events WHERE event_type = 'queued'")
     problems = await verify_ledger(store)
     assert [p.item_id for p in problems] == ids

@@ -7,11 +7,14 @@ import pathlib
 import sqlite3
 import subprocess
 import sys
+import threading
+from typing import Any
 
 import pytest
 
 from asyncplane import (
     ControlStore,
+    InvalidInput,
     NotAnAsyncplaneDatabase,
     SchemaVersionError,
     StorageError,
@@ -56,10 +59,25 @@ async def test_data_survives_reopening(tmp_path: pathlib.Path) -> None:
         assert (await store.item(item_id))["payload"] == {"keep": True}
 
 
+def writer_tasks() -> list[asyncio.Task[object]]:
+    return [t for t in asyncio.all_tasks() if t.get_name().startswith("asyncplane-writer[")]
+
+
+def connection_threads() -> list[threading.Thread]:
+    """aiosqlite's connection threads still running, once closing ones have finished."""
+    threads = [t for t in threading.enumerate() if "_connection_worker_thread" in t.name]
+    for thread in threads:
+        thread.join(timeout=5)  # a closed connection's thread ends just after close()
+    return [t for t in threads if t.is_alive()]
+
+
 async def test_concurrent_first_uses_open_once(tmp_path: pathlib.Path) -> None:
     store = ControlStore(tmp_path / "s.db")
-    await asyncio.gather(*(store.projects() for _ in range(20)))
+    results = await asyncio.gather(*(store.projects() for _ in range(20)))
+    assert results == [[]] * 20
+    assert len(writer_tasks()) == 1
     await store.close()
+    assert writer_tasks() == []
 
 
 def test_store_is_reusable_across_event_loops_once_the_first_has_ended(
@@ -179,3 +197,163 @@ async def test_calls_after_close_on_a_running_writer_fail_cleanly(tmp_path: path
     await store.close()
     with pytest.raises(StoreClosed):
         await backend.create_project(type("Op", (), {})())  # type: ignore[arg-type]
+
+
+async def test_close_racing_other_calls_leaves_a_usable_store(tmp_path: pathlib.Path) -> None:
+    store = ControlStore(tmp_path / "s.db")
+    await store.create_project("p", "P")
+    results = await asyncio.gather(store.close(), store.enqueue("p", {"late": True}))
+    # The late call waited for the close to finish, then opened the store again.
+    assert (await store.item(results[1]))["payload"] == {"late": True}
+    assert len(writer_tasks()) == 1
+    await store.close()
+    assert writer_tasks() == []
+    assert connection_threads() == []  # the writer's and readers' threads all ended
+
+
+async def test_close_while_a_read_runs_then_reads_again(tmp_path: pathlib.Path) -> None:
+    store = ControlStore(tmp_path / "s.db", read_connections=1)
+    await store.create_project("p", "P")
+    item_id = await store.enqueue("p", {})
+    backend: Any = await store._ready()
+    release = threading.Event()
+
+    def slow_read(db: Any) -> int:
+        release.wait(10)
+        return 1
+
+    reading = asyncio.ensure_future(backend._readers.run(slow_read))
+    await asyncio.sleep(0)
+    closing = asyncio.ensure_future(store.close())
+    for _ in range(1000):  # until the close is waiting on the read
+        await asyncio.sleep(0)
+        if not store._is_open:
+            break
+    release.set()
+    assert await reading == 1
+    await closing
+    assert connection_threads() == []  # the busy reader closed as soon as it was done
+    assert (await store.item(item_id))["state"] == "ready"  # and the store reopens
+    await store.close()
+    assert connection_threads() == []
+
+
+def test_closed_store_reopens_on_a_new_loop_after_busy_reads(tmp_path: pathlib.Path) -> None:
+    store = ControlStore(tmp_path / "s.db", read_connections=1)
+
+    async def first() -> None:
+        await store.create_project("p", "P")
+        await asyncio.gather(*(store.projects() for _ in range(4)))
+        await store.close()
+
+    async def second() -> int:
+        try:
+            return len(await asyncio.gather(*(store.projects() for _ in range(4))))
+        finally:
+            await store.close()
+
+    asyncio.run(first())
+    assert asyncio.run(second()) == 4
+
+
+def test_a_loop_closed_without_cleanup_leaves_no_threads(tmp_path: pathlib.Path) -> None:
+    # run_until_complete then loop.close() never cancels the writer; the store notices the
+    # dead loop on its next use, stops the old connection threads, and the process exits.
+    script = (
+        "import asyncio\n"
+        "from asyncplane import ControlStore\n"
+        f"store = ControlStore({str(tmp_path / 's.db')!r})\n"
+        "loop = asyncio.new_event_loop()\n"
+        "loop.run_until_complete(store.create_project('p', 'P'))\n"
+        "loop.run_until_complete(store.projects())\n"
+        "loop.close()\n"
+        "async def again():\n"
+        "    print(len(await store.projects()))\n"
+        "    await store.close()\n"
+        "asyncio.run(again())\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "1"
+
+
+async def test_reads_never_wait_behind_a_writer(tmp_path: pathlib.Path) -> None:
+    store = ControlStore(tmp_path / "s.db", busy_timeout=30)
+    await store.create_project("p", "P")
+    item_id = await store.enqueue("p", {})
+    other = sqlite3.connect(store.path, isolation_level=None)
+    other.execute("BEGIN IMMEDIATE")  # another process holds the write lock
+    other.execute("INSERT INTO projects VALUES ('q', 'Q', 'open', 0)")
+    try:
+        row = await asyncio.wait_for(store.item(item_id), timeout=5)
+        assert row["state"] == "ready"
+        assert [p["project_id"] for p in await store.projects()] == ["p"]  # not uncommitted q
+    finally:
+        other.execute("ROLLBACK")
+        other.close()
+        await store.close()
+
+
+def test_many_processes_create_a_fresh_store_at_once(tmp_path: pathlib.Path) -> None:
+    path = tmp_path / "fresh.db"
+    script = (
+        "import asyncio, sys\n"
+        "from asyncplane import ControlStore\n"
+        "async def main():\n"
+        f"    async with ControlStore({str(path)!r}) as store:\n"
+        "        await store.create_project(sys.argv[1], 'P')\n"
+        "asyncio.run(main())\n"
+    )
+    workers = [
+        subprocess.Popen([sys.executable, "-c", script, f"p{n}"], stderr=subprocess.PIPE)
+        for n in range(8)
+    ]
+    errors = [w.communicate(timeout=120)[1] for w in workers]
+    assert [w.returncode for w in workers] == [0] * 8, errors
+
+    async def projects() -> list[str]:
+        async with ControlStore(path) as store:
+            return [p["project_id"] for p in await store.projects()]
+
+    assert asyncio.run(projects()) == sorted(f"p{n}" for n in range(8))
+
+
+async def test_a_failing_clock_fails_one_round_not_the_store(tmp_path: pathlib.Path) -> None:
+    class FlakyClock:
+        def __init__(self) -> None:
+            self.fail = False
+
+        def now(self) -> float:
+            if self.fail:
+                self.fail = False
+                raise OSError("clock unavailable")
+            return 1_800_000_000.0
+
+    clock = FlakyClock()
+    async with ControlStore(tmp_path / "s.db", clock=clock) as store:
+        await store.create_project("p", "P")
+        clock.fail = True
+        with pytest.raises(StorageError, match="clock unavailable"):
+            await store.enqueue("p", {})
+        assert await store.enqueue("p", {}) == 1  # the writer lives on; nothing half-written
+
+
+async def test_absurd_leases_and_ids_are_refused_before_writing(tmp_path: pathlib.Path) -> None:
+    with pytest.raises(InvalidInput, match="at most"):
+        ControlStore(tmp_path / "s.db", lease_seconds=1e12)
+    async with ControlStore(tmp_path / "s.db") as store:
+        await store.create_project("p", "P")
+        item_id = await store.enqueue("p", {})
+        with pytest.raises(InvalidInput, match="at most"):
+            await store.claim(owner="w", lease_seconds=1e12)
+        assert (await store.item(item_id))["state"] == "ready"
+        claim = await store.claim(owner="w", lease_seconds=366 * 24 * 3600)
+        assert claim is not None
+        with pytest.raises(InvalidInput, match="at most"):
+            await store.renew(item_id, fence=claim.fence, lease_seconds=1e12)
+        for call in (store.item(2**63), store.events(2**64), store.finish(item_id, fence=2**63)):
+            with pytest.raises(InvalidInput, match="at most"):
+                await call
+        assert (await store.item(item_id))["fence"] == claim.fence

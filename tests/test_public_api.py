@@ -68,7 +68,7 @@ def test_errors_share_one_root_and_say_what_they_mean() -> None:
 def test_private_modules_are_private_and_typed() -> None:
     package = pathlib.Path(asyncplane.__file__).parent
     assert (package / "py.typed").exists()
-    public_modules = {"__init__", "testing", "pytest_plugin"}
+    public_modules = {"__init__", "testing", "pytest_plugin", "probe", "cli"}
     for module in package.glob("*.py"):
         assert module.stem in public_modules or module.stem.startswith("_"), module.name
         importlib.import_module(

@@ -6,7 +6,7 @@ Parameters and rows are NamedTuples: immutable, typed, and cheap to build on the
 `ControlStore` validates arguments, then calls exactly one operation here per public call.
 A backend owns its SQL, its connections, its migrations and its notion of "now" (the
 SQLite backend reads the injected clock inside the write transaction; a server backend
-may use the server's clock). No SQL crosses this seam, only the dataclasses below.
+may use the server's clock). No SQL crosses this seam, only the NamedTuples below.
 
 Rules every backend keeps, because the store's guarantees rest on them:
 
@@ -32,6 +32,7 @@ __all__ = (
     "EventRow",
     "FinishOp",
     "ItemRow",
+    "LedgerTally",
     "NewProject",
     "ProjectRow",
     "RenewOp",
@@ -130,6 +131,19 @@ class EventRow(NamedTuple):
     detail_json: str | None
 
 
+class LedgerTally(NamedTuple):
+    """Whole-store totals of the ledger, for checking a run's counts (the probe)."""
+
+    items: int
+    claims: int
+    takeovers: int
+    terminal_events: int
+    #: Items with more than one terminal event.
+    settled_twice: list[int]
+    #: Items claimed again without a recorded takeover (a duplicate claim).
+    unexplained_claims: list[int]
+
+
 class Backend(Protocol):
     """One method per operation. Implementations: `asyncplane._sqlite.SQLiteBackend`."""
 
@@ -195,6 +209,18 @@ class Backend(Protocol):
 
     async def get_events(self, item_id: int, actor_id: str | None) -> list[EventRow]:
         """Read an item's events, oldest first."""
+        ...
+
+    async def count_states(self) -> dict[str, int]:
+        """How many items are in each state."""
+        ...
+
+    async def tally(self) -> LedgerTally:
+        """Whole-store ledger totals."""
+        ...
+
+    async def item_ids(self, state: str) -> list[int]:
+        """The ids of every item in ``state``, ascending."""
         ...
 
     async def verify_ledger(self, limit: int | None) -> list[_models.LedgerProblem]:

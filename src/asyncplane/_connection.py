@@ -15,6 +15,7 @@ opens a transaction behind our back, and asyncplane issues ``BEGIN IMMEDIATE`` a
 
 from __future__ import annotations
 
+import asyncio
 import pathlib
 import sqlite3
 from collections.abc import Callable
@@ -24,7 +25,7 @@ import aiosqlite
 
 from asyncplane import _errors
 
-__all__ = ("Synchronous", "open_reader", "open_writer", "run")
+__all__ = ("ReaderPool", "Synchronous", "open_reader", "open_writer", "run")
 
 T = TypeVar("T")
 
@@ -125,3 +126,73 @@ def _configure_reader(db: sqlite3.Connection, busy_timeout: float) -> None:
         db.execute("PRAGMA query_only = ON")
     except sqlite3.Error as exc:
         raise _errors.translate_sqlite(exc) from exc
+
+
+class ReaderPool:
+    """The read-only connections of one opening of a store.
+
+    Reads never queue behind the writer: each runs on a connection of its own (at most
+    ``size`` at once), opened on first need and kept for the next read. A pool lives as
+    long as one opening of its store; once closed it is never used again, and any
+    connection still busy when it closes is closed by its reader as soon as it is done,
+    so no connection thread outlives its store.
+    """
+
+    def __init__(self, path: pathlib.Path, *, size: int, busy_timeout: float) -> None:
+        self._path = path
+        self._busy_timeout = busy_timeout
+        self._slots = asyncio.Semaphore(size)
+        self._idle: list[aiosqlite.Connection] = []
+        self._open: set[aiosqlite.Connection] = set()
+        self._busy = 0
+        self._quiet = asyncio.Event()
+        self._quiet.set()
+        self._closed = False
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run ``fn(db, *args)`` on a reader's thread."""
+        async with self._slots:
+            if self._closed:
+                raise _errors.StoreClosed("the store is closed")
+            self._busy += 1
+            self._quiet.clear()
+            conn: aiosqlite.Connection | None = None
+            try:
+                conn = self._idle.pop() if self._idle else None
+                if conn is None:
+                    conn = await open_reader(self._path, busy_timeout=self._busy_timeout)
+                    self._open.add(conn)
+                return await run(conn, fn, *args)
+            finally:
+                if conn is not None:
+                    if self.closed:  # closed while this read ran: this reader goes too
+                        self._open.discard(conn)
+                        await asyncio.shield(conn.close())
+                    else:
+                        self._idle.append(conn)
+                self._busy -= 1
+                if self._busy == 0:
+                    self._quiet.set()
+
+    @property
+    def closed(self) -> bool:
+        """True once the pool refuses reads."""
+        return self._closed
+
+    async def close(self, *, wait: bool) -> None:
+        """Refuse new reads and close idle readers; with ``wait``, also wait for busy ones."""
+        self._closed = True
+        idle, self._idle = self._idle, []
+        for conn in idle:
+            self._open.discard(conn)
+            await asyncio.shield(conn.close())
+        if wait:
+            await self._quiet.wait()
+
+    def abandon(self) -> None:
+        """Stop every reader thread without the event loop, which has already ended."""
+        self._closed = True
+        for conn in self._open:
+            conn.stop()
+        self._open.clear()
+        self._idle.clear()

@@ -150,7 +150,11 @@ def translate_sqlite(exc: sqlite3.Error) -> StorageError:
     lowered = message.lower()
     # sqlite_errorcode is the extended code (Python 3.11+); its low byte is the primary code.
     code = getattr(exc, "sqlite_errorcode", -1) & 0xFF
-    if code in (_SQLITE_BUSY, _SQLITE_LOCKED) or "database is locked" in lowered:
+    if code in (_SQLITE_BUSY, _SQLITE_LOCKED) or any(
+        # Python 3.10 has no sqlite_errorcode: fall back on SQLite's own messages.
+        words in lowered
+        for words in ("database is locked", "database table is locked", "schema is locked")
+    ):
         return DatabaseLocked(f"database is locked: {message}")
     if code == _SQLITE_NOTADB or "file is not a database" in lowered:
         return NotAnAsyncplaneDatabase(f"not an SQLite database: {message}")

@@ -1,5 +1,8 @@
 """verify_ledger: do the rows agree with their own history?
 
+The kinds are the nine of asyncplane's origin, plus ``state_disagrees`` for a row whose
+state none of its events could have produced.
+
 Every transition of an item appends an event in the same transaction as the row change,
 so an item's state can be replayed from its events (``queued`` leaves it ready,
 ``claimed`` and ``lease_expired`` claimed, ``done`` and ``failed`` terminal). The
@@ -33,6 +36,8 @@ LEDGER_PROBLEM_KINDS: Final = {
     "fence_not_monotonic": "claim fences repeated or fell instead of rising",
     "fence_disagrees": "the row's fence differs from the last claim recorded",
     "ready_after_claim": "the row says ready but the history shows it was claimed",
+    "state_disagrees": "the row's state is not one its events lead to (claimed with no claim "
+    "recorded, or a state asyncplane never writes)",
     "orphan_events": "events reference an item that no longer exists",
 }
 """Every kind of problem verify_ledger reports, mapped to what it means."""

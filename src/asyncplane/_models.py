@@ -11,18 +11,15 @@ __all__ = (
     "FINISH_STATUSES",
     "ITEM_STATES",
     "PROJECT_STATUSES",
-    "TERMINAL_STATES",
     "ClaimedItem",
     "LedgerProblem",
     "from_timestamp",
-    "to_timestamp",
 )
 
 #: Every state an item row can be in. ``ready`` is only ever the first state: once an item
 #: has been claimed nothing moves it back to ``ready`` (a lapsed lease leaves it ``claimed``
 #: until someone else takes it over with a higher fence).
 ITEM_STATES: Final = ("ready", "claimed", "done", "failed")
-TERMINAL_STATES: Final = frozenset({"done", "failed"})
 FINISH_STATUSES: Final = ("done", "failed")
 PROJECT_STATUSES: Final = ("open", "paused", "closed")
 
@@ -80,8 +77,3 @@ class LedgerProblem:
 def from_timestamp(value: float) -> dt.datetime:
     """Turn stored epoch seconds into an aware UTC datetime."""
     return dt.datetime.fromtimestamp(value, tz=dt.timezone.utc)
-
-
-def to_timestamp(value: dt.datetime) -> float:
-    """Turn an aware datetime into epoch seconds."""
-    return value.timestamp()

@@ -16,15 +16,12 @@ so every claim of an item carries a fence above every earlier claim of it.
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import json
 import pathlib
 import sqlite3
 from collections.abc import Callable
 from typing import Any, TypeVar
-
-import aiosqlite
 
 from asyncplane import _backend, _clock, _connection, _errors, _models, _writer
 from asyncplane import _sqlite_sql as sql
@@ -53,10 +50,8 @@ class SQLiteBackend:
         self._busy_timeout = busy_timeout
         self._max_batch = max_batch
         self._writer: _writer.Writer | None = None
-        self._readers: list[aiosqlite.Connection] = []
-        self._idle_readers: list[aiosqlite.Connection] = []
         self._reader_count = read_connections
-        self._reader_slots = asyncio.Semaphore(read_connections)
+        self._readers: _connection.ReaderPool | None = None
 
     @property
     def writer(self) -> _writer.Writer | None:
@@ -67,8 +62,6 @@ class SQLiteBackend:
 
     async def open(self) -> None:
         """Open the write connection, create or migrate the schema, start the writer."""
-        if self._writer is not None and self._writer.running:
-            return
         conn = await _connection.open_writer(
             self._path,
             synchronous=self._synchronous,
@@ -80,33 +73,36 @@ class SQLiteBackend:
         except BaseException:
             await conn.close()
             raise
-        self._writer = _writer.Writer(
-            conn,
-            self._clock,
-            name=self._path.name,
-            max_batch=self._max_batch,
-            on_exit=self._close_readers,
+        readers = _connection.ReaderPool(
+            self._path, size=self._reader_count, busy_timeout=self._busy_timeout
         )
+
+        async def close_readers() -> None:
+            # Runs when the writer stops, by close() or by the event loop shutting down.
+            await readers.close(wait=False)
+
+        self._readers = readers
+        self._writer = _writer.Writer(
+            conn, self._clock, name=self._path.name, max_batch=self._max_batch,
+            on_exit=close_readers,
+        )  # fmt: skip
         self._writer.start()
 
     async def close(self) -> None:
         """Serve queued writes, then close the writer and every reader."""
-        if self._writer is not None:
-            await self._writer.stop()  # its on_exit closes the readers
-        self._writer = None
+        writer, readers = self._writer, self._readers
+        if writer is not None:
+            await writer.stop()  # its on_exit closes the idle readers
+        if readers is not None:
+            await readers.close(wait=True)  # and the busy ones close as they finish
 
     def forget(self) -> None:
-        """Drop every handle after the event loop they lived on has gone."""
-        self._writer = None
-        self._readers, self._idle_readers = [], []
-        self._reader_slots = asyncio.Semaphore(self._reader_count)
-
-    async def _close_readers(self) -> None:
-        # Runs when the writer stops, whether by close() or by the loop shutting down, so
-        # no reader thread outlives its store.
-        readers, self._readers, self._idle_readers = self._readers, [], []
-        for conn in readers:
-            await conn.close()
+        """Stop every connection thread left behind by an event loop that has ended."""
+        if self._writer is not None:
+            self._writer.abandon()
+        if self._readers is not None:
+            self._readers.abandon()
+        self._writer = self._readers = None
 
     async def _write(self, op: _writer.Operation[T]) -> T:
         if self._writer is None:
@@ -114,19 +110,10 @@ class SQLiteBackend:
         return await self._writer.submit(op)
 
     async def _read(self, fn: Callable[..., T], *args: Any) -> T:
-        """Run ``fn(db, *args)`` on an idle read-only connection."""
-        async with self._reader_slots:
-            if self._writer is None or not self._writer.running:
-                raise _errors.StoreClosed("the store is closed")
-            if self._idle_readers:
-                conn = self._idle_readers.pop()
-            else:
-                conn = await _connection.open_reader(self._path, busy_timeout=self._busy_timeout)
-                self._readers.append(conn)
-            try:
-                return await _connection.run(conn, _guarded_read, fn, *args)
-            finally:
-                self._idle_readers.append(conn)
+        """Run ``fn(db, *args)`` on a read-only connection."""
+        if self._readers is None:
+            raise _errors.StoreClosed("the store is closed")
+        return await self._readers.run(_guarded_read, fn, *args)
 
     # --- projects and scope --------------------------------------------------------------
 
@@ -187,6 +174,16 @@ class SQLiteBackend:
         if not rows:
             raise _invisible_item(item_id, actor_id)
         return [_backend.EventRow(*row) for row in rows if row[0] is not None]
+
+    async def count_states(self) -> dict[str, int]:
+        rows = await self._read(_fetch, sql.COUNT_STATES, ())
+        return dict(rows)
+
+    async def tally(self) -> _backend.LedgerTally:
+        return await self._read(_tally)
+
+    async def item_ids(self, state: str) -> list[int]:
+        return [row[0] for row in await self._read(_fetch, sql.ITEM_IDS_IN_STATE, (state,))]
 
     async def verify_ledger(self, limit: int | None) -> list[_models.LedgerProblem]:
         return await self._read(_verify_ledger, limit)
@@ -390,6 +387,15 @@ def _guarded_read(db: sqlite3.Connection, fn: Callable[..., T], *args: Any) -> T
 
 def _fetch(db: sqlite3.Connection, statement: str, params: tuple[Any, ...]) -> list[Any]:
     return db.execute(statement, params).fetchall()
+
+
+def _tally(db: sqlite3.Connection) -> _backend.LedgerTally:
+    db.execute("BEGIN")  # one snapshot for the totals and the lists
+    items, claims, takeovers, terminal = db.execute(sql.LEDGER_TALLY).fetchone()
+    settled_twice = [row[0] for row in db.execute(sql.SETTLED_TWICE)]
+    unexplained = [row[0] for row in db.execute(sql.UNEXPLAINED_CLAIMS)]
+    db.execute("COMMIT")
+    return _backend.LedgerTally(items, claims, takeovers, terminal, settled_twice, unexplained)
 
 
 def _verify_ledger(db: sqlite3.Connection, limit: int | None) -> list[_models.LedgerProblem]:

@@ -64,8 +64,14 @@ MIGRATIONS: Final[tuple[str, ...]] = (
     );
     -- Covers the ledger checks (per item, by type, with fence) without touching the table.
     CREATE INDEX events_by_item ON events (item_id, event_type, fence);
-    -- Append-only: an event, once written, is never rewritten.
+    -- Append-only: an event, once written, is never rewritten, and never removed while
+    -- its item exists (retention removes an item first, then its history).
     CREATE TRIGGER events_append_only BEFORE UPDATE ON events
+    BEGIN
+        SELECT RAISE(ABORT, 'the asyncplane ledger is append-only');
+    END;
+    CREATE TRIGGER events_kept BEFORE DELETE ON events
+    WHEN EXISTS (SELECT 1 FROM items WHERE item_id = OLD.item_id)
     BEGIN
         SELECT RAISE(ABORT, 'the asyncplane ledger is append-only');
     END;
@@ -222,6 +228,47 @@ WHERE i.item_id = ?
 ORDER BY e.event_id
 """
 
+# --- counts --------------------------------------------------------------------------------
+
+COUNT_STATES: Final = "SELECT state, count(*) FROM items GROUP BY state"
+
+# What the probe checks a run against: whole-store totals of the ledger, in one pass ...
+LEDGER_TALLY: Final = """
+SELECT
+    (SELECT count(*) FROM items) AS items,
+    coalesce(sum(event_type = 'claimed'), 0) AS claims,
+    coalesce(sum(event_type = 'lease_expired'), 0) AS takeovers,
+    coalesce(sum(event_type IN ('done', 'failed')), 0) AS terminal_events
+FROM events
+"""
+# ... items settled more than once ...
+SETTLED_TWICE: Final = """
+SELECT item_id FROM events WHERE event_type IN ('done', 'failed')
+GROUP BY item_id HAVING count(*) > 1 ORDER BY item_id
+"""
+# ... and items claimed more often than one first claim plus one per recorded takeover:
+# a claim that no lapsed lease explains is a duplicate claim.
+UNEXPLAINED_CLAIMS: Final = """
+SELECT item_id FROM events
+GROUP BY item_id
+HAVING sum(event_type = 'claimed') > 1 + sum(event_type = 'lease_expired')
+ORDER BY item_id
+"""
+# Items in a given state (the probe's check for lost work).
+ITEM_IDS_IN_STATE: Final = "SELECT item_id FROM items WHERE state = ? ORDER BY item_id"
+
+# --- deliberate faults, for the probe's self-test only --------------------------------------
+# A second terminal event for the first done item: what a double report would leave.
+FAULT_DUPLICATE_FINISH: Final = """
+INSERT INTO events (item_id, event_type, fence, owner, at)
+SELECT item_id, 'done', fence, 'fault', ? FROM items
+WHERE state = 'done' ORDER BY item_id LIMIT 1
+"""
+# A queued item deleted behind the store's back: lost work.
+FAULT_DELETE_ITEM: Final = """
+DELETE FROM items WHERE item_id = (SELECT max(item_id) FROM items WHERE state = 'ready')
+"""
+
 # --- the ledger verifier ---------------------------------------------------------------
 # One query per problem kind, each returning (item_id, detail), each a single pass over
 # an index. They run in one read transaction so every check sees the same snapshot.
@@ -307,6 +354,22 @@ LEDGER_CHECKS: Final[tuple[tuple[str, str], ...]] = (
         FROM items AS i JOIN events AS e ON e.item_id = i.item_id
         WHERE i.state = 'ready' AND e.event_type = 'claimed'
         GROUP BY i.item_id
+        """,
+    ),
+    (
+        # What the kinds above leave out: a state no event leads to. A row "claimed" with
+        # no claim recorded, or in a state asyncplane never writes.
+        "state_disagrees",
+        """
+        SELECT i.item_id,
+               CASE WHEN i.state IN ('ready', 'claimed', 'done', 'failed')
+                    THEN 'row is ' || i.state || ' but no claim was ever recorded'
+                    ELSE 'row is in unknown state ' || quote(i.state) END
+        FROM items AS i
+        WHERE i.state NOT IN ('ready', 'claimed', 'done', 'failed')
+           OR (i.state = 'claimed'
+               AND NOT EXISTS (SELECT 1 FROM events AS e
+                               WHERE e.item_id = i.item_id AND e.event_type = 'claimed'))
         """,
     ),
     (

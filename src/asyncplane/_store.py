@@ -76,7 +76,9 @@ class ControlStore:
         self._lease_seconds = _validate.lease_seconds(lease_seconds)
         self._clock: _clock.Clock = clock if clock is not None else _clock.SystemClock()
         self._synchronous: Literal["NORMAL", "FULL"] = synchronous
-        self._busy_timeout = _validate.seconds(busy_timeout, "busy_timeout")
+        self._busy_timeout = _validate.seconds(
+            busy_timeout, "busy_timeout", _validate.MAX_BUSY_TIMEOUT
+        )
         self._max_payload_bytes = _validate.positive_int(max_payload_bytes, "max_payload_bytes")
         self._backend: _backend.Backend = _sqlite.SQLiteBackend(
             self._path,
@@ -88,6 +90,7 @@ class ControlStore:
         )
         self._loop: asyncio.AbstractEventLoop | None = None
         self._open_lock: asyncio.Lock | None = None
+        self._lock_loop: asyncio.AbstractEventLoop | None = None
         self._is_open = False
 
     def __repr__(self) -> str:
@@ -126,17 +129,20 @@ class ControlStore:
     async def close(self) -> None:
         """Finish every queued write, then release all connections; idempotent.
 
-        A closed store may be opened again, on any event loop.
+        Calls made while the store closes wait for it to finish closing, then open it
+        again. A closed store may be opened again, on any event loop.
         """
-        if not self._is_open:
-            return
         self._check_loop()
-        self._is_open = False
-        try:
-            await self._backend.close()
-        finally:
-            self._loop = None
-            self._open_lock = None
+        if self._loop is None:  # never opened, or closed already
+            return
+        async with self._lock():
+            if not self._is_open:
+                return
+            self._is_open = False
+            try:
+                await self._backend.close()
+            finally:
+                self._loop = None
 
     async def __aenter__(self) -> ControlStore:
         return await self.open()
@@ -149,16 +155,23 @@ class ControlStore:
     ) -> None:
         await self.close()
 
+    def _lock(self) -> asyncio.Lock:
+        """The lock that serialises opening and closing, made for the running loop."""
+        loop = asyncio.get_running_loop()
+        if self._open_lock is None or self._lock_loop is not loop:
+            self._open_lock, self._lock_loop = asyncio.Lock(), loop
+        return self._open_lock
+
     def _check_loop(self) -> None:
         loop = asyncio.get_running_loop()
         if self._loop is not None and self._loop is not loop:
             if self._loop.is_closed():
-                # The loop it was opened on has ended (asyncio.run returned); the writer
-                # closed every connection as that loop cancelled it. Start afresh here.
+                # The loop it was opened on has ended. asyncio.run cancelled the writer,
+                # which closed its connections; a loop closed without that leaves threads
+                # behind, which forget() stops. Either way: start afresh on this loop.
                 self._backend.forget()
                 self._is_open = False
                 self._loop = None
-                self._open_lock = None
                 return
             raise _errors.StoreClosed(
                 "this ControlStore was opened on another event loop; "
@@ -170,11 +183,7 @@ class ControlStore:
         if self._is_open and self._loop is asyncio.get_running_loop():
             return self._backend  # the hot path: open, on its own loop
         self._check_loop()
-        if self._is_open:
-            return self._backend
-        if self._open_lock is None:
-            self._open_lock = asyncio.Lock()
-        async with self._open_lock:
+        async with self._lock():
             if not self._is_open:
                 self._loop = asyncio.get_running_loop()
                 try:
@@ -338,6 +347,11 @@ class ControlStore:
             _validate.optional_actor(actor_id),
         )
         await (await self._ready()).finish(op)
+
+    async def counts(self) -> dict[str, int]:
+        """How many items are in each state: a dict with every state as a key."""
+        found = await (await self._ready()).count_states()
+        return {state: found.get(state, 0) for state in _models.ITEM_STATES}
 
     async def item(self, item_id: int, *, actor_id: str | None = None) -> dict[str, Any]:
         """The item's current row as a dict.

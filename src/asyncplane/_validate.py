@@ -14,7 +14,10 @@ from typing import Any
 from asyncplane import _errors, _models
 
 __all__ = (
+    "MAX_BUSY_TIMEOUT",
     "MAX_ID_LENGTH",
+    "MAX_INT",
+    "MAX_LEASE_SECONDS",
     "encode_payload",
     "finish_status",
     "item_id",
@@ -29,6 +32,13 @@ __all__ = (
 
 #: Longest accepted project, owner or actor id, in characters.
 MAX_ID_LENGTH = 256
+#: Largest id or fence: SQLite's integers are signed 64-bit.
+MAX_INT = 2**63 - 1
+#: Longest lease: a year. A lease is a promise to report back, not a reservation forever,
+#: and its end must stay a representable time.
+MAX_LEASE_SECONDS = 366 * 24 * 3600.0
+#: Longest wait for the write lock, in seconds.
+MAX_BUSY_TIMEOUT = 24 * 3600.0
 
 
 def text_id(value: object, what: str) -> str:
@@ -66,26 +76,30 @@ def item_id(value: object) -> int:
 
 
 def positive_int(value: object, what: str) -> int:
-    """A positive int, bool excluded."""
+    """A positive int that fits SQLite's 64-bit integers, bool excluded."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise _errors.InvalidType(f"{what} must be an int, not {type(value).__name__}")
     if value < 1:
         raise _errors.InvalidInput(f"{what} must be positive, got {value}")
+    if value > MAX_INT:
+        raise _errors.InvalidInput(f"{what} must be at most {MAX_INT}, got {value}")
     return value
 
 
 def lease_seconds(value: object) -> float:
-    """A lease length: a finite, positive number of seconds."""
-    return seconds(value, "lease_seconds")
+    """A lease length: positive, and at most MAX_LEASE_SECONDS."""
+    return seconds(value, "lease_seconds", MAX_LEASE_SECONDS)
 
 
-def seconds(value: object, what: str) -> float:
-    """A finite, positive number of seconds (int or float, bool excluded)."""
+def seconds(value: object, what: str, most: float) -> float:
+    """A finite number of seconds in (0, most] (int or float, bool excluded)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise _errors.InvalidType(f"{what} must be an int or float, not {type(value).__name__}")
     number = float(value)
     if not math.isfinite(number) or number <= 0:
         raise _errors.InvalidInput(f"{what} must be positive and finite, got {value!r}")
+    if number > most:
+        raise _errors.InvalidInput(f"{what} must be at most {most:g} seconds, got {value!r}")
     return number
 
 

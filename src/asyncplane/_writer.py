@@ -39,6 +39,7 @@ import asyncio
 import collections
 import logging
 import sqlite3
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -85,6 +86,10 @@ class Writer:
         self.rounds = 0
         self.requests = 0
         self.in_flight = 0
+        #: Seconds spent waiting for the database's write lock (BEGIN IMMEDIATE): the
+        #: longest single wait, and the total; the probe reports them.
+        self.max_lock_wait = 0.0
+        self.total_lock_wait = 0.0
 
     def start(self) -> None:
         """Start the writer task on the running loop."""
@@ -121,6 +126,11 @@ class Writer:
             # Wait for the writer without cancelling it: it finishes its queue and exits.
             # (asyncio.wait neither cancels the task nor raises what ended it.)
             await asyncio.wait([self._task])
+
+    def abandon(self) -> None:
+        """Stop the connection's thread without the event loop, which has already ended."""
+        self._stopping = True
+        self._conn.stop()
 
     def _closed_error(self) -> _errors.StoreClosed:
         if self._failure is not None:
@@ -187,9 +197,11 @@ class Writer:
             self.in_flight = 0
 
 
-def _deliver(writer: Writer, batch: list[_Request], outcomes: list[Any]) -> None:
+def _deliver(writer: Writer, batch: list[_Request], outcomes: list[Any], lock_wait: float) -> None:
     """On the event loop: hand each caller its own outcome."""
     writer.in_flight = 0
+    writer.total_lock_wait += lock_wait
+    writer.max_lock_wait = max(writer.max_lock_wait, lock_wait)
     for (_, future), outcome in zip(batch, outcomes, strict=True):
         if future.done():  # cancelled while its round ran; the round stands
             continue
@@ -232,22 +244,36 @@ def _execute_round(
     writer: Writer,
 ) -> None:
     """Run on the connection's thread: one transaction for the batch, then deliver."""
-    outcomes = _transact([op for op, _ in batch], db, clock)
-    loop.call_soon_threadsafe(_deliver, writer, batch, outcomes)
+    try:
+        outcomes, lock_wait = _transact([op for op, _ in batch], db, clock)
+    except Exception as exc:  # outside any operation (the clock, say): fail the round only
+        _rollback(db)
+        error = _errors.StorageError(f"the write round failed: {exc!r}")
+        error.__cause__ = exc
+        outcomes, lock_wait = [_Raised(error)] * len(batch), 0.0
+    loop.call_soon_threadsafe(_deliver, writer, batch, outcomes, lock_wait)
 
 
-def _transact(ops: list[Operation[Any]], db: sqlite3.Connection, clock: _clock.Clock) -> list[Any]:
-    """One transaction for all ops, isolating each op's failure; returns their outcomes."""
+def _transact(
+    ops: list[Operation[Any]], db: sqlite3.Connection, clock: _clock.Clock
+) -> tuple[list[Any], float]:
+    """One transaction for all ops, isolating each op's failure.
+
+    Returns the outcomes, and the seconds spent waiting for the write lock.
+    """
     outcomes: list[Any] = [None] * len(ops)
     todo = list(range(len(ops)))
+    lock_wait = 0.0
     while todo:
+        asked = time.perf_counter()
         try:
             db.execute("BEGIN IMMEDIATE")
         except sqlite3.Error as exc:
             error = _translated(exc)
             for index in todo:
                 outcomes[index] = _Raised(error)
-            return outcomes
+            return outcomes, lock_wait + time.perf_counter() - asked
+        lock_wait += time.perf_counter() - asked
         now = clock.now()
         broken: int | None = None  # position in todo of an op that spoiled the transaction
         for position, index in enumerate(todo):
@@ -276,12 +302,12 @@ def _transact(ops: list[Operation[Any]], db: sqlite3.Connection, clock: _clock.C
                 for index in todo:
                     if not isinstance(outcomes[index], _Raised):
                         outcomes[index] = _Raised(error)
-                return outcomes
-            return outcomes
+                return outcomes, lock_wait
+            return outcomes, lock_wait
         # Undo everything this round wrote and run the others again without the culprit.
         _rollback(db)
         culprit = todo[broken]
         todo = [index for index in todo if index != culprit]
         for index in todo:
             outcomes[index] = None
-    return outcomes
+    return outcomes, lock_wait

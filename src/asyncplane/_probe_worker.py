@@ -1,0 +1,181 @@
+"""One worker process of the qualification probe (see `asyncplane.probe`).
+
+Started by the probe as a separate interpreter (``python -m asyncplane._probe_worker``),
+never forked from a running event loop. It opens its own ControlStore on the file, as a
+deployed worker would, and talks to the probe through one line of JSON per message:
+
+* on stdout: ``{"ready": ...}`` once the store is open, ``{"f": item_id, "fence": n}`` for
+  every item it finished (flushed at once, so a killed worker loses at most the line it
+  was writing), ``{"claimed": ...}`` in hold mode, and a final ``{"summary": ...}``;
+* on stdin: one line to start (so every worker starts at once), and in hold mode one line
+  telling it to report its held item.
+
+Modes:
+
+``drain``
+    ``--concurrency`` coroutines claim and finish until the queue is empty. With
+    ``--until-drained`` (chaos), a worker that finds nothing to claim waits while any item
+    is still claimed, since a killed worker's lease will lapse and hand it on.
+``hold``
+    Claim one item, say so, and hold it without renewing until told to report; then
+    try to finish it and say whether the store accepted or fenced out the report.
+
+``--fault`` makes one worker misbehave through raw SQL, so that a test can show the probe
+failing with the right count named: ``duplicate-finish`` settles an item a second time,
+``delete-item`` deletes a queued item.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sqlite3
+import sys
+import time
+from typing import Any
+
+import anyio.to_thread
+
+from asyncplane import _errors, _store
+from asyncplane import _sqlite_sql as sql
+
+#: How long a --until-drained worker waits before looking again for lapsed leases.
+_IDLE_POLL_SECONDS = 0.05
+
+
+def _say(message: dict[str, Any]) -> None:
+    sys.stdout.write(json.dumps(message, separators=(",", ":")) + "\n")
+    sys.stdout.flush()
+
+
+class _Tally:
+    def __init__(self) -> None:
+        self.claimed = 0
+        self.finished = 0
+        self.locked = 0
+        self.fence_rejected = 0
+        self.errors: list[str] = []
+
+
+async def _drain_one(
+    store: _store.ControlStore, owner: str, tally: _Tally, until_drained: bool
+) -> None:
+    while True:
+        try:
+            claim = await store.claim(owner=owner)
+        except _errors.DatabaseLocked:
+            tally.locked += 1
+            continue
+        if claim is None:
+            if not until_drained:
+                return
+            counts = await store.counts()
+            if counts["ready"] == 0 and counts["claimed"] == 0:
+                return
+            await asyncio.sleep(_IDLE_POLL_SECONDS)  # a lapsed lease is a matter of time
+            continue
+        tally.claimed += 1
+        try:
+            await store.finish(claim.item_id, fence=claim.fence, status="done")
+        except _errors.FenceRejected:
+            tally.fence_rejected += 1
+            continue
+        except _errors.DatabaseLocked:
+            tally.locked += 1
+            continue
+        tally.finished += 1
+        _say({"f": claim.item_id, "fence": claim.fence})
+
+
+def _inject(path: str, fault: str) -> None:
+    """Break the run behind the store's back, the way a buggy writer would."""
+    conn = sqlite3.connect(path, isolation_level=None, timeout=30)
+    try:
+        if fault == "duplicate-finish":
+            conn.execute(sql.FAULT_DUPLICATE_FINISH, (time.time(),))
+        elif fault == "delete-item":
+            conn.execute(sql.FAULT_DELETE_ITEM)
+    finally:
+        conn.close()
+
+
+async def _main(args: argparse.Namespace) -> int:
+    tally = _Tally()
+    store = _store.ControlStore(
+        args.store, lease_seconds=args.lease_seconds, synchronous=args.synchronous
+    )
+    async with store:
+        await store.counts()  # opened before saying ready
+        _say({"ready": args.name})
+        if not args.no_wait:
+            await anyio.to_thread.run_sync(sys.stdin.readline)
+        if args.fault == "delete-item":
+            await anyio.to_thread.run_sync(_inject, args.store, args.fault)
+        if args.mode == "hold":
+            await _hold(store, args, tally)
+        else:
+            await asyncio.gather(
+                *(
+                    _drain_one(store, f"{args.name}/{n}", tally, args.until_drained)
+                    for n in range(args.concurrency)
+                )
+            )
+        if args.fault == "duplicate-finish":
+            await anyio.to_thread.run_sync(_inject, args.store, args.fault)
+        backend: Any = await store._ready()
+        writer = backend.writer
+        _say(
+            {
+                "summary": args.name,
+                "claimed": tally.claimed,
+                "finished": tally.finished,
+                "locked": tally.locked,
+                "fence_rejected": tally.fence_rejected,
+                "max_lock_wait": writer.max_lock_wait if writer else 0.0,
+            }
+        )
+    return 0
+
+
+async def _hold(store: _store.ControlStore, args: argparse.Namespace, tally: _Tally) -> None:
+    claim = None
+    while claim is None:
+        claim = await store.claim(owner=args.name)
+        if claim is None:
+            await asyncio.sleep(_IDLE_POLL_SECONDS)
+    tally.claimed += 1
+    _say(
+        {
+            "claimed": claim.item_id,
+            "fence": claim.fence,
+            "lease_expires_at": claim.lease_expires_at.timestamp(),
+        }
+    )
+    await anyio.to_thread.run_sync(sys.stdin.readline)  # "report now": possibly much later
+    try:
+        await store.finish(claim.item_id, fence=claim.fence, status="done")
+    except _errors.FenceRejected:
+        tally.fence_rejected += 1
+        _say({"report": "fence_rejected", "item": claim.item_id, "fence": claim.fence})
+    else:
+        tally.finished += 1
+        _say({"report": "finished", "item": claim.item_id, "fence": claim.fence})
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m asyncplane._probe_worker")
+    parser.add_argument("--store", required=True)
+    parser.add_argument("--name", required=True)
+    parser.add_argument("--mode", choices=("drain", "hold"), default="drain")
+    parser.add_argument("--concurrency", type=int, default=1)
+    parser.add_argument("--lease-seconds", type=float, default=900.0)
+    parser.add_argument("--synchronous", choices=("NORMAL", "FULL"), default="NORMAL")
+    parser.add_argument("--until-drained", action="store_true")
+    parser.add_argument("--no-wait", action="store_true", help="start without a go line")
+    parser.add_argument("--fault", choices=("duplicate-finish", "delete-item"))
+    return asyncio.run(_main(parser.parse_args(argv)))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

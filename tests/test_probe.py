@@ -1,0 +1,156 @@
+"""The qualification probe, run as a user runs it: the command line, real processes.
+
+Each scenario runs small here; the figures at full size come from
+benchmarks/probe_vs_raw.py. The probe must also really fail: a run corrupted behind the
+store's back exits 1 and names the count that is wrong.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+
+from asyncplane import probe
+
+REQUIRED_KEYS = {
+    "scenario", "workers", "items", "seconds", "items_per_s", "duplicates", "lost",
+    "locked_errors", "fence_rejections", "ledger_problems", "passed",
+}  # fmt: skip
+
+
+def run_probe(tmp_path: pathlib.Path, *args: str, module: bool = True) -> tuple[int, Any, str]:
+    command = (
+        [sys.executable, "-m", "asyncplane.probe"]
+        if module
+        else [sys.executable, "-m", "asyncplane.cli", "probe"]
+    )
+    done = subprocess.run(
+        [*command, "--store", str(tmp_path / "probe.db"), "--json", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    report = json.loads(done.stdout) if done.stdout.strip() else None
+    return done.returncode, report, done.stderr
+
+
+def test_concurrent_queue_counts_are_exact(tmp_path: pathlib.Path) -> None:
+    code, report, err = run_probe(
+        tmp_path, "--scenario", "concurrent-queue", "--workers", "4", "--items", "300",
+        "--concurrency", "2",
+    )  # fmt: skip
+    assert code == 0, (report, err)
+    assert set(report) >= REQUIRED_KEYS
+    assert report["passed"] is True
+    assert (report["workers"], report["items"], report["concurrency"]) == (4, 300, 2)
+    for count in ("duplicates", "lost", "locked_errors", "fence_rejections", "ledger_problems"):
+        assert report[count] == 0, count
+    assert report["items_per_s"] > 0
+    assert report["per_worker_min"] >= 0 and report["per_worker_max"] <= 300
+
+
+def test_kill_and_reclaim_fences_out_the_dead_worker(tmp_path: pathlib.Path) -> None:
+    code, report, err = run_probe(tmp_path, "--scenario", "kill-and-reclaim")
+    assert code == 0, (report, err)
+    assert report["fence_rejections"] == 1  # the stand-in's late report, refused
+    assert report["re_executions"] == 1  # the lapsed lease was taken over once
+    assert (report["duplicates"], report["lost"], report["ledger_problems"]) == (0, 0, 0)
+
+
+def test_stall_fences_out_the_stopped_worker(tmp_path: pathlib.Path) -> None:
+    code, report, err = run_probe(tmp_path, "--scenario", "stall", "--lease-seconds", "0.5")
+    assert code == 0, (report, err)
+    assert report["fence_rejections"] == 1
+    assert (report["duplicates"], report["lost"], report["ledger_problems"]) == (0, 0, 0)
+
+
+def test_chaos_survives_kills(tmp_path: pathlib.Path) -> None:
+    code, report, err = run_probe(
+        tmp_path, "--scenario", "chaos", "--workers", "4", "--items", "3000", "--seed", "7",
+    )  # fmt: skip
+    assert code == 0, (report, err)
+    assert report["kills"] >= 1
+    assert (report["duplicates"], report["lost"], report["ledger_problems"]) == (0, 0, 0)
+    assert report["locked_errors"] == 0
+
+
+@pytest.mark.parametrize(
+    ("fault", "count"), [("duplicate-finish", "duplicates"), ("delete-item", "lost")]
+)
+def test_a_corrupted_run_fails_and_names_the_count(
+    tmp_path: pathlib.Path, fault: str, count: str
+) -> None:
+    code, report, _ = run_probe(
+        tmp_path, "--scenario", "concurrent-queue", "--workers", "3", "--items", "200",
+        "--fault", fault,
+    )  # fmt: skip
+    assert code == 1
+    assert report["passed"] is False
+    assert report[count] >= 1
+    assert any(failure.startswith(f"{count} is ") for failure in report["failures"])
+
+
+def test_human_report_names_the_wrong_count(tmp_path: pathlib.Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "asyncplane.probe", "--store", str(tmp_path / "p.db"),
+         "--scenario", "concurrent-queue", "--workers", "2", "--items", "50",
+         "--fault", "delete-item"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 1
+    assert "FAILED: lost is 1, must be 0" in done.stdout
+    assert "asyncplane probe: concurrent-queue" in done.stdout
+
+
+def test_the_asyncplane_command_runs_the_probe(tmp_path: pathlib.Path) -> None:
+    code, report, err = run_probe(
+        tmp_path, "--scenario", "concurrent-queue", "--workers", "2", "--items", "40",
+        module=False,
+    )  # fmt: skip
+    assert code == 0, err
+    assert report["passed"] is True
+
+
+def test_an_existing_file_is_not_overwritten_without_asking(tmp_path: pathlib.Path) -> None:
+    (tmp_path / "probe.db").write_bytes(b"precious")
+    code, _, err = run_probe(tmp_path, "--scenario", "kill-and-reclaim")
+    assert code == 2
+    assert "exists" in err
+    assert (tmp_path / "probe.db").read_bytes() == b"precious"
+
+
+MOUNTINFO = """\
+22 1 8:1 / / rw,relatime shared:1 - ext4 /dev/sda1 rw
+40 22 0:35 / /mnt/shared rw,relatime shared:20 - nfs4 server:/export rw,vers=4.2
+41 40 0:36 / /mnt/shared/local rw,relatime shared:21 - tmpfs tmpfs rw
+42 22 0:37 / /mnt/with\\040space rw - cifs //host/share rw
+"""
+
+
+@pytest.mark.parametrize(
+    ("target", "expected"),
+    [
+        ("/home/me", "ext4"),
+        ("/mnt/shared/data", "nfs4"),
+        ("/mnt/shared", "nfs4"),
+        ("/mnt/shared/local/x", "tmpfs"),
+        ("/mnt/sharedness", "ext4"),
+        ("/mnt/with space/db", "cifs"),
+    ],
+)
+def test_filesystem_is_read_from_mountinfo(target: str, expected: str) -> None:
+    assert probe.filesystem_in_mountinfo(MOUNTINFO, target) == expected
+
+
+def test_network_filesystems_get_a_clear_warning(tmp_path: pathlib.Path) -> None:
+    for fs in ("nfs4", "cifs", "9p", "fuse.sshfs"):
+        warning = probe.network_filesystem_warning(tmp_path / "x.db", fs)
+        assert warning is not None
+        assert fs in warning and "not safe" in warning
+    assert probe.network_filesystem_warning(tmp_path / "x.db", "ext4") is None
+    assert probe.filesystem_of(tmp_path / "x.db") != ""  # this machine's /proc is readable
