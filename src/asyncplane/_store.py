@@ -31,13 +31,13 @@ class ControlStore:
     Args:
         path: The database file; created, with its schema, on first use.
         lease_seconds: How long a claim stays exclusively its owner's before another
-            worker may take it over (int or float seconds).
+            worker may take it over (int or float seconds, at most 366 days).
         clock: Where "now" comes from; `asyncplane.testing.ManualClock` in tests.
         synchronous: ``"NORMAL"`` (the default: durable against process crashes, a power
             loss may undo the last commits) or ``"FULL"`` (also durable against power loss).
         busy_timeout: Seconds a write waits for the database's write lock, held by another
             connection (another process, or another store on the same file), before it
-            fails with DatabaseLocked.
+            fails with DatabaseLocked (at most a day).
         max_payload_bytes: The largest payload accepted, in bytes of compact JSON.
         max_batch: The most requests one group commit may carry.
         read_connections: How many read-only connections reads may use at once.
@@ -129,8 +129,10 @@ class ControlStore:
     async def close(self) -> None:
         """Finish every queued write, then release all connections; idempotent.
 
-        Calls made while the store closes wait for it to finish closing, then open it
-        again. A closed store may be opened again, on any event loop.
+        Writes queued before the close are served; reads still waiting for a read
+        connection when it begins are refused with StoreClosed. Calls made once the close
+        has begun wait for it to finish, then open the store again. A closed store may be
+        opened again, on any event loop.
         """
         self._check_loop()
         if self._loop is None:  # never opened, or closed already

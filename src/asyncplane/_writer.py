@@ -87,7 +87,7 @@ class Writer:
         self.requests = 0
         self.in_flight = 0
         #: Seconds spent waiting for the database's write lock (BEGIN IMMEDIATE): the
-        #: longest single wait, and the total; the probe reports them.
+        #: longest single wait, and the sum over rounds; the probe reports the longest.
         self.max_lock_wait = 0.0
         self.total_lock_wait = 0.0
 
@@ -259,7 +259,7 @@ def _transact(
 ) -> tuple[list[Any], float]:
     """One transaction for all ops, isolating each op's failure.
 
-    Returns the outcomes, and the seconds spent waiting for the write lock.
+    Returns the outcomes, and the longest single wait for the write lock, in seconds.
     """
     outcomes: list[Any] = [None] * len(ops)
     todo = list(range(len(ops)))
@@ -272,8 +272,8 @@ def _transact(
             error = _translated(exc)
             for index in todo:
                 outcomes[index] = _Raised(error)
-            return outcomes, lock_wait + time.perf_counter() - asked
-        lock_wait += time.perf_counter() - asked
+            return outcomes, max(lock_wait, time.perf_counter() - asked)
+        lock_wait = max(lock_wait, time.perf_counter() - asked)
         now = clock.now()
         broken: int | None = None  # position in todo of an op that spoiled the transaction
         for position, index in enumerate(todo):

@@ -19,7 +19,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if args and args[0] == "probe":
         # The probe owns its options; hand them over untouched.
-        return probe.main(args[1:])
+        return probe.main(args[1:], prog="asyncplane probe")
     parser = argparse.ArgumentParser(
         prog="asyncplane", description="Operate and qualify asyncplane stores."
     )

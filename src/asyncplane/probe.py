@@ -49,7 +49,7 @@ import time
 from collections.abc import Sequence
 from typing import Any, TextIO
 
-from asyncplane import _errors, _ledger, _store
+from asyncplane import _errors, _ledger, _store, _validate
 
 __all__ = (
     "NETWORK_FILESYSTEMS",
@@ -495,7 +495,11 @@ _RUNNERS = {
 
 
 async def run_probe(args: argparse.Namespace, *, progress: TextIO = sys.stderr) -> ProbeReport:
-    """Run one scenario on a fresh store at ``args.store`` and return what it counted."""
+    """Run one scenario on the store at ``args.store`` and return what it counted.
+
+    ``args`` carries the command line's options (see `main`); the file should not exist
+    yet (``main`` refuses an existing file unless told to overwrite it).
+    """
     single = args.scenario in ("kill-and-reclaim", "stall")
     report = ProbeReport(
         scenario=args.scenario,
@@ -518,9 +522,9 @@ def _default_lease(scenario: str) -> float:
     return {"concurrent-queue": 900.0, "chaos": 1.0}.get(scenario, 1.0)
 
 
-def _parser() -> argparse.ArgumentParser:
+def _parser(prog: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m asyncplane.probe",
+        prog=prog,
         description="Qualify a disk for an asyncplane store: separate worker processes, "
         "exact counts. Exits 0 when every count is exactly right, 1 otherwise.",
     )
@@ -586,16 +590,19 @@ def _human(report: ProbeReport) -> str:
     return "\n".join(lines)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run the probe from the command line; return the exit status."""
-    parser = _parser()
+def main(argv: Sequence[str] | None = None, *, prog: str = "python -m asyncplane.probe") -> int:
+    """Run the probe from the command line; return the exit status (0 passed, 1 failed).
+
+    Usage errors exit with status 2 through argparse's SystemExit, as any command does.
+    """
+    parser = _parser(prog)
     args = parser.parse_args(argv)
     if args.workers < 1 or args.items < 1 or args.concurrency < 1:
         parser.error("--workers, --items and --concurrency must be at least 1")
     if args.lease_seconds is None:
         args.lease_seconds = _default_lease(args.scenario)
-    if args.lease_seconds <= 0:
-        parser.error("--lease-seconds must be positive")
+    if not 0 < args.lease_seconds <= _validate.MAX_LEASE_SECONDS:
+        parser.error("--lease-seconds must be positive, and at most 366 days")
     _prepare_path(args, parser)
     warning = network_filesystem_warning(args.store, filesystem_of(args.store))
     if warning:

@@ -1,0 +1,196 @@
+"""The probe's drain rate beside raw SQLite's ceiling, measured in the same run.
+
+    python benchmarks/probe_vs_raw.py [--workers 16] [--items 10000] [--repeats 3]
+
+The raw ceiling: W plain sqlite3 worker processes (this script, in --raw-worker mode)
+draining the same schema, one BEGIN IMMEDIATE transaction per claim and one per finish,
+each writing its event row; the clock runs from the moment every worker is ready until
+the last one exits, as the probe's own rate does. Then the probe's concurrent-queue with
+the same workers and items, at --concurrency 1 and 8, with synchronous NORMAL and FULL.
+
+Targets (issue 3): probe C=1 >= 0.8x raw NORMAL; probe C=8 >= 2x raw NORMAL; probe C=8
+FULL >= 2x raw FULL. Each rate is the median of the repeats; the ratios compare medians.
+The report also shows the least busy worker and the longest single wait for the write
+lock, so starvation is visible.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import pathlib
+import sqlite3
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+from asyncplane import ControlStore
+
+RAW_CLAIM = """
+UPDATE items SET state = 'claimed', fence = fence + 1, attempts = attempts + 1,
+                 owner = ?, lease_expires_at = ?, updated_at = ?
+WHERE item_id = (SELECT item_id FROM items WHERE state = 'ready' ORDER BY item_id LIMIT 1)
+RETURNING item_id, fence
+"""
+RAW_FINISH = """
+UPDATE items SET state = 'done', lease_expires_at = NULL, updated_at = ?
+WHERE item_id = ? AND state = 'claimed' AND fence = ?
+"""
+RAW_EVENT = (
+    "INSERT INTO events (item_id, event_type, fence, owner, actor_id, at, detail) "
+    "VALUES (?, ?, ?, ?, NULL, ?, NULL)"
+)
+
+
+def raw_worker(path: str, synchronous: str, name: str) -> None:
+    """Drain the queue with plain sqlite3; print the count and the longest lock wait."""
+    conn = sqlite3.connect(path, isolation_level=None, timeout=30)
+    conn.execute(f"PRAGMA synchronous = {synchronous}")
+    print("ready", flush=True)
+    sys.stdin.readline()
+    done, longest = 0, 0.0
+    while True:
+        asked = time.perf_counter()
+        conn.execute("BEGIN IMMEDIATE")
+        longest = max(longest, time.perf_counter() - asked)
+        now = time.time()
+        rows = conn.execute(RAW_CLAIM, (name, now + 900, now)).fetchall()
+        if not rows:
+            conn.execute("COMMIT")
+            break
+        item_id, fence = rows[0]
+        conn.execute(RAW_EVENT, (item_id, "claimed", fence, name, now))
+        conn.execute("COMMIT")
+        asked = time.perf_counter()
+        conn.execute("BEGIN IMMEDIATE")
+        longest = max(longest, time.perf_counter() - asked)
+        now = time.time()
+        conn.execute(RAW_FINISH, (now, item_id, fence))
+        conn.execute(RAW_EVENT, (item_id, "done", fence, name, now))
+        conn.execute("COMMIT")
+        done += 1
+    print(json.dumps({"done": done, "longest": longest}), flush=True)
+
+
+async def seed(path: pathlib.Path, items: int, synchronous: str) -> None:
+    async with ControlStore(path, synchronous=synchronous) as store:  # type: ignore[arg-type]
+        await store.create_project("probe", "Probe")
+    conn = sqlite3.connect(path, isolation_level=None)
+    now = time.time()
+    conn.execute("BEGIN IMMEDIATE")
+    for n in range(items):
+        (item_id,) = conn.execute(
+            "INSERT INTO items (project_id, state, payload, created_at, updated_at) "
+            "VALUES ('probe', 'ready', ?, ?, ?) RETURNING item_id",
+            (json.dumps({"n": n}), now, now),
+        ).fetchone()
+        conn.execute(RAW_EVENT, (item_id, "queued", 0, None, now))
+    conn.execute("COMMIT")
+    conn.close()
+
+
+def run_raw(tmp: pathlib.Path, workers: int, items: int, synchronous: str) -> dict[str, float]:
+    path = tmp / f"raw-{synchronous}-{time.monotonic_ns()}.db"
+    asyncio.run(seed(path, items, synchronous))
+    procs = [
+        subprocess.Popen(
+            [sys.executable, __file__, "--raw-worker", str(path), synchronous, f"raw{n}"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for n in range(workers)
+    ]
+    for proc in procs:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+    started = time.perf_counter()
+    for proc in procs:
+        assert proc.stdin is not None
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+    results = [json.loads(proc.communicate()[0]) for proc in procs]
+    seconds = time.perf_counter() - started
+    done = sum(r["done"] for r in results)
+    if done != items:
+        raise SystemExit(f"raw workers finished {done} of {items} items")
+    return {
+        "items_per_s": items / seconds,
+        "per_worker_min": min(r["done"] for r in results),
+        "max_lock_wait_s": max(r["longest"] for r in results),
+    }
+
+
+def run_probe(
+    tmp: pathlib.Path, workers: int, items: int, concurrency: int, synchronous: str
+) -> dict[str, float]:
+    path = tmp / f"probe-{synchronous}-{concurrency}-{time.monotonic_ns()}.db"
+    done = subprocess.run(
+        [sys.executable, "-m", "asyncplane.probe", "--store", str(path), "--json",
+         "--scenario", "concurrent-queue", "--workers", str(workers), "--items", str(items),
+         "--concurrency", str(concurrency), "--synchronous", synchronous],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    report = json.loads(done.stdout)
+    if not report["passed"]:
+        raise SystemExit(f"the probe failed: {report['failures']}")
+    return {k: report[k] for k in ("items_per_s", "per_worker_min", "max_lock_wait_s")}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workers", type=int, default=16)
+    parser.add_argument("--items", type=int, default=10_000)
+    parser.add_argument("--full-items", type=int, default=4_000, help="items for the FULL runs")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+
+    runs: dict[str, list[dict[str, float]]] = {}
+    plan = [
+        ("raw NORMAL", lambda t: run_raw(t, args.workers, args.items, "NORMAL")),
+        ("probe C=1 NORMAL", lambda t: run_probe(t, args.workers, args.items, 1, "NORMAL")),
+        ("probe C=8 NORMAL", lambda t: run_probe(t, args.workers, args.items, 8, "NORMAL")),
+        ("raw FULL", lambda t: run_raw(t, args.workers, args.full_items, "FULL")),
+        ("probe C=8 FULL", lambda t: run_probe(t, args.workers, args.full_items, 8, "FULL")),
+    ]
+    with tempfile.TemporaryDirectory(prefix="asyncplane-probe-bench-") as tmp:
+        for _ in range(args.repeats):
+            for label, measure in plan:  # interleaved, so noise hits every line alike
+                runs.setdefault(label, []).append(measure(pathlib.Path(tmp)))
+
+    def median(label: str, key: str) -> float:
+        return statistics.median(run[key] for run in runs[label])
+
+    rates = {label: median(label, "items_per_s") for label in runs}
+    ratios = {
+        "probe C=1 / raw NORMAL": (rates["probe C=1 NORMAL"] / rates["raw NORMAL"], 0.8),
+        "probe C=8 / raw NORMAL": (rates["probe C=8 NORMAL"] / rates["raw NORMAL"], 2.0),
+        "probe C=8 FULL / raw FULL": (rates["probe C=8 FULL"] / rates["raw FULL"], 2.0),
+    }
+    if args.json:
+        print(json.dumps({"runs": runs, "rates": rates, "ratios": ratios}))
+        return 0
+    print(
+        f"{args.workers} worker processes; {args.items} items (FULL: {args.full_items}); "
+        f"median of {args.repeats}"
+    )
+    for label in runs:
+        print(
+            f"  {label:<18} {rates[label]:>9,.0f} items/s   least busy worker "
+            f"{median(label, 'per_worker_min'):>5.0f} items, longest lock wait "
+            f"{median(label, 'max_lock_wait_s') * 1000:>6.1f} ms"
+        )
+    for label, (ratio, target) in ratios.items():
+        verdict = "meets" if ratio >= target else "MISSES"
+        print(f"  {label:<26} {ratio:5.2f}x  ({verdict} target {target}x)")
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--raw-worker":
+        raw_worker(*sys.argv[2:5])
+        sys.exit(0)
+    sys.exit(main())
