@@ -154,3 +154,36 @@ def test_network_filesystems_get_a_clear_warning(tmp_path: pathlib.Path) -> None
         assert fs in warning and "not safe" in warning
     assert probe.network_filesystem_warning(tmp_path / "x.db", "ext4") is None
     assert probe.filesystem_of(tmp_path / "x.db") != ""  # this machine's /proc is readable
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="pseudo-terminals are POSIX")
+def test_progress_line_appears_on_a_terminal(tmp_path: pathlib.Path) -> None:
+    import os
+    import pty
+
+    leader, follower = pty.openpty()
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "asyncplane.probe", "--store", str(tmp_path / "p.db"),
+             "--scenario", "concurrent-queue", "--workers", "2", "--items", "3000"],
+            stdout=subprocess.PIPE, stderr=follower, text=True, timeout=300,
+        )  # fmt: skip
+        os.close(follower)
+        follower = -1
+        seen = b""
+        while True:
+            try:
+                chunk = os.read(leader, 65536)
+            except OSError:  # the terminal's other end is closed: all read
+                break
+            if not chunk:
+                break
+            seen += chunk
+    finally:
+        if follower != -1:
+            os.close(follower)
+        os.close(leader)
+    assert done.returncode == 0, done.stdout
+    assert b"/3000 items done" in seen
+    assert b"\r" in seen
+    assert "items done" not in done.stdout  # the report itself stays clean
