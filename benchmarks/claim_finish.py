@@ -30,73 +30,28 @@ import asyncio
 import json
 import os
 import pathlib
-import sqlite3
 import statistics
 import sys
 import tempfile
 import time
 
+import _raw
 import aiosqlite
 
 from asyncplane import ControlStore
-
-RAW_CLAIM = """
-UPDATE items SET state = 'claimed', fence = fence + 1, attempts = attempts + 1,
-                 owner = ?, lease_expires_at = ?, updated_at = ?
-WHERE item_id = (SELECT item_id FROM items WHERE state = 'ready' ORDER BY item_id LIMIT 1)
-RETURNING item_id, fence
-"""
-RAW_FINISH = """
-UPDATE items SET state = 'done', lease_expires_at = NULL, updated_at = ?
-WHERE item_id = ? AND state = 'claimed' AND fence = ?
-"""
-RAW_EVENT = (
-    "INSERT INTO events (item_id, event_type, fence, owner, actor_id, at, detail) "
-    "VALUES (?, ?, ?, ?, NULL, ?, NULL)"
-)
 
 
 async def prepare(path: pathlib.Path, items: int, synchronous: str) -> None:
     """Create the schema through asyncplane, and the items in one transaction."""
     async with ControlStore(path, synchronous=synchronous) as store:  # type: ignore[arg-type]
         await store.create_project("bench", "Benchmark")
-    conn = sqlite3.connect(path, isolation_level=None)
-    now = time.time()
-    conn.execute("BEGIN IMMEDIATE")
-    for _ in range(items):
-        (item_id,) = conn.execute(
-            "INSERT INTO items (project_id, state, payload, created_at, updated_at) "
-            "VALUES ('bench', 'ready', '{\"task\": \"x\"}', ?, ?) RETURNING item_id",
-            (now, now),
-        ).fetchone()
-        conn.execute(RAW_EVENT, (item_id, "queued", 0, None, now))
-    conn.execute("COMMIT")
-    conn.close()
+    _raw.seed(str(path), "bench", items)
 
 
 def run_raw(path: pathlib.Path, synchronous: str) -> tuple[int, float]:
-    conn = sqlite3.connect(path, isolation_level=None)
-    conn.execute("PRAGMA journal_mode = WAL")
-    conn.execute(f"PRAGMA synchronous = {synchronous}")
-    conn.execute("PRAGMA busy_timeout = 30000")
-    done = 0
+    conn = _raw.connect(str(path), synchronous)
     started = time.perf_counter()
-    while True:
-        now = time.time()
-        conn.execute("BEGIN IMMEDIATE")
-        row = conn.execute(RAW_CLAIM, ("raw", now + 900, now)).fetchall()
-        if not row:
-            conn.execute("COMMIT")
-            break
-        item_id, fence = row[0]
-        conn.execute(RAW_EVENT, (item_id, "claimed", fence, "raw", now))
-        conn.execute("COMMIT")
-        now = time.time()
-        conn.execute("BEGIN IMMEDIATE")
-        conn.execute(RAW_FINISH, (now, item_id, fence))
-        conn.execute(RAW_EVENT, (item_id, "done", fence, "raw", now))
-        conn.execute("COMMIT")
-        done += 1
+    done, _ = _raw.drain(conn, "raw")
     elapsed = time.perf_counter() - started
     conn.close()
     return done, elapsed

@@ -20,76 +20,30 @@ import argparse
 import asyncio
 import json
 import pathlib
-import sqlite3
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 
-from asyncplane import ControlStore
+import _raw
 
-RAW_CLAIM = """
-UPDATE items SET state = 'claimed', fence = fence + 1, attempts = attempts + 1,
-                 owner = ?, lease_expires_at = ?, updated_at = ?
-WHERE item_id = (SELECT item_id FROM items WHERE state = 'ready' ORDER BY item_id LIMIT 1)
-RETURNING item_id, fence
-"""
-RAW_FINISH = """
-UPDATE items SET state = 'done', lease_expires_at = NULL, updated_at = ?
-WHERE item_id = ? AND state = 'claimed' AND fence = ?
-"""
-RAW_EVENT = (
-    "INSERT INTO events (item_id, event_type, fence, owner, actor_id, at, detail) "
-    "VALUES (?, ?, ?, ?, NULL, ?, NULL)"
-)
+from asyncplane import ControlStore
 
 
 def raw_worker(path: str, synchronous: str, name: str) -> None:
     """Drain the queue with plain sqlite3; print the count and the longest lock wait."""
-    conn = sqlite3.connect(path, isolation_level=None, timeout=30)
-    conn.execute(f"PRAGMA synchronous = {synchronous}")
+    conn = _raw.connect(path, synchronous)
     print("ready", flush=True)
     sys.stdin.readline()
-    done, longest = 0, 0.0
-    while True:
-        asked = time.perf_counter()
-        conn.execute("BEGIN IMMEDIATE")
-        longest = max(longest, time.perf_counter() - asked)
-        now = time.time()
-        rows = conn.execute(RAW_CLAIM, (name, now + 900, now)).fetchall()
-        if not rows:
-            conn.execute("COMMIT")
-            break
-        item_id, fence = rows[0]
-        conn.execute(RAW_EVENT, (item_id, "claimed", fence, name, now))
-        conn.execute("COMMIT")
-        asked = time.perf_counter()
-        conn.execute("BEGIN IMMEDIATE")
-        longest = max(longest, time.perf_counter() - asked)
-        now = time.time()
-        conn.execute(RAW_FINISH, (now, item_id, fence))
-        conn.execute(RAW_EVENT, (item_id, "done", fence, name, now))
-        conn.execute("COMMIT")
-        done += 1
+    done, longest = _raw.drain(conn, name)
     print(json.dumps({"done": done, "longest": longest}), flush=True)
 
 
 async def seed(path: pathlib.Path, items: int, synchronous: str) -> None:
     async with ControlStore(path, synchronous=synchronous) as store:  # type: ignore[arg-type]
         await store.create_project("probe", "Probe")
-    conn = sqlite3.connect(path, isolation_level=None)
-    now = time.time()
-    conn.execute("BEGIN IMMEDIATE")
-    for n in range(items):
-        (item_id,) = conn.execute(
-            "INSERT INTO items (project_id, state, payload, created_at, updated_at) "
-            "VALUES ('probe', 'ready', ?, ?, ?) RETURNING item_id",
-            (json.dumps({"n": n}), now, now),
-        ).fetchone()
-        conn.execute(RAW_EVENT, (item_id, "queued", 0, None, now))
-    conn.execute("COMMIT")
-    conn.close()
+    _raw.seed(str(path), "probe", items)
 
 
 def run_raw(tmp: pathlib.Path, workers: int, items: int, synchronous: str) -> dict[str, float]:

@@ -31,3 +31,35 @@ def test_claim_finish_benchmark_reports_rates_and_ratios() -> None:
     assert set(report["rates"]) == {"raw", "1 coroutine", "64 coroutines"}
     assert all(rate > 0 for rate in report["rates"].values())
     assert set(report["ratios"]) == {"1 coroutine / raw", "64 coroutines / raw"}
+
+
+def test_probe_vs_raw_benchmark_reports_every_ratio() -> None:
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(BENCHMARKS / "probe_vs_raw.py"),
+            "--repeats",
+            "1",
+            "--workers",
+            "2",
+            "--items",
+            "60",
+            "--full-items",
+            "30",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert set(report["rates"]) == {
+        "raw NORMAL",
+        "probe C=1 NORMAL",
+        "probe C=8 NORMAL",
+        "raw FULL",
+        "probe C=8 FULL",
+    }
+    assert all(rate > 0 for rate in report["rates"].values())
+    assert len(report["ratios"]) == 3

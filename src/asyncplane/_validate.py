@@ -105,21 +105,20 @@ def seconds(value: object, what: str, most: float) -> float:
 
 def finish_status(value: object) -> str:
     """One of the terminal statuses finish() accepts."""
-    if not isinstance(value, str):
-        raise _errors.InvalidType(f"status must be a str, not {type(value).__name__}")
-    if value not in _models.FINISH_STATUSES:
-        allowed = ", ".join(repr(s) for s in _models.FINISH_STATUSES)
-        raise _errors.InvalidInput(f"unknown status {value!r}: expected one of {allowed}")
-    return value
+    return _one_of(value, "status", _models.FINISH_STATUSES)
 
 
 def project_status(value: object) -> str:
     """One of the project statuses; only "open" projects hand out claims."""
+    return _one_of(value, "project status", _models.PROJECT_STATUSES)
+
+
+def _one_of(value: object, what: str, allowed: tuple[str, ...]) -> str:
     if not isinstance(value, str):
-        raise _errors.InvalidType(f"status must be a str, not {type(value).__name__}")
-    if value not in _models.PROJECT_STATUSES:
-        allowed = ", ".join(repr(s) for s in _models.PROJECT_STATUSES)
-        raise _errors.InvalidInput(f"unknown project status {value!r}: expected one of {allowed}")
+        raise _errors.InvalidType(f"{what} must be a str, not {type(value).__name__}")
+    if value not in allowed:
+        choices = ", ".join(repr(s) for s in allowed)
+        raise _errors.InvalidInput(f"unknown {what} {value!r}: expected one of {choices}")
     return value
 
 

@@ -1,0 +1,75 @@
+"""The raw sqlite3 baseline the benchmarks compare asyncplane with.
+
+One plain connection, one BEGIN IMMEDIATE transaction per claim and one per finish, each
+writing its event row, on asyncplane's own schema (so indexes and triggers are the same):
+the fastest honest way to do by hand what the store does.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import time
+
+CLAIM = """
+UPDATE items SET state = 'claimed', fence = fence + 1, attempts = attempts + 1,
+                 owner = ?, lease_expires_at = ?, updated_at = ?
+WHERE item_id = (SELECT item_id FROM items WHERE state = 'ready' ORDER BY item_id LIMIT 1)
+RETURNING item_id, fence
+"""
+FINISH = """
+UPDATE items SET state = 'done', lease_expires_at = NULL, updated_at = ?
+WHERE item_id = ? AND state = 'claimed' AND fence = ?
+"""
+EVENT = (
+    "INSERT INTO events (item_id, event_type, fence, owner, actor_id, at, detail) "
+    "VALUES (?, ?, ?, ?, NULL, ?, NULL)"
+)
+
+
+def drain(conn: sqlite3.Connection, owner: str) -> tuple[int, float]:
+    """Claim and finish until the queue is empty: (items done, longest lock wait in s)."""
+    done, longest = 0, 0.0
+    while True:
+        asked = time.perf_counter()
+        conn.execute("BEGIN IMMEDIATE")
+        longest = max(longest, time.perf_counter() - asked)
+        now = time.time()
+        rows = conn.execute(CLAIM, (owner, now + 900, now)).fetchall()
+        if not rows:
+            conn.execute("COMMIT")
+            return done, longest
+        item_id, fence = rows[0]
+        conn.execute(EVENT, (item_id, "claimed", fence, owner, now))
+        conn.execute("COMMIT")
+        asked = time.perf_counter()
+        conn.execute("BEGIN IMMEDIATE")
+        longest = max(longest, time.perf_counter() - asked)
+        now = time.time()
+        conn.execute(FINISH, (now, item_id, fence))
+        conn.execute(EVENT, (item_id, "done", fence, owner, now))
+        conn.execute("COMMIT")
+        done += 1
+
+
+def connect(path: str, synchronous: str) -> sqlite3.Connection:
+    """A plain autocommit connection with the store's settings."""
+    conn = sqlite3.connect(path, isolation_level=None, timeout=30)
+    conn.execute("PRAGMA journal_mode = WAL")
+    conn.execute(f"PRAGMA synchronous = {synchronous}")
+    return conn
+
+
+def seed(path: str, project: str, items: int) -> None:
+    """Add ready items, each with its "queued" event, in one transaction."""
+    conn = sqlite3.connect(path, isolation_level=None)
+    now = time.time()
+    conn.execute("BEGIN IMMEDIATE")
+    for n in range(items):
+        (item_id,) = conn.execute(
+            "INSERT INTO items (project_id, state, payload, created_at, updated_at) "
+            "VALUES (?, 'ready', ?, ?, ?) RETURNING item_id",
+            (project, f'{{"n": {n}}}', now, now),
+        ).fetchone()
+        conn.execute(EVENT, (item_id, "queued", 0, None, now))
+    conn.execute("COMMIT")
+    conn.close()
