@@ -243,7 +243,8 @@ async def test_concurrent_claims_in_one_store_never_share_an_item(store: Control
 
 
 async def test_counts_by_state(store: ControlStore, clock: ManualClock) -> None:
-    assert await store.counts() == {"ready": 0, "claimed": 0, "done": 0, "failed": 0}
+    zero = {"ready": 0, "deferred": 0, "claimed": 0, "offloaded": 0, "done": 0, "failed": 0}
+    assert await store.counts() == zero
     for n in range(4):
         await store.enqueue("alpha", {"n": n})
     a = await store.claim(owner="w")
@@ -252,4 +253,4 @@ async def test_counts_by_state(store: ControlStore, clock: ManualClock) -> None:
     assert a and b
     await store.finish(a.item_id, fence=a.fence, status="done")
     await store.finish(b.item_id, fence=b.fence, status="failed")
-    assert await store.counts() == {"ready": 1, "claimed": 1, "done": 1, "failed": 1}
+    assert await store.counts() == {**zero, "ready": 1, "claimed": 1, "done": 1, "failed": 1}

@@ -19,6 +19,8 @@ from asyncplane import (
     SchemaVersionError,
     StorageError,
     StoreClosed,
+    _sqlite,
+    verify_ledger,
 )
 from asyncplane import _sqlite_sql as sql
 
@@ -173,20 +175,35 @@ async def test_a_file_that_is_not_sqlite_is_refused(tmp_path: pathlib.Path) -> N
     assert isinstance(caught.value.__cause__, sqlite3.DatabaseError)
 
 
-async def test_migrations_run_forward_from_an_older_version(tmp_path: pathlib.Path) -> None:
-    # A store created by the first release has user_version 1; opening it with this
-    # release applies whatever migrations came after, and never reapplies the first.
+async def test_migrations_run_forward_from_the_first_release(tmp_path: pathlib.Path) -> None:
+    # A store written by the first release (schema version 1), with work in it.
     path = tmp_path / "old.db"
-    async with ControlStore(path) as store:
-        await store.create_project("p", "P")
-        item_id = await store.enqueue("p", {"old": True})
-    conn = sqlite3.connect(path)
+    conn = sqlite3.connect(path, isolation_level=None)
+    conn.execute("PRAGMA journal_mode = WAL")
+    conn.execute("BEGIN")
+    for statement in _sqlite._statements(sql.MIGRATIONS[0]):
+        conn.execute(statement)
+    conn.execute(f"PRAGMA application_id = {sql.APPLICATION_ID}")
     conn.execute("PRAGMA user_version = 1")
+    conn.execute("INSERT INTO projects VALUES ('p', 'P', 'open', 0)")
+    conn.execute(
+        "INSERT INTO items (project_id, state, payload, created_at, updated_at) "
+        "VALUES ('p', 'ready', '{\"old\": true}', 0, 0)"
+    )
+    conn.execute("INSERT INTO events (item_id, event_type, fence, at) VALUES (1, 'queued', 0, 0)")
+    conn.execute("COMMIT")
     conn.close()
     async with ControlStore(path) as store:
-        assert (await store.item(item_id))["payload"] == {"old": True}
+        row = await store.item(1)
+        assert row["payload"] == {"old": True}
+        assert (row["priority"], row["service_class"], row["sla"]) == (0, "standard", None)
+        claim = await store.claim(owner="w")
+        assert claim is not None and claim.item_id == 1
+        await store.finish(1, fence=claim.fence, result={"new": "columns"})
+        assert (await store.item(1))["result"] == {"new": "columns"}
+        assert await verify_ledger(store) == []
     conn = sqlite3.connect(path)
-    assert conn.execute("PRAGMA user_version").fetchone()[0] == sql.SCHEMA_VERSION
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == sql.SCHEMA_VERSION == 2
     conn.close()
 
 

@@ -23,8 +23,9 @@ from asyncplane._errors import (
     UnknownItem,
     UnknownProject,
 )
+from asyncplane._fingerprint import fingerprint
 from asyncplane._ledger import LEDGER_PROBLEM_KINDS, verify_ledger
-from asyncplane._models import ClaimedItem, LedgerProblem
+from asyncplane._models import ClaimedItem, Job, LedgerProblem
 from asyncplane._store import ControlStore
 
 __version__ = "0.1.0"
@@ -40,6 +41,7 @@ __all__ = (
     "InvalidInput",
     "InvalidPayload",
     "InvalidType",
+    "Job",
     "LedgerProblem",
     "NotAnAsyncplaneDatabase",
     "ProjectExists",
@@ -51,6 +53,7 @@ __all__ = (
     "UnknownItem",
     "UnknownProject",
     "__version__",
+    "fingerprint",
     "verify_ledger",
 )
 

@@ -33,9 +33,13 @@ __all__ = (
     "FinishOp",
     "ItemRow",
     "LedgerTally",
+    "NewItem",
     "NewProject",
+    "OffloadOp",
+    "ParkOp",
     "ProjectRow",
     "RenewOp",
+    "RetryOp",
 )
 
 
@@ -47,21 +51,35 @@ class NewProject(NamedTuple):
     status: str
 
 
+class NewItem(NamedTuple):
+    """One item to enqueue, its payload already validated compact JSON."""
+
+    payload_json: str
+    priority: int
+    service_class: str
+    sla: float | None
+    fingerprint: str | None
+    dedup: bool
+    max_attempts: int | None
+    not_before: float | None
+
+
 class EnqueueOp(NamedTuple):
-    """Parameters of enqueue: the payload is already validated, compact JSON."""
+    """Parameters of enqueue and enqueue_many: all items in one transaction."""
 
     project_id: str
-    payload_json: str
+    items: tuple[NewItem, ...]
     actor_id: str | None
 
 
 class ClaimOp(NamedTuple):
-    """Parameters of claim: up to ``limit`` items for ``owner``."""
+    """Parameters of claim and claim_batch: up to ``limit`` items for ``owner``."""
 
     owner: str
     limit: int
     lease_seconds: float
     actor_id: str | None
+    project_id: str | None
 
 
 class RenewOp(NamedTuple):
@@ -74,12 +92,46 @@ class RenewOp(NamedTuple):
 
 
 class FinishOp(NamedTuple):
-    """Parameters of finish."""
+    """Parameters of finish: done with a result, or failed with an error."""
 
     item_id: int
     fence: int
     status: str
     actor_id: str | None
+    result_json: str | None
+    error: str | None
+
+
+class RetryOp(NamedTuple):
+    """Parameters of retry. Without ``delay``, the backoff is
+    ``min(backoff_max, backoff_base * 2 ** (attempts - 1))`` scaled by ``0.5 + jitter``."""
+
+    item_id: int
+    fence: int
+    actor_id: str | None
+    error: str | None
+    delay: float | None
+    backoff_base: float
+    backoff_max: float
+    jitter: float
+
+
+class ParkOp(NamedTuple):
+    """Parameters of park: deferred for ``delay`` seconds, the attempt given back."""
+
+    item_id: int
+    fence: int
+    actor_id: str | None
+    delay: float
+
+
+class OffloadOp(NamedTuple):
+    """Parameters of offload: handed to the external batch ``handle``."""
+
+    item_id: int
+    fence: int
+    actor_id: str | None
+    handle: str
 
 
 class ProjectRow(NamedTuple):
@@ -101,6 +153,11 @@ class ClaimRow(NamedTuple):
     attempts: int
     owner: str
     lease_expires_at: float
+    priority: int
+    service_class: str
+    sla: float | None
+    fingerprint: str | None
+    max_attempts: int | None
 
 
 class ItemRow(NamedTuple):
@@ -116,6 +173,15 @@ class ItemRow(NamedTuple):
     lease_expires_at: float | None
     created_at: float
     updated_at: float
+    priority: int
+    service_class: str
+    sla: float | None
+    fingerprint: str | None
+    max_attempts: int | None
+    due_at: float | None
+    result_json: str | None
+    error: str | None
+    offload_handle: str | None
 
 
 class EventRow(NamedTuple):
@@ -187,8 +253,8 @@ class Backend(Protocol):
         """The ids of the projects assigned to an actor, ordered."""
         ...
 
-    async def enqueue(self, op: EnqueueOp) -> int:
-        """Add a ready item and its "queued" event; return the new item id."""
+    async def enqueue(self, op: EnqueueOp) -> list[int]:
+        """Add the items (or find their twins), with their events; ids in input order."""
         ...
 
     async def claim(self, op: ClaimOp) -> list[ClaimRow]:
@@ -199,8 +265,38 @@ class Backend(Protocol):
         """Extend a current claim's lease; return the new expiry (epoch seconds)."""
         ...
 
-    async def finish(self, op: FinishOp) -> None:
-        """Settle a current claim as done or failed."""
+    async def finish(self, op: FinishOp) -> int:
+        """Settle a current claim as done or failed; return how many twins it settled."""
+        ...
+
+    async def retry(self, op: RetryOp) -> str:
+        """Defer a current claim for a retry, or fail it if no attempt is left."""
+        ...
+
+    async def park(self, op: ParkOp) -> None:
+        """Defer a current claim without spending an attempt."""
+        ...
+
+    async def offload(self, op: OffloadOp) -> None:
+        """Hand a current claim to an external batch."""
+        ...
+
+    async def offloaded(self, handle: str, actor_id: str | None) -> list[ItemRow]:
+        """The items offloaded to ``handle``."""
+        ...
+
+    async def backfill_fingerprints(
+        self, after_item_id: int, chunk: int, identity: tuple[str, ...]
+    ) -> tuple[int, int]:
+        """Fingerprint up to ``chunk`` items that lack one; return (last id seen, filled)."""
+        ...
+
+    async def settle_pending_twins(self, chunk: int) -> int:
+        """Settle up to ``chunk`` pending items whose twin is done; return how many."""
+        ...
+
+    async def next_due(self) -> float | None:
+        """When the earliest deferred item falls due or lease lapses (epoch s), if any."""
         ...
 
     async def get_item(self, item_id: int, actor_id: str | None) -> ItemRow:

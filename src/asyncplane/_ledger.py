@@ -1,7 +1,8 @@
 """verify_ledger: do the rows agree with their own history?
 
-The kinds are the nine of asyncplane's origin, plus ``state_disagrees`` for a row whose
-state none of its events could have produced.
+The kinds are the nine of asyncplane's origin, plus ``state_disagrees``: replaying an
+item's events in order (each event type leaves one state, `asyncplane._models.EVENT_TYPES`)
+must give the row's state, in every case the other nine do not already name.
 
 Every transition of an item appends an event in the same transaction as the row change,
 so an item's state can be replayed from its events (``queued`` leaves it ready,
@@ -36,8 +37,7 @@ LEDGER_PROBLEM_KINDS: Final = {
     "fence_not_monotonic": "claim fences repeated or fell instead of rising",
     "fence_disagrees": "the row's fence differs from the last claim recorded",
     "ready_after_claim": "the row says ready but the history shows it was claimed",
-    "state_disagrees": "the row's state is not one its events lead to (claimed with no claim "
-    "recorded, or a state asyncplane never writes)",
+    "state_disagrees": "the row's state is not the one its events lead to, replayed in order",
     "orphan_events": "events reference an item that no longer exists",
 }
 """Every kind of problem verify_ledger reports, mapped to what it means."""

@@ -11,23 +11,32 @@ __all__ = (
     "FINISH_STATUSES",
     "ITEM_STATES",
     "PROJECT_STATUSES",
+    "SERVICE_CLASSES",
     "ClaimedItem",
+    "Job",
     "LedgerProblem",
     "from_timestamp",
 )
 
 #: Every state an item row can be in. ``ready`` is only ever the first state: once an item
-#: has been claimed nothing moves it back to ``ready`` (a lapsed lease leaves it ``claimed``
-#: until someone else takes it over with a higher fence).
-ITEM_STATES: Final = ("ready", "claimed", "done", "failed")
+#: has been claimed nothing moves it back to ``ready``. A lapsed lease leaves it
+#: ``claimed`` until someone takes it over; a retry or a park makes it ``deferred`` until
+#: it falls due; ``offloaded`` items wait for an external batch to settle them.
+ITEM_STATES: Final = ("ready", "deferred", "claimed", "offloaded", "done", "failed")
 FINISH_STATUSES: Final = ("done", "failed")
 PROJECT_STATUSES: Final = ("open", "paused", "closed")
+SERVICE_CLASSES: Final = ("standard", "realtime")
 
-#: Every event type the ledger records, with the item state it leaves behind.
+#: Every event type the ledger records, with the item state it leaves behind: replaying
+#: an item's events through this table gives its row's state.
 EVENT_TYPES: Final = {
     "queued": "ready",
+    "deferred": "deferred",  # enqueued with a not_before still to come
     "claimed": "claimed",
-    "lease_expired": "claimed",
+    "lease_expired": "claimed",  # a takeover follows, or "failed" when no attempt is left
+    "retried": "deferred",
+    "parked": "deferred",
+    "offloaded": "offloaded",
     "done": "done",
     "failed": "failed",
 }
@@ -48,6 +57,11 @@ class ClaimedItem:
         attempts: How many times the item has been claimed, this claim included.
         lease_expires_at: When the lease lapses unless renewed (aware, UTC).
         owner: Who claimed it.
+        priority: Its priority (higher is claimed first).
+        service_class: "realtime" or "standard".
+        sla: Its deadline (aware, UTC), or None.
+        fingerprint: Its content fingerprint, or None.
+        max_attempts: How many claims it may have in all, or None for no limit.
     """
 
     item_id: int
@@ -57,6 +71,37 @@ class ClaimedItem:
     attempts: int
     lease_expires_at: dt.datetime
     owner: str
+    priority: int = 0
+    service_class: str = "standard"
+    sla: dt.datetime | None = None
+    fingerprint: str | None = None
+    max_attempts: int | None = None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Job:
+    """One item for enqueue_many(), with its own lane settings.
+
+    Attributes:
+        payload: A JSON object (a dict of plain JSON values).
+        priority: Higher is claimed first (a 32-bit int; default 0).
+        service_class: "realtime" items are claimed before "standard" ones of the same
+            priority.
+        sla: A deadline (an aware datetime or epoch seconds): among equals, the earliest
+            deadline is claimed first; items without one come last.
+        fingerprint: Its content identity; None derives one from the store's
+            ``identity`` fields, if it has any.
+        max_attempts: How many claims it may have in all (None: the store's default).
+        not_before: Not claimable before this time.
+    """
+
+    payload: dict[str, Any]
+    priority: int = 0
+    service_class: str = "standard"
+    sla: dt.datetime | float | None = None
+    fingerprint: str | None = None
+    max_attempts: int | None = None
+    not_before: dt.datetime | float | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -23,7 +23,7 @@ import sqlite3
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from asyncplane import _backend, _clock, _connection, _errors, _models, _writer
+from asyncplane import _backend, _clock, _connection, _errors, _fingerprint, _models, _writer
 from asyncplane import _sqlite_sql as sql
 
 __all__ = ("SQLiteBackend",)
@@ -145,7 +145,7 @@ class SQLiteBackend:
 
     # --- items ---------------------------------------------------------------------------
 
-    async def enqueue(self, op: _backend.EnqueueOp) -> int:
+    async def enqueue(self, op: _backend.EnqueueOp) -> list[int]:
         return await self._write(functools.partial(_enqueue, op))
 
     async def claim(self, op: _backend.ClaimOp) -> list[_backend.ClaimRow]:
@@ -154,8 +154,37 @@ class SQLiteBackend:
     async def renew(self, op: _backend.RenewOp) -> float:
         return await self._write(functools.partial(_renew, op))
 
-    async def finish(self, op: _backend.FinishOp) -> None:
-        await self._write(functools.partial(_finish, op))
+    async def finish(self, op: _backend.FinishOp) -> int:
+        return await self._write(functools.partial(_finish, op))
+
+    async def retry(self, op: _backend.RetryOp) -> str:
+        return await self._write(functools.partial(_retry, op))
+
+    async def park(self, op: _backend.ParkOp) -> None:
+        await self._write(functools.partial(_park, op))
+
+    async def offload(self, op: _backend.OffloadOp) -> None:
+        await self._write(functools.partial(_offload, op))
+
+    async def offloaded(self, handle: str, actor_id: str | None) -> list[_backend.ItemRow]:
+        rows = await self._read(
+            _fetch_named, sql.OFFLOADED, {"handle": handle, "actor_id": actor_id}
+        )
+        return [_backend.ItemRow(*row) for row in rows]
+
+    async def backfill_fingerprints(
+        self, after_item_id: int, chunk: int, identity: tuple[str, ...]
+    ) -> tuple[int, int]:
+        op = functools.partial(_backfill_fingerprints, after_item_id, chunk, identity)
+        return await self._write(op)
+
+    async def settle_pending_twins(self, chunk: int) -> int:
+        return await self._write(functools.partial(_settle_pending_twins, chunk))
+
+    async def next_due(self) -> float | None:
+        rows = await self._read(_fetch, sql.NEXT_DUE, ())
+        value: float | None = rows[0][0]
+        return value
 
     async def get_item(self, item_id: int, actor_id: str | None) -> _backend.ItemRow:
         if actor_id is None:
@@ -243,30 +272,107 @@ def _unassign(project_id: str, actor_id: str, db: sqlite3.Connection, now: float
     db.execute(sql.UNASSIGN, (actor_id, project_id))
 
 
-def _enqueue(op: _backend.EnqueueOp, db: sqlite3.Connection, now: float) -> int:
+def _enqueue(op: _backend.EnqueueOp, db: sqlite3.Connection, now: float) -> list[int]:
     if op.actor_id is None:
         if db.execute(sql.PROJECT_EXISTS, (op.project_id,)).fetchone() is None:
             raise _unknown_project(op.project_id)
     elif db.execute(sql.IS_ASSIGNED, (op.actor_id, op.project_id)).fetchone() is None:
         raise _project_denied(op.project_id, op.actor_id)
-    item_id: int = db.execute(
-        sql.INSERT_ITEM, (op.project_id, op.payload_json, now, now)
-    ).fetchall()[0][0]
-    db.execute(sql.INSERT_EVENT, (item_id, "queued", 0, None, op.actor_id, now, None))
-    return item_id
+    # First resolve dedup: an item whose fingerprint matches an earlier one (in the store,
+    # or earlier in this same call) takes that one's id and adds no row.
+    ids: list[int | None] = [None] * len(op.items)
+    first_of: dict[str, int] = {}  # fingerprint -> position of its first new item
+    twin_of: dict[int, int] = {}  # position -> position whose id it shares
+    new: list[int] = []
+    for position, item in enumerate(op.items):
+        fp = item.fingerprint
+        if item.dedup and fp is not None:
+            if fp in first_of:
+                twin_of[position] = first_of[fp]
+                continue
+            found = db.execute(sql.FIND_TWIN, (op.project_id, fp)).fetchone()
+            if found is not None:
+                ids[position] = found[0]
+                first_of[fp] = position
+                continue
+            first_of[fp] = position
+        new.append(position)
+    rows = [_item_row(op.project_id, op.items[p], now) for p in new]
+    if len(rows) == 1:
+        ids[new[0]] = db.execute(sql.INSERT_ITEM_RETURNING, rows[0]).fetchall()[0][0]
+    elif rows:
+        # Under the write lock AUTOINCREMENT hands out consecutive ids, so a bulk insert's
+        # ids follow the sequence; checked, not assumed.
+        base = db.execute(sql.LAST_ITEM_ID).fetchone()[0]
+        db.executemany(sql.INSERT_ITEM, rows)
+        if db.execute(sql.LAST_ITEM_ID).fetchone()[0] != base + len(rows):
+            raise _errors.StorageError("item ids were not handed out consecutively")
+        for offset, position in enumerate(new):
+            ids[position] = base + 1 + offset
+    events: list[tuple[Any, ...]] = []
+    for position, row in zip(new, rows, strict=True):
+        item_id = ids[position]
+        events.append((item_id, "queued", 0, None, op.actor_id, now, None))
+        if row[1] == "deferred":
+            detail = json.dumps({"due_at": row[9]})
+            events.append((item_id, "deferred", 0, None, op.actor_id, now, detail))
+    db.executemany(sql.INSERT_EVENT, events)
+    for position, first in twin_of.items():
+        ids[position] = ids[first]
+    return [item_id for item_id in ids if item_id is not None]
+
+
+def _item_row(project_id: str, item: _backend.NewItem, now: float) -> tuple[Any, ...]:
+    deferred = item.not_before is not None and item.not_before > now
+    return (
+        project_id,
+        "deferred" if deferred else "ready",
+        item.payload_json,
+        item.priority,
+        item.service_class,
+        item.sla,
+        item.fingerprint,
+        1 if item.dedup else 0,
+        item.max_attempts,
+        item.not_before if deferred else None,
+        now,
+        now,
+    )
+
+
+def _claim_key(row: Any) -> tuple[Any, ...]:
+    # The claim order (CLAIM_ORDER) for rows merged from the three arms:
+    # (item_id, state, fence, owner, attempts, max_attempts, project_id, fingerprint,
+    #  priority, service_class, sla)
+    return (-row[8], row[9], row[10] is None, row[10] or 0.0, row[0])
 
 
 def _claim(op: _backend.ClaimOp, db: sqlite3.Connection, now: float) -> list[_backend.ClaimRow]:
-    if op.actor_id is None:
-        params: dict[str, Any] = {"limit": op.limit, "now": now}
-        candidates = db.execute(sql.CLAIM_CANDIDATES, params).fetchall()
-    else:
-        params = {"limit": op.limit, "now": now, "actor_id": op.actor_id}
-        candidates = db.execute(sql.CLAIM_CANDIDATES_SCOPED, params).fetchall()
+    params: dict[str, Any] = {
+        "now": now,
+        "limit": op.limit,
+        "project_id": op.project_id,
+        "actor_id": op.actor_id,
+    }
+    events: list[tuple[Any, ...]] = []
+    candidates: list[Any] = []
+    for row in db.execute(sql.CLAIM_LAPSED, params).fetchall():
+        item_id, _, fence, owner, attempts, max_attempts = row[:6]
+        if max_attempts is not None and attempts >= max_attempts:
+            # A lapsed lease spent the last attempt: the item fails instead of moving on.
+            error = f"attempts exhausted: the lease of attempt {attempts} of {max_attempts} lapsed"
+            db.execute(sql.EXHAUST_ITEM, (error, now, item_id, fence))
+            events.append((item_id, "lease_expired", fence, owner, op.actor_id, now, None))
+            detail = json.dumps({"error": error})
+            events.append((item_id, "failed", fence, owner, op.actor_id, now, detail))
+        else:
+            candidates.append(row)
+    candidates.extend(db.execute(sql.CLAIM_DUE, params).fetchall())
+    chosen = _choose(db, candidates, params, op.limit)
     expires = now + op.lease_seconds
     claimed: list[_backend.ClaimRow] = []
-    events: list[tuple[Any, ...]] = []
-    for item_id, state, old_fence, old_owner in candidates:
+    for row in chosen:
+        item_id, state, old_fence, old_owner = row[:4]
         if state == "claimed":
             # A takeover: the previous holder's lease lapsed. Record that, at its fence,
             # before the new claim, so the history shows who lost the item and why.
@@ -274,9 +380,16 @@ def _claim(op: _backend.ClaimOp, db: sqlite3.Connection, now: float) -> list[_ba
             events.append(
                 (item_id, "lease_expired", old_fence, old_owner, op.actor_id, now, detail)
             )
-        (row,) = db.execute(sql.CLAIM_ITEM, (op.owner, expires, now, item_id)).fetchall()
-        claimed.append(_backend.ClaimRow(row[0], row[1], row[2], row[3], row[4], op.owner, expires))
-        events.append((item_id, "claimed", row[3], op.owner, op.actor_id, now, None))
+        (got,) = db.execute(sql.CLAIM_ITEM, (op.owner, expires, now, item_id)).fetchall()
+        new_id, project_id, payload, fence, attempts = got
+        # priority, service_class, sla, fingerprint and max_attempts: from the candidate.
+        extra = (row[8], row[9], row[10], row[7], row[5])
+        claimed.append(
+            _backend.ClaimRow(
+                new_id, project_id, payload, fence, attempts, op.owner, expires, *extra
+            )
+        )
+        events.append((item_id, "claimed", got[3], op.owner, op.actor_id, now, None))
     if len(events) == 1:
         db.execute(sql.INSERT_EVENT, events[0])
     elif events:
@@ -284,30 +397,152 @@ def _claim(op: _backend.ClaimOp, db: sqlite3.Connection, now: float) -> list[_ba
     return claimed
 
 
+def _choose(
+    db: sqlite3.Connection, candidates: list[Any], params: dict[str, Any], limit: int
+) -> list[Any]:
+    """Merge the arms in claim order, one item per fingerprint, up to ``limit``."""
+    chosen: list[Any] = []
+    fingerprints: set[tuple[str, str]] = set()
+    offset = 0
+    ready = db.execute(sql.CLAIM_READY, {**params, "offset": offset}).fetchall()
+    while True:
+        merged = sorted(candidates + ready, key=_claim_key)
+        chosen, fingerprints = [], set()
+        for row in merged:
+            if row[7] is not None:
+                twin = (row[6], row[7])
+                if twin in fingerprints:
+                    continue  # a twin waits until the one claimed now settles
+                fingerprints.add(twin)
+            chosen.append(row)
+            if len(chosen) == limit:
+                return chosen
+        if len(ready) < limit + offset:
+            return chosen  # the ready arm is exhausted too
+        # Twins crowded the head of the queue: look further down it.
+        offset += limit
+        ready = ready + db.execute(sql.CLAIM_READY, {**params, "offset": offset}).fetchall()
+
+
 def _renew(op: _backend.RenewOp, db: sqlite3.Connection, now: float) -> float:
     expires = now + op.lease_seconds
-    if op.actor_id is None:
-        rows = db.execute(sql.RENEW, (expires, now, op.item_id, op.fence)).fetchall()
-    else:
-        rows = db.execute(
-            sql.RENEW_SCOPED, (expires, now, op.item_id, op.fence, op.actor_id)
-        ).fetchall()
+    rows = db.execute(
+        sql.RENEW, (expires, now, op.item_id, op.fence, op.actor_id, op.actor_id)
+    ).fetchall()
     if not rows:
         _refuse_fenced(db, op.item_id, op.fence, op.actor_id)
     return expires
 
 
-def _finish(op: _backend.FinishOp, db: sqlite3.Connection, now: float) -> None:
-    if op.actor_id is None:
-        rows = db.execute(sql.FINISH, (op.status, now, op.item_id, op.fence)).fetchall()
+def _settle_params(item_id: int, fence: int, actor_id: str | None, now: float) -> dict[str, Any]:
+    return {"item_id": item_id, "fence": fence, "actor_id": actor_id, "now": now}
+
+
+def _finish(op: _backend.FinishOp, db: sqlite3.Connection, now: float) -> int:
+    params = _settle_params(op.item_id, op.fence, op.actor_id, now)
+    if op.status == "done":
+        rows = db.execute(sql.SETTLE_DONE, {**params, "result": op.result_json}).fetchall()
     else:
-        rows = db.execute(
-            sql.FINISH_SCOPED, (op.status, now, op.item_id, op.fence, op.actor_id)
-        ).fetchall()
+        rows = db.execute(sql.SETTLE_FAILED, {**params, "error": op.error}).fetchall()
     if not rows:
         _refuse_fenced(db, op.item_id, op.fence, op.actor_id)
-    owner = rows[0][0]
-    db.execute(sql.INSERT_EVENT, (op.item_id, op.status, op.fence, owner, op.actor_id, now, None))
+    owner, project_id, fp = rows[0][:3]
+    detail = None if op.error is None else json.dumps({"error": op.error})
+    db.execute(sql.INSERT_EVENT, (op.item_id, op.status, op.fence, owner, op.actor_id, now, detail))
+    if op.status != "done" or fp is None:
+        return 0
+    # Settlement dedup: every pending twin in the project is done too, with this result.
+    twins = db.execute(
+        sql.SETTLE_TWINS,
+        {"result": op.result_json, "now": now, "project_id": project_id,
+         "fingerprint": fp, "item_id": op.item_id},
+    ).fetchall()  # fmt: skip
+    settled_by = json.dumps({"deduplicated_from": op.item_id})
+    db.executemany(
+        sql.INSERT_EVENT,
+        [(twin, "done", fence, None, op.actor_id, now, settled_by) for twin, fence in twins],
+    )
+    return len(twins)
+
+
+def _retry(op: _backend.RetryOp, db: sqlite3.Connection, now: float) -> str:
+    params = _settle_params(op.item_id, op.fence, op.actor_id, now)
+    budget = db.execute(sql.READ_BUDGET, params).fetchone()
+    if budget is None:
+        _refuse_fenced(db, op.item_id, op.fence, op.actor_id)
+    attempts, max_attempts, owner = budget
+    if max_attempts is not None and attempts >= max_attempts:
+        error = (
+            f"attempts exhausted ({attempts} of {max_attempts}): {op.error or 'no reason given'}"
+        )
+        db.execute(sql.SETTLE_FAILED, {**params, "error": error}).fetchall()
+        detail = json.dumps({"error": error})
+        db.execute(
+            sql.INSERT_EVENT, (op.item_id, "failed", op.fence, owner, op.actor_id, now, detail)
+        )
+        return "failed"
+    if op.delay is not None:
+        delay = op.delay
+    else:  # exponential backoff with jitter: spread retries of a burst of failures
+        delay = min(op.backoff_max, op.backoff_base * 2 ** max(attempts - 1, 0))
+        delay *= 0.5 + op.jitter
+    due = now + delay
+    deferred = {**params, "due_at": due, "error": op.error, "refund": 0, "from_claimed_only": 0}
+    db.execute(sql.SETTLE_DEFERRED, deferred).fetchall()
+    detail = json.dumps({"error": op.error, "due_at": due})
+    db.execute(sql.INSERT_EVENT, (op.item_id, "retried", op.fence, owner, op.actor_id, now, detail))
+    return "deferred"
+
+
+def _park(op: _backend.ParkOp, db: sqlite3.Connection, now: float) -> None:
+    params = _settle_params(op.item_id, op.fence, op.actor_id, now)
+    due = now + op.delay
+    rows = db.execute(
+        sql.SETTLE_DEFERRED,
+        {**params, "due_at": due, "error": None, "refund": 1, "from_claimed_only": 1},
+    ).fetchall()
+    if not rows:
+        _refuse_fenced(db, op.item_id, op.fence, op.actor_id)
+    detail = json.dumps({"due_at": due})
+    db.execute(
+        sql.INSERT_EVENT, (op.item_id, "parked", op.fence, rows[0][0], op.actor_id, now, detail)
+    )
+
+
+def _offload(op: _backend.OffloadOp, db: sqlite3.Connection, now: float) -> None:
+    params = _settle_params(op.item_id, op.fence, op.actor_id, now)
+    rows = db.execute(sql.SETTLE_OFFLOADED, {**params, "handle": op.handle}).fetchall()
+    if not rows:
+        _refuse_fenced(db, op.item_id, op.fence, op.actor_id)
+    detail = json.dumps({"handle": op.handle})
+    db.execute(
+        sql.INSERT_EVENT, (op.item_id, "offloaded", op.fence, rows[0][0], op.actor_id, now, detail)
+    )
+
+
+def _backfill_fingerprints(
+    after: int, chunk: int, identity: tuple[str, ...], db: sqlite3.Connection, now: float
+) -> tuple[int, int]:
+    rows = db.execute(sql.MISSING_FINGERPRINTS, (after, chunk)).fetchall()
+    if not rows:
+        return after, 0
+    db.executemany(
+        sql.SET_FINGERPRINT,
+        [(_fingerprint.from_payload(json.loads(payload), identity), item_id)
+         for item_id, payload in rows],
+    )  # fmt: skip
+    return rows[-1][0], len(rows)
+
+
+def _settle_pending_twins(chunk: int, db: sqlite3.Connection, now: float) -> int:
+    rows = db.execute(sql.PENDING_WITH_DONE_TWIN, (chunk,)).fetchall()
+    events = []
+    for item_id, fence, done_id, result in rows:
+        db.execute(sql.SETTLE_ONE_TWIN, (result, now, item_id))
+        detail = json.dumps({"deduplicated_from": done_id})
+        events.append((item_id, "done", fence, None, None, now, detail))
+    db.executemany(sql.INSERT_EVENT, events)
+    return len(rows)
 
 
 # --- schema --------------------------------------------------------------------------------
@@ -386,6 +621,10 @@ def _guarded_read(db: sqlite3.Connection, fn: Callable[..., T], *args: Any) -> T
 
 
 def _fetch(db: sqlite3.Connection, statement: str, params: tuple[Any, ...]) -> list[Any]:
+    return db.execute(statement, params).fetchall()
+
+
+def _fetch_named(db: sqlite3.Connection, statement: str, params: dict[str, Any]) -> list[Any]:
     return db.execute(statement, params).fetchall()
 
 

@@ -76,6 +76,33 @@ MIGRATIONS: Final[tuple[str, ...]] = (
         SELECT RAISE(ABORT, 'the asyncplane ledger is append-only');
     END;
     """,
+    # 2: lane-queue semantics. Ordering (priority, service class, SLA), deferral (retry,
+    # park, not_before), content fingerprints, results and errors, offloading.
+    """
+    ALTER TABLE items ADD COLUMN priority INTEGER NOT NULL DEFAULT 0;
+    ALTER TABLE items ADD COLUMN service_class TEXT NOT NULL DEFAULT 'standard';
+    ALTER TABLE items ADD COLUMN sla REAL;
+    ALTER TABLE items ADD COLUMN fingerprint TEXT;
+    ALTER TABLE items ADD COLUMN dedup INTEGER NOT NULL DEFAULT 1;
+    ALTER TABLE items ADD COLUMN max_attempts INTEGER;
+    ALTER TABLE items ADD COLUMN due_at REAL;
+    ALTER TABLE items ADD COLUMN result TEXT;
+    ALTER TABLE items ADD COLUMN error TEXT;
+    ALTER TABLE items ADD COLUMN offload_handle TEXT;
+    -- The claim order, from the index: higher priority first, then realtime before
+    -- standard (the two classes sort that way), then the earliest SLA with none last,
+    -- then the oldest id.
+    DROP INDEX items_ready;
+    CREATE INDEX items_ready
+        ON items (priority DESC, service_class, sla IS NULL, sla, item_id)
+        WHERE state = 'ready';
+    CREATE INDEX items_due ON items (due_at) WHERE state = 'deferred';
+    CREATE INDEX items_fingerprint ON items (project_id, fingerprint)
+        WHERE fingerprint IS NOT NULL;
+    CREATE INDEX items_claimed_fingerprint ON items (project_id, fingerprint)
+        WHERE fingerprint IS NOT NULL AND state = 'claimed';
+    CREATE INDEX items_offloaded ON items (offload_handle) WHERE state = 'offloaded';
+    """,
 )
 
 SCHEMA_VERSION: Final = len(MIGRATIONS)
@@ -108,90 +135,173 @@ IS_ASSIGNED: Final = "SELECT 1 FROM assignments WHERE actor_id = ? AND project_i
 
 # --- items -----------------------------------------------------------------------------
 
-INSERT_ITEM: Final = (
-    "INSERT INTO items (project_id, state, payload, created_at, updated_at) "
-    "VALUES (?, 'ready', ?, ?, ?) RETURNING item_id"
-)
+INSERT_ITEM: Final = """
+INSERT INTO items (project_id, state, payload, priority, service_class, sla, fingerprint,
+                   dedup, max_attempts, due_at, created_at, updated_at)
+VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
+"""
+INSERT_ITEM_RETURNING: Final = INSERT_ITEM.rstrip() + " RETURNING item_id"
+# Under the write lock, AUTOINCREMENT hands out consecutive ids: the next ones follow this.
+LAST_ITEM_ID: Final = "SELECT coalesce((SELECT seq FROM sqlite_sequence WHERE name = 'items'), 0)"
 INSERT_EVENT: Final = (
     "INSERT INTO events (item_id, event_type, fence, owner, actor_id, at, detail) "
     "VALUES (?, ?, ?, ?, ?, ?, ?)"
 )
 
-# Claim candidates: the oldest ready items, merged with the oldest items whose lease has
-# lapsed, of open projects only. Each arm walks its own partial index (INDEXED BY: the
-# order must come from an index, whatever the planner guesses; a claim must not sort the
-# queue), and the outer ORDER BY merges at most 2 * limit rows. Run inside BEGIN
-# IMMEDIATE: the write lock is held from this read to the UPDATE that records the claim,
-# so no other writer can slip in between.
-CLAIM_CANDIDATES: Final = """
-SELECT item_id, state, fence, owner FROM (
-    SELECT item_id, state, fence, owner FROM items INDEXED BY items_ready
-    WHERE state = 'ready'
-      AND project_id IN (SELECT project_id FROM projects WHERE status = 'open')
-    ORDER BY item_id LIMIT :limit
-)
-UNION ALL
-SELECT item_id, state, fence, owner FROM (
-    SELECT item_id, state, fence, owner FROM items INDEXED BY items_lease
-    WHERE state = 'claimed' AND lease_expires_at <= :now
-      AND project_id IN (SELECT project_id FROM projects WHERE status = 'open')
-    ORDER BY item_id LIMIT :limit
-)
-ORDER BY item_id LIMIT :limit
+# Enqueue dedup: an earlier item of the project with the same fingerprint that has not
+# failed, a done one first (its result is there already), else the oldest in flight.
+FIND_TWIN: Final = """
+SELECT item_id FROM items INDEXED BY items_fingerprint
+WHERE project_id = ? AND fingerprint = ? AND state <> 'failed'
+ORDER BY state = 'done' DESC, item_id
+LIMIT 1
 """
 
-CLAIM_CANDIDATES_SCOPED: Final = """
-SELECT item_id, state, fence, owner FROM (
-    SELECT item_id, state, fence, owner FROM items INDEXED BY items_ready
-    WHERE state = 'ready'
-      AND project_id IN (
-          SELECT a.project_id FROM assignments AS a JOIN projects AS p USING (project_id)
-          WHERE a.actor_id = :actor_id AND p.status = 'open')
-    ORDER BY item_id LIMIT :limit
+# --- claims ----------------------------------------------------------------------------
+# A claim runs inside BEGIN IMMEDIATE: the write lock is held from these reads to the
+# UPDATE that records the claim, so no other writer can slip in between. Three kinds of
+# item are claimable, each found through its own partial index:
+#   ready items, walked in claim order (INDEXED BY: the order must come from the index,
+#     whatever the planner guesses, so a claim costs the same at a thousand items or a
+#     million);
+#   deferred items that have fallen due (retried, parked, enqueued with not_before);
+#   claimed items whose lease has lapsed (a takeover).
+# The backend merges the three in claim order. Every arm keeps to open projects, to the
+# project asked for and to the actor's projects (a NULL parameter means "any"), and skips
+# an item whose content twin is claimed right now: twins wait until it settles.
+
+CLAIM_ORDER: Final = "priority DESC, service_class, sla IS NULL, sla, item_id"
+_CLAIM_COLUMNS = (
+    "item_id, state, fence, owner, attempts, max_attempts, project_id, fingerprint, "
+    "priority, service_class, sla"
 )
-UNION ALL
-SELECT item_id, state, fence, owner FROM (
-    SELECT item_id, state, fence, owner FROM items INDEXED BY items_lease
-    WHERE state = 'claimed' AND lease_expires_at <= :now
-      AND project_id IN (
-          SELECT a.project_id FROM assignments AS a JOIN projects AS p USING (project_id)
-          WHERE a.actor_id = :actor_id AND p.status = 'open')
-    ORDER BY item_id LIMIT :limit
-)
-ORDER BY item_id LIMIT :limit
+_CLAIMABLE = """
+      AND project_id IN (SELECT project_id FROM projects WHERE status = 'open')
+      AND (:project_id IS NULL OR project_id = :project_id)
+      AND (:actor_id IS NULL
+           OR project_id IN (SELECT project_id FROM assignments WHERE actor_id = :actor_id))
+      AND (fingerprint IS NULL OR NOT EXISTS (
+           SELECT 1 FROM items AS twin INDEXED BY items_claimed_fingerprint
+           WHERE twin.project_id = items.project_id AND twin.fingerprint = items.fingerprint
+             AND twin.state = 'claimed' AND twin.fingerprint IS NOT NULL))
+"""
+CLAIM_READY: Final = f"""
+SELECT {_CLAIM_COLUMNS} FROM items INDEXED BY items_ready
+WHERE state = 'ready' {_CLAIMABLE}
+ORDER BY {CLAIM_ORDER} LIMIT :limit OFFSET :offset
+"""
+CLAIM_DUE: Final = f"""
+SELECT {_CLAIM_COLUMNS} FROM items INDEXED BY items_due
+WHERE state = 'deferred' AND due_at <= :now {_CLAIMABLE}
+ORDER BY {CLAIM_ORDER} LIMIT :limit
+"""
+CLAIM_LAPSED: Final = f"""
+SELECT {_CLAIM_COLUMNS} FROM items INDEXED BY items_lease
+WHERE state = 'claimed' AND lease_expires_at <= :now {_CLAIMABLE}
+ORDER BY {CLAIM_ORDER} LIMIT :limit
 """
 
 # The fence rises by one on every claim and is never set any other way.
 CLAIM_ITEM: Final = """
 UPDATE items
 SET state = 'claimed', fence = fence + 1, attempts = attempts + 1,
-    owner = ?, lease_expires_at = ?, updated_at = ?
+    owner = ?, lease_expires_at = ?, due_at = NULL, updated_at = ?
 WHERE item_id = ?
 RETURNING item_id, project_id, payload, fence, attempts
+"""
+
+# A lapsed lease with no attempts left: the item fails instead of being taken over.
+EXHAUST_ITEM: Final = """
+UPDATE items SET state = 'failed', lease_expires_at = NULL, error = ?, updated_at = ?
+WHERE item_id = ? AND state = 'claimed' AND fence = ?
 """
 
 RENEW: Final = """
 UPDATE items SET lease_expires_at = ?, updated_at = ?
 WHERE item_id = ? AND state = 'claimed' AND fence = ?
-RETURNING lease_expires_at
-"""
-RENEW_SCOPED: Final = """
-UPDATE items SET lease_expires_at = ?, updated_at = ?
-WHERE item_id = ? AND state = 'claimed' AND fence = ?
-  AND project_id IN (SELECT project_id FROM assignments WHERE actor_id = ?)
+  AND (? IS NULL OR project_id IN (SELECT project_id FROM assignments WHERE actor_id = ?))
 RETURNING lease_expires_at
 """
 
-FINISH: Final = """
-UPDATE items SET state = ?, lease_expires_at = NULL, updated_at = ?
-WHERE item_id = ? AND state = 'claimed' AND fence = ?
-RETURNING owner
+# --- settling ------------------------------------------------------------------------------
+# Every settlement is fenced and state-guarded: it matches only the current claim of a
+# claimed item, or of an offloaded one (an external batch settles later, at the fence the
+# item had when it was offloaded). The guard is the UPDATE's WHERE clause, so a refused
+# settlement writes nothing. RETURNING gives what the ledger event needs.
+
+_SETTLE_GUARD = """
+WHERE item_id = :item_id AND fence = :fence AND state IN ('claimed', 'offloaded')
+  AND (:actor_id IS NULL
+       OR project_id IN (SELECT project_id FROM assignments WHERE actor_id = :actor_id))
 """
-FINISH_SCOPED: Final = """
-UPDATE items SET state = ?, lease_expires_at = NULL, updated_at = ?
-WHERE item_id = ? AND state = 'claimed' AND fence = ?
-  AND project_id IN (SELECT project_id FROM assignments WHERE actor_id = ?)
-RETURNING owner
+_SETTLED = "RETURNING owner, project_id, fingerprint, attempts, max_attempts, state"
+SETTLE_DONE: Final = f"""
+UPDATE items SET state = 'done', result = :result, error = NULL, lease_expires_at = NULL,
+                 due_at = NULL, updated_at = :now
+{_SETTLE_GUARD} {_SETTLED}
+"""
+SETTLE_FAILED: Final = f"""
+UPDATE items SET state = 'failed', error = :error, lease_expires_at = NULL, due_at = NULL,
+                 updated_at = :now
+{_SETTLE_GUARD} {_SETTLED}
+"""
+# Retry reads the attempt budget first (it decides between deferred and failed).
+READ_BUDGET: Final = f"""
+SELECT attempts, max_attempts, owner FROM items {_SETTLE_GUARD}
+"""
+SETTLE_DEFERRED: Final = f"""
+UPDATE items SET state = 'deferred', due_at = :due_at, error = :error,
+                 attempts = attempts - :refund, lease_expires_at = NULL, updated_at = :now
+{_SETTLE_GUARD} AND (:from_claimed_only = 0 OR state = 'claimed') {_SETTLED}
+"""
+SETTLE_OFFLOADED: Final = f"""
+UPDATE items SET state = 'offloaded', offload_handle = :handle, lease_expires_at = NULL,
+                 updated_at = :now
+{_SETTLE_GUARD} AND state = 'claimed' {_SETTLED}
+"""
+
+# When an item finishes done, its pending twins (same project, same fingerprint, ready or
+# deferred, enqueued with dedup) are settled with a copy of its result, in the same
+# transaction.
+SETTLE_TWINS: Final = """
+UPDATE items SET state = 'done', result = :result, error = NULL, due_at = NULL,
+                 updated_at = :now
+WHERE project_id = :project_id AND fingerprint = :fingerprint AND dedup = 1
+  AND state IN ('ready', 'deferred') AND item_id <> :item_id
+RETURNING item_id, fence
+"""
+
+# Preflight: pending items whose twin is already done, in bounded chunks.
+PENDING_WITH_DONE_TWIN: Final = """
+SELECT p.item_id, p.fence, d.item_id, d.result
+FROM items AS p
+JOIN items AS d INDEXED BY items_fingerprint
+  ON d.project_id = p.project_id AND d.fingerprint = p.fingerprint AND d.state = 'done'
+WHERE p.state IN ('ready', 'deferred') AND p.dedup = 1 AND p.fingerprint IS NOT NULL
+GROUP BY p.item_id
+ORDER BY p.item_id
+LIMIT ?
+"""
+SETTLE_ONE_TWIN: Final = """
+UPDATE items SET state = 'done', result = ?, error = NULL, due_at = NULL, updated_at = ?
+WHERE item_id = ? AND state IN ('ready', 'deferred')
+"""
+# Backfill: items without a fingerprint, after a given id, in bounded chunks.
+MISSING_FINGERPRINTS: Final = """
+SELECT item_id, payload FROM items
+WHERE fingerprint IS NULL AND item_id > ? ORDER BY item_id LIMIT ?
+"""
+SET_FINGERPRINT: Final = (
+    "UPDATE items SET fingerprint = ? WHERE item_id = ? AND fingerprint IS NULL"
+)
+
+
+# The earliest moment a deferred item falls due or a lease lapses (the drain loop's alarm).
+NEXT_DUE: Final = """
+SELECT min(at) FROM (
+    SELECT min(due_at) AS at FROM items INDEXED BY items_due WHERE state = 'deferred'
+    UNION ALL
+    SELECT min(lease_expires_at) FROM items INDEXED BY items_lease WHERE state = 'claimed')
 """
 
 # Why a fenced update matched nothing: absent, out of scope, or a stale fence.
@@ -204,13 +314,22 @@ FROM items WHERE item_id = ?
 
 _ITEM_COLUMNS = (
     "item_id, project_id, state, payload, fence, attempts, owner, lease_expires_at, "
-    "created_at, updated_at"
+    "created_at, updated_at, priority, service_class, sla, fingerprint, max_attempts, "
+    "due_at, result, error, offload_handle"
 )
 GET_ITEM: Final = f"SELECT {_ITEM_COLUMNS} FROM items WHERE item_id = ?"
 GET_ITEM_SCOPED: Final = (
     f"SELECT {_ITEM_COLUMNS} FROM items WHERE item_id = ? "
     "AND project_id IN (SELECT project_id FROM assignments WHERE actor_id = ?)"
 )
+
+OFFLOADED: Final = f"""
+SELECT {_ITEM_COLUMNS} FROM items INDEXED BY items_offloaded
+WHERE state = 'offloaded' AND offload_handle = :handle
+  AND (:actor_id IS NULL
+       OR project_id IN (SELECT project_id FROM assignments WHERE actor_id = :actor_id))
+ORDER BY item_id
+"""
 
 # A LEFT JOIN from the item, so "visible, no events yet" (one row of NULLs) differs from
 # "not visible" (no row at all) in a single snapshot.
@@ -357,19 +476,43 @@ LEDGER_CHECKS: Final[tuple[tuple[str, str], ...]] = (
         """,
     ),
     (
-        # What the kinds above leave out: a state no event leads to. A row "claimed" with
-        # no claim recorded, or in a state asyncplane never writes.
+        # Replay: the state an item's last event leaves it in (see EVENT_TYPES) must be the
+        # row's. Left to the kinds above: rows with no events at all, terminal rows whose
+        # terminal events are missing or disagree, a terminal event under a live row, and
+        # a ready row that was claimed.
         "state_disagrees",
         """
-        SELECT i.item_id,
-               CASE WHEN i.state IN ('ready', 'claimed', 'done', 'failed')
-                    THEN 'row is ' || i.state || ' but no claim was ever recorded'
-                    ELSE 'row is in unknown state ' || quote(i.state) END
+        SELECT i.item_id, 'row is ' || quote(i.state) || ' but its events lead to ' || r.replayed
         FROM items AS i
-        WHERE i.state NOT IN ('ready', 'claimed', 'done', 'failed')
-           OR (i.state = 'claimed'
-               AND NOT EXISTS (SELECT 1 FROM events AS e
-                               WHERE e.item_id = i.item_id AND e.event_type = 'claimed'))
+        JOIN (SELECT e.item_id,
+                     CASE e.event_type
+                         WHEN 'queued' THEN 'ready'
+                         WHEN 'deferred' THEN 'deferred'
+                         WHEN 'claimed' THEN 'claimed'
+                         WHEN 'lease_expired' THEN 'claimed'
+                         WHEN 'retried' THEN 'deferred'
+                         WHEN 'parked' THEN 'deferred'
+                         WHEN 'offloaded' THEN 'offloaded'
+                         WHEN 'done' THEN 'done'
+                         WHEN 'failed' THEN 'failed'
+                         ELSE 'an unknown event ' || quote(e.event_type)
+                     END AS replayed
+              FROM events AS e
+              WHERE e.event_id IN (SELECT max(event_id) FROM events GROUP BY item_id)) AS r
+          ON r.item_id = i.item_id
+        WHERE i.state IS NOT r.replayed
+          AND NOT (i.state IN ('done', 'failed')
+                   AND (NOT EXISTS (SELECT 1 FROM events AS t WHERE t.item_id = i.item_id
+                                    AND t.event_type IN ('done', 'failed'))
+                        OR EXISTS (SELECT 1 FROM events AS t WHERE t.item_id = i.item_id
+                                   AND t.event_type IN ('done', 'failed')
+                                   AND t.event_type <> i.state)))
+          AND NOT (i.state NOT IN ('done', 'failed')
+                   AND EXISTS (SELECT 1 FROM events AS t WHERE t.item_id = i.item_id
+                               AND t.event_type IN ('done', 'failed')))
+          AND NOT (i.state = 'ready'
+                   AND EXISTS (SELECT 1 FROM events AS t WHERE t.item_id = i.item_id
+                               AND t.event_type = 'claimed'))
         """,
     ),
     (

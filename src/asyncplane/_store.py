@@ -15,11 +15,13 @@ import asyncio
 import json
 import os
 import pathlib
+import random
 import types
+from collections.abc import Iterable, Sequence
 from datetime import datetime
 from typing import Any, Literal
 
-from asyncplane import _backend, _clock, _errors, _models, _sqlite, _validate
+from asyncplane import _backend, _clock, _errors, _fingerprint, _models, _sqlite, _validate
 from asyncplane._models import ClaimedItem
 
 __all__ = ("ControlStore",)
@@ -39,6 +41,15 @@ class ControlStore:
             connection (another process, or another store on the same file), before it
             fails with DatabaseLocked (at most a day).
         max_payload_bytes: The largest payload accepted, in bytes of compact JSON.
+        max_result_bytes: The largest result finish() accepts, in bytes of compact JSON.
+        identity: Payload keys whose values identify an item's content: an item enqueued
+            without a fingerprint gets one derived from them (see `asyncplane.fingerprint`).
+            Leave out fields that only choose the executor (a model, a lane).
+        max_attempts: How many claims an item may have in all unless it says otherwise
+            (None: no limit). A retry or a lapsed lease past the last attempt fails it.
+        retry_backoff: The first retry's delay in seconds; each later one doubles...
+        retry_backoff_max: ...up to this many seconds. Each delay is jittered (x0.5..1.5).
+        rng: The random source of the jitter (seeded in tests).
         max_batch: The most requests one group commit may carry.
         read_connections: How many read-only connections reads may use at once.
 
@@ -54,6 +65,12 @@ class ControlStore:
         synchronous: Literal["NORMAL", "FULL"] = "NORMAL",
         busy_timeout: float = 30.0,
         max_payload_bytes: int = 1 << 20,
+        max_result_bytes: int = 64 * 1024,
+        identity: Sequence[str] | None = None,
+        max_attempts: int | None = None,
+        retry_backoff: float = 1.0,
+        retry_backoff_max: float = 300.0,
+        rng: random.Random | None = None,
         max_batch: int = 256,
         read_connections: int = 2,
     ) -> None:
@@ -80,6 +97,12 @@ class ControlStore:
             busy_timeout, "busy_timeout", _validate.MAX_BUSY_TIMEOUT
         )
         self._max_payload_bytes = _validate.positive_int(max_payload_bytes, "max_payload_bytes")
+        self._max_result_bytes = _validate.positive_int(max_result_bytes, "max_result_bytes")
+        self._identity = _validate.identity(identity)
+        self._max_attempts = _validate.optional_positive_int(max_attempts, "max_attempts")
+        self._retry_backoff = _validate.delay(retry_backoff, "retry_backoff")
+        self._retry_backoff_max = _validate.delay(retry_backoff_max, "retry_backoff_max")
+        self._rng = rng if rng is not None else random.Random()
         self._backend: _backend.Backend = _sqlite.SQLiteBackend(
             self._path,
             clock=self._clock,
@@ -113,6 +136,16 @@ class ControlStore:
     def clock(self) -> _clock.Clock:
         """The clock leases and events are measured by."""
         return self._clock
+
+    @property
+    def identity(self) -> tuple[str, ...]:
+        """The payload keys fingerprints are derived from (empty: none)."""
+        return self._identity
+
+    @property
+    def max_attempts(self) -> int | None:
+        """The default attempt budget of new items (None: no limit)."""
+        return self._max_attempts
 
     @property
     def synchronous(self) -> Literal["NORMAL", "FULL"]:
@@ -247,14 +280,37 @@ class ControlStore:
     # --- items ---------------------------------------------------------------------------
 
     async def enqueue(
-        self, project_id: str, payload: dict[str, Any], *, actor_id: str | None = None
+        self,
+        project_id: str,
+        payload: dict[str, Any],
+        *,
+        priority: int = 0,
+        service_class: str = "standard",
+        sla: datetime | float | None = None,
+        fingerprint: str | None = None,
+        dedup: bool = True,
+        max_attempts: int | None = None,
+        not_before: datetime | float | None = None,
+        actor_id: str | None = None,
     ) -> int:
         """Add an item to a project's queue and return its id.
+
+        With ``dedup`` and a fingerprint (given, or derived from the store's ``identity``),
+        an item whose twin (same project, same fingerprint, not failed) exists already is
+        not added: its twin's id comes back instead, a done twin's first.
 
         Args:
             project_id: The project; without ``actor_id`` any existing project.
             payload: A JSON object (dict of plain JSON values), at most
                 ``max_payload_bytes`` of compact JSON.
+            priority: Higher is claimed first (a 32-bit int).
+            service_class: "realtime" is claimed before "standard" at equal priority.
+            sla: A deadline (aware datetime or epoch seconds); earliest first, none last.
+            fingerprint: The item's content identity (see `asyncplane.fingerprint`).
+            dedup: Reuse a twin's id (True), or add an independent row that still keeps
+                its fingerprint (False).
+            max_attempts: How many claims it may have in all (None: the store's default).
+            not_before: Not claimable before this time (the item waits as "deferred").
             actor_id: Act as this actor: the project must be assigned to it.
 
         Raises:
@@ -262,40 +318,122 @@ class ControlStore:
             ScopeDenied: The actor may not see the project (or it does not exist).
             InvalidPayload: The payload is not plain JSON, or too large.
         """
-        op = _backend.EnqueueOp(
-            _validate.text_id(project_id, "project_id"),
-            _validate.encode_payload(payload, self._max_payload_bytes),
-            _validate.optional_actor(actor_id),
+        job = _models.Job(
+            payload, priority, service_class, sla, fingerprint, max_attempts, not_before
         )
+        project = _validate.text_id(project_id, "project_id")
+        item = self._new_item(job, _validate.boolean(dedup, "dedup"))
+        op = _backend.EnqueueOp(project, (item,), _validate.optional_actor(actor_id))
+        return (await (await self._ready()).enqueue(op))[0]
+
+    async def enqueue_many(
+        self,
+        project_id: str,
+        jobs: Iterable[dict[str, Any] | _models.Job],
+        *,
+        dedup: bool = True,
+        actor_id: str | None = None,
+    ) -> list[int]:
+        """Add many items in one transaction; return their ids in input order.
+
+        Each job is a payload dict or a `Job` with its own lane settings. Every job is
+        checked before anything is written: one bad job refuses the whole call. With
+        ``dedup``, jobs with the same fingerprint share one id, and a job whose twin is
+        in the store already gets the twin's id (as for `enqueue`).
+        """
+        project = _validate.text_id(project_id, "project_id")
+        same = _validate.boolean(dedup, "dedup")
+        items = []
+        for position, job in enumerate(jobs):
+            if isinstance(job, _models.Job):
+                spec = job
+            elif isinstance(job, dict):
+                spec = _models.Job(job)
+            else:
+                raise _errors.InvalidType(
+                    f"jobs[{position}] must be a payload dict or a Job, not {type(job).__name__}"
+                )
+            try:
+                items.append(self._new_item(spec, same))
+            except _errors.AsyncplaneError as exc:
+                raise type(exc)(f"jobs[{position}]: {exc}") from None
+        if not items:
+            return []
+        op = _backend.EnqueueOp(project, tuple(items), _validate.optional_actor(actor_id))
         return await (await self._ready()).enqueue(op)
+
+    def _new_item(self, job: _models.Job, dedup: bool) -> _backend.NewItem:
+        """Check one job's fields and encode it for the backend."""
+        payload_json = _validate.encode_payload(job.payload, self._max_payload_bytes)
+        fp = _validate.fingerprint(job.fingerprint)
+        if fp is None and self._identity:
+            fp = _fingerprint.from_payload(job.payload, self._identity)
+        max_attempts = _validate.optional_positive_int(job.max_attempts, "max_attempts")
+        return _backend.NewItem(
+            payload_json,
+            _validate.priority(job.priority),
+            _validate.service_class(job.service_class),
+            _validate.instant(job.sla, "sla"),
+            fp,
+            dedup,
+            self._max_attempts if max_attempts is None else max_attempts,
+            _validate.instant(job.not_before, "not_before"),
+        )
 
     async def claim(
         self,
         owner: str,
         *,
         actor_id: str | None = None,
+        project_id: str | None = None,
         lease_seconds: float | None = None,
     ) -> ClaimedItem | None:
-        """Claim the oldest available item for ``owner``, or return None if there is none.
+        """Claim the next available item for ``owner``, or return None if there is none.
 
-        Available means ready, or claimed by someone whose lease has lapsed (a takeover,
-        recorded as a ``lease_expired`` event), in a project whose status is ``"open"``
-        and, with ``actor_id``, assigned to that actor. The claim is decided and recorded
-        in one write transaction, so an item goes to exactly one caller; its fence is
-        above every earlier fence of the item.
+        Available means: ready; or deferred (retried, parked, enqueued with not_before)
+        and fallen due; or claimed by someone whose lease has lapsed (a takeover, recorded
+        as a ``lease_expired`` event). Only in a project whose status is ``"open"`` and,
+        with ``actor_id``, assigned to that actor; never an item whose content twin is
+        claimed right now. The next one is the one with the highest priority, then
+        realtime before standard, then the earliest SLA (none last), then the oldest.
+
+        The claim is decided and recorded in one write transaction, so an item goes to
+        exactly one caller; its fence is above every earlier fence of the item.
 
         Args:
             owner: Who is claiming (a worker name); recorded on the item and its events.
             actor_id: Act as this actor: claim only from its assigned projects.
+            project_id: Claim only from this project.
             lease_seconds: This claim's lease length instead of the store's default.
         """
-        owner = _validate.text_id(owner, "owner")
-        actor = _validate.optional_actor(actor_id)
-        seconds = (
-            self._lease_seconds if lease_seconds is None else _validate.lease_seconds(lease_seconds)
+        claims = await self.claim_batch(
+            owner, 1, actor_id=actor_id, project_id=project_id, lease_seconds=lease_seconds
         )
-        rows = await (await self._ready()).claim(_backend.ClaimOp(owner, 1, seconds, actor))
-        return _claimed_item(rows[0]) if rows else None
+        return claims[0] if claims else None
+
+    async def claim_batch(
+        self,
+        owner: str,
+        limit: int,
+        *,
+        actor_id: str | None = None,
+        project_id: str | None = None,
+        lease_seconds: float | None = None,
+    ) -> list[ClaimedItem]:
+        """Claim up to ``limit`` items at once, each with its own fence, in claim order.
+
+        As `claim`, in one transaction; a batch takes at most one item per fingerprint.
+        """
+        op = _backend.ClaimOp(
+            _validate.text_id(owner, "owner"),
+            _validate.positive_int(limit, "limit"),
+            self._lease_seconds
+            if lease_seconds is None
+            else _validate.lease_seconds(lease_seconds),
+            _validate.optional_actor(actor_id),
+            None if project_id is None else _validate.text_id(project_id, "project_id"),
+        )
+        return [_claimed_item(row) for row in await (await self._ready()).claim(op)]
 
     async def renew(
         self,
@@ -331,24 +469,142 @@ class ControlStore:
         *,
         fence: int,
         status: str = "done",
+        result: Any = None,
+        error: str | None = None,
         actor_id: str | None = None,
     ) -> None:
-        """Settle a current claim as ``"done"`` or ``"failed"``.
+        """Settle a current claim (or an offloaded item) as ``"done"`` or ``"failed"``.
+
+        A done item keeps ``result`` (any JSON value, at most ``max_result_bytes``), and
+        its pending twins (same project and fingerprint, enqueued with dedup) become done
+        with it, each with a copy of the result. A failed item keeps ``error``: a
+        deterministic failure fails fast, whatever attempts remain (use `retry` for a
+        transient one).
 
         Raises:
             FenceRejected: The fence is not current: the item was taken over after the
-                lease lapsed, was finished already, or was never claimed.
+                lease lapsed, was settled already, or was never claimed.
             UnknownItem: No such item (control plane only).
             ScopeDenied: The actor may not see the item (or it does not exist).
-            InvalidInput: ``status`` is neither "done" nor "failed"; nothing was written.
+            InvalidInput: ``status`` is neither "done" nor "failed", or the result is too
+                large or not JSON; nothing was written and the claim stays valid.
         """
+        status = _validate.finish_status(status)
         op = _backend.FinishOp(
             _validate.item_id(item_id),
             _validate.positive_int(fence, "fence"),
-            _validate.finish_status(status),
+            status,
             _validate.optional_actor(actor_id),
+            None if result is None else _validate.encode_result(result, self._max_result_bytes),
+            _validate.error_text(error),
         )
         await (await self._ready()).finish(op)
+
+    async def retry(
+        self,
+        item_id: int,
+        *,
+        fence: int,
+        error: str | None = None,
+        delay: float | None = None,
+        actor_id: str | None = None,
+    ) -> str:
+        """Settle a transient failure: defer the item for another attempt, if any is left.
+
+        While attempts remain the item becomes "deferred" until ``delay`` seconds from now
+        (default: exponential backoff from ``retry_backoff`` seconds, doubling with each
+        attempt up to ``retry_backoff_max``, with jitter); otherwise it fails, with the
+        reason recorded. Returns the item's new state, "deferred" or "failed".
+
+        Raises:
+            FenceRejected: The fence is not current (as for `finish`).
+        """
+        op = _backend.RetryOp(
+            _validate.item_id(item_id),
+            _validate.positive_int(fence, "fence"),
+            _validate.optional_actor(actor_id),
+            _validate.error_text(error),
+            None if delay is None else _validate.delay(delay, "delay"),
+            self._retry_backoff,
+            self._retry_backoff_max,
+            self._rng.random(),
+        )
+        return await (await self._ready()).retry(op)
+
+    async def park(
+        self, item_id: int, *, fence: int, delay: float, actor_id: str | None = None
+    ) -> None:
+        """Set a claimed item aside for ``delay`` seconds without spending an attempt.
+
+        For capacity saturation: the work did not fail, there was no room to run it. The
+        item becomes "deferred" and its claim's attempt is given back.
+
+        Raises:
+            FenceRejected: The fence is not current, or the item is not claimed.
+        """
+        op = _backend.ParkOp(
+            _validate.item_id(item_id),
+            _validate.positive_int(fence, "fence"),
+            _validate.optional_actor(actor_id),
+            _validate.delay(delay, "delay"),
+        )
+        await (await self._ready()).park(op)
+
+    async def offload(
+        self, item_id: int, *, fence: int, handle: str, actor_id: str | None = None
+    ) -> None:
+        """Hand a claimed item to an external batch identified by ``handle``.
+
+        An offloaded item is never claimable and never reclaimed by a lapsed lease, so it
+        cannot also run here and be paid for twice. Settle it later with `finish` or
+        `retry` at the same fence; `offloaded` lists a batch's items.
+
+        Raises:
+            FenceRejected: The fence is not current, or the item is not claimed.
+        """
+        op = _backend.OffloadOp(
+            _validate.item_id(item_id),
+            _validate.positive_int(fence, "fence"),
+            _validate.optional_actor(actor_id),
+            _validate.text_id(handle, "handle"),
+        )
+        await (await self._ready()).offload(op)
+
+    async def offloaded(self, handle: str, *, actor_id: str | None = None) -> list[dict[str, Any]]:
+        """The items offloaded to ``handle``, each as `item` returns it (fence included)."""
+        rows = await (await self._ready()).offloaded(
+            _validate.text_id(handle, "handle"), _validate.optional_actor(actor_id)
+        )
+        return [_item_dict(row) for row in rows]
+
+    async def dedup_pending_against_done(self, chunk: int = 500) -> int:
+        """Preflight dedup: settle pending items whose twin is already done, unrun.
+
+        First, with an ``identity``, fingerprints are filled in for items that have none
+        (older enqueuers), ``chunk`` items per transaction. Then every pending (ready or
+        deferred) item enqueued with dedup whose twin in the same project is done becomes
+        done with a copy of the twin's result, ``chunk`` items per transaction, each with
+        a "done" event naming the twin. Returns how many items it settled.
+        """
+        chunk = _validate.positive_int(chunk, "chunk")
+        backend = await self._ready()
+        if self._identity:
+            after = 0
+            while True:
+                after, filled = await backend.backfill_fingerprints(after, chunk, self._identity)
+                if filled < chunk:
+                    break
+        settled = 0
+        while True:
+            count = await backend.settle_pending_twins(chunk)
+            settled += count
+            if count < chunk:
+                return settled
+
+    async def next_due(self) -> datetime | None:
+        """When the earliest deferred item falls due or claim lapses, or None."""
+        due = await (await self._ready()).next_due()
+        return _optional_time(due)
 
     async def counts(self) -> dict[str, int]:
         """How many items are in each state: a dict with every state as a key."""
@@ -359,7 +615,9 @@ class ControlStore:
         """The item's current row as a dict.
 
         Keys: item_id, project_id, state, payload, fence, attempts, owner,
-        lease_expires_at, created_at, updated_at (times as aware UTC datetimes).
+        lease_expires_at, created_at, updated_at, priority, service_class, sla,
+        fingerprint, max_attempts, due_at (when a deferred item falls due), result,
+        error and offload_handle (times as aware UTC datetimes).
 
         Raises:
             UnknownItem: No such item (control plane only).
@@ -368,18 +626,7 @@ class ControlStore:
         item_id = _validate.item_id(item_id)
         actor = _validate.optional_actor(actor_id)
         row = await (await self._ready()).get_item(item_id, actor)
-        return {
-            "item_id": row.item_id,
-            "project_id": row.project_id,
-            "state": row.state,
-            "payload": json.loads(row.payload_json),
-            "fence": row.fence,
-            "attempts": row.attempts,
-            "owner": row.owner,
-            "lease_expires_at": _optional_time(row.lease_expires_at),
-            "created_at": _models.from_timestamp(row.created_at),
-            "updated_at": _models.from_timestamp(row.updated_at),
-        }
+        return _item_dict(row)
 
     async def events(self, item_id: int, *, actor_id: str | None = None) -> list[dict[str, Any]]:
         """The item's ledger, oldest first.
@@ -431,4 +678,33 @@ def _claimed_item(row: _backend.ClaimRow) -> ClaimedItem:
         attempts=row.attempts,
         lease_expires_at=_models.from_timestamp(row.lease_expires_at),
         owner=row.owner,
+        priority=row.priority,
+        service_class=row.service_class,
+        sla=_optional_time(row.sla),
+        fingerprint=row.fingerprint,
+        max_attempts=row.max_attempts,
     )
+
+
+def _item_dict(row: _backend.ItemRow) -> dict[str, Any]:
+    return {
+        "item_id": row.item_id,
+        "project_id": row.project_id,
+        "state": row.state,
+        "payload": json.loads(row.payload_json),
+        "fence": row.fence,
+        "attempts": row.attempts,
+        "owner": row.owner,
+        "lease_expires_at": _optional_time(row.lease_expires_at),
+        "created_at": _models.from_timestamp(row.created_at),
+        "updated_at": _models.from_timestamp(row.updated_at),
+        "priority": row.priority,
+        "service_class": row.service_class,
+        "sla": _optional_time(row.sla),
+        "fingerprint": row.fingerprint,
+        "max_attempts": row.max_attempts,
+        "due_at": _optional_time(row.due_at),
+        "result": None if row.result_json is None else json.loads(row.result_json),
+        "error": row.error,
+        "offload_handle": row.offload_handle,
+    }

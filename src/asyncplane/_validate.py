@@ -7,6 +7,7 @@ before a transaction is opened: a refused call writes nothing.
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import math
 from typing import Any
@@ -15,18 +16,30 @@ from asyncplane import _errors, _models
 
 __all__ = (
     "MAX_BUSY_TIMEOUT",
+    "MAX_EPOCH_SECONDS",
+    "MAX_ERROR_LENGTH",
     "MAX_ID_LENGTH",
     "MAX_INT",
     "MAX_LEASE_SECONDS",
+    "boolean",
+    "delay",
     "encode_payload",
+    "encode_result",
+    "error_text",
+    "fingerprint",
     "finish_status",
+    "identity",
+    "instant",
     "item_id",
     "lease_seconds",
     "name",
     "optional_actor",
+    "optional_positive_int",
     "positive_int",
+    "priority",
     "project_status",
     "seconds",
+    "service_class",
     "text_id",
 )
 
@@ -39,6 +52,10 @@ MAX_INT = 2**63 - 1
 MAX_LEASE_SECONDS = 366 * 24 * 3600.0
 #: Longest wait for the write lock, in seconds.
 MAX_BUSY_TIMEOUT = 24 * 3600.0
+#: Times beyond this (year 9999) are refused: they could not be shown as datetimes.
+MAX_EPOCH_SECONDS = 253402300799.0
+#: Longest error description kept with an item, in characters.
+MAX_ERROR_LENGTH = 16 * 1024
 
 
 def text_id(value: object, what: str) -> str:
@@ -172,3 +189,104 @@ def _check_json_value(value: Any, where: str) -> None:
         f"{where} is a {kind.__name__}, which is not a JSON value "
         "(use None, bool, int, float, str, list or dict)"
     )
+
+
+def priority(value: object) -> int:
+    """A priority: an int (higher is claimed first), within 32 bits."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _errors.InvalidType(f"priority must be an int, not {type(value).__name__}")
+    if not -(2**31) <= value < 2**31:
+        raise _errors.InvalidInput(f"priority must fit in 32 bits, got {value}")
+    return value
+
+
+def service_class(value: object) -> str:
+    """ "standard" or "realtime"."""
+    return _one_of(value, "service class", _models.SERVICE_CLASSES)
+
+
+def instant(value: object, what: str) -> float | None:
+    """None, or an absolute time: an aware datetime, or seconds since the Unix epoch."""
+    if value is None:
+        return None
+    if isinstance(value, dt.datetime):
+        if value.tzinfo is None:
+            raise _errors.InvalidInput(
+                f"{what} must be an aware datetime (with tzinfo); a naive one is ambiguous"
+            )
+        return value.timestamp()
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _errors.InvalidType(
+            f"{what} must be an aware datetime or epoch seconds, not {type(value).__name__}"
+        )
+    number = float(value)
+    if not math.isfinite(number) or not 0 <= number < MAX_EPOCH_SECONDS:
+        raise _errors.InvalidInput(f"{what} is not a representable time: {value!r}")
+    return number
+
+
+def optional_positive_int(value: object, what: str) -> int | None:
+    """None, or a positive int."""
+    return None if value is None else positive_int(value, what)
+
+
+def fingerprint(value: object) -> str | None:
+    """None, or a fingerprint: a non-empty printable str of at most 256 characters."""
+    return None if value is None else text_id(value, "fingerprint")
+
+
+def delay(value: object, what: str) -> float:
+    """A delay: finite seconds, zero or more, at most MAX_LEASE_SECONDS."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _errors.InvalidType(f"{what} must be an int or float, not {type(value).__name__}")
+    number = float(value)
+    if not math.isfinite(number) or not 0 <= number <= MAX_LEASE_SECONDS:
+        raise _errors.InvalidInput(f"{what} must be between 0 and a year of seconds, got {value!r}")
+    return number
+
+
+def error_text(value: object) -> str | None:
+    """None, or an error description of at most MAX_ERROR_LENGTH characters."""
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise _errors.InvalidType(f"error must be a str, not {type(value).__name__}")
+    if len(value) > MAX_ERROR_LENGTH:
+        raise _errors.InvalidInput(
+            f"error is {len(value)} characters, more than {MAX_ERROR_LENGTH}; shorten it"
+        )
+    return value
+
+
+def encode_result(result: object, max_bytes: int) -> str:
+    """A result: any JSON value (as for payloads, but not only objects), compact JSON."""
+    try:
+        _check_json_value(result, "result")
+    except RecursionError:
+        raise _errors.InvalidPayload("result is nested too deeply") from None
+    text = json.dumps(result, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+    size = len(text.encode("utf-8"))
+    if size > max_bytes:
+        raise _errors.InvalidPayload(
+            f"result is {size} bytes of JSON, more than the limit of {max_bytes} bytes"
+        )
+    return text
+
+
+def boolean(value: object, what: str) -> bool:
+    """A real bool (1 and "yes" are refused)."""
+    if not isinstance(value, bool):
+        raise _errors.InvalidType(f"{what} must be a bool, not {type(value).__name__}")
+    return value
+
+
+def identity(value: object) -> tuple[str, ...]:
+    """The identity keys: a sequence of distinct payload keys (empty or None: none)."""
+    if value is None:
+        return ()
+    if isinstance(value, str) or not isinstance(value, (list, tuple)):
+        raise _errors.InvalidType("identity must be a list or tuple of payload keys")
+    keys = tuple(text_id(key, "identity key") for key in value)
+    if len(set(keys)) != len(keys):
+        raise _errors.InvalidInput(f"identity keys repeat: {keys!r}")
+    return keys

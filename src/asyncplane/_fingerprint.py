@@ -1,0 +1,64 @@
+"""Content fingerprints: the identity that deduplication compares.
+
+A fingerprint is the SHA-256 hex digest of a tuple of fields. Each field is UTF-8
+encoded and prefixed with its length, so no choice of delimiter inside a field can make
+two different tuples hash alike (("a|b", "c") and ("a", "b|c") differ). A missing field
+(None) has its own marker, distinct from the empty string.
+
+A store configured with ``identity`` (payload keys) derives an item's fingerprint from
+those payload fields: strings as they are, any other JSON value as canonical JSON; a
+payload with none of those keys gets no fingerprint. The
+keys are the user's choice of "what makes two pieces of work the same answer": fields that
+only choose the executor (a model, a lane) are left out of it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+__all__ = ("fingerprint", "from_payload")
+
+_MISSING = b"\xff" * 8  # never a length prefix: lengths are below 2**63
+
+
+def fingerprint(*fields: str | None) -> str:
+    """The SHA-256 hex digest of ``fields``, each UTF-8 encoded and length-prefixed.
+
+    Args:
+        *fields: The fields that identify the work; None marks a missing field.
+
+    Returns:
+        64 lowercase hex characters.
+    """
+    digest = hashlib.sha256()
+    for field in fields:
+        if field is None:
+            digest.update(_MISSING)
+            continue
+        if not isinstance(field, str):
+            raise TypeError(f"fingerprint fields are str or None, not {type(field).__name__}")
+        data = field.encode("utf-8")
+        digest.update(len(data).to_bytes(8, "big"))
+        digest.update(data)
+    return digest.hexdigest()
+
+
+def from_payload(payload: Mapping[str, Any], identity: Sequence[str]) -> str | None:
+    """The fingerprint of a payload's ``identity`` fields; None if it has none of them.
+
+    A payload with none of the identity keys says nothing about its content's identity,
+    so it gets no fingerprint (and is never deduplicated) rather than one shared by every
+    such payload.
+    """
+    if not any(key in payload for key in identity):
+        return None
+    return fingerprint(*(_field(payload.get(key)) for key in identity))
+
+
+def _field(value: Any) -> str | None:
+    if value is None or isinstance(value, str):
+        return value
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)

@@ -1,0 +1,517 @@
+"""Lane-queue semantics: ordering, batch claims, dedup in four layers, settle outcomes."""
+
+from __future__ import annotations
+
+import datetime as dt
+import random
+import sqlite3
+from typing import Any
+
+import pytest
+
+from asyncplane import (
+    ControlStore,
+    FenceRejected,
+    InvalidInput,
+    InvalidPayload,
+    InvalidType,
+    Job,
+    ScopeDenied,
+    fingerprint,
+    verify_ledger,
+)
+from asyncplane import _sqlite_sql as sql
+from asyncplane.testing import ManualClock
+
+IDENTITY = ("intent", "task", "system", "reasoning")
+
+
+@pytest.fixture
+async def lanes(asyncplane_store_factory: Any) -> ControlStore:
+    store: ControlStore = await asyncplane_store_factory(
+        "lanes.db", identity=IDENTITY, lease_seconds=60, rng=random.Random(1)
+    )
+    await store.create_project("alpha", "Alpha")
+    await store.create_project("beta", "Beta")
+    return store
+
+
+def task(text: str, **extra: Any) -> dict[str, Any]:
+    return {"intent": "answer", "task": text, "system": "s", "reasoning": "low", **extra}
+
+
+async def types(store: ControlStore, item_id: int) -> list[str]:
+    return [e["event_type"] for e in await store.events(item_id)]
+
+
+# --- ordering and batch claims ---------------------------------------------------------
+
+
+async def test_claim_order_priority_class_sla_then_age(
+    lanes: ControlStore, clock: ManualClock
+) -> None:
+    t0 = clock.now()
+    order = {}
+    order["low"] = await lanes.enqueue("alpha", {"n": 1}, priority=-1)
+    order["plain-old"] = await lanes.enqueue("alpha", {"n": 2})
+    order["plain-new"] = await lanes.enqueue("alpha", {"n": 3})
+    order["sla-late"] = await lanes.enqueue("alpha", {"n": 4}, sla=t0 + 500)
+    order["sla-soon"] = await lanes.enqueue(
+        "alpha", {"n": 5}, sla=dt.datetime.fromtimestamp(t0 + 100, dt.timezone.utc)
+    )
+    order["realtime"] = await lanes.enqueue("alpha", {"n": 6}, service_class="realtime")
+    order["urgent"] = await lanes.enqueue("alpha", {"n": 7}, priority=5)
+    claims = await lanes.claim_batch("w", 10)
+    expected = ["urgent", "realtime", "sla-soon", "sla-late", "plain-old", "plain-new", "low"]
+    assert [c.item_id for c in claims] == [order[name] for name in expected]
+    assert len({c.fence for c in claims}) == 1 and claims[0].fence == 1  # each its own claim
+    assert claims[0].priority == 5 and claims[1].service_class == "realtime"
+    assert claims[2].sla == dt.datetime.fromtimestamp(t0 + 100, dt.timezone.utc)
+    assert await verify_ledger(lanes) == []
+
+
+async def test_claim_batch_respects_limit_project_and_scope(lanes: ControlStore) -> None:
+    a = [await lanes.enqueue("alpha", {"n": n}) for n in range(3)]
+    b = [await lanes.enqueue("beta", {"n": n}) for n in range(3)]
+    first = await lanes.claim_batch("w", 2, project_id="beta")
+    assert [c.item_id for c in first] == b[:2]
+    await lanes.assign("alpha", "agent")
+    mine = await lanes.claim_batch("agent", 10, actor_id="agent")
+    assert [c.item_id for c in mine] == a
+    with pytest.raises(InvalidInput):
+        await lanes.claim_batch("w", 0)
+    rest = await lanes.claim_batch("w", 10)
+    assert [c.item_id for c in rest] == b[2:]
+
+
+async def test_not_before_defers_until_due(lanes: ControlStore, clock: ManualClock) -> None:
+    later = await lanes.enqueue("alpha", {"n": 1}, not_before=clock.now() + 30)
+    assert (await lanes.item(later))["state"] == "deferred"
+    assert await types(lanes, later) == ["queued", "deferred"]
+    assert await lanes.claim("w") is None
+    assert await lanes.next_due() == clock.datetime() + dt.timedelta(seconds=30)
+    clock.advance(30)
+    claim = await lanes.claim("w")
+    assert claim is not None and claim.item_id == later
+    past = await lanes.enqueue("alpha", {"n": 2}, not_before=clock.now() - 5)
+    assert (await lanes.item(past))["state"] == "ready"
+    assert await verify_ledger(lanes) == []
+
+
+async def test_the_claim_order_comes_from_an_index(lanes: ControlStore) -> None:
+    conn = sqlite3.connect(lanes.path)
+    params = {"now": 0, "limit": 1, "offset": 0, "project_id": None, "actor_id": None}
+    plan = " | ".join(
+        row[3] for row in conn.execute("EXPLAIN QUERY PLAN " + sql.CLAIM_READY, params)
+    )
+    conn.close()
+    assert "USING INDEX items_ready" in plan
+    assert "TEMP B-TREE" not in plan  # no sort: the index gives the order
+
+
+# --- enqueue and enqueue_many ------------------------------------------------------------
+
+
+def test_fingerprint_is_length_prefixed_sha256() -> None:
+    assert len(fingerprint("a")) == 64
+    assert fingerprint("a|b", "c") != fingerprint("a", "b|c")
+    assert fingerprint("ab", "") != fingerprint("a", "b")
+    assert fingerprint(None) != fingerprint("")
+    assert fingerprint("x", "y") == fingerprint("x", "y")
+    with pytest.raises(TypeError):
+        fingerprint(1)  # type: ignore[arg-type]
+
+
+async def test_enqueue_many_keeps_input_order_and_shares_twin_ids(lanes: ControlStore) -> None:
+    ids = await lanes.enqueue_many(
+        "alpha",
+        [
+            task("one"),
+            Job(task("two"), priority=3),
+            task("one", model="other-model"),  # the model is not part of the identity
+            Job({"free": "form"}),
+        ],
+    )
+    assert ids[0] == ids[2] != ids[1]
+    assert len(set(ids)) == 3
+    assert (await lanes.item(ids[1]))["priority"] == 3
+    assert await lanes.enqueue_many("alpha", []) == []
+    assert await verify_ledger(lanes) == []
+
+
+async def test_enqueue_many_refuses_every_job_if_one_is_bad(
+    lanes: ControlStore, clock: ManualClock
+) -> None:
+    before = await lanes.counts()
+    with pytest.raises(InvalidPayload, match=r"jobs\[2\]"):
+        await lanes.enqueue_many("alpha", [task("a"), task("b"), {"x": float("nan")}])
+    with pytest.raises(InvalidType, match=r"jobs\[1\]"):
+        await lanes.enqueue_many("alpha", [task("a"), ["not", "a", "dict"]])  # type: ignore[list-item]
+    with pytest.raises(InvalidInput, match="aware datetime"):
+        await lanes.enqueue_many("alpha", [Job({}, sla=dt.datetime(2030, 1, 1))])
+    with pytest.raises(InvalidInput, match="service class"):
+        await lanes.enqueue("alpha", {}, service_class="urgent")
+    with pytest.raises(InvalidType, match="priority"):
+        await lanes.enqueue("alpha", {}, priority=1.5)  # type: ignore[arg-type]
+    assert await lanes.counts() == before
+
+
+async def test_enqueue_many_is_one_transaction(lanes: ControlStore) -> None:
+    backend: Any = await lanes._ready()
+    rounds = backend.writer.rounds
+    ids = await lanes.enqueue_many("alpha", [{"n": n} for n in range(500)])
+    assert backend.writer.rounds == rounds + 1
+    assert ids == list(range(ids[0], ids[0] + 500))
+    assert (await lanes.item(ids[-1]))["payload"] == {"n": 499}
+
+
+async def test_actor_scope_applies_to_enqueue_many(lanes: ControlStore) -> None:
+    with pytest.raises(ScopeDenied):
+        await lanes.enqueue_many("alpha", [{}], actor_id="stranger")
+
+
+# --- dedup, layer 1: enqueue -------------------------------------------------------------
+
+
+async def test_enqueue_reuses_a_twin_preferring_a_done_one(lanes: ControlStore) -> None:
+    first = await lanes.enqueue("alpha", task("q"))
+    assert await lanes.enqueue("alpha", task("q")) == first  # in flight: reused
+    claim = await lanes.claim("w")
+    assert claim is not None
+    await lanes.finish(first, fence=claim.fence, result={"answer": 42})
+    independent = await lanes.enqueue("alpha", task("q"), dedup=False)
+    assert independent != first
+    assert (await lanes.item(independent))["fingerprint"] == (await lanes.item(first))[
+        "fingerprint"
+    ]
+    assert await lanes.enqueue("alpha", task("q")) == first  # the done one, not the newer
+    assert await lanes.enqueue("beta", task("q")) not in (first, independent)  # per project
+
+
+async def test_failed_items_are_never_reused(lanes: ControlStore) -> None:
+    first = await lanes.enqueue("alpha", task("q"))
+    claim = await lanes.claim("w")
+    assert claim is not None
+    await lanes.finish(first, fence=claim.fence, status="failed", error="model refused")
+    again = await lanes.enqueue("alpha", task("q"))
+    assert again != first
+    assert (await lanes.item(first))["error"] == "model refused"
+
+
+async def test_null_fingerprints_are_never_equal(asyncplane_store_factory: Any) -> None:
+    plain: ControlStore = await asyncplane_store_factory("plain.db")  # no identity
+    await plain.create_project("p", "P")
+    a = await plain.enqueue("p", {"same": True})
+    b = await plain.enqueue("p", {"same": True})
+    assert a != b
+    assert (await plain.item(a))["fingerprint"] is None
+    both = await plain.claim_batch("w", 5)  # no fingerprint: no twin rule either
+    assert [c.item_id for c in both] == [a, b]
+
+
+async def test_explicit_fingerprint_wins_over_identity(lanes: ControlStore) -> None:
+    a = await lanes.enqueue("alpha", task("one"), fingerprint="custom")
+    b = await lanes.enqueue("alpha", task("two"), fingerprint="custom")
+    assert a == b
+    assert (await lanes.item(a))["fingerprint"] == "custom"
+
+
+# --- dedup, layers 2 to 4: preflight, lease, settlement ------------------------------------
+
+
+async def test_preflight_backfills_fingerprints_and_settles_pending_twins(
+    asyncplane_store_factory: Any,
+) -> None:
+    # An older enqueuer wrote items without fingerprints ...
+    old: ControlStore = await asyncplane_store_factory("shared.db")
+    await old.create_project("p", "P")
+    done_id = await old.enqueue("p", task("q"))
+    pending = [await old.enqueue("p", task("q")) for _ in range(4)]
+    other = await old.enqueue("p", task("different"))
+    claim = await old.claim("w")
+    assert claim is not None and claim.item_id == done_id
+    await old.finish(done_id, fence=claim.fence, result={"answer": 1})
+    assert (await old.item(pending[0]))["state"] == "ready"  # no fingerprint: no settlement
+    # ... and a store that knows the identity runs the preflight, two items at a time.
+    new: ControlStore = await asyncplane_store_factory("shared.db", identity=IDENTITY)
+    backend: Any = await new._ready()
+    rounds = backend.writer.rounds
+    assert await new.dedup_pending_against_done(chunk=2) == 4
+    assert backend.writer.rounds - rounds >= 3 + 2  # bounded: several short transactions
+    for item_id in pending:
+        row = await new.item(item_id)
+        assert (row["state"], row["result"]) == ("done", {"answer": 1})
+        events = await new.events(item_id)
+        assert events[-1]["event_type"] == "done"
+        assert events[-1]["detail"] == {"deduplicated_from": done_id}
+        assert all(e["event_type"] != "claimed" for e in events)  # settled without running
+    assert (await new.item(other))["state"] == "ready"
+    assert (await new.item(other))["fingerprint"] is not None
+    assert await new.dedup_pending_against_done() == 0
+    assert await verify_ledger(new) == []
+
+
+async def test_a_batch_takes_one_item_per_fingerprint_and_twins_wait(lanes: ControlStore) -> None:
+    a = await lanes.enqueue("alpha", task("q"), dedup=False)
+    b = await lanes.enqueue("alpha", task("q"), dedup=False)
+    c = await lanes.enqueue("alpha", task("other"))
+    batch = await lanes.claim_batch("w", 10)
+    assert [x.item_id for x in batch] == [a, c]
+    assert await lanes.claim("w2") is None  # b waits while its twin a is claimed
+    await lanes.finish(a, fence=batch[0].fence, status="failed", error="boom")
+    twin = await lanes.claim("w2")  # a failed: its twin may run now
+    assert twin is not None and twin.item_id == b
+
+
+async def test_finishing_done_settles_pending_twins_with_the_result(
+    asyncplane_store_factory: Any,
+) -> None:
+    # Twins that all stayed pending: written by an older enqueuer without fingerprints,
+    # fingerprinted later by the preflight (nothing was done yet, so it settles nothing).
+    old: ControlStore = await asyncplane_store_factory("shared.db")
+    await old.create_project("p", "P")
+    await old.create_project("q", "Q")
+    twins = [await old.enqueue("p", task("same")) for _ in range(3)]
+    elsewhere = await old.enqueue("q", task("same"))
+    independent = await old.enqueue("p", task("same"))
+    new: ControlStore = await asyncplane_store_factory("shared.db", identity=IDENTITY)
+    assert await new.dedup_pending_against_done() == 0
+    conn = sqlite3.connect(new.path, isolation_level=None)
+    conn.execute("UPDATE items SET dedup = 0 WHERE item_id = ?", (independent,))  # as dedup=False
+    conn.close()
+    batch = await new.claim_batch("w", 10, project_id="p")
+    assert [c.item_id for c in batch] == [twins[0]]  # one per fingerprint; the rest wait
+    await new.finish(twins[0], fence=batch[0].fence, result={"answer": "shared"})
+    for item_id in twins[1:]:
+        row = await new.item(item_id)
+        assert (row["state"], row["result"]) == ("done", {"answer": "shared"})
+        assert (await new.events(item_id))[-1]["detail"] == {"deduplicated_from": twins[0]}
+    assert (await new.item(elsewhere))["state"] == "ready"  # a result never crosses projects
+    assert (await new.item(independent))["state"] == "ready"  # dedup=False runs on its own
+    assert await verify_ledger(new) == []
+
+
+# --- settle outcomes -----------------------------------------------------------------------
+
+
+async def test_finish_keeps_a_bounded_json_result(asyncplane_store_factory: Any) -> None:
+    store: ControlStore = await asyncplane_store_factory(max_result_bytes=100)
+    await store.create_project("p", "P")
+    item_id = await store.enqueue("p", {})
+    claim = await store.claim("w")
+    assert claim is not None
+    with pytest.raises(InvalidPayload, match="more than the limit of 100"):
+        await store.finish(item_id, fence=claim.fence, result="x" * 200)
+    with pytest.raises(InvalidPayload):
+        await store.finish(item_id, fence=claim.fence, result={"t": {1, 2}})
+    assert (await store.item(item_id))["state"] == "claimed"  # the claim stays valid
+    await store.finish(item_id, fence=claim.fence, result={"ok": [1, 2.5, None]})
+    assert (await store.item(item_id))["result"] == {"ok": [1, 2.5, None]}
+
+
+async def test_default_result_limit_is_64_kib(lanes: ControlStore) -> None:
+    item_id = await lanes.enqueue("alpha", {})
+    claim = await lanes.claim("w")
+    assert claim is not None
+    with pytest.raises(InvalidPayload):
+        await lanes.finish(item_id, fence=claim.fence, result="x" * (64 * 1024))
+    await lanes.finish(item_id, fence=claim.fence, result="x" * (64 * 1024 - 10))
+
+
+async def test_failed_fails_fast_whatever_attempts_remain(lanes: ControlStore) -> None:
+    item_id = await lanes.enqueue("alpha", {}, max_attempts=10)
+    claim = await lanes.claim("w")
+    assert claim is not None
+    await lanes.finish(item_id, fence=claim.fence, status="failed", error="bad input")
+    row = await lanes.item(item_id)
+    assert (row["state"], row["error"], row["attempts"]) == ("failed", "bad input", 1)
+    events = await lanes.events(item_id)
+    assert events[-1]["detail"] == {"error": "bad input"}
+
+
+async def test_retry_backs_off_with_jitter_then_fails_when_attempts_run_out(
+    lanes: ControlStore, clock: ManualClock
+) -> None:
+    item_id = await lanes.enqueue("alpha", {}, max_attempts=3)
+    seen = []
+    for attempt in (1, 2):
+        claim = await lanes.claim("w")
+        assert claim is not None and claim.attempts == attempt
+        state = await lanes.retry(item_id, fence=claim.fence, error=f"timeout {attempt}")
+        assert state == "deferred"
+        row = await lanes.item(item_id)
+        assert row["state"] == "deferred" and row["error"] == f"timeout {attempt}"
+        wait = (row["due_at"] - clock.datetime()).total_seconds()
+        base = 1.0 * 2 ** (attempt - 1)
+        assert 0.5 * base <= wait <= 1.5 * base  # exponential, jittered
+        seen.append(wait)
+        assert await lanes.claim("w") is None  # not before it falls due
+        clock.advance(wait + 0.001)  # (the datetime above is rounded to microseconds)
+    claim = await lanes.claim("w")
+    assert claim is not None and claim.attempts == 3
+    assert await lanes.retry(item_id, fence=claim.fence, error="timeout 3") == "failed"
+    row = await lanes.item(item_id)
+    assert row["state"] == "failed"
+    assert row["error"] == "attempts exhausted (3 of 3): timeout 3"
+    assert await types(lanes, item_id) == [
+        "queued",
+        "claimed",
+        "retried",
+        "claimed",
+        "retried",
+        "claimed",
+        "failed",
+    ]
+    assert await verify_ledger(lanes) == []
+
+
+async def test_retry_with_an_explicit_delay(lanes: ControlStore, clock: ManualClock) -> None:
+    item_id = await lanes.enqueue("alpha", {})
+    claim = await lanes.claim("w")
+    assert claim is not None
+    await lanes.retry(item_id, fence=claim.fence, error="later", delay=120)
+    assert (await lanes.item(item_id))["due_at"] == clock.datetime() + dt.timedelta(seconds=120)
+
+
+async def test_park_defers_without_spending_an_attempt(
+    lanes: ControlStore, clock: ManualClock
+) -> None:
+    item_id = await lanes.enqueue("alpha", {}, max_attempts=1)
+    claim = await lanes.claim("w")
+    assert claim is not None and claim.attempts == 1
+    await lanes.park(item_id, fence=claim.fence, delay=10)
+    row = await lanes.item(item_id)
+    assert (row["state"], row["attempts"]) == ("deferred", 0)
+    clock.advance(10)
+    again = await lanes.claim("w")
+    assert again is not None and again.attempts == 1  # still its first real attempt
+    await lanes.finish(item_id, fence=again.fence)
+    assert await types(lanes, item_id) == ["queued", "claimed", "parked", "claimed", "done"]
+    assert await verify_ledger(lanes) == []
+
+
+async def test_offloaded_items_are_never_claimed_or_reclaimed(
+    lanes: ControlStore, clock: ManualClock
+) -> None:
+    a = await lanes.enqueue("alpha", {"n": 1})
+    b = await lanes.enqueue("alpha", {"n": 2})
+    claims = await lanes.claim_batch("w", 2)
+    for claim in claims:
+        await lanes.offload(claim.item_id, fence=claim.fence, handle="batch-7")
+    clock.advance(10_000)  # far past any lease
+    assert await lanes.claim("w2") is None
+    listed = await lanes.offloaded("batch-7")
+    assert [(x["item_id"], x["fence"], x["state"]) for x in listed] == [
+        (a, 1, "offloaded"),
+        (b, 1, "offloaded"),
+    ]
+    assert await lanes.offloaded("batch-8") == []
+    with pytest.raises(FenceRejected):
+        await lanes.renew(a, fence=1)  # nothing to renew: it is not claimed here
+    await lanes.finish(a, fence=1, result="from the batch")
+    assert await lanes.retry(b, fence=1, error="batch expired", delay=0) == "deferred"
+    assert [x["item_id"] for x in await lanes.offloaded("batch-7")] == []
+    assert (await lanes.item(a))["result"] == "from the batch"
+    again = await lanes.claim("w2")
+    assert again is not None and again.item_id == b and again.fence == 2
+    assert await verify_ledger(lanes) == []
+
+
+async def test_a_lapsed_lease_consumes_an_attempt(lanes: ControlStore, clock: ManualClock) -> None:
+    item_id = await lanes.enqueue("alpha", {}, max_attempts=2)
+    first = await lanes.claim("w1")
+    assert first is not None
+    clock.advance(61)
+    second = await lanes.claim("w2")  # attempt 2 of 2: taken over
+    assert second is not None and second.attempts == 2
+    clock.advance(61)
+    assert await lanes.claim("w3") is None  # no attempt left: failed instead
+    row = await lanes.item(item_id)
+    assert row["state"] == "failed" and "attempts exhausted" in row["error"]
+    assert await types(lanes, item_id) == [
+        "queued",
+        "claimed",
+        "lease_expired",
+        "claimed",
+        "lease_expired",
+        "failed",
+    ]
+    with pytest.raises(FenceRejected):
+        await lanes.finish(item_id, fence=second.fence)
+    assert await verify_ledger(lanes) == []
+
+
+async def test_store_wide_attempt_budget(asyncplane_store_factory: Any) -> None:
+    store: ControlStore = await asyncplane_store_factory(max_attempts=1)
+    await store.create_project("p", "P")
+    item_id = await store.enqueue("p", {})
+    assert (await store.item(item_id))["max_attempts"] == 1
+    claim = await store.claim("w")
+    assert claim is not None and claim.max_attempts == 1
+    assert await store.retry(item_id, fence=claim.fence, error="x") == "failed"
+
+
+@pytest.mark.parametrize("outcome", ["finish", "failed", "retry", "park", "offload"])
+async def test_settling_an_item_in_any_other_state_is_fenced(
+    lanes: ControlStore, outcome: str
+) -> None:
+    item_id = await lanes.enqueue("alpha", {})
+    claim = await lanes.claim("w")
+    assert claim is not None
+    await lanes.park(item_id, fence=claim.fence, delay=100)  # now deferred
+
+    async def settle() -> object:
+        if outcome == "finish":
+            return await lanes.finish(item_id, fence=claim.fence)
+        if outcome == "failed":
+            return await lanes.finish(item_id, fence=claim.fence, status="failed")
+        if outcome == "retry":
+            return await lanes.retry(item_id, fence=claim.fence)
+        if outcome == "park":
+            return await lanes.park(item_id, fence=claim.fence, delay=1)
+        return await lanes.offload(item_id, fence=claim.fence, handle="h")
+
+    with pytest.raises(FenceRejected, match="deferred, not claimed"):
+        await settle()
+    assert (await lanes.item(item_id))["state"] == "deferred"
+    assert await verify_ledger(lanes) == []
+
+
+async def test_park_and_offload_need_a_claim_not_an_offload(lanes: ControlStore) -> None:
+    item_id = await lanes.enqueue("alpha", {})
+    claim = await lanes.claim("w")
+    assert claim is not None
+    await lanes.offload(item_id, fence=claim.fence, handle="h")
+    with pytest.raises(FenceRejected):
+        await lanes.park(item_id, fence=claim.fence, delay=1)
+    with pytest.raises(FenceRejected):
+        await lanes.offload(item_id, fence=claim.fence, handle="h2")
+
+
+# --- the ledger, for the new states ------------------------------------------------------
+
+
+async def test_state_disagrees_for_a_tampered_deferred_item(lanes: ControlStore) -> None:
+    item_id = await lanes.enqueue("alpha", {})
+    claim = await lanes.claim("w")
+    assert claim is not None
+    conn = sqlite3.connect(lanes.path, isolation_level=None)
+    conn.execute("UPDATE items SET state = 'deferred', due_at = 0 WHERE item_id = ?", (item_id,))
+    conn.close()
+    problems = await verify_ledger(lanes)
+    assert [(p.kind, p.item_id) for p in problems] == [("state_disagrees", item_id)]
+    assert problems[0].detail == "row is 'deferred' but its events lead to claimed"
+
+
+async def test_state_disagrees_for_a_tampered_offloaded_item(lanes: ControlStore) -> None:
+    item_id = await lanes.enqueue("alpha", {})
+    claim = await lanes.claim("w")
+    assert claim is not None
+    await lanes.offload(item_id, fence=claim.fence, handle="h")
+    conn = sqlite3.connect(lanes.path, isolation_level=None)
+    conn.execute("UPDATE items SET state = 'claimed' WHERE item_id = ?", (item_id,))
+    conn.close()
+    problems = await verify_ledger(lanes)
+    assert [(p.kind, p.detail) for p in problems] == [
+        ("state_disagrees", "row is 'claimed' but its events lead to offloaded")
+    ]
