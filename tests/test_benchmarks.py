@@ -63,3 +63,20 @@ def test_probe_vs_raw_benchmark_reports_every_ratio() -> None:
     }
     assert all(rate > 0 for rate in report["rates"].values())
     assert len(report["ratios"]) == 3
+
+
+def test_lanes_benchmark_reports_enqueue_and_depth_ratios() -> None:
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "lanes.py"), "--items", "300", "--deep", "3000",
+         "--shallow", "100", "--claims", "20", "--repeats", "1", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert report["enqueue_ratio"] > 0
+    assert set(report["depth_ratios"]) == {"store", "transaction"}
+    assert set(report["claim_us"]) == {
+        "store shallow", "store deep", "transaction shallow", "transaction deep"
+    }  # fmt: skip

@@ -20,6 +20,7 @@ async def pragmas(conn: aiosqlite.Connection) -> dict[str, object]:
             "foreign_keys",
             "journal_size_limit",
             "query_only",
+            "cache_size",
         ]
         return {name: db.execute(f"PRAGMA {name}").fetchone()[0] for name in names}
 
@@ -54,6 +55,7 @@ async def test_writer_pragmas(tmp_path: pathlib.Path, level: str, code: int) -> 
         "foreign_keys": 1,
         "journal_size_limit": _connection.JOURNAL_SIZE_LIMIT,
         "query_only": 0,
+        "cache_size": -_connection.WRITER_CACHE_KIB,
     }
 
 
@@ -64,6 +66,7 @@ async def test_readers_are_read_only(tmp_path: pathlib.Path) -> None:
         try:
             got = await pragmas(reader)
             assert got["query_only"] == 1
+            assert got["cache_size"] == -_connection.READER_CACHE_KIB
             with pytest.raises(sqlite3.OperationalError, match=r"readonly|read-only|query_only"):
                 await _connection.run(reader, lambda db: db.execute("DELETE FROM projects"))
         finally:
