@@ -441,6 +441,22 @@ async def test_a_lapsed_lease_consumes_an_attempt(lanes: ControlStore, clock: Ma
     assert await verify_ledger(lanes) == []
 
 
+async def test_a_lapsed_item_with_a_fingerprint_is_taken_over(
+    lanes: ControlStore, clock: ManualClock
+) -> None:
+    item_id = await lanes.enqueue("alpha", task("q"))
+    twin = await lanes.enqueue("alpha", task("q"), dedup=False)
+    first = await lanes.claim("w1")
+    assert first is not None and first.item_id == item_id
+    clock.advance(61)
+    taken = await lanes.claim("w2")  # the lapsed one itself, not blocked by its own claim
+    assert taken is not None and taken.item_id == item_id and taken.fence == 2
+    assert await lanes.claim("w3") is None  # its twin still waits
+    await lanes.finish(item_id, fence=taken.fence)
+    assert (await lanes.claim("w3")) is not None  # dedup=False twin runs after it settles
+    assert twin
+
+
 async def test_store_wide_attempt_budget(asyncplane_store_factory: Any) -> None:
     store: ControlStore = await asyncplane_store_factory(max_attempts=1)
     await store.create_project("p", "P")

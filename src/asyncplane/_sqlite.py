@@ -319,7 +319,10 @@ def _enqueue(op: _backend.EnqueueOp, db: sqlite3.Connection, now: float) -> list
     db.executemany(sql.INSERT_EVENT, events)
     for position, first in twin_of.items():
         ids[position] = ids[first]
-    return [item_id for item_id in ids if item_id is not None]
+    resolved = [item_id for item_id in ids if item_id is not None]
+    if len(resolved) != len(ids):  # every position has an id by now; never shorten the list
+        raise _errors.StorageError("an enqueued item was left without an id")
+    return resolved
 
 
 def _item_row(project_id: str, item: _backend.NewItem, now: float) -> tuple[Any, ...]:

@@ -183,7 +183,8 @@ _CLAIMABLE = """
       AND (fingerprint IS NULL OR NOT EXISTS (
            SELECT 1 FROM items AS twin INDEXED BY items_claimed_fingerprint
            WHERE twin.project_id = items.project_id AND twin.fingerprint = items.fingerprint
-             AND twin.state = 'claimed' AND twin.fingerprint IS NOT NULL))
+             AND twin.state = 'claimed' AND twin.fingerprint IS NOT NULL
+             AND twin.item_id <> items.item_id))
 """
 CLAIM_READY: Final = f"""
 SELECT {_CLAIM_COLUMNS} FROM items INDEXED BY items_ready
