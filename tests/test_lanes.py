@@ -531,3 +531,82 @@ async def test_state_disagrees_for_a_tampered_offloaded_item(lanes: ControlStore
     assert [(p.kind, p.detail) for p in problems] == [
         ("state_disagrees", "row is 'claimed' but its events lead to offloaded")
     ]
+
+
+async def test_an_offloaded_item_holds_back_its_twins(lanes: ControlStore) -> None:
+    first = await lanes.enqueue("alpha", task("q"))
+    twin = await lanes.enqueue("alpha", task("q"), dedup=False)
+    claim = await lanes.claim("w")
+    assert claim is not None and claim.item_id == first
+    await lanes.offload(first, fence=claim.fence, handle="batch")
+    assert await lanes.claim("w2") is None  # the twin must not also run here
+    await lanes.finish(first, fence=claim.fence, result="batch result")
+    after = await lanes.claim("w2")
+    assert after is not None and after.item_id == twin
+
+
+async def test_finish_refuses_mixed_outcome_arguments(lanes: ControlStore) -> None:
+    item_id = await lanes.enqueue("alpha", {})
+    claim = await lanes.claim("w")
+    assert claim is not None
+    with pytest.raises(InvalidInput, match="error goes with status='failed'"):
+        await lanes.finish(item_id, fence=claim.fence, error="oops")
+    with pytest.raises(InvalidInput, match="result goes with status='done'"):
+        await lanes.finish(item_id, fence=claim.fence, status="failed", result={"x": 1})
+    assert (await lanes.item(item_id))["state"] == "claimed"
+
+
+async def test_retry_backoff_is_capped(asyncplane_store_factory: Any, clock: ManualClock) -> None:
+    store: ControlStore = await asyncplane_store_factory(
+        retry_backoff=10, retry_backoff_max=15, rng=random.Random(5)
+    )
+    await store.create_project("p", "P")
+    item_id = await store.enqueue("p", {})
+    for _ in range(4):
+        claim = await store.claim("w")
+        assert claim is not None
+        await store.retry(item_id, fence=claim.fence)
+        wait = ((await store.item(item_id))["due_at"] - clock.datetime()).total_seconds()
+        assert wait <= 15.0 + 1e-6
+        clock.advance(wait + 0.001)
+    with pytest.raises(InvalidInput):
+        await asyncplane_store_factory("other.db", retry_backoff=10, retry_backoff_max=5)
+
+
+async def test_next_due_looks_only_at_open_projects(
+    lanes: ControlStore, clock: ManualClock
+) -> None:
+    await lanes.create_project("paused", "Paused", status="paused")
+    await lanes.enqueue("paused", {}, not_before=clock.now() + 5)
+    assert await lanes.next_due() is None
+    await lanes.enqueue("alpha", {}, not_before=clock.now() + 50)
+    assert await lanes.next_due() == clock.datetime() + dt.timedelta(seconds=50)
+
+
+async def test_empty_enqueue_many_still_checks_scope(lanes: ControlStore) -> None:
+    with pytest.raises(ScopeDenied):
+        await lanes.enqueue_many("alpha", [], actor_id="stranger")
+    with pytest.raises(InvalidType):
+        await lanes.enqueue_many("alpha", 42)  # type: ignore[arg-type]
+    with pytest.raises(InvalidInput, match="representable"):
+        await lanes.enqueue("alpha", {}, sla=dt.datetime(1960, 1, 1, tzinfo=dt.timezone.utc))
+
+
+async def test_claims_after_retry_and_park_are_not_counted_as_duplicates(
+    lanes: ControlStore,
+) -> None:
+    # The probe's duplicate check: a second claim needs a recorded way back (a takeover,
+    # a retry, a park); these are legitimate ones.
+    item_id = await lanes.enqueue("alpha", {})
+    claim = await lanes.claim("w")
+    assert claim is not None
+    await lanes.retry(item_id, fence=claim.fence, delay=0)
+    claim = await lanes.claim("w")
+    assert claim is not None
+    await lanes.park(item_id, fence=claim.fence, delay=0)
+    claim = await lanes.claim("w")
+    assert claim is not None
+    await lanes.finish(item_id, fence=claim.fence)
+    backend: Any = await lanes._ready()
+    tally = await backend.tally()
+    assert (tally.claims, tally.unexplained_claims, tally.settled_twice) == (3, [], [])

@@ -104,7 +104,7 @@ class FinishOp(NamedTuple):
 
 class RetryOp(NamedTuple):
     """Parameters of retry. Without ``delay``, the backoff is
-    ``min(backoff_max, backoff_base * 2 ** (attempts - 1))`` scaled by ``0.5 + jitter``."""
+    ``min(backoff_max, backoff_base * 2 ** (attempts - 1) * (0.5 + jitter))``."""
 
     item_id: int
     fence: int

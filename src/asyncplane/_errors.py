@@ -39,9 +39,10 @@ class AsyncplaneError(Exception):
 class FenceRejected(AsyncplaneError):
     """The fence presented is not the item's current claim.
 
-    Raised by renew() and finish() when the item was taken over after its lease lapsed
-    (a higher fence exists), or when the item is not claimed at all: finished already,
-    or never claimed. The caller's work must be discarded; someone else owns the item now.
+    Raised by renew(), finish(), retry(), park() and offload() when the item was taken
+    over after its lease lapsed (a higher fence exists), or when it is not in a state that
+    call can settle: finished already, never claimed, deferred, or (for renew, park and
+    offload) offloaded. The caller's work must be discarded; someone else owns the item.
 
     Attributes:
         item_id: The item the call named.
@@ -99,7 +100,7 @@ class InvalidInput(AsyncplaneError, ValueError):
 
 
 class InvalidPayload(InvalidInput):
-    """A payload is not a JSON object of plain JSON values, holds NaN or infinity, or is too big."""
+    """A payload or result is not plain JSON, holds NaN or infinity, or is too big."""
 
 
 class InvalidType(AsyncplaneError, TypeError):

@@ -19,6 +19,8 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from asyncplane import _errors
+
 __all__ = ("fingerprint", "from_payload")
 
 _MISSING = b"\xff" * 8  # never a length prefix: lengths are below 2**63
@@ -39,7 +41,9 @@ def fingerprint(*fields: str | None) -> str:
             digest.update(_MISSING)
             continue
         if not isinstance(field, str):
-            raise TypeError(f"fingerprint fields are str or None, not {type(field).__name__}")
+            raise _errors.InvalidType(
+                f"fingerprint fields are str or None, not {type(field).__name__}"
+            )
         data = field.encode("utf-8")
         digest.update(len(data).to_bytes(8, "big"))
         digest.update(data)

@@ -487,8 +487,8 @@ def _retry(op: _backend.RetryOp, db: sqlite3.Connection, now: float) -> str:
     if op.delay is not None:
         delay = op.delay
     else:  # exponential backoff with jitter: spread retries of a burst of failures
-        delay = min(op.backoff_max, op.backoff_base * 2 ** max(attempts - 1, 0))
-        delay *= 0.5 + op.jitter
+        doublings = min(max(attempts - 1, 0), 60)  # past the cap long before; no overflow
+        delay = min(op.backoff_max, op.backoff_base * 2**doublings * (0.5 + op.jitter))
     due = now + delay
     deferred = {**params, "due_at": due, "error": op.error, "refund": 0, "from_claimed_only": 0}
     db.execute(sql.SETTLE_DEFERRED, deferred).fetchall()

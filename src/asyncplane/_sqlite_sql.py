@@ -99,8 +99,8 @@ MIGRATIONS: Final[tuple[str, ...]] = (
     CREATE INDEX items_due ON items (due_at) WHERE state = 'deferred';
     CREATE INDEX items_fingerprint ON items (project_id, fingerprint)
         WHERE fingerprint IS NOT NULL;
-    CREATE INDEX items_claimed_fingerprint ON items (project_id, fingerprint)
-        WHERE fingerprint IS NOT NULL AND state = 'claimed';
+    CREATE INDEX items_running_fingerprint ON items (project_id, fingerprint)
+        WHERE fingerprint IS NOT NULL AND state IN ('claimed', 'offloaded');
     CREATE INDEX items_offloaded ON items (offload_handle) WHERE state = 'offloaded';
     """,
 )
@@ -168,7 +168,8 @@ LIMIT 1
 #   claimed items whose lease has lapsed (a takeover).
 # The backend merges the three in claim order. Every arm keeps to open projects, to the
 # project asked for and to the actor's projects (a NULL parameter means "any"), and skips
-# an item whose content twin is claimed right now: twins wait until it settles.
+# an item whose content twin is running right now (claimed here, or offloaded to an
+# external batch): twins wait until it settles, so one piece of work is never paid twice.
 
 CLAIM_ORDER: Final = "priority DESC, service_class, sla IS NULL, sla, item_id"
 _CLAIM_COLUMNS = (
@@ -181,9 +182,9 @@ _CLAIMABLE = """
       AND (:actor_id IS NULL
            OR project_id IN (SELECT project_id FROM assignments WHERE actor_id = :actor_id))
       AND (fingerprint IS NULL OR NOT EXISTS (
-           SELECT 1 FROM items AS twin INDEXED BY items_claimed_fingerprint
+           SELECT 1 FROM items AS twin INDEXED BY items_running_fingerprint
            WHERE twin.project_id = items.project_id AND twin.fingerprint = items.fingerprint
-             AND twin.state = 'claimed' AND twin.fingerprint IS NOT NULL
+             AND twin.state IN ('claimed', 'offloaded') AND twin.fingerprint IS NOT NULL
              AND twin.item_id <> items.item_id))
 """
 CLAIM_READY: Final = f"""
@@ -238,12 +239,12 @@ WHERE item_id = :item_id AND fence = :fence AND state IN ('claimed', 'offloaded'
 _SETTLED = "RETURNING owner, project_id, fingerprint, attempts, max_attempts, state"
 SETTLE_DONE: Final = f"""
 UPDATE items SET state = 'done', result = :result, error = NULL, lease_expires_at = NULL,
-                 due_at = NULL, updated_at = :now
+                 due_at = NULL, offload_handle = NULL, updated_at = :now
 {_SETTLE_GUARD} {_SETTLED}
 """
 SETTLE_FAILED: Final = f"""
 UPDATE items SET state = 'failed', error = :error, lease_expires_at = NULL, due_at = NULL,
-                 updated_at = :now
+                 offload_handle = NULL, updated_at = :now
 {_SETTLE_GUARD} {_SETTLED}
 """
 # Retry reads the attempt budget first (it decides between deferred and failed).
@@ -252,7 +253,8 @@ SELECT attempts, max_attempts, owner FROM items {_SETTLE_GUARD}
 """
 SETTLE_DEFERRED: Final = f"""
 UPDATE items SET state = 'deferred', due_at = :due_at, error = :error,
-                 attempts = attempts - :refund, lease_expires_at = NULL, updated_at = :now
+                 attempts = attempts - :refund, lease_expires_at = NULL, offload_handle = NULL,
+                 updated_at = :now
 {_SETTLE_GUARD} AND (:from_claimed_only = 0 OR state = 'claimed') {_SETTLED}
 """
 SETTLE_OFFLOADED: Final = f"""
@@ -274,7 +276,7 @@ RETURNING item_id, fence
 
 # Preflight: pending items whose twin is already done, in bounded chunks.
 PENDING_WITH_DONE_TWIN: Final = """
-SELECT p.item_id, p.fence, d.item_id, d.result
+SELECT p.item_id, p.fence, min(d.item_id), d.result  -- the oldest done twin, its result
 FROM items AS p
 JOIN items AS d INDEXED BY items_fingerprint
   ON d.project_id = p.project_id AND d.fingerprint = p.fingerprint AND d.state = 'done'
@@ -300,9 +302,13 @@ SET_FINGERPRINT: Final = (
 # The earliest moment a deferred item falls due or a lease lapses (the drain loop's alarm).
 NEXT_DUE: Final = """
 SELECT min(at) FROM (
-    SELECT min(due_at) AS at FROM items INDEXED BY items_due WHERE state = 'deferred'
+    SELECT min(due_at) AS at FROM items INDEXED BY items_due
+    WHERE state = 'deferred'
+      AND project_id IN (SELECT project_id FROM projects WHERE status = 'open')
     UNION ALL
-    SELECT min(lease_expires_at) FROM items INDEXED BY items_lease WHERE state = 'claimed')
+    SELECT min(lease_expires_at) FROM items INDEXED BY items_lease
+    WHERE state = 'claimed'
+      AND project_id IN (SELECT project_id FROM projects WHERE status = 'open'))
 """
 
 # Why a fenced update matched nothing: absent, out of scope, or a stale fence.
@@ -366,12 +372,13 @@ SETTLED_TWICE: Final = """
 SELECT item_id FROM events WHERE event_type IN ('done', 'failed')
 GROUP BY item_id HAVING count(*) > 1 ORDER BY item_id
 """
-# ... and items claimed more often than one first claim plus one per recorded takeover:
-# a claim that no lapsed lease explains is a duplicate claim.
+# ... and items claimed more often than one first claim plus one per recorded way back
+# to claimable (a takeover, a retry, a park): a claim nothing explains is a duplicate.
 UNEXPLAINED_CLAIMS: Final = """
 SELECT item_id FROM events
 GROUP BY item_id
-HAVING sum(event_type = 'claimed') > 1 + sum(event_type = 'lease_expired')
+HAVING sum(event_type = 'claimed')
+       > 1 + sum(event_type IN ('lease_expired', 'retried', 'parked'))
 ORDER BY item_id
 """
 # Items in a given state (the probe's check for lost work).

@@ -47,8 +47,9 @@ class ControlStore:
             Leave out fields that only choose the executor (a model, a lane).
         max_attempts: How many claims an item may have in all unless it says otherwise
             (None: no limit). A retry or a lapsed lease past the last attempt fails it.
-        retry_backoff: The first retry's delay in seconds; each later one doubles...
-        retry_backoff_max: ...up to this many seconds. Each delay is jittered (x0.5..1.5).
+        retry_backoff: The first retry's delay in seconds, before jitter; each later one
+            doubles, and each is jittered (x0.5 to x1.5) ...
+        retry_backoff_max: ... and capped at this many seconds.
         rng: The random source of the jitter (seeded in tests).
         max_batch: The most requests one group commit may carry.
         read_connections: How many read-only connections reads may use at once.
@@ -102,6 +103,8 @@ class ControlStore:
         self._max_attempts = _validate.optional_positive_int(max_attempts, "max_attempts")
         self._retry_backoff = _validate.delay(retry_backoff, "retry_backoff")
         self._retry_backoff_max = _validate.delay(retry_backoff_max, "retry_backoff_max")
+        if self._retry_backoff_max < self._retry_backoff:
+            raise _errors.InvalidInput("retry_backoff_max must not be below retry_backoff")
         self._rng = rng if rng is not None else random.Random()
         self._backend: _backend.Backend = _sqlite.SQLiteBackend(
             self._path,
@@ -317,6 +320,13 @@ class ControlStore:
             UnknownProject: No such project (control plane only).
             ScopeDenied: The actor may not see the project (or it does not exist).
             InvalidPayload: The payload is not plain JSON, or too large.
+            InvalidInput: A value out of range: an unknown service class, a priority
+                beyond 32 bits, a naive datetime or an impossible time, an empty
+                fingerprint, a max_attempts below 1.
+            InvalidType: An argument of the wrong type.
+
+        A reused twin keeps its own lane settings: this call's priority, SLA, attempt
+        budget and not_before apply only to a new row.
         """
         job = _models.Job(
             payload, priority, service_class, sla, fingerprint, max_attempts, not_before
@@ -343,6 +353,8 @@ class ControlStore:
         """
         project = _validate.text_id(project_id, "project_id")
         same = _validate.boolean(dedup, "dedup")
+        if isinstance(jobs, (str, bytes, dict)) or not isinstance(jobs, Iterable):
+            raise _errors.InvalidType("jobs must be an iterable of payload dicts or Jobs")
         items = []
         for position, job in enumerate(jobs):
             if isinstance(job, _models.Job):
@@ -357,8 +369,6 @@ class ControlStore:
                 items.append(self._new_item(spec, same))
             except _errors.AsyncplaneError as exc:
                 raise type(exc)(f"jobs[{position}]: {exc}") from None
-        if not items:
-            return []
         op = _backend.EnqueueOp(project, tuple(items), _validate.optional_actor(actor_id))
         return await (await self._ready()).enqueue(op)
 
@@ -490,6 +500,10 @@ class ControlStore:
                 large or not JSON; nothing was written and the claim stays valid.
         """
         status = _validate.finish_status(status)
+        if status == "done" and error is not None:
+            raise _errors.InvalidInput("error goes with status='failed'; a done item has none")
+        if status == "failed" and result is not None:
+            raise _errors.InvalidInput("result goes with status='done'; a failed item has none")
         op = _backend.FinishOp(
             _validate.item_id(item_id),
             _validate.positive_int(fence, "fence"),

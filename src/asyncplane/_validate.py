@@ -214,7 +214,7 @@ def instant(value: object, what: str) -> float | None:
             raise _errors.InvalidInput(
                 f"{what} must be an aware datetime (with tzinfo); a naive one is ambiguous"
             )
-        return value.timestamp()
+        value = value.timestamp()
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise _errors.InvalidType(
             f"{what} must be an aware datetime or epoch seconds, not {type(value).__name__}"
