@@ -7,6 +7,17 @@ transition, and scope enforced by the store itself.
 """
 
 from asyncplane._clock import Clock, SystemClock
+from asyncplane._drain import (
+    Done,
+    DrainError,
+    DrainSummary,
+    Failed,
+    Offload,
+    Outcome,
+    Park,
+    Retry,
+    drain,
+)
 from asyncplane._errors import (
     AsyncplaneError,
     DatabaseLocked,
@@ -25,6 +36,7 @@ from asyncplane._errors import (
 )
 from asyncplane._fingerprint import fingerprint
 from asyncplane._ledger import LEDGER_PROBLEM_KINDS, verify_ledger
+from asyncplane._lock import DrainLock
 from asyncplane._models import ClaimedItem, Job, LedgerProblem
 from asyncplane._store import ControlStore
 
@@ -37,6 +49,11 @@ __all__ = (
     "Clock",
     "ControlStore",
     "DatabaseLocked",
+    "Done",
+    "DrainError",
+    "DrainLock",
+    "DrainSummary",
+    "Failed",
     "FenceRejected",
     "InvalidInput",
     "InvalidPayload",
@@ -44,7 +61,11 @@ __all__ = (
     "Job",
     "LedgerProblem",
     "NotAnAsyncplaneDatabase",
+    "Offload",
+    "Outcome",
+    "Park",
     "ProjectExists",
+    "Retry",
     "SchemaVersionError",
     "ScopeDenied",
     "StorageError",
@@ -53,6 +74,7 @@ __all__ = (
     "UnknownItem",
     "UnknownProject",
     "__version__",
+    "drain",
     "fingerprint",
     "verify_ledger",
 )

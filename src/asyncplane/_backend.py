@@ -307,8 +307,12 @@ class Backend(Protocol):
         """Read an item's events, oldest first."""
         ...
 
-    async def count_states(self) -> dict[str, int]:
-        """How many items are in each state."""
+    async def count_states(self, project_id: str | None) -> dict[str, int]:
+        """How many items are in each state (of one project, or of all)."""
+        ...
+
+    async def data_version(self) -> int:
+        """A number that changes when another connection commits (PRAGMA data_version)."""
         ...
 
     async def tally(self) -> LedgerTally:

@@ -11,10 +11,11 @@ so a lease is measured from the moment it is granted, not from when it was reque
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Protocol, runtime_checkable
 
-__all__ = ("Clock", "SystemClock")
+__all__ = ("Clock", "SystemClock", "wait_until")
 
 
 @runtime_checkable
@@ -39,5 +40,25 @@ class SystemClock:
         """Return ``time.time()``."""
         return time.time()
 
+    async def wait_until(self, when: float) -> None:
+        """Sleep until the wall clock reads ``when``."""
+        await asyncio.sleep(max(0.0, when - time.time()))
+
     def __repr__(self) -> str:
         return "SystemClock()"
+
+
+async def wait_until(clock: Clock, when: float) -> None:
+    """Wait until ``clock`` reads ``when`` or later.
+
+    A clock may provide ``async wait_until(when)`` (both asyncplane clocks do: a manual
+    clock wakes its waiters when it is moved); any other clock is polled with short real
+    sleeps.
+    """
+    waiter = getattr(clock, "wait_until", None)
+    if waiter is not None:
+        await waiter(when)
+        return
+    # A clock that cannot be waited on can only be looked at again and again.
+    while clock.now() < when:  # noqa: ASYNC110
+        await asyncio.sleep(min(0.05, max(0.0, when - clock.now())))

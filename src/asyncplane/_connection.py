@@ -155,6 +155,7 @@ class ReaderPool:
         self._quiet = asyncio.Event()
         self._quiet.set()
         self._closed = False
+        self._watch: aiosqlite.Connection | None = None
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         """Run ``fn(db, *args)`` on a reader's thread."""
@@ -181,6 +182,20 @@ class ReaderPool:
                 if self._busy == 0:
                     self._quiet.set()
 
+    async def data_version(self) -> int:
+        """PRAGMA data_version on a connection kept for it: changes on others' commits.
+
+        data_version is per connection, so one connection of its own answers every call
+        (it is opened on first use and closed with the pool).
+        """
+        if self._closed:
+            raise _errors.StoreClosed("the store is closed")
+        if self._watch is None:
+            self._watch = await open_reader(self._path, busy_timeout=self._busy_timeout)
+            self._open.add(self._watch)
+        version: int = await run(self._watch, _read_data_version)
+        return version
+
     @property
     def closed(self) -> bool:
         """True once the pool refuses reads."""
@@ -190,6 +205,9 @@ class ReaderPool:
         """Refuse new reads and close idle readers; with ``wait``, also wait for busy ones."""
         self._closed = True
         idle, self._idle = self._idle, []
+        if self._watch is not None:
+            idle.append(self._watch)
+            self._watch = None
         for conn in idle:
             self._open.discard(conn)
             await asyncio.shield(conn.close())
@@ -203,3 +221,8 @@ class ReaderPool:
             conn.stop()
         self._open.clear()
         self._idle.clear()
+
+
+def _read_data_version(db: sqlite3.Connection) -> int:
+    value: int = db.execute("PRAGMA data_version").fetchone()[0]
+    return value

@@ -204,9 +204,14 @@ class SQLiteBackend:
             raise _invisible_item(item_id, actor_id)
         return [_backend.EventRow(*row) for row in rows if row[0] is not None]
 
-    async def count_states(self) -> dict[str, int]:
-        rows = await self._read(_fetch, sql.COUNT_STATES, ())
+    async def count_states(self, project_id: str | None) -> dict[str, int]:
+        rows = await self._read(_fetch_named, sql.COUNT_STATES, {"project_id": project_id})
         return dict(rows)
+
+    async def data_version(self) -> int:
+        if self._readers is None:
+            raise _errors.StoreClosed("the store is closed")
+        return await self._readers.data_version()
 
     async def tally(self) -> _backend.LedgerTally:
         return await self._read(_tally)

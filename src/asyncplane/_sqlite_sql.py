@@ -356,7 +356,10 @@ ORDER BY e.event_id
 
 # --- counts --------------------------------------------------------------------------------
 
-COUNT_STATES: Final = "SELECT state, count(*) FROM items GROUP BY state"
+COUNT_STATES: Final = """
+SELECT state, count(*) FROM items WHERE (:project_id IS NULL OR project_id = :project_id)
+GROUP BY state
+"""
 
 # What the probe checks a run against: whole-store totals of the ledger, in one pass ...
 LEDGER_TALLY: Final = """

@@ -114,6 +114,8 @@ class ControlStore:
             max_batch=_validate.positive_int(max_batch, "max_batch"),
             read_connections=_validate.positive_int(read_connections, "read_connections"),
         )
+        self._backfill_after = 0
+        self._watchers: set[asyncio.Event] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._open_lock: asyncio.Lock | None = None
         self._lock_loop: asyncio.AbstractEventLoop | None = None
@@ -252,6 +254,7 @@ class ControlStore:
         project_id = _validate.text_id(project_id, "project_id")
         status = _validate.project_status(status)
         await (await self._ready()).set_project_status(project_id, status)
+        self._notify()
 
     async def project(self, project_id: str) -> dict[str, Any]:
         """A project as a dict: project_id, name, status, created_at."""
@@ -334,7 +337,9 @@ class ControlStore:
         project = _validate.text_id(project_id, "project_id")
         item = self._new_item(job, _validate.boolean(dedup, "dedup"))
         op = _backend.EnqueueOp(project, (item,), _validate.optional_actor(actor_id))
-        return (await (await self._ready()).enqueue(op))[0]
+        ids = await (await self._ready()).enqueue(op)
+        self._notify()
+        return ids[0]
 
     async def enqueue_many(
         self,
@@ -370,7 +375,9 @@ class ControlStore:
             except _errors.AsyncplaneError as exc:
                 raise type(exc)(f"jobs[{position}]: {exc}") from None
         op = _backend.EnqueueOp(project, tuple(items), _validate.optional_actor(actor_id))
-        return await (await self._ready()).enqueue(op)
+        ids = await (await self._ready()).enqueue(op)
+        self._notify()
+        return ids
 
     def _new_item(self, job: _models.Job, dedup: bool) -> _backend.NewItem:
         """Check one job's fields and encode it for the backend."""
@@ -513,6 +520,7 @@ class ControlStore:
             _validate.error_text(error),
         )
         await (await self._ready()).finish(op)
+        self._notify()  # a settled item frees its waiting twins
 
     async def retry(
         self,
@@ -543,7 +551,9 @@ class ControlStore:
             self._retry_backoff_max,
             self._rng.random(),
         )
-        return await (await self._ready()).retry(op)
+        state = await (await self._ready()).retry(op)
+        self._notify()  # it may be due at once, or settle a twin's wait
+        return state
 
     async def park(
         self, item_id: int, *, fence: int, delay: float, actor_id: str | None = None
@@ -563,6 +573,7 @@ class ControlStore:
             _validate.delay(delay, "delay"),
         )
         await (await self._ready()).park(op)
+        self._notify()
 
     async def offload(
         self, item_id: int, *, fence: int, handle: str, actor_id: str | None = None
@@ -601,29 +612,59 @@ class ControlStore:
         a "done" event naming the twin. Returns how many items it settled.
         """
         chunk = _validate.positive_int(chunk, "chunk")
-        backend = await self._ready()
-        if self._identity:
-            after = 0
-            while True:
-                after, filled = await backend.backfill_fingerprints(after, chunk, self._identity)
-                if filled < chunk:
-                    break
+        self._backfill_after = 0  # a full pass: look at every item again
         settled = 0
         while True:
-            count = await backend.settle_pending_twins(chunk)
+            count, more = await self._preflight_step(chunk)
             settled += count
-            if count < chunk:
+            if not more:
                 return settled
+
+    async def _preflight_step(self, chunk: int) -> tuple[int, bool]:
+        """One bounded step of preflight dedup: (items settled, whether work may remain).
+
+        Fills in at most ``chunk`` fingerprints, continuing where the last step stopped,
+        then settles at most ``chunk`` pending twins of done items. The drain loop takes
+        one step per round, so preflight never holds a round up.
+        """
+        backend = await self._ready()
+        filled = 0
+        if self._identity:
+            self._backfill_after, filled = await backend.backfill_fingerprints(
+                self._backfill_after, chunk, self._identity
+            )
+        settled = await backend.settle_pending_twins(chunk)
+        return settled, filled == chunk or settled == chunk
 
     async def next_due(self) -> datetime | None:
         """When the earliest deferred item falls due or claim lapses, or None."""
         due = await (await self._ready()).next_due()
         return _optional_time(due)
 
-    async def counts(self) -> dict[str, int]:
-        """How many items are in each state: a dict with every state as a key."""
-        found = await (await self._ready()).count_states()
+    async def counts(self, *, project_id: str | None = None) -> dict[str, int]:
+        """How many items are in each state (of one project, or of all): every state a key."""
+        project = None if project_id is None else _validate.text_id(project_id, "project_id")
+        found = await (await self._ready()).count_states(project)
         return {state: found.get(state, 0) for state in _models.ITEM_STATES}
+
+    # --- change notification (for the drain loop) ----------------------------------------
+
+    def _watch(self) -> asyncio.Event:
+        """An event set whenever this store writes something that may be claimable."""
+        event = asyncio.Event()
+        self._watchers.add(event)
+        return event
+
+    def _unwatch(self, event: asyncio.Event) -> None:
+        self._watchers.discard(event)
+
+    def _notify(self) -> None:
+        for event in self._watchers:
+            event.set()
+
+    async def _data_version(self) -> int:
+        """A number that changes whenever another connection commits to the file."""
+        return await (await self._ready()).data_version()
 
     async def item(self, item_id: int, *, actor_id: str | None = None) -> dict[str, Any]:
         """The item's current row as a dict.

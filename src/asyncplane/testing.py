@@ -13,6 +13,8 @@ installed) offers the same as fixtures: ``asyncplane_clock``, ``asyncplane_store
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import datetime as dt
 import math
 import threading
@@ -29,6 +31,7 @@ class ManualClock:
     def __init__(self, start: float | dt.datetime = DEFAULT_START) -> None:
         self._lock = threading.Lock()
         self._now = _seconds(start)
+        self._waiters: list[tuple[float, asyncio.Future[None]]] = []
 
     def now(self) -> float:
         """The current manual time, in seconds since the Unix epoch."""
@@ -43,7 +46,9 @@ class ManualClock:
             raise ValueError("a ManualClock only moves forward, by a finite amount")
         with self._lock:
             self._now += seconds
-            return self._now
+            now = self._now
+        self._wake()
+        return now
 
     def set(self, when: float | dt.datetime) -> None:
         """Jump to ``when``, which may not be earlier than now."""
@@ -52,6 +57,28 @@ class ManualClock:
             if target < self._now:
                 raise ValueError("a ManualClock only moves forward")
             self._now = target
+        self._wake()
+
+    async def wait_until(self, when: float) -> None:
+        """Wait until the clock is moved to ``when`` or later (no real time passes)."""
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        with self._lock:
+            if self._now >= when:
+                return
+            self._waiters.append((when, future))
+        try:
+            await future
+        finally:
+            with self._lock:
+                self._waiters = [(w, f) for w, f in self._waiters if f is not future]
+
+    def _wake(self) -> None:
+        with self._lock:
+            due = [f for w, f in self._waiters if w <= self._now]
+        for future in due:
+            # advance() may run on any thread; the waiter's loop sets its future.
+            with contextlib.suppress(RuntimeError):  # that loop has closed meanwhile
+                future.get_loop().call_soon_threadsafe(_resolve, future)
 
     def datetime(self) -> dt.datetime:
         """The current manual time as an aware UTC datetime."""
@@ -69,3 +96,8 @@ def _seconds(value: float | dt.datetime) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise TypeError("a ManualClock time is epoch seconds or an aware datetime")
     return float(value)
+
+
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)

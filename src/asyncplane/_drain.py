@@ -1,0 +1,478 @@
+"""drain(): the loop that runs a store's work through an executor, one drainer at a time.
+
+    summary = await drain(store, execute)                       # until the queue is empty
+    task = asyncio.create_task(drain(store, execute, mode="daemon"))  # until cancelled
+
+Before its loop, drain() takes a `DrainLock` (by default a file beside the database); if
+another drainer holds it, in this process or another, drain() returns at once with
+``skipped=True`` and touches nothing. Each round then:
+
+1. takes one bounded step of preflight dedup (`ControlStore.dedup_pending_against_done`),
+   so pending twins of done items settle without running;
+2. claims a batch (`ControlStore.claim_batch`, up to ``batch_size`` items);
+3. runs the executor on the batch while a side task renews the batch's leases every
+   third of a lease, so an executor slower than the lease keeps its claims;
+4. settles every outcome through the store's fenced calls: `Done`, `Failed`, `Retry`,
+   `Park`, `Offload`. A fence refusal is counted, never raised.
+
+The executor gets the claimed items and returns one outcome per item, in order. If it
+raises, every item of the batch is retried (a transient failure); if it returns the wrong
+number of outcomes, or something that is not an outcome, the batch is retried too: never
+a silent loss.
+
+Stopping. In ``"foreground"`` mode the loop stops after ``empty_rounds`` rounds in a row
+found nothing to claim; in ``"daemon"`` mode it waits for work instead, without busy
+polling: it wakes at once when this process enqueues, notices other processes' commits
+through a cheap ``PRAGMA data_version`` check every ``poll_interval`` seconds, and wakes
+when the earliest deferred item falls due (by the store's clock). ``max_iters`` stops it
+after that many rounds, every row durable, with ``remaining`` counting the work left.
+Setting ``stop`` (an asyncio.Event) ends it after the current round.
+
+Cancellation never decides what is saved. Claims in flight when the task is cancelled are
+still received; every item of the batch that has not been settled goes back at once with
+`ControlStore.park` (no attempt spent), outcomes already computed are settled, and the
+lock is released. These clean-up writes are shielded from the cancellation, which is
+re-raised once they are done.
+
+Structure: the executor and the lease renewer run as named tasks; if the renewer fails
+(anything but a fence refusal), the executor is cancelled, the batch goes back, and drain()
+raises `DrainError` with the cause.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import os
+import pathlib
+import socket
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, Literal, TypeAlias
+
+from asyncplane import _clock, _errors, _lock, _models, _store, _validate
+
+__all__ = (
+    "Done",
+    "DrainError",
+    "DrainSummary",
+    "Failed",
+    "Offload",
+    "Outcome",
+    "Park",
+    "Retry",
+    "drain",
+)
+
+#: Errors longer than this are cut before they are recorded (the store keeps 16 KiB).
+_ERROR_CHARS = 4000
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Done:
+    """The work succeeded; ``result`` (any JSON value) is kept with the item."""
+
+    result: Any = None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Failed:
+    """A deterministic failure: the item fails now, whatever attempts remain."""
+
+    error: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Retry:
+    """A transient failure: try again after ``delay`` seconds (None: the store's backoff)."""
+
+    error: str
+    delay: float | None = None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Park:
+    """No capacity now: set the item aside for ``delay`` seconds without spending an attempt."""
+
+    delay: float
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Offload:
+    """Handed to an external batch ``handle``; settle it later (see `ControlStore.offloaded`)."""
+
+    handle: str
+
+
+Outcome: TypeAlias = Done | Failed | Retry | Park | Offload
+Executor: TypeAlias = Callable[[list[_models.ClaimedItem]], Awaitable[Sequence[Outcome]]]
+
+
+class DrainError(_errors.AsyncplaneError):
+    """A side task of drain() failed; the drain stopped and put its batch back.
+
+    The failure is the ``__cause__``.
+    """
+
+
+@dataclasses.dataclass
+class DrainSummary:
+    """What one drain() did.
+
+    Attributes:
+        skipped: Another drainer held the lock; nothing was touched.
+        rounds: Rounds run (each: preflight, claim, execute, settle).
+        claimed: Items claimed.
+        done: Items settled done by an outcome.
+        failed: Items that failed (a Failed outcome, or a Retry with no attempt left).
+        retried: Items deferred for another attempt.
+        parked: Items set aside by a Park outcome.
+        offloaded: Items handed to an external batch.
+        deduplicated: Pending items settled by preflight dedup, without running.
+        fence_rejected: Settlements the store refused because the claim was no longer
+            current (the item was taken over while it ran).
+        returned: Claimed items put back unsettled when the drain was interrupted.
+        remaining: Items not yet settled when the drain ended (ready, deferred, claimed
+            or offloaded; of ``project_id`` if one was given).
+        elapsed_s: Seconds the drain took.
+    """
+
+    skipped: bool = False
+    rounds: int = 0
+    claimed: int = 0
+    done: int = 0
+    failed: int = 0
+    retried: int = 0
+    parked: int = 0
+    offloaded: int = 0
+    deduplicated: int = 0
+    fence_rejected: int = 0
+    returned: int = 0
+    remaining: int = 0
+    elapsed_s: float = 0.0
+
+
+async def drain(
+    store: _store.ControlStore,
+    execute: Executor,
+    *,
+    owner: str | None = None,
+    lock_path: str | os.PathLike[str] | None = None,
+    batch_size: int = 16,
+    mode: Literal["foreground", "daemon"] = "foreground",
+    empty_rounds: int = 3,
+    max_iters: int | None = None,
+    project_id: str | None = None,
+    actor_id: str | None = None,
+    stop: asyncio.Event | None = None,
+    poll_interval: float = 0.1,
+    preflight_chunk: int = 500,
+) -> DrainSummary:
+    """Run the store's work through ``execute`` until it is done (or forever, as a daemon).
+
+    Args:
+        store: The store to drain.
+        execute: ``async def execute(batch: list[ClaimedItem]) -> list[Outcome]``, one
+            outcome per item, in the batch's order.
+        owner: The name claims are made under (default: host, process and an id).
+        lock_path: The single-drainer lock file (default: beside the database, with
+            ``.drain.lock`` appended to its name).
+        batch_size: Items claimed per round.
+        mode: ``"foreground"`` stops after ``empty_rounds`` empty rounds in a row;
+            ``"daemon"`` waits for new work instead.
+        empty_rounds: See ``mode``.
+        max_iters: Stop after this many rounds (None: no limit).
+        project_id: Drain only this project.
+        actor_id: Drain as this actor: only its projects.
+        stop: Set it to end the drain after the current round.
+        poll_interval: Seconds between a daemon's checks for other processes' commits.
+        preflight_chunk: Items the preflight dedup step may touch per round.
+
+    Returns:
+        A `DrainSummary`; ``skipped=True`` if another drainer held the lock.
+
+    Raises:
+        DrainError: A side task failed (its error is the cause).
+    """
+    started = time.monotonic()
+    run = _Drain(
+        store,
+        execute,
+        owner=owner if owner is not None else _default_owner(),
+        batch_size=_validate.positive_int(batch_size, "batch_size"),
+        mode=_mode(mode),
+        empty_rounds=_validate.positive_int(empty_rounds, "empty_rounds"),
+        max_iters=_validate.optional_positive_int(max_iters, "max_iters"),
+        project_id=None if project_id is None else _validate.text_id(project_id, "project_id"),
+        actor_id=_validate.optional_actor(actor_id),
+        stop=stop if stop is not None else asyncio.Event(),
+        poll_interval=_validate.seconds(poll_interval, "poll_interval", 3600.0),
+        preflight_chunk=_validate.positive_int(preflight_chunk, "preflight_chunk"),
+    )
+    _validate.text_id(run.owner, "owner")
+    path = pathlib.Path(lock_path) if lock_path is not None else _default_lock_path(store)
+    async with _lock.DrainLock(path) as lock:
+        if not lock.acquired:
+            return DrainSummary(skipped=True, elapsed_s=time.monotonic() - started)
+        try:
+            await run.loop()
+        finally:
+            run.summary.elapsed_s = time.monotonic() - started
+        run.summary.remaining = await run.remaining()
+        run.summary.elapsed_s = time.monotonic() - started
+        return run.summary
+
+
+def _mode(value: object) -> Literal["foreground", "daemon"]:
+    if value == "foreground":
+        return "foreground"
+    if value == "daemon":
+        return "daemon"
+    raise _errors.InvalidInput(f"mode must be 'foreground' or 'daemon', got {value!r}")
+
+
+def _default_owner() -> str:
+    return f"drain@{socket.gethostname()}:{os.getpid()}:{os.urandom(3).hex()}"
+
+
+def _default_lock_path(store: _store.ControlStore) -> pathlib.Path:
+    return store.path.with_name(store.path.name + ".drain.lock")
+
+
+def _short(error: BaseException | str) -> str:
+    text = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
+    return text if len(text) <= _ERROR_CHARS else text[: _ERROR_CHARS - 1] + "…"
+
+
+@dataclasses.dataclass
+class _Drain:
+    store: _store.ControlStore
+    execute: Executor
+    owner: str
+    batch_size: int
+    mode: Literal["foreground", "daemon"]
+    empty_rounds: int
+    max_iters: int | None
+    project_id: str | None
+    actor_id: str | None
+    stop: asyncio.Event
+    poll_interval: float
+    preflight_chunk: int
+    summary: DrainSummary = dataclasses.field(default_factory=DrainSummary)
+
+    async def loop(self) -> None:
+        empty = 0
+        while not self.stop.is_set():
+            if self.max_iters is not None and self.summary.rounds >= self.max_iters:
+                return
+            self.summary.rounds += 1
+            settled, _ = await self.store._preflight_step(self.preflight_chunk)
+            self.summary.deduplicated += settled
+            batch = await self._claim()
+            if batch:
+                empty = 0
+                await self._run(batch)
+                continue
+            empty += 1
+            if self.mode == "foreground":
+                if empty >= self.empty_rounds:
+                    return
+            else:
+                await self._wait_for_work()
+
+    async def remaining(self) -> int:
+        counts = await self.store.counts(project_id=self.project_id)
+        return sum(counts[state] for state in ("ready", "deferred", "claimed", "offloaded"))
+
+    async def _claim(self) -> list[_models.ClaimedItem]:
+        """Claim a batch; if cancelled meanwhile, still receive it and put it back."""
+        claiming = asyncio.ensure_future(
+            self.store.claim_batch(
+                self.owner, self.batch_size, actor_id=self.actor_id, project_id=self.project_id
+            )
+        )
+        try:
+            batch = await asyncio.shield(claiming)
+        except asyncio.CancelledError:
+            with contextlib.suppress(Exception):
+                batch = await claiming  # the claim stands: hand its items back unrun
+                await asyncio.shield(self._put_back(batch, {}))
+            raise
+        self.summary.claimed += len(batch)
+        return batch
+
+    async def _run(self, batch: list[_models.ClaimedItem]) -> None:
+        """Execute one batch under lease renewal, then settle every outcome."""
+        settled: dict[int, bool] = {}
+        renewer = asyncio.create_task(
+            self._renew(batch), name=f"asyncplane-drain-renew[{self.owner}]"
+        )
+        executor = asyncio.create_task(
+            _call(self.execute, list(batch)), name=f"asyncplane-drain-execute[{self.owner}]"
+        )
+        try:
+            done, _ = await asyncio.wait({renewer, executor}, return_when=asyncio.FIRST_COMPLETED)
+            if renewer in done and not renewer.cancelled() and renewer.exception() is not None:
+                executor.cancel()
+                with contextlib.suppress(BaseException):
+                    await executor
+                await asyncio.shield(self._put_back(batch, settled))
+                raise DrainError(f"the lease renewer failed: {renewer.exception()!r}") from (
+                    renewer.exception()
+                )
+            outcomes = _checked(batch, await asyncio.shield(executor))
+        except asyncio.CancelledError:
+            if executor.done() and not executor.cancelled():
+                # The work was done before the cancellation arrived: keep its outcomes.
+                finished = _checked(batch, executor.result())
+                with contextlib.suppress(Exception):
+                    await asyncio.shield(self._settle(batch, finished, settled))
+            else:
+                executor.cancel()
+                with contextlib.suppress(BaseException):
+                    await executor
+            await asyncio.shield(self._put_back(batch, settled))
+            raise
+        finally:
+            renewer.cancel()
+            with contextlib.suppress(BaseException):
+                await renewer
+        # Settling runs to its end even if the task is cancelled meanwhile: outcomes that
+        # were computed are saved, then the cancellation goes on.
+        settling = asyncio.ensure_future(self._settle(batch, outcomes, settled))
+        try:
+            await asyncio.shield(settling)
+        except asyncio.CancelledError:
+            with contextlib.suppress(Exception):
+                await settling
+            await asyncio.shield(self._put_back(batch, settled))
+            raise
+
+    async def _renew(self, batch: list[_models.ClaimedItem]) -> None:
+        """Renew the batch's leases every third of a lease, until cancelled."""
+        clock = self.store.clock
+        live = {claim.item_id: claim.fence for claim in batch}
+        while live:
+            await _clock.wait_until(clock, clock.now() + self.store.lease_seconds / 3)
+            for item_id, fence in list(live.items()):
+                try:
+                    await self.store.renew(item_id, fence=fence, actor_id=self.actor_id)
+                except _errors.FenceRejected:
+                    del live[item_id]  # lost already: its settlement will be refused too
+
+    async def _settle(
+        self,
+        batch: list[_models.ClaimedItem],
+        outcomes: list[Outcome],
+        settled: dict[int, bool],
+    ) -> None:
+        for claim, outcome in zip(batch, outcomes, strict=True):
+            try:
+                await self._settle_one(claim, outcome)
+            except _errors.FenceRejected:
+                self.summary.fence_rejected += 1
+            settled[claim.item_id] = True
+
+    async def _settle_one(self, claim: _models.ClaimedItem, outcome: Outcome) -> None:
+        store, item_id, fence, actor = self.store, claim.item_id, claim.fence, self.actor_id
+        if isinstance(outcome, Done):
+            try:
+                await store.finish(item_id, fence=fence, result=outcome.result, actor_id=actor)
+            except _errors.InvalidInput as exc:  # a result the store cannot keep: a failure
+                error = _short(f"the executor's result was refused: {exc}")
+                await store.finish(
+                    item_id, fence=fence, status="failed", error=error, actor_id=actor
+                )
+                self.summary.failed += 1
+                return
+            self.summary.done += 1
+        elif isinstance(outcome, Failed):
+            error = _short(str(outcome.error))
+            await store.finish(item_id, fence=fence, status="failed", error=error, actor_id=actor)
+            self.summary.failed += 1
+        elif isinstance(outcome, Retry):
+            state = await store.retry(
+                item_id, fence=fence, error=_short(str(outcome.error)), delay=outcome.delay,
+                actor_id=actor,
+            )  # fmt: skip
+            if state == "failed":
+                self.summary.failed += 1
+            else:
+                self.summary.retried += 1
+        elif isinstance(outcome, Park):
+            await store.park(item_id, fence=fence, delay=outcome.delay, actor_id=actor)
+            self.summary.parked += 1
+        else:
+            await store.offload(item_id, fence=fence, handle=outcome.handle, actor_id=actor)
+            self.summary.offloaded += 1
+
+    async def _put_back(self, batch: list[_models.ClaimedItem], settled: dict[int, bool]) -> None:
+        """Return every unsettled item of an interrupted batch, without spending an attempt."""
+        for claim in batch:
+            if settled.get(claim.item_id):
+                continue
+            with contextlib.suppress(_errors.FenceRejected):
+                await self.store.park(
+                    claim.item_id, fence=claim.fence, delay=0, actor_id=self.actor_id
+                )
+                self.summary.returned += 1
+            settled[claim.item_id] = True
+
+    async def _wait_for_work(self) -> None:
+        """Sleep until new work may be claimable: a local enqueue, another process's
+        commit, the earliest due item, or a stop request."""
+        store = self.store
+        local = store._watch()
+        version = await store._data_version()
+        due = await store.next_due()
+        waits: list[asyncio.Task[Any]] = [
+            asyncio.create_task(local.wait(), name="asyncplane-drain-wait-local"),
+            asyncio.create_task(self.stop.wait(), name="asyncplane-drain-wait-stop"),
+            asyncio.create_task(self._commit_after(version), name="asyncplane-drain-wait-commit"),
+        ]
+        if due is not None:
+            if due.timestamp() > store.clock.now():
+                alarm = _clock.wait_until(store.clock, due.timestamp())
+            else:
+                # Due already: it fell due since this round's claim, or it is work this
+                # drain cannot take (another actor's, a twin's that waits). Look again
+                # soon, rather than spin or sleep through it.
+                alarm = asyncio.sleep(self.poll_interval)
+            waits.append(asyncio.create_task(alarm, name="asyncplane-drain-wait-due"))
+        try:
+            done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                task.result()  # a failed watcher stops the drain, loudly
+        finally:
+            store._unwatch(local)
+            for task in waits:
+                task.cancel()
+            await asyncio.gather(*waits, return_exceptions=True)
+
+    async def _commit_after(self, version: int) -> None:
+        # Another process's commit sends no signal here; data_version is the cheap check.
+        while await self.store._data_version() == version:  # noqa: ASYNC110
+            await asyncio.sleep(self.poll_interval)
+
+
+async def _call(execute: Executor, batch: list[_models.ClaimedItem]) -> list[Any] | BaseException:
+    """Run the executor; an exception it raises comes back as a value (a transient failure)."""
+    try:
+        return list(await execute(batch))
+    except Exception as exc:
+        return exc
+
+
+def _checked(batch: list[_models.ClaimedItem], result: list[Any] | BaseException) -> list[Outcome]:
+    """One valid outcome per item, or a Retry for every item saying what went wrong."""
+    if isinstance(result, BaseException):
+        return [Retry(_short(f"the executor raised {_short(result)}"))] * len(batch)
+    if len(result) != len(batch):
+        error = f"the executor returned {len(result)} outcomes for {len(batch)} items"
+        return [Retry(error)] * len(batch)
+    for outcome in result:
+        if not isinstance(outcome, (Done, Failed, Retry, Park, Offload)):
+            error = f"the executor returned {type(outcome).__name__}, not an outcome"
+            return [Retry(_short(error))] * len(batch)
+    return result

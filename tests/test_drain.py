@@ -1,0 +1,482 @@
+"""drain(): the loop, its single-drainer lock, and what cancellation leaves behind."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+
+from asyncplane import (
+    ClaimedItem,
+    ControlStore,
+    Done,
+    DrainError,
+    DrainLock,
+    Failed,
+    InvalidInput,
+    Offload,
+    Outcome,
+    Park,
+    Retry,
+    drain,
+    verify_ledger,
+)
+from asyncplane.testing import ManualClock
+
+WORKER = pathlib.Path(__file__).parent / "workers" / "drain_worker.py"
+
+
+def lock_of(store: ControlStore) -> pathlib.Path:
+    return store.path.with_name(store.path.name + ".drain.lock")
+
+
+async def lock_is_free(store: ControlStore) -> bool:
+    async with DrainLock(lock_of(store)) as lock:
+        return lock.acquired
+
+
+async def all_done(batch: list[ClaimedItem]) -> list[Outcome]:
+    return [Done({"echo": claim.payload}) for claim in batch]
+
+
+async def until(condition: Any, *, what: str) -> None:
+    """Yield to the loop until ``condition()`` holds (a signal, not a timer)."""
+    for _ in range(200_000):
+        if await condition():
+            return
+        await asyncio.sleep(0)
+    raise AssertionError(f"never happened: {what}")
+
+
+# --- the loop ------------------------------------------------------------------------------
+
+
+async def test_foreground_drain_settles_everything(store: ControlStore) -> None:
+    ids = [await store.enqueue("alpha", {"n": n}) for n in range(40)]
+    summary = await drain(store, all_done, batch_size=7)
+    assert not summary.skipped
+    assert (summary.claimed, summary.done, summary.remaining) == (40, 40, 0)
+    assert summary.rounds == 6 + 3  # six batches, then three empty rounds
+    assert (await store.item(ids[-1]))["result"] == {"echo": {"n": 39}}
+    assert await verify_ledger(store) == []
+    assert await lock_is_free(store)
+
+
+async def test_every_outcome_is_settled_through_the_store(store: ControlStore) -> None:
+    ids = [await store.enqueue("alpha", {"n": n}) for n in range(6)]
+
+    async def mixed(batch: list[ClaimedItem]) -> list[Outcome]:
+        pick: dict[int, Outcome] = {
+            0: Done("ok"), 1: Failed("bad input"), 2: Retry("timeout", delay=3600),
+            3: Park(3600), 4: Offload("batch-1"), 5: Done("x" * 100_000),
+        }  # fmt: skip
+        return [pick[claim.payload["n"]] for claim in batch]
+
+    summary = await drain(store, mixed, batch_size=10, empty_rounds=1)
+    assert (summary.done, summary.failed, summary.retried) == (1, 2, 1)
+    assert (summary.parked, summary.offloaded) == (1, 1)
+    states = [(await store.item(item_id))["state"] for item_id in ids]
+    assert states == ["done", "failed", "deferred", "deferred", "offloaded", "failed"]
+    assert "result was refused" in (await store.item(ids[5]))["error"]
+    assert summary.remaining == 3  # two deferred, one offloaded
+    assert await verify_ledger(store) == []
+
+
+async def test_max_iters_stops_and_reports_what_is_left(store: ControlStore) -> None:
+    for n in range(10):
+        await store.enqueue("alpha", {"n": n})
+    summary = await drain(store, all_done, batch_size=3, max_iters=2)
+    assert (summary.rounds, summary.done, summary.remaining) == (2, 6, 4)
+    assert (await store.counts())["ready"] == 4
+
+
+async def test_empty_rounds_decide_when_foreground_stops(store: ControlStore) -> None:
+    summary = await drain(store, all_done, empty_rounds=5)
+    assert (summary.rounds, summary.claimed) == (5, 0)
+
+
+async def test_an_executor_that_raises_retries_its_batch(store: ControlStore) -> None:
+    ids = [await store.enqueue("alpha", {"n": n}) for n in range(3)]
+
+    async def broken(batch: list[ClaimedItem]) -> list[Outcome]:
+        raise RuntimeError("model endpoint down")
+
+    summary = await drain(store, broken, empty_rounds=1)
+    assert (summary.retried, summary.done) == (3, 0)
+    for item_id in ids:
+        row = await store.item(item_id)
+        assert row["state"] == "deferred"
+        assert row["error"] == "the executor raised RuntimeError: model endpoint down"
+
+
+@pytest.mark.parametrize(
+    "returned",
+    [[], [Done()], [Done(), Done(), Done()], ["done", Done()]],
+    ids=["none", "too-few", "too-many", "not-an-outcome"],
+)
+async def test_wrong_outcomes_retry_the_batch(store: ControlStore, returned: list[Any]) -> None:
+    ids = [await store.enqueue("alpha", {"n": n}) for n in range(2)]
+
+    async def sloppy(batch: list[ClaimedItem]) -> Sequence[Outcome]:
+        return returned
+
+    summary = await drain(store, sloppy, batch_size=2, empty_rounds=1)
+    assert (summary.retried, summary.done) == (2, 0)
+    assert {(await store.item(i))["state"] for i in ids} == {"deferred"}
+
+
+async def test_preflight_dedup_is_counted(asyncplane_store_factory: Any) -> None:
+    old: ControlStore = await asyncplane_store_factory("d.db")
+    await old.create_project("p", "P")
+    first = await old.enqueue("p", {"task": "q"})
+    twins = [await old.enqueue("p", {"task": "q"}) for _ in range(3)]
+    claim = await old.claim("w")
+    assert claim is not None and claim.item_id == first
+    await old.finish(first, fence=claim.fence, result="answer")
+    new: ControlStore = await asyncplane_store_factory("d.db", identity=("task",))
+    summary = await drain(new, all_done, empty_rounds=1)
+    assert (summary.deduplicated, summary.claimed) == (3, 0)
+    assert [(await new.item(t))["result"] for t in twins] == ["answer"] * 3
+
+
+async def test_a_stop_request_ends_the_drain_after_its_round(store: ControlStore) -> None:
+    for n in range(10):
+        await store.enqueue("alpha", {"n": n})
+    stop = asyncio.Event()
+
+    async def stopping(batch: list[ClaimedItem]) -> list[Outcome]:
+        stop.set()
+        return [Done() for _ in batch]
+
+    summary = await drain(store, stopping, batch_size=4, mode="daemon", stop=stop)
+    assert (summary.rounds, summary.done, summary.remaining) == (1, 4, 6)
+
+
+async def test_bad_arguments_are_refused(store: ControlStore) -> None:
+    with pytest.raises(InvalidInput):
+        await drain(store, all_done, mode="sometimes")  # type: ignore[arg-type]
+    with pytest.raises(InvalidInput):
+        await drain(store, all_done, batch_size=0)
+    assert await lock_is_free(store)
+
+
+# --- leases during a slow executor -----------------------------------------------------
+
+
+async def test_a_slow_executor_keeps_its_claims(
+    asyncplane_store_factory: Any, clock: ManualClock
+) -> None:
+    store: ControlStore = await asyncplane_store_factory("slow.db", lease_seconds=30)
+    rival: ControlStore = await asyncplane_store_factory("slow.db", lease_seconds=30)
+    await store.create_project("p", "P")
+    item_id = await store.enqueue("p", {})
+    started, release = asyncio.Event(), asyncio.Event()
+
+    async def slow(batch: list[ClaimedItem]) -> list[Outcome]:
+        started.set()
+        await release.wait()
+        return [Done("late but mine") for _ in batch]
+
+    task = asyncio.create_task(drain(store, slow, empty_rounds=1))
+    await started.wait()
+    for _ in range(12):  # four leases' worth of time passes while it works
+        clock.advance(11)
+        target = clock.now() + 29
+
+        async def renewed(target: float = target) -> bool:
+            expires = (await store.item(item_id))["lease_expires_at"]
+            return bool(expires.timestamp() >= target)
+
+        await until(renewed, what="the lease was renewed")
+        assert await rival.claim("rival") is None  # never lapses, so never taken over
+    release.set()
+    summary = await task
+    assert (summary.done, summary.fence_rejected) == (1, 0)
+    assert (await store.item(item_id))["result"] == "late but mine"
+
+
+async def test_a_failing_side_task_stops_the_drain_and_puts_the_batch_back(
+    asyncplane_store_factory: Any, clock: ManualClock
+) -> None:
+    class BreakableClock:
+        broken = False
+
+        def now(self) -> float:
+            if self.broken:
+                self.broken = False  # fails once: the renewal in flight, not the clean-up
+                raise OSError("clock lost")
+            return clock.now()
+
+        async def wait_until(self, when: float) -> None:
+            await clock.wait_until(when)
+
+    breakable = BreakableClock()
+    store: ControlStore = await asyncplane_store_factory("side.db", clock=breakable)
+    await store.create_project("p", "P")
+    item_id = await store.enqueue("p", {})
+    started = asyncio.Event()
+
+    async def forever(batch: list[ClaimedItem]) -> list[Outcome]:
+        started.set()
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable")
+
+    task = asyncio.create_task(drain(store, forever))
+    await started.wait()
+    breakable.broken = True
+    clock.advance(store.lease_seconds)  # wakes the renewer, whose renewal now fails
+    with pytest.raises(DrainError, match="renewer failed") as caught:
+        await task
+    assert caught.value.__cause__ is not None
+    row = await store.item(item_id)
+    assert (row["state"], row["attempts"]) == ("deferred", 0)  # back, no attempt spent
+    assert await lock_is_free(store)
+    assert await verify_ledger(store) == []
+
+
+# --- cancellation --------------------------------------------------------------------------
+
+
+async def test_cancelling_mid_batch_loses_nothing(store: ControlStore) -> None:
+    ids = [await store.enqueue("alpha", {"n": n}) for n in range(8)]
+    started = asyncio.Event()
+
+    async def stuck(batch: list[ClaimedItem]) -> list[Outcome]:
+        started.set()
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable")
+
+    task = asyncio.create_task(drain(store, stuck, batch_size=5))
+    await started.wait()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert await lock_is_free(store)
+    assert await verify_ledger(store) == []
+    rows = [await store.item(i) for i in ids]
+    assert [r["state"] for r in rows] == ["deferred"] * 5 + ["ready"] * 3
+    assert {r["attempts"] for r in rows} == {0}  # handed back without spending an attempt
+    summary = await drain(store, all_done)  # and the next drain takes them at once
+    assert summary.done == 8
+    assert await verify_ledger(store) == []
+
+
+async def test_cancelling_during_settlement_still_saves_the_outcomes(
+    store: ControlStore,
+) -> None:
+    ids = [await store.enqueue("alpha", {"n": n}) for n in range(3)]
+    task: asyncio.Task[Any] | None = None
+
+    async def cancel_myself(batch: list[ClaimedItem]) -> list[Outcome]:
+        assert task is not None
+        task.cancel()  # arrives while the outcomes are being settled
+        return [Done("kept") for _ in batch]
+
+    task = asyncio.create_task(drain(store, cancel_myself))
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert [(await store.item(i))["result"] for i in ids] == ["kept"] * 3
+    assert await lock_is_free(store)
+    assert await verify_ledger(store) == []
+
+
+# --- the single-drainer lock ---------------------------------------------------------------
+
+
+async def test_two_drains_in_one_process_run_one_at_a_time(store: ControlStore) -> None:
+    await store.enqueue("alpha", {})
+    started, release = asyncio.Event(), asyncio.Event()
+
+    async def held(batch: list[ClaimedItem]) -> list[Outcome]:
+        started.set()
+        await release.wait()
+        return [Done() for _ in batch]
+
+    first = asyncio.create_task(drain(store, held))
+    await started.wait()
+    second = await drain(store, all_done)
+    assert second.skipped and second.rounds == 0 and second.claimed == 0
+    release.set()
+    assert not (await first).skipped
+
+
+def test_two_drain_processes_run_one_at_a_time(tmp_path: pathlib.Path) -> None:
+    path = tmp_path / "two.db"
+    asyncio.run(_seed(path))
+    holder = subprocess.Popen(
+        [sys.executable, str(WORKER), str(path), "hold"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "executing"
+        other = subprocess.run(
+            [sys.executable, str(WORKER), str(path), "once"],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert other.returncode == 0, other.stderr
+        assert json.loads(other.stdout)["skipped"] is True
+        out, _ = holder.communicate("go\n", timeout=120)
+        assert json.loads(out)["done"] == 1
+    finally:
+        if holder.poll() is None:
+            holder.kill()
+            holder.wait()
+
+
+def test_a_killed_drainer_leaves_no_lock_behind(tmp_path: pathlib.Path) -> None:
+    path = tmp_path / "killed.db"
+    asyncio.run(_seed(path))
+    holder = subprocess.Popen(
+        [sys.executable, str(WORKER), str(path), "hold"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert holder.stdout is not None and holder.stdout.readline().strip() == "executing"
+    os.kill(holder.pid, signal.SIGKILL)
+    holder.wait()
+    holder.stdout.close()
+    assert holder.stdin is not None
+    holder.stdin.close()
+    next_drain = subprocess.run(
+        [sys.executable, str(WORKER), str(path), "once"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert next_drain.returncode == 0, next_drain.stderr
+    assert json.loads(next_drain.stdout)["skipped"] is False
+
+
+async def test_the_lock_survives_the_file_being_opened_and_closed_elsewhere(
+    tmp_path: pathlib.Path,
+) -> None:
+    path = tmp_path / "x.lock"
+    async with DrainLock(path) as held:
+        assert held.acquired
+        path.read_bytes()  # somebody else opens, reads and closes the file (a log collector)
+        # POSIX record locks would be gone now; this one is not, in this process ...
+        async with DrainLock(path) as second:
+            assert not second.acquired
+        # ... nor for another process.
+        probe = subprocess.run(  # noqa: ASYNC221 - a one-off check from another process
+            [sys.executable, "-c",
+             "import asyncio, sys\n"
+             "from asyncplane import DrainLock\n"
+             "async def main():\n"
+             "    async with DrainLock(sys.argv[1]) as lock:\n"
+             "        print(lock.acquired)\n"
+             "asyncio.run(main())\n", str(path)],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert probe.stdout.strip() == "False", probe.stderr
+    async with DrainLock(path) as again:
+        assert again.acquired
+
+
+async def test_a_drain_lock_is_released_on_every_exit(tmp_path: pathlib.Path) -> None:
+    path = tmp_path / "y.lock"
+    lock = DrainLock(path)
+
+    async def stopped_deliberately() -> None:
+        async with lock:
+            assert lock.acquired
+            raise KeyError("deliberate stop")
+
+    with pytest.raises(KeyError):
+        await stopped_deliberately()
+    assert not lock.acquired
+    async with DrainLock(path) as again:
+        assert again.acquired
+
+
+async def _seed(path: pathlib.Path) -> None:
+    async with ControlStore(path) as store:
+        await store.create_project("p", "P")
+        await store.enqueue("p", {})
+
+
+# --- daemon mode -----------------------------------------------------------------------------
+
+
+async def test_daemon_wakes_for_a_deferred_item_when_it_falls_due(
+    store: ControlStore, clock: ManualClock
+) -> None:
+    item_id = await store.enqueue("alpha", {}, not_before=clock.now() + 600)
+    seen: asyncio.Queue[int] = asyncio.Queue()
+
+    async def record(batch: list[ClaimedItem]) -> list[Outcome]:
+        for claim in batch:
+            seen.put_nowait(claim.item_id)
+        return [Done() for _ in batch]
+
+    stop = asyncio.Event()
+    task = asyncio.create_task(drain(store, record, mode="daemon", stop=stop))
+
+    async def idle() -> bool:
+        return task.done() or bool(store._watchers)  # waiting for work
+
+    await until(idle, what="the daemon went idle")
+    assert seen.empty()
+    clock.advance(600)  # no real time passes: the manual clock wakes the daemon
+    assert await asyncio.wait_for(seen.get(), timeout=30) == item_id
+    stop.set()
+    summary = await task
+    assert summary.done == 1
+
+
+async def test_daemon_wakes_at_once_for_work_enqueued_in_this_process(
+    store: ControlStore,
+) -> None:
+    seen: asyncio.Queue[int] = asyncio.Queue()
+
+    async def record(batch: list[ClaimedItem]) -> list[Outcome]:
+        for claim in batch:
+            seen.put_nowait(claim.item_id)
+        return [Done() for _ in batch]
+
+    stop = asyncio.Event()
+    task = asyncio.create_task(drain(store, record, mode="daemon", stop=stop, poll_interval=3600))
+
+    async def idle() -> bool:
+        return bool(store._watchers)
+
+    await until(idle, what="the daemon went idle")
+    item_id = await store.enqueue("alpha", {})
+    assert await asyncio.wait_for(seen.get(), timeout=30) == item_id  # no hour-long poll
+    stop.set()
+    await task
+
+
+async def test_daemon_notices_work_from_another_process(store: ControlStore) -> None:
+    await store.create_project("p", "P")
+    seen: asyncio.Queue[tuple[int, float]] = asyncio.Queue()
+
+    async def record(batch: list[ClaimedItem]) -> list[Outcome]:
+        for claim in batch:
+            seen.put_nowait((claim.item_id, time.time()))
+        return [Done() for _ in batch]
+
+    stop = asyncio.Event()
+    task = asyncio.create_task(drain(store, record, mode="daemon", stop=stop, poll_interval=0.05))
+
+    async def idle() -> bool:
+        return bool(store._watchers)
+
+    await until(idle, what="the daemon went idle")
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, str(WORKER), str(store.path), "enqueue", stdout=asyncio.subprocess.PIPE
+    )
+    out, _ = await process.communicate()
+    enqueued = json.loads(out)
+    got, at = await asyncio.wait_for(seen.get(), timeout=30)
+    assert got == enqueued["item_id"]
+    latency = at - enqueued["committed_at"]
+    print(f"daemon pickup latency for another process's enqueue: {latency * 1000:.0f} ms")
+    stop.set()
+    await task
