@@ -21,7 +21,11 @@ def run(script: str, *args: str, cwd: pathlib.Path) -> subprocess.CompletedProce
 
 
 def test_every_example_is_covered() -> None:
-    assert {p.name for p in EXAMPLES.glob("*.py")} == {"quickstart.py", "fleet.py"}
+    assert {p.name for p in EXAMPLES.glob("*.py")} == {
+        "quickstart.py",
+        "fleet.py",
+        "agent_fleet.py",
+    }
 
 
 def test_quickstart_runs_the_seed_examples_as_written(tmp_path: pathlib.Path) -> None:
@@ -39,4 +43,17 @@ def test_fleet_demo_settles_everything_once(tmp_path: pathlib.Path) -> None:
     assert found is not None
     assert int(found[1]) >= 1  # the stalled agent's item was taken over ...
     assert int(found[2]) >= 1  # ... and its late report refused
+    assert "verify_ledger: clean" in done.stdout
+
+
+def test_agent_fleet_drains_while_producers_enqueue(tmp_path: pathlib.Path) -> None:
+    done = run("agent_fleet.py", str(tmp_path / "agents.db"), cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    found = re.search(r"(\d+) questions asked, (\d+) distinct items: (\d+) done", done.stdout)
+    assert found is not None
+    asked, distinct, finished = (int(found[n]) for n in (1, 2, 3))
+    assert asked == 50 and distinct < asked  # repeated questions were answered once
+    assert finished == distinct
+    assert re.search(r"[1-9]\d* offloaded", done.stdout)
+    assert "offloaded items collected later" in done.stdout
     assert "verify_ledger: clean" in done.stdout
