@@ -48,6 +48,16 @@ async def all_done(batch: list[ClaimedItem]) -> list[Outcome]:
     return [Done({"echo": claim.payload}) for claim in batch]
 
 
+def waiting_on(what: str) -> Any:
+    """A condition: the daemon's wait task for ``what`` exists (it is idle, waiting)."""
+
+    async def check() -> bool:
+        name = f"asyncplane-drain-wait-{what}"
+        return any(task.get_name() == name for task in asyncio.all_tasks())
+
+    return check
+
+
 async def until(condition: Any, *, what: str) -> None:
     """Yield to the loop until ``condition()`` holds (a signal, not a timer)."""
     for _ in range(200_000):
@@ -418,10 +428,7 @@ async def test_daemon_wakes_for_a_deferred_item_when_it_falls_due(
     stop = asyncio.Event()
     task = asyncio.create_task(drain(store, record, mode="daemon", stop=stop))
 
-    async def idle() -> bool:
-        return task.done() or bool(store._watchers)  # waiting for work
-
-    await until(idle, what="the daemon went idle")
+    await until(waiting_on("due"), what="the daemon waits for the due item")
     assert seen.empty()
     clock.advance(600)  # no real time passes: the manual clock wakes the daemon
     assert await asyncio.wait_for(seen.get(), timeout=30) == item_id
@@ -443,10 +450,7 @@ async def test_daemon_wakes_at_once_for_work_enqueued_in_this_process(
     stop = asyncio.Event()
     task = asyncio.create_task(drain(store, record, mode="daemon", stop=stop, poll_interval=3600))
 
-    async def idle() -> bool:
-        return bool(store._watchers)
-
-    await until(idle, what="the daemon went idle")
+    await until(waiting_on("local"), what="the daemon went idle")
     item_id = await store.enqueue("alpha", {})
     assert await asyncio.wait_for(seen.get(), timeout=30) == item_id  # no hour-long poll
     stop.set()
@@ -465,10 +469,7 @@ async def test_daemon_notices_work_from_another_process(store: ControlStore) -> 
     stop = asyncio.Event()
     task = asyncio.create_task(drain(store, record, mode="daemon", stop=stop, poll_interval=0.05))
 
-    async def idle() -> bool:
-        return bool(store._watchers)
-
-    await until(idle, what="the daemon went idle")
+    await until(waiting_on("commit"), what="the daemon went idle")
     process = await asyncio.create_subprocess_exec(
         sys.executable, str(WORKER), str(store.path), "enqueue", stdout=asyncio.subprocess.PIPE
     )

@@ -267,19 +267,28 @@ class _Drain:
             if self.max_iters is not None and self.summary.rounds >= self.max_iters:
                 return
             self.summary.rounds += 1
-            settled, _ = await self.store._preflight_step(self.preflight_chunk)
-            self.summary.deduplicated += settled
-            batch = await self._claim()
-            if batch:
-                empty = 0
-                await self._run(batch)
-                continue
-            empty += 1
-            if self.mode == "foreground":
-                if empty >= self.empty_rounds:
-                    return
-            else:
-                await self._wait_for_work()
+            # A daemon starts watching before it claims, so work that arrives between an
+            # empty claim and the wait still wakes it (an enqueue here sets the event; a
+            # commit elsewhere moves data_version past the value read now).
+            local = self.store._watch() if self.mode == "daemon" else None
+            try:
+                version = await self.store._data_version() if local is not None else 0
+                settled, _ = await self.store._preflight_step(self.preflight_chunk)
+                self.summary.deduplicated += settled
+                batch = await self._claim()
+                if batch:
+                    empty = 0
+                    await self._run(batch)
+                    continue
+                empty += 1
+                if local is None:
+                    if empty >= self.empty_rounds:
+                        return
+                else:
+                    await self._wait_for_work(local, version)
+            finally:
+                if local is not None:
+                    self.store._unwatch(local)
 
     async def remaining(self) -> int:
         counts = await self.store.counts(project_id=self.project_id)
@@ -287,10 +296,11 @@ class _Drain:
 
     async def _claim(self) -> list[_models.ClaimedItem]:
         """Claim a batch; if cancelled meanwhile, still receive it and put it back."""
-        claiming = asyncio.ensure_future(
+        claiming = asyncio.create_task(
             self.store.claim_batch(
                 self.owner, self.batch_size, actor_id=self.actor_id, project_id=self.project_id
-            )
+            ),
+            name=f"asyncplane-drain-claim[{self.owner}]",
         )
         try:
             batch = await asyncio.shield(claiming)
@@ -340,7 +350,9 @@ class _Drain:
                 await renewer
         # Settling runs to its end even if the task is cancelled meanwhile: outcomes that
         # were computed are saved, then the cancellation goes on.
-        settling = asyncio.ensure_future(self._settle(batch, outcomes, settled))
+        settling = asyncio.create_task(
+            self._settle(batch, outcomes, settled), name=f"asyncplane-drain-settle[{self.owner}]"
+        )
         try:
             await asyncio.shield(settling)
         except asyncio.CancelledError:
@@ -419,12 +431,10 @@ class _Drain:
                 self.summary.returned += 1
             settled[claim.item_id] = True
 
-    async def _wait_for_work(self) -> None:
+    async def _wait_for_work(self, local: asyncio.Event, version: int) -> None:
         """Sleep until new work may be claimable: a local enqueue, another process's
         commit, the earliest due item, or a stop request."""
         store = self.store
-        local = store._watch()
-        version = await store._data_version()
         due = await store.next_due()
         waits: list[asyncio.Task[Any]] = [
             asyncio.create_task(local.wait(), name="asyncplane-drain-wait-local"),
@@ -445,7 +455,6 @@ class _Drain:
             for task in done:
                 task.result()  # a failed watcher stops the drain, loudly
         finally:
-            store._unwatch(local)
             for task in waits:
                 task.cancel()
             await asyncio.gather(*waits, return_exceptions=True)
