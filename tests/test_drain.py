@@ -481,3 +481,144 @@ async def test_daemon_notices_work_from_another_process(store: ControlStore) -> 
     print(f"daemon pickup latency for another process's enqueue: {latency * 1000:.0f} ms")
     stop.set()
     await task
+
+
+# --- hardening: anyio cancel scopes, bad outcomes, failing settlements, scope ----------------
+
+
+async def test_an_anyio_task_group_cancel_leaves_nothing_stranded(store: ControlStore) -> None:
+    import anyio
+
+    for round_ in range(3):
+        ids = [await store.enqueue("alpha", {"round": round_, "n": n}) for n in range(4)]
+        started = asyncio.Event()
+
+        async def stuck(
+            batch: list[ClaimedItem], started: asyncio.Event = started
+        ) -> list[Outcome]:
+            started.set()
+            await asyncio.Event().wait()
+            raise AssertionError("unreachable")
+
+        async with anyio.create_task_group() as tg:
+
+            async def run_drain(stuck: Any = stuck) -> None:
+                await drain(store, stuck, batch_size=4)
+
+            tg.start_soon(run_drain)
+            await started.wait()
+            tg.cancel_scope.cancel()  # cancels again and again until the drain returns
+        rows = [await store.item(i) for i in ids]
+        assert [(r["state"], r["attempts"]) for r in rows] == [("deferred", 0)] * 4
+        assert await lock_is_free(store)
+        finished = await drain(store, all_done)  # clear them for the next round
+        assert finished.done == 4
+    assert await verify_ledger(store) == []
+
+
+async def test_a_bad_outcome_raised_by_the_executor_retries_the_batch(
+    store: ControlStore,
+) -> None:
+    ids = [await store.enqueue("alpha", {"n": n}) for n in range(2)]
+
+    async def careless(batch: list[ClaimedItem]) -> list[Outcome]:
+        return [Park(-1) for _ in batch]  # refused as it is built
+
+    summary = await drain(store, careless, batch_size=2, empty_rounds=1)
+    assert summary.retried == 2
+    assert "Park.delay must be between 0" in (await store.item(ids[0]))["error"]
+    with pytest.raises(InvalidInput):
+        Offload("")
+    with pytest.raises(InvalidInput):
+        Retry("x", delay=-5)
+
+
+async def test_a_store_failure_while_settling_stops_the_drain_and_puts_back(
+    asyncplane_store_factory: Any, clock: ManualClock
+) -> None:
+    class OnceBrokenClock:
+        broken = False
+
+        def now(self) -> float:
+            if self.broken:
+                self.broken = False
+                raise OSError("clock lost")
+            return clock.now()
+
+    breakable = OnceBrokenClock()
+    store: ControlStore = await asyncplane_store_factory("settle.db", clock=breakable)
+    await store.create_project("p", "P")
+    ids = [await store.enqueue("p", {"n": n}) for n in range(3)]
+
+    async def breaks_then_answers(batch: list[ClaimedItem]) -> list[Outcome]:
+        breakable.broken = True  # the first settlement's write round will fail
+        return [Done(claim.payload["n"]) for claim in batch]
+
+    with pytest.raises(DrainError, match="settling an outcome failed") as caught:
+        await drain(store, breaks_then_answers, batch_size=3)
+    assert caught.value.summary.claimed == 3
+    states = [(await store.item(i))["state"] for i in ids]
+    assert states == ["deferred", "done", "done"]  # the failed one went back, unrun again
+    assert (await store.item(ids[0]))["attempts"] == 0
+    assert await lock_is_free(store)
+    assert await verify_ledger(store) == []
+
+
+async def test_a_scoped_drain_stays_in_its_scope(asyncplane_store_factory: Any) -> None:
+    store: ControlStore = await asyncplane_store_factory("scope.db", identity=("task",))
+    await store.create_project("mine", "Mine")
+    await store.create_project("theirs", "Theirs")
+    await store.assign("mine", "alice")
+    done_id = await store.enqueue("theirs", {"task": "t"})
+    claim = await store.claim("w", project_id="theirs")
+    assert claim is not None
+    await store.finish(done_id, fence=claim.fence, result="r")
+    conn = __import__("sqlite3").connect(store.path, isolation_level=None)
+    conn.execute(  # a pending twin in "theirs", as an older enqueuer would have left it
+        "INSERT INTO items (project_id, state, payload, fingerprint, created_at, updated_at) "
+        "SELECT 'theirs', 'ready', payload, fingerprint, 0, 0 FROM items WHERE item_id = ?",
+        (done_id,),
+    )
+    twin = conn.execute("SELECT max(item_id) FROM items").fetchone()[0]
+    conn.execute(
+        "INSERT INTO events (item_id, event_type, fence, at) VALUES (?, 'queued', 0, 0)", (twin,)
+    )
+    conn.close()
+    await store.enqueue("theirs", {"task": "other"})
+    mine = await store.enqueue("mine", {"task": "m"})
+    summary = await drain(store, all_done, actor_id="alice", empty_rounds=1)
+    assert (summary.claimed, summary.deduplicated, summary.remaining) == (1, 0, 0)
+    assert (await store.item(mine))["state"] == "done"
+    assert (await store.item(twin))["state"] == "ready"  # not alice's to settle
+    everyone = await drain(store, all_done, empty_rounds=1)
+    assert everyone.deduplicated == 1
+
+
+async def test_an_idle_daemon_does_not_poll_with_writes(
+    store: ControlStore, clock: ManualClock
+) -> None:
+    # A due item held back by its offloaded twin cannot be claimed: the daemon must wait
+    # for a change, not run a write round every poll.
+    first = await store.enqueue("alpha", {}, fingerprint="same")
+    claim = await store.claim("w")
+    assert claim is not None
+    await store.offload(first, fence=claim.fence, handle="h")
+    await store.enqueue("alpha", {}, fingerprint="same", dedup=False, not_before=clock.now() + 1)
+    clock.advance(5)
+    assert await store.next_due() is None  # held back: nothing a claim could take
+    backend: Any = await store._ready()
+    stop = asyncio.Event()
+    task = asyncio.create_task(drain(store, all_done, mode="daemon", stop=stop, poll_interval=0.02))
+    await until(waiting_on("commit"), what="the daemon went idle")
+    rounds = backend.writer.rounds
+    await asyncio.sleep(0.3)  # a window of fifteen polls, to see that nothing happens
+    assert backend.writer.rounds == rounds
+    await store.finish(first, fence=claim.fence, result="batch")  # frees the twin ...
+
+    async def twin_done() -> bool:
+        return (await store.counts())["done"] == 2
+
+    await until(twin_done, what="the daemon woke and ran the twin")  # ... which then runs
+    stop.set()
+    summary = await task
+    assert summary.done == 1

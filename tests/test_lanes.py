@@ -610,3 +610,23 @@ async def test_claims_after_retry_and_park_are_not_counted_as_duplicates(
     backend: Any = await lanes._ready()
     tally = await backend.tally()
     assert (tally.claims, tally.unexplained_claims, tally.settled_twice) == (3, [], [])
+
+
+async def test_next_due_and_counts_follow_the_claim_filters(
+    lanes: ControlStore, clock: ManualClock
+) -> None:
+    await lanes.assign("alpha", "agent")
+    await lanes.enqueue("beta", {}, not_before=clock.now() + 10)
+    await lanes.enqueue("alpha", {}, not_before=clock.now() + 50)
+    assert await lanes.next_due() == clock.datetime() + dt.timedelta(seconds=10)
+    assert await lanes.next_due(actor_id="agent") == clock.datetime() + dt.timedelta(seconds=50)
+    assert await lanes.next_due(project_id="beta") == clock.datetime() + dt.timedelta(seconds=10)
+    assert (await lanes.counts(actor_id="agent"))["deferred"] == 1
+    assert (await lanes.counts())["deferred"] == 2
+    # A due twin held back by its running twin is not work a claim could take.
+    first = await lanes.enqueue("alpha", task("q"))
+    claim = await lanes.claim("w", project_id="alpha")
+    assert claim is not None and claim.item_id == first
+    await lanes.enqueue("alpha", task("q"), dedup=False, not_before=clock.now() + 1)
+    clock.advance(5)
+    assert await lanes.next_due(project_id="alpha") == clock.datetime() + dt.timedelta(seconds=45)

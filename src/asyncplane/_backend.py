@@ -37,6 +37,7 @@ __all__ = (
     "NewProject",
     "OffloadOp",
     "ParkOp",
+    "PreflightOp",
     "ProjectRow",
     "RenewOp",
     "RetryOp",
@@ -132,6 +133,14 @@ class OffloadOp(NamedTuple):
     fence: int
     actor_id: str | None
     handle: str
+
+
+class PreflightOp(NamedTuple):
+    """Parameters of a preflight dedup step: how much, and within which scope."""
+
+    chunk: int
+    project_id: str | None
+    actor_id: str | None
 
 
 class ProjectRow(NamedTuple):
@@ -286,17 +295,17 @@ class Backend(Protocol):
         ...
 
     async def backfill_fingerprints(
-        self, after_item_id: int, chunk: int, identity: tuple[str, ...]
+        self, op: PreflightOp, after_item_id: int, identity: tuple[str, ...]
     ) -> tuple[int, int]:
-        """Fingerprint up to ``chunk`` items that lack one; return (last id seen, filled)."""
+        """Fingerprint up to ``op.chunk`` items that lack one; return (last id seen, seen)."""
         ...
 
-    async def settle_pending_twins(self, chunk: int) -> int:
-        """Settle up to ``chunk`` pending items whose twin is done; return how many."""
+    async def settle_pending_twins(self, op: PreflightOp) -> int:
+        """Settle up to ``op.chunk`` pending items whose twin is done; return how many."""
         ...
 
-    async def next_due(self) -> float | None:
-        """When the earliest deferred item falls due or lease lapses (epoch s), if any."""
+    async def next_due(self, project_id: str | None, actor_id: str | None) -> float | None:
+        """When the earliest claimable deferred item falls due or lease lapses, if any."""
         ...
 
     async def get_item(self, item_id: int, actor_id: str | None) -> ItemRow:
@@ -307,8 +316,8 @@ class Backend(Protocol):
         """Read an item's events, oldest first."""
         ...
 
-    async def count_states(self, project_id: str | None) -> dict[str, int]:
-        """How many items are in each state (of one project, or of all)."""
+    async def count_states(self, project_id: str | None, actor_id: str | None) -> dict[str, int]:
+        """How many items are in each state (of one project, or an actor's, or all)."""
         ...
 
     async def data_version(self) -> int:

@@ -18,7 +18,8 @@ another drainer holds it, in this process or another, drain() returns at once wi
 The executor gets the claimed items and returns one outcome per item, in order. If it
 raises, every item of the batch is retried (a transient failure); if it returns the wrong
 number of outcomes, or something that is not an outcome, the batch is retried too: never
-a silent loss.
+a silent loss. Outcomes check their own fields when built (a negative delay, an empty
+handle), so a bad one raises inside the executor, which retries the batch.
 
 Stopping. In ``"foreground"`` mode the loop stops after ``empty_rounds`` rounds in a row
 found nothing to claim; in ``"daemon"`` mode it waits for work instead, without busy
@@ -36,7 +37,9 @@ re-raised once they are done.
 
 Structure: the executor and the lease renewer run as named tasks; if the renewer fails
 (anything but a fence refusal), the executor is cancelled, the batch goes back, and drain()
-raises `DrainError` with the cause.
+raises `DrainError` with the cause. So it does if the store fails under a settlement.
+Clean-up work is awaited to its end even under a cancel scope that cancels again at every
+await (anyio's), so a task group's cancellation cannot strand a batch.
 """
 
 from __future__ import annotations
@@ -49,7 +52,7 @@ import pathlib
 import socket
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, Literal, TypeAlias
+from typing import Any, Literal, TypeAlias, TypeVar
 
 from asyncplane import _clock, _errors, _lock, _models, _store, _validate
 
@@ -90,12 +93,19 @@ class Retry:
     error: str
     delay: float | None = None
 
+    def __post_init__(self) -> None:
+        if self.delay is not None:
+            _validate.delay(self.delay, "Retry.delay")
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Park:
     """No capacity now: set the item aside for ``delay`` seconds without spending an attempt."""
 
     delay: float
+
+    def __post_init__(self) -> None:
+        _validate.delay(self.delay, "Park.delay")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -104,16 +114,27 @@ class Offload:
 
     handle: str
 
+    def __post_init__(self) -> None:
+        _validate.text_id(self.handle, "Offload.handle")
+
 
 Outcome: TypeAlias = Done | Failed | Retry | Park | Offload
 Executor: TypeAlias = Callable[[list[_models.ClaimedItem]], Awaitable[Sequence[Outcome]]]
 
 
 class DrainError(_errors.AsyncplaneError):
-    """A side task of drain() failed; the drain stopped and put its batch back.
+    """drain() could not go on: a side task failed, or the store failed under a settlement.
 
-    The failure is the ``__cause__``.
+    The drain put its unsettled items back and released its lock. The failure is the
+    ``__cause__``; ``summary`` says what the drain did until then.
     """
+
+    def __init__(self, message: str, summary: DrainSummary) -> None:
+        super().__init__(message)
+        self.summary = summary
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (str(self), self.summary))
 
 
 @dataclasses.dataclass
@@ -132,7 +153,6 @@ class DrainSummary:
         deduplicated: Pending items settled by preflight dedup, without running.
         fence_rejected: Settlements the store refused because the claim was no longer
             current (the item was taken over while it ran).
-        returned: Claimed items put back unsettled when the drain was interrupted.
         remaining: Items not yet settled when the drain ended (ready, deferred, claimed
             or offloaded; of ``project_id`` if one was given).
         elapsed_s: Seconds the drain took.
@@ -148,7 +168,6 @@ class DrainSummary:
     offloaded: int = 0
     deduplicated: int = 0
     fence_rejected: int = 0
-    returned: int = 0
     remaining: int = 0
     elapsed_s: float = 0.0
 
@@ -273,7 +292,9 @@ class _Drain:
             local = self.store._watch() if self.mode == "daemon" else None
             try:
                 version = await self.store._data_version() if local is not None else 0
-                settled, _ = await self.store._preflight_step(self.preflight_chunk)
+                settled, _ = await self.store._preflight_step(
+                    self.preflight_chunk, project_id=self.project_id, actor_id=self.actor_id
+                )
                 self.summary.deduplicated += settled
                 batch = await self._claim()
                 if batch:
@@ -291,24 +312,18 @@ class _Drain:
                     self.store._unwatch(local)
 
     async def remaining(self) -> int:
-        counts = await self.store.counts(project_id=self.project_id)
+        counts = await self.store.counts(project_id=self.project_id, actor_id=self.actor_id)
         return sum(counts[state] for state in ("ready", "deferred", "claimed", "offloaded"))
 
     async def _claim(self) -> list[_models.ClaimedItem]:
         """Claim a batch; if cancelled meanwhile, still receive it and put it back."""
-        claiming = asyncio.create_task(
-            self.store.claim_batch(
-                self.owner, self.batch_size, actor_id=self.actor_id, project_id=self.project_id
-            ),
-            name=f"asyncplane-drain-claim[{self.owner}]",
+        claiming = self.store.claim_batch(
+            self.owner, self.batch_size, actor_id=self.actor_id, project_id=self.project_id
         )
-        try:
-            batch = await asyncio.shield(claiming)
-        except asyncio.CancelledError:
-            with contextlib.suppress(Exception):
-                batch = await claiming  # the claim stands: hand its items back unrun
-                await asyncio.shield(self._put_back(batch, {}))
-            raise
+        batch, cancelled = await _to_the_end(claiming, f"asyncplane-drain-claim[{self.owner}]")
+        if cancelled:  # the claim stands: hand its items back unrun, then stop
+            await _to_the_end(self._put_back(batch, {}), "asyncplane-drain-put-back")
+            raise asyncio.CancelledError
         self.summary.claimed += len(batch)
         return batch
 
@@ -324,42 +339,44 @@ class _Drain:
         try:
             done, _ = await asyncio.wait({renewer, executor}, return_when=asyncio.FIRST_COMPLETED)
             if renewer in done and not renewer.cancelled() and renewer.exception() is not None:
-                executor.cancel()
-                with contextlib.suppress(BaseException):
-                    await executor
-                await asyncio.shield(self._put_back(batch, settled))
-                raise DrainError(f"the lease renewer failed: {renewer.exception()!r}") from (
-                    renewer.exception()
+                failure = renewer.exception()
+                await self._interrupted(batch, settled, executor)
+                raise DrainError(f"the lease renewer failed: {failure!r}", self.summary) from (
+                    failure
                 )
-            outcomes = _checked(batch, await asyncio.shield(executor))
+            outcomes = _checked(batch, await executor)
         except asyncio.CancelledError:
-            if executor.done() and not executor.cancelled():
-                # The work was done before the cancellation arrived: keep its outcomes.
-                finished = _checked(batch, executor.result())
-                with contextlib.suppress(Exception):
-                    await asyncio.shield(self._settle(batch, finished, settled))
-            else:
-                executor.cancel()
-                with contextlib.suppress(BaseException):
-                    await executor
-            await asyncio.shield(self._put_back(batch, settled))
+            await self._interrupted(batch, settled, executor)
             raise
         finally:
             renewer.cancel()
-            with contextlib.suppress(BaseException):
-                await renewer
+            await asyncio.gather(renewer, return_exceptions=True)
         # Settling runs to its end even if the task is cancelled meanwhile: outcomes that
-        # were computed are saved, then the cancellation goes on.
-        settling = asyncio.create_task(
-            self._settle(batch, outcomes, settled), name=f"asyncplane-drain-settle[{self.owner}]"
+        # were computed are saved; then the cancellation goes on.
+        _, cancelled = await _to_the_end(
+            self._settle(batch, outcomes, settled), f"asyncplane-drain-settle[{self.owner}]"
         )
-        try:
-            await asyncio.shield(settling)
-        except asyncio.CancelledError:
+        if cancelled:
+            raise asyncio.CancelledError
+
+    async def _interrupted(
+        self,
+        batch: list[_models.ClaimedItem],
+        settled: dict[int, bool],
+        executor: asyncio.Task[list[Any] | BaseException],
+    ) -> None:
+        """Clean up a batch whose round was cut short; never itself cut short."""
+        if executor.done() and not executor.cancelled():
+            # The work was done before the interruption: keep its outcomes.
+            finished = _checked(batch, executor.result())
             with contextlib.suppress(Exception):
-                await settling
-            await asyncio.shield(self._put_back(batch, settled))
-            raise
+                await _to_the_end(self._settle(batch, finished, settled), "asyncplane-drain-settle")
+        else:
+            executor.cancel()
+            await _to_the_end(
+                asyncio.gather(executor, return_exceptions=True), "asyncplane-drain-stop-executor"
+            )
+        await _to_the_end(self._put_back(batch, settled), "asyncplane-drain-put-back")
 
     async def _renew(self, batch: list[_models.ClaimedItem]) -> None:
         """Renew the batch's leases every third of a lease, until cancelled."""
@@ -379,12 +396,20 @@ class _Drain:
         outcomes: list[Outcome],
         settled: dict[int, bool],
     ) -> None:
+        failure: _errors.AsyncplaneError | None = None
         for claim, outcome in zip(batch, outcomes, strict=True):
             try:
                 await self._settle_one(claim, outcome)
             except _errors.FenceRejected:
                 self.summary.fence_rejected += 1
+            except _errors.AsyncplaneError as exc:  # the store failed under this item
+                failure = failure or exc
+                continue  # left unsettled: put back below
             settled[claim.item_id] = True
+        if failure is not None:
+            with contextlib.suppress(_errors.AsyncplaneError):
+                await self._put_back(batch, settled)
+            raise DrainError(f"settling an outcome failed: {failure!r}", self.summary) from failure
 
     async def _settle_one(self, claim: _models.ClaimedItem, outcome: Outcome) -> None:
         store, item_id, fence, actor = self.store, claim.item_id, claim.fence, self.actor_id
@@ -428,27 +453,22 @@ class _Drain:
                 await self.store.park(
                     claim.item_id, fence=claim.fence, delay=0, actor_id=self.actor_id
                 )
-                self.summary.returned += 1
             settled[claim.item_id] = True
 
     async def _wait_for_work(self, local: asyncio.Event, version: int) -> None:
         """Sleep until new work may be claimable: a local enqueue, another process's
         commit, the earliest due item, or a stop request."""
         store = self.store
-        due = await store.next_due()
+        due = await store.next_due(project_id=self.project_id, actor_id=self.actor_id)
         waits: list[asyncio.Task[Any]] = [
             asyncio.create_task(local.wait(), name="asyncplane-drain-wait-local"),
             asyncio.create_task(self.stop.wait(), name="asyncplane-drain-wait-stop"),
             asyncio.create_task(self._commit_after(version), name="asyncplane-drain-wait-commit"),
         ]
         if due is not None:
-            if due.timestamp() > store.clock.now():
-                alarm = _clock.wait_until(store.clock, due.timestamp())
-            else:
-                # Due already: it fell due since this round's claim, or it is work this
-                # drain cannot take (another actor's, a twin's that waits). Look again
-                # soon, rather than spin or sleep through it.
-                alarm = asyncio.sleep(self.poll_interval)
+            # next_due only counts work this drain's claims could take, so a time already
+            # past means work fell due since this round's claim: go again at once.
+            alarm = _clock.wait_until(store.clock, due.timestamp())
             waits.append(asyncio.create_task(alarm, name="asyncplane-drain-wait-due"))
         try:
             done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
@@ -463,6 +483,31 @@ class _Drain:
         # Another process's commit sends no signal here; data_version is the cheap check.
         while await self.store._data_version() == version:  # noqa: ASYNC110
             await asyncio.sleep(self.poll_interval)
+
+
+T = TypeVar("T")
+
+
+async def _to_the_end(work: Awaitable[T], name: str) -> tuple[T, bool]:
+    """Await ``work`` to its end whatever cancellations arrive meanwhile.
+
+    Returns its result, and whether a cancellation arrived (the caller re-raises it once
+    the work is saved). asyncio.shield alone is not enough: a cancel scope (anyio) cancels
+    again at every await, and the shielded work would be left running unattended.
+    """
+    task = asyncio.ensure_future(work)
+    if isinstance(task, asyncio.Task):
+        task.set_name(name)
+    cancelled = False
+    while True:
+        try:
+            return await asyncio.shield(task), cancelled
+        except asyncio.CancelledError:
+            if task.cancelled():
+                raise
+            if task.done():
+                return task.result(), True
+            cancelled = True
 
 
 async def _call(execute: Executor, batch: list[_models.ClaimedItem]) -> list[Any] | BaseException:

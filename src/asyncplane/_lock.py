@@ -55,7 +55,7 @@ class DrainLock:
 
     async def __aenter__(self) -> DrainLock:
         if self._fd is not None:
-            raise RuntimeError("this DrainLock is held already; make one per use")
+            raise RuntimeError("this DrainLock is held already; release it before re-entering")
         try:
             await anyio.to_thread.run_sync(self._try_lock)
         except BaseException:

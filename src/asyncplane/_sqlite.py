@@ -173,16 +173,18 @@ class SQLiteBackend:
         return [_backend.ItemRow(*row) for row in rows]
 
     async def backfill_fingerprints(
-        self, after_item_id: int, chunk: int, identity: tuple[str, ...]
+        self, op: _backend.PreflightOp, after_item_id: int, identity: tuple[str, ...]
     ) -> tuple[int, int]:
-        op = functools.partial(_backfill_fingerprints, after_item_id, chunk, identity)
-        return await self._write(op)
+        return await self._write(
+            functools.partial(_backfill_fingerprints, op, after_item_id, identity)
+        )
 
-    async def settle_pending_twins(self, chunk: int) -> int:
-        return await self._write(functools.partial(_settle_pending_twins, chunk))
+    async def settle_pending_twins(self, op: _backend.PreflightOp) -> int:
+        return await self._write(functools.partial(_settle_pending_twins, op))
 
-    async def next_due(self) -> float | None:
-        rows = await self._read(_fetch, sql.NEXT_DUE, ())
+    async def next_due(self, project_id: str | None, actor_id: str | None) -> float | None:
+        params = {"project_id": project_id, "actor_id": actor_id}
+        rows = await self._read(_fetch_named, sql.NEXT_DUE, params)
         value: float | None = rows[0][0]
         return value
 
@@ -204,9 +206,9 @@ class SQLiteBackend:
             raise _invisible_item(item_id, actor_id)
         return [_backend.EventRow(*row) for row in rows if row[0] is not None]
 
-    async def count_states(self, project_id: str | None) -> dict[str, int]:
-        rows = await self._read(_fetch_named, sql.COUNT_STATES, {"project_id": project_id})
-        return dict(rows)
+    async def count_states(self, project_id: str | None, actor_id: str | None) -> dict[str, int]:
+        params = {"project_id": project_id, "actor_id": actor_id}
+        return dict(await self._read(_fetch_named, sql.COUNT_STATES, params))
 
     async def data_version(self) -> int:
         if self._readers is None:
@@ -529,9 +531,15 @@ def _offload(op: _backend.OffloadOp, db: sqlite3.Connection, now: float) -> None
 
 
 def _backfill_fingerprints(
-    after: int, chunk: int, identity: tuple[str, ...], db: sqlite3.Connection, now: float
+    op: _backend.PreflightOp,
+    after: int,
+    identity: tuple[str, ...],
+    db: sqlite3.Connection,
+    now: float,
 ) -> tuple[int, int]:
-    rows = db.execute(sql.MISSING_FINGERPRINTS, (after, chunk)).fetchall()
+    params = {"after": after, "chunk": op.chunk, "project_id": op.project_id,
+              "actor_id": op.actor_id}  # fmt: skip
+    rows = db.execute(sql.MISSING_FINGERPRINTS, params).fetchall()
     if not rows:
         return after, 0
     db.executemany(
@@ -542,8 +550,9 @@ def _backfill_fingerprints(
     return rows[-1][0], len(rows)
 
 
-def _settle_pending_twins(chunk: int, db: sqlite3.Connection, now: float) -> int:
-    rows = db.execute(sql.PENDING_WITH_DONE_TWIN, (chunk,)).fetchall()
+def _settle_pending_twins(op: _backend.PreflightOp, db: sqlite3.Connection, now: float) -> int:
+    params = {"chunk": op.chunk, "project_id": op.project_id, "actor_id": op.actor_id}
+    rows = db.execute(sql.PENDING_WITH_DONE_TWIN, params).fetchall()
     events = []
     for item_id, fence, done_id, result in rows:
         db.execute(sql.SETTLE_ONE_TWIN, (result, now, item_id))

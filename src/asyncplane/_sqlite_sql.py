@@ -281,9 +281,12 @@ FROM items AS p
 JOIN items AS d INDEXED BY items_fingerprint
   ON d.project_id = p.project_id AND d.fingerprint = p.fingerprint AND d.state = 'done'
 WHERE p.state IN ('ready', 'deferred') AND p.dedup = 1 AND p.fingerprint IS NOT NULL
+  AND (:project_id IS NULL OR p.project_id = :project_id)
+  AND (:actor_id IS NULL
+       OR p.project_id IN (SELECT project_id FROM assignments WHERE actor_id = :actor_id))
 GROUP BY p.item_id
 ORDER BY p.item_id
-LIMIT ?
+LIMIT :chunk
 """
 SETTLE_ONE_TWIN: Final = """
 UPDATE items SET state = 'done', result = ?, error = NULL, due_at = NULL, updated_at = ?
@@ -292,23 +295,27 @@ WHERE item_id = ? AND state IN ('ready', 'deferred')
 # Backfill: items without a fingerprint, after a given id, in bounded chunks.
 MISSING_FINGERPRINTS: Final = """
 SELECT item_id, payload FROM items
-WHERE fingerprint IS NULL AND item_id > ? ORDER BY item_id LIMIT ?
+WHERE fingerprint IS NULL AND item_id > :after
+  AND (:project_id IS NULL OR project_id = :project_id)
+  AND (:actor_id IS NULL
+       OR project_id IN (SELECT project_id FROM assignments WHERE actor_id = :actor_id))
+ORDER BY item_id LIMIT :chunk
 """
 SET_FINGERPRINT: Final = (
     "UPDATE items SET fingerprint = ? WHERE item_id = ? AND fingerprint IS NULL"
 )
 
 
-# The earliest moment a deferred item falls due or a lease lapses (the drain loop's alarm).
-NEXT_DUE: Final = """
+# The earliest moment a deferred item falls due or a lease lapses, among the items a claim
+# with the same filters could take then (the drain loop's alarm): a time already past means
+# there is work to claim now, never work this caller could not have.
+NEXT_DUE: Final = f"""
 SELECT min(at) FROM (
     SELECT min(due_at) AS at FROM items INDEXED BY items_due
-    WHERE state = 'deferred'
-      AND project_id IN (SELECT project_id FROM projects WHERE status = 'open')
+    WHERE state = 'deferred' {_CLAIMABLE}
     UNION ALL
     SELECT min(lease_expires_at) FROM items INDEXED BY items_lease
-    WHERE state = 'claimed'
-      AND project_id IN (SELECT project_id FROM projects WHERE status = 'open'))
+    WHERE state = 'claimed' {_CLAIMABLE})
 """
 
 # Why a fenced update matched nothing: absent, out of scope, or a stale fence.
@@ -357,7 +364,10 @@ ORDER BY e.event_id
 # --- counts --------------------------------------------------------------------------------
 
 COUNT_STATES: Final = """
-SELECT state, count(*) FROM items WHERE (:project_id IS NULL OR project_id = :project_id)
+SELECT state, count(*) FROM items
+WHERE (:project_id IS NULL OR project_id = :project_id)
+  AND (:actor_id IS NULL
+       OR project_id IN (SELECT project_id FROM assignments WHERE actor_id = :actor_id))
 GROUP BY state
 """
 

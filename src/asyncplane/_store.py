@@ -114,7 +114,8 @@ class ControlStore:
             max_batch=_validate.positive_int(max_batch, "max_batch"),
             read_connections=_validate.positive_int(read_connections, "read_connections"),
         )
-        self._backfill_after = 0
+        # Where the preflight's fingerprint backfill has got to, per scope it ran in.
+        self._backfill_after: dict[tuple[str | None, str | None], int] = {}
         self._watchers: set[asyncio.Event] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._open_lock: asyncio.Lock | None = None
@@ -612,7 +613,7 @@ class ControlStore:
         a "done" event naming the twin. Returns how many items it settled.
         """
         chunk = _validate.positive_int(chunk, "chunk")
-        self._backfill_after = 0  # a full pass: look at every item again
+        self._backfill_after.pop((None, None), None)  # a full pass: every item again
         settled = 0
         while True:
             count, more = await self._preflight_step(chunk)
@@ -620,31 +621,49 @@ class ControlStore:
             if not more:
                 return settled
 
-    async def _preflight_step(self, chunk: int) -> tuple[int, bool]:
+    async def _preflight_step(
+        self, chunk: int, *, project_id: str | None = None, actor_id: str | None = None
+    ) -> tuple[int, bool]:
         """One bounded step of preflight dedup: (items settled, whether work may remain).
 
-        Fills in at most ``chunk`` fingerprints, continuing where the last step stopped,
-        then settles at most ``chunk`` pending twins of done items. The drain loop takes
-        one step per round, so preflight never holds a round up.
+        Looks at most ``chunk`` items for missing fingerprints, continuing where the last
+        step in the same scope stopped, then settles at most ``chunk`` pending twins of
+        done items; only within ``project_id`` / ``actor_id`` when given. The drain loop
+        takes one step per round, so preflight never holds a round up.
         """
         backend = await self._ready()
-        filled = 0
+        op = _backend.PreflightOp(chunk, project_id, actor_id)
+        seen = 0
         if self._identity:
-            self._backfill_after, filled = await backend.backfill_fingerprints(
-                self._backfill_after, chunk, self._identity
+            scope = (project_id, actor_id)
+            after, seen = await backend.backfill_fingerprints(
+                op, self._backfill_after.get(scope, 0), self._identity
             )
-        settled = await backend.settle_pending_twins(chunk)
-        return settled, filled == chunk or settled == chunk
+            self._backfill_after[scope] = after
+        settled = await backend.settle_pending_twins(op)
+        return settled, seen == chunk or settled == chunk
 
-    async def next_due(self) -> datetime | None:
-        """When the earliest deferred item falls due or claim lapses, or None."""
-        due = await (await self._ready()).next_due()
+    async def next_due(
+        self, *, project_id: str | None = None, actor_id: str | None = None
+    ) -> datetime | None:
+        """When a claim next finds new work: the earliest deferred item to fall due, or
+        lease to lapse, among items a claim with the same filters could take; or None.
+
+        A time already past means a claim would find work now.
+        """
+        project = None if project_id is None else _validate.text_id(project_id, "project_id")
+        actor = _validate.optional_actor(actor_id)
+        due = await (await self._ready()).next_due(project, actor)
         return _optional_time(due)
 
-    async def counts(self, *, project_id: str | None = None) -> dict[str, int]:
-        """How many items are in each state (of one project, or of all): every state a key."""
+    async def counts(
+        self, *, project_id: str | None = None, actor_id: str | None = None
+    ) -> dict[str, int]:
+        """How many items are in each state, every state a key: of one project, or of the
+        projects assigned to ``actor_id``, or of the whole store."""
         project = None if project_id is None else _validate.text_id(project_id, "project_id")
-        found = await (await self._ready()).count_states(project)
+        actor = _validate.optional_actor(actor_id)
+        found = await (await self._ready()).count_states(project, actor)
         return {state: found.get(state, 0) for state in _models.ITEM_STATES}
 
     # --- change notification (for the drain loop) ----------------------------------------
