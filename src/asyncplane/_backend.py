@@ -31,6 +31,7 @@ __all__ = (
     "EnqueueOp",
     "EventRow",
     "FinishOp",
+    "ImportOp",
     "ItemRow",
     "LedgerTally",
     "NewItem",
@@ -41,6 +42,7 @@ __all__ = (
     "ProjectRow",
     "RenewOp",
     "RetryOp",
+    "StoreStats",
 )
 
 
@@ -141,6 +143,23 @@ class PreflightOp(NamedTuple):
     chunk: int
     project_id: str | None
     actor_id: str | None
+
+
+class ImportOp(NamedTuple):
+    """Parameters of one chunk of an import: items keyed by their source row."""
+
+    source: str
+    project_id: str
+    rows: tuple[tuple[str, NewItem], ...]
+
+
+class StoreStats(NamedTuple):
+    """What the database says about itself (the store adds file sizes)."""
+
+    states_by_project: tuple[tuple[str, str, int], ...]
+    oldest_ready_at: float | None
+    expired_leases: int
+    schema_version: int
 
 
 class ProjectRow(NamedTuple):
@@ -306,6 +325,25 @@ class Backend(Protocol):
 
     async def next_due(self, project_id: str | None, actor_id: str | None) -> float | None:
         """When the earliest claimable deferred item falls due or lease lapses, if any."""
+        ...
+
+    async def purge_candidates(
+        self, cutoff: float, chunk: int
+    ) -> list[tuple[ItemRow, list[EventRow]]]:
+        """Up to ``chunk`` settled items last changed before ``cutoff``, with their events."""
+        ...
+
+    async def purge_items(self, item_ids: tuple[int, ...]) -> int:
+        """Delete settled items and then their events; return how many items went."""
+        ...
+
+    async def import_rows(self, op: ImportOp) -> tuple[int, int]:
+        """Add the rows not imported before, each with a "queued" event naming its source,
+        and remember them; return (imported, already imported)."""
+        ...
+
+    async def stats(self) -> StoreStats:
+        """Counts and ages, read in one snapshot."""
         ...
 
     async def get_item(self, item_id: int, actor_id: str | None) -> ItemRow:

@@ -8,7 +8,9 @@ another drainer holds it, in this process or another, drain() returns at once wi
 ``skipped=True`` and touches nothing. Each round then:
 
 1. takes one bounded step of preflight dedup (`ControlStore.dedup_pending_against_done`),
-   so pending twins of done items settle without running;
+   so pending twins of done items settle without running; and, if the store has a
+   ``retention``, purges old settled items, at most every ``purge_min_interval_s`` and a
+   bounded number of chunks at a time;
 2. claims a batch (`ControlStore.claim_batch`, up to ``batch_size`` items);
 3. runs the executor on the batch while a side task renews the batch's leases every
    third of a lease, so an executor slower than the lease keeps its claims;
@@ -151,6 +153,8 @@ class DrainSummary:
         parked: Items set aside by a Park outcome.
         offloaded: Items handed to an external batch.
         deduplicated: Pending items settled by preflight dedup, without running.
+        purged: Settled items archived and deleted by the store's retention (see
+            ``ControlStore(retention=...)``), at most every ``purge_min_interval_s``.
         fence_rejected: Settlements the store refused because the claim was no longer
             current (the item was taken over while it ran).
         remaining: Items not yet settled when the drain ended (ready, deferred, claimed
@@ -167,6 +171,7 @@ class DrainSummary:
     parked: int = 0
     offloaded: int = 0
     deduplicated: int = 0
+    purged: int = 0
     fence_rejected: int = 0
     remaining: int = 0
     elapsed_s: float = 0.0
@@ -296,6 +301,7 @@ class _Drain:
                     self.preflight_chunk, project_id=self.project_id, actor_id=self.actor_id
                 )
                 self.summary.deduplicated += settled
+                self.summary.purged += await self.store._maybe_purge()
                 batch = await self._claim()
                 if batch:
                     empty = 0

@@ -107,11 +107,11 @@ async def _main(args: argparse.Namespace) -> int:
     )
     async with store:
         await store.counts()  # opened before saying ready
+        if args.fault == "delete-item":  # before anyone starts: the item is surely pending
+            await anyio.to_thread.run_sync(_inject, args.store, args.fault)
         _say({"ready": args.name})
         if not args.no_wait:
             await anyio.to_thread.run_sync(sys.stdin.readline)
-        if args.fault == "delete-item":
-            await anyio.to_thread.run_sync(_inject, args.store, args.fault)
         if args.mode == "hold":
             await _hold(store, args, tally)
         else:

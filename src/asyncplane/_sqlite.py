@@ -77,9 +77,10 @@ class SQLiteBackend:
             self._path, size=self._reader_count, busy_timeout=self._busy_timeout
         )
 
-        async def close_readers() -> None:
-            # Runs when the writer stops, by close() or by the event loop shutting down.
-            await readers.close(wait=False)
+        async def close_readers(graceful: bool) -> None:
+            # Runs when the writer stops: by close() (graceful: reads in flight finish
+            # first), or by the event loop shutting down (no waiting).
+            await readers.close(wait=graceful)
 
         self._readers = readers
         self._writer = _writer.Writer(
@@ -92,7 +93,7 @@ class SQLiteBackend:
         """Serve queued writes, then close the writer and every reader."""
         writer, readers = self._writer, self._readers
         if writer is not None:
-            await writer.stop()  # its on_exit closes the idle readers
+            await writer.stop()  # its on_exit closes the readers before its connection
         if readers is not None:
             await readers.close(wait=True)  # and the busy ones close as they finish
 
@@ -181,6 +182,20 @@ class SQLiteBackend:
 
     async def settle_pending_twins(self, op: _backend.PreflightOp) -> int:
         return await self._write(functools.partial(_settle_pending_twins, op))
+
+    async def purge_candidates(
+        self, cutoff: float, chunk: int
+    ) -> list[tuple[_backend.ItemRow, list[_backend.EventRow]]]:
+        return await self._read(_purge_candidates, cutoff, chunk)
+
+    async def purge_items(self, item_ids: tuple[int, ...]) -> int:
+        return await self._write(functools.partial(_purge_items, item_ids))
+
+    async def import_rows(self, op: _backend.ImportOp) -> tuple[int, int]:
+        return await self._write(functools.partial(_import_rows, op))
+
+    async def stats(self) -> _backend.StoreStats:
+        return await self._read(_stats, self._clock.now())
 
     async def next_due(self, project_id: str | None, actor_id: str | None) -> float | None:
         params = {"project_id": project_id, "actor_id": actor_id}
@@ -562,6 +577,36 @@ def _settle_pending_twins(op: _backend.PreflightOp, db: sqlite3.Connection, now:
     return len(rows)
 
 
+def _purge_items(item_ids: tuple[int, ...], db: sqlite3.Connection, now: float) -> int:
+    purged = 0
+    for item_id in item_ids:
+        if db.execute(sql.PURGE_ITEM, (item_id,)).rowcount:
+            db.execute(sql.PURGE_EVENTS, (item_id,))  # its history goes with it, never before
+            purged += 1
+    return purged
+
+
+def _import_rows(op: _backend.ImportOp, db: sqlite3.Connection, now: float) -> tuple[int, int]:
+    if db.execute(sql.PROJECT_EXISTS, (op.project_id,)).fetchone() is None:
+        raise _unknown_project(op.project_id)
+    imported = skipped = 0
+    detail_base = {"imported_from": op.source}
+    for key, item in op.rows:
+        if db.execute(sql.ALREADY_IMPORTED, (op.source, key)).fetchone() is not None:
+            skipped += 1
+            continue
+        row = _item_row(op.project_id, item, now)
+        (item_id,) = db.execute(sql.INSERT_ITEM_RETURNING, row).fetchall()[0]
+        detail = json.dumps({**detail_base, "source_key": key})
+        db.execute(sql.INSERT_EVENT, (item_id, "queued", 0, None, None, now, detail))
+        if row[1] == "deferred":
+            deferred = json.dumps({"due_at": row[9]})
+            db.execute(sql.INSERT_EVENT, (item_id, "deferred", 0, None, None, now, deferred))
+        db.execute(sql.RECORD_IMPORT, (op.source, key, item_id, now))
+        imported += 1
+    return imported, skipped
+
+
 # --- schema --------------------------------------------------------------------------------
 
 
@@ -652,6 +697,32 @@ def _tally(db: sqlite3.Connection) -> _backend.LedgerTally:
     unexplained = [row[0] for row in db.execute(sql.UNEXPLAINED_CLAIMS)]
     db.execute("COMMIT")
     return _backend.LedgerTally(items, claims, takeovers, terminal, settled_twice, unexplained)
+
+
+def _purge_candidates(
+    db: sqlite3.Connection, cutoff: float, chunk: int
+) -> list[tuple[_backend.ItemRow, list[_backend.EventRow]]]:
+    db.execute("BEGIN")  # the items and their histories from one snapshot
+    rows = db.execute(sql.PURGE_CANDIDATES, {"cutoff": cutoff, "chunk": chunk}).fetchall()
+    found = [
+        (
+            _backend.ItemRow(*row),
+            [_backend.EventRow(*e) for e in db.execute(sql.EVENTS_OF_ITEM, (row[0],))],
+        )
+        for row in rows
+    ]
+    db.execute("COMMIT")
+    return found
+
+
+def _stats(db: sqlite3.Connection, now: float) -> _backend.StoreStats:
+    db.execute("BEGIN")
+    by_project = tuple(tuple(row) for row in db.execute(sql.STATES_BY_PROJECT))
+    oldest = db.execute(sql.OLDEST_READY).fetchone()[0]
+    expired = db.execute(sql.EXPIRED_LEASES, (now,)).fetchone()[0]
+    version = db.execute(sql.READ_SCHEMA_VERSION).fetchone()[0]
+    db.execute("COMMIT")
+    return _backend.StoreStats(by_project, oldest, expired, version)
 
 
 def _verify_ledger(db: sqlite3.Connection, limit: int | None) -> list[_models.LedgerProblem]:

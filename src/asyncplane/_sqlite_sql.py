@@ -103,6 +103,19 @@ MIGRATIONS: Final[tuple[str, ...]] = (
         WHERE fingerprint IS NOT NULL AND state IN ('claimed', 'offloaded');
     CREATE INDEX items_offloaded ON items (offload_handle) WHERE state = 'offloaded';
     """,
+    # 3: operating a store. Retention finds settled items by age; imports remember every
+    # source row they copied, so an import never copies a row twice, even after a crash
+    # or after the copied item was purged.
+    """
+    CREATE INDEX items_settled ON items (updated_at) WHERE state IN ('done', 'failed');
+    CREATE TABLE imports (
+        source      TEXT NOT NULL,
+        source_key  TEXT NOT NULL,
+        item_id     INTEGER NOT NULL,
+        imported_at REAL NOT NULL,
+        PRIMARY KEY (source, source_key)
+    ) WITHOUT ROWID;
+    """,
 )
 
 SCHEMA_VERSION: Final = len(MIGRATIONS)
@@ -360,6 +373,50 @@ WHERE i.item_id = ?
   AND i.project_id IN (SELECT project_id FROM assignments WHERE actor_id = ?)
 ORDER BY e.event_id
 """
+
+# --- retention -----------------------------------------------------------------------------
+# Settled items older than the cutoff, oldest first, a chunk at a time. Ready, deferred,
+# claimed and offloaded items never match: only done and failed ones are ever purged.
+
+PURGE_CANDIDATES: Final = f"""
+SELECT {_ITEM_COLUMNS} FROM items INDEXED BY items_settled
+WHERE state IN ('done', 'failed') AND updated_at < :cutoff
+ORDER BY updated_at, item_id
+LIMIT :chunk
+"""
+EVENTS_OF_ITEM: Final = """
+SELECT event_id, item_id, event_type, fence, owner, actor_id, at, detail
+FROM events WHERE item_id = ? ORDER BY event_id
+"""
+# An item goes first, then its history (the ledger refuses to drop a live item's events).
+PURGE_ITEM: Final = "DELETE FROM items WHERE item_id = ? AND state IN ('done', 'failed')"
+PURGE_EVENTS: Final = "DELETE FROM events WHERE item_id = ?"
+
+# --- imports --------------------------------------------------------------------------------
+
+ALREADY_IMPORTED: Final = "SELECT 1 FROM imports WHERE source = ? AND source_key = ?"
+RECORD_IMPORT: Final = (
+    "INSERT INTO imports (source, source_key, item_id, imported_at) VALUES (?, ?, ?, ?)"
+)
+# The source's columns, to check the names an import is told to read (identifiers cannot
+# be bound as parameters, so they are checked against the table and quoted).
+SOURCE_COLUMNS: Final = "SELECT name FROM pragma_table_info(?)"
+SOURCE_TABLE_EXISTS: Final = "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?"
+
+# --- stats ----------------------------------------------------------------------------------
+
+STATES_BY_PROJECT: Final = """
+SELECT project_id, state, count(*) FROM items GROUP BY project_id, state
+ORDER BY project_id, state
+"""
+OLDEST_READY: Final = """
+SELECT min(created_at) FROM items INDEXED BY items_ready WHERE state = 'ready'
+"""
+EXPIRED_LEASES: Final = """
+SELECT count(*) FROM items INDEXED BY items_lease
+WHERE state = 'claimed' AND lease_expires_at <= ?
+"""
+READ_SCHEMA_VERSION: Final = "PRAGMA user_version"
 
 # --- counts --------------------------------------------------------------------------------
 

@@ -16,12 +16,25 @@ import json
 import os
 import pathlib
 import random
+import time
 import types
-from collections.abc import Iterable, Sequence
-from datetime import datetime
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from datetime import datetime, timedelta
 from typing import Any, Literal
 
-from asyncplane import _backend, _clock, _errors, _fingerprint, _models, _sqlite, _validate
+import anyio.to_thread
+
+from asyncplane import (
+    _backend,
+    _clock,
+    _errors,
+    _fingerprint,
+    _import,
+    _models,
+    _retention,
+    _sqlite,
+    _validate,
+)
 from asyncplane._models import ClaimedItem
 
 __all__ = ("ControlStore",)
@@ -51,6 +64,13 @@ class ControlStore:
             doubles, and each is jittered (x0.5 to x1.5) ...
         retry_backoff_max: ... and capped at this many seconds.
         rng: The random source of the jitter (seeded in tests).
+        retention: How long settled (done or failed) items stay before `purge` archives
+            and deletes them (a timedelta or seconds; None: drain() never purges).
+        archive_path: Where purged items are appended (default: beside the database,
+            ``<database>.archive.jsonl``).
+        archive_max_mb: The archive rotates to a single ``.1`` generation past this size.
+        purge_chunk: Items archived and deleted per transaction.
+        purge_min_interval_s: drain() purges at most this often (seconds).
         max_batch: The most requests one group commit may carry.
         read_connections: How many read-only connections reads may use at once.
 
@@ -72,6 +92,11 @@ class ControlStore:
         retry_backoff: float = 1.0,
         retry_backoff_max: float = 300.0,
         rng: random.Random | None = None,
+        retention: timedelta | float | None = None,
+        archive_path: str | os.PathLike[str] | None = None,
+        archive_max_mb: float = 64.0,
+        purge_chunk: int = 500,
+        purge_min_interval_s: float = 3600.0,
         max_batch: int = 256,
         read_connections: int = 2,
     ) -> None:
@@ -106,6 +131,18 @@ class ControlStore:
         if self._retry_backoff_max < self._retry_backoff:
             raise _errors.InvalidInput("retry_backoff_max must not be below retry_backoff")
         self._rng = rng if rng is not None else random.Random()
+        self._retention = None if retention is None else _validate.duration(retention, "retention")
+        self._archive_path = (
+            _retention.default_archive_path(self._path)
+            if archive_path is None
+            else _validate.absolute_path(archive_path, "archive_path")
+        )
+        self._archive_max_bytes = int(
+            _validate.seconds(archive_max_mb, "archive_max_mb", 1024 * 1024) * 1024 * 1024
+        )
+        self._purge_chunk = _validate.positive_int(purge_chunk, "purge_chunk")
+        self._purge_min_interval = _validate.delay(purge_min_interval_s, "purge_min_interval_s")
+        self._last_purge: float | None = None
         self._backend: _backend.Backend = _sqlite.SQLiteBackend(
             self._path,
             clock=self._clock,
@@ -643,6 +680,137 @@ class ControlStore:
         settled = await backend.settle_pending_twins(op)
         return settled, seen == chunk or settled == chunk
 
+    # --- operating --------------------------------------------------------------------------
+
+    async def purge(
+        self,
+        retention: timedelta | float | None = None,
+        *,
+        chunk: int | None = None,
+        archive_path: str | os.PathLike[str] | None = None,
+        progress: Callable[[int], None] | None = None,
+    ) -> _retention.PurgeSummary:
+        """Archive, then delete, done and failed items last changed before ``retention``.
+
+        Each chunk of items, with all their events, is appended to the JSONL archive and
+        fsynced before the transaction that deletes them commits, so a crash can
+        duplicate archive lines but never deletes an item that is not archived. Ready,
+        deferred, claimed and offloaded items are never purged.
+
+        Args:
+            retention: Keep settled items this long (a timedelta or seconds); default:
+                the store's ``retention``.
+            chunk: Items per transaction (default: the store's ``purge_chunk``).
+            archive_path: The archive (default: the store's ``archive_path``).
+            progress: Called with the running total after each chunk.
+        """
+        if retention is None and self._retention is None:
+            raise _errors.InvalidInput("purge needs a retention: pass one, or configure the store")
+        seconds = (
+            self._retention if retention is None else _validate.duration(retention, "retention")
+        )
+        assert seconds is not None
+        target = (
+            self._archive_path
+            if archive_path is None
+            else _validate.absolute_path(archive_path, "archive_path")
+        )
+        return await _retention.purge(
+            self,
+            seconds,
+            chunk=self._purge_chunk if chunk is None else _validate.positive_int(chunk, "chunk"),
+            archive_path=target,
+            archive_max_bytes=self._archive_max_bytes,
+            progress=progress,
+        )
+
+    async def _maybe_purge(self, max_chunks: int = 20) -> int:
+        """The drain loop's retention: at most every purge_min_interval_s, a bounded purge."""
+        if self._retention is None:
+            return 0
+        now = time.monotonic()
+        if self._last_purge is not None and now - self._last_purge < self._purge_min_interval:
+            return 0
+        self._last_purge = now
+        done = await _retention.purge(
+            self,
+            self._retention,
+            chunk=self._purge_chunk,
+            archive_path=self._archive_path,
+            archive_max_bytes=self._archive_max_bytes,
+            max_chunks=max_chunks,
+        )
+        return done.purged
+
+    async def import_pending(
+        self,
+        source_path: str | os.PathLike[str],
+        *,
+        table: str,
+        columns: Mapping[str, str],
+        project_id: str | None = None,
+        pending: Collection[Any] | None = None,
+        drop_source: bool = False,
+        chunk: int = 1000,
+        progress: Callable[[int], None] | None = None,
+    ) -> _import.ImportSummary:
+        """Copy the pending rows of a table in another SQLite database into this store, once.
+
+        Only rows that are not terminal are copied (with ``columns["state"]``, those whose
+        state is in ``pending``; without, every row), each as a new item with a fresh id
+        and a "queued" event naming the source. Every copied row is recorded in the same
+        transaction, so running it again, or after a crash half-way, copies nothing twice.
+
+        Args:
+            source_path: The other SQLite database (opened read-only).
+            table: Its table holding the queue.
+            columns: Store fields to source columns: "payload" (required: JSON text, or
+                other text, kept as ``{"data": ...}``), and optionally "key" (orders and
+                identifies rows; default rowid), "state", "project_id", "priority",
+                "service_class", "sla", "fingerprint", "max_attempts", "not_before".
+            project_id: The project every row goes to (unless a column gives one).
+            pending: The values of the state column that mean "still to be done".
+            drop_source: Drop the source table once everything is copied.
+            chunk: Source rows per transaction.
+            progress: Called with the number of source rows seen so far.
+        """
+        return await _import.import_pending(
+            self, source_path, table=table, columns=columns, project_id=project_id,
+            pending=pending, drop_source=_validate.boolean(drop_source, "drop_source"),
+            chunk=chunk, progress=progress,
+        )  # fmt: skip
+
+    async def stats(self) -> dict[str, Any]:
+        """A store's state at a glance.
+
+        Keys: ``states`` (items per state), ``projects`` (items per state, per project),
+        ``items``, ``oldest_ready_age_s`` (seconds the oldest ready item has waited, or
+        None), ``expired_leases`` (claims whose lease lapsed, waiting to be taken over),
+        ``offloaded``, ``database_bytes``, ``wal_bytes``, ``schema_version``, ``path``.
+        """
+        raw = await (await self._ready()).stats()
+        states = dict.fromkeys(_models.ITEM_STATES, 0)
+        projects: dict[str, dict[str, int]] = {}
+        for project, state, count in raw.states_by_project:
+            states[state] = states.get(state, 0) + count
+            projects.setdefault(project, dict.fromkeys(_models.ITEM_STATES, 0))[state] = count
+        sizes = await anyio.to_thread.run_sync(_file_sizes, self._path)
+        now = self._clock.now()
+        return {
+            "path": str(self._path),
+            "schema_version": raw.schema_version,
+            "items": sum(states.values()),
+            "states": states,
+            "projects": projects,
+            "oldest_ready_age_s": None
+            if raw.oldest_ready_at is None
+            else now - raw.oldest_ready_at,
+            "expired_leases": raw.expired_leases,
+            "offloaded": states["offloaded"],
+            "database_bytes": sizes[0],
+            "wal_bytes": sizes[1],
+        }
+
     async def next_due(
         self, *, project_id: str | None = None, actor_id: str | None = None
     ) -> datetime | None:
@@ -728,6 +896,16 @@ class ControlStore:
             }
             for row in rows
         ]
+
+
+def _file_sizes(path: pathlib.Path) -> tuple[int, int]:
+    def size(file: pathlib.Path) -> int:
+        try:
+            return file.stat().st_size
+        except FileNotFoundError:
+            return 0
+
+    return size(path), size(path.with_name(path.name + "-wal"))
 
 
 def _optional_time(value: float | None) -> datetime | None:

@@ -10,6 +10,8 @@ from __future__ import annotations
 import datetime as dt
 import json
 import math
+import os
+import pathlib
 from typing import Any
 
 from asyncplane import _errors, _models
@@ -21,8 +23,10 @@ __all__ = (
     "MAX_ID_LENGTH",
     "MAX_INT",
     "MAX_LEASE_SECONDS",
+    "absolute_path",
     "boolean",
     "delay",
+    "duration",
     "encode_payload",
     "encode_result",
     "error_text",
@@ -290,3 +294,27 @@ def identity(value: object) -> tuple[str, ...]:
     if len(set(keys)) != len(keys):
         raise _errors.InvalidInput(f"identity keys repeat: {keys!r}")
     return keys
+
+
+def duration(value: object, what: str) -> float:
+    """A duration of zero or more: a timedelta, or seconds (at most a century)."""
+    if isinstance(value, dt.timedelta):
+        value = value.total_seconds()
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _errors.InvalidType(
+            f"{what} must be a timedelta or seconds, not {type(value).__name__}"
+        )
+    number = float(value)
+    if not math.isfinite(number) or not 0 <= number <= 100 * 366 * 24 * 3600.0:
+        raise _errors.InvalidInput(f"{what} must be zero or more, and finite, got {value!r}")
+    return number
+
+
+def absolute_path(value: object, what: str) -> pathlib.Path:
+    """A str or PathLike, made absolute now (so a later chdir cannot move it)."""
+    if not isinstance(value, (str, os.PathLike)):
+        raise _errors.InvalidType(f"{what} must be a str or PathLike, not {type(value).__name__}")
+    text = os.fspath(value)
+    if not text:
+        raise _errors.InvalidInput(f"{what} must not be empty")
+    return pathlib.Path(os.path.abspath(text))

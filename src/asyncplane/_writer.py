@@ -69,7 +69,7 @@ class Writer:
         *,
         name: str,
         max_batch: int = 256,
-        on_exit: Callable[[], Awaitable[None]] | None = None,
+        on_exit: Callable[[bool], Awaitable[None]] | None = None,
     ) -> None:
         self._conn = conn
         self._clock = clock
@@ -119,7 +119,7 @@ class Writer:
         return await future
 
     async def stop(self) -> None:
-        """Serve every queued request, close the connection, run ``on_exit``; idempotent."""
+        """Serve every queued request, run ``on_exit``, close the connection; idempotent."""
         self._stopping = True
         self._wakeup.set()
         if self._task is not None and not self._task.done():
@@ -140,10 +140,12 @@ class Writer:
         return _errors.StoreClosed("the store is closed")
 
     async def _run(self) -> None:
+        graceful = False
         try:
             while True:
                 if not self._pending:
                     if self._stopping:
+                        graceful = True
                         return
                     self._wakeup.clear()
                     await self._wakeup.wait()
@@ -167,11 +169,14 @@ class Writer:
                 _, future = self._pending.popleft()
                 if not future.done():
                     future.set_exception(failure)
+            # The readers close first (after their reads, when the stop is graceful), so the
+            # write connection is the last one to the file: closing it checkpoints the WAL
+            # and removes it, leaving a tidy database behind.
             try:
-                await asyncio.shield(self._conn.close())
-            finally:
                 if self._on_exit is not None:
-                    await asyncio.shield(self._on_exit())
+                    await asyncio.shield(self._on_exit(graceful))
+            finally:
+                await asyncio.shield(self._conn.close())
 
     async def _round(self, batch: list[_Request]) -> None:
         """Run one transaction for ``batch``; its outcomes reach the callers from the thread."""

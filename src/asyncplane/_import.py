@@ -1,0 +1,238 @@
+"""import_pending: move the pending work of another SQLite queue into a store, once.
+
+A queue kept in some other SQLite database (an older asyncplane table, persist-queue,
+litequeue, a home-grown table) can hand its pending rows over: `import_pending` reads the
+source table read-only, in chunks ordered by a key column, copies only the rows that are
+not terminal into the store with fresh ids and a "queued" event that names the source,
+and leaves terminal history behind. Every copied row is recorded in the store (its source
+and key), in the same transaction as the item itself, so a second run, or a run after a
+crash half-way, imports nothing twice. Only once everything is copied may it drop the
+source table (``drop_source=True``).
+
+Table and column names cannot be bound as SQL parameters. They are accepted only if they
+are names of the source table's own columns (read through ``pragma_table_info``), and are
+quoted; values always travel as parameters.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+import sqlite3
+from collections.abc import Callable, Collection, Mapping
+from typing import TYPE_CHECKING, Any
+
+import anyio.to_thread
+
+from asyncplane import _backend, _errors, _models, _validate
+from asyncplane import _sqlite_sql as sql
+
+if TYPE_CHECKING:
+    from asyncplane._store import ControlStore
+
+__all__ = ("FIELDS", "ImportSummary", "import_pending")
+
+#: The store fields a source column may fill. "payload" is required; "key" orders and
+#: identifies source rows (default: SQLite's rowid); "state" with ``pending`` says which
+#: rows are still to be done.
+FIELDS = frozenset(
+    {"payload", "key", "state", "project_id", "priority", "service_class", "sla",
+     "fingerprint", "max_attempts", "not_before"}
+)  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class ImportSummary:
+    """What one import did.
+
+    Attributes:
+        source: The name the imported rows are recorded under (``<file>::<table>``).
+        imported: Rows copied into the store by this run.
+        already_imported: Pending rows an earlier run had copied (skipped).
+        not_pending: Source rows left behind because their state is terminal.
+        dropped: Whether the source table was dropped afterwards.
+    """
+
+    source: str
+    imported: int
+    already_imported: int
+    not_pending: int
+    dropped: bool
+
+
+async def import_pending(
+    store: ControlStore,
+    source_path: str | os.PathLike[str],
+    *,
+    table: str,
+    columns: Mapping[str, str],
+    project_id: str | None = None,
+    pending: Collection[Any] | None = None,
+    drop_source: bool = False,
+    chunk: int = 1000,
+    progress: Callable[[int], None] | None = None,
+) -> ImportSummary:
+    """Copy a source table's pending rows into the store, once; see the module docstring."""
+    source = _validate.absolute_path(source_path, "source_path")
+    mapping = _check_mapping(columns, project_id, pending)
+    chunk = _validate.positive_int(chunk, "chunk")
+    project = None if project_id is None else _validate.text_id(project_id, "project_id")
+    name = f"{source}::{table}"
+    await anyio.to_thread.run_sync(_check_source, source, table, mapping)
+    backend = await store._ready()
+    after: Any = None
+    imported = skipped = left = 0
+    while True:
+        rows = await anyio.to_thread.run_sync(_read_chunk, source, table, mapping, after, chunk)
+        if not rows:
+            break
+        after = rows[-1]["key"]
+        wanted: dict[str, list[tuple[str, _backend.NewItem]]] = {}
+        for row in rows:
+            if "state" in mapping and row["state"] not in pending:  # type: ignore[operator]
+                left += 1
+                continue
+            target = (
+                project
+                if project is not None
+                else _validate.text_id(
+                    row["project_id"], f"{mapping['project_id']} of source row {row['key']!r}"
+                )
+            )
+            wanted.setdefault(target, []).append((str(row["key"]), _new_item(store, row)))
+        for target, items in wanted.items():
+            done, again = await backend.import_rows(_backend.ImportOp(name, target, tuple(items)))
+            imported += done
+            skipped += again
+        if progress is not None:
+            progress(imported + skipped + left)
+        if len(rows) < chunk:
+            break
+    if imported:
+        store._notify()
+    dropped = False
+    if drop_source:
+        await anyio.to_thread.run_sync(_drop_table, source, table)
+        dropped = True
+    return ImportSummary(name, imported, skipped, left, dropped)
+
+
+def _check_mapping(
+    columns: Mapping[str, str], project_id: str | None, pending: Collection[Any] | None
+) -> dict[str, str]:
+    if not isinstance(columns, Mapping):
+        raise _errors.InvalidType("columns must map store fields to source column names")
+    mapping = dict(columns)
+    unknown = set(mapping) - FIELDS
+    if unknown:
+        raise _errors.InvalidInput(
+            f"unknown fields in columns: {sorted(unknown)}; known: {sorted(FIELDS)}"
+        )
+    if "payload" not in mapping:
+        raise _errors.InvalidInput("columns must name the source column that holds the payload")
+    if (project_id is None) == ("project_id" not in mapping):
+        raise _errors.InvalidInput(
+            "give project_id=, or map a project_id column, exactly one of the two"
+        )
+    if ("state" in mapping) != (pending is not None):
+        raise _errors.InvalidInput(
+            "a state column and pending= (its values that are still to be done) go together"
+        )
+    for field, column in mapping.items():
+        if not isinstance(column, str) or not column:
+            raise _errors.InvalidInput(f"columns[{field!r}] must be a column name")
+    mapping.setdefault("key", "rowid")
+    return mapping
+
+
+def _connect(source: pathlib.Path, *, write: bool = False) -> sqlite3.Connection:
+    if not source.is_file():
+        raise _errors.InvalidInput(f"no source database at {source}")
+    uri = source.as_uri() + ("" if write else "?mode=ro")
+    try:
+        return sqlite3.connect(uri, uri=True, isolation_level=None, timeout=30)
+    except sqlite3.Error as exc:
+        raise _errors.translate_sqlite(exc) from exc
+
+
+def _check_source(source: pathlib.Path, table: str, mapping: dict[str, str]) -> None:
+    conn = _connect(source)
+    try:
+        if conn.execute(sql.SOURCE_TABLE_EXISTS, (table,)).fetchone() is None:
+            raise _errors.InvalidInput(f"the source database has no table {table!r}")
+        names = {row[0] for row in conn.execute(sql.SOURCE_COLUMNS, (table,))}
+        for field, column in mapping.items():
+            if column != "rowid" and column not in names:
+                raise _errors.InvalidInput(
+                    f"table {table!r} has no column {column!r} (for {field}); "
+                    f"it has {sorted(names)}"
+                )
+    except sqlite3.Error as exc:
+        raise _errors.translate_sqlite(exc) from exc
+    finally:
+        conn.close()
+
+
+def _quote(identifier: str) -> str:
+    """An identifier already checked against the source's schema, quoted for SQL."""
+    return '"' + identifier.replace('"', '""') + '"'
+
+
+def _read_chunk(
+    source: pathlib.Path, table: str, mapping: dict[str, str], after: Any, chunk: int
+) -> list[dict[str, Any]]:
+    fields = sorted(mapping)
+    selected = ", ".join(_quote(mapping[f]) for f in fields)
+    key = _quote(mapping["key"])
+    # Every name here was checked against the table's own columns in _check_source.
+    statement = (
+        f"SELECT {selected} FROM {_quote(table)} "
+        f"WHERE ? IS NULL OR {key} > ? ORDER BY {key} LIMIT ?"
+    )
+    conn = _connect(source)
+    try:
+        rows = conn.execute(statement, (after, after, chunk)).fetchall()
+    except sqlite3.Error as exc:
+        raise _errors.translate_sqlite(exc) from exc
+    finally:
+        conn.close()
+    return [dict(zip(fields, row, strict=True)) for row in rows]
+
+
+def _new_item(store: ControlStore, row: dict[str, Any]) -> _backend.NewItem:
+    raw = row["payload"]
+    if isinstance(raw, bytes):
+        raise _errors.InvalidPayload(
+            f"source row {row['key']!r} holds a binary payload (pickled, perhaps); asyncplane "
+            "imports JSON or text only: re-encode the source first"
+        )
+    try:
+        decoded = json.loads(raw) if isinstance(raw, str) else raw
+    except ValueError:
+        decoded = raw
+    payload = decoded if isinstance(decoded, dict) else {"data": decoded}
+    job = _models.Job(
+        payload,
+        priority=0 if row.get("priority") is None else row["priority"],
+        service_class=row.get("service_class") or "standard",
+        sla=row.get("sla"),
+        fingerprint=row.get("fingerprint"),
+        max_attempts=row.get("max_attempts"),
+        not_before=row.get("not_before"),
+    )
+    try:
+        return store._new_item(job, True)
+    except _errors.AsyncplaneError as exc:
+        raise type(exc)(f"source row {row['key']!r}: {exc}") from None
+
+
+def _drop_table(source: pathlib.Path, table: str) -> None:
+    conn = _connect(source, write=True)
+    try:
+        conn.execute(f"DROP TABLE {_quote(table)}")  # checked against the schema before
+    except sqlite3.Error as exc:
+        raise _errors.translate_sqlite(exc) from exc
+    finally:
+        conn.close()

@@ -1,0 +1,178 @@
+"""Retention: settled items leave the store only after they are safely in the archive.
+
+`purge` takes done and failed items whose last change is older than the retention, a
+bounded chunk at a time. For each chunk it first appends the items, with their whole
+history, to a JSONL archive and fsyncs it; only then does it delete them (each item
+before its events, in one short transaction). A crash between the two can leave an item
+both in the store and in the archive (the next purge archives it again: the archive may
+hold duplicates), but never deletes an item that is not in the archive. Ready, deferred,
+claimed and offloaded items are never purged.
+
+The archive rotates: once it has grown past ``archive_max_bytes`` it is renamed with a
+``.1`` suffix (replacing an older ``.1``) and a new one is started, so at most two
+generations exist. Appends and rotation happen under an exclusive lock on
+``<archive>.lock``, on a worker thread, so two purgers never interleave lines and the
+event loop never waits for the disk.
+
+Each archive line is one JSON object: ``{"archived_at": ..., "item": {...},
+"events": [...]}``, with the item and its events as `ControlStore.item` and
+`ControlStore.events` give them (times as ISO 8601 strings).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime as dt
+import json
+import os
+import pathlib
+import sys
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+import anyio.to_thread
+
+from asyncplane import _backend, _models
+
+if TYPE_CHECKING:
+    from asyncplane._store import ControlStore
+
+__all__ = ("PurgeSummary", "default_archive_path", "purge")
+
+
+@dataclasses.dataclass(frozen=True)
+class PurgeSummary:
+    """What one purge did.
+
+    Attributes:
+        purged: Items archived and deleted.
+        chunks: Transactions it took (each at most ``chunk`` items).
+        archive_path: The archive the items were appended to.
+    """
+
+    purged: int
+    chunks: int
+    archive_path: pathlib.Path
+
+
+def default_archive_path(database: pathlib.Path) -> pathlib.Path:
+    """The archive beside the database: ``<database>.archive.jsonl``."""
+    return database.with_name(database.name + ".archive.jsonl")
+
+
+async def purge(
+    store: ControlStore,
+    retention_seconds: float,
+    *,
+    chunk: int,
+    archive_path: pathlib.Path,
+    archive_max_bytes: int,
+    max_chunks: int | None = None,
+    progress: Callable[[int], None] | None = None,
+    _after_archive: Callable[[], Awaitable[None]] | None = None,
+) -> PurgeSummary:
+    """Archive, then delete, settled items older than ``retention_seconds``."""
+    backend = await store._ready()
+    cutoff = store.clock.now() - retention_seconds
+    purged = chunks = 0
+    while max_chunks is None or chunks < max_chunks:
+        found = await backend.purge_candidates(cutoff, chunk)
+        if not found:
+            break
+        lines = [_archive_line(item, events) for item, events in found]
+        await anyio.to_thread.run_sync(_append, archive_path, lines, archive_max_bytes)
+        if _after_archive is not None:  # a test stands here to kill the process
+            await _after_archive()
+        purged += await backend.purge_items(tuple(item.item_id for item, _ in found))
+        chunks += 1
+        if progress is not None:
+            progress(purged)
+        if len(found) < chunk:
+            break
+    return PurgeSummary(purged, chunks, archive_path)
+
+
+def _iso(value: float | None) -> str | None:
+    return None if value is None else _models.from_timestamp(value).isoformat()
+
+
+def _archive_line(item: _backend.ItemRow, events: list[_backend.EventRow]) -> str:
+    record: dict[str, Any] = {
+        "archived_at": dt.datetime.now(dt.timezone.utc).isoformat(),
+        "item": {
+            "item_id": item.item_id,
+            "project_id": item.project_id,
+            "state": item.state,
+            "payload": json.loads(item.payload_json),
+            "fence": item.fence,
+            "attempts": item.attempts,
+            "owner": item.owner,
+            "created_at": _iso(item.created_at),
+            "updated_at": _iso(item.updated_at),
+            "priority": item.priority,
+            "service_class": item.service_class,
+            "sla": _iso(item.sla),
+            "fingerprint": item.fingerprint,
+            "max_attempts": item.max_attempts,
+            "result": None if item.result_json is None else json.loads(item.result_json),
+            "error": item.error,
+        },
+        "events": [
+            {
+                "event_id": event.event_id,
+                "event_type": event.event_type,
+                "fence": event.fence,
+                "owner": event.owner,
+                "actor_id": event.actor_id,
+                "at": _iso(event.at),
+                "detail": None if event.detail_json is None else json.loads(event.detail_json),
+            }
+            for event in events
+        ],
+    }
+    return json.dumps(record, ensure_ascii=False, separators=(",", ":")) + "\n"
+
+
+def _append(path: pathlib.Path, lines: list[str], max_bytes: int) -> None:
+    """On a worker thread: rotate if due, append, and fsync, under the archive's lock."""
+    with _exclusive(path.with_name(path.name + ".lock")):
+        created = False
+        with contextlib.suppress(FileNotFoundError):
+            if path.stat().st_size >= max_bytes:
+                os.replace(path, path.with_name(path.name + ".1"))
+                created = True
+        created = created or not path.exists()
+        with open(path, "a", encoding="utf-8") as archive:
+            archive.write("".join(lines))
+            archive.flush()
+            os.fsync(archive.fileno())
+        if created:
+            _fsync_directory(path.parent)  # the new name must survive a crash too
+
+
+@contextlib.contextmanager
+def _exclusive(lock_path: pathlib.Path) -> Any:
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        if sys.platform == "win32":  # pragma: no cover - Windows only
+            import msvcrt
+
+            msvcrt.locking(fd, msvcrt.LK_LOCK, 1)
+        else:
+            import fcntl
+
+            fcntl.flock(fd, fcntl.LOCK_EX)  # a worker thread may wait; the loop does not
+        yield
+    finally:
+        os.close(fd)  # closing the descriptor releases the lock
+
+
+def _fsync_directory(directory: pathlib.Path) -> None:
+    if sys.platform == "win32":  # pragma: no cover - directories cannot be fsynced there
+        return
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
