@@ -42,6 +42,16 @@ def parse_duration(text: str) -> dt.timedelta:
     return dt.timedelta(seconds=float(found[1]) * _UNITS.get(found[2] or "s", 1))
 
 
+def _literal(text: str) -> int | float | str:
+    """A command-line value as the source column most likely holds it."""
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            continue
+    return text
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="asyncplane", description="Look at, check and maintain asyncplane stores."
@@ -77,8 +87,9 @@ def _parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     imported.add_argument("--project", help="the project every row goes to")
     imported.add_argument(
-        "--pending", action="append", default=None, metavar="VALUE",
-        help="a value of the state column that means still to be done; repeatable",
+        "--pending", action="append", default=None, metavar="VALUE", type=_literal,
+        help="a value of the state column that means still to be done (numbers are read "
+        "as numbers); repeatable",
     )  # fmt: skip
     imported.add_argument("--drop-source", action="store_true", help="drop the table after")
     imported.add_argument("--chunk", type=int, default=1000)

@@ -1,0 +1,433 @@
+"""Operating a store: retention with an archive, importing pending work, stats, the CLI."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import json
+import os
+import pathlib
+import signal
+import sqlite3
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+
+from asyncplane import (
+    ClaimedItem,
+    ControlStore,
+    Done,
+    InvalidInput,
+    InvalidPayload,
+    Outcome,
+    drain,
+    verify_ledger,
+)
+from asyncplane import _sqlite_sql as sql
+from asyncplane.testing import ManualClock
+
+PURGER = pathlib.Path(__file__).parent / "workers" / "purge_worker.py"
+
+
+async def settle(store: ControlStore, project: str, count: int, status: str = "done") -> list[int]:
+    ids = [await store.enqueue(project, {"n": n}) for n in range(count)]
+    for _ in ids:
+        claim = await store.claim("w", project_id=project)
+        assert claim is not None
+        if status == "done":
+            await store.finish(claim.item_id, fence=claim.fence, result={"n": claim.payload["n"]})
+        else:
+            await store.finish(claim.item_id, fence=claim.fence, status="failed", error="bad")
+    return ids
+
+
+def archived_ids(path: pathlib.Path) -> list[int]:
+    if not path.exists():
+        return []
+    return [json.loads(line)["item"]["item_id"] for line in path.read_text().splitlines()]
+
+
+# --- retention -----------------------------------------------------------------------------
+
+
+async def test_purge_archives_then_deletes_old_settled_items_only(
+    store: ControlStore, clock: ManualClock
+) -> None:
+    old_done = await settle(store, "alpha", 3)
+    old_failed = await settle(store, "alpha", 2, status="failed")
+    clock.advance(8 * 86400)
+    recent = await settle(store, "alpha", 1)
+    ready = await store.enqueue("alpha", {"waiting": True})
+    deferred = await store.enqueue("alpha", {}, not_before=clock.now() + 10**6)
+    claim_ids = [await store.enqueue("alpha", {"k": k}) for k in range(2)]
+    claimed = await store.claim("w")
+    offload = await store.claim("w")
+    assert claimed and offload and {claimed.item_id, offload.item_id} <= set(claim_ids) | {ready}
+    await store.offload(offload.item_id, fence=offload.fence, handle="batch")
+    clock.advance(30 * 86400)  # everything is old now; only settled items may go
+
+    summary = await store.purge(dt.timedelta(days=7))
+    assert summary.purged == 6  # five old settled, and the one settled a week later
+    archive = summary.archive_path
+    assert archive == store.path.with_name(store.path.name + ".archive.jsonl")
+    assert sorted(archived_ids(archive)) == sorted(old_done + old_failed + recent)
+    line = json.loads(archive.read_text().splitlines()[0])
+    assert [e["event_type"] for e in line["events"]] == ["queued", "claimed", "done"]
+    assert line["item"]["result"] == {"n": 0}
+    counts = await store.counts()
+    assert (counts["done"], counts["failed"]) == (0, 0)
+    assert (counts["ready"], counts["deferred"], counts["claimed"], counts["offloaded"]) == (
+        1, 1, 1, 1,
+    )  # fmt: skip
+    for item_id in (ready, deferred, claimed.item_id, offload.item_id):
+        await store.item(item_id)  # still there
+    assert await verify_ledger(store) == []  # no orphan events left behind
+
+
+async def test_purge_keeps_items_younger_than_the_retention(
+    store: ControlStore, clock: ManualClock
+) -> None:
+    ids = await settle(store, "alpha", 2)
+    clock.advance(3600)
+    assert (await store.purge(7200)).purged == 0
+    clock.advance(3601)
+    assert (await store.purge(7200)).purged == 2
+    with pytest.raises(InvalidInput):
+        await store.purge()  # no retention given, none configured
+    assert ids
+
+
+async def test_purge_works_in_bounded_chunks(store: ControlStore, clock: ManualClock) -> None:
+    await settle(store, "alpha", 5)
+    clock.advance(10)
+    backend: Any = await store._ready()
+    rounds = backend.writer.rounds
+    seen: list[int] = []
+    summary = await store.purge(0, chunk=2, progress=seen.append)
+    assert (summary.purged, summary.chunks) == (5, 3)
+    assert seen == [2, 4, 5]
+    assert backend.writer.rounds - rounds == 3  # one short transaction per chunk
+
+
+async def test_the_archive_rotates_to_one_older_generation(
+    asyncplane_store_factory: Any, clock: ManualClock
+) -> None:
+    store: ControlStore = await asyncplane_store_factory(archive_max_mb=0.001)  # ~1 KiB
+    await store.create_project("p", "P")
+    for _ in range(4):
+        await settle(store, "p", 3)
+        clock.advance(10)
+        await store.purge(0)
+    archive = store.path.with_name(store.path.name + ".archive.jsonl")
+    older = archive.with_name(archive.name + ".1")
+    assert archive.exists() and older.exists()
+    assert not archive.with_name(archive.name + ".2").exists()
+    assert older.stat().st_size >= 1024
+    everything = archived_ids(older) + archived_ids(archive)
+    assert len(everything) == len(set(everything))  # rotation loses and repeats nothing
+    assert len(everything) >= 6
+
+
+async def test_drain_purges_on_a_throttle(
+    asyncplane_store_factory: Any, clock: ManualClock
+) -> None:
+    store: ControlStore = await asyncplane_store_factory(
+        retention=0, purge_min_interval_s=3600, purge_chunk=3
+    )
+    await store.create_project("p", "P")
+    for n in range(5):
+        await store.enqueue("p", {"n": n})
+
+    async def done(batch: list[ClaimedItem]) -> list[Outcome]:
+        return [Done() for _ in batch]
+
+    first = await drain(store, done, batch_size=5, empty_rounds=2)
+    # Round one purged nothing settled yet, and purging is not due again within the hour.
+    assert (first.done, first.purged) == (5, 0)
+    assert (await store.counts())["done"] == 5
+    store._last_purge = None  # as if the interval had passed
+    clock.advance(1)  # and the settled items are older than the retention (0 s)
+    second = await drain(store, done, empty_rounds=1)
+    assert second.purged == 5
+    assert (await store.counts())["done"] == 0
+
+
+def test_a_purge_killed_between_archive_and_delete_loses_nothing(tmp_path: pathlib.Path) -> None:
+    path = tmp_path / "crash.db"
+
+    async def seed() -> list[int]:
+        async with ControlStore(path) as store:
+            await store.create_project("p", "P")
+            return await settle(store, "p", 7)
+
+    ids = asyncio.run(seed())
+    purger = subprocess.Popen(
+        [sys.executable, str(PURGER), str(path)], stdout=subprocess.PIPE, text=True
+    )
+    assert purger.stdout is not None
+    assert purger.stdout.readline().strip() == "archived"  # the first chunk is on disk ...
+    os.kill(purger.pid, signal.SIGKILL)  # ... and the process dies before deleting it
+    purger.wait()
+    purger.stdout.close()
+    archive = path.with_name(path.name + ".archive.jsonl")
+
+    async def check() -> None:
+        async with ControlStore(path) as store:
+            for item_id in ids:
+                in_store = True
+                try:
+                    await store.item(item_id)
+                except LookupError:
+                    in_store = False
+                assert in_store or item_id in archived_ids(archive), item_id
+            assert await verify_ledger(store) == []
+            again = await store.purge(0)  # finishing the job archives the chunk again
+            assert again.purged == 7
+        everything = archived_ids(archive)
+        assert set(everything) == set(ids)
+        assert len(everything) > len(ids)  # duplicates, never losses
+
+    asyncio.run(check())
+
+
+# --- import --------------------------------------------------------------------------------
+
+
+def litequeue_like(path: pathlib.Path) -> None:
+    """A litequeue-shaped table: status 0 ready, 1 locked, 2 done, 3 failed."""
+    conn = sqlite3.connect(path)
+    conn.execute(
+        "CREATE TABLE Queue (message_id TEXT PRIMARY KEY, data TEXT, status INTEGER, "
+        "in_time INTEGER)"
+    )
+    rows = [
+        ("m1", '{"task": "one"}', 0, 1),
+        ("m2", '{"task": "two"}', 1, 2),
+        ("m3", '{"task": "old"}', 2, 3),
+        ("m4", "plain text message", 0, 4),
+        ("m5", '{"task": "lost cause"}', 3, 5),
+    ]
+    conn.executemany("INSERT INTO Queue VALUES (?, ?, ?, ?)", rows)
+    conn.commit()
+    conn.close()
+
+
+async def test_import_copies_pending_rows_once(store: ControlStore, tmp_path: pathlib.Path) -> None:
+    source = tmp_path / "litequeue.sqlite3"
+    litequeue_like(source)
+    columns = {"payload": "data", "key": "message_id", "state": "status"}
+    done = await store.import_pending(
+        source, table="Queue", columns=columns, project_id="alpha", pending=[0, 1]
+    )
+    assert (done.imported, done.already_imported, done.not_pending) == (3, 0, 2)
+    payloads = sorted(json.dumps(row["payload"]) for row in await _items(store))
+    assert payloads == sorted(
+        json.dumps(p) for p in ({"task": "one"}, {"task": "two"}, {"data": "plain text message"})
+    )
+    first_events = await store.events(1)
+    assert first_events[0]["event_type"] == "queued"
+    assert first_events[0]["detail"] == {"imported_from": f"{source}::Queue", "source_key": "m1"}
+    again = await store.import_pending(
+        source, table="Queue", columns=columns, project_id="alpha", pending=[0, 1]
+    )
+    assert (again.imported, again.already_imported) == (0, 3)
+    assert await verify_ledger(store) == []
+
+
+async def test_an_import_cut_short_resumes_without_duplicates(
+    store: ControlStore, tmp_path: pathlib.Path
+) -> None:
+    source = tmp_path / "big.sqlite3"
+    conn = sqlite3.connect(source)
+    conn.execute("CREATE TABLE jobs (payload TEXT)")
+    conn.executemany("INSERT INTO jobs VALUES (?)", [(json.dumps({"n": n}),) for n in range(10)])
+    conn.commit()
+    conn.close()
+
+    def crash_after_the_first_chunk(seen: int) -> None:
+        raise KeyboardInterrupt("the importing process dies")
+
+    with pytest.raises(KeyboardInterrupt):
+        await store.import_pending(
+            source, table="jobs", columns={"payload": "payload"}, project_id="alpha",
+            chunk=4, progress=crash_after_the_first_chunk,
+        )  # fmt: skip
+    assert (await store.counts())["ready"] == 4  # one chunk committed
+    rest = await store.import_pending(
+        source, table="jobs", columns={"payload": "payload"}, project_id="alpha", chunk=4
+    )
+    assert (rest.imported, rest.already_imported) == (6, 4)
+    assert sorted(row["payload"]["n"] for row in await _items(store)) == list(range(10))
+
+
+async def test_import_can_drop_the_source_table(
+    store: ControlStore, tmp_path: pathlib.Path
+) -> None:
+    source = tmp_path / "drop.sqlite3"
+    litequeue_like(source)
+    done = await store.import_pending(
+        source, table="Queue", columns={"payload": "data", "state": "status"},
+        project_id="alpha", pending=[0], drop_source=True,
+    )  # fmt: skip
+    assert done.dropped and done.imported == 2
+    conn = sqlite3.connect(source)
+    assert conn.execute("SELECT name FROM sqlite_master").fetchall() == []
+    conn.close()
+
+
+async def test_import_refuses_what_it_cannot_copy_faithfully(
+    store: ControlStore, tmp_path: pathlib.Path
+) -> None:
+    source = tmp_path / "odd.sqlite3"
+    conn = sqlite3.connect(source)
+    conn.execute("CREATE TABLE pq (_id INTEGER PRIMARY KEY, data BLOB)")
+    conn.execute("INSERT INTO pq (data) VALUES (?)", (b"\x80\x04pickled",))
+    conn.commit()
+    conn.close()
+    with pytest.raises(InvalidPayload, match="binary payload"):
+        await store.import_pending(
+            source, table="pq", columns={"payload": "data"}, project_id="alpha"
+        )
+    with pytest.raises(InvalidInput, match="no column 'nope'"):
+        await store.import_pending(
+            source, table="pq", columns={"payload": "nope"}, project_id="alpha"
+        )
+    with pytest.raises(InvalidInput, match="no table"):
+        await store.import_pending(
+            source, table='pq"; DROP TABLE pq; --', columns={"payload": "data"}, project_id="alpha"
+        )
+    with pytest.raises(InvalidInput, match="go together"):
+        await store.import_pending(
+            source, table="pq", columns={"payload": "data", "state": "_id"}, project_id="alpha"
+        )
+    with pytest.raises(InvalidInput, match="no source database"):
+        await store.import_pending(
+            tmp_path / "missing.db", table="pq", columns={"payload": "data"}, project_id="alpha"
+        )
+    assert await store.counts() == dict.fromkeys(await store.counts(), 0)
+
+
+async def _items(store: ControlStore) -> list[dict[str, Any]]:
+    total = sum((await store.counts()).values())
+    return [await store.item(i) for i in range(1, total + 1)]
+
+
+# --- stats ---------------------------------------------------------------------------------
+
+
+async def test_stats_describe_the_store(store: ControlStore, clock: ManualClock) -> None:
+    await store.create_project("beta", "Beta")
+    await store.enqueue("alpha", {})
+    clock.advance(120)
+    await store.enqueue("beta", {})
+    held = await store.claim("w", project_id="beta")
+    assert held is not None
+    await store.enqueue("beta", {})
+    offloaded = await store.claim("w", project_id="beta")
+    assert offloaded is not None
+    await store.offload(offloaded.item_id, fence=offloaded.fence, handle="h")
+    clock.advance(store.lease_seconds + 30)
+    stats = await store.stats()
+    assert stats["items"] == 3
+    assert stats["states"]["ready"] == 1 and stats["states"]["claimed"] == 1
+    assert stats["projects"]["alpha"]["ready"] == 1
+    assert stats["projects"]["beta"]["claimed"] == 1
+    assert stats["oldest_ready_age_s"] == pytest.approx(120 + store.lease_seconds + 30)
+    assert stats["expired_leases"] == 1
+    assert stats["offloaded"] == 1
+    assert stats["database_bytes"] > 0 and stats["wal_bytes"] >= 0
+    assert stats["schema_version"] == sql.SCHEMA_VERSION
+
+
+# --- the command line ----------------------------------------------------------------------
+
+
+def cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "asyncplane.cli", *args], capture_output=True, text=True, timeout=120
+    )
+
+
+def test_cli_verbs_with_json(tmp_path: pathlib.Path) -> None:
+    path = tmp_path / "cli.db"
+
+    async def seed() -> None:
+        async with ControlStore(path) as store:
+            await store.create_project("p", "P")
+            await settle(store, "p", 2)
+            await store.enqueue("p", {"left": True})
+
+    asyncio.run(seed())
+    stats = cli("stats", str(path), "--json")
+    assert stats.returncode == 0, stats.stderr
+    assert json.loads(stats.stdout)["states"]["done"] == 2
+    assert "project p: ready 1, done 2" in cli("stats", str(path)).stdout
+    verify = cli("verify", str(path), "--json")
+    assert verify.returncode == 0 and json.loads(verify.stdout) == {"problems": [], "clean": True}
+    events = cli("events", str(path), "1", "--json")
+    assert [e["event_type"] for e in json.loads(events.stdout)["events"]] == [
+        "queued", "claimed", "done",
+    ]  # fmt: skip
+    assert "claimed" in cli("events", str(path), "1").stdout
+    purge = cli("purge", str(path), "--retention", "0s", "--json")
+    assert purge.returncode == 0, purge.stderr
+    assert json.loads(purge.stdout)["purged"] == 2
+    source = tmp_path / "src.sqlite3"
+    litequeue_like(source)
+    imported = cli(
+        "import", str(path), "--from", str(source), "--table", "Queue", "--column", "payload=data",
+        "--column", "state=status", "--pending", "0", "--project", "p", "--json",
+    )  # fmt: skip
+    assert imported.returncode == 0, imported.stderr
+    assert json.loads(imported.stdout)["imported"] == 2
+
+
+def test_cli_verify_fails_on_a_tampered_ledger(tmp_path: pathlib.Path) -> None:
+    path = tmp_path / "bad.db"
+
+    async def seed() -> None:
+        async with ControlStore(path) as store:
+            await store.create_project("p", "P")
+            await settle(store, "p", 1)
+
+    asyncio.run(seed())
+    conn = sqlite3.connect(path)
+    conn.execute("UPDATE items SET state = 'failed'")
+    conn.commit()
+    conn.close()
+    verify = cli("verify", str(path))
+    assert verify.returncode == 1
+    assert "terminal_events_disagree: item 1" in verify.stdout
+    assert json.loads(cli("verify", str(path), "--json").stdout)["problems"][0]["item_id"] == 1
+
+
+def test_cli_refuses_files_it_must_not_touch(tmp_path: pathlib.Path) -> None:
+    missing = cli("stats", str(tmp_path / "missing.db"))
+    assert missing.returncode == 2 and "no such file" in missing.stderr
+    assert not (tmp_path / "missing.db").exists()  # not created by looking at it
+    foreign = tmp_path / "other.db"
+    conn = sqlite3.connect(foreign)
+    conn.execute("CREATE TABLE invoices (id INTEGER)")
+    conn.commit()
+    conn.close()
+    not_ours = cli("verify", str(foreign))
+    assert not_ours.returncode == 2 and "not an asyncplane store" in not_ours.stderr
+    newer = tmp_path / "newer.db"
+
+    async def make() -> None:
+        async with ControlStore(newer) as store:
+            await store.projects()
+
+    asyncio.run(make())
+    conn = sqlite3.connect(newer)
+    conn.execute(f"PRAGMA user_version = {sql.SCHEMA_VERSION + 1}")
+    conn.commit()
+    conn.close()
+    too_new = cli("stats", str(newer), "--json")
+    assert too_new.returncode == 2 and "upgrade asyncplane" in too_new.stderr
+    unknown = cli("events", str(newer.with_name("missing2.db")), "3")
+    assert unknown.returncode == 2
+    bad_usage = cli("purge", str(newer), "--retention", "soon")
+    assert bad_usage.returncode == 2 and "not a duration" in bad_usage.stderr
