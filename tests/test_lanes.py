@@ -630,3 +630,41 @@ async def test_next_due_and_counts_follow_the_claim_filters(
     await lanes.enqueue("alpha", task("q"), dedup=False, not_before=clock.now() + 1)
     clock.advance(5)
     assert await lanes.next_due(project_id="alpha") == clock.datetime() + dt.timedelta(seconds=45)
+
+
+async def test_skipped_twins_do_not_push_later_items_out_of_a_batch(
+    lanes: ControlStore, clock: ManualClock
+) -> None:
+    # Twins in the due arm: the second is skipped, and the arm's next item still comes.
+    d1 = await lanes.enqueue("alpha", {}, priority=1, fingerprint="x", dedup=False,
+                             not_before=clock.now() + 10)  # fmt: skip
+    await lanes.enqueue("alpha", {}, priority=1, fingerprint="x", dedup=False,
+                        not_before=clock.now() + 10)  # fmt: skip
+    d3 = await lanes.enqueue("alpha", {}, priority=1, not_before=clock.now() + 10)
+    await lanes.enqueue("alpha", {}, priority=0)
+    clock.advance(10)
+    assert [c.item_id for c in await lanes.claim_batch("w", 2)] == [d1, d3]
+
+
+async def test_ready_twins_do_not_push_later_items_out_of_a_batch(
+    lanes: ControlStore, clock: ManualClock
+) -> None:
+    r1 = await lanes.enqueue("alpha", {}, priority=1, fingerprint="x", dedup=False)
+    await lanes.enqueue("alpha", {}, priority=1, fingerprint="x", dedup=False)
+    r3 = await lanes.enqueue("alpha", {}, priority=1)
+    await lanes.enqueue("alpha", {}, priority=0, not_before=clock.now() + 1)
+    clock.advance(1)
+    assert [c.item_id for c in await lanes.claim_batch("w", 2)] == [r1, r3]
+
+
+async def test_failing_an_exhausted_lapse_does_not_hide_the_next_takeover(
+    lanes: ControlStore, clock: ManualClock
+) -> None:
+    x = await lanes.enqueue("alpha", {}, priority=2, max_attempts=1)
+    y = await lanes.enqueue("alpha", {}, priority=1)
+    assert [c.item_id for c in await lanes.claim_batch("w", 2)] == [x, y]
+    await lanes.enqueue("alpha", {}, priority=0)
+    clock.advance(61)
+    taken = await lanes.claim("w2")  # x fails (no attempt left); y is the next in order
+    assert taken is not None and taken.item_id == y
+    assert (await lanes.item(x))["state"] == "failed"

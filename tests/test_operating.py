@@ -431,3 +431,92 @@ def test_cli_refuses_files_it_must_not_touch(tmp_path: pathlib.Path) -> None:
     assert unknown.returncode == 2
     bad_usage = cli("purge", str(newer), "--retention", "soon")
     assert bad_usage.returncode == 2 and "not a duration" in bad_usage.stderr
+
+
+# --- hardening -----------------------------------------------------------------------------
+
+
+async def test_a_torn_archive_line_does_not_swallow_the_next(
+    store: ControlStore, clock: ManualClock
+) -> None:
+    await settle(store, "alpha", 2)
+    clock.advance(10)
+    archive = store.path.with_name(store.path.name + ".archive.jsonl")
+    archive.write_text('{"archived_at": "2026-01-01", "item": {"item_id": 99')  # torn, no \n
+    await store.purge(0)
+    lines = archive.read_text().splitlines()
+    assert lines[0].endswith('"item_id": 99')  # the torn line stays a line of its own ...
+    assert [json.loads(line)["item"]["item_id"] for line in lines[1:]] == [1, 2]  # ... apart
+
+
+async def test_an_unwritable_archive_does_not_stop_the_drain(
+    asyncplane_store_factory: Any,
+    tmp_path: pathlib.Path,
+    caplog: pytest.LogCaptureFixture,
+    clock: ManualClock,
+) -> None:
+    store: ControlStore = await asyncplane_store_factory(
+        retention=0, archive_path=tmp_path / "no-such-dir" / "archive.jsonl"
+    )
+    await store.create_project("p", "P")
+    await settle(store, "p", 2)
+    await store.enqueue("p", {})
+    clock.advance(1)  # the settled two are older than the retention
+
+    async def done(batch: list[ClaimedItem]) -> list[Outcome]:
+        return [Done() for _ in batch]
+
+    summary = await drain(store, done, empty_rounds=1)
+    assert (summary.done, summary.purged) == (1, 0)
+    assert (await store.counts())["done"] == 3  # nothing deleted without its archive
+    assert "purge skipped" in caplog.text
+
+
+async def test_a_read_only_store_reads_and_writes_nothing(tmp_path: pathlib.Path) -> None:
+    from asyncplane import ReadOnlyStore, SchemaVersionError
+
+    path = tmp_path / "ro.db"
+    async with ControlStore(path) as store:
+        await store.create_project("p", "P")
+        await settle(store, "p", 1)
+    copy = tmp_path / "copy.db"
+    conn = sqlite3.connect(path)
+    conn.execute("VACUUM INTO ?", (str(copy),))  # a rollback-journal copy, as backups are
+    conn.close()
+    async with ControlStore(copy, read_only=True) as store:
+        assert (await store.counts())["done"] == 1
+        assert await verify_ledger(store) == []
+        with pytest.raises(ReadOnlyStore):
+            await store.enqueue("p", {})
+    conn = sqlite3.connect(copy)
+    assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "delete"  # left as it was
+    conn.execute("PRAGMA user_version = 1")
+    conn.commit()
+    conn.close()
+    with pytest.raises(SchemaVersionError, match="needs migrating"):
+        await ControlStore(copy, read_only=True).open()
+
+
+def test_cli_looking_writes_nothing_and_failures_exit_3(tmp_path: pathlib.Path) -> None:
+    path = tmp_path / "look.db"
+
+    async def seed() -> None:
+        async with ControlStore(path) as store:
+            await store.create_project("p", "P")
+            await settle(store, "p", 1)
+
+    asyncio.run(seed())
+    copy = tmp_path / "copy.db"
+    conn = sqlite3.connect(path)
+    conn.execute("VACUUM INTO ?", (str(copy),))
+    conn.close()
+    before = copy.read_bytes()
+    for verb in (("stats",), ("verify",), ("events",)):
+        args = [*verb, str(copy)] + (["1"] if verb == ("events",) else [])
+        done = cli(*args)
+        assert done.returncode == 0, done.stderr
+    assert copy.read_bytes() == before  # not switched to WAL, not touched at all
+    events = json.loads(cli("events", str(copy), "1", "--json").stdout)["events"]
+    assert "T" in events[0]["at"]  # ISO 8601 times in JSON
+    failed = cli("purge", str(path), "--retention", "0s", "--archive", str(tmp_path / "x" / "a"))
+    assert failed.returncode == 3 and "failed" in failed.stderr

@@ -21,10 +21,9 @@ What the model knows (see _sqlite.py and _sqlite_sql.py for the store's side):
   ``claimed`` items whose lease has lapsed, in open projects (and the actor's, and the
   project asked for), never an item with a fingerprint while a twin (same project, same
   fingerprint) is running (claimed, or offloaded), and at most one item per (project,
-  fingerprint) per batch. A
-  lapsed claim with no attempt left fails (lease_expired, failed) instead of moving on;
-  a takeover records lease_expired at the old fence and owner. A claim raises fence and
-  attempts by one.
+  fingerprint) per batch. A lapsed claim with no attempt left fails (lease_expired,
+  failed) instead of moving on; a takeover records lease_expired at the old fence and
+  owner. A claim raises fence and attempts by one.
 * renew needs a claimed item at its fence; finish and retry a claimed or offloaded one;
   park and offload a claimed one. Otherwise ScopeDenied (actor not assigned, or no such
   item for an actor), UnknownItem (no such item, control plane) or FenceRejected, in
@@ -36,13 +35,14 @@ What the model knows (see _sqlite.py and _sqlite_sql.py for the store's side):
   the jitter mirrored from a seeded rng) or fails when attempts are spent; park defers
   and gives the attempt back; offload sets the item aside under a handle, until finish
   or retry settles it (which forgets the handle).
-* dedup_pending_against_done backfills missing fingerprints (with an identity) and
-  settles pending dedup items whose twin is done, from the oldest done twin.
-* next_due() is the earliest due_at or lease end in an open project.
+* dedup_pending_against_done backfills missing fingerprints (with an identity; items
+  enqueued by an older store without one, or before an upgrade) and settles pending
+  dedup items whose twin is done, from the oldest done twin, in chunk-sized steps.
+* next_due() is the earliest due_at of a deferred item or lease end of a claimed one
+  among those a claim could take then (open project, no running twin; the project or
+  actor asked for); counts() counts states, of the whole store or a project or actor.
 * Scope is assignment only: project status limits claims, never reads or settlements.
 
-One known store bug is mirrored by the model (see KNOWN_BUG_ARM_WINDOWS below); set it
-to False to see the machine find the bug.
 """
 
 from __future__ import annotations
@@ -61,6 +61,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import (
     Bundle,
     RuleBasedStateMachine,
+    consumes,
     initialize,
     invariant,
     multiple,
@@ -82,6 +83,7 @@ from asyncplane import (
     fingerprint,
     verify_ledger,
 )
+from asyncplane._models import ITEM_STATES
 from asyncplane.testing import DEFAULT_START, ManualClock
 
 T = TypeVar("T")
@@ -94,11 +96,6 @@ JITTER_SEED = 4
 IDENTITY = ("task",)
 T0 = DEFAULT_START.timestamp()
 
-# A known store bug: each of the lapsed and due arms contributes only its first ``limit``
-# rows to a claim (the lapsed window counts the rows failed as exhausted; the ready arm
-# pages on only while the batch is short), so an item skipped as a batch twin, or failed
-# as exhausted, crowds out the next item of its arm and a later item is claimed instead.
-KNOWN_BUG_ARM_WINDOWS = True
 
 PROJECTS = ("p1", "p2", "p3")
 ACTORS = ("a1", "a2")
@@ -106,11 +103,15 @@ OWNERS = ("w1", "w2", "w3")
 HANDLES = ("h1", "h2")
 
 project_ids = st.sampled_from(PROJECTS)
+# Enqueues go mostly to the project every example starts with, so claims find work.
+enqueue_projects = st.sampled_from(("p1", "p1", "p1", "p2", "p3"))
 maybe_project = st.sampled_from((None, None, "p1", "p2"))
 statuses = st.sampled_from(("open", "open", "paused", "closed"))
 actors = st.sampled_from(ACTORS)
 # The control plane (None) half the time, an actor the other half.
 maybe_actor = st.sampled_from((None, None, "a1", "a2"))
+# Settlements mostly by the control plane: an actor's are refused unless it is assigned.
+settling_actor = st.sampled_from((None, None, None, "a1", "a2"))
 owners = st.sampled_from(OWNERS)
 # None means the store's default lease (LEASE seconds).
 leases = st.sampled_from((None, None, 5, 60))
@@ -128,6 +129,9 @@ park_delays = st.sampled_from((0, 5, 40))
 handles = st.sampled_from(HANDLES)
 limits = st.integers(min_value=1, max_value=4)
 outcomes = st.sampled_from(("renew", "done", "failed", "retry", "park", "offload"))
+work_outcomes = st.sampled_from(
+    ("done", "done", "failed", "retry", "park", "offload", "keep", "keep")
+)
 # How long a worker waits before it claims, renews or settles (past LEASE, its own lease
 # has lapsed and earlier claims can be taken over).
 waits = st.sampled_from((0, 0, 0, 10, 30, 45))
@@ -144,6 +148,7 @@ class JobSpec:
     task: str | None = None  # the identity payload key: a derived fingerprint
     max_attempts: int | None = None
     not_before: float | None = None
+    dedup: bool = True  # for enqueue() one job at a time (enqueue_many has one for all)
 
 
 job_specs = st.builds(
@@ -151,10 +156,11 @@ job_specs = st.builds(
     priority=st.integers(min_value=-1, max_value=2),
     service_class=st.sampled_from(("standard", "standard", "realtime")),
     sla=st.sampled_from((None, None, 100.0, 200.0)),
-    fingerprint=st.sampled_from((None, None, "fa", "fb")),
-    task=st.sampled_from((None, None, "t1", "t2")),
-    max_attempts=st.sampled_from((None, None, 1, 2, 3)),
+    fingerprint=st.sampled_from((None, "fa", "fa", "fb")),
+    task=st.sampled_from((None, "t1", "t1", "t2")),
+    max_attempts=st.sampled_from((None, 1, 1, 2, 3)),
     not_before=st.sampled_from((None, None, None, -5.0, 0.0, 10.0, 45.0)),
+    dedup=st.booleans(),
 )
 job_lists = st.lists(job_specs, min_size=1, max_size=3)
 
@@ -230,6 +236,7 @@ class StoreMachine(RuleBasedStateMachine):
         self.jitter = random.Random(JITTER_SEED)
         self.identity = False
         self.store = self.new_store()
+        self.legacy: ControlStore | None = None  # an older enqueuer (see legacy_enqueue)
         self.projects: dict[str, str] = {}
         self.assignments: set[tuple[str, str]] = set()
         self.model_items: dict[int, ModelItem] = {}
@@ -249,6 +256,8 @@ class StoreMachine(RuleBasedStateMachine):
     def teardown(self) -> None:
         try:
             self.loop.run_until_complete(self.store.close())
+            if self.legacy is not None:
+                self.loop.run_until_complete(self.legacy.close())
         finally:
             try:
                 self.loop.run_until_complete(self.loop.shutdown_asyncgens())
@@ -305,8 +314,8 @@ class StoreMachine(RuleBasedStateMachine):
             item = self.model_items[item_id]
             assert (error.current_fence, error.state) == (item.fence, item.state)
 
-    def derived_fingerprint(self, payload: dict[str, Any]) -> str | None:
-        if not self.identity or "task" not in payload:
+    def derived_fingerprint(self, payload: dict[str, Any], identity: bool) -> str | None:
+        if not identity or "task" not in payload:
             return None
         return fingerprint(payload["task"])
 
@@ -430,9 +439,9 @@ class StoreMachine(RuleBasedStateMachine):
 
     @rule(
         target=items,
-        project=project_ids,
+        project=enqueue_projects,
         jobs=job_lists,
-        dedup=st.sampled_from((True, True, False)),
+        dedup=st.booleans(),
         many=st.booleans(),
     )
     def enqueue(self, project: str, jobs: list[JobSpec], dedup: bool, many: bool) -> Any:
@@ -443,7 +452,7 @@ class StoreMachine(RuleBasedStateMachine):
         project=project_ids,
         actor=actors,
         jobs=job_lists,
-        dedup=st.sampled_from((True, True, False)),
+        dedup=st.booleans(),
         many=st.booleans(),
     )
     def enqueue_as_actor(
@@ -451,10 +460,89 @@ class StoreMachine(RuleBasedStateMachine):
     ) -> Any:
         return self.do_enqueue(project, actor, jobs, dedup, many)
 
-    def do_enqueue(
-        self, project: str, actor: str | None, specs: list[JobSpec], dedup: bool, many: bool
+    def rerunnable(self) -> list[ModelItem]:
+        return [
+            item
+            for item in self.model_items.values()
+            if item.state in ("ready", "deferred") and item.dedup and item.fingerprint
+        ]
+
+    @precondition(lambda self: self.rerunnable())
+    @rule(
+        target=items,
+        newest=st.booleans(),
+        realtime=st.booleans(),
+        not_before=st.sampled_from((None, None, 10.0)),
+        run_now=st.booleans(),
+        result=results,
+    )
+    def rerun(
+        self, newest: bool, realtime: bool, not_before: float | None, run_now: bool, result: Any
     ) -> Any:
-        """enqueue() once per job, or one enqueue_many() of them all."""
+        """Enqueue the work of a pending item again, urgently and independently (dedup
+        False, same fingerprint, one priority up): it runs ahead of its twin, and when it
+        is done its result settles the twin (which was enqueued with dedup). With
+        ``run_now`` a worker claims from that project at once and finishes it done."""
+        pending = self.rerunnable()
+        item = pending[-1] if newest else pending[0]
+        spec = JobSpec(
+            priority=item.priority + 1,
+            service_class="realtime" if realtime else "standard",
+            fingerprint=item.fingerprint,
+            not_before=not_before,
+            dedup=False,
+        )
+        new = self.do_enqueue(item.project_id, None, [spec], dedup=False, many=False)
+        if run_now:
+            for ticket in self.do_claim("w1", None, None, 0, item.project_id, None).values:
+                self.do_finish(*ticket, "done", None, result, None)
+        return new
+
+    @rule(
+        target=items,
+        project=enqueue_projects,
+        jobs=job_lists,
+        many=st.booleans(),
+        repeat_done=st.sampled_from((True, True, False)),
+        preflight=st.booleans(),
+    )
+    def legacy_enqueue(
+        self, project: str, jobs: list[JobSpec], many: bool, repeat_done: bool, preflight: bool
+    ) -> Any:
+        """An older enqueuer (a second store on the file, without the identity) adds items:
+        those with a "task" and no explicit fingerprint get none, until the preflight of
+        the machine's store backfills it and settles them if a twin is done (at once,
+        with ``preflight``). With ``repeat_done`` the jobs repeat the task of a done item
+        of the project, if there is one. (The machine's store is upgraded to one with the
+        identity first, if it has none.)"""
+        self.upgrade()
+        if self.legacy is None:
+            self.legacy = ControlStore(self.path, lease_seconds=LEASE, clock=self.clock)
+        done_tasks = [
+            item.payload["task"]
+            for item in self.model_items.values()
+            if item.state == "done" and item.project_id == project and "task" in item.payload
+        ]
+        if repeat_done and done_tasks:
+            jobs = [dataclasses.replace(job, task=done_tasks[0], fingerprint=None) for job in jobs]
+        new = self.do_enqueue(project, None, jobs, True, many, store=self.legacy)
+        if preflight:
+            self.dedup_pending_against_done(500)
+        return new
+
+    def do_enqueue(
+        self,
+        project: str,
+        actor: str | None,
+        specs: list[JobSpec],
+        dedup: bool,
+        many: bool,
+        store: ControlStore | None = None,
+    ) -> Any:
+        """enqueue() once per job (each with its own dedup), or one enqueue_many() of them
+        all (with ``dedup``); on the machine's store, or on ``store`` (without identity)."""
+        identity = self.identity if store is None else False
+        store = self.store if store is None else store
         refusal: type[AsyncplaneError] | None
         if actor is None:
             refusal = None if project in self.projects else UnknownProject
@@ -483,13 +571,15 @@ class StoreMachine(RuleBasedStateMachine):
                     not_before=None if spec.not_before is None else now + spec.not_before,
                 )
             )
-        calls = [jobs] if many else [[job] for job in jobs]
+        calls = (
+            [(jobs, dedup)] if many else [([j], s.dedup) for j, s in zip(jobs, specs, strict=True)]
+        )
         new_ids: list[int] = []
-        for call in calls:
+        for call, dedup in calls:
             what = f"enqueue{'_many' if many else ''}({project!r}, actor={actor}, dedup={dedup})"
             if many:
                 got, error = self.attempt(
-                    self.store.enqueue_many(
+                    store.enqueue_many(
                         project,
                         [job if job != Job(job.payload) else job.payload for job in call],
                         dedup=dedup,
@@ -499,7 +589,7 @@ class StoreMachine(RuleBasedStateMachine):
             else:
                 (job,) = call
                 one, error = self.attempt(
-                    self.store.enqueue(
+                    store.enqueue(
                         project,
                         job.payload,
                         priority=job.priority,
@@ -516,13 +606,13 @@ class StoreMachine(RuleBasedStateMachine):
             self.check_error(error, refusal, what)
             if refusal is not None:
                 return multiple()
-            expected, created = self.model_enqueue(project, actor, call, dedup)
+            expected, created = self.model_enqueue(project, actor, call, dedup, identity)
             assert got == expected, f"{what}: expected ids {expected}, the store gave {got}"
             new_ids.extend(created)
         return multiple(*new_ids)
 
     def model_enqueue(
-        self, project: str, actor: str | None, jobs: list[Job], dedup: bool
+        self, project: str, actor: str | None, jobs: list[Job], dedup: bool, identity: bool
     ) -> tuple[list[int], list[int]]:
         """One enqueue transaction in the model: (the ids it returns, the ids it created)."""
         now = self.clock.now()
@@ -533,7 +623,7 @@ class StoreMachine(RuleBasedStateMachine):
         for job in jobs:
             fp = job.fingerprint
             if fp is None:
-                fp = self.derived_fingerprint(job.payload)
+                fp = self.derived_fingerprint(job.payload, identity)
             if dedup and fp is not None:
                 if fp in first_of:
                     ids.append(first_of[fp])
@@ -641,10 +731,9 @@ class StoreMachine(RuleBasedStateMachine):
             )
         self.check_error(error, None, "claim")
         assert got is not None
-        # First the lapsed arm's first ``limit`` rows: those with no attempt left fail.
+        # First the lapsed items with no attempt left fail, up to max(limit, 16) of them.
         lapsed = self.arm("claimed", actor, project, now)
-        window = lapsed[:limit]
-        exhausted = [item for item in window if item.exhausted()]
+        exhausted = [item for item in lapsed if item.exhausted()][: max(limit, 16)]
         for item in exhausted:
             assert item.max_attempts is not None
             message = (
@@ -658,17 +747,12 @@ class StoreMachine(RuleBasedStateMachine):
             item.error = message
             item.updated_at = now
         # Then every claimable item, in claim order, one per (project, fingerprint).
-        if KNOWN_BUG_ARM_WINDOWS:
-            chosen = self.windowed_choice(
-                [item for item in window if item not in exhausted], actor, project, now, limit
-            )
-        else:
-            candidates = [
-                item for item in self.arm("claimed", actor, project, now) if not item.exhausted()
-            ]
-            candidates += self.arm("deferred", actor, project, now)
-            candidates += self.arm("ready", actor, project, now)
-            chosen = pick_batch(by_claim_order(candidates), limit)
+        candidates = [
+            item for item in self.arm("claimed", actor, project, now) if not item.exhausted()
+        ]
+        candidates += self.arm("deferred", actor, project, now)
+        candidates += self.arm("ready", actor, project, now)
+        chosen = pick_batch(by_claim_order(candidates), limit)
         expected_ids = [item.item_id for item in chosen]
         got_ids = [claim.item_id for claim in got]
         assert got_ids == expected_ids, (
@@ -692,25 +776,51 @@ class StoreMachine(RuleBasedStateMachine):
             tickets.append((item.item_id, item.fence))
         return multiple(*tickets)
 
-    def windowed_choice(
+    @rule(
+        target=tickets,
+        owner=owners,
+        limit=limits,
+        project=maybe_project,
+        plan=st.lists(work_outcomes, min_size=4, max_size=4),
+        result=results,
+        error=errors,
+        wait=waits,
+    )
+    def claim_and_work(
         self,
-        lapsed: list[ModelItem],
-        actor: str | None,
-        project: str | None,
-        now: float,
+        owner: str,
         limit: int,
-    ) -> list[ModelItem]:
-        """The store's merge (KNOWN_BUG_ARM_WINDOWS): the lapsed arm's window, the due
-        arm's first ``limit`` rows, and the ready arm ``limit`` rows at a time while the
-        batch is short and the arm is not exhausted."""
-        candidates = lapsed + self.arm("deferred", actor, project, now)[:limit]
-        ready = self.arm("ready", actor, project, now)
-        fetched = limit
-        while True:
-            chosen = pick_batch(by_claim_order(candidates + ready[:fetched]), limit)
-            if len(chosen) == limit or len(ready) < fetched:
-                return chosen
-            fetched += limit
+        project: str | None,
+        plan: list[str],
+        result: Any,
+        error: str | None,
+        wait: float,
+    ) -> Any:
+        """A worker claims a batch and settles each item at once, as ``plan`` says (keep:
+        not yet; the ticket stays for later). Reaches deep histories in few steps."""
+        kept = []
+        for (item_id, fence), outcome in zip(
+            self.do_claim(owner, None, None, wait, project, limit).values, plan, strict=False
+        ):
+            if outcome == "done":
+                self.do_finish(item_id, fence, "done", None, result, None)
+            elif outcome == "failed":
+                self.do_finish(item_id, fence, "failed", None, None, error)
+            elif outcome == "retry":
+                self.do_retry(item_id, fence, None, error, None)
+            elif outcome == "park":
+                self.do_park(item_id, fence, None, 5)
+            elif outcome == "offload":
+                self.do_offload(item_id, fence, None, HANDLES[0])
+            kept.extend(self.live((item_id, fence)).values)
+        return multiple(*kept)
+
+    @rule(owner=owners, limit=limits, project=maybe_project)
+    def worker_crash(self, owner: str, limit: int, project: str | None) -> None:
+        """A worker claims a batch and dies with it: its leases lapse (the next claims
+        take the items over, or fail those with no attempt left)."""
+        self.do_claim(owner, None, None, 0, project, limit)
+        self.clock.advance(LEASE)
 
     # --- settlements -------------------------------------------------------------------
 
@@ -870,7 +980,7 @@ class StoreMachine(RuleBasedStateMachine):
             detail = {"handle": handle}
             item.events.append(("offloaded", fence, item.owner, actor, detail, as_datetime(now)))
 
-    @rule(ticket=tickets, actor=maybe_actor, lease=leases, wait=waits)
+    @rule(ticket=tickets, actor=settling_actor, lease=leases, wait=waits)
     def renew(
         self, ticket: tuple[int, int], actor: str | None, lease: float | None, wait: float
     ) -> None:
@@ -878,13 +988,24 @@ class StoreMachine(RuleBasedStateMachine):
         self.clock.advance(wait)
         self.do_renew(*ticket, actor, lease)
 
+    # A settlement uses its ticket up; the ticket goes back to the bundle while it is still
+    # good for another call (the call was refused, or the item was offloaded), so stale
+    # tickets are tried once and live ones are not wasted.
+
+    def live(self, ticket: tuple[int, int]) -> Any:
+        item = self.model_items[ticket[0]]
+        if item.state in ("claimed", "offloaded") and item.fence == ticket[1]:
+            return multiple(ticket)
+        return multiple()
+
     @rule(
-        ticket=tickets,
+        target=tickets,
+        ticket=consumes(tickets),
         status=finish_statuses,
         result=results,
         error=errors,
         mismatch=st.sampled_from((False, False, False, True)),
-        actor=maybe_actor,
+        actor=settling_actor,
         wait=waits,
     )
     def finish(
@@ -896,7 +1017,7 @@ class StoreMachine(RuleBasedStateMachine):
         mismatch: bool,
         actor: str | None,
         wait: float,
-    ) -> None:
+    ) -> Any:
         """A worker reports, after a while, with the fence its claim gave it: done with a
         result, failed with an error (with ``mismatch``, also the other one: refused)."""
         self.clock.advance(wait)
@@ -904,8 +1025,16 @@ class StoreMachine(RuleBasedStateMachine):
             self.do_finish(*ticket, status, actor, result, "wrong" if mismatch else None)
         else:
             self.do_finish(*ticket, status, actor, "wrong" if mismatch else None, error)
+        return self.live(ticket)
 
-    @rule(ticket=tickets, error=errors, delay=retry_delays, actor=maybe_actor, wait=waits)
+    @rule(
+        target=tickets,
+        ticket=consumes(tickets),
+        error=errors,
+        delay=retry_delays,
+        actor=settling_actor,
+        wait=waits,
+    )
     def retry(
         self,
         ticket: tuple[int, int],
@@ -913,22 +1042,37 @@ class StoreMachine(RuleBasedStateMachine):
         delay: float | None,
         actor: str | None,
         wait: float,
-    ) -> None:
+    ) -> Any:
         """A worker reports a transient failure, after a while."""
         self.clock.advance(wait)
         self.do_retry(*ticket, actor, error, delay)
+        return self.live(ticket)
 
-    @rule(ticket=tickets, delay=park_delays, actor=maybe_actor, wait=waits)
-    def park(self, ticket: tuple[int, int], delay: float, actor: str | None, wait: float) -> None:
+    @rule(
+        target=tickets,
+        ticket=consumes(tickets),
+        delay=park_delays,
+        actor=settling_actor,
+        wait=waits,
+    )
+    def park(self, ticket: tuple[int, int], delay: float, actor: str | None, wait: float) -> Any:
         """A worker had no capacity for its item: it sets it aside."""
         self.clock.advance(wait)
         self.do_park(*ticket, actor, delay)
+        return self.live(ticket)
 
-    @rule(ticket=tickets, handle=handles, actor=maybe_actor, wait=waits)
-    def offload(self, ticket: tuple[int, int], handle: str, actor: str | None, wait: float) -> None:
-        """A worker hands its item to an external batch (settled later with its ticket)."""
+    @rule(
+        target=tickets,
+        ticket=consumes(tickets),
+        handle=handles,
+        actor=settling_actor,
+        wait=waits,
+    )
+    def offload(self, ticket: tuple[int, int], handle: str, actor: str | None, wait: float) -> Any:
+        """A worker hands its item to an external batch, to settle later with the ticket."""
         self.clock.advance(wait)
         self.do_offload(*ticket, actor, handle)
+        return self.live(ticket)
 
     @rule(item_id=items, offset=fence_offsets, outcome=outcomes, actor=maybe_actor)
     def report_any_fence(self, item_id: int, offset: int, outcome: str, actor: str | None) -> None:
@@ -950,7 +1094,22 @@ class StoreMachine(RuleBasedStateMachine):
         else:
             self.do_offload(item_id, fence, actor, HANDLES[0])
 
-    @rule(chunk=st.sampled_from((1, 2, 500)))
+    @rule(chunk=st.sampled_from((1, 2, 500)), upgrade=st.booleans())
+    def preflight(self, chunk: int, upgrade: bool) -> None:
+        """The preflight, on the machine's store, or (``upgrade``) first on a new one that
+        knows the identity, as after an upgrade: it backfills the fingerprints of items
+        enqueued without one, then settles their pending twins from the done ones."""
+        if upgrade:
+            self.upgrade()
+        self.dedup_pending_against_done(chunk)
+
+    def upgrade(self) -> None:
+        """Replace a store without the identity by one with it, on the same file."""
+        if not self.identity:
+            self.run(self.store.close())
+            self.identity = True
+            self.store = self.new_store()
+
     def dedup_pending_against_done(self, chunk: int) -> None:
         """The preflight: backfill fingerprints (with an identity), settle pending twins."""
         now = self.clock.now()
@@ -958,12 +1117,20 @@ class StoreMachine(RuleBasedStateMachine):
         count, error = self.attempt(self.store.dedup_pending_against_done(chunk=chunk))
         self.check_error(error, None, "dedup_pending_against_done")
         ordered = [self.model_items[i] for i in sorted(self.model_items)]
-        if self.identity:
-            for item in ordered:
-                if item.fingerprint is None:
-                    item.fingerprint = self.derived_fingerprint(item.payload)
         settled = 0
-        while True:  # chunk by chunk: each chunk's done twins are those before it
+        after = 0  # how far the backfill has looked
+        while True:
+            # One step: with an identity, look at the next ``chunk`` items without a
+            # fingerprint (in any state) and give them one if their payload has the key;
+            # then settle up to ``chunk`` pending twins, each from the oldest done twin
+            # (the done twins as they were when the step began).
+            seen = 0
+            if self.identity:
+                missing = [i for i in ordered if i.fingerprint is None and i.item_id > after]
+                for item in missing[:chunk]:
+                    item.fingerprint = self.derived_fingerprint(item.payload, True)
+                    after = item.item_id
+                    seen += 1
             batch = [
                 (item, self.done_twins(item))
                 for item in ordered
@@ -980,7 +1147,7 @@ class StoreMachine(RuleBasedStateMachine):
                 settled_by = {"deduplicated_from": source.item_id}
                 item.events.append(("done", item.fence, None, None, settled_by, at))
             settled += len(batch)
-            if len(batch) < chunk:
+            if seen < chunk and len(batch) < chunk:
                 break
         assert count == settled, f"preflight settled {count}, the model expected {settled}"
 
@@ -1005,6 +1172,36 @@ class StoreMachine(RuleBasedStateMachine):
         else:
             self.check_error(row_error, ScopeDenied, "scoped item()")
             self.check_error(events_error, ScopeDenied, "scoped events()")
+
+    def in_scope(self, item: ModelItem, project: str | None, actor: str | None) -> bool:
+        return (project is None or item.project_id == project) and (
+            actor is None or self.visible(actor, item.project_id)
+        )
+
+    def expected_counts(self, project: str | None, actor: str | None) -> dict[str, int]:
+        states = [i.state for i in self.model_items.values() if self.in_scope(i, project, actor)]
+        return {state: states.count(state) for state in ITEM_STATES}
+
+    def expected_next_due(self, project: str | None, actor: str | None) -> dt.datetime | None:
+        """The earliest due_at of a deferred item, or lease end of a claimed one, among
+        the items a claim with these filters could take once that time comes."""
+        alarms = [
+            item.due_at if item.state == "deferred" else item.lease_expires_at
+            for item in self.model_items.values()
+            if item.state in ("deferred", "claimed")
+            and self.projects[item.project_id] == "open"
+            and self.in_scope(item, project, actor)
+            and self.twin_free(item)
+        ]
+        return optional_datetime(min(a for a in alarms if a is not None) if alarms else None)
+
+    @rule(project=maybe_project, actor=maybe_actor)
+    def scoped_summaries(self, project: str | None, actor: str | None) -> None:
+        """counts() and next_due() of one project, or of an actor's projects."""
+        counts = self.run(self.store.counts(project_id=project, actor_id=actor))
+        assert counts == self.expected_counts(project, actor), f"counts({project}, {actor})"
+        due = self.run(self.store.next_due(project_id=project, actor_id=actor))
+        assert due == self.expected_next_due(project, actor), f"next_due({project}, {actor})"
 
     @rule(handle=handles, actor=maybe_actor)
     def offloaded(self, handle: str, actor: str | None) -> None:
@@ -1057,8 +1254,13 @@ class StoreMachine(RuleBasedStateMachine):
     @invariant()
     def store_agrees_with_model(self) -> None:
         async def read_everything() -> Any:
-            rows = {i: await self.store.item(i) for i in self.model_items}
-            events = {i: await self.store.events(i) for i in self.model_items}
+            ids = list(self.model_items)
+            # Concurrent reads: the store serves them from its pool of read connections.
+            found = await asyncio.gather(
+                *(self.store.item(i) for i in ids), *(self.store.events(i) for i in ids)
+            )
+            rows = dict(zip(ids, found[: len(ids)], strict=True))
+            events = dict(zip(ids, found[len(ids) :], strict=True))
             projects = await self.store.projects()
             visible = {a: await self.store.visible_projects(a) for a in ACTORS}
             counts = await self.store.counts()
@@ -1076,15 +1278,8 @@ class StoreMachine(RuleBasedStateMachine):
         for actor in ACTORS:
             expected = sorted(p for a, p in self.assignments if a == actor)
             assert visible[actor] == expected, f"visible_projects({actor!r})"
-        states = [item.state for item in self.model_items.values()]
-        assert counts == {state: states.count(state) for state in counts}
-        assert sum(counts.values()) == len(states)
-        alarms = [
-            item.due_at if item.state == "deferred" else item.lease_expires_at
-            for item in self.model_items.values()
-            if item.state in ("deferred", "claimed") and self.projects[item.project_id] == "open"
-        ]
-        assert next_due == (as_datetime(min(alarms)) if alarms else None)  # type: ignore[type-var]
+        assert counts == self.expected_counts(None, None)
+        assert next_due == self.expected_next_due(None, None)
 
 
 def as_datetime(seconds: float) -> dt.datetime:
@@ -1184,8 +1379,8 @@ def event_view(event: dict[str, Any]) -> Event:
 
 TestStore = StoreMachine.TestCase
 TestStore.settings = settings(
-    max_examples=60,
-    stateful_step_count=40,
+    max_examples=150,
+    stateful_step_count=50,
     deadline=None,
     derandomize=True,
     database=None,

@@ -27,6 +27,7 @@ from asyncplane._errors import (
     InvalidType,
     NotAnAsyncplaneDatabase,
     ProjectExists,
+    ReadOnlyStore,
     SchemaVersionError,
     ScopeDenied,
     StorageError,
@@ -35,9 +36,11 @@ from asyncplane._errors import (
     UnknownProject,
 )
 from asyncplane._fingerprint import fingerprint
+from asyncplane._import import ImportSummary
 from asyncplane._ledger import LEDGER_PROBLEM_KINDS, verify_ledger
 from asyncplane._lock import DrainLock
 from asyncplane._models import ClaimedItem, Job, LedgerProblem
+from asyncplane._retention import PurgeSummary
 from asyncplane._store import ControlStore
 
 __version__ = "0.1.0"
@@ -55,6 +58,7 @@ __all__ = (
     "DrainSummary",
     "Failed",
     "FenceRejected",
+    "ImportSummary",
     "InvalidInput",
     "InvalidPayload",
     "InvalidType",
@@ -65,6 +69,8 @@ __all__ = (
     "Outcome",
     "Park",
     "ProjectExists",
+    "PurgeSummary",
+    "ReadOnlyStore",
     "Retry",
     "SchemaVersionError",
     "ScopeDenied",

@@ -23,6 +23,7 @@ __all__ = (
     "InvalidType",
     "NotAnAsyncplaneDatabase",
     "ProjectExists",
+    "ReadOnlyStore",
     "SchemaVersionError",
     "ScopeDenied",
     "StorageError",
@@ -115,6 +116,10 @@ class StoreClosed(AsyncplaneError):
     used from a second event loop while the loop that opened it is still running. A store
     that was closed normally simply opens again on its next call.
     """
+
+
+class ReadOnlyStore(AsyncplaneError):
+    """A write was asked of a store opened with ``read_only=True``; nothing was written."""
 
 
 class StorageError(AsyncplaneError):

@@ -51,7 +51,8 @@ class ImportSummary:
         source: The name the imported rows are recorded under (``<file>::<table>``).
         imported: Rows copied into the store by this run.
         already_imported: Pending rows an earlier run had copied (skipped).
-        not_pending: Source rows left behind because their state is terminal.
+        not_pending: Source rows left behind because their state is not in ``pending``
+            (terminal history, which is not copied).
         dropped: Whether the source table was dropped afterwards.
     """
 
@@ -82,6 +83,8 @@ async def import_pending(
     name = f"{source}::{table}"
     await anyio.to_thread.run_sync(_check_source, source, table, mapping)
     backend = await store._ready()
+    if project is not None and project not in {p["project_id"] for p in await store.projects()}:
+        raise _errors.UnknownProject(f"no project {project!r}")
     after: Any = None
     imported = skipped = left = 0
     while True:

@@ -15,8 +15,12 @@ generations exist. Appends and rotation happen under an exclusive lock on
 event loop never waits for the disk.
 
 Each archive line is one JSON object: ``{"archived_at": ..., "item": {...},
-"events": [...]}``, with the item and its events as `ControlStore.item` and
-`ControlStore.events` give them (times as ISO 8601 strings).
+"events": [...]}``, with the item and its events much as `ControlStore.item` and
+`ControlStore.events` give them: times as ISO 8601 strings, and without the fields that
+are always empty on a settled item (lease_expires_at, due_at, offload_handle) or that the
+line already says (each event's item_id). A purge killed while writing can leave a torn
+line; the next append ends it with a newline first, so a reader may skip lines that do not
+parse: the item on a torn line is still in the store, and is archived again later.
 """
 
 from __future__ import annotations
@@ -143,8 +147,14 @@ def _append(path: pathlib.Path, lines: list[str], max_bytes: int) -> None:
                 os.replace(path, path.with_name(path.name + ".1"))
                 created = True
         created = created or not path.exists()
-        with open(path, "a", encoding="utf-8") as archive:
-            archive.write("".join(lines))
+        with open(path, "a+b") as archive:
+            # A purge killed mid-write leaves a torn last line: end it first, so the lines
+            # written now (which may repeat that item) each parse on their own.
+            if archive.tell() > 0:
+                archive.seek(-1, os.SEEK_END)
+                if archive.read(1) != b"\n":
+                    archive.write(b"\n")
+            archive.write("".join(lines).encode("utf-8"))
             archive.flush()
             os.fsync(archive.fileno())
         if created:

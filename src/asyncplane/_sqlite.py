@@ -16,6 +16,8 @@ so every claim of an item carries a fence above every earlier claim of it.
 
 from __future__ import annotations
 
+import asyncio
+import collections
 import functools
 import json
 import pathlib
@@ -43,6 +45,7 @@ class SQLiteBackend:
         busy_timeout: float,
         max_batch: int,
         read_connections: int,
+        read_only: bool = False,
     ) -> None:
         self._path = path
         self._clock = clock
@@ -52,6 +55,8 @@ class SQLiteBackend:
         self._writer: _writer.Writer | None = None
         self._reader_count = read_connections
         self._readers: _connection.ReaderPool | None = None
+        self._read_only = read_only
+        self._keeper: asyncio.Task[None] | None = None
 
     @property
     def writer(self) -> _writer.Writer | None:
@@ -61,7 +66,13 @@ class SQLiteBackend:
     # --- lifecycle ---------------------------------------------------------------------
 
     async def open(self) -> None:
-        """Open the write connection, create or migrate the schema, start the writer."""
+        """Open the write connection, create or migrate the schema, start the writer.
+
+        Read-only: open readers only, after checking the file is a store of this schema.
+        """
+        if self._read_only:
+            await self._open_read_only()
+            return
         conn = await _connection.open_writer(
             self._path,
             synchronous=self._synchronous,
@@ -89,13 +100,39 @@ class SQLiteBackend:
         )  # fmt: skip
         self._writer.start()
 
+    async def _open_read_only(self) -> None:
+        readers = _connection.ReaderPool(
+            self._path, size=self._reader_count, busy_timeout=self._busy_timeout
+        )
+        try:
+            await readers.run(_guarded_read, _check_current_schema)
+        except BaseException:
+            await readers.close(wait=True)
+            raise
+
+        async def keep() -> None:
+            # No writer task to close the readers when the loop shuts down: this one does.
+            try:
+                await asyncio.Event().wait()
+            finally:
+                await asyncio.shield(readers.close(wait=False))
+
+        self._readers = readers
+        self._keeper = asyncio.get_running_loop().create_task(
+            keep(), name=f"asyncplane-readers[{self._path.name}]"
+        )
+
     async def close(self) -> None:
         """Serve queued writes, then close the writer and every reader."""
-        writer, readers = self._writer, self._readers
+        writer, readers, keeper = self._writer, self._readers, self._keeper
         if writer is not None:
             await writer.stop()  # its on_exit closes the readers before its connection
         if readers is not None:
             await readers.close(wait=True)  # and the busy ones close as they finish
+        if keeper is not None:
+            keeper.cancel()
+            await asyncio.gather(keeper, return_exceptions=True)
+            self._keeper = None
 
     def forget(self) -> None:
         """Stop every connection thread left behind by an event loop that has ended."""
@@ -104,8 +141,11 @@ class SQLiteBackend:
         if self._readers is not None:
             self._readers.abandon()
         self._writer = self._readers = None
+        self._keeper = None
 
     async def _write(self, op: _writer.Operation[T]) -> T:
+        if self._read_only:
+            raise _errors.ReadOnlyStore("this store was opened with read_only=True: no writes")
         if self._writer is None:
             raise _errors.StoreClosed("the store is closed")
         return await self._writer.submit(op)
@@ -375,25 +415,19 @@ def _claim_key(row: Any) -> tuple[Any, ...]:
 def _claim(op: _backend.ClaimOp, db: sqlite3.Connection, now: float) -> list[_backend.ClaimRow]:
     params: dict[str, Any] = {
         "now": now,
-        "limit": op.limit,
         "project_id": op.project_id,
         "actor_id": op.actor_id,
     }
     events: list[tuple[Any, ...]] = []
-    candidates: list[Any] = []
-    for row in db.execute(sql.CLAIM_LAPSED, params).fetchall():
-        item_id, _, fence, owner, attempts, max_attempts = row[:6]
-        if max_attempts is not None and attempts >= max_attempts:
-            # A lapsed lease spent the last attempt: the item fails instead of moving on.
-            error = f"attempts exhausted: the lease of attempt {attempts} of {max_attempts} lapsed"
-            db.execute(sql.EXHAUST_ITEM, (error, now, item_id, fence))
-            events.append((item_id, "lease_expired", fence, owner, op.actor_id, now, None))
-            detail = json.dumps({"error": error})
-            events.append((item_id, "failed", fence, owner, op.actor_id, now, detail))
-        else:
-            candidates.append(row)
-    candidates.extend(db.execute(sql.CLAIM_DUE, params).fetchall())
-    chosen = _choose(db, candidates, params, op.limit)
+    exhausted = db.execute(sql.LAPSED_EXHAUSTED, {**params, "limit": max(op.limit, 16)})
+    for item_id, fence, owner, attempts, max_attempts in exhausted.fetchall():
+        # A lapsed lease spent the last attempt: the item fails instead of moving on.
+        error = f"attempts exhausted: the lease of attempt {attempts} of {max_attempts} lapsed"
+        db.execute(sql.EXHAUST_ITEM, (error, now, item_id, fence))
+        events.append((item_id, "lease_expired", fence, owner, op.actor_id, now, None))
+        detail = json.dumps({"error": error})
+        events.append((item_id, "failed", fence, owner, op.actor_id, now, detail))
+    chosen = _choose(db, params, op.limit)
     expires = now + op.lease_seconds
     claimed: list[_backend.ClaimRow] = []
     for row in chosen:
@@ -422,31 +456,57 @@ def _claim(op: _backend.ClaimOp, db: sqlite3.Connection, now: float) -> list[_ba
     return claimed
 
 
-def _choose(
-    db: sqlite3.Connection, candidates: list[Any], params: dict[str, Any], limit: int
-) -> list[Any]:
-    """Merge the arms in claim order, one item per fingerprint, up to ``limit``."""
+class _Arm:
+    """One source of claimable items (ready, due, lapsed), read page by page in claim order."""
+
+    def __init__(
+        self, db: sqlite3.Connection, statement: str, params: dict[str, Any], page: int
+    ) -> None:
+        self._db, self._statement, self._params, self._page = db, statement, params, page
+        self._offset = 0
+        self._rows: collections.deque[Any] = collections.deque()
+        self._more = True
+
+    def head(self) -> Any | None:
+        """The arm's next row in claim order, fetching another page when needed."""
+        if not self._rows and self._more:
+            params = {**self._params, "limit": self._page, "offset": self._offset}
+            rows = self._db.execute(self._statement, params).fetchall()
+            self._offset += len(rows)
+            self._more = len(rows) == self._page
+            self._rows.extend(rows)
+        return self._rows[0] if self._rows else None
+
+    def pop(self) -> Any:
+        return self._rows.popleft()
+
+
+def _choose(db: sqlite3.Connection, params: dict[str, Any], limit: int) -> list[Any]:
+    """Merge the three arms in claim order, one item per fingerprint, up to ``limit``.
+
+    Each arm is already in claim order, so the merge takes the smallest head each time;
+    an arm reads further pages only when the items it offered were skipped as twins, so
+    a skipped item never pushes a later one out of the batch.
+    """
+    page = max(limit, 8)
+    arms = [_Arm(db, statement, params, page)
+            for statement in (sql.CLAIM_READY, sql.CLAIM_DUE, sql.CLAIM_LAPSED)]  # fmt: skip
     chosen: list[Any] = []
     fingerprints: set[tuple[str, str]] = set()
-    offset = 0
-    ready = db.execute(sql.CLAIM_READY, {**params, "offset": offset}).fetchall()
-    while True:
-        merged = sorted(candidates + ready, key=_claim_key)
-        chosen, fingerprints = [], set()
-        for row in merged:
-            if row[7] is not None:
-                twin = (row[6], row[7])
-                if twin in fingerprints:
-                    continue  # a twin waits until the one claimed now settles
-                fingerprints.add(twin)
-            chosen.append(row)
-            if len(chosen) == limit:
-                return chosen
-        if len(ready) < limit + offset:
-            return chosen  # the ready arm is exhausted too
-        # Twins crowded the head of the queue: look further down it.
-        offset += limit
-        ready = ready + db.execute(sql.CLAIM_READY, {**params, "offset": offset}).fetchall()
+    while len(chosen) < limit:
+        heads = [(arm, arm.head()) for arm in arms]
+        offered = [(_claim_key(row), index) for index, (_, row) in enumerate(heads) if row]
+        if not offered:
+            break
+        _, index = min(offered)
+        row = arms[index].pop()
+        if row[7] is not None:
+            twin = (row[6], row[7])
+            if twin in fingerprints:
+                continue  # a twin waits until the one claimed now settles
+            fingerprints.add(twin)
+        chosen.append(row)
+    return chosen
 
 
 def _renew(op: _backend.RenewOp, db: sqlite3.Connection, now: float) -> float:
@@ -644,6 +704,18 @@ def _check_header(db: sqlite3.Connection) -> tuple[int, int]:
             f"to {sql.SCHEMA_VERSION}: upgrade asyncplane to open it"
         )
     return application_id, version
+
+
+def _check_current_schema(db: sqlite3.Connection) -> None:
+    """For a read-only opening: the file must be a store of exactly this schema."""
+    _, version = _check_header(db)
+    if version == 0:
+        raise _errors.NotAnAsyncplaneDatabase("the file is empty: not an asyncplane store yet")
+    if version < sql.SCHEMA_VERSION:
+        raise _errors.SchemaVersionError(
+            f"the store has schema version {version} and needs migrating to "
+            f"{sql.SCHEMA_VERSION}: open it once without read_only"
+        )
 
 
 def _migrate(db: sqlite3.Connection) -> None:

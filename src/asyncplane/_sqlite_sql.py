@@ -208,11 +208,20 @@ ORDER BY {CLAIM_ORDER} LIMIT :limit OFFSET :offset
 CLAIM_DUE: Final = f"""
 SELECT {_CLAIM_COLUMNS} FROM items INDEXED BY items_due
 WHERE state = 'deferred' AND due_at <= :now {_CLAIMABLE}
-ORDER BY {CLAIM_ORDER} LIMIT :limit
+ORDER BY {CLAIM_ORDER} LIMIT :limit OFFSET :offset
 """
 CLAIM_LAPSED: Final = f"""
 SELECT {_CLAIM_COLUMNS} FROM items INDEXED BY items_lease
-WHERE state = 'claimed' AND lease_expires_at <= :now {_CLAIMABLE}
+WHERE state = 'claimed' AND lease_expires_at <= :now
+  AND (max_attempts IS NULL OR attempts < max_attempts) {_CLAIMABLE}
+ORDER BY {CLAIM_ORDER} LIMIT :limit OFFSET :offset
+"""
+# Lapsed claims that spent their last attempt: a claim fails them (a bounded number at a
+# time) before it looks for work, instead of handing them on.
+LAPSED_EXHAUSTED: Final = f"""
+SELECT item_id, fence, owner, attempts, max_attempts FROM items INDEXED BY items_lease
+WHERE state = 'claimed' AND lease_expires_at <= :now
+  AND max_attempts IS NOT NULL AND attempts >= max_attempts {_CLAIMABLE}
 ORDER BY {CLAIM_ORDER} LIMIT :limit
 """
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import pathlib
 import random
@@ -38,6 +39,8 @@ from asyncplane import (
 from asyncplane._models import ClaimedItem
 
 __all__ = ("ControlStore",)
+
+_log = logging.getLogger("asyncplane")
 
 
 class ControlStore:
@@ -73,6 +76,9 @@ class ControlStore:
         purge_min_interval_s: drain() purges at most this often (seconds).
         max_batch: The most requests one group commit may carry.
         read_connections: How many read-only connections reads may use at once.
+        read_only: Open for reading only: no write connection, no migration, nothing
+            written to the file; every write call raises ReadOnlyStore. The file must be
+            a store of this release's schema.
 
     Constructing a store does no I/O; it opens on first use or on ``await store.open()``.
     """
@@ -99,6 +105,7 @@ class ControlStore:
         purge_min_interval_s: float = 3600.0,
         max_batch: int = 256,
         read_connections: int = 2,
+        read_only: bool = False,
     ) -> None:
         if not isinstance(path, (str, os.PathLike)):
             raise _errors.InvalidType(f"path must be a str or PathLike, not {type(path).__name__}")
@@ -137,9 +144,7 @@ class ControlStore:
             if archive_path is None
             else _validate.absolute_path(archive_path, "archive_path")
         )
-        self._archive_max_bytes = int(
-            _validate.seconds(archive_max_mb, "archive_max_mb", 1024 * 1024) * 1024 * 1024
-        )
+        self._archive_max_bytes = _validate.megabytes(archive_max_mb, "archive_max_mb")
         self._purge_chunk = _validate.positive_int(purge_chunk, "purge_chunk")
         self._purge_min_interval = _validate.delay(purge_min_interval_s, "purge_min_interval_s")
         self._last_purge: float | None = None
@@ -150,6 +155,7 @@ class ControlStore:
             busy_timeout=self._busy_timeout,
             max_batch=_validate.positive_int(max_batch, "max_batch"),
             read_connections=_validate.positive_int(read_connections, "read_connections"),
+            read_only=_validate.boolean(read_only, "read_only"),
         )
         # Where the preflight's fingerprint backfill has got to, per scope it ran in.
         self._backfill_after: dict[tuple[str | None, str | None], int] = {}
@@ -732,14 +738,20 @@ class ControlStore:
         if self._last_purge is not None and now - self._last_purge < self._purge_min_interval:
             return 0
         self._last_purge = now
-        done = await _retention.purge(
-            self,
-            self._retention,
-            chunk=self._purge_chunk,
-            archive_path=self._archive_path,
-            archive_max_bytes=self._archive_max_bytes,
-            max_chunks=max_chunks,
-        )
+        try:
+            done = await _retention.purge(
+                self,
+                self._retention,
+                chunk=self._purge_chunk,
+                archive_path=self._archive_path,
+                archive_max_bytes=self._archive_max_bytes,
+                max_chunks=max_chunks,
+            )
+        except OSError as exc:
+            # The archive cannot be written (a missing directory, a full disk): nothing was
+            # deleted, the work goes on, and the next interval tries again.
+            _log.warning("asyncplane: purge skipped, the archive failed: %s", exc)
+            return 0
         return done.purged
 
     async def import_pending(

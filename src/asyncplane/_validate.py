@@ -36,6 +36,7 @@ __all__ = (
     "instant",
     "item_id",
     "lease_seconds",
+    "megabytes",
     "name",
     "optional_actor",
     "optional_positive_int",
@@ -318,3 +319,12 @@ def absolute_path(value: object, what: str) -> pathlib.Path:
     if not text:
         raise _errors.InvalidInput(f"{what} must not be empty")
     return pathlib.Path(os.path.abspath(text))
+
+
+def megabytes(value: object, what: str) -> int:
+    """A positive size in MiB (int or float), returned in bytes."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _errors.InvalidType(f"{what} must be a number of MiB, not {type(value).__name__}")
+    if not math.isfinite(value) or not 0 < value <= 1024 * 1024:
+        raise _errors.InvalidInput(f"{what} must be a positive number of MiB, got {value!r}")
+    return int(value * 1024 * 1024)

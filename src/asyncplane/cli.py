@@ -8,9 +8,11 @@
     asyncplane probe --store PATH --scenario ...   (see asyncplane.probe)
 
 Every verb takes ``--json`` for one JSON object on stdout. Long operations (purge, import)
-show their progress on stderr when it is a terminal. Exit status: 0 on success, 1 when
-verify finds problems, 2 for a usage error, a missing file, a file that is not an
-asyncplane store, or a store written by a newer asyncplane.
+show their progress on stderr when it is a terminal. stats, verify and events open the
+file read-only and write nothing. Exit status: 0 on success, 1 when verify finds problems,
+2 for a usage error, a missing file, a file that is not an asyncplane store, or a store
+of another schema version (stats, verify and events need the current one; purge and
+import migrate an older store), 3 when the store or the disk fails under the command.
 """
 
 from __future__ import annotations
@@ -108,6 +110,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except _Usage as problem:
         print(f"asyncplane {args.verb}: {problem}", file=sys.stderr)
         return 2
+    except (_errors.AsyncplaneError, OSError) as problem:
+        # The store or the file system failed under the command (a lock held too long, a
+        # read-only disk): say so plainly; 1 is verify's "problems found", so use 3.
+        print(f"asyncplane {args.verb}: failed: {problem}", file=sys.stderr)
+        return 3
+    except BrokenPipeError:  # pragma: no cover - output piped into `head` and cut short
+        sys.stderr.close()
+        return 0
 
 
 class _Usage(Exception):
@@ -117,7 +127,9 @@ class _Usage(Exception):
 async def _run(args: argparse.Namespace) -> int:
     if not args.db.is_file():
         raise _Usage(f"no such file: {args.db}")
-    store = _store.ControlStore(args.db)
+    # Looking (stats, verify, events) opens the file read-only: no migration, no write lock,
+    # nothing written. Only purge and import write.
+    store = _store.ControlStore(args.db, read_only=args.verb in ("stats", "verify", "events"))
     try:
         try:
             await store.open()
@@ -131,7 +143,13 @@ async def _run(args: argparse.Namespace) -> int:
 
 
 def _out(args: argparse.Namespace, data: Any, text: str) -> None:
-    print(json.dumps(data, default=str) if args.json else text)
+    print(json.dumps(data, default=_jsonable) if args.json else text)
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, dt.datetime):
+        return value.isoformat()
+    return str(value)
 
 
 def _progress(label: str) -> Callable[[int], None] | None:
@@ -205,9 +223,8 @@ async def _purge(store: _store.ControlStore, args: argparse.Namespace) -> int:
     finally:
         _end_progress()
     data = {"purged": done.purged, "chunks": done.chunks, "archive": str(done.archive_path)}
-    _out(
-        args, data, f"purged {done.purged:,} items in {done.chunks} chunks into {done.archive_path}"
-    )
+    chunks = f"{done.chunks} chunk{'' if done.chunks == 1 else 's'}"
+    _out(args, data, f"purged {done.purged:,} items in {chunks} into {done.archive_path}")
     return 0
 
 
