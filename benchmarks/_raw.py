@@ -10,10 +10,12 @@ from __future__ import annotations
 import sqlite3
 import time
 
+# The store's claim order, from the same index: a fair baseline walks it as the store does.
 CLAIM = """
 UPDATE items SET state = 'claimed', fence = fence + 1, attempts = attempts + 1,
                  owner = ?, lease_expires_at = ?, updated_at = ?
-WHERE item_id = (SELECT item_id FROM items WHERE state = 'ready' ORDER BY item_id LIMIT 1)
+WHERE item_id = (SELECT item_id FROM items INDEXED BY items_ready WHERE state = 'ready'
+                 ORDER BY priority DESC, service_class, sla IS NULL, sla, item_id LIMIT 1)
 RETURNING item_id, fence
 """
 FINISH = """

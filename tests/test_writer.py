@@ -229,3 +229,23 @@ async def test_a_broken_connection_stops_the_writer_loudly(
         await store.enqueue("alpha", {})
     assert caught.value.__cause__ is not None
     assert "asyncplane writer" in caplog.text
+
+
+async def test_claims_meeting_in_one_round_are_decided_together(store: ControlStore) -> None:
+    # Five claims that queue up behind one round run as one combined claim: distinct
+    # items, each with its own owner and fence, one item per fingerprint, in claim order.
+    for n in range(3):
+        await store.enqueue("alpha", {"n": n}, fingerprint="twin", dedup=False)
+    others = [await store.enqueue("alpha", {"n": n}) for n in range(3, 6)]
+    writer = await writer_of(store)
+    rounds = writer.rounds
+    got = await asyncio.gather(*(store.claim(owner=f"w{n}") for n in range(5)))
+    assert writer.rounds == rounds + 1
+    claimed = [c for c in got if c is not None]
+    assert [c.item_id for c in claimed] == [1, *others]  # one twin only, then the rest
+    assert [c.owner for c in claimed] == ["w0", "w1", "w2", "w3"]
+    assert got[4] is None
+    for claim in claimed:
+        events = await store.events(claim.item_id)
+        assert (events[-1]["event_type"], events[-1]["owner"]) == ("claimed", claim.owner)
+    assert await verify_ledger(store) == []

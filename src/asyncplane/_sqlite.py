@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import functools
+import itertools
 import json
 import pathlib
 import sqlite3
@@ -190,13 +191,14 @@ class SQLiteBackend:
         return await self._write(functools.partial(_enqueue, op))
 
     async def claim(self, op: _backend.ClaimOp) -> list[_backend.ClaimRow]:
-        return await self._write(functools.partial(_claim, op))
+        key = ("claim", op.lease_seconds, op.actor_id, op.project_id)
+        return await self._write(_Grouped(key, op, _claim_many))
 
     async def renew(self, op: _backend.RenewOp) -> float:
         return await self._write(functools.partial(_renew, op))
 
     async def finish(self, op: _backend.FinishOp) -> int:
-        return await self._write(functools.partial(_finish, op))
+        return await self._write(_Grouped(("finish",), op, _finish_many))
 
     async def retry(self, op: _backend.RetryOp) -> str:
         return await self._write(functools.partial(_retry, op))
@@ -413,47 +415,120 @@ def _claim_key(row: Any) -> tuple[Any, ...]:
 
 
 def _claim(op: _backend.ClaimOp, db: sqlite3.Connection, now: float) -> list[_backend.ClaimRow]:
+    return _claim_many([op], db, now)[0]
+
+
+def _claim_many(
+    ops: list[_backend.ClaimOp], db: sqlite3.Connection, now: float
+) -> list[list[_backend.ClaimRow]]:
+    """Claims that share their filters and lease (a group commit's worth), decided at once.
+
+    The candidates for all of them are chosen in one pass, in claim order (one item per
+    fingerprint across the whole group), and dealt out in request order: the first request
+    gets the first ``limit`` items, and so on. Each item is claimed for its own request's
+    owner, with its own fence and events, exactly as if the claims had run one by one.
+    """
+    first = ops[0]
     params: dict[str, Any] = {
         "now": now,
-        "project_id": op.project_id,
-        "actor_id": op.actor_id,
+        "project_id": first.project_id,
+        "actor_id": first.actor_id,
     }
+    total = sum(op.limit for op in ops)
     events: list[tuple[Any, ...]] = []
-    exhausted = db.execute(sql.LAPSED_EXHAUSTED, {**params, "limit": max(op.limit, 16)})
-    for item_id, fence, owner, attempts, max_attempts in exhausted.fetchall():
+    lapsed, due = db.execute(sql.ANY_LAPSED_OR_DUE, params).fetchone()
+    exhausted = (
+        db.execute(sql.LAPSED_EXHAUSTED, {**params, "limit": max(total, 16)}).fetchall()
+        if lapsed
+        else []
+    )
+    for item_id, fence, owner, attempts, max_attempts in exhausted:
         # A lapsed lease spent the last attempt: the item fails instead of moving on.
         error = f"attempts exhausted: the lease of attempt {attempts} of {max_attempts} lapsed"
         db.execute(sql.EXHAUST_ITEM, (error, now, item_id, fence))
-        events.append((item_id, "lease_expired", fence, owner, op.actor_id, now, None))
+        events.append((item_id, "lease_expired", fence, owner, first.actor_id, now, None))
         detail = json.dumps({"error": error})
-        events.append((item_id, "failed", fence, owner, op.actor_id, now, detail))
-    chosen = _choose(db, params, op.limit)
-    expires = now + op.lease_seconds
-    claimed: list[_backend.ClaimRow] = []
-    for row in chosen:
-        item_id, state, old_fence, old_owner = row[:4]
-        if state == "claimed":
-            # A takeover: the previous holder's lease lapsed. Record that, at its fence,
-            # before the new claim, so the history shows who lost the item and why.
-            detail = json.dumps({"taken_over_by": op.owner})
-            events.append(
-                (item_id, "lease_expired", old_fence, old_owner, op.actor_id, now, detail)
+        events.append((item_id, "failed", fence, owner, first.actor_id, now, detail))
+    if due or lapsed:
+        arms = [sql.CLAIM_READY]
+        if due:
+            arms.append(sql.CLAIM_DUE)
+        if lapsed:
+            arms.append(sql.CLAIM_LAPSED)
+        chosen = _choose(db, arms, params, total)
+    elif total == 1:  # the common claim: the head of the ready queue, nothing to merge
+        chosen = db.execute(sql.CLAIM_READY, {**params, "limit": 1, "offset": 0}).fetchall()
+    else:
+        chosen = _choose(db, [sql.CLAIM_READY], params, total)
+    results: list[list[_backend.ClaimRow]] = []
+    rows = iter(chosen)
+    for op in ops:
+        expires = now + op.lease_seconds
+        claimed: list[_backend.ClaimRow] = []
+        for row in itertools.islice(rows, op.limit):
+            item_id, state, old_fence, old_owner = row[:4]
+            if state == "claimed":
+                # A takeover: the previous holder's lease lapsed. Record that, at its
+                # fence, before the new claim, so the history shows who lost it and why.
+                detail = json.dumps({"taken_over_by": op.owner})
+                events.append(
+                    (item_id, "lease_expired", old_fence, old_owner, op.actor_id, now, detail)
+                )
+            (got,) = db.execute(sql.CLAIM_ITEM, (op.owner, expires, now, item_id)).fetchall()
+            new_id, project_id, payload, fence, attempts = got
+            # priority, service_class, sla, fingerprint and max_attempts: from the candidate.
+            extra = (row[8], row[9], row[10], row[7], row[5])
+            claimed.append(
+                _backend.ClaimRow(
+                    new_id, project_id, payload, fence, attempts, op.owner, expires, *extra
+                )
             )
-        (got,) = db.execute(sql.CLAIM_ITEM, (op.owner, expires, now, item_id)).fetchall()
-        new_id, project_id, payload, fence, attempts = got
-        # priority, service_class, sla, fingerprint and max_attempts: from the candidate.
-        extra = (row[8], row[9], row[10], row[7], row[5])
-        claimed.append(
-            _backend.ClaimRow(
-                new_id, project_id, payload, fence, attempts, op.owner, expires, *extra
-            )
-        )
-        events.append((item_id, "claimed", got[3], op.owner, op.actor_id, now, None))
+            events.append((item_id, "claimed", fence, op.owner, op.actor_id, now, None))
+        results.append(claimed)
     if len(events) == 1:
         db.execute(sql.INSERT_EVENT, events[0])
     elif events:
         db.executemany(sql.INSERT_EVENT, events)
-    return claimed
+    return results
+
+
+def _finish_many(
+    ops: list[_backend.FinishOp], db: sqlite3.Connection, now: float
+) -> list[int | _errors.AsyncplaneError]:
+    """Finishes that came together: each on its own, a refusal answered, not raised."""
+    results: list[int | _errors.AsyncplaneError] = []
+    events: list[tuple[Any, ...]] = []
+    for op in ops:
+        try:
+            results.append(_settle_finish(op, db, now, events))
+        except _errors.AsyncplaneError as exc:  # the guarded UPDATE matched nothing: unwritten
+            results.append(exc)
+    db.executemany(sql.INSERT_EVENT, events)
+    return results
+
+
+class _Grouped:
+    """A write operation that the writer may run together with its like.
+
+    Requests with the same ``group_key`` that meet in one group commit run as one call of
+    ``run_group`` (see `asyncplane._writer`), which answers for each of them.
+    """
+
+    __slots__ = ("group_key", "many", "op")
+
+    def __init__(self, group_key: tuple[Any, ...], op: Any, many: Callable[..., list[Any]]):
+        self.group_key = group_key
+        self.op = op
+        self.many = many
+
+    def __call__(self, db: sqlite3.Connection, now: float) -> Any:
+        result = self.many([self.op], db, now)[0]
+        if isinstance(result, _errors.AsyncplaneError):
+            raise result
+        return result
+
+    def run_group(self, members: list[_Grouped], db: sqlite3.Connection, now: float) -> list[Any]:
+        return self.many([member.op for member in members], db, now)
 
 
 class _Arm:
@@ -475,22 +550,23 @@ class _Arm:
             self._offset += len(rows)
             self._more = len(rows) == self._page
             self._rows.extend(rows)
+            self._page = min(self._page * 2, 1024)  # twins ahead: read further, faster
         return self._rows[0] if self._rows else None
 
     def pop(self) -> Any:
         return self._rows.popleft()
 
 
-def _choose(db: sqlite3.Connection, params: dict[str, Any], limit: int) -> list[Any]:
+def _choose(
+    db: sqlite3.Connection, statements: list[str], params: dict[str, Any], limit: int
+) -> list[Any]:
     """Merge the three arms in claim order, one item per fingerprint, up to ``limit``.
 
     Each arm is already in claim order, so the merge takes the smallest head each time;
     an arm reads further pages only when the items it offered were skipped as twins, so
     a skipped item never pushes a later one out of the batch.
     """
-    page = max(limit, 8)
-    arms = [_Arm(db, statement, params, page)
-            for statement in (sql.CLAIM_READY, sql.CLAIM_DUE, sql.CLAIM_LAPSED)]  # fmt: skip
+    arms = [_Arm(db, statement, params, limit) for statement in statements]
     chosen: list[Any] = []
     fingerprints: set[tuple[str, str]] = set()
     while len(chosen) < limit:
@@ -524,6 +600,16 @@ def _settle_params(item_id: int, fence: int, actor_id: str | None, now: float) -
 
 
 def _finish(op: _backend.FinishOp, db: sqlite3.Connection, now: float) -> int:
+    events: list[tuple[Any, ...]] = []
+    settled = _settle_finish(op, db, now, events)
+    db.executemany(sql.INSERT_EVENT, events)
+    return settled
+
+
+def _settle_finish(
+    op: _backend.FinishOp, db: sqlite3.Connection, now: float, events: list[tuple[Any, ...]]
+) -> int:
+    """Settle one finish; its events are added to ``events`` for the caller to write."""
     params = _settle_params(op.item_id, op.fence, op.actor_id, now)
     if op.status == "done":
         rows = db.execute(sql.SETTLE_DONE, {**params, "result": op.result_json}).fetchall()
@@ -533,7 +619,7 @@ def _finish(op: _backend.FinishOp, db: sqlite3.Connection, now: float) -> int:
         _refuse_fenced(db, op.item_id, op.fence, op.actor_id)
     owner, project_id, fp = rows[0][:3]
     detail = None if op.error is None else json.dumps({"error": op.error})
-    db.execute(sql.INSERT_EVENT, (op.item_id, op.status, op.fence, owner, op.actor_id, now, detail))
+    events.append((op.item_id, op.status, op.fence, owner, op.actor_id, now, detail))
     if op.status != "done" or fp is None:
         return 0
     # Settlement dedup: every pending twin in the project is done too, with this result.
@@ -543,9 +629,8 @@ def _finish(op: _backend.FinishOp, db: sqlite3.Connection, now: float) -> int:
          "fingerprint": fp, "item_id": op.item_id},
     ).fetchall()  # fmt: skip
     settled_by = json.dumps({"deduplicated_from": op.item_id})
-    db.executemany(
-        sql.INSERT_EVENT,
-        [(twin, "done", fence, None, op.actor_id, now, settled_by) for twin, fence in twins],
+    events.extend(
+        (twin, "done", fence, None, op.actor_id, now, settled_by) for twin, fence in twins
     )
     return len(twins)
 

@@ -216,6 +216,15 @@ WHERE state = 'claimed' AND lease_expires_at <= :now
   AND (max_attempts IS NULL OR attempts < max_attempts) {_CLAIMABLE}
 ORDER BY {CLAIM_ORDER} LIMIT :limit OFFSET :offset
 """
+# Whether any lease has lapsed, or any deferred item fallen due, at all: two index probes
+# that let the common claim (nothing lapsed, nothing due) skip those arms entirely.
+ANY_LAPSED_OR_DUE: Final = """
+SELECT
+    EXISTS (SELECT 1 FROM items INDEXED BY items_lease
+            WHERE state = 'claimed' AND lease_expires_at <= :now),
+    EXISTS (SELECT 1 FROM items INDEXED BY items_due
+            WHERE state = 'deferred' AND due_at <= :now)
+"""
 # Lapsed claims that spent their last attempt: a claim fails them (a bounded number at a
 # time) before it looks for work, instead of handing them on.
 LAPSED_EXHAUSTED: Final = f"""

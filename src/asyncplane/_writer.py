@@ -259,10 +259,38 @@ def _execute_round(
     loop.call_soon_threadsafe(_deliver, writer, batch, outcomes, lock_wait)
 
 
+def _units(ops: list[Operation[Any]], todo: list[int]) -> list[list[int]]:
+    """Split ``todo`` into runs to execute together: consecutive ops that share a
+    ``group_key`` form one run (a combined claim, say); every other op runs alone."""
+    units: list[list[int]] = []
+    for index in todo:
+        key = getattr(ops[index], "group_key", None)
+        if units and key is not None and getattr(ops[units[-1][0]], "group_key", None) == key:
+            units[-1].append(index)
+        else:
+            units.append([index])
+    return units
+
+
+def _run_unit(
+    ops: list[Operation[Any]], unit: list[int], db: sqlite3.Connection, now: float
+) -> list[Any]:
+    """The outcomes of one run: each a value, or a _Raised refusal that wrote nothing."""
+    if len(unit) == 1:
+        return [ops[unit[0]](db, now)]
+    group: Any = ops[unit[0]]
+    results = group.run_group([ops[index] for index in unit], db, now)
+    return [_Raised(r) if isinstance(r, _errors.AsyncplaneError) else r for r in results]
+
+
 def _transact(
     ops: list[Operation[Any]], db: sqlite3.Connection, clock: _clock.Clock
 ) -> tuple[list[Any], float]:
     """One transaction for all ops, isolating each op's failure.
+
+    Consecutive ops with the same ``group_key`` run as one (their ``run_group`` answers
+    for each, and reports a member's refusal as an error instance, having written nothing
+    for it); a failure of the whole run fails each of its members.
 
     Returns the outcomes, and the longest single wait for the write lock, in seconds.
     """
@@ -280,23 +308,27 @@ def _transact(
             return outcomes, max(lock_wait, time.perf_counter() - asked)
         lock_wait = max(lock_wait, time.perf_counter() - asked)
         now = clock.now()
-        broken: int | None = None  # position in todo of an op that spoiled the transaction
-        for position, index in enumerate(todo):
+        broken: list[int] | None = None  # the run that spoiled the transaction
+        for unit in _units(ops, todo):
             before = db.total_changes
             try:
-                outcomes[index] = ops[index](db, now)
+                for index, outcome in zip(unit, _run_unit(ops, unit, db, now), strict=True):
+                    outcomes[index] = outcome
             except _errors.AsyncplaneError as exc:
-                outcomes[index] = _Raised(exc)
+                for index in unit:
+                    outcomes[index] = _Raised(exc)
                 if db.total_changes != before:  # refused after writing: not isolated
-                    broken = position
+                    broken = unit
                     break
             except sqlite3.Error as exc:
-                outcomes[index] = _Raised(_translated(exc))
-                broken = position
+                for index in unit:
+                    outcomes[index] = _Raised(_translated(exc))
+                broken = unit
                 break
             except Exception as exc:  # a bug in an operation: report it to its caller
-                outcomes[index] = _Raised(exc)
-                broken = position
+                for index in unit:
+                    outcomes[index] = _Raised(exc)
+                broken = unit
                 break
         if broken is None:
             try:
@@ -309,10 +341,10 @@ def _transact(
                         outcomes[index] = _Raised(error)
                 return outcomes, lock_wait
             return outcomes, lock_wait
-        # Undo everything this round wrote and run the others again without the culprit.
+        # Undo everything this round wrote and run the others again without the culprits.
         _rollback(db)
-        culprit = todo[broken]
-        todo = [index for index in todo if index != culprit]
+        culprits = set(broken)
+        todo = [index for index in todo if index not in culprits]
         for index in todo:
             outcomes[index] = None
     return outcomes, lock_wait
