@@ -668,3 +668,34 @@ async def test_failing_an_exhausted_lapse_does_not_hide_the_next_takeover(
     taken = await lanes.claim("w2")  # x fails (no attempt left); y is the next in order
     assert taken is not None and taken.item_id == y
     assert (await lanes.item(x))["state"] == "failed"
+
+
+async def test_backfill_never_fingerprints_running_claims(
+    asyncplane_store_factory: Any, clock: ManualClock
+) -> None:
+    # Two identical items claimed before fingerprints existed must not become twins that
+    # hold each other back forever once their leases lapse.
+    old: ControlStore = await asyncplane_store_factory("bf.db", lease_seconds=10)
+    await old.create_project("p", "P")
+    a = await old.enqueue("p", task("same"))
+    b = await old.enqueue("p", task("same"))
+    assert await old.claim("w1") and await old.claim("w2")
+    new: ControlStore = await asyncplane_store_factory("bf.db", identity=IDENTITY, lease_seconds=10)
+    await new.dedup_pending_against_done()
+    assert (await new.item(a))["fingerprint"] is None
+    clock.advance(3600)
+    taken = await new.claim_batch("w3", 5)
+    assert sorted(c.item_id for c in taken) == [a, b]  # both taken over, as before
+
+
+async def test_a_twin_whose_lease_lapsed_holds_nobody_back(
+    lanes: ControlStore, clock: ManualClock
+) -> None:
+    first = await lanes.enqueue("alpha", task("q"))
+    twin = await lanes.enqueue("alpha", task("q"), dedup=False)
+    claim = await lanes.claim("w1")
+    assert claim is not None and claim.item_id == first
+    assert await lanes.next_due() == claim.lease_expires_at  # the lapse is the next event
+    clock.advance(61)
+    batch = await lanes.claim_batch("w2", 5)
+    assert len(batch) == 1 and batch[0].item_id in (first, twin)  # one of the two, not both

@@ -520,3 +520,56 @@ def test_cli_looking_writes_nothing_and_failures_exit_3(tmp_path: pathlib.Path) 
     assert "T" in events[0]["at"]  # ISO 8601 times in JSON
     failed = cli("purge", str(path), "--retention", "0s", "--archive", str(tmp_path / "x" / "a"))
     assert failed.returncode == 3 and "failed" in failed.stderr
+
+
+def test_cli_refuses_an_empty_file_and_leaves_it_empty(tmp_path: pathlib.Path) -> None:
+    empty = tmp_path / "empty.db"
+    empty.touch()
+    for verb in ("purge", "stats"):
+        args = [verb, str(empty)] + (["--retention", "1d"] if verb == "purge" else [])
+        done = cli(*args)
+        assert done.returncode == 2 and "not an asyncplane store" in done.stderr
+    assert empty.read_bytes() == b""
+
+
+async def test_import_needs_a_unique_key_and_a_real_pending_collection(
+    store: ControlStore, tmp_path: pathlib.Path
+) -> None:
+    source = tmp_path / "keys.sqlite3"
+    conn = sqlite3.connect(source)
+    conn.execute("CREATE TABLE q (k TEXT, data TEXT, status INTEGER)")
+    conn.executemany("INSERT INTO q VALUES (?, ?, 0)", [("a", "{}"), ("a", "{}"), (None, "{}")])
+    conn.commit()
+    conn.close()
+    with pytest.raises(InvalidInput, match="has NULLs"):
+        await store.import_pending(
+            source, table="q", columns={"payload": "data", "key": "k"}, project_id="alpha"
+        )
+    conn = sqlite3.connect(source)
+    conn.execute("DELETE FROM q WHERE k IS NULL")
+    conn.commit()
+    conn.close()
+    with pytest.raises(InvalidInput, match="not unique"):
+        await store.import_pending(
+            source, table="q", columns={"payload": "data", "key": "k"}, project_id="alpha"
+        )
+    from asyncplane import InvalidType
+
+    with pytest.raises(InvalidType, match="collection"):
+        await store.import_pending(
+            source, table="q", columns={"payload": "data", "state": "status"},
+            project_id="alpha", pending="0",  # type: ignore[arg-type]
+        )  # fmt: skip
+    assert sum((await store.counts()).values()) == 0
+
+
+async def test_a_drain_lock_in_a_missing_directory_is_a_typed_error(
+    store: ControlStore, tmp_path: pathlib.Path
+) -> None:
+    from asyncplane import StorageError
+
+    async def done(batch: list[ClaimedItem]) -> list[Outcome]:
+        return [Done() for _ in batch]
+
+    with pytest.raises(StorageError, match="cannot open the lock file"):
+        await drain(store, done, lock_path=tmp_path / "missing" / "x.lock")

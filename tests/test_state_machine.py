@@ -321,12 +321,19 @@ class StoreMachine(RuleBasedStateMachine):
 
     def twin_free(self, item: ModelItem) -> bool:
         """No twin of the item (same project, same fingerprint; never the item itself) is
-        running right now: claimed here, or offloaded to an external batch."""
+        running right now: claimed here under a live lease, or offloaded to an external
+        batch."""
         if item.fingerprint is None:
             return True
+        now = self.clock.now()
         for other in self.model_items.values():
+            running = other.state == "offloaded" or (
+                other.state == "claimed"
+                and other.lease_expires_at is not None
+                and other.lease_expires_at > now
+            )
             if (
-                other.state in ("claimed", "offloaded")
+                running
                 and other is not item
                 and other.project_id == item.project_id
                 and other.fingerprint == item.fingerprint
@@ -1121,12 +1128,19 @@ class StoreMachine(RuleBasedStateMachine):
         after = 0  # how far the backfill has looked
         while True:
             # One step: with an identity, look at the next ``chunk`` items without a
-            # fingerprint (in any state) and give them one if their payload has the key;
+            # fingerprint (any state but a running one: claimed or offloaded) and give
+            # them one if their payload has the key;
             # then settle up to ``chunk`` pending twins, each from the oldest done twin
             # (the done twins as they were when the step began).
             seen = 0
             if self.identity:
-                missing = [i for i in ordered if i.fingerprint is None and i.item_id > after]
+                missing = [
+                    i
+                    for i in ordered
+                    if i.fingerprint is None
+                    and i.item_id > after
+                    and i.state not in ("claimed", "offloaded")
+                ]
                 for item in missing[:chunk]:
                     item.fingerprint = self.derived_fingerprint(item.payload, True)
                     after = item.item_id

@@ -249,3 +249,26 @@ async def test_claims_meeting_in_one_round_are_decided_together(store: ControlSt
         events = await store.events(claim.item_id)
         assert (events[-1]["event_type"], events[-1]["owner"]) == ("claimed", claim.owner)
     assert await verify_ledger(store) == []
+
+
+async def test_one_failing_member_of_grouped_finishes_fails_alone(
+    store: ControlStore, lock_holder: sqlite3.Connection
+) -> None:
+    ids = [await store.enqueue("alpha", {"n": n}) for n in range(3)]
+    claims = [await store.claim(owner="w") for _ in ids]
+    # A database fault for the second item only, as a trigger raising inside its UPDATE.
+    lock_holder.execute(
+        f"CREATE TRIGGER fault BEFORE UPDATE ON items WHEN OLD.item_id = {ids[1]} "
+        "BEGIN SELECT RAISE(ABORT, 'disk trouble'); END"
+    )
+    writer = await writer_of(store)
+    rounds = writer.rounds
+    results = await asyncio.gather(
+        *(store.finish(c.item_id, fence=c.fence) for c in claims if c), return_exceptions=True
+    )
+    assert writer.rounds == rounds + 1  # one round, run again inside it member by member
+    assert results[0] is None and results[2] is None
+    assert isinstance(results[1], StorageError) and "disk trouble" in str(results[1])
+    assert [(await store.item(i))["state"] for i in ids] == ["done", "claimed", "done"]
+    lock_holder.execute("DROP TRIGGER fault")
+    assert await verify_ledger(store) == []

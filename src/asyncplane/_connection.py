@@ -156,6 +156,7 @@ class ReaderPool:
         self._quiet.set()
         self._closed = False
         self._watch: aiosqlite.Connection | None = None
+        self._watch_lock = asyncio.Lock()
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         """Run ``fn(db, *args)`` on a reader's thread."""
@@ -188,12 +189,18 @@ class ReaderPool:
         data_version is per connection, so one connection of its own answers every call
         (it is opened on first use and closed with the pool).
         """
-        if self._closed:
-            raise _errors.StoreClosed("the store is closed")
-        if self._watch is None:
-            self._watch = await open_reader(self._path, busy_timeout=self._busy_timeout)
-            self._open.add(self._watch)
-        version: int = await run(self._watch, _read_data_version)
+        async with self._watch_lock:  # one watch connection, however many ask at once
+            if self._closed:
+                raise _errors.StoreClosed("the store is closed")
+            if self._watch is None:
+                watch = await open_reader(self._path, busy_timeout=self._busy_timeout)
+                if self.closed:  # closed while it opened: it must not outlive the pool
+                    await asyncio.shield(watch.close())
+                    raise _errors.StoreClosed("the store is closed")
+                self._watch = watch
+                self._open.add(watch)
+            watch = self._watch
+        version: int = await run(watch, _read_data_version)
         return version
 
     @property

@@ -351,18 +351,18 @@ class _Drain:
                     failure
                 )
             outcomes = _checked(batch, await executor)
-        except asyncio.CancelledError:
-            await self._interrupted(batch, settled, executor)
+        except BaseException:
+            await _stop(renewer)
+            if not all(settled.get(claim.item_id) for claim in batch):
+                await self._interrupted(batch, settled, executor)
             raise
-        finally:
-            renewer.cancel()
-            await asyncio.gather(renewer, return_exceptions=True)
-        # Settling runs to its end even if the task is cancelled meanwhile: outcomes that
-        # were computed are saved; then the cancellation goes on.
-        _, cancelled = await _to_the_end(
+        # From here on the work is done: stopping the renewer and settling run to their end
+        # even if the task is cancelled meanwhile, and the cancellation goes on after.
+        cancelled = await _stop(renewer)
+        _, cut_short = await _to_the_end(
             self._settle(batch, outcomes, settled), f"asyncplane-drain-settle[{self.owner}]"
         )
-        if cancelled:
+        if cancelled or cut_short:
             raise asyncio.CancelledError
 
     async def _interrupted(
@@ -514,6 +514,16 @@ async def _to_the_end(work: Awaitable[T], name: str) -> tuple[T, bool]:
             if task.done():
                 return task.result(), True
             cancelled = True
+
+
+async def _stop(task: asyncio.Task[Any]) -> bool:
+    """Cancel a side task and wait for it to end, whatever else is cancelled meanwhile;
+    return whether a cancellation arrived for the caller."""
+    task.cancel()
+    _, cancelled = await _to_the_end(
+        asyncio.gather(task, return_exceptions=True), f"{task.get_name()}-stop"
+    )
+    return cancelled
 
 
 async def _call(execute: Executor, batch: list[_models.ClaimedItem]) -> list[Any] | BaseException:

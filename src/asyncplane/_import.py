@@ -143,6 +143,10 @@ def _check_mapping(
         raise _errors.InvalidInput(
             "a state column and pending= (its values that are still to be done) go together"
         )
+    if pending is not None and (
+        isinstance(pending, (str, bytes)) or not isinstance(pending, Collection)
+    ):
+        raise _errors.InvalidType("pending must be a collection of state values, like [0, 1]")
     for field, column in mapping.items():
         if not isinstance(column, str) or not column:
             raise _errors.InvalidInput(f"columns[{field!r}] must be a column name")
@@ -172,6 +176,17 @@ def _check_source(source: pathlib.Path, table: str, mapping: dict[str, str]) -> 
                     f"table {table!r} has no column {column!r} (for {field}); "
                     f"it has {sorted(names)}"
                 )
+        # Rows are read in key order and remembered by key: a key must name one row.
+        key = _quote(mapping["key"])
+        rows, keys, distinct = conn.execute(
+            f"SELECT count(*), count({key}), count(DISTINCT {key}) FROM {_quote(table)}"
+        ).fetchone()  # both names were checked against the schema just above
+        if keys != rows:
+            raise _errors.InvalidInput(f"the key column {mapping['key']!r} has NULLs")
+        if distinct != rows:
+            raise _errors.InvalidInput(
+                f"the key column {mapping['key']!r} is not unique: rows would be skipped"
+            )
     except sqlite3.Error as exc:
         raise _errors.translate_sqlite(exc) from exc
     finally:

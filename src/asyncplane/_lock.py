@@ -28,6 +28,8 @@ import types
 
 import anyio.to_thread
 
+from asyncplane import _errors
+
 __all__ = ("DrainLock",)
 
 
@@ -82,7 +84,10 @@ class DrainLock:
             os.close(fd)
 
     def _try_lock(self) -> None:
-        fd = os.open(self._path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fd = os.open(self._path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise _errors.StorageError(f"cannot open the lock file {self._path}: {exc}") from exc
         try:
             if not _lock(fd):
                 os.close(fd)

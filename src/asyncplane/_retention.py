@@ -84,8 +84,9 @@ async def purge(
         found = await backend.purge_candidates(cutoff, chunk)
         if not found:
             break
-        lines = [_archive_line(item, events) for item, events in found]
-        await anyio.to_thread.run_sync(_append, archive_path, lines, archive_max_bytes)
+        # Building the lines (JSON of whole items and histories) happens on the worker
+        # thread too: a large chunk must not hold up the event loop.
+        await anyio.to_thread.run_sync(_archive, archive_path, found, archive_max_bytes)
         if _after_archive is not None:  # a test stands here to kill the process
             await _after_archive()
         purged += await backend.purge_items(tuple(item.item_id for item, _ in found))
@@ -136,6 +137,14 @@ def _archive_line(item: _backend.ItemRow, events: list[_backend.EventRow]) -> st
         ],
     }
     return json.dumps(record, ensure_ascii=False, separators=(",", ":")) + "\n"
+
+
+def _archive(
+    path: pathlib.Path,
+    found: list[tuple[_backend.ItemRow, list[_backend.EventRow]]],
+    max_bytes: int,
+) -> None:
+    _append(path, [_archive_line(item, events) for item, events in found], max_bytes)
 
 
 def _append(path: pathlib.Path, lines: list[str], max_bytes: int) -> None:

@@ -240,7 +240,7 @@ class SQLiteBackend:
         return await self._read(_stats, self._clock.now())
 
     async def next_due(self, project_id: str | None, actor_id: str | None) -> float | None:
-        params = {"project_id": project_id, "actor_id": actor_id}
+        params = {"project_id": project_id, "actor_id": actor_id, "now": self._clock.now()}
         rows = await self._read(_fetch_named, sql.NEXT_DUE, params)
         value: float | None = rows[0][0]
         return value
@@ -499,10 +499,13 @@ def _finish_many(
     results: list[int | _errors.AsyncplaneError] = []
     events: list[tuple[Any, ...]] = []
     for op in ops:
+        before = db.total_changes
         try:
             results.append(_settle_finish(op, db, now, events))
-        except _errors.AsyncplaneError as exc:  # the guarded UPDATE matched nothing: unwritten
-            results.append(exc)
+        except _errors.AsyncplaneError as exc:
+            if db.total_changes != before:  # refused after writing: the writer must undo it
+                raise
+            results.append(exc)  # the guarded UPDATE matched nothing: nothing was written
     db.executemany(sql.INSERT_EVENT, events)
     return results
 
@@ -717,7 +720,7 @@ def _settle_pending_twins(op: _backend.PreflightOp, db: sqlite3.Connection, now:
     for item_id, fence, done_id, result in rows:
         db.execute(sql.SETTLE_ONE_TWIN, (result, now, item_id))
         detail = json.dumps({"deduplicated_from": done_id})
-        events.append((item_id, "done", fence, None, None, now, detail))
+        events.append((item_id, "done", fence, None, op.actor_id, now, detail))
     db.executemany(sql.INSERT_EVENT, events)
     return len(rows)
 

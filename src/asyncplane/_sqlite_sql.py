@@ -181,8 +181,10 @@ LIMIT 1
 #   claimed items whose lease has lapsed (a takeover).
 # The backend merges the three in claim order. Every arm keeps to open projects, to the
 # project asked for and to the actor's projects (a NULL parameter means "any"), and skips
-# an item whose content twin is running right now (claimed here, or offloaded to an
-# external batch): twins wait until it settles, so one piece of work is never paid twice.
+# an item whose content twin is running right now (claimed here under a live lease, or
+# offloaded to an external batch): twins wait until it settles, so one piece of work is
+# never paid twice. A twin whose lease has lapsed holds nobody back: it is claimable
+# itself, and one claim takes one of the two.
 
 CLAIM_ORDER: Final = "priority DESC, service_class, sla IS NULL, sla, item_id"
 _CLAIM_COLUMNS = (
@@ -198,6 +200,7 @@ _CLAIMABLE = """
            SELECT 1 FROM items AS twin INDEXED BY items_running_fingerprint
            WHERE twin.project_id = items.project_id AND twin.fingerprint = items.fingerprint
              AND twin.state IN ('claimed', 'offloaded') AND twin.fingerprint IS NOT NULL
+             AND (twin.state = 'offloaded' OR twin.lease_expires_at > :now)
              AND twin.item_id <> items.item_id))
 """
 CLAIM_READY: Final = f"""
@@ -327,6 +330,7 @@ WHERE item_id = ? AND state IN ('ready', 'deferred')
 MISSING_FINGERPRINTS: Final = """
 SELECT item_id, payload FROM items
 WHERE fingerprint IS NULL AND item_id > :after
+  AND state IN ('ready', 'deferred', 'done', 'failed')  -- never under a running claim
   AND (:project_id IS NULL OR project_id = :project_id)
   AND (:actor_id IS NULL
        OR project_id IN (SELECT project_id FROM assignments WHERE actor_id = :actor_id))

@@ -259,13 +259,20 @@ def _execute_round(
     loop.call_soon_threadsafe(_deliver, writer, batch, outcomes, lock_wait)
 
 
-def _units(ops: list[Operation[Any]], todo: list[int]) -> list[list[int]]:
+def _units(ops: list[Operation[Any]], todo: list[int], alone: set[int]) -> list[list[int]]:
     """Split ``todo`` into runs to execute together: consecutive ops that share a
-    ``group_key`` form one run (a combined claim, say); every other op runs alone."""
+    ``group_key`` form one run (a combined claim, say); every other op, and every op in
+    ``alone`` (a member of a run that broke), runs by itself."""
     units: list[list[int]] = []
     for index in todo:
-        key = getattr(ops[index], "group_key", None)
-        if units and key is not None and getattr(ops[units[-1][0]], "group_key", None) == key:
+        key = None if index in alone else getattr(ops[index], "group_key", None)
+        last = units[-1][0] if units else None
+        if (
+            last is not None
+            and key is not None
+            and last not in alone
+            and getattr(ops[last], "group_key", None) == key
+        ):
             units[-1].append(index)
         else:
             units.append([index])
@@ -290,12 +297,14 @@ def _transact(
 
     Consecutive ops with the same ``group_key`` run as one (their ``run_group`` answers
     for each, and reports a member's refusal as an error instance, having written nothing
-    for it); a failure of the whole run fails each of its members.
+    for it). If such a run breaks, the round is rolled back and its members go again one
+    by one, so a failure still belongs to the one request that caused it.
 
     Returns the outcomes, and the longest single wait for the write lock, in seconds.
     """
     outcomes: list[Any] = [None] * len(ops)
     todo = list(range(len(ops)))
+    alone: set[int] = set()  # members of a broken run: they go again one by one
     lock_wait = 0.0
     while todo:
         asked = time.perf_counter()
@@ -309,7 +318,7 @@ def _transact(
         lock_wait = max(lock_wait, time.perf_counter() - asked)
         now = clock.now()
         broken: list[int] | None = None  # the run that spoiled the transaction
-        for unit in _units(ops, todo):
+        for unit in _units(ops, todo, alone):
             before = db.total_changes
             try:
                 for index, outcome in zip(unit, _run_unit(ops, unit, db, now), strict=True):
@@ -341,10 +350,14 @@ def _transact(
                         outcomes[index] = _Raised(error)
                 return outcomes, lock_wait
             return outcomes, lock_wait
-        # Undo everything this round wrote and run the others again without the culprits.
+        # Undo everything this round wrote and run the others again without the culprit.
+        # A run of several broke as a whole: its members go again one by one, so only the
+        # one that fails again is the culprit.
         _rollback(db)
-        culprits = set(broken)
-        todo = [index for index in todo if index not in culprits]
+        if len(broken) > 1:
+            alone.update(broken)
+        else:
+            todo = [index for index in todo if index != broken[0]]
         for index in todo:
             outcomes[index] = None
     return outcomes, lock_wait

@@ -27,7 +27,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from asyncplane import __version__, _errors, _ledger, _store, probe
+from asyncplane import __version__, _errors, _ledger, _sqlite_sql, _store, probe
 
 __all__ = ("main", "parse_duration")
 
@@ -106,6 +106,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return probe.main(args_list[1:], prog="asyncplane probe")  # it owns its options
     args = _parser().parse_args(args_list)
     try:
+        _check_is_a_store(args.db)  # before any event loop: a plain, quick file read
         return asyncio.run(_run(args))
     except _Usage as problem:
         print(f"asyncplane {args.verb}: {problem}", file=sys.stderr)
@@ -124,9 +125,20 @@ class _Usage(Exception):
     """Something the user has to fix: exit status 2."""
 
 
+def _check_is_a_store(path: pathlib.Path) -> None:
+    """Refuse, before opening anything, a file that is not an asyncplane store (an empty
+    file included: the store would create its schema in it)."""
+    if not path.is_file():
+        raise _Usage(f"no such file: {path}")
+    with path.open("rb") as file:
+        header = file.read(72)
+    if len(header) < 72 or not header.startswith(b"SQLite format 3\x00"):
+        raise _Usage(f"{path} is not an asyncplane store (not an SQLite database)")
+    if int.from_bytes(header[68:72], "big") != _sqlite_sql.APPLICATION_ID:
+        raise _Usage(f"{path} is not an asyncplane store (another application's database)")
+
+
 async def _run(args: argparse.Namespace) -> int:
-    if not args.db.is_file():
-        raise _Usage(f"no such file: {args.db}")
     # Looking (stats, verify, events) opens the file read-only: no migration, no write lock,
     # nothing written. Only purge and import write.
     store = _store.ControlStore(args.db, read_only=args.verb in ("stats", "verify", "events"))
