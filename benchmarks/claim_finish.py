@@ -21,6 +21,11 @@ reach raw_pair / (raw_pair + 2 * floor) of the raw rate; the report prints that 
 On virtual machines, where waking a thread on an idle virtual CPU is slow, the bound can
 sit below the 1-coroutine target; run under ``taskset -c 0`` to see the same code with
 cheap wake-ups.
+
+``--what-if-on-loop`` measures a design asyncplane does not ship: every SQLite call made
+directly on the event-loop thread (no thread round trips at all), by patching the store's
+one connection hook for this process. It shows what the thread hand-offs cost, as
+evidence for the design decision; it is not a mode to run a store in.
 """
 
 from __future__ import annotations
@@ -34,11 +39,15 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import _raw
 import aiosqlite
 
-from asyncplane import ControlStore
+from asyncplane import ControlStore, _connection
+
+T = TypeVar("T")
 
 
 async def prepare(path: pathlib.Path, items: int, synchronous: str) -> None:
@@ -89,13 +98,38 @@ async def thread_round_trip_us(calls: int = 5000) -> float:
     return statistics.median(samples)
 
 
+ON_LOOP_CALLS = [0]  # store calls made on the event-loop thread (what-if only)
+
+
+def run_on_loop() -> None:
+    """What-if only: make every store call run on the event-loop thread, in this process."""
+    connect = aiosqlite.connect
+
+    def connect_any_thread(*args: Any, **kwargs: Any) -> aiosqlite.Connection:
+        return connect(*args, **kwargs, check_same_thread=False)
+
+    async def run_here(conn: aiosqlite.Connection, fn: Callable[..., T], *args: Any) -> T:
+        ON_LOOP_CALLS[0] += 1
+        return fn(conn._conn, *args)
+
+    aiosqlite.connect = connect_any_thread  # type: ignore[assignment]
+    _connection.run = run_here
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--items", type=int, default=4000)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--synchronous", choices=("NORMAL", "FULL"), default="NORMAL")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument(
+        "--what-if-on-loop",
+        action="store_true",
+        help="measure an unsupported design: SQLite calls on the event-loop thread",
+    )
     args = parser.parse_args()
+    if args.what_if_on_loop:
+        run_on_loop()
 
     rates: dict[str, list[float]] = {"raw": [], "1 coroutine": [], "64 coroutines": []}
     with tempfile.TemporaryDirectory(prefix="asyncplane-bench-") as tmp:
@@ -133,6 +167,8 @@ def main() -> int:
                     "thread_round_trip_us": floor_us,
                     "one_coroutine_bound": bound,
                     "cpus": cpus,
+                    "what_if_on_loop": args.what_if_on_loop,
+                    "calls_on_loop": ON_LOOP_CALLS[0],
                 }
             )
         )
@@ -141,6 +177,8 @@ def main() -> int:
             f"claim+finish round trips per second, {args.items} items, "
             f"synchronous={args.synchronous}, median of {args.repeats}, {cpus} CPUs"
         )
+        if args.what_if_on_loop:
+            print("  WHAT-IF: SQLite called on the event-loop thread (not a supported mode)")
         for label, rate in median.items():
             print(f"  {label:<14} {rate:>9,.0f}/s")
         for label, ratio in ratios.items():

@@ -31,6 +31,31 @@ def test_claim_finish_benchmark_reports_rates_and_ratios() -> None:
     assert set(report["rates"]) == {"raw", "1 coroutine", "64 coroutines"}
     assert all(rate > 0 for rate in report["rates"].values())
     assert set(report["ratios"]) == {"1 coroutine / raw", "64 coroutines / raw"}
+    assert report["what_if_on_loop"] is False
+    assert report["calls_on_loop"] == 0
+
+
+def test_claim_finish_what_if_runs_sqlite_on_the_event_loop_thread() -> None:
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(BENCHMARKS / "claim_finish.py"),
+            "--items",
+            "100",
+            "--repeats",
+            "1",
+            "--json",
+            "--what-if-on-loop",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert report["what_if_on_loop"] is True
+    assert report["calls_on_loop"] >= 2 * 100  # a claim and a finish per item, at least
+    assert all(rate > 0 for rate in report["rates"].values())
 
 
 def test_probe_vs_raw_benchmark_reports_every_ratio() -> None:

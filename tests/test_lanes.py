@@ -688,14 +688,52 @@ async def test_backfill_never_fingerprints_running_claims(
     assert sorted(c.item_id for c in taken) == [a, b]  # both taken over, as before
 
 
-async def test_a_twin_whose_lease_lapsed_holds_nobody_back(
+async def test_a_lapsed_twin_is_taken_over_never_run_beside(
     lanes: ControlStore, clock: ManualClock
 ) -> None:
+    # Its lapsed holder may still be working: a twin run now would run beside it. The
+    # lapsed item itself is taken over instead, with a higher fence that stops the old
+    # holder's renewal.
     first = await lanes.enqueue("alpha", task("q"))
-    twin = await lanes.enqueue("alpha", task("q"), dedup=False)
     claim = await lanes.claim("w1")
     assert claim is not None and claim.item_id == first
+    twin = await lanes.enqueue("alpha", task("q"), dedup=False, priority=5)  # ahead in order
     assert await lanes.next_due() == claim.lease_expires_at  # the lapse is the next event
     clock.advance(61)
     batch = await lanes.claim_batch("w2", 5)
-    assert len(batch) == 1 and batch[0].item_id in (first, twin)  # one of the two, not both
+    assert [c.item_id for c in batch] == [first]
+    with pytest.raises(FenceRejected):
+        await lanes.renew(first, fence=claim.fence)
+    assert (await lanes.item(twin))["state"] == "ready"
+    await lanes.finish(first, fence=batch[0].fence, result={"answer": 1})
+    again = await lanes.claim("w3")  # dedup=False: it runs, but only after its twin
+    assert again is not None and again.item_id == twin
+
+
+async def test_claimed_twins_from_an_older_store_wake_a_daemon_and_run_one_at_a_time(
+    asyncplane_store_factory: Any, clock: ManualClock
+) -> None:
+    # Two claimed items that became twins while running (a store of an earlier release
+    # fingerprinted running claims): each holds the other back while its lease is live.
+    # next_due() still reports when both have lapsed, and a claim then takes one of them.
+    store: ControlStore = await asyncplane_store_factory(
+        "legacy.db", identity=IDENTITY, lease_seconds=60
+    )
+    await store.create_project("p", "P")
+    a = await store.enqueue("p", {"n": 1})
+    b = await store.enqueue("p", {"n": 2})
+    first = await store.claim("w1")
+    clock.advance(30)
+    second = await store.claim("w2", lease_seconds=120)
+    assert first is not None and second is not None
+    with sqlite3.connect(store.path) as raw:
+        raw.execute("UPDATE items SET fingerprint = 'same' WHERE item_id IN (?, ?)", (a, b))
+    raw.close()
+    assert await store.next_due() == second.lease_expires_at  # the later of the two
+    clock.advance(60)  # a's lease lapsed; b's is live and holds a back
+    assert await store.claim_batch("w3", 5) == []
+    clock.advance(3600)
+    batch = await store.claim_batch("w3", 5)
+    assert len(batch) == 1 and batch[0].item_id in (a, b)
+    assert await store.next_due() == batch[0].lease_expires_at
+    assert await verify_ledger(store) == []

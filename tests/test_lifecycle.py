@@ -313,6 +313,29 @@ async def test_reads_never_wait_behind_a_writer(tmp_path: pathlib.Path) -> None:
         await store.close()
 
 
+async def test_opening_waits_for_a_write_lock_held_on_a_fresh_file(
+    tmp_path: pathlib.Path,
+) -> None:
+    # Switching a file to WAL while another connection writes to it fails at once in
+    # SQLite, busy timeout or not (several processes creating a fresh store at once hit
+    # this): the store waits for the lock instead of failing to open.
+    path = tmp_path / "fresh.db"
+    other = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    other.execute("BEGIN IMMEDIATE")  # a write lock on a file still in rollback mode
+    store = ControlStore(path, busy_timeout=30)
+    opening = asyncio.create_task(store.open())
+    await asyncio.sleep(0.3)  # the lock is held for a while: the store must not give up
+    assert not opening.done()
+    other.execute("COMMIT")
+    other.close()
+    await asyncio.wait_for(opening, timeout=30)
+    try:
+        await store.create_project("p", "P")
+        assert (await store.stats())["schema_version"] >= 1
+    finally:
+        await store.close()
+
+
 def test_many_processes_create_a_fresh_store_at_once(tmp_path: pathlib.Path) -> None:
     path = tmp_path / "fresh.db"
     script = (

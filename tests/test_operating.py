@@ -532,6 +532,25 @@ def test_cli_refuses_an_empty_file_and_leaves_it_empty(tmp_path: pathlib.Path) -
     assert empty.read_bytes() == b""
 
 
+async def test_cli_reads_a_store_another_process_has_open(tmp_path: pathlib.Path) -> None:
+    # While a store is open, its header can still sit in the WAL, not in the main file.
+    path = tmp_path / "live.db"
+    async with ControlStore(path) as live:
+        await live.create_project("p", "P")
+        await live.enqueue("p", {"n": 1})
+        with path.open("rb") as file:
+            assert file.read(72)[68:72] == b"\0\0\0\0"  # the case this test is about
+        done = await asyncio.to_thread(cli, "stats", str(path), "--json")
+        assert done.returncode == 0, done.stderr
+        assert json.loads(done.stdout)["states"]["ready"] == 1
+    foreign = tmp_path / "foreign.db"
+    conn = sqlite3.connect(foreign)
+    conn.execute("CREATE TABLE t (x)")
+    conn.close()
+    done = cli("stats", str(foreign))
+    assert done.returncode == 2 and "another application's database" in done.stderr
+
+
 async def test_import_needs_a_unique_key_and_a_real_pending_collection(
     store: ControlStore, tmp_path: pathlib.Path
 ) -> None:
@@ -552,6 +571,15 @@ async def test_import_needs_a_unique_key_and_a_real_pending_collection(
     with pytest.raises(InvalidInput, match="not unique"):
         await store.import_pending(
             source, table="q", columns={"payload": "data", "key": "k"}, project_id="alpha"
+        )
+    conn = sqlite3.connect(source)
+    conn.execute("CREATE TABLE mixed (k, data TEXT)")  # no declared type: values keep theirs
+    conn.executemany("INSERT INTO mixed VALUES (?, '{}')", [(1,), ("1",)])
+    conn.commit()
+    conn.close()
+    with pytest.raises(InvalidInput, match="mixes value types"):
+        await store.import_pending(
+            source, table="mixed", columns={"payload": "data", "key": "k"}, project_id="alpha"
         )
     from asyncplane import InvalidType
 

@@ -21,9 +21,10 @@ What the model knows (see _sqlite.py and _sqlite_sql.py for the store's side):
   ``claimed`` items whose lease has lapsed, in open projects (and the actor's, and the
   project asked for), never an item with a fingerprint while a twin (same project, same
   fingerprint) is running (claimed, or offloaded), and at most one item per (project,
-  fingerprint) per batch. A lapsed claim with no attempt left fails (lease_expired,
-  failed) instead of moving on; a takeover records lease_expired at the old fence and
-  owner. A claim raises fence and attempts by one.
+  fingerprint) per batch; between two claimed twins only a live lease holds back. A
+  lapsed claim with no attempt left fails (lease_expired, failed) instead of moving on;
+  a takeover records lease_expired at the old fence and owner. A claim raises fence and
+  attempts by one.
 * renew needs a claimed item at its fence; finish and retry a claimed or offloaded one;
   park and offload a claimed one. Otherwise ScopeDenied (actor not assigned, or no such
   item for an actor), UnknownItem (no such item, control plane) or FenceRejected, in
@@ -320,26 +321,47 @@ class StoreMachine(RuleBasedStateMachine):
         return fingerprint(payload["task"])
 
     def twin_free(self, item: ModelItem) -> bool:
-        """No twin of the item (same project, same fingerprint; never the item itself) is
-        running right now: claimed here under a live lease, or offloaded to an external
-        batch."""
+        """No twin of the item (same project, same fingerprint; never the item itself)
+        holds it back. Any running twin (claimed, even under a lapsed lease, or offloaded)
+        holds back a ready or deferred item; a claimed item is held back only by an
+        offloaded twin or one claimed under a live lease."""
         if item.fingerprint is None:
             return True
         now = self.clock.now()
         for other in self.model_items.values():
-            running = other.state == "offloaded" or (
-                other.state == "claimed"
-                and other.lease_expires_at is not None
-                and other.lease_expires_at > now
-            )
             if (
-                running
-                and other is not item
-                and other.project_id == item.project_id
-                and other.fingerprint == item.fingerprint
+                other is item
+                or other.project_id != item.project_id
+                or other.fingerprint != item.fingerprint
             ):
+                continue
+            if other.state == "offloaded":
                 return False
+            if other.state == "claimed":
+                assert other.lease_expires_at is not None
+                if item.state != "claimed" or other.lease_expires_at > now:
+                    return False
         return True
+
+    def free_at(self, item: ModelItem) -> float | None:
+        """When a claimed item's lease and those of its claimed twins have all lapsed (None
+        while an offloaded twin holds it back)."""
+        assert item.lease_expires_at is not None
+        at = item.lease_expires_at
+        for other in self.model_items.values():
+            if (
+                other is item
+                or item.fingerprint is None
+                or other.project_id != item.project_id
+                or other.fingerprint != item.fingerprint
+            ):
+                continue
+            if other.state == "offloaded":
+                return None
+            if other.state == "claimed":
+                assert other.lease_expires_at is not None
+                at = max(at, other.lease_expires_at)
+        return at
 
     def arm(
         self, state: str, actor: str | None, project_id: str | None, now: float
@@ -1200,12 +1222,12 @@ class StoreMachine(RuleBasedStateMachine):
         """The earliest due_at of a deferred item, or lease end of a claimed one, among
         the items a claim with these filters could take once that time comes."""
         alarms = [
-            item.due_at if item.state == "deferred" else item.lease_expires_at
+            item.due_at if item.state == "deferred" else self.free_at(item)
             for item in self.model_items.values()
             if item.state in ("deferred", "claimed")
             and self.projects[item.project_id] == "open"
             and self.in_scope(item, project, actor)
-            and self.twin_free(item)
+            and (item.state == "claimed" or self.twin_free(item))
         ]
         return optional_datetime(min(a for a in alarms if a is not None) if alarms else None)
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import pathlib
 import sqlite3
+import time
 from collections.abc import Callable
 from typing import Any, Literal, TypeVar
 
@@ -111,7 +112,7 @@ def _configure_writer(
         db.execute(f"PRAGMA busy_timeout = {int(busy_timeout * 1000)}")
         if vet is not None:
             vet(db)
-        mode = db.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+        mode = _switch_to_wal(db, busy_timeout)
         if str(mode).lower() != "wal":
             raise _errors.StorageError(
                 f"could not put the database in WAL mode (it stayed in {mode!r} mode); "
@@ -124,6 +125,28 @@ def _configure_writer(
         db.execute("PRAGMA foreign_keys = ON")
     except sqlite3.Error as exc:
         raise _errors.translate_sqlite(exc) from exc
+
+
+def _switch_to_wal(db: sqlite3.Connection, busy_timeout: float) -> str:
+    """``PRAGMA journal_mode = WAL``, retried while another connection holds a lock.
+
+    The switch needs the file to itself, and SQLite does not call the busy handler for it
+    when another connection holds a write lock (several processes opening a fresh file at
+    once, each switching it): it reports "database is locked" at once. So asyncplane
+    waits itself, up to the busy timeout, pausing on the connection's thread (never the
+    event loop's) for at most 50 ms at a time.
+    """
+    deadline = time.monotonic() + busy_timeout
+    pause = 0.001
+    while True:
+        try:
+            return str(db.execute("PRAGMA journal_mode = WAL").fetchone()[0])
+        except sqlite3.OperationalError as exc:
+            locked = isinstance(_errors.translate_sqlite(exc), _errors.DatabaseLocked)
+            if not locked or time.monotonic() + pause > deadline:
+                raise
+        time.sleep(pause)
+        pause = min(pause * 2, 0.05)
 
 
 def _configure_reader(db: sqlite3.Connection, busy_timeout: float) -> None:

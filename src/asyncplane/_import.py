@@ -176,13 +176,20 @@ def _check_source(source: pathlib.Path, table: str, mapping: dict[str, str]) -> 
                     f"table {table!r} has no column {column!r} (for {field}); "
                     f"it has {sorted(names)}"
                 )
-        # Rows are read in key order and remembered by key: a key must name one row.
+        # Rows are read in key order and remembered by key, as text: a key must name one
+        # row, and keep one type, or the integer 1 and the text '1' would be one key.
         key = _quote(mapping["key"])
-        rows, keys, distinct = conn.execute(
-            f"SELECT count(*), count({key}), count(DISTINCT {key}) FROM {_quote(table)}"
+        rows, keys, distinct, types = conn.execute(
+            f"SELECT count(*), count({key}), count(DISTINCT {key}), "
+            f"count(DISTINCT typeof({key})) FROM {_quote(table)}"
         ).fetchone()  # both names were checked against the schema just above
         if keys != rows:
             raise _errors.InvalidInput(f"the key column {mapping['key']!r} has NULLs")
+        if types > 1:
+            raise _errors.InvalidInput(
+                f"the key column {mapping['key']!r} mixes value types (integer and text, "
+                "say): keys are remembered as text, so 1 and '1' would be the same key"
+            )
         if distinct != rows:
             raise _errors.InvalidInput(
                 f"the key column {mapping['key']!r} is not unique: rows would be skipped"

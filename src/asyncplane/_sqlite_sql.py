@@ -181,27 +181,37 @@ LIMIT 1
 #   claimed items whose lease has lapsed (a takeover).
 # The backend merges the three in claim order. Every arm keeps to open projects, to the
 # project asked for and to the actor's projects (a NULL parameter means "any"), and skips
-# an item whose content twin is running right now (claimed here under a live lease, or
-# offloaded to an external batch): twins wait until it settles, so one piece of work is
-# never paid twice. A twin whose lease has lapsed holds nobody back: it is claimable
-# itself, and one claim takes one of the two.
+# an item whose content twin is running (claimed here, or offloaded to an external batch):
+# twins wait until it settles, so one piece of work is never paid twice, nor run twice at
+# once. A claimed twin holds its pending twins back even after its lease lapses: it is
+# the one to take over (with a higher fence, so its old holder cannot go on beside the
+# new one). Between claimed twins (left from before a fingerprint was known) only a live
+# lease holds back, so that one of two lapsed twins can always be taken over.
 
 CLAIM_ORDER: Final = "priority DESC, service_class, sla IS NULL, sla, item_id"
 _CLAIM_COLUMNS = (
     "item_id, state, fence, owner, attempts, max_attempts, project_id, fingerprint, "
     "priority, service_class, sla"
 )
-_CLAIMABLE = """
+_IN_REACH = """
       AND project_id IN (SELECT project_id FROM projects WHERE status = 'open')
       AND (:project_id IS NULL OR project_id = :project_id)
       AND (:actor_id IS NULL
            OR project_id IN (SELECT project_id FROM assignments WHERE actor_id = :actor_id))
-      AND (fingerprint IS NULL OR NOT EXISTS (
+"""
+_TWIN = """
            SELECT 1 FROM items AS twin INDEXED BY items_running_fingerprint
            WHERE twin.project_id = items.project_id AND twin.fingerprint = items.fingerprint
              AND twin.state IN ('claimed', 'offloaded') AND twin.fingerprint IS NOT NULL
-             AND (twin.state = 'offloaded' OR twin.lease_expires_at > :now)
-             AND twin.item_id <> items.item_id))
+             AND twin.item_id <> items.item_id"""
+# A ready or deferred item: any running twin holds it back.
+_CLAIMABLE = f"""{_IN_REACH}
+      AND (fingerprint IS NULL OR NOT EXISTS ({_TWIN}))
+"""
+# A claimed item with a lapsed lease: an offloaded twin, or one claimed under a live lease.
+_TAKEABLE = f"""{_IN_REACH}
+      AND (fingerprint IS NULL OR NOT EXISTS ({_TWIN}
+             AND (twin.state = 'offloaded' OR twin.lease_expires_at > :now)))
 """
 CLAIM_READY: Final = f"""
 SELECT {_CLAIM_COLUMNS} FROM items INDEXED BY items_ready
@@ -216,7 +226,7 @@ ORDER BY {CLAIM_ORDER} LIMIT :limit OFFSET :offset
 CLAIM_LAPSED: Final = f"""
 SELECT {_CLAIM_COLUMNS} FROM items INDEXED BY items_lease
 WHERE state = 'claimed' AND lease_expires_at <= :now
-  AND (max_attempts IS NULL OR attempts < max_attempts) {_CLAIMABLE}
+  AND (max_attempts IS NULL OR attempts < max_attempts) {_TAKEABLE}
 ORDER BY {CLAIM_ORDER} LIMIT :limit OFFSET :offset
 """
 # Whether any lease has lapsed, or any deferred item fallen due, at all: two index probes
@@ -233,7 +243,7 @@ SELECT
 LAPSED_EXHAUSTED: Final = f"""
 SELECT item_id, fence, owner, attempts, max_attempts FROM items INDEXED BY items_lease
 WHERE state = 'claimed' AND lease_expires_at <= :now
-  AND max_attempts IS NOT NULL AND attempts >= max_attempts {_CLAIMABLE}
+  AND max_attempts IS NOT NULL AND attempts >= max_attempts {_TAKEABLE}
 ORDER BY {CLAIM_ORDER} LIMIT :limit
 """
 
@@ -349,8 +359,14 @@ SELECT min(at) FROM (
     SELECT min(due_at) AS at FROM items INDEXED BY items_due
     WHERE state = 'deferred' {_CLAIMABLE}
     UNION ALL
-    SELECT min(lease_expires_at) FROM items INDEXED BY items_lease
-    WHERE state = 'claimed' {_CLAIMABLE})
+    SELECT min(max(lease_expires_at, coalesce((
+        SELECT max(twin.lease_expires_at) FROM items AS twin INDEXED BY items_running_fingerprint
+        WHERE twin.project_id = items.project_id AND twin.fingerprint = items.fingerprint
+          AND twin.state IN ('claimed', 'offloaded') AND twin.fingerprint IS NOT NULL
+          AND twin.state = 'claimed' AND twin.item_id <> items.item_id), 0)))
+    FROM items INDEXED BY items_lease
+    WHERE state = 'claimed' {_IN_REACH}
+      AND (fingerprint IS NULL OR NOT EXISTS ({_TWIN} AND twin.state = 'offloaded')))
 """
 
 # Why a fenced update matched nothing: absent, out of scope, or a stale fence.

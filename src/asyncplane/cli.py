@@ -23,6 +23,7 @@ import datetime as dt
 import json
 import pathlib
 import re
+import sqlite3
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -134,7 +135,19 @@ def _check_is_a_store(path: pathlib.Path) -> None:
         header = file.read(72)
     if len(header) < 72 or not header.startswith(b"SQLite format 3\x00"):
         raise _Usage(f"{path} is not an asyncplane store (not an SQLite database)")
-    if int.from_bytes(header[68:72], "big") != _sqlite_sql.APPLICATION_ID:
+    if int.from_bytes(header[68:72], "big") == _sqlite_sql.APPLICATION_ID:
+        return
+    # The header on disk may be stale: a store that is open, or was not closed cleanly,
+    # can still hold its first pages in the WAL. Ask SQLite, which reads through it.
+    try:
+        conn = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True, timeout=30)
+        try:
+            (application_id,) = conn.execute("PRAGMA application_id").fetchone()
+        finally:
+            conn.close()
+    except sqlite3.Error as exc:
+        raise _Usage(f"{path} is not an asyncplane store ({exc})") from exc
+    if application_id != _sqlite_sql.APPLICATION_ID:
         raise _Usage(f"{path} is not an asyncplane store (another application's database)")
 
 
