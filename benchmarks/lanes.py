@@ -158,16 +158,18 @@ def main() -> int:
         for repeat in range(args.repeats):
             raw.append(time_raw_executemany(root / f"raw{repeat}.db", batch))
             ours.append(asyncio.run(time_enqueue_many(root / f"ours{repeat}.db", batch)))
-        for depth, label in ((args.shallow, "shallow"), (args.deep, "deep")):
-            store_path, tx_path = root / f"{label}-store.db", root / f"{label}-tx.db"
-            fill(store_path, depth + args.claims * args.repeats)
-            fill(tx_path, depth + args.claims * args.repeats)
-            for _ in range(args.repeats):
+        depths = (("shallow", args.shallow), ("deep", args.deep))
+        for label, depth in depths:
+            fill(root / f"{label}-store.db", depth + args.claims * args.repeats)
+            fill(root / f"{label}-tx.db", depth + args.claims * args.repeats)
+        # Shallow and deep take turns, so a noisy neighbour weighs on both alike.
+        for _ in range(args.repeats):
+            for label, _depth in depths:
                 claim_cost[f"store {label}"].append(
-                    asyncio.run(time_store_claims(store_path, args.claims))
+                    asyncio.run(time_store_claims(root / f"{label}-store.db", args.claims))
                 )
                 claim_cost[f"transaction {label}"].append(
-                    time_claim_transactions(tx_path, args.claims)
+                    time_claim_transactions(root / f"{label}-tx.db", args.claims)
                 )
     enqueue = {
         "asyncplane items/s": args.items / statistics.median(ours),
