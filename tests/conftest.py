@@ -1,18 +1,38 @@
-"""Shared fixtures: every test works on a real SQLite file under tmp_path.
+"""Shared fixtures: every test works on a real database, never a fake.
 
 The store fixtures come from asyncplane's own pytest plugin (``asyncplane_store``,
 ``asyncplane_clock``, ``asyncplane_store_factory``); the short names below are aliases.
+
+Every test that uses those fixtures runs twice, the way River proves its drivers: on an
+SQLite file under tmp_path, and on a fresh schema of a PostgreSQL server (a throwaway
+cluster the session starts, or ``$ASYNCPLANE_TEST_POSTGRES_URL``). A test whose mechanism
+is SQLite's own (the file, its locks, raw sqlite3 tampering) is marked ``sqlite_only``.
 """
 
 from __future__ import annotations
 
+import asyncio
+import itertools
+import re
 import sqlite3
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Coroutine, Iterable, Iterator, Sequence
+from typing import Any, TypeVar
 
 import pytest
 
 from asyncplane import ControlStore
 from asyncplane.testing import ManualClock
+
+T = TypeVar("T")
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "asyncplane_backend" not in metafunc.fixturenames:
+        return
+    sqlite_only = metafunc.definition.get_closest_marker("sqlite_only") is not None
+    backends = ["sqlite"] if sqlite_only else ["sqlite", "postgresql"]
+    metafunc.parametrize("asyncplane_backend", backends, indirect=True)
 
 
 @pytest.fixture
@@ -26,11 +46,124 @@ async def store(asyncplane_store: ControlStore) -> ControlStore:
     return asyncplane_store
 
 
+class RawPostgres:
+    """A plain connection to a PostgreSQL store's schema, with sqlite3's calling shape.
+
+    Tests tamper through ``raw.execute(sql, params)`` with ``?`` placeholders on either
+    backend. asyncpg runs on an event loop of its own, in a thread, so the calls can be
+    synchronous like sqlite3's (they block the test's loop for a moment; nothing else
+    runs then).
+    """
+
+    backend = "postgresql"
+
+    def __init__(self, url: str) -> None:
+        import asyncpg
+
+        #: What a trigger's refusal raises.
+        self.Refused: type[Exception] = asyncpg.exceptions.RaiseError
+
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="raw-postgres")
+        self._thread.start()
+        self._conn = self._call(asyncpg.connect(url))
+
+    def _call(self, work: Coroutine[Any, Any, T]) -> T:
+        return asyncio.run_coroutine_threadsafe(work, self._loop).result(timeout=60)
+
+    def execute(self, statement: str, params: Sequence[Any] = ()) -> RawResult:
+        statement = _numbered(statement)
+        head = statement.lstrip().upper()
+        if head.startswith(("SELECT", "WITH", "EXPLAIN", "SHOW")) or " RETURNING " in head:
+            rows = self._call(self._conn.fetch(statement, *params))
+            return RawResult([tuple(row) for row in rows], len(rows))
+        status = self._call(self._conn.execute(statement, *params))
+        return RawResult([], _rowcount(status))
+
+    def executemany(self, statement: str, rows: Iterable[Sequence[Any]]) -> None:
+        self._call(self._conn.executemany(_numbered(statement), list(rows)))
+
+    def close(self) -> None:
+        try:
+            self._call(self._conn.close())
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join()
+            self._loop.close()
+
+
+class RawResult:
+    """What `RawPostgres.execute` returns: the few cursor methods the tests use."""
+
+    def __init__(self, rows: list[tuple[Any, ...]], rowcount: int) -> None:
+        self._rows = rows
+        self.rowcount = rowcount
+
+    def fetchone(self) -> tuple[Any, ...] | None:
+        return self._rows.pop(0) if self._rows else None
+
+    def fetchall(self) -> list[tuple[Any, ...]]:
+        rows, self._rows = self._rows, []
+        return rows
+
+    def __iter__(self) -> Iterator[tuple[Any, ...]]:
+        return iter(self.fetchall())
+
+
+def _numbered(statement: str) -> str:
+    """sqlite3's ``?`` placeholders as PostgreSQL's ``$1, $2, ...``."""
+    counter = itertools.count(1)
+    return re.sub(r"\?", lambda _: f"${next(counter)}", statement)
+
+
+def _rowcount(status: str) -> int:
+    last = status.rsplit(" ", 1)[-1]
+    return int(last) if last.isdigit() else -1
+
+
+def open_raw(store: ControlStore) -> Any:
+    """A plain connection to a store's database, for tampering behind its back: sqlite3
+    on an SQLite store, `RawPostgres` on a PostgreSQL one. ``.backend`` says which."""
+    if store.backend == "sqlite":
+        return _SQLite(sqlite3.connect(store.path, isolation_level=None))
+    return RawPostgres(store.location)
+
+
 @pytest.fixture
-def raw(asyncplane_store: ControlStore) -> Iterator[sqlite3.Connection]:
-    """A plain sqlite3 connection to the store's file, for tampering behind its back."""
-    conn = sqlite3.connect(asyncplane_store.path, isolation_level=None)
+def raw(asyncplane_store: ControlStore) -> Iterator[Any]:
+    """`open_raw` on the test's store, closed after the test."""
+    conn = open_raw(asyncplane_store)
     try:
         yield conn
     finally:
         conn.close()
+
+
+@pytest.fixture
+def raw_of() -> Iterator[Callable[[ControlStore], Any]]:
+    """`open_raw` for any store of the test; every connection is closed after it."""
+    opened: list[Any] = []
+
+    def connect(store: ControlStore) -> Any:
+        conn = open_raw(store)
+        opened.append(conn)
+        return conn
+
+    try:
+        yield connect
+    finally:
+        for conn in opened:
+            conn.close()
+
+
+class _SQLite:
+    """sqlite3's connection, with a ``backend`` attribute like RawPostgres."""
+
+    backend = "sqlite"
+    Refused = sqlite3.IntegrityError
+
+    def __init__(self, conn: sqlite3.Connection) -> None:
+        self._conn = conn
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._conn, name)

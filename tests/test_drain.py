@@ -35,13 +35,11 @@ from asyncplane.testing import ManualClock
 WORKER = pathlib.Path(__file__).parent / "workers" / "drain_worker.py"
 
 
-def lock_of(store: ControlStore) -> pathlib.Path:
-    return store.path.with_name(store.path.name + ".drain.lock")
-
-
 async def lock_is_free(store: ControlStore) -> bool:
-    async with DrainLock(lock_of(store)) as lock:
-        return lock.acquired
+    """Whether the store's own single-drainer guard is free (a lock file beside an SQLite
+    store, a session advisory lock on PostgreSQL)."""
+    async with store._drain_guard() as acquired:
+        return acquired
 
 
 async def all_done(batch: list[ClaimedItem]) -> list[Outcome]:
@@ -471,7 +469,7 @@ async def test_daemon_notices_work_from_another_process(store: ControlStore) -> 
 
     await until(waiting_on("commit"), what="the daemon went idle")
     process = await asyncio.create_subprocess_exec(
-        sys.executable, str(WORKER), str(store.path), "enqueue", stdout=asyncio.subprocess.PIPE
+        sys.executable, str(WORKER), store.location, "enqueue", stdout=asyncio.subprocess.PIPE
     )
     out, _ = await process.communicate()
     enqueued = json.loads(out)
@@ -564,7 +562,9 @@ async def test_a_store_failure_while_settling_stops_the_drain_and_puts_back(
     assert await verify_ledger(store) == []
 
 
-async def test_a_scoped_drain_stays_in_its_scope(asyncplane_store_factory: Any) -> None:
+async def test_a_scoped_drain_stays_in_its_scope(
+    asyncplane_store_factory: Any, raw_of: Any
+) -> None:
     store: ControlStore = await asyncplane_store_factory("scope.db", identity=("task",))
     await store.create_project("mine", "Mine")
     await store.create_project("theirs", "Theirs")
@@ -573,7 +573,7 @@ async def test_a_scoped_drain_stays_in_its_scope(asyncplane_store_factory: Any) 
     claim = await store.claim("w", project_id="theirs")
     assert claim is not None
     await store.finish(done_id, fence=claim.fence, result="r")
-    conn = __import__("sqlite3").connect(store.path, isolation_level=None)
+    conn = raw_of(store)
     conn.execute(  # a pending twin in "theirs", as an older enqueuer would have left it
         "INSERT INTO items (project_id, state, payload, fingerprint, created_at, updated_at) "
         "SELECT 'theirs', 'ready', payload, fingerprint, 0, 0 FROM items WHERE item_id = ?",
@@ -583,7 +583,6 @@ async def test_a_scoped_drain_stays_in_its_scope(asyncplane_store_factory: Any) 
     conn.execute(
         "INSERT INTO events (item_id, event_type, fence, at) VALUES (?, 'queued', 0, 0)", (twin,)
     )
-    conn.close()
     await store.enqueue("theirs", {"task": "other"})
     mine = await store.enqueue("mine", {"task": "m"})
     summary = await drain(store, all_done, actor_id="alice", empty_rounds=1)

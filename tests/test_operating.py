@@ -71,7 +71,9 @@ async def test_purge_archives_then_deletes_old_settled_items_only(
     summary = await store.purge(dt.timedelta(days=7))
     assert summary.purged == 6  # five old settled, and the one settled a week later
     archive = summary.archive_path
-    assert archive == store.path.with_name(store.path.name + ".archive.jsonl")
+    assert archive == store.archive_path
+    if store.backend == "sqlite":  # by default, beside the database
+        assert archive == store.path.with_name(store.path.name + ".archive.jsonl")
     assert sorted(archived_ids(archive)) == sorted(old_done + old_failed + recent)
     line = json.loads(archive.read_text().splitlines()[0])
     assert [e["event_type"] for e in line["events"]] == ["queued", "claimed", "done"]
@@ -120,7 +122,8 @@ async def test_the_archive_rotates_to_one_older_generation(
         await settle(store, "p", 3)
         clock.advance(10)
         await store.purge(0)
-    archive = store.path.with_name(store.path.name + ".archive.jsonl")
+    archive = store.archive_path
+    assert archive is not None
     older = archive.with_name(archive.name + ".1")
     assert archive.exists() and older.exists()
     assert not archive.with_name(archive.name + ".2").exists()
@@ -338,7 +341,12 @@ async def test_stats_describe_the_store(store: ControlStore, clock: ManualClock)
     assert stats["expired_leases"] == 1
     assert stats["offloaded"] == 1
     assert stats["database_bytes"] > 0 and stats["wal_bytes"] >= 0
-    assert stats["schema_version"] == sql.SCHEMA_VERSION
+    if store.backend == "postgresql":
+        from asyncplane import _postgres_sql
+
+        assert stats["schema_version"] == _postgres_sql.SCHEMA_VERSION
+    else:
+        assert stats["schema_version"] == sql.SCHEMA_VERSION
 
 
 # --- the command line ----------------------------------------------------------------------
@@ -441,7 +449,8 @@ async def test_a_torn_archive_line_does_not_swallow_the_next(
 ) -> None:
     await settle(store, "alpha", 2)
     clock.advance(10)
-    archive = store.path.with_name(store.path.name + ".archive.jsonl")
+    archive = store.archive_path
+    assert archive is not None
     archive.write_text('{"archived_at": "2026-01-01", "item": {"item_id": 99')  # torn, no \n
     await store.purge(0)
     lines = archive.read_text().splitlines()

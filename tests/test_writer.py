@@ -8,6 +8,7 @@ import sqlite3
 from collections.abc import Iterator
 from typing import Any
 
+import asyncpg
 import pytest
 
 from asyncplane import (
@@ -17,17 +18,42 @@ from asyncplane import (
     InvalidInput,
     StorageError,
     StoreClosed,
+    _postgres_writer,
+    _writer,
     verify_ledger,
 )
-from asyncplane._writer import Writer
 from asyncplane.testing import ManualClock
 
+DRIVER_ERRORS = (sqlite3.Error, asyncpg.PostgresError)
 
-async def writer_of(store: ControlStore) -> Writer:
+
+async def writer_of(store: ControlStore) -> Any:
+    """The store's writer: the SQLite one, or the PostgreSQL one (the same contract)."""
     backend: Any = await store._ready()
     writer = backend.writer
-    assert isinstance(writer, Writer)
+    assert isinstance(writer, (_writer.Writer, _postgres_writer.Writer))
     return writer
+
+
+def operation(store: ControlStore, *statements: str, then: BaseException | None = None) -> Any:
+    """A raw write operation for the store's writer: run ``statements``, then raise."""
+    if store.backend == "sqlite":
+
+        def op(db: sqlite3.Connection, now: float) -> None:
+            for statement in statements:
+                db.execute(statement)
+            if then is not None:
+                raise then
+
+        return op
+
+    async def pg_op(conn: Any, now: float) -> None:
+        for statement in statements:
+            await conn.execute(statement)
+        if then is not None:
+            raise then
+
+    return pg_op
 
 
 async def until(condition: Any) -> None:
@@ -81,9 +107,11 @@ async def test_one_refusal_does_not_spoil_its_round(store: ControlStore) -> None
 async def test_a_database_error_mid_round_undoes_only_its_request(store: ControlStore) -> None:
     writer = await writer_of(store)
 
-    def broken(db: sqlite3.Connection, now: float) -> None:
-        db.execute("INSERT INTO projects VALUES ('half-written', 'H', 'open', 0)")
-        db.execute("INSERT INTO no_such_table VALUES (1)")
+    broken = operation(
+        store,
+        "INSERT INTO projects VALUES ('half-written', 'H', 'open', 0)",
+        "INSERT INTO no_such_table VALUES (1)",
+    )
 
     rounds = writer.rounds
     results = await asyncio.gather(
@@ -94,7 +122,7 @@ async def test_a_database_error_mid_round_undoes_only_its_request(store: Control
     )
     assert isinstance(results[0], int) and isinstance(results[2], int)
     assert isinstance(results[1], StorageError)
-    assert isinstance(results[1].__cause__, sqlite3.OperationalError)
+    assert isinstance(results[1].__cause__, DRIVER_ERRORS)
     assert writer.rounds == rounds + 1
     assert [p["project_id"] for p in await store.projects()] == ["alpha"]  # rolled back
     assert (await store.item(results[0]))["payload"] == {"n": 1}
@@ -105,9 +133,11 @@ async def test_a_database_error_mid_round_undoes_only_its_request(store: Control
 async def test_a_refusal_after_writing_is_rolled_back(store: ControlStore) -> None:
     writer = await writer_of(store)
 
-    def refuses_late(db: sqlite3.Connection, now: float) -> None:
-        db.execute("INSERT INTO projects VALUES ('sneaky', 'S', 'open', 0)")
-        raise InvalidInput("changed my mind")
+    refuses_late = operation(
+        store,
+        "INSERT INTO projects VALUES ('sneaky', 'S', 'open', 0)",
+        then=InvalidInput("changed my mind"),
+    )
 
     results = await asyncio.gather(
         writer.submit(refuses_late), store.enqueue("alpha", {}), return_exceptions=True
@@ -117,6 +147,7 @@ async def test_a_refusal_after_writing_is_rolled_back(store: ControlStore) -> No
     assert [p["project_id"] for p in await store.projects()] == ["alpha"]
 
 
+@pytest.mark.sqlite_only  # SQLite's one write lock and busy timeout
 async def test_lock_timeout_is_a_typed_error_and_writes_nothing(
     asyncplane_store_factory: Any,
 ) -> None:
@@ -134,6 +165,7 @@ async def test_lock_timeout_is_a_typed_error_and_writes_nothing(
     assert await store.enqueue("p", {}) == 1  # nothing half-written by the failed call
 
 
+@pytest.mark.sqlite_only  # pauses a round by holding SQLite's write lock
 async def test_claim_cancelled_before_its_round_takes_nothing(
     store: ControlStore, lock_holder: sqlite3.Connection
 ) -> None:
@@ -156,6 +188,7 @@ async def test_claim_cancelled_before_its_round_takes_nothing(
     assert await verify_ledger(store) == []
 
 
+@pytest.mark.sqlite_only  # pauses a round by holding SQLite's write lock
 async def test_claim_cancelled_during_its_round_leaves_an_item_its_lease_returns(
     store: ControlStore, lock_holder: sqlite3.Connection, clock: ManualClock
 ) -> None:
@@ -168,7 +201,7 @@ async def test_claim_cancelled_during_its_round_leaves_an_item_its_lease_returns
     lock_holder.execute("COMMIT")
     with pytest.raises(asyncio.CancelledError):
         await doomed  # returns at once; the round goes on without its caller
-    await writer.submit(lambda db, now: None)  # a barrier: every earlier round has ended
+    await writer.submit(operation(store))  # a barrier: every earlier round has ended
     # The round committed the claim; nobody holds its fence, so the lease returns it.
     assert (await store.item(item_id))["owner"] == "doomed"
     assert await verify_ledger(store) == []
@@ -179,6 +212,7 @@ async def test_claim_cancelled_during_its_round_leaves_an_item_its_lease_returns
     assert await verify_ledger(store) == []
 
 
+@pytest.mark.sqlite_only  # pauses a round by holding SQLite's write lock
 async def test_cancelled_writer_finishes_its_round_and_reports_it(
     store: ControlStore, lock_holder: sqlite3.Connection
 ) -> None:
@@ -252,15 +286,25 @@ async def test_claims_meeting_in_one_round_are_decided_together(store: ControlSt
 
 
 async def test_one_failing_member_of_grouped_finishes_fails_alone(
-    store: ControlStore, lock_holder: sqlite3.Connection
+    store: ControlStore, raw: Any
 ) -> None:
     ids = [await store.enqueue("alpha", {"n": n}) for n in range(3)]
     claims = [await store.claim(owner="w") for _ in ids]
     # A database fault for the second item only, as a trigger raising inside its UPDATE.
-    lock_holder.execute(
-        f"CREATE TRIGGER fault BEFORE UPDATE ON items WHEN OLD.item_id = {ids[1]} "
-        "BEGIN SELECT RAISE(ABORT, 'disk trouble'); END"
-    )
+    if raw.backend == "sqlite":
+        raw.execute(
+            f"CREATE TRIGGER fault BEFORE UPDATE ON items WHEN OLD.item_id = {ids[1]} "
+            "BEGIN SELECT RAISE(ABORT, 'disk trouble'); END"
+        )
+    else:
+        raw.execute(
+            "CREATE FUNCTION fault() RETURNS trigger LANGUAGE plpgsql AS "
+            "$$ BEGIN RAISE EXCEPTION 'disk trouble'; END $$"
+        )
+        raw.execute(
+            f"CREATE TRIGGER fault BEFORE UPDATE ON items FOR EACH ROW "
+            f"WHEN (OLD.item_id = {ids[1]}) EXECUTE FUNCTION fault()"
+        )
     writer = await writer_of(store)
     rounds = writer.rounds
     results = await asyncio.gather(
@@ -270,5 +314,5 @@ async def test_one_failing_member_of_grouped_finishes_fails_alone(
     assert results[0] is None and results[2] is None
     assert isinstance(results[1], StorageError) and "disk trouble" in str(results[1])
     assert [(await store.item(i))["state"] for i in ids] == ["done", "claimed", "done"]
-    lock_holder.execute("DROP TRIGGER fault")
+    raw.execute("DROP TRIGGER fault" + (" ON items" if raw.backend == "postgresql" else ""))
     assert await verify_ledger(store) == []

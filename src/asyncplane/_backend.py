@@ -20,6 +20,7 @@ Rules every backend keeps, because the store's guarantees rest on them:
 
 from __future__ import annotations
 
+import contextlib
 from typing import NamedTuple, Protocol
 
 from asyncplane import _models
@@ -346,6 +347,14 @@ class Backend(Protocol):
         """Counts and ages, read in one snapshot."""
         ...
 
+    async def sizes(self) -> tuple[int, int]:
+        """Bytes the store takes on disk: (database, write-ahead log not yet folded in)."""
+        ...
+
+    def drain_guard(self) -> contextlib.AbstractAsyncContextManager[bool]:
+        """The default single-drainer guard; entering yields whether it was had."""
+        ...
+
     async def get_item(self, item_id: int, actor_id: str | None) -> ItemRow:
         """Read an item's row."""
         ...
@@ -359,7 +368,8 @@ class Backend(Protocol):
         ...
 
     async def data_version(self) -> int:
-        """A number that changes when another connection commits (PRAGMA data_version)."""
+        """A number that changes when another connection commits (SQLite: PRAGMA
+        data_version; PostgreSQL: a count of NOTIFYs heard)."""
         ...
 
     async def tally(self) -> LedgerTally:

@@ -53,7 +53,7 @@ import os
 import pathlib
 import socket
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, Literal, TypeAlias, TypeVar
 
 from asyncplane import _clock, _errors, _lock, _models, _store, _validate
@@ -235,9 +235,8 @@ async def drain(
         preflight_chunk=_validate.positive_int(preflight_chunk, "preflight_chunk"),
     )
     _validate.text_id(run.owner, "owner")
-    path = pathlib.Path(lock_path) if lock_path is not None else _default_lock_path(store)
-    async with _lock.DrainLock(path) as lock:
-        if not lock.acquired:
+    async with _single_drainer(store, lock_path) as acquired:
+        if not acquired:
             return DrainSummary(skipped=True, elapsed_s=time.monotonic() - started)
         try:
             await run.loop()
@@ -260,8 +259,18 @@ def _default_owner() -> str:
     return f"drain@{socket.gethostname()}:{os.getpid()}:{os.urandom(3).hex()}"
 
 
-def _default_lock_path(store: _store.ControlStore) -> pathlib.Path:
-    return store.path.with_name(store.path.name + ".drain.lock")
+@contextlib.asynccontextmanager
+async def _single_drainer(
+    store: _store.ControlStore, lock_path: str | os.PathLike[str] | None
+) -> AsyncIterator[bool]:
+    """The drain's guard: the lock file asked for, else the store's own (beside an SQLite
+    file; a session advisory lock on PostgreSQL, which holds across hosts)."""
+    if lock_path is not None:
+        async with _lock.DrainLock(pathlib.Path(lock_path)) as lock:
+            yield lock.acquired
+    else:
+        async with store._drain_guard() as acquired:
+            yield acquired
 
 
 def _short(error: BaseException | str) -> str:

@@ -18,15 +18,27 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import functools
 import itertools
 import json
 import pathlib
 import sqlite3
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
-from asyncplane import _backend, _clock, _connection, _errors, _fingerprint, _models, _writer
+import anyio.to_thread
+
+from asyncplane import (
+    _backend,
+    _clock,
+    _connection,
+    _errors,
+    _fingerprint,
+    _lock,
+    _models,
+    _writer,
+)
 from asyncplane import _sqlite_sql as sql
 
 __all__ = ("SQLiteBackend",)
@@ -239,6 +251,15 @@ class SQLiteBackend:
     async def stats(self) -> _backend.StoreStats:
         return await self._read(_stats, self._clock.now())
 
+    async def sizes(self) -> tuple[int, int]:
+        return await anyio.to_thread.run_sync(_file_sizes, self._path)
+
+    @contextlib.asynccontextmanager
+    async def drain_guard(self) -> AsyncIterator[bool]:
+        """A `DrainLock` on ``<database>.drain.lock``, beside the database."""
+        async with _lock.DrainLock(self._path.with_name(self._path.name + ".drain.lock")) as lock:
+            yield lock.acquired
+
     async def next_due(self, project_id: str | None, actor_id: str | None) -> float | None:
         params = {"project_id": project_id, "actor_id": actor_id, "now": self._clock.now()}
         rows = await self._read(_fetch_named, sql.NEXT_DUE, params)
@@ -280,6 +301,16 @@ class SQLiteBackend:
 
     async def verify_ledger(self, limit: int | None) -> list[_models.LedgerProblem]:
         return await self._read(_verify_ledger, limit)
+
+
+def _file_sizes(path: pathlib.Path) -> tuple[int, int]:
+    def size(file: pathlib.Path) -> int:
+        try:
+            return file.stat().st_size
+        except FileNotFoundError:
+            return 0
+
+    return size(path), size(path.with_name(path.name + "-wal"))
 
 
 # --- refusals ------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ opens itself on first use; ``async with`` or ``await store.close()`` releases it
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -22,8 +23,6 @@ import types
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from datetime import datetime, timedelta
 from typing import Any, Literal
-
-import anyio.to_thread
 
 from asyncplane import (
     _backend,
@@ -121,8 +120,11 @@ class ControlStore:
             )
         if clock is not None and not isinstance(clock, _clock.Clock):
             raise _errors.InvalidType("clock must have a now() method returning epoch seconds")
+        location = os.fspath(path)
+        #: The PostgreSQL URL, or None for an SQLite file.
+        self._url: str | None = location if _postgres_url(location) else None
         # Absolute from the start, so a later chdir cannot move the store.
-        self._path = pathlib.Path(os.path.abspath(os.fspath(path)))
+        self._path = pathlib.Path(os.path.abspath(location)) if self._url is None else None
         self._lease_seconds = _validate.lease_seconds(lease_seconds)
         self._clock: _clock.Clock = clock if clock is not None else _clock.SystemClock()
         self._synchronous: Literal["NORMAL", "FULL"] = synchronous
@@ -139,24 +141,49 @@ class ControlStore:
             raise _errors.InvalidInput("retry_backoff_max must not be below retry_backoff")
         self._rng = rng if rng is not None else random.Random()
         self._retention = None if retention is None else _validate.duration(retention, "retention")
-        self._archive_path = (
-            _retention.default_archive_path(self._path)
-            if archive_path is None
-            else _validate.absolute_path(archive_path, "archive_path")
-        )
+        if archive_path is not None:
+            self._archive_path: pathlib.Path | None = _validate.absolute_path(
+                archive_path, "archive_path"
+            )
+        elif self._path is not None:
+            self._archive_path = _retention.default_archive_path(self._path)
+        elif self._retention is not None:
+            raise _errors.InvalidInput(
+                "a PostgreSQL store has no file to put its archive beside: "
+                "retention needs archive_path"
+            )
+        else:
+            self._archive_path = None
         self._archive_max_bytes = _validate.megabytes(archive_max_mb, "archive_max_mb")
         self._purge_chunk = _validate.positive_int(purge_chunk, "purge_chunk")
         self._purge_min_interval = _validate.delay(purge_min_interval_s, "purge_min_interval_s")
         self._last_purge: float | None = None
-        self._backend: _backend.Backend = _sqlite.SQLiteBackend(
-            self._path,
-            clock=self._clock,
-            synchronous=synchronous,
-            busy_timeout=self._busy_timeout,
-            max_batch=_validate.positive_int(max_batch, "max_batch"),
-            read_connections=_validate.positive_int(read_connections, "read_connections"),
-            read_only=_validate.boolean(read_only, "read_only"),
-        )
+        batch = _validate.positive_int(max_batch, "max_batch")
+        readers = _validate.positive_int(read_connections, "read_connections")
+        read_only = _validate.boolean(read_only, "read_only")
+        self._backend: _backend.Backend
+        if self._path is not None:
+            self._backend = _sqlite.SQLiteBackend(
+                self._path,
+                clock=self._clock,
+                synchronous=synchronous,
+                busy_timeout=self._busy_timeout,
+                max_batch=batch,
+                read_connections=readers,
+                read_only=read_only,
+            )
+        else:
+            from asyncplane import _postgres  # only a PostgreSQL store needs its driver
+
+            self._backend = _postgres.PostgresBackend(
+                location,
+                # Lease times come from the database server's clock unless one is given.
+                clock=clock,
+                connect_timeout=self._busy_timeout,
+                max_batch=batch,
+                read_connections=readers,
+                read_only=read_only,
+            )
         # Where the preflight's fingerprint backfill has got to, per scope it ran in.
         self._backfill_after: dict[tuple[str | None, str | None], int] = {}
         self._watchers: set[asyncio.Event] = set()
@@ -167,14 +194,36 @@ class ControlStore:
 
     def __repr__(self) -> str:
         state = "open" if self._is_open else "closed"
-        return f"<ControlStore {str(self._path)!r} {state}>"
+        return f"<ControlStore {self.location!r} {state}>"
 
     # --- configuration -------------------------------------------------------------------
 
     @property
     def path(self) -> pathlib.Path:
-        """The database file."""
+        """The database file (InvalidInput on a PostgreSQL store, which has none)."""
+        if self._path is None:
+            raise _errors.InvalidInput("a PostgreSQL store has no file: see location")
         return self._path
+
+    @property
+    def location(self) -> str:
+        """The database file's absolute path, or the PostgreSQL URL without its password."""
+        if self._path is not None:
+            return str(self._path)
+        from asyncplane import _postgres
+
+        return _postgres.redact(self._url or "")
+
+    @property
+    def archive_path(self) -> pathlib.Path | None:
+        """Where purge() appends archived items by default (None: a PostgreSQL store
+        configured without one, which must pass archive_path to purge)."""
+        return self._archive_path
+
+    @property
+    def backend(self) -> Literal["sqlite", "postgresql"]:
+        """Which database holds the store."""
+        return "sqlite" if self._path is not None else "postgresql"
 
     @property
     def lease_seconds(self) -> float:
@@ -721,6 +770,10 @@ class ControlStore:
             if archive_path is None
             else _validate.absolute_path(archive_path, "archive_path")
         )
+        if target is None:
+            raise _errors.InvalidInput(
+                "a PostgreSQL store has no file to put its archive beside: pass archive_path"
+            )
         return await _retention.purge(
             self,
             seconds,
@@ -732,7 +785,7 @@ class ControlStore:
 
     async def _maybe_purge(self, max_chunks: int = 20) -> int:
         """The drain loop's retention: at most every purge_min_interval_s, a bounded purge."""
-        if self._retention is None:
+        if self._retention is None or self._archive_path is None:
             return 0
         now = time.monotonic()
         if self._last_purge is not None and now - self._last_purge < self._purge_min_interval:
@@ -806,10 +859,10 @@ class ControlStore:
         for project, state, count in raw.states_by_project:
             states[state] = states.get(state, 0) + count
             projects.setdefault(project, dict.fromkeys(_models.ITEM_STATES, 0))[state] = count
-        sizes = await anyio.to_thread.run_sync(_file_sizes, self._path)
+        sizes = await (await self._ready()).sizes()
         now = self._clock.now()
         return {
-            "path": str(self._path),
+            "path": self.location,
             "schema_version": raw.schema_version,
             "items": sum(states.values()),
             "states": states,
@@ -861,6 +914,10 @@ class ControlStore:
         for event in self._watchers:
             event.set()
 
+    def _drain_guard(self) -> contextlib.AbstractAsyncContextManager[bool]:
+        """The backend's single-drainer guard (a lock file, or an advisory lock)."""
+        return self._backend.drain_guard()
+
     async def _data_version(self) -> int:
         """A number that changes whenever another connection commits to the file."""
         return await (await self._ready()).data_version()
@@ -910,14 +967,8 @@ class ControlStore:
         ]
 
 
-def _file_sizes(path: pathlib.Path) -> tuple[int, int]:
-    def size(file: pathlib.Path) -> int:
-        try:
-            return file.stat().st_size
-        except FileNotFoundError:
-            return 0
-
-    return size(path), size(path.with_name(path.name + "-wal"))
+def _postgres_url(location: str) -> bool:
+    return location.startswith(("postgresql://", "postgres://"))
 
 
 def _optional_time(value: float | None) -> datetime | None:

@@ -10,6 +10,14 @@ Fixtures (the async ones need pytest-asyncio):
 - `asyncplane_store_factory`: `await asyncplane_store_factory(name="asyncplane.db",
   **options)` opens further stores (another file, or a second store on the same file, as
   a second process would have); every one is closed after the test.
+- `asyncplane_backend`: which database the stores above use, ``"sqlite"`` unless a test
+  (or a ``pytest_generate_tests`` hook, parametrising it indirectly) says
+  ``"postgresql"``. On PostgreSQL each ``name`` is a schema of its own, made for the test
+  and dropped after it.
+- `asyncplane_postgres_url` (session): the server the PostgreSQL stores live on: the URL
+  in ``ASYNCPLANE_TEST_POSTGRES_URL`` if set, else a throwaway cluster
+  (`asyncplane.testing.PostgresCluster`) started for the session. If it cannot start,
+  the tests that need it fail; they are never skipped.
 
 A test lapses a lease without sleeping:
 
@@ -24,15 +32,27 @@ A test lapses a lease without sleeping:
 
 from __future__ import annotations
 
+import hashlib
+import os
 import pathlib
-from collections.abc import AsyncIterator, Awaitable, Callable
+import urllib.parse
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
 import pytest
 
 from asyncplane import _store, testing
 
-__all__ = ("asyncplane_clock", "asyncplane_store", "asyncplane_store_factory")
+__all__ = (
+    "asyncplane_backend",
+    "asyncplane_clock",
+    "asyncplane_postgres_url",
+    "asyncplane_store",
+    "asyncplane_store_factory",
+)
+
+#: A server to use instead of starting a throwaway cluster.
+POSTGRES_URL_VARIABLE = "ASYNCPLANE_TEST_POSTGRES_URL"
 
 StoreFactory = Callable[..., Awaitable[_store.ControlStore]]
 
@@ -49,25 +69,90 @@ except ImportError:  # pragma: no cover - without pytest-asyncio, pytest itself 
     _async_fixture = pytest.fixture  # type: ignore[assignment]
 
 
+@pytest.fixture
+def asyncplane_backend(request: pytest.FixtureRequest) -> str:
+    """``"sqlite"`` or ``"postgresql"``: the database the store fixtures use."""
+    backend: str = getattr(request, "param", "sqlite")
+    if backend not in ("sqlite", "postgresql"):
+        raise ValueError(f"asyncplane_backend must be 'sqlite' or 'postgresql', not {backend!r}")
+    return backend
+
+
+@pytest.fixture(scope="session")
+def asyncplane_postgres_url() -> Iterator[str]:
+    """The PostgreSQL server for this session: ``$ASYNCPLANE_TEST_POSTGRES_URL``, or a
+    throwaway cluster started now and removed at the end."""
+    given = os.environ.get(POSTGRES_URL_VARIABLE)
+    if given:
+        yield given
+        return
+    with testing.PostgresCluster() as cluster:
+        yield cluster.url()
+
+
+def _with_schema(url: str, schema: str) -> str:
+    parts = urllib.parse.urlsplit(url)
+    query = [(k, v) for k, v in urllib.parse.parse_qsl(parts.query) if k != "search_path"]
+    query.append(("search_path", schema))
+    return urllib.parse.urlunsplit(parts._replace(query=urllib.parse.urlencode(query)))
+
+
 @_async_fixture
 async def asyncplane_store_factory(
-    tmp_path: pathlib.Path, asyncplane_clock: testing.ManualClock
+    request: pytest.FixtureRequest,
+    tmp_path: pathlib.Path,
+    asyncplane_clock: testing.ManualClock,
+    asyncplane_backend: str,
 ) -> AsyncIterator[StoreFactory]:
-    """Open stores under ``tmp_path`` with the test's manual clock; close them after."""
+    """Open stores under ``tmp_path`` (or in fresh PostgreSQL schemas) with the test's
+    manual clock; close them after."""
     opened: list[_store.ControlStore] = []
+    schemas: dict[str, str] = {}
+    server = (
+        request.getfixturevalue("asyncplane_postgres_url")
+        if asyncplane_backend == "postgresql"
+        else None
+    )
+
+    async def location(name: str) -> str | pathlib.Path:
+        if server is None:
+            return tmp_path / name
+        if name not in schemas:
+            digest = hashlib.sha1(f"{request.node.nodeid}/{name}".encode()).hexdigest()[:16]
+            schemas[name] = f"t_{digest}_{os.getpid()}"
+            await _admin(server, "DROP SCHEMA IF EXISTS {0} CASCADE; CREATE SCHEMA {0}",
+                         schemas[name])  # fmt: skip
+        return _with_schema(server, schemas[name])
 
     async def open_store(name: str = "asyncplane.db", **options: Any) -> _store.ControlStore:
         options.setdefault("clock", asyncplane_clock)
-        store = _store.ControlStore(tmp_path / name, **options)
+        if server is not None:  # no file to put the archive beside: tmp_path, by name
+            options.setdefault("archive_path", tmp_path / f"{name}.archive.jsonl")
+        store = _store.ControlStore(await location(name), **options)
         await store.open()
         opened.append(store)
         return store
 
+    open_store.location = location  # type: ignore[attr-defined]
     try:
         yield open_store
     finally:
         for store in reversed(opened):
             await store.close()
+        if server is not None:
+            for schema in schemas.values():
+                await _admin(server, "DROP SCHEMA IF EXISTS {0} CASCADE", schema)
+
+
+async def _admin(url: str, statement: str, schema: str) -> None:
+    import asyncpg
+
+    conn = await asyncpg.connect(url)
+    try:
+        # The schema name is made here from a digest: letters, digits and underscores.
+        await conn.execute(statement.format(schema))
+    finally:
+        await conn.close()
 
 
 @_async_fixture

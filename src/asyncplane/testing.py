@@ -1,4 +1,5 @@
-"""Helpers for testing code that uses asyncplane: a clock you move by hand.
+"""Helpers for testing code that uses asyncplane: a clock you move by hand, and a
+throwaway PostgreSQL cluster.
 
     clock = ManualClock()
     async with ControlStore(tmp_path / "t.db", lease_seconds=30, clock=clock) as store:
@@ -9,6 +10,13 @@
 The pytest plugin (`asyncplane.pytest_plugin`, loaded automatically once asyncplane is
 installed) offers the same as fixtures: ``asyncplane_clock``, ``asyncplane_store`` and
 ``asyncplane_store_factory``.
+
+`PostgresCluster` runs a private PostgreSQL server for a test session or a benchmark:
+``initdb`` into a temporary directory, ``pg_ctl start`` listening on a unix socket only,
+``pg_ctl stop`` and the directory removed at the end:
+
+    with PostgresCluster() as cluster:
+        store = ControlStore(cluster.url(schema="t1"))
 """
 
 from __future__ import annotations
@@ -16,10 +24,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime as dt
+import glob
 import math
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import tempfile
 import threading
+import types
+import urllib.parse
 
-__all__ = ("DEFAULT_START", "ManualClock")
+__all__ = ("DEFAULT_START", "ManualClock", "PostgresCluster")
 
 DEFAULT_START = dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc)
 """Where a ManualClock starts unless told otherwise: 2026-01-01T00:00:00Z."""
@@ -101,3 +118,121 @@ def _seconds(value: float | dt.datetime) -> float:
 def _resolve(future: asyncio.Future[None]) -> None:
     if not future.done():
         future.set_result(None)
+
+
+class PostgresCluster:
+    """A throwaway PostgreSQL server on a unix socket in a temporary directory.
+
+    Finds ``initdb`` and ``pg_ctl`` on PATH, through ``pg_config --bindir``, or under
+    ``/usr/lib/postgresql/*/bin``. PostgreSQL refuses to run as root, so under root the
+    server runs as the ``postgres`` system user (through ``runuser``). ``fsync=False``
+    (the default) trades crash safety, which a throwaway cluster does not need, for speed.
+    Raises RuntimeError, saying why, when the server cannot be started: a test run that
+    asked for PostgreSQL must fail then, not skip.
+    """
+
+    def __init__(self, *, fsync: bool = False, settings: dict[str, str] | None = None) -> None:
+        self._fsync = fsync
+        self._settings = dict(settings or {})
+        self._root: pathlib.Path | None = None
+        self._as: list[str] = []
+
+    @property
+    def socket_dir(self) -> pathlib.Path:
+        """The directory holding the server's unix socket."""
+        if self._root is None:
+            raise RuntimeError("the cluster is not running")
+        return self._root
+
+    def url(self, *, schema: str | None = None, database: str = "postgres") -> str:
+        """A connection URL; with ``schema``, the store's tables live in that schema."""
+        query = {"host": str(self.socket_dir)}
+        if schema is not None:
+            query["search_path"] = schema
+        return f"postgresql://postgres@/{database}?{urllib.parse.urlencode(query)}"
+
+    def start(self) -> str:
+        """Create and start the cluster; return its URL."""
+        bindir = _postgres_bindir()
+        root = pathlib.Path(tempfile.mkdtemp(prefix="asyncplane-pg-"))
+        self._root = root
+        if hasattr(os, "geteuid") and os.geteuid() == 0:
+            runuser = shutil.which("runuser")
+            if runuser is None:
+                raise RuntimeError("running as root needs runuser to start PostgreSQL")
+            shutil.chown(root, user="postgres")
+            self._as = [runuser, "-u", "postgres", "--"]
+        data = root / "data"
+        self._run(
+            [str(bindir / "initdb"), "-D", str(data), "-U", "postgres", "--auth=trust",
+             "-E", "UTF8", "--locale=C", "--no-sync"],
+            "initdb",
+        )  # fmt: skip
+        options = [f"-k {root}", "-c listen_addresses=''", "-c max_connections=200"]
+        if not self._fsync:
+            options += ["-c fsync=off", "-c synchronous_commit=off", "-c full_page_writes=off"]
+        options += [f"-c {key}={value}" for key, value in self._settings.items()]
+        self._run(
+            [str(bindir / "pg_ctl"), "-D", str(data), "-l", str(root / "server.log"),
+             "-o", " ".join(options), "-w", "-t", "60", "start"],
+            "pg_ctl start",
+        )  # fmt: skip
+        return self.url()
+
+    def stop(self) -> None:
+        """Stop the server and remove its directory; idempotent."""
+        root, self._root = self._root, None
+        if root is None:
+            return
+        try:
+            if (root / "data" / "postmaster.pid").exists():
+                subprocess.run(
+                    [*self._as, str(_postgres_bindir() / "pg_ctl"), "-D", str(root / "data"),
+                     "-m", "immediate", "-w", "stop"],
+                    capture_output=True, check=False, timeout=120,
+                )  # fmt: skip
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+
+    def _run(self, command: list[str], what: str) -> None:
+        done = subprocess.run(
+            [*self._as, *command], capture_output=True, text=True, check=False, timeout=120
+        )
+        if done.returncode != 0:
+            log = ""
+            if self._root is not None and (self._root / "server.log").exists():
+                log = (self._root / "server.log").read_text(errors="replace")[-2000:]
+            self.stop()
+            raise RuntimeError(
+                f"{what} failed (exit {done.returncode}): {done.stderr.strip()} {log}".strip()
+            )
+
+    def __enter__(self) -> PostgresCluster:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: types.TracebackType | None,
+    ) -> None:
+        self.stop()
+
+
+def _postgres_bindir() -> pathlib.Path:
+    initdb = shutil.which("initdb")
+    if initdb is not None:
+        return pathlib.Path(os.path.realpath(initdb)).parent
+    pg_config = shutil.which("pg_config")
+    if pg_config is not None:
+        found = subprocess.run(
+            [pg_config, "--bindir"], capture_output=True, text=True, check=False
+        ).stdout.strip()
+        if found and (pathlib.Path(found) / "initdb").exists():
+            return pathlib.Path(found)
+    if sys.platform != "win32":
+        versions = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"), reverse=True)
+        if versions:
+            return pathlib.Path(versions[0]).parent
+    raise RuntimeError("PostgreSQL's initdb was not found (PATH, pg_config, /usr/lib/postgresql)")

@@ -1,0 +1,949 @@
+"""The PostgreSQL backend: the same claims, fences and ledger, for fleets on many hosts.
+
+Writes are operations run by this process's writer (`asyncplane._postgres_writer`) inside
+its transaction; each one does its checks before its first write, so a refusal writes
+nothing, and writes its state change and its ledger event together. Reads run on a small
+connection pool; a read of several statements runs in one REPEATABLE READ, READ ONLY
+transaction (one snapshot).
+
+Who is authoritative for a lease: the row, as on SQLite. What differs is how writers
+meet. SQLite lets one writer in at a time; here many transactions run at once, so every
+decision is made under a row lock: claims select their candidates ``FOR UPDATE SKIP
+LOCKED`` (another claimer's rows are skipped, not waited for), and every settlement is an
+UPDATE whose WHERE clause carries the fence and the state, which PostgreSQL re-checks
+after waiting for a concurrent writer of that row. A fence therefore still only rises,
+and a stale holder's report still matches nothing. One running item per content
+(fingerprint) is kept by a partial unique index; enqueue dedup by an advisory lock per
+fingerprint (see `asyncplane._postgres_sql`).
+
+Driver errors become asyncplane errors here and in the writer, once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import logging
+import urllib.parse
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+import asyncpg
+
+from asyncplane import _backend, _clock, _errors, _fingerprint, _models
+from asyncplane import _postgres_sql as sql
+from asyncplane import _postgres_writer as _writer
+
+__all__ = ("PostgresBackend", "is_url", "redact")
+
+T = TypeVar("T")
+
+_log = logging.getLogger("asyncplane")
+
+_SCHEMES = ("postgresql://", "postgres://")
+
+
+def is_url(location: str) -> bool:
+    """True when a store location names a PostgreSQL database rather than a file."""
+    return location.startswith(_SCHEMES)
+
+
+def redact(url: str) -> str:
+    """The URL without its password, for messages and reprs."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.rsplit("@", 1)
+    user = netloc[0].split(":", 1)[0]
+    return urllib.parse.urlunsplit(parts._replace(netloc=f"{user}:***@{netloc[1]}"))
+
+
+class PostgresBackend:
+    """Implements `asyncplane._backend.Backend` on one schema of a PostgreSQL database."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        clock: _clock.Clock | None,
+        connect_timeout: float,
+        max_batch: int,
+        read_connections: int,
+        read_only: bool = False,
+    ) -> None:
+        self._url = url
+        self._clock = clock
+        self._connect_timeout = connect_timeout
+        self._max_batch = max_batch
+        self._reader_count = read_connections
+        self._read_only = read_only
+        self._writer: _writer.Writer | None = None
+        self._pool: asyncpg.Pool | None = None
+        self._listener: asyncpg.Connection | None = None
+        self._schema = ""
+        self._version = 0
+        self._deaf = False  # the listener is gone: every poll must look again
+
+    @property
+    def writer(self) -> _writer.Writer | None:
+        """The writer task's handle (for tests and benchmarks)."""
+        return self._writer
+
+    # --- lifecycle ---------------------------------------------------------------------
+
+    async def _connect(self) -> asyncpg.Connection:
+        try:
+            conn: asyncpg.Connection = await asyncpg.connect(
+                self._url, timeout=self._connect_timeout
+            )
+        except (OSError, asyncio.TimeoutError, asyncpg.PostgresError) as exc:
+            raise _errors.StorageError(
+                f"cannot connect to {redact(self._url)}: {type(exc).__name__}: {exc}"
+            ) from exc
+        except asyncpg.InterfaceError as exc:
+            raise _errors.StorageError(f"cannot connect to {redact(self._url)}: {exc}") from exc
+        return conn
+
+    async def open(self) -> None:
+        """Connect, create or migrate the schema, start the writer, the pool and the listener."""
+        conn = await self._connect()
+        try:
+            if self._read_only:
+                await _guarded(_check_current_schema(conn))
+            else:
+                await _guarded(_migrate(conn))
+            self._schema = await conn.fetchval(sql.CURRENT_SCHEMA)
+            pool = await asyncpg.create_pool(
+                self._url, min_size=1, max_size=self._reader_count,
+                timeout=self._connect_timeout,
+            )  # fmt: skip
+        except BaseException:
+            await conn.close()
+            raise
+        listener = await self._connect()
+        try:
+            await listener.add_listener(sql.CHANNEL, self._heard)
+            listener.add_termination_listener(self._went_deaf)
+        except BaseException:
+            await listener.close()
+            await pool.close()
+            await conn.close()
+            raise
+        self._pool, self._listener, self._deaf = pool, listener, False
+
+        async def close_readers(graceful: bool) -> None:
+            await self._close_side_connections(graceful)
+
+        if self._read_only:
+            await conn.close()
+            return
+        self._writer = _writer.Writer(
+            conn, self._clock, name=self._schema, max_batch=self._max_batch,
+            on_exit=close_readers,
+        )  # fmt: skip
+        self._writer.start()
+
+    def _heard(self, conn: Any, pid: int, channel: str, payload: object) -> None:
+        if payload == self._schema:
+            self._version += 1
+
+    def _went_deaf(self, conn: Any) -> None:
+        self._deaf = True
+
+    async def _close_side_connections(self, graceful: bool) -> None:
+        pool, listener = self._pool, self._listener
+        self._pool = self._listener = None
+        if listener is not None:
+            with contextlib.suppress(Exception):
+                await listener.close(timeout=5)
+        if pool is not None:
+            if graceful:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(pool.close(), timeout=30)
+            pool.terminate()
+
+    async def close(self) -> None:
+        """Serve queued writes, then close the writer, the pool and the listener."""
+        writer = self._writer
+        if writer is not None:
+            await writer.stop()  # its on_exit closes the pool and the listener
+            self._writer = None
+        await self._close_side_connections(True)
+
+    def forget(self) -> None:
+        """Drop every connection left behind by an event loop that has ended."""
+        if self._writer is not None:
+            self._writer.abandon()
+        if self._pool is not None:
+            self._pool.terminate()
+        if self._listener is not None:
+            self._listener.terminate()
+        self._writer = self._pool = self._listener = None
+
+    async def _write(self, op: _writer.Operation[T]) -> T:
+        if self._read_only:
+            raise _errors.ReadOnlyStore("this store was opened with read_only=True: no writes")
+        if self._writer is None:
+            raise _errors.StoreClosed("the store is closed")
+        return await self._writer.submit(op)
+
+    async def _read(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
+        """Run ``fn(conn, *args)`` on a pooled connection."""
+        if self._pool is None:
+            raise _errors.StoreClosed("the store is closed")
+        try:
+            async with self._pool.acquire() as conn:
+                return await fn(conn, *args)
+        except (asyncpg.PostgresError, asyncpg.InterfaceError, OSError) as exc:
+            raise _writer.translate(exc) from exc
+
+    async def _fetch(self, statement: str, *args: Any) -> list[Any]:
+        return await self._read(_fetch, statement, *args)
+
+    # --- projects and scope --------------------------------------------------------------
+
+    async def create_project(self, op: _backend.NewProject) -> None:
+        await self._write(_bind(_create_project, op))
+
+    async def set_project_status(self, project_id: str, status: str) -> None:
+        await self._write(_bind(_set_project_status, project_id, status))
+
+    async def get_project(self, project_id: str) -> _backend.ProjectRow:
+        rows = await self._fetch(sql.GET_PROJECT, project_id)
+        if not rows:
+            raise _unknown_project(project_id)
+        return _backend.ProjectRow(*rows[0])
+
+    async def list_projects(self) -> list[_backend.ProjectRow]:
+        return [_backend.ProjectRow(*row) for row in await self._fetch(sql.LIST_PROJECTS)]
+
+    async def assign(self, project_id: str, actor_id: str) -> None:
+        await self._write(_bind(_assign, project_id, actor_id))
+
+    async def unassign(self, project_id: str, actor_id: str) -> None:
+        await self._write(_bind(_unassign, project_id, actor_id))
+
+    async def visible_projects(self, actor_id: str) -> list[str]:
+        return [row[0] for row in await self._fetch(sql.VISIBLE_PROJECTS, actor_id)]
+
+    # --- items ---------------------------------------------------------------------------
+
+    async def enqueue(self, op: _backend.EnqueueOp) -> list[int]:
+        return await self._write(_bind(_enqueue, op))
+
+    async def claim(self, op: _backend.ClaimOp) -> list[_backend.ClaimRow]:
+        key = ("claim", op.lease_seconds, op.actor_id, op.project_id)
+        return await self._write(_Grouped(key, op, _claim_many))
+
+    async def renew(self, op: _backend.RenewOp) -> float:
+        return await self._write(_bind(_renew, op))
+
+    async def finish(self, op: _backend.FinishOp) -> int:
+        return await self._write(_Grouped(("finish",), op, _finish_many))
+
+    async def retry(self, op: _backend.RetryOp) -> str:
+        return await self._write(_bind(_retry, op))
+
+    async def park(self, op: _backend.ParkOp) -> None:
+        await self._write(_bind(_park, op))
+
+    async def offload(self, op: _backend.OffloadOp) -> None:
+        await self._write(_bind(_offload, op))
+
+    async def offloaded(self, handle: str, actor_id: str | None) -> list[_backend.ItemRow]:
+        rows = await self._fetch(sql.OFFLOADED, handle, actor_id)
+        return [_backend.ItemRow(*row) for row in rows]
+
+    async def backfill_fingerprints(
+        self, op: _backend.PreflightOp, after_item_id: int, identity: tuple[str, ...]
+    ) -> tuple[int, int]:
+        return await self._write(_bind(_backfill_fingerprints, op, after_item_id, identity))
+
+    async def settle_pending_twins(self, op: _backend.PreflightOp) -> int:
+        return await self._write(_bind(_settle_pending_twins, op))
+
+    async def purge_candidates(
+        self, cutoff: float, chunk: int
+    ) -> list[tuple[_backend.ItemRow, list[_backend.EventRow]]]:
+        return await self._read(_purge_candidates, cutoff, chunk)
+
+    async def purge_items(self, item_ids: tuple[int, ...]) -> int:
+        return await self._write(_bind(_purge_items, item_ids))
+
+    async def import_rows(self, op: _backend.ImportOp) -> tuple[int, int]:
+        return await self._write(_bind(_import_rows, op))
+
+    async def stats(self) -> _backend.StoreStats:
+        now = None if self._clock is None else self._clock.now()
+        return await self._read(_stats, now)
+
+    async def sizes(self) -> tuple[int, int]:
+        rows = await self._fetch(sql.SCHEMA_BYTES)
+        return int(rows[0][0]), 0
+
+    async def next_due(self, project_id: str | None, actor_id: str | None) -> float | None:
+        rows = await self._fetch(sql.NEXT_DUE, project_id, actor_id)
+        value: float | None = rows[0][0]
+        return value
+
+    async def get_item(self, item_id: int, actor_id: str | None) -> _backend.ItemRow:
+        if actor_id is None:
+            rows = await self._fetch(sql.GET_ITEM, item_id)
+        else:
+            rows = await self._fetch(sql.GET_ITEM_SCOPED, item_id, actor_id)
+        if not rows:
+            raise _invisible_item(item_id, actor_id)
+        return _backend.ItemRow(*rows[0])
+
+    async def get_events(self, item_id: int, actor_id: str | None) -> list[_backend.EventRow]:
+        if actor_id is None:
+            rows = await self._fetch(sql.GET_EVENTS, item_id)
+        else:
+            rows = await self._fetch(sql.GET_EVENTS_SCOPED, item_id, actor_id)
+        if not rows:
+            raise _invisible_item(item_id, actor_id)
+        return [_backend.EventRow(*row) for row in rows if row[0] is not None]
+
+    async def count_states(self, project_id: str | None, actor_id: str | None) -> dict[str, int]:
+        return {row[0]: row[1] for row in await self._fetch(sql.COUNT_STATES, project_id, actor_id)}
+
+    async def data_version(self) -> int:
+        """A number that changes when a commit may have made work claimable (NOTIFY)."""
+        if self._pool is None:
+            raise _errors.StoreClosed("the store is closed")
+        if self._deaf:  # no notifications any more: make every poll look
+            self._version += 1
+        return self._version
+
+    async def tally(self) -> _backend.LedgerTally:
+        return await self._read(_tally)
+
+    async def item_ids(self, state: str) -> list[int]:
+        return [row[0] for row in await self._fetch(sql.ITEM_IDS_IN_STATE, state)]
+
+    async def verify_ledger(self, limit: int | None) -> list[_models.LedgerProblem]:
+        return await self._read(_verify_ledger, limit)
+
+    # --- the single-drainer guard --------------------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def drain_guard(self) -> AsyncIterator[bool]:
+        """A session advisory lock for this schema: one drainer across every host.
+
+        Yields whether it was had. Held on a connection of its own for as long as the
+        drain runs; closing that connection (or the process dying) releases it.
+        """
+        conn = await self._connect()
+        try:
+            try:
+                acquired = bool(await conn.fetchval(_DRAIN_TRY_LOCK))
+            except (asyncpg.PostgresError, asyncpg.InterfaceError, OSError) as exc:
+                raise _writer.translate(exc) from exc
+            yield acquired
+        finally:
+            await asyncio.shield(_close_quietly(conn))
+
+
+_DRAIN_TRY_LOCK = (
+    "SELECT pg_try_advisory_lock(hashtextextended('asyncplane-drain:' || current_schema(), 0))"
+)
+
+
+async def _close_quietly(conn: asyncpg.Connection) -> None:
+    try:
+        await conn.close(timeout=5)
+    except Exception:
+        conn.terminate()
+
+
+async def _guarded(work: Awaitable[T]) -> T:
+    try:
+        return await work
+    except (asyncpg.PostgresError, asyncpg.InterfaceError, OSError) as exc:
+        raise _writer.translate(exc) from exc
+
+
+def _bind(fn: Callable[..., Awaitable[T]], *args: Any) -> _writer.Operation[T]:
+    async def op(conn: asyncpg.Connection, now: float) -> T:
+        return await fn(*args, conn, now)
+
+    return op
+
+
+# --- refusals ------------------------------------------------------------------------------
+
+
+def _unknown_project(project_id: str) -> _errors.UnknownProject:
+    return _errors.UnknownProject(f"no project {project_id!r}")
+
+
+def _project_denied(project_id: str, actor_id: str) -> _errors.ScopeDenied:
+    return _errors.ScopeDenied(f"project {project_id!r} is not visible to actor {actor_id!r}")
+
+
+def _invisible_item(item_id: int, actor_id: str | None) -> _errors.AsyncplaneError:
+    if actor_id is None:
+        return _errors.UnknownItem(f"no item {item_id}")
+    return _errors.ScopeDenied(f"item {item_id} is not visible to actor {actor_id!r}")
+
+
+async def _refuse_fenced(
+    conn: asyncpg.Connection, item_id: int, fence: int, actor_id: str | None
+) -> None:
+    """Explain why a fenced update matched no row, by raising the right error."""
+    row = await conn.fetchrow(sql.DIAGNOSE_ITEM, actor_id, item_id)
+    if row is None or (actor_id is not None and not row[2]):
+        raise _invisible_item(item_id, actor_id)
+    raise _errors.FenceRejected(item_id, fence, current_fence=row[1], state=row[0])
+
+
+# --- write operations (run by the writer, inside its transaction) -------------------------
+
+Event = tuple[int, str, int, "str | None", "str | None", float, "str | None"]
+
+
+async def _insert_events(conn: asyncpg.Connection, events: list[Event]) -> None:
+    if len(events) == 1:
+        await conn.execute(sql.INSERT_EVENT, *events[0])
+    elif events:
+        await conn.execute(sql.INSERT_EVENTS, *(list(c) for c in zip(*events, strict=True)))
+
+
+async def _create_project(op: _backend.NewProject, conn: asyncpg.Connection, now: float) -> None:
+    if await conn.fetchval(sql.INSERT_PROJECT, op.project_id, op.name, op.status, now) is None:
+        raise _errors.ProjectExists(f"project {op.project_id!r} exists already")
+
+
+async def _set_project_status(
+    project_id: str, status: str, conn: asyncpg.Connection, now: float
+) -> None:
+    if await conn.fetchval(sql.SET_PROJECT_STATUS, status, project_id) is None:
+        raise _unknown_project(project_id)
+
+
+async def _assign(project_id: str, actor_id: str, conn: asyncpg.Connection, now: float) -> None:
+    if await conn.fetchval(sql.PROJECT_LOCKED, project_id) is None:
+        raise _unknown_project(project_id)
+    await conn.execute(sql.ASSIGN, actor_id, project_id, now)
+
+
+async def _unassign(project_id: str, actor_id: str, conn: asyncpg.Connection, now: float) -> None:
+    if await conn.fetchval(sql.PROJECT_EXISTS, project_id) is None:
+        raise _unknown_project(project_id)
+    await conn.execute(sql.UNASSIGN, actor_id, project_id)
+
+
+def _item_row(project_id: str, item: _backend.NewItem, now: float) -> tuple[Any, ...]:
+    deferred = item.not_before is not None and item.not_before > now
+    return (
+        project_id,
+        "deferred" if deferred else "ready",
+        item.payload_json,
+        item.priority,
+        item.service_class,
+        item.sla,
+        item.fingerprint,
+        bool(item.dedup),
+        item.max_attempts,
+        item.not_before if deferred else None,
+        now,
+        now,
+    )
+
+
+async def _insert_items(
+    conn: asyncpg.Connection, rows: list[tuple[Any, ...]], actor_id: str | None, now: float,
+    queued_detail: str | None = None,
+) -> list[int]:  # fmt: skip
+    """Insert rows (in order) with their "queued" (and "deferred") events; their ids."""
+    ids = [r[0] for r in await conn.fetch(sql.NEXT_ITEM_IDS, len(rows))]
+    columns = list(zip(*rows, strict=True))
+    await conn.execute(sql.INSERT_ITEMS, ids, *(list(column) for column in columns))
+    events: list[Event] = []
+    for item_id, row in zip(ids, rows, strict=True):
+        events.append((item_id, "queued", 0, None, actor_id, now, queued_detail))
+        if row[1] == "deferred":
+            events.append(
+                (item_id, "deferred", 0, None, actor_id, now, json.dumps({"due_at": row[9]}))
+            )
+    await _insert_events(conn, events)
+    return ids
+
+
+async def _enqueue(op: _backend.EnqueueOp, conn: asyncpg.Connection, now: float) -> list[int]:
+    if op.actor_id is None:
+        if await conn.fetchval(sql.PROJECT_EXISTS, op.project_id) is None:
+            raise _unknown_project(op.project_id)
+    elif await conn.fetchval(sql.IS_ASSIGNED, op.actor_id, op.project_id) is None:
+        raise _project_denied(op.project_id, op.actor_id)
+    wanted = sorted({item.fingerprint for item in op.items if item.dedup and item.fingerprint})
+    found: dict[str, int] = {}
+    if wanted:
+        # One enqueue of a given content at a time, in a fixed order (no deadlocks), then
+        # one look for earlier twins of them all.
+        await conn.execute(_LOCK_FINGERPRINTS, op.project_id, wanted)
+        found = {r[0]: r[1] for r in await conn.fetch(_FIND_TWINS, op.project_id, wanted)}
+    ids: list[int | None] = [None] * len(op.items)
+    first_of: dict[str, int] = {}
+    twin_of: dict[int, int] = {}
+    new: list[int] = []
+    for position, item in enumerate(op.items):
+        fp = item.fingerprint
+        if item.dedup and fp is not None:
+            if fp in first_of:
+                twin_of[position] = first_of[fp]
+                continue
+            first_of[fp] = position
+            if fp in found:
+                ids[position] = found[fp]
+                continue
+        new.append(position)
+    if new:
+        rows = [_item_row(op.project_id, op.items[p], now) for p in new]
+        added = await _insert_items(conn, rows, op.actor_id, now)
+        for position, item_id in zip(new, added, strict=True):
+            ids[position] = item_id
+    for position, first in twin_of.items():
+        ids[position] = ids[first]
+    resolved = [item_id for item_id in ids if item_id is not None]
+    if len(resolved) != len(ids):
+        raise _errors.StorageError("an enqueued item was left without an id")
+    return resolved
+
+
+_LOCK_FINGERPRINTS = """
+SELECT pg_advisory_xact_lock(hashtextextended($1::text || chr(1) || fp, 0))
+FROM unnest($2::text[]) AS fp ORDER BY fp
+"""
+_FIND_TWINS = """
+SELECT DISTINCT ON (fingerprint) fingerprint, item_id FROM items
+WHERE project_id = $1 AND fingerprint = ANY($2::text[]) AND state <> 'failed'
+ORDER BY fingerprint, state = 'done' DESC, item_id
+"""
+
+
+def _claim_key(row: Any) -> tuple[Any, ...]:
+    # (item_id, state, fence, owner, attempts, max_attempts, project_id, fingerprint,
+    #  priority, service_class, sla)
+    return (-row[8], row[9], row[10] is None, row[10] or 0.0, row[0])
+
+
+class _Arm:
+    """One source of claimable items, read page by page in claim order."""
+
+    def __init__(
+        self, conn: asyncpg.Connection, statement: str, reach: tuple[Any, ...],
+        extra: tuple[Any, ...], page: int,
+    ) -> None:  # fmt: skip
+        self._conn, self._statement, self._reach, self._extra = conn, statement, reach, extra
+        self._page = page
+        self._offset = 0
+        self._rows: list[Any] = []
+        self._more = True
+
+    async def head(self) -> Any | None:
+        if not self._rows and self._more:
+            rows = await self._conn.fetch(
+                self._statement, *self._reach, self._page, self._offset, *self._extra
+            )
+            self._offset += len(rows)
+            self._more = len(rows) == self._page
+            self._rows.extend(rows)
+            self._page = min(self._page * 2, 1024)
+        return self._rows[0] if self._rows else None
+
+    def pop(self) -> Any:
+        return self._rows.pop(0)
+
+
+async def _choose(arms: list[_Arm], limit: int) -> list[Any]:
+    """Merge the arms in claim order, one item per fingerprint, up to ``limit``."""
+    chosen: list[Any] = []
+    fingerprints: set[tuple[str, str]] = set()
+    while len(chosen) < limit:
+        offered = []
+        for index, arm in enumerate(arms):
+            row = await arm.head()
+            if row is not None:
+                offered.append((_claim_key(row), index))
+        if not offered:
+            break
+        _, index = min(offered)
+        row = arms[index].pop()
+        if row[7] is not None:
+            twin = (row[6], row[7])
+            if twin in fingerprints:
+                continue
+            fingerprints.add(twin)
+        chosen.append(row)
+    return chosen
+
+
+async def _claim_many(
+    ops: list[_backend.ClaimOp], conn: asyncpg.Connection, now: float
+) -> list[list[_backend.ClaimRow]]:
+    """Claims that share their filters and lease, decided together (see the SQLite one)."""
+    first = ops[0]
+    reach = (first.project_id, first.actor_id)
+    total = sum(op.limit for op in ops)
+    events: list[Event] = []
+    probe = await conn.fetchrow(sql.ANY_LAPSED_OR_DUE, now)
+    lapsed, due = (False, False) if probe is None else (probe[0], probe[1])
+    if lapsed:
+        for item_id, fence, owner, attempts, max_attempts in await conn.fetch(
+            sql.LAPSED_EXHAUSTED, *reach, max(total, 16), now
+        ):
+            error = f"attempts exhausted: the lease of attempt {attempts} of {max_attempts} lapsed"
+            await conn.execute(sql.EXHAUST_ITEM, error, now, item_id, fence)
+            events.append((item_id, "lease_expired", fence, owner, first.actor_id, now, None))
+            events.append(
+                (item_id, "failed", fence, owner, first.actor_id, now,
+                 json.dumps({"error": error}))
+            )  # fmt: skip
+    arms = [_Arm(conn, sql.CLAIM_READY, reach, (), total)]
+    if due:
+        arms.append(_Arm(conn, sql.CLAIM_DUE, reach, (now,), total))
+    if lapsed:
+        arms.append(_Arm(conn, sql.CLAIM_LAPSED, reach, (now,), total))
+    chosen = await _choose(arms, total)
+    results: list[list[_backend.ClaimRow]] = []
+    rows = iter(chosen)
+    for op in ops:
+        expires = now + op.lease_seconds
+        claimed: list[_backend.ClaimRow] = []
+        for row in itertools.islice(rows, op.limit):
+            item_id, state, old_fence, old_owner = row[:4]
+            got = await _claim_row(conn, row, op.owner, expires, now)
+            if got is None:
+                continue  # a twin started elsewhere meanwhile: this one waits
+            if state == "claimed":
+                detail = json.dumps({"taken_over_by": op.owner})
+                events.append(
+                    (item_id, "lease_expired", old_fence, old_owner, op.actor_id, now, detail)
+                )
+            new_id, project_id, payload, fence, attempts = got
+            extra = (row[8], row[9], row[10], row[7], row[5])
+            claimed.append(
+                _backend.ClaimRow(
+                    new_id, project_id, payload, fence, attempts, op.owner, expires, *extra
+                )
+            )
+            events.append((item_id, "claimed", fence, op.owner, op.actor_id, now, None))
+        results.append(claimed)
+    await _insert_events(conn, events)
+    return results
+
+
+async def _claim_row(
+    conn: asyncpg.Connection, row: Any, owner: str, expires: float, now: float
+) -> Any | None:
+    """Claim one locked candidate; None when a twin of it started running meanwhile."""
+    if row[7] is None or row[1] == "claimed":
+        return await conn.fetchrow(sql.CLAIM_ITEM, owner, expires, now, row[0])
+    # A twin may have been claimed by another transaction since the candidates were read:
+    # the unique index on running fingerprints says so, and the savepoint undoes the try.
+    try:
+        async with conn.transaction():
+            return await conn.fetchrow(sql.CLAIM_ITEM, owner, expires, now, row[0])
+    except asyncpg.UniqueViolationError:
+        return None
+
+
+async def _finish_many(
+    ops: list[_backend.FinishOp], conn: asyncpg.Connection, now: float
+) -> list[int | _errors.AsyncplaneError]:
+    """Finishes that came together: each on its own, a refusal answered, not raised."""
+    results: list[int | _errors.AsyncplaneError] = []
+    events: list[Event] = []
+    for op in ops:
+        try:
+            results.append(await _settle_finish(op, conn, now, events))
+        except _errors.AsyncplaneError as exc:
+            results.append(exc)  # the guarded UPDATE matched nothing: nothing was written
+    await _insert_events(conn, events)
+    return results
+
+
+async def _settle_finish(
+    op: _backend.FinishOp, conn: asyncpg.Connection, now: float, events: list[Event]
+) -> int:
+    base = (op.item_id, op.fence, op.actor_id, now)
+    if op.status == "done":
+        row = await conn.fetchrow(sql.SETTLE_DONE, *base, op.result_json)
+    else:
+        row = await conn.fetchrow(sql.SETTLE_FAILED, *base, op.error)
+    if row is None:
+        await _refuse_fenced(conn, op.item_id, op.fence, op.actor_id)
+        raise AssertionError("unreachable")  # pragma: no cover
+    owner, project_id, fp = row[0], row[1], row[2]
+    detail = None if op.error is None else json.dumps({"error": op.error})
+    events.append((op.item_id, op.status, op.fence, owner, op.actor_id, now, detail))
+    if op.status != "done" or fp is None:
+        return 0
+    twins = await conn.fetch(sql.SETTLE_TWINS, op.result_json, now, project_id, fp, op.item_id)
+    settled_by = json.dumps({"deduplicated_from": op.item_id})
+    events.extend(
+        (twin, "done", fence, None, op.actor_id, now, settled_by) for twin, fence in twins
+    )
+    return len(twins)
+
+
+async def _renew(op: _backend.RenewOp, conn: asyncpg.Connection, now: float) -> float:
+    expires = now + op.lease_seconds
+    row = await conn.fetchrow(sql.RENEW, expires, now, op.item_id, op.fence, op.actor_id)
+    if row is None:
+        await _refuse_fenced(conn, op.item_id, op.fence, op.actor_id)
+    return expires
+
+
+async def _retry(op: _backend.RetryOp, conn: asyncpg.Connection, now: float) -> str:
+    budget = await conn.fetchrow(sql.READ_BUDGET, op.item_id, op.fence, op.actor_id)
+    if budget is None:
+        await _refuse_fenced(conn, op.item_id, op.fence, op.actor_id)
+        raise AssertionError("unreachable")  # pragma: no cover
+    attempts, max_attempts, owner = budget
+    base = (op.item_id, op.fence, op.actor_id, now)
+    if max_attempts is not None and attempts >= max_attempts:
+        error = (
+            f"attempts exhausted ({attempts} of {max_attempts}): {op.error or 'no reason given'}"
+        )
+        await conn.fetchrow(sql.SETTLE_FAILED, *base, error)
+        await _insert_events(
+            conn,
+            [(op.item_id, "failed", op.fence, owner, op.actor_id, now,
+              json.dumps({"error": error}))],
+        )  # fmt: skip
+        return "failed"
+    if op.delay is not None:
+        delay = op.delay
+    else:  # exponential backoff with jitter: spread retries of a burst of failures
+        doublings = min(max(attempts - 1, 0), 60)
+        delay = min(op.backoff_max, op.backoff_base * 2**doublings * (0.5 + op.jitter))
+    due = now + delay
+    await conn.fetchrow(sql.SETTLE_DEFERRED, *base, due, op.error, 0, False)
+    detail = json.dumps({"error": op.error, "due_at": due})
+    await _insert_events(conn, [(op.item_id, "retried", op.fence, owner, op.actor_id, now, detail)])
+    return "deferred"
+
+
+async def _park(op: _backend.ParkOp, conn: asyncpg.Connection, now: float) -> None:
+    due = now + op.delay
+    row = await conn.fetchrow(
+        sql.SETTLE_DEFERRED, op.item_id, op.fence, op.actor_id, now, due, None, 1, True
+    )
+    if row is None:
+        await _refuse_fenced(conn, op.item_id, op.fence, op.actor_id)
+        raise AssertionError("unreachable")  # pragma: no cover
+    detail = json.dumps({"due_at": due})
+    await _insert_events(conn, [(op.item_id, "parked", op.fence, row[0], op.actor_id, now, detail)])
+
+
+async def _offload(op: _backend.OffloadOp, conn: asyncpg.Connection, now: float) -> None:
+    row = await conn.fetchrow(
+        sql.SETTLE_OFFLOADED, op.item_id, op.fence, op.actor_id, now, op.handle
+    )
+    if row is None:
+        await _refuse_fenced(conn, op.item_id, op.fence, op.actor_id)
+        raise AssertionError("unreachable")  # pragma: no cover
+    detail = json.dumps({"handle": op.handle})
+    await _insert_events(
+        conn, [(op.item_id, "offloaded", op.fence, row[0], op.actor_id, now, detail)]
+    )
+
+
+async def _backfill_fingerprints(
+    op: _backend.PreflightOp, after: int, identity: tuple[str, ...],
+    conn: asyncpg.Connection, now: float,
+) -> tuple[int, int]:  # fmt: skip
+    rows = await conn.fetch(sql.MISSING_FINGERPRINTS, after, op.chunk, op.project_id, op.actor_id)
+    if not rows:
+        return after, 0
+    await conn.executemany(
+        sql.SET_FINGERPRINT,
+        [(_fingerprint.from_payload(json.loads(payload), identity), item_id)
+         for item_id, payload in rows],
+    )  # fmt: skip
+    return int(rows[-1][0]), len(rows)
+
+
+async def _settle_pending_twins(
+    op: _backend.PreflightOp, conn: asyncpg.Connection, now: float
+) -> int:
+    rows = await conn.fetch(sql.PENDING_WITH_DONE_TWIN, op.chunk, op.project_id, op.actor_id)
+    events: list[Event] = []
+    for item_id, fence, done_id, result in rows:
+        await conn.execute(sql.SETTLE_ONE_TWIN, result, now, item_id)
+        detail = json.dumps({"deduplicated_from": done_id})
+        events.append((item_id, "done", fence, None, op.actor_id, now, detail))
+    await _insert_events(conn, events)
+    return len(rows)
+
+
+async def _purge_items(item_ids: tuple[int, ...], conn: asyncpg.Connection, now: float) -> int:
+    gone = [row[0] for row in await conn.fetch(sql.PURGE_ITEMS, list(item_ids))]
+    if gone:
+        await conn.execute(sql.PURGE_EVENTS, gone)  # its history goes with it, never before
+    return len(gone)
+
+
+async def _import_rows(
+    op: _backend.ImportOp, conn: asyncpg.Connection, now: float
+) -> tuple[int, int]:
+    if await conn.fetchval(sql.PROJECT_EXISTS, op.project_id) is None:
+        raise _unknown_project(op.project_id)
+    imported = skipped = 0
+    for key, item in op.rows:
+        if await conn.fetchval(sql.ALREADY_IMPORTED, op.source, key) is not None:
+            skipped += 1
+            continue
+        row = _item_row(op.project_id, item, now)
+        (item_id,) = await _insert_items(
+            conn, [row], None, now,
+            queued_detail=json.dumps({"imported_from": op.source, "source_key": key}),
+        )  # fmt: skip
+        await conn.execute(sql.RECORD_IMPORT, op.source, key, item_id, now)
+        imported += 1
+    return imported, skipped
+
+
+# --- schema --------------------------------------------------------------------------------
+
+
+async def _read_version(conn: asyncpg.Connection) -> int:
+    """The schema version found, refusing a schema of another application or a newer one."""
+    if await conn.fetchval(sql.CURRENT_SCHEMA) is None:
+        raise _errors.StorageError(
+            "no schema to create the store in: the search_path names none that exists"
+        )
+    if not await conn.fetchval(_META_EXISTS):
+        if await conn.fetchval(sql.COUNT_TABLES):
+            raise _errors.NotAnAsyncplaneDatabase(
+                "the schema holds tables of another application, not an asyncplane store"
+            )
+        return 0
+    meta = {row[0]: row[1] for row in await conn.fetch(sql.READ_META)}
+    if meta.get("application") != sql.APPLICATION:
+        raise _errors.NotAnAsyncplaneDatabase(
+            "the schema holds another application's tables, not an asyncplane store"
+        )
+    version = int(meta.get("schema_version", "0"))
+    if version > sql.SCHEMA_VERSION:
+        raise _errors.SchemaVersionError(
+            f"the store has schema version {version}; this asyncplane knows versions up "
+            f"to {sql.SCHEMA_VERSION}: upgrade asyncplane to open it"
+        )
+    return version
+
+
+_META_EXISTS = "SELECT to_regclass(format('%I.asyncplane_meta', current_schema())) IS NOT NULL"
+
+
+async def _migrate(conn: asyncpg.Connection) -> None:
+    """Create or upgrade the schema, in one transaction, one process at a time."""
+    async with conn.transaction():
+        await conn.execute(sql.MIGRATION_LOCK)
+        version = await _read_version(conn)
+        for script in sql.MIGRATIONS[version:]:
+            await conn.execute(script)
+        if version != sql.SCHEMA_VERSION:
+            await conn.execute(sql.WRITE_META, "application", sql.APPLICATION)
+            await conn.execute(sql.WRITE_META, "schema_version", str(sql.SCHEMA_VERSION))
+
+
+async def _check_current_schema(conn: asyncpg.Connection) -> None:
+    """For a read-only opening: the schema must be a store of exactly this version."""
+    version = await _read_version(conn)
+    if version == 0:
+        raise _errors.NotAnAsyncplaneDatabase("the schema is empty: not an asyncplane store yet")
+    if version < sql.SCHEMA_VERSION:
+        raise _errors.SchemaVersionError(
+            f"the store has schema version {version} and needs migrating to "
+            f"{sql.SCHEMA_VERSION}: open it once without read_only"
+        )
+
+
+# --- reads ---------------------------------------------------------------------------------
+
+
+def _snapshot(conn: asyncpg.Connection) -> Any:
+    return conn.transaction(isolation="repeatable_read", readonly=True)
+
+
+async def _fetch(conn: asyncpg.Connection, statement: str, *args: Any) -> list[Any]:
+    return list(await conn.fetch(statement, *args))
+
+
+async def _tally(conn: asyncpg.Connection) -> _backend.LedgerTally:
+    async with _snapshot(conn):
+        totals = await conn.fetchrow(sql.LEDGER_TALLY)
+        assert totals is not None  # an aggregate always returns its row
+        items, claims, takeovers, terminal = totals
+        settled_twice = [row[0] for row in await conn.fetch(sql.SETTLED_TWICE)]
+        unexplained = [row[0] for row in await conn.fetch(sql.UNEXPLAINED_CLAIMS)]
+    return _backend.LedgerTally(items, claims, takeovers, terminal, settled_twice, unexplained)
+
+
+async def _purge_candidates(
+    conn: asyncpg.Connection, cutoff: float, chunk: int
+) -> list[tuple[_backend.ItemRow, list[_backend.EventRow]]]:
+    async with _snapshot(conn):
+        rows = await conn.fetch(sql.PURGE_CANDIDATES, cutoff, chunk)
+        events = await conn.fetch(sql.EVENTS_OF_ITEMS, [row[0] for row in rows])
+    history: dict[int, list[_backend.EventRow]] = {}
+    for event in events:
+        history.setdefault(event[1], []).append(_backend.EventRow(*event))
+    return [(_backend.ItemRow(*row), history.get(row[0], [])) for row in rows]
+
+
+async def _stats(conn: asyncpg.Connection, now: float | None) -> _backend.StoreStats:
+    async with _snapshot(conn):
+        by_project = tuple(tuple(row) for row in await conn.fetch(sql.STATES_BY_PROJECT))
+        oldest = await conn.fetchval(sql.OLDEST_READY)
+        expired = await conn.fetchval(sql.EXPIRED_LEASES, now)
+        version = await _read_version(conn)
+    return _backend.StoreStats(by_project, oldest, expired, version)
+
+
+async def _verify_ledger(
+    conn: asyncpg.Connection, limit: int | None
+) -> list[_models.LedgerProblem]:
+    problems: list[_models.LedgerProblem] = []
+    async with _snapshot(conn):
+        for kind, statement in sql.LEDGER_CHECKS:
+            if limit is not None and len(problems) >= limit:
+                break
+            async for item_id, detail in conn.cursor(statement, prefetch=500):
+                problems.append(_models.LedgerProblem(kind, item_id, detail))
+                if limit is not None and len(problems) >= limit:
+                    break
+    problems.sort(key=lambda p: (p.item_id, _KIND_ORDER[p.kind]))
+    return problems
+
+
+_KIND_ORDER = {kind: position for position, (kind, _) in enumerate(sql.LEDGER_CHECKS)}
+
+
+class _Grouped:
+    """A write operation that the writer may run together with its like."""
+
+    __slots__ = ("group_key", "many", "op")
+
+    def __init__(
+        self, group_key: tuple[Any, ...], op: Any, many: Callable[..., Awaitable[list[Any]]]
+    ) -> None:
+        self.group_key = group_key
+        self.op = op
+        self.many = many
+
+    async def __call__(self, conn: asyncpg.Connection, now: float) -> Any:
+        result = (await self.many([self.op], conn, now))[0]
+        if isinstance(result, _errors.AsyncplaneError):
+            raise result
+        return result
+
+    async def run_group(
+        self, members: list[_Grouped], conn: asyncpg.Connection, now: float
+    ) -> list[Any]:
+        return await self.many([member.op for member in members], conn, now)

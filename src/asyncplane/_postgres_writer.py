@@ -1,0 +1,332 @@
+"""The PostgreSQL writer task: this process's writes, group-committed on one connection.
+
+The same contract as the SQLite writer (`asyncplane._writer`): callers hand it an
+*operation*, here a coroutine function ``op(conn, now)``, and get back that operation's
+own result or error; requests that wait while a transaction runs go together into the
+next one (group commit), so under load many claims and finishes share one COMMIT.
+
+Isolation inside a round. With more than one unit in a round each unit runs under a
+savepoint: a refusal (an AsyncplaneError) or a database error rolls back to it, so what
+the failed request wrote is undone and the others commit. A round of one unit needs no
+savepoint: the transaction is the unit.
+
+Deadlocks and serialisation failures (two hosts' rounds waiting on each other's rows,
+which PostgreSQL breaks by failing one) are not any request's fault: the whole round is
+rolled back and run again, a few times, before its callers see the error.
+
+"Now" is read once per round, after BEGIN: from the database server's clock, so every
+host agrees on when a lease lapses, or from an injected clock in tests.
+
+Cancellation never decides what is saved: a round runs as a task of its own, shielded from
+the writer task, and hands each caller its outcome itself; a caller cancelled during its
+round gets nothing back, but the round commits or rolls back as a whole.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import asyncpg
+
+from asyncplane import _clock, _errors
+from asyncplane import _postgres_sql as sql
+
+__all__ = ("Operation", "Writer", "translate")
+
+T = TypeVar("T")
+
+_log = logging.getLogger("asyncplane")
+
+#: A write operation: runs inside the writer's transaction.
+Operation = Callable[[asyncpg.Connection, float], Awaitable[T]]
+
+_Request = tuple[Operation[Any], "asyncio.Future[Any]"]
+
+#: SQLSTATEs that mean "run it again": serialization_failure, deadlock_detected.
+RETRYABLE = frozenset({"40001", "40P01"})
+_ROUND_ATTEMPTS = 5
+
+
+def translate(exc: BaseException) -> _errors.StorageError:
+    """Map a driver error to asyncplane's family; the caller raises it ``from exc``."""
+    if isinstance(exc, asyncpg.exceptions.LockNotAvailableError):
+        return _errors.DatabaseLocked(f"a lock could not be had: {exc}")
+    if isinstance(exc, asyncpg.PostgresError):
+        return _errors.StorageError(f"{type(exc).__name__} ({exc.sqlstate}): {exc}")
+    return _errors.StorageError(f"{type(exc).__name__}: {exc}")
+
+
+class _Raised:
+    """Marks an operation's error among the results of a round."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+class _Retry(Exception):
+    """The round hit a deadlock or serialisation failure: run it again."""
+
+
+class Writer:
+    """Serialises and group-commits the writes of one store on one connection."""
+
+    def __init__(
+        self,
+        conn: asyncpg.Connection,
+        clock: _clock.Clock | None,
+        *,
+        name: str,
+        max_batch: int = 256,
+        on_exit: Callable[[bool], Awaitable[None]] | None = None,
+    ) -> None:
+        self._conn = conn
+        self._clock = clock
+        self._name = name
+        self._max_batch = max_batch
+        self._on_exit = on_exit
+        self._pending: collections.deque[_Request] = collections.deque()
+        self._wakeup = asyncio.Event()
+        self._stopping = False
+        self._failure: BaseException | None = None
+        self._task: asyncio.Task[None] | None = None
+        self.rounds = 0
+        self.requests = 0
+        self.retried_rounds = 0
+
+    def start(self) -> None:
+        """Start the writer task on the running loop."""
+        self._task = asyncio.get_running_loop().create_task(
+            self._run(), name=f"asyncplane-writer[{self._name}]"
+        )
+        self._task.add_done_callback(self._supervise)
+
+    def _supervise(self, task: asyncio.Task[None]) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            _log.error("asyncplane writer %s stopped", self._name, exc_info=task.exception())
+
+    @property
+    def running(self) -> bool:
+        """True while the writer accepts requests."""
+        return self._task is not None and not self._task.done() and not self._stopping
+
+    async def submit(self, op: Operation[T]) -> T:
+        """Queue one operation and wait for its own result or error."""
+        if not self.running:
+            raise self._closed_error()
+        future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+        self._pending.append((op, future))
+        self._wakeup.set()
+        return await future
+
+    async def stop(self) -> None:
+        """Serve every queued request, run ``on_exit``, close the connection; idempotent."""
+        self._stopping = True
+        self._wakeup.set()
+        if self._task is not None and not self._task.done():
+            await asyncio.wait([self._task])
+
+    def abandon(self) -> None:
+        """Drop the connection without the event loop, which has already ended."""
+        self._stopping = True
+        self._conn.terminate()
+
+    def _closed_error(self) -> _errors.StoreClosed:
+        if self._failure is not None:
+            err = _errors.StoreClosed(f"the store's writer stopped: {self._failure!r}")
+            err.__cause__ = self._failure
+            return err
+        return _errors.StoreClosed("the store is closed")
+
+    async def _run(self) -> None:
+        graceful = False
+        try:
+            while True:
+                if not self._pending:
+                    if self._stopping:
+                        graceful = True
+                        return
+                    self._wakeup.clear()
+                    await self._wakeup.wait()
+                    continue
+                batch: list[_Request] = []
+                while self._pending and len(batch) < self._max_batch:
+                    request = self._pending.popleft()
+                    if not request[1].cancelled():
+                        batch.append(request)
+                if batch:
+                    # The round is a task of its own: cancelling the writer (the loop
+                    # shutting down) never stops a transaction half-way.
+                    round_task = asyncio.get_running_loop().create_task(
+                        self._round(batch), name=f"asyncplane-write-round[{self._name}]"
+                    )
+                    await asyncio.shield(round_task)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:
+            self._failure = exc
+            raise
+        finally:
+            self._stopping = True
+            failure = self._closed_error()
+            while self._pending:
+                _, future = self._pending.popleft()
+                if not future.done():
+                    future.set_exception(failure)
+            try:
+                if self._on_exit is not None:
+                    await asyncio.shield(self._on_exit(graceful))
+            finally:
+                await asyncio.shield(_close(self._conn))
+
+    async def _round(self, batch: list[_Request]) -> None:
+        """Run one transaction for ``batch`` and hand each caller its outcome."""
+        self.rounds += 1
+        self.requests += len(batch)
+        ops = [op for op, _ in batch]
+        try:
+            for attempt in range(_ROUND_ATTEMPTS):
+                try:
+                    outcomes = await self._transact(ops)
+                    break
+                except _Retry as retry:
+                    self.retried_rounds += 1
+                    if attempt == _ROUND_ATTEMPTS - 1:
+                        cause = retry.__cause__ or retry
+                        error = translate(cause)
+                        error.__cause__ = cause
+                        outcomes = [_Raised(error)] * len(ops)
+                    else:
+                        await asyncio.sleep(0.001 * 2**attempt)  # let the other side commit
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            if not self._conn.is_closed():
+                # Outside any operation (the clock, say): this round fails, the writer
+                # goes on. The transaction was rolled back on the way out.
+                error = _errors.StorageError(f"the write round failed: {exc!r}")
+                error.__cause__ = exc
+                outcomes = [_Raised(error)] * len(ops)
+            else:  # the connection broke: every caller hears of it, and the writer stops
+                error = _errors.StorageError(f"the store's write connection failed: {exc!r}")
+                error.__cause__ = exc
+                for _, future in batch:
+                    if not future.done():
+                        future.set_exception(error)
+                raise
+        except BaseException as exc:
+            error = _errors.StorageError(f"the store's write connection failed: {exc!r}")
+            error.__cause__ = exc
+            for _, future in batch:
+                if not future.done():
+                    future.set_exception(error)
+            raise
+        for (_, future), outcome in zip(batch, outcomes, strict=True):
+            if future.done():  # cancelled while its round ran; the round stands
+                continue
+            if isinstance(outcome, _Raised):
+                future.set_exception(outcome.error)
+            else:
+                future.set_result(outcome)
+
+    async def _now(self) -> float:
+        if self._clock is not None:
+            return self._clock.now()
+        value: float = await self._conn.fetchval(sql.SERVER_NOW)
+        return value
+
+    async def _transact(self, ops: list[Operation[Any]]) -> list[Any]:
+        """One transaction for all ops, each unit isolated by a savepoint when not alone."""
+        conn = self._conn
+        units = _units(ops)
+        alone = len(units) == 1 and len(units[0]) == 1
+        transaction = conn.transaction()
+        await transaction.start()
+        try:
+            now = await self._now()
+            if alone:  # the transaction is the unit: its failure is the round's
+                outcomes = await _run_unit(ops, units[0], conn, now)
+            else:
+                outcomes = [None] * len(ops)
+                for unit in units:
+                    results = await _isolated(ops, unit, conn, now)
+                    for index, outcome in zip(unit, results, strict=True):
+                        outcomes[index] = outcome
+        except _errors.AsyncplaneError as exc:
+            await transaction.rollback()
+            return [_Raised(exc)] * len(ops)
+        except asyncpg.PostgresError as exc:
+            await transaction.rollback()
+            if exc.sqlstate in RETRYABLE:
+                raise _Retry() from exc
+            return [_Raised(_translated(exc))] * len(ops)
+        except BaseException:
+            await transaction.rollback()
+            raise
+        try:
+            await transaction.commit()
+        except asyncpg.PostgresError as exc:
+            if exc.sqlstate in RETRYABLE:
+                raise _Retry() from exc
+            error = _translated(exc)
+            return [_Raised(error)] * len(ops)
+        return outcomes
+
+
+async def _isolated(
+    ops: list[Operation[Any]], unit: list[int], conn: asyncpg.Connection, now: float
+) -> list[Any]:
+    """Run a unit under a savepoint; if it breaks, its members one by one, so a failure
+    belongs to the one request that caused it. Deadlocks go up: the round runs again."""
+    try:
+        async with conn.transaction():
+            return await _run_unit(ops, unit, conn, now)
+    except (_errors.AsyncplaneError, asyncpg.PostgresError) as exc:
+        if isinstance(exc, asyncpg.PostgresError) and exc.sqlstate in RETRYABLE:
+            raise _Retry() from exc
+        if len(unit) == 1:
+            return [_Raised(exc if isinstance(exc, _errors.AsyncplaneError) else _translated(exc))]
+    results: list[Any] = []
+    for index in unit:
+        results.extend(await _isolated(ops, [index], conn, now))
+    return results
+
+
+def _translated(exc: BaseException) -> _errors.StorageError:
+    err = translate(exc)
+    err.__cause__ = exc
+    return err
+
+
+def _units(ops: list[Operation[Any]]) -> list[list[int]]:
+    """Consecutive ops that share a ``group_key`` run as one unit; the rest alone."""
+    units: list[list[int]] = []
+    for index, op in enumerate(ops):
+        key = getattr(op, "group_key", None)
+        if units and key is not None and getattr(ops[units[-1][0]], "group_key", None) == key:
+            units[-1].append(index)
+        else:
+            units.append([index])
+    return units
+
+
+async def _run_unit(
+    ops: list[Operation[Any]], unit: list[int], conn: asyncpg.Connection, now: float
+) -> list[Any]:
+    if len(unit) == 1:
+        return [await ops[unit[0]](conn, now)]
+    group: Any = ops[unit[0]]
+    results = await group.run_group([ops[index] for index in unit], conn, now)
+    return [_Raised(r) if isinstance(r, _errors.AsyncplaneError) else r for r in results]
+
+
+async def _close(conn: asyncpg.Connection) -> None:
+    try:
+        await conn.close(timeout=10)
+    except Exception:  # a broken connection: drop it
+        conn.terminate()
