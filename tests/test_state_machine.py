@@ -51,12 +51,15 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import datetime as dt
+import itertools
+import os
 import pathlib
 import random
 import tempfile
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
+import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -68,6 +71,7 @@ from hypothesis.stateful import (
     multiple,
     precondition,
     rule,
+    run_state_machine_as_test,
 )
 
 from asyncplane import (
@@ -82,6 +86,7 @@ from asyncplane import (
     UnknownItem,
     UnknownProject,
     fingerprint,
+    testing,
     verify_ledger,
 )
 from asyncplane._models import ITEM_STATES
@@ -230,7 +235,7 @@ class StoreMachine(RuleBasedStateMachine):
         self.tmp = tempfile.TemporaryDirectory(prefix="asyncplane-sm-")
         self.loop = asyncio.new_event_loop()
         self.clock = ManualClock()
-        self.path = pathlib.Path(self.tmp.name) / "store.db"
+        self.location: str | pathlib.Path = self.make_location()
         # The store's jitter source and the model's mirror of it draw in step: the store
         # draws once per retry() call that passes validation, refused or not.
         self.store_rng = random.Random(JITTER_SEED)
@@ -243,9 +248,16 @@ class StoreMachine(RuleBasedStateMachine):
         self.model_items: dict[int, ModelItem] = {}
         self.serial = 0  # makes every payload distinct
 
+    def make_location(self) -> str | pathlib.Path:
+        """Where this run's store lives: a file here; a fresh schema on PostgreSQL."""
+        return pathlib.Path(self.tmp.name) / "store.db"
+
+    def drop_location(self) -> None:
+        """Remove what make_location() made outside the temporary directory."""
+
     def new_store(self) -> ControlStore:
         return ControlStore(
-            self.path,
+            self.location,
             lease_seconds=LEASE,
             clock=self.clock,
             identity=IDENTITY if self.identity else None,
@@ -264,8 +276,11 @@ class StoreMachine(RuleBasedStateMachine):
                 self.loop.run_until_complete(self.loop.shutdown_asyncgens())
                 self.loop.run_until_complete(self.loop.shutdown_default_executor())
             finally:
-                self.loop.close()
-                self.tmp.cleanup()
+                try:
+                    self.drop_location()
+                finally:
+                    self.loop.close()
+                    self.tmp.cleanup()
 
     # --- helpers -----------------------------------------------------------------------
 
@@ -546,7 +561,7 @@ class StoreMachine(RuleBasedStateMachine):
         identity first, if it has none.)"""
         self.upgrade()
         if self.legacy is None:
-            self.legacy = ControlStore(self.path, lease_seconds=LEASE, clock=self.clock)
+            self.legacy = ControlStore(self.location, lease_seconds=LEASE, clock=self.clock)
         done_tasks = [
             item.payload["task"]
             for item in self.model_items.values()
@@ -1413,11 +1428,44 @@ def event_view(event: dict[str, Any]) -> Event:
     )
 
 
-TestStore = StoreMachine.TestCase
-TestStore.settings = settings(
+SETTINGS = settings(
     max_examples=150,
     stateful_step_count=50,
     deadline=None,
     derandomize=True,
     database=None,
 )
+
+
+def test_the_store_behaves_like_its_model(
+    asyncplane_backend: str, request: pytest.FixtureRequest
+) -> None:
+    """The same machine on both backends: on PostgreSQL every run gets a fresh schema."""
+    if asyncplane_backend == "sqlite":
+        run_state_machine_as_test(StoreMachine, settings=SETTINGS)
+        return
+    server: str = request.getfixturevalue("asyncplane_postgres_url")
+    runs = itertools.count()
+
+    class PostgresMachine(StoreMachine):
+        def make_location(self) -> str:
+            self.schema = f"sm_{os.getpid()}_{next(runs)}"
+            self.run(admin(server, f"DROP SCHEMA IF EXISTS {self.schema} CASCADE"))
+            self.run(admin(server, f"CREATE SCHEMA {self.schema}"))
+            return testing.with_schema(server, self.schema)
+
+        def drop_location(self) -> None:
+            self.run(admin(server, f"DROP SCHEMA IF EXISTS {self.schema} CASCADE"))
+
+    # Fewer runs: each one migrates a fresh schema and opens three server connections.
+    run_state_machine_as_test(PostgresMachine, settings=settings(SETTINGS, max_examples=50))
+
+
+async def admin(url: str, statement: str) -> None:
+    import asyncpg
+
+    conn = await asyncpg.connect(url)
+    try:
+        await conn.execute(statement)
+    finally:
+        await conn.close()

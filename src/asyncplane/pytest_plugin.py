@@ -35,7 +35,6 @@ from __future__ import annotations
 import hashlib
 import os
 import pathlib
-import urllib.parse
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
@@ -90,13 +89,6 @@ def asyncplane_postgres_url() -> Iterator[str]:
         yield cluster.url()
 
 
-def _with_schema(url: str, schema: str) -> str:
-    parts = urllib.parse.urlsplit(url)
-    query = [(k, v) for k, v in urllib.parse.parse_qsl(parts.query) if k != "search_path"]
-    query.append(("search_path", schema))
-    return urllib.parse.urlunsplit(parts._replace(query=urllib.parse.urlencode(query)))
-
-
 @_async_fixture
 async def asyncplane_store_factory(
     request: pytest.FixtureRequest,
@@ -122,7 +114,7 @@ async def asyncplane_store_factory(
             schemas[name] = f"t_{digest}_{os.getpid()}"
             await _admin(server, "DROP SCHEMA IF EXISTS {0} CASCADE; CREATE SCHEMA {0}",
                          schemas[name])  # fmt: skip
-        return _with_schema(server, schemas[name])
+        return testing.with_schema(server, schemas[name])
 
     async def open_store(name: str = "asyncplane.db", **options: Any) -> _store.ControlStore:
         options.setdefault("clock", asyncplane_clock)

@@ -36,7 +36,7 @@ import threading
 import types
 import urllib.parse
 
-__all__ = ("DEFAULT_START", "ManualClock", "PostgresCluster")
+__all__ = ("DEFAULT_START", "ManualClock", "PostgresCluster", "with_schema")
 
 DEFAULT_START = dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc)
 """Where a ManualClock starts unless told otherwise: 2026-01-01T00:00:00Z."""
@@ -146,10 +146,9 @@ class PostgresCluster:
 
     def url(self, *, schema: str | None = None, database: str = "postgres") -> str:
         """A connection URL; with ``schema``, the store's tables live in that schema."""
-        query = {"host": str(self.socket_dir)}
-        if schema is not None:
-            query["search_path"] = schema
-        return f"postgresql://postgres@/{database}?{urllib.parse.urlencode(query)}"
+        host = urllib.parse.urlencode({"host": str(self.socket_dir)})
+        url = f"postgresql://postgres@/{database}?{host}"
+        return url if schema is None else with_schema(url, schema)
 
     def start(self) -> str:
         """Create and start the cluster; return its URL."""
@@ -218,6 +217,15 @@ class PostgresCluster:
         tb: types.TracebackType | None,
     ) -> None:
         self.stop()
+
+
+def with_schema(url: str, schema: str) -> str:
+    """The PostgreSQL URL with its ``search_path`` set to ``schema``: a store opened on it
+    keeps its tables there, apart from every other schema's store."""
+    parts = urllib.parse.urlsplit(url)
+    query = [(k, v) for k, v in urllib.parse.parse_qsl(parts.query) if k != "search_path"]
+    query.append(("search_path", schema))
+    return urllib.parse.urlunsplit(parts._replace(query=urllib.parse.urlencode(query)))
 
 
 def _postgres_bindir() -> pathlib.Path:
