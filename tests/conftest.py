@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
+import pathlib
 import re
 import sqlite3
 import threading
@@ -21,7 +23,7 @@ from typing import Any, TypeVar
 
 import pytest
 
-from asyncplane import ControlStore
+from asyncplane import ControlStore, testing
 from asyncplane.testing import ManualClock
 
 T = TypeVar("T")
@@ -30,9 +32,52 @@ T = TypeVar("T")
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "asyncplane_backend" not in metafunc.fixturenames:
         return
-    sqlite_only = metafunc.definition.get_closest_marker("sqlite_only") is not None
-    backends = ["sqlite"] if sqlite_only else ["sqlite", "postgresql"]
+    backends = ["sqlite", "postgresql"]
+    if metafunc.definition.get_closest_marker("sqlite_only") is not None:
+        backends = ["sqlite"]
+    elif metafunc.definition.get_closest_marker("postgresql_only") is not None:
+        backends = ["postgresql"]
     metafunc.parametrize("asyncplane_backend", backends, indirect=True)
+
+
+@pytest.fixture
+def location_of(
+    request: pytest.FixtureRequest, tmp_path: pathlib.Path, asyncplane_backend: str
+) -> Iterator[Callable[[str], str]]:
+    """For tests that open stores themselves (in other processes, say): ``location_of(name)``
+    is a file under tmp_path, or the URL of a fresh PostgreSQL schema, dropped after."""
+    made: list[str] = []
+    server = (
+        request.getfixturevalue("asyncplane_postgres_url")
+        if asyncplane_backend == "postgresql"
+        else None
+    )
+
+    def location(name: str) -> str:
+        if server is None:
+            return str(tmp_path / name)
+        schema = f"p_{len(made)}_{os.getpid()}_{abs(hash(request.node.nodeid)) % 10**8}"
+        asyncio.run(
+            _admin(server, f"DROP SCHEMA IF EXISTS {schema} CASCADE; CREATE SCHEMA {schema}")
+        )
+        made.append(schema)
+        return testing.with_schema(server, schema)
+
+    try:
+        yield location
+    finally:
+        for schema in made:
+            asyncio.run(_admin(server or "", f"DROP SCHEMA IF EXISTS {schema} CASCADE"))
+
+
+async def _admin(url: str, statement: str) -> None:
+    import asyncpg
+
+    conn = await asyncpg.connect(url)
+    try:
+        await conn.execute(statement)
+    finally:
+        await conn.close()
 
 
 @pytest.fixture

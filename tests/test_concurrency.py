@@ -46,8 +46,8 @@ async def test_64_coroutines_drain_one_store_without_duplicates(store: ControlSt
     assert await verify_ledger(store) == []
 
 
-def test_8_processes_drain_one_file_without_duplicates(tmp_path: pathlib.Path) -> None:
-    path = tmp_path / "shared.db"
+def test_8_processes_drain_one_store_without_duplicates(location_of: Any) -> None:
+    path = location_of("shared.db")
     items = 2400
 
     async def seed() -> list[int]:
@@ -58,7 +58,7 @@ def test_8_processes_drain_one_file_without_duplicates(tmp_path: pathlib.Path) -
     ids = asyncio.run(seed())
     workers = [
         subprocess.Popen(
-            [sys.executable, str(WORKER), str(path), f"proc-{n}", "4"],
+            [sys.executable, str(WORKER), path, f"proc-{n}", "4"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,

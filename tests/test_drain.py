@@ -317,17 +317,17 @@ async def test_two_drains_in_one_process_run_one_at_a_time(store: ControlStore) 
     assert not (await first).skipped
 
 
-def test_two_drain_processes_run_one_at_a_time(tmp_path: pathlib.Path) -> None:
-    path = tmp_path / "two.db"
+def test_two_drain_processes_run_one_at_a_time(location_of: Any) -> None:
+    path = location_of("two.db")
     asyncio.run(_seed(path))
     holder = subprocess.Popen(
-        [sys.executable, str(WORKER), str(path), "hold"],
+        [sys.executable, str(WORKER), path, "hold"],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
         assert holder.stdout is not None and holder.stdout.readline().strip() == "executing"
         other = subprocess.run(
-            [sys.executable, str(WORKER), str(path), "once"],
+            [sys.executable, str(WORKER), path, "once"],
             capture_output=True, text=True, timeout=120,
         )  # fmt: skip
         assert other.returncode == 0, other.stderr
@@ -340,11 +340,11 @@ def test_two_drain_processes_run_one_at_a_time(tmp_path: pathlib.Path) -> None:
             holder.wait()
 
 
-def test_a_killed_drainer_leaves_no_lock_behind(tmp_path: pathlib.Path) -> None:
-    path = tmp_path / "killed.db"
+def test_a_killed_drainer_leaves_no_lock_behind(location_of: Any) -> None:
+    path = location_of("killed.db")
     asyncio.run(_seed(path))
     holder = subprocess.Popen(
-        [sys.executable, str(WORKER), str(path), "hold"],
+        [sys.executable, str(WORKER), path, "hold"],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
     assert holder.stdout is not None and holder.stdout.readline().strip() == "executing"
@@ -354,7 +354,7 @@ def test_a_killed_drainer_leaves_no_lock_behind(tmp_path: pathlib.Path) -> None:
     assert holder.stdin is not None
     holder.stdin.close()
     next_drain = subprocess.run(
-        [sys.executable, str(WORKER), str(path), "once"],
+        [sys.executable, str(WORKER), path, "once"],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert next_drain.returncode == 0, next_drain.stderr
@@ -403,7 +403,7 @@ async def test_a_drain_lock_is_released_on_every_exit(tmp_path: pathlib.Path) ->
         assert again.acquired
 
 
-async def _seed(path: pathlib.Path) -> None:
+async def _seed(path: str | pathlib.Path) -> None:
     async with ControlStore(path) as store:
         await store.create_project("p", "P")
         await store.enqueue("p", {})

@@ -152,30 +152,35 @@ class PostgresCluster:
 
     def start(self) -> str:
         """Create and start the cluster; return its URL."""
-        bindir = _postgres_bindir()
         root = pathlib.Path(tempfile.mkdtemp(prefix="asyncplane-pg-"))
         self._root = root
-        if hasattr(os, "geteuid") and os.geteuid() == 0:
-            runuser = shutil.which("runuser")
-            if runuser is None:
-                raise RuntimeError("running as root needs runuser to start PostgreSQL")
-            shutil.chown(root, user="postgres")
-            self._as = [runuser, "-u", "postgres", "--"]
-        data = root / "data"
-        self._run(
-            [str(bindir / "initdb"), "-D", str(data), "-U", "postgres", "--auth=trust",
-             "-E", "UTF8", "--locale=C", "--no-sync"],
-            "initdb",
-        )  # fmt: skip
-        options = [f"-k {root}", "-c listen_addresses=''", "-c max_connections=200"]
-        if not self._fsync:
-            options += ["-c fsync=off", "-c synchronous_commit=off", "-c full_page_writes=off"]
-        options += [f"-c {key}={value}" for key, value in self._settings.items()]
-        self._run(
-            [str(bindir / "pg_ctl"), "-D", str(data), "-l", str(root / "server.log"),
-             "-o", " ".join(options), "-w", "-t", "60", "start"],
-            "pg_ctl start",
-        )  # fmt: skip
+        try:
+            bindir = _postgres_bindir()
+            if hasattr(os, "geteuid") and os.geteuid() == 0:
+                runuser = shutil.which("runuser")
+                if runuser is None:
+                    raise RuntimeError("running as root needs runuser to start PostgreSQL")
+                shutil.chown(root, user="postgres")
+                self._as = [runuser, "-u", "postgres", "--"]
+            data = root / "data"
+            self._run(
+                [str(bindir / "initdb"), "-D", str(data), "-U", "postgres", "--auth=trust",
+                 "-E", "UTF8", "--locale=C", "--no-sync"],
+                "initdb",
+            )  # fmt: skip
+            options = [f"-k {root}", "-c listen_addresses=''", "-c max_connections=200"]
+            if not self._fsync:
+                options += ["-c fsync=off", "-c synchronous_commit=off",
+                            "-c full_page_writes=off"]  # fmt: skip
+            options += [f"-c {key}={value}" for key, value in self._settings.items()]
+            self._run(
+                [str(bindir / "pg_ctl"), "-D", str(data), "-l", str(root / "server.log"),
+                 "-o", " ".join(options), "-w", "-t", "60", "start"],
+                "pg_ctl start",
+            )  # fmt: skip
+        except BaseException:
+            self.stop()
+            raise
         return self.url()
 
     def stop(self) -> None:
@@ -194,14 +199,16 @@ class PostgresCluster:
             shutil.rmtree(root, ignore_errors=True)
 
     def _run(self, command: list[str], what: str) -> None:
-        done = subprocess.run(
-            [*self._as, *command], capture_output=True, text=True, check=False, timeout=120
-        )
+        try:
+            done = subprocess.run(
+                [*self._as, *command], capture_output=True, text=True, check=False, timeout=120
+            )
+        except OSError as exc:
+            raise RuntimeError(f"{what} could not run: {exc}") from exc
         if done.returncode != 0:
             log = ""
             if self._root is not None and (self._root / "server.log").exists():
                 log = (self._root / "server.log").read_text(errors="replace")[-2000:]
-            self.stop()
             raise RuntimeError(
                 f"{what} failed (exit {done.returncode}): {done.stderr.strip()} {log}".strip()
             )

@@ -1,0 +1,230 @@
+"""What is PostgreSQL's own: the mechanisms that differ from SQLite's.
+
+The behaviour both backends share is proved by the rest of the suite, which runs every
+store test on both. Here: the URL, the server's clock, several "hosts" (stores with
+connections of their own) meeting on one schema, the schema guard, and NOTIFY.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import pathlib
+from typing import Any
+
+import asyncpg
+import pytest
+
+from asyncplane import (
+    ControlStore,
+    InvalidInput,
+    NotAnAsyncplaneDatabase,
+    ReadOnlyStore,
+    SchemaVersionError,
+    StorageError,
+    _clock,
+    testing,
+    verify_ledger,
+)
+
+pytestmark = pytest.mark.postgresql_only
+
+SERVER_NOW = "SELECT extract(epoch FROM clock_timestamp())::float8"
+TABLES_HERE = "SELECT tablename FROM pg_tables WHERE schemaname = current_schema()"
+
+
+@pytest.fixture
+def url(location_of: Any, asyncplane_backend: str) -> str:
+    assert asyncplane_backend == "postgresql"
+    location: str = location_of("pg")
+    return location
+
+
+async def sql(url: str, statement: str, *args: Any) -> list[Any]:
+    conn = await asyncpg.connect(url)
+    try:
+        return list(await conn.fetch(statement, *args))
+    finally:
+        await conn.close()
+
+
+def test_a_url_selects_postgresql_and_its_password_stays_out_of_sight() -> None:
+    store = ControlStore("postgresql://app:s3cret@db.example:5432/work?search_path=q")
+    assert store.backend == "postgresql"
+    assert "s3cret" not in store.location and "s3cret" not in repr(store)
+    assert store.location == "postgresql://app:***@db.example:5432/work?search_path=q"
+    with pytest.raises(InvalidInput, match="no file"):
+        _ = store.path
+    assert store.archive_path is None
+    with pytest.raises(InvalidInput, match="archive_path"):
+        ControlStore("postgres://db.example/work", retention=60)
+    assert ControlStore("plain.db").backend == "sqlite"
+
+
+async def test_an_unreachable_server_is_a_storage_error(tmp_path: Any) -> None:
+    store = ControlStore(f"postgresql://nobody@/none?host={tmp_path}", busy_timeout=2)
+    with pytest.raises(StorageError, match="cannot connect"):
+        await store.open()
+
+
+async def test_leases_are_measured_by_the_server_clock(
+    url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # This host's clock is an hour fast; the server's is right. The lease follows the
+    # server, so workers on hosts with skewed clocks agree on when it lapses.
+    real_now = _clock.SystemClock.now
+    monkeypatch.setattr(_clock.SystemClock, "now", lambda self: real_now(self) + 3600)
+    async with ControlStore(url, lease_seconds=60) as store:
+        await store.create_project("p", "P")
+        await store.enqueue("p", {})
+        (server_before,) = (await sql(url, SERVER_NOW))[0]
+        claim = await store.claim("w")
+        (server_after,) = (await sql(url, SERVER_NOW))[0]
+    assert claim is not None
+    expires = claim.lease_expires_at.timestamp()
+    assert server_before + 60 - 1 <= expires <= server_after + 60 + 1
+
+
+async def test_two_hosts_claim_side_by_side_without_sharing_an_item(url: str) -> None:
+    hosts = [ControlStore(url, lease_seconds=600) for _ in range(3)]
+    try:
+        await hosts[0].create_project("p", "P")
+        ids = await hosts[0].enqueue_many("p", [{"n": n} for n in range(300)])
+
+        async def work(store: ControlStore, name: str) -> list[int]:
+            done = []
+            while (batch := await store.claim_batch(name, 7)) != []:
+                for claim in batch:
+                    await store.finish(claim.item_id, fence=claim.fence)
+                    done.append(claim.item_id)
+            return done
+
+        results = await asyncio.gather(
+            *(work(store, f"h{n}-w{k}") for n, store in enumerate(hosts) for k in range(4))
+        )
+        finished = [item for result in results for item in result]
+        assert sorted(finished) == ids  # every item once: none shared, none lost
+        assert await verify_ledger(hosts[0]) == []
+    finally:
+        for store in hosts:
+            await store.close()
+
+
+async def test_twins_never_run_at_once_even_across_hosts(url: str) -> None:
+    hosts = [ControlStore(url, lease_seconds=600) for _ in range(4)]
+    try:
+        await hosts[0].create_project("p", "P")
+        for n in range(8):  # eight independent items with the same content
+            await hosts[0].enqueue("p", {"n": n}, fingerprint="same", dedup=False)
+        claims = await asyncio.gather(*(store.claim_batch(f"h{n}", 4) for n, store in
+                                        enumerate(hosts)))  # fmt: skip
+        running = [claim for batch in claims for claim in batch]
+        assert len(running) == 1  # one of the twins; the others wait for it
+        rows = await sql(url, "SELECT count(*) FROM items WHERE state = 'claimed'")
+        assert rows[0][0] == 1
+        assert await verify_ledger(hosts[0]) == []
+    finally:
+        for store in hosts:
+            await store.close()
+
+
+async def test_concurrent_enqueues_of_one_content_agree_on_one_item(url: str) -> None:
+    hosts = [ControlStore(url) for _ in range(4)]
+    try:
+        await hosts[0].create_project("p", "P")
+        ids = await asyncio.gather(
+            *(store.enqueue("p", {"from": n}, fingerprint="f") for n, store in enumerate(hosts))
+        )
+        assert len(set(ids)) == 1
+        counts = await hosts[0].counts()
+        assert counts["ready"] == 1
+    finally:
+        for store in hosts:
+            await store.close()
+
+
+async def test_a_schema_of_another_application_is_refused(url: str) -> None:
+    await sql(url, "CREATE TABLE customers (id int)")
+    with pytest.raises(NotAnAsyncplaneDatabase):
+        await ControlStore(url).open()
+    assert [r[0] for r in await sql(url, TABLES_HERE)] == ["customers"]  # untouched
+
+
+async def test_a_newer_schema_is_refused(url: str) -> None:
+    async with ControlStore(url):
+        pass
+    await sql(url, "UPDATE asyncplane_meta SET value = '999' WHERE key = 'schema_version'")
+    with pytest.raises(SchemaVersionError, match="999"):
+        await ControlStore(url).open()
+
+
+async def test_many_stores_opening_a_fresh_schema_at_once_migrate_it_once(url: str) -> None:
+    stores = [ControlStore(url) for _ in range(6)]
+    try:
+        await asyncio.gather(*(store.open() for store in stores))
+        await stores[0].create_project("p", "P")
+        assert (await stores[5].project("p"))["name"] == "P"
+    finally:
+        for store in stores:
+            await store.close()
+
+
+async def test_a_read_only_store_reads_and_refuses_writes(url: str) -> None:
+    async with ControlStore(url) as writer:
+        await writer.create_project("p", "P")
+        item = await writer.enqueue("p", {"x": 1})
+    async with ControlStore(url, read_only=True) as reader:
+        assert (await reader.item(item))["payload"] == {"x": 1}
+        with pytest.raises(ReadOnlyStore):
+            await reader.enqueue("p", {})
+
+
+async def test_another_hosts_commit_is_heard_through_notify(url: str) -> None:
+    async with ControlStore(url) as here, ControlStore(url) as there:
+        await here.create_project("p", "P")
+        before = await here._data_version()
+        await there.enqueue("p", {})
+        for _ in range(1000):  # the notification arrives on the listener's connection
+            if await here._data_version() != before:
+                break
+            await asyncio.sleep(0.005)
+        assert await here._data_version() != before
+
+
+async def test_a_deadlock_between_hosts_is_retried_not_reported(url: str) -> None:
+    # Two rounds that lock the same two items in opposite orders: PostgreSQL breaks the
+    # deadlock by failing one; its writer runs the round again and both succeed.
+    async with ControlStore(url, lease_seconds=600) as a, ControlStore(url) as b:
+        await a.create_project("p", "P")
+        x, y = await a.enqueue_many("p", [{"n": 1}, {"n": 2}])
+        cx, cy = await a.claim("w"), await a.claim("w")
+        assert cx is not None and cy is not None
+        backends: list[Any] = [await s._ready() for s in (a, b)]
+        writers = [backend.writer for backend in backends]
+        locked = [asyncio.Event(), asyncio.Event()]
+        touch = "UPDATE items SET updated_at = $1 WHERE item_id = $2"
+
+        def crossing(me: int, first: int, second: int) -> Any:
+            async def op(conn: Any, now: float) -> None:
+                await conn.execute(touch, now, first)
+                locked[me].set()
+                await locked[1 - me].wait()  # each holds one row and reaches for the other
+                await conn.execute(touch, now, second)
+
+            return op
+
+        await asyncio.gather(
+            writers[0].submit(crossing(0, x, y)), writers[1].submit(crossing(1, y, x))
+        )
+        assert sum(w.retried_rounds for w in writers) >= 1
+        assert await verify_ledger(a) == []
+
+
+def test_the_cluster_helper_reports_why_it_could_not_start(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(testing, "_postgres_bindir", lambda: pathlib.Path("/nonexistent"))
+    cluster = testing.PostgresCluster()
+    with pytest.raises(RuntimeError, match="initdb"):
+        cluster.start()
+    with pytest.raises(RuntimeError, match="not running"):
+        _ = cluster.socket_dir  # it cleaned up after itself
