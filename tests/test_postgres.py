@@ -228,3 +228,160 @@ def test_the_cluster_helper_reports_why_it_could_not_start(
         cluster.start()
     with pytest.raises(RuntimeError, match="not running"):
         _ = cluster.socket_dir  # it cleaned up after itself
+
+
+# --- found in review: races only a server database has --------------------------------------
+
+
+async def test_a_row_shifted_between_pages_is_claimed_once(
+    url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The claim reads a second page (its first held a twin it skipped); meanwhile another
+    # host commits a higher-priority item, which shifts every row by one: the second
+    # page offers a row the first already gave. It must be claimed once, not twice.
+    from asyncplane import _postgres
+
+    async with ControlStore(url) as store, ControlStore(url) as other:
+        await store.create_project("p", "P")
+        await store.enqueue("p", {"n": "A"}, fingerprint="X", priority=5)
+        await store.enqueue("p", {"n": "B"}, fingerprint="X", dedup=False, priority=5)
+        await store.enqueue("p", {"n": "C"}, priority=5)
+        await store.enqueue("p", {"n": "D"}, priority=1)
+        head = _postgres._Arm.head
+        pages = 0
+
+        async def shifting_head(self: Any) -> Any:
+            nonlocal pages
+            if not self._rows and self._more:
+                pages += 1
+                if pages == 2:  # between the first page and the second
+                    await other.enqueue("p", {"n": "Z"}, priority=9)
+            return await head(self)
+
+        monkeypatch.setattr(_postgres._Arm, "head", shifting_head)
+        got = await store.claim_batch("w", 3)
+        assert pages >= 2
+        ids = [claim.item_id for claim in got]
+        assert len(ids) == len(set(ids))
+        assert all(claim.fence == 1 for claim in got)
+        assert await verify_ledger(store) == []
+
+
+async def test_overlapping_enqueues_from_many_hosts_never_deadlock(url: str) -> None:
+    # Each host enqueues the same contents, in its own order, many at once: the rounds'
+    # content locks are taken sorted, so no two rounds wait on each other in a circle.
+    hosts = [ControlStore(url) for _ in range(3)]
+    try:
+        await hosts[0].create_project("p", "P")
+        contents = [f"c{n}" for n in range(12)]
+
+        async def burst(store: ControlStore, order: list[str]) -> list[int]:
+            return list(
+                await asyncio.gather(*(store.enqueue("p", {"c": c}, fingerprint=c) for c in order))
+            )
+
+        orders = [contents, contents[::-1], contents[5:] + contents[:5]]
+        results = await asyncio.gather(
+            *(burst(store, order) for store, order in zip(hosts, orders, strict=True))
+        )
+        by_content = [
+            dict(zip(order, ids, strict=True)) for order, ids in zip(orders, results, strict=True)
+        ]
+        assert by_content[0] == by_content[1] == by_content[2]  # one item per content
+        backends: list[Any] = [await store._ready() for store in hosts]
+        assert sum(backend.writer.retried_rounds for backend in backends) == 0
+        assert (await hosts[0].counts())["ready"] == len(contents)
+    finally:
+        for store in hosts:
+            await store.close()
+
+
+async def test_the_store_clock_follows_the_server_not_this_host(
+    url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # This host's clock is five seconds slow. The drain loop's alarms, a purge's cutoff
+    # and the ages in stats all read store.clock, which must agree with the server's.
+    import time as real_time
+    import types
+
+    from asyncplane import _postgres
+
+    slow = types.SimpleNamespace(time=lambda: real_time.time() - 5)
+    monkeypatch.setattr(_postgres, "time", slow)
+    async with ControlStore(url) as store:
+        await store.create_project("p", "P")
+        (server_now,) = (await sql(url, SERVER_NOW))[0]
+        assert abs(store.clock.now() - server_now) < 1.0
+        due = await store.enqueue("p", {}, not_before=server_now + 0.3)
+        assert (await store.item(due))["state"] == "deferred"
+        started = real_time.monotonic()
+        summary = await asyncio.wait_for(
+            __import__("asyncplane").drain(store, _all_done, mode="daemon", max_iters=3),
+            timeout=10,
+        )
+        assert summary.done == 1
+        assert real_time.monotonic() - started < 3  # woke when due, not five seconds late
+
+
+async def _all_done(batch: list[Any]) -> list[Any]:
+    from asyncplane import Done
+
+    return [Done() for _ in batch]
+
+
+async def test_reopening_a_project_elsewhere_wakes_a_listener(url: str) -> None:
+    async with ControlStore(url) as here, ControlStore(url) as there:
+        await here.create_project("p", "P", status="paused")
+        await here.enqueue("p", {})
+        before = await here._data_version()
+        await there.set_project_status("p", "open")
+        for _ in range(1000):
+            if await here._data_version() != before:
+                break
+            await asyncio.sleep(0.005)
+        assert await here._data_version() != before
+
+
+async def test_a_lost_connection_is_replaced_on_next_use(url: str) -> None:
+    async with ControlStore(url) as store:
+        await store.create_project("p", "P")
+        backend: Any = await store._ready()
+        pid = backend.writer._conn.get_server_pid()
+        await sql(url, "SELECT pg_terminate_backend($1)", pid)  # a server restart, as it were
+        with pytest.raises(StorageError):
+            await store.enqueue("p", {"lost": True})  # this one's fate is reported ...
+        for _ in range(1000):
+            if backend.broken:
+                break
+            await asyncio.sleep(0.005)
+        item = await store.enqueue("p", {"after": True})  # ... and the store goes on
+        assert (await store.item(item))["payload"] == {"after": True}
+        assert await verify_ledger(store) == []
+
+
+async def test_a_cancelled_writer_lets_its_round_finish(url: str) -> None:
+    async with ControlStore(url) as store:
+        await store.create_project("p", "P")
+        item = await store.enqueue("p", {})
+        claim = await store.claim("w")
+        assert claim is not None
+        blocker = await asyncpg.connect(url)
+        try:
+            await blocker.execute("BEGIN")
+            await blocker.execute("SELECT 1 FROM items WHERE item_id = $1 FOR UPDATE", item)
+            backend: Any = await store._ready()
+            writer = backend.writer
+            finish = asyncio.ensure_future(store.finish(item, fence=claim.fence, result="r"))
+            for _ in range(1000):  # the round is on the server, waiting for the row
+                if writer._round_task is not None:
+                    break
+                await asyncio.sleep(0.001)
+            writer._task.cancel()  # as an event loop shutting down would
+            await asyncio.sleep(0.05)
+            await blocker.execute("ROLLBACK")
+            assert await finish is None  # the round ran to its end and its caller heard
+        finally:
+            await blocker.close()
+    async with ControlStore(url) as store:
+        assert (await store.item(item))["state"] == "done"
+        assert await verify_ledger(store) == []

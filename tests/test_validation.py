@@ -208,3 +208,18 @@ async def test_sql_is_parameterised(store: ControlStore) -> None:
     item_id = await store.enqueue(hostile, {"q": "' OR 1=1 --"})
     assert (await store.item(item_id))["project_id"] == hostile
     assert [p["project_id"] for p in await store.projects()] == ["alpha", hostile]
+
+
+async def test_nul_characters_are_refused_in_names_and_errors(store: ControlStore) -> None:
+    # PostgreSQL text cannot hold NUL; both backends refuse it, before writing anything.
+    with pytest.raises(InvalidInput, match="NUL"):
+        await store.create_project("nul", "bad\x00name")
+    item_id = await store.enqueue("alpha", {"text": "a NUL inside JSON is fine: \x00"})
+    claim = await store.claim("w")
+    assert claim is not None and claim.payload == {"text": "a NUL inside JSON is fine: \x00"}
+    with pytest.raises(InvalidInput, match="NUL"):
+        await store.finish(item_id, fence=claim.fence, status="failed", error="bad\x00error")
+    with pytest.raises(InvalidInput, match="NUL"):
+        await store.retry(item_id, fence=claim.fence, error="bad\x00error")
+    assert (await store.item(item_id))["state"] == "claimed"
+    assert [p["project_id"] for p in await store.projects()] == ["alpha"]

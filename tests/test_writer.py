@@ -259,10 +259,15 @@ async def test_a_broken_connection_stops_the_writer_loudly(
         await store.enqueue("alpha", {})
     assert writer._task is not None
     await asyncio.wait([writer._task])
+    assert "asyncplane writer" in caplog.text
+    if store.backend == "postgresql":
+        # A server connection is lost in the ordinary course of things (a restart, a
+        # failover): the store opens afresh on next use.
+        assert isinstance(await store.enqueue("alpha", {}), int)
+        return
     with pytest.raises(StoreClosed, match="writer stopped") as caught:
         await store.enqueue("alpha", {})
     assert caught.value.__cause__ is not None
-    assert "asyncplane writer" in caplog.text
 
 
 async def test_claims_meeting_in_one_round_are_decided_together(store: ControlStore) -> None:

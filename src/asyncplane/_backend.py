@@ -250,6 +250,11 @@ class Backend(Protocol):
         """Finish queued writes, then release every connection."""
         ...
 
+    @property
+    def broken(self) -> bool:
+        """True when the backend lost what it needs to write and must be opened afresh."""
+        ...
+
     def forget(self) -> None:
         """Drop handles left behind by an event loop that has ended."""
         ...

@@ -275,6 +275,7 @@ async def _single_drainer(
 
 def _short(error: BaseException | str) -> str:
     text = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
+    text = text.replace("\x00", "\ufffd")  # an executor's message must never fail a settle
     return text if len(text) <= _ERROR_CHARS else text[: _ERROR_CHARS - 1] + "…"
 
 

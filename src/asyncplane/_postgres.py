@@ -26,6 +26,7 @@ import contextlib
 import itertools
 import json
 import logging
+import time
 import urllib.parse
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
@@ -36,7 +37,7 @@ from asyncplane import _backend, _clock, _errors, _fingerprint, _models
 from asyncplane import _postgres_sql as sql
 from asyncplane import _postgres_writer as _writer
 
-__all__ = ("PostgresBackend", "is_url", "redact")
+__all__ = ("PostgresBackend", "ServerClock", "is_url", "redact")
 
 T = TypeVar("T")
 
@@ -60,6 +61,37 @@ def redact(url: str) -> str:
     return urllib.parse.urlunsplit(parts._replace(netloc=f"{user}:***@{netloc[1]}"))
 
 
+class ServerClock:
+    """The database server's clock, as this process sees it: the local wall clock plus
+    the offset measured at every write round (and at opening).
+
+    A PostgreSQL store without an injected clock measures leases by the server's clock
+    (read in the transaction that grants them); this clock lets the rest of the process
+    (the drain loop's alarms, a purge's cutoff, ages in stats) agree with it, however far
+    this host's clock is off. Safe to read from any thread.
+    """
+
+    __slots__ = ("_offset",)
+
+    def __init__(self) -> None:
+        self._offset = 0.0
+
+    def now(self) -> float:
+        """The server's time now, estimated from the last reading."""
+        return time.time() + self._offset
+
+    def observe(self, server_now: float) -> None:
+        """Take a fresh reading of the server's clock."""
+        self._offset = server_now - time.time()
+
+    async def wait_until(self, when: float) -> None:
+        """Sleep until the server's clock reads ``when`` (as far as this host can tell)."""
+        await asyncio.sleep(max(0.0, when - self.now()))
+
+    def __repr__(self) -> str:
+        return f"ServerClock(offset={self._offset:+.3f}s)"
+
+
 class PostgresBackend:
     """Implements `asyncplane._backend.Backend` on one schema of a PostgreSQL database."""
 
@@ -68,6 +100,7 @@ class PostgresBackend:
         url: str,
         *,
         clock: _clock.Clock | None,
+        server_clock: ServerClock | None = None,
         connect_timeout: float,
         max_batch: int,
         read_connections: int,
@@ -75,6 +108,7 @@ class PostgresBackend:
     ) -> None:
         self._url = url
         self._clock = clock
+        self._server_clock = server_clock
         self._connect_timeout = connect_timeout
         self._max_batch = max_batch
         self._reader_count = read_connections
@@ -98,52 +132,63 @@ class PostgresBackend:
             conn: asyncpg.Connection = await asyncpg.connect(
                 self._url, timeout=self._connect_timeout
             )
-        except (OSError, asyncio.TimeoutError, asyncpg.PostgresError) as exc:
+        except _DRIVER_ERRORS as exc:
             raise _errors.StorageError(
                 f"cannot connect to {redact(self._url)}: {type(exc).__name__}: {exc}"
             ) from exc
-        except asyncpg.InterfaceError as exc:
-            raise _errors.StorageError(f"cannot connect to {redact(self._url)}: {exc}") from exc
         return conn
 
     async def open(self) -> None:
-        """Connect, create or migrate the schema, start the writer, the pool and the listener."""
-        conn = await self._connect()
-        try:
-            if self._read_only:
-                await _guarded(_check_current_schema(conn))
-            else:
-                await _guarded(_migrate(conn))
-            self._schema = await conn.fetchval(sql.CURRENT_SCHEMA)
-            pool = await asyncpg.create_pool(
-                self._url, min_size=1, max_size=self._reader_count,
-                timeout=self._connect_timeout,
-            )  # fmt: skip
-        except BaseException:
-            await conn.close()
-            raise
-        listener = await self._connect()
-        try:
-            await listener.add_listener(sql.CHANNEL, self._heard)
+        """Connect, create or migrate the schema, start the writer, the pool and the listener.
+
+        Whatever fails on the way, every connection made so far is closed again.
+        """
+        async with contextlib.AsyncExitStack() as undo:
+            conn = await self._connect()
+            undo.push_async_callback(_close_quietly, conn)
+            try:
+                if self._read_only:
+                    await _check_current_schema(conn)
+                else:
+                    await _migrate(conn)
+                self._schema = await conn.fetchval(sql.CURRENT_SCHEMA)
+                if self._server_clock is not None:
+                    self._server_clock.observe(await conn.fetchval(sql.SERVER_NOW))
+                pool = await asyncpg.create_pool(
+                    self._url, min_size=1, max_size=self._reader_count,
+                    timeout=self._connect_timeout,
+                )  # fmt: skip
+            except _DRIVER_ERRORS as exc:
+                raise _writer.translate(exc) from exc
+            undo.push_async_callback(_terminate_pool, pool)
+            listener = await self._connect()
+            undo.push_async_callback(_close_quietly, listener)
+            try:
+                await listener.add_listener(sql.CHANNEL, self._heard)
+            except _DRIVER_ERRORS as exc:
+                raise _writer.translate(exc) from exc
             listener.add_termination_listener(self._went_deaf)
-        except BaseException:
-            await listener.close()
-            await pool.close()
-            await conn.close()
-            raise
+            undo.pop_all()  # all made: from here on close() owns them
         self._pool, self._listener, self._deaf = pool, listener, False
 
         async def close_readers(graceful: bool) -> None:
             await self._close_side_connections(graceful)
 
         if self._read_only:
-            await conn.close()
+            await _close_quietly(conn)
             return
         self._writer = _writer.Writer(
             conn, self._clock, name=self._schema, max_batch=self._max_batch,
             on_exit=close_readers,
+            observe=None if self._server_clock is None else self._server_clock.observe,
         )  # fmt: skip
         self._writer.start()
+
+    @property
+    def broken(self) -> bool:
+        """True when the write connection was lost: the store opens afresh on next use."""
+        writer = self._writer
+        return writer is not None and writer.failed
 
     def _heard(self, conn: Any, pid: int, channel: str, payload: object) -> None:
         if payload == self._schema:
@@ -193,10 +238,13 @@ class PostgresBackend:
         """Run ``fn(conn, *args)`` on a pooled connection."""
         if self._pool is None:
             raise _errors.StoreClosed("the store is closed")
+        pool = self._pool
         try:
-            async with self._pool.acquire() as conn:
+            async with pool.acquire() as conn:
                 return await fn(conn, *args)
-        except (asyncpg.PostgresError, asyncpg.InterfaceError, OSError) as exc:
+        except _DRIVER_ERRORS as exc:
+            if self._pool is not pool:  # the store closed under this read
+                raise _errors.StoreClosed("the store was closed during this read") from exc
             raise _writer.translate(exc) from exc
 
     async def _fetch(self, statement: str, *args: Any) -> list[Any]:
@@ -231,7 +279,10 @@ class PostgresBackend:
     # --- items ---------------------------------------------------------------------------
 
     async def enqueue(self, op: _backend.EnqueueOp) -> list[int]:
-        return await self._write(_bind(_enqueue, op))
+        keys = tuple(
+            sorted({(op.project_id, i.fingerprint) for i in op.items if i.dedup and i.fingerprint})
+        )
+        return await self._write(_Locking(keys, _bind(_enqueue, op)))
 
     async def claim(self, op: _backend.ClaimOp) -> list[_backend.ClaimRow]:
         key = ("claim", op.lease_seconds, op.actor_id, op.project_id)
@@ -338,17 +389,12 @@ class PostgresBackend:
         conn = await self._connect()
         try:
             try:
-                acquired = bool(await conn.fetchval(_DRAIN_TRY_LOCK))
-            except (asyncpg.PostgresError, asyncpg.InterfaceError, OSError) as exc:
+                acquired = bool(await conn.fetchval(sql.DRAIN_TRY_LOCK))
+            except _DRIVER_ERRORS as exc:
                 raise _writer.translate(exc) from exc
             yield acquired
         finally:
             await asyncio.shield(_close_quietly(conn))
-
-
-_DRAIN_TRY_LOCK = (
-    "SELECT pg_try_advisory_lock(hashtextextended('asyncplane-drain:' || current_schema(), 0))"
-)
 
 
 async def _close_quietly(conn: asyncpg.Connection) -> None:
@@ -358,11 +404,18 @@ async def _close_quietly(conn: asyncpg.Connection) -> None:
         conn.terminate()
 
 
-async def _guarded(work: Awaitable[T]) -> T:
-    try:
-        return await work
-    except (asyncpg.PostgresError, asyncpg.InterfaceError, OSError) as exc:
-        raise _writer.translate(exc) from exc
+#: What the driver may raise: every one becomes an asyncplane error, here or in the writer.
+_DRIVER_ERRORS = (
+    asyncpg.PostgresError,
+    asyncpg.InterfaceError,
+    asyncpg.InternalClientError,
+    OSError,
+    asyncio.TimeoutError,
+)
+
+
+async def _terminate_pool(pool: asyncpg.Pool) -> None:
+    pool.terminate()
 
 
 def _bind(fn: Callable[..., Awaitable[T]], *args: Any) -> _writer.Operation[T]:
@@ -481,10 +534,11 @@ async def _enqueue(op: _backend.EnqueueOp, conn: asyncpg.Connection, now: float)
     wanted = sorted({item.fingerprint for item in op.items if item.dedup and item.fingerprint})
     found: dict[str, int] = {}
     if wanted:
-        # One enqueue of a given content at a time, in a fixed order (no deadlocks), then
-        # one look for earlier twins of them all.
-        await conn.execute(_LOCK_FINGERPRINTS, op.project_id, wanted)
-        found = {r[0]: r[1] for r in await conn.fetch(_FIND_TWINS, op.project_id, wanted)}
+        # One enqueue of a given content at a time (the writer took these locks for the
+        # whole round already, in order; taking them again costs nothing), then one look
+        # for earlier twins of them all.
+        await conn.execute(sql.LOCK_CONTENTS, [op.project_id] * len(wanted), wanted)
+        found = {r[0]: r[1] for r in await conn.fetch(sql.FIND_TWINS, op.project_id, wanted)}
     ids: list[int | None] = [None] * len(op.items)
     first_of: dict[str, int] = {}
     twin_of: dict[int, int] = {}
@@ -511,17 +565,6 @@ async def _enqueue(op: _backend.EnqueueOp, conn: asyncpg.Connection, now: float)
     if len(resolved) != len(ids):
         raise _errors.StorageError("an enqueued item was left without an id")
     return resolved
-
-
-_LOCK_FINGERPRINTS = """
-SELECT pg_advisory_xact_lock(hashtextextended($1::text || chr(1) || fp, 0))
-FROM unnest($2::text[]) AS fp ORDER BY fp
-"""
-_FIND_TWINS = """
-SELECT DISTINCT ON (fingerprint) fingerprint, item_id FROM items
-WHERE project_id = $1 AND fingerprint = ANY($2::text[]) AND state <> 'failed'
-ORDER BY fingerprint, state = 'done' DESC, item_id
-"""
 
 
 def _claim_key(row: Any) -> tuple[Any, ...]:
@@ -562,6 +605,7 @@ async def _choose(arms: list[_Arm], limit: int) -> list[Any]:
     """Merge the arms in claim order, one item per fingerprint, up to ``limit``."""
     chosen: list[Any] = []
     fingerprints: set[tuple[str, str]] = set()
+    seen: set[int] = set()
     while len(chosen) < limit:
         offered = []
         for index, arm in enumerate(arms):
@@ -572,6 +616,11 @@ async def _choose(arms: list[_Arm], limit: int) -> list[Any]:
             break
         _, index = min(offered)
         row = arms[index].pop()
+        # A later page is a new snapshot: rows committed meanwhile shift the offsets, so
+        # a row may come round again. It is chosen once.
+        if row[0] in seen:
+            continue
+        seen.add(row[0])
         if row[7] is not None:
             twin = (row[6], row[7])
             if twin in fingerprints:
@@ -639,16 +688,12 @@ async def _claim_many(
 async def _claim_row(
     conn: asyncpg.Connection, row: Any, owner: str, expires: float, now: float
 ) -> Any | None:
-    """Claim one locked candidate; None when a twin of it started running meanwhile."""
-    if row[7] is None or row[1] == "claimed":
+    """Claim one locked candidate; None when a twin of it is starting or running."""
+    if row[7] is None or row[1] == "claimed":  # no content, or a takeover of the same row
         return await conn.fetchrow(sql.CLAIM_ITEM, owner, expires, now, row[0])
-    # A twin may have been claimed by another transaction since the candidates were read:
-    # the unique index on running fingerprints says so, and the savepoint undoes the try.
-    try:
-        async with conn.transaction():
-            return await conn.fetchrow(sql.CLAIM_ITEM, owner, expires, now, row[0])
-    except asyncpg.UniqueViolationError:
-        return None
+    if not await conn.fetchval(sql.TRY_LOCK_CONTENT, row[6], row[7]):
+        return None  # another transaction is claiming a twin right now
+    return await conn.fetchrow(sql.CLAIM_FREE_ITEM, owner, expires, now, row[0])
 
 
 async def _finish_many(
@@ -793,6 +838,7 @@ async def _import_rows(
 ) -> tuple[int, int]:
     if await conn.fetchval(sql.PROJECT_EXISTS, op.project_id) is None:
         raise _unknown_project(op.project_id)
+    await conn.execute(sql.LOCK_SOURCE, op.source)
     imported = skipped = 0
     for key, item in op.rows:
         if await conn.fetchval(sql.ALREADY_IMPORTED, op.source, key) is not None:
@@ -817,7 +863,7 @@ async def _read_version(conn: asyncpg.Connection) -> int:
         raise _errors.StorageError(
             "no schema to create the store in: the search_path names none that exists"
         )
-    if not await conn.fetchval(_META_EXISTS):
+    if not await conn.fetchval(sql.META_EXISTS):
         if await conn.fetchval(sql.COUNT_TABLES):
             raise _errors.NotAnAsyncplaneDatabase(
                 "the schema holds tables of another application, not an asyncplane store"
@@ -835,9 +881,6 @@ async def _read_version(conn: asyncpg.Connection) -> int:
             f"to {sql.SCHEMA_VERSION}: upgrade asyncplane to open it"
         )
     return version
-
-
-_META_EXISTS = "SELECT to_regclass(format('%I.asyncplane_meta', current_schema())) IS NOT NULL"
 
 
 async def _migrate(conn: asyncpg.Connection) -> None:
@@ -923,6 +966,20 @@ async def _verify_ledger(
 
 
 _KIND_ORDER = {kind: position for position, (kind, _) in enumerate(sql.LEDGER_CHECKS)}
+
+
+class _Locking:
+    """A write operation that needs content locks, which the writer takes for its whole
+    round at once, sorted (see `asyncplane._postgres_writer`)."""
+
+    __slots__ = ("lock_keys", "op")
+
+    def __init__(self, lock_keys: tuple[tuple[str, str], ...], op: _writer.Operation[Any]):
+        self.lock_keys = lock_keys
+        self.op = op
+
+    async def __call__(self, conn: asyncpg.Connection, now: float) -> Any:
+        return await self.op(conn, now)
 
 
 class _Grouped:

@@ -138,6 +138,11 @@ MIGRATIONS: Final[tuple[str, ...]] = (
     CREATE TRIGGER items_moved AFTER UPDATE OF state ON items
         FOR EACH ROW WHEN (NEW.state IS DISTINCT FROM OLD.state AND NEW.state <> 'claimed')
         EXECUTE FUNCTION asyncplane_notify();
+    -- A project reopened, or an actor given one, may make waiting items claimable too.
+    CREATE TRIGGER projects_moved AFTER UPDATE OF status ON projects
+        FOR EACH STATEMENT EXECUTE FUNCTION asyncplane_notify();
+    CREATE TRIGGER assignments_added AFTER INSERT ON assignments
+        FOR EACH STATEMENT EXECUTE FUNCTION asyncplane_notify();
     """,
 )
 
@@ -146,7 +151,13 @@ SCHEMA_VERSION: Final = len(MIGRATIONS)
 # Serialises schema creation between processes opening a fresh database at once.
 MIGRATION_LOCK: Final = "SELECT pg_advisory_xact_lock(hashtextextended('asyncplane-migrate', 0))"
 CURRENT_SCHEMA: Final = "SELECT current_schema()"
-META_EXISTS: Final = "SELECT to_regclass('asyncplane_meta') IS NOT NULL"
+META_EXISTS: Final = (
+    "SELECT to_regclass(format('%I.asyncplane_meta', current_schema())) IS NOT NULL"
+)
+# The single-drainer guard: a session lock per schema, held by the drain's connection.
+DRAIN_TRY_LOCK: Final = (
+    "SELECT pg_try_advisory_lock(hashtextextended('asyncplane-drain:' || current_schema(), 0))"
+)
 COUNT_TABLES: Final = """
 SELECT count(*) FROM pg_catalog.pg_tables WHERE schemaname = current_schema()
 """
@@ -172,7 +183,7 @@ GET_PROJECT: Final = (
     "SELECT project_id, name, status, created_at FROM projects WHERE project_id = $1"
 )
 LIST_PROJECTS: Final = (
-    "SELECT project_id, name, status, created_at FROM projects ORDER BY project_id"
+    'SELECT project_id, name, status, created_at FROM projects ORDER BY project_id COLLATE "C"'
 )
 # A project row locked for share: an assignment cannot slip past a concurrent check.
 PROJECT_LOCKED: Final = "SELECT 1 FROM projects WHERE project_id = $1 FOR SHARE"
@@ -182,7 +193,7 @@ ON CONFLICT (actor_id, project_id) DO NOTHING
 """
 UNASSIGN: Final = "DELETE FROM assignments WHERE actor_id = $1 AND project_id = $2"
 VISIBLE_PROJECTS: Final = (
-    "SELECT project_id FROM assignments WHERE actor_id = $1 ORDER BY project_id"
+    'SELECT project_id FROM assignments WHERE actor_id = $1 ORDER BY project_id COLLATE "C"'
 )
 IS_ASSIGNED: Final = "SELECT 1 FROM assignments WHERE actor_id = $1 AND project_id = $2"
 
@@ -210,17 +221,21 @@ SELECT * FROM unnest($1::bigint[], $2::text[], $3::bigint[], $4::text[], $5::tex
 """
 
 # Two enqueues of the same content in one project take turns from the dedup check to the
-# commit: held to the end of the transaction.
-LOCK_FINGERPRINT: Final = """
-SELECT pg_advisory_xact_lock(hashtextextended($1::text || chr(1) || $2::text, 0))
+# commit: held to the end of the transaction. The writer takes every lock a round needs
+# at its start, in one sorted pass, so two rounds never hold them in opposite orders.
+# ($1 project ids, $2 fingerprints, pairwise)
+LOCK_CONTENTS: Final = """
+SELECT pg_advisory_xact_lock(hashtextextended(project_id || chr(1) || fingerprint, 0))
+FROM unnest($1::text[], $2::text[]) AS content (project_id, fingerprint)
+ORDER BY project_id, fingerprint
 """
-# Enqueue dedup: an earlier item of the project with the same fingerprint that has not
+# Enqueue dedup: for each fingerprint, an earlier item of the project with it that has not
 # failed, a done one first (its result is there already), else the oldest in flight.
-FIND_TWIN: Final = """
-SELECT item_id FROM items
-WHERE project_id = $1 AND fingerprint = $2 AND state <> 'failed'
-ORDER BY state = 'done' DESC, item_id
-LIMIT 1
+# ($1 project_id, $2 fingerprints)
+FIND_TWINS: Final = """
+SELECT DISTINCT ON (fingerprint) fingerprint, item_id FROM items
+WHERE project_id = $1 AND fingerprint = ANY($2::text[]) AND state <> 'failed'
+ORDER BY fingerprint, state = 'done' DESC, item_id
 """
 
 # --- claims ----------------------------------------------------------------------------
@@ -284,6 +299,27 @@ WHERE state = 'claimed' AND lease_expires_at <= $4
   AND max_attempts IS NOT NULL AND attempts >= max_attempts {_IN_REACH}
 ORDER BY {CLAIM_ORDER} LIMIT $3
 FOR UPDATE SKIP LOCKED
+"""
+
+# A claimer of a fingerprinted item first takes this lock for (project, fingerprint),
+# without waiting: held, another transaction is starting a twin, and this one skips the
+# item. Claimers thus never wait on each other's unique-index entries (which could
+# deadlock), and a claimer that has the lock sees every committed twin in its next
+# statement. ($1 project_id, $2 fingerprint)
+TRY_LOCK_CONTENT: Final = """
+SELECT pg_try_advisory_xact_lock(hashtextextended($1::text || chr(1) || $2::text, 1))
+"""
+# The claim of a fingerprinted ready or deferred item, re-checking under that lock that
+# no twin is running now. ($1 owner, $2 expires, $3 now, $4 item_id)
+CLAIM_FREE_ITEM: Final = """
+UPDATE items
+SET state = 'claimed', fence = fence + 1, attempts = attempts + 1,
+    owner = $1, lease_expires_at = $2, due_at = NULL, updated_at = $3
+WHERE item_id = $4 AND NOT EXISTS (
+    SELECT 1 FROM items AS twin
+    WHERE twin.project_id = items.project_id AND twin.fingerprint = items.fingerprint
+      AND twin.state IN ('claimed', 'offloaded') AND twin.item_id <> items.item_id)
+RETURNING item_id, project_id, payload, fence, attempts
 """
 
 # The fence rises by one on every claim and is never set any other way.
@@ -453,11 +489,11 @@ DELETE FROM items WHERE item_id = ANY($1::bigint[]) AND state IN ('done', 'faile
 RETURNING item_id
 """
 PURGE_EVENTS: Final = "DELETE FROM events WHERE item_id = ANY($1::bigint[])"
-# One purge at a time per schema, across hosts (the archive file is local to each).
-PURGE_LOCK: Final = "SELECT pg_advisory_xact_lock(hashtextextended('asyncplane-purge', 0))"
 
 # --- imports --------------------------------------------------------------------------------
 
+# Imports of one source take turns, so two at once never copy a row twice.
+LOCK_SOURCE: Final = "SELECT pg_advisory_xact_lock(hashtextextended('import:' || $1::text, 0))"
 ALREADY_IMPORTED: Final = "SELECT 1 FROM imports WHERE source = $1 AND source_key = $2"
 RECORD_IMPORT: Final = (
     "INSERT INTO imports (source, source_key, item_id, imported_at) VALUES ($1, $2, $3, $4)"
@@ -467,7 +503,7 @@ RECORD_IMPORT: Final = (
 
 STATES_BY_PROJECT: Final = """
 SELECT project_id, state, count(*) FROM items GROUP BY project_id, state
-ORDER BY project_id, state
+ORDER BY project_id COLLATE "C", state
 """
 OLDEST_READY: Final = "SELECT min(created_at) FROM items WHERE state = 'ready'"
 EXPIRED_LEASES: Final = """

@@ -10,12 +10,17 @@ savepoint: a refusal (an AsyncplaneError) or a database error rolls back to it, 
 the failed request wrote is undone and the others commit. A round of one unit needs no
 savepoint: the transaction is the unit.
 
-Deadlocks and serialisation failures (two hosts' rounds waiting on each other's rows,
-which PostgreSQL breaks by failing one) are not any request's fault: the whole round is
-rolled back and run again, a few times, before its callers see the error.
+Locks a round will need (enqueue dedup's content locks) are taken at its start, for all
+its requests at once and in sorted order, so two rounds never take them in opposite
+orders. Deadlocks and serialisation failures that happen anyway (two hosts' rounds
+waiting on each other's rows, which PostgreSQL breaks by failing one) are not any
+request's fault: the round is rolled back and its requests run again, each in a
+transaction of its own so the same interleaving cannot recur, a few times before a
+caller sees the error.
 
 "Now" is read once per round, after BEGIN: from the database server's clock, so every
-host agrees on when a lease lapses, or from an injected clock in tests.
+host agrees on when a lease lapses (and each reading keeps the store's `ServerClock` in
+step with the server), or from an injected clock in tests.
 
 Cancellation never decides what is saved: a round runs as a task of its own, shielded from
 the writer task, and hands each caller its outcome itself; a caller cancelled during its
@@ -41,7 +46,8 @@ T = TypeVar("T")
 
 _log = logging.getLogger("asyncplane")
 
-#: A write operation: runs inside the writer's transaction.
+#: A write operation: runs inside the writer's transaction. It may carry ``lock_keys``
+#: (pairs of project id and fingerprint) for the round to lock before it runs.
 Operation = Callable[[asyncpg.Connection, float], Awaitable[T]]
 
 _Request = tuple[Operation[Any], "asyncio.Future[Any]"]
@@ -53,6 +59,8 @@ _ROUND_ATTEMPTS = 5
 
 def translate(exc: BaseException) -> _errors.StorageError:
     """Map a driver error to asyncplane's family; the caller raises it ``from exc``."""
+    if isinstance(exc, asyncio.TimeoutError):
+        return _errors.StorageError(f"the database did not answer in time: {exc!r}")
     if isinstance(exc, asyncpg.exceptions.LockNotAvailableError):
         return _errors.DatabaseLocked(f"a lock could not be had: {exc}")
     if isinstance(exc, asyncpg.PostgresError):
@@ -81,12 +89,15 @@ class Writer:
         conn: asyncpg.Connection,
         clock: _clock.Clock | None,
         *,
+        observe: Callable[[float], None] | None = None,
         name: str,
         max_batch: int = 256,
         on_exit: Callable[[bool], Awaitable[None]] | None = None,
     ) -> None:
         self._conn = conn
         self._clock = clock
+        self._observe = observe
+        self._round_task: asyncio.Task[None] | None = None
         self._name = name
         self._max_batch = max_batch
         self._on_exit = on_exit
@@ -109,6 +120,11 @@ class Writer:
     def _supervise(self, task: asyncio.Task[None]) -> None:
         if not task.cancelled() and task.exception() is not None:
             _log.error("asyncplane writer %s stopped", self._name, exc_info=task.exception())
+
+    @property
+    def failed(self) -> bool:
+        """True when the writer stopped because its connection broke (not by stop())."""
+        return self._failure is not None
 
     @property
     def running(self) -> bool:
@@ -162,10 +178,11 @@ class Writer:
                 if batch:
                     # The round is a task of its own: cancelling the writer (the loop
                     # shutting down) never stops a transaction half-way.
-                    round_task = asyncio.get_running_loop().create_task(
+                    self._round_task = asyncio.get_running_loop().create_task(
                         self._round(batch), name=f"asyncplane-write-round[{self._name}]"
                     )
-                    await asyncio.shield(round_task)
+                    await asyncio.shield(self._round_task)
+                    self._round_task = None
         except asyncio.CancelledError:
             raise
         except BaseException as exc:
@@ -179,6 +196,12 @@ class Writer:
                 if not future.done():
                     future.set_exception(failure)
             try:
+                if self._round_task is not None:
+                    # Cancelled while a round ran: it ends (and delivers) before the
+                    # connection closes, never half-way through.
+                    await asyncio.shield(asyncio.wait([self._round_task]))
+                    if not self._round_task.cancelled():
+                        self._round_task.exception()  # seen here; its callers have it
                 if self._on_exit is not None:
                     await asyncio.shield(self._on_exit(graceful))
             finally:
@@ -190,19 +213,12 @@ class Writer:
         self.requests += len(batch)
         ops = [op for op, _ in batch]
         try:
-            for attempt in range(_ROUND_ATTEMPTS):
-                try:
-                    outcomes = await self._transact(ops)
-                    break
-                except _Retry as retry:
-                    self.retried_rounds += 1
-                    if attempt == _ROUND_ATTEMPTS - 1:
-                        cause = retry.__cause__ or retry
-                        error = translate(cause)
-                        error.__cause__ = cause
-                        outcomes = [_Raised(error)] * len(ops)
-                    else:
-                        await asyncio.sleep(0.001 * 2**attempt)  # let the other side commit
+            try:
+                outcomes = await self._transact(ops)
+            except _Retry:
+                # A deadlock or serialisation failure: each request again, on its own.
+                self.retried_rounds += 1
+                outcomes = [(await self._alone(op))[0] for op in ops]
         except asyncio.CancelledError:
             raise
         except Exception as exc:
@@ -234,10 +250,24 @@ class Writer:
             else:
                 future.set_result(outcome)
 
+    async def _alone(self, op: Operation[Any]) -> list[Any]:
+        """Run one request in transactions of its own until it stops deadlocking."""
+        for attempt in range(_ROUND_ATTEMPTS):
+            try:
+                return await self._transact([op])
+            except _Retry as retry:
+                if attempt == _ROUND_ATTEMPTS - 1:
+                    cause = retry.__cause__ or retry
+                    return [_Raised(_translated(cause))]
+                await asyncio.sleep(0.001 * 2**attempt)  # let the other side commit
+        raise AssertionError("unreachable")  # pragma: no cover
+
     async def _now(self) -> float:
         if self._clock is not None:
             return self._clock.now()
         value: float = await self._conn.fetchval(sql.SERVER_NOW)
+        if self._observe is not None:
+            self._observe(value)
         return value
 
     async def _transact(self, ops: list[Operation[Any]]) -> list[Any]:
@@ -249,6 +279,11 @@ class Writer:
         await transaction.start()
         try:
             now = await self._now()
+            keys = sorted({key for op in ops for key in getattr(op, "lock_keys", ())})
+            if keys:
+                await conn.execute(
+                    sql.LOCK_CONTENTS, [key[0] for key in keys], [key[1] for key in keys]
+                )
             if alone:  # the transaction is the unit: its failure is the round's
                 outcomes = await _run_unit(ops, units[0], conn, now)
             else:

@@ -147,6 +147,11 @@ class SQLiteBackend:
             await asyncio.gather(keeper, return_exceptions=True)
             self._keeper = None
 
+    @property
+    def broken(self) -> bool:
+        """Never: a failed writer stays failed (StoreClosed says why) until close()."""
+        return False
+
     def forget(self) -> None:
         """Stop every connection thread left behind by an event loop that has ended."""
         if self._writer is not None:

@@ -126,7 +126,14 @@ class ControlStore:
         # Absolute from the start, so a later chdir cannot move the store.
         self._path = pathlib.Path(os.path.abspath(location)) if self._url is None else None
         self._lease_seconds = _validate.lease_seconds(lease_seconds)
-        self._clock: _clock.Clock = clock if clock is not None else _clock.SystemClock()
+        server_clock = None
+        if clock is None and self._url is not None:
+            from asyncplane import _postgres  # only a PostgreSQL store needs its driver
+
+            server_clock = _postgres.ServerClock()  # leases follow the server's clock
+        self._clock: _clock.Clock = (
+            clock if clock is not None else server_clock or _clock.SystemClock()
+        )
         self._synchronous: Literal["NORMAL", "FULL"] = synchronous
         self._busy_timeout = _validate.seconds(
             busy_timeout, "busy_timeout", _validate.MAX_BUSY_TIMEOUT
@@ -179,6 +186,7 @@ class ControlStore:
                 location,
                 # Lease times come from the database server's clock unless one is given.
                 clock=clock,
+                server_clock=server_clock,
                 connect_timeout=self._busy_timeout,
                 max_batch=batch,
                 read_connections=readers,
@@ -313,10 +321,15 @@ class ControlStore:
 
     async def _ready(self) -> _backend.Backend:
         """The backend, opened on first use."""
-        if self._is_open and self._loop is asyncio.get_running_loop():
+        if self._is_open and self._loop is asyncio.get_running_loop() and not self._backend.broken:
             return self._backend  # the hot path: open, on its own loop
         self._check_loop()
         async with self._lock():
+            if self._is_open and self._backend.broken:
+                # The write connection was lost (a server restart, say): start afresh.
+                _log.warning("asyncplane: %s lost its connection; opening again", self.location)
+                self._is_open = False
+                await self._backend.close()
             if not self._is_open:
                 self._loop = asyncio.get_running_loop()
                 try:

@@ -89,6 +89,8 @@ def name(value: object) -> str:
         raise _errors.InvalidType(f"name must be a str, not {type(value).__name__}")
     if not value.strip():
         raise _errors.InvalidInput("name must not be empty")
+    if "\x00" in value:  # PostgreSQL text cannot hold it; refused on every backend
+        raise _errors.InvalidInput("name must not contain NUL characters")
     return value
 
 
@@ -260,6 +262,8 @@ def error_text(value: object) -> str | None:
         raise _errors.InvalidInput(
             f"error is {len(value)} characters, more than {MAX_ERROR_LENGTH}; shorten it"
         )
+    if "\x00" in value:  # PostgreSQL text cannot hold it; refused on every backend
+        raise _errors.InvalidInput("error must not contain NUL characters")
     return value
 
 
