@@ -23,14 +23,17 @@ REQUIRED_KEYS = {
 }  # fmt: skip
 
 
-def run_probe(tmp_path: pathlib.Path, *args: str, module: bool = True) -> tuple[int, Any, str]:
+def run_probe(where: pathlib.Path | Any, *args: str, module: bool = True) -> tuple[int, Any, str]:
+    """Run the probe on ``where``: a directory (the store is probe.db in it), or the
+    ``location_of`` fixture (a fresh file, or a fresh PostgreSQL schema)."""
     command = (
         [sys.executable, "-m", "asyncplane.probe"]
         if module
         else [sys.executable, "-m", "asyncplane.cli", "probe"]
     )
+    store = str(where / "probe.db") if isinstance(where, pathlib.Path) else where("probe.db")
     done = subprocess.run(
-        [*command, "--store", str(tmp_path / "probe.db"), "--json", *args],
+        [*command, "--store", store, "--json", *args],
         capture_output=True,
         text=True,
         timeout=300,
@@ -39,9 +42,9 @@ def run_probe(tmp_path: pathlib.Path, *args: str, module: bool = True) -> tuple[
     return done.returncode, report, done.stderr
 
 
-def test_concurrent_queue_counts_are_exact(tmp_path: pathlib.Path) -> None:
+def test_concurrent_queue_counts_are_exact(location_of: Any) -> None:
     code, report, err = run_probe(
-        tmp_path, "--scenario", "concurrent-queue", "--workers", "4", "--items", "300",
+        location_of, "--scenario", "concurrent-queue", "--workers", "4", "--items", "300",
         "--concurrency", "2",
     )  # fmt: skip
     assert code == 0, (report, err)
@@ -54,24 +57,24 @@ def test_concurrent_queue_counts_are_exact(tmp_path: pathlib.Path) -> None:
     assert report["per_worker_min"] >= 0 and report["per_worker_max"] <= 300
 
 
-def test_kill_and_reclaim_fences_out_the_dead_worker(tmp_path: pathlib.Path) -> None:
-    code, report, err = run_probe(tmp_path, "--scenario", "kill-and-reclaim")
+def test_kill_and_reclaim_fences_out_the_dead_worker(location_of: Any) -> None:
+    code, report, err = run_probe(location_of, "--scenario", "kill-and-reclaim")
     assert code == 0, (report, err)
     assert report["fence_rejections"] == 1  # the stand-in's late report, refused
     assert report["re_executions"] == 1  # the lapsed lease was taken over once
     assert (report["duplicates"], report["lost"], report["ledger_problems"]) == (0, 0, 0)
 
 
-def test_stall_fences_out_the_stopped_worker(tmp_path: pathlib.Path) -> None:
-    code, report, err = run_probe(tmp_path, "--scenario", "stall", "--lease-seconds", "0.5")
+def test_stall_fences_out_the_stopped_worker(location_of: Any) -> None:
+    code, report, err = run_probe(location_of, "--scenario", "stall", "--lease-seconds", "0.5")
     assert code == 0, (report, err)
     assert report["fence_rejections"] == 1
     assert (report["duplicates"], report["lost"], report["ledger_problems"]) == (0, 0, 0)
 
 
-def test_chaos_survives_kills(tmp_path: pathlib.Path) -> None:
+def test_chaos_survives_kills(location_of: Any) -> None:
     code, report, err = run_probe(
-        tmp_path, "--scenario", "chaos", "--workers", "4", "--items", "3000", "--seed", "7",
+        location_of, "--scenario", "chaos", "--workers", "4", "--items", "3000", "--seed", "7",
     )  # fmt: skip
     assert code == 0, (report, err)
     assert report["kills"] >= 1
@@ -83,10 +86,10 @@ def test_chaos_survives_kills(tmp_path: pathlib.Path) -> None:
     ("fault", "count"), [("duplicate-finish", "duplicates"), ("delete-item", "lost")]
 )
 def test_a_corrupted_run_fails_and_names_the_count(
-    tmp_path: pathlib.Path, fault: str, count: str
+    location_of: Any, fault: str, count: str
 ) -> None:
     code, report, _ = run_probe(
-        tmp_path, "--scenario", "concurrent-queue", "--workers", "3", "--items", "200",
+        location_of, "--scenario", "concurrent-queue", "--workers", "3", "--items", "200",
         "--fault", fault,
     )  # fmt: skip
     assert code == 1
@@ -107,9 +110,9 @@ def test_human_report_names_the_wrong_count(tmp_path: pathlib.Path) -> None:
     assert "asyncplane probe: concurrent-queue" in done.stdout
 
 
-def test_the_asyncplane_command_runs_the_probe(tmp_path: pathlib.Path) -> None:
+def test_the_asyncplane_command_runs_the_probe(location_of: Any) -> None:
     code, report, err = run_probe(
-        tmp_path, "--scenario", "concurrent-queue", "--workers", "2", "--items", "40",
+        location_of, "--scenario", "concurrent-queue", "--workers", "2", "--items", "40",
         module=False,
     )  # fmt: skip
     assert code == 0, err
@@ -187,3 +190,50 @@ def test_progress_line_appears_on_a_terminal(tmp_path: pathlib.Path) -> None:
     assert b"/3000 items done" in seen
     assert b"\r" in seen
     assert "items done" not in done.stdout  # the report itself stays clean
+
+
+@pytest.mark.postgresql_only
+def test_a_coordinator_and_workers_on_other_hosts_count_exactly(location_of: Any) -> None:
+    store = location_of("spread")
+    base = [sys.executable, "-m", "asyncplane.probe", "--store", store, "--json",
+            "--scenario", "concurrent-queue", "--wait-seconds", "120"]  # fmt: skip
+    coordinator = subprocess.Popen(
+        [*base, "--role", "coordinator", "--items", "400"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        # Two "hosts", each with its own worker processes; they wait for the items.
+        hosts = [
+            subprocess.Popen(
+                [*base, "--role", "worker", "--workers", "2", "--concurrency", "2"],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for _ in range(2)
+        ]
+        host_reports = []
+        for host in hosts:
+            out, err = host.communicate(timeout=300)
+            assert host.returncode == 0, (out, err)
+            host_reports.append(json.loads(out))
+        out, err = coordinator.communicate(timeout=300)
+    finally:
+        for process in (coordinator, *locals().get("hosts", [])):
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    assert coordinator.returncode == 0, (out, err)
+    report = json.loads(out)
+    assert (report["role"], report["items"], report["passed"]) == ("coordinator", 400, True)
+    for count in ("duplicates", "lost", "ledger_problems"):
+        assert report[count] == 0, count
+    assert sum(r["items"] for r in host_reports) == 400  # every item, by one host or other
+    assert all(r["role"] == "worker" and r["duplicates"] == 0 for r in host_reports)
+
+
+def test_roles_need_a_server_database_and_a_spreadable_scenario(tmp_path: pathlib.Path) -> None:
+    code, _, err = run_probe(tmp_path, "--scenario", "concurrent-queue", "--role", "worker")
+    assert code == 2 and "PostgreSQL" in err
+    code, _, err = run_probe(tmp_path, "--scenario", "stall", "--role", "coordinator")
+    assert code == 2 and "concurrent-queue and chaos only" in err

@@ -37,7 +37,15 @@ from asyncplane import _backend, _clock, _errors, _fingerprint, _models
 from asyncplane import _postgres_sql as sql
 from asyncplane import _postgres_writer as _writer
 
-__all__ = ("PostgresBackend", "ServerClock", "is_url", "redact")
+__all__ = (
+    "PostgresBackend",
+    "ServerClock",
+    "drop_store",
+    "inject_fault",
+    "is_url",
+    "redact",
+    "schema_is_empty",
+)
 
 T = TypeVar("T")
 
@@ -1004,3 +1012,47 @@ class _Grouped:
         self, members: list[_Grouped], conn: asyncpg.Connection, now: float
     ) -> list[Any]:
         return await self.many([member.op for member in members], conn, now)
+
+
+# --- the probe's tools ---------------------------------------------------------------------
+
+
+async def _one_connection(url: str, fn: Callable[[asyncpg.Connection], Awaitable[T]]) -> T:
+    try:
+        conn = await asyncpg.connect(url)
+    except _DRIVER_ERRORS as exc:
+        raise _errors.StorageError(f"cannot connect to {redact(url)}: {exc}") from exc
+    try:
+        return await fn(conn)
+    except _DRIVER_ERRORS as exc:
+        raise _writer.translate(exc) from exc
+    finally:
+        await _close_quietly(conn)
+
+
+async def schema_is_empty(url: str) -> bool:
+    """Whether the URL's schema holds none of a store's tables."""
+
+    async def count(conn: asyncpg.Connection) -> int:
+        return int(await conn.fetchval(sql.COUNT_STORE_TABLES, list(sql.STORE_TABLES)))
+
+    return await _one_connection(url, count) == 0
+
+
+async def drop_store(url: str) -> None:
+    """Drop the store in the URL's schema, every table and function of it."""
+
+    async def drop(conn: asyncpg.Connection) -> None:
+        await conn.execute(sql.DROP_STORE)
+
+    await _one_connection(url, drop)
+
+
+async def inject_fault(url: str, fault: str) -> None:
+    """Break a probe run behind the store's back (the probe's self-test only)."""
+    statement = sql.FAULT_DUPLICATE_FINISH if fault == "duplicate-finish" else sql.FAULT_DELETE_ITEM
+
+    async def run(conn: asyncpg.Connection) -> None:
+        await conn.execute(statement)
+
+    await _one_connection(url, run)

@@ -683,3 +683,26 @@ LEDGER_CHECKS: Final[tuple[tuple[str, str], ...]] = (
         """,
     ),
 )
+
+# --- the probe's tools ------------------------------------------------------------------
+# A schema is fresh when it holds none of a store's tables.
+STORE_TABLES: Final = ("asyncplane_meta", "projects", "assignments", "items", "events", "imports")
+COUNT_STORE_TABLES: Final = """
+SELECT count(*) FROM pg_catalog.pg_tables
+WHERE schemaname = current_schema() AND tablename = ANY($1::text[])
+"""
+# Everything migration 1 made, for the probe's --overwrite.
+DROP_STORE: Final = """
+DROP TABLE IF EXISTS asyncplane_meta, assignments, imports, events, items, projects CASCADE;
+DROP FUNCTION IF EXISTS asyncplane_refuse_event_update(), asyncplane_refuse_event_delete(),
+    asyncplane_notify() CASCADE;
+"""
+# Deliberate faults, for the probe's self-test only (as in the SQLite backend).
+FAULT_DUPLICATE_FINISH: Final = """
+INSERT INTO events (item_id, event_type, fence, owner, at)
+SELECT item_id, 'done', fence, 'fault', extract(epoch FROM clock_timestamp()) FROM items
+WHERE state = 'done' ORDER BY item_id LIMIT 1
+"""
+FAULT_DELETE_ITEM: Final = """
+DELETE FROM items WHERE item_id = (SELECT max(item_id) FROM items WHERE state = 'ready')
+"""

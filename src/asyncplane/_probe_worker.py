@@ -1,8 +1,9 @@
 """One worker process of the qualification probe (see `asyncplane.probe`).
 
 Started by the probe as a separate interpreter (``python -m asyncplane._probe_worker``),
-never forked from a running event loop. It opens its own ControlStore on the file, as a
-deployed worker would, and talks to the probe through one line of JSON per message:
+never forked from a running event loop. It opens its own ControlStore on the file (or
+PostgreSQL URL), as a deployed worker would, and talks to the probe through one line of
+JSON per message:
 
 * on stdout: ``{"ready": ...}`` once the store is open, ``{"f": item_id, "fence": n}`` for
   every item it finished (flushed at once, so a killed worker loses at most the line it
@@ -88,8 +89,17 @@ async def _drain_one(
         _say({"f": claim.item_id, "fence": claim.fence})
 
 
-def _inject(path: str, fault: str) -> None:
+async def _inject(store: str, fault: str) -> None:
     """Break the run behind the store's back, the way a buggy writer would."""
+    if store.startswith(("postgresql://", "postgres://")):
+        from asyncplane import _postgres
+
+        await _postgres.inject_fault(store, fault)
+    else:
+        await anyio.to_thread.run_sync(_inject_sqlite, store, fault)
+
+
+def _inject_sqlite(path: str, fault: str) -> None:
     conn = sqlite3.connect(path, isolation_level=None, timeout=30)
     try:
         if fault == "duplicate-finish":
@@ -108,7 +118,7 @@ async def _main(args: argparse.Namespace) -> int:
     async with store:
         await store.counts()  # opened before saying ready
         if args.fault == "delete-item":  # before anyone starts: the item is surely pending
-            await anyio.to_thread.run_sync(_inject, args.store, args.fault)
+            await _inject(args.store, args.fault)
         _say({"ready": args.name})
         if not args.no_wait:
             await anyio.to_thread.run_sync(sys.stdin.readline)
@@ -122,7 +132,7 @@ async def _main(args: argparse.Namespace) -> int:
                 )
             )
         if args.fault == "duplicate-finish":
-            await anyio.to_thread.run_sync(_inject, args.store, args.fault)
+            await _inject(args.store, args.fault)
         backend: Any = await store._ready()
         writer = backend.writer
         _say(
@@ -132,7 +142,7 @@ async def _main(args: argparse.Namespace) -> int:
                 "finished": tally.finished,
                 "locked": tally.locked,
                 "fence_rejected": tally.fence_rejected,
-                "max_lock_wait": writer.max_lock_wait if writer else 0.0,
+                "max_lock_wait": getattr(writer, "max_lock_wait", 0.0),
             }
         )
     return 0

@@ -30,6 +30,13 @@ Scenarios:
     A worker holding an item is stopped (SIGSTOP) for longer than its lease, then resumed
     (SIGCONT); by then the item was taken over and finished, so its report must be fenced
     out; exactly one terminal event.
+
+On PostgreSQL (``--store postgresql://...``, a fresh schema) the same scenarios run, and
+``concurrent-queue`` and ``chaos`` can span hosts: ``--role coordinator`` seeds the items,
+waits for the queue to drain and checks every count from the database; ``--role worker``,
+started on as many hosts as you like, runs ``--workers`` local worker processes against
+the seeded store until it is drained and checks what they reported. Without ``--role``,
+one command does both on this host.
 """
 
 from __future__ import annotations
@@ -49,7 +56,7 @@ import time
 from collections.abc import Sequence
 from typing import Any, TextIO
 
-from asyncplane import _errors, _ledger, _store, _validate
+from asyncplane import _clock, _errors, _ledger, _store, _validate
 
 __all__ = (
     "NETWORK_FILESYSTEMS",
@@ -63,6 +70,9 @@ __all__ = (
 )
 
 SCENARIOS = ("concurrent-queue", "kill-and-reclaim", "chaos", "stall")
+ROLES = ("all", "coordinator", "worker")
+#: Scenarios whose workers may run on other hosts (``--role``).
+SPREADABLE = ("concurrent-queue", "chaos")
 
 #: File systems on which SQLite's WAL mode is not safe (its shared-memory index needs one
 #: host's memory), or whose locking is not to be trusted.
@@ -100,6 +110,7 @@ class ProbeReport:
     per_worker_min: int = 0
     per_worker_max: int = 0
     max_lock_wait_s: float = 0.0
+    role: str = "all"
     kills: int = 0
     re_executions: int = 0
     worker_crashes: int = 0
@@ -125,11 +136,18 @@ class ProbeReport:
 # --- the filesystem check ------------------------------------------------------------------
 
 
+def is_url(store: str | os.PathLike[str]) -> bool:
+    """True when ``--store`` names a PostgreSQL database rather than a file."""
+    return os.fspath(store).startswith(("postgresql://", "postgres://"))
+
+
 def filesystem_of(path: str | os.PathLike[str]) -> str:
     """The type of the filesystem holding ``path`` (Linux: from /proc/self/mountinfo).
 
-    Returns "" where it cannot be told.
+    Returns "" where it cannot be told, and "postgresql" for a database URL.
     """
+    if is_url(path):
+        return "postgresql"
     target = os.path.realpath(os.path.dirname(os.path.abspath(os.fspath(path))))
     try:
         with open("/proc/self/mountinfo", encoding="utf-8") as mounts:
@@ -324,12 +342,114 @@ async def _go(workers: Sequence[_Worker]) -> float:
     return started
 
 
+# --- several hosts (--role) ------------------------------------------------------------------
+
+
+async def _seeded_ids(store: _store.ControlStore, wait_seconds: float) -> list[int]:
+    """A worker host's wait for the coordinator's items: the probe project must exist."""
+    deadline = time.monotonic() + wait_seconds
+    while True:
+        try:
+            await store.project(_PROJECT)
+            return []
+        except _errors.UnknownProject:
+            if time.monotonic() > deadline:
+                raise _errors.InvalidInput(
+                    f"no probe items appeared within {wait_seconds:g} s: start the "
+                    "coordinator (--role coordinator) on the same store"
+                ) from None
+            await asyncio.sleep(0.2)
+
+
+async def _coordinate(
+    args: argparse.Namespace, store: _store.ControlStore, report: ProbeReport, out: TextIO
+) -> None:
+    """Seed the items, wait for workers elsewhere to drain them, count from the database."""
+    ids = await _seed(store, args.items)
+    started = time.monotonic()
+    print(
+        f"asyncplane probe: {args.items} items seeded; start workers with --role worker "
+        f"--store <this store> --scenario {args.scenario}",
+        file=out,
+        flush=True,
+    )
+    progress = _start_progress(store, args.items, started, out, report.scenario)
+    deadline = started + args.wait_seconds
+    try:
+        while True:
+            counts = await store.counts()
+            if counts["ready"] == 0 and counts["claimed"] == 0 and counts["deferred"] == 0:
+                break
+            if time.monotonic() > deadline:
+                report.failures.append(
+                    f"the queue was not drained within {args.wait_seconds:g} s "
+                    f"({counts['done']} of {args.items} done)"
+                )
+                break
+            await asyncio.sleep(0.1)
+        report.seconds = time.monotonic() - started
+    finally:
+        await _stop(progress, out)
+    report.items_per_s = args.items / report.seconds if report.seconds else 0.0
+    await _check(report, store, ids, [])
+    report.notes.append("counts from the database; each worker host checks its own records")
+
+
+async def _work_here(
+    args: argparse.Namespace, store: _store.ControlStore, report: ProbeReport, out: TextIO
+) -> None:
+    """Run this host's workers on a store a coordinator seeded; check their records."""
+    await _seeded_ids(store, args.wait_seconds)
+    workers = [await _spawn(args, f"{_host()}-w{n}", "--until-drained")
+               for n in range(args.workers)]  # fmt: skip
+    started = await _go(workers)
+    await asyncio.gather(*(w.wait() for w in workers))
+    report.seconds = time.monotonic() - started
+    done = sum(len(w.finished) for w in workers)
+    report.items = done
+    report.items_per_s = done / report.seconds if report.seconds else 0.0
+    _check_workers(report, workers)
+    report.expect("fence_rejections", report.fence_rejections, 0)
+
+
+def _check_workers(report: ProbeReport, workers: Sequence[_Worker]) -> None:
+    """The counts one host can check alone: its workers' own records and exits."""
+    seen: collections.Counter[int] = collections.Counter(
+        item_id for worker in workers for item_id, _ in worker.finished
+    )
+    report.duplicates = sum(1 for count in seen.values() if count > 1)
+    summaries = [w.summary for w in workers if w.summary is not None]
+    report.locked_errors = sum(s["locked"] for s in summaries)
+    report.fence_rejections += sum(s["fence_rejected"] for s in summaries)
+    counts = [len(w.finished) for w in workers if not w.killed]
+    report.per_worker_min = min(counts, default=0)
+    report.per_worker_max = max(counts, default=0)
+    report.worker_crashes = sum(
+        1 for w in workers if not w.killed and w.process.returncode not in (0, None)
+    )
+    report.expect("duplicates", report.duplicates, 0)
+    report.expect("locked_errors", report.locked_errors, 0)
+    report.expect("worker_crashes", report.worker_crashes, 0)
+
+
+def _host() -> str:
+    import socket
+
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
 # --- scenarios -----------------------------------------------------------------------------
 
 
 async def _concurrent_queue(
     args: argparse.Namespace, store: _store.ControlStore, report: ProbeReport, out: TextIO
 ) -> None:
+    if args.role == "coordinator":
+        await _coordinate(args, store, report, out)
+        return
+    if args.role == "worker":
+        await _work_here(args, store, report, out)
+        return
     ids = await _seed(store, args.items)
     extra = ("--fault", args.fault) if args.fault else ()
     workers = [await _spawn(args, f"w{n}", *(extra if n == 0 else ())) for n in range(args.workers)]
@@ -348,7 +468,14 @@ async def _concurrent_queue(
 async def _chaos(
     args: argparse.Namespace, store: _store.ControlStore, report: ProbeReport, out: TextIO
 ) -> None:
-    ids = await _seed(store, args.items)
+    if args.role == "coordinator":
+        await _coordinate(args, store, report, out)
+        return
+    ids = (
+        await _seeded_ids(store, args.wait_seconds)
+        if args.role == "worker"
+        else await _seed(store, args.items)
+    )
     live = [await _spawn(args, f"w{n}", "--until-drained") for n in range(args.workers)]
     everyone = list(live)
     started = await _go(live)
@@ -376,7 +503,10 @@ async def _chaos(
                 worker.kill()
                 await worker.wait()
     report.items_per_s = args.items / report.seconds if report.seconds else 0.0
-    await _check(report, store, ids, everyone)
+    if args.role == "worker":
+        _check_workers(report, everyone)
+    else:
+        await _check(report, store, ids, everyone)
     report.notes.append(
         f"{report.kills} workers killed and replaced; {report.re_executions} items taken "
         f"over after a lapsed lease; {report.fence_rejections} late reports fenced out"
@@ -393,7 +523,7 @@ async def _kill_and_reclaim(
     assert holder.claimed is not None
     holder.kill()  # mid-work, with no chance to clean up
     await holder.wait()
-    await _sleep_until(holder.claimed["lease_expires_at"])
+    await _sleep_until(store, holder.claimed["lease_expires_at"])
     rescuer = await _spawn(args, "rescuer")
     await _go([rescuer])
     await rescuer.wait()
@@ -415,7 +545,7 @@ async def _stall(
     assert sleeper.claimed is not None
     sleeper.process.send_signal(signal.SIGSTOP)
     try:
-        await _sleep_until(sleeper.claimed["lease_expires_at"])
+        await _sleep_until(store, sleeper.claimed["lease_expires_at"])
         rescuer = await _spawn(args, "rescuer")
         await _go([rescuer])
         await rescuer.wait()
@@ -460,9 +590,10 @@ def _expect_takeover(report: ProbeReport, claimed: dict[str, Any], rescuer: _Wor
     report.expect("re_executions", report.re_executions, 1)
 
 
-async def _sleep_until(wall_clock: float) -> None:
-    """Wait until a lease has lapsed by the wall clock the workers use."""
-    await asyncio.sleep(max(0.0, wall_clock - time.time()) + 0.05)
+async def _sleep_until(store: _store.ControlStore, when: float) -> None:
+    """Wait until a lease has lapsed by the clock the store measures leases with (the
+    database server's, on PostgreSQL)."""
+    await _clock.wait_until(store.clock, when + 0.05)
 
 
 def _start_progress(
@@ -509,12 +640,32 @@ async def run_probe(args: argparse.Namespace, *, progress: TextIO = sys.stderr) 
         synchronous=args.synchronous,
         lease_seconds=args.lease_seconds,
         filesystem=filesystem_of(args.store),
+        role=args.role,
     )
+    if args.role == "coordinator":
+        report.workers = 0  # they run elsewhere, with --role worker
+    if args.role == "worker":
+        await _wait_for_store(args.store, args.wait_seconds)
     async with _store.ControlStore(
         args.store, lease_seconds=args.lease_seconds, synchronous=args.synchronous
     ) as store:
         await _RUNNERS[args.scenario](args, store, report, progress)
     return report
+
+
+async def _wait_for_store(url: str, wait_seconds: float) -> None:
+    """A worker host opens nothing before the coordinator has made the store (its opening
+    would make the schema look used, and the coordinator insists on a fresh one)."""
+    from asyncplane import _postgres
+
+    deadline = time.monotonic() + wait_seconds
+    while await _postgres.schema_is_empty(url):
+        if time.monotonic() > deadline:
+            raise _errors.InvalidInput(
+                f"no store appeared within {wait_seconds:g} s: start the coordinator "
+                "(--role coordinator) on the same store"
+            )
+        await asyncio.sleep(0.2)
 
 
 def _default_lease(scenario: str) -> float:
@@ -528,7 +679,7 @@ def _parser(prog: str) -> argparse.ArgumentParser:
         description="Qualify a disk for an asyncplane store: separate worker processes, "
         "exact counts. Exits 0 when every count is exactly right, 1 otherwise.",
     )
-    parser.add_argument("--store", required=True, type=pathlib.Path, help="the database file")
+    parser.add_argument("--store", required=True, help="the database file, or a postgresql:// URL")
     parser.add_argument("--scenario", required=True, choices=SCENARIOS)
     parser.add_argument("--workers", type=int, default=16, help="worker processes")
     parser.add_argument("--items", type=int, default=10_000, help="items to drain")
@@ -543,25 +694,60 @@ def _parser(prog: str) -> argparse.ArgumentParser:
     )
     parser.add_argument("--seed", type=int, default=None, help="seed for the chaos victims")
     parser.add_argument(
+        "--role",
+        choices=ROLES,
+        default="all",
+        help="across hosts (concurrent-queue, chaos): 'coordinator' seeds and checks, "
+        "'worker' runs this host's workers; 'all' (default) does both here",
+    )
+    parser.add_argument(
+        "--wait-seconds",
+        type=float,
+        default=3600.0,
+        help="how long a coordinator waits for the drain, and a worker for the items",
+    )
+    parser.add_argument(
         "--fault", choices=("duplicate-finish", "delete-item"), help=argparse.SUPPRESS
     )
     return parser
 
 
 def _prepare_path(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
-    paths = [args.store, *(args.store.with_name(args.store.name + s) for s in ("-wal", "-shm"))]
-    if args.store.exists():
+    if is_url(args.store):
+        if args.role != "worker":
+            asyncio.run(_prepare_schema(args, parser))
+        return
+    store = pathlib.Path(args.store)
+    paths = [store, *(store.with_name(store.name + s) for s in ("-wal", "-shm"))]
+    if store.exists():
         if not args.overwrite:
-            parser.error(f"{args.store} exists; the probe needs a fresh file (or --overwrite)")
+            parser.error(f"{store} exists; the probe needs a fresh file (or --overwrite)")
         for path in paths:
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
 
 
+async def _prepare_schema(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    from asyncplane import _postgres  # only a PostgreSQL probe needs the driver
+
+    try:
+        fresh = await _postgres.schema_is_empty(args.store)
+        if not fresh:
+            if not args.overwrite:
+                parser.error(
+                    "the schema holds a store already; the probe needs a fresh one "
+                    "(another search_path, or --overwrite to drop this store's tables)"
+                )
+            await _postgres.drop_store(args.store)
+    except _errors.AsyncplaneError as exc:
+        parser.error(str(exc))
+
+
 def _human(report: ProbeReport) -> str:
     where = report.filesystem or "unknown filesystem"
+    role = "" if report.role == "all" else f", {report.role}"
     lines = [
-        f"asyncplane probe: {report.scenario} ({where})",
+        f"asyncplane probe: {report.scenario} ({where}{role})",
         f"  {report.workers} worker processes x {report.concurrency} coroutines, "
         f"{report.items} items, lease {report.lease_seconds:g} s, "
         f"synchronous={report.synchronous}",
@@ -571,6 +757,9 @@ def _human(report: ProbeReport) -> str:
             f"  drained in {report.seconds:.2f} s: {report.items_per_s:,.0f} items/s "
             f"(per worker {report.per_worker_min} to {report.per_worker_max} items; "
             f"longest wait for the write lock {report.max_lock_wait_s * 1000:.0f} ms)"
+            if report.filesystem != "postgresql"
+            else f"  drained in {report.seconds:.2f} s: {report.items_per_s:,.0f} items/s "
+            f"(per worker {report.per_worker_min} to {report.per_worker_max} items)"
         )
     lines.append(
         f"  duplicates {report.duplicates}, lost {report.lost}, "
@@ -603,6 +792,10 @@ def main(argv: Sequence[str] | None = None, *, prog: str = "python -m asyncplane
         args.lease_seconds = _default_lease(args.scenario)
     if not 0 < args.lease_seconds <= _validate.MAX_LEASE_SECONDS:
         parser.error("--lease-seconds must be positive, and at most 366 days")
+    if args.role != "all" and args.scenario not in SPREADABLE:
+        parser.error(f"--role {args.role} is for {' and '.join(SPREADABLE)} only")
+    if args.role != "all" and not is_url(args.store):
+        parser.error("--role is for a PostgreSQL store: an SQLite file lives on one host")
     _prepare_path(args, parser)
     warning = network_filesystem_warning(args.store, filesystem_of(args.store))
     if warning:
