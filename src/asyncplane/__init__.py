@@ -7,6 +7,7 @@ transition, and scope enforced by the store itself.
 """
 
 from asyncplane._clock import Clock, SystemClock
+from asyncplane._copy import CopySummary, copy_store
 from asyncplane._drain import (
     Done,
     DrainError,
@@ -51,6 +52,7 @@ __all__ = (
     "ClaimedItem",
     "Clock",
     "ControlStore",
+    "CopySummary",
     "DatabaseLocked",
     "Done",
     "DrainError",
@@ -80,6 +82,7 @@ __all__ = (
     "UnknownItem",
     "UnknownProject",
     "__version__",
+    "copy_store",
     "drain",
     "fingerprint",
     "verify_ledger",

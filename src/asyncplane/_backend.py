@@ -26,9 +26,11 @@ from typing import NamedTuple, Protocol
 from asyncplane import _models
 
 __all__ = (
+    "AssignmentRow",
     "Backend",
     "ClaimOp",
     "ClaimRow",
+    "CopyOp",
     "EnqueueOp",
     "EventRow",
     "FinishOp",
@@ -211,6 +213,24 @@ class ItemRow(NamedTuple):
     result_json: str | None
     error: str | None
     offload_handle: str | None
+    #: Whether the item takes part in enqueue and settlement dedup.
+    dedup: bool = True
+
+
+class AssignmentRow(NamedTuple):
+    """One actor's assignment to one project."""
+
+    actor_id: str
+    project_id: str
+    assigned_at: float
+
+
+class CopyOp(NamedTuple):
+    """One chunk of a copy from another store: items with their whole histories, keyed by
+    their id in the source (which they keep)."""
+
+    source: str
+    items: tuple[tuple[ItemRow, tuple[EventRow, ...]], ...]
 
 
 class EventRow(NamedTuple):
@@ -350,6 +370,27 @@ class Backend(Protocol):
 
     async def stats(self) -> StoreStats:
         """Counts and ages, read in one snapshot."""
+        ...
+
+    async def list_assignments(self) -> list[AssignmentRow]:
+        """Every assignment of every project."""
+        ...
+
+    async def export_items(
+        self, after_item_id: int, chunk: int, pending_only: bool
+    ) -> list[tuple[ItemRow, list[EventRow]]]:
+        """Items after an id, in id order, each with its whole history, in one snapshot."""
+        ...
+
+    async def copy_projects(
+        self, projects: tuple[ProjectRow, ...], assignments: tuple[AssignmentRow, ...]
+    ) -> int:
+        """Add the projects and assignments not here yet; return how many projects."""
+        ...
+
+    async def copy_items(self, op: CopyOp) -> tuple[int, int]:
+        """Add items (keeping their ids) with their histories, each once per source;
+        return (copied, copied before). An id taken by an item from elsewhere refuses."""
         ...
 
     async def sizes(self) -> tuple[int, int]:

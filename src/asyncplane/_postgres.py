@@ -338,6 +338,24 @@ class PostgresBackend:
         now = None if self._clock is None else self._clock.now()
         return await self._read(_stats, now)
 
+    async def list_assignments(self) -> list[_backend.AssignmentRow]:
+        return [_backend.AssignmentRow(*row) for row in await self._fetch(sql.LIST_ASSIGNMENTS)]
+
+    async def export_items(
+        self, after_item_id: int, chunk: int, pending_only: bool
+    ) -> list[tuple[_backend.ItemRow, list[_backend.EventRow]]]:
+        return await self._read(_export_items, after_item_id, chunk, pending_only)
+
+    async def copy_projects(
+        self,
+        projects: tuple[_backend.ProjectRow, ...],
+        assignments: tuple[_backend.AssignmentRow, ...],
+    ) -> int:
+        return await self._write(_bind(_copy_projects, projects, assignments))
+
+    async def copy_items(self, op: _backend.CopyOp) -> tuple[int, int]:
+        return await self._write(_bind(_copy_items, op))
+
     async def sizes(self) -> tuple[int, int]:
         rows = await self._fetch(sql.SCHEMA_BYTES)
         return int(rows[0][0]), 0
@@ -862,6 +880,47 @@ async def _import_rows(
     return imported, skipped
 
 
+async def _copy_projects(
+    projects: tuple[_backend.ProjectRow, ...],
+    assignments: tuple[_backend.AssignmentRow, ...],
+    conn: asyncpg.Connection,
+    now: float,
+) -> int:
+    added = 0
+    for project in projects:
+        if await conn.fetchval(sql.COPY_PROJECT, *project) is not None:
+            added += 1
+    if assignments:
+        await conn.executemany(sql.COPY_ASSIGNMENT, [tuple(a) for a in assignments])
+    return added
+
+
+async def _copy_items(op: _backend.CopyOp, conn: asyncpg.Connection, now: float) -> tuple[int, int]:
+    await conn.execute(sql.LOCK_SOURCE, op.source)
+    copied = skipped = 0
+    for item, events in op.items:
+        key = str(item.item_id)
+        if await conn.fetchval(sql.ALREADY_IMPORTED, op.source, key) is not None:
+            skipped += 1
+            continue
+        if await conn.fetchval(sql.ITEM_EXISTS, item.item_id) is not None:
+            raise _errors.InvalidInput(
+                f"the destination holds an item {item.item_id} of its own: a copy keeps "
+                "item ids, so it goes into an empty store (or one it copied into before)"
+            )
+        await conn.execute(sql.COPY_ITEM, *item[:-1], bool(item.dedup))
+        await _insert_events(
+            conn,
+            [(item.item_id, e.event_type, e.fence, e.owner, e.actor_id, e.at, e.detail_json)
+             for e in events],
+        )  # fmt: skip
+        await conn.execute(sql.RECORD_IMPORT, op.source, key, item.item_id, now)
+        copied += 1
+    if op.items:
+        await conn.execute(sql.ADVANCE_ITEM_IDS, max(item.item_id for item, _ in op.items))
+    return copied, skipped
+
+
 # --- schema --------------------------------------------------------------------------------
 
 
@@ -941,6 +1000,18 @@ async def _purge_candidates(
 ) -> list[tuple[_backend.ItemRow, list[_backend.EventRow]]]:
     async with _snapshot(conn):
         rows = await conn.fetch(sql.PURGE_CANDIDATES, cutoff, chunk)
+        events = await conn.fetch(sql.EVENTS_OF_ITEMS, [row[0] for row in rows])
+    history: dict[int, list[_backend.EventRow]] = {}
+    for event in events:
+        history.setdefault(event[1], []).append(_backend.EventRow(*event))
+    return [(_backend.ItemRow(*row), history.get(row[0], [])) for row in rows]
+
+
+async def _export_items(
+    conn: asyncpg.Connection, after: int, chunk: int, pending_only: bool
+) -> list[tuple[_backend.ItemRow, list[_backend.EventRow]]]:
+    async with _snapshot(conn):
+        rows = await conn.fetch(sql.EXPORT_ITEMS, after, chunk, pending_only)
         events = await conn.fetch(sql.EVENTS_OF_ITEMS, [row[0] for row in rows])
     history: dict[int, list[_backend.EventRow]] = {}
     for event in events:

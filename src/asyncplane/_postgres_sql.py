@@ -444,7 +444,7 @@ FROM items WHERE item_id = $2
 _ITEM_COLUMNS = (
     "item_id, project_id, state, payload, fence, attempts, owner, lease_expires_at, "
     "created_at, updated_at, priority, service_class, sla, fingerprint, max_attempts, "
-    "due_at, result, error, offload_handle"
+    "due_at, result, error, offload_handle, dedup"
 )
 GET_ITEM: Final = f"SELECT {_ITEM_COLUMNS} FROM items WHERE item_id = $1"
 GET_ITEM_SCOPED: Final = (
@@ -498,6 +498,38 @@ ALREADY_IMPORTED: Final = "SELECT 1 FROM imports WHERE source = $1 AND source_ke
 RECORD_IMPORT: Final = (
     "INSERT INTO imports (source, source_key, item_id, imported_at) VALUES ($1, $2, $3, $4)"
 )
+
+# --- copying between stores -----------------------------------------------------------------
+
+LIST_ASSIGNMENTS: Final = """
+SELECT actor_id, project_id, assigned_at FROM assignments
+ORDER BY project_id COLLATE "C", actor_id COLLATE "C"
+"""
+EXPORT_ITEMS: Final = f"""
+SELECT {_ITEM_COLUMNS} FROM items
+WHERE item_id > $1 AND (NOT $3::boolean OR state NOT IN ('done', 'failed'))
+ORDER BY item_id LIMIT $2
+"""
+COPY_PROJECT: Final = """
+INSERT INTO projects (project_id, name, status, created_at) VALUES ($1, $2, $3, $4)
+ON CONFLICT (project_id) DO NOTHING
+RETURNING project_id
+"""
+COPY_ASSIGNMENT: Final = """
+INSERT INTO assignments (actor_id, project_id, assigned_at) VALUES ($1, $2, $3)
+ON CONFLICT (actor_id, project_id) DO NOTHING
+"""
+ITEM_EXISTS: Final = "SELECT 1 FROM items WHERE item_id = $1"
+COPY_ITEM: Final = f"""
+INSERT INTO items ({_ITEM_COLUMNS})
+VALUES ({", ".join(f"${n}" for n in range(1, 21))})
+"""
+# Ids a copy brought in are never handed out again: the sequence moves past them (and
+# never back, so the ids of purged items stay unused too).
+ADVANCE_ITEM_IDS: Final = """
+SELECT setval(seq, greatest(coalesce(pg_sequence_last_value(seq), 0), $1::bigint))
+FROM (SELECT pg_get_serial_sequence('items', 'item_id')::regclass AS seq) AS s
+"""
 
 # --- stats ----------------------------------------------------------------------------------
 

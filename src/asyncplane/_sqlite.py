@@ -230,7 +230,7 @@ class SQLiteBackend:
         rows = await self._read(
             _fetch_named, sql.OFFLOADED, {"handle": handle, "actor_id": actor_id}
         )
-        return [_backend.ItemRow(*row) for row in rows]
+        return [_item(row) for row in rows]
 
     async def backfill_fingerprints(
         self, op: _backend.PreflightOp, after_item_id: int, identity: tuple[str, ...]
@@ -259,6 +259,25 @@ class SQLiteBackend:
     async def sizes(self) -> tuple[int, int]:
         return await anyio.to_thread.run_sync(_file_sizes, self._path)
 
+    async def list_assignments(self) -> list[_backend.AssignmentRow]:
+        rows = await self._read(_fetch, sql.LIST_ASSIGNMENTS, ())
+        return [_backend.AssignmentRow(*row) for row in rows]
+
+    async def export_items(
+        self, after_item_id: int, chunk: int, pending_only: bool
+    ) -> list[tuple[_backend.ItemRow, list[_backend.EventRow]]]:
+        return await self._read(_export_items, after_item_id, chunk, pending_only)
+
+    async def copy_projects(
+        self,
+        projects: tuple[_backend.ProjectRow, ...],
+        assignments: tuple[_backend.AssignmentRow, ...],
+    ) -> int:
+        return await self._write(functools.partial(_copy_projects, projects, assignments))
+
+    async def copy_items(self, op: _backend.CopyOp) -> tuple[int, int]:
+        return await self._write(functools.partial(_copy_items, op))
+
     @contextlib.asynccontextmanager
     async def drain_guard(self) -> AsyncIterator[bool]:
         """A `DrainLock` on ``<database>.drain.lock``, beside the database."""
@@ -278,7 +297,7 @@ class SQLiteBackend:
             rows = await self._read(_fetch, sql.GET_ITEM_SCOPED, (item_id, actor_id))
         if not rows:
             raise _invisible_item(item_id, actor_id)
-        return _backend.ItemRow(*rows[0])
+        return _item(rows[0])
 
     async def get_events(self, item_id: int, actor_id: str | None) -> list[_backend.EventRow]:
         if actor_id is None:
@@ -791,6 +810,42 @@ def _import_rows(op: _backend.ImportOp, db: sqlite3.Connection, now: float) -> t
     return imported, skipped
 
 
+def _copy_projects(
+    projects: tuple[_backend.ProjectRow, ...],
+    assignments: tuple[_backend.AssignmentRow, ...],
+    db: sqlite3.Connection,
+    now: float,
+) -> int:
+    added = 0
+    for project in projects:
+        added += db.execute(sql.COPY_PROJECT, tuple(project)).rowcount
+    db.executemany(sql.COPY_ASSIGNMENT, [tuple(a) for a in assignments])
+    return added
+
+
+def _copy_items(op: _backend.CopyOp, db: sqlite3.Connection, now: float) -> tuple[int, int]:
+    copied = skipped = 0
+    for item, events in op.items:
+        key = str(item.item_id)
+        if db.execute(sql.ALREADY_IMPORTED, (op.source, key)).fetchone() is not None:
+            skipped += 1
+            continue
+        if db.execute(sql.ITEM_EXISTS, (item.item_id,)).fetchone() is not None:
+            raise _errors.InvalidInput(
+                f"the destination holds an item {item.item_id} of its own: a copy keeps "
+                "item ids, so it goes into an empty store (or one it copied into before)"
+            )
+        db.execute(sql.COPY_ITEM, (*item[:-1], 1 if item.dedup else 0))
+        db.executemany(
+            sql.INSERT_EVENT,
+            [(item.item_id, e.event_type, e.fence, e.owner, e.actor_id, e.at, e.detail_json)
+             for e in events],
+        )  # fmt: skip
+        db.execute(sql.RECORD_IMPORT, (op.source, key, item.item_id, now))
+        copied += 1
+    return copied, skipped
+
+
 # --- schema --------------------------------------------------------------------------------
 
 
@@ -902,7 +957,28 @@ def _purge_candidates(
     rows = db.execute(sql.PURGE_CANDIDATES, {"cutoff": cutoff, "chunk": chunk}).fetchall()
     found = [
         (
-            _backend.ItemRow(*row),
+            _item(row),
+            [_backend.EventRow(*e) for e in db.execute(sql.EVENTS_OF_ITEM, (row[0],))],
+        )
+        for row in rows
+    ]
+    db.execute("COMMIT")
+    return found
+
+
+def _item(row: Any) -> _backend.ItemRow:
+    return _backend.ItemRow._make((*row[:-1], bool(row[-1])))  # dedup is stored as 0 or 1
+
+
+def _export_items(
+    db: sqlite3.Connection, after: int, chunk: int, pending_only: bool
+) -> list[tuple[_backend.ItemRow, list[_backend.EventRow]]]:
+    db.execute("BEGIN")  # the items and their histories from one snapshot
+    params = {"after": after, "chunk": chunk, "pending_only": 1 if pending_only else 0}
+    rows = db.execute(sql.EXPORT_ITEMS, params).fetchall()
+    found = [
+        (
+            _item(row),
             [_backend.EventRow(*e) for e in db.execute(sql.EVENTS_OF_ITEM, (row[0],))],
         )
         for row in rows

@@ -380,7 +380,7 @@ FROM items WHERE item_id = ?
 _ITEM_COLUMNS = (
     "item_id, project_id, state, payload, fence, attempts, owner, lease_expires_at, "
     "created_at, updated_at, priority, service_class, sla, fingerprint, max_attempts, "
-    "due_at, result, error, offload_handle"
+    "due_at, result, error, offload_handle, dedup"
 )
 GET_ITEM: Final = f"SELECT {_ITEM_COLUMNS} FROM items WHERE item_id = ?"
 GET_ITEM_SCOPED: Final = (
@@ -440,6 +440,31 @@ RECORD_IMPORT: Final = (
 # be bound as parameters, so they are checked against the table and quoted).
 SOURCE_COLUMNS: Final = "SELECT name FROM pragma_table_info(?)"
 SOURCE_TABLE_EXISTS: Final = "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?"
+
+# --- copying between stores -----------------------------------------------------------------
+# A copy keeps every item's id, row and history; the imports table remembers each item
+# copied, keyed by the source, so a second run copies nothing twice.
+
+LIST_ASSIGNMENTS: Final = (
+    "SELECT actor_id, project_id, assigned_at FROM assignments ORDER BY project_id, actor_id"
+)
+EXPORT_ITEMS: Final = f"""
+SELECT {_ITEM_COLUMNS} FROM items
+WHERE item_id > :after AND (:pending_only = 0 OR state NOT IN ('done', 'failed'))
+ORDER BY item_id LIMIT :chunk
+"""
+COPY_PROJECT: Final = """
+INSERT INTO projects (project_id, name, status, created_at) VALUES (?, ?, ?, ?)
+ON CONFLICT (project_id) DO NOTHING
+"""
+COPY_ASSIGNMENT: Final = (
+    "INSERT INTO assignments (actor_id, project_id, assigned_at) VALUES (?, ?, ?) "
+    "ON CONFLICT (actor_id, project_id) DO NOTHING"
+)
+ITEM_EXISTS: Final = "SELECT 1 FROM items WHERE item_id = ?"
+COPY_ITEM: Final = f"""
+INSERT INTO items ({_ITEM_COLUMNS}) VALUES ({", ".join("?" * 20)})
+"""
 
 # --- stats ----------------------------------------------------------------------------------
 

@@ -5,10 +5,13 @@
     asyncplane events DB ITEM                 one item's history
     asyncplane purge DB --retention 7d        archive, then delete, old settled items
     asyncplane import DB --from SRC --table T --column payload=data ...
+    asyncplane copy SRC DST                   move a store to another (SQLite <-> PostgreSQL)
     asyncplane probe --store PATH --scenario ...   (see asyncplane.probe)
 
-Every verb takes ``--json`` for one JSON object on stdout. Long operations (purge, import)
-show their progress on stderr when it is a terminal. stats, verify and events open the
+DB, SRC and DST are SQLite files or ``postgresql://`` URLs.
+
+Every verb takes ``--json`` for one JSON object on stdout. Long operations (purge, import,
+copy) show their progress on stderr when it is a terminal. stats, verify and events open the
 file read-only and write nothing. Exit status: 0 on success, 1 when verify finds problems,
 2 for a usage error, a missing file, a file that is not an asyncplane store, or a store
 of another schema version (stats, verify and events need the current one; purge and
@@ -28,7 +31,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from asyncplane import __version__, _errors, _ledger, _sqlite_sql, _store, probe
+from asyncplane import __version__, _copy, _errors, _ledger, _sqlite_sql, _store, probe
 
 __all__ = ("main", "parse_duration")
 
@@ -68,20 +71,20 @@ def _parser() -> argparse.ArgumentParser:
         return sub
 
     stats = verb("stats", "counts by state and project, oldest ready item, sizes")
-    stats.add_argument("db", type=pathlib.Path)
+    stats.add_argument("db")
     verify = verb("verify", "check every row against its history; exit 1 on problems")
-    verify.add_argument("db", type=pathlib.Path)
+    verify.add_argument("db")
     verify.add_argument("--limit", type=int, default=None, help="stop after this many")
     events = verb("events", "one item's history, oldest first")
-    events.add_argument("db", type=pathlib.Path)
+    events.add_argument("db")
     events.add_argument("item", type=int)
     purge = verb("purge", "archive, then delete, settled items older than the retention")
-    purge.add_argument("db", type=pathlib.Path)
+    purge.add_argument("db")
     purge.add_argument("--retention", type=parse_duration, required=True, help="e.g. 7d")
     purge.add_argument("--chunk", type=int, default=500, help="items per transaction")
     purge.add_argument("--archive", type=pathlib.Path, default=None, help="the JSONL archive")
     imported = verb("import", "copy another SQLite queue's pending rows in, once")
-    imported.add_argument("db", type=pathlib.Path)
+    imported.add_argument("db")
     imported.add_argument("--from", dest="source", type=pathlib.Path, required=True)
     imported.add_argument("--table", required=True)
     imported.add_argument(
@@ -96,6 +99,13 @@ def _parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     imported.add_argument("--drop-source", action="store_true", help="drop the table after")
     imported.add_argument("--chunk", type=int, default=1000)
+    copied = verb("copy", "copy a store, items and histories, into another; idempotent")
+    copied.add_argument("db", metavar="SRC", help="the store to copy (only read)")
+    copied.add_argument("destination", metavar="DST", help="an empty store, or a new file")
+    copied.add_argument("--chunk", type=int, default=500, help="items per transaction")
+    copied.add_argument(
+        "--pending-only", action="store_true", help="leave settled (done, failed) items behind"
+    )
     verbs.add_parser("probe", help="qualify a disk: separate processes, exact counts")
     return parser
 
@@ -108,6 +118,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(args_list)
     try:
         _check_is_a_store(args.db)  # before any event loop: a plain, quick file read
+        if args.verb == "copy" and pathlib.Path(args.destination).exists():
+            _check_is_a_store(args.destination)  # an existing file must be a store too
         return asyncio.run(_run(args))
     except _Usage as problem:
         print(f"asyncplane {args.verb}: {problem}", file=sys.stderr)
@@ -126,9 +138,13 @@ class _Usage(Exception):
     """Something the user has to fix: exit status 2."""
 
 
-def _check_is_a_store(path: pathlib.Path) -> None:
+def _check_is_a_store(location: str) -> None:
     """Refuse, before opening anything, a file that is not an asyncplane store (an empty
-    file included: the store would create its schema in it)."""
+    file included: the store would create its schema in it). A PostgreSQL schema is
+    checked by the store itself, when it opens it read-only."""
+    if probe.is_url(location):
+        return
+    path = pathlib.Path(location)
     if not path.is_file():
         raise _Usage(f"no such file: {path}")
     with path.open("rb") as file:
@@ -153,7 +169,9 @@ def _check_is_a_store(path: pathlib.Path) -> None:
 
 async def _run(args: argparse.Namespace) -> int:
     # Looking (stats, verify, events) opens the file read-only: no migration, no write lock,
-    # nothing written. Only purge and import write.
+    # nothing written. Only purge, import and copy (its destination) write.
+    if args.verb == "copy":
+        return await _copy_verb(args)
     store = _store.ControlStore(args.db, read_only=args.verb in ("stats", "verify", "events"))
     try:
         try:
@@ -284,6 +302,43 @@ async def _import(store: _store.ControlStore, args: argparse.Namespace) -> int:
         f"{'; source table dropped' if done.dropped else ''})",
     )  # fmt: skip
     return 0
+
+
+async def _copy_verb(args: argparse.Namespace) -> int:
+    source = _store.ControlStore(args.db, read_only=True)
+    destination = _store.ControlStore(args.destination)
+    try:
+        try:
+            await source.open()
+            await destination.open()
+        except (_errors.NotAnAsyncplaneDatabase, _errors.SchemaVersionError) as exc:
+            raise _Usage(str(exc)) from exc
+        try:
+            done = await _copy.copy_store(
+                source, destination, chunk=args.chunk, pending_only=args.pending_only,
+                progress=_progress("items"),
+            )  # fmt: skip
+        except _errors.InvalidInput as exc:
+            raise _Usage(str(exc)) from exc
+        finally:
+            _end_progress()
+        problems = await _ledger.verify_ledger(destination, limit=10)
+    finally:
+        await source.close()
+        await destination.close()
+    data = {
+        "source": source.location, "destination": destination.location,
+        "projects": done.projects, "copied": done.copied, "copied_before": done.skipped,
+        "chunks": done.chunks, "ledger_problems": len(problems),
+    }  # fmt: skip
+    _out(
+        args, data,
+        f"copied {done.copied:,} items ({done.skipped:,} copied before) and "
+        f"{done.projects} new projects from {source.location} to {destination.location}; "
+        + ("the destination's ledger verifies clean" if not problems
+           else f"the destination's ledger has problems: {problems[0]}"),
+    )  # fmt: skip
+    return 1 if problems else 0
 
 
 _VERBS: dict[str, Callable[[_store.ControlStore, argparse.Namespace], Any]] = {

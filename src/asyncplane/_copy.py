@@ -1,0 +1,88 @@
+"""Copying a store to another: how a fleet moves from SQLite to PostgreSQL (or back).
+
+Every project, assignment and item goes across with its id, its row as it stands and its
+whole history, so the destination's ledger verifies exactly as the source's did; a claim
+copied mid-lease keeps its fence, and once its lease lapses in the destination it is taken
+over with a higher one. Each chunk of items is one transaction in the destination, and
+the destination remembers every item it copied (keyed by the source), so a second run,
+or a run after a crash half-way, copies nothing twice and finishes the job.
+
+A copy keeps item ids, so the destination must hold no items of its own: a fresh store,
+or one this source was copied into before. Stop the workers on the source first (or let
+them drain): a report sent to the source after its item was copied is not carried over.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from asyncplane import _backend
+
+if TYPE_CHECKING:
+    from asyncplane._store import ControlStore
+
+__all__ = ("CopySummary", "copy_store")
+
+
+@dataclasses.dataclass
+class CopySummary:
+    """What a copy did: projects added, items copied now, items copied by an earlier run."""
+
+    projects: int = 0
+    copied: int = 0
+    skipped: int = 0
+    chunks: int = 0
+
+
+async def copy_store(
+    source: ControlStore,
+    destination: ControlStore,
+    *,
+    chunk: int = 500,
+    pending_only: bool = False,
+    progress: Callable[[int], None] | None = None,
+) -> CopySummary:
+    """Copy every project, assignment and item (with its history) from ``source`` into
+    ``destination``; idempotent.
+
+    Args:
+        source: The store to copy from (any backend); it is only read.
+        destination: The store to copy into (any backend): empty, or filled by an earlier
+            copy from the same source.
+        chunk: Items per destination transaction.
+        pending_only: Leave settled (done and failed) items behind. By default they come
+            too: their results serve dedup, and their histories are the ledger.
+        progress: Called with the running count of items looked at, after each chunk.
+
+    Raises InvalidInput, before anything is written for it, when an item's id is taken in
+    the destination by an item that did not come from this source.
+    """
+    from asyncplane import _validate
+
+    size = _validate.positive_int(chunk, "chunk")
+    pending = _validate.boolean(pending_only, "pending_only")
+    src = await source._ready()
+    dst = await destination._ready()
+    summary = CopySummary()
+    projects = tuple(await src.list_projects())
+    assignments = tuple(await src.list_assignments())
+    summary.projects = await dst.copy_projects(projects, assignments)
+    label = f"copy:{source.location}"
+    after = 0
+    while True:
+        found = await src.export_items(after, size, pending)
+        if not found:
+            break
+        items = tuple((item, tuple(events)) for item, events in found)
+        copied, skipped = await dst.copy_items(_backend.CopyOp(label, items))
+        summary.copied += copied
+        summary.skipped += skipped
+        summary.chunks += 1
+        after = found[-1][0].item_id
+        if progress is not None:
+            progress(summary.copied + summary.skipped)
+        if len(found) < size:
+            break
+    return summary

@@ -1,0 +1,232 @@
+"""Copying a store to another backend: everything arrives once, with its history."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import pathlib
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import pytest
+
+from asyncplane import (
+    ControlStore,
+    InvalidInput,
+    copy_store,
+    testing,
+    verify_ledger,
+)
+from asyncplane.testing import ManualClock
+
+
+@pytest.fixture
+async def other_store(
+    request: pytest.FixtureRequest,
+    asyncplane_backend: str,
+    tmp_path: pathlib.Path,
+    asyncplane_clock: ManualClock,
+) -> AsyncIterator[Callable[..., Any]]:
+    """Stores on the *other* backend than the test's: where a copy goes."""
+    opened: list[ControlStore] = []
+    schemas: list[str] = []
+
+    async def make(name: str = "copy", **options: Any) -> ControlStore:
+        options.setdefault("clock", asyncplane_clock)
+        if asyncplane_backend == "postgresql":
+            location: str = str(tmp_path / f"{name}.db")
+        else:
+            server = request.getfixturevalue("asyncplane_postgres_url")
+            schema = f"copy_{len(schemas)}_{abs(hash(request.node.nodeid)) % 10**8}"
+            await _admin(server, f"DROP SCHEMA IF EXISTS {schema} CASCADE")
+            await _admin(server, f"CREATE SCHEMA {schema}")
+            schemas.append(schema)
+            location = testing.with_schema(server, schema)
+        store = ControlStore(location, **options)
+        await store.open()
+        opened.append(store)
+        return store
+
+    try:
+        yield make
+    finally:
+        for store in opened:
+            await store.close()
+        for schema in schemas:
+            server = request.getfixturevalue("asyncplane_postgres_url")
+            await _admin(server, f"DROP SCHEMA IF EXISTS {schema} CASCADE")
+
+
+async def _admin(url: str, statement: str) -> None:
+    import asyncpg
+
+    conn = await asyncpg.connect(url)
+    try:
+        await conn.execute(statement)
+    finally:
+        await conn.close()
+
+
+async def busy_store(store: ControlStore, clock: ManualClock) -> dict[str, int]:
+    """A store with an item in every state, a result, a retry, a takeover, scope."""
+    await store.create_project("p", "P")
+    await store.create_project("q", "Q", status="paused")
+    await store.assign("p", "alice")
+    ids = await store.enqueue_many(
+        "p",
+        [{"n": n} for n in range(6)] + [{"n": 6, "task": "t"}],
+    )
+    done = await store.claim("w")
+    assert done is not None
+    await store.finish(done.item_id, fence=done.fence, result={"answer": 42})
+    failed = await store.claim("w")
+    assert failed is not None
+    await store.finish(failed.item_id, fence=failed.fence, status="failed", error="no")
+    retried = await store.claim("w")
+    assert retried is not None
+    await store.retry(retried.item_id, fence=retried.fence, error="later", delay=3600)
+    lapsed = await store.claim("w", lease_seconds=10)
+    assert lapsed is not None
+    clock.advance(11)
+    taken = await store.claim("w2", lease_seconds=600)  # a takeover: fence 2
+    assert taken is not None and taken.item_id == lapsed.item_id and taken.fence == 2
+    offloaded = await store.claim("w")
+    assert offloaded is not None
+    await store.offload(offloaded.item_id, fence=offloaded.fence, handle="batch-1")
+    await store.enqueue("q", {"waiting": True})
+    return {"first": ids[0], "taken": taken.item_id, "last": max(ids)}
+
+
+async def snapshot(store: ControlStore) -> list[tuple[dict[str, Any], list[Any]]]:
+    rows = []
+    counts = await store.counts()
+    assert sum(counts.values()) > 0
+    for item_id in range(1, 100):
+        try:
+            item = await store.item(item_id)
+        except LookupError:
+            continue
+        events = [
+            (e["event_type"], e["fence"], e["owner"], e["actor_id"], e["at"], e["detail"])
+            for e in await store.events(item_id)
+        ]
+        rows.append((item, events))
+    return rows
+
+
+async def test_a_copy_carries_every_item_with_its_history(
+    asyncplane_store: ControlStore, other_store: Any, asyncplane_clock: ManualClock
+) -> None:
+    source = asyncplane_store
+    marks = await busy_store(source, asyncplane_clock)
+    destination: ControlStore = await other_store()
+    summary = await copy_store(source, destination, chunk=3)
+    assert (summary.projects, summary.copied, summary.skipped) == (2, 8, 0)
+    assert summary.chunks == 3
+    assert await snapshot(destination) == await snapshot(source)
+    assert await destination.projects() == await source.projects()
+    assert await destination.visible_projects("alice") == ["p"]
+    assert await verify_ledger(destination) == []
+    # The copied claim keeps its fence; once its lease lapses here, a takeover goes higher.
+    asyncplane_clock.advance(601)
+    again = await destination.claim("w3")
+    assert again is not None and again.item_id == marks["taken"] and again.fence == 3
+    # New work gets new ids, above every copied one.
+    assert await destination.enqueue("p", {"new": True}) > marks["last"] + 1
+
+
+async def test_a_second_copy_copies_nothing_twice(
+    asyncplane_store: ControlStore, other_store: Any, asyncplane_clock: ManualClock
+) -> None:
+    await busy_store(asyncplane_store, asyncplane_clock)
+    destination: ControlStore = await other_store()
+    first = await copy_store(asyncplane_store, destination)
+    again = await copy_store(asyncplane_store, destination)
+    assert (again.copied, again.skipped, again.projects) == (0, first.copied, 0)
+    later = await asyncplane_store.enqueue("p", {"after": True})  # the source went on
+    third = await copy_store(asyncplane_store, destination)
+    assert (third.copied, third.skipped) == (1, first.copied)
+    assert (await destination.item(later))["payload"] == {"after": True}
+    assert await verify_ledger(destination) == []
+
+
+async def test_a_copy_cut_short_finishes_on_the_next_run(
+    asyncplane_store: ControlStore, other_store: Any, asyncplane_clock: ManualClock
+) -> None:
+    await busy_store(asyncplane_store, asyncplane_clock)
+    destination: ControlStore = await other_store()
+
+    def crash(count: int) -> None:
+        raise RuntimeError("the process died")
+
+    with pytest.raises(RuntimeError):
+        await copy_store(asyncplane_store, destination, chunk=2, progress=crash)
+    assert sum((await destination.counts()).values()) == 2  # the first chunk committed
+    done = await copy_store(asyncplane_store, destination, chunk=2)
+    assert (done.copied, done.skipped) == (6, 2)
+    assert await verify_ledger(destination) == []
+
+
+async def test_pending_only_leaves_settled_items_behind(
+    asyncplane_store: ControlStore, other_store: Any, asyncplane_clock: ManualClock
+) -> None:
+    await busy_store(asyncplane_store, asyncplane_clock)
+    destination: ControlStore = await other_store()
+    summary = await copy_store(asyncplane_store, destination, pending_only=True)
+    assert summary.copied == 6
+    counts = await destination.counts()
+    assert (counts["done"], counts["failed"]) == (0, 0)
+    assert await verify_ledger(destination) == []
+
+
+async def test_a_destination_with_items_of_its_own_is_refused(
+    asyncplane_store: ControlStore, other_store: Any, asyncplane_clock: ManualClock
+) -> None:
+    await busy_store(asyncplane_store, asyncplane_clock)
+    destination: ControlStore = await other_store()
+    await destination.create_project("mine", "Mine")
+    await destination.enqueue("mine", {"mine": True})  # item 1: not the source's item 1
+    with pytest.raises(InvalidInput, match="item 1 of its own"):
+        await copy_store(asyncplane_store, destination)
+    assert (await destination.counts())["ready"] == 1  # nothing of the source arrived
+    assert await verify_ledger(destination) == []
+
+
+@pytest.mark.postgresql_only  # one run covers both directions
+def test_the_copy_verb_moves_a_file_to_postgresql_and_back(
+    tmp_path: pathlib.Path, location_of: Any
+) -> None:
+    source = tmp_path / "old.db"
+    server_side = location_of("moved")
+    back = tmp_path / "back.db"
+
+    async def seed() -> None:
+        async with ControlStore(source) as store:
+            await store.create_project("p", "P")
+            await store.enqueue_many("p", [{"n": n} for n in range(25)])
+
+    asyncio.run(seed())
+
+    def cli(*args: str) -> tuple[int, Any]:
+        done = subprocess.run(
+            [sys.executable, "-m", "asyncplane.cli", *args, "--json"],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        return done.returncode, json.loads(done.stdout) if done.stdout.strip() else done.stderr
+
+    code, out = cli("copy", str(source), server_side)
+    assert code == 0, out
+    assert (out["copied"], out["ledger_problems"]) == (25, 0)
+    code, out = cli("copy", str(source), server_side)
+    assert code == 0 and (out["copied"], out["copied_before"]) == (0, 25)
+    code, out = cli("copy", server_side, str(back))
+    assert code == 0 and out["copied"] == 25
+    code, out = cli("stats", server_side)
+    assert code == 0 and out["states"]["ready"] == 25
+    code, out = cli("verify", str(back))
+    assert code == 0 and out["clean"] is True
+    (tmp_path / "junk.db").write_bytes(b"not a store")
+    code, out = cli("copy", str(source), str(tmp_path / "junk.db"))
+    assert code == 2
