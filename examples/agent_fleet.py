@@ -14,7 +14,7 @@ daemon task; once the producers are done and the queue is empty, the application
 it with its stop event, collects the offloaded batch, and prints the summary and the
 verify_ledger result.
 
-    python examples/agent_fleet.py [DATABASE]      # default: a fresh file in a temp dir
+    python examples/agent_fleet.py [DATABASE | URL]  # default: a fresh file in a temp dir
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ async def produce(store: ControlStore, name: str, rounds: int) -> int:
     return rounds
 
 
-async def main(path: pathlib.Path) -> int:
+async def main(path: str | pathlib.Path) -> int:
     async with ControlStore(
         path, identity=("task",), lease_seconds=30, retry_backoff=0.01, retry_backoff_max=0.05
     ) as store:
@@ -139,7 +139,7 @@ async def main(path: pathlib.Path) -> int:
 
 if __name__ == "__main__":
     target = (
-        pathlib.Path(sys.argv[1])
+        sys.argv[1]  # a file, or a postgresql:// URL: the same code runs on either
         if len(sys.argv) > 1
         else pathlib.Path(tempfile.mkdtemp(prefix="asyncplane-agents-")) / "agents.db"
     )

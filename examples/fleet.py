@@ -7,7 +7,7 @@ higher fence, and the stalled agent's late report is refused with FenceRejected,
 work is recorded exactly once. At the end the demo prints a summary and the result of
 verify_ledger.
 
-    python examples/fleet.py [DATABASE]      # default: a fresh file in a temp directory
+    python examples/fleet.py [DATABASE | URL]  # default: a fresh file in a temp directory
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ async def agent(store: ControlStore, name: str, tally: collections.Counter[str])
         tally[status] += 1
 
 
-async def main(path: pathlib.Path) -> int:
+async def main(path: str | pathlib.Path) -> int:
     async with ControlStore(path, lease_seconds=LEASE_SECONDS) as store:
         await store.create_project("research", "Background research")
         await store.create_project("writing", "Drafting and editing")
@@ -87,7 +87,7 @@ async def main(path: pathlib.Path) -> int:
 
 if __name__ == "__main__":
     target = (
-        pathlib.Path(sys.argv[1])
+        sys.argv[1]  # a file, or a postgresql:// URL: the same code runs on either
         if len(sys.argv) > 1
         else pathlib.Path(tempfile.mkdtemp(prefix="asyncplane-fleet-")) / "fleet.db"
     )

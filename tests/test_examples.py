@@ -6,6 +6,7 @@ import pathlib
 import re
 import subprocess
 import sys
+from typing import Any
 
 EXAMPLES = pathlib.Path(__file__).parent.parent / "examples"
 
@@ -35,8 +36,8 @@ def test_quickstart_runs_the_seed_examples_as_written(tmp_path: pathlib.Path) ->
     assert list(tmp_path.iterdir()) == []  # it works in a temporary directory of its own
 
 
-def test_fleet_demo_settles_everything_once(tmp_path: pathlib.Path) -> None:
-    done = run("fleet.py", str(tmp_path / "fleet.db"), cwd=tmp_path)
+def test_fleet_demo_settles_everything_once(tmp_path: pathlib.Path, location_of: Any) -> None:
+    done = run("fleet.py", location_of("fleet.db"), cwd=tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "items settled: 22 done, 2 failed" in done.stdout
     found = re.search(r"lease takeovers: (\d+), late reports refused: (\d+)", done.stdout)
@@ -46,8 +47,10 @@ def test_fleet_demo_settles_everything_once(tmp_path: pathlib.Path) -> None:
     assert "verify_ledger: clean" in done.stdout
 
 
-def test_agent_fleet_drains_while_producers_enqueue(tmp_path: pathlib.Path) -> None:
-    done = run("agent_fleet.py", str(tmp_path / "agents.db"), cwd=tmp_path)
+def test_agent_fleet_drains_while_producers_enqueue(
+    tmp_path: pathlib.Path, location_of: Any
+) -> None:
+    done = run("agent_fleet.py", location_of("agents.db"), cwd=tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
     found = re.search(r"(\d+) questions asked, (\d+) distinct items: (\d+) done", done.stdout)
     assert found is not None

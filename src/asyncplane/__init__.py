@@ -3,7 +3,8 @@
 Many coroutines and processes on one machine share one SQLite file that holds their
 work: a queue of items per project, an atomic claim of each item by exactly one worker,
 leases whose lapse hands the item on with a higher fence, an append-only ledger of every
-transition, and scope enforced by the store itself.
+transition, and scope enforced by the store itself. The same store runs on PostgreSQL
+for fleets that outgrow one machine (a ``postgresql://`` URL instead of a path).
 """
 
 from asyncplane._clock import Clock, SystemClock

@@ -79,10 +79,14 @@ class ServerClock:
     this host's clock is off. Safe to read from any thread.
     """
 
-    __slots__ = ("_offset",)
+    __slots__ = ("_offset", "_read_at")
+
+    #: Seconds a reading is trusted for: the writer reads the server's clock again after.
+    FRESH_FOR = 2.0
 
     def __init__(self) -> None:
         self._offset = 0.0
+        self._read_at: float | None = None
 
     def now(self) -> float:
         """The server's time now, estimated from the last reading."""
@@ -91,6 +95,12 @@ class ServerClock:
     def observe(self, server_now: float) -> None:
         """Take a fresh reading of the server's clock."""
         self._offset = server_now - time.time()
+        self._read_at = time.monotonic()
+
+    @property
+    def fresh(self) -> bool:
+        """Whether the last reading is recent enough to measure a lease by."""
+        return self._read_at is not None and time.monotonic() - self._read_at < self.FRESH_FOR
 
     async def wait_until(self, when: float) -> None:
         """Sleep until the server's clock reads ``when`` (as far as this host can tell)."""
@@ -188,7 +198,7 @@ class PostgresBackend:
         self._writer = _writer.Writer(
             conn, self._clock, name=self._schema, max_batch=self._max_batch,
             on_exit=close_readers,
-            observe=None if self._server_clock is None else self._server_clock.observe,
+            server_clock=self._server_clock,
         )  # fmt: skip
         self._writer.start()
 
@@ -604,13 +614,14 @@ class _Arm:
 
     def __init__(
         self, conn: asyncpg.Connection, statement: str, reach: tuple[Any, ...],
-        extra: tuple[Any, ...], page: int,
+        extra: tuple[Any, ...], page: int, first: list[Any],
     ) -> None:  # fmt: skip
+        # ``first`` is the arm's first page, read with every other arm's in one statement.
         self._conn, self._statement, self._reach, self._extra = conn, statement, reach, extra
-        self._page = page
-        self._offset = 0
-        self._rows: list[Any] = []
-        self._more = True
+        self._rows = list(first)
+        self._offset = len(first)
+        self._more = len(first) == page
+        self._page = min(page * 2, 1024)
 
     async def head(self) -> Any | None:
         if not self._rows and self._more:
@@ -659,67 +670,78 @@ async def _choose(arms: list[_Arm], limit: int) -> list[Any]:
 async def _claim_many(
     ops: list[_backend.ClaimOp], conn: asyncpg.Connection, now: float
 ) -> list[list[_backend.ClaimRow]]:
-    """Claims that share their filters and lease, decided together (see the SQLite one)."""
+    """Claims that share their filters and lease, decided together (see the SQLite one).
+
+    One statement reads every arm's first page (and the lapsed claims with no attempts
+    left, which fail here instead of moving on); one tries the content locks of the
+    fingerprinted candidates; one claims them all. Further pages are read only when
+    candidates were skipped as twins.
+    """
     first = ops[0]
     reach = (first.project_id, first.actor_id)
     total = sum(op.limit for op in ops)
     events: list[Event] = []
-    probe = await conn.fetchrow(sql.ANY_LAPSED_OR_DUE, now)
-    lapsed, due = (False, False) if probe is None else (probe[0], probe[1])
-    if lapsed:
-        for item_id, fence, owner, attempts, max_attempts in await conn.fetch(
-            sql.LAPSED_EXHAUSTED, *reach, max(total, 16), now
-        ):
-            error = f"attempts exhausted: the lease of attempt {attempts} of {max_attempts} lapsed"
-            await conn.execute(sql.EXHAUST_ITEM, error, now, item_id, fence)
-            events.append((item_id, "lease_expired", fence, owner, first.actor_id, now, None))
-            events.append(
-                (item_id, "failed", fence, owner, first.actor_id, now,
-                 json.dumps({"error": error}))
-            )  # fmt: skip
-    arms = [_Arm(conn, sql.CLAIM_READY, reach, (), total)]
-    if due:
-        arms.append(_Arm(conn, sql.CLAIM_DUE, reach, (now,), total))
-    if lapsed:
-        arms.append(_Arm(conn, sql.CLAIM_LAPSED, reach, (now,), total))
+    pages: dict[str, list[Any]] = {"r": [], "d": [], "l": [], "x": []}
+    for row in await conn.fetch(sql.CLAIM_CANDIDATES, *reach, total, 0, now, max(total, 16)):
+        pages[row[0]].append(row[1:])
+    for item_id, _, fence, owner, attempts, max_attempts, *_ in pages["x"]:
+        error = f"attempts exhausted: the lease of attempt {attempts} of {max_attempts} lapsed"
+        await conn.execute(sql.EXHAUST_ITEM, error, now, item_id, fence)
+        events.append((item_id, "lease_expired", fence, owner, first.actor_id, now, None))
+        events.append(
+            (item_id, "failed", fence, owner, first.actor_id, now, json.dumps({"error": error}))
+        )
+    arms = [
+        _Arm(conn, sql.CLAIM_READY, reach, (), total, pages["r"]),
+        _Arm(conn, sql.CLAIM_DUE, reach, (now,), total, pages["d"]),
+        _Arm(conn, sql.CLAIM_LAPSED, reach, (now,), total, pages["l"]),
+    ]
     chosen = await _choose(arms, total)
-    results: list[list[_backend.ClaimRow]] = []
+    # Deal the chosen rows out in request order: each request its own owner and lease.
+    dealt: list[tuple[Any, _backend.ClaimOp]] = []
     rows = iter(chosen)
     for op in ops:
-        expires = now + op.lease_seconds
-        claimed: list[_backend.ClaimRow] = []
-        for row in itertools.islice(rows, op.limit):
-            item_id, state, old_fence, old_owner = row[:4]
-            got = await _claim_row(conn, row, op.owner, expires, now)
-            if got is None:
-                continue  # a twin started elsewhere meanwhile: this one waits
-            if state == "claimed":
-                detail = json.dumps({"taken_over_by": op.owner})
-                events.append(
-                    (item_id, "lease_expired", old_fence, old_owner, op.actor_id, now, detail)
-                )
-            new_id, project_id, payload, fence, attempts = got
-            extra = (row[8], row[9], row[10], row[7], row[5])
-            claimed.append(
-                _backend.ClaimRow(
-                    new_id, project_id, payload, fence, attempts, op.owner, expires, *extra
-                )
+        dealt.extend((row, op) for row in itertools.islice(rows, op.limit))
+    guarded = [row[7] is not None and row[1] != "claimed" for row, _ in dealt]
+    if any(guarded):
+        wanted = [(position, row) for position, ((row, _), g) in
+                  enumerate(zip(dealt, guarded, strict=True)) if g]  # fmt: skip
+        tried = await conn.fetch(
+            sql.TRY_LOCK_CONTENTS, [row[6] for _, row in wanted], [row[7] for _, row in wanted]
+        )
+        # A twin being claimed by another transaction right now: this one waits.
+        skip = {wanted[n - 1][0] for n, got in tried if not got}
+        dealt = [d for position, d in enumerate(dealt) if position not in skip]
+        guarded = [g for position, g in enumerate(guarded) if position not in skip]
+    claimed_rows: dict[int, Any] = {}
+    if dealt:
+        for claimed_row in await conn.fetch(
+            sql.CLAIM_ITEMS, now,
+            [row[0] for row, _ in dealt], [op.owner for _, op in dealt],
+            [now + op.lease_seconds for _, op in dealt], guarded,
+        ):  # fmt: skip
+            claimed_rows[claimed_row[0]] = claimed_row
+    results: dict[int, list[_backend.ClaimRow]] = {id(op): [] for op in ops}
+    for row, op in dealt:
+        got = claimed_rows.get(row[0])
+        if got is None:
+            continue  # a twin started running meanwhile: this one waits
+        item_id, state, old_fence, old_owner = row[:4]
+        if state == "claimed":
+            detail = json.dumps({"taken_over_by": op.owner})
+            events.append(
+                (item_id, "lease_expired", old_fence, old_owner, op.actor_id, now, detail)
             )
-            events.append((item_id, "claimed", fence, op.owner, op.actor_id, now, None))
-        results.append(claimed)
+        _, project_id, payload, fence, attempts = got
+        results[id(op)].append(
+            _backend.ClaimRow(
+                item_id, project_id, payload, fence, attempts, op.owner, now + op.lease_seconds,
+                row[8], row[9], row[10], row[7], row[5],
+            )
+        )  # fmt: skip
+        events.append((item_id, "claimed", fence, op.owner, op.actor_id, now, None))
     await _insert_events(conn, events)
-    return results
-
-
-async def _claim_row(
-    conn: asyncpg.Connection, row: Any, owner: str, expires: float, now: float
-) -> Any | None:
-    """Claim one locked candidate; None when a twin of it is starting or running."""
-    if row[7] is None or row[1] == "claimed":  # no content, or a takeover of the same row
-        return await conn.fetchrow(sql.CLAIM_ITEM, owner, expires, now, row[0])
-    if not await conn.fetchval(sql.TRY_LOCK_CONTENT, row[6], row[7]):
-        return None  # another transaction is claiming a twin right now
-    return await conn.fetchrow(sql.CLAIM_FREE_ITEM, owner, expires, now, row[0])
+    return [results[id(op)] for op in ops]
 
 
 async def _finish_many(
@@ -740,17 +762,16 @@ async def _finish_many(
 async def _settle_finish(
     op: _backend.FinishOp, conn: asyncpg.Connection, now: float, events: list[Event]
 ) -> int:
+    detail = None if op.error is None else json.dumps({"error": op.error})
     base = (op.item_id, op.fence, op.actor_id, now)
     if op.status == "done":
-        row = await conn.fetchrow(sql.SETTLE_DONE, *base, op.result_json)
+        row = await conn.fetchrow(sql.FINISH_DONE, *base, op.result_json, detail)
     else:
-        row = await conn.fetchrow(sql.SETTLE_FAILED, *base, op.error)
+        row = await conn.fetchrow(sql.FINISH_FAILED, *base, op.error, detail)
     if row is None:
         await _refuse_fenced(conn, op.item_id, op.fence, op.actor_id)
         raise AssertionError("unreachable")  # pragma: no cover
-    owner, project_id, fp = row[0], row[1], row[2]
-    detail = None if op.error is None else json.dumps({"error": op.error})
-    events.append((op.item_id, op.status, op.fence, owner, op.actor_id, now, detail))
+    project_id, fp = row[1], row[2]  # the event went in with the update
     if op.status != "done" or fp is None:
         return 0
     twins = await conn.fetch(sql.SETTLE_TWINS, op.result_json, now, project_id, fp, op.item_id)

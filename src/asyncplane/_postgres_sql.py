@@ -285,6 +285,48 @@ WHERE state = 'claimed' AND lease_expires_at <= $5
 ORDER BY {CLAIM_ORDER} LIMIT $3 OFFSET $4
 FOR UPDATE SKIP LOCKED
 """
+# The first page of every arm, and the lapsed claims that spent their last attempt, in one
+# statement (one round trip for the common claim): each row tagged with its arm ('r'
+# ready, 'd' due, 'l' lapsed, 'x' exhausted). ($1 project_id, $2 actor_id, $3 limit,
+# $4 offset (0), $5 now, $6 how many exhausted claims to fail)
+CLAIM_CANDIDATES: Final = f"""
+SELECT 'r' AS arm, * FROM ({CLAIM_READY.strip()}) AS ready
+UNION ALL
+SELECT 'd', * FROM ({CLAIM_DUE.strip()}) AS due
+UNION ALL
+SELECT 'l', * FROM ({CLAIM_LAPSED.strip()}) AS lapsed
+UNION ALL
+SELECT 'x', * FROM (
+    SELECT {_CLAIM_COLUMNS} FROM items
+    WHERE state = 'claimed' AND lease_expires_at <= $5
+      AND max_attempts IS NOT NULL AND attempts >= max_attempts {_IN_REACH}
+    ORDER BY {CLAIM_ORDER} LIMIT $6
+    FOR UPDATE SKIP LOCKED) AS exhausted
+"""
+# Try, without waiting, the content lock of each fingerprinted candidate (see
+# TRY_LOCK_CONTENT). ($1 project ids, $2 fingerprints) -> (position, had it)
+TRY_LOCK_CONTENTS: Final = """
+SELECT position, pg_try_advisory_xact_lock(
+           hashtextextended(project_id || chr(1) || fingerprint, 1))
+FROM unnest($1::text[], $2::text[]) WITH ORDINALITY AS c (project_id, fingerprint, position)
+ORDER BY project_id, fingerprint
+"""
+# Claim many candidates at once, each for its own owner and lease; a fingerprinted ready or
+# deferred one (guarded) only if no twin of it runs now. The fence rises by one.
+# ($1 now, $2 item ids, $3 owners, $4 lease expiries, $5 guarded)
+CLAIM_ITEMS: Final = """
+UPDATE items
+SET state = 'claimed', fence = items.fence + 1, attempts = items.attempts + 1,
+    owner = c.owner, lease_expires_at = c.expires, due_at = NULL, updated_at = $1
+FROM unnest($2::bigint[], $3::text[], $4::float8[], $5::boolean[])
+     AS c (item_id, owner, expires, guarded)
+WHERE items.item_id = c.item_id
+  AND (NOT c.guarded OR NOT EXISTS (
+      SELECT 1 FROM items AS twin
+      WHERE twin.project_id = items.project_id AND twin.fingerprint = items.fingerprint
+        AND twin.state IN ('claimed', 'offloaded') AND twin.item_id <> items.item_id))
+RETURNING items.item_id, items.project_id, items.payload, items.fence, items.attempts
+"""
 # Whether any lease has lapsed, or any deferred item fallen due, at all ($1 now).
 ANY_LAPSED_OR_DUE: Final = """
 SELECT
@@ -364,6 +406,24 @@ UPDATE items SET state = 'failed', error = $5, lease_expires_at = NULL, due_at =
                  offload_handle = NULL, updated_at = $4
 {_SETTLE_GUARD} {_SETTLED}
 """
+# A finish and its ledger event in one statement (one round trip). ($1 item_id, $2 fence,
+# $3 actor_id, $4 now, $5 result or error, $6 the event's detail)
+_LOGGED = """
+, logged AS (
+    INSERT INTO events (item_id, event_type, fence, owner, actor_id, at, detail)
+    SELECT $1, state, $2, owner, $3, $4, $6 FROM settled)
+SELECT owner, project_id, fingerprint FROM settled
+"""
+FINISH_DONE: Final = f"""
+WITH settled AS (
+    UPDATE items SET state = 'done', result = $5, error = NULL, lease_expires_at = NULL,
+                     due_at = NULL, offload_handle = NULL, updated_at = $4
+    {_SETTLE_GUARD} RETURNING owner, project_id, fingerprint, state){_LOGGED}"""
+FINISH_FAILED: Final = f"""
+WITH settled AS (
+    UPDATE items SET state = 'failed', error = $5, lease_expires_at = NULL, due_at = NULL,
+                     offload_handle = NULL, updated_at = $4
+    {_SETTLE_GUARD} RETURNING owner, project_id, fingerprint, state){_LOGGED}"""
 READ_BUDGET: Final = f"""
 SELECT attempts, max_attempts, owner FROM items {_SETTLE_GUARD}
 FOR UPDATE

@@ -43,18 +43,24 @@ _log = logging.getLogger("asyncplane")
 
 
 class ControlStore:
-    """A durable work store on one SQLite file, shared by coroutines and processes.
+    """A durable work store on one SQLite file (or one PostgreSQL schema), shared by
+    coroutines and processes.
 
     Args:
-        path: The database file; created, with its schema, on first use.
+        path: The database file; created, with its schema, on first use. A
+            ``postgresql://`` URL instead selects the PostgreSQL backend (the ``postgres``
+            extra): the store lives in the URL's ``search_path`` schema, which must exist.
         lease_seconds: How long a claim stays exclusively its owner's before another
             worker may take it over (int or float seconds, at most 366 days).
-        clock: Where "now" comes from; `asyncplane.testing.ManualClock` in tests.
+        clock: Where "now" comes from; `asyncplane.testing.ManualClock` in tests. By
+            default the wall clock, or on PostgreSQL the database server's clock.
         synchronous: ``"NORMAL"`` (the default: durable against process crashes, a power
             loss may undo the last commits) or ``"FULL"`` (also durable against power loss).
+            SQLite only; a PostgreSQL server has its own settings.
         busy_timeout: Seconds a write waits for the database's write lock, held by another
             connection (another process, or another store on the same file), before it
-            fails with DatabaseLocked (at most a day).
+            fails with DatabaseLocked (at most a day). On PostgreSQL: how long to wait
+            for a connection.
         max_payload_bytes: The largest payload accepted, in bytes of compact JSON.
         max_result_bytes: The largest result finish() accepts, in bytes of compact JSON.
         identity: Payload keys whose values identify an item's content: an item enqueued
@@ -69,7 +75,7 @@ class ControlStore:
         retention: How long settled (done or failed) items stay before `purge` archives
             and deletes them (a timedelta or seconds; None: drain() never purges).
         archive_path: Where purged items are appended (default: beside the database,
-            ``<database>.archive.jsonl``).
+            ``<database>.archive.jsonl``; a PostgreSQL store has no default).
         archive_max_mb: The archive rotates to a single ``.1`` generation past this size.
         purge_chunk: Items archived and deleted per transaction.
         purge_min_interval_s: drain() purges at most this often (seconds).
