@@ -153,6 +153,19 @@ def pgqueuer_available() -> bool:
     return True
 
 
+async def pgqueuer_enqueue(url: str, items: int) -> None:
+    import asyncpg
+    from pgqueuer.db import AsyncpgDriver
+    from pgqueuer.queries import Queries
+
+    conn = await asyncpg.connect(url)
+    queries = Queries(AsyncpgDriver(conn))
+    for start in range(0, items, 1000):
+        count = min(items, start + 1000) - start
+        await queries.enqueue(["job"] * count, [b"{}"] * count, [0] * count)
+    await conn.close()
+
+
 async def pgqueuer_drain(url: str, owner: str) -> None:
     """Drain pgqueuer jobs of one entrypoint until none is left; print the count."""
     import asyncpg
@@ -199,23 +212,11 @@ def run_pgqueuer(url: str, workers: int, items: int) -> dict[str, float] | None:
         print(f"pgqueuer: could not install its schema: {installed.stderr[-500:]}", file=sys.stderr)
         return None
 
-    async def enqueue() -> None:
-        import asyncpg
-        from pgqueuer.db import AsyncpgDriver
-        from pgqueuer.queries import Queries
-
-        conn = await asyncpg.connect(schema)
-        queries = Queries(AsyncpgDriver(conn))
-        for start in range(0, items, 1000):
-            count = min(items, start + 1000) - start
-            await queries.enqueue(["job"] * count, [b"{}"] * count, [0] * count)
-        await conn.close()
-
-    os.environ["PGQUEUER_SCHEMA"] = schema_name
-    try:
-        asyncio.run(enqueue())
-    finally:
-        del os.environ["PGQUEUER_SCHEMA"]
+    # Enqueued by a process of its own: pgqueuer reads its schema setting once, at import.
+    subprocess.run(
+        [sys.executable, __file__, "--pgqueuer-enqueue", schema, str(items)],
+        check=True, env=env,
+    )  # fmt: skip
     procs = start_workers(
         [[sys.executable, __file__, "--pgqueuer-worker", schema, f"q{n}"] for n in range(workers)],
         env=env,
@@ -256,12 +257,16 @@ def main() -> int:
     parser.add_argument(
         "--pgqueuer-worker", nargs=2, metavar=("URL", "NAME"), help=argparse.SUPPRESS
     )
+    parser.add_argument("--pgqueuer-enqueue", nargs=2, metavar=("URL", "N"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.raw_worker:
         asyncio.run(raw_drain(*args.raw_worker))
         return 0
     if args.pgqueuer_worker:
         asyncio.run(pgqueuer_drain(*args.pgqueuer_worker))
+        return 0
+    if args.pgqueuer_enqueue:
+        asyncio.run(pgqueuer_enqueue(args.pgqueuer_enqueue[0], int(args.pgqueuer_enqueue[1])))
         return 0
     runs: dict[str, list[dict[str, float]]] = {"raw": [], "probe C=1": [], "probe C=8": []}
     with server(args.url) as url:

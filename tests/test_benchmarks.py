@@ -105,3 +105,29 @@ def test_lanes_benchmark_reports_enqueue_and_depth_ratios() -> None:
     assert set(report["claim_us"]) == {
         "store shallow", "store deep", "transaction shallow", "transaction deep"
     }  # fmt: skip
+
+
+def test_postgresql_benchmark_reports_rates_and_ratios(asyncplane_postgres_url: str) -> None:
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(BENCHMARKS / "pg_probe_vs_raw.py"),
+            "--workers",
+            "2",
+            "--items",
+            "60",
+            "--repeats",
+            "1",
+            "--url",
+            asyncplane_postgres_url,
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert {"raw", "probe C=1", "probe C=8"} <= set(report["rates"])
+    assert all(rate > 0 for rate in report["rates"].values())
+    assert {"probe C=1 / raw", "probe C=8 / raw"} <= set(report["ratios"])

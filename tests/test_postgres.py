@@ -317,8 +317,14 @@ async def test_the_store_clock_follows_the_server_not_this_host(
         due = await store.enqueue("p", {}, not_before=server_now + 0.3)
         assert (await store.item(due))["state"] == "deferred"
         started = real_time.monotonic()
+        stop = asyncio.Event()
+
+        async def done_then_stop(batch: list[Any]) -> list[Any]:
+            stop.set()
+            return await _all_done(batch)
+
         summary = await asyncio.wait_for(
-            __import__("asyncplane").drain(store, _all_done, mode="daemon", max_iters=3),
+            __import__("asyncplane").drain(store, done_then_stop, mode="daemon", stop=stop),
             timeout=10,
         )
         assert summary.done == 1

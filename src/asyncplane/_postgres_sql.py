@@ -125,8 +125,10 @@ MIGRATIONS: Final[tuple[str, ...]] = (
     CREATE TRIGGER events_kept BEFORE DELETE ON events
         FOR EACH ROW EXECUTE FUNCTION asyncplane_refuse_event_delete();
     -- Wake sleeping drainers (LISTEN asyncplane) when work may have become claimable:
-    -- an item was added, or left a state other than by being claimed. PostgreSQL sends
-    -- the notification at commit, once per transaction however many rows changed.
+    -- an item was added, went back to waiting (a retry, a park), or settled while twins
+    -- of it may wait. A plain claim or finish notifies nobody: every notification costs
+    -- each listening process a wake-up, and a commit that notifies takes the server's
+    -- notification lock. PostgreSQL sends it at commit, once per transaction.
     CREATE FUNCTION asyncplane_notify() RETURNS trigger
     LANGUAGE plpgsql AS $$
     BEGIN
@@ -136,7 +138,10 @@ MIGRATIONS: Final[tuple[str, ...]] = (
     CREATE TRIGGER items_added AFTER INSERT ON items
         FOR EACH STATEMENT EXECUTE FUNCTION asyncplane_notify();
     CREATE TRIGGER items_moved AFTER UPDATE OF state ON items
-        FOR EACH ROW WHEN (NEW.state IS DISTINCT FROM OLD.state AND NEW.state <> 'claimed')
+        FOR EACH ROW WHEN (NEW.state IS DISTINCT FROM OLD.state
+                           AND (NEW.state IN ('ready', 'deferred')
+                                OR (NEW.state IN ('done', 'failed')
+                                    AND NEW.fingerprint IS NOT NULL)))
         EXECUTE FUNCTION asyncplane_notify();
     -- A project reopened, or an actor given one, may make waiting items claimable too.
     CREATE TRIGGER projects_moved AFTER UPDATE OF status ON projects
