@@ -29,7 +29,7 @@ import logging
 import time
 import urllib.parse
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import asyncpg
 
@@ -480,7 +480,7 @@ def _invisible_item(item_id: int, actor_id: str | None) -> _errors.AsyncplaneErr
 
 async def _refuse_fenced(
     conn: asyncpg.Connection, item_id: int, fence: int, actor_id: str | None
-) -> None:
+) -> NoReturn:
     """Explain why a fenced update matched no row, by raising the right error."""
     row = await conn.fetchrow(sql.DIAGNOSE_ITEM, actor_id, item_id)
     if row is None or (actor_id is not None and not row[2]):
@@ -747,9 +747,35 @@ async def _claim_many(
 async def _finish_many(
     ops: list[_backend.FinishOp], conn: asyncpg.Connection, now: float
 ) -> list[int | _errors.AsyncplaneError]:
-    """Finishes that came together: each on its own, a refusal answered, not raised."""
+    """Finishes that came together: each on its own, a refusal answered, not raised.
+
+    Several finishes of distinct items settle in one statement (one round trip); a
+    finish it did not match wrote nothing, and is then explained (FenceRejected, ...).
+    """
     results: list[int | _errors.AsyncplaneError] = []
     events: list[Event] = []
+    if len(ops) > 1 and len({op.item_id for op in ops}) == len(ops):
+        settled = {
+            row[0]: row
+            for row in await conn.fetch(
+                sql.FINISH_MANY, now,
+                [op.item_id for op in ops], [op.fence for op in ops],
+                [op.actor_id for op in ops], [op.status for op in ops],
+                [op.result_json for op in ops], [op.error for op in ops],
+                [None if op.error is None else json.dumps({"error": op.error}) for op in ops],
+            )
+        }  # fmt: skip
+        for op in ops:
+            row = settled.get(op.item_id)
+            if row is None:
+                try:
+                    await _refuse_fenced(conn, op.item_id, op.fence, op.actor_id)
+                except _errors.AsyncplaneError as exc:
+                    results.append(exc)
+                continue
+            results.append(await _settle_twins(op, conn, now, row[1], row[2], events))
+        await _insert_events(conn, events)
+        return results
     for op in ops:
         try:
             results.append(await _settle_finish(op, conn, now, events))
@@ -770,8 +796,14 @@ async def _settle_finish(
         row = await conn.fetchrow(sql.FINISH_FAILED, *base, op.error, detail)
     if row is None:
         await _refuse_fenced(conn, op.item_id, op.fence, op.actor_id)
-        raise AssertionError("unreachable")  # pragma: no cover
-    project_id, fp = row[1], row[2]  # the event went in with the update
+    return await _settle_twins(op, conn, now, row[1], row[2], events)
+
+
+async def _settle_twins(
+    op: _backend.FinishOp, conn: asyncpg.Connection, now: float, project_id: str,
+    fp: str | None, events: list[Event],
+) -> int:  # fmt: skip
+    """Settlement dedup: a done item's pending twins are done too, with its result."""
     if op.status != "done" or fp is None:
         return 0
     twins = await conn.fetch(sql.SETTLE_TWINS, op.result_json, now, project_id, fp, op.item_id)
@@ -794,7 +826,6 @@ async def _retry(op: _backend.RetryOp, conn: asyncpg.Connection, now: float) -> 
     budget = await conn.fetchrow(sql.READ_BUDGET, op.item_id, op.fence, op.actor_id)
     if budget is None:
         await _refuse_fenced(conn, op.item_id, op.fence, op.actor_id)
-        raise AssertionError("unreachable")  # pragma: no cover
     attempts, max_attempts, owner = budget
     base = (op.item_id, op.fence, op.actor_id, now)
     if max_attempts is not None and attempts >= max_attempts:
@@ -827,7 +858,6 @@ async def _park(op: _backend.ParkOp, conn: asyncpg.Connection, now: float) -> No
     )
     if row is None:
         await _refuse_fenced(conn, op.item_id, op.fence, op.actor_id)
-        raise AssertionError("unreachable")  # pragma: no cover
     detail = json.dumps({"due_at": due})
     await _insert_events(conn, [(op.item_id, "parked", op.fence, row[0], op.actor_id, now, detail)])
 
@@ -838,7 +868,6 @@ async def _offload(op: _backend.OffloadOp, conn: asyncpg.Connection, now: float)
     )
     if row is None:
         await _refuse_fenced(conn, op.item_id, op.fence, op.actor_id)
-        raise AssertionError("unreachable")  # pragma: no cover
     detail = json.dumps({"handle": op.handle})
     await _insert_events(
         conn, [(op.item_id, "offloaded", op.fence, row[0], op.actor_id, now, detail)]

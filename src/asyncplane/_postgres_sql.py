@@ -429,6 +429,33 @@ WITH settled AS (
     UPDATE items SET state = 'failed', error = $5, lease_expires_at = NULL, due_at = NULL,
                      offload_handle = NULL, updated_at = $4
     {_SETTLE_GUARD} RETURNING owner, project_id, fingerprint, state){_LOGGED}"""
+# Finishes that came together, all in one statement: each row fenced and state-guarded as
+# in FINISH_DONE, each with its own event. An asked row missing from the answer matched
+# nothing and wrote nothing. ($1 now, then arrays, pairwise: item ids, fences, actor ids,
+# statuses, results, errors, event details)
+FINISH_MANY: Final = """
+WITH asked AS (
+    SELECT * FROM unnest($2::bigint[], $3::bigint[], $4::text[], $5::text[], $6::text[],
+                         $7::text[], $8::text[])
+        AS a (item_id, fence, actor_id, status, result, error, detail)),
+settled AS (
+    UPDATE items
+    SET state = a.status,
+        result = CASE WHEN a.status = 'done' THEN a.result ELSE items.result END,
+        error = CASE WHEN a.status = 'done' THEN NULL ELSE a.error END,
+        lease_expires_at = NULL, due_at = NULL, offload_handle = NULL, updated_at = $1
+    FROM asked AS a
+    WHERE items.item_id = a.item_id AND items.fence = a.fence
+      AND items.state IN ('claimed', 'offloaded')
+      AND (a.actor_id IS NULL OR items.project_id IN (
+               SELECT project_id FROM assignments WHERE actor_id = a.actor_id))
+    RETURNING items.item_id, items.owner, items.project_id, items.fingerprint, items.state,
+              a.fence, a.actor_id, a.detail),
+logged AS (
+    INSERT INTO events (item_id, event_type, fence, owner, actor_id, at, detail)
+    SELECT item_id, state, fence, owner, actor_id, $1, detail FROM settled)
+SELECT item_id, project_id, fingerprint FROM settled
+"""
 READ_BUDGET: Final = f"""
 SELECT attempts, max_attempts, owner FROM items {_SETTLE_GUARD}
 FOR UPDATE
