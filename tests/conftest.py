@@ -12,6 +12,7 @@ is SQLite's own (the file, its locks, raw sqlite3 tampering) is marked ``sqlite_
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import itertools
 import os
 import pathlib
@@ -57,9 +58,7 @@ def location_of(
         if server is None:
             return str(tmp_path / name)
         schema = f"p_{len(made)}_{os.getpid()}_{abs(hash(request.node.nodeid)) % 10**8}"
-        asyncio.run(
-            _admin(server, f"DROP SCHEMA IF EXISTS {schema} CASCADE; CREATE SCHEMA {schema}")
-        )
+        _blocking(_admin(server, f"DROP SCHEMA IF EXISTS {schema} CASCADE; CREATE SCHEMA {schema}"))
         made.append(schema)
         return testing.with_schema(server, schema)
 
@@ -67,7 +66,18 @@ def location_of(
         yield location
     finally:
         for schema in made:
-            asyncio.run(_admin(server or "", f"DROP SCHEMA IF EXISTS {schema} CASCADE"))
+            _blocking(_admin(server or "", f"DROP SCHEMA IF EXISTS {schema} CASCADE"))
+
+
+def _blocking(work: Coroutine[Any, Any, T]) -> T:
+    """Run a coroutine to its end from sync code, even inside a running loop (an async
+    test's own): then on a loop of its own, in a thread."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(work)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, work).result(timeout=60)
 
 
 async def _admin(url: str, statement: str) -> None:

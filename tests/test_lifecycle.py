@@ -34,18 +34,20 @@ async def test_opens_on_first_use_and_closes(tmp_path: pathlib.Path) -> None:
     await store.close()  # idempotent
 
 
-async def test_async_with_and_explicit_open(tmp_path: pathlib.Path) -> None:
-    async with ControlStore(tmp_path / "s.db") as store:
+async def test_async_with_and_explicit_open(location_of: Any) -> None:
+    where = location_of("s.db")  # a file, or a fresh PostgreSQL schema
+    async with ControlStore(where) as store:
         await store.create_project("p", "P")
-    store = ControlStore(tmp_path / "s.db")
+    store = ControlStore(where)
     assert await store.open() is store
     assert await store.open() is store  # idempotent
     assert [p["project_id"] for p in await store.projects()] == ["p"]
     await store.close()
 
 
-async def test_a_closed_store_opens_again(tmp_path: pathlib.Path) -> None:
-    store = ControlStore(tmp_path / "s.db")
+async def test_a_closed_store_opens_again(location_of: Any) -> None:
+    where = location_of("s.db")  # a file, or a fresh PostgreSQL schema
+    store = ControlStore(where)
     await store.create_project("p", "P")
     await store.close()
     await store.enqueue("p", {})
@@ -53,11 +55,12 @@ async def test_a_closed_store_opens_again(tmp_path: pathlib.Path) -> None:
     await store.close()
 
 
-async def test_data_survives_reopening(tmp_path: pathlib.Path) -> None:
-    async with ControlStore(tmp_path / "s.db") as store:
+async def test_data_survives_reopening(location_of: Any) -> None:
+    where = location_of("s.db")  # a file, or a fresh PostgreSQL schema
+    async with ControlStore(where) as store:
         await store.create_project("p", "P")
         item_id = await store.enqueue("p", {"keep": True})
-    async with ControlStore(tmp_path / "s.db") as store:
+    async with ControlStore(where) as store:
         assert (await store.item(item_id))["payload"] == {"keep": True}
 
 
@@ -73,8 +76,9 @@ def connection_threads() -> list[threading.Thread]:
     return [t for t in threads if t.is_alive()]
 
 
-async def test_concurrent_first_uses_open_once(tmp_path: pathlib.Path) -> None:
-    store = ControlStore(tmp_path / "s.db")
+async def test_concurrent_first_uses_open_once(location_of: Any) -> None:
+    where = location_of("s.db")  # a file, or a fresh PostgreSQL schema
+    store = ControlStore(where)
     results = await asyncio.gather(*(store.projects() for _ in range(20)))
     assert results == [[]] * 20
     assert len(writer_tasks()) == 1
@@ -82,10 +86,9 @@ async def test_concurrent_first_uses_open_once(tmp_path: pathlib.Path) -> None:
     assert writer_tasks() == []
 
 
-def test_store_is_reusable_across_event_loops_once_the_first_has_ended(
-    tmp_path: pathlib.Path,
-) -> None:
-    store = ControlStore(tmp_path / "s.db")
+def test_store_is_reusable_across_event_loops_once_the_first_has_ended(location_of: Any) -> None:
+    where = location_of("s.db")  # a file, or a fresh PostgreSQL schema
+    store = ControlStore(where)
 
     async def first() -> None:
         await store.create_project("p", "P")  # never closed: the loop's end closes it
@@ -99,11 +102,12 @@ def test_store_is_reusable_across_event_loops_once_the_first_has_ended(
     assert asyncio.run(second()) == 1
 
 
-def test_script_that_never_closes_its_store_still_exits(tmp_path: pathlib.Path) -> None:
+def test_script_that_never_closes_its_store_still_exits(location_of: Any) -> None:
+    location = location_of("s.db")  # a file, or a fresh PostgreSQL schema
     script = (
         "import asyncio\n"
         "from asyncplane import ControlStore\n"
-        f"store = ControlStore({str(tmp_path / 's.db')!r})\n"
+        f"store = ControlStore({location!r})\n"
         "async def main():\n"
         "    await store.create_project('p', 'P')\n"
         "    await store.enqueue('p', {})\n"
@@ -117,8 +121,9 @@ def test_script_that_never_closes_its_store_still_exits(tmp_path: pathlib.Path) 
     assert done.stdout.strip() == "1"
 
 
-async def test_store_used_from_another_running_loop_is_refused(tmp_path: pathlib.Path) -> None:
-    store = ControlStore(tmp_path / "s.db")
+async def test_store_used_from_another_running_loop_is_refused(location_of: Any) -> None:
+    where = location_of("s.db")  # a file, or a fresh PostgreSQL schema
+    store = ControlStore(where)
     await store.open()
 
     def elsewhere() -> None:
@@ -207,8 +212,9 @@ async def test_migrations_run_forward_from_the_first_release(tmp_path: pathlib.P
     conn.close()
 
 
-async def test_calls_after_close_on_a_running_writer_fail_cleanly(tmp_path: pathlib.Path) -> None:
-    store = ControlStore(tmp_path / "s.db")
+async def test_calls_after_close_on_a_running_writer_fail_cleanly(location_of: Any) -> None:
+    where = location_of("s.db")  # a file, or a fresh PostgreSQL schema
+    store = ControlStore(where)
     await store.create_project("p", "P")
     backend = await store._ready()
     await store.close()
@@ -216,8 +222,9 @@ async def test_calls_after_close_on_a_running_writer_fail_cleanly(tmp_path: path
         await backend.create_project(type("Op", (), {})())  # type: ignore[arg-type]
 
 
-async def test_close_racing_other_calls_leaves_a_usable_store(tmp_path: pathlib.Path) -> None:
-    store = ControlStore(tmp_path / "s.db")
+async def test_close_racing_other_calls_leaves_a_usable_store(location_of: Any) -> None:
+    where = location_of("s.db")  # a file, or a fresh PostgreSQL schema
+    store = ControlStore(where)
     await store.create_project("p", "P")
     results = await asyncio.gather(store.close(), store.enqueue("p", {"late": True}))
     # The late call waited for the close to finish, then opened the store again.
@@ -255,8 +262,9 @@ async def test_close_while_a_read_runs_then_reads_again(tmp_path: pathlib.Path) 
     assert connection_threads() == []
 
 
-def test_closed_store_reopens_on_a_new_loop_after_busy_reads(tmp_path: pathlib.Path) -> None:
-    store = ControlStore(tmp_path / "s.db", read_connections=1)
+def test_closed_store_reopens_on_a_new_loop_after_busy_reads(location_of: Any) -> None:
+    where = location_of("s.db")  # a file, or a fresh PostgreSQL schema
+    store = ControlStore(where, read_connections=1)
 
     async def first() -> None:
         await store.create_project("p", "P")
@@ -273,13 +281,14 @@ def test_closed_store_reopens_on_a_new_loop_after_busy_reads(tmp_path: pathlib.P
     assert asyncio.run(second()) == 4
 
 
-def test_a_loop_closed_without_cleanup_leaves_no_threads(tmp_path: pathlib.Path) -> None:
+def test_a_loop_closed_without_cleanup_leaves_no_threads(location_of: Any) -> None:
+    location = location_of("s.db")  # a file, or a fresh PostgreSQL schema
     # run_until_complete then loop.close() never cancels the writer; the store notices the
     # dead loop on its next use, stops the old connection threads, and the process exits.
     script = (
         "import asyncio\n"
         "from asyncplane import ControlStore\n"
-        f"store = ControlStore({str(tmp_path / 's.db')!r})\n"
+        f"store = ControlStore({location!r})\n"
         "loop = asyncio.new_event_loop()\n"
         "loop.run_until_complete(store.create_project('p', 'P'))\n"
         "loop.run_until_complete(store.projects())\n"
@@ -360,7 +369,9 @@ def test_many_processes_create_a_fresh_store_at_once(tmp_path: pathlib.Path) -> 
     assert asyncio.run(projects()) == sorted(f"p{n}" for n in range(8))
 
 
-async def test_a_failing_clock_fails_one_round_not_the_store(tmp_path: pathlib.Path) -> None:
+async def test_a_failing_clock_fails_one_round_not_the_store(location_of: Any) -> None:
+    where = location_of("s.db")  # a file, or a fresh PostgreSQL schema
+
     class FlakyClock:
         def __init__(self) -> None:
             self.fail = False
@@ -372,7 +383,7 @@ async def test_a_failing_clock_fails_one_round_not_the_store(tmp_path: pathlib.P
             return 1_800_000_000.0
 
     clock = FlakyClock()
-    async with ControlStore(tmp_path / "s.db", clock=clock) as store:
+    async with ControlStore(where, clock=clock) as store:
         await store.create_project("p", "P")
         clock.fail = True
         with pytest.raises(StorageError, match="clock unavailable"):
@@ -380,10 +391,11 @@ async def test_a_failing_clock_fails_one_round_not_the_store(tmp_path: pathlib.P
         assert await store.enqueue("p", {}) == 1  # the writer lives on; nothing half-written
 
 
-async def test_absurd_leases_and_ids_are_refused_before_writing(tmp_path: pathlib.Path) -> None:
+async def test_absurd_leases_and_ids_are_refused_before_writing(location_of: Any) -> None:
+    where = location_of("s.db")  # a file, or a fresh PostgreSQL schema
     with pytest.raises(InvalidInput, match="at most"):
-        ControlStore(tmp_path / "s.db", lease_seconds=1e12)
-    async with ControlStore(tmp_path / "s.db") as store:
+        ControlStore(where, lease_seconds=1e12)
+    async with ControlStore(where) as store:
         await store.create_project("p", "P")
         item_id = await store.enqueue("p", {})
         with pytest.raises(InvalidInput, match="at most"):

@@ -236,13 +236,20 @@ class PostgresBackend:
         await self._close_side_connections(True)
 
     def forget(self) -> None:
-        """Drop every connection left behind by an event loop that has ended."""
-        if self._writer is not None:
-            self._writer.abandon()
-        if self._pool is not None:
-            self._pool.terminate()
-        if self._listener is not None:
-            self._listener.terminate()
+        """Drop every connection left behind by an event loop that has ended.
+
+        Their transports belonged to that loop and cannot be closed through it any more;
+        the sockets go with the objects, and the server ends each session when its socket
+        closes. Nothing is lost: whatever those connections had not committed never was.
+        """
+        for drop in (
+            self._writer.abandon if self._writer is not None else None,
+            self._pool.terminate if self._pool is not None else None,
+            self._listener.terminate if self._listener is not None else None,
+        ):
+            if drop is not None:
+                with contextlib.suppress(Exception):  # the loop is closed: nothing to wait for
+                    drop()
         self._writer = self._pool = self._listener = None
 
     async def _write(self, op: _writer.Operation[T]) -> T:
