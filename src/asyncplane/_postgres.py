@@ -720,12 +720,20 @@ async def _claim_many(
         skip = {wanted[n - 1][0] for n, got in tried if not got}
         dealt = [d for position, d in enumerate(dealt) if position not in skip]
         guarded = [g for position, g in enumerate(guarded) if position not in skip]
+    # A takeover's "lease_expired" comes before its new "claimed" in the history. A
+    # takeover is never guarded, so every one dealt is claimed below.
+    for row, op in dealt:
+        if row[1] == "claimed":
+            detail = json.dumps({"taken_over_by": op.owner})
+            events.append((row[0], "lease_expired", row[2], row[3], op.actor_id, now, detail))
+    await _insert_events(conn, events)
     claimed_rows: dict[int, Any] = {}
     if dealt:
+        # The claims and their "claimed" events, in one statement.
         for claimed_row in await conn.fetch(
             sql.CLAIM_ITEMS, now,
             [row[0] for row, _ in dealt], [op.owner for _, op in dealt],
-            [now + op.lease_seconds for _, op in dealt], guarded,
+            [now + op.lease_seconds for _, op in dealt], guarded, first.actor_id,
         ):  # fmt: skip
             claimed_rows[claimed_row[0]] = claimed_row
     results: dict[int, list[_backend.ClaimRow]] = {id(op): [] for op in ops}
@@ -733,21 +741,13 @@ async def _claim_many(
         got = claimed_rows.get(row[0])
         if got is None:
             continue  # a twin started running meanwhile: this one waits
-        item_id, state, old_fence, old_owner = row[:4]
-        if state == "claimed":
-            detail = json.dumps({"taken_over_by": op.owner})
-            events.append(
-                (item_id, "lease_expired", old_fence, old_owner, op.actor_id, now, detail)
-            )
         _, project_id, payload, fence, attempts = got
         results[id(op)].append(
             _backend.ClaimRow(
-                item_id, project_id, payload, fence, attempts, op.owner, now + op.lease_seconds,
+                row[0], project_id, payload, fence, attempts, op.owner, now + op.lease_seconds,
                 row[8], row[9], row[10], row[7], row[5],
             )
         )  # fmt: skip
-        events.append((item_id, "claimed", fence, op.owner, op.actor_id, now, None))
-    await _insert_events(conn, events)
     return [results[id(op)] for op in ops]
 
 

@@ -316,21 +316,29 @@ SELECT position, pg_try_advisory_xact_lock(
 FROM unnest($1::text[], $2::text[]) WITH ORDINALITY AS c (project_id, fingerprint, position)
 ORDER BY project_id, fingerprint
 """
-# Claim many candidates at once, each for its own owner and lease; a fingerprinted ready or
-# deferred one (guarded) only if no twin of it runs now. The fence rises by one.
-# ($1 now, $2 item ids, $3 owners, $4 lease expiries, $5 guarded)
+# Claim many candidates at once, each for its own owner and lease, with its "claimed"
+# event; a fingerprinted ready or deferred one (guarded) only if no twin of it runs now.
+# The fence rises by one. ($1 now, $2 item ids, $3 owners, $4 lease expiries, $5 guarded,
+# $6 actor_id)
 CLAIM_ITEMS: Final = """
-UPDATE items
-SET state = 'claimed', fence = items.fence + 1, attempts = items.attempts + 1,
-    owner = c.owner, lease_expires_at = c.expires, due_at = NULL, updated_at = $1
-FROM unnest($2::bigint[], $3::text[], $4::float8[], $5::boolean[])
-     AS c (item_id, owner, expires, guarded)
-WHERE items.item_id = c.item_id
-  AND (NOT c.guarded OR NOT EXISTS (
-      SELECT 1 FROM items AS twin
-      WHERE twin.project_id = items.project_id AND twin.fingerprint = items.fingerprint
-        AND twin.state IN ('claimed', 'offloaded') AND twin.item_id <> items.item_id))
-RETURNING items.item_id, items.project_id, items.payload, items.fence, items.attempts
+WITH claimed AS (
+    UPDATE items
+    SET state = 'claimed', fence = items.fence + 1, attempts = items.attempts + 1,
+        owner = c.owner, lease_expires_at = c.expires, due_at = NULL, updated_at = $1
+    FROM unnest($2::bigint[], $3::text[], $4::float8[], $5::boolean[])
+         AS c (item_id, owner, expires, guarded)
+    WHERE items.item_id = c.item_id
+      AND (NOT c.guarded OR NOT EXISTS (
+          SELECT 1 FROM items AS twin
+          WHERE twin.project_id = items.project_id AND twin.fingerprint = items.fingerprint
+            AND twin.state IN ('claimed', 'offloaded') AND twin.item_id <> items.item_id))
+    RETURNING items.item_id, items.project_id, items.payload, items.fence, items.attempts,
+              items.owner),
+logged AS (
+    INSERT INTO events (item_id, event_type, fence, owner, actor_id, at, detail)
+    SELECT item_id, 'claimed', fence, owner, $6::text, $1, NULL FROM claimed
+    ORDER BY item_id)
+SELECT item_id, project_id, payload, fence, attempts FROM claimed
 """
 # Whether any lease has lapsed, or any deferred item fallen due, at all ($1 now).
 ANY_LAPSED_OR_DUE: Final = """
