@@ -32,21 +32,17 @@ round gets nothing back, but the round commits or rolls back as a whole.
 from __future__ import annotations
 
 import asyncio
-import collections
-import logging
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import asyncpg
 
-from asyncplane import _clock, _errors
+from asyncplane import _clock, _errors, _write_queue
 from asyncplane import _postgres_sql as sql
 
 __all__ = ("Operation", "Writer", "translate")
 
 T = TypeVar("T")
-
-_log = logging.getLogger("asyncplane")
 
 #: A write operation: runs inside the writer's transaction. It may carry ``lock_keys``
 #: (pairs of project id and fingerprint) for the round to lock before it runs.
@@ -83,7 +79,7 @@ class _Retry(Exception):
     """The round hit a deadlock or serialisation failure: run it again."""
 
 
-class Writer:
+class Writer(_write_queue.WriterBase):
     """Serialises and group-commits the writes of one store on one connection."""
 
     def __init__(
@@ -96,118 +92,44 @@ class Writer:
         max_batch: int = 256,
         on_exit: Callable[[bool], Awaitable[None]] | None = None,
     ) -> None:
+        super().__init__(name=name, max_batch=max_batch, on_exit=on_exit)
         self._conn = conn
         self._clock = clock
         self._server_clock = server_clock
         self._round_task: asyncio.Task[None] | None = None
-        self._name = name
-        self._max_batch = max_batch
-        self._on_exit = on_exit
-        self._pending: collections.deque[_Request] = collections.deque()
-        self._wakeup = asyncio.Event()
-        self._stopping = False
-        self._failure: BaseException | None = None
-        self._task: asyncio.Task[None] | None = None
         self.rounds = 0
         self.requests = 0
         self.retried_rounds = 0
 
-    def start(self) -> None:
-        """Start the writer task on the running loop."""
-        self._task = asyncio.get_running_loop().create_task(
-            self._run(), name=f"asyncplane-writer[{self._name}]"
-        )
-        self._task.add_done_callback(self._supervise)
-
-    def _supervise(self, task: asyncio.Task[None]) -> None:
-        if not task.cancelled() and task.exception() is not None:
-            _log.error("asyncplane writer %s stopped", self._name, exc_info=task.exception())
-
-    @property
-    def failed(self) -> bool:
-        """True when the writer stopped because its connection broke (not by stop())."""
-        return self._failure is not None
-
-    @property
-    def running(self) -> bool:
-        """True while the writer accepts requests."""
-        return self._task is not None and not self._task.done() and not self._stopping
-
     async def submit(self, op: Operation[T]) -> T:
         """Queue one operation and wait for its own result or error."""
-        if not self.running:
-            raise self._closed_error()
-        future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
-        self._pending.append((op, future))
-        self._wakeup.set()
-        return await future
-
-    async def stop(self) -> None:
-        """Serve every queued request, run ``on_exit``, close the connection; idempotent."""
-        self._stopping = True
-        self._wakeup.set()
-        if self._task is not None and not self._task.done():
-            await asyncio.wait([self._task])
+        result: T = await super().submit(op)
+        return result
 
     def abandon(self) -> None:
         """Drop the connection without the event loop, which has already ended."""
         self._stopping = True
         self._conn.terminate()
 
-    def _closed_error(self) -> _errors.StoreClosed:
-        if self._failure is not None:
-            err = _errors.StoreClosed(f"the store's writer stopped: {self._failure!r}")
-            err.__cause__ = self._failure
-            return err
-        return _errors.StoreClosed("the store is closed")
+    async def _serve(self, batch: list[_Request]) -> None:
+        # The round is a task of its own: cancelling the writer (the loop shutting down)
+        # never stops a transaction half-way.
+        self._round_task = asyncio.get_running_loop().create_task(
+            self._round(batch), name=f"asyncplane-write-round[{self._name}]"
+        )
+        await asyncio.shield(self._round_task)
+        self._round_task = None
 
-    async def _run(self) -> None:
-        graceful = False
-        try:
-            while True:
-                if not self._pending:
-                    if self._stopping:
-                        graceful = True
-                        return
-                    self._wakeup.clear()
-                    await self._wakeup.wait()
-                    continue
-                batch: list[_Request] = []
-                while self._pending and len(batch) < self._max_batch:
-                    request = self._pending.popleft()
-                    if not request[1].cancelled():
-                        batch.append(request)
-                if batch:
-                    # The round is a task of its own: cancelling the writer (the loop
-                    # shutting down) never stops a transaction half-way.
-                    self._round_task = asyncio.get_running_loop().create_task(
-                        self._round(batch), name=f"asyncplane-write-round[{self._name}]"
-                    )
-                    await asyncio.shield(self._round_task)
-                    self._round_task = None
-        except asyncio.CancelledError:
-            raise
-        except BaseException as exc:
-            self._failure = exc
-            raise
-        finally:
-            self._stopping = True
-            failure = self._closed_error()
-            while self._pending:
-                _, future = self._pending.popleft()
-                if not future.done():
-                    future.set_exception(failure)
-            try:
-                if self._round_task is not None:
-                    # Cancelled while a round ran: it ends (and delivers) before the
-                    # connection closes, never half-way through.
-                    await asyncio.shield(asyncio.wait([self._round_task]))
-                    if not self._round_task.cancelled():
-                        self._round_task.exception()  # seen here; its callers have it
-                if self._on_exit is not None:
-                    await asyncio.shield(self._on_exit(graceful))
-            finally:
-                await asyncio.shield(_close(self._conn))
+    async def _wind_up(self) -> None:
+        if self._round_task is not None:
+            # Cancelled while a round ran: it ends (and delivers) before the connection
+            # closes, never half-way through.
+            await asyncio.wait([self._round_task])
+            if not self._round_task.cancelled():
+                self._round_task.exception()  # seen here; its callers have it
+
+    async def _close(self) -> None:
+        await _close(self._conn)
 
     async def _round(self, batch: list[_Request]) -> None:
         """Run one transaction for ``batch`` and hand each caller its outcome."""

@@ -1,8 +1,10 @@
 """The writer task: every write of a store goes through it, one transaction at a time.
 
-A store has exactly one write connection and one asyncio task, the writer, that owns it.
-Callers hand the writer an *operation*: a plain function ``op(db, now)`` that runs on the
-connection's thread inside a transaction the writer opened with ``BEGIN IMMEDIATE``.
+A store has exactly one write connection and one asyncio task, the writer, that owns it
+(its request queue and round loop are `asyncplane._write_queue`, shared with the
+PostgreSQL writer). Callers hand the writer an *operation*: a plain function
+``op(db, now)`` that runs on the connection's thread inside a transaction the writer
+opened with ``BEGIN IMMEDIATE``.
 
 Group commit. While one transaction is on the connection's thread, new requests queue up;
 the next round takes all of them (up to ``max_batch``) into one transaction, so under load
@@ -36,8 +38,6 @@ are refused with StoreClosed, and the connection closes after the round, never d
 from __future__ import annotations
 
 import asyncio
-import collections
-import logging
 import sqlite3
 import time
 from collections.abc import Awaitable, Callable
@@ -45,13 +45,11 @@ from typing import Any, TypeVar
 
 import aiosqlite
 
-from asyncplane import _clock, _connection, _errors
+from asyncplane import _clock, _connection, _errors, _write_queue
 
 __all__ = ("Operation", "Writer")
 
 T = TypeVar("T")
-
-_log = logging.getLogger("asyncplane")
 
 #: A write operation: runs on the connection's thread inside the writer's transaction.
 Operation = Callable[[sqlite3.Connection, float], T]
@@ -59,7 +57,7 @@ Operation = Callable[[sqlite3.Connection, float], T]
 _Request = tuple[Operation[Any], "asyncio.Future[Any]"]
 
 
-class Writer:
+class Writer(_write_queue.WriterBase):
     """Serialises and group-commits the writes of one store on one connection."""
 
     def __init__(
@@ -71,16 +69,9 @@ class Writer:
         max_batch: int = 256,
         on_exit: Callable[[bool], Awaitable[None]] | None = None,
     ) -> None:
+        super().__init__(name=name, max_batch=max_batch, on_exit=on_exit)
         self._conn = conn
         self._clock = clock
-        self._name = name
-        self._max_batch = max_batch
-        self._on_exit = on_exit
-        self._pending: collections.deque[_Request] = collections.deque()
-        self._wakeup = asyncio.Event()
-        self._stopping = False
-        self._failure: BaseException | None = None
-        self._task: asyncio.Task[None] | None = None
         #: Rounds run, requests served, and requests in the round now on the thread;
         #: read by tests and benchmarks.
         self.rounds = 0
@@ -91,92 +82,21 @@ class Writer:
         self.max_lock_wait = 0.0
         self.total_lock_wait = 0.0
 
-    def start(self) -> None:
-        """Start the writer task on the running loop."""
-        self._task = asyncio.get_running_loop().create_task(
-            self._run(), name=f"asyncplane-writer[{self._name}]"
-        )
-        self._task.add_done_callback(self._supervise)
-
-    def _supervise(self, task: asyncio.Task[None]) -> None:
-        # The writer's failure reaches every caller as StoreClosed (with the failure as its
-        # cause); here it is logged once, and marked as seen so asyncio does not complain.
-        if not task.cancelled() and task.exception() is not None:
-            _log.error("asyncplane writer %s stopped", self._name, exc_info=task.exception())
-
-    @property
-    def running(self) -> bool:
-        """True while the writer accepts requests."""
-        return self._task is not None and not self._task.done() and not self._stopping
-
     async def submit(self, op: Operation[T]) -> T:
         """Queue one operation and wait for its own result or error."""
-        if not self.running:
-            raise self._closed_error()
-        future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
-        self._pending.append((op, future))
-        self._wakeup.set()
-        return await future
-
-    async def stop(self) -> None:
-        """Serve every queued request, run ``on_exit``, close the connection; idempotent."""
-        self._stopping = True
-        self._wakeup.set()
-        if self._task is not None and not self._task.done():
-            # Wait for the writer without cancelling it: it finishes its queue and exits.
-            # (asyncio.wait neither cancels the task nor raises what ended it.)
-            await asyncio.wait([self._task])
+        result: T = await super().submit(op)
+        return result
 
     def abandon(self) -> None:
         """Stop the connection's thread without the event loop, which has already ended."""
         self._stopping = True
         self._conn.stop()
 
-    def _closed_error(self) -> _errors.StoreClosed:
-        if self._failure is not None:
-            err = _errors.StoreClosed(f"the store's writer stopped: {self._failure!r}")
-            err.__cause__ = self._failure
-            return err
-        return _errors.StoreClosed("the store is closed")
+    async def _serve(self, batch: list[_Request]) -> None:
+        await self._round(batch)
 
-    async def _run(self) -> None:
-        graceful = False
-        try:
-            while True:
-                if not self._pending:
-                    if self._stopping:
-                        graceful = True
-                        return
-                    self._wakeup.clear()
-                    await self._wakeup.wait()
-                    continue
-                batch: list[_Request] = []
-                while self._pending and len(batch) < self._max_batch:
-                    request = self._pending.popleft()
-                    if not request[1].cancelled():  # its caller gave up before it was written
-                        batch.append(request)
-                if batch:
-                    await self._round(batch)
-        except asyncio.CancelledError:
-            raise
-        except BaseException as exc:
-            self._failure = exc
-            raise
-        finally:
-            self._stopping = True
-            failure = self._closed_error()
-            while self._pending:
-                _, future = self._pending.popleft()
-                if not future.done():
-                    future.set_exception(failure)
-            # The readers close first (after their reads, when the stop is graceful), so the
-            # write connection is the last one to the file: closing it checkpoints the WAL
-            # and removes it, leaving a tidy database behind.
-            try:
-                if self._on_exit is not None:
-                    await asyncio.shield(self._on_exit(graceful))
-            finally:
-                await asyncio.shield(self._conn.close())
+    async def _close(self) -> None:
+        await self._conn.close()
 
     async def _round(self, batch: list[_Request]) -> None:
         """Run one transaction for ``batch``; its outcomes reach the callers from the thread."""
