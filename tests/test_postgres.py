@@ -393,3 +393,47 @@ async def test_a_cancelled_writer_lets_its_round_finish(url: str) -> None:
     async with ControlStore(url) as store:
         assert (await store.item(item))["state"] == "done"
         assert await verify_ledger(store) == []
+
+
+async def test_a_daemon_wakes_on_another_hosts_enqueue_without_polling(url: str) -> None:
+    # The poll interval is an hour: only the notification can wake the drainer in time.
+    from asyncplane import ClaimedItem, Done, drain
+
+    async with ControlStore(url) as here, ControlStore(url) as there:
+        await here.create_project("p", "P")
+        got: asyncio.Queue[int] = asyncio.Queue()
+        stop = asyncio.Event()
+
+        async def record(batch: list[ClaimedItem]) -> list[Any]:
+            for claim in batch:
+                got.put_nowait(claim.item_id)
+            return [Done() for _ in batch]
+
+        task = asyncio.create_task(
+            drain(here, record, mode="daemon", stop=stop, poll_interval=3600)
+        )
+        # Until it has found nothing and gone to sleep on its watchers.
+        await until(waiting_on("commit"), what="the daemon went idle")
+        item = await there.enqueue("p", {"from": "another host"})
+        assert await asyncio.wait_for(got.get(), timeout=10) == item
+        stop.set()
+        await task
+
+
+def waiting_on(what: str) -> Any:
+    """A condition: a daemon drainer's wait task for ``what`` exists (it is idle)."""
+
+    async def check() -> bool:
+        name = f"asyncplane-drain-wait-{what}"
+        return any(task.get_name() == name for task in asyncio.all_tasks())
+
+    return check
+
+
+async def until(condition: Any, *, what: str) -> None:
+    """Yield to the loop until ``condition()`` holds (a signal, not a timer)."""
+    for _ in range(200_000):
+        if await condition():
+            return
+        await asyncio.sleep(0)
+    raise AssertionError(f"never happened: {what}")

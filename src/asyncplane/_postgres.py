@@ -119,6 +119,7 @@ class PostgresBackend:
         *,
         clock: _clock.Clock | None,
         server_clock: ServerClock | None = None,
+        on_change: Callable[[], None] | None = None,
         connect_timeout: float,
         max_batch: int,
         read_connections: int,
@@ -127,6 +128,7 @@ class PostgresBackend:
         self._url = url
         self._clock = clock
         self._server_clock = server_clock
+        self._on_change = on_change
         self._connect_timeout = connect_timeout
         self._max_batch = max_batch
         self._reader_count = read_connections
@@ -209,8 +211,12 @@ class PostgresBackend:
         return writer is not None and writer.failed
 
     def _heard(self, conn: Any, pid: int, channel: str, payload: object) -> None:
+        # Called on the event loop by the listener's connection: a commit (here or on
+        # another host) may have made work claimable. Waiting drainers wake at once.
         if payload == self._schema:
             self._version += 1
+            if self._on_change is not None:
+                self._on_change()
 
     def _went_deaf(self, conn: Any) -> None:
         self._deaf = True

@@ -193,6 +193,8 @@ class ControlStore:
                 # Lease times come from the database server's clock unless one is given.
                 clock=clock,
                 server_clock=server_clock,
+                # NOTIFY from any host wakes this process's drainers as a local write does.
+                on_change=self._notify,
                 connect_timeout=self._busy_timeout,
                 max_batch=batch,
                 read_connections=readers,
