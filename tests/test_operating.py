@@ -157,8 +157,11 @@ async def test_drain_purges_on_a_throttle(
     assert (await store.counts())["done"] == 0
 
 
-def test_a_purge_killed_between_archive_and_delete_loses_nothing(tmp_path: pathlib.Path) -> None:
-    path = tmp_path / "crash.db"
+def test_a_purge_killed_between_archive_and_delete_loses_nothing(
+    tmp_path: pathlib.Path, location_of: Any
+) -> None:
+    path = location_of("crash.db")
+    archive = tmp_path / "crash.archive.jsonl"
 
     async def seed() -> list[int]:
         async with ControlStore(path) as store:
@@ -167,17 +170,16 @@ def test_a_purge_killed_between_archive_and_delete_loses_nothing(tmp_path: pathl
 
     ids = asyncio.run(seed())
     purger = subprocess.Popen(
-        [sys.executable, str(PURGER), str(path)], stdout=subprocess.PIPE, text=True
+        [sys.executable, str(PURGER), path, str(archive)], stdout=subprocess.PIPE, text=True
     )
     assert purger.stdout is not None
     assert purger.stdout.readline().strip() == "archived"  # the first chunk is on disk ...
     os.kill(purger.pid, signal.SIGKILL)  # ... and the process dies before deleting it
     purger.wait()
     purger.stdout.close()
-    archive = path.with_name(path.name + ".archive.jsonl")
 
     async def check() -> None:
-        async with ControlStore(path) as store:
+        async with ControlStore(path, archive_path=archive) as store:
             for item_id in ids:
                 in_store = True
                 try:
