@@ -437,3 +437,54 @@ async def until(condition: Any, *, what: str) -> None:
             return
         await asyncio.sleep(0)
     raise AssertionError(f"never happened: {what}")
+
+
+async def test_a_drainer_skipping_rows_another_claim_left_alone_is_woken(
+    url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Worker A's claim locks candidates from two arms (ready r, due d) and takes only d.
+    # A drainer that claimed meanwhile skipped the locked r and went to sleep; r never
+    # changes state, so A's claim itself must wake it.
+    from asyncplane import ClaimedItem, Done, _postgres, drain
+    from asyncplane.testing import ManualClock
+
+    clock = ManualClock()
+    async with ControlStore(url, clock=clock) as here, ControlStore(url, clock=clock) as there:
+        await there.create_project("p", "P")
+        await there.create_project("q", "Q")
+        r = await there.enqueue("p", {"r": 1}, priority=0)
+        d = await there.enqueue("q", {"d": 1}, priority=10, not_before=clock.now() + 10)
+        clock.advance(11)  # d falls due
+        gate, paused = asyncio.Event(), asyncio.Event()
+        real = _postgres._insert_events
+        backend: Any = await there._ready()
+        a_conn = backend.writer._conn
+
+        async def held(conn: Any, events: Any) -> None:
+            if conn is a_conn and not gate.is_set():  # after A read (and locked) candidates
+                paused.set()
+                await gate.wait()
+            await real(conn, events)
+
+        monkeypatch.setattr(_postgres, "_insert_events", held)
+        a_claim = asyncio.create_task(there.claim("worker-a"))
+        await paused.wait()
+        got: asyncio.Queue[int] = asyncio.Queue()
+
+        async def record(batch: list[ClaimedItem]) -> list[Any]:
+            for claim in batch:
+                got.put_nowait(claim.item_id)
+            return [Done() for _ in batch]
+
+        stop = asyncio.Event()
+        task = asyncio.create_task(
+            drain(here, record, mode="daemon", stop=stop, project_id="p", poll_interval=3600)
+        )
+        await until(waiting_on("commit"), what="the drainer skipped r and went to sleep")
+        gate.set()
+        claimed = await a_claim
+        assert claimed is not None and claimed.item_id == d
+        # Well inside the five-second safety poll: the notification did it.
+        assert await asyncio.wait_for(got.get(), timeout=3) == r
+        stop.set()
+        await task

@@ -415,7 +415,9 @@ class PostgresBackend:
             raise _errors.StoreClosed("the store is closed")
         if self._deaf:  # no notifications any more: make every poll look
             self._version += 1
-        return self._version
+        # And every few seconds in any case: a notification may have been missed (one
+        # sent while the listener reconnected, say), and a drainer must not sleep forever.
+        return self._version + int(time.monotonic() // _SAFETY_POLL_SECONDS)
 
     async def tally(self) -> _backend.LedgerTally:
         return await self._read(_tally)
@@ -452,6 +454,9 @@ async def _close_quietly(conn: asyncpg.Connection) -> None:
     except Exception:
         conn.terminate()
 
+
+#: However quiet the notifications, a sleeping drainer looks for work this often.
+_SAFETY_POLL_SECONDS = 5.0
 
 #: What the driver may raise: every one becomes an asyncplane error, here or in the writer.
 _DRIVER_ERRORS = (
@@ -647,6 +652,11 @@ class _Arm:
             self._page = min(self._page * 2, 1024)
         return self._rows[0] if self._rows else None
 
+    @property
+    def fetched(self) -> int:
+        """How many rows this arm has read, and so locked, so far."""
+        return self._offset
+
     def pop(self) -> Any:
         return self._rows.pop(0)
 
@@ -742,6 +752,10 @@ async def _claim_many(
             [now + op.lease_seconds for _, op in dealt], guarded, first.actor_id,
         ):  # fmt: skip
             claimed_rows[claimed_row[0]] = claimed_row
+    if sum(arm.fetched for arm in arms) > len(claimed_rows):
+        # Rows locked here and not taken were skipped by any claimer that came meanwhile;
+        # their state does not change, so nothing else would tell a drainer that slept.
+        await conn.execute(sql.NOTIFY)
     results: dict[int, list[_backend.ClaimRow]] = {id(op): [] for op in ops}
     for row, op in dealt:
         got = claimed_rows.get(row[0])

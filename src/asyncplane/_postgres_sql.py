@@ -308,8 +308,11 @@ SELECT 'x', * FROM (
     ORDER BY {CLAIM_ORDER} LIMIT $6
     FOR UPDATE SKIP LOCKED) AS exhausted
 """
-# Try, without waiting, the content lock of each fingerprinted candidate (see
-# TRY_LOCK_CONTENT). ($1 project ids, $2 fingerprints) -> (position, had it)
+# A claimer of a fingerprinted item first takes the lock of its (project, fingerprint),
+# without waiting: held, another transaction is starting a twin, and this one skips the
+# item. Claimers thus never wait on each other's unique-index entries (which could
+# deadlock), and a claimer that has the lock sees every committed twin in its next
+# statement. ($1 project ids, $2 fingerprints) -> (position, had it)
 TRY_LOCK_CONTENTS: Final = """
 SELECT position, pg_try_advisory_xact_lock(
            hashtextextended(project_id || chr(1) || fingerprint, 1))
@@ -340,51 +343,9 @@ logged AS (
     ORDER BY item_id)
 SELECT item_id, project_id, payload, fence, attempts FROM claimed
 """
-# Whether any lease has lapsed, or any deferred item fallen due, at all ($1 now).
-ANY_LAPSED_OR_DUE: Final = """
-SELECT
-    EXISTS (SELECT 1 FROM items WHERE state = 'claimed' AND lease_expires_at <= $1),
-    EXISTS (SELECT 1 FROM items WHERE state = 'deferred' AND due_at <= $1)
-"""
-# Lapsed claims that spent their last attempt ($1 project_id, $2 actor_id, $3 limit,
-# $4 now): a claim fails them before it looks for work.
-LAPSED_EXHAUSTED: Final = f"""
-SELECT item_id, fence, owner, attempts, max_attempts FROM items
-WHERE state = 'claimed' AND lease_expires_at <= $4
-  AND max_attempts IS NOT NULL AND attempts >= max_attempts {_IN_REACH}
-ORDER BY {CLAIM_ORDER} LIMIT $3
-FOR UPDATE SKIP LOCKED
-"""
-
-# A claimer of a fingerprinted item first takes this lock for (project, fingerprint),
-# without waiting: held, another transaction is starting a twin, and this one skips the
-# item. Claimers thus never wait on each other's unique-index entries (which could
-# deadlock), and a claimer that has the lock sees every committed twin in its next
-# statement. ($1 project_id, $2 fingerprint)
-TRY_LOCK_CONTENT: Final = """
-SELECT pg_try_advisory_xact_lock(hashtextextended($1::text || chr(1) || $2::text, 1))
-"""
-# The claim of a fingerprinted ready or deferred item, re-checking under that lock that
-# no twin is running now. ($1 owner, $2 expires, $3 now, $4 item_id)
-CLAIM_FREE_ITEM: Final = """
-UPDATE items
-SET state = 'claimed', fence = fence + 1, attempts = attempts + 1,
-    owner = $1, lease_expires_at = $2, due_at = NULL, updated_at = $3
-WHERE item_id = $4 AND NOT EXISTS (
-    SELECT 1 FROM items AS twin
-    WHERE twin.project_id = items.project_id AND twin.fingerprint = items.fingerprint
-      AND twin.state IN ('claimed', 'offloaded') AND twin.item_id <> items.item_id)
-RETURNING item_id, project_id, payload, fence, attempts
-"""
-
-# The fence rises by one on every claim and is never set any other way.
-CLAIM_ITEM: Final = """
-UPDATE items
-SET state = 'claimed', fence = fence + 1, attempts = attempts + 1,
-    owner = $1, lease_expires_at = $2, due_at = NULL, updated_at = $3
-WHERE item_id = $4
-RETURNING item_id, project_id, payload, fence, attempts
-"""
+# Said by a claim that locked candidates it did not take (another claimer skipped them
+# meanwhile, and may have gone to sleep for want of work): wake the drainers.
+NOTIFY: Final = "SELECT pg_notify('asyncplane', current_schema())"
 EXHAUST_ITEM: Final = """
 UPDATE items SET state = 'failed', lease_expires_at = NULL, error = $1, updated_at = $2
 WHERE item_id = $3 AND state = 'claimed' AND fence = $4
@@ -409,11 +370,6 @@ WHERE item_id = $1 AND fence = $2 AND state IN ('claimed', 'offloaded')
        OR project_id IN (SELECT project_id FROM assignments WHERE actor_id = $3::text))
 """
 _SETTLED = "RETURNING owner, project_id, fingerprint, attempts, max_attempts, state"
-SETTLE_DONE: Final = f"""
-UPDATE items SET state = 'done', result = $5, error = NULL, lease_expires_at = NULL,
-                 due_at = NULL, offload_handle = NULL, updated_at = $4
-{_SETTLE_GUARD} {_SETTLED}
-"""
 SETTLE_FAILED: Final = f"""
 UPDATE items SET state = 'failed', error = $5, lease_expires_at = NULL, due_at = NULL,
                  offload_handle = NULL, updated_at = $4
