@@ -488,3 +488,24 @@ async def test_a_drainer_skipping_rows_another_claim_left_alone_is_woken(
         assert await asyncio.wait_for(got.get(), timeout=3) == r
         stop.set()
         await task
+
+
+async def test_stores_in_other_schemas_never_wait_on_each_others_locks(
+    url: str, location_of: Any
+) -> None:
+    # Advisory locks belong to the whole database; a store's keys name its schema.
+    from asyncplane import _postgres_sql
+
+    other = location_of("other")
+    async with ControlStore(url) as a, ControlStore(other) as b:
+        await a.create_project("p", "P")
+        await b.create_project("p", "P")
+        holder = await asyncpg.connect(url)  # store a's schema, mid-enqueue of content "f"
+        try:
+            async with holder.transaction():
+                await holder.execute(_postgres_sql.LOCK_CONTENTS, ["p"], ["f"])
+                item = await asyncio.wait_for(b.enqueue("p", {}, fingerprint="f"), timeout=5)
+                claim = await asyncio.wait_for(b.claim("w"), timeout=5)
+                assert claim is not None and claim.item_id == item
+        finally:
+            await holder.close()

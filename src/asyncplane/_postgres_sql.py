@@ -225,12 +225,15 @@ SELECT * FROM unnest($1::bigint[], $2::text[], $3::bigint[], $4::text[], $5::tex
                      $6::float8[], $7::text[])
 """
 
+# Advisory locks are the database's, not a schema's: every key names the schema, so stores in
+# different schemas of one database never wait on each other.
 # Two enqueues of the same content in one project take turns from the dedup check to the
 # commit: held to the end of the transaction. The writer takes every lock a round needs
 # at its start, in one sorted pass, so two rounds never hold them in opposite orders.
 # ($1 project ids, $2 fingerprints, pairwise)
 LOCK_CONTENTS: Final = """
-SELECT pg_advisory_xact_lock(hashtextextended(project_id || chr(1) || fingerprint, 0))
+SELECT pg_advisory_xact_lock(
+    hashtextextended(current_schema() || chr(1) || project_id || chr(1) || fingerprint, 0))
 FROM unnest($1::text[], $2::text[]) AS content (project_id, fingerprint)
 ORDER BY project_id, fingerprint
 """
@@ -315,7 +318,7 @@ SELECT 'x', * FROM (
 # statement. ($1 project ids, $2 fingerprints) -> (position, had it)
 TRY_LOCK_CONTENTS: Final = """
 SELECT position, pg_try_advisory_xact_lock(
-           hashtextextended(project_id || chr(1) || fingerprint, 1))
+           hashtextextended(current_schema() || chr(1) || project_id || chr(1) || fingerprint, 1))
 FROM unnest($1::text[], $2::text[]) WITH ORDINALITY AS c (project_id, fingerprint, position)
 ORDER BY project_id, fingerprint
 """
@@ -549,7 +552,10 @@ PURGE_EVENTS: Final = "DELETE FROM events WHERE item_id = ANY($1::bigint[])"
 # --- imports --------------------------------------------------------------------------------
 
 # Imports of one source take turns, so two at once never copy a row twice.
-LOCK_SOURCE: Final = "SELECT pg_advisory_xact_lock(hashtextextended('import:' || $1::text, 0))"
+LOCK_SOURCE: Final = (
+    "SELECT pg_advisory_xact_lock("
+    "hashtextextended('import:' || current_schema() || chr(1) || $1::text, 0))"
+)
 ALREADY_IMPORTED: Final = "SELECT 1 FROM imports WHERE source = $1 AND source_key = $2"
 RECORD_IMPORT: Final = (
     "INSERT INTO imports (source, source_key, item_id, imported_at) VALUES ($1, $2, $3, $4)"
