@@ -60,7 +60,7 @@ async def test_deeply_nested_payload_is_refused(store: ControlStore) -> None:
     for _ in range(5000):
         inner["x"] = {}
         inner = inner["x"]
-    with pytest.raises(InvalidPayload, match="nested too deeply"):
+    with pytest.raises(InvalidPayload, match="nested more than 100 levels"):
         await store.enqueue("alpha", payload)
 
 

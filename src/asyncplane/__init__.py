@@ -21,6 +21,7 @@ from asyncplane._drain import (
     drain,
 )
 from asyncplane._errors import (
+    ArchiveError,
     AsyncplaneError,
     DatabaseLocked,
     FenceRejected,
@@ -49,6 +50,7 @@ __version__ = "0.1.0"
 
 __all__ = (
     "LEDGER_PROBLEM_KINDS",
+    "ArchiveError",
     "AsyncplaneError",
     "ClaimedItem",
     "Clock",

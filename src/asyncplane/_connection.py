@@ -16,17 +16,20 @@ opens a transaction behind our back, and asyncplane issues ``BEGIN IMMEDIATE`` a
 from __future__ import annotations
 
 import asyncio
+import os
 import pathlib
 import sqlite3
+import stat
 import time
 from collections.abc import Callable
 from typing import Any, Literal, TypeVar
 
 import aiosqlite
+import anyio.to_thread
 
 from asyncplane import _errors
 
-__all__ = ("ReaderPool", "Synchronous", "open_reader", "open_writer", "run")
+__all__ = ("ReaderPool", "Synchronous", "check_path", "open_reader", "open_writer", "run")
 
 T = TypeVar("T")
 
@@ -56,6 +59,30 @@ async def run(conn: aiosqlite.Connection, fn: Callable[..., T], *args: Any) -> T
     raw = conn._conn  # the sqlite3.Connection, to be used only on that thread
     result: T = await conn._execute(fn, raw, *args)  # type: ignore[no-untyped-call]
     return result
+
+
+async def check_path(path: pathlib.Path) -> None:
+    """Refuse a path that names something other than a regular file (or nothing yet).
+
+    SQLite would open a FIFO, a device or a socket and then block reading it (a read-only
+    opening of a FIFO never returns), so what the path is gets checked first, with a
+    stat that opens nothing, on a worker thread.
+    """
+    try:
+        mode = (await anyio.to_thread.run_sync(os.stat, path)).st_mode
+    except FileNotFoundError:
+        return  # created on first use (or, read-only, refused by SQLite)
+    except OSError as exc:
+        raise _errors.StorageError(f"cannot look at {path}: {exc}") from exc
+    if not stat.S_ISREG(mode):
+        kind = (
+            "a directory" if stat.S_ISDIR(mode)
+            else "a FIFO" if stat.S_ISFIFO(mode)
+            else "a socket" if stat.S_ISSOCK(mode)
+            else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
+            else "not a regular file"
+        )  # fmt: skip
+        raise _errors.NotAnAsyncplaneDatabase(f"{path} is {kind}, not an asyncplane store")
 
 
 async def open_writer(

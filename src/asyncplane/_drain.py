@@ -54,9 +54,9 @@ import pathlib
 import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from typing import Any, Literal, TypeAlias, TypeVar
+from typing import Any, Literal, TypeAlias
 
-from asyncplane import _clock, _errors, _lock, _models, _store, _validate
+from asyncplane import _clock, _errors, _lock, _models, _store, _tasks, _validate
 
 __all__ = (
     "Done",
@@ -273,10 +273,25 @@ async def _single_drainer(
             yield acquired
 
 
-def _short(error: BaseException | str) -> str:
-    text = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
-    text = text.replace("\x00", "\ufffd")  # an executor's message must never fail a settle
+def _short(error: object) -> str:
+    """An error description the store always accepts, whatever the executor produced: an
+    exception (even one whose ``str()`` raises) or any text, with NUL and lone surrogates
+    (``surrogateescape`` output) made visible rather than fatal, and cut to a length."""
+    if isinstance(error, str):
+        text = error
+    elif isinstance(error, BaseException):
+        text = f"{type(error).__name__}: {_text_of(error)}"
+    else:
+        text = _text_of(error)
+    text = text.replace("\x00", "\ufffd").encode("utf-8", "backslashreplace").decode("utf-8")
     return text if len(text) <= _ERROR_CHARS else text[: _ERROR_CHARS - 1] + "…"
+
+
+def _text_of(value: object) -> str:
+    try:
+        return str(value)
+    except Exception:  # a broken __str__ must not strand the batch
+        return f"<{type(value).__name__} that cannot be shown>"
 
 
 @dataclasses.dataclass
@@ -336,9 +351,11 @@ class _Drain:
         claiming = self.store.claim_batch(
             self.owner, self.batch_size, actor_id=self.actor_id, project_id=self.project_id
         )
-        batch, cancelled = await _to_the_end(claiming, f"asyncplane-drain-claim[{self.owner}]")
+        batch, cancelled = await _tasks.to_the_end(
+            claiming, f"asyncplane-drain-claim[{self.owner}]"
+        )
         if cancelled:  # the claim stands: hand its items back unrun, then stop
-            await _to_the_end(self._put_back(batch, {}), "asyncplane-drain-put-back")
+            await _tasks.to_the_end(self._put_back(batch, {}), "asyncplane-drain-put-back")
             raise asyncio.CancelledError
         self.summary.claimed += len(batch)
         return batch
@@ -362,14 +379,14 @@ class _Drain:
                 )
             outcomes = _checked(batch, await executor)
         except BaseException:
-            await _stop(renewer)
+            await _tasks.stop(renewer)
             if not all(settled.get(claim.item_id) for claim in batch):
                 await self._interrupted(batch, settled, executor)
             raise
         # From here on the work is done: stopping the renewer and settling run to their end
         # even if the task is cancelled meanwhile, and the cancellation goes on after.
-        cancelled = await _stop(renewer)
-        _, cut_short = await _to_the_end(
+        cancelled = await _tasks.stop(renewer)
+        _, cut_short = await _tasks.to_the_end(
             self._settle(batch, outcomes, settled), f"asyncplane-drain-settle[{self.owner}]"
         )
         if cancelled or cut_short:
@@ -386,13 +403,15 @@ class _Drain:
             # The work was done before the interruption: keep its outcomes.
             finished = _checked(batch, executor.result())
             with contextlib.suppress(Exception):
-                await _to_the_end(self._settle(batch, finished, settled), "asyncplane-drain-settle")
+                await _tasks.to_the_end(
+                    self._settle(batch, finished, settled), "asyncplane-drain-settle"
+                )
         else:
             executor.cancel()
-            await _to_the_end(
+            await _tasks.to_the_end(
                 asyncio.gather(executor, return_exceptions=True), "asyncplane-drain-stop-executor"
             )
-        await _to_the_end(self._put_back(batch, settled), "asyncplane-drain-put-back")
+        await _tasks.to_the_end(self._put_back(batch, settled), "asyncplane-drain-put-back")
 
     async def _renew(self, batch: list[_models.ClaimedItem]) -> None:
         """Renew the batch's leases every third of a lease, until cancelled."""
@@ -428,37 +447,51 @@ class _Drain:
             raise DrainError(f"settling an outcome failed: {failure!r}", self.summary) from failure
 
     async def _settle_one(self, claim: _models.ClaimedItem, outcome: Outcome) -> None:
+        """Settle one outcome; one the store refuses as bad input (a result it cannot keep)
+        fails the item with the reason, so no outcome can strand its neighbours."""
+        try:
+            await self._apply(claim, outcome)
+        except (_errors.InvalidInput, _errors.InvalidType) as exc:
+            what = "result" if isinstance(outcome, Done) else type(outcome).__name__
+            error = _short(f"the executor's {what} was refused: {exc}")
+            await self.store.finish(
+                claim.item_id, fence=claim.fence, status="failed", error=error,
+                actor_id=self.actor_id,
+            )  # fmt: skip
+            self.summary.failed += 1
+        except _errors.AsyncplaneError:
+            raise
+        except Exception as exc:  # a fault on this side, not the store's: retry the item
+            error = _short(f"settling its {type(outcome).__name__} raised {_short(exc)}")
+            await self._retry(claim, Retry(error))
+
+    async def _apply(self, claim: _models.ClaimedItem, outcome: Outcome) -> None:
         store, item_id, fence, actor = self.store, claim.item_id, claim.fence, self.actor_id
         if isinstance(outcome, Done):
-            try:
-                await store.finish(item_id, fence=fence, result=outcome.result, actor_id=actor)
-            except _errors.InvalidInput as exc:  # a result the store cannot keep: a failure
-                error = _short(f"the executor's result was refused: {exc}")
-                await store.finish(
-                    item_id, fence=fence, status="failed", error=error, actor_id=actor
-                )
-                self.summary.failed += 1
-                return
+            await store.finish(item_id, fence=fence, result=outcome.result, actor_id=actor)
             self.summary.done += 1
         elif isinstance(outcome, Failed):
-            error = _short(str(outcome.error))
+            error = _short(outcome.error)
             await store.finish(item_id, fence=fence, status="failed", error=error, actor_id=actor)
             self.summary.failed += 1
         elif isinstance(outcome, Retry):
-            state = await store.retry(
-                item_id, fence=fence, error=_short(str(outcome.error)), delay=outcome.delay,
-                actor_id=actor,
-            )  # fmt: skip
-            if state == "failed":
-                self.summary.failed += 1
-            else:
-                self.summary.retried += 1
+            await self._retry(claim, outcome)
         elif isinstance(outcome, Park):
             await store.park(item_id, fence=fence, delay=outcome.delay, actor_id=actor)
             self.summary.parked += 1
         else:
             await store.offload(item_id, fence=fence, handle=outcome.handle, actor_id=actor)
             self.summary.offloaded += 1
+
+    async def _retry(self, claim: _models.ClaimedItem, outcome: Retry) -> None:
+        state = await self.store.retry(
+            claim.item_id, fence=claim.fence, error=_short(outcome.error), delay=outcome.delay,
+            actor_id=self.actor_id,
+        )  # fmt: skip
+        if state == "failed":
+            self.summary.failed += 1
+        else:
+            self.summary.retried += 1
 
     async def _put_back(self, batch: list[_models.ClaimedItem], settled: dict[int, bool]) -> None:
         """Return every unsettled item of an interrupted batch, without spending an attempt."""
@@ -499,41 +532,6 @@ class _Drain:
         # Another process's commit sends no signal here; data_version is the cheap check.
         while await self.store._data_version() == version:  # noqa: ASYNC110
             await asyncio.sleep(self.poll_interval)
-
-
-T = TypeVar("T")
-
-
-async def _to_the_end(work: Awaitable[T], name: str) -> tuple[T, bool]:
-    """Await ``work`` to its end whatever cancellations arrive meanwhile.
-
-    Returns its result, and whether a cancellation arrived (the caller re-raises it once
-    the work is saved). asyncio.shield alone is not enough: a cancel scope (anyio) cancels
-    again at every await, and the shielded work would be left running unattended.
-    """
-    task = asyncio.ensure_future(work)
-    if isinstance(task, asyncio.Task):
-        task.set_name(name)
-    cancelled = False
-    while True:
-        try:
-            return await asyncio.shield(task), cancelled
-        except asyncio.CancelledError:
-            if task.cancelled():
-                raise
-            if task.done():
-                return task.result(), True
-            cancelled = True
-
-
-async def _stop(task: asyncio.Task[Any]) -> bool:
-    """Cancel a side task and wait for it to end, whatever else is cancelled meanwhile;
-    return whether a cancellation arrived for the caller."""
-    task.cancel()
-    _, cancelled = await _to_the_end(
-        asyncio.gather(task, return_exceptions=True), f"{task.get_name()}-stop"
-    )
-    return cancelled
 
 
 async def _call(execute: Executor, batch: list[_models.ClaimedItem]) -> list[Any] | BaseException:

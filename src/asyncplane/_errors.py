@@ -15,6 +15,7 @@ import sqlite3
 from typing import Any
 
 __all__ = (
+    "ArchiveError",
     "AsyncplaneError",
     "DatabaseLocked",
     "FenceRejected",
@@ -124,6 +125,11 @@ class ReadOnlyStore(AsyncplaneError):
 
 class StorageError(AsyncplaneError):
     """The database failed underneath asyncplane; the driver's error is the ``__cause__``."""
+
+
+class ArchiveError(StorageError):
+    """The purge archive could not be written (a full disk, a missing directory, no
+    permission); nothing was deleted. The `OSError` is the ``__cause__``."""
 
 
 class DatabaseLocked(StorageError):

@@ -12,23 +12,29 @@ On Windows the same guarantees come from msvcrt.locking on the file's first byte
 is also tied to the handle.
 
 Taking the lock never waits: it is tried once (LOCK_NB), and `acquired` says how it went.
-The try runs on a worker thread, so even opening the file never blocks the event loop;
-releasing is two non-blocking system calls and happens synchronously, so no cancellation
-can skip it.
+The try runs on a worker thread, so even opening the file never blocks the event loop.
+That thread may outlive the task that started it (a cancellation does not stop a thread):
+the try and the task meet under a mutex, and whichever comes second, the thread with a
+descriptor or the cancelled task giving up, closes the descriptor. So a lock taken for a
+task that was cancelled meanwhile is given straight back, never left on a descriptor
+nothing will close. Releasing is two non-blocking system calls and happens synchronously,
+so no cancellation can skip it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import pathlib
 import socket
 import sys
+import threading
 import types
 
 import anyio.to_thread
 
-from asyncplane import _errors
+from asyncplane import _errors, _tasks
 
 __all__ = ("DrainLock",)
 
@@ -58,11 +64,20 @@ class DrainLock:
     async def __aenter__(self) -> DrainLock:
         if self._fd is not None:
             raise RuntimeError("this DrainLock is held already; release it before re-entering")
+        attempt = _Attempt(self._path)
         try:
-            await anyio.to_thread.run_sync(self._try_lock)
+            # Wait for the thread even when cancelled (a moment: two non-blocking calls),
+            # so a lock it took for this task is released before the cancellation goes on.
+            _, cancelled = await _tasks.to_the_end(
+                anyio.to_thread.run_sync(attempt.run), "asyncplane-drain-lock"
+            )
         except BaseException:
-            self.release()  # cancelled while the thread took it: give it straight back
+            attempt.abandon()  # whenever the thread ends, the lock goes back
             raise
+        self._fd = attempt.take()
+        if cancelled:
+            self.release()
+            raise asyncio.CancelledError
         return self
 
     async def __aexit__(
@@ -76,14 +91,22 @@ class DrainLock:
     def release(self) -> None:
         """Release the lock if held (non-blocking; safe to call twice)."""
         fd, self._fd = self._fd, None
-        if fd is None:
-            return
-        try:
-            _unlock(fd)
-        finally:
-            os.close(fd)
+        if fd is not None:
+            _give_back(fd)
 
-    def _try_lock(self) -> None:
+
+class _Attempt:
+    """One try for the lock, shared by the worker thread that makes it and the task that
+    waits for it; whichever of the two comes second gives a lock nobody wants back."""
+
+    def __init__(self, path: pathlib.Path) -> None:
+        self._path = path
+        self._mutex = threading.Lock()
+        self._fd: int | None = None
+        self._abandoned = False
+
+    def run(self) -> None:
+        """On the worker thread: open the file and try the lock once."""
         try:
             fd = os.open(self._path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as exc:
@@ -92,15 +115,38 @@ class DrainLock:
             if not _lock(fd):
                 os.close(fd)
                 return
-            self._fd = fd
             # Who holds it, for a person looking at the file; never read back.
             with contextlib.suppress(OSError):
                 os.ftruncate(fd, 0)
                 os.write(fd, f"{socket.gethostname()} pid {os.getpid()}\n".encode())
         except BaseException:
-            if self._fd is None:
-                os.close(fd)
+            os.close(fd)
             raise
+        with self._mutex:
+            if not self._abandoned:
+                self._fd = fd
+                return
+        _give_back(fd)  # the task that asked gave up while this thread took it
+
+    def take(self) -> int | None:
+        """The descriptor holding the lock (None: someone else has it); now the caller's."""
+        with self._mutex:
+            fd, self._fd = self._fd, None
+            self._abandoned = True
+        return fd
+
+    def abandon(self) -> None:
+        """Give up: release what the thread took, now or when it ends."""
+        fd = self.take()
+        if fd is not None:
+            _give_back(fd)
+
+
+def _give_back(fd: int) -> None:
+    try:
+        _unlock(fd)
+    finally:
+        os.close(fd)
 
 
 if sys.platform == "win32":  # pragma: no cover - exercised on Windows only
@@ -127,6 +173,8 @@ else:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             return False
+        except OSError as exc:  # ENOLCK on a network filesystem, say
+            raise _errors.StorageError(f"cannot lock the drain lock file: {exc}") from exc
         return True
 
     def _unlock(fd: int) -> None:

@@ -33,7 +33,7 @@ from typing import Any, NoReturn, TypeVar
 
 import asyncpg
 
-from asyncplane import _backend, _clock, _errors, _fingerprint, _models
+from asyncplane import _backend, _clock, _errors, _fingerprint, _models, _tasks
 from asyncplane import _postgres_sql as sql
 from asyncplane import _postgres_writer as _writer
 
@@ -437,15 +437,24 @@ class PostgresBackend:
         Yields whether it was had. Held on a connection of its own for as long as the
         drain runs; closing that connection (or the process dying) releases it.
         """
-        conn = await self._connect()
+        conn = await self._connect()  # cancelling this holds nothing yet
         try:
+            # Once asked, the server's answer is awaited even under cancellation, and the
+            # connection closed before the cancellation goes on: the lock is then free
+            # for the next drainer at once, not when a background close gets round to it.
             try:
-                acquired = bool(await conn.fetchval(sql.DRAIN_TRY_LOCK))
+                answer, cancelled = await _tasks.to_the_end(
+                    conn.fetchval(sql.DRAIN_TRY_LOCK), "asyncplane-drain-guard"
+                )
             except _DRIVER_ERRORS as exc:
                 raise _writer.translate(exc) from exc
-            yield acquired
+            if cancelled:
+                raise asyncio.CancelledError
+            yield bool(answer)
         finally:
-            await asyncio.shield(_close_quietly(conn))
+            _, late = await _tasks.to_the_end(_close_quietly(conn), "asyncplane-drain-guard-close")
+        if late:
+            raise asyncio.CancelledError
 
 
 async def _close_quietly(conn: asyncpg.Connection) -> None:
@@ -910,7 +919,7 @@ async def _backfill_fingerprints(
         return after, 0
     await conn.executemany(
         sql.SET_FINGERPRINT,
-        [(_fingerprint.from_payload(json.loads(payload), identity), item_id)
+        [(_fingerprint.from_stored(payload, identity), item_id)
          for item_id, payload in rows],
     )  # fmt: skip
     return int(rows[-1][0]), len(rows)

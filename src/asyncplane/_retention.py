@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 import anyio.to_thread
 
-from asyncplane import _backend, _models
+from asyncplane import _backend, _errors, _models
 
 if TYPE_CHECKING:
     from asyncplane._store import ControlStore
@@ -86,7 +86,12 @@ async def purge(
             break
         # Building the lines (JSON of whole items and histories) happens on the worker
         # thread too: a large chunk must not hold up the event loop.
-        await anyio.to_thread.run_sync(_archive, archive_path, found, archive_max_bytes)
+        try:
+            await anyio.to_thread.run_sync(_archive, archive_path, found, archive_max_bytes)
+        except OSError as exc:
+            raise _errors.ArchiveError(
+                f"cannot append to the archive {archive_path}: {exc}; nothing was deleted"
+            ) from exc
         if _after_archive is not None:  # a test stands here to kill the process
             await _after_archive()
         purged += await backend.purge_items(tuple(item.item_id for item, _ in found))
@@ -102,6 +107,15 @@ def _iso(value: float | None) -> str | None:
     return None if value is None else _models.from_timestamp(value).isoformat()
 
 
+def _json(text: str) -> Any:
+    """Stored JSON, decoded; kept as its text if this process cannot decode it (written
+    before today's limits): the archive must take every settled item, whatever it holds."""
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError):
+        return {"undecoded_json": text}
+
+
 def _archive_line(item: _backend.ItemRow, events: list[_backend.EventRow]) -> str:
     record: dict[str, Any] = {
         "archived_at": dt.datetime.now(dt.timezone.utc).isoformat(),
@@ -109,7 +123,7 @@ def _archive_line(item: _backend.ItemRow, events: list[_backend.EventRow]) -> st
             "item_id": item.item_id,
             "project_id": item.project_id,
             "state": item.state,
-            "payload": json.loads(item.payload_json),
+            "payload": _json(item.payload_json),
             "fence": item.fence,
             "attempts": item.attempts,
             "owner": item.owner,
@@ -120,7 +134,7 @@ def _archive_line(item: _backend.ItemRow, events: list[_backend.EventRow]) -> st
             "sla": _iso(item.sla),
             "fingerprint": item.fingerprint,
             "max_attempts": item.max_attempts,
-            "result": None if item.result_json is None else json.loads(item.result_json),
+            "result": None if item.result_json is None else _json(item.result_json),
             "error": item.error,
         },
         "events": [
@@ -131,7 +145,7 @@ def _archive_line(item: _backend.ItemRow, events: list[_backend.EventRow]) -> st
                 "owner": event.owner,
                 "actor_id": event.actor_id,
                 "at": _iso(event.at),
-                "detail": None if event.detail_json is None else json.loads(event.detail_json),
+                "detail": None if event.detail_json is None else _json(event.detail_json),
             }
             for event in events
         ],

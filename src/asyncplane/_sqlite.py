@@ -83,6 +83,7 @@ class SQLiteBackend:
 
         Read-only: open readers only, after checking the file is a store of this schema.
         """
+        await _connection.check_path(self._path)
         if self._read_only:
             await self._open_read_only()
             return
@@ -762,7 +763,7 @@ def _backfill_fingerprints(
         return after, 0
     db.executemany(
         sql.SET_FINGERPRINT,
-        [(_fingerprint.from_payload(json.loads(payload), identity), item_id)
+        [(_fingerprint.from_stored(payload, identity), item_id)
          for item_id, payload in rows],
     )  # fmt: skip
     return rows[-1][0], len(rows)

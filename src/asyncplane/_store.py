@@ -564,7 +564,33 @@ class ControlStore:
             _validate.optional_actor(actor_id),
             None if project_id is None else _validate.text_id(project_id, "project_id"),
         )
-        return [_claimed_item(row) for row in await (await self._ready()).claim(op)]
+        backend = await self._ready()
+        claims: list[ClaimedItem] = []
+        for row in await backend.claim(op):
+            try:
+                claims.append(_claimed_item(row))
+            except (ValueError, RecursionError) as exc:
+                # Committed, but its payload cannot be decoded here (written before today's
+                # limits, or by a tamperer): settle it with the reason instead of handing
+                # the caller an exception that would strand the rest of the batch.
+                await self._set_aside(backend, row, op.actor_id, exc)
+        return claims
+
+    async def _set_aside(
+        self, backend: _backend.Backend, row: _backend.ClaimRow, actor: str | None, exc: Exception
+    ) -> None:
+        """Retry (within its budget) a claimed item whose payload this process cannot decode."""
+        reason = f"its payload cannot be decoded: {type(exc).__name__}: {str(exc)[:200]}"
+        op = _backend.RetryOp(
+            row.item_id, row.fence, actor, reason, None,
+            self._retry_backoff, self._retry_backoff_max, self._rng.random(),
+        )  # fmt: skip
+        try:
+            await backend.retry(op)
+        except _errors.AsyncplaneError as failure:  # its lease lapses; a later claim tries again
+            _log.warning("asyncplane: item %d could not be set aside: %s", row.item_id, failure)
+        else:
+            _log.warning("asyncplane: item %d retried: %s", row.item_id, reason)
 
     async def renew(
         self,
@@ -821,7 +847,7 @@ class ControlStore:
                 archive_max_bytes=self._archive_max_bytes,
                 max_chunks=max_chunks,
             )
-        except OSError as exc:
+        except _errors.ArchiveError as exc:
             # The archive cannot be written (a missing directory, a full disk): nothing was
             # deleted, the work goes on, and the next interval tries again.
             _log.warning("asyncplane: purge skipped, the archive failed: %s", exc)
@@ -982,7 +1008,9 @@ class ControlStore:
                 "owner": row.owner,
                 "actor_id": row.actor_id,
                 "at": _models.from_timestamp(row.at),
-                "detail": None if row.detail_json is None else json.loads(row.detail_json),
+                "detail": None
+                if row.detail_json is None
+                else _decoded(row.detail_json, row.item_id, "event detail"),
             }
             for row in rows
         ]
@@ -1003,6 +1031,17 @@ def _project_dict(row: _backend.ProjectRow) -> dict[str, Any]:
         "status": row.status,
         "created_at": _models.from_timestamp(row.created_at),
     }
+
+
+def _decoded(text: str, item_id: int, what: str) -> Any:
+    """Stored JSON, decoded; a StorageError if this process cannot (see `_validate`'s limits,
+    which no value written today exceeds)."""
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError) as exc:
+        raise _errors.StorageError(
+            f"item {item_id}'s {what} cannot be decoded: {type(exc).__name__}: {str(exc)[:200]}"
+        ) from exc
 
 
 def _claimed_item(row: _backend.ClaimRow) -> ClaimedItem:
@@ -1027,7 +1066,7 @@ def _item_dict(row: _backend.ItemRow) -> dict[str, Any]:
         "item_id": row.item_id,
         "project_id": row.project_id,
         "state": row.state,
-        "payload": json.loads(row.payload_json),
+        "payload": _decoded(row.payload_json, row.item_id, "payload"),
         "fence": row.fence,
         "attempts": row.attempts,
         "owner": row.owner,
@@ -1040,7 +1079,9 @@ def _item_dict(row: _backend.ItemRow) -> dict[str, Any]:
         "fingerprint": row.fingerprint,
         "max_attempts": row.max_attempts,
         "due_at": _optional_time(row.due_at),
-        "result": None if row.result_json is None else json.loads(row.result_json),
+        "result": None
+        if row.result_json is None
+        else _decoded(row.result_json, row.item_id, "result"),
         "error": row.error,
         "offload_handle": row.offload_handle,
     }

@@ -3,6 +3,17 @@
 Every public call validates its arguments here first, so bad input is refused with a
 typed error (InvalidInput/InvalidPayload are ValueErrors, InvalidType is a TypeError)
 before a transaction is opened: a refused call writes nothing.
+
+The same few rules hold for every value, whichever entry point it came through (the API,
+an outcome, the CLI, an import):
+
+- text must be storable: no lone surrogate (what ``surrogateescape`` decoding of a file
+  name or of subprocess output produces) and, where the database cannot hold one, no NUL;
+- numbers must be finite and in range: an int too large for a float is refused as out
+  of range, never raised as a bare OverflowError;
+- JSON must round-trip anywhere: at most `MAX_JSON_DEPTH` levels of nesting, so any
+  worker decodes it whatever its call stack, and integers of at most `MAX_INT_DIGITS`
+  digits, which every Python process can read back whatever its int-to-str limit.
 """
 
 from __future__ import annotations
@@ -22,6 +33,8 @@ __all__ = (
     "MAX_ERROR_LENGTH",
     "MAX_ID_LENGTH",
     "MAX_INT",
+    "MAX_INT_DIGITS",
+    "MAX_JSON_DEPTH",
     "MAX_LEASE_SECONDS",
     "absolute_path",
     "boolean",
@@ -45,6 +58,7 @@ __all__ = (
     "project_status",
     "seconds",
     "service_class",
+    "storable_text",
     "text_id",
 )
 
@@ -61,6 +75,14 @@ MAX_BUSY_TIMEOUT = 24 * 3600.0
 MAX_EPOCH_SECONDS = 253402300799.0
 #: Longest error description kept with an item, in characters.
 MAX_ERROR_LENGTH = 16 * 1024
+#: Deepest nesting of a payload or result: the object itself is level 1, each list or
+#: dict inside it one more. Far below the interpreter's recursion limit, so decoding never
+#: fails because of where in its call stack a worker decodes.
+MAX_JSON_DEPTH = 100
+#: Most digits of an int in a payload or result: 640 is the lowest int-to-str limit a
+#: Python process may set (sys.set_int_max_str_digits), so every reader can decode it.
+MAX_INT_DIGITS = 640
+_INT_BOUND = 10**MAX_INT_DIGITS
 
 
 def text_id(value: object, what: str) -> str:
@@ -72,7 +94,23 @@ def text_id(value: object, what: str) -> str:
     if len(value) > MAX_ID_LENGTH:
         raise _errors.InvalidInput(f"{what} is longer than {MAX_ID_LENGTH} characters")
     if not value.isprintable():
-        raise _errors.InvalidInput(f"{what} must not contain control characters: {value!r}")
+        raise _errors.InvalidInput(
+            f"{what} must not contain control characters or lone surrogates: {value!r}"
+        )
+    return value
+
+
+def storable_text(value: str, what: str) -> str:
+    """``value`` if the database can hold it: UTF-8 encodable (no lone surrogate), no NUL."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise _errors.InvalidInput(
+            f"{what} holds a lone surrogate at position {exc.start} ({value[exc.start]!r}), "
+            "which cannot be stored: decode text with errors='replace', not 'surrogateescape'"
+        ) from None
+    if "\x00" in value:  # PostgreSQL text cannot hold it; refused on every backend
+        raise _errors.InvalidInput(f"{what} must not contain NUL characters")
     return value
 
 
@@ -89,9 +127,7 @@ def name(value: object) -> str:
         raise _errors.InvalidType(f"name must be a str, not {type(value).__name__}")
     if not value.strip():
         raise _errors.InvalidInput("name must not be empty")
-    if "\x00" in value:  # PostgreSQL text cannot hold it; refused on every backend
-        raise _errors.InvalidInput("name must not contain NUL characters")
-    return value
+    return storable_text(value, "name")
 
 
 def item_id(value: object) -> int:
@@ -104,9 +140,9 @@ def positive_int(value: object, what: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise _errors.InvalidType(f"{what} must be an int, not {type(value).__name__}")
     if value < 1:
-        raise _errors.InvalidInput(f"{what} must be positive, got {value}")
+        raise _errors.InvalidInput(f"{what} must be positive, got {_shown(value)}")
     if value > MAX_INT:
-        raise _errors.InvalidInput(f"{what} must be at most {MAX_INT}, got {value}")
+        raise _errors.InvalidInput(f"{what} must be at most {MAX_INT}, got {_shown(value)}")
     return value
 
 
@@ -117,13 +153,11 @@ def lease_seconds(value: object) -> float:
 
 def seconds(value: object, what: str, most: float) -> float:
     """A finite number of seconds in (0, most] (int or float, bool excluded)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise _errors.InvalidType(f"{what} must be an int or float, not {type(value).__name__}")
-    number = float(value)
+    number = _number(value, what, "an int or float")
     if not math.isfinite(number) or number <= 0:
-        raise _errors.InvalidInput(f"{what} must be positive and finite, got {value!r}")
+        raise _errors.InvalidInput(f"{what} must be positive and finite, got {_shown(value)}")
     if number > most:
-        raise _errors.InvalidInput(f"{what} must be at most {most:g} seconds, got {value!r}")
+        raise _errors.InvalidInput(f"{what} must be at most {most:g} seconds, got {_shown(value)}")
     return number
 
 
@@ -142,7 +176,7 @@ def _one_of(value: object, what: str, allowed: tuple[str, ...]) -> str:
         raise _errors.InvalidType(f"{what} must be a str, not {type(value).__name__}")
     if value not in allowed:
         choices = ", ".join(repr(s) for s in allowed)
-        raise _errors.InvalidInput(f"unknown {what} {value!r}: expected one of {choices}")
+        raise _errors.InvalidInput(f"unknown {what} {_shown(value)}: expected one of {choices}")
     return value
 
 
@@ -152,45 +186,72 @@ def encode_payload(payload: object, max_bytes: int) -> str:
     A payload is a JSON object: a dict with str keys whose values are None, bool, int,
     finite float, str, list or dict, nested the same way. Anything else (a datetime, a
     set, a tuple that would come back as a list, an int key that would come back as a str,
-    NaN) is refused rather than silently changed.
+    NaN, a lone surrogate, nesting past `MAX_JSON_DEPTH`) is refused rather than silently
+    changed or left to fail later.
     """
     if not isinstance(payload, dict):
         raise _errors.InvalidPayload(
             f"payload must be a JSON object (a dict), not {type(payload).__name__}"
         )
+    return _encode_json(payload, "payload", max_bytes)
+
+
+def encode_result(result: object, max_bytes: int) -> str:
+    """A result: any JSON value (as for payloads, but not only objects), compact JSON."""
+    return _encode_json(result, "result", max_bytes)
+
+
+def _encode_json(value: object, what: str, max_bytes: int) -> str:
     try:
-        _check_json_value(payload, "payload")
+        _check_json_value(value, what, 1)
+        text = json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
     except RecursionError:
-        raise _errors.InvalidPayload("payload is nested too deeply") from None
-    text = json.dumps(payload, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
-    size = len(text.encode("utf-8"))
+        # Within MAX_JSON_DEPTH, yet the caller's own stack is nearly full.
+        raise _errors.InvalidPayload(
+            f"{what} is nested too deeply to encode from this call stack"
+        ) from None
+    try:
+        size = len(text.encode("utf-8"))
+    except UnicodeEncodeError:
+        _find_surrogate(value, what)  # raises, naming where
+        raise  # pragma: no cover - json.dumps only writes what it was given
     if size > max_bytes:
         raise _errors.InvalidPayload(
-            f"payload is {size} bytes of JSON, more than the limit of {max_bytes} bytes"
+            f"{what} is {size} bytes of JSON, more than the limit of {max_bytes} bytes"
         )
     return text
 
 
-def _check_json_value(value: Any, where: str) -> None:
-    # Exact type checks on the hot scalar path; containers recurse.
+def _check_json_value(value: Any, where: str, depth: int) -> None:
+    # Exact type checks on the hot scalar path; containers recurse, one level each.
     kind = type(value)
-    if kind is str or kind is int or kind is bool or value is None:
+    if kind is str or kind is bool or value is None:
         return
+    if kind is int:
+        if -_INT_BOUND < value < _INT_BOUND:
+            return
+        raise _errors.InvalidPayload(
+            f"{where} is an int of more than {MAX_INT_DIGITS} digits, which not every "
+            "reader can decode"
+        )
     if kind is float:
         if not math.isfinite(value):
             raise _errors.InvalidPayload(f"{where} is {value!r}: NaN and infinity are not JSON")
         return
+    if depth > MAX_JSON_DEPTH and isinstance(value, (dict, list)):
+        root = where.split("[", 1)[0]  # the whole path would be as long as the nesting
+        raise _errors.InvalidPayload(f"{root} is nested more than {MAX_JSON_DEPTH} levels deep")
     if isinstance(value, dict):
         for key, inner in value.items():
             if type(key) is not str:
                 raise _errors.InvalidPayload(
                     f"{where} has a key of type {type(key).__name__}: JSON keys are str"
                 )
-            _check_json_value(inner, f"{where}[{key!r}]")
+            _check_json_value(inner, f"{where}[{key!r}]", depth + 1)
         return
     if kind is list:
         for index, inner in enumerate(value):
-            _check_json_value(inner, f"{where}[{index}]")
+            _check_json_value(inner, f"{where}[{index}]", depth + 1)
         return
     raise _errors.InvalidPayload(
         f"{where} is a {kind.__name__}, which is not a JSON value "
@@ -198,12 +259,28 @@ def _check_json_value(value: Any, where: str) -> None:
     )
 
 
+def _find_surrogate(value: Any, where: str) -> None:
+    """Raise InvalidPayload naming the first string (or key) that cannot be encoded."""
+    if isinstance(value, str):
+        try:
+            storable_text(value.replace("\x00", ""), where)
+        except _errors.InvalidInput as exc:
+            raise _errors.InvalidPayload(str(exc)) from None
+    elif isinstance(value, dict):
+        for key, inner in value.items():
+            _find_surrogate(key, f"a key of {where}")
+            _find_surrogate(inner, f"{where}[{key!r}]")
+    elif isinstance(value, list):
+        for index, inner in enumerate(value):
+            _find_surrogate(inner, f"{where}[{index}]")
+
+
 def priority(value: object) -> int:
     """A priority: an int (higher is claimed first), within 32 bits."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise _errors.InvalidType(f"priority must be an int, not {type(value).__name__}")
     if not -(2**31) <= value < 2**31:
-        raise _errors.InvalidInput(f"priority must fit in 32 bits, got {value}")
+        raise _errors.InvalidInput(f"priority must fit in 32 bits, got {_shown(value)}")
     return value
 
 
@@ -222,13 +299,9 @@ def instant(value: object, what: str) -> float | None:
                 f"{what} must be an aware datetime (with tzinfo); a naive one is ambiguous"
             )
         value = value.timestamp()
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise _errors.InvalidType(
-            f"{what} must be an aware datetime or epoch seconds, not {type(value).__name__}"
-        )
-    number = float(value)
+    number = _number(value, what, "an aware datetime or epoch seconds")
     if not math.isfinite(number) or not 0 <= number < MAX_EPOCH_SECONDS:
-        raise _errors.InvalidInput(f"{what} is not a representable time: {value!r}")
+        raise _errors.InvalidInput(f"{what} is not a representable time: {_shown(value)}")
     return number
 
 
@@ -244,11 +317,11 @@ def fingerprint(value: object) -> str | None:
 
 def delay(value: object, what: str) -> float:
     """A delay: finite seconds, zero or more, at most MAX_LEASE_SECONDS."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise _errors.InvalidType(f"{what} must be an int or float, not {type(value).__name__}")
-    number = float(value)
+    number = _number(value, what, "an int or float")
     if not math.isfinite(number) or not 0 <= number <= MAX_LEASE_SECONDS:
-        raise _errors.InvalidInput(f"{what} must be between 0 and a year of seconds, got {value!r}")
+        raise _errors.InvalidInput(
+            f"{what} must be between 0 and a year of seconds, got {_shown(value)}"
+        )
     return number
 
 
@@ -262,24 +335,7 @@ def error_text(value: object) -> str | None:
         raise _errors.InvalidInput(
             f"error is {len(value)} characters, more than {MAX_ERROR_LENGTH}; shorten it"
         )
-    if "\x00" in value:  # PostgreSQL text cannot hold it; refused on every backend
-        raise _errors.InvalidInput("error must not contain NUL characters")
-    return value
-
-
-def encode_result(result: object, max_bytes: int) -> str:
-    """A result: any JSON value (as for payloads, but not only objects), compact JSON."""
-    try:
-        _check_json_value(result, "result")
-    except RecursionError:
-        raise _errors.InvalidPayload("result is nested too deeply") from None
-    text = json.dumps(result, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
-    size = len(text.encode("utf-8"))
-    if size > max_bytes:
-        raise _errors.InvalidPayload(
-            f"result is {size} bytes of JSON, more than the limit of {max_bytes} bytes"
-        )
-    return text
+    return storable_text(value, "error")
 
 
 def boolean(value: object, what: str) -> bool:
@@ -305,13 +361,9 @@ def duration(value: object, what: str) -> float:
     """A duration of zero or more: a timedelta, or seconds (at most a century)."""
     if isinstance(value, dt.timedelta):
         value = value.total_seconds()
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise _errors.InvalidType(
-            f"{what} must be a timedelta or seconds, not {type(value).__name__}"
-        )
-    number = float(value)
+    number = _number(value, what, "a timedelta or seconds")
     if not math.isfinite(number) or not 0 <= number <= 100 * 366 * 24 * 3600.0:
-        raise _errors.InvalidInput(f"{what} must be zero or more, and finite, got {value!r}")
+        raise _errors.InvalidInput(f"{what} must be zero or more, and finite, got {_shown(value)}")
     return number
 
 
@@ -327,8 +379,29 @@ def absolute_path(value: object, what: str) -> pathlib.Path:
 
 def megabytes(value: object, what: str) -> int:
     """A positive size in MiB (int or float), returned in bytes."""
+    number = _number(value, what, "a number of MiB")
+    if not math.isfinite(number) or not 0 < number <= 1024 * 1024:
+        raise _errors.InvalidInput(f"{what} must be a positive number of MiB, got {_shown(value)}")
+    return int(number * 1024 * 1024)
+
+
+def _number(value: object, what: str, expected: str) -> float:
+    """An int or float (bool excluded) as a float; an int too large for one is out of range
+    (InvalidInput), like any other number past a limit."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise _errors.InvalidType(f"{what} must be a number of MiB, not {type(value).__name__}")
-    if not math.isfinite(value) or not 0 < value <= 1024 * 1024:
-        raise _errors.InvalidInput(f"{what} must be a positive number of MiB, got {value!r}")
-    return int(value * 1024 * 1024)
+        raise _errors.InvalidType(f"{what} must be {expected}, not {type(value).__name__}")
+    try:
+        return float(value)
+    except OverflowError:
+        raise _errors.InvalidInput(
+            f"{what} is out of range: an int too large for any time, duration or size"
+        ) from None
+
+
+def _shown(value: object) -> str:
+    """``value`` for an error message: its repr, cut short; an int too long to print (past
+    the interpreter's int-to-str limit) by its size, so the message itself cannot fail."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 256:
+        return f"an int of {value.bit_length()} bits"
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."

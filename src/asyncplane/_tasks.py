@@ -1,0 +1,50 @@
+"""Structured-concurrency helpers: work that must reach its end whatever is cancelled.
+
+A write that has been sent (a claim, a put-back, a lock taken on a worker thread) must be
+received and dealt with even if the task that sent it is cancelled meanwhile; otherwise
+its effect is stranded (a batch claimed by nobody, a lock held by a descriptor nobody
+closes). `to_the_end` awaits such work to its end and tells the caller whether a
+cancellation arrived, so the caller can undo or keep what was done and re-raise.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable
+from typing import Any, TypeVar
+
+__all__ = ("stop", "to_the_end")
+
+T = TypeVar("T")
+
+
+async def to_the_end(work: Awaitable[T], name: str) -> tuple[T, bool]:
+    """Await ``work`` to its end whatever cancellations arrive meanwhile.
+
+    Returns its result, and whether a cancellation arrived (the caller re-raises it once
+    the work is saved). asyncio.shield alone is not enough: a cancel scope (anyio) cancels
+    again at every await, and the shielded work would be left running unattended.
+    """
+    task = asyncio.ensure_future(work)
+    if isinstance(task, asyncio.Task):
+        task.set_name(name)
+    cancelled = False
+    while True:
+        try:
+            return await asyncio.shield(task), cancelled
+        except asyncio.CancelledError:
+            if task.cancelled():
+                raise
+            if task.done():
+                return task.result(), True
+            cancelled = True
+
+
+async def stop(task: asyncio.Task[Any]) -> bool:
+    """Cancel a side task and wait for it to end, whatever else is cancelled meanwhile;
+    return whether a cancellation arrived for the caller."""
+    task.cancel()
+    _, cancelled = await to_the_end(
+        asyncio.gather(task, return_exceptions=True), f"{task.get_name()}-stop"
+    )
+    return cancelled
