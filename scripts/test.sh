@@ -4,6 +4,27 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"
+
+# The suite runs every store test on a throwaway PostgreSQL cluster too, and the full-disk
+# tests mount a small tmpfs in a mount namespace of their own: bring what a fresh Debian
+# machine lacks (apt-get as root; otherwise say which packages to install).
+need=()
+if [ -z "${ASYNCPLANE_TEST_POSTGRES_URL:-}" ] && ! command -v initdb >/dev/null 2>&1 \
+    && ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1; then
+  need+=(postgresql)
+fi
+command -v unshare >/dev/null 2>&1 || need+=(util-linux)
+if [ "${#need[@]}" -gt 0 ]; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "installing ${need[*]} (apt-get)"
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
+  else
+    echo "the tests need these Debian packages: ${need[*]} (sudo apt-get install ${need[*]})" >&2
+    exit 1
+  fi
+fi
+
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 .venv/bin/python -m pip install --quiet --disable-pip-version-check -e ".[dev]"
 .venv/bin/python -m pytest "$@"
