@@ -347,3 +347,12 @@ async def test_an_archive_that_cannot_be_written_is_an_archive_error(
         await store.purge(1, archive_path=tmp_path / "missing" / "archive.jsonl")
     assert isinstance(refused.value.__cause__, OSError)
     assert (await store.item(item_id))["state"] == "done"  # nothing deleted
+
+
+async def test_paths_with_nul_are_typed_errors(store: ControlStore, tmp_path: pathlib.Path) -> None:
+    with pytest.raises(InvalidInput, match="NUL"):
+        ControlStore(str(tmp_path / "a\x00b.db"))
+    with pytest.raises(InvalidInput, match="NUL"):
+        await drain(store, lambda batch: asyncio.sleep(0, []), lock_path="drain\x00.lock")
+    with pytest.raises(InvalidInput, match="NUL"):
+        await store.purge(1, archive_path="archive\x00.jsonl")

@@ -235,7 +235,8 @@ async def drain(
         preflight_chunk=_validate.positive_int(preflight_chunk, "preflight_chunk"),
     )
     _validate.text_id(run.owner, "owner")
-    async with _single_drainer(store, lock_path) as acquired:
+    lock = None if lock_path is None else _validate.absolute_path(lock_path, "lock_path")
+    async with _single_drainer(store, lock) as acquired:
         if not acquired:
             return DrainSummary(skipped=True, elapsed_s=time.monotonic() - started)
         try:
@@ -261,12 +262,12 @@ def _default_owner() -> str:
 
 @contextlib.asynccontextmanager
 async def _single_drainer(
-    store: _store.ControlStore, lock_path: str | os.PathLike[str] | None
+    store: _store.ControlStore, lock_path: pathlib.Path | None
 ) -> AsyncIterator[bool]:
     """The drain's guard: the lock file asked for, else the store's own (beside an SQLite
     file; a session advisory lock on PostgreSQL, which holds across hosts)."""
     if lock_path is not None:
-        async with _lock.DrainLock(pathlib.Path(lock_path)) as lock:
+        async with _lock.DrainLock(lock_path) as lock:
             yield lock.acquired
     else:
         async with store._drain_guard() as acquired:

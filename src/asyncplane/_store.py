@@ -116,6 +116,8 @@ class ControlStore:
             raise _errors.InvalidType(f"path must be a str or PathLike, not {type(path).__name__}")
         if not os.fspath(path):
             raise _errors.InvalidInput("path must not be empty")
+        if "\x00" in os.fspath(path):
+            raise _errors.InvalidInput("path must not contain NUL characters")
         if os.fspath(path) == ":memory:":
             raise _errors.InvalidInput(
                 "an asyncplane store is a file shared by connections; ':memory:' cannot be shared"

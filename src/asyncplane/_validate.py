@@ -374,6 +374,8 @@ def absolute_path(value: object, what: str) -> pathlib.Path:
     text = os.fspath(value)
     if not text:
         raise _errors.InvalidInput(f"{what} must not be empty")
+    if "\x00" in text:  # no file name can hold one
+        raise _errors.InvalidInput(f"{what} must not contain NUL characters")
     return pathlib.Path(os.path.abspath(text))
 
 
