@@ -58,7 +58,11 @@ def location_of(
         if server is None:
             return str(tmp_path / name)
         schema = f"p_{len(made)}_{os.getpid()}_{abs(hash(request.node.nodeid)) % 10**8}"
-        _blocking(_admin(server, f"DROP SCHEMA IF EXISTS {schema} CASCADE; CREATE SCHEMA {schema}"))
+        _blocking(
+            testing.execute_sql(
+                server, f"DROP SCHEMA IF EXISTS {schema} CASCADE; CREATE SCHEMA {schema}"
+            )
+        )
         made.append(schema)
         return testing.with_schema(server, schema)
 
@@ -66,7 +70,7 @@ def location_of(
         yield location
     finally:
         for schema in made:
-            _blocking(_admin(server or "", f"DROP SCHEMA IF EXISTS {schema} CASCADE"))
+            _blocking(testing.execute_sql(server or "", f"DROP SCHEMA IF EXISTS {schema} CASCADE"))
 
 
 def _blocking(work: Coroutine[Any, Any, T]) -> T:
@@ -78,16 +82,6 @@ def _blocking(work: Coroutine[Any, Any, T]) -> T:
         return asyncio.run(work)
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         return pool.submit(asyncio.run, work).result(timeout=60)
-
-
-async def _admin(url: str, statement: str) -> None:
-    import asyncpg
-
-    conn = await asyncpg.connect(url)
-    try:
-        await conn.execute(statement)
-    finally:
-        await conn.close()
 
 
 @pytest.fixture

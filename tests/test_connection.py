@@ -76,7 +76,7 @@ async def test_readers_are_read_only(tmp_path: pathlib.Path) -> None:
 async def test_store_synchronous_full_reaches_the_connection(tmp_path: pathlib.Path) -> None:
     async with ControlStore(tmp_path / "s.db", synchronous="FULL") as store:
         await store.projects()
-        backend = await store._ready()
+        backend = await store._engine.ready()
         writer = backend.writer  # type: ignore[attr-defined]
         assert (await pragmas(writer._conn))["synchronous"] == 2
 

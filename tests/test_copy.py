@@ -40,8 +40,8 @@ async def other_store(
         else:
             server = request.getfixturevalue("asyncplane_postgres_url")
             schema = f"copy_{len(schemas)}_{abs(hash(request.node.nodeid)) % 10**8}"
-            await _admin(server, f"DROP SCHEMA IF EXISTS {schema} CASCADE")
-            await _admin(server, f"CREATE SCHEMA {schema}")
+            await testing.execute_sql(server, f"DROP SCHEMA IF EXISTS {schema} CASCADE")
+            await testing.execute_sql(server, f"CREATE SCHEMA {schema}")
             schemas.append(schema)
             location = testing.with_schema(server, schema)
         store = ControlStore(location, **options)
@@ -56,17 +56,7 @@ async def other_store(
             await store.close()
         for schema in schemas:
             server = request.getfixturevalue("asyncplane_postgres_url")
-            await _admin(server, f"DROP SCHEMA IF EXISTS {schema} CASCADE")
-
-
-async def _admin(url: str, statement: str) -> None:
-    import asyncpg
-
-    conn = await asyncpg.connect(url)
-    try:
-        await conn.execute(statement)
-    finally:
-        await conn.close()
+            await testing.execute_sql(server, f"DROP SCHEMA IF EXISTS {schema} CASCADE")
 
 
 async def busy_store(store: ControlStore, clock: ManualClock) -> dict[str, int]:

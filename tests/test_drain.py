@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from _signals import until, waiting_on
 from asyncplane import (
     ClaimedItem,
     ControlStore,
@@ -38,31 +39,12 @@ WORKER = pathlib.Path(__file__).parent / "workers" / "drain_worker.py"
 async def lock_is_free(store: ControlStore) -> bool:
     """Whether the store's own single-drainer guard is free (a lock file beside an SQLite
     store, a session advisory lock on PostgreSQL)."""
-    async with store._drain_guard() as acquired:
+    async with store._engine.drain_guard() as acquired:
         return acquired
 
 
 async def all_done(batch: list[ClaimedItem]) -> list[Outcome]:
     return [Done({"echo": claim.payload}) for claim in batch]
-
-
-def waiting_on(what: str) -> Any:
-    """A condition: the daemon's wait task for ``what`` exists (it is idle, waiting)."""
-
-    async def check() -> bool:
-        name = f"asyncplane-drain-wait-{what}"
-        return any(task.get_name() == name for task in asyncio.all_tasks())
-
-    return check
-
-
-async def until(condition: Any, *, what: str) -> None:
-    """Yield to the loop until ``condition()`` holds (a signal, not a timer)."""
-    for _ in range(200_000):
-        if await condition():
-            return
-        await asyncio.sleep(0)
-    raise AssertionError(f"never happened: {what}")
 
 
 # --- the loop ------------------------------------------------------------------------------
@@ -605,7 +587,7 @@ async def test_an_idle_daemon_does_not_poll_with_writes(
     await store.enqueue("alpha", {}, fingerprint="same", dedup=False, not_before=clock.now() + 1)
     clock.advance(5)
     assert await store.next_due() is None  # held back: nothing a claim could take
-    backend: Any = await store._ready()
+    backend: Any = await store._engine.ready()
     stop = asyncio.Event()
     task = asyncio.create_task(drain(store, all_done, mode="daemon", stop=stop, poll_interval=0.02))
     await until(waiting_on("commit"), what="the daemon went idle")

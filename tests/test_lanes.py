@@ -167,7 +167,7 @@ async def test_enqueue_many_refuses_every_job_if_one_is_bad(
 
 
 async def test_enqueue_many_is_one_transaction(lanes: ControlStore) -> None:
-    backend: Any = await lanes._ready()
+    backend: Any = await lanes._engine.ready()
     rounds = backend.writer.rounds
     ids = await lanes.enqueue_many("alpha", [{"n": n} for n in range(500)])
     assert backend.writer.rounds == rounds + 1
@@ -244,7 +244,7 @@ async def test_preflight_backfills_fingerprints_and_settles_pending_twins(
     assert (await old.item(pending[0]))["state"] == "ready"  # no fingerprint: no settlement
     # ... and a store that knows the identity runs the preflight, two items at a time.
     new: ControlStore = await asyncplane_store_factory("shared.db", identity=IDENTITY)
-    backend: Any = await new._ready()
+    backend: Any = await new._engine.ready()
     rounds = backend.writer.rounds
     assert await new.dedup_pending_against_done(chunk=2) == 4
     assert backend.writer.rounds - rounds >= 3 + 2  # bounded: several short transactions
@@ -617,7 +617,7 @@ async def test_claims_after_retry_and_park_are_not_counted_as_duplicates(
     claim = await lanes.claim("w")
     assert claim is not None
     await lanes.finish(item_id, fence=claim.fence)
-    backend: Any = await lanes._ready()
+    backend: Any = await lanes._engine.ready()
     tally = await backend.tally()
     assert (tally.claims, tally.unexplained_claims, tally.settled_twice) == (3, [], [])
 

@@ -16,6 +16,7 @@ from asyncplane import (
     ControlStore,
     InvalidInput,
     NotAnAsyncplaneDatabase,
+    NotOnAsyncio,
     SchemaVersionError,
     StorageError,
     StoreClosed,
@@ -216,7 +217,7 @@ async def test_calls_after_close_on_a_running_writer_fail_cleanly(location_of: A
     where = location_of("s.db")  # a file, or a fresh PostgreSQL schema
     store = ControlStore(where)
     await store.create_project("p", "P")
-    backend = await store._ready()
+    backend = await store._engine.ready()
     await store.close()
     with pytest.raises(StoreClosed):
         await backend.create_project(type("Op", (), {})())  # type: ignore[arg-type]
@@ -239,7 +240,7 @@ async def test_close_while_a_read_runs_then_reads_again(tmp_path: pathlib.Path) 
     store = ControlStore(tmp_path / "s.db", read_connections=1)
     await store.create_project("p", "P")
     item_id = await store.enqueue("p", {})
-    backend: Any = await store._ready()
+    backend: Any = await store._engine.ready()
     release = threading.Event()
 
     def slow_read(db: Any) -> int:
@@ -251,7 +252,7 @@ async def test_close_while_a_read_runs_then_reads_again(tmp_path: pathlib.Path) 
     closing = asyncio.ensure_future(store.close())
     for _ in range(1000):  # until the close is waiting on the read
         await asyncio.sleep(0)
-        if not store._is_open:
+        if not store._engine.is_open:
             break
     release.set()
     assert await reading == 1
@@ -409,3 +410,13 @@ async def test_absurd_leases_and_ids_are_refused_before_writing(location_of: Any
             with pytest.raises(InvalidInput, match="at most"):
                 await call
         assert (await store.item(item_id))["fence"] == claim.fence
+
+
+def test_a_store_under_trio_says_asyncplane_runs_on_asyncio(tmp_path: pathlib.Path) -> None:
+    import anyio
+
+    async def main() -> None:
+        await ControlStore(tmp_path / "t.db").open()
+
+    with pytest.raises(NotOnAsyncio, match="asyncio"):
+        anyio.run(main, backend="trio")

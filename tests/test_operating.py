@@ -104,7 +104,7 @@ async def test_purge_keeps_items_younger_than_the_retention(
 async def test_purge_works_in_bounded_chunks(store: ControlStore, clock: ManualClock) -> None:
     await settle(store, "alpha", 5)
     clock.advance(10)
-    backend: Any = await store._ready()
+    backend: Any = await store._engine.ready()
     rounds = backend.writer.rounds
     seen: list[int] = []
     summary = await store.purge(0, chunk=2, progress=seen.append)
@@ -150,7 +150,7 @@ async def test_drain_purges_on_a_throttle(
     # Round one purged nothing settled yet, and purging is not due again within the hour.
     assert (first.done, first.purged) == (5, 0)
     assert (await store.counts())["done"] == 5
-    store._last_purge = None  # as if the interval had passed
+    store._engine._last_purge = None  # as if the interval had passed
     clock.advance(1)  # and the settled items are older than the retention (0 s)
     second = await drain(store, done, empty_rounds=1)
     assert second.purged == 5

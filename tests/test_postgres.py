@@ -14,6 +14,7 @@ from typing import Any
 import asyncpg
 import pytest
 
+from _signals import until, waiting_on
 from asyncplane import (
     ControlStore,
     InvalidInput,
@@ -181,13 +182,13 @@ async def test_a_read_only_store_reads_and_refuses_writes(url: str) -> None:
 async def test_another_hosts_commit_is_heard_through_notify(url: str) -> None:
     async with ControlStore(url) as here, ControlStore(url) as there:
         await here.create_project("p", "P")
-        before = await here._data_version()
+        before = await here._engine.data_version()
         await there.enqueue("p", {})
         for _ in range(1000):  # the notification arrives on the listener's connection
-            if await here._data_version() != before:
+            if await here._engine.data_version() != before:
                 break
             await asyncio.sleep(0.005)
-        assert await here._data_version() != before
+        assert await here._engine.data_version() != before
 
 
 async def test_a_deadlock_between_hosts_is_retried_not_reported(url: str) -> None:
@@ -198,7 +199,7 @@ async def test_a_deadlock_between_hosts_is_retried_not_reported(url: str) -> Non
         x, y = await a.enqueue_many("p", [{"n": 1}, {"n": 2}])
         cx, cy = await a.claim("w"), await a.claim("w")
         assert cx is not None and cy is not None
-        backends: list[Any] = [await s._ready() for s in (a, b)]
+        backends: list[Any] = [await s._engine.ready() for s in (a, b)]
         writers = [backend.writer for backend in backends]
         locked = [asyncio.Event(), asyncio.Event()]
         touch = "UPDATE items SET updated_at = $1 WHERE item_id = $2"
@@ -247,20 +248,17 @@ async def test_a_row_shifted_between_pages_is_claimed_once(
         await store.enqueue("p", {"n": "B"}, fingerprint="X", dedup=False, priority=5)
         await store.enqueue("p", {"n": "C"}, priority=5)
         await store.enqueue("p", {"n": "D"}, priority=1)
-        head = _postgres._Arm.head
+        next_page = _postgres._next_page
         pages = 0
 
-        async def shifting_head(self: Any) -> Any:
+        async def shifting_page(*args: Any) -> Any:
             nonlocal pages
-            if not self._rows and self._more:
-                pages += 1
-                if (
-                    pages == 1
-                ):  # after the first page (read with the other arms'), before the second
-                    await other.enqueue("p", {"n": "Z"}, priority=9)
-            return await head(self)
+            pages += 1
+            if pages == 1:  # after the first page (read with the other arms'), before the second
+                await other.enqueue("p", {"n": "Z"}, priority=9)
+            return await next_page(*args)
 
-        monkeypatch.setattr(_postgres._Arm, "head", shifting_head)
+        monkeypatch.setattr(_postgres, "_next_page", shifting_page)
         got = await store.claim_batch("w", 3)
         assert pages >= 1
         ids = [claim.item_id for claim in got]
@@ -290,7 +288,7 @@ async def test_overlapping_enqueues_from_many_hosts_never_deadlock(url: str) -> 
             dict(zip(order, ids, strict=True)) for order, ids in zip(orders, results, strict=True)
         ]
         assert by_content[0] == by_content[1] == by_content[2]  # one item per content
-        backends: list[Any] = [await store._ready() for store in hosts]
+        backends: list[Any] = [await store._engine.ready() for store in hosts]
         assert sum(backend.writer.retried_rounds for backend in backends) == 0
         assert (await hosts[0].counts())["ready"] == len(contents)
     finally:
@@ -341,19 +339,19 @@ async def test_reopening_a_project_elsewhere_wakes_a_listener(url: str) -> None:
     async with ControlStore(url) as here, ControlStore(url) as there:
         await here.create_project("p", "P", status="paused")
         await here.enqueue("p", {})
-        before = await here._data_version()
+        before = await here._engine.data_version()
         await there.set_project_status("p", "open")
         for _ in range(1000):
-            if await here._data_version() != before:
+            if await here._engine.data_version() != before:
                 break
             await asyncio.sleep(0.005)
-        assert await here._data_version() != before
+        assert await here._engine.data_version() != before
 
 
 async def test_a_lost_connection_is_replaced_on_next_use(url: str) -> None:
     async with ControlStore(url) as store:
         await store.create_project("p", "P")
-        backend: Any = await store._ready()
+        backend: Any = await store._engine.ready()
         pid = backend.writer._conn.get_server_pid()
         await sql(url, "SELECT pg_terminate_backend($1)", pid)  # a server restart, as it were
         with pytest.raises(StorageError):
@@ -377,7 +375,7 @@ async def test_a_cancelled_writer_lets_its_round_finish(url: str) -> None:
         try:
             await blocker.execute("BEGIN")
             await blocker.execute("SELECT 1 FROM items WHERE item_id = $1 FOR UPDATE", item)
-            backend: Any = await store._ready()
+            backend: Any = await store._engine.ready()
             writer = backend.writer
             finish = asyncio.ensure_future(store.finish(item, fence=claim.fence, result="r"))
             for _ in range(1000):  # the round is on the server, waiting for the row
@@ -420,25 +418,6 @@ async def test_a_daemon_wakes_on_another_hosts_enqueue_without_polling(url: str)
         await task
 
 
-def waiting_on(what: str) -> Any:
-    """A condition: a daemon drainer's wait task for ``what`` exists (it is idle)."""
-
-    async def check() -> bool:
-        name = f"asyncplane-drain-wait-{what}"
-        return any(task.get_name() == name for task in asyncio.all_tasks())
-
-    return check
-
-
-async def until(condition: Any, *, what: str) -> None:
-    """Yield to the loop until ``condition()`` holds (a signal, not a timer)."""
-    for _ in range(200_000):
-        if await condition():
-            return
-        await asyncio.sleep(0)
-    raise AssertionError(f"never happened: {what}")
-
-
 async def test_a_drainer_skipping_rows_another_claim_left_alone_is_woken(
     url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -457,7 +436,7 @@ async def test_a_drainer_skipping_rows_another_claim_left_alone_is_woken(
         clock.advance(11)  # d falls due
         gate, paused = asyncio.Event(), asyncio.Event()
         real = _postgres._insert_events
-        backend: Any = await there._ready()
+        backend: Any = await there._engine.ready()
         a_conn = backend.writer._conn
 
         async def held(conn: Any, events: Any) -> None:

@@ -91,7 +91,7 @@ async def test_a_cancelled_lock_file_take_never_keeps_the_lock(tmp_path: pathlib
 @pytest.mark.postgresql_only
 async def test_a_cancelled_advisory_lock_take_never_keeps_the_lock(store: ControlStore) -> None:
     async def take() -> None:
-        async with store._drain_guard():
+        async with store._engine.drain_guard():
             pass
 
     for i in range(120):
@@ -103,7 +103,7 @@ async def test_a_cancelled_advisory_lock_take_never_keeps_the_lock(store: Contro
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
-        async with store._drain_guard() as acquired:
+        async with store._engine.drain_guard() as acquired:
             assert acquired, f"the advisory lock leaked at round {i}"
 
 

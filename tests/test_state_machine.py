@@ -1,4 +1,5 @@
-"""A Hypothesis state machine: the real store, on a real SQLite file, against a plain model.
+"""A Hypothesis state machine: the real store, on a real SQLite file and on a real
+PostgreSQL schema, against a plain model.
 
 Every example gets a fresh temporary directory, a fresh database file, a ManualClock and
 an event loop of its own. Each rule makes its store calls (``loop.run_until_complete``)
@@ -1450,22 +1451,12 @@ def test_the_store_behaves_like_its_model(
     class PostgresMachine(StoreMachine):
         def make_location(self) -> str:
             self.schema = f"sm_{os.getpid()}_{next(runs)}"
-            self.run(admin(server, f"DROP SCHEMA IF EXISTS {self.schema} CASCADE"))
-            self.run(admin(server, f"CREATE SCHEMA {self.schema}"))
+            self.run(testing.execute_sql(server, f"DROP SCHEMA IF EXISTS {self.schema} CASCADE"))
+            self.run(testing.execute_sql(server, f"CREATE SCHEMA {self.schema}"))
             return testing.with_schema(server, self.schema)
 
         def drop_location(self) -> None:
-            self.run(admin(server, f"DROP SCHEMA IF EXISTS {self.schema} CASCADE"))
+            self.run(testing.execute_sql(server, f"DROP SCHEMA IF EXISTS {self.schema} CASCADE"))
 
     # Fewer runs: each one migrates a fresh schema and opens three server connections.
     run_state_machine_as_test(PostgresMachine, settings=settings(SETTINGS, max_examples=50))
-
-
-async def admin(url: str, statement: str) -> None:
-    import asyncpg
-
-    conn = await asyncpg.connect(url)
-    try:
-        await conn.execute(statement)
-    finally:
-        await conn.close()

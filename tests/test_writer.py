@@ -11,6 +11,7 @@ from typing import Any
 import asyncpg
 import pytest
 
+from _signals import until
 from asyncplane import (
     ControlStore,
     DatabaseLocked,
@@ -29,7 +30,7 @@ DRIVER_ERRORS = (sqlite3.Error, asyncpg.PostgresError)
 
 async def writer_of(store: ControlStore) -> Any:
     """The store's writer: the SQLite one, or the PostgreSQL one (the same contract)."""
-    backend: Any = await store._ready()
+    backend: Any = await store._engine.ready()
     writer = backend.writer
     assert isinstance(writer, (_writer.Writer, _postgres_writer.Writer))
     return writer
@@ -54,15 +55,6 @@ def operation(store: ControlStore, *statements: str, then: BaseException | None 
             raise then
 
     return pg_op
-
-
-async def until(condition: Any) -> None:
-    """Yield to the event loop until ``condition()`` holds (a signal, not a timer)."""
-    for _ in range(100_000):
-        if condition():
-            return
-        await asyncio.sleep(0)
-    raise AssertionError("condition never held")
 
 
 @pytest.fixture

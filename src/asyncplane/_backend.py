@@ -21,19 +21,22 @@ Rules every backend keeps, because the store's guarantees rest on them:
 from __future__ import annotations
 
 import contextlib
-from typing import NamedTuple, Protocol
+from collections.abc import Callable
+from typing import Any, ClassVar, NamedTuple, Protocol
 
-from asyncplane import _models
+from asyncplane import _clock, _errors, _models, _write_queue
 
 __all__ = (
     "AssignmentRow",
     "Backend",
+    "ChangeHook",
     "ClaimOp",
     "ClaimRow",
     "CopyOp",
     "EnqueueOp",
     "EventRow",
     "FinishOp",
+    "Histories",
     "ImportOp",
     "ItemRow",
     "LedgerTally",
@@ -46,7 +49,12 @@ __all__ = (
     "RenewOp",
     "RetryOp",
     "StoreStats",
+    "Writes",
 )
+
+
+#: Called when another host wrote something that may be claimable (PostgreSQL's NOTIFY).
+ChangeHook = Callable[[], None]
 
 
 class NewProject(NamedTuple):
@@ -246,6 +254,10 @@ class EventRow(NamedTuple):
     detail_json: str | None
 
 
+#: Items each with their whole history, oldest event first (purge, export, copy).
+Histories = list[tuple[ItemRow, list[EventRow]]]
+
+
 class LedgerTally(NamedTuple):
     """Whole-store totals of the ledger, for checking a run's counts (the probe)."""
 
@@ -259,8 +271,68 @@ class LedgerTally(NamedTuple):
     unexplained_claims: list[int]
 
 
+class Writes:
+    """What every backend shares around its writer.
+
+    The refusals of a write to a store that cannot take one (read-only, closed), and
+    which writes a round may run together: claims with the same filters and lease, and
+    finishes, each kind through the backend's ``claim_many`` / ``finish_many``, which
+    decide a whole group in one go (see `asyncplane._write_queue.Grouped`).
+    """
+
+    _read_only: bool
+    _writer: _write_queue.WriterBase | None
+    #: ``many(ops, conn, now)`` for a group of claims, and for a group of finishes.
+    claim_many: ClassVar[Callable[..., Any]]
+    finish_many: ClassVar[Callable[..., Any]]
+
+    @property
+    def writer(self) -> Any:
+        """The writer task's handle (for tests, benchmarks and the probe)."""
+        return self._writer
+
+    async def _submit(self, op: Any) -> Any:
+        if self._read_only:
+            raise _errors.ReadOnlyStore("this store was opened with read_only=True: no writes")
+        if self._writer is None:
+            raise _errors.StoreClosed("the store is closed")
+        return await self._writer.submit(op)
+
+    async def claim(self, op: ClaimOp) -> list[ClaimRow]:
+        """Claim up to ``op.limit`` items (grouped with claims of the same filters)."""
+        key = ("claim", op.lease_seconds, op.actor_id, op.project_id)
+        rows: list[ClaimRow] = await self._submit(
+            _write_queue.Grouped[list[ClaimRow]](key, op, type(self).claim_many)
+        )
+        return rows
+
+    async def finish(self, op: FinishOp) -> int:
+        """Settle a current claim (grouped with the round's other finishes)."""
+        twins: int = await self._submit(
+            _write_queue.Grouped[int](("finish",), op, type(self).finish_many)
+        )
+        return twins
+
+
 class Backend(Protocol):
-    """One method per operation. Implementations: `asyncplane._sqlite.SQLiteBackend`."""
+    """One method per operation. Implementations: `asyncplane._sqlite.SQLiteBackend` and
+    `asyncplane._postgres.PostgresBackend`, both on `Writes`."""
+
+    @property
+    def clock(self) -> _clock.Clock:
+        """The clock leases and events are measured by (the server's, on PostgreSQL,
+        unless one was injected)."""
+        ...
+
+    @property
+    def location(self) -> str:
+        """Where the store lives, for messages: a file's path, a URL without password."""
+        ...
+
+    @property
+    def writer(self) -> Any:
+        """The writer task's handle, or None before opening (tests, benchmarks, probe)."""
+        ...
 
     async def open(self) -> None:
         """Connect, create or migrate the schema; idempotent."""
@@ -353,9 +425,7 @@ class Backend(Protocol):
         """When the earliest claimable deferred item falls due or lease lapses, if any."""
         ...
 
-    async def purge_candidates(
-        self, cutoff: float, chunk: int
-    ) -> list[tuple[ItemRow, list[EventRow]]]:
+    async def purge_candidates(self, cutoff: float, chunk: int) -> Histories:
         """Up to ``chunk`` settled items last changed before ``cutoff``, with their events."""
         ...
 
@@ -376,9 +446,7 @@ class Backend(Protocol):
         """Every assignment of every project."""
         ...
 
-    async def export_items(
-        self, after_item_id: int, chunk: int, pending_only: bool
-    ) -> list[tuple[ItemRow, list[EventRow]]]:
+    async def export_items(self, after_item_id: int, chunk: int, pending_only: bool) -> Histories:
         """Items after an id, in id order, each with its whole history, in one snapshot."""
         ...
 

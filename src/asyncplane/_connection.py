@@ -29,7 +29,15 @@ import anyio.to_thread
 
 from asyncplane import _errors
 
-__all__ = ("ReaderPool", "Synchronous", "check_path", "open_reader", "open_writer", "run")
+__all__ = (
+    "ReaderPool",
+    "Synchronous",
+    "check_path",
+    "open_reader",
+    "open_writer",
+    "run",
+    "translate",
+)
 
 T = TypeVar("T")
 
@@ -103,7 +111,7 @@ async def open_writer(
             str(path), isolation_level=None, timeout=busy_timeout, cached_statements=256
         )
     except sqlite3.Error as exc:
-        raise _errors.translate_sqlite(exc) from exc
+        raise translate(exc) from exc
     try:
         await run(conn, _configure_writer, synchronous, busy_timeout, vet)
     except BaseException:
@@ -120,7 +128,7 @@ async def open_reader(path: pathlib.Path, *, busy_timeout: float) -> aiosqlite.C
             uri, uri=True, isolation_level=None, timeout=busy_timeout, cached_statements=64
         )
     except sqlite3.Error as exc:
-        raise _errors.translate_sqlite(exc) from exc
+        raise translate(exc) from exc
     try:
         await run(conn, _configure_reader, busy_timeout)
     except BaseException:
@@ -151,7 +159,7 @@ def _configure_writer(
         db.execute(f"PRAGMA cache_size = -{WRITER_CACHE_KIB}")
         db.execute("PRAGMA foreign_keys = ON")
     except sqlite3.Error as exc:
-        raise _errors.translate_sqlite(exc) from exc
+        raise translate(exc) from exc
 
 
 def _switch_to_wal(db: sqlite3.Connection, busy_timeout: float) -> str:
@@ -169,7 +177,7 @@ def _switch_to_wal(db: sqlite3.Connection, busy_timeout: float) -> str:
         try:
             return str(db.execute("PRAGMA journal_mode = WAL").fetchone()[0])
         except sqlite3.OperationalError as exc:
-            locked = isinstance(_errors.translate_sqlite(exc), _errors.DatabaseLocked)
+            locked = isinstance(translate(exc), _errors.DatabaseLocked)
             if not locked or time.monotonic() + pause > deadline:
                 raise
         time.sleep(pause)
@@ -182,7 +190,7 @@ def _configure_reader(db: sqlite3.Connection, busy_timeout: float) -> None:
         db.execute("PRAGMA query_only = ON")
         db.execute(f"PRAGMA cache_size = -{READER_CACHE_KIB}")
     except sqlite3.Error as exc:
-        raise _errors.translate_sqlite(exc) from exc
+        raise translate(exc) from exc
 
 
 class ReaderPool:
@@ -283,3 +291,26 @@ class ReaderPool:
 def _read_data_version(db: sqlite3.Connection) -> int:
     value: int = db.execute("PRAGMA data_version").fetchone()[0]
     return value
+
+
+# Primary result codes (https://sqlite.org/rescode.html); sqlite3 names them only from 3.11.
+_SQLITE_BUSY = 5
+_SQLITE_LOCKED = 6
+_SQLITE_NOTADB = 26
+
+
+def translate(exc: sqlite3.Error) -> _errors.StorageError:
+    """Map a driver error to asyncplane's family; the caller raises it ``from exc``."""
+    message = str(exc)
+    lowered = message.lower()
+    # sqlite_errorcode is the extended code (Python 3.11+); its low byte is the primary code.
+    code = getattr(exc, "sqlite_errorcode", -1) & 0xFF
+    if code in (_SQLITE_BUSY, _SQLITE_LOCKED) or any(
+        # Python 3.10 has no sqlite_errorcode: fall back on SQLite's own messages.
+        words in lowered
+        for words in ("database is locked", "database table is locked", "schema is locked")
+    ):
+        return _errors.DatabaseLocked(f"database is locked: {message}")
+    if code == _SQLITE_NOTADB or "file is not a database" in lowered:
+        return _errors.NotAnAsyncplaneDatabase(f"not an SQLite database: {message}")
+    return _errors.StorageError(f"{type(exc).__name__}: {message}")

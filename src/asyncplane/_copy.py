@@ -16,12 +16,9 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
-from asyncplane import _backend
-
-if TYPE_CHECKING:
-    from asyncplane._store import ControlStore
+from asyncplane import _backend, _store, _validate
+from asyncplane._store import ControlStore
 
 __all__ = ("CopySummary", "copy_store")
 
@@ -59,12 +56,10 @@ async def copy_store(
     Raises InvalidInput, before anything is written for it, when an item's id is taken in
     the destination by an item that did not come from this source.
     """
-    from asyncplane import _validate
-
     size = _validate.positive_int(chunk, "chunk")
     pending = _validate.boolean(pending_only, "pending_only")
-    src = await source._ready()
-    dst = await destination._ready()
+    src = await _store.engine_of(source).ready()
+    dst = await _store.engine_of(destination).ready()
     summary = CopySummary()
     projects = tuple(await src.list_projects())
     assignments = tuple(await src.list_assignments())

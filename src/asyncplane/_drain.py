@@ -26,7 +26,8 @@ handle), so a bad one raises inside the executor, which retries the batch.
 Stopping. In ``"foreground"`` mode the loop stops after ``empty_rounds`` rounds in a row
 found nothing to claim; in ``"daemon"`` mode it waits for work instead, without busy
 polling: it wakes at once when this process enqueues, notices other processes' commits
-through a cheap ``PRAGMA data_version`` check every ``poll_interval`` seconds, and wakes
+(on SQLite through a cheap ``PRAGMA data_version`` check every ``poll_interval`` seconds;
+on PostgreSQL at once, through NOTIFY, and every five seconds regardless), and wakes
 when the earliest deferred item falls due (by the store's clock). ``max_iters`` stops it
 after that many rounds, every row durable, with ``remaining`` counting the work left.
 Setting ``stop`` (an asyncio.Event) ends it after the current round.
@@ -56,7 +57,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, Literal, TypeAlias
 
-from asyncplane import _clock, _errors, _lock, _models, _store, _tasks, _validate
+from asyncplane import _clock, _engine, _errors, _lock, _models, _store, _tasks, _validate
 
 __all__ = (
     "Done",
@@ -270,7 +271,7 @@ async def _single_drainer(
         async with _lock.DrainLock(lock_path) as lock:
             yield lock.acquired
     else:
-        async with store._drain_guard() as acquired:
+        async with _store.engine_of(store).drain_guard() as acquired:
             yield acquired
 
 
@@ -311,6 +312,10 @@ class _Drain:
     preflight_chunk: int
     summary: DrainSummary = dataclasses.field(default_factory=DrainSummary)
 
+    @property
+    def engine(self) -> _engine.Engine:
+        return _store.engine_of(self.store)
+
     async def loop(self) -> None:
         empty = 0
         while not self.stop.is_set():
@@ -320,14 +325,14 @@ class _Drain:
             # A daemon starts watching before it claims, so work that arrives between an
             # empty claim and the wait still wakes it (an enqueue here sets the event; a
             # commit elsewhere moves data_version past the value read now).
-            local = self.store._watch() if self.mode == "daemon" else None
+            local = self.engine.watch() if self.mode == "daemon" else None
             try:
-                version = await self.store._data_version() if local is not None else 0
-                settled, _ = await self.store._preflight_step(
+                version = await self.engine.data_version() if local is not None else 0
+                settled, _ = await self.engine.preflight_step(
                     self.preflight_chunk, project_id=self.project_id, actor_id=self.actor_id
                 )
                 self.summary.deduplicated += settled
-                self.summary.purged += await self.store._maybe_purge()
+                self.summary.purged += await self.engine.maybe_purge()
                 batch = await self._claim()
                 if batch:
                     empty = 0
@@ -341,7 +346,7 @@ class _Drain:
                     await self._wait_for_work(local, version)
             finally:
                 if local is not None:
-                    self.store._unwatch(local)
+                    self.engine.unwatch(local)
 
     async def remaining(self) -> int:
         counts = await self.store.counts(project_id=self.project_id, actor_id=self.actor_id)
@@ -531,7 +536,7 @@ class _Drain:
 
     async def _commit_after(self, version: int) -> None:
         # Another process's commit sends no signal here; data_version is the cheap check.
-        while await self.store._data_version() == version:  # noqa: ASYNC110
+        while await self.engine.data_version() == version:  # noqa: ASYNC110
             await asyncio.sleep(self.poll_interval)
 
 

@@ -1,9 +1,10 @@
-"""The error hierarchy: one root, and one place where driver errors are translated.
+"""The error hierarchy: one root for every error asyncplane raises on purpose.
 
 Every exception asyncplane raises on purpose derives from `AsyncplaneError`. Errors from
-the database driver (sqlite3, through aiosqlite) never escape as themselves: the storage
-boundary calls `translate_sqlite` once and raises the result `from` the original, so the
-cause stays attached for debugging while callers catch one family.
+a database driver never escape as themselves: each backend translates its driver's errors
+once, at its boundary (`asyncplane._connection.translate` for sqlite3,
+`asyncplane._postgres_writer.translate` for asyncpg), and raises the result `from` the
+original, so the cause stays attached for debugging while callers catch one family.
 
 Input errors are raised before anything is written and derive from `ValueError` or
 `TypeError` as well, so code that already guards against those keeps working.
@@ -11,7 +12,6 @@ Input errors are raised before anything is written and derive from `ValueError` 
 
 from __future__ import annotations
 
-import sqlite3
 from typing import Any
 
 __all__ = (
@@ -23,6 +23,7 @@ __all__ = (
     "InvalidPayload",
     "InvalidType",
     "NotAnAsyncplaneDatabase",
+    "NotOnAsyncio",
     "ProjectExists",
     "ReadOnlyStore",
     "SchemaVersionError",
@@ -119,6 +120,14 @@ class StoreClosed(AsyncplaneError):
     """
 
 
+class NotOnAsyncio(AsyncplaneError, RuntimeError):
+    """A store was used where no asyncio event loop runs (under trio, say).
+
+    asyncplane runs on asyncio, anyio's asyncio backend included: its writer is an asyncio
+    task, its connections asyncio's.
+    """
+
+
 class ReadOnlyStore(AsyncplaneError):
     """A write was asked of a store opened with ``read_only=True``; nothing was written."""
 
@@ -137,37 +146,16 @@ class DatabaseLocked(StorageError):
 
 
 class NotAnAsyncplaneDatabase(StorageError):
-    """The file is not an asyncplane store: another application's database, or not SQLite."""
+    """The location is not an asyncplane store: another application's database or schema,
+    not a database at all, or not a regular file."""
 
 
 class SchemaVersionError(StorageError):
-    """The file was written by a newer asyncplane whose schema this version does not know."""
-
-
-# Primary result codes (https://sqlite.org/rescode.html); sqlite3 names them only from 3.11.
-_SQLITE_BUSY = 5
-_SQLITE_LOCKED = 6
-_SQLITE_NOTADB = 26
+    """The store was written by a newer asyncplane whose schema this version does not
+    know (or, opened read-only, needs migrating first)."""
 
 
 def _rebuild_fence_rejected(
     item_id: int, fence: int, current_fence: int, state: str
 ) -> FenceRejected:
     return FenceRejected(item_id, fence, current_fence=current_fence, state=state)
-
-
-def translate_sqlite(exc: sqlite3.Error) -> StorageError:
-    """Map a driver error to asyncplane's family; the caller raises it ``from exc``."""
-    message = str(exc)
-    lowered = message.lower()
-    # sqlite_errorcode is the extended code (Python 3.11+); its low byte is the primary code.
-    code = getattr(exc, "sqlite_errorcode", -1) & 0xFF
-    if code in (_SQLITE_BUSY, _SQLITE_LOCKED) or any(
-        # Python 3.10 has no sqlite_errorcode: fall back on SQLite's own messages.
-        words in lowered
-        for words in ("database is locked", "database table is locked", "schema is locked")
-    ):
-        return DatabaseLocked(f"database is locked: {message}")
-    if code == _SQLITE_NOTADB or "file is not a database" in lowered:
-        return NotAnAsyncplaneDatabase(f"not an SQLite database: {message}")
-    return StorageError(f"{type(exc).__name__}: {message}")

@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from asyncplane import _errors
 
-__all__ = ("fingerprint", "from_payload", "from_stored")
+__all__ = ("backfilled", "fingerprint", "from_payload", "from_stored")
 
 _MISSING = b"\xff" * 8  # never a length prefix: lengths are below 2**63
 
@@ -79,6 +79,12 @@ def from_stored(payload_json: str, identity: Sequence[str]) -> str | None:
     except (ValueError, RecursionError):
         return None
     return from_payload(payload, identity) if isinstance(payload, dict) else None
+
+
+def backfilled(rows: Iterable[Any], identity: Sequence[str]) -> list[tuple[Any, Any]]:
+    """``(fingerprint, item_id)`` for each stored ``(item_id, payload_json)``: the
+    preflight's backfill of items written without one."""
+    return [(from_stored(payload, identity), item_id) for item_id, payload in rows]
 
 
 def _field(value: Any) -> str | None:

@@ -22,15 +22,11 @@ import os
 import pathlib
 import sqlite3
 from collections.abc import Callable, Collection, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import anyio.to_thread
 
-from asyncplane import _backend, _errors, _models, _validate
-from asyncplane import _sqlite_sql as sql
-
-if TYPE_CHECKING:
-    from asyncplane._store import ControlStore
+from asyncplane import _backend, _connection, _engine, _errors, _models, _rules, _validate
 
 __all__ = ("FIELDS", "ImportSummary", "import_pending")
 
@@ -41,6 +37,11 @@ FIELDS = frozenset(
     {"payload", "key", "state", "project_id", "priority", "service_class", "sla",
      "fingerprint", "max_attempts", "not_before"}
 )  # fmt: skip
+
+
+# The source is another application's SQLite file: its own few statements, not the store's.
+_SOURCE_COLUMNS = "SELECT name FROM pragma_table_info(?)"
+_SOURCE_TABLE_EXISTS = "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,7 +65,7 @@ class ImportSummary:
 
 
 async def import_pending(
-    store: ControlStore,
+    engine: _engine.Engine,
     source_path: str | os.PathLike[str],
     *,
     table: str,
@@ -82,9 +83,9 @@ async def import_pending(
     project = None if project_id is None else _validate.text_id(project_id, "project_id")
     name = f"{source}::{table}"
     await anyio.to_thread.run_sync(_check_source, source, table, mapping)
-    backend = await store._ready()
-    if project is not None and project not in {p["project_id"] for p in await store.projects()}:
-        raise _errors.UnknownProject(f"no project {project!r}")
+    backend = await engine.ready()
+    if project is not None and project not in {p.project_id for p in await backend.list_projects()}:
+        raise _rules.unknown_project(project)
     after: Any = None
     imported = skipped = left = 0
     while True:
@@ -104,7 +105,7 @@ async def import_pending(
                     row["project_id"], f"{mapping['project_id']} of source row {row['key']!r}"
                 )
             )
-            wanted.setdefault(target, []).append((str(row["key"]), _new_item(store, row)))
+            wanted.setdefault(target, []).append((str(row["key"]), _new_item(engine, row)))
         for target, items in wanted.items():
             done, again = await backend.import_rows(_backend.ImportOp(name, target, tuple(items)))
             imported += done
@@ -114,7 +115,7 @@ async def import_pending(
         if len(rows) < chunk:
             break
     if imported:
-        store._notify()
+        engine.notify()
     dropped = False
     if drop_source:
         await anyio.to_thread.run_sync(_drop_table, source, table)
@@ -161,15 +162,15 @@ def _connect(source: pathlib.Path, *, write: bool = False) -> sqlite3.Connection
     try:
         return sqlite3.connect(uri, uri=True, isolation_level=None, timeout=30)
     except sqlite3.Error as exc:
-        raise _errors.translate_sqlite(exc) from exc
+        raise _connection.translate(exc) from exc
 
 
 def _check_source(source: pathlib.Path, table: str, mapping: dict[str, str]) -> None:
     conn = _connect(source)
     try:
-        if conn.execute(sql.SOURCE_TABLE_EXISTS, (table,)).fetchone() is None:
+        if conn.execute(_SOURCE_TABLE_EXISTS, (table,)).fetchone() is None:
             raise _errors.InvalidInput(f"the source database has no table {table!r}")
-        names = {row[0] for row in conn.execute(sql.SOURCE_COLUMNS, (table,))}
+        names = {row[0] for row in conn.execute(_SOURCE_COLUMNS, (table,))}
         for field, column in mapping.items():
             if column != "rowid" and column not in names:
                 raise _errors.InvalidInput(
@@ -195,7 +196,7 @@ def _check_source(source: pathlib.Path, table: str, mapping: dict[str, str]) -> 
                 f"the key column {mapping['key']!r} is not unique: rows would be skipped"
             )
     except sqlite3.Error as exc:
-        raise _errors.translate_sqlite(exc) from exc
+        raise _connection.translate(exc) from exc
     finally:
         conn.close()
 
@@ -220,13 +221,13 @@ def _read_chunk(
     try:
         rows = conn.execute(statement, (after, after, chunk)).fetchall()
     except sqlite3.Error as exc:
-        raise _errors.translate_sqlite(exc) from exc
+        raise _connection.translate(exc) from exc
     finally:
         conn.close()
     return [dict(zip(fields, row, strict=True)) for row in rows]
 
 
-def _new_item(store: ControlStore, row: dict[str, Any]) -> _backend.NewItem:
+def _new_item(engine: _engine.Engine, row: dict[str, Any]) -> _backend.NewItem:
     raw = row["payload"]
     if isinstance(raw, bytes):
         raise _errors.InvalidPayload(
@@ -235,7 +236,7 @@ def _new_item(store: ControlStore, row: dict[str, Any]) -> _backend.NewItem:
         )
     try:
         decoded = json.loads(raw) if isinstance(raw, str) else raw
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON (or too deep to be a payload): text
         decoded = raw
     payload = decoded if isinstance(decoded, dict) else {"data": decoded}
     job = _models.Job(
@@ -248,7 +249,7 @@ def _new_item(store: ControlStore, row: dict[str, Any]) -> _backend.NewItem:
         not_before=row.get("not_before"),
     )
     try:
-        return store._new_item(job, True)
+        return engine.new_item(job, True)
     except _errors.AsyncplaneError as exc:
         raise type(exc)(f"source row {row['key']!r}: {exc}") from None
 
@@ -258,6 +259,6 @@ def _drop_table(source: pathlib.Path, table: str) -> None:
     try:
         conn.execute(f"DROP TABLE {_quote(table)}")  # checked against the schema before
     except sqlite3.Error as exc:
-        raise _errors.translate_sqlite(exc) from exc
+        raise _connection.translate(exc) from exc
     finally:
         conn.close()

@@ -18,13 +18,11 @@ only that nothing wrote state without recording it.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Final
+from typing import Final
 
-from asyncplane import _validate
+from asyncplane import _store, _validate
 from asyncplane._models import LedgerProblem
-
-if TYPE_CHECKING:
-    from asyncplane._store import ControlStore
+from asyncplane._store import ControlStore
 
 __all__ = ("LEDGER_PROBLEM_KINDS", "verify_ledger")
 
@@ -55,5 +53,5 @@ async def verify_ledger(store: ControlStore, *, limit: int | None = None) -> lis
     """
     if limit is not None:
         limit = _validate.positive_int(limit, "limit")
-    backend = await store._ready()
+    backend = await _store.engine_of(store).ready()
     return await backend.verify_ledger(limit)

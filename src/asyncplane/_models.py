@@ -16,6 +16,7 @@ __all__ = (
     "Job",
     "LedgerProblem",
     "from_timestamp",
+    "replay_case",
 )
 
 #: Every state an item row can be in. ``ready`` is only ever the first state: once an item
@@ -40,6 +41,14 @@ EVENT_TYPES: Final = {
     "done": "done",
     "failed": "failed",
 }
+
+
+def replay_case(column: str, quote: str) -> str:
+    """The SQL ``CASE`` that replays an event type in ``column`` to the state it leaves,
+    made from `EVENT_TYPES` so the ledger check of every dialect follows the table (an
+    unknown type reads as such, quoted with the dialect's ``quote`` function)."""
+    whens = " ".join(f"WHEN '{event}' THEN '{state}'" for event, state in EVENT_TYPES.items())
+    return f"CASE {column} {whens} ELSE 'an unknown event ' || {quote}({column}) END"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

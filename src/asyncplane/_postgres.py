@@ -23,40 +23,35 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
-import json
 import logging
 import time
 import urllib.parse
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, NoReturn, TypeVar
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any, NoReturn, TypeVar, cast
 
 import asyncpg
 
-from asyncplane import _backend, _clock, _errors, _fingerprint, _models, _tasks
+from asyncplane import (
+    _backend,
+    _clock,
+    _errors,
+    _fingerprint,
+    _models,
+    _rules,
+    _tasks,
+)
 from asyncplane import _postgres_sql as sql
 from asyncplane import _postgres_writer as _writer
 
 __all__ = (
     "PostgresBackend",
     "ServerClock",
-    "drop_store",
-    "inject_fault",
-    "is_url",
     "redact",
-    "schema_is_empty",
 )
 
 T = TypeVar("T")
 
 _log = logging.getLogger("asyncplane")
-
-_SCHEMES = ("postgresql://", "postgres://")
-
-
-def is_url(location: str) -> bool:
-    """True when a store location names a PostgreSQL database rather than a file."""
-    return location.startswith(_SCHEMES)
 
 
 def redact(url: str) -> str:
@@ -110,7 +105,7 @@ class ServerClock:
         return f"ServerClock(offset={self._offset:+.3f}s)"
 
 
-class PostgresBackend:
+class PostgresBackend(_backend.Writes):
     """Implements `asyncplane._backend.Backend` on one schema of a PostgreSQL database."""
 
     def __init__(
@@ -118,8 +113,7 @@ class PostgresBackend:
         url: str,
         *,
         clock: _clock.Clock | None,
-        server_clock: ServerClock | None = None,
-        on_change: Callable[[], None] | None = None,
+        on_change: _backend.ChangeHook | None = None,
         connect_timeout: float,
         max_batch: int,
         read_connections: int,
@@ -127,7 +121,9 @@ class PostgresBackend:
     ) -> None:
         self._url = url
         self._clock = clock
-        self._server_clock = server_clock
+        # Without an injected clock, leases follow the server's: the writer reads it, and
+        # this clock carries the readings to the rest of the process.
+        self._server_clock = ServerClock() if clock is None else None
         self._on_change = on_change
         self._connect_timeout = connect_timeout
         self._max_batch = max_batch
@@ -141,9 +137,16 @@ class PostgresBackend:
         self._deaf = False  # the listener is gone: every poll must look again
 
     @property
-    def writer(self) -> _writer.Writer | None:
-        """The writer task's handle (for tests and benchmarks)."""
-        return self._writer
+    def clock(self) -> _clock.Clock:
+        """The injected clock, or the server's as this process sees it."""
+        clock = self._clock if self._clock is not None else self._server_clock
+        assert clock is not None  # one of the two, always
+        return clock
+
+    @property
+    def location(self) -> str:
+        """The URL, without its password."""
+        return redact(self._url)
 
     # --- lifecycle ---------------------------------------------------------------------
 
@@ -258,12 +261,8 @@ class PostgresBackend:
                     drop()
         self._writer = self._pool = self._listener = None
 
-    async def _write(self, op: _writer.Operation[T]) -> T:
-        if self._read_only:
-            raise _errors.ReadOnlyStore("this store was opened with read_only=True: no writes")
-        if self._writer is None:
-            raise _errors.StoreClosed("the store is closed")
-        return await self._writer.submit(op)
+    async def _write(self, op: _writer.Write[T]) -> T:
+        return cast(T, await self._submit(op))
 
     async def _read(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
         """Run ``fn(conn, *args)`` on a pooled connection."""
@@ -291,9 +290,7 @@ class PostgresBackend:
 
     async def get_project(self, project_id: str) -> _backend.ProjectRow:
         rows = await self._fetch(sql.GET_PROJECT, project_id)
-        if not rows:
-            raise _unknown_project(project_id)
-        return _backend.ProjectRow(*rows[0])
+        return _rules.one_project(rows, project_id)
 
     async def list_projects(self) -> list[_backend.ProjectRow]:
         return [_backend.ProjectRow(*row) for row in await self._fetch(sql.LIST_PROJECTS)]
@@ -313,17 +310,10 @@ class PostgresBackend:
         keys = tuple(
             sorted({(op.project_id, i.fingerprint) for i in op.items if i.dedup and i.fingerprint})
         )
-        return await self._write(_Locking(keys, _bind(_enqueue, op)))
-
-    async def claim(self, op: _backend.ClaimOp) -> list[_backend.ClaimRow]:
-        key = ("claim", op.lease_seconds, op.actor_id, op.project_id)
-        return await self._write(_Grouped(key, op, _claim_many))
+        return await self._write(_writer.Locking(keys, _bind(_enqueue, op)))
 
     async def renew(self, op: _backend.RenewOp) -> float:
         return await self._write(_bind(_renew, op))
-
-    async def finish(self, op: _backend.FinishOp) -> int:
-        return await self._write(_Grouped(("finish",), op, _finish_many))
 
     async def retry(self, op: _backend.RetryOp) -> str:
         return await self._write(_bind(_retry, op))
@@ -346,9 +336,7 @@ class PostgresBackend:
     async def settle_pending_twins(self, op: _backend.PreflightOp) -> int:
         return await self._write(_bind(_settle_pending_twins, op))
 
-    async def purge_candidates(
-        self, cutoff: float, chunk: int
-    ) -> list[tuple[_backend.ItemRow, list[_backend.EventRow]]]:
+    async def purge_candidates(self, cutoff: float, chunk: int) -> _backend.Histories:
         return await self._read(_purge_candidates, cutoff, chunk)
 
     async def purge_items(self, item_ids: tuple[int, ...]) -> int:
@@ -366,7 +354,7 @@ class PostgresBackend:
 
     async def export_items(
         self, after_item_id: int, chunk: int, pending_only: bool
-    ) -> list[tuple[_backend.ItemRow, list[_backend.EventRow]]]:
+    ) -> _backend.Histories:
         return await self._read(_export_items, after_item_id, chunk, pending_only)
 
     async def copy_projects(
@@ -394,7 +382,7 @@ class PostgresBackend:
         else:
             rows = await self._fetch(sql.GET_ITEM_SCOPED, item_id, actor_id)
         if not rows:
-            raise _invisible_item(item_id, actor_id)
+            raise _rules.invisible_item(item_id, actor_id)
         return _backend.ItemRow(*rows[0])
 
     async def get_events(self, item_id: int, actor_id: str | None) -> list[_backend.EventRow]:
@@ -402,9 +390,7 @@ class PostgresBackend:
             rows = await self._fetch(sql.GET_EVENTS, item_id)
         else:
             rows = await self._fetch(sql.GET_EVENTS_SCOPED, item_id, actor_id)
-        if not rows:
-            raise _invisible_item(item_id, actor_id)
-        return [_backend.EventRow(*row) for row in rows if row[0] is not None]
+        return _rules.history(rows, item_id, actor_id)
 
     async def count_states(self, project_id: str | None, actor_id: str | None) -> dict[str, int]:
         return {row[0]: row[1] for row in await self._fetch(sql.COUNT_STATES, project_id, actor_id)}
@@ -491,36 +477,18 @@ def _bind(fn: Callable[..., Awaitable[T]], *args: Any) -> _writer.Operation[T]:
 # --- refusals ------------------------------------------------------------------------------
 
 
-def _unknown_project(project_id: str) -> _errors.UnknownProject:
-    return _errors.UnknownProject(f"no project {project_id!r}")
-
-
-def _project_denied(project_id: str, actor_id: str) -> _errors.ScopeDenied:
-    return _errors.ScopeDenied(f"project {project_id!r} is not visible to actor {actor_id!r}")
-
-
-def _invisible_item(item_id: int, actor_id: str | None) -> _errors.AsyncplaneError:
-    if actor_id is None:
-        return _errors.UnknownItem(f"no item {item_id}")
-    return _errors.ScopeDenied(f"item {item_id} is not visible to actor {actor_id!r}")
-
-
 async def _refuse_fenced(
     conn: asyncpg.Connection, item_id: int, fence: int, actor_id: str | None
 ) -> NoReturn:
     """Explain why a fenced update matched no row, by raising the right error."""
-    row = await conn.fetchrow(sql.DIAGNOSE_ITEM, actor_id, item_id)
-    if row is None or (actor_id is not None and not row[2]):
-        raise _invisible_item(item_id, actor_id)
-    raise _errors.FenceRejected(item_id, fence, current_fence=row[1], state=row[0])
+    found = await conn.fetchrow(sql.DIAGNOSE_ITEM, actor_id, item_id)
+    raise _rules.fence_refusal(item_id, fence, actor_id, found)
 
 
 # --- write operations (run by the writer, inside its transaction) -------------------------
 
-Event = tuple[int, str, int, "str | None", "str | None", float, "str | None"]
 
-
-async def _insert_events(conn: asyncpg.Connection, events: list[Event]) -> None:
+async def _insert_events(conn: asyncpg.Connection, events: Sequence[_rules.Event]) -> None:
     if len(events) == 1:
         await conn.execute(sql.INSERT_EVENT, *events[0])
     elif events:
@@ -529,61 +497,39 @@ async def _insert_events(conn: asyncpg.Connection, events: list[Event]) -> None:
 
 async def _create_project(op: _backend.NewProject, conn: asyncpg.Connection, now: float) -> None:
     if await conn.fetchval(sql.INSERT_PROJECT, op.project_id, op.name, op.status, now) is None:
-        raise _errors.ProjectExists(f"project {op.project_id!r} exists already")
+        raise _rules.project_exists(op.project_id)
 
 
 async def _set_project_status(
     project_id: str, status: str, conn: asyncpg.Connection, now: float
 ) -> None:
     if await conn.fetchval(sql.SET_PROJECT_STATUS, status, project_id) is None:
-        raise _unknown_project(project_id)
+        raise _rules.unknown_project(project_id)
 
 
 async def _assign(project_id: str, actor_id: str, conn: asyncpg.Connection, now: float) -> None:
     if await conn.fetchval(sql.PROJECT_LOCKED, project_id) is None:
-        raise _unknown_project(project_id)
+        raise _rules.unknown_project(project_id)
     await conn.execute(sql.ASSIGN, actor_id, project_id, now)
 
 
 async def _unassign(project_id: str, actor_id: str, conn: asyncpg.Connection, now: float) -> None:
     if await conn.fetchval(sql.PROJECT_EXISTS, project_id) is None:
-        raise _unknown_project(project_id)
+        raise _rules.unknown_project(project_id)
     await conn.execute(sql.UNASSIGN, actor_id, project_id)
 
 
-def _item_row(project_id: str, item: _backend.NewItem, now: float) -> tuple[Any, ...]:
-    deferred = item.not_before is not None and item.not_before > now
-    return (
-        project_id,
-        "deferred" if deferred else "ready",
-        item.payload_json,
-        item.priority,
-        item.service_class,
-        item.sla,
-        item.fingerprint,
-        bool(item.dedup),
-        item.max_attempts,
-        item.not_before if deferred else None,
-        now,
-        now,
-    )
-
-
 async def _insert_items(
-    conn: asyncpg.Connection, rows: list[tuple[Any, ...]], actor_id: str | None, now: float,
-    queued_detail: str | None = None,
+    conn: asyncpg.Connection, rows: Sequence[_rules.NewRow], actor_id: str | None, now: float,
+    queued: dict[str, Any] | None = None,
 ) -> list[int]:  # fmt: skip
     """Insert rows (in order) with their "queued" (and "deferred") events; their ids."""
     ids = [r[0] for r in await conn.fetch(sql.NEXT_ITEM_IDS, len(rows))]
     columns = list(zip(*rows, strict=True))
     await conn.execute(sql.INSERT_ITEMS, ids, *(list(column) for column in columns))
-    events: list[Event] = []
+    events: list[_rules.Event] = []
     for item_id, row in zip(ids, rows, strict=True):
-        events.append((item_id, "queued", 0, None, actor_id, now, queued_detail))
-        if row[1] == "deferred":
-            events.append(
-                (item_id, "deferred", 0, None, actor_id, now, json.dumps({"due_at": row[9]}))
-            )
+        events.extend(_rules.arrival_events(item_id, row, actor_id, now, queued))
     await _insert_events(conn, events)
     return ids
 
@@ -591,10 +537,10 @@ async def _insert_items(
 async def _enqueue(op: _backend.EnqueueOp, conn: asyncpg.Connection, now: float) -> list[int]:
     if op.actor_id is None:
         if await conn.fetchval(sql.PROJECT_EXISTS, op.project_id) is None:
-            raise _unknown_project(op.project_id)
+            raise _rules.unknown_project(op.project_id)
     elif await conn.fetchval(sql.IS_ASSIGNED, op.actor_id, op.project_id) is None:
-        raise _project_denied(op.project_id, op.actor_id)
-    wanted = sorted({item.fingerprint for item in op.items if item.dedup and item.fingerprint})
+        raise _rules.project_denied(op.project_id, op.actor_id)
+    wanted = _rules.dedup_fingerprints(op.items)
     found: dict[str, int] = {}
     if wanted:
         # One enqueue of a given content at a time (the writer took these locks for the
@@ -602,101 +548,20 @@ async def _enqueue(op: _backend.EnqueueOp, conn: asyncpg.Connection, now: float)
         # for earlier twins of them all.
         await conn.execute(sql.LOCK_CONTENTS, [op.project_id] * len(wanted), wanted)
         found = {r[0]: r[1] for r in await conn.fetch(sql.FIND_TWINS, op.project_id, wanted)}
-    ids: list[int | None] = [None] * len(op.items)
-    first_of: dict[str, int] = {}
-    twin_of: dict[int, int] = {}
-    new: list[int] = []
-    for position, item in enumerate(op.items):
-        fp = item.fingerprint
-        if item.dedup and fp is not None:
-            if fp in first_of:
-                twin_of[position] = first_of[fp]
-                continue
-            first_of[fp] = position
-            if fp in found:
-                ids[position] = found[fp]
-                continue
-        new.append(position)
-    if new:
-        rows = [_item_row(op.project_id, op.items[p], now) for p in new]
-        added = await _insert_items(conn, rows, op.actor_id, now)
-        for position, item_id in zip(new, added, strict=True):
-            ids[position] = item_id
-    for position, first in twin_of.items():
-        ids[position] = ids[first]
-    resolved = [item_id for item_id in ids if item_id is not None]
-    if len(resolved) != len(ids):
-        raise _errors.StorageError("an enqueued item was left without an id")
-    return resolved
+    plan = _rules.EnqueuePlan(op.items, found)
+    inserted: list[int] = []
+    if plan.new:
+        rows = [_rules.new_row(op.project_id, op.items[p], now) for p in plan.new]
+        inserted = await _insert_items(conn, rows, op.actor_id, now)
+    return plan.ids(inserted)
 
 
-def _claim_key(row: Any) -> tuple[Any, ...]:
-    # (item_id, state, fence, owner, attempts, max_attempts, project_id, fingerprint,
-    #  priority, service_class, sla)
-    return (-row[8], row[9], row[10] is None, row[10] or 0.0, row[0])
-
-
-class _Arm:
-    """One source of claimable items, read page by page in claim order."""
-
-    def __init__(
-        self, conn: asyncpg.Connection, statement: str, reach: tuple[Any, ...],
-        extra: tuple[Any, ...], page: int, first: list[Any],
-    ) -> None:  # fmt: skip
-        # ``first`` is the arm's first page, read with every other arm's in one statement.
-        self._conn, self._statement, self._reach, self._extra = conn, statement, reach, extra
-        self._rows = list(first)
-        self._offset = len(first)
-        self._more = len(first) == page
-        self._page = min(page * 2, 1024)
-
-    async def head(self) -> Any | None:
-        if not self._rows and self._more:
-            rows = await self._conn.fetch(
-                self._statement, *self._reach, self._page, self._offset, *self._extra
-            )
-            self._offset += len(rows)
-            self._more = len(rows) == self._page
-            self._rows.extend(rows)
-            self._page = min(self._page * 2, 1024)
-        return self._rows[0] if self._rows else None
-
-    @property
-    def fetched(self) -> int:
-        """How many rows this arm has read, and so locked, so far."""
-        return self._offset
-
-    def pop(self) -> Any:
-        return self._rows.pop(0)
-
-
-async def _choose(arms: list[_Arm], limit: int) -> list[Any]:
-    """Merge the arms in claim order, one item per fingerprint, up to ``limit``."""
-    chosen: list[Any] = []
-    fingerprints: set[tuple[str, str]] = set()
-    seen: set[int] = set()
-    while len(chosen) < limit:
-        offered = []
-        for index, arm in enumerate(arms):
-            row = await arm.head()
-            if row is not None:
-                offered.append((_claim_key(row), index))
-        if not offered:
-            break
-        _, index = min(offered)
-        row = arms[index].pop()
-        # A later page is a new snapshot: rows committed meanwhile shift the offsets, so
-        # a row may come round again. It is chosen once.
-        if row[0] in seen:
-            continue
-        seen.add(row[0])
-        if row[7] is not None:
-            twin = (row[6], row[7])
-            if twin in fingerprints:
-                continue
-            fingerprints.add(twin)
-        chosen.append(row)
-    return chosen
+async def _next_page(
+    conn: asyncpg.Connection, statement: str, reach: tuple[Any, ...], limit: int, offset: int,
+    extra: tuple[Any, ...],
+) -> list[Any]:  # fmt: skip
+    """One more page of an arm's candidates (its first came with every other arm's)."""
+    return list(await conn.fetch(statement, *reach, limit, offset, *extra))
 
 
 async def _claim_many(
@@ -712,71 +577,61 @@ async def _claim_many(
     first = ops[0]
     reach = (first.project_id, first.actor_id)
     total = sum(op.limit for op in ops)
-    events: list[Event] = []
+    events: list[_rules.Event] = []
     pages: dict[str, list[Any]] = {"r": [], "d": [], "l": [], "x": []}
     for row in await conn.fetch(sql.CLAIM_CANDIDATES, *reach, total, 0, now, max(total, 16)):
         pages[row[0]].append(row[1:])
-    for item_id, _, fence, owner, attempts, max_attempts, *_ in pages["x"]:
-        error = f"attempts exhausted: the lease of attempt {attempts} of {max_attempts} lapsed"
-        await conn.execute(sql.EXHAUST_ITEM, error, now, item_id, fence)
-        events.append((item_id, "lease_expired", fence, owner, first.actor_id, now, None))
-        events.append(
-            (item_id, "failed", fence, owner, first.actor_id, now, json.dumps({"error": error}))
-        )
-    arms = [
-        _Arm(conn, sql.CLAIM_READY, reach, (), total, pages["r"]),
-        _Arm(conn, sql.CLAIM_DUE, reach, (now,), total, pages["d"]),
-        _Arm(conn, sql.CLAIM_LAPSED, reach, (now,), total, pages["l"]),
-    ]
-    chosen = await _choose(arms, total)
-    # Deal the chosen rows out in request order: each request its own owner and lease.
-    dealt: list[tuple[Any, _backend.ClaimOp]] = []
-    rows = iter(chosen)
-    for op in ops:
-        dealt.extend((row, op) for row in itertools.islice(rows, op.limit))
-    guarded = [row[7] is not None and row[1] != "claimed" for row, _ in dealt]
+    for row in pages["x"]:
+        candidate = _rules.Candidate._make(row)
+        error, failed = _rules.exhausted_lease_events(candidate, first.actor_id, now)
+        await conn.execute(sql.EXHAUST_ITEM, error, now, candidate.item_id, candidate.fence)
+        events.extend(failed)
+    arms = ((sql.CLAIM_READY, "r", ()), (sql.CLAIM_DUE, "d", (now,)),
+            (sql.CLAIM_LAPSED, "l", (now,)))  # fmt: skip
+    merge = _rules.ClaimMerge(len(arms), total)
+    for position, (_, tag, _) in enumerate(arms):
+        merge.feed(position, pages[tag])
+    while (arm := merge.hungry()) is not None:
+        limit, offset = merge.next_page(arm)
+        statement, _, extra = arms[arm]
+        merge.feed(arm, await _next_page(conn, statement, reach, limit, offset, extra))
+    dealt = _rules.deal(merge.chosen, ops)
+    guarded = [c.fingerprint is not None and c.state != "claimed" for c, _ in dealt]
     if any(guarded):
-        wanted = [(position, row) for position, ((row, _), g) in
+        wanted = [(position, c) for position, ((c, _), g) in
                   enumerate(zip(dealt, guarded, strict=True)) if g]  # fmt: skip
         tried = await conn.fetch(
-            sql.TRY_LOCK_CONTENTS, [row[6] for _, row in wanted], [row[7] for _, row in wanted]
-        )
+            sql.TRY_LOCK_CONTENTS, [c.project_id for _, c in wanted],
+            [c.fingerprint for _, c in wanted],
+        )  # fmt: skip
         # A twin being claimed by another transaction right now: this one waits.
         skip = {wanted[n - 1][0] for n, got in tried if not got}
         dealt = [d for position, d in enumerate(dealt) if position not in skip]
         guarded = [g for position, g in enumerate(guarded) if position not in skip]
     # A takeover's "lease_expired" comes before its new "claimed" in the history. A
     # takeover is never guarded, so every one dealt is claimed below.
-    for row, op in dealt:
-        if row[1] == "claimed":
-            detail = json.dumps({"taken_over_by": op.owner})
-            events.append((row[0], "lease_expired", row[2], row[3], op.actor_id, now, detail))
+    events.extend(_rules.takeover_event(c, op, now) for c, op in dealt if c.state == "claimed")
     await _insert_events(conn, events)
     claimed_rows: dict[int, Any] = {}
     if dealt:
         # The claims and their "claimed" events, in one statement.
         for claimed_row in await conn.fetch(
             sql.CLAIM_ITEMS, now,
-            [row[0] for row, _ in dealt], [op.owner for _, op in dealt],
+            [c.item_id for c, _ in dealt], [op.owner for _, op in dealt],
             [now + op.lease_seconds for _, op in dealt], guarded, first.actor_id,
         ):  # fmt: skip
             claimed_rows[claimed_row[0]] = claimed_row
-    if sum(arm.fetched for arm in arms) > len(claimed_rows):
+    if merge.fetched > len(claimed_rows):
         # Rows locked here and not taken were skipped by any claimer that came meanwhile;
         # their state does not change, so nothing else would tell a drainer that slept.
         await conn.execute(sql.NOTIFY)
     results: dict[int, list[_backend.ClaimRow]] = {id(op): [] for op in ops}
-    for row, op in dealt:
-        got = claimed_rows.get(row[0])
+    for c, op in dealt:
+        got = claimed_rows.get(c.item_id)
         if got is None:
             continue  # a twin started running meanwhile: this one waits
         _, project_id, payload, fence, attempts = got
-        results[id(op)].append(
-            _backend.ClaimRow(
-                row[0], project_id, payload, fence, attempts, op.owner, now + op.lease_seconds,
-                row[8], row[9], row[10], row[7], row[5],
-            )
-        )  # fmt: skip
+        results[id(op)].append(_rules.claim_row(c, op, now, project_id, payload, fence, attempts))
     return [results[id(op)] for op in ops]
 
 
@@ -789,7 +644,7 @@ async def _finish_many(
     finish it did not match wrote nothing, and is then explained (FenceRejected, ...).
     """
     results: list[int | _errors.AsyncplaneError] = []
-    events: list[Event] = []
+    events: list[_rules.Event] = []
     if len(ops) > 1 and len({op.item_id for op in ops}) == len(ops):
         settled = {
             row[0]: row
@@ -798,7 +653,8 @@ async def _finish_many(
                 [op.item_id for op in ops], [op.fence for op in ops],
                 [op.actor_id for op in ops], [op.status for op in ops],
                 [op.result_json for op in ops], [op.error for op in ops],
-                [None if op.error is None else json.dumps({"error": op.error}) for op in ops],
+                [_rules.settlement_event(op.item_id, op.status, op.fence, None, op.actor_id,
+                                         now, error=op.error).detail_json for op in ops],
             )
         }  # fmt: skip
         for op in ops:
@@ -822,9 +678,11 @@ async def _finish_many(
 
 
 async def _settle_finish(
-    op: _backend.FinishOp, conn: asyncpg.Connection, now: float, events: list[Event]
+    op: _backend.FinishOp, conn: asyncpg.Connection, now: float, events: list[_rules.Event]
 ) -> int:
-    detail = None if op.error is None else json.dumps({"error": op.error})
+    detail = _rules.settlement_event(
+        op.item_id, op.status, op.fence, None, op.actor_id, now, error=op.error
+    ).detail_json
     base = (op.item_id, op.fence, op.actor_id, now)
     if op.status == "done":
         row = await conn.fetchrow(sql.FINISH_DONE, *base, op.result_json, detail)
@@ -837,16 +695,13 @@ async def _settle_finish(
 
 async def _settle_twins(
     op: _backend.FinishOp, conn: asyncpg.Connection, now: float, project_id: str,
-    fp: str | None, events: list[Event],
+    fp: str | None, events: list[_rules.Event],
 ) -> int:  # fmt: skip
     """Settlement dedup: a done item's pending twins are done too, with its result."""
     if op.status != "done" or fp is None:
         return 0
     twins = await conn.fetch(sql.SETTLE_TWINS, op.result_json, now, project_id, fp, op.item_id)
-    settled_by = json.dumps({"deduplicated_from": op.item_id})
-    events.extend(
-        (twin, "done", fence, None, op.actor_id, now, settled_by) for twin, fence in twins
-    )
+    events.extend(_rules.twin_events(op.item_id, twins, op.actor_id, now))
     return len(twins)
 
 
@@ -864,27 +719,18 @@ async def _retry(op: _backend.RetryOp, conn: asyncpg.Connection, now: float) -> 
         await _refuse_fenced(conn, op.item_id, op.fence, op.actor_id)
     attempts, max_attempts, owner = budget
     base = (op.item_id, op.fence, op.actor_id, now)
-    if max_attempts is not None and attempts >= max_attempts:
-        error = (
-            f"attempts exhausted ({attempts} of {max_attempts}): {op.error or 'no reason given'}"
-        )
-        await conn.fetchrow(sql.SETTLE_FAILED, *base, error)
-        await _insert_events(
-            conn,
-            [(op.item_id, "failed", op.fence, owner, op.actor_id, now,
-              json.dumps({"error": error}))],
-        )  # fmt: skip
-        return "failed"
-    if op.delay is not None:
-        delay = op.delay
-    else:  # exponential backoff with jitter: spread retries of a burst of failures
-        doublings = min(max(attempts - 1, 0), 60)
-        delay = min(op.backoff_max, op.backoff_base * 2**doublings * (0.5 + op.jitter))
-    due = now + delay
-    await conn.fetchrow(sql.SETTLE_DEFERRED, *base, due, op.error, 0, False)
-    detail = json.dumps({"error": op.error, "due_at": due})
-    await _insert_events(conn, [(op.item_id, "retried", op.fence, owner, op.actor_id, now, detail)])
-    return "deferred"
+    plan = _rules.retry_plan(op, attempts, max_attempts, now)
+    if plan.state == "failed":
+        await conn.fetchrow(sql.SETTLE_FAILED, *base, plan.error)
+    else:
+        await conn.fetchrow(sql.SETTLE_DEFERRED, *base, plan.due_at, plan.error, 0, False)
+    event_type = "failed" if plan.state == "failed" else "retried"
+    settled = _rules.settlement_event(
+        op.item_id, event_type, op.fence, owner, op.actor_id, now,
+        error=plan.error, due_at=plan.due_at,
+    )  # fmt: skip
+    await _insert_events(conn, [settled])
+    return plan.state
 
 
 async def _park(op: _backend.ParkOp, conn: asyncpg.Connection, now: float) -> None:
@@ -894,8 +740,10 @@ async def _park(op: _backend.ParkOp, conn: asyncpg.Connection, now: float) -> No
     )
     if row is None:
         await _refuse_fenced(conn, op.item_id, op.fence, op.actor_id)
-    detail = json.dumps({"due_at": due})
-    await _insert_events(conn, [(op.item_id, "parked", op.fence, row[0], op.actor_id, now, detail)])
+    parked = _rules.settlement_event(
+        op.item_id, "parked", op.fence, row[0], op.actor_id, now, due_at=due
+    )
+    await _insert_events(conn, [parked])
 
 
 async def _offload(op: _backend.OffloadOp, conn: asyncpg.Connection, now: float) -> None:
@@ -904,10 +752,10 @@ async def _offload(op: _backend.OffloadOp, conn: asyncpg.Connection, now: float)
     )
     if row is None:
         await _refuse_fenced(conn, op.item_id, op.fence, op.actor_id)
-    detail = json.dumps({"handle": op.handle})
-    await _insert_events(
-        conn, [(op.item_id, "offloaded", op.fence, row[0], op.actor_id, now, detail)]
+    offloaded = _rules.settlement_event(
+        op.item_id, "offloaded", op.fence, row[0], op.actor_id, now, handle=op.handle
     )
+    await _insert_events(conn, [offloaded])
 
 
 async def _backfill_fingerprints(
@@ -917,11 +765,7 @@ async def _backfill_fingerprints(
     rows = await conn.fetch(sql.MISSING_FINGERPRINTS, after, op.chunk, op.project_id, op.actor_id)
     if not rows:
         return after, 0
-    await conn.executemany(
-        sql.SET_FINGERPRINT,
-        [(_fingerprint.from_stored(payload, identity), item_id)
-         for item_id, payload in rows],
-    )  # fmt: skip
+    await conn.executemany(sql.SET_FINGERPRINT, _fingerprint.backfilled(rows, identity))
     return int(rows[-1][0]), len(rows)
 
 
@@ -929,11 +773,10 @@ async def _settle_pending_twins(
     op: _backend.PreflightOp, conn: asyncpg.Connection, now: float
 ) -> int:
     rows = await conn.fetch(sql.PENDING_WITH_DONE_TWIN, op.chunk, op.project_id, op.actor_id)
-    events: list[Event] = []
+    events: list[_rules.Event] = []
     for item_id, fence, done_id, result in rows:
         await conn.execute(sql.SETTLE_ONE_TWIN, result, now, item_id)
-        detail = json.dumps({"deduplicated_from": done_id})
-        events.append((item_id, "done", fence, None, op.actor_id, now, detail))
+        events.extend(_rules.twin_events(done_id, [(item_id, fence)], op.actor_id, now))
     await _insert_events(conn, events)
     return len(rows)
 
@@ -949,18 +792,17 @@ async def _import_rows(
     op: _backend.ImportOp, conn: asyncpg.Connection, now: float
 ) -> tuple[int, int]:
     if await conn.fetchval(sql.PROJECT_EXISTS, op.project_id) is None:
-        raise _unknown_project(op.project_id)
+        raise _rules.unknown_project(op.project_id)
     await conn.execute(sql.LOCK_SOURCE, op.source)
     imported = skipped = 0
     for key, item in op.rows:
         if await conn.fetchval(sql.ALREADY_IMPORTED, op.source, key) is not None:
             skipped += 1
             continue
-        row = _item_row(op.project_id, item, now)
+        row = _rules.new_row(op.project_id, item, now)
         (item_id,) = await _insert_items(
-            conn, [row], None, now,
-            queued_detail=json.dumps({"imported_from": op.source, "source_key": key}),
-        )  # fmt: skip
+            conn, [row], None, now, {"imported_from": op.source, "source_key": key}
+        )
         await conn.execute(sql.RECORD_IMPORT, op.source, key, item_id, now)
         imported += 1
     return imported, skipped
@@ -990,15 +832,12 @@ async def _copy_items(op: _backend.CopyOp, conn: asyncpg.Connection, now: float)
             skipped += 1
             continue
         if await conn.fetchval(sql.ITEM_EXISTS, item.item_id) is not None:
-            raise _errors.InvalidInput(
-                f"the destination holds an item {item.item_id} of its own: a copy keeps "
-                "item ids, so it goes into an empty store (or one it copied into before)"
-            )
+            raise _rules.copy_id_taken(item.item_id)
         await conn.execute(sql.COPY_ITEM, *item[:-1], bool(item.dedup))
         await _insert_events(
             conn,
-            [(item.item_id, e.event_type, e.fence, e.owner, e.actor_id, e.at, e.detail_json)
-             for e in events],
+            [_rules.Event(item.item_id, e.event_type, e.fence, e.owner, e.actor_id, e.at,
+                          e.detail_json) for e in events],
         )  # fmt: skip
         await conn.execute(sql.RECORD_IMPORT, op.source, key, item.item_id, now)
         copied += 1
@@ -1028,11 +867,7 @@ async def _read_version(conn: asyncpg.Connection) -> int:
             "the schema holds another application's tables, not an asyncplane store"
         )
     version = int(meta.get("schema_version", "0"))
-    if version > sql.SCHEMA_VERSION:
-        raise _errors.SchemaVersionError(
-            f"the store has schema version {version}; this asyncplane knows versions up "
-            f"to {sql.SCHEMA_VERSION}: upgrade asyncplane to open it"
-        )
+    _rules.refuse_newer_schema(version, sql.SCHEMA_VERSION)
     return version
 
 
@@ -1050,14 +885,7 @@ async def _migrate(conn: asyncpg.Connection) -> None:
 
 async def _check_current_schema(conn: asyncpg.Connection) -> None:
     """For a read-only opening: the schema must be a store of exactly this version."""
-    version = await _read_version(conn)
-    if version == 0:
-        raise _errors.NotAnAsyncplaneDatabase("the schema is empty: not an asyncplane store yet")
-    if version < sql.SCHEMA_VERSION:
-        raise _errors.SchemaVersionError(
-            f"the store has schema version {version} and needs migrating to "
-            f"{sql.SCHEMA_VERSION}: open it once without read_only"
-        )
+    _rules.refuse_unreadable_schema(await _read_version(conn), sql.SCHEMA_VERSION, "schema")
 
 
 # --- reads ---------------------------------------------------------------------------------
@@ -1083,7 +911,7 @@ async def _tally(conn: asyncpg.Connection) -> _backend.LedgerTally:
 
 async def _purge_candidates(
     conn: asyncpg.Connection, cutoff: float, chunk: int
-) -> list[tuple[_backend.ItemRow, list[_backend.EventRow]]]:
+) -> _backend.Histories:
     async with _snapshot(conn):
         rows = await conn.fetch(sql.PURGE_CANDIDATES, cutoff, chunk)
         events = await conn.fetch(sql.EVENTS_OF_ITEMS, [row[0] for row in rows])
@@ -1095,7 +923,7 @@ async def _purge_candidates(
 
 async def _export_items(
     conn: asyncpg.Connection, after: int, chunk: int, pending_only: bool
-) -> list[tuple[_backend.ItemRow, list[_backend.EventRow]]]:
+) -> _backend.Histories:
     async with _snapshot(conn):
         rows = await conn.fetch(sql.EXPORT_ITEMS, after, chunk, pending_only)
         events = await conn.fetch(sql.EVENTS_OF_ITEMS, [row[0] for row in rows])
@@ -1133,83 +961,6 @@ async def _verify_ledger(
 _KIND_ORDER = {kind: position for position, (kind, _) in enumerate(sql.LEDGER_CHECKS)}
 
 
-class _Locking:
-    """A write operation that needs content locks, which the writer takes for its whole
-    round at once, sorted (see `asyncplane._postgres_writer`)."""
-
-    __slots__ = ("lock_keys", "op")
-
-    def __init__(self, lock_keys: tuple[tuple[str, str], ...], op: _writer.Operation[Any]):
-        self.lock_keys = lock_keys
-        self.op = op
-
-    async def __call__(self, conn: asyncpg.Connection, now: float) -> Any:
-        return await self.op(conn, now)
-
-
-class _Grouped:
-    """A write operation that the writer may run together with its like."""
-
-    __slots__ = ("group_key", "many", "op")
-
-    def __init__(
-        self, group_key: tuple[Any, ...], op: Any, many: Callable[..., Awaitable[list[Any]]]
-    ) -> None:
-        self.group_key = group_key
-        self.op = op
-        self.many = many
-
-    async def __call__(self, conn: asyncpg.Connection, now: float) -> Any:
-        result = (await self.many([self.op], conn, now))[0]
-        if isinstance(result, _errors.AsyncplaneError):
-            raise result
-        return result
-
-    async def run_group(
-        self, members: list[_Grouped], conn: asyncpg.Connection, now: float
-    ) -> list[Any]:
-        return await self.many([member.op for member in members], conn, now)
-
-
-# --- the probe's tools ---------------------------------------------------------------------
-
-
-async def _one_connection(url: str, fn: Callable[[asyncpg.Connection], Awaitable[T]]) -> T:
-    try:
-        conn = await asyncpg.connect(url)
-    except _DRIVER_ERRORS as exc:
-        raise _errors.StorageError(f"cannot connect to {redact(url)}: {exc}") from exc
-    try:
-        return await fn(conn)
-    except _DRIVER_ERRORS as exc:
-        raise _writer.translate(exc) from exc
-    finally:
-        await _close_quietly(conn)
-
-
-async def schema_is_empty(url: str) -> bool:
-    """Whether the URL's schema holds none of a store's tables."""
-
-    async def count(conn: asyncpg.Connection) -> int:
-        return int(await conn.fetchval(sql.COUNT_STORE_TABLES, list(sql.STORE_TABLES)))
-
-    return await _one_connection(url, count) == 0
-
-
-async def drop_store(url: str) -> None:
-    """Drop the store in the URL's schema, every table and function of it."""
-
-    async def drop(conn: asyncpg.Connection) -> None:
-        await conn.execute(sql.DROP_STORE)
-
-    await _one_connection(url, drop)
-
-
-async def inject_fault(url: str, fault: str) -> None:
-    """Break a probe run behind the store's back (the probe's self-test only)."""
-    statement = sql.FAULT_DUPLICATE_FINISH if fault == "duplicate-finish" else sql.FAULT_DELETE_ITEM
-
-    async def run(conn: asyncpg.Connection) -> None:
-        await conn.execute(statement)
-
-    await _one_connection(url, run)
+# What `_backend.Writes` runs for a group of claims and a group of finishes.
+PostgresBackend.claim_many = staticmethod(_claim_many)
+PostgresBackend.finish_many = staticmethod(_finish_many)

@@ -6,9 +6,11 @@ mechanism differs:
 * Claims read candidates ``FOR UPDATE SKIP LOCKED``: workers in other processes or on
   other hosts claim side by side, each skipping the rows another is taking, instead of
   queueing behind one write lock as SQLite does.
-* Content twins (one running item per fingerprint per project) are guarded by a partial
-  unique index, so two claimers on different hosts cannot both start a twin; the loser's
-  update fails on the index and its claim skips that item.
+* Content twins (one running item per fingerprint per project) are guarded twice: a
+  claim first tries a transaction-level advisory lock per content it is about to start
+  (one claimer at a time starts a given content; a claim that does not get it skips that
+  item, never waits), and a partial unique index refuses a second running twin whatever
+  happens, so two claimers on different hosts cannot both start one.
 * Enqueue dedup takes a transaction-level advisory lock per fingerprint, so two
   concurrent enqueues of the same content agree on one id.
 * Times are float8 seconds since the Unix epoch. "Now" comes from the database server's
@@ -22,6 +24,8 @@ type. Nothing here is ever formatted with user input.
 from __future__ import annotations
 
 from typing import Final
+
+from asyncplane import _models
 
 #: Written into the meta table so a foreign schema is recognised as "not ours".
 APPLICATION: Final = "asyncplane"
@@ -644,6 +648,9 @@ ITEM_IDS_IN_STATE: Final = "SELECT item_id FROM items WHERE state = $1 ORDER BY 
 # --- the ledger verifier ---------------------------------------------------------------
 # The SQLite backend's checks, kind for kind and word for word in their details.
 
+#: The replay of an event type to the state it leaves: made from `_models.EVENT_TYPES`.
+_REPLAYED: Final = _models.replay_case("e.event_type", "quote_literal")
+
 LEDGER_CHECKS: Final[tuple[tuple[str, str], ...]] = (
     (
         "no_creation_event",
@@ -732,23 +739,12 @@ LEDGER_CHECKS: Final[tuple[tuple[str, str], ...]] = (
     ),
     (
         "state_disagrees",
-        """
+        f"""
         SELECT i.item_id,
                'row is ' || quote_literal(i.state) || ' but its events lead to ' || r.replayed
         FROM items AS i
         JOIN (SELECT e.item_id,
-                     CASE e.event_type
-                         WHEN 'queued' THEN 'ready'
-                         WHEN 'deferred' THEN 'deferred'
-                         WHEN 'claimed' THEN 'claimed'
-                         WHEN 'lease_expired' THEN 'claimed'
-                         WHEN 'retried' THEN 'deferred'
-                         WHEN 'parked' THEN 'deferred'
-                         WHEN 'offloaded' THEN 'offloaded'
-                         WHEN 'done' THEN 'done'
-                         WHEN 'failed' THEN 'failed'
-                         ELSE 'an unknown event ' || quote_literal(e.event_type)
-                     END AS replayed
+                     {_REPLAYED} AS replayed
               FROM events AS e
               WHERE e.event_id IN (SELECT max(event_id) FROM events GROUP BY item_id)) AS r
           ON r.item_id = i.item_id
@@ -790,13 +786,4 @@ DROP_STORE: Final = """
 DROP TABLE IF EXISTS asyncplane_meta, assignments, imports, events, items, projects CASCADE;
 DROP FUNCTION IF EXISTS asyncplane_refuse_event_update(), asyncplane_refuse_event_delete(),
     asyncplane_notify() CASCADE;
-"""
-# Deliberate faults, for the probe's self-test only (as in the SQLite backend).
-FAULT_DUPLICATE_FINISH: Final = """
-INSERT INTO events (item_id, event_type, fence, owner, at)
-SELECT item_id, 'done', fence, 'fault', extract(epoch FROM clock_timestamp()) FROM items
-WHERE state = 'done' ORDER BY item_id LIMIT 1
-"""
-FAULT_DELETE_ITEM: Final = """
-DELETE FROM items WHERE item_id = (SELECT max(item_id) FROM items WHERE state = 'ready')
 """

@@ -40,15 +40,17 @@ import asyncpg
 from asyncplane import _clock, _errors, _write_queue
 from asyncplane import _postgres_sql as sql
 
-__all__ = ("Operation", "Writer", "translate")
+__all__ = ("Locking", "Operation", "Write", "Writer", "translate")
 
 T = TypeVar("T")
 
-#: A write operation: runs inside the writer's transaction. It may carry ``lock_keys``
-#: (pairs of project id and fingerprint) for the round to lock before it runs.
+#: A write operation: runs inside the writer's transaction (a `Locking` one names the
+#: content locks the round takes before it runs).
 Operation = Callable[[asyncpg.Connection, float], Awaitable[T]]
+#: What a backend submits: an operation, or a request the round may group with its like.
+Write = Operation[T] | _write_queue.Grouped[T]
 
-_Request = tuple[Operation[Any], "asyncio.Future[Any]"]
+_Request = tuple[Write[Any], "asyncio.Future[Any]"]
 
 #: SQLSTATEs that mean "run it again": serialization_failure, deadlock_detected.
 RETRYABLE = frozenset({"40001", "40P01"})
@@ -66,13 +68,18 @@ def translate(exc: BaseException) -> _errors.StorageError:
     return _errors.StorageError(f"{type(exc).__name__}: {exc}")
 
 
-class _Raised:
-    """Marks an operation's error among the results of a round."""
+class Locking:
+    """A write operation that needs content locks (pairs of project id and fingerprint),
+    which the writer takes for its whole round at once, sorted."""
 
-    __slots__ = ("error",)
+    __slots__ = ("lock_keys", "op")
 
-    def __init__(self, error: BaseException) -> None:
-        self.error = error
+    def __init__(self, lock_keys: tuple[tuple[str, str], ...], op: Operation[Any]) -> None:
+        self.lock_keys = lock_keys
+        self.op = op
+
+    async def __call__(self, conn: asyncpg.Connection, now: float) -> Any:
+        return await self.op(conn, now)
 
 
 class _Retry(Exception):
@@ -80,35 +87,22 @@ class _Retry(Exception):
 
 
 class Writer(_write_queue.WriterBase):
-    """Serialises and group-commits the writes of one store on one connection."""
+    """PostgreSQL's rounds: one transaction per round on the write connection, each
+    unit under a savepoint when it is not alone, deadlocks run again."""
+
+    _conn: asyncpg.Connection
 
     def __init__(
-        self,
-        conn: asyncpg.Connection,
-        clock: _clock.Clock | None,
-        *,
-        server_clock: Any = None,
-        name: str,
-        max_batch: int = 256,
-        on_exit: Callable[[bool], Awaitable[None]] | None = None,
-    ) -> None:
-        super().__init__(name=name, max_batch=max_batch, on_exit=on_exit)
-        self._conn = conn
-        self._clock = clock
+        self, conn: asyncpg.Connection, clock: _clock.Clock | None, *, server_clock: Any = None,
+        **queue: Any,
+    ) -> None:  # fmt: skip
+        super().__init__(conn, clock, **queue)
         self._server_clock = server_clock
         self._round_task: asyncio.Task[None] | None = None
-        self.rounds = 0
-        self.requests = 0
+        #: Rounds that met a deadlock or serialisation failure and ran again.
         self.retried_rounds = 0
 
-    async def submit(self, op: Operation[T]) -> T:
-        """Queue one operation and wait for its own result or error."""
-        result: T = await super().submit(op)
-        return result
-
-    def abandon(self) -> None:
-        """Drop the connection without the event loop, which has already ended."""
-        self._stopping = True
+    def _drop(self) -> None:
         self._conn.terminate()
 
     async def _serve(self, batch: list[_Request]) -> None:
@@ -146,35 +140,18 @@ class Writer(_write_queue.WriterBase):
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            if not self._conn.is_closed():
-                # Outside any operation (the clock, say): this round fails, the writer
-                # goes on. The transaction was rolled back on the way out.
-                error = _errors.StorageError(f"the write round failed: {exc!r}")
-                error.__cause__ = exc
-                outcomes = [_Raised(error)] * len(ops)
-            else:  # the connection broke: every caller hears of it, and the writer stops
-                error = _errors.StorageError(f"the store's write connection failed: {exc!r}")
-                error.__cause__ = exc
-                for _, future in batch:
-                    if not future.done():
-                        future.set_exception(error)
+            if self._conn.is_closed():  # the connection broke: the writer stops
+                _write_queue.connection_failed(batch, exc)
                 raise
+            # Outside any operation (the clock, say): this round fails, the writer goes
+            # on. The transaction was rolled back on the way out.
+            outcomes = [_write_queue.Raised(_write_queue.round_failed(exc))] * len(ops)
         except BaseException as exc:
-            error = _errors.StorageError(f"the store's write connection failed: {exc!r}")
-            error.__cause__ = exc
-            for _, future in batch:
-                if not future.done():
-                    future.set_exception(error)
+            _write_queue.connection_failed(batch, exc)
             raise
-        for (_, future), outcome in zip(batch, outcomes, strict=True):
-            if future.done():  # cancelled while its round ran; the round stands
-                continue
-            if isinstance(outcome, _Raised):
-                future.set_exception(outcome.error)
-            else:
-                future.set_result(outcome)
+        _write_queue.deliver(batch, outcomes)
 
-    async def _alone(self, op: Operation[Any]) -> list[Any]:
+    async def _alone(self, op: Write[Any]) -> list[Any]:
         """Run one request in transactions of its own until it stops deadlocking."""
         for attempt in range(_ROUND_ATTEMPTS):
             try:
@@ -182,7 +159,7 @@ class Writer(_write_queue.WriterBase):
             except _Retry as retry:
                 if attempt == _ROUND_ATTEMPTS - 1:
                     cause = retry.__cause__ or retry
-                    return [_Raised(_translated(cause))]
+                    return [_write_queue.Raised(_translated(cause))]
                 await asyncio.sleep(0.001 * 2**attempt)  # let the other side commit
         raise AssertionError("unreachable")  # pragma: no cover
 
@@ -198,16 +175,16 @@ class Writer(_write_queue.WriterBase):
             server.observe(value)
         return value
 
-    async def _transact(self, ops: list[Operation[Any]]) -> list[Any]:
+    async def _transact(self, ops: list[Write[Any]]) -> list[Any]:
         """One transaction for all ops, each unit isolated by a savepoint when not alone."""
         conn = self._conn
-        units = _units(ops)
+        units = _write_queue.units(ops, range(len(ops)))
         alone = len(units) == 1 and len(units[0]) == 1
         transaction = conn.transaction()
         await transaction.start()
         try:
             now = await self._now()
-            keys = sorted({key for op in ops for key in getattr(op, "lock_keys", ())})
+            keys = sorted({key for op in ops if isinstance(op, Locking) for key in op.lock_keys})
             if keys:
                 await conn.execute(
                     sql.LOCK_CONTENTS, [key[0] for key in keys], [key[1] for key in keys]
@@ -222,12 +199,12 @@ class Writer(_write_queue.WriterBase):
                         outcomes[index] = outcome
         except _errors.AsyncplaneError as exc:
             await transaction.rollback()
-            return [_Raised(exc)] * len(ops)
+            return [_write_queue.Raised(exc)] * len(ops)
         except asyncpg.PostgresError as exc:
             await transaction.rollback()
             if exc.sqlstate in RETRYABLE:
                 raise _Retry() from exc
-            return [_Raised(_translated(exc))] * len(ops)
+            return [_write_queue.Raised(_translated(exc))] * len(ops)
         except BaseException:
             await transaction.rollback()
             raise
@@ -237,12 +214,12 @@ class Writer(_write_queue.WriterBase):
             if exc.sqlstate in RETRYABLE:
                 raise _Retry() from exc
             error = _translated(exc)
-            return [_Raised(error)] * len(ops)
+            return [_write_queue.Raised(error)] * len(ops)
         return outcomes
 
 
 async def _isolated(
-    ops: list[Operation[Any]], unit: list[int], conn: asyncpg.Connection, now: float
+    ops: list[Write[Any]], unit: list[int], conn: asyncpg.Connection, now: float
 ) -> list[Any]:
     """Run a unit under a savepoint; if it breaks, its members one by one, so a failure
     belongs to the one request that caused it. Deadlocks go up: the round runs again."""
@@ -253,7 +230,11 @@ async def _isolated(
         if isinstance(exc, asyncpg.PostgresError) and exc.sqlstate in RETRYABLE:
             raise _Retry() from exc
         if len(unit) == 1:
-            return [_Raised(exc if isinstance(exc, _errors.AsyncplaneError) else _translated(exc))]
+            return [
+                _write_queue.Raised(
+                    exc if isinstance(exc, _errors.AsyncplaneError) else _translated(exc)
+                )
+            ]
     results: list[Any] = []
     for index in unit:
         results.extend(await _isolated(ops, [index], conn, now))
@@ -261,31 +242,15 @@ async def _isolated(
 
 
 def _translated(exc: BaseException) -> _errors.StorageError:
-    err = translate(exc)
-    err.__cause__ = exc
-    return err
-
-
-def _units(ops: list[Operation[Any]]) -> list[list[int]]:
-    """Consecutive ops that share a ``group_key`` run as one unit; the rest alone."""
-    units: list[list[int]] = []
-    for index, op in enumerate(ops):
-        key = getattr(op, "group_key", None)
-        if units and key is not None and getattr(ops[units[-1][0]], "group_key", None) == key:
-            units[-1].append(index)
-        else:
-            units.append([index])
-    return units
+    return _write_queue.caused(translate(exc), exc)
 
 
 async def _run_unit(
-    ops: list[Operation[Any]], unit: list[int], conn: asyncpg.Connection, now: float
+    ops: list[Write[Any]], unit: list[int], conn: asyncpg.Connection, now: float
 ) -> list[Any]:
-    if len(unit) == 1:
-        return [await ops[unit[0]](conn, now)]
-    group: Any = ops[unit[0]]
-    results = await group.run_group([ops[index] for index in unit], conn, now)
-    return [_Raised(r) if isinstance(r, _errors.AsyncplaneError) else r for r in results]
+    """The outcomes of one unit: each a value, or a Raised refusal that wrote nothing."""
+    result, grouped = _write_queue.call_unit(ops, unit, conn, now)
+    return _write_queue.outcomes(await result, grouped)
 
 
 async def _close(conn: asyncpg.Connection) -> None:

@@ -31,15 +31,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import sqlite3
 import sys
-import time
 from typing import Any
 
 import anyio.to_thread
 
-from asyncplane import _errors, _store
-from asyncplane import _sqlite_sql as sql
+from asyncplane import _errors, _probe_support, _store
 
 #: How long a --until-drained worker waits before looking again for lapsed leases.
 _IDLE_POLL_SECONDS = 0.05
@@ -89,27 +86,6 @@ async def _drain_one(
         _say({"f": claim.item_id, "fence": claim.fence})
 
 
-async def _inject(store: str, fault: str) -> None:
-    """Break the run behind the store's back, the way a buggy writer would."""
-    if store.startswith(("postgresql://", "postgres://")):
-        from asyncplane import _postgres
-
-        await _postgres.inject_fault(store, fault)
-    else:
-        await anyio.to_thread.run_sync(_inject_sqlite, store, fault)
-
-
-def _inject_sqlite(path: str, fault: str) -> None:
-    conn = sqlite3.connect(path, isolation_level=None, timeout=30)
-    try:
-        if fault == "duplicate-finish":
-            conn.execute(sql.FAULT_DUPLICATE_FINISH, (time.time(),))
-        elif fault == "delete-item":
-            conn.execute(sql.FAULT_DELETE_ITEM)
-    finally:
-        conn.close()
-
-
 async def _main(args: argparse.Namespace) -> int:
     tally = _Tally()
     store = _store.ControlStore(
@@ -118,7 +94,7 @@ async def _main(args: argparse.Namespace) -> int:
     async with store:
         await store.counts()  # opened before saying ready
         if args.fault == "delete-item":  # before anyone starts: the item is surely pending
-            await _inject(args.store, args.fault)
+            await _probe_support.inject_fault(args.store, args.fault)
         _say({"ready": args.name})
         if not args.no_wait:
             await anyio.to_thread.run_sync(sys.stdin.readline)
@@ -132,9 +108,8 @@ async def _main(args: argparse.Namespace) -> int:
                 )
             )
         if args.fault == "duplicate-finish":
-            await _inject(args.store, args.fault)
-        backend: Any = await store._ready()
-        writer = backend.writer
+            await _probe_support.inject_fault(args.store, args.fault)
+        writer = (await _store.engine_of(store).ready()).writer
         _say(
             {
                 "summary": args.name,
@@ -183,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--synchronous", choices=("NORMAL", "FULL"), default="NORMAL")
     parser.add_argument("--until-drained", action="store_true")
     parser.add_argument("--no-wait", action="store_true", help="start without a go line")
-    parser.add_argument("--fault", choices=("duplicate-finish", "delete-item"))
+    parser.add_argument("--fault", choices=_probe_support.FAULTS)
     return asyncio.run(_main(parser.parse_args(argv)))
 
 

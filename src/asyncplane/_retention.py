@@ -33,14 +33,11 @@ import os
 import pathlib
 import sys
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import anyio.to_thread
 
-from asyncplane import _backend, _errors, _models
-
-if TYPE_CHECKING:
-    from asyncplane._store import ControlStore
+from asyncplane import _backend, _clock, _errors, _models
 
 __all__ = ("PurgeSummary", "default_archive_path", "purge")
 
@@ -66,7 +63,8 @@ def default_archive_path(database: pathlib.Path) -> pathlib.Path:
 
 
 async def purge(
-    store: ControlStore,
+    backend: _backend.Backend,
+    clock: _clock.Clock,
     retention_seconds: float,
     *,
     chunk: int,
@@ -77,8 +75,7 @@ async def purge(
     _after_archive: Callable[[], Awaitable[None]] | None = None,
 ) -> PurgeSummary:
     """Archive, then delete, settled items older than ``retention_seconds``."""
-    backend = await store._ready()
-    cutoff = store.clock.now() - retention_seconds
+    cutoff = clock.now() - retention_seconds
     purged = chunks = 0
     while max_chunks is None or chunks < max_chunks:
         found = await backend.purge_candidates(cutoff, chunk)

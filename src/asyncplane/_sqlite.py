@@ -17,15 +17,12 @@ so every claim of an item carries a fence above every earlier claim of it.
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import functools
-import itertools
-import json
 import pathlib
 import sqlite3
 from collections.abc import AsyncIterator, Callable
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar, cast
 
 import anyio.to_thread
 
@@ -37,16 +34,17 @@ from asyncplane import (
     _fingerprint,
     _lock,
     _models,
+    _rules,
     _writer,
 )
 from asyncplane import _sqlite_sql as sql
 
-__all__ = ("SQLiteBackend",)
+__all__ = ("SQLiteBackend", "vet_store_file")
 
 T = TypeVar("T")
 
 
-class SQLiteBackend:
+class SQLiteBackend(_backend.Writes):
     """Implements `asyncplane._backend.Backend` on one SQLite file in WAL mode."""
 
     def __init__(
@@ -71,12 +69,22 @@ class SQLiteBackend:
         self._read_only = read_only
         self._keeper: asyncio.Task[None] | None = None
 
-    @property
-    def writer(self) -> _writer.Writer | None:
-        """The writer task's handle (for tests and benchmarks)."""
-        return self._writer
-
     # --- lifecycle ---------------------------------------------------------------------
+
+    @property
+    def clock(self) -> _clock.Clock:
+        """The clock given (the wall clock, or a test's)."""
+        return self._clock
+
+    @property
+    def location(self) -> str:
+        """The database file's absolute path."""
+        return str(self._path)
+
+    @property
+    def path(self) -> pathlib.Path:
+        """The database file."""
+        return self._path
 
     async def open(self) -> None:
         """Open the write connection, create or migrate the schema, start the writer.
@@ -162,12 +170,8 @@ class SQLiteBackend:
         self._writer = self._readers = None
         self._keeper = None
 
-    async def _write(self, op: _writer.Operation[T]) -> T:
-        if self._read_only:
-            raise _errors.ReadOnlyStore("this store was opened with read_only=True: no writes")
-        if self._writer is None:
-            raise _errors.StoreClosed("the store is closed")
-        return await self._writer.submit(op)
+    async def _write(self, op: _writer.Write[T]) -> T:
+        return cast(T, await self._submit(op))
 
     async def _read(self, fn: Callable[..., T], *args: Any) -> T:
         """Run ``fn(db, *args)`` on a read-only connection."""
@@ -185,9 +189,7 @@ class SQLiteBackend:
 
     async def get_project(self, project_id: str) -> _backend.ProjectRow:
         rows = await self._read(_fetch, sql.GET_PROJECT, (project_id,))
-        if not rows:
-            raise _unknown_project(project_id)
-        return _backend.ProjectRow(*rows[0])
+        return _rules.one_project(rows, project_id)
 
     async def list_projects(self) -> list[_backend.ProjectRow]:
         rows = await self._read(_fetch, sql.LIST_PROJECTS, ())
@@ -208,15 +210,8 @@ class SQLiteBackend:
     async def enqueue(self, op: _backend.EnqueueOp) -> list[int]:
         return await self._write(functools.partial(_enqueue, op))
 
-    async def claim(self, op: _backend.ClaimOp) -> list[_backend.ClaimRow]:
-        key = ("claim", op.lease_seconds, op.actor_id, op.project_id)
-        return await self._write(_Grouped(key, op, _claim_many))
-
     async def renew(self, op: _backend.RenewOp) -> float:
         return await self._write(functools.partial(_renew, op))
-
-    async def finish(self, op: _backend.FinishOp) -> int:
-        return await self._write(_Grouped(("finish",), op, _finish_many))
 
     async def retry(self, op: _backend.RetryOp) -> str:
         return await self._write(functools.partial(_retry, op))
@@ -243,9 +238,7 @@ class SQLiteBackend:
     async def settle_pending_twins(self, op: _backend.PreflightOp) -> int:
         return await self._write(functools.partial(_settle_pending_twins, op))
 
-    async def purge_candidates(
-        self, cutoff: float, chunk: int
-    ) -> list[tuple[_backend.ItemRow, list[_backend.EventRow]]]:
+    async def purge_candidates(self, cutoff: float, chunk: int) -> _backend.Histories:
         return await self._read(_purge_candidates, cutoff, chunk)
 
     async def purge_items(self, item_ids: tuple[int, ...]) -> int:
@@ -266,7 +259,7 @@ class SQLiteBackend:
 
     async def export_items(
         self, after_item_id: int, chunk: int, pending_only: bool
-    ) -> list[tuple[_backend.ItemRow, list[_backend.EventRow]]]:
+    ) -> _backend.Histories:
         return await self._read(_export_items, after_item_id, chunk, pending_only)
 
     async def copy_projects(
@@ -297,7 +290,7 @@ class SQLiteBackend:
         else:
             rows = await self._read(_fetch, sql.GET_ITEM_SCOPED, (item_id, actor_id))
         if not rows:
-            raise _invisible_item(item_id, actor_id)
+            raise _rules.invisible_item(item_id, actor_id)
         return _item(rows[0])
 
     async def get_events(self, item_id: int, actor_id: str | None) -> list[_backend.EventRow]:
@@ -305,9 +298,7 @@ class SQLiteBackend:
             rows = await self._read(_fetch, sql.GET_EVENTS, (item_id,))
         else:
             rows = await self._read(_fetch, sql.GET_EVENTS_SCOPED, (item_id, actor_id))
-        if not rows:
-            raise _invisible_item(item_id, actor_id)
-        return [_backend.EventRow(*row) for row in rows if row[0] is not None]
+        return _rules.history(rows, item_id, actor_id)
 
     async def count_states(self, project_id: str | None, actor_id: str | None) -> dict[str, int]:
         params = {"project_id": project_id, "actor_id": actor_id}
@@ -341,29 +332,12 @@ def _file_sizes(path: pathlib.Path) -> tuple[int, int]:
 # --- refusals ------------------------------------------------------------------------------
 
 
-def _unknown_project(project_id: str) -> _errors.UnknownProject:
-    return _errors.UnknownProject(f"no project {project_id!r}")
-
-
-def _project_denied(project_id: str, actor_id: str) -> _errors.ScopeDenied:
-    # The same words whether the project is absent or assigned to someone else.
-    return _errors.ScopeDenied(f"project {project_id!r} is not visible to actor {actor_id!r}")
-
-
-def _invisible_item(item_id: int, actor_id: str | None) -> _errors.AsyncplaneError:
-    if actor_id is None:
-        return _errors.UnknownItem(f"no item {item_id}")
-    # The same words whether the item is absent or in another actor's project.
-    return _errors.ScopeDenied(f"item {item_id} is not visible to actor {actor_id!r}")
-
-
-def _refuse_fenced(db: sqlite3.Connection, item_id: int, fence: int, actor_id: str | None) -> None:
+def _refuse_fenced(
+    db: sqlite3.Connection, item_id: int, fence: int, actor_id: str | None
+) -> NoReturn:
     """Explain why a fenced update matched no row, by raising the right error."""
-    row = db.execute(sql.DIAGNOSE_ITEM, (actor_id, item_id)).fetchone()
-    if row is None or (actor_id is not None and not row[2]):
-        raise _invisible_item(item_id, actor_id)
-    state, current_fence, _ = row
-    raise _errors.FenceRejected(item_id, fence, current_fence=current_fence, state=state)
+    found = db.execute(sql.DIAGNOSE_ITEM, (actor_id, item_id)).fetchone()
+    raise _rules.fence_refusal(item_id, fence, actor_id, found)
 
 
 # --- write operations (run on the writer's thread, inside its transaction) ---------------
@@ -371,55 +345,45 @@ def _refuse_fenced(db: sqlite3.Connection, item_id: int, fence: int, actor_id: s
 
 def _create_project(op: _backend.NewProject, db: sqlite3.Connection, now: float) -> None:
     if db.execute(sql.PROJECT_EXISTS, (op.project_id,)).fetchone() is not None:
-        raise _errors.ProjectExists(f"project {op.project_id!r} exists already")
+        raise _rules.project_exists(op.project_id)
     db.execute(sql.INSERT_PROJECT, (op.project_id, op.name, op.status, now))
 
 
 def _set_project_status(project_id: str, status: str, db: sqlite3.Connection, now: float) -> None:
     if db.execute(sql.SET_PROJECT_STATUS, (status, project_id)).rowcount == 0:
-        raise _unknown_project(project_id)
+        raise _rules.unknown_project(project_id)
 
 
 def _assign(project_id: str, actor_id: str, db: sqlite3.Connection, now: float) -> None:
     if db.execute(sql.PROJECT_EXISTS, (project_id,)).fetchone() is None:
-        raise _unknown_project(project_id)
+        raise _rules.unknown_project(project_id)
     db.execute(sql.ASSIGN, (actor_id, project_id, now))
 
 
 def _unassign(project_id: str, actor_id: str, db: sqlite3.Connection, now: float) -> None:
     if db.execute(sql.PROJECT_EXISTS, (project_id,)).fetchone() is None:
-        raise _unknown_project(project_id)
+        raise _rules.unknown_project(project_id)
     db.execute(sql.UNASSIGN, (actor_id, project_id))
 
 
 def _enqueue(op: _backend.EnqueueOp, db: sqlite3.Connection, now: float) -> list[int]:
     if op.actor_id is None:
         if db.execute(sql.PROJECT_EXISTS, (op.project_id,)).fetchone() is None:
-            raise _unknown_project(op.project_id)
+            raise _rules.unknown_project(op.project_id)
     elif db.execute(sql.IS_ASSIGNED, (op.actor_id, op.project_id)).fetchone() is None:
-        raise _project_denied(op.project_id, op.actor_id)
+        raise _rules.project_denied(op.project_id, op.actor_id)
     # First resolve dedup: an item whose fingerprint matches an earlier one (in the store,
     # or earlier in this same call) takes that one's id and adds no row.
-    ids: list[int | None] = [None] * len(op.items)
-    first_of: dict[str, int] = {}  # fingerprint -> position of its first new item
-    twin_of: dict[int, int] = {}  # position -> position whose id it shares
-    new: list[int] = []
-    for position, item in enumerate(op.items):
-        fp = item.fingerprint
-        if item.dedup and fp is not None:
-            if fp in first_of:
-                twin_of[position] = first_of[fp]
-                continue
-            found = db.execute(sql.FIND_TWIN, (op.project_id, fp)).fetchone()
-            if found is not None:
-                ids[position] = found[0]
-                first_of[fp] = position
-                continue
-            first_of[fp] = position
-        new.append(position)
-    rows = [_item_row(op.project_id, op.items[p], now) for p in new]
+    found: dict[str, int] = {}
+    for fp in _rules.dedup_fingerprints(op.items):
+        twin = db.execute(sql.FIND_TWIN, (op.project_id, fp)).fetchone()
+        if twin is not None:
+            found[fp] = twin[0]
+    plan = _rules.EnqueuePlan(op.items, found)
+    rows = [_rules.new_row(op.project_id, op.items[p], now) for p in plan.new]
+    inserted: list[int] = []
     if len(rows) == 1:
-        ids[new[0]] = db.execute(sql.INSERT_ITEM_RETURNING, rows[0]).fetchall()[0][0]
+        inserted = [db.execute(sql.INSERT_ITEM_RETURNING, rows[0]).fetchall()[0][0]]
     elif rows:
         # Under the write lock AUTOINCREMENT hands out consecutive ids, so a bulk insert's
         # ids follow the sequence; checked, not assumed.
@@ -427,51 +391,12 @@ def _enqueue(op: _backend.EnqueueOp, db: sqlite3.Connection, now: float) -> list
         db.executemany(sql.INSERT_ITEM, rows)
         if db.execute(sql.LAST_ITEM_ID).fetchone()[0] != base + len(rows):
             raise _errors.StorageError("item ids were not handed out consecutively")
-        for offset, position in enumerate(new):
-            ids[position] = base + 1 + offset
-    events: list[tuple[Any, ...]] = []
-    for position, row in zip(new, rows, strict=True):
-        item_id = ids[position]
-        events.append((item_id, "queued", 0, None, op.actor_id, now, None))
-        if row[1] == "deferred":
-            detail = json.dumps({"due_at": row[9]})
-            events.append((item_id, "deferred", 0, None, op.actor_id, now, detail))
+        inserted = list(range(base + 1, base + 1 + len(rows)))
+    events: list[_rules.Event] = []
+    for item_id, row in zip(inserted, rows, strict=True):
+        events.extend(_rules.arrival_events(item_id, row, op.actor_id, now))
     db.executemany(sql.INSERT_EVENT, events)
-    for position, first in twin_of.items():
-        ids[position] = ids[first]
-    resolved = [item_id for item_id in ids if item_id is not None]
-    if len(resolved) != len(ids):  # every position has an id by now; never shorten the list
-        raise _errors.StorageError("an enqueued item was left without an id")
-    return resolved
-
-
-def _item_row(project_id: str, item: _backend.NewItem, now: float) -> tuple[Any, ...]:
-    deferred = item.not_before is not None and item.not_before > now
-    return (
-        project_id,
-        "deferred" if deferred else "ready",
-        item.payload_json,
-        item.priority,
-        item.service_class,
-        item.sla,
-        item.fingerprint,
-        1 if item.dedup else 0,
-        item.max_attempts,
-        item.not_before if deferred else None,
-        now,
-        now,
-    )
-
-
-def _claim_key(row: Any) -> tuple[Any, ...]:
-    # The claim order (CLAIM_ORDER) for rows merged from the three arms:
-    # (item_id, state, fence, owner, attempts, max_attempts, project_id, fingerprint,
-    #  priority, service_class, sla)
-    return (-row[8], row[9], row[10] is None, row[10] or 0.0, row[0])
-
-
-def _claim(op: _backend.ClaimOp, db: sqlite3.Connection, now: float) -> list[_backend.ClaimRow]:
-    return _claim_many([op], db, now)[0]
+    return plan.ids(inserted)
 
 
 def _claim_many(
@@ -479,10 +404,10 @@ def _claim_many(
 ) -> list[list[_backend.ClaimRow]]:
     """Claims that share their filters and lease (a group commit's worth), decided at once.
 
-    The candidates for all of them are chosen in one pass, in claim order (one item per
-    fingerprint across the whole group), and dealt out in request order: the first request
-    gets the first ``limit`` items, and so on. Each item is claimed for its own request's
-    owner, with its own fence and events, exactly as if the claims had run one by one.
+    The candidates for all of them are chosen together (`asyncplane._rules.ClaimMerge`:
+    claim order, one item per fingerprint across the whole group) and dealt out in request
+    order. Each item is claimed for its own request's owner, with its own fence and
+    events, exactly as if the claims had run one by one.
     """
     first = ops[0]
     params: dict[str, Any] = {
@@ -491,61 +416,43 @@ def _claim_many(
         "actor_id": first.actor_id,
     }
     total = sum(op.limit for op in ops)
-    events: list[tuple[Any, ...]] = []
+    events: list[_rules.Event] = []
     lapsed, due = db.execute(sql.ANY_LAPSED_OR_DUE, params).fetchone()
-    exhausted = (
-        db.execute(sql.LAPSED_EXHAUSTED, {**params, "limit": max(total, 16)}).fetchall()
-        if lapsed
-        else []
-    )
-    for item_id, fence, owner, attempts, max_attempts in exhausted:
-        # A lapsed lease spent the last attempt: the item fails instead of moving on.
-        error = f"attempts exhausted: the lease of attempt {attempts} of {max_attempts} lapsed"
-        db.execute(sql.EXHAUST_ITEM, (error, now, item_id, fence))
-        events.append((item_id, "lease_expired", fence, owner, first.actor_id, now, None))
-        detail = json.dumps({"error": error})
-        events.append((item_id, "failed", fence, owner, first.actor_id, now, detail))
-    if due or lapsed:
-        arms = [sql.CLAIM_READY]
-        if due:
-            arms.append(sql.CLAIM_DUE)
-        if lapsed:
-            arms.append(sql.CLAIM_LAPSED)
-        chosen = _choose(db, arms, params, total)
-    elif total == 1:  # the common claim: the head of the ready queue, nothing to merge
-        chosen = db.execute(sql.CLAIM_READY, {**params, "limit": 1, "offset": 0}).fetchall()
-    else:
-        chosen = _choose(db, [sql.CLAIM_READY], params, total)
-    results: list[list[_backend.ClaimRow]] = []
-    rows = iter(chosen)
-    for op in ops:
+    if lapsed:
+        bounded = {**params, "limit": max(total, 16)}
+        for row in db.execute(sql.LAPSED_EXHAUSTED, bounded).fetchall():
+            candidate = _rules.Candidate._make(row)
+            error, failed = _rules.exhausted_lease_events(candidate, first.actor_id, now)
+            db.execute(sql.EXHAUST_ITEM, (error, now, candidate.item_id, candidate.fence))
+            events.extend(failed)
+    # The arms: the ready queue, and only if the two probes above found any, the deferred
+    # items fallen due and the lapsed claims (the common claim reads the ready queue alone).
+    arms = [sql.CLAIM_READY]
+    if due:
+        arms.append(sql.CLAIM_DUE)
+    if lapsed:
+        arms.append(sql.CLAIM_LAPSED)
+    merge = _rules.ClaimMerge(len(arms), total)
+    while (arm := merge.hungry()) is not None:
+        limit, offset = merge.next_page(arm)
+        page = {**params, "limit": limit, "offset": offset}
+        merge.feed(arm, db.execute(arms[arm], page).fetchall())
+    results: dict[int, list[_backend.ClaimRow]] = {id(op): [] for op in ops}
+    for candidate, op in _rules.deal(merge.chosen, ops):
+        if candidate.state == "claimed":
+            events.append(_rules.takeover_event(candidate, op, now))
         expires = now + op.lease_seconds
-        claimed: list[_backend.ClaimRow] = []
-        for row in itertools.islice(rows, op.limit):
-            item_id, state, old_fence, old_owner = row[:4]
-            if state == "claimed":
-                # A takeover: the previous holder's lease lapsed. Record that, at its
-                # fence, before the new claim, so the history shows who lost it and why.
-                detail = json.dumps({"taken_over_by": op.owner})
-                events.append(
-                    (item_id, "lease_expired", old_fence, old_owner, op.actor_id, now, detail)
-                )
-            (got,) = db.execute(sql.CLAIM_ITEM, (op.owner, expires, now, item_id)).fetchall()
-            new_id, project_id, payload, fence, attempts = got
-            # priority, service_class, sla, fingerprint and max_attempts: from the candidate.
-            extra = (row[8], row[9], row[10], row[7], row[5])
-            claimed.append(
-                _backend.ClaimRow(
-                    new_id, project_id, payload, fence, attempts, op.owner, expires, *extra
-                )
-            )
-            events.append((item_id, "claimed", fence, op.owner, op.actor_id, now, None))
-        results.append(claimed)
+        (got,) = db.execute(sql.CLAIM_ITEM, (op.owner, expires, now, candidate.item_id)).fetchall()
+        _, project_id, payload, fence, attempts = got
+        results[id(op)].append(
+            _rules.claim_row(candidate, op, now, project_id, payload, fence, attempts)
+        )
+        events.append(_rules.event(candidate.item_id, "claimed", fence, op.owner, op.actor_id, now))
     if len(events) == 1:
         db.execute(sql.INSERT_EVENT, events[0])
     elif events:
         db.executemany(sql.INSERT_EVENT, events)
-    return results
+    return [results[id(op)] for op in ops]
 
 
 def _finish_many(
@@ -566,84 +473,6 @@ def _finish_many(
     return results
 
 
-class _Grouped:
-    """A write operation that the writer may run together with its like.
-
-    Requests with the same ``group_key`` that meet in one group commit run as one call of
-    ``run_group`` (see `asyncplane._writer`), which answers for each of them.
-    """
-
-    __slots__ = ("group_key", "many", "op")
-
-    def __init__(self, group_key: tuple[Any, ...], op: Any, many: Callable[..., list[Any]]):
-        self.group_key = group_key
-        self.op = op
-        self.many = many
-
-    def __call__(self, db: sqlite3.Connection, now: float) -> Any:
-        result = self.many([self.op], db, now)[0]
-        if isinstance(result, _errors.AsyncplaneError):
-            raise result
-        return result
-
-    def run_group(self, members: list[_Grouped], db: sqlite3.Connection, now: float) -> list[Any]:
-        return self.many([member.op for member in members], db, now)
-
-
-class _Arm:
-    """One source of claimable items (ready, due, lapsed), read page by page in claim order."""
-
-    def __init__(
-        self, db: sqlite3.Connection, statement: str, params: dict[str, Any], page: int
-    ) -> None:
-        self._db, self._statement, self._params, self._page = db, statement, params, page
-        self._offset = 0
-        self._rows: collections.deque[Any] = collections.deque()
-        self._more = True
-
-    def head(self) -> Any | None:
-        """The arm's next row in claim order, fetching another page when needed."""
-        if not self._rows and self._more:
-            params = {**self._params, "limit": self._page, "offset": self._offset}
-            rows = self._db.execute(self._statement, params).fetchall()
-            self._offset += len(rows)
-            self._more = len(rows) == self._page
-            self._rows.extend(rows)
-            self._page = min(self._page * 2, 1024)  # twins ahead: read further, faster
-        return self._rows[0] if self._rows else None
-
-    def pop(self) -> Any:
-        return self._rows.popleft()
-
-
-def _choose(
-    db: sqlite3.Connection, statements: list[str], params: dict[str, Any], limit: int
-) -> list[Any]:
-    """Merge the three arms in claim order, one item per fingerprint, up to ``limit``.
-
-    Each arm is already in claim order, so the merge takes the smallest head each time;
-    an arm reads further pages only when the items it offered were skipped as twins, so
-    a skipped item never pushes a later one out of the batch.
-    """
-    arms = [_Arm(db, statement, params, limit) for statement in statements]
-    chosen: list[Any] = []
-    fingerprints: set[tuple[str, str]] = set()
-    while len(chosen) < limit:
-        heads = [(arm, arm.head()) for arm in arms]
-        offered = [(_claim_key(row), index) for index, (_, row) in enumerate(heads) if row]
-        if not offered:
-            break
-        _, index = min(offered)
-        row = arms[index].pop()
-        if row[7] is not None:
-            twin = (row[6], row[7])
-            if twin in fingerprints:
-                continue  # a twin waits until the one claimed now settles
-            fingerprints.add(twin)
-        chosen.append(row)
-    return chosen
-
-
 def _renew(op: _backend.RenewOp, db: sqlite3.Connection, now: float) -> float:
     expires = now + op.lease_seconds
     rows = db.execute(
@@ -658,13 +487,6 @@ def _settle_params(item_id: int, fence: int, actor_id: str | None, now: float) -
     return {"item_id": item_id, "fence": fence, "actor_id": actor_id, "now": now}
 
 
-def _finish(op: _backend.FinishOp, db: sqlite3.Connection, now: float) -> int:
-    events: list[tuple[Any, ...]] = []
-    settled = _settle_finish(op, db, now, events)
-    db.executemany(sql.INSERT_EVENT, events)
-    return settled
-
-
 def _settle_finish(
     op: _backend.FinishOp, db: sqlite3.Connection, now: float, events: list[tuple[Any, ...]]
 ) -> int:
@@ -677,8 +499,11 @@ def _settle_finish(
     if not rows:
         _refuse_fenced(db, op.item_id, op.fence, op.actor_id)
     owner, project_id, fp = rows[0][:3]
-    detail = None if op.error is None else json.dumps({"error": op.error})
-    events.append((op.item_id, op.status, op.fence, owner, op.actor_id, now, detail))
+    events.append(
+        _rules.settlement_event(
+            op.item_id, op.status, op.fence, owner, op.actor_id, now, error=op.error
+        )
+    )
     if op.status != "done" or fp is None:
         return 0
     # Settlement dedup: every pending twin in the project is done too, with this result.
@@ -687,10 +512,7 @@ def _settle_finish(
         {"result": op.result_json, "now": now, "project_id": project_id,
          "fingerprint": fp, "item_id": op.item_id},
     ).fetchall()  # fmt: skip
-    settled_by = json.dumps({"deduplicated_from": op.item_id})
-    events.extend(
-        (twin, "done", fence, None, op.actor_id, now, settled_by) for twin, fence in twins
-    )
+    events.extend(_rules.twin_events(op.item_id, twins, op.actor_id, now))
     return len(twins)
 
 
@@ -700,27 +522,22 @@ def _retry(op: _backend.RetryOp, db: sqlite3.Connection, now: float) -> str:
     if budget is None:
         _refuse_fenced(db, op.item_id, op.fence, op.actor_id)
     attempts, max_attempts, owner = budget
-    if max_attempts is not None and attempts >= max_attempts:
-        error = (
-            f"attempts exhausted ({attempts} of {max_attempts}): {op.error or 'no reason given'}"
-        )
-        db.execute(sql.SETTLE_FAILED, {**params, "error": error}).fetchall()
-        detail = json.dumps({"error": error})
-        db.execute(
-            sql.INSERT_EVENT, (op.item_id, "failed", op.fence, owner, op.actor_id, now, detail)
-        )
-        return "failed"
-    if op.delay is not None:
-        delay = op.delay
-    else:  # exponential backoff with jitter: spread retries of a burst of failures
-        doublings = min(max(attempts - 1, 0), 60)  # past the cap long before; no overflow
-        delay = min(op.backoff_max, op.backoff_base * 2**doublings * (0.5 + op.jitter))
-    due = now + delay
-    deferred = {**params, "due_at": due, "error": op.error, "refund": 0, "from_claimed_only": 0}
-    db.execute(sql.SETTLE_DEFERRED, deferred).fetchall()
-    detail = json.dumps({"error": op.error, "due_at": due})
-    db.execute(sql.INSERT_EVENT, (op.item_id, "retried", op.fence, owner, op.actor_id, now, detail))
-    return "deferred"
+    plan = _rules.retry_plan(op, attempts, max_attempts, now)
+    if plan.state == "failed":
+        db.execute(sql.SETTLE_FAILED, {**params, "error": plan.error}).fetchall()
+    else:
+        deferred = {**params, "due_at": plan.due_at, "error": plan.error, "refund": 0,
+                    "from_claimed_only": 0}  # fmt: skip
+        db.execute(sql.SETTLE_DEFERRED, deferred).fetchall()
+    event_type = "failed" if plan.state == "failed" else "retried"
+    db.execute(
+        sql.INSERT_EVENT,
+        _rules.settlement_event(
+            op.item_id, event_type, op.fence, owner, op.actor_id, now,
+            error=plan.error, due_at=plan.due_at,
+        ),
+    )  # fmt: skip
+    return plan.state
 
 
 def _park(op: _backend.ParkOp, db: sqlite3.Connection, now: float) -> None:
@@ -732,9 +549,11 @@ def _park(op: _backend.ParkOp, db: sqlite3.Connection, now: float) -> None:
     ).fetchall()
     if not rows:
         _refuse_fenced(db, op.item_id, op.fence, op.actor_id)
-    detail = json.dumps({"due_at": due})
     db.execute(
-        sql.INSERT_EVENT, (op.item_id, "parked", op.fence, rows[0][0], op.actor_id, now, detail)
+        sql.INSERT_EVENT,
+        _rules.settlement_event(
+            op.item_id, "parked", op.fence, rows[0][0], op.actor_id, now, due_at=due
+        ),
     )
 
 
@@ -743,9 +562,11 @@ def _offload(op: _backend.OffloadOp, db: sqlite3.Connection, now: float) -> None
     rows = db.execute(sql.SETTLE_OFFLOADED, {**params, "handle": op.handle}).fetchall()
     if not rows:
         _refuse_fenced(db, op.item_id, op.fence, op.actor_id)
-    detail = json.dumps({"handle": op.handle})
     db.execute(
-        sql.INSERT_EVENT, (op.item_id, "offloaded", op.fence, rows[0][0], op.actor_id, now, detail)
+        sql.INSERT_EVENT,
+        _rules.settlement_event(
+            op.item_id, "offloaded", op.fence, rows[0][0], op.actor_id, now, handle=op.handle
+        ),
     )
 
 
@@ -761,22 +582,17 @@ def _backfill_fingerprints(
     rows = db.execute(sql.MISSING_FINGERPRINTS, params).fetchall()
     if not rows:
         return after, 0
-    db.executemany(
-        sql.SET_FINGERPRINT,
-        [(_fingerprint.from_stored(payload, identity), item_id)
-         for item_id, payload in rows],
-    )  # fmt: skip
+    db.executemany(sql.SET_FINGERPRINT, _fingerprint.backfilled(rows, identity))
     return rows[-1][0], len(rows)
 
 
 def _settle_pending_twins(op: _backend.PreflightOp, db: sqlite3.Connection, now: float) -> int:
     params = {"chunk": op.chunk, "project_id": op.project_id, "actor_id": op.actor_id}
     rows = db.execute(sql.PENDING_WITH_DONE_TWIN, params).fetchall()
-    events = []
+    events: list[_rules.Event] = []
     for item_id, fence, done_id, result in rows:
         db.execute(sql.SETTLE_ONE_TWIN, (result, now, item_id))
-        detail = json.dumps({"deduplicated_from": done_id})
-        events.append((item_id, "done", fence, None, op.actor_id, now, detail))
+        events.extend(_rules.twin_events(done_id, [(item_id, fence)], op.actor_id, now))
     db.executemany(sql.INSERT_EVENT, events)
     return len(rows)
 
@@ -792,20 +608,16 @@ def _purge_items(item_ids: tuple[int, ...], db: sqlite3.Connection, now: float) 
 
 def _import_rows(op: _backend.ImportOp, db: sqlite3.Connection, now: float) -> tuple[int, int]:
     if db.execute(sql.PROJECT_EXISTS, (op.project_id,)).fetchone() is None:
-        raise _unknown_project(op.project_id)
+        raise _rules.unknown_project(op.project_id)
     imported = skipped = 0
-    detail_base = {"imported_from": op.source}
     for key, item in op.rows:
         if db.execute(sql.ALREADY_IMPORTED, (op.source, key)).fetchone() is not None:
             skipped += 1
             continue
-        row = _item_row(op.project_id, item, now)
+        row = _rules.new_row(op.project_id, item, now)
         (item_id,) = db.execute(sql.INSERT_ITEM_RETURNING, row).fetchall()[0]
-        detail = json.dumps({**detail_base, "source_key": key})
-        db.execute(sql.INSERT_EVENT, (item_id, "queued", 0, None, None, now, detail))
-        if row[1] == "deferred":
-            deferred = json.dumps({"due_at": row[9]})
-            db.execute(sql.INSERT_EVENT, (item_id, "deferred", 0, None, None, now, deferred))
+        queued = {"imported_from": op.source, "source_key": key}
+        db.executemany(sql.INSERT_EVENT, _rules.arrival_events(item_id, row, None, now, queued))
         db.execute(sql.RECORD_IMPORT, (op.source, key, item_id, now))
         imported += 1
     return imported, skipped
@@ -832,10 +644,7 @@ def _copy_items(op: _backend.CopyOp, db: sqlite3.Connection, now: float) -> tupl
             skipped += 1
             continue
         if db.execute(sql.ITEM_EXISTS, (item.item_id,)).fetchone() is not None:
-            raise _errors.InvalidInput(
-                f"the destination holds an item {item.item_id} of its own: a copy keeps "
-                "item ids, so it goes into an empty store (or one it copied into before)"
-            )
+            raise _rules.copy_id_taken(item.item_id)
         db.execute(sql.COPY_ITEM, (*item[:-1], 1 if item.dedup else 0))
         db.executemany(
             sql.INSERT_EVENT,
@@ -878,24 +687,38 @@ def _check_header(db: sqlite3.Connection) -> tuple[int, int]:
         raise _errors.NotAnAsyncplaneDatabase(
             "the file is an SQLite database of another application, not an asyncplane store"
         )
-    if version > sql.SCHEMA_VERSION:
-        raise _errors.SchemaVersionError(
-            f"the store has schema version {version}; this asyncplane knows versions up "
-            f"to {sql.SCHEMA_VERSION}: upgrade asyncplane to open it"
-        )
+    _rules.refuse_newer_schema(version, sql.SCHEMA_VERSION)
     return application_id, version
+
+
+def vet_store_file(path: pathlib.Path) -> None:
+    """Refuse, without writing anything, a file that is not an asyncplane store: not
+    SQLite, another application's database, or an empty file (a store would create its
+    schema in it). The header on disk may be stale (a store that is open, or was not
+    closed cleanly, can hold its first pages in the WAL), so when it does not say, SQLite
+    is asked, reading through the WAL. Blocking: for the command line, or a thread."""
+    with path.open("rb") as file:
+        header = file.read(72)
+    if len(header) < 72 or not header.startswith(b"SQLite format 3\x00"):
+        raise _errors.NotAnAsyncplaneDatabase("not an SQLite database")
+    if int.from_bytes(header[68:72], "big") == sql.APPLICATION_ID:
+        return
+    try:
+        conn = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True, timeout=30)
+        try:
+            (application_id,) = conn.execute("PRAGMA application_id").fetchone()
+        finally:
+            conn.close()
+    except sqlite3.Error as exc:
+        raise _connection.translate(exc) from exc
+    if application_id != sql.APPLICATION_ID:
+        raise _errors.NotAnAsyncplaneDatabase("another application's database")
 
 
 def _check_current_schema(db: sqlite3.Connection) -> None:
     """For a read-only opening: the file must be a store of exactly this schema."""
     _, version = _check_header(db)
-    if version == 0:
-        raise _errors.NotAnAsyncplaneDatabase("the file is empty: not an asyncplane store yet")
-    if version < sql.SCHEMA_VERSION:
-        raise _errors.SchemaVersionError(
-            f"the store has schema version {version} and needs migrating to "
-            f"{sql.SCHEMA_VERSION}: open it once without read_only"
-        )
+    _rules.refuse_unreadable_schema(version, sql.SCHEMA_VERSION, "file")
 
 
 def _migrate(db: sqlite3.Connection) -> None:
@@ -917,7 +740,7 @@ def _migrate(db: sqlite3.Connection) -> None:
                 db.execute("ROLLBACK")
             raise
     except sqlite3.Error as exc:
-        raise _errors.translate_sqlite(exc) from exc
+        raise _connection.translate(exc) from exc
 
 
 # --- reads (run on a reader's thread) ------------------------------------------------------
@@ -928,7 +751,7 @@ def _guarded_read(db: sqlite3.Connection, fn: Callable[..., T], *args: Any) -> T
     try:
         return fn(db, *args)
     except sqlite3.Error as exc:
-        raise _errors.translate_sqlite(exc) from exc
+        raise _connection.translate(exc) from exc
     finally:
         if db.in_transaction:
             db.execute("ROLLBACK")
@@ -951,9 +774,7 @@ def _tally(db: sqlite3.Connection) -> _backend.LedgerTally:
     return _backend.LedgerTally(items, claims, takeovers, terminal, settled_twice, unexplained)
 
 
-def _purge_candidates(
-    db: sqlite3.Connection, cutoff: float, chunk: int
-) -> list[tuple[_backend.ItemRow, list[_backend.EventRow]]]:
+def _purge_candidates(db: sqlite3.Connection, cutoff: float, chunk: int) -> _backend.Histories:
     db.execute("BEGIN")  # the items and their histories from one snapshot
     rows = db.execute(sql.PURGE_CANDIDATES, {"cutoff": cutoff, "chunk": chunk}).fetchall()
     found = [
@@ -973,7 +794,7 @@ def _item(row: Any) -> _backend.ItemRow:
 
 def _export_items(
     db: sqlite3.Connection, after: int, chunk: int, pending_only: bool
-) -> list[tuple[_backend.ItemRow, list[_backend.EventRow]]]:
+) -> _backend.Histories:
     db.execute("BEGIN")  # the items and their histories from one snapshot
     params = {"after": after, "chunk": chunk, "pending_only": 1 if pending_only else 0}
     rows = db.execute(sql.EXPORT_ITEMS, params).fetchall()
@@ -1017,3 +838,8 @@ def _verify_ledger(db: sqlite3.Connection, limit: int | None) -> list[_models.Le
 
 
 _KIND_ORDER = {kind: position for position, (kind, _) in enumerate(sql.LEDGER_CHECKS)}
+
+
+# What `_backend.Writes` runs for a group of claims and a group of finishes.
+SQLiteBackend.claim_many = staticmethod(_claim_many)
+SQLiteBackend.finish_many = staticmethod(_finish_many)

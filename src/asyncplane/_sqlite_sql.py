@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from typing import Final
 
+from asyncplane import _models
+
 #: Written to the header so a foreign SQLite file is recognised as "not ours" ('APLN').
 APPLICATION_ID: Final = 0x41504C4E
 
@@ -241,7 +243,7 @@ SELECT
 # Lapsed claims that spent their last attempt: a claim fails them (a bounded number at a
 # time) before it looks for work, instead of handing them on.
 LAPSED_EXHAUSTED: Final = f"""
-SELECT item_id, fence, owner, attempts, max_attempts FROM items INDEXED BY items_lease
+SELECT {_CLAIM_COLUMNS} FROM items INDEXED BY items_lease
 WHERE state = 'claimed' AND lease_expires_at <= :now
   AND max_attempts IS NOT NULL AND attempts >= max_attempts {_TAKEABLE}
 ORDER BY {CLAIM_ORDER} LIMIT :limit
@@ -438,8 +440,6 @@ RECORD_IMPORT: Final = (
 )
 # The source's columns, to check the names an import is told to read (identifiers cannot
 # be bound as parameters, so they are checked against the table and quoted).
-SOURCE_COLUMNS: Final = "SELECT name FROM pragma_table_info(?)"
-SOURCE_TABLE_EXISTS: Final = "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?"
 
 # --- copying between stores -----------------------------------------------------------------
 # A copy keeps every item's id, row and history; the imports table remembers each item
@@ -517,21 +517,13 @@ ORDER BY item_id
 # Items in a given state (the probe's check for lost work).
 ITEM_IDS_IN_STATE: Final = "SELECT item_id FROM items WHERE state = ? ORDER BY item_id"
 
-# --- deliberate faults, for the probe's self-test only --------------------------------------
-# A second terminal event for the first done item: what a double report would leave.
-FAULT_DUPLICATE_FINISH: Final = """
-INSERT INTO events (item_id, event_type, fence, owner, at)
-SELECT item_id, 'done', fence, 'fault', ? FROM items
-WHERE state = 'done' ORDER BY item_id LIMIT 1
-"""
-# A queued item deleted behind the store's back: lost work.
-FAULT_DELETE_ITEM: Final = """
-DELETE FROM items WHERE item_id = (SELECT max(item_id) FROM items WHERE state = 'ready')
-"""
 
 # --- the ledger verifier ---------------------------------------------------------------
 # One query per problem kind, each returning (item_id, detail), each a single pass over
 # an index. They run in one read transaction so every check sees the same snapshot.
+
+#: The replay of an event type to the state it leaves: made from `_models.EVENT_TYPES`.
+_REPLAYED: Final = _models.replay_case("e.event_type", "quote")
 
 LEDGER_CHECKS: Final[tuple[tuple[str, str], ...]] = (
     (
@@ -622,22 +614,11 @@ LEDGER_CHECKS: Final[tuple[tuple[str, str], ...]] = (
         # terminal events are missing or disagree, a terminal event under a live row, and
         # a ready row that was claimed.
         "state_disagrees",
-        """
+        f"""
         SELECT i.item_id, 'row is ' || quote(i.state) || ' but its events lead to ' || r.replayed
         FROM items AS i
         JOIN (SELECT e.item_id,
-                     CASE e.event_type
-                         WHEN 'queued' THEN 'ready'
-                         WHEN 'deferred' THEN 'deferred'
-                         WHEN 'claimed' THEN 'claimed'
-                         WHEN 'lease_expired' THEN 'claimed'
-                         WHEN 'retried' THEN 'deferred'
-                         WHEN 'parked' THEN 'deferred'
-                         WHEN 'offloaded' THEN 'offloaded'
-                         WHEN 'done' THEN 'done'
-                         WHEN 'failed' THEN 'failed'
-                         ELSE 'an unknown event ' || quote(e.event_type)
-                     END AS replayed
+                     {_REPLAYED} AS replayed
               FROM events AS e
               WHERE e.event_id IN (SELECT max(event_id) FROM events GROUP BY item_id)) AS r
           ON r.item_id = i.item_id

@@ -11,14 +11,11 @@ opens itself on first use; ``async with`` or ``await store.close()`` releases it
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import json
 import logging
 import os
 import pathlib
 import random
-import time
 import types
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from datetime import datetime, timedelta
@@ -27,17 +24,19 @@ from typing import Any, Literal
 from asyncplane import (
     _backend,
     _clock,
+    _engine,
     _errors,
-    _fingerprint,
     _import,
     _models,
     _retention,
-    _sqlite,
     _validate,
 )
-from asyncplane._models import ClaimedItem
+from asyncplane._clock import Clock
+from asyncplane._import import ImportSummary
+from asyncplane._models import ClaimedItem, Job
+from asyncplane._retention import PurgeSummary
 
-__all__ = ("ControlStore",)
+__all__ = ("ControlStore", "engine_of")
 
 _log = logging.getLogger("asyncplane")
 
@@ -93,7 +92,7 @@ class ControlStore:
         path: str | os.PathLike[str],
         *,
         lease_seconds: float = 900,
-        clock: _clock.Clock | None = None,
+        clock: Clock | None = None,
         synchronous: Literal["NORMAL", "FULL"] = "NORMAL",
         busy_timeout: float = 30.0,
         max_payload_bytes: int = 1 << 20,
@@ -129,19 +128,10 @@ class ControlStore:
         if clock is not None and not isinstance(clock, _clock.Clock):
             raise _errors.InvalidType("clock must have a now() method returning epoch seconds")
         location = os.fspath(path)
-        #: The PostgreSQL URL, or None for an SQLite file.
-        self._url: str | None = location if _postgres_url(location) else None
+        is_url = _engine.is_postgres_url(location)
         # Absolute from the start, so a later chdir cannot move the store.
-        self._path = pathlib.Path(os.path.abspath(location)) if self._url is None else None
+        self._path = None if is_url else pathlib.Path(os.path.abspath(location))
         self._lease_seconds = _validate.lease_seconds(lease_seconds)
-        server_clock = None
-        if clock is None and self._url is not None:
-            from asyncplane import _postgres  # only a PostgreSQL store needs its driver
-
-            server_clock = _postgres.ServerClock()  # leases follow the server's clock
-        self._clock: _clock.Clock = (
-            clock if clock is not None else server_clock or _clock.SystemClock()
-        )
         self._synchronous: Literal["NORMAL", "FULL"] = synchronous
         self._busy_timeout = _validate.seconds(
             busy_timeout, "busy_timeout", _validate.MAX_BUSY_TIMEOUT
@@ -172,46 +162,28 @@ class ControlStore:
         self._archive_max_bytes = _validate.megabytes(archive_max_mb, "archive_max_mb")
         self._purge_chunk = _validate.positive_int(purge_chunk, "purge_chunk")
         self._purge_min_interval = _validate.delay(purge_min_interval_s, "purge_min_interval_s")
-        self._last_purge: float | None = None
-        batch = _validate.positive_int(max_batch, "max_batch")
-        readers = _validate.positive_int(read_connections, "read_connections")
-        read_only = _validate.boolean(read_only, "read_only")
-        self._backend: _backend.Backend
-        if self._path is not None:
-            self._backend = _sqlite.SQLiteBackend(
-                self._path,
-                clock=self._clock,
+        self._engine = _engine.Engine(
+            location,
+            _engine.Options(
+                clock=clock,
                 synchronous=synchronous,
                 busy_timeout=self._busy_timeout,
-                max_batch=batch,
-                read_connections=readers,
-                read_only=read_only,
-            )
-        else:
-            from asyncplane import _postgres  # only a PostgreSQL store needs its driver
-
-            self._backend = _postgres.PostgresBackend(
-                location,
-                # Lease times come from the database server's clock unless one is given.
-                clock=clock,
-                server_clock=server_clock,
-                # NOTIFY from any host wakes this process's drainers as a local write does.
-                on_change=self._notify,
-                connect_timeout=self._busy_timeout,
-                max_batch=batch,
-                read_connections=readers,
-                read_only=read_only,
-            )
-        # Where the preflight's fingerprint backfill has got to, per scope it ran in.
-        self._backfill_after: dict[tuple[str | None, str | None], int] = {}
-        self._watchers: set[asyncio.Event] = set()
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._open_lock: asyncio.Lock | None = None
-        self._lock_loop: asyncio.AbstractEventLoop | None = None
-        self._is_open = False
+                max_batch=_validate.positive_int(max_batch, "max_batch"),
+                read_connections=_validate.positive_int(read_connections, "read_connections"),
+                read_only=_validate.boolean(read_only, "read_only"),
+                identity=self._identity,
+                max_payload_bytes=self._max_payload_bytes,
+                max_attempts=self._max_attempts,
+                retention=self._retention,
+                archive_path=self._archive_path,
+                archive_max_bytes=self._archive_max_bytes,
+                purge_chunk=self._purge_chunk,
+                purge_min_interval=self._purge_min_interval,
+            ),
+        )
 
     def __repr__(self) -> str:
-        state = "open" if self._is_open else "closed"
+        state = "open" if self._engine.is_open else "closed"
         return f"<ControlStore {self.location!r} {state}>"
 
     # --- configuration -------------------------------------------------------------------
@@ -226,11 +198,7 @@ class ControlStore:
     @property
     def location(self) -> str:
         """The database file's absolute path, or the PostgreSQL URL without its password."""
-        if self._path is not None:
-            return str(self._path)
-        from asyncplane import _postgres
-
-        return _postgres.redact(self._url or "")
+        return self._engine.location
 
     @property
     def archive_path(self) -> pathlib.Path | None:
@@ -249,9 +217,9 @@ class ControlStore:
         return self._lease_seconds
 
     @property
-    def clock(self) -> _clock.Clock:
+    def clock(self) -> Clock:
         """The clock leases and events are measured by."""
-        return self._clock
+        return self._engine.clock
 
     @property
     def identity(self) -> tuple[str, ...]:
@@ -272,7 +240,7 @@ class ControlStore:
 
     async def open(self) -> ControlStore:
         """Open the database (creating or migrating its schema); idempotent."""
-        await self._ready()
+        await self._engine.ready()
         return self
 
     async def close(self) -> None:
@@ -283,17 +251,7 @@ class ControlStore:
         has begun wait for it to finish, then open the store again. A closed store may be
         opened again, on any event loop.
         """
-        self._check_loop()
-        if self._loop is None:  # never opened, or closed already
-            return
-        async with self._lock():
-            if not self._is_open:
-                return
-            self._is_open = False
-            try:
-                await self._backend.close()
-            finally:
-                self._loop = None
+        await self._engine.close()
 
     async def __aenter__(self) -> ControlStore:
         return await self.open()
@@ -305,50 +263,6 @@ class ControlStore:
         tb: types.TracebackType | None,
     ) -> None:
         await self.close()
-
-    def _lock(self) -> asyncio.Lock:
-        """The lock that serialises opening and closing, made for the running loop."""
-        loop = asyncio.get_running_loop()
-        if self._open_lock is None or self._lock_loop is not loop:
-            self._open_lock, self._lock_loop = asyncio.Lock(), loop
-        return self._open_lock
-
-    def _check_loop(self) -> None:
-        loop = asyncio.get_running_loop()
-        if self._loop is not None and self._loop is not loop:
-            if self._loop.is_closed():
-                # The loop it was opened on has ended. asyncio.run cancelled the writer,
-                # which closed its connections; a loop closed without that leaves threads
-                # behind, which forget() stops. Either way: start afresh on this loop.
-                self._backend.forget()
-                self._is_open = False
-                self._loop = None
-                return
-            raise _errors.StoreClosed(
-                "this ControlStore was opened on another event loop; "
-                "close it there, or open one store per event loop"
-            )
-
-    async def _ready(self) -> _backend.Backend:
-        """The backend, opened on first use."""
-        if self._is_open and self._loop is asyncio.get_running_loop() and not self._backend.broken:
-            return self._backend  # the hot path: open, on its own loop
-        self._check_loop()
-        async with self._lock():
-            if self._is_open and self._backend.broken:
-                # The write connection was lost (a server restart, say): start afresh.
-                _log.warning("asyncplane: %s lost its connection; opening again", self.location)
-                self._is_open = False
-                await self._backend.close()
-            if not self._is_open:
-                self._loop = asyncio.get_running_loop()
-                try:
-                    await self._backend.open()
-                except BaseException:
-                    self._loop = None
-                    raise
-                self._is_open = True
-        return self._backend
 
     # --- projects and scope --------------------------------------------------------------
 
@@ -363,41 +277,41 @@ class ControlStore:
             _validate.name(name),
             _validate.project_status(status),
         )
-        await (await self._ready()).create_project(op)
+        await (await self._engine.ready()).create_project(op)
 
     async def set_project_status(self, project_id: str, status: str) -> None:
         """Change a project's status; UnknownProject if it does not exist."""
         project_id = _validate.text_id(project_id, "project_id")
         status = _validate.project_status(status)
-        await (await self._ready()).set_project_status(project_id, status)
-        self._notify()
+        await (await self._engine.ready()).set_project_status(project_id, status)
+        self._engine.notify()
 
     async def project(self, project_id: str) -> dict[str, Any]:
         """A project as a dict: project_id, name, status, created_at."""
         project_id = _validate.text_id(project_id, "project_id")
-        row = await (await self._ready()).get_project(project_id)
+        row = await (await self._engine.ready()).get_project(project_id)
         return _project_dict(row)
 
     async def projects(self) -> list[dict[str, Any]]:
         """Every project, ordered by id."""
-        return [_project_dict(row) for row in await (await self._ready()).list_projects()]
+        return [_project_dict(row) for row in await (await self._engine.ready()).list_projects()]
 
     async def assign(self, project_id: str, actor_id: str) -> None:
         """Let an actor see and work on a project (idempotent)."""
         project_id = _validate.text_id(project_id, "project_id")
         actor_id = _validate.text_id(actor_id, "actor_id")
-        await (await self._ready()).assign(project_id, actor_id)
+        await (await self._engine.ready()).assign(project_id, actor_id)
 
     async def unassign(self, project_id: str, actor_id: str) -> None:
         """Take a project away from an actor (idempotent)."""
         project_id = _validate.text_id(project_id, "project_id")
         actor_id = _validate.text_id(actor_id, "actor_id")
-        await (await self._ready()).unassign(project_id, actor_id)
+        await (await self._engine.ready()).unassign(project_id, actor_id)
 
     async def visible_projects(self, actor_id: str) -> list[str]:
         """The ids of the projects an actor is assigned to, in order."""
         actor_id = _validate.text_id(actor_id, "actor_id")
-        return await (await self._ready()).visible_projects(actor_id)
+        return await (await self._engine.ready()).visible_projects(actor_id)
 
     # --- items ---------------------------------------------------------------------------
 
@@ -451,16 +365,16 @@ class ControlStore:
             payload, priority, service_class, sla, fingerprint, max_attempts, not_before
         )
         project = _validate.text_id(project_id, "project_id")
-        item = self._new_item(job, _validate.boolean(dedup, "dedup"))
+        item = self._engine.new_item(job, _validate.boolean(dedup, "dedup"))
         op = _backend.EnqueueOp(project, (item,), _validate.optional_actor(actor_id))
-        ids = await (await self._ready()).enqueue(op)
-        self._notify()
+        ids = await (await self._engine.ready()).enqueue(op)
+        self._engine.notify()
         return ids[0]
 
     async def enqueue_many(
         self,
         project_id: str,
-        jobs: Iterable[dict[str, Any] | _models.Job],
+        jobs: Iterable[dict[str, Any] | Job],
         *,
         dedup: bool = True,
         actor_id: str | None = None,
@@ -487,31 +401,13 @@ class ControlStore:
                     f"jobs[{position}] must be a payload dict or a Job, not {type(job).__name__}"
                 )
             try:
-                items.append(self._new_item(spec, same))
+                items.append(self._engine.new_item(spec, same))
             except _errors.AsyncplaneError as exc:
                 raise type(exc)(f"jobs[{position}]: {exc}") from None
         op = _backend.EnqueueOp(project, tuple(items), _validate.optional_actor(actor_id))
-        ids = await (await self._ready()).enqueue(op)
-        self._notify()
+        ids = await (await self._engine.ready()).enqueue(op)
+        self._engine.notify()
         return ids
-
-    def _new_item(self, job: _models.Job, dedup: bool) -> _backend.NewItem:
-        """Check one job's fields and encode it for the backend."""
-        payload_json = _validate.encode_payload(job.payload, self._max_payload_bytes)
-        fp = _validate.fingerprint(job.fingerprint)
-        if fp is None and self._identity:
-            fp = _fingerprint.from_payload(job.payload, self._identity)
-        max_attempts = _validate.optional_positive_int(job.max_attempts, "max_attempts")
-        return _backend.NewItem(
-            payload_json,
-            _validate.priority(job.priority),
-            _validate.service_class(job.service_class),
-            _validate.instant(job.sla, "sla"),
-            fp,
-            dedup,
-            self._max_attempts if max_attempts is None else max_attempts,
-            _validate.instant(job.not_before, "not_before"),
-        )
 
     async def claim(
         self,
@@ -566,7 +462,7 @@ class ControlStore:
             _validate.optional_actor(actor_id),
             None if project_id is None else _validate.text_id(project_id, "project_id"),
         )
-        backend = await self._ready()
+        backend = await self._engine.ready()
         claims: list[ClaimedItem] = []
         for row in await backend.claim(op):
             try:
@@ -619,7 +515,7 @@ class ControlStore:
             else _validate.lease_seconds(lease_seconds),
             _validate.optional_actor(actor_id),
         )
-        expires = await (await self._ready()).renew(op)
+        expires = await (await self._engine.ready()).renew(op)
         return _models.from_timestamp(expires)
 
     async def finish(
@@ -661,8 +557,8 @@ class ControlStore:
             None if result is None else _validate.encode_result(result, self._max_result_bytes),
             _validate.error_text(error),
         )
-        await (await self._ready()).finish(op)
-        self._notify()  # a settled item frees its waiting twins
+        await (await self._engine.ready()).finish(op)
+        self._engine.notify()  # a settled item frees its waiting twins
 
     async def retry(
         self,
@@ -693,8 +589,8 @@ class ControlStore:
             self._retry_backoff_max,
             self._rng.random(),
         )
-        state = await (await self._ready()).retry(op)
-        self._notify()  # it may be due at once, or settle a twin's wait
+        state = await (await self._engine.ready()).retry(op)
+        self._engine.notify()  # it may be due at once, or settle a twin's wait
         return state
 
     async def park(
@@ -714,8 +610,8 @@ class ControlStore:
             _validate.optional_actor(actor_id),
             _validate.delay(delay, "delay"),
         )
-        await (await self._ready()).park(op)
-        self._notify()
+        await (await self._engine.ready()).park(op)
+        self._engine.notify()
 
     async def offload(
         self, item_id: int, *, fence: int, handle: str, actor_id: str | None = None
@@ -735,11 +631,11 @@ class ControlStore:
             _validate.optional_actor(actor_id),
             _validate.text_id(handle, "handle"),
         )
-        await (await self._ready()).offload(op)
+        await (await self._engine.ready()).offload(op)
 
     async def offloaded(self, handle: str, *, actor_id: str | None = None) -> list[dict[str, Any]]:
         """The items offloaded to ``handle``, each as `item` returns it (fence included)."""
-        rows = await (await self._ready()).offloaded(
+        rows = await (await self._engine.ready()).offloaded(
             _validate.text_id(handle, "handle"), _validate.optional_actor(actor_id)
         )
         return [_item_dict(row) for row in rows]
@@ -754,35 +650,13 @@ class ControlStore:
         a "done" event naming the twin. Returns how many items it settled.
         """
         chunk = _validate.positive_int(chunk, "chunk")
-        self._backfill_after.pop((None, None), None)  # a full pass: every item again
+        self._engine.restart_backfill()  # a full pass: every item again
         settled = 0
         while True:
-            count, more = await self._preflight_step(chunk)
+            count, more = await self._engine.preflight_step(chunk)
             settled += count
             if not more:
                 return settled
-
-    async def _preflight_step(
-        self, chunk: int, *, project_id: str | None = None, actor_id: str | None = None
-    ) -> tuple[int, bool]:
-        """One bounded step of preflight dedup: (items settled, whether work may remain).
-
-        Looks at most ``chunk`` items for missing fingerprints, continuing where the last
-        step in the same scope stopped, then settles at most ``chunk`` pending twins of
-        done items; only within ``project_id`` / ``actor_id`` when given. The drain loop
-        takes one step per round, so preflight never holds a round up.
-        """
-        backend = await self._ready()
-        op = _backend.PreflightOp(chunk, project_id, actor_id)
-        seen = 0
-        if self._identity:
-            scope = (project_id, actor_id)
-            after, seen = await backend.backfill_fingerprints(
-                op, self._backfill_after.get(scope, 0), self._identity
-            )
-            self._backfill_after[scope] = after
-        settled = await backend.settle_pending_twins(op)
-        return settled, seen == chunk or settled == chunk
 
     # --- operating --------------------------------------------------------------------------
 
@@ -793,7 +667,7 @@ class ControlStore:
         chunk: int | None = None,
         archive_path: str | os.PathLike[str] | None = None,
         progress: Callable[[int], None] | None = None,
-    ) -> _retention.PurgeSummary:
+    ) -> PurgeSummary:
         """Archive, then delete, done and failed items last changed before ``retention``.
 
         Each chunk of items, with all their events, is appended to the JSONL archive and
@@ -824,37 +698,14 @@ class ControlStore:
                 "a PostgreSQL store has no file to put its archive beside: pass archive_path"
             )
         return await _retention.purge(
-            self,
+            await self._engine.ready(),
+            self.clock,
             seconds,
             chunk=self._purge_chunk if chunk is None else _validate.positive_int(chunk, "chunk"),
             archive_path=target,
             archive_max_bytes=self._archive_max_bytes,
             progress=progress,
         )
-
-    async def _maybe_purge(self, max_chunks: int = 20) -> int:
-        """The drain loop's retention: at most every purge_min_interval_s, a bounded purge."""
-        if self._retention is None or self._archive_path is None:
-            return 0
-        now = time.monotonic()
-        if self._last_purge is not None and now - self._last_purge < self._purge_min_interval:
-            return 0
-        self._last_purge = now
-        try:
-            done = await _retention.purge(
-                self,
-                self._retention,
-                chunk=self._purge_chunk,
-                archive_path=self._archive_path,
-                archive_max_bytes=self._archive_max_bytes,
-                max_chunks=max_chunks,
-            )
-        except _errors.ArchiveError as exc:
-            # The archive cannot be written (a missing directory, a full disk): nothing was
-            # deleted, the work goes on, and the next interval tries again.
-            _log.warning("asyncplane: purge skipped, the archive failed: %s", exc)
-            return 0
-        return done.purged
 
     async def import_pending(
         self,
@@ -867,7 +718,7 @@ class ControlStore:
         drop_source: bool = False,
         chunk: int = 1000,
         progress: Callable[[int], None] | None = None,
-    ) -> _import.ImportSummary:
+    ) -> ImportSummary:
         """Copy the pending rows of a table in another SQLite database into this store, once.
 
         Only rows that are not terminal are copied (with ``columns["state"]``, those whose
@@ -889,7 +740,7 @@ class ControlStore:
             progress: Called with the number of source rows seen so far.
         """
         return await _import.import_pending(
-            self, source_path, table=table, columns=columns, project_id=project_id,
+            self._engine, source_path, table=table, columns=columns, project_id=project_id,
             pending=pending, drop_source=_validate.boolean(drop_source, "drop_source"),
             chunk=chunk, progress=progress,
         )  # fmt: skip
@@ -902,14 +753,14 @@ class ControlStore:
         None), ``expired_leases`` (claims whose lease lapsed, waiting to be taken over),
         ``offloaded``, ``database_bytes``, ``wal_bytes``, ``schema_version``, ``path``.
         """
-        raw = await (await self._ready()).stats()
+        raw = await (await self._engine.ready()).stats()
         states = dict.fromkeys(_models.ITEM_STATES, 0)
         projects: dict[str, dict[str, int]] = {}
         for project, state, count in raw.states_by_project:
             states[state] = states.get(state, 0) + count
             projects.setdefault(project, dict.fromkeys(_models.ITEM_STATES, 0))[state] = count
-        sizes = await (await self._ready()).sizes()
-        now = self._clock.now()
+        sizes = await (await self._engine.ready()).sizes()
+        now = self.clock.now()
         return {
             "path": self.location,
             "schema_version": raw.schema_version,
@@ -935,7 +786,7 @@ class ControlStore:
         """
         project = None if project_id is None else _validate.text_id(project_id, "project_id")
         actor = _validate.optional_actor(actor_id)
-        due = await (await self._ready()).next_due(project, actor)
+        due = await (await self._engine.ready()).next_due(project, actor)
         return _optional_time(due)
 
     async def counts(
@@ -945,31 +796,8 @@ class ControlStore:
         projects assigned to ``actor_id``, or of the whole store."""
         project = None if project_id is None else _validate.text_id(project_id, "project_id")
         actor = _validate.optional_actor(actor_id)
-        found = await (await self._ready()).count_states(project, actor)
+        found = await (await self._engine.ready()).count_states(project, actor)
         return {state: found.get(state, 0) for state in _models.ITEM_STATES}
-
-    # --- change notification (for the drain loop) ----------------------------------------
-
-    def _watch(self) -> asyncio.Event:
-        """An event set whenever this store writes something that may be claimable."""
-        event = asyncio.Event()
-        self._watchers.add(event)
-        return event
-
-    def _unwatch(self, event: asyncio.Event) -> None:
-        self._watchers.discard(event)
-
-    def _notify(self) -> None:
-        for event in self._watchers:
-            event.set()
-
-    def _drain_guard(self) -> contextlib.AbstractAsyncContextManager[bool]:
-        """The backend's single-drainer guard (a lock file, or an advisory lock)."""
-        return self._backend.drain_guard()
-
-    async def _data_version(self) -> int:
-        """A number that changes whenever another connection commits to the file."""
-        return await (await self._ready()).data_version()
 
     async def item(self, item_id: int, *, actor_id: str | None = None) -> dict[str, Any]:
         """The item's current row as a dict.
@@ -985,7 +813,7 @@ class ControlStore:
         """
         item_id = _validate.item_id(item_id)
         actor = _validate.optional_actor(actor_id)
-        row = await (await self._ready()).get_item(item_id, actor)
+        row = await (await self._engine.ready()).get_item(item_id, actor)
         return _item_dict(row)
 
     async def events(self, item_id: int, *, actor_id: str | None = None) -> list[dict[str, Any]]:
@@ -1000,7 +828,7 @@ class ControlStore:
         """
         item_id = _validate.item_id(item_id)
         actor = _validate.optional_actor(actor_id)
-        rows = await (await self._ready()).get_events(item_id, actor)
+        rows = await (await self._engine.ready()).get_events(item_id, actor)
         return [
             {
                 "event_id": row.event_id,
@@ -1018,8 +846,10 @@ class ControlStore:
         ]
 
 
-def _postgres_url(location: str) -> bool:
-    return location.startswith(("postgresql://", "postgres://"))
+def engine_of(store: ControlStore) -> _engine.Engine:
+    """The engine beneath a store: what drain, retention, import, copy, the ledger check
+    and the probe work through."""
+    return store._engine
 
 
 def _optional_time(value: float | None) -> datetime | None:

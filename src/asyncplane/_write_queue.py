@@ -2,9 +2,16 @@
 
 Callers `submit` an operation and wait for its own outcome. One task per store, the
 writer, takes every request waiting when it is free (up to ``max_batch``) and serves them
-together in one round: one transaction, group-committed. How a round runs is the
-backend's (`asyncplane._writer` for SQLite, `asyncplane._postgres_writer` for
-PostgreSQL); so is closing its connection.
+together in one round: one transaction, group-committed. How a round begins, runs and
+commits is the backend's (`asyncplane._writer` for SQLite, `asyncplane._postgres_writer`
+for PostgreSQL); so is closing its connection. What a round is made of is shared:
+
+* **Units.** Consecutive requests of the same `Grouped` kind (claims with the same
+  filters, finishes) run as one unit, one call that answers for each member (`units`);
+  every other request is a unit by itself.
+* **Outcomes.** A unit's answer for a member is a value, or a refusal that wrote nothing,
+  carried as `Raised` so the others of the round still commit (`outcomes`); `deliver`
+  hands each caller its own outcome.
 
 Stopping is never a cancellation of a round. `stop` lets the writer serve what is queued
 and leave; if the writer task is cancelled instead (the event loop shutting down), the
@@ -18,12 +25,24 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from collections.abc import Awaitable, Callable, Container, Iterable, Sequence
+from typing import Any, Generic, TypeVar
 
-from asyncplane import _errors
+from asyncplane import _clock, _errors
 
-__all__ = ("Request", "WriterBase")
+__all__ = (
+    "Grouped",
+    "Raised",
+    "Request",
+    "WriterBase",
+    "call_unit",
+    "caused",
+    "connection_failed",
+    "deliver",
+    "outcomes",
+    "round_failed",
+    "units",
+)
 
 T = TypeVar("T")
 
@@ -33,16 +52,123 @@ _log = logging.getLogger("asyncplane")
 Request = tuple[Any, "asyncio.Future[Any]"]
 
 
+class Raised:
+    """Marks an operation's error among the outcomes of a round."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+class Grouped(Generic[T]):
+    """A write request the writer may run together with its like.
+
+    Requests with the same ``group_key`` that meet in one round run as one call,
+    ``many([op, ...], conn, now)``, which answers for each of them in order: a value, or
+    an AsyncplaneError instance for a refusal that wrote nothing. ``many`` is a plain
+    function on SQLite (it runs on the connection's thread) and a coroutine function on
+    PostgreSQL; `run` returns what it returns.
+    """
+
+    __slots__ = ("group_key", "many", "op")
+
+    def __init__(self, group_key: tuple[Any, ...], op: Any, many: Callable[..., Any]) -> None:
+        self.group_key = group_key
+        self.op = op
+        self.many = many
+
+    def run(self, members: Sequence[Any], conn: Any, now: float) -> Any:
+        """``many`` for ``members`` (this request first among them)."""
+        return self.many([member.op for member in members], conn, now)
+
+
+def units(ops: Sequence[Any], todo: Iterable[int], alone: Container[int] = ()) -> list[list[int]]:
+    """Split ``todo`` into units: consecutive `Grouped` requests that share a
+    ``group_key`` form one; every other request, and every one in ``alone`` (a member of
+    a unit that broke, going again on its own), is a unit by itself."""
+    result: list[list[int]] = []
+    last_key: tuple[Any, ...] | None = None
+    for index in todo:
+        op = ops[index]
+        key = op.group_key if isinstance(op, Grouped) and index not in alone else None
+        if key is not None and key == last_key:
+            result[-1].append(index)
+        else:
+            result.append([index])
+        last_key = key
+    return result
+
+
+def call_unit(ops: Sequence[Any], unit: Sequence[int], conn: Any, now: float) -> tuple[Any, bool]:
+    """Start one unit on ``conn``: what its call returned (on PostgreSQL, an awaitable),
+    and whether that answers for a group (see `outcomes`)."""
+    first = ops[unit[0]]
+    if isinstance(first, Grouped):
+        return first.run([ops[index] for index in unit], conn, now), True
+    return first(conn, now), False
+
+
+def outcomes(result: Any, grouped: bool) -> list[Any]:
+    """A unit's outcomes: a single request's result, or a group's answers with each
+    refusal it returned (having written nothing for it) as `Raised`."""
+    if not grouped:
+        return [result]
+    return [Raised(r) if isinstance(r, _errors.AsyncplaneError) else r for r in result]
+
+
+def round_failed(exc: BaseException) -> _errors.StorageError:
+    """What every caller of a round hears when the round failed outside any operation
+    (the clock raised, say): nothing of it was saved; the writer goes on."""
+    return caused(_errors.StorageError(f"the write round failed: {exc!r}"), exc)
+
+
+def connection_failed(batch: Sequence[Request], exc: BaseException) -> None:
+    """The write connection broke under a round: every caller still waiting hears of
+    it (and the writer stops)."""
+    error = caused(_errors.StorageError(f"the store's write connection failed: {exc!r}"), exc)
+    for _, future in batch:
+        if not future.done():
+            future.set_exception(error)
+
+
+E = TypeVar("E", bound=BaseException)
+
+
+def caused(error: E, cause: BaseException) -> E:
+    """``error`` with ``cause`` as its ``__cause__`` (as ``raise error from cause`` would
+    set it), for errors handed to callers rather than raised here."""
+    error.__cause__ = cause
+    return error
+
+
+def deliver(batch: Sequence[Request], outcomes: Sequence[Any]) -> None:
+    """On the event loop: hand each caller its own outcome (one cancelled while its round
+    ran gets nothing: the round stands)."""
+    for (_, future), outcome in zip(batch, outcomes, strict=True):
+        if future.done():
+            continue
+        if isinstance(outcome, Raised):
+            future.set_exception(outcome.error)
+        else:
+            future.set_result(outcome)
+
+
 class WriterBase:
-    """A store's request queue and the task that serves it in rounds."""
+    """A store's request queue and the task that serves it in rounds, on ``conn`` (the
+    one write connection), with "now" from ``clock`` (None: the backend's own)."""
 
     def __init__(
         self,
+        conn: Any,
+        clock: _clock.Clock | None,
         *,
         name: str,
-        max_batch: int,
-        on_exit: Callable[[bool], Awaitable[None]] | None,
+        max_batch: int = 256,
+        on_exit: Callable[[bool], Awaitable[None]] | None = None,
     ) -> None:
+        self._conn = conn
+        self._clock = clock
         self._name = name
         self._max_batch = max_batch
         self._on_exit = on_exit
@@ -51,6 +177,9 @@ class WriterBase:
         self._stopping = False
         self._failure: BaseException | None = None
         self._task: asyncio.Task[None] | None = None
+        #: Rounds run and requests served; read by tests and benchmarks.
+        self.rounds = 0
+        self.requests = 0
 
     # --- what a backend's writer provides ----------------------------------------------
 
@@ -63,6 +192,10 @@ class WriterBase:
 
     async def _close(self) -> None:
         """Close the write connection (the last thing the writer does)."""
+        raise NotImplementedError
+
+    def _drop(self) -> None:
+        """Let go of the connection at once, without the event loop (see `abandon`)."""
         raise NotImplementedError
 
     # --- the shared part -----------------------------------------------------------------
@@ -79,6 +212,11 @@ class WriterBase:
         # cause); here it is logged once, and marked as seen so asyncio does not complain.
         if not task.cancelled() and task.exception() is not None:
             _log.error("asyncplane writer %s stopped", self._name, exc_info=task.exception())
+
+    def abandon(self) -> None:
+        """Drop the connection without the event loop, which has already ended."""
+        self._stopping = True
+        self._drop()
 
     @property
     def running(self) -> bool:

@@ -40,57 +40,40 @@ from __future__ import annotations
 import asyncio
 import sqlite3
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import aiosqlite
 
 from asyncplane import _clock, _connection, _errors, _write_queue
 
-__all__ = ("Operation", "Writer")
+__all__ = ("Operation", "Write", "Writer")
 
 T = TypeVar("T")
 
 #: A write operation: runs on the connection's thread inside the writer's transaction.
 Operation = Callable[[sqlite3.Connection, float], T]
+#: What a backend submits: an operation, or a request the round may group with its like.
+Write = Operation[T] | _write_queue.Grouped[T]
 
-_Request = tuple[Operation[Any], "asyncio.Future[Any]"]
+_Request = tuple[Write[Any], "asyncio.Future[Any]"]
 
 
 class Writer(_write_queue.WriterBase):
-    """Serialises and group-commits the writes of one store on one connection."""
+    """SQLite's rounds: ``BEGIN IMMEDIATE`` on the write connection's thread, each
+    request isolated by ``total_changes``, one COMMIT, outcomes handed over from there."""
 
-    def __init__(
-        self,
-        conn: aiosqlite.Connection,
-        clock: _clock.Clock,
-        *,
-        name: str,
-        max_batch: int = 256,
-        on_exit: Callable[[bool], Awaitable[None]] | None = None,
-    ) -> None:
-        super().__init__(name=name, max_batch=max_batch, on_exit=on_exit)
-        self._conn = conn
-        self._clock = clock
-        #: Rounds run, requests served, and requests in the round now on the thread;
-        #: read by tests and benchmarks.
-        self.rounds = 0
-        self.requests = 0
-        self.in_flight = 0
-        #: Seconds spent waiting for the database's write lock (BEGIN IMMEDIATE): the
-        #: longest single wait, and the sum over rounds; the probe reports the longest.
-        self.max_lock_wait = 0.0
-        self.total_lock_wait = 0.0
+    _conn: aiosqlite.Connection
+    _clock: _clock.Clock
+    #: Requests in the round now on the thread; read by tests and benchmarks.
+    in_flight = 0
+    #: Seconds spent waiting for the database's write lock (BEGIN IMMEDIATE): the longest
+    #: single wait, and the sum over rounds; the probe reports the longest.
+    max_lock_wait = 0.0
+    total_lock_wait = 0.0
 
-    async def submit(self, op: Operation[T]) -> T:
-        """Queue one operation and wait for its own result or error."""
-        result: T = await super().submit(op)
-        return result
-
-    def abandon(self) -> None:
-        """Stop the connection's thread without the event loop, which has already ended."""
-        self._stopping = True
-        self._conn.stop()
+    def _drop(self) -> None:
+        self._conn.stop()  # the connection's thread ends; no loop is left to close it
 
     async def _serve(self, batch: list[_Request]) -> None:
         await self._round(batch)
@@ -112,11 +95,7 @@ class Writer(_write_queue.WriterBase):
         except asyncio.CancelledError:
             raise
         except BaseException as exc:  # the round itself broke (connection closed, a bug)
-            error = _errors.StorageError(f"the store's write connection failed: {exc!r}")
-            error.__cause__ = exc
-            for _, future in batch:
-                if not future.done():
-                    future.set_exception(error)
+            _write_queue.connection_failed(batch, exc)
             raise
         finally:
             self.in_flight = 0
@@ -127,28 +106,11 @@ def _deliver(writer: Writer, batch: list[_Request], outcomes: list[Any], lock_wa
     writer.in_flight = 0
     writer.total_lock_wait += lock_wait
     writer.max_lock_wait = max(writer.max_lock_wait, lock_wait)
-    for (_, future), outcome in zip(batch, outcomes, strict=True):
-        if future.done():  # cancelled while its round ran; the round stands
-            continue
-        if isinstance(outcome, _Raised):
-            future.set_exception(outcome.error)
-        else:
-            future.set_result(outcome)
-
-
-class _Raised:
-    """Marks an operation's error among the results of a round."""
-
-    __slots__ = ("error",)
-
-    def __init__(self, error: BaseException) -> None:
-        self.error = error
+    _write_queue.deliver(batch, outcomes)
 
 
 def _translated(exc: sqlite3.Error) -> _errors.StorageError:
-    err = _errors.translate_sqlite(exc)
-    err.__cause__ = exc
-    return err
+    return _write_queue.caused(_connection.translate(exc), exc)
 
 
 def _rollback(db: sqlite3.Connection) -> None:
@@ -173,45 +135,20 @@ def _execute_round(
         outcomes, lock_wait = _transact([op for op, _ in batch], db, clock)
     except Exception as exc:  # outside any operation (the clock, say): fail the round only
         _rollback(db)
-        error = _errors.StorageError(f"the write round failed: {exc!r}")
-        error.__cause__ = exc
-        outcomes, lock_wait = [_Raised(error)] * len(batch), 0.0
+        outcomes = [_write_queue.Raised(_write_queue.round_failed(exc))] * len(batch)
+        lock_wait = 0.0
     loop.call_soon_threadsafe(_deliver, writer, batch, outcomes, lock_wait)
 
 
-def _units(ops: list[Operation[Any]], todo: list[int], alone: set[int]) -> list[list[int]]:
-    """Split ``todo`` into runs to execute together: consecutive ops that share a
-    ``group_key`` form one run (a combined claim, say); every other op, and every op in
-    ``alone`` (a member of a run that broke), runs by itself."""
-    units: list[list[int]] = []
-    for index in todo:
-        key = None if index in alone else getattr(ops[index], "group_key", None)
-        last = units[-1][0] if units else None
-        if (
-            last is not None
-            and key is not None
-            and last not in alone
-            and getattr(ops[last], "group_key", None) == key
-        ):
-            units[-1].append(index)
-        else:
-            units.append([index])
-    return units
-
-
 def _run_unit(
-    ops: list[Operation[Any]], unit: list[int], db: sqlite3.Connection, now: float
+    ops: list[Write[Any]], unit: list[int], db: sqlite3.Connection, now: float
 ) -> list[Any]:
-    """The outcomes of one run: each a value, or a _Raised refusal that wrote nothing."""
-    if len(unit) == 1:
-        return [ops[unit[0]](db, now)]
-    group: Any = ops[unit[0]]
-    results = group.run_group([ops[index] for index in unit], db, now)
-    return [_Raised(r) if isinstance(r, _errors.AsyncplaneError) else r for r in results]
+    """The outcomes of one unit: each a value, or a Raised refusal that wrote nothing."""
+    return _write_queue.outcomes(*_write_queue.call_unit(ops, unit, db, now))
 
 
 def _transact(
-    ops: list[Operation[Any]], db: sqlite3.Connection, clock: _clock.Clock
+    ops: list[Write[Any]], db: sqlite3.Connection, clock: _clock.Clock
 ) -> tuple[list[Any], float]:
     """One transaction for all ops, isolating each op's failure.
 
@@ -233,30 +170,30 @@ def _transact(
         except sqlite3.Error as exc:
             error = _translated(exc)
             for index in todo:
-                outcomes[index] = _Raised(error)
+                outcomes[index] = _write_queue.Raised(error)
             return outcomes, max(lock_wait, time.perf_counter() - asked)
         lock_wait = max(lock_wait, time.perf_counter() - asked)
         now = clock.now()
         broken: list[int] | None = None  # the run that spoiled the transaction
-        for unit in _units(ops, todo, alone):
+        for unit in _write_queue.units(ops, todo, alone):
             before = db.total_changes
             try:
                 for index, outcome in zip(unit, _run_unit(ops, unit, db, now), strict=True):
                     outcomes[index] = outcome
             except _errors.AsyncplaneError as exc:
                 for index in unit:
-                    outcomes[index] = _Raised(exc)
+                    outcomes[index] = _write_queue.Raised(exc)
                 if db.total_changes != before:  # refused after writing: not isolated
                     broken = unit
                     break
             except sqlite3.Error as exc:
                 for index in unit:
-                    outcomes[index] = _Raised(_translated(exc))
+                    outcomes[index] = _write_queue.Raised(_translated(exc))
                 broken = unit
                 break
             except Exception as exc:  # a bug in an operation: report it to its caller
                 for index in unit:
-                    outcomes[index] = _Raised(exc)
+                    outcomes[index] = _write_queue.Raised(exc)
                 broken = unit
                 break
         if broken is None:
@@ -266,8 +203,8 @@ def _transact(
                 _rollback(db)
                 error = _translated(exc)
                 for index in todo:
-                    if not isinstance(outcomes[index], _Raised):
-                        outcomes[index] = _Raised(error)
+                    if not isinstance(outcomes[index], _write_queue.Raised):
+                        outcomes[index] = _write_queue.Raised(error)
                 return outcomes, lock_wait
             return outcomes, lock_wait
         # Undo everything this round wrote and run the others again without the culprit.

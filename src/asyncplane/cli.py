@@ -26,12 +26,11 @@ import datetime as dt
 import json
 import pathlib
 import re
-import sqlite3
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from asyncplane import __version__, _copy, _errors, _ledger, _sqlite_sql, _store, probe
+from asyncplane import __version__, _copy, _engine, _errors, _ledger, _sqlite, _store, probe
 
 __all__ = ("main", "parse_duration")
 
@@ -142,29 +141,15 @@ def _check_is_a_store(location: str) -> None:
     """Refuse, before opening anything, a file that is not an asyncplane store (an empty
     file included: the store would create its schema in it). A PostgreSQL schema is
     checked by the store itself, when it opens it read-only."""
-    if probe.is_url(location):
+    if _engine.is_postgres_url(location):
         return
     path = pathlib.Path(location)
     if not path.is_file():
         raise _Usage(f"no such file: {path}")
-    with path.open("rb") as file:
-        header = file.read(72)
-    if len(header) < 72 or not header.startswith(b"SQLite format 3\x00"):
-        raise _Usage(f"{path} is not an asyncplane store (not an SQLite database)")
-    if int.from_bytes(header[68:72], "big") == _sqlite_sql.APPLICATION_ID:
-        return
-    # The header on disk may be stale: a store that is open, or was not closed cleanly,
-    # can still hold its first pages in the WAL. Ask SQLite, which reads through it.
     try:
-        conn = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True, timeout=30)
-        try:
-            (application_id,) = conn.execute("PRAGMA application_id").fetchone()
-        finally:
-            conn.close()
-    except sqlite3.Error as exc:
+        _sqlite.vet_store_file(path)
+    except _errors.StorageError as exc:
         raise _Usage(f"{path} is not an asyncplane store ({exc})") from exc
-    if application_id != _sqlite_sql.APPLICATION_ID:
-        raise _Usage(f"{path} is not an asyncplane store (another application's database)")
 
 
 async def _run(args: argparse.Namespace) -> int:

@@ -56,7 +56,7 @@ import time
 from collections.abc import Sequence
 from typing import Any, TextIO
 
-from asyncplane import _clock, _errors, _ledger, _store, _validate
+from asyncplane import _clock, _engine, _errors, _ledger, _probe_support, _store, _validate
 
 __all__ = (
     "NETWORK_FILESYSTEMS",
@@ -136,17 +136,12 @@ class ProbeReport:
 # --- the filesystem check ------------------------------------------------------------------
 
 
-def is_url(store: str | os.PathLike[str]) -> bool:
-    """True when ``--store`` names a PostgreSQL database rather than a file."""
-    return os.fspath(store).startswith(("postgresql://", "postgres://"))
-
-
 def filesystem_of(path: str | os.PathLike[str]) -> str:
     """The type of the filesystem holding ``path`` (Linux: from /proc/self/mountinfo).
 
     Returns "" where it cannot be told, and "postgresql" for a database URL.
     """
-    if is_url(path):
+    if _engine.is_postgres_url(path):
         return "postgresql"
     target = os.path.realpath(os.path.dirname(os.path.abspath(os.fspath(path))))
     try:
@@ -298,7 +293,7 @@ async def _check(
     workers: Sequence[_Worker],
 ) -> None:
     """Count duplicates, lost items, locked errors and ledger problems after a run."""
-    backend = await store._ready()
+    backend = await _store.engine_of(store).ready()
     tally = await backend.tally()
     finished_by: dict[int, list[tuple[str, int]]] = collections.defaultdict(list)
     for worker in workers:
@@ -656,10 +651,8 @@ async def run_probe(args: argparse.Namespace, *, progress: TextIO = sys.stderr) 
 async def _wait_for_store(url: str, wait_seconds: float) -> None:
     """A worker host opens nothing before the coordinator has made the store (its opening
     would make the schema look used, and the coordinator insists on a fresh one)."""
-    from asyncplane import _postgres
-
     deadline = time.monotonic() + wait_seconds
-    while await _postgres.schema_is_empty(url):
+    while await _probe_support.schema_is_empty(url):
         if time.monotonic() > deadline:
             raise _errors.InvalidInput(
                 f"no store appeared within {wait_seconds:g} s: start the coordinator "
@@ -706,14 +699,12 @@ def _parser(prog: str) -> argparse.ArgumentParser:
         default=3600.0,
         help="how long a coordinator waits for the drain, and a worker for the items",
     )
-    parser.add_argument(
-        "--fault", choices=("duplicate-finish", "delete-item"), help=argparse.SUPPRESS
-    )
+    parser.add_argument("--fault", choices=_probe_support.FAULTS, help=argparse.SUPPRESS)
     return parser
 
 
 def _prepare_path(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
-    if is_url(args.store):
+    if _engine.is_postgres_url(args.store):
         if args.role != "worker":
             asyncio.run(_prepare_schema(args, parser))
         return
@@ -728,17 +719,15 @@ def _prepare_path(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
 
 
 async def _prepare_schema(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
-    from asyncplane import _postgres  # only a PostgreSQL probe needs the driver
-
     try:
-        fresh = await _postgres.schema_is_empty(args.store)
+        fresh = await _probe_support.schema_is_empty(args.store)
         if not fresh:
             if not args.overwrite:
                 parser.error(
                     "the schema holds a store already; the probe needs a fresh one "
                     "(another search_path, or --overwrite to drop this store's tables)"
                 )
-            await _postgres.drop_store(args.store)
+            await _probe_support.drop_store(args.store)
     except _errors.AsyncplaneError as exc:
         parser.error(str(exc))
 
@@ -794,7 +783,7 @@ def main(argv: Sequence[str] | None = None, *, prog: str = "python -m asyncplane
         parser.error("--lease-seconds must be positive, and at most 366 days")
     if args.role != "all" and args.scenario not in SPREADABLE:
         parser.error(f"--role {args.role} is for {' and '.join(SPREADABLE)} only")
-    if args.role != "all" and not is_url(args.store):
+    if args.role != "all" and not _engine.is_postgres_url(args.store):
         parser.error("--role is for a PostgreSQL store: an SQLite file lives on one host")
     _prepare_path(args, parser)
     warning = network_filesystem_warning(args.store, filesystem_of(args.store))

@@ -112,8 +112,11 @@ async def asyncplane_store_factory(
         if name not in schemas:
             digest = hashlib.sha1(f"{request.node.nodeid}/{name}".encode()).hexdigest()[:16]
             schemas[name] = f"t_{digest}_{os.getpid()}"
-            await _admin(server, "DROP SCHEMA IF EXISTS {0} CASCADE; CREATE SCHEMA {0}",
-                         schemas[name])  # fmt: skip
+            # The schema name is made here from a digest: letters, digits and underscores.
+            schema = schemas[name]
+            await testing.execute_sql(
+                server, f"DROP SCHEMA IF EXISTS {schema} CASCADE; CREATE SCHEMA {schema}"
+            )
         return testing.with_schema(server, schemas[name])
 
     async def open_store(name: str = "asyncplane.db", **options: Any) -> _store.ControlStore:
@@ -133,18 +136,7 @@ async def asyncplane_store_factory(
             await store.close()
         if server is not None:
             for schema in schemas.values():
-                await _admin(server, "DROP SCHEMA IF EXISTS {0} CASCADE", schema)
-
-
-async def _admin(url: str, statement: str, schema: str) -> None:
-    import asyncpg
-
-    conn = await asyncpg.connect(url)
-    try:
-        # The schema name is made here from a digest: letters, digits and underscores.
-        await conn.execute(statement.format(schema))
-    finally:
-        await conn.close()
+                await testing.execute_sql(server, f"DROP SCHEMA IF EXISTS {schema} CASCADE")
 
 
 @_async_fixture

@@ -36,7 +36,13 @@ import threading
 import types
 import urllib.parse
 
-__all__ = ("DEFAULT_START", "ManualClock", "PostgresCluster", "with_schema")
+__all__ = (
+    "DEFAULT_START",
+    "ManualClock",
+    "PostgresCluster",
+    "execute_sql",
+    "with_schema",
+)
 
 DEFAULT_START = dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc)
 """Where a ManualClock starts unless told otherwise: 2026-01-01T00:00:00Z."""
@@ -224,6 +230,19 @@ class PostgresCluster:
         tb: types.TracebackType | None,
     ) -> None:
         self.stop()
+
+
+async def execute_sql(url: str, statement: str) -> None:
+    """Run ``statement`` (one or several, ``;``-separated) on the PostgreSQL server at
+    ``url``, on a connection of its own, closed after: for fixtures that make and drop
+    schemas. Needs the ``postgres`` extra."""
+    import asyncpg
+
+    conn = await asyncpg.connect(url)
+    try:
+        await conn.execute(statement)
+    finally:
+        await conn.close()
 
 
 def with_schema(url: str, schema: str) -> str:

@@ -23,7 +23,8 @@ async def main(path: str, archive: str) -> None:
             await asyncio.Event().wait()  # the test kills the process here
 
         await _retention.purge(
-            store,
+            await store._engine.ready(),
+            store.clock,
             0.0,
             chunk=3,
             archive_path=pathlib.Path(archive),

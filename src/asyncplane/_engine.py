@@ -1,0 +1,292 @@
+"""The engine: what a `ControlStore` is made of beneath its public face.
+
+`ControlStore` checks arguments and turns public values into operations; the engine holds
+what those operations run on, and what the store's companions (drain, retention, import,
+copy, the ledger check, the probe) need of a store, so none of them reaches into the
+store's private attributes:
+
+* **The backend**, made here from the location (`backend_for`: the one place that tells
+  an SQLite path from a PostgreSQL URL), opened on first use on the running event loop
+  (`ready`), closed by `close`.
+* **The encoder** (`new_item`): a job's fields checked and encoded for the backend, its
+  fingerprint derived from the store's ``identity``.
+* **Change notification** (`watch`, `notify`): events set whenever this store writes
+  something that may be claimable (and, on PostgreSQL, whenever another host does), so a
+  waiting drainer wakes at once.
+* **Housekeeping the drain loop runs a step of each round**: the preflight's fingerprint
+  backfill and twin settlement (`preflight_step`) and the throttled purge (`maybe_purge`).
+
+An engine is bound to the event loop that opened it (its writer task lives there).
+asyncplane runs on asyncio, anyio's asyncio backend included; under another event loop
+(trio) every call raises `NotOnAsyncio`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import os
+import pathlib
+import time
+from typing import Literal
+
+from asyncplane import _backend, _clock, _errors, _fingerprint, _models, _retention, _validate
+
+__all__ = ("Engine", "Options", "backend_for", "is_postgres_url")
+
+_log = logging.getLogger("asyncplane")
+
+
+def is_postgres_url(location: str | os.PathLike[str]) -> bool:
+    """Whether a store location names a PostgreSQL schema (a URL) rather than a file."""
+    return os.fspath(location).startswith(("postgresql://", "postgres://"))
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """A store's settings, checked already, as the engine and its backend need them."""
+
+    clock: _clock.Clock | None
+    synchronous: Literal["NORMAL", "FULL"]
+    busy_timeout: float
+    max_batch: int
+    read_connections: int
+    read_only: bool
+    identity: tuple[str, ...]
+    max_payload_bytes: int
+    max_attempts: int | None
+    retention: float | None
+    archive_path: pathlib.Path | None
+    archive_max_bytes: int
+    purge_chunk: int
+    purge_min_interval: float
+
+
+def backend_for(
+    location: str, options: Options, on_change: _backend.ChangeHook
+) -> _backend.Backend:
+    """The backend a location names: an SQLite file (made absolute now, so a later chdir
+    cannot move it), or the schema a ``postgresql://`` URL names (the ``postgres``
+    extra; its leases follow the server's clock unless ``options.clock`` is given)."""
+    if is_postgres_url(location):
+        from asyncplane import _postgres  # only a PostgreSQL store needs its driver
+
+        return _postgres.PostgresBackend(
+            location,
+            clock=options.clock,
+            # NOTIFY from any host wakes this process's drainers as a local write does.
+            on_change=on_change,
+            connect_timeout=options.busy_timeout,
+            max_batch=options.max_batch,
+            read_connections=options.read_connections,
+            read_only=options.read_only,
+        )
+    from asyncplane import _sqlite
+
+    return _sqlite.SQLiteBackend(
+        pathlib.Path(os.path.abspath(location)),
+        clock=options.clock if options.clock is not None else _clock.SystemClock(),
+        synchronous=options.synchronous,
+        busy_timeout=options.busy_timeout,
+        max_batch=options.max_batch,
+        read_connections=options.read_connections,
+        read_only=options.read_only,
+    )
+
+
+class Engine:
+    """A store's backend, encoder, notifier and housekeeping (see the module)."""
+
+    def __init__(self, location: str, options: Options) -> None:
+        self.options = options
+        self._watchers: set[asyncio.Event] = set()
+        self.backend = backend_for(location, options, self.notify)
+        # Where the preflight's fingerprint backfill has got to, per scope it ran in.
+        self._backfill_after: dict[tuple[str | None, str | None], int] = {}
+        self._last_purge: float | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._open_lock: asyncio.Lock | None = None
+        self._lock_loop: asyncio.AbstractEventLoop | None = None
+        self.is_open = False
+
+    @property
+    def clock(self) -> _clock.Clock:
+        """The clock leases and events are measured by."""
+        return self.backend.clock
+
+    # --- lifecycle -------------------------------------------------------------------------
+
+    async def ready(self) -> _backend.Backend:
+        """The backend, opened on first use."""
+        if self.is_open and self._loop is _running_loop() and not self.backend.broken:
+            return self.backend  # the hot path: open, on its own loop
+        self._check_loop()
+        async with self._lock():
+            if self.is_open and self.backend.broken:
+                # The write connection was lost (a server restart, say): start afresh.
+                _log.warning("asyncplane: %s lost its connection; opening again", self.location)
+                self.is_open = False
+                await self.backend.close()
+            if not self.is_open:
+                self._loop = asyncio.get_running_loop()
+                try:
+                    await self.backend.open()
+                except BaseException:
+                    self._loop = None
+                    raise
+                self.is_open = True
+        return self.backend
+
+    async def close(self) -> None:
+        """Finish every queued write, then release all connections; idempotent."""
+        self._check_loop()
+        if self._loop is None:  # never opened, or closed already
+            return
+        async with self._lock():
+            if not self.is_open:
+                return
+            self.is_open = False
+            try:
+                await self.backend.close()
+            finally:
+                self._loop = None
+
+    @property
+    def location(self) -> str:
+        """Where the store lives, for messages (a URL without its password)."""
+        return self.backend.location
+
+    def _lock(self) -> asyncio.Lock:
+        """The lock that serialises opening and closing, made for the running loop."""
+        loop = asyncio.get_running_loop()
+        if self._open_lock is None or self._lock_loop is not loop:
+            self._open_lock, self._lock_loop = asyncio.Lock(), loop
+        return self._open_lock
+
+    def _check_loop(self) -> None:
+        loop = _running_loop()
+        if self._loop is not None and self._loop is not loop:
+            if self._loop.is_closed():
+                # The loop it was opened on has ended. asyncio.run cancelled the writer,
+                # which closed its connections; a loop closed without that leaves threads
+                # behind, which forget() stops. Either way: start afresh on this loop.
+                self.backend.forget()
+                self.is_open = False
+                self._loop = None
+                return
+            raise _errors.StoreClosed(
+                "this ControlStore was opened on another event loop; "
+                "close it there, or open one store per event loop"
+            )
+
+    # --- the encoder -----------------------------------------------------------------------
+
+    def new_item(self, job: _models.Job, dedup: bool) -> _backend.NewItem:
+        """Check one job's fields and encode it for the backend."""
+        options = self.options
+        payload_json = _validate.encode_payload(job.payload, options.max_payload_bytes)
+        fp = _validate.fingerprint(job.fingerprint)
+        if fp is None and options.identity:
+            fp = _fingerprint.from_payload(job.payload, options.identity)
+        max_attempts = _validate.optional_positive_int(job.max_attempts, "max_attempts")
+        return _backend.NewItem(
+            payload_json,
+            _validate.priority(job.priority),
+            _validate.service_class(job.service_class),
+            _validate.instant(job.sla, "sla"),
+            fp,
+            dedup,
+            options.max_attempts if max_attempts is None else max_attempts,
+            _validate.instant(job.not_before, "not_before"),
+        )
+
+    # --- change notification ---------------------------------------------------------------
+
+    def watch(self) -> asyncio.Event:
+        """An event set whenever this store writes something that may be claimable."""
+        event = asyncio.Event()
+        self._watchers.add(event)
+        return event
+
+    def unwatch(self, event: asyncio.Event) -> None:
+        """Stop setting ``event``."""
+        self._watchers.discard(event)
+
+    def notify(self) -> None:
+        """Wake every watcher: something may have become claimable."""
+        for event in self._watchers:
+            event.set()
+
+    async def data_version(self) -> int:
+        """A number that changes whenever another connection commits to the store."""
+        return await (await self.ready()).data_version()
+
+    def drain_guard(self) -> contextlib.AbstractAsyncContextManager[bool]:
+        """The backend's single-drainer guard (a lock file, or an advisory lock)."""
+        return self.backend.drain_guard()
+
+    # --- housekeeping ----------------------------------------------------------------------
+
+    async def preflight_step(
+        self, chunk: int, *, project_id: str | None = None, actor_id: str | None = None
+    ) -> tuple[int, bool]:
+        """One bounded step of preflight dedup: (items settled, whether work may remain).
+
+        Looks at most ``chunk`` items for missing fingerprints, continuing where the last
+        step in the same scope stopped, then settles at most ``chunk`` pending twins of
+        done items; only within ``project_id`` / ``actor_id`` when given. The drain loop
+        takes one step per round, so preflight never holds a round up.
+        """
+        backend = await self.ready()
+        op = _backend.PreflightOp(chunk, project_id, actor_id)
+        seen = 0
+        if self.options.identity:
+            scope = (project_id, actor_id)
+            after, seen = await backend.backfill_fingerprints(
+                op, self._backfill_after.get(scope, 0), self.options.identity
+            )
+            self._backfill_after[scope] = after
+        settled = await backend.settle_pending_twins(op)
+        return settled, seen == chunk or settled == chunk
+
+    def restart_backfill(self) -> None:
+        """Make the next full preflight pass look at every item again."""
+        self._backfill_after.pop((None, None), None)
+
+    async def maybe_purge(self, max_chunks: int = 20) -> int:
+        """The drain loop's retention: at most every purge_min_interval_s, a bounded purge."""
+        options = self.options
+        if options.retention is None or options.archive_path is None:
+            return 0
+        now = time.monotonic()
+        if self._last_purge is not None and now - self._last_purge < options.purge_min_interval:
+            return 0
+        self._last_purge = now
+        try:
+            done = await _retention.purge(
+                await self.ready(),
+                self.clock,
+                options.retention,
+                chunk=options.purge_chunk,
+                archive_path=options.archive_path,
+                archive_max_bytes=options.archive_max_bytes,
+                max_chunks=max_chunks,
+            )
+        except _errors.ArchiveError as exc:
+            # The archive cannot be written (a missing directory, a full disk): nothing was
+            # deleted, the work goes on, and the next interval tries again.
+            _log.warning("asyncplane: purge skipped, the archive failed: %s", exc)
+            return 0
+        return done.purged
+
+
+def _running_loop() -> asyncio.AbstractEventLoop:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        raise _errors.NotOnAsyncio(
+            "asyncplane runs on asyncio (anyio's asyncio backend included): no asyncio "
+            "event loop is running here (trio, or a call from outside any event loop)"
+        ) from None

@@ -1,0 +1,508 @@
+"""The lane rules, decided once for every backend.
+
+Pure code: no I/O, no SQL, no clock. A backend reads rows, hands them here, and writes
+back what this module decides, in its own transaction and its own dialect. So each rule
+has one home, whichever database holds the store:
+
+* **Refusals and their words** (`unknown_project`, `project_denied`, `invisible_item`,
+  `fence_refusal`, ...). "Absent" and "not yours" read the same to an actor, so a denial
+  never reveals whether its target exists.
+* **Enqueue dedup within one call** (`EnqueuePlan`): an item whose fingerprint matches an
+  earlier one, in the store or earlier in the same call, takes that one's id.
+* **Which items a claim takes** (`ClaimMerge`, `deal`): the candidates of every arm (ready,
+  fallen due, lapsed), each read in claim order, merged into one claim order; one item per
+  fingerprint; each row once, even if a later page shows it again; then dealt out to the
+  requests of a group commit in request order.
+* **Lapses and retries** (`exhausted_lease_error`, `retry_plan`, `backoff`): when a
+  claim's last attempt is spent, and when a retried item falls due.
+* **Events** (`Event`, `arrival_events`, ...): what the ledger records for each
+  transition, and the settlement fan-out of a done item to its pending twins.
+
+The claim order itself is ``priority DESC, service_class (realtime first), sla NULLS
+LAST, item_id``: `claim_key` here, and the ``ORDER BY`` of each dialect's claim index.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, NamedTuple
+
+from asyncplane import _backend, _errors
+
+__all__ = (
+    "MAX_PAGE",
+    "Candidate",
+    "ClaimMerge",
+    "EnqueuePlan",
+    "Event",
+    "NewRow",
+    "RetryPlan",
+    "arrival_events",
+    "backoff",
+    "claim_key",
+    "claim_row",
+    "copy_id_taken",
+    "deal",
+    "dedup_fingerprints",
+    "event",
+    "exhausted_lease_events",
+    "fence_refusal",
+    "history",
+    "invisible_item",
+    "new_row",
+    "one_project",
+    "project_denied",
+    "project_exists",
+    "refuse_newer_schema",
+    "refuse_unreadable_schema",
+    "retry_plan",
+    "settlement_event",
+    "takeover_event",
+    "twin_events",
+    "unknown_project",
+)
+
+# --- refusals ------------------------------------------------------------------------------
+
+
+def unknown_project(project_id: str) -> _errors.UnknownProject:
+    """The control plane named a project that does not exist."""
+    return _errors.UnknownProject(f"no project {project_id!r}")
+
+
+def project_denied(project_id: str, actor_id: str) -> _errors.ScopeDenied:
+    """An actor named a project it may not see: the same words whether it is absent or
+    assigned to someone else."""
+    return _errors.ScopeDenied(f"project {project_id!r} is not visible to actor {actor_id!r}")
+
+
+def project_exists(project_id: str) -> _errors.ProjectExists:
+    """create_project() was given a taken id."""
+    return _errors.ProjectExists(f"project {project_id!r} exists already")
+
+
+def invisible_item(item_id: int, actor_id: str | None) -> _errors.AsyncplaneError:
+    """An item that is absent (control plane), or absent or foreign (an actor: the same
+    words either way)."""
+    if actor_id is None:
+        return _errors.UnknownItem(f"no item {item_id}")
+    return _errors.ScopeDenied(f"item {item_id} is not visible to actor {actor_id!r}")
+
+
+def fence_refusal(
+    item_id: int, fence: int, actor_id: str | None, found: Any
+) -> _errors.AsyncplaneError:
+    """Why a fenced write matched no row, from the item's ``(state, fence, visible)`` as
+    read in the same transaction (None: no such item)."""
+    if found is None or (actor_id is not None and not found[2]):
+        return invisible_item(item_id, actor_id)
+    return _errors.FenceRejected(item_id, fence, current_fence=found[1], state=found[0])
+
+
+def one_project(rows: Sequence[Any], project_id: str) -> _backend.ProjectRow:
+    """The project a read found, or the refusal for one that does not exist."""
+    if not rows:
+        raise unknown_project(project_id)
+    return _backend.ProjectRow(*rows[0])
+
+
+def history(rows: Sequence[Any], item_id: int, actor_id: str | None) -> list[_backend.EventRow]:
+    """An item's events as its history read found them: no row at all means the item is
+    not there for this caller (absent, or not the actor's); an item with no events yet
+    reads as one row of nulls."""
+    if not rows:
+        raise invisible_item(item_id, actor_id)
+    return [_backend.EventRow(*row) for row in rows if row[0] is not None]
+
+
+def copy_id_taken(item_id: int) -> _errors.InvalidInput:
+    """A copy met an item of the destination's own under a source item's id."""
+    return _errors.InvalidInput(
+        f"the destination holds an item {item_id} of its own: a copy keeps item ids, so "
+        "it goes into an empty store (or one it copied into before)"
+    )
+
+
+def refuse_newer_schema(version: int, known: int) -> None:
+    """A store written by a newer asyncplane is refused, whatever the backend."""
+    if version > known:
+        raise _errors.SchemaVersionError(
+            f"the store has schema version {version}; this asyncplane knows versions up "
+            f"to {known}: upgrade asyncplane to open it"
+        )
+
+
+def refuse_unreadable_schema(version: int, known: int, where: str) -> None:
+    """A read-only opening needs a store of exactly this schema: not an empty ``where``
+    (a file, a schema) and not one that needs migrating (which would write)."""
+    if version == 0:
+        raise _errors.NotAnAsyncplaneDatabase(f"the {where} is empty: not an asyncplane store yet")
+    refuse_newer_schema(version, known)
+    if version < known:
+        raise _errors.SchemaVersionError(
+            f"the store has schema version {version} and needs migrating to "
+            f"{known}: open it once without read_only"
+        )
+
+
+# --- events --------------------------------------------------------------------------------
+
+
+class Event(NamedTuple):
+    """One ledger event to write, in the column order of both dialects' events table."""
+
+    item_id: int
+    event_type: str
+    fence: int
+    owner: str | None
+    actor_id: str | None
+    at: float
+    detail_json: str | None
+
+
+def event(
+    item_id: int,
+    event_type: str,
+    fence: int,
+    owner: str | None,
+    actor_id: str | None,
+    at: float,
+    detail: Mapping[str, Any] | None = None,
+) -> Event:
+    """An event, its detail (if any) as JSON."""
+    return Event(
+        item_id,
+        event_type,
+        fence,
+        owner,
+        actor_id,
+        at,
+        None if detail is None else json.dumps(detail),
+    )
+
+
+# --- enqueue -------------------------------------------------------------------------------
+
+
+class NewRow(NamedTuple):
+    """A new item's row, in the column order of both dialects' INSERT."""
+
+    project_id: str
+    state: str
+    payload_json: str
+    priority: int
+    service_class: str
+    sla: float | None
+    fingerprint: str | None
+    dedup: bool
+    max_attempts: int | None
+    due_at: float | None
+    created_at: float
+    updated_at: float
+
+
+def new_row(project_id: str, item: _backend.NewItem, now: float) -> NewRow:
+    """The row an enqueued item starts as: ready, or deferred until a ``not_before``
+    still to come."""
+    deferred = item.not_before is not None and item.not_before > now
+    return NewRow(
+        project_id,
+        "deferred" if deferred else "ready",
+        item.payload_json,
+        item.priority,
+        item.service_class,
+        item.sla,
+        item.fingerprint,
+        item.dedup,
+        item.max_attempts,
+        item.not_before if deferred else None,
+        now,
+        now,
+    )
+
+
+def arrival_events(
+    item_id: int,
+    row: NewRow,
+    actor_id: str | None,
+    now: float,
+    queued: Mapping[str, Any] | None = None,
+) -> list[Event]:
+    """A new item's first events: "queued" (with ``queued`` as its detail), then
+    "deferred" if it waits for a ``not_before``."""
+    events = [event(item_id, "queued", 0, None, actor_id, now, queued)]
+    if row.state == "deferred":
+        events.append(event(item_id, "deferred", 0, None, actor_id, now, {"due_at": row.due_at}))
+    return events
+
+
+def dedup_fingerprints(items: Iterable[_backend.NewItem]) -> list[str]:
+    """The distinct fingerprints of a call's items that take part in dedup, sorted (so
+    two calls lock the same contents in the same order)."""
+    return sorted({item.fingerprint for item in items if item.dedup and item.fingerprint})
+
+
+class EnqueuePlan:
+    """Which of a call's items become new rows, and which take an existing id.
+
+    ``found`` maps fingerprints to the id of an earlier twin in the store (the backend
+    looked up `dedup_fingerprints`). An item with such a twin takes its id; an item whose
+    fingerprint came earlier in the same call takes that item's id; every other item is
+    new (`new` lists their positions, in input order).
+    """
+
+    def __init__(self, items: Sequence[_backend.NewItem], found: Mapping[str, int]) -> None:
+        self._ids: list[int | None] = [None] * len(items)
+        self._twin_of: dict[int, int] = {}  # position -> position whose id it shares
+        first_of: dict[str, int] = {}  # fingerprint -> position of its first item
+        self.new: list[int] = []
+        for position, item in enumerate(items):
+            fp = item.fingerprint
+            if item.dedup and fp is not None:
+                if fp in first_of:
+                    self._twin_of[position] = first_of[fp]
+                    continue
+                first_of[fp] = position
+                if fp in found:
+                    self._ids[position] = found[fp]
+                    continue
+            self.new.append(position)
+
+    def ids(self, inserted: Sequence[int]) -> list[int]:
+        """Every item's id, in input order, given the ids the new rows got (in order)."""
+        if len(inserted) != len(self.new):
+            raise _errors.StorageError("the new rows of an enqueue were not all inserted")
+        ids = list(self._ids)
+        for position, item_id in zip(self.new, inserted, strict=True):
+            ids[position] = item_id
+        for position, first in self._twin_of.items():
+            ids[position] = ids[first]
+        resolved = [item_id for item_id in ids if item_id is not None]
+        if len(resolved) != len(ids):  # every position has an id by now; never shorten
+            raise _errors.StorageError("an enqueued item was left without an id")
+        return resolved
+
+
+# --- claims --------------------------------------------------------------------------------
+
+#: The largest page a claim reads from one arm at a time.
+MAX_PAGE = 1024
+
+
+class Candidate(NamedTuple):
+    """An item a claim may take, as both dialects' claim statements select it."""
+
+    item_id: int
+    state: str
+    fence: int
+    owner: str | None
+    attempts: int
+    max_attempts: int | None
+    project_id: str
+    fingerprint: str | None
+    priority: int
+    service_class: str
+    sla: float | None
+
+
+def claim_key(c: Candidate) -> tuple[Any, ...]:
+    """The claim order: highest priority, realtime before standard, earliest SLA (none
+    last), oldest."""
+    return (-c.priority, c.service_class, c.sla is None, c.sla or 0.0, c.item_id)
+
+
+class ClaimMerge:
+    """Chooses a claim's items from its arms, each read page by page in claim order.
+
+    Sans I/O, so the SQLite path (on the writer's thread) and the asyncio PostgreSQL path
+    drive the same decision::
+
+        merge = ClaimMerge(arms=len(statements), limit=total)
+        while (arm := merge.hungry()) is not None:
+            limit, offset = merge.next_page(arm)
+            merge.feed(arm, run(statements[arm], limit, offset))
+        chosen = merge.chosen
+
+    The merge takes the smallest head of all arms each time. An arm is read further only
+    when the merge needs its head, so a later page is read only after items it offered
+    were skipped as twins: a skipped item never pushes a later one out of the batch. One
+    item per fingerprint (per project) is taken; a twin waits until the one taken now
+    settles. Each item is taken once, even if a later page (a newer snapshot, where
+    commits shifted the offsets) shows it again.
+    """
+
+    def __init__(self, arms: int, limit: int, *, first_page: int | None = None) -> None:
+        self._limit = limit
+        page = min(first_page if first_page is not None else limit, MAX_PAGE)
+        self._rows: list[collections.deque[Candidate]] = [collections.deque() for _ in range(arms)]
+        self._page = [max(page, 1)] * arms
+        self._offset = [0] * arms
+        self._more = [True] * arms
+        self._twins: set[tuple[str, str]] = set()
+        self._seen: set[int] = set()
+        #: The items chosen so far, in claim order.
+        self.chosen: list[Candidate] = []
+
+    def next_page(self, arm: int) -> tuple[int, int]:
+        """The (limit, offset) of the page to read next from ``arm``."""
+        return self._page[arm], self._offset[arm]
+
+    def feed(self, arm: int, rows: Iterable[Sequence[Any]]) -> None:
+        """Give ``arm``'s next page, as asked for by `next_page`."""
+        page = [Candidate._make(row) for row in rows]
+        asked = self._page[arm]
+        self._offset[arm] += len(page)
+        self._more[arm] = len(page) == asked
+        self._rows[arm].extend(page)
+        self._page[arm] = min(asked * 2, MAX_PAGE)  # twins ahead: read further, faster
+
+    @property
+    def fetched(self) -> int:
+        """How many rows all arms have read so far (on PostgreSQL: locked)."""
+        return sum(self._offset)
+
+    def hungry(self) -> int | None:
+        """Merge as far as the rows at hand allow; return the arm whose next page the
+        merge needs, or None once it is done (`chosen` holds the answer)."""
+        rows = self._rows
+        while len(self.chosen) < self._limit:
+            for arm, buffered in enumerate(rows):
+                if not buffered and self._more[arm]:
+                    return arm
+            heads = [(claim_key(buffered[0]), arm) for arm, buffered in enumerate(rows) if buffered]
+            if not heads:
+                return None
+            candidate = rows[min(heads)[1]].popleft()
+            if candidate.item_id in self._seen:
+                continue
+            self._seen.add(candidate.item_id)
+            if candidate.fingerprint is not None:
+                twin = (candidate.project_id, candidate.fingerprint)
+                if twin in self._twins:
+                    continue
+                self._twins.add(twin)
+            self.chosen.append(candidate)
+        return None
+
+
+def deal(
+    chosen: Sequence[Candidate], ops: Sequence[_backend.ClaimOp]
+) -> list[tuple[Candidate, _backend.ClaimOp]]:
+    """Deal chosen items out to a group commit's claims in request order: the first
+    request gets the first ``limit`` items, and so on."""
+    dealt: list[tuple[Candidate, _backend.ClaimOp]] = []
+    start = 0
+    for op in ops:
+        dealt.extend((candidate, op) for candidate in chosen[start : start + op.limit])
+        start += op.limit
+    return dealt
+
+
+def exhausted_lease_events(
+    c: Candidate, actor_id: str | None, now: float
+) -> tuple[str, list[Event]]:
+    """A lapsed claim whose last attempt is spent fails instead of moving on: the error
+    it fails with, and its events ("lease_expired", then "failed")."""
+    error = f"attempts exhausted: the lease of attempt {c.attempts} of {c.max_attempts} lapsed"
+    return error, [
+        event(c.item_id, "lease_expired", c.fence, c.owner, actor_id, now),
+        event(c.item_id, "failed", c.fence, c.owner, actor_id, now, {"error": error}),
+    ]
+
+
+def takeover_event(c: Candidate, op: _backend.ClaimOp, now: float) -> Event:
+    """The "lease_expired" a takeover records first, at the previous holder's fence, so
+    the history shows who lost the item and why."""
+    return event(
+        c.item_id, "lease_expired", c.fence, c.owner, op.actor_id, now, {"taken_over_by": op.owner}
+    )
+
+
+def claim_row(
+    c: Candidate,
+    op: _backend.ClaimOp,
+    now: float,
+    project_id: str,
+    payload_json: str,
+    fence: int,
+    attempts: int,
+) -> _backend.ClaimRow:
+    """What a claim hands out: the claimed row's new fence and attempts, the rest from
+    the candidate."""
+    return _backend.ClaimRow(
+        c.item_id, project_id, payload_json, fence, attempts, op.owner, now + op.lease_seconds,
+        c.priority, c.service_class, c.sla, c.fingerprint, c.max_attempts,
+    )  # fmt: skip
+
+
+# --- settlements ---------------------------------------------------------------------------
+
+
+class RetryPlan(NamedTuple):
+    """What a retry does: defer the item until ``due_at`` or fail it, with ``error``."""
+
+    state: str
+    due_at: float | None
+    error: str | None
+
+
+def backoff(attempts: int, base: float, cap: float, jitter: float) -> float:
+    """The delay before retry number ``attempts``: ``base`` doubled per earlier attempt,
+    jittered by x0.5 to x1.5 (``jitter`` in [0, 1)) to spread a burst, at most ``cap``."""
+    doublings = min(max(attempts - 1, 0), 60)  # past any cap long before; no overflow
+    return min(cap, base * (1 << doublings) * (0.5 + jitter))
+
+
+def retry_plan(
+    op: _backend.RetryOp, attempts: int, max_attempts: int | None, now: float
+) -> RetryPlan:
+    """Defer for another attempt while one is left (after ``op.delay``, or the backoff);
+    otherwise fail, saying so."""
+    if max_attempts is not None and attempts >= max_attempts:
+        reason = op.error or "no reason given"
+        return RetryPlan(
+            "failed", None, f"attempts exhausted ({attempts} of {max_attempts}): {reason}"
+        )
+    delay = (
+        op.delay
+        if op.delay is not None
+        else backoff(attempts, op.backoff_base, op.backoff_max, op.jitter)
+    )
+    return RetryPlan("deferred", now + delay, op.error)
+
+
+def settlement_event(
+    item_id: int,
+    event_type: str,
+    fence: int,
+    owner: str | None,
+    actor_id: str | None,
+    now: float,
+    *,
+    error: str | None = None,
+    due_at: float | None = None,
+    handle: str | None = None,
+) -> Event:
+    """The event of a settlement (done, failed, retried, parked, offloaded) with the
+    detail each records: the error, when it falls due, the external batch."""
+    detail: dict[str, Any] = {}
+    if error is not None or event_type == "retried":
+        detail["error"] = error
+    if due_at is not None:
+        detail["due_at"] = due_at
+    if handle is not None:
+        detail["handle"] = handle
+    return event(item_id, event_type, fence, owner, actor_id, now, detail or None)
+
+
+def twin_events(
+    done_id: int, twins: Iterable[Any], actor_id: str | None, now: float
+) -> list[Event]:
+    """Settlement dedup: each pending twin ``(item_id, fence)`` of a done item is done
+    too, with its result; the event names the item it was settled from."""
+    return [
+        event(twin_id, "done", fence, None, actor_id, now, {"deduplicated_from": done_id})
+        for twin_id, fence in twins
+    ]

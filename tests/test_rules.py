@@ -1,0 +1,192 @@
+"""The rules core on its own: pure functions, no database.
+
+These sit beside, never instead of, the behavioural suite that runs every rule on both
+backends; they pin the decisions themselves, so a change to a rule shows up here first.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from typing import Any
+
+import pytest
+
+from asyncplane import FenceRejected, ScopeDenied, UnknownItem, _backend, _rules
+from asyncplane._rules import Candidate, ClaimMerge
+
+
+def candidate(item_id: int, priority: int = 0, **fields: Any) -> Candidate:
+    base: dict[str, Any] = {
+        "item_id": item_id, "state": "ready", "fence": 0, "owner": None, "attempts": 0,
+        "max_attempts": None, "project_id": "p", "fingerprint": None, "priority": priority,
+        "service_class": "standard", "sla": None,
+    }  # fmt: skip
+    base.update(fields)
+    return Candidate(**base)
+
+
+def run_merge(arms: list[list[Candidate]], limit: int) -> tuple[list[int], list[tuple[int, int]]]:
+    """Drive a merge over in-memory arms (each sorted in claim order); return the chosen ids
+    and every (arm, offset) page read."""
+    for arm in arms:
+        assert arm == sorted(arm, key=_rules.claim_key)
+    merge = ClaimMerge(len(arms), limit)
+    reads: list[tuple[int, int]] = []
+    while (arm := merge.hungry()) is not None:
+        size, offset = merge.next_page(arm)
+        reads.append((arm, offset))
+        merge.feed(arm, arms[arm][offset : offset + size])
+    return [c.item_id for c in merge.chosen], reads
+
+
+def test_claim_order_is_priority_then_realtime_then_sla_then_age() -> None:
+    rows = [
+        candidate(1),
+        candidate(2, priority=5),
+        candidate(3, service_class="realtime"),
+        candidate(4, sla=100.0),
+        candidate(5, sla=50.0),
+        candidate(6, priority=5, service_class="realtime"),
+    ]
+    order = [c.item_id for c in sorted(rows, key=_rules.claim_key)]
+    assert order == [6, 2, 3, 5, 4, 1]
+
+
+def test_the_merge_takes_the_smallest_head_of_every_arm() -> None:
+    ready = [candidate(1, priority=3), candidate(4, priority=1)]
+    due = [candidate(2, priority=2, state="deferred")]
+    lapsed = [candidate(3, priority=5, state="claimed", fence=1)]
+    chosen, _ = run_merge([ready, due, lapsed], 3)
+    assert chosen == [3, 1, 2]
+
+
+def test_one_item_per_fingerprint_and_a_skipped_twin_never_pushes_a_later_item_out() -> None:
+    ready = [
+        candidate(1, priority=9, fingerprint="x"),
+        candidate(2, priority=8, fingerprint="x"),
+        candidate(3, priority=7, fingerprint="x"),
+        candidate(4, priority=6),
+    ]
+    chosen, reads = run_merge([ready], 2)
+    assert chosen == [1, 4]
+    assert reads == [(0, 0), (0, 2)]  # a second page, only because twins were skipped
+    # The same fingerprint in another project is another content.
+    other = [candidate(1, fingerprint="x"), candidate(2, fingerprint="x", project_id="q")]
+    assert run_merge([other], 2)[0] == [1, 2]
+
+
+def test_a_row_seen_again_on_a_later_page_is_taken_once() -> None:
+    merge = ClaimMerge(1, 3)
+    merge.feed(0, [candidate(1, fingerprint="x"), candidate(2, fingerprint="x"), candidate(3)])
+    assert merge.hungry() == 0  # 1 and 3 taken, 2 skipped: one more page wanted
+    merge.feed(0, [candidate(3), candidate(4)])  # a newer snapshot shifted 3 onto it
+    assert merge.hungry() is None
+    assert [c.item_id for c in merge.chosen] == [1, 3, 4]
+
+
+def test_pages_double_up_to_the_cap() -> None:
+    merge = ClaimMerge(1, 1)
+    sizes = []
+    for _ in range(14):
+        size, _ = merge.next_page(0)
+        sizes.append(size)
+        merge.feed(0, [candidate(n, fingerprint="x") for n in range(size)])
+    assert sizes[:4] == [1, 2, 4, 8] and sizes[-1] == _rules.MAX_PAGE
+
+
+def test_the_merge_agrees_with_a_sorted_reference_on_random_arms() -> None:
+    rng = random.Random(7)
+    for _ in range(200):
+        pool = [
+            candidate(
+                n, priority=rng.randint(0, 3), service_class=rng.choice(["standard", "realtime"]),
+                sla=rng.choice([None, 10.0, 20.0]), fingerprint=rng.choice([None, "a", "b", "c"]),
+            )
+            for n in range(1, rng.randint(1, 40))
+        ]  # fmt: skip
+        arms: list[list[Candidate]] = [[], [], []]
+        for c in pool:
+            arms[rng.randrange(3)].append(c)
+        arms = [sorted(arm, key=_rules.claim_key) for arm in arms]
+        limit = rng.randint(1, 12)
+        expected, taken = [], set()
+        for c in sorted(pool, key=_rules.claim_key):
+            if len(expected) == limit:
+                break
+            if c.fingerprint is not None:
+                if c.fingerprint in taken:
+                    continue
+                taken.add(c.fingerprint)
+            expected.append(c.item_id)
+        assert run_merge(arms, limit)[0] == expected
+
+
+def test_deal_hands_out_in_request_order() -> None:
+    ops = [_backend.ClaimOp(f"w{n}", limit, 60.0, None, None) for n, limit in enumerate((2, 1, 3))]
+    chosen = [candidate(n) for n in range(1, 5)]
+    dealt = [(c.item_id, op.owner) for c, op in _rules.deal(chosen, ops)]
+    assert dealt == [(1, "w0"), (2, "w0"), (3, "w1"), (4, "w2")]
+
+
+def new_item(fingerprint: str | None, dedup: bool = True) -> _backend.NewItem:
+    return _backend.NewItem("{}", 0, "standard", None, fingerprint, dedup, None, None)
+
+
+def test_enqueue_dedup_within_a_call_and_against_the_store() -> None:
+    items = [new_item("a"), new_item(None), new_item("a"), new_item("b"), new_item("a", False)]
+    plan = _rules.EnqueuePlan(items, {"b": 40})
+    assert plan.new == [0, 1, 4]
+    assert plan.ids([7, 8, 9]) == [7, 8, 7, 40, 9]
+    assert _rules.dedup_fingerprints(items) == ["a", "b"]
+
+
+def test_retry_plans_back_off_and_stop_at_the_budget() -> None:
+    op = _backend.RetryOp(1, 1, None, "flaky", None, 2.0, 30.0, 0.5)
+    assert _rules.retry_plan(op, 1, 3, 100.0) == _rules.RetryPlan("deferred", 102.0, "flaky")
+    assert _rules.retry_plan(op, 2, 3, 100.0).due_at == 104.0
+    assert _rules.retry_plan(op, 10, None, 0.0).due_at == 30.0  # capped
+    failed = _rules.retry_plan(op, 3, 3, 100.0)
+    assert failed.state == "failed" and failed.error == "attempts exhausted (3 of 3): flaky"
+    fixed = op._replace(delay=5.0)
+    assert _rules.retry_plan(fixed, 1, None, 100.0).due_at == 105.0
+    assert _rules.backoff(10**6, 1.0, 300.0, 0.99) == 300.0  # no overflow, however many
+
+
+def test_refusals_say_the_same_for_absent_and_foreign() -> None:
+    absent = _rules.fence_refusal(5, 1, "a", None)
+    foreign = _rules.fence_refusal(5, 1, "a", ("claimed", 2, False))
+    assert isinstance(absent, ScopeDenied) and str(absent) == str(foreign)
+    assert isinstance(_rules.fence_refusal(5, 1, None, None), UnknownItem)
+    stale = _rules.fence_refusal(5, 1, None, ("claimed", 2, True))
+    assert isinstance(stale, FenceRejected) and (stale.current_fence, stale.state) == (2, "claimed")
+    assert str(_rules.project_denied("p", "a")) == str(_rules.project_denied("p", "a"))
+
+
+def test_events_carry_the_details_the_ledger_has_always_recorded() -> None:
+    def detail(event: _rules.Event) -> Any:
+        return None if event.detail_json is None else json.loads(event.detail_json)
+
+    retried = _rules.settlement_event(1, "retried", 1, "w", None, 0.0, error=None, due_at=5.0)
+    assert detail(retried) == {"error": None, "due_at": 5.0}
+    assert detail(_rules.settlement_event(1, "done", 1, "w", None, 0.0)) is None
+    assert detail(_rules.settlement_event(1, "failed", 1, "w", None, 0.0, error="x")) == {
+        "error": "x"
+    }
+    error, events = _rules.exhausted_lease_events(
+        candidate(3, attempts=2, max_attempts=2), None, 1.0
+    )
+    assert [e.event_type for e in events] == ["lease_expired", "failed"]
+    assert error == "attempts exhausted: the lease of attempt 2 of 2 lapsed"
+    row = _rules.new_row("p", new_item(None)._replace(not_before=50.0), 10.0)
+    assert (row.state, row.due_at) == ("deferred", 50.0)
+    assert [e.event_type for e in _rules.arrival_events(9, row, None, 10.0)] == [
+        "queued",
+        "deferred",
+    ]
+
+
+@pytest.mark.parametrize("not_before", [None, 5.0, 10.0])
+def test_an_item_whose_time_has_come_arrives_ready(not_before: float | None) -> None:
+    row = _rules.new_row("p", new_item(None)._replace(not_before=not_before), 10.0)
+    assert (row.state, row.due_at) == ("ready", None)
