@@ -235,7 +235,7 @@ def _new_item(store: ControlStore, row: dict[str, Any]) -> _backend.NewItem:
         )
     try:
         decoded = json.loads(raw) if isinstance(raw, str) else raw
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON (or too deep to be a payload): text
         decoded = raw
     payload = decoded if isinstance(decoded, dict) else {"data": decoded}
     job = _models.Job(
