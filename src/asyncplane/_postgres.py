@@ -713,9 +713,7 @@ async def _claim_many(
     reach = (first.project_id, first.actor_id)
     total = sum(op.limit for op in ops)
     events: list[Event] = []
-    pages: dict[str, list[Any]] = {"r": [], "d": [], "l": [], "x": []}
-    for row in await conn.fetch(sql.CLAIM_CANDIDATES, *reach, total, 0, now, max(total, 16)):
-        pages[row[0]].append(row[1:])
+    pages = await _candidates(conn, reach, total, now)
     for item_id, _, fence, owner, attempts, max_attempts, *_ in pages["x"]:
         error = f"attempts exhausted: the lease of attempt {attempts} of {max_attempts} lapsed"
         await conn.execute(sql.EXHAUST_ITEM, error, now, item_id, fence)
@@ -723,6 +721,11 @@ async def _claim_many(
         events.append(
             (item_id, "failed", fence, owner, first.actor_id, now, json.dumps({"error": error}))
         )
+    if any(row[7] is not None for row in pages["x"]):
+        # The candidates were read in the snapshot that still showed those claims running,
+        # which held back their waiting twins; they stopped running just now, so read
+        # again (SQLite fails them before it reads, to the same effect).
+        pages = await _candidates(conn, reach, total, now)
     arms = [
         _Arm(conn, sql.CLAIM_READY, reach, (), total, pages["r"]),
         _Arm(conn, sql.CLAIM_DUE, reach, (now,), total, pages["d"]),
@@ -778,6 +781,17 @@ async def _claim_many(
             )
         )  # fmt: skip
     return [results[id(op)] for op in ops]
+
+
+async def _candidates(
+    conn: asyncpg.Connection, reach: tuple[Any, ...], total: int, now: float
+) -> dict[str, list[Any]]:
+    """Every arm's first page of candidates, in one statement: ready ("r"), fallen due
+    ("d"), lapsed ("l"), and lapsed claims with no attempt left ("x")."""
+    pages: dict[str, list[Any]] = {"r": [], "d": [], "l": [], "x": []}
+    for row in await conn.fetch(sql.CLAIM_CANDIDATES, *reach, total, 0, now, max(total, 16)):
+        pages[row[0]].append(row[1:])
+    return pages
 
 
 async def _finish_many(
