@@ -356,3 +356,25 @@ async def test_paths_with_nul_are_typed_errors(store: ControlStore, tmp_path: pa
         await drain(store, lambda batch: asyncio.sleep(0, []), lock_path="drain\x00.lock")
     with pytest.raises(InvalidInput, match="NUL"):
         await store.purge(1, archive_path="archive\x00.jsonl")
+
+
+# --- a claim that fails an exhausted lapsed claim frees its twins at once ------------------
+
+
+async def test_failing_an_exhausted_twin_frees_its_waiting_twin_in_the_same_claim(
+    store: ControlStore, clock: ManualClock
+) -> None:
+    """Found by the state machine on PostgreSQL: a claim reads its candidates, fails the
+    lapsed claims with no attempt left, then claims. A ready twin of such a claim was held
+    back by a snapshot that still showed its twin running; SQLite, which fails first and
+    reads after, handed it out. Both must: the twin stopped running in this transaction."""
+    running = await store.enqueue("alpha", {"n": 1}, fingerprint="x", max_attempts=1)
+    first = await store.claim("w1")
+    assert first is not None and first.item_id == running
+    twin = await store.enqueue("alpha", {"n": 2}, fingerprint="x", dedup=False, priority=5)
+    assert await store.claim("w2") is None  # its twin runs
+    clock.advance(store.lease_seconds + 1)  # the lease lapses, with no attempt left
+    claimed = await store.claim("w2")
+    assert claimed is not None and claimed.item_id == twin
+    assert (await store.item(running))["state"] == "failed"
+    assert await verify_ledger(store) == []

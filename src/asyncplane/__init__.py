@@ -23,6 +23,7 @@ from asyncplane._drain import (
 from asyncplane._errors import (
     ArchiveError,
     AsyncplaneError,
+    CommitOutcomeUnknown,
     DatabaseLocked,
     FenceRejected,
     InvalidInput,
@@ -55,6 +56,7 @@ __all__ = (
     "AsyncplaneError",
     "ClaimedItem",
     "Clock",
+    "CommitOutcomeUnknown",
     "ControlStore",
     "CopySummary",
     "DatabaseLocked",

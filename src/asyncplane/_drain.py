@@ -128,8 +128,10 @@ Executor: TypeAlias = Callable[[list[_models.ClaimedItem]], Awaitable[Sequence[O
 class DrainError(_errors.AsyncplaneError):
     """drain() could not go on: a side task failed, or the store failed under a settlement.
 
-    The drain put its unsettled items back and released its lock. The failure is the
-    ``__cause__``; ``summary`` says what the drain did until then.
+    The drain put back the unsettled items it could (a store that cannot write at all,
+    a full disk say, leaves them claimed until their leases lapse, when any claim takes
+    them over) and released its lock. The failure is the ``__cause__``; ``summary`` says
+    what the drain did until then.
     """
 
     def __init__(self, message: str, summary: DrainSummary) -> None:

@@ -17,6 +17,7 @@ from typing import Any
 __all__ = (
     "ArchiveError",
     "AsyncplaneError",
+    "CommitOutcomeUnknown",
     "DatabaseLocked",
     "FenceRejected",
     "InvalidInput",
@@ -139,6 +140,12 @@ class StorageError(AsyncplaneError):
 class ArchiveError(StorageError):
     """The purge archive could not be written (a full disk, a missing directory, no
     permission); nothing was deleted. The `OSError` is the ``__cause__``."""
+
+
+class CommitOutcomeUnknown(StorageError):
+    """The database failed at the commit itself, and whether the write was saved cannot
+    be known yet: a crash now may or may not bring it back. Check before you write again
+    (look the item up, or enqueue with a fingerprint, which dedup makes safe to repeat)."""
 
 
 class DatabaseLocked(StorageError):

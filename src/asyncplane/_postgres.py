@@ -578,14 +578,17 @@ async def _claim_many(
     reach = (first.project_id, first.actor_id)
     total = sum(op.limit for op in ops)
     events: list[_rules.Event] = []
-    pages: dict[str, list[Any]] = {"r": [], "d": [], "l": [], "x": []}
-    for row in await conn.fetch(sql.CLAIM_CANDIDATES, *reach, total, 0, now, max(total, 16)):
-        pages[row[0]].append(row[1:])
-    for row in pages["x"]:
-        candidate = _rules.Candidate._make(row)
+    pages = await _candidates(conn, reach, total, now)
+    exhausted = [_rules.Candidate._make(row) for row in pages["x"]]
+    for candidate in exhausted:
         error, failed = _rules.exhausted_lease_events(candidate, first.actor_id, now)
         await conn.execute(sql.EXHAUST_ITEM, error, now, candidate.item_id, candidate.fence)
         events.extend(failed)
+    if any(candidate.fingerprint is not None for candidate in exhausted):
+        # The candidates were read in the snapshot that still showed those claims running,
+        # which held back their waiting twins; they stopped running just now, so read
+        # again (SQLite fails them before it reads, to the same effect).
+        pages = await _candidates(conn, reach, total, now)
     arms = ((sql.CLAIM_READY, "r", ()), (sql.CLAIM_DUE, "d", (now,)),
             (sql.CLAIM_LAPSED, "l", (now,)))  # fmt: skip
     merge = _rules.ClaimMerge(len(arms), total)
@@ -633,6 +636,17 @@ async def _claim_many(
         _, project_id, payload, fence, attempts = got
         results[id(op)].append(_rules.claim_row(c, op, now, project_id, payload, fence, attempts))
     return [results[id(op)] for op in ops]
+
+
+async def _candidates(
+    conn: asyncpg.Connection, reach: tuple[Any, ...], total: int, now: float
+) -> dict[str, list[Any]]:
+    """Every arm's first page of candidates, in one statement: ready ("r"), fallen due
+    ("d"), lapsed ("l"), and lapsed claims with no attempt left ("x")."""
+    pages: dict[str, list[Any]] = {"r": [], "d": [], "l": [], "x": []}
+    for row in await conn.fetch(sql.CLAIM_CANDIDATES, *reach, total, 0, now, max(total, 16)):
+        pages[row[0]].append(row[1:])
+    return pages
 
 
 async def _finish_many(

@@ -17,7 +17,9 @@ its own:
   rolls the whole transaction back; that request gets its error and the rest are run
   again in a fresh transaction without it.
 * A failure to begin or to commit fails every request of that round with the same
-  translated error: none of them was saved.
+  translated error: none of them was saved. A failed COMMIT is sealed at once (see
+  `_seal`), so a crash cannot bring it back from the WAL; if even that fails, the
+  requests get `CommitOutcomeUnknown`: the round may yet turn out saved.
 
 ``now`` is read from the clock after ``BEGIN IMMEDIATE`` has the write lock, so a lease is
 measured from when it was granted, not from when it was asked for.
@@ -147,6 +149,41 @@ def _run_unit(
     return _write_queue.outcomes(*_write_queue.call_unit(ops, unit, db, now))
 
 
+def _never_written(exc: sqlite3.Error) -> bool:
+    """Whether a failed COMMIT certainly left no commit frame behind: SQLITE_FULL means
+    the frames did not fit, and the commit frame is always the last one written."""
+    code = getattr(exc, "sqlite_errorcode", None)
+    if code is not None:
+        return bool(code & 0xFF == _SQLITE_FULL)
+    return "database or disk is full" in str(exc).lower()  # Python 3.10: no codes
+
+
+#: SQLite's primary result code for a full disk (https://sqlite.org/rescode.html).
+_SQLITE_FULL = 13
+
+
+def _seal(db: sqlite3.Connection) -> bool:
+    """After a failed COMMIT, make sure it stays failed; whether that could be made sure.
+
+    A COMMIT can fail after its frames, commit frame included, are in the WAL: SQLite
+    writes them before it grows the WAL index (the -shm), and a full disk can refuse that
+    (SQLITE_IOERR_SHMSIZE). The live database rolls back, but recovery after a crash would
+    replay those frames and bring the refused round back. The next commit writes its
+    frames where the refused ones begin, which breaks their checksum chain for good, so a
+    one-frame commit straight away (the header's user_version, set to itself) seals the
+    refusal. It needs no new room: it reuses space the refused frames took.
+    """
+    try:
+        db.execute("BEGIN IMMEDIATE")
+        (version,) = db.execute("PRAGMA user_version").fetchone()
+        db.execute(f"PRAGMA user_version = {int(version)}")  # an int read just now
+        db.execute("COMMIT")
+    except sqlite3.Error:
+        _rollback(db)
+        return False
+    return True
+
+
 def _transact(
     ops: list[Write[Any]], db: sqlite3.Connection, clock: _clock.Clock
 ) -> tuple[list[Any], float]:
@@ -201,10 +238,16 @@ def _transact(
                 db.execute("COMMIT")
             except sqlite3.Error as exc:
                 _rollback(db)
-                error = _translated(exc)
+                refused: _errors.StorageError = _translated(exc)
+                if not _never_written(exc) and not _seal(db):
+                    refused = _errors.CommitOutcomeUnknown(
+                        f"the commit failed and could not be sealed, so it may yet be "
+                        f"saved: {refused}"
+                    )
+                    refused.__cause__ = exc
                 for index in todo:
                     if not isinstance(outcomes[index], _write_queue.Raised):
-                        outcomes[index] = _write_queue.Raised(error)
+                        outcomes[index] = _write_queue.Raised(refused)
                 return outcomes, lock_wait
             return outcomes, lock_wait
         # Undo everything this round wrote and run the others again without the culprit.
