@@ -762,7 +762,7 @@ async def group_commit(run: Run) -> None:
         "park": park,
         "finish_small": finish_small,
     }
-    writer = run.store._backend.writer  # type: ignore[attr-defined]
+    writer = run.store._engine.backend.writer
     rounds = writer.rounds
     run.disk.fill(leave=48 * KIB)
     outcomes = await asyncio.gather(*(call() for call in calls.values()), return_exceptions=True)
