@@ -24,7 +24,7 @@ import contextlib
 from collections.abc import Callable
 from typing import Any, ClassVar, NamedTuple, Protocol
 
-from asyncplane import _clock, _errors, _models, _write_queue
+from asyncplane import _clock, _errors, _lock, _models, _write_queue
 
 __all__ = (
     "AssignmentRow",
@@ -465,7 +465,7 @@ class Backend(Protocol):
         """Bytes the store takes on disk: (database, write-ahead log not yet folded in)."""
         ...
 
-    def drain_guard(self) -> contextlib.AbstractAsyncContextManager[bool]:
+    def drain_guard(self) -> contextlib.AbstractAsyncContextManager[_lock.Guard]:
         """The default single-drainer guard; entering yields whether it was had."""
         ...
 

@@ -239,9 +239,10 @@ async def drain(
     )
     _validate.text_id(run.owner, "owner")
     lock = None if lock_path is None else _validate.absolute_path(lock_path, "lock_path")
-    async with _single_drainer(store, lock) as acquired:
-        if not acquired:
+    async with _single_drainer(store, lock) as guard:
+        if not guard:
             return DrainSummary(skipped=True, elapsed_s=time.monotonic() - started)
+        run.guard = guard
         try:
             await run.loop()
         finally:
@@ -266,15 +267,15 @@ def _default_owner() -> str:
 @contextlib.asynccontextmanager
 async def _single_drainer(
     store: _store.ControlStore, lock_path: pathlib.Path | None
-) -> AsyncIterator[bool]:
+) -> AsyncIterator[_lock.Guard]:
     """The drain's guard: the lock file asked for, else the store's own (beside an SQLite
     file; a session advisory lock on PostgreSQL, which holds across hosts)."""
     if lock_path is not None:
         async with _lock.DrainLock(lock_path) as lock:
-            yield lock.acquired
+            yield _lock.Guard(lock.acquired)
     else:
-        async with _store.engine_of(store).drain_guard() as acquired:
-            yield acquired
+        async with _store.engine_of(store).drain_guard() as guard:
+            yield guard
 
 
 def _short(error: object) -> str:
@@ -313,6 +314,7 @@ class _Drain:
     poll_interval: float
     preflight_chunk: int
     summary: DrainSummary = dataclasses.field(default_factory=DrainSummary)
+    guard: _lock.Guard = dataclasses.field(default_factory=lambda: _lock.Guard(True))
 
     @property
     def engine(self) -> _engine.Engine:
@@ -323,6 +325,13 @@ class _Drain:
         while not self.stop.is_set():
             if self.max_iters is not None and self.summary.rounds >= self.max_iters:
                 return
+            if self.guard.lost is not None:
+                # Another drainer may have the guard now: stop before claiming again.
+                raise DrainError(
+                    f"the single-drainer guard was lost ({self.guard.lost}); this drain "
+                    "stopped so that no two drain at once",
+                    self.summary,
+                )
             self.summary.rounds += 1
             # A daemon starts watching before it claims, so work that arrives between an
             # empty claim and the wait still wakes it (an enqueue here sets the event; a
@@ -377,20 +386,25 @@ class _Drain:
         executor = asyncio.create_task(
             _call(self.execute, list(batch)), name=f"asyncplane-drain-execute[{self.owner}]"
         )
+        failure: BaseException | None = None
         try:
             done, _ = await asyncio.wait({renewer, executor}, return_when=asyncio.FIRST_COMPLETED)
             if renewer in done and not renewer.cancelled() and renewer.exception() is not None:
                 failure = renewer.exception()
-                await self._interrupted(batch, settled, executor)
-                raise DrainError(f"the lease renewer failed: {failure!r}", self.summary) from (
-                    failure
-                )
-            outcomes = _checked(batch, await executor)
+            else:
+                outcomes = _checked(batch, await executor)
         except BaseException:
             await _tasks.stop(renewer)
             if not all(settled.get(claim.item_id) for claim in batch):
                 await self._interrupted(batch, settled, executor)
             raise
+        if failure is not None:
+            # Put back what can be put back, once; a store that cannot take even that (the
+            # server down, say) leaves the rest claimed until the leases lapse. Either way
+            # the renewer's failure is what the caller hears, as DrainError.
+            with contextlib.suppress(_errors.AsyncplaneError):
+                await self._interrupted(batch, settled, executor)
+            raise DrainError(f"the lease renewer failed: {failure!r}", self.summary) from failure
         # From here on the work is done: stopping the renewer and settling run to their end
         # even if the task is cancelled meanwhile, and the cancellation goes on after.
         cancelled = await _tasks.stop(renewer)

@@ -32,7 +32,16 @@ import pathlib
 import time
 from typing import Literal
 
-from asyncplane import _backend, _clock, _errors, _fingerprint, _models, _retention, _validate
+from asyncplane import (
+    _backend,
+    _clock,
+    _errors,
+    _fingerprint,
+    _lock,
+    _models,
+    _retention,
+    _validate,
+)
 
 __all__ = ("Engine", "Options", "backend_for", "is_postgres_url")
 
@@ -123,7 +132,7 @@ class Engine:
         if self.is_open and self._loop is _running_loop() and not self.backend.broken:
             return self.backend  # the hot path: open, on its own loop
         self._check_loop()
-        async with self._lock():
+        async with self._opening_lock():
             if self.is_open and self.backend.broken:
                 # The write connection was lost (a server restart, say): start afresh.
                 _log.warning("asyncplane: %s lost its connection; opening again", self.location)
@@ -144,7 +153,7 @@ class Engine:
         self._check_loop()
         if self._loop is None:  # never opened, or closed already
             return
-        async with self._lock():
+        async with self._opening_lock():
             if not self.is_open:
                 return
             self.is_open = False
@@ -158,7 +167,7 @@ class Engine:
         """Where the store lives, for messages (a URL without its password)."""
         return self.backend.location
 
-    def _lock(self) -> asyncio.Lock:
+    def _opening_lock(self) -> asyncio.Lock:
         """The lock that serialises opening and closing, made for the running loop."""
         loop = asyncio.get_running_loop()
         if self._open_lock is None or self._lock_loop is not loop:
@@ -223,7 +232,7 @@ class Engine:
         """A number that changes whenever another connection commits to the store."""
         return await (await self.ready()).data_version()
 
-    def drain_guard(self) -> contextlib.AbstractAsyncContextManager[bool]:
+    def drain_guard(self) -> contextlib.AbstractAsyncContextManager[_lock.Guard]:
         """The backend's single-drainer guard (a lock file, or an advisory lock)."""
         return self.backend.drain_guard()
 

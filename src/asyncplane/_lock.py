@@ -36,7 +36,26 @@ import anyio.to_thread
 
 from asyncplane import _errors, _tasks
 
-__all__ = ("DrainLock",)
+__all__ = ("DrainLock", "Guard")
+
+
+class Guard:
+    """What a single-drainer guard says: whether this drainer has it (the guard is truthy
+    then), and, while the drain runs, whether it still holds (`lost` says why not: a
+    PostgreSQL session ended by a server restart, say). A drain whose guard is lost stops,
+    since another drainer may now have it."""
+
+    __slots__ = ("acquired", "lost")
+
+    def __init__(self, acquired: bool) -> None:
+        self.acquired = acquired
+        self.lost: str | None = None
+
+    def __bool__(self) -> bool:
+        return self.acquired
+
+    def __repr__(self) -> str:
+        return f"Guard(acquired={self.acquired}, lost={self.lost!r})"
 
 
 class DrainLock:

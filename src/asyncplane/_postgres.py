@@ -36,6 +36,7 @@ from asyncplane import (
     _clock,
     _errors,
     _fingerprint,
+    _lock,
     _models,
     _rules,
     _tasks,
@@ -195,7 +196,9 @@ class PostgresBackend(_backend.Writes):
         self._pool, self._listener, self._deaf = pool, listener, False
 
         async def close_readers(graceful: bool) -> None:
-            await self._close_side_connections(graceful)
+            # This opening's own pool and listener: a store reopened meanwhile (a close
+            # that was cancelled, a lost connection) has new ones, which stay.
+            await self._close_side_connections(graceful, pool, listener)
 
         if self._read_only:
             await _close_quietly(conn)
@@ -224,9 +227,14 @@ class PostgresBackend(_backend.Writes):
     def _went_deaf(self, conn: Any) -> None:
         self._deaf = True
 
-    async def _close_side_connections(self, graceful: bool) -> None:
-        pool, listener = self._pool, self._listener
-        self._pool = self._listener = None
+    async def _close_side_connections(
+        self, graceful: bool, pool: asyncpg.Pool | None, listener: asyncpg.Connection | None
+    ) -> None:
+        """Close one opening's pool and listener (never a later opening's)."""
+        if self._pool is pool:
+            self._pool = None
+        if self._listener is listener:
+            self._listener = None
         if listener is not None:
             with contextlib.suppress(Exception):
                 await listener.close(timeout=5)
@@ -238,11 +246,12 @@ class PostgresBackend(_backend.Writes):
 
     async def close(self) -> None:
         """Serve queued writes, then close the writer, the pool and the listener."""
-        writer = self._writer
+        writer, pool, listener = self._writer, self._pool, self._listener
         if writer is not None:
             await writer.stop()  # its on_exit closes the pool and the listener
-            self._writer = None
-        await self._close_side_connections(True)
+            if self._writer is writer:
+                self._writer = None
+        await self._close_side_connections(True, pool, listener)
 
     def forget(self) -> None:
         """Drop every connection left behind by an event loop that has ended.
@@ -268,12 +277,13 @@ class PostgresBackend(_backend.Writes):
         """Run ``fn(conn, *args)`` on a pooled connection."""
         if self._pool is None:
             raise _errors.StoreClosed("the store is closed")
-        pool = self._pool
+        pool, writer = self._pool, self._writer
         try:
             async with pool.acquire() as conn:
                 return await fn(conn, *args)
         except _DRIVER_ERRORS as exc:
-            if self._pool is not pool:  # the store closed under this read
+            if self._pool is not pool and not (writer is not None and writer.failed):
+                # closed under this read on purpose (a lost connection is a StorageError)
                 raise _errors.StoreClosed("the store was closed during this read") from exc
             raise _writer.translate(exc) from exc
 
@@ -417,11 +427,13 @@ class PostgresBackend(_backend.Writes):
     # --- the single-drainer guard --------------------------------------------------------
 
     @contextlib.asynccontextmanager
-    async def drain_guard(self) -> AsyncIterator[bool]:
+    async def drain_guard(self) -> AsyncIterator[_lock.Guard]:
         """A session advisory lock for this schema: one drainer across every host.
 
         Yields whether it was had. Held on a connection of its own for as long as the
-        drain runs; closing that connection (or the process dying) releases it.
+        drain runs; closing that connection (or the process dying) releases it. A session
+        the server ends (a restart, a failover, pg_terminate_backend) releases it too: the
+        guard then says it is lost, and the drain stops rather than run unguarded.
         """
         conn = await self._connect()  # cancelling this holds nothing yet
         try:
@@ -436,7 +448,16 @@ class PostgresBackend(_backend.Writes):
                 raise _writer.translate(exc) from exc
             if cancelled:
                 raise asyncio.CancelledError
-            yield bool(answer)
+            guard = _lock.Guard(bool(answer))
+
+            def ended(_: object) -> None:
+                guard.lost = "the server ended the session that held the drain lock"
+
+            conn.add_termination_listener(ended)
+            try:
+                yield guard
+            finally:
+                conn.remove_termination_listener(ended)
         finally:
             _, late = await _tasks.to_the_end(_close_quietly(conn), "asyncplane-drain-guard-close")
         if late:

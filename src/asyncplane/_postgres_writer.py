@@ -102,6 +102,20 @@ class Writer(_write_queue.WriterBase):
         #: Rounds that met a deadlock or serialisation failure and ran again.
         self.retried_rounds = 0
 
+    def start(self) -> None:
+        """Start the writer task, watching its connection: a session the server ends (a
+        restart, say) fails the writer at once, so the store opens afresh on its next
+        call instead of failing that call on a dead connection."""
+        self._conn.add_termination_listener(self._lost)
+        super().start()
+
+    def _lost(self, conn: object) -> None:
+        if self._stopping:
+            return  # closed by this writer itself
+        self._failure = ConnectionError("the server ended the write connection's session")
+        self._stopping = True
+        self._wakeup.set()
+
     def _drop(self) -> None:
         self._conn.terminate()
 
@@ -141,13 +155,13 @@ class Writer(_write_queue.WriterBase):
             raise
         except Exception as exc:
             if self._conn.is_closed():  # the connection broke: the writer stops
-                _write_queue.connection_failed(batch, exc)
+                self._broke(batch, exc)
                 raise
             # Outside any operation (the clock, say): this round fails, the writer goes
             # on. The transaction was rolled back on the way out.
             outcomes = [_write_queue.Raised(_write_queue.round_failed(exc))] * len(ops)
         except BaseException as exc:
-            _write_queue.connection_failed(batch, exc)
+            self._broke(batch, exc)
             raise
         _write_queue.deliver(batch, outcomes)
 

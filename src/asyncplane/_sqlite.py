@@ -273,10 +273,10 @@ class SQLiteBackend(_backend.Writes):
         return await self._write(functools.partial(_copy_items, op))
 
     @contextlib.asynccontextmanager
-    async def drain_guard(self) -> AsyncIterator[bool]:
+    async def drain_guard(self) -> AsyncIterator[_lock.Guard]:
         """A `DrainLock` on ``<database>.drain.lock``, beside the database."""
         async with _lock.DrainLock(self._path.with_name(self._path.name + ".drain.lock")) as lock:
-            yield lock.acquired
+            yield _lock.Guard(lock.acquired)  # a lock on an open descriptor holds
 
     async def next_due(self, project_id: str | None, actor_id: str | None) -> float | None:
         params = {"project_id": project_id, "actor_id": actor_id, "now": self._clock.now()}

@@ -37,7 +37,6 @@ __all__ = (
     "WriterBase",
     "call_unit",
     "caused",
-    "connection_failed",
     "deliver",
     "outcomes",
     "round_failed",
@@ -123,15 +122,6 @@ def round_failed(exc: BaseException) -> _errors.StorageError:
     return caused(_errors.StorageError(f"the write round failed: {exc!r}"), exc)
 
 
-def connection_failed(batch: Sequence[Request], exc: BaseException) -> None:
-    """The write connection broke under a round: every caller still waiting hears of
-    it (and the writer stops)."""
-    error = caused(_errors.StorageError(f"the store's write connection failed: {exc!r}"), exc)
-    for _, future in batch:
-        if not future.done():
-            future.set_exception(error)
-
-
 E = TypeVar("E", bound=BaseException)
 
 
@@ -212,6 +202,17 @@ class WriterBase:
         # cause); here it is logged once, and marked as seen so asyncio does not complain.
         if not task.cancelled() and task.exception() is not None:
             _log.error("asyncplane writer %s stopped", self._name, exc_info=task.exception())
+
+    def _broke(self, batch: Sequence[Request], exc: BaseException) -> None:
+        """The write connection broke under a round: the writer is failed (so the store
+        reopens on its next call, not after) before each caller still waiting hears of it,
+        with a StorageError."""
+        self._failure = exc
+        self._stopping = True
+        error = caused(_errors.StorageError(f"the store's write connection failed: {exc!r}"), exc)
+        for _, future in batch:
+            if not future.done():
+                future.set_exception(error)
 
     def abandon(self) -> None:
         """Drop the connection without the event loop, which has already ended."""

@@ -97,7 +97,7 @@ class Writer(_write_queue.WriterBase):
         except asyncio.CancelledError:
             raise
         except BaseException as exc:  # the round itself broke (connection closed, a bug)
-            _write_queue.connection_failed(batch, exc)
+            self._broke(batch, exc)
             raise
         finally:
             self.in_flight = 0
