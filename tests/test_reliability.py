@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 
+from _signals import until
 from asyncplane import (
     ArchiveError,
     ClaimedItem,
@@ -378,3 +379,23 @@ async def test_failing_an_exhausted_twin_frees_its_waiting_twin_in_the_same_clai
     assert claimed is not None and claimed.item_id == twin
     assert (await store.item(running))["state"] == "failed"
     assert await verify_ledger(store) == []
+
+
+# --- a lost PostgreSQL connection ------------------------------------------------------------
+
+
+@pytest.mark.postgresql_only
+async def test_a_write_connection_the_server_ended_is_replaced_before_the_next_call(
+    store: ControlStore, raw: Any
+) -> None:
+    """The writer watches its session: one the server ends while the store is idle fails
+    the writer at once, so the next calls reconnect; none of them meets the dead
+    connection (StorageError) or a writer still stopping (StoreClosed)."""
+    backend: Any = await store._engine.ready()
+    pid = backend.writer._conn.get_server_pid()
+    raw.execute("SELECT pg_terminate_backend(?)", (pid,))
+    await until(lambda: backend.writer.failed, what="the writer noticed its session ended")
+    first = await store.enqueue("alpha", {"n": 1})
+    second = await store.enqueue("alpha", {"n": 2})
+    assert second == first + 1
+    assert (await store.counts())["ready"] == 2
