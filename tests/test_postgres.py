@@ -8,6 +8,7 @@ connections of their own) meeting on one schema, the schema guard, and NOTIFY.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import pathlib
 from typing import Any
 
@@ -354,8 +355,11 @@ async def test_a_lost_connection_is_replaced_on_next_use(url: str) -> None:
         backend: Any = await store._engine.ready()
         pid = backend.writer._conn.get_server_pid()
         await sql(url, "SELECT pg_terminate_backend($1)", pid)  # a server restart, as it were
-        with pytest.raises(StorageError):
-            await store.enqueue("p", {"lost": True})  # this one's fate is reported ...
+        # This one's fate is reported: a StorageError if it met the dead connection, or it
+        # is saved, when the writer noticed its session end first and the store reopened
+        # (see tests/test_reliability.py for that on its own) ...
+        with contextlib.suppress(StorageError):
+            await store.enqueue("p", {"lost": True})
         for _ in range(1000):
             if backend.broken:
                 break

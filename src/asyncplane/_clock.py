@@ -15,7 +15,10 @@ import asyncio
 import time
 from typing import Protocol, runtime_checkable
 
-__all__ = ("Clock", "SystemClock", "wait_until")
+__all__ = ("Checked", "Clock", "SystemClock", "wait_until")
+
+#: Readings at or past this (year 10000) are refused: no time could be shown for them.
+_LATEST = 253402300800.0
 
 
 @runtime_checkable
@@ -46,6 +49,48 @@ class SystemClock:
 
     def __repr__(self) -> str:
         return "SystemClock()"
+
+
+class Checked:
+    """An injected clock, each reading checked before the store uses it.
+
+    A lease, a due time and every event's time are written from these readings, so a
+    clock that returns nonsense (NaN, infinity, a negative time, a year past 9999, not a
+    number at all) or raises must fail the call that read it, with a StorageError,
+    rather than store a time that no later read could turn back into a datetime.
+    """
+
+    __slots__ = ("inner",)
+
+    def __init__(self, inner: Clock) -> None:
+        self.inner = inner
+
+    def now(self) -> float:
+        """The inner clock's reading, if it is a time asyncplane can store."""
+        from asyncplane import _errors  # _errors imports nothing of ours; no cycle
+
+        try:
+            value = self.inner.now()
+        except Exception as exc:
+            raise _errors.StorageError(f"the store's clock failed: {exc!r}") from exc
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise _errors.StorageError(
+                f"the store's clock read {type(value).__name__}, not seconds since the epoch"
+            )
+        try:
+            reading = float(value)
+        except OverflowError:
+            reading = float("inf")
+        if not 0.0 <= reading < _LATEST:  # NaN fails this too
+            raise _errors.StorageError(f"the store's clock read an impossible time: {reading!r}")
+        return reading
+
+    async def wait_until(self, when: float) -> None:
+        """Wait as the inner clock waits (see `wait_until`)."""
+        await wait_until(self.inner, when)
+
+    def __repr__(self) -> str:
+        return f"Checked({self.inner!r})"
 
 
 async def wait_until(clock: Clock, when: float) -> None:

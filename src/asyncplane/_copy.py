@@ -57,6 +57,7 @@ async def copy_store(
     the destination by an item that did not come from this source.
     """
     size = _validate.positive_int(chunk, "chunk")
+    progress = _validate.callback(progress, "progress")
     pending = _validate.boolean(pending_only, "pending_only")
     src = await _store.engine_of(source).ready()
     dst = await _store.engine_of(destination).ready()

@@ -233,7 +233,7 @@ async def drain(
         max_iters=_validate.optional_positive_int(max_iters, "max_iters"),
         project_id=None if project_id is None else _validate.text_id(project_id, "project_id"),
         actor_id=_validate.optional_actor(actor_id),
-        stop=stop if stop is not None else asyncio.Event(),
+        stop=_stop_event(stop),
         poll_interval=_validate.seconds(poll_interval, "poll_interval", 3600.0),
         preflight_chunk=_validate.positive_int(preflight_chunk, "preflight_chunk"),
     )
@@ -253,11 +253,23 @@ async def drain(
 
 
 def _mode(value: object) -> Literal["foreground", "daemon"]:
+    if not isinstance(value, str):
+        raise _errors.InvalidType(f"mode must be a str, not {type(value).__name__}")
     if value == "foreground":
         return "foreground"
     if value == "daemon":
         return "daemon"
-    raise _errors.InvalidInput(f"mode must be 'foreground' or 'daemon', got {value!r}")
+    raise _errors.InvalidInput(
+        f"mode must be 'foreground' or 'daemon', got {_validate.shown(value)}"
+    )
+
+
+def _stop_event(value: object) -> asyncio.Event:
+    if value is None:
+        return asyncio.Event()
+    if not isinstance(value, asyncio.Event):
+        raise _errors.InvalidType(f"stop must be an asyncio.Event, not {type(value).__name__}")
+    return value
 
 
 def _default_owner() -> str:

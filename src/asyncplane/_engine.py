@@ -79,12 +79,14 @@ def backend_for(
     """The backend a location names: an SQLite file (made absolute now, so a later chdir
     cannot move it), or the schema a ``postgresql://`` URL names (the ``postgres``
     extra; its leases follow the server's clock unless ``options.clock`` is given)."""
+    # An injected clock's readings are checked before anything is written from them.
+    clock = None if options.clock is None else _clock.Checked(options.clock)
     if is_postgres_url(location):
         from asyncplane import _postgres  # only a PostgreSQL store needs its driver
 
         return _postgres.PostgresBackend(
             location,
-            clock=options.clock,
+            clock=clock,
             # NOTIFY from any host wakes this process's drainers as a local write does.
             on_change=on_change,
             connect_timeout=options.busy_timeout,
@@ -96,7 +98,7 @@ def backend_for(
 
     return _sqlite.SQLiteBackend(
         pathlib.Path(os.path.abspath(location)),
-        clock=options.clock if options.clock is not None else _clock.SystemClock(),
+        clock=clock if clock is not None else _clock.SystemClock(),
         synchronous=options.synchronous,
         busy_timeout=options.busy_timeout,
         max_batch=options.max_batch,

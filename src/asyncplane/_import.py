@@ -78,6 +78,10 @@ async def import_pending(
 ) -> ImportSummary:
     """Copy a source table's pending rows into the store, once; see the module docstring."""
     source = _validate.absolute_path(source_path, "source_path")
+    if not isinstance(table, str):
+        raise _errors.InvalidType(f"table must be a str, not {type(table).__name__}")
+    table = _validate.storable_text(table, "table")
+    progress = _validate.callback(progress, "progress")
     mapping = _check_mapping(columns, project_id, pending)
     chunk = _validate.positive_int(chunk, "chunk")
     project = None if project_id is None else _validate.text_id(project_id, "project_id")
@@ -129,6 +133,11 @@ def _check_mapping(
     if not isinstance(columns, Mapping):
         raise _errors.InvalidType("columns must map store fields to source column names")
     mapping = dict(columns)
+    for field in mapping:
+        if not isinstance(field, str):
+            raise _errors.InvalidType(
+                f"columns keys are store field names (str), not {_validate.shown(field)}"
+            )
     unknown = set(mapping) - FIELDS
     if unknown:
         raise _errors.InvalidInput(
@@ -156,7 +165,11 @@ def _check_mapping(
 
 
 def _connect(source: pathlib.Path, *, write: bool = False) -> sqlite3.Connection:
-    if not source.is_file():
+    try:
+        found = source.is_file()
+    except OSError as exc:  # a name too long, say
+        raise _errors.InvalidInput(f"cannot look at the source {source}: {exc}") from exc
+    if not found:
         raise _errors.InvalidInput(f"no source database at {source}")
     uri = source.as_uri() + ("" if write else "?mode=ro")
     try:

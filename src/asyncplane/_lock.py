@@ -34,7 +34,7 @@ import types
 
 import anyio.to_thread
 
-from asyncplane import _errors, _tasks
+from asyncplane import _errors, _tasks, _validate
 
 __all__ = ("DrainLock", "Guard")
 
@@ -67,7 +67,7 @@ class DrainLock:
     """
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
-        self._path = pathlib.Path(os.fspath(path))
+        self._path = _validate.absolute_path(path, "path")
         self._fd: int | None = None
 
     @property

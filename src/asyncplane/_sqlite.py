@@ -825,7 +825,7 @@ def _verify_ledger(db: sqlite3.Connection, limit: int | None) -> list[_models.Le
     for kind, statement in sql.LEDGER_CHECKS:
         cursor = db.execute(statement)
         while limit is None or len(problems) < limit:
-            batch = cursor.fetchmany(500 if limit is None else limit - len(problems))
+            batch = cursor.fetchmany(500 if limit is None else min(500, limit - len(problems)))
             if not batch:
                 break
             problems.extend(

@@ -111,19 +111,14 @@ class ControlStore:
         read_connections: int = 2,
         read_only: bool = False,
     ) -> None:
-        if not isinstance(path, (str, os.PathLike)):
-            raise _errors.InvalidType(f"path must be a str or PathLike, not {type(path).__name__}")
-        if not os.fspath(path):
-            raise _errors.InvalidInput("path must not be empty")
-        if "\x00" in os.fspath(path):
-            raise _errors.InvalidInput("path must not contain NUL characters")
-        if os.fspath(path) == ":memory:":
+        location = _validate.path_text(path, "path")
+        if location == ":memory:":
             raise _errors.InvalidInput(
                 "an asyncplane store is a file shared by connections; ':memory:' cannot be shared"
             )
-        if synchronous not in ("NORMAL", "FULL"):
+        if not isinstance(synchronous, str) or synchronous not in ("NORMAL", "FULL"):
             raise _errors.InvalidInput(
-                f"synchronous must be 'NORMAL' or 'FULL', got {synchronous!r}"
+                f"synchronous must be 'NORMAL' or 'FULL', got {_validate.shown(synchronous)}"
             )
         if clock is not None and not isinstance(clock, _clock.Clock):
             raise _errors.InvalidType("clock must have a now() method returning epoch seconds")
@@ -144,6 +139,8 @@ class ControlStore:
         self._retry_backoff_max = _validate.delay(retry_backoff_max, "retry_backoff_max")
         if self._retry_backoff_max < self._retry_backoff:
             raise _errors.InvalidInput("retry_backoff_max must not be below retry_backoff")
+        if rng is not None and not callable(getattr(rng, "random", None)):
+            raise _errors.InvalidType("rng must have a random() method, like random.Random")
         self._rng = rng if rng is not None else random.Random()
         self._retention = None if retention is None else _validate.duration(retention, "retention")
         if archive_path is not None:
@@ -169,7 +166,7 @@ class ControlStore:
                 synchronous=synchronous,
                 busy_timeout=self._busy_timeout,
                 max_batch=_validate.positive_int(max_batch, "max_batch"),
-                read_connections=_validate.positive_int(read_connections, "read_connections"),
+                read_connections=_validate.read_connections(read_connections),
                 read_only=_validate.boolean(read_only, "read_only"),
                 identity=self._identity,
                 max_payload_bytes=self._max_payload_bytes,
@@ -218,8 +215,9 @@ class ControlStore:
 
     @property
     def clock(self) -> Clock:
-        """The clock leases and events are measured by."""
-        return self._engine.clock
+        """The clock leases and events are measured by (the one given, if any)."""
+        given = self._engine.options.clock
+        return given if given is not None else self._engine.clock
 
     @property
     def identity(self) -> tuple[str, ...]:
@@ -699,12 +697,12 @@ class ControlStore:
             )
         return await _retention.purge(
             await self._engine.ready(),
-            self.clock,
+            self._engine.clock,
             seconds,
             chunk=self._purge_chunk if chunk is None else _validate.positive_int(chunk, "chunk"),
             archive_path=target,
             archive_max_bytes=self._archive_max_bytes,
-            progress=progress,
+            progress=_validate.callback(progress, "progress"),
         )
 
     async def import_pending(
@@ -760,7 +758,7 @@ class ControlStore:
             states[state] = states.get(state, 0) + count
             projects.setdefault(project, dict.fromkeys(_models.ITEM_STATES, 0))[state] = count
         sizes = await (await self._engine.ready()).sizes()
-        now = self.clock.now()
+        now = self._engine.clock.now()
         return {
             "path": self.location,
             "schema_version": raw.schema_version,
@@ -849,6 +847,8 @@ class ControlStore:
 def engine_of(store: ControlStore) -> _engine.Engine:
     """The engine beneath a store: what drain, retention, import, copy, the ledger check
     and the probe work through."""
+    if not isinstance(store, ControlStore):
+        raise _errors.InvalidType(f"expected a ControlStore, not {type(store).__name__}")
     return store._engine
 
 

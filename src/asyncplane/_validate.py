@@ -36,8 +36,10 @@ __all__ = (
     "MAX_INT_DIGITS",
     "MAX_JSON_DEPTH",
     "MAX_LEASE_SECONDS",
+    "MAX_READ_CONNECTIONS",
     "absolute_path",
     "boolean",
+    "callback",
     "delay",
     "duration",
     "encode_payload",
@@ -53,11 +55,14 @@ __all__ = (
     "name",
     "optional_actor",
     "optional_positive_int",
+    "path_text",
     "positive_int",
     "priority",
     "project_status",
+    "read_connections",
     "seconds",
     "service_class",
+    "shown",
     "storable_text",
     "text_id",
 )
@@ -79,6 +84,8 @@ MAX_ERROR_LENGTH = 16 * 1024
 #: dict inside it one more. Far below the interpreter's recursion limit, so decoding never
 #: fails because of where in its call stack a worker decodes.
 MAX_JSON_DEPTH = 100
+#: Most read connections a store may keep open at once.
+MAX_READ_CONNECTIONS = 64
 #: Most digits of an int in a payload or result: 640 is the lowest int-to-str limit a
 #: Python process may set (sys.set_int_max_str_digits), so every reader can decode it.
 MAX_INT_DIGITS = 640
@@ -140,9 +147,9 @@ def positive_int(value: object, what: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise _errors.InvalidType(f"{what} must be an int, not {type(value).__name__}")
     if value < 1:
-        raise _errors.InvalidInput(f"{what} must be positive, got {_shown(value)}")
+        raise _errors.InvalidInput(f"{what} must be positive, got {shown(value)}")
     if value > MAX_INT:
-        raise _errors.InvalidInput(f"{what} must be at most {MAX_INT}, got {_shown(value)}")
+        raise _errors.InvalidInput(f"{what} must be at most {MAX_INT}, got {shown(value)}")
     return value
 
 
@@ -155,9 +162,9 @@ def seconds(value: object, what: str, most: float) -> float:
     """A finite number of seconds in (0, most] (int or float, bool excluded)."""
     number = _number(value, what, "an int or float")
     if not math.isfinite(number) or number <= 0:
-        raise _errors.InvalidInput(f"{what} must be positive and finite, got {_shown(value)}")
+        raise _errors.InvalidInput(f"{what} must be positive and finite, got {shown(value)}")
     if number > most:
-        raise _errors.InvalidInput(f"{what} must be at most {most:g} seconds, got {_shown(value)}")
+        raise _errors.InvalidInput(f"{what} must be at most {most:g} seconds, got {shown(value)}")
     return number
 
 
@@ -176,7 +183,7 @@ def _one_of(value: object, what: str, allowed: tuple[str, ...]) -> str:
         raise _errors.InvalidType(f"{what} must be a str, not {type(value).__name__}")
     if value not in allowed:
         choices = ", ".join(repr(s) for s in allowed)
-        raise _errors.InvalidInput(f"unknown {what} {_shown(value)}: expected one of {choices}")
+        raise _errors.InvalidInput(f"unknown {what} {shown(value)}: expected one of {choices}")
     return value
 
 
@@ -280,7 +287,7 @@ def priority(value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise _errors.InvalidType(f"priority must be an int, not {type(value).__name__}")
     if not -(2**31) <= value < 2**31:
-        raise _errors.InvalidInput(f"priority must fit in 32 bits, got {_shown(value)}")
+        raise _errors.InvalidInput(f"priority must fit in 32 bits, got {shown(value)}")
     return value
 
 
@@ -301,7 +308,7 @@ def instant(value: object, what: str) -> float | None:
         value = value.timestamp()
     number = _number(value, what, "an aware datetime or epoch seconds")
     if not math.isfinite(number) or not 0 <= number < MAX_EPOCH_SECONDS:
-        raise _errors.InvalidInput(f"{what} is not a representable time: {_shown(value)}")
+        raise _errors.InvalidInput(f"{what} is not a representable time: {shown(value)}")
     return number
 
 
@@ -320,7 +327,7 @@ def delay(value: object, what: str) -> float:
     number = _number(value, what, "an int or float")
     if not math.isfinite(number) or not 0 <= number <= MAX_LEASE_SECONDS:
         raise _errors.InvalidInput(
-            f"{what} must be between 0 and a year of seconds, got {_shown(value)}"
+            f"{what} must be between 0 and a year of seconds, got {shown(value)}"
         )
     return number
 
@@ -363,27 +370,62 @@ def duration(value: object, what: str) -> float:
         value = value.total_seconds()
     number = _number(value, what, "a timedelta or seconds")
     if not math.isfinite(number) or not 0 <= number <= 100 * 366 * 24 * 3600.0:
-        raise _errors.InvalidInput(f"{what} must be zero or more, and finite, got {_shown(value)}")
+        raise _errors.InvalidInput(f"{what} must be zero or more, and finite, got {shown(value)}")
     return number
 
 
 def absolute_path(value: object, what: str) -> pathlib.Path:
     """A str or PathLike, made absolute now (so a later chdir cannot move it)."""
+    return pathlib.Path(os.path.abspath(path_text(value, what)))
+
+
+def path_text(value: object, what: str) -> str:
+    """A file name given as a str or a PathLike of str: not empty, no NUL, and one the
+    file system can be given (a lone surrogate that ``surrogateescape`` did not make is
+    refused; one it made is a legitimate undecodable byte of a POSIX name)."""
     if not isinstance(value, (str, os.PathLike)):
         raise _errors.InvalidType(f"{what} must be a str or PathLike, not {type(value).__name__}")
-    text = os.fspath(value)
+    try:
+        text = os.fspath(value)
+    except Exception as exc:  # a PathLike whose __fspath__ raises
+        raise _errors.InvalidType(f"{what}: its __fspath__ failed: {exc!r}") from None
+    if not isinstance(text, str):
+        raise _errors.InvalidType(f"{what} must be a str path, not {type(text).__name__}")
     if not text:
         raise _errors.InvalidInput(f"{what} must not be empty")
     if "\x00" in text:  # no file name can hold one
         raise _errors.InvalidInput(f"{what} must not contain NUL characters")
-    return pathlib.Path(os.path.abspath(text))
+    try:
+        os.fsencode(text)
+    except UnicodeEncodeError:
+        raise _errors.InvalidInput(
+            f"{what} holds a character no file name can: {shown(text)}"
+        ) from None
+    return text
+
+
+def read_connections(value: object) -> int:
+    """How many read connections a store keeps: 1 to MAX_READ_CONNECTIONS."""
+    count = positive_int(value, "read_connections")
+    if count > MAX_READ_CONNECTIONS:
+        raise _errors.InvalidInput(
+            f"read_connections must be at most {MAX_READ_CONNECTIONS}, got {shown(count)}"
+        )
+    return count
+
+
+def callback(value: object, what: str) -> Any:
+    """None, or something callable (a progress callback, say)."""
+    if value is not None and not callable(value):
+        raise _errors.InvalidType(f"{what} must be callable, not {type(value).__name__}")
+    return value
 
 
 def megabytes(value: object, what: str) -> int:
     """A positive size in MiB (int or float), returned in bytes."""
     number = _number(value, what, "a number of MiB")
     if not math.isfinite(number) or not 0 < number <= 1024 * 1024:
-        raise _errors.InvalidInput(f"{what} must be a positive number of MiB, got {_shown(value)}")
+        raise _errors.InvalidInput(f"{what} must be a positive number of MiB, got {shown(value)}")
     return int(number * 1024 * 1024)
 
 
@@ -400,10 +442,13 @@ def _number(value: object, what: str, expected: str) -> float:
         ) from None
 
 
-def _shown(value: object) -> str:
+def shown(value: object) -> str:
     """``value`` for an error message: its repr, cut short; an int too long to print (past
     the interpreter's int-to-str limit) by its size, so the message itself cannot fail."""
     if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 256:
         return f"an int of {value.bit_length()} bits"
-    text = repr(value)
+    try:
+        text = repr(value)
+    except Exception:  # a hostile __repr__: the message must not fail
+        return f"a {type(value).__name__} that cannot be shown"
     return text if len(text) <= 80 else text[:77] + "..."
