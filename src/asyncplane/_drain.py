@@ -58,6 +58,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, Literal, TypeAlias
 
 from asyncplane import _clock, _engine, _errors, _lock, _models, _store, _tasks, _validate
+from asyncplane._models import ClaimedItem
+from asyncplane._store import ControlStore
 
 __all__ = (
     "Done",
@@ -122,7 +124,7 @@ class Offload:
 
 
 Outcome: TypeAlias = Done | Failed | Retry | Park | Offload
-Executor: TypeAlias = Callable[[list[_models.ClaimedItem]], Awaitable[Sequence[Outcome]]]
+Executor: TypeAlias = Callable[[list[ClaimedItem]], Awaitable[Sequence[Outcome]]]
 
 
 class DrainError(_errors.AsyncplaneError):
@@ -181,7 +183,7 @@ class DrainSummary:
 
 
 async def drain(
-    store: _store.ControlStore,
+    store: ControlStore,
     execute: Executor,
     *,
     owner: str | None = None,
