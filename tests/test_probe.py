@@ -237,3 +237,22 @@ def test_roles_need_a_server_database_and_a_spreadable_scenario(tmp_path: pathli
     assert code == 2 and "PostgreSQL" in err
     code, _, err = run_probe(tmp_path, "--scenario", "stall", "--role", "coordinator")
     assert code == 2 and "concurrent-queue and chaos only" in err
+
+
+def test_the_worker_protocol_reads_back_what_it_writes() -> None:
+    from asyncplane import _probe_protocol as protocol
+
+    messages: list[protocol.Message] = [
+        protocol.Ready("w1"),
+        protocol.Finished(3, 2),
+        protocol.Claimed(4, 1, 1767225600.5),
+        protocol.Reported("fence_rejected", 4, 1),
+        protocol.Summary(
+            "w1", claimed=5, finished=4, locked=0, fence_rejected=1, max_lock_wait=0.25
+        ),
+    ]
+    for message in messages:
+        assert protocol.decode(protocol.encode(message).encode()) == message
+    line = protocol.encode(messages[-1])
+    assert protocol.decode(line[: len(line) // 2]) is None  # cut short by a kill
+    assert protocol.decode('{"kind": "unheard-of"}') is None

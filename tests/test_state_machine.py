@@ -1,5 +1,5 @@
 """A Hypothesis state machine: the real store, on a real SQLite file and on a real
-PostgreSQL schema, against a plain model.
+PostgreSQL schema, against a plain model (its items and views: tests/_state_model.py).
 
 Every example gets a fresh temporary directory, a fresh database file, a ManualClock and
 an event loop of its own. Each rule makes its store calls (``loop.run_until_complete``)
@@ -57,7 +57,7 @@ import os
 import pathlib
 import random
 import tempfile
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 import pytest
@@ -75,6 +75,19 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
+from _state_model import (
+    JobSpec,
+    ModelItem,
+    as_datetime,
+    by_claim_order,
+    claimed_view,
+    event_view,
+    model_claimed_view,
+    model_row_view,
+    optional_datetime,
+    pick_batch,
+    row_view,
+)
 from asyncplane import (
     AsyncplaneError,
     ClaimedItem,
@@ -144,20 +157,6 @@ work_outcomes = st.sampled_from(
 waits = st.sampled_from((0, 0, 0, 10, 30, 45))
 
 
-@dataclasses.dataclass(frozen=True)
-class JobSpec:
-    """One job as a rule draws it (times relative: sla to T0, not_before to now)."""
-
-    priority: int = 0
-    service_class: str = "standard"
-    sla: float | None = None
-    fingerprint: str | None = None
-    task: str | None = None  # the identity payload key: a derived fingerprint
-    max_attempts: int | None = None
-    not_before: float | None = None
-    dedup: bool = True  # for enqueue() one job at a time (enqueue_many has one for all)
-
-
 job_specs = st.builds(
     JobSpec,
     priority=st.integers(min_value=-1, max_value=2),
@@ -170,61 +169,6 @@ job_specs = st.builds(
     dedup=st.booleans(),
 )
 job_lists = st.lists(job_specs, min_size=1, max_size=3)
-
-# (event_type, fence, owner, actor_id, detail, at)
-Event = tuple[str, int, "str | None", "str | None", "dict[str, Any] | None", dt.datetime]
-
-
-@dataclasses.dataclass(eq=False)
-class ModelItem:
-    item_id: int
-    project_id: str
-    payload: dict[str, Any]
-    created_at: float
-    updated_at: float
-    priority: int = 0
-    service_class: str = "standard"
-    sla: float | None = None
-    fingerprint: str | None = None
-    dedup: bool = True
-    max_attempts: int | None = None
-    due_at: float | None = None
-    state: str = "ready"
-    fence: int = 0
-    attempts: int = 0
-    owner: str | None = None
-    lease_expires_at: float | None = None
-    result: Any = None
-    error: str | None = None
-    offload_handle: str | None = None
-    events: list[Event] = dataclasses.field(default_factory=list)
-
-    def claim_key(self) -> tuple[Any, ...]:
-        # 'realtime' < 'standard': the two classes sort the way the claim order wants.
-        return (-self.priority, self.service_class, self.sla is None, self.sla or 0.0, self.item_id)
-
-    def exhausted(self) -> bool:
-        return self.max_attempts is not None and self.attempts >= self.max_attempts
-
-
-def pick_batch(ordered: Sequence[ModelItem], limit: int) -> list[ModelItem]:
-    """The first ``limit`` items, at most one per (project, fingerprint)."""
-    chosen: list[ModelItem] = []
-    seen: set[tuple[str, str]] = set()
-    for item in ordered:
-        if item.fingerprint is not None:
-            twin = (item.project_id, item.fingerprint)
-            if twin in seen:
-                continue
-            seen.add(twin)
-        chosen.append(item)
-        if len(chosen) == limit:
-            break
-    return chosen
-
-
-def by_claim_order(items: list[ModelItem]) -> list[ModelItem]:
-    return sorted(items, key=ModelItem.claim_key)
 
 
 class StoreMachine(RuleBasedStateMachine):
@@ -1332,101 +1276,6 @@ class StoreMachine(RuleBasedStateMachine):
             assert visible[actor] == expected, f"visible_projects({actor!r})"
         assert counts == self.expected_counts(None, None)
         assert next_due == self.expected_next_due(None, None)
-
-
-def as_datetime(seconds: float) -> dt.datetime:
-    return dt.datetime.fromtimestamp(seconds, tz=dt.timezone.utc)
-
-
-def optional_datetime(seconds: float | None) -> dt.datetime | None:
-    return None if seconds is None else as_datetime(seconds)
-
-
-ROW_KEYS = (
-    "item_id",
-    "project_id",
-    "state",
-    "payload",
-    "fence",
-    "attempts",
-    "owner",
-    "lease_expires_at",
-    "created_at",
-    "updated_at",
-    "priority",
-    "service_class",
-    "sla",
-    "fingerprint",
-    "max_attempts",
-    "due_at",
-    "result",
-    "error",
-    "offload_handle",
-)
-
-
-def row_view(row: dict[str, Any]) -> dict[str, Any]:
-    assert set(row) == set(ROW_KEYS)
-    return row
-
-
-def model_row_view(item: ModelItem) -> dict[str, Any]:
-    return {
-        "item_id": item.item_id,
-        "project_id": item.project_id,
-        "state": item.state,
-        "payload": item.payload,
-        "fence": item.fence,
-        "attempts": item.attempts,
-        "owner": item.owner,
-        "lease_expires_at": optional_datetime(item.lease_expires_at),
-        "created_at": as_datetime(item.created_at),
-        "updated_at": as_datetime(item.updated_at),
-        "priority": item.priority,
-        "service_class": item.service_class,
-        "sla": optional_datetime(item.sla),
-        "fingerprint": item.fingerprint,
-        "max_attempts": item.max_attempts,
-        "due_at": optional_datetime(item.due_at),
-        "result": item.result,
-        "error": item.error,
-        "offload_handle": item.offload_handle,
-    }
-
-
-def claimed_view(claim: ClaimedItem) -> dict[str, Any]:
-    return dataclasses.asdict(claim)
-
-
-def model_claimed_view(item: ModelItem) -> dict[str, Any]:
-    assert item.owner is not None and item.lease_expires_at is not None
-    return dataclasses.asdict(
-        ClaimedItem(
-            item_id=item.item_id,
-            project_id=item.project_id,
-            payload=item.payload,
-            fence=item.fence,
-            attempts=item.attempts,
-            lease_expires_at=as_datetime(item.lease_expires_at),
-            owner=item.owner,
-            priority=item.priority,
-            service_class=item.service_class,
-            sla=optional_datetime(item.sla),
-            fingerprint=item.fingerprint,
-            max_attempts=item.max_attempts,
-        )
-    )
-
-
-def event_view(event: dict[str, Any]) -> Event:
-    return (
-        event["event_type"],
-        event["fence"],
-        event["owner"],
-        event["actor_id"],
-        event["detail"],
-        event["at"],
-    )
 
 
 SETTINGS = settings(

@@ -30,20 +30,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import sys
-from typing import Any
 
 import anyio.to_thread
 
-from asyncplane import _errors, _probe_support, _store
+from asyncplane import _errors, _probe_protocol, _probe_support, _store
 
 #: How long a --until-drained worker waits before looking again for lapsed leases.
 _IDLE_POLL_SECONDS = 0.05
 
 
-def _say(message: dict[str, Any]) -> None:
-    sys.stdout.write(json.dumps(message, separators=(",", ":")) + "\n")
+def _say(message: _probe_protocol.Message) -> None:
+    sys.stdout.write(_probe_protocol.encode(message) + "\n")
     sys.stdout.flush()
 
 
@@ -83,7 +81,7 @@ async def _drain_one(
             tally.locked += 1
             continue
         tally.finished += 1
-        _say({"f": claim.item_id, "fence": claim.fence})
+        _say(_probe_protocol.Finished(claim.item_id, claim.fence))
 
 
 async def _main(args: argparse.Namespace) -> int:
@@ -95,7 +93,7 @@ async def _main(args: argparse.Namespace) -> int:
         await store.counts()  # opened before saying ready
         if args.fault == "delete-item":  # before anyone starts: the item is surely pending
             await _probe_support.inject_fault(args.store, args.fault)
-        _say({"ready": args.name})
+        _say(_probe_protocol.Ready(args.name))
         if not args.no_wait:
             await anyio.to_thread.run_sync(sys.stdin.readline)
         if args.mode == "hold":
@@ -111,14 +109,14 @@ async def _main(args: argparse.Namespace) -> int:
             await _probe_support.inject_fault(args.store, args.fault)
         writer = (await _store.engine_of(store).ready()).writer
         _say(
-            {
-                "summary": args.name,
-                "claimed": tally.claimed,
-                "finished": tally.finished,
-                "locked": tally.locked,
-                "fence_rejected": tally.fence_rejected,
-                "max_lock_wait": getattr(writer, "max_lock_wait", 0.0),
-            }
+            _probe_protocol.Summary(
+                name=args.name,
+                claimed=tally.claimed,
+                finished=tally.finished,
+                locked=tally.locked,
+                fence_rejected=tally.fence_rejected,
+                max_lock_wait=getattr(writer, "max_lock_wait", 0.0),
+            )
         )
     return 0
 
@@ -130,22 +128,16 @@ async def _hold(store: _store.ControlStore, args: argparse.Namespace, tally: _Ta
         if claim is None:
             await asyncio.sleep(_IDLE_POLL_SECONDS)
     tally.claimed += 1
-    _say(
-        {
-            "claimed": claim.item_id,
-            "fence": claim.fence,
-            "lease_expires_at": claim.lease_expires_at.timestamp(),
-        }
-    )
+    _say(_probe_protocol.Claimed(claim.item_id, claim.fence, claim.lease_expires_at.timestamp()))
     await anyio.to_thread.run_sync(sys.stdin.readline)  # "report now": possibly much later
     try:
         await store.finish(claim.item_id, fence=claim.fence, status="done")
     except _errors.FenceRejected:
         tally.fence_rejected += 1
-        _say({"report": "fence_rejected", "item": claim.item_id, "fence": claim.fence})
+        _say(_probe_protocol.Reported("fence_rejected", claim.item_id, claim.fence))
     else:
         tally.finished += 1
-        _say({"report": "finished", "item": claim.item_id, "fence": claim.fence})
+        _say(_probe_protocol.Reported("finished", claim.item_id, claim.fence))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -56,7 +56,16 @@ import time
 from collections.abc import Sequence
 from typing import Any, TextIO
 
-from asyncplane import _clock, _engine, _errors, _ledger, _probe_support, _store, _validate
+from asyncplane import (
+    _clock,
+    _engine,
+    _errors,
+    _ledger,
+    _probe_protocol,
+    _probe_support,
+    _store,
+    _validate,
+)
 
 __all__ = (
     "NETWORK_FILESYSTEMS",
@@ -188,10 +197,10 @@ class _Worker:
         self.name = name
         self.process = process
         self.ready = asyncio.Event()
-        self.claimed: dict[str, Any] | None = None
+        self.claimed: _probe_protocol.Claimed | None = None
         self.claimed_event = asyncio.Event()
-        self.report: dict[str, Any] | None = None
-        self.summary: dict[str, Any] | None = None
+        self.report: _probe_protocol.Reported | None = None
+        self.summary: _probe_protocol.Summary | None = None
         self.finished: list[tuple[int, int]] = []
         self.stderr = b""
         self.killed = False
@@ -203,20 +212,17 @@ class _Worker:
     async def _read_stdout(self) -> None:
         assert self.process.stdout is not None
         async for raw in self.process.stdout:
-            try:
-                message = json.loads(raw)
-            except ValueError:
-                continue  # a line cut short by a kill
-            if "f" in message:
-                self.finished.append((message["f"], message["fence"]))
-            elif "summary" in message:
+            message = _probe_protocol.decode(raw)  # None: a line cut short by a kill
+            if isinstance(message, _probe_protocol.Finished):
+                self.finished.append((message.item, message.fence))
+            elif isinstance(message, _probe_protocol.Summary):
                 self.summary = message
-            elif "ready" in message:
+            elif isinstance(message, _probe_protocol.Ready):
                 self.ready.set()
-            elif "claimed" in message:
+            elif isinstance(message, _probe_protocol.Claimed):
                 self.claimed = message
                 self.claimed_event.set()
-            elif "report" in message:
+            elif isinstance(message, _probe_protocol.Reported):
                 self.report = message
 
     async def _read_stderr(self) -> None:
@@ -307,11 +313,11 @@ async def _check(
     report.re_executions = tally.takeovers
     report.ledger_problems = len(await _ledger.verify_ledger(store))
     summaries = [w.summary for w in workers if w.summary is not None]
-    report.locked_errors = sum(s["locked"] for s in summaries) + sum(
+    report.locked_errors = sum(s.locked for s in summaries) + sum(
         w.stderr.count(b"database is locked") for w in workers
     )
-    report.fence_rejections += sum(s["fence_rejected"] for s in summaries)
-    report.max_lock_wait_s = max((s["max_lock_wait"] for s in summaries), default=0.0)
+    report.fence_rejections += sum(s.fence_rejected for s in summaries)
+    report.max_lock_wait_s = max((s.max_lock_wait for s in summaries), default=0.0)
     counts = [len(w.finished) for w in workers if not w.killed]
     report.per_worker_min = min(counts, default=0)
     report.per_worker_max = max(counts, default=0)
@@ -414,8 +420,8 @@ def _check_workers(report: ProbeReport, workers: Sequence[_Worker]) -> None:
     )
     report.duplicates = sum(1 for count in seen.values() if count > 1)
     summaries = [w.summary for w in workers if w.summary is not None]
-    report.locked_errors = sum(s["locked"] for s in summaries)
-    report.fence_rejections += sum(s["fence_rejected"] for s in summaries)
+    report.locked_errors = sum(s.locked for s in summaries)
+    report.fence_rejections += sum(s.fence_rejected for s in summaries)
     counts = [len(w.finished) for w in workers if not w.killed]
     report.per_worker_min = min(counts, default=0)
     report.per_worker_max = max(counts, default=0)
@@ -518,7 +524,7 @@ async def _kill_and_reclaim(
     assert holder.claimed is not None
     holder.kill()  # mid-work, with no chance to clean up
     await holder.wait()
-    await _sleep_until(store, holder.claimed["lease_expires_at"])
+    await _sleep_until(store, holder.claimed.lease_expires_at)
     rescuer = await _spawn(args, "rescuer")
     await _go([rescuer])
     await rescuer.wait()
@@ -540,7 +546,7 @@ async def _stall(
     assert sleeper.claimed is not None
     sleeper.process.send_signal(signal.SIGSTOP)
     try:
-        await _sleep_until(store, sleeper.claimed["lease_expires_at"])
+        await _sleep_until(store, sleeper.claimed.lease_expires_at)
         rescuer = await _spawn(args, "rescuer")
         await _go([rescuer])
         await rescuer.wait()
@@ -550,7 +556,7 @@ async def _stall(
     await sleeper.wait()
     report.seconds = time.monotonic() - started
     report.expected_fence_rejections = 1
-    outcome = sleeper.report["report"] if sleeper.report else "no report"
+    outcome = sleeper.report.outcome if sleeper.report else "no report"
     if outcome != "fence_rejected":
         report.failures.append(f"the stalled worker's late report was {outcome!r}, not fenced out")
     await _check(report, store, ids, [sleeper, rescuer])
@@ -559,12 +565,12 @@ async def _stall(
 
 
 async def _stand_in_reports_late(
-    report: ProbeReport, store: _store.ControlStore, claimed: dict[str, Any]
+    report: ProbeReport, store: _store.ControlStore, claimed: _probe_protocol.Claimed
 ) -> None:
     """Report for the dead worker with its old fence: the store must refuse it."""
     report.expected_fence_rejections = 1
     try:
-        await store.finish(claimed["claimed"], fence=claimed["fence"], status="done")
+        await store.finish(claimed.item, fence=claimed.fence, status="done")
     except _errors.FenceRejected:
         report.fence_rejections += 1
     else:
@@ -572,15 +578,17 @@ async def _stand_in_reports_late(
     report.expect("fence_rejections", report.fence_rejections, 1)
 
 
-def _expect_takeover(report: ProbeReport, claimed: dict[str, Any], rescuer: _Worker) -> None:
+def _expect_takeover(
+    report: ProbeReport, claimed: _probe_protocol.Claimed, rescuer: _Worker
+) -> None:
     if len(rescuer.finished) != 1:
         report.failures.append(f"the rescuer finished {len(rescuer.finished)} items, not 1")
         return
     item_id, fence = rescuer.finished[0]
-    if item_id != claimed["claimed"] or fence <= claimed["fence"]:
+    if item_id != claimed.item or fence <= claimed.fence:
         report.failures.append(
             f"the rescuer finished item {item_id} at fence {fence}; expected item "
-            f"{claimed['claimed']} above fence {claimed['fence']}"
+            f"{claimed.item} above fence {claimed.fence}"
         )
     report.expect("re_executions", report.re_executions, 1)
 

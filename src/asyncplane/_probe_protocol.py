@@ -1,0 +1,83 @@
+"""What a probe worker tells its coordinator: one typed message per stdout line.
+
+The worker (`asyncplane._probe_worker`) writes each message as one JSON line with a
+``kind``; the coordinator (`asyncplane.probe`) reads them back as the same classes, so
+the two sides agree on one schema instead of on string keys. A line cut short by a kill
+reads as nothing (`decode` returns None).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any, Literal, TypeAlias
+
+__all__ = ("Claimed", "Finished", "Message", "Ready", "Reported", "Summary", "decode", "encode")
+
+
+@dataclasses.dataclass(frozen=True)
+class Ready:
+    """The worker opened the store and waits for its go line."""
+
+    name: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Finished:
+    """The worker finished an item at this fence (the store acknowledged it)."""
+
+    item: int
+    fence: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Claimed:
+    """A holding worker claimed an item and now waits, holding it."""
+
+    item: int
+    fence: int
+    lease_expires_at: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Reported:
+    """A holding worker reported late: its finish was accepted, or refused by the fence."""
+
+    outcome: Literal["finished", "fence_rejected"]
+    item: int
+    fence: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Summary:
+    """The worker's totals, its last message."""
+
+    name: str
+    claimed: int
+    finished: int
+    locked: int
+    fence_rejected: int
+    max_lock_wait: float
+
+
+Message: TypeAlias = Ready | Finished | Claimed | Reported | Summary
+
+_KINDS: dict[str, type[Message]] = {
+    cls.__name__.lower(): cls for cls in (Ready, Finished, Claimed, Reported, Summary)
+}
+
+
+def encode(message: Message) -> str:
+    """One JSON line (without its newline) for ``message``."""
+    fields = dataclasses.asdict(message)
+    return json.dumps({"kind": type(message).__name__.lower(), **fields}, separators=(",", ":"))
+
+
+def decode(line: str | bytes) -> Message | None:
+    """The message on a line, or None for a line that is not one (cut short by a kill)."""
+    try:
+        fields: Any = json.loads(line)
+        cls = _KINDS[fields.pop("kind")]
+        return cls(**fields)
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return None
