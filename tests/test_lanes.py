@@ -748,3 +748,11 @@ async def test_claimed_twins_from_an_older_store_wake_a_daemon_and_run_one_at_a_
     assert len(batch) == 1 and batch[0].item_id in (a, b)
     assert await store.next_due() == batch[0].lease_expires_at
     assert await verify_ledger(store) == []
+
+
+async def test_a_batch_larger_than_a_page_is_filled_past_skipped_twins(store: ControlStore) -> None:
+    jobs = [Job({"n": n}, fingerprint="same" if n < 10 else None) for n in range(1_200)]
+    await store.enqueue_many("alpha", jobs, dedup=False)
+    batch = await store.claim_batch("w", 1_100)
+    assert len(batch) == 1_100  # one of the ten twins, and 1,099 others
+    assert len({claim.item_id for claim in batch}) == 1_100

@@ -21,6 +21,7 @@ from asyncplane import (
     StorageError,
     StoreClosed,
     _sqlite,
+    drain,
     verify_ledger,
 )
 from asyncplane import _sqlite_sql as sql
@@ -418,5 +419,9 @@ def test_a_store_under_trio_says_asyncplane_runs_on_asyncio(tmp_path: pathlib.Pa
     async def main() -> None:
         await ControlStore(tmp_path / "t.db").open()
 
-    with pytest.raises(NotOnAsyncio, match="asyncio"):
-        anyio.run(main, backend="trio")
+    async def drains() -> None:
+        await drain(ControlStore(tmp_path / "d.db"), lambda batch: asyncio.sleep(0, []))
+
+    for work in (main, drains):
+        with pytest.raises(NotOnAsyncio, match="asyncio"):
+            anyio.run(work, backend="trio")

@@ -190,3 +190,18 @@ def test_events_carry_the_details_the_ledger_has_always_recorded() -> None:
 def test_an_item_whose_time_has_come_arrives_ready(not_before: float | None) -> None:
     row = _rules.new_row("p", new_item(None)._replace(not_before=not_before), 10.0)
     assert (row.state, row.due_at) == ("ready", None)
+
+
+def test_a_first_page_past_the_page_cap_still_reads_on_past_skipped_twins() -> None:
+    """A claim of more than MAX_PAGE items reads its whole batch as the first page (as
+    PostgreSQL does, with every other arm's); twins skipped there must still make it read
+    further, not take the arm for used up."""
+    total = _rules.MAX_PAGE + 500
+    rows = [candidate(n, fingerprint="x" if n < 10 else None) for n in range(total + 50)]
+    merge = ClaimMerge(1, total)
+    merge.feed(0, rows[:total])
+    assert merge.hungry() == 0
+    size, offset = merge.next_page(0)
+    merge.feed(0, rows[offset : offset + size])
+    assert merge.hungry() is None
+    assert len(merge.chosen) == total

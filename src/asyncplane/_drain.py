@@ -224,6 +224,7 @@ async def drain(
     Raises:
         DrainError: A side task failed (its error is the cause).
     """
+    _engine.require_asyncio()  # before the lock, whose take is asyncio's
     started = time.monotonic()
     run = _Drain(
         store,

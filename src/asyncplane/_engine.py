@@ -43,7 +43,7 @@ from asyncplane import (
     _validate,
 )
 
-__all__ = ("Engine", "Options", "backend_for", "is_postgres_url")
+__all__ = ("Engine", "Options", "backend_for", "is_postgres_url", "require_asyncio")
 
 _log = logging.getLogger("asyncplane")
 
@@ -291,6 +291,11 @@ class Engine:
             _log.warning("asyncplane: purge skipped, the archive failed: %s", exc)
             return 0
         return done.purged
+
+
+def require_asyncio() -> asyncio.AbstractEventLoop:
+    """The running asyncio loop; `NotOnAsyncio` when none runs here (trio, say)."""
+    return _running_loop()
 
 
 def _running_loop() -> asyncio.AbstractEventLoop:

@@ -317,9 +317,7 @@ class PostgresBackend(_backend.Writes):
     # --- items ---------------------------------------------------------------------------
 
     async def enqueue(self, op: _backend.EnqueueOp) -> list[int]:
-        keys = tuple(
-            sorted({(op.project_id, i.fingerprint) for i in op.items if i.dedup and i.fingerprint})
-        )
+        keys = tuple((op.project_id, fp) for fp in _rules.dedup_fingerprints(op.items))
         return await self._write(_writer.Locking(keys, _bind(_enqueue, op)))
 
     async def renew(self, op: _backend.RenewOp) -> float:
@@ -665,7 +663,9 @@ async def _candidates(
     """Every arm's first page of candidates, in one statement: ready ("r"), fallen due
     ("d"), lapsed ("l"), and lapsed claims with no attempt left ("x")."""
     pages: dict[str, list[Any]] = {"r": [], "d": [], "l": [], "x": []}
-    for row in await conn.fetch(sql.CLAIM_CANDIDATES, *reach, total, 0, now, max(total, 16)):
+    for row in await conn.fetch(
+        sql.CLAIM_CANDIDATES, *reach, total, 0, now, _rules.exhausted_bound(total)
+    ):
         pages[row[0]].append(row[1:])
     return pages
 
@@ -759,9 +759,8 @@ async def _retry(op: _backend.RetryOp, conn: asyncpg.Connection, now: float) -> 
         await conn.fetchrow(sql.SETTLE_FAILED, *base, plan.error)
     else:
         await conn.fetchrow(sql.SETTLE_DEFERRED, *base, plan.due_at, plan.error, 0, False)
-    event_type = "failed" if plan.state == "failed" else "retried"
     settled = _rules.settlement_event(
-        op.item_id, event_type, op.fence, owner, op.actor_id, now,
+        op.item_id, plan.event_type, op.fence, owner, op.actor_id, now,
         error=plan.error, due_at=plan.due_at,
     )  # fmt: skip
     await _insert_events(conn, [settled])
@@ -769,7 +768,7 @@ async def _retry(op: _backend.RetryOp, conn: asyncpg.Connection, now: float) -> 
 
 
 async def _park(op: _backend.ParkOp, conn: asyncpg.Connection, now: float) -> None:
-    due = now + op.delay
+    due = _rules.park_due(now, op.delay)
     row = await conn.fetchrow(
         sql.SETTLE_DEFERRED, op.item_id, op.fence, op.actor_id, now, due, None, 1, True
     )

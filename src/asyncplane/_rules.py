@@ -47,12 +47,14 @@ __all__ = (
     "deal",
     "dedup_fingerprints",
     "event",
+    "exhausted_bound",
     "exhausted_lease_events",
     "fence_refusal",
     "history",
     "invisible_item",
     "new_row",
     "one_project",
+    "park_due",
     "project_denied",
     "project_exists",
     "refuse_newer_schema",
@@ -335,7 +337,9 @@ class ClaimMerge:
 
     def __init__(self, arms: int, limit: int, *, first_page: int | None = None) -> None:
         self._limit = limit
-        page = min(first_page if first_page is not None else limit, MAX_PAGE)
+        # The first page is the whole batch (PostgreSQL reads it with every other arm's);
+        # MAX_PAGE caps only the further pages read past skipped twins.
+        page = first_page if first_page is not None else limit
         self._rows: list[collections.deque[Candidate]] = [collections.deque() for _ in range(arms)]
         self._page = [max(page, 1)] * arms
         self._offset = [0] * arms
@@ -400,6 +404,17 @@ def deal(
     return dealt
 
 
+def exhausted_bound(total: int) -> int:
+    """How many lapsed claims with no attempt left one claim fails before it looks for
+    work (bounded, so one claim never pays for a whole backlog of them)."""
+    return max(total, 16)
+
+
+def park_due(now: float, delay: float) -> float:
+    """When a parked item falls due again."""
+    return now + delay
+
+
 def exhausted_lease_events(
     c: Candidate, actor_id: str | None, now: float
 ) -> tuple[str, list[Event]]:
@@ -446,6 +461,11 @@ class RetryPlan(NamedTuple):
     state: str
     due_at: float | None
     error: str | None
+
+    @property
+    def event_type(self) -> str:
+        """The event it records: "retried", or "failed" when no attempt was left."""
+        return "failed" if self.state == "failed" else "retried"
 
 
 def backoff(attempts: int, base: float, cap: float, jitter: float) -> float:

@@ -419,7 +419,7 @@ def _claim_many(
     events: list[_rules.Event] = []
     lapsed, due = db.execute(sql.ANY_LAPSED_OR_DUE, params).fetchone()
     if lapsed:
-        bounded = {**params, "limit": max(total, 16)}
+        bounded = {**params, "limit": _rules.exhausted_bound(total)}
         for row in db.execute(sql.LAPSED_EXHAUSTED, bounded).fetchall():
             candidate = _rules.Candidate._make(row)
             error, failed = _rules.exhausted_lease_events(candidate, first.actor_id, now)
@@ -529,11 +529,10 @@ def _retry(op: _backend.RetryOp, db: sqlite3.Connection, now: float) -> str:
         deferred = {**params, "due_at": plan.due_at, "error": plan.error, "refund": 0,
                     "from_claimed_only": 0}  # fmt: skip
         db.execute(sql.SETTLE_DEFERRED, deferred).fetchall()
-    event_type = "failed" if plan.state == "failed" else "retried"
     db.execute(
         sql.INSERT_EVENT,
         _rules.settlement_event(
-            op.item_id, event_type, op.fence, owner, op.actor_id, now,
+            op.item_id, plan.event_type, op.fence, owner, op.actor_id, now,
             error=plan.error, due_at=plan.due_at,
         ),
     )  # fmt: skip
@@ -542,7 +541,7 @@ def _retry(op: _backend.RetryOp, db: sqlite3.Connection, now: float) -> str:
 
 def _park(op: _backend.ParkOp, db: sqlite3.Connection, now: float) -> None:
     params = _settle_params(op.item_id, op.fence, op.actor_id, now)
-    due = now + op.delay
+    due = _rules.park_due(now, op.delay)
     rows = db.execute(
         sql.SETTLE_DEFERRED,
         {**params, "due_at": due, "error": None, "refund": 1, "from_claimed_only": 1},

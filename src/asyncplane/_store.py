@@ -29,6 +29,7 @@ from asyncplane import (
     _import,
     _models,
     _retention,
+    _tasks,
     _validate,
 )
 from asyncplane._clock import Clock
@@ -468,8 +469,11 @@ class ControlStore:
             except (ValueError, RecursionError) as exc:
                 # Committed, but its payload cannot be decoded here (written before today's
                 # limits, or by a tamperer): settle it with the reason instead of handing
-                # the caller an exception that would strand the rest of the batch.
-                await self._set_aside(backend, row, op.actor_id, exc)
+                # the caller an exception that would strand the rest of the batch. The
+                # retry reaches its end even if this call is cancelled meanwhile.
+                await _tasks.to_the_end(
+                    self._set_aside(backend, row, op.actor_id, exc), "asyncplane-set-aside"
+                )
         return claims
 
     async def _set_aside(
@@ -487,6 +491,7 @@ class ControlStore:
             _log.warning("asyncplane: item %d could not be set aside: %s", row.item_id, failure)
         else:
             _log.warning("asyncplane: item %d retried: %s", row.item_id, reason)
+            self._engine.notify()
 
     async def renew(
         self,
