@@ -40,6 +40,9 @@ LEDGER_PROBLEM_KINDS: Final = {
 }
 """Every kind of problem verify_ledger reports, mapped to what it means."""
 
+#: Problems of one item are listed in this order (each dialect checks in it too).
+_KIND_ORDER: Final = {kind: position for position, kind in enumerate(LEDGER_PROBLEM_KINDS)}
+
 
 async def verify_ledger(store: ControlStore, *, limit: int | None = None) -> list[LedgerProblem]:
     """List every disagreement between item rows and their events; [] when they agree.
@@ -54,4 +57,6 @@ async def verify_ledger(store: ControlStore, *, limit: int | None = None) -> lis
     if limit is not None:
         limit = _validate.positive_int(limit, "limit")
     backend = await _store.engine_of(store).ready()
-    return await backend.verify_ledger(limit)
+    problems = await backend.verify_ledger(limit)
+    problems.sort(key=lambda p: (p.item_id, _KIND_ORDER[p.kind]))
+    return problems

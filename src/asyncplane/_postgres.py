@@ -109,6 +109,10 @@ class ServerClock:
 class PostgresBackend(_backend.Writes):
     """Implements `asyncplane._backend.Backend` on one schema of a PostgreSQL database."""
 
+    # The group operations `_backend.Writes` runs (module functions, defined below).
+    claim_many = staticmethod(lambda ops, conn, now: _claim_many(ops, conn, now))
+    finish_many = staticmethod(lambda ops, conn, now: _finish_many(ops, conn, now))
+
     def __init__(
         self,
         url: str,
@@ -688,8 +692,7 @@ async def _finish_many(
                 [op.item_id for op in ops], [op.fence for op in ops],
                 [op.actor_id for op in ops], [op.status for op in ops],
                 [op.result_json for op in ops], [op.error for op in ops],
-                [_rules.settlement_event(op.item_id, op.status, op.fence, None, op.actor_id,
-                                         now, error=op.error).detail_json for op in ops],
+                [_rules.finish_event(op, None, now).detail_json for op in ops],
             )
         }  # fmt: skip
         for op in ops:
@@ -715,9 +718,7 @@ async def _finish_many(
 async def _settle_finish(
     op: _backend.FinishOp, conn: asyncpg.Connection, now: float, events: list[_rules.Event]
 ) -> int:
-    detail = _rules.settlement_event(
-        op.item_id, op.status, op.fence, None, op.actor_id, now, error=op.error
-    ).detail_json
+    detail = _rules.finish_event(op, None, now).detail_json
     base = (op.item_id, op.fence, op.actor_id, now)
     if op.status == "done":
         row = await conn.fetchrow(sql.FINISH_DONE, *base, op.result_json, detail)
@@ -759,11 +760,7 @@ async def _retry(op: _backend.RetryOp, conn: asyncpg.Connection, now: float) -> 
         await conn.fetchrow(sql.SETTLE_FAILED, *base, plan.error)
     else:
         await conn.fetchrow(sql.SETTLE_DEFERRED, *base, plan.due_at, plan.error, 0, False)
-    settled = _rules.settlement_event(
-        op.item_id, plan.event_type, op.fence, owner, op.actor_id, now,
-        error=plan.error, due_at=plan.due_at,
-    )  # fmt: skip
-    await _insert_events(conn, [settled])
+    await _insert_events(conn, [_rules.retry_event(op, plan, owner, now)])
     return plan.state
 
 
@@ -774,10 +771,7 @@ async def _park(op: _backend.ParkOp, conn: asyncpg.Connection, now: float) -> No
     )
     if row is None:
         await _refuse_fenced(conn, op.item_id, op.fence, op.actor_id)
-    parked = _rules.settlement_event(
-        op.item_id, "parked", op.fence, row[0], op.actor_id, now, due_at=due
-    )
-    await _insert_events(conn, [parked])
+    await _insert_events(conn, [_rules.park_event(op, row[0], due, now)])
 
 
 async def _offload(op: _backend.OffloadOp, conn: asyncpg.Connection, now: float) -> None:
@@ -786,10 +780,7 @@ async def _offload(op: _backend.OffloadOp, conn: asyncpg.Connection, now: float)
     )
     if row is None:
         await _refuse_fenced(conn, op.item_id, op.fence, op.actor_id)
-    offloaded = _rules.settlement_event(
-        op.item_id, "offloaded", op.fence, row[0], op.actor_id, now, handle=op.handle
-    )
-    await _insert_events(conn, [offloaded])
+    await _insert_events(conn, [_rules.offload_event(op, row[0], now)])
 
 
 async def _backfill_fingerprints(
@@ -988,13 +979,4 @@ async def _verify_ledger(
                 problems.append(_models.LedgerProblem(kind, item_id, detail))
                 if limit is not None and len(problems) >= limit:
                     break
-    problems.sort(key=lambda p: (p.item_id, _KIND_ORDER[p.kind]))
-    return problems
-
-
-_KIND_ORDER = {kind: position for position, (kind, _) in enumerate(sql.LEDGER_CHECKS)}
-
-
-# What `_backend.Writes` runs for a group of claims and a group of finishes.
-PostgresBackend.claim_many = staticmethod(_claim_many)
-PostgresBackend.finish_many = staticmethod(_finish_many)
+    return problems  # verify_ledger puts them in order

@@ -50,15 +50,19 @@ __all__ = (
     "exhausted_bound",
     "exhausted_lease_events",
     "fence_refusal",
+    "finish_event",
     "history",
     "invisible_item",
     "new_row",
+    "offload_event",
     "one_project",
     "park_due",
+    "park_event",
     "project_denied",
     "project_exists",
     "refuse_newer_schema",
     "refuse_unreadable_schema",
+    "retry_event",
     "retry_plan",
     "settlement_event",
     "takeover_event",
@@ -515,6 +519,33 @@ def settlement_event(
     if handle is not None:
         detail["handle"] = handle
     return event(item_id, event_type, fence, owner, actor_id, now, detail or None)
+
+
+def retry_event(op: _backend.RetryOp, plan: RetryPlan, owner: str | None, now: float) -> Event:
+    """The event a retry records: "retried" with its error and due time, or "failed"."""
+    return settlement_event(
+        op.item_id, plan.event_type, op.fence, owner, op.actor_id, now,
+        error=plan.error, due_at=plan.due_at,
+    )  # fmt: skip
+
+
+def park_event(op: _backend.ParkOp, owner: str | None, due: float, now: float) -> Event:
+    """The event a park records, with when the item falls due again."""
+    return settlement_event(op.item_id, "parked", op.fence, owner, op.actor_id, now, due_at=due)
+
+
+def offload_event(op: _backend.OffloadOp, owner: str | None, now: float) -> Event:
+    """The event an offload records, with the external batch's handle."""
+    return settlement_event(
+        op.item_id, "offloaded", op.fence, owner, op.actor_id, now, handle=op.handle
+    )
+
+
+def finish_event(op: _backend.FinishOp, owner: str | None, now: float) -> Event:
+    """The event a finish records: "done", or "failed" with its error."""
+    return settlement_event(
+        op.item_id, op.status, op.fence, owner, op.actor_id, now, error=op.error
+    )
 
 
 def twin_events(

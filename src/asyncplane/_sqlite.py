@@ -47,6 +47,10 @@ T = TypeVar("T")
 class SQLiteBackend(_backend.Writes):
     """Implements `asyncplane._backend.Backend` on one SQLite file in WAL mode."""
 
+    # The group operations `_backend.Writes` runs (module functions, defined below).
+    claim_many = staticmethod(lambda ops, db, now: _claim_many(ops, db, now))
+    finish_many = staticmethod(lambda ops, db, now: _finish_many(ops, db, now))
+
     def __init__(
         self,
         path: pathlib.Path,
@@ -499,11 +503,7 @@ def _settle_finish(
     if not rows:
         _refuse_fenced(db, op.item_id, op.fence, op.actor_id)
     owner, project_id, fp = rows[0][:3]
-    events.append(
-        _rules.settlement_event(
-            op.item_id, op.status, op.fence, owner, op.actor_id, now, error=op.error
-        )
-    )
+    events.append(_rules.finish_event(op, owner, now))
     if op.status != "done" or fp is None:
         return 0
     # Settlement dedup: every pending twin in the project is done too, with this result.
@@ -531,11 +531,8 @@ def _retry(op: _backend.RetryOp, db: sqlite3.Connection, now: float) -> str:
         db.execute(sql.SETTLE_DEFERRED, deferred).fetchall()
     db.execute(
         sql.INSERT_EVENT,
-        _rules.settlement_event(
-            op.item_id, plan.event_type, op.fence, owner, op.actor_id, now,
-            error=plan.error, due_at=plan.due_at,
-        ),
-    )  # fmt: skip
+        _rules.retry_event(op, plan, owner, now),
+    )
     return plan.state
 
 
@@ -550,9 +547,7 @@ def _park(op: _backend.ParkOp, db: sqlite3.Connection, now: float) -> None:
         _refuse_fenced(db, op.item_id, op.fence, op.actor_id)
     db.execute(
         sql.INSERT_EVENT,
-        _rules.settlement_event(
-            op.item_id, "parked", op.fence, rows[0][0], op.actor_id, now, due_at=due
-        ),
+        _rules.park_event(op, rows[0][0], due, now),
     )
 
 
@@ -563,9 +558,7 @@ def _offload(op: _backend.OffloadOp, db: sqlite3.Connection, now: float) -> None
         _refuse_fenced(db, op.item_id, op.fence, op.actor_id)
     db.execute(
         sql.INSERT_EVENT,
-        _rules.settlement_event(
-            op.item_id, "offloaded", op.fence, rows[0][0], op.actor_id, now, handle=op.handle
-        ),
+        _rules.offload_event(op, rows[0][0], now),
     )
 
 
@@ -832,13 +825,4 @@ def _verify_ledger(db: sqlite3.Connection, limit: int | None) -> list[_models.Le
             )
         cursor.close()
     db.execute("COMMIT")
-    problems.sort(key=lambda p: (p.item_id, _KIND_ORDER[p.kind]))
-    return problems
-
-
-_KIND_ORDER = {kind: position for position, (kind, _) in enumerate(sql.LEDGER_CHECKS)}
-
-
-# What `_backend.Writes` runs for a group of claims and a group of finishes.
-SQLiteBackend.claim_many = staticmethod(_claim_many)
-SQLiteBackend.finish_many = staticmethod(_finish_many)
+    return problems  # verify_ledger puts them in order
