@@ -100,6 +100,10 @@ pytestmark = pytest.mark.filterwarnings("ignore:Generating overly large repr")
 FUZZ = settings(
     max_examples=50,
     deadline=None,
+    # The same examples on every run, so CI is deterministic; set ASYNCPLANE_FUZZ_RANDOM=1
+    # to explore new ones (and keep what they find in Hypothesis's database).
+    derandomize=not os.environ.get("ASYNCPLANE_FUZZ_RANDOM"),
+    database=None if not os.environ.get("ASYNCPLANE_FUZZ_RANDOM") else settings().database,
     # No explain phase: it reruns a failure hundreds of times against a shared store.
     phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink],
     suppress_health_check=[

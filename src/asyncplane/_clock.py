@@ -17,8 +17,9 @@ from typing import Protocol, runtime_checkable
 
 __all__ = ("Checked", "Clock", "SystemClock", "wait_until")
 
-#: Readings at or past this (year 10000) are refused: no time could be shown for them.
-_LATEST = 253402300800.0
+#: Readings at or past this are refused: the year 10000 (no time could be shown for it)
+#: less room for the longest lease and the longest delay a store takes from a reading.
+_LATEST = 253402300800.0 - 2 * 366 * 24 * 3600.0
 
 
 @runtime_checkable

@@ -465,7 +465,7 @@ class ControlStore:
         claims: list[ClaimedItem] = []
         for row in await backend.claim(op):
             try:
-                claims.append(_claimed_item(row))
+                payload = json.loads(row.payload_json)
             except (ValueError, RecursionError) as exc:
                 # Committed, but its payload cannot be decoded here (written before today's
                 # limits, or by a tamperer): settle it with the reason instead of handing
@@ -474,6 +474,8 @@ class ControlStore:
                 await _tasks.to_the_end(
                     self._set_aside(backend, row, op.actor_id, exc), "asyncplane-set-aside"
                 )
+                continue
+            claims.append(_claimed_item(row, payload))
         return claims
 
     async def _set_aside(
@@ -881,11 +883,11 @@ def _decoded(text: str, item_id: int, what: str) -> Any:
         ) from exc
 
 
-def _claimed_item(row: _backend.ClaimRow) -> ClaimedItem:
+def _claimed_item(row: _backend.ClaimRow, payload: dict[str, Any]) -> ClaimedItem:
     return ClaimedItem(
         item_id=row.item_id,
         project_id=row.project_id,
-        payload=json.loads(row.payload_json),
+        payload=payload,
         fence=row.fence,
         attempts=row.attempts,
         lease_expires_at=_models.from_timestamp(row.lease_expires_at),

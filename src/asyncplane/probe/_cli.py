@@ -1,0 +1,203 @@
+"""Running a probe and reporting on it: `run_probe`, the command line, `main`."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import pathlib
+import sys
+import time
+from collections.abc import Sequence
+from typing import TextIO
+
+from asyncplane import (
+    _engine,
+    _errors,
+    _probe_support,
+    _store,
+    _validate,
+)
+from asyncplane.probe._filesystem import filesystem_of, network_filesystem_warning
+from asyncplane.probe._report import ROLES, SCENARIOS, SPREADABLE, ProbeReport
+from asyncplane.probe._scenarios import _RUNNERS
+
+# --- running and reporting -----------------------------------------------------------------
+
+
+async def run_probe(args: argparse.Namespace, *, progress: TextIO = sys.stderr) -> ProbeReport:
+    """Run one scenario on the store at ``args.store`` and return what it counted.
+
+    ``args`` carries the command line's options (see `main`); the file should not exist
+    yet (``main`` refuses an existing file unless told to overwrite it).
+    """
+    single = args.scenario in ("kill-and-reclaim", "stall")
+    report = ProbeReport(
+        scenario=args.scenario,
+        workers=2 if single else args.workers,
+        items=1 if single else args.items,
+        concurrency=args.concurrency,
+        synchronous=args.synchronous,
+        lease_seconds=args.lease_seconds,
+        filesystem=filesystem_of(args.store),
+        role=args.role,
+    )
+    if args.role == "coordinator":
+        report.workers = 0  # they run elsewhere, with --role worker
+    if args.role == "worker":
+        await _wait_for_store(args.store, args.wait_seconds)
+    async with _store.ControlStore(
+        args.store, lease_seconds=args.lease_seconds, synchronous=args.synchronous
+    ) as store:
+        await _RUNNERS[args.scenario](args, store, report, progress)
+    return report
+
+
+async def _wait_for_store(url: str, wait_seconds: float) -> None:
+    """A worker host opens nothing before the coordinator has made the store (its opening
+    would make the schema look used, and the coordinator insists on a fresh one)."""
+    deadline = time.monotonic() + wait_seconds
+    while await _probe_support.schema_is_empty(url):
+        if time.monotonic() > deadline:
+            raise _errors.InvalidInput(
+                f"no store appeared within {wait_seconds:g} s: start the coordinator "
+                "(--role coordinator) on the same store"
+            )
+        await asyncio.sleep(0.2)
+
+
+def _default_lease(scenario: str) -> float:
+    # Long enough that no lease lapses in a clean drain; short where lapses are the point.
+    return {"concurrent-queue": 900.0, "chaos": 1.0}.get(scenario, 1.0)
+
+
+def _parser(prog: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description="Qualify a disk for an asyncplane store: separate worker processes, "
+        "exact counts. Exits 0 when every count is exactly right, 1 otherwise.",
+    )
+    parser.add_argument("--store", required=True, help="the database file, or a postgresql:// URL")
+    parser.add_argument("--scenario", required=True, choices=SCENARIOS)
+    parser.add_argument("--workers", type=int, default=16, help="worker processes")
+    parser.add_argument("--items", type=int, default=10_000, help="items to drain")
+    parser.add_argument(
+        "--concurrency", type=int, default=1, help="claiming coroutines per worker process"
+    )
+    parser.add_argument("--lease-seconds", type=float, help="the lease (default per scenario)")
+    parser.add_argument("--synchronous", choices=("NORMAL", "FULL"), default="NORMAL")
+    parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    parser.add_argument(
+        "--overwrite", action="store_true", help="delete an existing file at --store first"
+    )
+    parser.add_argument("--seed", type=int, default=None, help="seed for the chaos victims")
+    parser.add_argument(
+        "--role",
+        choices=ROLES,
+        default="all",
+        help="across hosts (concurrent-queue, chaos): 'coordinator' seeds and checks, "
+        "'worker' runs this host's workers; 'all' (default) does both here",
+    )
+    parser.add_argument(
+        "--wait-seconds",
+        type=float,
+        default=3600.0,
+        help="how long a coordinator waits for the drain, and a worker for the items",
+    )
+    parser.add_argument("--fault", choices=_probe_support.FAULTS, help=argparse.SUPPRESS)
+    return parser
+
+
+def _prepare_path(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    if _engine.is_postgres_url(args.store):
+        if args.role != "worker":
+            asyncio.run(_prepare_schema(args, parser))
+        return
+    store = pathlib.Path(args.store)
+    paths = [store, *(store.with_name(store.name + s) for s in ("-wal", "-shm"))]
+    if store.exists():
+        if not args.overwrite:
+            parser.error(f"{store} exists; the probe needs a fresh file (or --overwrite)")
+        for path in paths:
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+
+
+async def _prepare_schema(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    try:
+        fresh = await _probe_support.schema_is_empty(args.store)
+        if not fresh:
+            if not args.overwrite:
+                parser.error(
+                    "the schema holds a store already; the probe needs a fresh one "
+                    "(another search_path, or --overwrite to drop this store's tables)"
+                )
+            await _probe_support.drop_store(args.store)
+    except _errors.AsyncplaneError as exc:
+        parser.error(str(exc))
+
+
+def _human(report: ProbeReport) -> str:
+    where = report.filesystem or "unknown filesystem"
+    role = "" if report.role == "all" else f", {report.role}"
+    lines = [
+        f"asyncplane probe: {report.scenario} ({where}{role})",
+        f"  {report.workers} worker processes x {report.concurrency} coroutines, "
+        f"{report.items} items, lease {report.lease_seconds:g} s, "
+        f"synchronous={report.synchronous}",
+    ]
+    if report.scenario in ("concurrent-queue", "chaos"):
+        lines.append(
+            f"  drained in {report.seconds:.2f} s: {report.items_per_s:,.0f} items/s "
+            f"(per worker {report.per_worker_min} to {report.per_worker_max} items; "
+            f"longest wait for the write lock {report.max_lock_wait_s * 1000:.0f} ms)"
+            if report.filesystem != "postgresql"
+            else f"  drained in {report.seconds:.2f} s: {report.items_per_s:,.0f} items/s "
+            f"(per worker {report.per_worker_min} to {report.per_worker_max} items)"
+        )
+    lines.append(
+        f"  duplicates {report.duplicates}, lost {report.lost}, "
+        f"locked errors {report.locked_errors}, fence rejections {report.fence_rejections}"
+        + (
+            f" (expected {report.expected_fence_rejections})"
+            if report.expected_fence_rejections
+            else ""
+        )
+        + f", ledger problems {report.ledger_problems}"
+    )
+    lines.extend(f"  {note}" for note in report.notes)
+    if report.passed:
+        lines.append("PASSED")
+    else:
+        lines.extend(f"FAILED: {failure}" for failure in report.failures)
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None, *, prog: str = "python -m asyncplane.probe") -> int:
+    """Run the probe from the command line; return the exit status (0 passed, 1 failed).
+
+    Usage errors exit with status 2 through argparse's SystemExit, as any command does.
+    """
+    parser = _parser(prog)
+    args = parser.parse_args(argv)
+    if args.workers < 1 or args.items < 1 or args.concurrency < 1:
+        parser.error("--workers, --items and --concurrency must be at least 1")
+    if args.lease_seconds is None:
+        args.lease_seconds = _default_lease(args.scenario)
+    if not 0 < args.lease_seconds <= _validate.MAX_LEASE_SECONDS:
+        parser.error("--lease-seconds must be positive, and at most 366 days")
+    if args.role != "all" and args.scenario not in SPREADABLE:
+        parser.error(f"--role {args.role} is for {' and '.join(SPREADABLE)} only")
+    if args.role != "all" and not _engine.is_postgres_url(args.store):
+        parser.error("--role is for a PostgreSQL store: an SQLite file lives on one host")
+    _prepare_path(args, parser)
+    warning = network_filesystem_warning(args.store, filesystem_of(args.store))
+    if warning:
+        print(warning, file=sys.stderr)
+    report = asyncio.run(run_probe(args))
+    if args.json:
+        print(json.dumps(report.as_dict()))
+    else:
+        print(_human(report))
+    return 0 if report.passed else 1

@@ -1,0 +1,113 @@
+"""A run spread over several hosts (``--role coordinator`` / ``--role worker``), on PostgreSQL."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import os
+import time
+from collections.abc import Sequence
+from typing import TextIO
+
+from asyncplane import (
+    _errors,
+    _store,
+)
+from asyncplane.probe._report import _PROJECT, ProbeReport
+from asyncplane.probe._workers import _check, _go, _seed, _spawn, _start_progress, _stop, _Worker
+
+# --- several hosts (--role) ------------------------------------------------------------------
+
+
+async def _seeded_ids(store: _store.ControlStore, wait_seconds: float) -> list[int]:
+    """A worker host's wait for the coordinator's items: the probe project must exist."""
+    deadline = time.monotonic() + wait_seconds
+    while True:
+        try:
+            await store.project(_PROJECT)
+            return []
+        except _errors.UnknownProject:
+            if time.monotonic() > deadline:
+                raise _errors.InvalidInput(
+                    f"no probe items appeared within {wait_seconds:g} s: start the "
+                    "coordinator (--role coordinator) on the same store"
+                ) from None
+            await asyncio.sleep(0.2)
+
+
+async def _coordinate(
+    args: argparse.Namespace, store: _store.ControlStore, report: ProbeReport, out: TextIO
+) -> None:
+    """Seed the items, wait for workers elsewhere to drain them, count from the database."""
+    ids = await _seed(store, args.items)
+    started = time.monotonic()
+    print(
+        f"asyncplane probe: {args.items} items seeded; start workers with --role worker "
+        f"--store <this store> --scenario {args.scenario}",
+        file=out,
+        flush=True,
+    )
+    progress = _start_progress(store, args.items, started, out, report.scenario)
+    deadline = started + args.wait_seconds
+    try:
+        while True:
+            counts = await store.counts()
+            if counts["ready"] == 0 and counts["claimed"] == 0 and counts["deferred"] == 0:
+                break
+            if time.monotonic() > deadline:
+                report.failures.append(
+                    f"the queue was not drained within {args.wait_seconds:g} s "
+                    f"({counts['done']} of {args.items} done)"
+                )
+                break
+            await asyncio.sleep(0.1)
+        report.seconds = time.monotonic() - started
+    finally:
+        await _stop(progress, out)
+    report.items_per_s = args.items / report.seconds if report.seconds else 0.0
+    await _check(report, store, ids, [])
+    report.notes.append("counts from the database; each worker host checks its own records")
+
+
+async def _work_here(
+    args: argparse.Namespace, store: _store.ControlStore, report: ProbeReport, out: TextIO
+) -> None:
+    """Run this host's workers on a store a coordinator seeded; check their records."""
+    await _seeded_ids(store, args.wait_seconds)
+    workers = [await _spawn(args, f"{_host()}-w{n}", "--until-drained")
+               for n in range(args.workers)]  # fmt: skip
+    started = await _go(workers)
+    await asyncio.gather(*(w.wait() for w in workers))
+    report.seconds = time.monotonic() - started
+    done = sum(len(w.finished) for w in workers)
+    report.items = done
+    report.items_per_s = done / report.seconds if report.seconds else 0.0
+    _check_workers(report, workers)
+    report.expect("fence_rejections", report.fence_rejections, 0)
+
+
+def _check_workers(report: ProbeReport, workers: Sequence[_Worker]) -> None:
+    """The counts one host can check alone: its workers' own records and exits."""
+    seen: collections.Counter[int] = collections.Counter(
+        item_id for worker in workers for item_id, _ in worker.finished
+    )
+    report.duplicates = sum(1 for count in seen.values() if count > 1)
+    summaries = [w.summary for w in workers if w.summary is not None]
+    report.locked_errors = sum(s.locked for s in summaries)
+    report.fence_rejections += sum(s.fence_rejected for s in summaries)
+    counts = [len(w.finished) for w in workers if not w.killed]
+    report.per_worker_min = min(counts, default=0)
+    report.per_worker_max = max(counts, default=0)
+    report.worker_crashes = sum(
+        1 for w in workers if not w.killed and w.process.returncode not in (0, None)
+    )
+    report.expect("duplicates", report.duplicates, 0)
+    report.expect("locked_errors", report.locked_errors, 0)
+    report.expect("worker_crashes", report.worker_crashes, 0)
+
+
+def _host() -> str:
+    import socket
+
+    return f"{socket.gethostname()}-{os.getpid()}"

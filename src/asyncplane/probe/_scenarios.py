@@ -1,0 +1,195 @@
+"""The scenarios: concurrent-queue, chaos, kill-and-reclaim, stall."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import signal
+import time
+from typing import TextIO
+
+from asyncplane import (
+    _clock,
+    _errors,
+    _probe_protocol,
+    _store,
+)
+from asyncplane.probe._hosts import _check_workers, _coordinate, _seeded_ids, _work_here
+from asyncplane.probe._report import _KILL_EVERY_SECONDS, ProbeReport
+from asyncplane.probe._workers import (
+    _check,
+    _go,
+    _seed,
+    _spawn,
+    _start_progress,
+    _stop,
+    _Worker,
+)
+
+# --- scenarios -----------------------------------------------------------------------------
+
+
+async def _concurrent_queue(
+    args: argparse.Namespace, store: _store.ControlStore, report: ProbeReport, out: TextIO
+) -> None:
+    if args.role == "coordinator":
+        await _coordinate(args, store, report, out)
+        return
+    if args.role == "worker":
+        await _work_here(args, store, report, out)
+        return
+    ids = await _seed(store, args.items)
+    extra = ("--fault", args.fault) if args.fault else ()
+    workers = [await _spawn(args, f"w{n}", *(extra if n == 0 else ())) for n in range(args.workers)]
+    started = await _go(workers)
+    progress = _start_progress(store, args.items, started, out, report.scenario)
+    try:
+        await asyncio.gather(*(w.wait() for w in workers))
+        report.seconds = time.monotonic() - started
+    finally:
+        await _stop(progress, out)
+    report.items_per_s = args.items / report.seconds if report.seconds else 0.0
+    await _check(report, store, ids, workers)
+    report.expect("fence_rejections", report.fence_rejections, 0)
+
+
+async def _chaos(
+    args: argparse.Namespace, store: _store.ControlStore, report: ProbeReport, out: TextIO
+) -> None:
+    if args.role == "coordinator":
+        await _coordinate(args, store, report, out)
+        return
+    ids = (
+        await _seeded_ids(store, args.wait_seconds)
+        if args.role == "worker"
+        else await _seed(store, args.items)
+    )
+    live = [await _spawn(args, f"w{n}", "--until-drained") for n in range(args.workers)]
+    everyone = list(live)
+    started = await _go(live)
+    progress = _start_progress(store, args.items, started, out, report.scenario)
+    rng = random.Random(args.seed)
+    try:
+        while True:
+            counts = await store.counts()
+            if counts["ready"] == 0 and counts["claimed"] == 0:
+                break
+            await asyncio.sleep(_KILL_EVERY_SECONDS)
+            victim = rng.choice(live)
+            victim.kill()
+            await victim.wait()
+            report.kills += 1
+            spawned = await _spawn(args, f"w{len(everyone)}", "--until-drained", "--no-wait")
+            live[live.index(victim)] = spawned
+            everyone.append(spawned)
+        await asyncio.gather(*(w.wait() for w in live))
+        report.seconds = time.monotonic() - started
+    finally:
+        await _stop(progress, out)
+        for worker in live:
+            if worker.process.returncode is None:
+                worker.kill()
+                await worker.wait()
+    report.items_per_s = args.items / report.seconds if report.seconds else 0.0
+    if args.role == "worker":
+        _check_workers(report, everyone)
+    else:
+        await _check(report, store, ids, everyone)
+    report.notes.append(
+        f"{report.kills} workers killed and replaced; {report.re_executions} items taken "
+        f"over after a lapsed lease; {report.fence_rejections} late reports fenced out"
+    )
+
+
+async def _kill_and_reclaim(
+    args: argparse.Namespace, store: _store.ControlStore, report: ProbeReport, out: TextIO
+) -> None:
+    ids = await _seed(store, 1)
+    holder = await _spawn(args, "doomed", "--mode", "hold")
+    started = await _go([holder])
+    await holder.claimed_event.wait()
+    assert holder.claimed is not None
+    holder.kill()  # mid-work, with no chance to clean up
+    await holder.wait()
+    await _sleep_until(store, holder.claimed.lease_expires_at)
+    rescuer = await _spawn(args, "rescuer")
+    await _go([rescuer])
+    await rescuer.wait()
+    report.seconds = time.monotonic() - started
+    await _stand_in_reports_late(report, store, holder.claimed)
+    await _check(report, store, ids, [holder, rescuer])
+    _expect_takeover(report, holder.claimed, rescuer)
+
+
+async def _stall(
+    args: argparse.Namespace, store: _store.ControlStore, report: ProbeReport, out: TextIO
+) -> None:
+    if not hasattr(signal, "SIGSTOP"):
+        raise _errors.InvalidInput("the stall scenario needs SIGSTOP/SIGCONT (POSIX)")
+    ids = await _seed(store, 1)
+    sleeper = await _spawn(args, "stalled", "--mode", "hold")
+    started = await _go([sleeper])
+    await sleeper.claimed_event.wait()
+    assert sleeper.claimed is not None
+    sleeper.process.send_signal(signal.SIGSTOP)
+    try:
+        await _sleep_until(store, sleeper.claimed.lease_expires_at)
+        rescuer = await _spawn(args, "rescuer")
+        await _go([rescuer])
+        await rescuer.wait()
+    finally:
+        sleeper.process.send_signal(signal.SIGCONT)
+    await sleeper.say("report")  # the stalled worker wakes and reports with its old fence
+    await sleeper.wait()
+    report.seconds = time.monotonic() - started
+    report.expected_fence_rejections = 1
+    outcome = sleeper.report.outcome if sleeper.report else "no report"
+    if outcome != "fence_rejected":
+        report.failures.append(f"the stalled worker's late report was {outcome!r}, not fenced out")
+    await _check(report, store, ids, [sleeper, rescuer])
+    report.expect("fence_rejections", report.fence_rejections, 1)
+    _expect_takeover(report, sleeper.claimed, rescuer)
+
+
+async def _stand_in_reports_late(
+    report: ProbeReport, store: _store.ControlStore, claimed: _probe_protocol.Claimed
+) -> None:
+    """Report for the dead worker with its old fence: the store must refuse it."""
+    report.expected_fence_rejections = 1
+    try:
+        await store.finish(claimed.item, fence=claimed.fence, status="done")
+    except _errors.FenceRejected:
+        report.fence_rejections += 1
+    else:
+        report.failures.append("the dead worker's late report with its old fence was accepted")
+    report.expect("fence_rejections", report.fence_rejections, 1)
+
+
+def _expect_takeover(
+    report: ProbeReport, claimed: _probe_protocol.Claimed, rescuer: _Worker
+) -> None:
+    if len(rescuer.finished) != 1:
+        report.failures.append(f"the rescuer finished {len(rescuer.finished)} items, not 1")
+        return
+    item_id, fence = rescuer.finished[0]
+    if item_id != claimed.item or fence <= claimed.fence:
+        report.failures.append(
+            f"the rescuer finished item {item_id} at fence {fence}; expected item "
+            f"{claimed.item} above fence {claimed.fence}"
+        )
+    report.expect("re_executions", report.re_executions, 1)
+
+
+async def _sleep_until(store: _store.ControlStore, when: float) -> None:
+    """Wait until a lease has lapsed by the clock the store measures leases with (the
+    database server's, on PostgreSQL)."""
+    await _clock.wait_until(store.clock, when + 0.05)
+
+
+_RUNNERS = {
+    "concurrent-queue": _concurrent_queue,
+    "kill-and-reclaim": _kill_and_reclaim,
+    "chaos": _chaos,
+    "stall": _stall,
+}

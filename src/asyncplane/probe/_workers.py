@@ -1,0 +1,193 @@
+"""The probe's worker processes (`asyncplane._probe_worker`), and the steps every
+scenario shares: seeding, counting, checking."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import contextlib
+import sys
+import time
+from collections.abc import Sequence
+from typing import TextIO
+
+from asyncplane import (
+    _ledger,
+    _probe_protocol,
+    _store,
+)
+from asyncplane.probe._report import _PROJECT, ProbeReport
+
+# --- worker processes ----------------------------------------------------------------------
+
+
+class _Worker:
+    """One worker process and what it has said."""
+
+    def __init__(self, name: str, process: asyncio.subprocess.Process) -> None:
+        self.name = name
+        self.process = process
+        self.ready = asyncio.Event()
+        self.claimed: _probe_protocol.Claimed | None = None
+        self.claimed_event = asyncio.Event()
+        self.report: _probe_protocol.Reported | None = None
+        self.summary: _probe_protocol.Summary | None = None
+        self.finished: list[tuple[int, int]] = []
+        self.stderr = b""
+        self.killed = False
+        self._readers = [
+            asyncio.create_task(self._read_stdout(), name=f"probe-stdout[{name}]"),
+            asyncio.create_task(self._read_stderr(), name=f"probe-stderr[{name}]"),
+        ]
+
+    async def _read_stdout(self) -> None:
+        assert self.process.stdout is not None
+        async for raw in self.process.stdout:
+            message = _probe_protocol.decode(raw)  # None: a line cut short by a kill
+            if isinstance(message, _probe_protocol.Finished):
+                self.finished.append((message.item, message.fence))
+            elif isinstance(message, _probe_protocol.Summary):
+                self.summary = message
+            elif isinstance(message, _probe_protocol.Ready):
+                self.ready.set()
+            elif isinstance(message, _probe_protocol.Claimed):
+                self.claimed = message
+                self.claimed_event.set()
+            elif isinstance(message, _probe_protocol.Reported):
+                self.report = message
+
+    async def _read_stderr(self) -> None:
+        assert self.process.stderr is not None
+        self.stderr = await self.process.stderr.read()
+
+    async def say(self, line: str = "go") -> None:
+        """Send one line to the worker's stdin."""
+        assert self.process.stdin is not None
+        self.process.stdin.write(line.encode() + b"\n")
+        await self.process.stdin.drain()
+
+    def kill(self) -> None:
+        """SIGKILL (TerminateProcess on Windows): no cleanup, as in a crash."""
+        self.killed = True
+        with contextlib.suppress(ProcessLookupError):
+            self.process.kill()
+
+    async def wait(self) -> int:
+        """Wait for the process and for everything it wrote."""
+        code = await self.process.wait()
+        await asyncio.gather(*self._readers)
+        return code
+
+
+async def _spawn(
+    args: argparse.Namespace, name: str, *extra: str, lease_seconds: float | None = None
+) -> _Worker:
+    command = [
+        sys.executable, "-m", "asyncplane._probe_worker",
+        "--store", str(args.store), "--name", name,
+        "--concurrency", str(args.concurrency),
+        "--lease-seconds", str(lease_seconds or args.lease_seconds),
+        "--synchronous", args.synchronous,
+        *extra,
+    ]  # fmt: skip
+    process = await asyncio.create_subprocess_exec(
+        *command,
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    return _Worker(name, process)
+
+
+# --- shared steps --------------------------------------------------------------------------
+
+
+async def _seed(store: _store.ControlStore, items: int) -> list[int]:
+    await store.create_project(_PROJECT, "asyncplane probe")
+    ids: list[int] = []
+    for start in range(0, items, 512):  # concurrent enqueues share group commits
+        chunk = range(start, min(items, start + 512))
+        ids.extend(await asyncio.gather(*(store.enqueue(_PROJECT, {"n": n}) for n in chunk)))
+    return ids
+
+
+async def _progress(
+    store: _store.ControlStore, total: int, started: float, out: TextIO, label: str
+) -> None:
+    """Keep one line on a terminal up to date: items done of total, and the rate."""
+    while True:
+        done = (await store.counts())["done"]
+        rate = done / max(time.monotonic() - started, 1e-9)
+        out.write(f"\r{label}: {done}/{total} items done, {rate:,.0f}/s  ")
+        out.flush()
+        await asyncio.sleep(0.25)
+
+
+async def _check(
+    report: ProbeReport,
+    store: _store.ControlStore,
+    ids: list[int],
+    workers: Sequence[_Worker],
+) -> None:
+    """Count duplicates, lost items, locked errors and ledger problems after a run."""
+    backend = await _store.engine_of(store).ready()
+    tally = await backend.tally()
+    finished_by: dict[int, list[tuple[str, int]]] = collections.defaultdict(list)
+    for worker in workers:
+        for item_id, fence in worker.finished:
+            finished_by[item_id].append((worker.name, fence))
+    reported_twice = {item_id for item_id, who in finished_by.items() if len(who) > 1}
+    duplicated = reported_twice | set(tally.settled_twice) | set(tally.unexplained_claims)
+    report.duplicates = len(duplicated)
+    done = set(await backend.item_ids("done"))
+    report.lost = sum(1 for item_id in ids if item_id not in done)
+    report.re_executions = tally.takeovers
+    report.ledger_problems = len(await _ledger.verify_ledger(store))
+    summaries = [w.summary for w in workers if w.summary is not None]
+    report.locked_errors = sum(s.locked for s in summaries) + sum(
+        w.stderr.count(b"database is locked") for w in workers
+    )
+    report.fence_rejections += sum(s.fence_rejected for s in summaries)
+    report.max_lock_wait_s = max((s.max_lock_wait for s in summaries), default=0.0)
+    counts = [len(w.finished) for w in workers if not w.killed]
+    report.per_worker_min = min(counts, default=0)
+    report.per_worker_max = max(counts, default=0)
+    report.worker_crashes = sum(
+        1 for w in workers if not w.killed and w.process.returncode not in (0, None)
+    )
+    report.expect("duplicates", report.duplicates, 0)
+    report.expect("lost", report.lost, 0)
+    report.expect("locked_errors", report.locked_errors, 0)
+    report.expect("ledger_problems", report.ledger_problems, 0)
+    report.expect("worker_crashes", report.worker_crashes, 0)
+    for worker in workers:
+        if not worker.killed and worker.process.returncode not in (0, None):
+            tail = worker.stderr.decode(errors="replace").strip().splitlines()[-1:]
+            report.notes.append(f"worker {worker.name} exited {worker.process.returncode}: {tail}")
+
+
+async def _go(workers: Sequence[_Worker]) -> float:
+    """Wait until every worker has its store open, then start them all at once."""
+    await asyncio.gather(*(w.ready.wait() for w in workers))
+    started = time.monotonic()
+    await asyncio.gather(*(w.say("go") for w in workers))
+    return started
+
+
+def _start_progress(
+    store: _store.ControlStore, total: int, started: float, out: TextIO, label: str
+) -> asyncio.Task[None] | None:
+    if not out.isatty():
+        return None
+    return asyncio.create_task(_progress(store, total, started, out, label), name="probe-progress")
+
+
+async def _stop(task: asyncio.Task[None] | None, out: TextIO) -> None:
+    if task is None:
+        return
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    out.write("\r\033[K")
+    out.flush()
