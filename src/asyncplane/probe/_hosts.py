@@ -15,7 +15,16 @@ from asyncplane import (
     _store,
 )
 from asyncplane.probe._report import _PROJECT, ProbeReport
-from asyncplane.probe._workers import _check, _go, _seed, _spawn, _start_progress, _stop, _Worker
+from asyncplane.probe._workers import (
+    _check,
+    _go,
+    _seed,
+    _spawn,
+    _start_progress,
+    _stop,
+    _tally_workers,
+    _Worker,
+)
 
 # --- several hosts (--role) ------------------------------------------------------------------
 
@@ -93,15 +102,7 @@ def _check_workers(report: ProbeReport, workers: Sequence[_Worker]) -> None:
         item_id for worker in workers for item_id, _ in worker.finished
     )
     report.duplicates = sum(1 for count in seen.values() if count > 1)
-    summaries = [w.summary for w in workers if w.summary is not None]
-    report.locked_errors = sum(s.locked for s in summaries)
-    report.fence_rejections += sum(s.fence_rejected for s in summaries)
-    counts = [len(w.finished) for w in workers if not w.killed]
-    report.per_worker_min = min(counts, default=0)
-    report.per_worker_max = max(counts, default=0)
-    report.worker_crashes = sum(
-        1 for w in workers if not w.killed and w.process.returncode not in (0, None)
-    )
+    _tally_workers(report, workers)
     report.expect("duplicates", report.duplicates, 0)
     report.expect("locked_errors", report.locked_errors, 0)
     report.expect("worker_crashes", report.worker_crashes, 0)

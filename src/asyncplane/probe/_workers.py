@@ -145,22 +145,28 @@ async def _check(
     report.re_executions = tally.takeovers
     report.ledger_problems = len(await _ledger.verify_ledger(store))
     summaries = [w.summary for w in workers if w.summary is not None]
-    report.locked_errors = sum(s.locked for s in summaries) + sum(
-        w.stderr.count(b"database is locked") for w in workers
-    )
-    report.fence_rejections += sum(s.fence_rejected for s in summaries)
+    _tally_workers(report, workers)
+    report.locked_errors += sum(w.stderr.count(b"database is locked") for w in workers)
     report.max_lock_wait_s = max((s.max_lock_wait for s in summaries), default=0.0)
+    report.expect("duplicates", report.duplicates, 0)
+    report.expect("lost", report.lost, 0)
+    report.expect("locked_errors", report.locked_errors, 0)
+    report.expect("ledger_problems", report.ledger_problems, 0)
+    report.expect("worker_crashes", report.worker_crashes, 0)
+
+
+def _tally_workers(report: ProbeReport, workers: Sequence[_Worker]) -> None:
+    """What the workers said of themselves: locked errors, fence refusals, how evenly
+    the work spread, and which of them crashed (a killed one did not crash)."""
+    summaries = [w.summary for w in workers if w.summary is not None]
+    report.locked_errors = sum(s.locked for s in summaries)
+    report.fence_rejections += sum(s.fence_rejected for s in summaries)
     counts = [len(w.finished) for w in workers if not w.killed]
     report.per_worker_min = min(counts, default=0)
     report.per_worker_max = max(counts, default=0)
     report.worker_crashes = sum(
         1 for w in workers if not w.killed and w.process.returncode not in (0, None)
     )
-    report.expect("duplicates", report.duplicates, 0)
-    report.expect("lost", report.lost, 0)
-    report.expect("locked_errors", report.locked_errors, 0)
-    report.expect("ledger_problems", report.ledger_problems, 0)
-    report.expect("worker_crashes", report.worker_crashes, 0)
     for worker in workers:
         if not worker.killed and worker.process.returncode not in (0, None):
             tail = worker.stderr.decode(errors="replace").strip().splitlines()[-1:]
