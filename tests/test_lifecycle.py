@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import pathlib
-import sqlite3
 import subprocess
 import sys
 import threading
@@ -15,16 +14,11 @@ import pytest
 from asyncplane import (
     ControlStore,
     InvalidInput,
-    NotAnAsyncplaneDatabase,
     NotOnAsyncio,
-    SchemaVersionError,
     StorageError,
     StoreClosed,
-    _sqlite,
     drain,
-    verify_ledger,
 )
-from asyncplane import _sqlite_sql as sql
 
 
 async def test_opens_on_first_use_and_closes(tmp_path: pathlib.Path) -> None:
@@ -139,81 +133,6 @@ async def test_store_used_from_another_running_loop_is_refused(location_of: Any)
     await store.close()
 
 
-async def test_schema_version_and_application_id_are_written(tmp_path: pathlib.Path) -> None:
-    async with ControlStore(tmp_path / "s.db") as store:
-        await store.projects()
-    conn = sqlite3.connect(tmp_path / "s.db")
-    assert conn.execute("PRAGMA user_version").fetchone()[0] == sql.SCHEMA_VERSION
-    assert conn.execute("PRAGMA application_id").fetchone()[0] == sql.APPLICATION_ID
-    conn.close()
-
-
-async def test_newer_schema_is_refused(tmp_path: pathlib.Path) -> None:
-    async with ControlStore(tmp_path / "s.db") as store:
-        await store.projects()
-    conn = sqlite3.connect(tmp_path / "s.db")
-    conn.execute(f"PRAGMA user_version = {sql.SCHEMA_VERSION + 1}")
-    conn.close()
-    store = ControlStore(tmp_path / "s.db")
-    with pytest.raises(SchemaVersionError, match="upgrade asyncplane"):
-        await store.open()
-
-
-async def test_another_applications_database_is_refused(tmp_path: pathlib.Path) -> None:
-    path = tmp_path / "other.db"
-    conn = sqlite3.connect(path)
-    conn.execute("CREATE TABLE invoices (id INTEGER PRIMARY KEY)")
-    conn.commit()
-    conn.close()
-    with pytest.raises(NotAnAsyncplaneDatabase):
-        await ControlStore(path).open()
-    conn = sqlite3.connect(path)  # and it was left exactly as it was
-    assert conn.execute("SELECT name FROM sqlite_master").fetchall() == [("invoices",)]
-    assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "delete"  # not switched to WAL
-    conn.close()
-
-
-async def test_a_file_that_is_not_sqlite_is_refused(tmp_path: pathlib.Path) -> None:
-    path = tmp_path / "notes.db"
-    path.write_bytes(b"these are not the pages you are looking for" * 100)
-    with pytest.raises(NotAnAsyncplaneDatabase) as caught:
-        await ControlStore(path).open()
-    assert isinstance(caught.value, StorageError)
-    assert isinstance(caught.value.__cause__, sqlite3.DatabaseError)
-
-
-async def test_migrations_run_forward_from_the_first_release(tmp_path: pathlib.Path) -> None:
-    # A store written by the first release (schema version 1), with work in it.
-    path = tmp_path / "old.db"
-    conn = sqlite3.connect(path, isolation_level=None)
-    conn.execute("PRAGMA journal_mode = WAL")
-    conn.execute("BEGIN")
-    for statement in _sqlite._statements(sql.MIGRATIONS[0]):
-        conn.execute(statement)
-    conn.execute(f"PRAGMA application_id = {sql.APPLICATION_ID}")
-    conn.execute("PRAGMA user_version = 1")
-    conn.execute("INSERT INTO projects VALUES ('p', 'P', 'open', 0)")
-    conn.execute(
-        "INSERT INTO items (project_id, state, payload, created_at, updated_at) "
-        "VALUES ('p', 'ready', '{\"old\": true}', 0, 0)"
-    )
-    conn.execute("INSERT INTO events (item_id, event_type, fence, at) VALUES (1, 'queued', 0, 0)")
-    conn.execute("COMMIT")
-    conn.close()
-    async with ControlStore(path) as store:
-        row = await store.item(1)
-        assert row["payload"] == {"old": True}
-        assert (row["priority"], row["service_class"], row["sla"]) == (0, "standard", None)
-        claim = await store.claim(owner="w")
-        assert claim is not None and claim.item_id == 1
-        await store.finish(1, fence=claim.fence, result={"new": "columns"})
-        assert (await store.item(1))["result"] == {"new": "columns"}
-        assert await verify_ledger(store) == []
-    conn = sqlite3.connect(path)
-    assert conn.execute("PRAGMA user_version").fetchone()[0] == sql.SCHEMA_VERSION
-    conn.close()
-
-
 async def test_calls_after_close_on_a_running_writer_fail_cleanly(location_of: Any) -> None:
     where = location_of("s.db")  # a file, or a fresh PostgreSQL schema
     store = ControlStore(where)
@@ -305,70 +224,6 @@ def test_a_loop_closed_without_cleanup_leaves_no_threads(location_of: Any) -> No
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "1"
-
-
-async def test_reads_never_wait_behind_a_writer(tmp_path: pathlib.Path) -> None:
-    store = ControlStore(tmp_path / "s.db", busy_timeout=30)
-    await store.create_project("p", "P")
-    item_id = await store.enqueue("p", {})
-    other = sqlite3.connect(store.path, isolation_level=None)
-    other.execute("BEGIN IMMEDIATE")  # another process holds the write lock
-    other.execute("INSERT INTO projects VALUES ('q', 'Q', 'open', 0)")
-    try:
-        row = await asyncio.wait_for(store.item(item_id), timeout=5)
-        assert row["state"] == "ready"
-        assert [p["project_id"] for p in await store.projects()] == ["p"]  # not uncommitted q
-    finally:
-        other.execute("ROLLBACK")
-        other.close()
-        await store.close()
-
-
-async def test_opening_waits_for_a_write_lock_held_on_a_fresh_file(
-    tmp_path: pathlib.Path,
-) -> None:
-    # Switching a file to WAL while another connection writes to it fails at once in
-    # SQLite, busy timeout or not (several processes creating a fresh store at once hit
-    # this): the store waits for the lock instead of failing to open.
-    path = tmp_path / "fresh.db"
-    other = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
-    other.execute("BEGIN IMMEDIATE")  # a write lock on a file still in rollback mode
-    store = ControlStore(path, busy_timeout=30)
-    opening = asyncio.create_task(store.open())
-    await asyncio.sleep(0.3)  # the lock is held for a while: the store must not give up
-    assert not opening.done()
-    other.execute("COMMIT")
-    other.close()
-    await asyncio.wait_for(opening, timeout=30)
-    try:
-        await store.create_project("p", "P")
-        assert (await store.stats())["schema_version"] >= 1
-    finally:
-        await store.close()
-
-
-def test_many_processes_create_a_fresh_store_at_once(tmp_path: pathlib.Path) -> None:
-    path = tmp_path / "fresh.db"
-    script = (
-        "import asyncio, sys\n"
-        "from asyncplane import ControlStore\n"
-        "async def main():\n"
-        f"    async with ControlStore({str(path)!r}) as store:\n"
-        "        await store.create_project(sys.argv[1], 'P')\n"
-        "asyncio.run(main())\n"
-    )
-    workers = [
-        subprocess.Popen([sys.executable, "-c", script, f"p{n}"], stderr=subprocess.PIPE)
-        for n in range(8)
-    ]
-    errors = [w.communicate(timeout=120)[1] for w in workers]
-    assert [w.returncode for w in workers] == [0] * 8, errors
-
-    async def projects() -> list[str]:
-        async with ControlStore(path) as store:
-            return [p["project_id"] for p in await store.projects()]
-
-    assert asyncio.run(projects()) == sorted(f"p{n}" for n in range(8))
 
 
 async def test_a_failing_clock_fails_one_round_not_the_store(location_of: Any) -> None:

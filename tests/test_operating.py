@@ -483,31 +483,6 @@ async def test_an_unwritable_archive_does_not_stop_the_drain(
     assert "purge skipped" in caplog.text
 
 
-async def test_a_read_only_store_reads_and_writes_nothing(tmp_path: pathlib.Path) -> None:
-    from asyncplane import ReadOnlyStore, SchemaVersionError
-
-    path = tmp_path / "ro.db"
-    async with ControlStore(path) as store:
-        await store.create_project("p", "P")
-        await settle(store, "p", 1)
-    copy = tmp_path / "copy.db"
-    conn = sqlite3.connect(path)
-    conn.execute("VACUUM INTO ?", (str(copy),))  # a rollback-journal copy, as backups are
-    conn.close()
-    async with ControlStore(copy, read_only=True) as store:
-        assert (await store.counts())["done"] == 1
-        assert await verify_ledger(store) == []
-        with pytest.raises(ReadOnlyStore):
-            await store.enqueue("p", {})
-    conn = sqlite3.connect(copy)
-    assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "delete"  # left as it was
-    conn.execute("PRAGMA user_version = 1")
-    conn.commit()
-    conn.close()
-    with pytest.raises(SchemaVersionError, match="needs migrating"):
-        await ControlStore(copy, read_only=True).open()
-
-
 def test_cli_looking_writes_nothing_and_failures_exit_3(tmp_path: pathlib.Path) -> None:
     path = tmp_path / "look.db"
 

@@ -10,6 +10,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import pathlib
+import shutil
+import tempfile
+import urllib.parse
+from collections.abc import AsyncIterator
 from typing import Any
 
 import asyncpg
@@ -17,6 +21,7 @@ import pytest
 
 from _signals import until, waiting_on
 from asyncplane import (
+    CommitOutcomeUnknown,
     ControlStore,
     InvalidInput,
     NotAnAsyncplaneDatabase,
@@ -492,3 +497,71 @@ async def test_stores_in_other_schemas_never_wait_on_each_others_locks(
                 assert claim is not None and claim.item_id == item
         finally:
             await holder.close()
+
+
+def _server_socket(directory: str) -> pathlib.Path:
+    """The server's unix socket in ``directory`` (beside it stands its lock file)."""
+    (socket,) = (p for p in pathlib.Path(directory).glob(".s.PGSQL.*") if p.suffix != ".lock")
+    return socket
+
+
+@contextlib.asynccontextmanager
+async def cut_on_commit(url: str) -> AsyncIterator[tuple[str, asyncio.Event, asyncio.Event]]:
+    """A proxy between a store and the server, as a network would be: ``(its url, arm,
+    cut)``. Once ``arm`` is set, the next COMMIT a client sends is never delivered: the
+    proxy drops both sides of that connection, so no answer ever comes, and sets ``cut``."""
+    parts = urllib.parse.urlsplit(url)
+    query = urllib.parse.parse_qs(parts.query)
+    socket = _server_socket(query["host"][0])
+    # A socket's path has room for about a hundred bytes: a short directory of its own.
+    here = pathlib.Path(tempfile.mkdtemp(prefix="ap-proxy-"))
+    arm, cut = asyncio.Event(), asyncio.Event()
+
+    async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, up: bool) -> None:
+        while data := await reader.read(65536):
+            if up and arm.is_set() and b"COMMIT" in data:
+                cut.set()
+                return
+            writer.write(data)
+            await writer.drain()
+
+    async def serve(client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
+        server_r, server_w = await asyncio.open_unix_connection(str(socket))
+        try:
+            ends = [
+                asyncio.create_task(pipe(client_r, server_w, True), name="proxy-up"),
+                asyncio.create_task(pipe(server_r, client_w, False), name="proxy-down"),
+            ]
+            await asyncio.wait(ends, return_when=asyncio.FIRST_COMPLETED)
+            for end in ends:
+                end.cancel()
+            await asyncio.gather(*ends, return_exceptions=True)
+        finally:
+            for writer in (client_w, server_w):
+                writer.transport.abort()
+
+    proxy = await asyncio.start_unix_server(serve, path=str(here / socket.name))
+    query["host"] = [str(here)]
+    try:
+        yield parts._replace(query=urllib.parse.urlencode(query, doseq=True)).geturl(), arm, cut
+    finally:
+        proxy.close()
+        await proxy.wait_closed()
+        shutil.rmtree(here, ignore_errors=True)
+
+
+async def test_a_connection_lost_during_commit_says_the_outcome_is_unknown(url: str) -> None:
+    # SQLite says CommitOutcomeUnknown when a failed COMMIT cannot be sealed; here, when
+    # the connection goes with COMMIT on its way: the server may have applied it.
+    async with cut_on_commit(url) as (through, arm, cut), ControlStore(through) as store:
+        await store.create_project("p", "P")
+        arm.set()
+        with pytest.raises(CommitOutcomeUnknown, match="lost during COMMIT") as caught:
+            await store.enqueue("p", {"fate": "unknown"})
+        assert cut.is_set()
+        assert isinstance(caught.value.__cause__, asyncpg.PostgresConnectionError)
+        arm.clear()
+        # The writer is failed, not stuck: the next call opens afresh and is saved.
+        item = await store.enqueue("p", {"after": True})
+        assert (await store.item(item))["payload"] == {"after": True}
+        assert await verify_ledger(store) == []

@@ -5,16 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import sqlite3
-from collections.abc import Iterator
 from typing import Any
 
 import asyncpg
 import pytest
 
-from _signals import until
 from asyncplane import (
     ControlStore,
-    DatabaseLocked,
     FenceRejected,
     InvalidInput,
     StorageError,
@@ -23,7 +20,6 @@ from asyncplane import (
     _writer,
     verify_ledger,
 )
-from asyncplane.testing import ManualClock
 
 DRIVER_ERRORS = (sqlite3.Error, asyncpg.PostgresError)
 
@@ -55,16 +51,6 @@ def operation(store: ControlStore, *statements: str, then: BaseException | None 
             raise then
 
     return pg_op
-
-
-@pytest.fixture
-def lock_holder(store: ControlStore) -> Iterator[sqlite3.Connection]:
-    """A second connection that can hold the database's write lock, as another process would."""
-    conn = sqlite3.connect(store.path, isolation_level=None, check_same_thread=False)
-    yield conn
-    if conn.in_transaction:
-        conn.execute("ROLLBACK")
-    conn.close()
 
 
 async def test_concurrent_requests_share_commits(store: ControlStore) -> None:
@@ -122,6 +108,36 @@ async def test_a_database_error_mid_round_undoes_only_its_request(store: Control
     assert await verify_ledger(store) == []
 
 
+async def test_a_bug_in_one_operation_reaches_only_its_caller(store: ControlStore) -> None:
+    # Not a refusal, not a database error: a plain exception (a bug) in one operation. Its
+    # caller gets that exception; what it wrote is undone; the others of its round, and
+    # one alone in its round, fare as without it.
+    writer = await writer_of(store)
+
+    def buggy() -> Any:
+        return operation(
+            store,
+            "INSERT INTO projects VALUES ('half-written', 'H', 'open', 0)",
+            then=ZeroDivisionError("a bug"),
+        )
+
+    rounds = writer.rounds
+    results = await asyncio.gather(
+        store.enqueue("alpha", {"n": 1}),
+        writer.submit(buggy()),
+        store.enqueue("alpha", {"n": 2}),
+        return_exceptions=True,
+    )
+    assert writer.rounds == rounds + 1
+    assert isinstance(results[0], int) and isinstance(results[2], int)
+    assert isinstance(results[1], ZeroDivisionError)
+    with pytest.raises(ZeroDivisionError, match="a bug"):
+        await writer.submit(buggy())  # alone in its round
+    assert [p["project_id"] for p in await store.projects()] == ["alpha"]  # rolled back
+    assert (await store.item(results[2]))["payload"] == {"n": 2}
+    assert await verify_ledger(store) == []
+
+
 async def test_a_refusal_after_writing_is_rolled_back(store: ControlStore) -> None:
     writer = await writer_of(store)
 
@@ -137,98 +153,6 @@ async def test_a_refusal_after_writing_is_rolled_back(store: ControlStore) -> No
     assert isinstance(results[0], InvalidInput)
     assert isinstance(results[1], int)
     assert [p["project_id"] for p in await store.projects()] == ["alpha"]
-
-
-@pytest.mark.sqlite_only  # SQLite's one write lock and busy timeout
-async def test_lock_timeout_is_a_typed_error_and_writes_nothing(
-    asyncplane_store_factory: Any,
-) -> None:
-    store = await asyncplane_store_factory(busy_timeout=0.2)
-    await store.create_project("p", "P")
-    other = sqlite3.connect(store.path, isolation_level=None)
-    other.execute("BEGIN IMMEDIATE")
-    try:
-        with pytest.raises(DatabaseLocked) as caught:
-            await store.enqueue("p", {})
-        assert isinstance(caught.value.__cause__, sqlite3.OperationalError)
-    finally:
-        other.execute("ROLLBACK")
-        other.close()
-    assert await store.enqueue("p", {}) == 1  # nothing half-written by the failed call
-
-
-@pytest.mark.sqlite_only  # pauses a round by holding SQLite's write lock
-async def test_claim_cancelled_before_its_round_takes_nothing(
-    store: ControlStore, lock_holder: sqlite3.Connection
-) -> None:
-    await store.enqueue("alpha", {})
-    await store.enqueue("alpha", {})
-    writer = await writer_of(store)
-    lock_holder.execute("BEGIN IMMEDIATE")
-    blocker = asyncio.ensure_future(store.enqueue("alpha", {}))  # occupies the writer
-    await until(lambda: writer.in_flight == 1)
-    doomed = asyncio.ensure_future(store.claim(owner="doomed"))
-    await until(lambda: len(writer._pending) == 1)
-    doomed.cancel()
-    lock_holder.execute("COMMIT")
-    await blocker
-    with pytest.raises(asyncio.CancelledError):
-        await doomed
-    claim = await store.claim(owner="next")
-    assert claim is not None and claim.fence == 1 and claim.item_id == 1
-    assert all(e["owner"] != "doomed" for e in await store.events(1))
-    assert await verify_ledger(store) == []
-
-
-@pytest.mark.sqlite_only  # pauses a round by holding SQLite's write lock
-async def test_claim_cancelled_during_its_round_leaves_an_item_its_lease_returns(
-    store: ControlStore, lock_holder: sqlite3.Connection, clock: ManualClock
-) -> None:
-    item_id = await store.enqueue("alpha", {})
-    writer = await writer_of(store)
-    lock_holder.execute("BEGIN IMMEDIATE")
-    doomed = asyncio.ensure_future(store.claim(owner="doomed"))
-    await until(lambda: writer.in_flight == 1)  # on the thread, waiting for the lock
-    doomed.cancel()
-    lock_holder.execute("COMMIT")
-    with pytest.raises(asyncio.CancelledError):
-        await doomed  # returns at once; the round goes on without its caller
-    await writer.submit(operation(store))  # a barrier: every earlier round has ended
-    # The round committed the claim; nobody holds its fence, so the lease returns it.
-    assert (await store.item(item_id))["owner"] == "doomed"
-    assert await verify_ledger(store) == []
-    assert await store.claim(owner="next") is None
-    clock.advance(store.lease_seconds + 1)
-    taken = await store.claim(owner="next")
-    assert taken is not None and taken.item_id == item_id and taken.fence == 2
-    assert await verify_ledger(store) == []
-
-
-@pytest.mark.sqlite_only  # pauses a round by holding SQLite's write lock
-async def test_cancelled_writer_finishes_its_round_and_reports_it(
-    store: ControlStore, lock_holder: sqlite3.Connection
-) -> None:
-    await store.enqueue("alpha", {})
-    writer = await writer_of(store)
-    lock_holder.execute("BEGIN IMMEDIATE")
-    claim = asyncio.ensure_future(store.claim(owner="w"))
-    await until(lambda: writer.in_flight == 1)
-    later = asyncio.ensure_future(store.enqueue("alpha", {"late": True}))
-    await until(lambda: len(writer._pending) == 1)
-    assert writer._task is not None
-    writer._task.cancel()  # as an event loop shutting down would
-    lock_holder.execute("COMMIT")
-    got = await claim  # the round ran to its end and its caller learned the result
-    assert got is not None and got.fence == 1
-    with pytest.raises(StoreClosed):
-        await later  # never started: refused, not lost silently
-    with pytest.raises(asyncio.CancelledError):
-        await writer._task
-    await store.close()
-    await store.open()
-    assert (await store.item(got.item_id))["state"] == "claimed"
-    assert len(await store.events(got.item_id)) == 2
-    assert await verify_ledger(store) == []
 
 
 async def test_close_serves_every_queued_write_first(store: ControlStore) -> None:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from typing import Any, ClassVar, NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from asyncplane import _clock, _errors, _lock, _models, _write_queue
 
@@ -33,9 +33,12 @@ __all__ = (
     "ClaimOp",
     "ClaimRow",
     "CopyOp",
+    "CopyProjectsOp",
     "EnqueueOp",
     "EventRow",
+    "ExportOp",
     "FinishOp",
+    "GroupOp",
     "Histories",
     "ImportOp",
     "ItemRow",
@@ -48,6 +51,7 @@ __all__ = (
     "ProjectRow",
     "RenewOp",
     "RetryOp",
+    "Sizing",
     "StoreStats",
     "Writes",
 )
@@ -241,6 +245,21 @@ class CopyOp(NamedTuple):
     items: tuple[tuple[ItemRow, tuple[EventRow, ...]], ...]
 
 
+class CopyProjectsOp(NamedTuple):
+    """The projects and assignments of another store, to add where not here yet."""
+
+    projects: tuple[ProjectRow, ...]
+    assignments: tuple[AssignmentRow, ...]
+
+
+class ExportOp(NamedTuple):
+    """One page of an export: items after an id, in id order."""
+
+    after_item_id: int
+    chunk: int
+    pending_only: bool
+
+
 class EventRow(NamedTuple):
     """One ledger event."""
 
@@ -271,28 +290,41 @@ class LedgerTally(NamedTuple):
     unexplained_claims: list[int]
 
 
+class Sizing(NamedTuple):
+    """What every backend is sized by: requests per write round, read connections, and
+    whether it may write at all."""
+
+    max_batch: int
+    read_connections: int
+    read_only: bool
+
+
+#: ``many(ops, conn, now)``: decides a whole group of claims, or of finishes, at once.
+GroupOp = Callable[[list[Any], Any, float], Any]
+
+
 class Writes:
     """What every backend shares around its writer.
 
     The refusals of a write to a store that cannot take one (read-only, closed), and
     which writes a round may run together: claims with the same filters and lease, and
-    finishes, each kind through the backend's ``claim_many`` / ``finish_many``, which
-    decide a whole group in one go (see `asyncplane._write_queue.Grouped`).
+    finishes, each kind through the ``claim_many`` / ``finish_many`` the backend names,
+    which decide a whole group in one go (see `asyncplane._write_queue.Grouped`).
     """
 
-    _read_only: bool
-    _writer: _write_queue.WriterBase | None
-    #: ``many(ops, conn, now)`` for a group of claims, and for a group of finishes.
-    claim_many: ClassVar[Callable[..., Any]]
-    finish_many: ClassVar[Callable[..., Any]]
+    def __init__(self, sizing: Sizing, *, claim_many: GroupOp, finish_many: GroupOp) -> None:
+        self._sizing = sizing
+        self._claim_many = claim_many
+        self._finish_many = finish_many
+        self._writer: _write_queue.WriterBase | None = None
 
     @property
-    def writer(self) -> Any:
+    def writer(self) -> _write_queue.WriterBase | None:
         """The writer task's handle (for tests, benchmarks and the probe)."""
         return self._writer
 
     async def _submit(self, op: Any) -> Any:
-        if self._read_only:
+        if self._sizing.read_only:
             raise _errors.ReadOnlyStore("this store was opened with read_only=True: no writes")
         if self._writer is None:
             raise _errors.StoreClosed("the store is closed")
@@ -302,14 +334,14 @@ class Writes:
         """Claim up to ``op.limit`` items (grouped with claims of the same filters)."""
         key = ("claim", op.lease_seconds, op.actor_id, op.project_id)
         rows: list[ClaimRow] = await self._submit(
-            _write_queue.Grouped[list[ClaimRow]](key, op, type(self).claim_many)
+            _write_queue.Grouped[list[ClaimRow]](key, op, self._claim_many)
         )
         return rows
 
     async def finish(self, op: FinishOp) -> int:
         """Settle a current claim (grouped with the round's other finishes)."""
         twins: int = await self._submit(
-            _write_queue.Grouped[int](("finish",), op, type(self).finish_many)
+            _write_queue.Grouped[int](("finish",), op, self._finish_many)
         )
         return twins
 
@@ -330,7 +362,7 @@ class Backend(Protocol):
         ...
 
     @property
-    def writer(self) -> Any:
+    def writer(self) -> _write_queue.WriterBase | None:
         """The writer task's handle, or None before opening (tests, benchmarks, probe)."""
         ...
 
@@ -446,13 +478,11 @@ class Backend(Protocol):
         """Every assignment of every project."""
         ...
 
-    async def export_items(self, after_item_id: int, chunk: int, pending_only: bool) -> Histories:
+    async def export_items(self, op: ExportOp) -> Histories:
         """Items after an id, in id order, each with its whole history, in one snapshot."""
         ...
 
-    async def copy_projects(
-        self, projects: tuple[ProjectRow, ...], assignments: tuple[AssignmentRow, ...]
-    ) -> int:
+    async def copy_projects(self, op: CopyProjectsOp) -> int:
         """Add the projects and assignments not here yet; return how many projects."""
         ...
 

@@ -6,7 +6,7 @@ the statement itself on a small machine. A claim is four statements, so asyncpla
 whole transaction, or a whole group commit, as one function on the connection's thread
 (`run`), which is one round trip. aiosqlite's public calls cannot do that; `run` uses its
 ``Connection._execute`` hook, the only private name asyncplane touches, kept here alone so
-that an aiosqlite change shows up in one place (tests/test_connection.py guards it).
+that an aiosqlite change shows up in one place (tests/test_sqlite.py guards it).
 
 Connections run in autocommit mode (``isolation_level=None``): the sqlite3 module never
 opens a transaction behind our back, and asyncplane issues ``BEGIN IMMEDIATE`` and

@@ -64,11 +64,11 @@ async def copy_store(
     summary = CopySummary()
     projects = tuple(await src.list_projects())
     assignments = tuple(await src.list_assignments())
-    summary.projects = await dst.copy_projects(projects, assignments)
+    summary.projects = await dst.copy_projects(_backend.CopyProjectsOp(projects, assignments))
     label = f"copy:{source.location}"
     after = 0
     while True:
-        found = await src.export_items(after, size, pending)
+        found = await src.export_items(_backend.ExportOp(after, size, pending))
         if not found:
             break
         items = tuple((item, tuple(events)) for item, events in found)

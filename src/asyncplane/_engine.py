@@ -81,29 +81,26 @@ def backend_for(
     extra; its leases follow the server's clock unless ``options.clock`` is given)."""
     # An injected clock's readings are checked before anything is written from them.
     clock = None if options.clock is None else _clock.Checked(options.clock)
+    sizing = _backend.Sizing(options.max_batch, options.read_connections, options.read_only)
     if is_postgres_url(location):
         from asyncplane import _postgres  # only a PostgreSQL store needs its driver
 
         return _postgres.PostgresBackend(
             location,
+            sizing,
             clock=clock,
             # NOTIFY from any host wakes this process's drainers as a local write does.
             on_change=on_change,
             connect_timeout=options.busy_timeout,
-            max_batch=options.max_batch,
-            read_connections=options.read_connections,
-            read_only=options.read_only,
         )
     from asyncplane import _sqlite
 
     return _sqlite.SQLiteBackend(
         pathlib.Path(os.path.abspath(location)),
+        sizing,
         clock=clock if clock is not None else _clock.SystemClock(),
         synchronous=options.synchronous,
         busy_timeout=options.busy_timeout,
-        max_batch=options.max_batch,
-        read_connections=options.read_connections,
-        read_only=options.read_only,
     )
 
 

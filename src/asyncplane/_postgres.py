@@ -109,21 +109,16 @@ class ServerClock:
 class PostgresBackend(_backend.Writes):
     """Implements `asyncplane._backend.Backend` on one schema of a PostgreSQL database."""
 
-    # The group operations `_backend.Writes` runs (module functions, defined below).
-    claim_many = staticmethod(lambda ops, conn, now: _claim_many(ops, conn, now))
-    finish_many = staticmethod(lambda ops, conn, now: _finish_many(ops, conn, now))
-
     def __init__(
         self,
         url: str,
+        sizing: _backend.Sizing,
         *,
         clock: _clock.Clock | None,
         on_change: _backend.ChangeHook | None = None,
         connect_timeout: float,
-        max_batch: int,
-        read_connections: int,
-        read_only: bool = False,
     ) -> None:
+        super().__init__(sizing, claim_many=_claim_many, finish_many=_finish_many)
         self._url = url
         self._clock = clock
         # Without an injected clock, leases follow the server's: the writer reads it, and
@@ -131,10 +126,6 @@ class PostgresBackend(_backend.Writes):
         self._server_clock = ServerClock() if clock is None else None
         self._on_change = on_change
         self._connect_timeout = connect_timeout
-        self._max_batch = max_batch
-        self._reader_count = read_connections
-        self._read_only = read_only
-        self._writer: _writer.Writer | None = None
         self._pool: asyncpg.Pool | None = None
         self._listener: asyncpg.Connection | None = None
         self._schema = ""
@@ -175,7 +166,7 @@ class PostgresBackend(_backend.Writes):
             conn = await self._connect()
             undo.push_async_callback(_close_quietly, conn)
             try:
-                if self._read_only:
+                if self._sizing.read_only:
                     await _check_current_schema(conn)
                 else:
                     await _migrate(conn)
@@ -183,7 +174,7 @@ class PostgresBackend(_backend.Writes):
                 if self._server_clock is not None:
                     self._server_clock.observe(await conn.fetchval(sql.SERVER_NOW))
                 pool = await asyncpg.create_pool(
-                    self._url, min_size=1, max_size=self._reader_count,
+                    self._url, min_size=1, max_size=self._sizing.read_connections,
                     timeout=self._connect_timeout,
                 )  # fmt: skip
             except _DRIVER_ERRORS as exc:
@@ -204,11 +195,11 @@ class PostgresBackend(_backend.Writes):
             # that was cancelled, a lost connection) has new ones, which stay.
             await self._close_side_connections(graceful, pool, listener)
 
-        if self._read_only:
+        if self._sizing.read_only:
             await _close_quietly(conn)
             return
         self._writer = _writer.Writer(
-            conn, self._clock, name=self._schema, max_batch=self._max_batch,
+            conn, self._clock, name=self._schema, max_batch=self._sizing.max_batch,
             on_exit=close_readers,
             server_clock=self._server_clock,
         )  # fmt: skip
@@ -364,17 +355,11 @@ class PostgresBackend(_backend.Writes):
     async def list_assignments(self) -> list[_backend.AssignmentRow]:
         return [_backend.AssignmentRow(*row) for row in await self._fetch(sql.LIST_ASSIGNMENTS)]
 
-    async def export_items(
-        self, after_item_id: int, chunk: int, pending_only: bool
-    ) -> _backend.Histories:
-        return await self._read(_export_items, after_item_id, chunk, pending_only)
+    async def export_items(self, op: _backend.ExportOp) -> _backend.Histories:
+        return await self._read(_export_items, op)
 
-    async def copy_projects(
-        self,
-        projects: tuple[_backend.ProjectRow, ...],
-        assignments: tuple[_backend.AssignmentRow, ...],
-    ) -> int:
-        return await self._write(_bind(_copy_projects, projects, assignments))
+    async def copy_projects(self, op: _backend.CopyProjectsOp) -> int:
+        return await self._write(_bind(_copy_projects, op))
 
     async def copy_items(self, op: _backend.CopyOp) -> tuple[int, int]:
         return await self._write(_bind(_copy_items, op))
@@ -833,18 +818,13 @@ async def _import_rows(
     return imported, skipped
 
 
-async def _copy_projects(
-    projects: tuple[_backend.ProjectRow, ...],
-    assignments: tuple[_backend.AssignmentRow, ...],
-    conn: asyncpg.Connection,
-    now: float,
-) -> int:
+async def _copy_projects(op: _backend.CopyProjectsOp, conn: asyncpg.Connection, now: float) -> int:
     added = 0
-    for project in projects:
+    for project in op.projects:
         if await conn.fetchval(sql.COPY_PROJECT, *project) is not None:
             added += 1
-    if assignments:
-        await conn.executemany(sql.COPY_ASSIGNMENT, [tuple(a) for a in assignments])
+    if op.assignments:
+        await conn.executemany(sql.COPY_ASSIGNMENT, [tuple(a) for a in op.assignments])
     return added
 
 
@@ -946,11 +926,9 @@ async def _purge_candidates(
     return [(_backend.ItemRow(*row), history.get(row[0], [])) for row in rows]
 
 
-async def _export_items(
-    conn: asyncpg.Connection, after: int, chunk: int, pending_only: bool
-) -> _backend.Histories:
+async def _export_items(conn: asyncpg.Connection, op: _backend.ExportOp) -> _backend.Histories:
     async with _snapshot(conn):
-        rows = await conn.fetch(sql.EXPORT_ITEMS, after, chunk, pending_only)
+        rows = await conn.fetch(sql.EXPORT_ITEMS, *op)
         events = await conn.fetch(sql.EVENTS_OF_ITEMS, [row[0] for row in rows])
     history: dict[int, list[_backend.EventRow]] = {}
     for event in events:

@@ -7,7 +7,8 @@ next one (group commit), so under load many claims and finishes share one COMMIT
 
 Isolation inside a round. With more than one unit in a round each unit runs under a
 savepoint: a refusal (an AsyncplaneError) or a database error rolls back to it, so what
-the failed request wrote is undone and the others commit. A round of one unit needs no
+the failed request wrote is undone and the others commit; so does a plain exception (a
+bug in an operation), which its caller gets as it was raised. A round of one unit needs no
 savepoint: the transaction is the unit.
 
 Locks a round will need (enqueue dedup's content locks) are taken at its start, for all
@@ -27,6 +28,10 @@ error of well under a millisecond).
 Cancellation never decides what is saved: a round runs as a task of its own, shielded from
 the writer task, and hands each caller its outcome itself; a caller cancelled during its
 round gets nothing back, but the round commits or rolls back as a whole.
+
+A connection lost while COMMIT is on its way leaves no answer: the round may have been
+saved. Its callers get `CommitOutcomeUnknown`, as on SQLite when a failed commit cannot
+be sealed; an error the server answers COMMIT with means nothing was saved.
 """
 
 from __future__ import annotations
@@ -84,6 +89,23 @@ class Locking:
 
 class _Retry(Exception):
     """The round hit a deadlock or serialisation failure: run it again."""
+
+
+class _Bug(Exception):
+    """An operation raised ``error``, neither a refusal nor a database error: that
+    operation's caller hears it, as on SQLite; the round's others go on."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__(error)
+        self.error = error
+
+
+class _CommitLost(Exception):
+    """The connection went (``error`` says how) while COMMIT was on its way."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__(error)
+        self.error = error
 
 
 class Writer(_write_queue.WriterBase):
@@ -153,6 +175,9 @@ class Writer(_write_queue.WriterBase):
                 outcomes = [(await self._alone(op))[0] for op in ops]
         except asyncio.CancelledError:
             raise
+        except _CommitLost as lost:
+            self._broke(batch, lost.error, unknown=True)
+            raise lost.error from None
         except Exception as exc:
             if self._conn.is_closed():  # the connection broke: the writer stops
                 self._broke(batch, exc)
@@ -219,6 +244,9 @@ class Writer(_write_queue.WriterBase):
             if exc.sqlstate in RETRYABLE:
                 raise _Retry() from exc
             return [_write_queue.Raised(_translated(exc))] * len(ops)
+        except _Bug as bug:  # in the one operation of the round: its caller hears it
+            await transaction.rollback()
+            return [_write_queue.Raised(bug.error)]
         except BaseException:
             await transaction.rollback()
             raise
@@ -227,6 +255,9 @@ class Writer(_write_queue.WriterBase):
         except asyncpg.PostgresError as exc:
             if exc.sqlstate in RETRYABLE:
                 raise _Retry() from exc
+            if isinstance(exc, asyncpg.PostgresConnectionError):
+                # No answer came back: COMMIT may have reached the server and been applied.
+                raise _CommitLost(exc) from exc
             error = _translated(exc)
             return [_write_queue.Raised(error)] * len(ops)
         return outcomes
@@ -240,10 +271,12 @@ async def _isolated(
     try:
         async with conn.transaction():
             return await _run_unit(ops, unit, conn, now)
-    except (_errors.AsyncplaneError, asyncpg.PostgresError) as exc:
+    except (_errors.AsyncplaneError, asyncpg.PostgresError, _Bug) as exc:
         if isinstance(exc, asyncpg.PostgresError) and exc.sqlstate in RETRYABLE:
             raise _Retry() from exc
         if len(unit) == 1:
+            if isinstance(exc, _Bug):
+                return [_write_queue.Raised(exc.error)]
             return [
                 _write_queue.Raised(
                     exc if isinstance(exc, _errors.AsyncplaneError) else _translated(exc)
@@ -263,8 +296,15 @@ async def _run_unit(
     ops: list[Write[Any]], unit: list[int], conn: asyncpg.Connection, now: float
 ) -> list[Any]:
     """The outcomes of one unit: each a value, or a Raised refusal that wrote nothing."""
-    result, grouped = _write_queue.call_unit(ops, unit, conn, now)
-    return _write_queue.outcomes(await result, grouped)
+    try:
+        result, grouped = _write_queue.call_unit(ops, unit, conn, now)
+        return _write_queue.outcomes(await result, grouped)
+    except (_errors.AsyncplaneError, asyncpg.PostgresError):
+        raise
+    except Exception as exc:
+        if conn.is_closed():  # the connection broke under it: the round's, not a bug
+            raise
+        raise _Bug(exc) from exc
 
 
 async def _close(conn: asyncpg.Connection) -> None:

@@ -47,30 +47,21 @@ T = TypeVar("T")
 class SQLiteBackend(_backend.Writes):
     """Implements `asyncplane._backend.Backend` on one SQLite file in WAL mode."""
 
-    # The group operations `_backend.Writes` runs (module functions, defined below).
-    claim_many = staticmethod(lambda ops, db, now: _claim_many(ops, db, now))
-    finish_many = staticmethod(lambda ops, db, now: _finish_many(ops, db, now))
-
     def __init__(
         self,
         path: pathlib.Path,
+        sizing: _backend.Sizing,
         *,
         clock: _clock.Clock,
         synchronous: _connection.Synchronous,
         busy_timeout: float,
-        max_batch: int,
-        read_connections: int,
-        read_only: bool = False,
     ) -> None:
+        super().__init__(sizing, claim_many=_claim_many, finish_many=_finish_many)
         self._path = path
         self._clock = clock
         self._synchronous: _connection.Synchronous = synchronous
         self._busy_timeout = busy_timeout
-        self._max_batch = max_batch
-        self._writer: _writer.Writer | None = None
-        self._reader_count = read_connections
         self._readers: _connection.ReaderPool | None = None
-        self._read_only = read_only
         self._keeper: asyncio.Task[None] | None = None
 
     # --- lifecycle ---------------------------------------------------------------------
@@ -96,7 +87,7 @@ class SQLiteBackend(_backend.Writes):
         Read-only: open readers only, after checking the file is a store of this schema.
         """
         await _connection.check_path(self._path)
-        if self._read_only:
+        if self._sizing.read_only:
             await self._open_read_only()
             return
         conn = await _connection.open_writer(
@@ -111,7 +102,7 @@ class SQLiteBackend(_backend.Writes):
             await conn.close()
             raise
         readers = _connection.ReaderPool(
-            self._path, size=self._reader_count, busy_timeout=self._busy_timeout
+            self._path, size=self._sizing.read_connections, busy_timeout=self._busy_timeout
         )
 
         async def close_readers(graceful: bool) -> None:
@@ -121,14 +112,14 @@ class SQLiteBackend(_backend.Writes):
 
         self._readers = readers
         self._writer = _writer.Writer(
-            conn, self._clock, name=self._path.name, max_batch=self._max_batch,
+            conn, self._clock, name=self._path.name, max_batch=self._sizing.max_batch,
             on_exit=close_readers,
         )  # fmt: skip
         self._writer.start()
 
     async def _open_read_only(self) -> None:
         readers = _connection.ReaderPool(
-            self._path, size=self._reader_count, busy_timeout=self._busy_timeout
+            self._path, size=self._sizing.read_connections, busy_timeout=self._busy_timeout
         )
         try:
             await readers.run(_guarded_read, _check_current_schema)
@@ -261,17 +252,11 @@ class SQLiteBackend(_backend.Writes):
         rows = await self._read(_fetch, sql.LIST_ASSIGNMENTS, ())
         return [_backend.AssignmentRow(*row) for row in rows]
 
-    async def export_items(
-        self, after_item_id: int, chunk: int, pending_only: bool
-    ) -> _backend.Histories:
-        return await self._read(_export_items, after_item_id, chunk, pending_only)
+    async def export_items(self, op: _backend.ExportOp) -> _backend.Histories:
+        return await self._read(_export_items, op)
 
-    async def copy_projects(
-        self,
-        projects: tuple[_backend.ProjectRow, ...],
-        assignments: tuple[_backend.AssignmentRow, ...],
-    ) -> int:
-        return await self._write(functools.partial(_copy_projects, projects, assignments))
+    async def copy_projects(self, op: _backend.CopyProjectsOp) -> int:
+        return await self._write(functools.partial(_copy_projects, op))
 
     async def copy_items(self, op: _backend.CopyOp) -> tuple[int, int]:
         return await self._write(functools.partial(_copy_items, op))
@@ -615,16 +600,11 @@ def _import_rows(op: _backend.ImportOp, db: sqlite3.Connection, now: float) -> t
     return imported, skipped
 
 
-def _copy_projects(
-    projects: tuple[_backend.ProjectRow, ...],
-    assignments: tuple[_backend.AssignmentRow, ...],
-    db: sqlite3.Connection,
-    now: float,
-) -> int:
+def _copy_projects(op: _backend.CopyProjectsOp, db: sqlite3.Connection, now: float) -> int:
     added = 0
-    for project in projects:
+    for project in op.projects:
         added += db.execute(sql.COPY_PROJECT, tuple(project)).rowcount
-    db.executemany(sql.COPY_ASSIGNMENT, [tuple(a) for a in assignments])
+    db.executemany(sql.COPY_ASSIGNMENT, [tuple(a) for a in op.assignments])
     return added
 
 
@@ -784,11 +764,9 @@ def _item(row: Any) -> _backend.ItemRow:
     return _backend.ItemRow._make((*row[:-1], bool(row[-1])))  # dedup is stored as 0 or 1
 
 
-def _export_items(
-    db: sqlite3.Connection, after: int, chunk: int, pending_only: bool
-) -> _backend.Histories:
+def _export_items(db: sqlite3.Connection, op: _backend.ExportOp) -> _backend.Histories:
     db.execute("BEGIN")  # the items and their histories from one snapshot
-    params = {"after": after, "chunk": chunk, "pending_only": 1 if pending_only else 0}
+    params = {"after": op.after_item_id, "chunk": op.chunk, "pending_only": int(op.pending_only)}
     rows = db.execute(sql.EXPORT_ITEMS, params).fetchall()
     found = [
         (

@@ -203,13 +203,24 @@ class WriterBase:
         if not task.cancelled() and task.exception() is not None:
             _log.error("asyncplane writer %s stopped", self._name, exc_info=task.exception())
 
-    def _broke(self, batch: Sequence[Request], exc: BaseException) -> None:
+    def _broke(
+        self, batch: Sequence[Request], exc: BaseException, *, unknown: bool = False
+    ) -> None:
         """The write connection broke under a round: the writer is failed (so the store
         reopens on its next call, not after) before each caller still waiting hears of it,
-        with a StorageError."""
+        with a StorageError: `CommitOutcomeUnknown` when ``unknown`` (it broke while
+        COMMIT was on its way, so the round may have been saved)."""
         self._failure = exc
         self._stopping = True
-        error = caused(_errors.StorageError(f"the store's write connection failed: {exc!r}"), exc)
+        error: _errors.StorageError = (
+            _errors.CommitOutcomeUnknown(
+                f"the write connection was lost during COMMIT, so the round may have been "
+                f"saved: {exc!r}"
+            )
+            if unknown
+            else _errors.StorageError(f"the store's write connection failed: {exc!r}")
+        )
+        error = caused(error, exc)
         for _, future in batch:
             if not future.done():
                 future.set_exception(error)

@@ -47,7 +47,7 @@ import pathlib
 from collections.abc import Iterable
 from typing import Any
 
-from asyncplane import ControlStore, verify_ledger
+from asyncplane import ControlStore, _backend, verify_ledger
 
 __all__ = ("PROJECT", "AckLog", "KillReport", "check", "read_acks", "read_archive")
 
@@ -235,7 +235,7 @@ async def _store_items(store: ControlStore) -> dict[int, _Item]:
     found: dict[int, _Item] = {}
     after = 0
     while True:
-        chunk = await backend.export_items(after, 500, False)
+        chunk = await backend.export_items(_backend.ExportOp(after, 500, False))
         if not chunk:
             return found
         for row, events in chunk:

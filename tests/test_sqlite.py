@@ -1,0 +1,402 @@
+"""What is SQLite's own: the mechanisms that differ from PostgreSQL's.
+
+The behaviour both backends share is proved by the rest of the suite, which runs every
+store test on both. Here: the connections' pragmas and read-only readers, the file's
+header, schema version and migrations, SQLite's one write lock (and what waits on it),
+several processes creating one fresh file, and read-only stores on copied files.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import pathlib
+import sqlite3
+import subprocess
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import aiosqlite
+import pytest
+
+from _signals import until
+from asyncplane import (
+    ControlStore,
+    DatabaseLocked,
+    NotAnAsyncplaneDatabase,
+    ReadOnlyStore,
+    SchemaVersionError,
+    StorageError,
+    StoreClosed,
+    _connection,
+    _sqlite,
+    _writer,
+    verify_ledger,
+)
+from asyncplane import _sqlite_sql as sql
+from asyncplane.testing import ManualClock
+
+# Every test here is about SQLite's own files, locks and connections.
+pytestmark = pytest.mark.sqlite_only
+
+
+async def writer_of(store: ControlStore) -> _writer.Writer:
+    """The store's SQLite writer."""
+    writer = (await store._engine.ready()).writer
+    assert isinstance(writer, _writer.Writer)
+    return writer
+
+
+def barrier(db: sqlite3.Connection, now: float) -> None:
+    """A write operation that writes nothing: once it is served, every earlier round has ended."""
+
+
+@pytest.fixture
+def lock_holder(store: ControlStore) -> Iterator[sqlite3.Connection]:
+    """A second connection that can hold the database's write lock, as another process would."""
+    conn = sqlite3.connect(store.path, isolation_level=None, check_same_thread=False)
+    yield conn
+    if conn.in_transaction:
+        conn.execute("ROLLBACK")
+    conn.close()
+
+
+# --- connections ----------------------------------------------------------------------
+
+
+async def pragmas(conn: aiosqlite.Connection) -> dict[str, object]:
+    def read(db: sqlite3.Connection) -> dict[str, object]:
+        names = [
+            "journal_mode",
+            "synchronous",
+            "busy_timeout",
+            "foreign_keys",
+            "journal_size_limit",
+            "query_only",
+            "cache_size",
+        ]
+        return {name: db.execute(f"PRAGMA {name}").fetchone()[0] for name in names}
+
+    return await _connection.run(conn, read)
+
+
+async def test_aiosqlite_still_offers_the_hook_asyncplane_uses() -> None:
+    # asyncplane runs a whole transaction on a connection's thread through
+    # aiosqlite.Connection._execute; if a release removes it, this fails first.
+    async with aiosqlite.connect(":memory:") as conn:
+        assert (
+            await _connection.run(conn, lambda db, x: db.execute("SELECT ?", (x,)).fetchone()[0], 7)
+            == 7
+        )
+
+
+@pytest.mark.parametrize(("level", "code"), [("NORMAL", 1), ("FULL", 2)])
+async def test_writer_pragmas(tmp_path: pathlib.Path, level: str, code: int) -> None:
+    conn = await _connection.open_writer(
+        tmp_path / "w.db",
+        synchronous=level,
+        busy_timeout=30.0,  # type: ignore[arg-type]
+    )
+    try:
+        got = await pragmas(conn)
+    finally:
+        await conn.close()
+    assert got == {
+        "journal_mode": "wal",
+        "synchronous": code,
+        "busy_timeout": 30_000,
+        "foreign_keys": 1,
+        "journal_size_limit": _connection.JOURNAL_SIZE_LIMIT,
+        "query_only": 0,
+        "cache_size": -_connection.WRITER_CACHE_KIB,
+    }
+
+
+async def test_readers_are_read_only(tmp_path: pathlib.Path) -> None:
+    async with ControlStore(tmp_path / "s.db") as store:
+        await store.create_project("p", "P")
+        reader = await _connection.open_reader(tmp_path / "s.db", busy_timeout=5.0)
+        try:
+            got = await pragmas(reader)
+            assert got["query_only"] == 1
+            assert got["cache_size"] == -_connection.READER_CACHE_KIB
+            with pytest.raises(sqlite3.OperationalError, match=r"readonly|read-only|query_only"):
+                await _connection.run(reader, lambda db: db.execute("DELETE FROM projects"))
+        finally:
+            await reader.close()
+
+
+async def test_store_synchronous_full_reaches_the_connection(tmp_path: pathlib.Path) -> None:
+    async with ControlStore(tmp_path / "s.db", synchronous="FULL") as store:
+        await store.projects()
+        backend = await store._engine.ready()
+        writer = backend.writer  # type: ignore[attr-defined]
+        assert (await pragmas(writer._conn))["synchronous"] == 2
+
+
+def test_old_sqlite_is_refused_clearly(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sqlite3, "sqlite_version_info", (3, 31, 1))
+    with pytest.raises(StorageError, match=r"needs SQLite 3\.35\.0"):
+        _connection._check_sqlite_version()
+
+
+# --- the file: header, schema version, migrations -------------------------------------
+
+
+async def test_schema_version_and_application_id_are_written(tmp_path: pathlib.Path) -> None:
+    async with ControlStore(tmp_path / "s.db") as store:
+        await store.projects()
+    conn = sqlite3.connect(tmp_path / "s.db")
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == sql.SCHEMA_VERSION
+    assert conn.execute("PRAGMA application_id").fetchone()[0] == sql.APPLICATION_ID
+    conn.close()
+
+
+async def test_newer_schema_is_refused(tmp_path: pathlib.Path) -> None:
+    async with ControlStore(tmp_path / "s.db") as store:
+        await store.projects()
+    conn = sqlite3.connect(tmp_path / "s.db")
+    conn.execute(f"PRAGMA user_version = {sql.SCHEMA_VERSION + 1}")
+    conn.close()
+    store = ControlStore(tmp_path / "s.db")
+    with pytest.raises(SchemaVersionError, match="upgrade asyncplane"):
+        await store.open()
+
+
+async def test_another_applications_database_is_refused(tmp_path: pathlib.Path) -> None:
+    path = tmp_path / "other.db"
+    conn = sqlite3.connect(path)
+    conn.execute("CREATE TABLE invoices (id INTEGER PRIMARY KEY)")
+    conn.commit()
+    conn.close()
+    with pytest.raises(NotAnAsyncplaneDatabase):
+        await ControlStore(path).open()
+    conn = sqlite3.connect(path)  # and it was left exactly as it was
+    assert conn.execute("SELECT name FROM sqlite_master").fetchall() == [("invoices",)]
+    assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "delete"  # not switched to WAL
+    conn.close()
+
+
+async def test_a_file_that_is_not_sqlite_is_refused(tmp_path: pathlib.Path) -> None:
+    path = tmp_path / "notes.db"
+    path.write_bytes(b"these are not the pages you are looking for" * 100)
+    with pytest.raises(NotAnAsyncplaneDatabase) as caught:
+        await ControlStore(path).open()
+    assert isinstance(caught.value, StorageError)
+    assert isinstance(caught.value.__cause__, sqlite3.DatabaseError)
+
+
+async def test_migrations_run_forward_from_the_first_release(tmp_path: pathlib.Path) -> None:
+    # A store written by the first release (schema version 1), with work in it.
+    path = tmp_path / "old.db"
+    conn = sqlite3.connect(path, isolation_level=None)
+    conn.execute("PRAGMA journal_mode = WAL")
+    conn.execute("BEGIN")
+    for statement in _sqlite._statements(sql.MIGRATIONS[0]):
+        conn.execute(statement)
+    conn.execute(f"PRAGMA application_id = {sql.APPLICATION_ID}")
+    conn.execute("PRAGMA user_version = 1")
+    conn.execute("INSERT INTO projects VALUES ('p', 'P', 'open', 0)")
+    conn.execute(
+        "INSERT INTO items (project_id, state, payload, created_at, updated_at) "
+        "VALUES ('p', 'ready', '{\"old\": true}', 0, 0)"
+    )
+    conn.execute("INSERT INTO events (item_id, event_type, fence, at) VALUES (1, 'queued', 0, 0)")
+    conn.execute("COMMIT")
+    conn.close()
+    async with ControlStore(path) as store:
+        row = await store.item(1)
+        assert row["payload"] == {"old": True}
+        assert (row["priority"], row["service_class"], row["sla"]) == (0, "standard", None)
+        claim = await store.claim(owner="w")
+        assert claim is not None and claim.item_id == 1
+        await store.finish(1, fence=claim.fence, result={"new": "columns"})
+        assert (await store.item(1))["result"] == {"new": "columns"}
+        assert await verify_ledger(store) == []
+    conn = sqlite3.connect(path)
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == sql.SCHEMA_VERSION
+    conn.close()
+
+
+# --- SQLite's one write lock ----------------------------------------------------------
+
+
+async def test_reads_never_wait_behind_a_writer(tmp_path: pathlib.Path) -> None:
+    store = ControlStore(tmp_path / "s.db", busy_timeout=30)
+    await store.create_project("p", "P")
+    item_id = await store.enqueue("p", {})
+    other = sqlite3.connect(store.path, isolation_level=None)
+    other.execute("BEGIN IMMEDIATE")  # another process holds the write lock
+    other.execute("INSERT INTO projects VALUES ('q', 'Q', 'open', 0)")
+    try:
+        row = await asyncio.wait_for(store.item(item_id), timeout=5)
+        assert row["state"] == "ready"
+        assert [p["project_id"] for p in await store.projects()] == ["p"]  # not uncommitted q
+    finally:
+        other.execute("ROLLBACK")
+        other.close()
+        await store.close()
+
+
+async def test_opening_waits_for_a_write_lock_held_on_a_fresh_file(
+    tmp_path: pathlib.Path,
+) -> None:
+    # Switching a file to WAL while another connection writes to it fails at once in
+    # SQLite, busy timeout or not (several processes creating a fresh store at once hit
+    # this): the store waits for the lock instead of failing to open.
+    path = tmp_path / "fresh.db"
+    other = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    other.execute("BEGIN IMMEDIATE")  # a write lock on a file still in rollback mode
+    store = ControlStore(path, busy_timeout=30)
+    opening = asyncio.create_task(store.open())
+    await asyncio.sleep(0.3)  # the lock is held for a while: the store must not give up
+    assert not opening.done()
+    other.execute("COMMIT")
+    other.close()
+    await asyncio.wait_for(opening, timeout=30)
+    try:
+        await store.create_project("p", "P")
+        assert (await store.stats())["schema_version"] >= 1
+    finally:
+        await store.close()
+
+
+def test_many_processes_create_a_fresh_store_at_once(tmp_path: pathlib.Path) -> None:
+    path = tmp_path / "fresh.db"
+    script = (
+        "import asyncio, sys\n"
+        "from asyncplane import ControlStore\n"
+        "async def main():\n"
+        f"    async with ControlStore({str(path)!r}) as store:\n"
+        "        await store.create_project(sys.argv[1], 'P')\n"
+        "asyncio.run(main())\n"
+    )
+    workers = [
+        subprocess.Popen([sys.executable, "-c", script, f"p{n}"], stderr=subprocess.PIPE)
+        for n in range(8)
+    ]
+    errors = [w.communicate(timeout=120)[1] for w in workers]
+    assert [w.returncode for w in workers] == [0] * 8, errors
+
+    async def projects() -> list[str]:
+        async with ControlStore(path) as store:
+            return [p["project_id"] for p in await store.projects()]
+
+    assert asyncio.run(projects()) == sorted(f"p{n}" for n in range(8))
+
+
+async def test_lock_timeout_is_a_typed_error_and_writes_nothing(
+    asyncplane_store_factory: Any,
+) -> None:
+    store = await asyncplane_store_factory(busy_timeout=0.2)
+    await store.create_project("p", "P")
+    other = sqlite3.connect(store.path, isolation_level=None)
+    other.execute("BEGIN IMMEDIATE")
+    try:
+        with pytest.raises(DatabaseLocked) as caught:
+            await store.enqueue("p", {})
+        assert isinstance(caught.value.__cause__, sqlite3.OperationalError)
+    finally:
+        other.execute("ROLLBACK")
+        other.close()
+    assert await store.enqueue("p", {}) == 1  # nothing half-written by the failed call
+
+
+async def test_claim_cancelled_before_its_round_takes_nothing(
+    store: ControlStore, lock_holder: sqlite3.Connection
+) -> None:
+    await store.enqueue("alpha", {})
+    await store.enqueue("alpha", {})
+    writer = await writer_of(store)
+    lock_holder.execute("BEGIN IMMEDIATE")
+    blocker = asyncio.ensure_future(store.enqueue("alpha", {}))  # occupies the writer
+    await until(lambda: writer.in_flight == 1)
+    doomed = asyncio.ensure_future(store.claim(owner="doomed"))
+    await until(lambda: len(writer._pending) == 1)
+    doomed.cancel()
+    lock_holder.execute("COMMIT")
+    await blocker
+    with pytest.raises(asyncio.CancelledError):
+        await doomed
+    claim = await store.claim(owner="next")
+    assert claim is not None and claim.fence == 1 and claim.item_id == 1
+    assert all(e["owner"] != "doomed" for e in await store.events(1))
+    assert await verify_ledger(store) == []
+
+
+async def test_claim_cancelled_during_its_round_leaves_an_item_its_lease_returns(
+    store: ControlStore, lock_holder: sqlite3.Connection, clock: ManualClock
+) -> None:
+    item_id = await store.enqueue("alpha", {})
+    writer = await writer_of(store)
+    lock_holder.execute("BEGIN IMMEDIATE")
+    doomed = asyncio.ensure_future(store.claim(owner="doomed"))
+    await until(lambda: writer.in_flight == 1)  # on the thread, waiting for the lock
+    doomed.cancel()
+    lock_holder.execute("COMMIT")
+    with pytest.raises(asyncio.CancelledError):
+        await doomed  # returns at once; the round goes on without its caller
+    await writer.submit(barrier)  # a barrier: every earlier round has ended
+    # The round committed the claim; nobody holds its fence, so the lease returns it.
+    assert (await store.item(item_id))["owner"] == "doomed"
+    assert await verify_ledger(store) == []
+    assert await store.claim(owner="next") is None
+    clock.advance(store.lease_seconds + 1)
+    taken = await store.claim(owner="next")
+    assert taken is not None and taken.item_id == item_id and taken.fence == 2
+    assert await verify_ledger(store) == []
+
+
+async def test_cancelled_writer_finishes_its_round_and_reports_it(
+    store: ControlStore, lock_holder: sqlite3.Connection
+) -> None:
+    await store.enqueue("alpha", {})
+    writer = await writer_of(store)
+    lock_holder.execute("BEGIN IMMEDIATE")
+    claim = asyncio.ensure_future(store.claim(owner="w"))
+    await until(lambda: writer.in_flight == 1)
+    later = asyncio.ensure_future(store.enqueue("alpha", {"late": True}))
+    await until(lambda: len(writer._pending) == 1)
+    assert writer._task is not None
+    writer._task.cancel()  # as an event loop shutting down would
+    lock_holder.execute("COMMIT")
+    got = await claim  # the round ran to its end and its caller learned the result
+    assert got is not None and got.fence == 1
+    with pytest.raises(StoreClosed):
+        await later  # never started: refused, not lost silently
+    with pytest.raises(asyncio.CancelledError):
+        await writer._task
+    await store.close()
+    await store.open()
+    assert (await store.item(got.item_id))["state"] == "claimed"
+    assert len(await store.events(got.item_id)) == 2
+    assert await verify_ledger(store) == []
+
+
+# --- read-only stores -----------------------------------------------------------------
+
+
+async def test_a_read_only_store_reads_and_writes_nothing(tmp_path: pathlib.Path) -> None:
+    path = tmp_path / "ro.db"
+    async with ControlStore(path) as store:
+        await store.create_project("p", "P")
+        await store.enqueue("p", {})
+        claim = await store.claim("w")
+        assert claim is not None
+        await store.finish(claim.item_id, fence=claim.fence)
+    copy = tmp_path / "copy.db"
+    conn = sqlite3.connect(path)
+    conn.execute("VACUUM INTO ?", (str(copy),))  # a rollback-journal copy, as backups are
+    conn.close()
+    async with ControlStore(copy, read_only=True) as store:
+        assert (await store.counts())["done"] == 1
+        assert await verify_ledger(store) == []
+        with pytest.raises(ReadOnlyStore):
+            await store.enqueue("p", {})
+    conn = sqlite3.connect(copy)
+    assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "delete"  # left as it was
+    conn.execute("PRAGMA user_version = 1")
+    conn.commit()
+    conn.close()
+    with pytest.raises(SchemaVersionError, match="needs migrating"):
+        await ControlStore(copy, read_only=True).open()
