@@ -48,6 +48,7 @@ def test_every_kind_is_checked_and_documented() -> None:
         "no_creation_event",
         "two_terminal_events",
         "terminal_without_event",
+        "cancelled_without_event",
         "terminal_events_disagree",
         "event_without_terminal",
         "fence_not_monotonic",

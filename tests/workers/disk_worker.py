@@ -1207,7 +1207,9 @@ async def wal_index_growth(run: Run) -> None:
         await once()
         per_call = wal_frames(run.path) - before
         while wal_frames(run.path) + per_call < FIRST_SHM_REGION_FRAMES:
+            start = wal_frames(run.path)
             await once()
+            per_call = wal_frames(run.path) - start  # a steady call's frames, not the first's
         frames = wal_frames(run.path)
         # Room for the frames and one 4 KiB page more: not for the index's next 32 KiB.
         run.disk.fill(leave=(per_call + 1) * FRAME + 12 * KIB)
