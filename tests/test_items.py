@@ -4,7 +4,10 @@ wait for their results; on both backends."""
 from __future__ import annotations
 
 import asyncio
+import json
+import pathlib
 import pickle
+import sqlite3
 import subprocess
 import sys
 from typing import Any
@@ -23,6 +26,7 @@ from asyncplane import (
     UnknownItem,
     WaitTimeout,
     drain,
+    testing,
     verify_ledger,
 )
 from asyncplane.testing import ManualClock
@@ -390,3 +394,115 @@ async def test_drain_stops_an_executor_whose_item_is_cancelled(
     assert summary.cancelled == 1
     assert (await store.item(item_id))["state"] == "cancelled"
     assert await verify_ledger(store) == []
+
+
+# --- the command line -------------------------------------------------------------------------
+
+
+def cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "asyncplane.cli", *args], capture_output=True, text=True, timeout=120
+    )
+
+
+def seeded(location: str) -> dict[str, int]:
+    """A store with a failed item (rate limited), a failed one (bad brief), three ready."""
+
+    async def seed() -> dict[str, int]:
+        async with ControlStore(location) as store:
+            await store.create_project("alpha", "Alpha")
+            ids = {
+                "limited": await failed_item(store, {"n": 1}, "Rate limit reached"),
+                "bad": await failed_item(store, {"n": 2}, "bad brief"),
+            }
+            for n in range(3):
+                ids[f"ready{n}"] = await store.enqueue("alpha", {"n": 10 + n})
+            return ids
+
+    return asyncio.run(seed())
+
+
+def test_cli_items_finds_and_pages(location_of: Any) -> None:
+    where = location_of("cli.db")
+    ids = seeded(where)
+    found = cli("items", where, "--state", "failed", "--json")
+    assert found.returncode == 0, found.stderr
+    rows = json.loads(found.stdout)["items"]
+    assert [r["item_id"] for r in rows] == [ids["bad"], ids["limited"]]
+    assert rows[0]["payload"] == {"n": 2}
+    table = cli("items", where, "--project", "alpha", "--error", "rate LIMIT")
+    assert table.returncode == 0, table.stderr
+    assert "Rate limit reached" in table.stdout and "bad brief" not in table.stdout
+    page = cli("items", where, "--limit", "2")
+    assert f"(more: --after {ids['ready1']})" in page.stdout
+    rest = json.loads(cli("items", where, "--after", str(ids["ready1"]), "--json").stdout)
+    assert [r["item_id"] for r in rest["items"]] == [ids["ready0"], ids["bad"], ids["limited"]]
+
+
+def test_cli_cancel_and_requeue_by_id_and_by_filter(location_of: Any) -> None:
+    where = location_of("cli.db")
+    ids = seeded(where)
+    one = cli("cancel", where, str(ids["ready0"]), "--reason", "wrong brief")
+    assert one.returncode == 0 and f"item {ids['ready0']}: cancelled" in one.stdout
+    unknown = cli("cancel", where, "999")
+    assert unknown.returncode == 2 and "no item 999" in unknown.stdout
+    asked = cli("cancel", where, "--project", "alpha", "--state", "ready")
+    assert asked.returncode == 0 and "2 items would be cancelled; add --yes" in asked.stdout
+    assert len(json.loads(cli("items", where, "--state", "ready", "--json").stdout)["items"]) == 2
+    done = cli("cancel", where, "--project", "alpha", "--state", "ready", "--yes", "--json")
+    assert json.loads(done.stdout) == {"changed": 2}
+    not_failed = cli("requeue", where, str(ids["ready1"]), str(ids["bad"]))
+    assert f"item {ids['bad']}: ready" in not_failed.stdout
+    assert not_failed.returncode == 0  # a cancelled item requeues too
+    refused = cli("requeue", where, str(ids["bad"]))
+    assert refused.returncode == 2 and "is ready" in refused.stdout
+    limited = cli("requeue", where, "--state", "failed", "--error", "rate limit", "--yes")
+    assert limited.returncode == 0 and "requeued 1 item" in limited.stdout
+    states = {
+        r["item_id"]: r["state"] for r in json.loads(cli("items", where, "--json").stdout)["items"]
+    }
+    assert states == {
+        ids["limited"]: "ready", ids["bad"]: "ready", ids["ready0"]: "cancelled",
+        ids["ready1"]: "ready", ids["ready2"]: "cancelled",
+    }  # fmt: skip
+    both = cli("cancel", where, "1", "--state", "ready")
+    assert both.returncode == 2 and "not both" in both.stderr
+    nothing = cli("cancel", where)
+    assert nothing.returncode == 2 and "--project" in nothing.stderr
+
+
+def test_cli_frictions_a_new_user_met(tmp_path: pathlib.Path) -> None:
+    folder = cli("stats", str(tmp_path))
+    assert folder.returncode == 2 and "is a directory" in folder.stderr
+    where = str(tmp_path / "s.db")
+    seeded(where)
+    typo = cli("items", where, "--stae", "failed")
+    assert typo.returncode == 2 and "usage: asyncplane items" in typo.stderr
+    for good in ("1h30m", "90s", "2w", "0.5d", "45"):
+        done = cli("purge", where, "--retention", good, "--json")
+        assert done.returncode == 0, (good, done.stderr)
+    negative = cli("purge", where, "--retention", "-1d")
+    assert negative.returncode == 2 and "cannot be negative" in negative.stderr
+    mixed = cli("purge", where, "--retention", "1h30")
+    assert mixed.returncode == 2 and "not a duration" in mixed.stderr
+    source = tmp_path / "src.sqlite3"
+    conn = sqlite3.connect(source)
+    conn.execute("CREATE TABLE q (data TEXT)")
+    conn.commit()
+    conn.close()
+    no_project = cli("import", where, "--from", str(source), "--table", "q",
+                     "--column", "payload=data")  # fmt: skip
+    assert no_project.returncode == 2 and "--project" in no_project.stderr
+    assert "project_id=" not in no_project.stderr
+    events = cli("events", where, "1").stdout.splitlines()
+    assert len({len(line.split()[0]) for line in events}) == 1  # one time format
+    assert all(line.split()[0].endswith("+00:00") for line in events)
+
+
+def test_cli_names_a_missing_postgresql_schema_as_a_usage_error(
+    asyncplane_postgres_url: str,
+) -> None:
+    missing = testing.with_schema(asyncplane_postgres_url, "no_such_schema_here")
+    done = cli("stats", missing)
+    assert done.returncode == 2, done.stderr
+    assert "CREATE SCHEMA" in done.stderr

@@ -202,7 +202,7 @@ class DatabaseLocked(StorageError):
 
 class NotAnAsyncplaneDatabase(StorageError):
     """The location is not an asyncplane store: another application's database or schema,
-    not a database at all, or not a regular file."""
+    not a database at all, not a regular file, or a PostgreSQL schema that does not exist."""
 
 
 class SchemaVersionError(StorageError):

@@ -975,8 +975,9 @@ async def _copy_items(op: _backend.CopyOp, conn: asyncpg.Connection, now: float)
 async def _read_version(conn: asyncpg.Connection) -> int:
     """The schema version found, refusing a schema of another application or a newer one."""
     if await conn.fetchval(sql.CURRENT_SCHEMA) is None:
-        raise _errors.StorageError(
-            "no schema to create the store in: the search_path names none that exists"
+        raise _errors.NotAnAsyncplaneDatabase(
+            "no schema to create the store in: the search_path names none that exists "
+            "(create it first: CREATE SCHEMA <name>)"
         )
     if not await conn.fetchval(sql.META_EXISTS):
         if await conn.fetchval(sql.COUNT_TABLES):

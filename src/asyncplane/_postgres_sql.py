@@ -507,7 +507,7 @@ WHERE item_id = $3 AND state IN ('ready', 'deferred')
 MISSING_FINGERPRINTS: Final = """
 SELECT item_id, payload FROM items
 WHERE fingerprint IS NULL AND item_id > $1
-  AND state IN ('ready', 'deferred', 'done', 'failed')  -- never under a running claim
+  AND state NOT IN ('claimed', 'offloaded')  -- never under a running claim
   AND ($3::text IS NULL OR project_id = $3::text)
   AND ($4::text IS NULL
        OR project_id IN (SELECT project_id FROM assignments WHERE actor_id = $4::text))

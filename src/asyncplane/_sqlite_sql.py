@@ -356,7 +356,7 @@ WHERE item_id = ? AND state IN ('ready', 'deferred')
 MISSING_FINGERPRINTS: Final = """
 SELECT item_id, payload FROM items
 WHERE fingerprint IS NULL AND item_id > :after
-  AND state IN ('ready', 'deferred', 'done', 'failed')  -- never under a running claim
+  AND state NOT IN ('claimed', 'offloaded')  -- never under a running claim
   AND (:project_id IS NULL OR project_id = :project_id)
   AND (:actor_id IS NULL
        OR project_id IN (SELECT project_id FROM assignments WHERE actor_id = :actor_id))

@@ -76,7 +76,7 @@ class ControlStore:
             doubles, and each is jittered (x0.5 to x1.5) ...
         retry_backoff_max: ... and capped at this many seconds.
         rng: The random source of the jitter (seeded in tests).
-        retention: How long settled (done or failed) items stay before `purge` archives
+        retention: How long settled (done, failed, cancelled) items stay before `purge` archives
             and deletes them (a timedelta or seconds; None: drain() never purges).
         archive_path: Where purged items are appended (default: beside the database,
             ``<database>.archive.jsonl``; a PostgreSQL store has no default).
@@ -677,7 +677,7 @@ class ControlStore:
         archive_path: str | os.PathLike[str] | None = None,
         progress: Callable[[int], None] | None = None,
     ) -> PurgeSummary:
-        """Archive, then delete, done and failed items last changed before ``retention``.
+        """Archive, then delete, settled items last changed before ``retention``.
 
         Each chunk of items, with all their events, is appended to the JSONL archive and
         fsynced before the transaction that deletes them commits, so a crash can
