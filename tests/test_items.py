@@ -25,6 +25,7 @@ from asyncplane import (
     ScopeDenied,
     UnknownItem,
     WaitTimeout,
+    copy_store,
     drain,
     testing,
     verify_ledger,
@@ -506,3 +507,44 @@ def test_cli_names_a_missing_postgresql_schema_as_a_usage_error(
     done = cli("stats", missing)
     assert done.returncode == 2, done.stderr
     assert "CREATE SCHEMA" in done.stderr
+
+
+# --- retention and copying ---------------------------------------------------------------------
+
+
+async def test_purge_archives_cancelled_items_like_other_settled_ones(
+    store: ControlStore, clock: ManualClock
+) -> None:
+    cancelled = await store.enqueue("alpha", {"n": 1})
+    await store.cancel(cancelled, reason="not needed")
+    requeued = await failed_item(store, {"n": 2}, "boom")
+    await store.requeue(requeued)  # ready again: never purged, whatever its history
+    clock.advance(10)
+    summary = await store.purge(5)
+    assert summary.purged == 1
+    archive = summary.archive_path
+    line = json.loads(archive.read_text().splitlines()[0])
+    assert line["item"]["item_id"] == cancelled and line["item"]["state"] == "cancelled"
+    assert [e["event_type"] for e in line["events"]] == ["queued", "cancelled"]
+    assert (await store.counts())["cancelled"] == 0
+    assert (await store.item(requeued))["state"] == "ready"
+    assert await verify_ledger(store) == []
+
+
+async def test_copy_store_carries_cancelled_and_requeued_histories(
+    store: ControlStore, asyncplane_store_factory: Any
+) -> None:
+    cancelled = await store.enqueue("alpha", {"n": 1})
+    await store.cancel(cancelled, reason="stop")
+    requeued = await failed_item(store, {"n": 2}, "boom")
+    await store.requeue(requeued)
+    everything: ControlStore = await asyncplane_store_factory(name="all")
+    summary = await copy_store(store, everything)
+    assert summary.copied == 2
+    for item_id in (cancelled, requeued):
+        assert await everything.item(item_id) == await store.item(item_id)
+        assert await everything.events(item_id) == await store.events(item_id)
+    assert await verify_ledger(everything) == []
+    pending: ControlStore = await asyncplane_store_factory(name="pending")
+    await copy_store(store, pending, pending_only=True)
+    assert [row["item_id"] for row in await pending.items()] == [requeued]  # not the cancelled

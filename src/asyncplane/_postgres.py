@@ -341,7 +341,7 @@ class PostgresBackend(_backend.Writes):
     async def list_items(self, op: _backend.ListOp) -> list[_backend.ItemRow]:
         states = _rules.listing_arms(op.where.states, op.where.project_id is not None)
         statement = sql.list_items(
-            len(states), op.where.project_id is not None, op.newest, op.include_payload
+            states, op.where.project_id is not None, op.newest, op.include_payload
         )
         params = _list_params(op.where, states, op.newest, op.after, op.limit)
         return [_backend.ItemRow(*row) for row in await self._fetch(statement, *params)]
@@ -818,7 +818,7 @@ async def _chunk_of(
     if not states:
         return [], None
     params = _list_params(op.where, states, False, op.after, op.chunk)
-    statement = sql.list_items(len(states), op.where.project_id is not None, False, False)
+    statement = sql.list_items(states, op.where.project_id is not None, False, False)
     ids = [row[0] for row in await conn.fetch(statement, *params)]
     if not ids:
         return [], None

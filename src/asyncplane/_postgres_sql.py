@@ -23,6 +23,7 @@ type. Nothing here is ever formatted with user input.
 
 from __future__ import annotations
 
+import functools
 from typing import Final
 
 from asyncplane import _models
@@ -163,8 +164,9 @@ MIGRATIONS: Final[tuple[str, ...]] = (
     DROP INDEX items_settled;
     CREATE INDEX items_settled ON items (updated_at)
         WHERE state IN ('done', 'failed', 'cancelled');
-    CREATE INDEX items_by_state ON items (state, item_id);
-    CREATE INDEX items_by_project ON items (project_id, state, item_id);
+    CREATE INDEX items_by_state ON items (state, item_id) WHERE state <> 'claimed';
+    CREATE INDEX items_by_project ON items (project_id, state, item_id)
+        WHERE state <> 'claimed';
     DROP TRIGGER items_moved ON items;
     CREATE TRIGGER items_moved AFTER UPDATE OF state ON items
         FOR EACH ROW WHEN (NEW.state IS DISTINCT FROM OLD.state
@@ -556,7 +558,8 @@ UPDATE items SET state = 'ready', attempts = 0, error = NULL, result = NULL, own
 WHERE item_id = $2
 """
 
-# Listing: an arm per state from items_by_project or items_by_state, as on SQLite. The
+# Listing: an arm per state from items_by_project or items_by_state (the claimed from
+# items_lease), as on SQLite. The
 # parameters: $1 project_id, $2 owner, $3 fingerprint, $4-$7 created after/before and
 # updated after/before, $8 error_contains, $9 actor_id, $10 after, $11 limit, $12 states.
 _LISTED = (
@@ -577,9 +580,16 @@ _LIST_FILTERS = """
 """
 
 
-def list_items(arms: int, project: bool, newest: bool, payload: bool) -> str:
-    """The listing for ``arms`` states ($12[1] ...; 0: any state), of one project ($1) or
-    of all, after the keyset bound $10, at most $11 rows."""
+#: The listing indexes' own WHERE, repeated in each arm they serve.
+_NOT_CLAIMED: Final = "AND state <> 'claimed'"
+
+
+@functools.lru_cache(maxsize=256)
+def list_items(states: tuple[str, ...], project: bool, newest: bool, payload: bool) -> str:
+    """The listing for ``states`` (none: any state; $12 is their array, for the chunk
+    lock), of one project ($1) or of all, after the keyset bound $10, at most $11 rows.
+    The states are written into the SQL, as on SQLite, so the partial indexes serve it."""
+    assert all(state in _models.ITEM_STATES for state in states)
     columns = _LISTED.format(
         payload="payload" if payload else "NULL::text", result="result" if payload else "NULL::text"
     )
@@ -587,12 +597,13 @@ def list_items(arms: int, project: bool, newest: bool, payload: bool) -> str:
     keyset = "item_id < $10" if newest else "item_id > $10"
     scope = "AND project_id = $1::text" if project else "AND $1::text IS NULL"
     where = f"{keyset} {scope} AND $12::text[] IS NOT NULL {_LIST_FILTERS}"
-    if arms == 0:
+    if not states:
         return f"SELECT {columns} FROM items WHERE {where} ORDER BY {order} LIMIT $11"
     selects = [
-        f"(SELECT {columns} FROM items WHERE state = ($12::text[])[{n + 1}] AND {where} "
+        f"(SELECT {columns} FROM items WHERE state = '{state}' "
+        f"{'' if state == 'claimed' else _NOT_CLAIMED} AND {where} "
         f"ORDER BY {order} LIMIT $11)"
-        for n in range(arms)
+        for state in states
     ]
     arms_sql = " UNION ALL ".join(selects)
     return f"SELECT * FROM ({arms_sql}) AS listed ORDER BY {order} LIMIT $11"

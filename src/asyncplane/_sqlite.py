@@ -567,16 +567,14 @@ def _offload(op: _backend.OffloadOp, db: sqlite3.Connection, now: float) -> None
 
 
 def _list_params(
-    where: _backend.ItemFilter, states: tuple[str, ...], newest: bool, after: int | None,
-    limit: int,
-) -> dict[str, Any]:  # fmt: skip
+    where: _backend.ItemFilter, newest: bool, after: int | None, limit: int
+) -> dict[str, Any]:
     params: dict[str, Any] = {
         **where._asdict(),
         "after": (_MAX_ID if newest else 0) if after is None else after,
         "limit": limit,
     }
-    del params["states"]
-    params.update({f"state{n}": state for n, state in enumerate(states)})
+    del params["states"]  # written into the statement (see _sqlite_sql.list_items)
     return params
 
 
@@ -588,8 +586,8 @@ def _listing(
     db: sqlite3.Connection, where: _backend.ItemFilter, states: tuple[str, ...], newest: bool,
     after: int | None, limit: int, payload: bool,
 ) -> list[Any]:  # fmt: skip
-    statement = sql.list_items(len(states), where.project_id is not None, newest, payload)
-    return db.execute(statement, _list_params(where, states, newest, after, limit)).fetchall()
+    statement = sql.list_items(states, where.project_id is not None, newest, payload)
+    return db.execute(statement, _list_params(where, newest, after, limit)).fetchall()
 
 
 def _list_items(db: sqlite3.Connection, op: _backend.ListOp) -> list[_backend.ItemRow]:

@@ -14,6 +14,7 @@ orphaned event can then never be mistaken for a newer item's.
 
 from __future__ import annotations
 
+import functools
 from typing import Final
 
 from asyncplane import _models
@@ -125,8 +126,12 @@ MIGRATIONS: Final[tuple[str, ...]] = (
     DROP INDEX items_settled;
     CREATE INDEX items_settled ON items (updated_at)
         WHERE state IN ('done', 'failed', 'cancelled');
-    CREATE INDEX items_by_state ON items (state, item_id);
-    CREATE INDEX items_by_project ON items (project_id, state, item_id);
+    -- Claimed items are left out: every item passes through that state, so leaving it
+    -- out halves what a claim and a finish write to these indexes, and the claimed are
+    -- few (one per running worker), read through items_lease.
+    CREATE INDEX items_by_state ON items (state, item_id) WHERE state <> 'claimed';
+    CREATE INDEX items_by_project ON items (project_id, state, item_id)
+        WHERE state <> 'claimed';
     """,
 )
 
@@ -449,6 +454,7 @@ WHERE item_id = ?
 # Listing. Each state asked for is an arm of its own, walked newest (or oldest) first
 # from items_by_project (one project) or items_by_state (the whole store), so the page
 # comes from an index whatever the store's size; the arms' pages meet in one ORDER BY.
+# The claimed arm reads items_lease and sorts: there are as many as there are workers.
 # Without a state or a project the primary key is the order. The other filters are
 # checked on the rows each arm walks (a NULL parameter means "any").
 _LISTED = (
@@ -469,22 +475,34 @@ _LIST_FILTERS = """
 """
 
 
-def list_items(arms: int, project: bool, newest: bool, payload: bool) -> str:
-    """The listing for ``arms`` states (:state0 ...; 0: any state), of one project
-    (:project_id) or of all, after the keyset bound :after, at most :limit rows."""
+@functools.lru_cache(maxsize=256)
+def list_items(states: tuple[str, ...], project: bool, newest: bool, payload: bool) -> str:
+    """The listing for ``states`` (none: any state), of one project (:project_id) or of
+    all, after the keyset bound :after, at most :limit rows.
+
+    The states are written into the SQL, not bound: a partial index serves a query only
+    when its WHERE proves the index's, which a parameter cannot (they are names from
+    `_models.ITEM_STATES`, checked here, never user input).
+    """
+    assert all(state in _models.ITEM_STATES for state in states)
     columns = _LISTED.format(
         payload="payload" if payload else "NULL", result="result" if payload else "NULL"
     )
     order = "item_id DESC" if newest else "item_id"
     keyset = "item_id < :after" if newest else "item_id > :after"
     where = f"{keyset} {'AND project_id = :project_id' if project else ''} {_LIST_FILTERS}"
-    if arms == 0:
+    if not states:
         return f"SELECT {columns} FROM items WHERE {where} ORDER BY {order} LIMIT :limit"
-    index = "items_by_project" if project else "items_by_state"
+    listed = "items_by_project" if project else "items_by_state"
+    # SQLite uses a partial index only when the query repeats its WHERE term.
+    arms = {
+        state: ("items_lease", "") if state == "claimed" else (listed, "AND state <> 'claimed'")
+        for state in states
+    }
     selects = [
         f"SELECT * FROM (SELECT {columns} FROM items INDEXED BY {index} "
-        f"WHERE state = :state{n} AND {where} ORDER BY {order} LIMIT :limit)"
-        for n in range(arms)
+        f"WHERE state = '{state}' {term} AND {where} ORDER BY {order} LIMIT :limit)"
+        for state, (index, term) in arms.items()
     ]
     return " UNION ALL ".join(selects) + f" ORDER BY {order} LIMIT :limit"
 
