@@ -8,6 +8,8 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 BENCHMARKS = pathlib.Path(__file__).parent.parent / "benchmarks"
 
 
@@ -131,3 +133,22 @@ def test_postgresql_benchmark_reports_rates_and_ratios(asyncplane_postgres_url: 
     assert {"raw", "probe C=1", "probe C=8"} <= set(report["rates"])
     assert all(rate > 0 for rate in report["rates"].values())
     assert {"probe C=1 / raw", "probe C=8 / raw"} <= set(report["ratios"])
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
+def test_the_items_benchmark_lists_from_both_backends(
+    backend: str, request: pytest.FixtureRequest
+) -> None:
+    url = (
+        [] if backend == "sqlite" else ["--url", request.getfixturevalue("asyncplane_postgres_url")]
+    )
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "items.py"), "--small", "200", "--large", "3000",
+         "--repeats", "2", "--json", *url],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert report["backend"] == backend
+    assert report["rows"]["every state of one project"] == [20, 50]
+    assert all(ms["large"] > 0 for ms in report["ms"].values())

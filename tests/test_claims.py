@@ -243,7 +243,15 @@ async def test_concurrent_claims_in_one_store_never_share_an_item(store: Control
 
 
 async def test_counts_by_state(store: ControlStore, clock: ManualClock) -> None:
-    zero = {"ready": 0, "deferred": 0, "claimed": 0, "offloaded": 0, "done": 0, "failed": 0}
+    zero = {
+        "ready": 0,
+        "deferred": 0,
+        "claimed": 0,
+        "offloaded": 0,
+        "done": 0,
+        "failed": 0,
+        "cancelled": 0,
+    }
     assert await store.counts() == zero
     for n in range(4):
         await store.enqueue("alpha", {"n": n})

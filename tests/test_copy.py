@@ -220,3 +220,8 @@ def test_the_copy_verb_moves_a_file_to_postgresql_and_back(
     (tmp_path / "junk.db").write_bytes(b"not a store")
     code, out = cli("copy", str(source), str(tmp_path / "junk.db"))
     assert code == 2
+    table = subprocess.run(
+        [sys.executable, "-m", "asyncplane.cli", "copy", str(source), str(tmp_path / "t.db")],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert "and 1 new project from" in table.stdout, table.stderr  # one, not "1 new projects"

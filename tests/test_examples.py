@@ -26,6 +26,7 @@ def test_every_example_is_covered() -> None:
         "quickstart.py",
         "fleet.py",
         "agent_fleet.py",
+        "operating_items.py",
     }
 
 
@@ -59,4 +60,17 @@ def test_agent_fleet_drains_while_producers_enqueue(
     assert finished == distinct
     assert re.search(r"[1-9]\d* offloaded", done.stdout)
     assert "offloaded items collected later" in done.stdout
+    assert "verify_ledger: clean" in done.stdout
+
+
+def test_operating_items_finds_cancels_requeues_and_waits(
+    tmp_path: pathlib.Path, location_of: Any
+) -> None:
+    done = run("operating_items.py", location_of("operating.db"), cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert re.search(r"cancelled the running item \d+: cancelled", done.stdout)
+    assert done.stdout.count("rate limit reached") == 2
+    assert "requeued 2 rate-limited items" in done.stdout
+    assert "answers: 6 done; the running agent stopped: True" in done.stdout
+    assert "'done': 6, 'failed': 0, 'cancelled': 1" in done.stdout
     assert "verify_ledger: clean" in done.stdout

@@ -310,6 +310,7 @@ def assert_drain_recovered(report: Report, items: int) -> dict[str, Any]:
     assert recovery["remaining"] == 0
     assert recovery["counts"] == {
         "ready": 0, "deferred": 0, "claimed": 0, "offloaded": 0, "done": items, "failed": 0,
+        "cancelled": 0,
     }  # fmt: skip
     return after
 

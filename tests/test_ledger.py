@@ -48,6 +48,7 @@ def test_every_kind_is_checked_and_documented() -> None:
         "no_creation_event",
         "two_terminal_events",
         "terminal_without_event",
+        "cancelled_without_event",
         "terminal_events_disagree",
         "event_without_terminal",
         "fence_not_monotonic",
@@ -258,3 +259,76 @@ async def test_verify_runs_in_sql_over_many_items(
     raw.execute("COMMIT")
     problems = await verify_ledger(store)
     assert [(p.kind, p.item_id) for p in problems] == [("terminal_without_event", 777)]
+
+
+# --- cancels and requeues ------------------------------------------------------------------
+
+
+async def test_a_requeued_history_verifies_clean(store: ControlStore) -> None:
+    claim = await claimed_item(store)
+    await store.finish(claim.item_id, fence=claim.fence, status="failed", error="x")
+    await store.requeue(claim.item_id)
+    again = await store.claim(owner="w2")
+    assert again is not None
+    await store.cancel(claim.item_id)  # claimed -> cancelled, fence raised
+    await store.requeue(claim.item_id)
+    third = await store.claim(owner="w3")
+    assert third is not None
+    await store.finish(claim.item_id, fence=third.fence, status="done")
+    kinds_seen = [e["event_type"] for e in await store.events(claim.item_id)]
+    assert kinds_seen == [
+        "queued", "claimed", "failed", "requeued", "claimed", "cancelled", "requeued",
+        "claimed", "done",
+    ]  # fmt: skip
+    assert await verify_ledger(store) == []
+
+
+async def test_cancelled_without_event(store: ControlStore, raw: sqlite3.Connection) -> None:
+    item_id = await store.enqueue("alpha", {})
+    raw.execute("UPDATE items SET state = 'cancelled' WHERE item_id = ?", (item_id,))
+    assert await kinds(store) == {"cancelled_without_event"}
+
+
+async def test_two_terminal_events_need_a_requeue_between(
+    store: ControlStore, raw: sqlite3.Connection
+) -> None:
+    claim = await claimed_item(store)
+    await store.finish(claim.item_id, fence=claim.fence, status="failed", error="x")
+    await store.requeue(claim.item_id)
+    again = await store.claim(owner="w2")
+    assert again is not None
+    await store.finish(claim.item_id, fence=again.fence, status="done")
+    assert await verify_ledger(store) == []  # failed, requeued, ..., done: fine
+    raw.execute(
+        "INSERT INTO events (item_id, event_type, fence, owner, at) "
+        "VALUES (?, 'cancelled', ?, NULL, 0)",
+        (claim.item_id, again.fence + 1),
+    )  # a second settlement since the requeue, behind the store's back
+    assert "two_terminal_events" in await kinds(store)
+
+
+async def test_ready_after_claim_still_catches_a_reset_behind_a_requeue(
+    store: ControlStore, raw: sqlite3.Connection
+) -> None:
+    claim = await claimed_item(store)
+    await store.finish(claim.item_id, fence=claim.fence, status="failed", error="x")
+    await store.requeue(claim.item_id)  # ready with its event: fine
+    assert await verify_ledger(store) == []
+    again = await store.claim(owner="w2")
+    assert again is not None
+    raw.execute(
+        "UPDATE items SET state = 'ready', owner = NULL, lease_expires_at = NULL WHERE item_id = ?",
+        (claim.item_id,),
+    )  # claimed since the requeue, reset to ready with no event
+    assert await kinds(store) == {"ready_after_claim"}
+
+
+async def test_a_cancel_fence_counts_with_the_claims(
+    store: ControlStore, raw: sqlite3.Connection
+) -> None:
+    claim = await claimed_item(store)
+    await store.cancel(claim.item_id)
+    assert (await store.item(claim.item_id))["fence"] == claim.fence + 1
+    assert await verify_ledger(store) == []
+    raw.execute("UPDATE items SET fence = ? WHERE item_id = ?", (claim.fence, claim.item_id))
+    assert await kinds(store) == {"fence_disagrees"}  # the cancel's fence is the last

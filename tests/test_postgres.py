@@ -32,6 +32,7 @@ from asyncplane import (
     testing,
     verify_ledger,
 )
+from asyncplane import _postgres_sql as pg_sql
 
 pytestmark = pytest.mark.postgresql_only
 
@@ -565,3 +566,38 @@ async def test_a_connection_lost_during_commit_says_the_outcome_is_unknown(url: 
         item = await store.enqueue("p", {"after": True})
         assert (await store.item(item))["payload"] == {"after": True}
         assert await verify_ledger(store) == []
+
+
+async def test_a_schema_of_the_previous_release_migrates_to_cancel_and_requeue(
+    url: str,
+) -> None:
+    # A schema as the release before operating single items left it (version 1), with a
+    # ready item and a failed one, written as that release wrote them.
+    conn = await asyncpg.connect(url)
+    try:
+        async with conn.transaction():
+            await conn.execute(pg_sql.MIGRATIONS[0])
+            await conn.execute(pg_sql.WRITE_META, "application", pg_sql.APPLICATION)
+            await conn.execute(pg_sql.WRITE_META, "schema_version", "1")
+            await conn.execute("INSERT INTO projects VALUES ('p', 'P', 'open', 0)")
+            await conn.execute(
+                "INSERT INTO items (project_id, state, payload, fence, attempts, owner, error, "
+                "created_at, updated_at) VALUES ('p', 'ready', '{}', 0, 0, NULL, NULL, 0, 0), "
+                "('p', 'failed', '{}', 1, 1, 'w', 'boom', 0, 1)"
+            )
+            await conn.execute(
+                "INSERT INTO events (item_id, event_type, fence, owner, at) VALUES "
+                "(1, 'queued', 0, NULL, 0), (2, 'queued', 0, NULL, 0), "
+                "(2, 'claimed', 1, 'w', 1), (2, 'failed', 1, 'w', 1)"
+            )
+    finally:
+        await conn.close()
+    async with ControlStore(url) as store:
+        assert await verify_ledger(store) == []
+        assert [row["item_id"] for row in await store.items(state="failed")] == [2]
+        assert await store.cancel(1, reason="old") == "cancelled"
+        await store.requeue(2)
+        claim = await store.claim("w")
+        assert claim is not None and (claim.item_id, claim.fence) == (2, 2)
+        assert await verify_ledger(store) == []
+        assert (await store.stats())["schema_version"] == pg_sql.SCHEMA_VERSION

@@ -218,6 +218,48 @@ async def test_migrations_run_forward_from_the_first_release(tmp_path: pathlib.P
     conn.close()
 
 
+async def test_a_store_of_the_previous_schema_migrates_to_cancel_and_requeue(
+    tmp_path: pathlib.Path,
+) -> None:
+    # A file as the release before operating single items left it (schema 3), with a
+    # ready item and a failed one in it.
+    path = tmp_path / "v3.db"
+    conn = sqlite3.connect(path, isolation_level=None)
+    conn.execute("PRAGMA journal_mode = WAL")
+    conn.execute("BEGIN")
+    for script in sql.MIGRATIONS[:3]:
+        for statement in _sqlite._statements(script):
+            conn.execute(statement)
+    conn.execute(f"PRAGMA application_id = {sql.APPLICATION_ID}")
+    conn.execute("PRAGMA user_version = 3")
+    conn.execute("INSERT INTO projects VALUES ('p', 'P', 'open', 0)")
+    conn.execute(
+        "INSERT INTO items (project_id, state, payload, fence, attempts, owner, error, "
+        "created_at, updated_at) VALUES ('p', 'ready', '{}', 0, 0, NULL, NULL, 0, 0), "
+        "('p', 'failed', '{}', 1, 1, 'w', 'boom', 0, 1)"
+    )
+    conn.execute(
+        "INSERT INTO events (item_id, event_type, fence, owner, at) VALUES "
+        "(1, 'queued', 0, NULL, 0), (2, 'queued', 0, NULL, 0), (2, 'claimed', 1, 'w', 1), "
+        "(2, 'failed', 1, 'w', 1)"
+    )
+    conn.execute("COMMIT")
+    conn.close()
+    async with ControlStore(path) as store:
+        assert await verify_ledger(store) == []
+        assert [row["item_id"] for row in await store.items(state="failed")] == [2]
+        assert await store.cancel(1, reason="old") == "cancelled"
+        await store.requeue(2)
+        claim = await store.claim("w")
+        assert claim is not None and (claim.item_id, claim.fence) == (2, 2)
+        assert await verify_ledger(store) == []
+    conn = sqlite3.connect(path)
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == sql.SCHEMA_VERSION
+    names = {row[0] for row in conn.execute("SELECT name FROM sqlite_master")}
+    assert {"items_by_state", "items_by_project"} <= names
+    conn.close()
+
+
 # --- SQLite's one write lock ----------------------------------------------------------
 
 

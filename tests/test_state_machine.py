@@ -94,16 +94,19 @@ from asyncplane import (
     ControlStore,
     FenceRejected,
     InvalidInput,
+    ItemCancelled,
     Job,
+    NotRequeueable,
     ProjectExists,
     ScopeDenied,
     UnknownItem,
     UnknownProject,
+    WaitTimeout,
     fingerprint,
     testing,
     verify_ledger,
 )
-from asyncplane._models import ITEM_STATES
+from asyncplane._models import ITEM_STATES, SETTLED_STATES
 from asyncplane.testing import DEFAULT_START, ManualClock
 
 T = TypeVar("T")
@@ -266,6 +269,8 @@ class StoreMachine(RuleBasedStateMachine):
             return UnknownItem if actor is None else ScopeDenied
         if actor is not None and not self.visible(actor, item.project_id):
             return ScopeDenied
+        if item.state == "cancelled":
+            return ItemCancelled  # whatever the fence: the holder was stopped
         if item.state not in states or item.fence != fence:
             return FenceRejected
         return None
@@ -622,7 +627,7 @@ class StoreMachine(RuleBasedStateMachine):
                     for item in self.model_items.values()
                     if item.project_id == project
                     and item.fingerprint == fp
-                    and item.state != "failed"
+                    and item.state not in ("failed", "cancelled")
                     # Only rows there before this call: new rows are written after the
                     # call has resolved its twins (first_of covers those).
                     and item.item_id not in created
@@ -1146,6 +1151,158 @@ class StoreMachine(RuleBasedStateMachine):
             if seen < chunk and len(batch) < chunk:
                 break
         assert count == settled, f"preflight settled {count}, the model expected {settled}"
+
+    # --- operating single items -----------------------------------------------------------
+
+    def scope_refusal(self, item: ModelItem, actor: str | None) -> type[AsyncplaneError] | None:
+        return (
+            ScopeDenied if actor is not None and not self.visible(actor, item.project_id) else None
+        )
+
+    def model_cancel(self, item: ModelItem, reason: str | None, actor: str | None) -> None:
+        now = self.clock.now()
+        detail: dict[str, Any] = {"from": item.state}
+        if reason is not None:
+            detail["reason"] = reason
+        item.fence += 1  # as a takeover: the holder's next report is refused
+        item.state = "cancelled"
+        item.error = reason
+        item.lease_expires_at = None
+        item.due_at = None
+        item.updated_at = now
+        item.events.append(("cancelled", item.fence, None, actor, detail, as_datetime(now)))
+
+    def model_requeue(self, item: ModelItem, actor: str | None) -> None:
+        now = self.clock.now()
+        item.events.append(
+            ("requeued", item.fence, None, actor, {"from": item.state}, as_datetime(now))
+        )
+        item.state = "ready"
+        item.attempts = 0
+        item.error = item.result = item.owner = None
+        item.lease_expires_at = item.due_at = None
+        item.offload_handle = None
+        item.updated_at = now
+
+    @rule(item_id=items, actor=maybe_actor, reason=st.sampled_from((None, "stop")), wait=waits)
+    def cancel(self, item_id: int, actor: str | None, reason: str | None, wait: float) -> None:
+        """An operator cancels an item, whatever it is doing (running ones too)."""
+        self.clock.advance(wait)
+        item = self.model_items[item_id]
+        refusal = self.scope_refusal(item, actor)
+        state, error = self.attempt(self.store.cancel(item_id, reason=reason, actor_id=actor))
+        self.check_error(error, refusal, f"cancel({item_id}, actor={actor})")
+        if refusal is not None:
+            return
+        if item.state in SETTLED_STATES:
+            assert state == item.state, f"cancel of settled item {item_id} said {state}"
+            return
+        self.model_cancel(item, reason, actor)
+        assert state == "cancelled"
+
+    @rule(item_id=items, actor=maybe_actor)
+    def requeue(self, item_id: int, actor: str | None) -> None:
+        item = self.model_items[item_id]
+        refusal = self.scope_refusal(item, actor)
+        if refusal is None and item.state not in ("failed", "cancelled"):
+            refusal = NotRequeueable
+        _, error = self.attempt(self.store.requeue(item_id, actor_id=actor))
+        self.check_error(error, refusal, f"requeue({item_id}, actor={actor})")
+        if refusal is None:
+            self.model_requeue(item, actor)
+
+    def filtered(
+        self, project: str | None, states: tuple[str, ...], actor: str | None
+    ) -> list[ModelItem]:
+        """The model's items a filter takes, by id."""
+        return [
+            self.model_items[i]
+            for i in sorted(self.model_items)
+            if self.in_scope(self.model_items[i], project, actor)
+            and (not states or self.model_items[i].state in states)
+        ]
+
+    @rule(
+        project=maybe_project,
+        states=st.sampled_from(((), ("ready", "deferred"), ("claimed",), ("failed", "done"))),
+        actor=maybe_actor,
+        chunk=st.integers(min_value=1, max_value=3),
+    )
+    def cancel_where(
+        self, project: str | None, states: tuple[str, ...], actor: str | None, chunk: int
+    ) -> None:
+        live = tuple(s for s in (states or ITEM_STATES) if s not in SETTLED_STATES)
+        targets = self.filtered(project, live, actor) if live else []
+        count, error = self.attempt(
+            self.store.cancel_where(
+                project_id=project, state=states or None, reason="bulk", chunk=chunk,
+                actor_id=actor,
+            )
+        )  # fmt: skip
+        self.check_error(error, None, "cancel_where")
+        assert count == len(targets), f"cancel_where cancelled {count}, expected {len(targets)}"
+        for item in targets:
+            self.model_cancel(item, "bulk", actor)
+
+    @rule(project=maybe_project, actor=maybe_actor, chunk=st.integers(min_value=1, max_value=3))
+    def requeue_where(self, project: str | None, actor: str | None, chunk: int) -> None:
+        targets = self.filtered(project, ("failed", "cancelled"), actor)
+        count, error = self.attempt(
+            self.store.requeue_where(project_id=project, chunk=chunk, actor_id=actor)
+        )
+        self.check_error(error, None, "requeue_where")
+        assert count == len(targets), f"requeue_where requeued {count}, expected {len(targets)}"
+        for item in targets:
+            self.model_requeue(item, actor)
+
+    @rule(item_id=items, actor=maybe_actor)
+    def wait(self, item_id: int, actor: str | None) -> None:
+        """wait() returns a settled item at once; an unsettled one times out."""
+        item = self.model_items[item_id]
+        refusal = self.scope_refusal(item, actor)
+        settled = item.state in SETTLED_STATES
+        if refusal is None and not settled:
+            refusal = WaitTimeout
+        row, error = self.attempt(
+            self.store.wait(item_id, timeout=30 if settled else 0.01, actor_id=actor)
+        )
+        self.check_error(error, refusal, f"wait({item_id}, actor={actor})")
+        if refusal is None:
+            assert row is not None and row_view(row) == model_row_view(item)
+
+    @rule(
+        project=maybe_project,
+        states=st.sampled_from(((), ("ready",), ("failed", "cancelled"), ("claimed", "done"))),
+        newest=st.booleans(),
+        limit=st.integers(min_value=1, max_value=4),
+        actor=maybe_actor,
+    )
+    def list_items(
+        self, project: str | None, states: tuple[str, ...], newest: bool, limit: int,
+        actor: str | None,
+    ) -> None:  # fmt: skip
+        """items(): the filter's items, newest (or oldest) first, two pages by keyset."""
+        expected = self.filtered(project, states, actor)
+        if newest:
+            expected.reverse()
+        order = "newest" if newest else "oldest"
+        first = self.run(
+            self.store.items(
+                project_id=project, state=states or None, order=order, limit=limit,
+                actor_id=actor,
+            )
+        )  # fmt: skip
+        assert [row_view(r) for r in first] == [model_row_view(i) for i in expected[:limit]]
+        if len(first) == limit:
+            second = self.run(
+                self.store.items(
+                    project_id=project, state=states or None, order=order, limit=limit,
+                    after=first[-1]["item_id"], actor_id=actor,
+                )
+            )  # fmt: skip
+            assert [r["item_id"] for r in second] == [
+                i.item_id for i in expected[limit : 2 * limit]
+            ]
 
     @rule(seconds=advances)
     def advance_clock(self, seconds: float) -> None:

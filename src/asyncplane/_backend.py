@@ -29,6 +29,7 @@ from asyncplane import _clock, _errors, _lock, _models, _write_queue
 __all__ = (
     "AssignmentRow",
     "Backend",
+    "CancelOp",
     "ChangeHook",
     "ClaimOp",
     "ClaimRow",
@@ -41,8 +42,10 @@ __all__ = (
     "GroupOp",
     "Histories",
     "ImportOp",
+    "ItemFilter",
     "ItemRow",
     "LedgerTally",
+    "ListOp",
     "NewItem",
     "NewProject",
     "OffloadOp",
@@ -50,9 +53,11 @@ __all__ = (
     "PreflightOp",
     "ProjectRow",
     "RenewOp",
+    "RequeueOp",
     "RetryOp",
     "Sizing",
     "StoreStats",
+    "WhereOp",
     "Writes",
 )
 
@@ -158,6 +163,56 @@ class PreflightOp(NamedTuple):
     chunk: int
     project_id: str | None
     actor_id: str | None
+
+
+class ItemFilter(NamedTuple):
+    """Which items a listing, or a filter-wide cancel or requeue, takes (None: any)."""
+
+    project_id: str | None
+    states: tuple[str, ...]  # () for any state
+    owner: str | None
+    fingerprint: str | None
+    created_after: float | None
+    created_before: float | None
+    updated_after: float | None
+    updated_before: float | None
+    error_contains: str | None  # lower-cased: the match ignores case
+    actor_id: str | None
+
+
+class ListOp(NamedTuple):
+    """A page of items: newest (or oldest) first, after a keyset bound."""
+
+    where: ItemFilter
+    newest: bool
+    after: int | None
+    limit: int
+    include_payload: bool
+
+
+class CancelOp(NamedTuple):
+    """Cancel one item (see `asyncplane._rules.cancel_plan`)."""
+
+    item_id: int
+    reason: str | None
+    actor_id: str | None
+
+
+class RequeueOp(NamedTuple):
+    """Take one failed or cancelled item back to ready."""
+
+    item_id: int
+    actor_id: str | None
+
+
+class WhereOp(NamedTuple):
+    """One chunk of a filter-wide cancel or requeue: the items of ``where`` after
+    ``after`` in id order, at most ``chunk`` of them, in one transaction."""
+
+    where: ItemFilter
+    after: int
+    chunk: int
+    reason: str | None  # a cancel's
 
 
 class ImportOp(NamedTuple):
@@ -476,6 +531,30 @@ class Backend(Protocol):
 
     async def list_assignments(self) -> list[AssignmentRow]:
         """Every assignment of every project."""
+        ...
+
+    async def list_items(self, op: ListOp) -> list[ItemRow]:
+        """A page of the items ``op.where`` takes, in one snapshot, from an index."""
+        ...
+
+    async def cancel(self, op: CancelOp) -> str:
+        """Cancel an item; return its state afterwards (a settled one is left as it was)."""
+        ...
+
+    async def requeue(self, op: RequeueOp) -> None:
+        """Take a failed or cancelled item back to ready, or refuse, naming its state."""
+        ...
+
+    async def cancel_where(self, op: WhereOp) -> tuple[int, int | None]:
+        """Cancel a chunk: (how many were changed, the last id looked at, None at the end)."""
+        ...
+
+    async def requeue_where(self, op: WhereOp) -> tuple[int, int | None]:
+        """Requeue a chunk, as `cancel_where` cancels one."""
+        ...
+
+    async def settled_version(self) -> int:
+        """A number that changes when an item may have settled, here or elsewhere."""
         ...
 
     async def export_items(self, op: ExportOp) -> Histories:

@@ -49,7 +49,7 @@ async def copy_store(
         destination: The store to copy into (any backend): empty, or filled by an earlier
             copy from the same source.
         chunk: Items per destination transaction.
-        pending_only: Leave settled (done and failed) items behind. By default they come
+        pending_only: Leave settled (done, failed, cancelled) items behind. By default they come
             too: their results serve dedup, and their histories are the ledger.
         progress: Called with the running count of items looked at, after each chunk.
 

@@ -160,6 +160,8 @@ class DrainSummary:
         deduplicated: Pending items settled by preflight dedup, without running.
         purged: Settled items archived and deleted by the store's retention (see
             ``ControlStore(retention=...)``), at most every ``purge_min_interval_s``.
+        cancelled: Items cancelled while this drain held them (`ControlStore.cancel`): their
+            executor was stopped, or their outcome refused.
         fence_rejected: Settlements the store refused because the claim was no longer
             current (the item was taken over while it ran).
         remaining: Items not yet settled when the drain ended (ready, deferred, claimed
@@ -175,6 +177,7 @@ class DrainSummary:
     retried: int = 0
     parked: int = 0
     offloaded: int = 0
+    cancelled: int = 0
     deduplicated: int = 0
     purged: int = 0
     fence_rejected: int = 0
@@ -406,6 +409,15 @@ class _Drain:
             done, _ = await asyncio.wait({renewer, executor}, return_when=asyncio.FIRST_COMPLETED)
             if renewer in done and not renewer.cancelled() and renewer.exception() is not None:
                 failure = renewer.exception()
+            elif renewer in done and not renewer.cancelled() and renewer.result():
+                # Every item of the batch was cancelled: stop its executor, settle nothing.
+                executor.cancel()
+                await _tasks.to_the_end(
+                    asyncio.gather(executor, return_exceptions=True),
+                    "asyncplane-drain-stop-executor",
+                )
+                self.summary.cancelled += len(batch)
+                return
             else:
                 outcomes = _checked(batch, await executor)
         except BaseException:
@@ -450,17 +462,23 @@ class _Drain:
             )
         await _tasks.to_the_end(self._put_back(batch, settled), "asyncplane-drain-put-back")
 
-    async def _renew(self, batch: list[_models.ClaimedItem]) -> None:
-        """Renew the batch's leases every third of a lease, until cancelled."""
+    async def _renew(self, batch: list[_models.ClaimedItem]) -> bool:
+        """Renew the batch's leases every third of a lease, until cancelled; return True
+        once every item of the batch has been cancelled (its executor should stop)."""
         clock = self.store.clock
         live = {claim.item_id: claim.fence for claim in batch}
+        cancelled = 0
         while live:
             await _clock.wait_until(clock, clock.now() + self.store.lease_seconds / 3)
             for item_id, fence in list(live.items()):
                 try:
                     await self.store.renew(item_id, fence=fence, actor_id=self.actor_id)
+                except _errors.ItemCancelled:
+                    del live[item_id]
+                    cancelled += 1
                 except _errors.FenceRejected:
                     del live[item_id]  # lost already: its settlement will be refused too
+        return cancelled == len(batch)
 
     async def _settle(
         self,
@@ -472,6 +490,8 @@ class _Drain:
         for claim, outcome in zip(batch, outcomes, strict=True):
             try:
                 await self._settle_one(claim, outcome)
+            except _errors.ItemCancelled:
+                self.summary.cancelled += 1
             except _errors.FenceRejected:
                 self.summary.fence_rejected += 1
             except _errors.AsyncplaneError as exc:  # the store failed under this item

@@ -23,8 +23,10 @@ __all__ = (
     "InvalidInput",
     "InvalidPayload",
     "InvalidType",
+    "ItemCancelled",
     "NotAnAsyncplaneDatabase",
     "NotOnAsyncio",
+    "NotRequeueable",
     "ProjectExists",
     "ReadOnlyStore",
     "SchemaVersionError",
@@ -33,6 +35,7 @@ __all__ = (
     "StoreClosed",
     "UnknownItem",
     "UnknownProject",
+    "WaitTimeout",
 )
 
 
@@ -77,6 +80,51 @@ class FenceRejected(AsyncplaneError):
         # Keyword-only arguments: rebuild through a helper so the error pickles (and so
         # crosses process boundaries) intact.
         return (_rebuild_fence_rejected, (self.item_id, self.fence, self.current_fence, self.state))
+
+
+class ItemCancelled(FenceRejected):
+    """The item was cancelled (by an operator, or `ControlStore.cancel`) while this fence
+    held it: the cancel raised its fence, so the holder's next renew(), finish(), retry(),
+    park() or offload() is refused with this. Stop the work and discard it.
+
+    Attributes:
+        reason: The reason the cancel gave, or None.
+    """
+
+    def __init__(self, item_id: int, fence: int, *, current_fence: int, reason: str | None) -> None:
+        super().__init__(item_id, fence, current_fence=current_fence, state="cancelled")
+        self.reason = reason
+        why = "" if reason is None else f": {reason}"
+        self.args = (f"item {item_id} was cancelled{why} (fence {fence} is no longer current)",)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (
+            _rebuild_item_cancelled,
+            (self.item_id, self.fence, self.current_fence, self.reason),
+        )
+
+
+class NotRequeueable(AsyncplaneError):
+    """requeue() was asked of an item that is neither failed nor cancelled; nothing changed.
+
+    Attributes:
+        item_id: The item named.
+        state: Its state now.
+    """
+
+    def __init__(self, item_id: int, state: str) -> None:
+        super().__init__(
+            f"item {item_id} is {state}: only a failed or cancelled item can be requeued"
+        )
+        self.item_id = item_id
+        self.state = state
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (NotRequeueable, (self.item_id, self.state))
+
+
+class WaitTimeout(AsyncplaneError, TimeoutError):
+    """wait() gave up: the item had not settled within the timeout (it may yet)."""
 
 
 class ScopeDenied(AsyncplaneError):
@@ -154,7 +202,7 @@ class DatabaseLocked(StorageError):
 
 class NotAnAsyncplaneDatabase(StorageError):
     """The location is not an asyncplane store: another application's database or schema,
-    not a database at all, or not a regular file."""
+    not a database at all, not a regular file, or a PostgreSQL schema that does not exist."""
 
 
 class SchemaVersionError(StorageError):
@@ -166,3 +214,9 @@ def _rebuild_fence_rejected(
     item_id: int, fence: int, current_fence: int, state: str
 ) -> FenceRejected:
     return FenceRejected(item_id, fence, current_fence=current_fence, state=state)
+
+
+def _rebuild_item_cancelled(
+    item_id: int, fence: int, current_fence: int, reason: str | None
+) -> ItemCancelled:
+    return ItemCancelled(item_id, fence, current_fence=current_fence, reason=reason)

@@ -1,12 +1,15 @@
 """verify_ledger: do the rows agree with their own history?
 
-The kinds are the nine of asyncplane's origin, plus ``state_disagrees``: replaying an
-item's events in order (each event type leaves one state, `asyncplane._models.EVENT_TYPES`)
-must give the row's state, in every case the other nine do not already name.
+The kinds are the nine of asyncplane's origin, plus ``cancelled_without_event`` and
+``state_disagrees``: replaying an item's events in order (each event type leaves one
+state, `asyncplane._models.EVENT_TYPES`) must give the row's state, in every case the
+other kinds do not already name.
 
 Every transition of an item appends an event in the same transaction as the row change,
 so an item's state can be replayed from its events (``queued`` leaves it ready,
-``claimed`` and ``lease_expired`` claimed, ``done`` and ``failed`` terminal). The
+``claimed`` and ``lease_expired`` claimed, ``done``, ``failed`` and ``cancelled``
+settled, ``requeued`` ready again). A requeue starts a new life: the checks of a
+settled or ready row look at the events since the item's last ``requeued`` one. The
 verifier looks for rows and histories that disagree: a write that changed state without
 recording it, or a record that was removed or added behind the store's back.
 
@@ -28,13 +31,18 @@ __all__ = ("LEDGER_PROBLEM_KINDS", "verify_ledger")
 
 LEDGER_PROBLEM_KINDS: Final = {
     "no_creation_event": "the item exists but nothing recorded its arrival",
-    "two_terminal_events": "it reached a terminal state (done/failed) more than once",
-    "terminal_without_event": "the row is terminal but no event says how it got there",
+    "two_terminal_events": (
+        "it settled (done/failed/cancelled) more than once with no requeue between"
+    ),
+    "terminal_without_event": "the row is done or failed but no event says how it got there",
+    "cancelled_without_event": "the row is cancelled but no event says it was cancelled",
     "terminal_events_disagree": "row and events are both terminal, but for different outcomes",
     "event_without_terminal": "an event says it finished but the row still says otherwise",
-    "fence_not_monotonic": "claim fences repeated or fell instead of rising",
-    "fence_disagrees": "the row's fence differs from the last claim recorded",
-    "ready_after_claim": "the row says ready but the history shows it was claimed",
+    "fence_not_monotonic": "claim (and cancel) fences repeated or fell instead of rising",
+    "fence_disagrees": "the row's fence differs from the last claim or cancel recorded",
+    "ready_after_claim": (
+        "the row says ready but the history shows it was claimed since it was last queued"
+    ),
     "state_disagrees": "the row's state is not the one its events lead to, replayed in order",
     "orphan_events": "events reference an item that no longer exists",
 }

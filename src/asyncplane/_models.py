@@ -12,18 +12,26 @@ __all__ = (
     "ITEM_STATES",
     "PROJECT_STATUSES",
     "SERVICE_CLASSES",
+    "SETTLED_STATES",
+    "SETTLING_EVENTS",
     "ClaimedItem",
     "Job",
     "LedgerProblem",
     "from_timestamp",
     "replay_case",
+    "sql_list",
 )
 
-#: Every state an item row can be in. ``ready`` is only ever the first state: once an item
-#: has been claimed nothing moves it back to ``ready``. A lapsed lease leaves it
-#: ``claimed`` until someone takes it over; a retry or a park makes it ``deferred`` until
-#: it falls due; ``offloaded`` items wait for an external batch to settle them.
-ITEM_STATES: Final = ("ready", "deferred", "claimed", "offloaded", "done", "failed")
+#: Every state an item row can be in. ``ready`` is the first state, and the state a
+#: ``requeue`` puts a failed or cancelled item back in; nothing else moves an item back
+#: to ``ready``. A lapsed lease leaves it ``claimed`` until someone takes it over; a
+#: retry or a park makes it ``deferred`` until it falls due; ``offloaded`` items wait for
+#: an external batch to settle them. ``done``, ``failed`` and ``cancelled`` are settled.
+ITEM_STATES: Final = (
+    "ready", "deferred", "claimed", "offloaded", "done", "failed", "cancelled",
+)  # fmt: skip
+#: The states an item settles in: nothing runs it any more (a requeue aside).
+SETTLED_STATES: Final = ("done", "failed", "cancelled")
 FINISH_STATUSES: Final = ("done", "failed")
 PROJECT_STATUSES: Final = ("open", "paused", "closed")
 SERVICE_CLASSES: Final = ("standard", "realtime")
@@ -40,7 +48,17 @@ EVENT_TYPES: Final = {
     "offloaded": "offloaded",
     "done": "done",
     "failed": "failed",
+    "cancelled": "cancelled",  # its fence raised: the holder's next report is refused
+    "requeued": "ready",  # a failed or cancelled item, back for a fresh attempt budget
 }
+
+#: The events that settle an item: at most one of them since its last "requeued".
+SETTLING_EVENTS: Final = ("done", "failed", "cancelled")
+
+
+def sql_list(values: tuple[str, ...]) -> str:
+    """``('a', 'b')`` for an SQL ``IN``, from names of this module (never user input)."""
+    return "(" + ", ".join(f"'{value}'" for value in values) + ")"
 
 
 def replay_case(column: str, quote: str) -> str:

@@ -131,6 +131,7 @@ class PostgresBackend(_backend.Writes):
         self._schema = ""
         self._version = 0
         self._deaf = False  # the listener is gone: every poll must look again
+        self._settled = 0  # settles heard of (NOTIFY asyncplane_settled)
 
     @property
     def clock(self) -> _clock.Clock:
@@ -184,6 +185,7 @@ class PostgresBackend(_backend.Writes):
             undo.push_async_callback(_close_quietly, listener)
             try:
                 await listener.add_listener(sql.CHANNEL, self._heard)
+                await listener.add_listener(sql.SETTLED_CHANNEL, self._heard_settled)
             except _DRIVER_ERRORS as exc:
                 raise _writer.translate(exc) from exc
             listener.add_termination_listener(self._went_deaf)
@@ -218,6 +220,11 @@ class PostgresBackend(_backend.Writes):
             self._version += 1
             if self._on_change is not None:
                 self._on_change()
+
+    def _heard_settled(self, conn: Any, pid: int, channel: str, payload: object) -> None:
+        # An item settled (here or on another host): wait() looks again.
+        if payload == self._schema:
+            self._settled += 1
 
     def _went_deaf(self, conn: Any) -> None:
         self._deaf = True
@@ -330,6 +337,34 @@ class PostgresBackend(_backend.Writes):
     async def offloaded(self, handle: str, actor_id: str | None) -> list[_backend.ItemRow]:
         rows = await self._fetch(sql.OFFLOADED, handle, actor_id)
         return [_backend.ItemRow(*row) for row in rows]
+
+    async def list_items(self, op: _backend.ListOp) -> list[_backend.ItemRow]:
+        states = _rules.listing_arms(op.where.states, op.where.project_id is not None)
+        statement = sql.list_items(
+            states, op.where.project_id is not None, op.newest, op.include_payload
+        )
+        params = _list_params(op.where, states, op.newest, op.after, op.limit)
+        return [_backend.ItemRow(*row) for row in await self._fetch(statement, *params)]
+
+    async def cancel(self, op: _backend.CancelOp) -> str:
+        return await self._write(_bind(_cancel, op))
+
+    async def requeue(self, op: _backend.RequeueOp) -> None:
+        await self._write(_bind(_requeue, op))
+
+    async def cancel_where(self, op: _backend.WhereOp) -> tuple[int, int | None]:
+        return await self._write(_bind(_cancel_where, op))
+
+    async def requeue_where(self, op: _backend.WhereOp) -> tuple[int, int | None]:
+        return await self._write(_bind(_requeue_where, op))
+
+    async def settled_version(self) -> int:
+        """A number that changes when an item settles (NOTIFY asyncplane_settled)."""
+        if self._pool is None:
+            raise _errors.StoreClosed("the store is closed")
+        if self._deaf:
+            self._settled += 1
+        return self._settled + int(time.monotonic() // _SAFETY_POLL_SECONDS)
 
     async def backfill_fingerprints(
         self, op: _backend.PreflightOp, after_item_id: int, identity: tuple[str, ...]
@@ -726,6 +761,89 @@ async def _settle_twins(
     return len(twins)
 
 
+#: Above every item id (a bigint).
+_MAX_ID = 2**63 - 1
+
+
+def _list_params(
+    where: _backend.ItemFilter, states: tuple[str, ...], newest: bool, after: int | None,
+    limit: int,
+) -> tuple[Any, ...]:  # fmt: skip
+    """The listing's parameters, $1 to $12 (see `_postgres_sql.list_items`)."""
+    return (
+        where.project_id, where.owner, where.fingerprint, where.created_after,
+        where.created_before, where.updated_after, where.updated_before,
+        where.error_contains, where.actor_id,
+        (_MAX_ID if newest else 0) if after is None else after, limit, list(states),
+    )  # fmt: skip
+
+
+async def _cancel_one(
+    conn: asyncpg.Connection, item_id: int, state: str, fence: int, reason: str | None,
+    actor_id: str | None, now: float,
+) -> str:  # fmt: skip
+    plan = _rules.cancel_plan(item_id, state, fence, reason, actor_id, now)
+    if plan is None:
+        return state
+    await conn.execute(sql.CANCEL_ITEM, plan.fence, reason, now, item_id)
+    await _insert_events(conn, [plan.event])
+    return "cancelled"
+
+
+async def _cancel(op: _backend.CancelOp, conn: asyncpg.Connection, now: float) -> str:
+    found = await conn.fetchrow(sql.TARGET_ITEM, op.actor_id, op.item_id)
+    state, fence = _rules.target(op.item_id, op.actor_id, found)
+    return await _cancel_one(conn, op.item_id, state, fence, op.reason, op.actor_id, now)
+
+
+async def _requeue_one(
+    conn: asyncpg.Connection, item_id: int, state: str, fence: int, actor_id: str | None,
+    now: float,
+) -> None:  # fmt: skip
+    await _insert_events(conn, [_rules.requeue_event(item_id, state, fence, actor_id, now)])
+    await conn.execute(sql.REQUEUE_ITEM, now, item_id)
+
+
+async def _requeue(op: _backend.RequeueOp, conn: asyncpg.Connection, now: float) -> None:
+    found = await conn.fetchrow(sql.TARGET_ITEM, op.actor_id, op.item_id)
+    state, fence = _rules.target(op.item_id, op.actor_id, found)
+    await _requeue_one(conn, op.item_id, state, fence, op.actor_id, now)
+
+
+async def _chunk_of(
+    conn: asyncpg.Connection, op: _backend.WhereOp, states: tuple[str, ...]
+) -> tuple[list[Any], int | None]:
+    """The chunk's rows, locked and still taken by the filter, and where the next chunk
+    starts (None: this is the last)."""
+    if not states:
+        return [], None
+    params = _list_params(op.where, states, False, op.after, op.chunk)
+    statement = sql.list_items(states, op.where.project_id is not None, False, False)
+    ids = [row[0] for row in await conn.fetch(statement, *params)]
+    if not ids:
+        return [], None
+    rows = list(await conn.fetch(sql.LOCK_CHUNK, *params, ids))
+    return rows, (ids[-1] if len(ids) == op.chunk else None)
+
+
+async def _cancel_where(
+    op: _backend.WhereOp, conn: asyncpg.Connection, now: float
+) -> tuple[int, int | None]:
+    rows, last = await _chunk_of(conn, op, _rules.cancel_states(op.where.states))
+    for item_id, state, fence in rows:
+        await _cancel_one(conn, item_id, state, fence, op.reason, op.where.actor_id, now)
+    return len(rows), last
+
+
+async def _requeue_where(
+    op: _backend.WhereOp, conn: asyncpg.Connection, now: float
+) -> tuple[int, int | None]:
+    rows, last = await _chunk_of(conn, op, _rules.requeue_states(op.where.states))
+    for item_id, state, fence in rows:
+        await _requeue_one(conn, item_id, state, fence, op.where.actor_id, now)
+    return len(rows), last
+
+
 async def _renew(op: _backend.RenewOp, conn: asyncpg.Connection, now: float) -> float:
     expires = now + op.lease_seconds
     row = await conn.fetchrow(sql.RENEW, expires, now, op.item_id, op.fence, op.actor_id)
@@ -857,8 +975,9 @@ async def _copy_items(op: _backend.CopyOp, conn: asyncpg.Connection, now: float)
 async def _read_version(conn: asyncpg.Connection) -> int:
     """The schema version found, refusing a schema of another application or a newer one."""
     if await conn.fetchval(sql.CURRENT_SCHEMA) is None:
-        raise _errors.StorageError(
-            "no schema to create the store in: the search_path names none that exists"
+        raise _errors.NotAnAsyncplaneDatabase(
+            "no schema to create the store in: the search_path names none that exists "
+            "(create it first: CREATE SCHEMA <name>)"
         )
     if not await conn.fetchval(sql.META_EXISTS):
         if await conn.fetchval(sql.COUNT_TABLES):

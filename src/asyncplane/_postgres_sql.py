@@ -23,6 +23,7 @@ type. Nothing here is ever formatted with user input.
 
 from __future__ import annotations
 
+import functools
 from typing import Final
 
 from asyncplane import _models
@@ -32,6 +33,8 @@ APPLICATION: Final = "asyncplane"
 
 #: The channel a commit that may have made work claimable notifies (see migration 1).
 CHANNEL: Final = "asyncplane"
+#: The channel a commit that settled an item notifies (see migration 2).
+SETTLED_CHANNEL: Final = "asyncplane_settled"
 
 # --- schema and migrations -------------------------------------------------------------
 
@@ -153,9 +156,41 @@ MIGRATIONS: Final[tuple[str, ...]] = (
     CREATE TRIGGER assignments_added AFTER INSERT ON assignments
         FOR EACH STATEMENT EXECUTE FUNCTION asyncplane_notify();
     """,
+    # 2: operating single items, as SQLite's migration 4: the cancelled state (purged like
+    # done and failed; a cancelled item with twins wakes drainers, as a settled one does),
+    # listing indexes, and a channel of its own for settles, which wait() listens to
+    # (drainers do not: a settle makes no work claimable unless it frees twins).
+    """
+    DROP INDEX items_settled;
+    CREATE INDEX items_settled ON items (updated_at)
+        WHERE state IN ('done', 'failed', 'cancelled');
+    CREATE INDEX items_by_state ON items (state, item_id) WHERE state <> 'claimed';
+    CREATE INDEX items_by_project ON items (project_id, state, item_id)
+        WHERE state <> 'claimed';
+    DROP TRIGGER items_moved ON items;
+    CREATE TRIGGER items_moved AFTER UPDATE OF state ON items
+        FOR EACH ROW WHEN (NEW.state IS DISTINCT FROM OLD.state
+                           AND (NEW.state IN ('ready', 'deferred')
+                                OR (NEW.state IN ('done', 'failed', 'cancelled')
+                                    AND NEW.fingerprint IS NOT NULL)))
+        EXECUTE FUNCTION asyncplane_notify();
+    CREATE FUNCTION asyncplane_notify_settled() RETURNS trigger
+    LANGUAGE plpgsql AS $$
+    BEGIN
+        PERFORM pg_notify('asyncplane_settled', current_schema());
+        RETURN NULL;
+    END $$;
+    CREATE TRIGGER items_settled_notify AFTER UPDATE OF state ON items
+        FOR EACH ROW WHEN (NEW.state IS DISTINCT FROM OLD.state
+                           AND NEW.state IN ('done', 'failed', 'cancelled'))
+        EXECUTE FUNCTION asyncplane_notify_settled();
+    """,
 )
 
 SCHEMA_VERSION: Final = len(MIGRATIONS)
+
+#: ``('done', 'failed', 'cancelled')``, for SQL below (from `_models.SETTLED_STATES`).
+_SETTLED_STATES: Final = _models.sql_list(_models.SETTLED_STATES)
 
 # Serialises schema creation between processes opening a fresh database at once.
 MIGRATION_LOCK: Final = "SELECT pg_advisory_xact_lock(hashtextextended('asyncplane-migrate', 0))"
@@ -242,11 +277,12 @@ FROM unnest($1::text[], $2::text[]) AS content (project_id, fingerprint)
 ORDER BY project_id, fingerprint
 """
 # Enqueue dedup: for each fingerprint, an earlier item of the project with it that has not
-# failed, a done one first (its result is there already), else the oldest in flight.
+# failed nor been cancelled, a done one first (its result is there already), else the
+# oldest in flight.
 # ($1 project_id, $2 fingerprints)
 FIND_TWINS: Final = """
 SELECT DISTINCT ON (fingerprint) fingerprint, item_id FROM items
-WHERE project_id = $1 AND fingerprint = ANY($2::text[]) AND state <> 'failed'
+WHERE project_id = $1 AND fingerprint = ANY($2::text[]) AND state NOT IN ('failed', 'cancelled')
 ORDER BY fingerprint, state = 'done' DESC, item_id
 """
 
@@ -473,7 +509,7 @@ WHERE item_id = $3 AND state IN ('ready', 'deferred')
 MISSING_FINGERPRINTS: Final = """
 SELECT item_id, payload FROM items
 WHERE fingerprint IS NULL AND item_id > $1
-  AND state IN ('ready', 'deferred', 'done', 'failed')  -- never under a running claim
+  AND state NOT IN ('claimed', 'offloaded')  -- never under a running claim
   AND ($3::text IS NULL OR project_id = $3::text)
   AND ($4::text IS NULL
        OR project_id IN (SELECT project_id FROM assignments WHERE actor_id = $4::text))
@@ -500,8 +536,87 @@ SELECT min(at) FROM (
 DIAGNOSE_ITEM: Final = """
 SELECT state, fence,
        EXISTS (SELECT 1 FROM assignments AS a
-               WHERE a.actor_id = $1 AND a.project_id = items.project_id) AS in_scope
+               WHERE a.actor_id = $1 AND a.project_id = items.project_id) AS in_scope,
+       error
 FROM items WHERE item_id = $2
+"""
+# The same, locking the row for the rest of the transaction: a cancel or a requeue
+# decides on what it read, so nothing may change it in between.
+TARGET_ITEM: Final = DIAGNOSE_ITEM.rstrip() + " FOR UPDATE OF items\n"
+
+# --- operating single items ---------------------------------------------------------------
+# As on SQLite (see its SQL): `asyncplane._rules` decides, these write it.
+
+CANCEL_ITEM: Final = """
+UPDATE items SET state = 'cancelled', fence = $1, error = $2, lease_expires_at = NULL,
+                 due_at = NULL, updated_at = $3
+WHERE item_id = $4
+"""
+REQUEUE_ITEM: Final = """
+UPDATE items SET state = 'ready', attempts = 0, error = NULL, result = NULL, owner = NULL,
+                 lease_expires_at = NULL, due_at = NULL, offload_handle = NULL, updated_at = $1
+WHERE item_id = $2
+"""
+
+# Listing: an arm per state from items_by_project or items_by_state (the claimed from
+# items_lease), as on SQLite. The
+# parameters: $1 project_id, $2 owner, $3 fingerprint, $4-$7 created after/before and
+# updated after/before, $8 error_contains, $9 actor_id, $10 after, $11 limit, $12 states.
+_LISTED = (
+    "item_id, project_id, state, {payload}, fence, attempts, owner, lease_expires_at, "
+    "created_at, updated_at, priority, service_class, sla, fingerprint, max_attempts, "
+    "due_at, {result}, error, offload_handle, dedup"
+)
+_LIST_FILTERS = """
+      AND ($2::text IS NULL OR owner = $2)
+      AND ($3::text IS NULL OR fingerprint = $3)
+      AND ($4::float8 IS NULL OR created_at > $4)
+      AND ($5::float8 IS NULL OR created_at < $5)
+      AND ($6::float8 IS NULL OR updated_at > $6)
+      AND ($7::float8 IS NULL OR updated_at < $7)
+      AND ($8::text IS NULL OR strpos(lower(error), $8) > 0)
+      AND ($9::text IS NULL
+           OR project_id IN (SELECT project_id FROM assignments WHERE actor_id = $9))
+"""
+
+
+#: The listing indexes' own WHERE, repeated in each arm they serve.
+_NOT_CLAIMED: Final = "AND state <> 'claimed'"
+
+
+@functools.lru_cache(maxsize=256)
+def list_items(states: tuple[str, ...], project: bool, newest: bool, payload: bool) -> str:
+    """The listing for ``states`` (none: any state; $12 is their array, for the chunk
+    lock), of one project ($1) or of all, after the keyset bound $10, at most $11 rows.
+    The states are written into the SQL, as on SQLite, so the partial indexes serve it."""
+    assert all(state in _models.ITEM_STATES for state in states)
+    columns = _LISTED.format(
+        payload="payload" if payload else "NULL::text", result="result" if payload else "NULL::text"
+    )
+    order = "item_id DESC" if newest else "item_id"
+    keyset = "item_id < $10" if newest else "item_id > $10"
+    scope = "AND project_id = $1::text" if project else "AND $1::text IS NULL"
+    where = f"{keyset} {scope} AND $12::text[] IS NOT NULL {_LIST_FILTERS}"
+    if not states:
+        return f"SELECT {columns} FROM items WHERE {where} ORDER BY {order} LIMIT $11"
+    selects = [
+        f"(SELECT {columns} FROM items WHERE state = '{state}' "
+        f"{'' if state == 'claimed' else _NOT_CLAIMED} AND {where} "
+        f"ORDER BY {order} LIMIT $11)"
+        for state in states
+    ]
+    arms_sql = " UNION ALL ".join(selects)
+    return f"SELECT * FROM ({arms_sql}) AS listed ORDER BY {order} LIMIT $11"
+
+
+# A chunk's rows, locked, as they are once locked: a row another transaction changed in
+# between is read again, and left out if the filter no longer takes it. ($13: the ids)
+LOCK_CHUNK: Final = f"""
+SELECT item_id, state, fence FROM items
+WHERE item_id = ANY($13::bigint[]) AND state = ANY($12::text[])
+  AND ($1::text IS NULL OR project_id = $1) AND $10::bigint IS NOT NULL
+  AND $11::bigint IS NOT NULL {_LIST_FILTERS}
+ORDER BY item_id FOR UPDATE
 """
 
 _ITEM_COLUMNS = (
@@ -539,7 +654,7 @@ ORDER BY e.event_id
 
 PURGE_CANDIDATES: Final = f"""
 SELECT {_ITEM_COLUMNS} FROM items
-WHERE state IN ('done', 'failed') AND updated_at < $1
+WHERE state IN {_SETTLED_STATES} AND updated_at < $1
 ORDER BY updated_at, item_id
 LIMIT $2
 """
@@ -547,8 +662,8 @@ EVENTS_OF_ITEMS: Final = """
 SELECT event_id, item_id, event_type, fence, owner, actor_id, at, detail
 FROM events WHERE item_id = ANY($1::bigint[]) ORDER BY event_id
 """
-PURGE_ITEMS: Final = """
-DELETE FROM items WHERE item_id = ANY($1::bigint[]) AND state IN ('done', 'failed')
+PURGE_ITEMS: Final = f"""
+DELETE FROM items WHERE item_id = ANY($1::bigint[]) AND state IN {_SETTLED_STATES}
 RETURNING item_id
 """
 PURGE_EVENTS: Final = "DELETE FROM events WHERE item_id = ANY($1::bigint[])"
@@ -573,7 +688,7 @@ ORDER BY project_id COLLATE "C", actor_id COLLATE "C"
 """
 EXPORT_ITEMS: Final = f"""
 SELECT {_ITEM_COLUMNS} FROM items
-WHERE item_id > $1 AND (NOT $3::boolean OR state NOT IN ('done', 'failed'))
+WHERE item_id > $1 AND (NOT $3::boolean OR state NOT IN {_SETTLED_STATES})
 ORDER BY item_id LIMIT $2
 """
 COPY_PROJECT: Final = """
@@ -640,7 +755,8 @@ UNEXPLAINED_CLAIMS: Final = """
 SELECT item_id FROM events
 GROUP BY item_id
 HAVING count(*) FILTER (WHERE event_type = 'claimed')
-       > 1 + count(*) FILTER (WHERE event_type IN ('lease_expired', 'retried', 'parked'))
+       > 1 + count(*) FILTER (WHERE event_type IN ('lease_expired', 'retried', 'parked',
+                                                   'requeued'))
 ORDER BY item_id
 """
 ITEM_IDS_IN_STATE: Final = "SELECT item_id FROM items WHERE state = $1 ORDER BY item_id"
@@ -650,6 +766,18 @@ ITEM_IDS_IN_STATE: Final = "SELECT item_id FROM items WHERE state = $1 ORDER BY 
 
 #: The replay of an event type to the state it leaves: made from `_models.EVENT_TYPES`.
 _REPLAYED: Final = _models.replay_case("e.event_type", "quote_literal")
+#: Events that settle an item, and the states they leave (from `_models`).
+_SETTLING: Final = _models.sql_list(_models.SETTLING_EVENTS)
+_SETTLED_ROW: Final = _models.sql_list(_models.FINISH_STATUSES)
+
+
+def _since_requeue(alias: str) -> str:
+    """An event of the item's current life: after its last "requeued" event, if any."""
+    return (
+        f"{alias}.event_id > coalesce((SELECT max(r.event_id) FROM events AS r "
+        f"WHERE r.item_id = {alias}.item_id AND r.event_type = 'requeued'), 0)"
+    )
+
 
 LEDGER_CHECKS: Final[tuple[tuple[str, str], ...]] = (
     (
@@ -663,42 +791,58 @@ LEDGER_CHECKS: Final[tuple[tuple[str, str], ...]] = (
     ),
     (
         "two_terminal_events",
-        """
-        SELECT e.item_id,
-               count(*) || ' terminal events: '
-               || string_agg(e.event_type, ', ' ORDER BY e.event_id)
-        FROM events AS e
-        WHERE e.event_type IN ('done', 'failed')
-          AND EXISTS (SELECT 1 FROM items AS i WHERE i.item_id = e.item_id)
-        GROUP BY e.item_id HAVING count(*) > 1
+        f"""
+        SELECT s.item_id,
+               'terminal events '
+               || string_agg(s.previous || ' then ' || s.event_type, ', ' ORDER BY s.event_id)
+               || ' with no requeue between'
+        FROM (SELECT item_id, event_type, event_id,
+                     lag(event_type) OVER (PARTITION BY item_id ORDER BY event_id) AS previous
+              FROM events WHERE event_type IN {_SETTLING} OR event_type = 'requeued') AS s
+        WHERE s.event_type <> 'requeued' AND s.previous <> 'requeued'
+          AND EXISTS (SELECT 1 FROM items AS i WHERE i.item_id = s.item_id)
+        GROUP BY s.item_id
         """,
     ),
     (
         "terminal_without_event",
-        """
+        f"""
         SELECT i.item_id, 'row is ' || i.state || ' but no terminal event was recorded'
         FROM items AS i
-        WHERE i.state IN ('done', 'failed')
+        WHERE i.state IN {_SETTLED_ROW}
           AND NOT EXISTS (SELECT 1 FROM events AS e
-                          WHERE e.item_id = i.item_id AND e.event_type IN ('done', 'failed'))
+                          WHERE e.item_id = i.item_id AND e.event_type IN {_SETTLING}
+                            AND {_since_requeue("e")})
+        """,
+    ),
+    (
+        "cancelled_without_event",
+        f"""
+        SELECT i.item_id, 'row is cancelled but no "cancelled" event was recorded'
+        FROM items AS i
+        WHERE i.state = 'cancelled'
+          AND NOT EXISTS (SELECT 1 FROM events AS e
+                          WHERE e.item_id = i.item_id AND e.event_type IN {_SETTLING}
+                            AND {_since_requeue("e")})
         """,
     ),
     (
         "terminal_events_disagree",
-        """
+        f"""
         SELECT i.item_id, 'row is ' || i.state || ' but an event says ' || min(e.event_type)
         FROM items AS i JOIN events AS e ON e.item_id = i.item_id
-        WHERE i.state IN ('done', 'failed')
-          AND e.event_type IN ('done', 'failed') AND e.event_type <> i.state
+        WHERE i.state IN {_SETTLED_STATES}
+          AND e.event_type IN {_SETTLING} AND e.event_type <> i.state AND {_since_requeue("e")}
         GROUP BY i.item_id, i.state
         """,
     ),
     (
         "event_without_terminal",
-        """
+        f"""
         SELECT i.item_id, 'a ' || min(e.event_type) || ' event exists but the row is ' || i.state
         FROM items AS i JOIN events AS e ON e.item_id = i.item_id
-        WHERE i.state NOT IN ('done', 'failed') AND e.event_type IN ('done', 'failed')
+        WHERE i.state NOT IN {_SETTLED_STATES} AND e.event_type IN {_SETTLING}
+          AND {_since_requeue("e")}
         GROUP BY i.item_id, i.state
         """,
     ),
@@ -706,10 +850,10 @@ LEDGER_CHECKS: Final[tuple[tuple[str, str], ...]] = (
         "fence_not_monotonic",
         """
         SELECT DISTINCT ON (item_id) item_id,
-               'claim fence ' || fence || ' follows claim fence ' || previous
-        FROM (SELECT item_id, fence, event_id,
+               event_type || ' fence ' || fence || ' follows fence ' || previous
+        FROM (SELECT item_id, event_type, fence, event_id,
                      lag(fence) OVER (PARTITION BY item_id ORDER BY event_id) AS previous
-              FROM events WHERE event_type = 'claimed') AS claims
+              FROM events WHERE event_type IN ('claimed', 'cancelled')) AS claims
         WHERE fence <= previous
         ORDER BY item_id, event_id
         """,
@@ -718,22 +862,23 @@ LEDGER_CHECKS: Final[tuple[tuple[str, str], ...]] = (
         "fence_disagrees",
         """
         SELECT i.item_id,
-               'row fence ' || i.fence || ' but the last claim recorded fence '
+               'row fence ' || i.fence || ' but the last claim or cancel recorded fence '
                || coalesce(c.fence::text, 'none')
         FROM items AS i
         LEFT JOIN (SELECT item_id, fence FROM events
                    WHERE event_id IN (SELECT max(event_id) FROM events
-                                      WHERE event_type = 'claimed' GROUP BY item_id)) AS c
+                                      WHERE event_type IN ('claimed', 'cancelled')
+                                      GROUP BY item_id)) AS c
                ON c.item_id = i.item_id
         WHERE i.fence IS DISTINCT FROM coalesce(c.fence, 0)
         """,
     ),
     (
         "ready_after_claim",
-        """
+        f"""
         SELECT i.item_id, 'row is ready but the item was claimed at fence ' || max(e.fence)
         FROM items AS i JOIN events AS e ON e.item_id = i.item_id
-        WHERE i.state = 'ready' AND e.event_type = 'claimed'
+        WHERE i.state = 'ready' AND e.event_type = 'claimed' AND {_since_requeue("e")}
         GROUP BY i.item_id
         """,
     ),
@@ -749,18 +894,18 @@ LEDGER_CHECKS: Final[tuple[tuple[str, str], ...]] = (
               WHERE e.event_id IN (SELECT max(event_id) FROM events GROUP BY item_id)) AS r
           ON r.item_id = i.item_id
         WHERE i.state IS DISTINCT FROM r.replayed
-          AND NOT (i.state IN ('done', 'failed')
+          AND NOT (i.state IN {_SETTLED_STATES}
                    AND (NOT EXISTS (SELECT 1 FROM events AS t WHERE t.item_id = i.item_id
-                                    AND t.event_type IN ('done', 'failed'))
+                                    AND t.event_type IN {_SETTLING} AND {_since_requeue("t")})
                         OR EXISTS (SELECT 1 FROM events AS t WHERE t.item_id = i.item_id
-                                   AND t.event_type IN ('done', 'failed')
-                                   AND t.event_type <> i.state)))
-          AND NOT (i.state NOT IN ('done', 'failed')
+                                   AND t.event_type IN {_SETTLING}
+                                   AND t.event_type <> i.state AND {_since_requeue("t")})))
+          AND NOT (i.state NOT IN {_SETTLED_STATES}
                    AND EXISTS (SELECT 1 FROM events AS t WHERE t.item_id = i.item_id
-                               AND t.event_type IN ('done', 'failed')))
+                               AND t.event_type IN {_SETTLING} AND {_since_requeue("t")}))
           AND NOT (i.state = 'ready'
                    AND EXISTS (SELECT 1 FROM events AS t WHERE t.item_id = i.item_id
-                               AND t.event_type = 'claimed'))
+                               AND t.event_type = 'claimed' AND {_since_requeue("t")}))
         """,
     ),
     (
@@ -785,5 +930,5 @@ WHERE schemaname = current_schema() AND tablename = ANY($1::text[])
 DROP_STORE: Final = """
 DROP TABLE IF EXISTS asyncplane_meta, assignments, imports, events, items, projects CASCADE;
 DROP FUNCTION IF EXISTS asyncplane_refuse_event_update(), asyncplane_refuse_event_delete(),
-    asyncplane_notify() CASCADE;
+    asyncplane_notify(), asyncplane_notify_settled() CASCADE;
 """

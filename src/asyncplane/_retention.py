@@ -1,7 +1,7 @@
 """Retention: settled items leave the store only after they are safely in the archive.
 
-`purge` takes done and failed items whose last change is older than the retention, a
-bounded chunk at a time. For each chunk it first appends the items, with their whole
+`purge` takes settled (done, failed, cancelled) items whose last change is older than the
+retention, a bounded chunk at a time. For each chunk it first appends the items, with their whole
 history, to a JSONL archive and fsyncs it; only then does it delete them (each item
 before its events, in one short transaction). A crash between the two can leave an item
 both in the store and in the archive (the next purge archives it again: the archive may

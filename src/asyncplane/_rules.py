@@ -17,6 +17,10 @@ has one home, whichever database holds the store:
   claim's last attempt is spent, and when a retried item falls due.
 * **Events** (`Event`, `arrival_events`, ...): what the ledger records for each
   transition, and the settlement fan-out of a done item to its pending twins.
+* **Operating single items** (`cancel_plan`, `requeue_event`, `listing_arms`,
+  `cancel_states`, `requeue_states`): what a cancel does to each state (a live item is
+  settled and its fence raised, so its holder is refused; a settled one is left as it
+  is), which items a requeue takes back, and which index arms a listing walks.
 
 The claim order itself is ``priority DESC, service_class (realtime first), sla NULLS
 LAST, item_id``: `claim_key` here, and the ``ORDER BY`` of each dialect's claim index.
@@ -29,10 +33,13 @@ import json
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
-from asyncplane import _backend, _errors
+from asyncplane import _backend, _errors, _models
 
 __all__ = (
+    "CANCELLABLE",
     "MAX_PAGE",
+    "REQUEUEABLE",
+    "CancelPlan",
     "Candidate",
     "ClaimMerge",
     "EnqueuePlan",
@@ -41,6 +48,8 @@ __all__ = (
     "RetryPlan",
     "arrival_events",
     "backoff",
+    "cancel_plan",
+    "cancel_states",
     "claim_key",
     "claim_row",
     "copy_id_taken",
@@ -53,6 +62,7 @@ __all__ = (
     "finish_event",
     "history",
     "invisible_item",
+    "listing_arms",
     "new_row",
     "offload_event",
     "one_project",
@@ -62,10 +72,13 @@ __all__ = (
     "project_exists",
     "refuse_newer_schema",
     "refuse_unreadable_schema",
+    "requeue_event",
+    "requeue_states",
     "retry_event",
     "retry_plan",
     "settlement_event",
     "takeover_event",
+    "target",
     "twin_events",
     "unknown_project",
 )
@@ -100,11 +113,23 @@ def invisible_item(item_id: int, actor_id: str | None) -> _errors.AsyncplaneErro
 def fence_refusal(
     item_id: int, fence: int, actor_id: str | None, found: Any
 ) -> _errors.AsyncplaneError:
-    """Why a fenced write matched no row, from the item's ``(state, fence, visible)`` as
-    read in the same transaction (None: no such item)."""
+    """Why a fenced write matched no row, from the item's ``(state, fence, visible,
+    error)`` as read in the same transaction (None: no such item). A cancelled item says
+    so, with the cancel's reason: its holder was stopped, not overtaken."""
     if found is None or (actor_id is not None and not found[2]):
         return invisible_item(item_id, actor_id)
+    if found[0] == "cancelled":
+        return _errors.ItemCancelled(item_id, fence, current_fence=found[1], reason=found[3])
     return _errors.FenceRejected(item_id, fence, current_fence=found[1], state=found[0])
+
+
+def target(item_id: int, actor_id: str | None, found: Any) -> tuple[str, int]:
+    """The ``(state, fence)`` of an item an operator names (cancel, requeue), from the
+    same ``(state, fence, visible, ...)`` read as `fence_refusal`; absent or not the
+    actor's, the same refusal as anywhere else."""
+    if found is None or (actor_id is not None and not found[2]):
+        raise invisible_item(item_id, actor_id)
+    return found[0], found[1]
 
 
 def one_project(rows: Sequence[Any], project_id: str) -> _backend.ProjectRow:
@@ -557,3 +582,67 @@ def twin_events(
         event(twin_id, "done", fence, None, actor_id, now, {"deduplicated_from": done_id})
         for twin_id, fence in twins
     ]
+
+
+# --- operating single items ----------------------------------------------------------------
+
+#: The states a requeue takes back to ready.
+REQUEUEABLE: tuple[str, ...] = ("failed", "cancelled")
+#: The states a cancel settles: every live one.
+CANCELLABLE: tuple[str, ...] = tuple(
+    state for state in _models.ITEM_STATES if state not in _models.SETTLED_STATES
+)
+
+
+class CancelPlan(NamedTuple):
+    """A cancel's write: the fence it raises the item to, and its event."""
+
+    fence: int
+    event: Event
+
+
+def cancel_plan(
+    item_id: int, state: str, fence: int, reason: str | None, actor_id: str | None, now: float
+) -> CancelPlan | None:
+    """What cancelling an item in ``state`` writes; None for one settled already (done,
+    failed or cancelled), which stays as it is.
+
+    The fence rises as on a takeover, whatever the state: a claimed or offloaded item's
+    holder is refused (`ItemCancelled`) at its next renew or settle, and should the item
+    be requeued, its next claim's fence is above every earlier one. Twins are not
+    settled: a cancel only stops holding them back.
+    """
+    if state in _models.SETTLED_STATES:
+        return None
+    raised = fence + 1
+    detail: dict[str, Any] = {"from": state}
+    if reason is not None:
+        detail["reason"] = reason
+    return CancelPlan(raised, event(item_id, "cancelled", raised, None, actor_id, now, detail))
+
+
+def requeue_event(item_id: int, state: str, fence: int, actor_id: str | None, now: float) -> Event:
+    """The "requeued" event that takes a failed or cancelled item back to ready (who,
+    when, from which state); any other state is refused, naming it."""
+    if state not in REQUEUEABLE:
+        raise _errors.NotRequeueable(item_id, state)
+    return event(item_id, "requeued", fence, None, actor_id, now, {"from": state})
+
+
+def listing_arms(states: tuple[str, ...], project: bool) -> tuple[str, ...]:
+    """The states a listing walks one index arm each for: those asked for; for one
+    project with none asked, every state (the project's index is by state); none at all
+    (the primary key) for the whole store with no state asked."""
+    if states:
+        return states
+    return _models.ITEM_STATES if project else ()
+
+
+def cancel_states(states: tuple[str, ...]) -> tuple[str, ...]:
+    """The states a filter-wide cancel walks: those asked for that a cancel changes."""
+    return tuple(state for state in (states or CANCELLABLE) if state in CANCELLABLE)
+
+
+def requeue_states(states: tuple[str, ...]) -> tuple[str, ...]:
+    """The states a filter-wide requeue walks: those asked for that a requeue takes."""
+    return tuple(state for state in (states or REQUEUEABLE) if state in REQUEUEABLE)

@@ -223,6 +223,25 @@ class SQLiteBackend(_backend.Writes):
         )
         return [_item(row) for row in rows]
 
+    async def list_items(self, op: _backend.ListOp) -> list[_backend.ItemRow]:
+        return await self._read(_list_items, op)
+
+    async def cancel(self, op: _backend.CancelOp) -> str:
+        return await self._write(functools.partial(_cancel, op))
+
+    async def requeue(self, op: _backend.RequeueOp) -> None:
+        await self._write(functools.partial(_requeue, op))
+
+    async def cancel_where(self, op: _backend.WhereOp) -> tuple[int, int | None]:
+        return await self._write(functools.partial(_cancel_where, op))
+
+    async def requeue_where(self, op: _backend.WhereOp) -> tuple[int, int | None]:
+        return await self._write(functools.partial(_requeue_where, op))
+
+    async def settled_version(self) -> int:
+        # Any commit of another connection may have settled an item (a cheap look).
+        return await self.data_version()
+
     async def backfill_fingerprints(
         self, op: _backend.PreflightOp, after_item_id: int, identity: tuple[str, ...]
     ) -> tuple[int, int]:
@@ -545,6 +564,94 @@ def _offload(op: _backend.OffloadOp, db: sqlite3.Connection, now: float) -> None
         sql.INSERT_EVENT,
         _rules.offload_event(op, rows[0][0], now),
     )
+
+
+def _list_params(
+    where: _backend.ItemFilter, newest: bool, after: int | None, limit: int
+) -> dict[str, Any]:
+    params: dict[str, Any] = {
+        **where._asdict(),
+        "after": (_MAX_ID if newest else 0) if after is None else after,
+        "limit": limit,
+    }
+    del params["states"]  # written into the statement (see _sqlite_sql.list_items)
+    return params
+
+
+#: Above every item id (SQLite's are 64-bit signed).
+_MAX_ID = 2**63 - 1
+
+
+def _listing(
+    db: sqlite3.Connection, where: _backend.ItemFilter, states: tuple[str, ...], newest: bool,
+    after: int | None, limit: int, payload: bool,
+) -> list[Any]:  # fmt: skip
+    statement = sql.list_items(states, where.project_id is not None, newest, payload)
+    return db.execute(statement, _list_params(where, newest, after, limit)).fetchall()
+
+
+def _list_items(db: sqlite3.Connection, op: _backend.ListOp) -> list[_backend.ItemRow]:
+    states = _rules.listing_arms(op.where.states, op.where.project_id is not None)
+    rows = _listing(db, op.where, states, op.newest, op.after, op.limit, op.include_payload)
+    return [_item(row) for row in rows]
+
+
+def _cancel_one(
+    db: sqlite3.Connection, item_id: int, state: str, fence: int, reason: str | None,
+    actor_id: str | None, now: float,
+) -> str:  # fmt: skip
+    plan = _rules.cancel_plan(item_id, state, fence, reason, actor_id, now)
+    if plan is None:
+        return state
+    db.execute(sql.CANCEL_ITEM, (plan.fence, reason, now, item_id))
+    db.execute(sql.INSERT_EVENT, plan.event)
+    return "cancelled"
+
+
+def _cancel(op: _backend.CancelOp, db: sqlite3.Connection, now: float) -> str:
+    found = db.execute(sql.DIAGNOSE_ITEM, (op.actor_id, op.item_id)).fetchone()
+    state, fence = _rules.target(op.item_id, op.actor_id, found)
+    return _cancel_one(db, op.item_id, state, fence, op.reason, op.actor_id, now)
+
+
+def _requeue_one(
+    db: sqlite3.Connection, item_id: int, state: str, fence: int, actor_id: str | None,
+    now: float,
+) -> None:  # fmt: skip
+    db.execute(sql.INSERT_EVENT, _rules.requeue_event(item_id, state, fence, actor_id, now))
+    db.execute(sql.REQUEUE_ITEM, (now, item_id))
+
+
+def _requeue(op: _backend.RequeueOp, db: sqlite3.Connection, now: float) -> None:
+    found = db.execute(sql.DIAGNOSE_ITEM, (op.actor_id, op.item_id)).fetchone()
+    state, fence = _rules.target(op.item_id, op.actor_id, found)
+    _requeue_one(db, op.item_id, state, fence, op.actor_id, now)
+
+
+def _chunk_of(db: sqlite3.Connection, op: _backend.WhereOp, states: tuple[str, ...]) -> list[Any]:
+    """The chunk's items, oldest first after ``op.after``: read under the write lock, so
+    they are still what the filter says when they are changed."""
+    if not states:
+        return []
+    return _listing(db, op.where, states, False, op.after, op.chunk, False)
+
+
+def _cancel_where(
+    op: _backend.WhereOp, db: sqlite3.Connection, now: float
+) -> tuple[int, int | None]:
+    rows = _chunk_of(db, op, _rules.cancel_states(op.where.states))
+    for row in rows:
+        _cancel_one(db, row[0], row[2], row[4], op.reason, op.where.actor_id, now)
+    return len(rows), (rows[-1][0] if len(rows) == op.chunk else None)
+
+
+def _requeue_where(
+    op: _backend.WhereOp, db: sqlite3.Connection, now: float
+) -> tuple[int, int | None]:
+    rows = _chunk_of(db, op, _rules.requeue_states(op.where.states))
+    for row in rows:
+        _requeue_one(db, row[0], row[2], row[4], op.where.actor_id, now)
+    return len(rows), (rows[-1][0] if len(rows) == op.chunk else None)
 
 
 def _backfill_fingerprints(

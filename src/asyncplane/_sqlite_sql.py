@@ -14,6 +14,7 @@ orphaned event can then never be mistaken for a newer item's.
 
 from __future__ import annotations
 
+import functools
 from typing import Final
 
 from asyncplane import _models
@@ -118,9 +119,26 @@ MIGRATIONS: Final[tuple[str, ...]] = (
         PRIMARY KEY (source, source_key)
     ) WITHOUT ROWID;
     """,
+    # 4: operating single items. A new settled state, cancelled (retention purges it like
+    # done and failed); listing by state, newest or oldest first, straight from an index,
+    # for the whole store or one project.
+    """
+    DROP INDEX items_settled;
+    CREATE INDEX items_settled ON items (updated_at)
+        WHERE state IN ('done', 'failed', 'cancelled');
+    -- Claimed items are left out: every item passes through that state, so leaving it
+    -- out halves what a claim and a finish write to these indexes, and the claimed are
+    -- few (one per running worker), read through items_lease.
+    CREATE INDEX items_by_state ON items (state, item_id) WHERE state <> 'claimed';
+    CREATE INDEX items_by_project ON items (project_id, state, item_id)
+        WHERE state <> 'claimed';
+    """,
 )
 
 SCHEMA_VERSION: Final = len(MIGRATIONS)
+
+#: ``('done', 'failed', 'cancelled')``, for SQL below (from `_models.SETTLED_STATES`).
+_SETTLED_STATES: Final = _models.sql_list(_models.SETTLED_STATES)
 
 READ_HEADER: Final = "SELECT * FROM pragma_application_id, pragma_user_version"
 COUNT_OBJECTS: Final = "SELECT count(*) FROM sqlite_master WHERE name NOT LIKE 'sqlite_%'"
@@ -164,10 +182,11 @@ INSERT_EVENT: Final = (
 )
 
 # Enqueue dedup: an earlier item of the project with the same fingerprint that has not
-# failed, a done one first (its result is there already), else the oldest in flight.
+# failed nor been cancelled, a done one first (its result is there already), else the
+# oldest in flight.
 FIND_TWIN: Final = """
 SELECT item_id FROM items INDEXED BY items_fingerprint
-WHERE project_id = ? AND fingerprint = ? AND state <> 'failed'
+WHERE project_id = ? AND fingerprint = ? AND state NOT IN ('failed', 'cancelled')
 ORDER BY state = 'done' DESC, item_id
 LIMIT 1
 """
@@ -249,7 +268,7 @@ WHERE state = 'claimed' AND lease_expires_at <= :now
 ORDER BY {CLAIM_ORDER} LIMIT :limit
 """
 
-# The fence rises by one on every claim and is never set any other way.
+# The fence rises by one on every claim, and on a cancel (CANCEL_ITEM), never otherwise.
 CLAIM_ITEM: Final = """
 UPDATE items
 SET state = 'claimed', fence = fence + 1, attempts = attempts + 1,
@@ -342,7 +361,7 @@ WHERE item_id = ? AND state IN ('ready', 'deferred')
 MISSING_FINGERPRINTS: Final = """
 SELECT item_id, payload FROM items
 WHERE fingerprint IS NULL AND item_id > :after
-  AND state IN ('ready', 'deferred', 'done', 'failed')  -- never under a running claim
+  AND state NOT IN ('claimed', 'offloaded')  -- never under a running claim
   AND (:project_id IS NULL OR project_id = :project_id)
   AND (:actor_id IS NULL
        OR project_id IN (SELECT project_id FROM assignments WHERE actor_id = :actor_id))
@@ -375,7 +394,8 @@ SELECT min(at) FROM (
 DIAGNOSE_ITEM: Final = """
 SELECT state, fence,
        EXISTS (SELECT 1 FROM assignments AS a
-               WHERE a.actor_id = ? AND a.project_id = items.project_id) AS in_scope
+               WHERE a.actor_id = ? AND a.project_id = items.project_id) AS in_scope,
+       error
 FROM items WHERE item_id = ?
 """
 
@@ -414,13 +434,87 @@ WHERE i.item_id = ?
 ORDER BY e.event_id
 """
 
+# --- operating single items ---------------------------------------------------------------
+# A cancel settles the item and raises its fence, as a takeover does, so whoever holds it
+# is refused at their next report; a requeue puts a failed or cancelled item back in the
+# ready queue with a fresh attempt budget. What they may do is `asyncplane._rules`'s to
+# decide (`cancel_plan`, `requeue_event`); these write it.
+
+CANCEL_ITEM: Final = """
+UPDATE items SET state = 'cancelled', fence = ?, error = ?, lease_expires_at = NULL,
+                 due_at = NULL, updated_at = ?
+WHERE item_id = ?
+"""
+REQUEUE_ITEM: Final = """
+UPDATE items SET state = 'ready', attempts = 0, error = NULL, result = NULL, owner = NULL,
+                 lease_expires_at = NULL, due_at = NULL, offload_handle = NULL, updated_at = ?
+WHERE item_id = ?
+"""
+
+# Listing. Each state asked for is an arm of its own, walked newest (or oldest) first
+# from items_by_project (one project) or items_by_state (the whole store), so the page
+# comes from an index whatever the store's size; the arms' pages meet in one ORDER BY.
+# The claimed arm reads items_lease and sorts: there are as many as there are workers.
+# Without a state or a project the primary key is the order. The other filters are
+# checked on the rows each arm walks (a NULL parameter means "any").
+_LISTED = (
+    "item_id, project_id, state, {payload}, fence, attempts, owner, lease_expires_at, "
+    "created_at, updated_at, priority, service_class, sla, fingerprint, max_attempts, "
+    "due_at, {result}, error, offload_handle, dedup"
+)
+_LIST_FILTERS = """
+      AND (:owner IS NULL OR owner = :owner)
+      AND (:fingerprint IS NULL OR fingerprint = :fingerprint)
+      AND (:created_after IS NULL OR created_at > :created_after)
+      AND (:created_before IS NULL OR created_at < :created_before)
+      AND (:updated_after IS NULL OR updated_at > :updated_after)
+      AND (:updated_before IS NULL OR updated_at < :updated_before)
+      AND (:error_contains IS NULL OR instr(lower(error), :error_contains) > 0)
+      AND (:actor_id IS NULL
+           OR project_id IN (SELECT project_id FROM assignments WHERE actor_id = :actor_id))
+"""
+
+
+@functools.lru_cache(maxsize=256)
+def list_items(states: tuple[str, ...], project: bool, newest: bool, payload: bool) -> str:
+    """The listing for ``states`` (none: any state), of one project (:project_id) or of
+    all, after the keyset bound :after, at most :limit rows.
+
+    The states are written into the SQL, not bound: a partial index serves a query only
+    when its WHERE proves the index's, which a parameter cannot (they are names from
+    `_models.ITEM_STATES`, checked here, never user input).
+    """
+    assert all(state in _models.ITEM_STATES for state in states)
+    columns = _LISTED.format(
+        payload="payload" if payload else "NULL", result="result" if payload else "NULL"
+    )
+    order = "item_id DESC" if newest else "item_id"
+    keyset = "item_id < :after" if newest else "item_id > :after"
+    where = f"{keyset} {'AND project_id = :project_id' if project else ''} {_LIST_FILTERS}"
+    if not states:
+        return f"SELECT {columns} FROM items WHERE {where} ORDER BY {order} LIMIT :limit"
+    listed = "items_by_project" if project else "items_by_state"
+    # SQLite uses a partial index only when the query repeats its WHERE term.
+    arms = {
+        state: ("items_lease", "") if state == "claimed" else (listed, "AND state <> 'claimed'")
+        for state in states
+    }
+    selects = [
+        f"SELECT * FROM (SELECT {columns} FROM items INDEXED BY {index} "
+        f"WHERE state = '{state}' {term} AND {where} ORDER BY {order} LIMIT :limit)"
+        for state, (index, term) in arms.items()
+    ]
+    return " UNION ALL ".join(selects) + f" ORDER BY {order} LIMIT :limit"
+
+
 # --- retention -----------------------------------------------------------------------------
 # Settled items older than the cutoff, oldest first, a chunk at a time. Ready, deferred,
-# claimed and offloaded items never match: only done and failed ones are ever purged.
+# claimed and offloaded items never match: only done, failed and cancelled ones are ever
+# purged.
 
 PURGE_CANDIDATES: Final = f"""
 SELECT {_ITEM_COLUMNS} FROM items INDEXED BY items_settled
-WHERE state IN ('done', 'failed') AND updated_at < :cutoff
+WHERE state IN {_SETTLED_STATES} AND updated_at < :cutoff
 ORDER BY updated_at, item_id
 LIMIT :chunk
 """
@@ -429,7 +523,7 @@ SELECT event_id, item_id, event_type, fence, owner, actor_id, at, detail
 FROM events WHERE item_id = ? ORDER BY event_id
 """
 # An item goes first, then its history (the ledger refuses to drop a live item's events).
-PURGE_ITEM: Final = "DELETE FROM items WHERE item_id = ? AND state IN ('done', 'failed')"
+PURGE_ITEM: Final = f"DELETE FROM items WHERE item_id = ? AND state IN {_SETTLED_STATES}"
 PURGE_EVENTS: Final = "DELETE FROM events WHERE item_id = ?"
 
 # --- imports --------------------------------------------------------------------------------
@@ -450,7 +544,7 @@ LIST_ASSIGNMENTS: Final = (
 )
 EXPORT_ITEMS: Final = f"""
 SELECT {_ITEM_COLUMNS} FROM items
-WHERE item_id > :after AND (:pending_only = 0 OR state NOT IN ('done', 'failed'))
+WHERE item_id > :after AND (:pending_only = 0 OR state NOT IN {_SETTLED_STATES})
 ORDER BY item_id LIMIT :chunk
 """
 COPY_PROJECT: Final = """
@@ -511,7 +605,7 @@ UNEXPLAINED_CLAIMS: Final = """
 SELECT item_id FROM events
 GROUP BY item_id
 HAVING sum(event_type = 'claimed')
-       > 1 + sum(event_type IN ('lease_expired', 'retried', 'parked'))
+       > 1 + sum(event_type IN ('lease_expired', 'retried', 'parked', 'requeued'))
 ORDER BY item_id
 """
 # Items in a given state (the probe's check for lost work).
@@ -524,6 +618,19 @@ ITEM_IDS_IN_STATE: Final = "SELECT item_id FROM items WHERE state = ? ORDER BY i
 
 #: The replay of an event type to the state it leaves: made from `_models.EVENT_TYPES`.
 _REPLAYED: Final = _models.replay_case("e.event_type", "quote")
+#: Events that settle an item, and the states they leave (from `_models`).
+_SETTLING: Final = _models.sql_list(_models.SETTLING_EVENTS)
+_SETTLED_ROW: Final = _models.sql_list(_models.FINISH_STATUSES)
+
+
+def _since_requeue(alias: str) -> str:
+    """An event of the item's current life: after its last "requeued" event, if any (an
+    index seek on events_by_item: requeues are few)."""
+    return (
+        f"{alias}.event_id > coalesce((SELECT max(r.event_id) FROM events AS r "
+        f"WHERE r.item_id = {alias}.item_id AND r.event_type = 'requeued'), 0)"
+    )
+
 
 LEDGER_CHECKS: Final[tuple[tuple[str, str], ...]] = (
     (
@@ -536,51 +643,71 @@ LEDGER_CHECKS: Final[tuple[tuple[str, str], ...]] = (
         """,
     ),
     (
+        # Settled twice with no requeue between: of the settling and requeue events in
+        # order, one settling event follows another.
         "two_terminal_events",
-        """
-        SELECT e.item_id, count(*) || ' terminal events: ' || group_concat(e.event_type, ', ')
-        FROM events AS e
-        WHERE e.event_type IN ('done', 'failed')
-          AND EXISTS (SELECT 1 FROM items AS i WHERE i.item_id = e.item_id)
-        GROUP BY e.item_id HAVING count(*) > 1
+        f"""
+        SELECT s.item_id,
+               'terminal events ' || group_concat(s.previous || ' then ' || s.event_type, ', ')
+               || ' with no requeue between'
+        FROM (SELECT item_id, event_type,
+                     lag(event_type) OVER (PARTITION BY item_id ORDER BY event_id) AS previous
+              FROM events WHERE event_type IN {_SETTLING} OR event_type = 'requeued') AS s
+        WHERE s.event_type <> 'requeued' AND s.previous <> 'requeued'
+          AND EXISTS (SELECT 1 FROM items AS i WHERE i.item_id = s.item_id)
+        GROUP BY s.item_id
         """,
     ),
     (
         "terminal_without_event",
-        """
+        f"""
         SELECT i.item_id, 'row is ' || i.state || ' but no terminal event was recorded'
         FROM items AS i
-        WHERE i.state IN ('done', 'failed')
+        WHERE i.state IN {_SETTLED_ROW}
           AND NOT EXISTS (SELECT 1 FROM events AS e
-                          WHERE e.item_id = i.item_id AND e.event_type IN ('done', 'failed'))
+                          WHERE e.item_id = i.item_id AND e.event_type IN {_SETTLING}
+                            AND {_since_requeue("e")})
+        """,
+    ),
+    (
+        "cancelled_without_event",
+        f"""
+        SELECT i.item_id, 'row is cancelled but no "cancelled" event was recorded'
+        FROM items AS i
+        WHERE i.state = 'cancelled'
+          AND NOT EXISTS (SELECT 1 FROM events AS e
+                          WHERE e.item_id = i.item_id AND e.event_type IN {_SETTLING}
+                            AND {_since_requeue("e")})
         """,
     ),
     (
         "terminal_events_disagree",
-        """
+        f"""
         SELECT i.item_id, 'row is ' || i.state || ' but an event says ' || e.event_type
         FROM items AS i JOIN events AS e ON e.item_id = i.item_id
-        WHERE i.state IN ('done', 'failed')
-          AND e.event_type IN ('done', 'failed') AND e.event_type <> i.state
+        WHERE i.state IN {_SETTLED_STATES}
+          AND e.event_type IN {_SETTLING} AND e.event_type <> i.state AND {_since_requeue("e")}
         GROUP BY i.item_id
         """,
     ),
     (
         "event_without_terminal",
-        """
+        f"""
         SELECT i.item_id, 'a ' || e.event_type || ' event exists but the row is ' || i.state
         FROM items AS i JOIN events AS e ON e.item_id = i.item_id
-        WHERE i.state NOT IN ('done', 'failed') AND e.event_type IN ('done', 'failed')
+        WHERE i.state NOT IN {_SETTLED_STATES} AND e.event_type IN {_SETTLING}
+          AND {_since_requeue("e")}
         GROUP BY i.item_id
         """,
     ),
     (
+        # A claim raises the fence by one, and so does a cancel: their fences only rise.
         "fence_not_monotonic",
         """
-        SELECT item_id, 'claim fence ' || fence || ' follows claim fence ' || previous
-        FROM (SELECT item_id, fence,
+        SELECT item_id, event_type || ' fence ' || fence || ' follows fence ' || previous
+        FROM (SELECT item_id, event_type, fence,
                      lag(fence) OVER (PARTITION BY item_id ORDER BY event_id) AS previous
-              FROM events WHERE event_type = 'claimed')
+              FROM events WHERE event_type IN ('claimed', 'cancelled'))
         WHERE fence <= previous
         GROUP BY item_id
         """,
@@ -589,30 +716,31 @@ LEDGER_CHECKS: Final[tuple[tuple[str, str], ...]] = (
         "fence_disagrees",
         """
         SELECT i.item_id,
-               'row fence ' || i.fence || ' but the last claim recorded fence '
+               'row fence ' || i.fence || ' but the last claim or cancel recorded fence '
                || coalesce(c.fence, 'none')
         FROM items AS i
         LEFT JOIN (SELECT item_id, fence FROM events
                    WHERE event_id IN (SELECT max(event_id) FROM events
-                                      WHERE event_type = 'claimed' GROUP BY item_id)) AS c
+                                      WHERE event_type IN ('claimed', 'cancelled')
+                                      GROUP BY item_id)) AS c
                ON c.item_id = i.item_id
         WHERE i.fence IS NOT coalesce(c.fence, 0)
         """,
     ),
     (
         "ready_after_claim",
-        """
+        f"""
         SELECT i.item_id, 'row is ready but the item was claimed at fence ' || max(e.fence)
         FROM items AS i JOIN events AS e ON e.item_id = i.item_id
-        WHERE i.state = 'ready' AND e.event_type = 'claimed'
+        WHERE i.state = 'ready' AND e.event_type = 'claimed' AND {_since_requeue("e")}
         GROUP BY i.item_id
         """,
     ),
     (
         # Replay: the state an item's last event leaves it in (see EVENT_TYPES) must be the
-        # row's. Left to the kinds above: rows with no events at all, terminal rows whose
-        # terminal events are missing or disagree, a terminal event under a live row, and
-        # a ready row that was claimed.
+        # row's. Left to the kinds above: rows with no events at all, settled rows whose
+        # settling events (since the last requeue) are missing or disagree, a settling
+        # event under a live row, and a ready row that was claimed.
         "state_disagrees",
         f"""
         SELECT i.item_id, 'row is ' || quote(i.state) || ' but its events lead to ' || r.replayed
@@ -623,18 +751,18 @@ LEDGER_CHECKS: Final[tuple[tuple[str, str], ...]] = (
               WHERE e.event_id IN (SELECT max(event_id) FROM events GROUP BY item_id)) AS r
           ON r.item_id = i.item_id
         WHERE i.state IS NOT r.replayed
-          AND NOT (i.state IN ('done', 'failed')
+          AND NOT (i.state IN {_SETTLED_STATES}
                    AND (NOT EXISTS (SELECT 1 FROM events AS t WHERE t.item_id = i.item_id
-                                    AND t.event_type IN ('done', 'failed'))
+                                    AND t.event_type IN {_SETTLING} AND {_since_requeue("t")})
                         OR EXISTS (SELECT 1 FROM events AS t WHERE t.item_id = i.item_id
-                                   AND t.event_type IN ('done', 'failed')
-                                   AND t.event_type <> i.state)))
-          AND NOT (i.state NOT IN ('done', 'failed')
+                                   AND t.event_type IN {_SETTLING}
+                                   AND t.event_type <> i.state AND {_since_requeue("t")})))
+          AND NOT (i.state NOT IN {_SETTLED_STATES}
                    AND EXISTS (SELECT 1 FROM events AS t WHERE t.item_id = i.item_id
-                               AND t.event_type IN ('done', 'failed')))
+                               AND t.event_type IN {_SETTLING} AND {_since_requeue("t")}))
           AND NOT (i.state = 'ready'
                    AND EXISTS (SELECT 1 FROM events AS t WHERE t.item_id = i.item_id
-                               AND t.event_type = 'claimed'))
+                               AND t.event_type = 'claimed' AND {_since_requeue("t")}))
         """,
     ),
     (

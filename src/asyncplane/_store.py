@@ -11,13 +11,14 @@ opens itself on first use; ``async with`` or ``await store.close()`` releases it
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
 import pathlib
 import random
 import types
-from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping, Sequence
 from datetime import datetime, timedelta
 from typing import Any, Literal
 
@@ -40,6 +41,9 @@ from asyncplane._retention import PurgeSummary
 __all__ = ("ControlStore", "engine_of")
 
 _log = logging.getLogger("asyncplane")
+
+#: The most rows one page of `ControlStore.items` returns.
+MAX_LIST_LIMIT = 10_000
 
 
 class ControlStore:
@@ -72,7 +76,7 @@ class ControlStore:
             doubles, and each is jittered (x0.5 to x1.5) ...
         retry_backoff_max: ... and capped at this many seconds.
         rng: The random source of the jitter (seeded in tests).
-        retention: How long settled (done or failed) items stay before `purge` archives
+        retention: How long settled (done, failed, cancelled) items stay before `purge` archives
             and deletes them (a timedelta or seconds; None: drain() never purges).
         archive_path: Where purged items are appended (default: beside the database,
             ``<database>.archive.jsonl``; a PostgreSQL store has no default).
@@ -673,7 +677,7 @@ class ControlStore:
         archive_path: str | os.PathLike[str] | None = None,
         progress: Callable[[int], None] | None = None,
     ) -> PurgeSummary:
-        """Archive, then delete, done and failed items last changed before ``retention``.
+        """Archive, then delete, settled items last changed before ``retention``.
 
         Each chunk of items, with all their events, is appended to the JSONL archive and
         fsynced before the transaction that deletes them commits, so a crash can
@@ -821,6 +825,263 @@ class ControlStore:
         row = await (await self._engine.ready()).get_item(item_id, actor)
         return _item_dict(row)
 
+    # --- operating single items ----------------------------------------------------------
+
+    async def items(
+        self,
+        *,
+        project_id: str | None = None,
+        state: str | Collection[str] | None = None,
+        owner: str | None = None,
+        fingerprint: str | None = None,
+        created_after: datetime | float | None = None,
+        created_before: datetime | float | None = None,
+        updated_after: datetime | float | None = None,
+        updated_before: datetime | float | None = None,
+        error_contains: str | None = None,
+        order: str = "newest",
+        after: int | None = None,
+        limit: int = 100,
+        include_payload: bool = True,
+        actor_id: str | None = None,
+    ) -> list[dict[str, Any]]:
+        """A page of items, each as `item` returns it, newest first (or oldest).
+
+        Every filter is optional, and they combine: ``state`` is one state or several;
+        ``error_contains`` matches a piece of the error, ignoring case; the times are
+        aware datetimes or epoch seconds, and exclusive. For the next page pass the last
+        row's ``item_id`` as ``after`` (keyset paging: rows never repeat or go missing
+        between pages). Each state asked for is read newest first from an index of its own
+        (per project, with ``project_id``), so a page costs the same at a thousand items or
+        a million; the other filters are checked on the rows walked. Without
+        ``include_payload`` the rows have no payload and no result.
+
+        Raises:
+            InvalidInput: An unknown state or order, or a limit outside 1 to 10,000.
+        """
+        where = self._item_filter(
+            project_id, state, owner, fingerprint, created_after, created_before,
+            updated_after, updated_before, error_contains, actor_id,
+        )  # fmt: skip
+        size = _validate.positive_int(limit, "limit")
+        if size > MAX_LIST_LIMIT:
+            raise _errors.InvalidInput(f"limit is {size}: at most {MAX_LIST_LIMIT} rows a page")
+        op = _backend.ListOp(
+            where,
+            _validate.listing_order(order),
+            None if after is None else _validate.item_id(after),
+            size,
+            _validate.boolean(include_payload, "include_payload"),
+        )
+        rows = await (await self._engine.ready()).list_items(op)
+        if op.include_payload:
+            return [_item_dict(row) for row in rows]
+        return [_item_dict(row, payload=False) for row in rows]
+
+    async def cancel(
+        self, item_id: int, *, reason: str | None = None, actor_id: str | None = None
+    ) -> str:
+        """Cancel an item; return its state afterwards.
+
+        A ready, deferred, claimed or offloaded item becomes "cancelled" at once, with a
+        "cancelled" event, and its fence rises as on a takeover: whoever holds it is
+        refused with `ItemCancelled` at their next renew, finish, retry, park or offload
+        (`drain` stops the executor on that refusal). Its twins are not settled: they stop
+        being held back. An item settled already (done, failed, cancelled) is left as it
+        is, and its state returned: not an error.
+
+        Raises:
+            UnknownItem: No such item (control plane only).
+            ScopeDenied: The actor may not see the item (or it does not exist).
+        """
+        op = _backend.CancelOp(
+            _validate.item_id(item_id),
+            _validate.error_text(reason),
+            _validate.optional_actor(actor_id),
+        )
+        state = await (await self._engine.ready()).cancel(op)
+        self._engine.notify()  # its twins may be claimable, a waiter may be waiting
+        return state
+
+    async def requeue(self, item_id: int, *, actor_id: str | None = None) -> None:
+        """Put a failed or cancelled item back in the ready queue with a fresh attempt
+        budget.
+
+        It keeps its id, payload and fingerprint; a "requeued" event records who, when and
+        from which state; its attempts count starts again (the ledger keeps every earlier
+        attempt), and its next claim's fence is above every earlier one.
+
+        Raises:
+            NotRequeueable: The item is neither failed nor cancelled; nothing changed.
+            UnknownItem: No such item (control plane only).
+            ScopeDenied: The actor may not see the item (or it does not exist).
+        """
+        op = _backend.RequeueOp(_validate.item_id(item_id), _validate.optional_actor(actor_id))
+        await (await self._engine.ready()).requeue(op)
+        self._engine.notify()
+
+    async def cancel_where(
+        self,
+        *,
+        project_id: str | None = None,
+        state: str | Collection[str] | None = None,
+        owner: str | None = None,
+        fingerprint: str | None = None,
+        created_after: datetime | float | None = None,
+        created_before: datetime | float | None = None,
+        updated_after: datetime | float | None = None,
+        updated_before: datetime | float | None = None,
+        error_contains: str | None = None,
+        reason: str | None = None,
+        chunk: int = 500,
+        actor_id: str | None = None,
+    ) -> int:
+        """Cancel every live item the filters take (as `items` reads them); return how
+        many were cancelled.
+
+        It works through them oldest first, ``chunk`` items per short transaction, so
+        other writers get their turn between chunks and a crash leaves each item either
+        cancelled, with its event, or untouched; running it again goes on. Settled items
+        are never touched, whatever ``state`` says.
+        """
+        where = self._item_filter(
+            project_id, state, owner, fingerprint, created_after, created_before,
+            updated_after, updated_before, error_contains, actor_id,
+        )  # fmt: skip
+        why = _validate.error_text(reason)
+        size = _validate.positive_int(chunk, "chunk")
+        backend = await self._engine.ready()
+        return await self._in_chunks(backend.cancel_where, where, size, why)
+
+    async def requeue_where(
+        self,
+        *,
+        project_id: str | None = None,
+        state: str | Collection[str] | None = None,
+        owner: str | None = None,
+        fingerprint: str | None = None,
+        created_after: datetime | float | None = None,
+        created_before: datetime | float | None = None,
+        updated_after: datetime | float | None = None,
+        updated_before: datetime | float | None = None,
+        error_contains: str | None = None,
+        chunk: int = 500,
+        actor_id: str | None = None,
+    ) -> int:
+        """Requeue every failed or cancelled item the filters take; return how many.
+
+        In chunks of short transactions, oldest first, as `cancel_where` works; an item in
+        any other state is never touched, whatever ``state`` says.
+        """
+        where = self._item_filter(
+            project_id, state, owner, fingerprint, created_after, created_before,
+            updated_after, updated_before, error_contains, actor_id,
+        )  # fmt: skip
+        size = _validate.positive_int(chunk, "chunk")
+        backend = await self._engine.ready()
+        return await self._in_chunks(backend.requeue_where, where, size, None)
+
+    async def _in_chunks(
+        self,
+        step: Callable[[_backend.WhereOp], Awaitable[tuple[int, int | None]]],
+        where: _backend.ItemFilter,
+        chunk: int,
+        reason: str | None,
+    ) -> int:
+        changed, after = 0, 0
+        while True:
+            count, last = await step(_backend.WhereOp(where, after, chunk, reason))
+            changed += count
+            if count:
+                self._engine.notify()
+            if last is None:
+                return changed
+            after = last
+
+    async def wait(
+        self,
+        item_id: int,
+        *,
+        timeout: float | None = None,
+        poll_interval: float = 0.1,
+        actor_id: str | None = None,
+    ) -> dict[str, Any]:
+        """The item, as `item` returns it, once it is done, failed or cancelled.
+
+        No busy polling: a settle in this process wakes the waiter at once; one in
+        another process is noticed by the store's own wake-ups (on SQLite a cheap
+        ``PRAGMA data_version`` look every ``poll_interval`` seconds, on PostgreSQL a
+        NOTIFY at once).
+
+        Raises:
+            WaitTimeout: Not settled within ``timeout`` seconds (a `TimeoutError` too).
+            UnknownItem: No such item (at once, control plane only).
+            ScopeDenied: The actor may not see the item (or it does not exist).
+        """
+        target = _validate.item_id(item_id)
+        actor = _validate.optional_actor(actor_id)
+        limit = None if timeout is None else _validate.seconds(timeout, "timeout", 10.0**7)
+        poll = _validate.seconds(poll_interval, "poll_interval", 3600.0)
+        engine = self._engine
+        local = engine.watch()
+        try:
+            return await asyncio.wait_for(self._settled(target, actor, local, poll), limit)
+        except asyncio.TimeoutError:
+            raise _errors.WaitTimeout(
+                f"item {target} had not settled after {limit} seconds"
+            ) from None
+        finally:
+            engine.unwatch(local)
+
+    async def _settled(
+        self, item_id: int, actor: str | None, local: asyncio.Event, poll: float
+    ) -> dict[str, Any]:
+        while True:
+            backend = await self._engine.ready()
+            version = await backend.settled_version()  # before the read: nothing slips by
+            local.clear()
+            row = await backend.get_item(item_id, actor)
+            if row.state in _models.SETTLED_STATES:
+                return _item_dict(row)
+            changed = asyncio.create_task(
+                _changed_since(backend, version, poll), name=f"asyncplane-wait[{item_id}]"
+            )
+            woken = asyncio.create_task(local.wait(), name=f"asyncplane-wait-local[{item_id}]")
+            try:
+                done, _ = await asyncio.wait({changed, woken}, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    task.result()  # a store that failed says so
+            finally:
+                for task in (changed, woken):
+                    task.cancel()
+                await asyncio.gather(changed, woken, return_exceptions=True)
+
+    def _item_filter(
+        self,
+        project_id: object,
+        state: object,
+        owner: object,
+        fingerprint: object,
+        created_after: object,
+        created_before: object,
+        updated_after: object,
+        updated_before: object,
+        error_contains: object,
+        actor_id: object,
+    ) -> _backend.ItemFilter:
+        return _backend.ItemFilter(
+            None if project_id is None else _validate.text_id(project_id, "project_id"),
+            _validate.states(state),
+            None if owner is None else _validate.text_id(owner, "owner"),
+            _validate.fingerprint(fingerprint),
+            _validate.instant(created_after, "created_after"),
+            _validate.instant(created_before, "created_before"),
+            _validate.instant(updated_after, "updated_after"),
+            _validate.instant(updated_before, "updated_before"),
+            _validate.search_text(error_contains, "error_contains"),
+            _validate.optional_actor(actor_id),
+        )
+
     async def events(self, item_id: int, *, actor_id: str | None = None) -> list[dict[str, Any]]:
         """The item's ledger, oldest first.
 
@@ -900,12 +1161,18 @@ def _claimed_item(row: _backend.ClaimRow, payload: dict[str, Any]) -> ClaimedIte
     )
 
 
-def _item_dict(row: _backend.ItemRow) -> dict[str, Any]:
-    return {
+async def _changed_since(backend: _backend.Backend, version: int, poll: float) -> None:
+    """Return once the backend's settled version moves past ``version``."""
+    while await backend.settled_version() == version:  # noqa: ASYNC110
+        await asyncio.sleep(poll)
+
+
+def _item_dict(row: _backend.ItemRow, *, payload: bool = True) -> dict[str, Any]:
+    found = {
         "item_id": row.item_id,
         "project_id": row.project_id,
         "state": row.state,
-        "payload": _decoded(row.payload_json, row.item_id, "payload"),
+        "payload": _decoded(row.payload_json, row.item_id, "payload") if payload else None,
         "fence": row.fence,
         "attempts": row.attempts,
         "owner": row.owner,
@@ -924,3 +1191,6 @@ def _item_dict(row: _backend.ItemRow) -> dict[str, Any]:
         "error": row.error,
         "offload_handle": row.offload_handle,
     }
+    if not payload:
+        del found["payload"], found["result"]
+    return found

@@ -187,6 +187,38 @@ def _one_of(value: object, what: str, allowed: tuple[str, ...]) -> str:
     return value
 
 
+def states(value: object) -> tuple[str, ...]:
+    """None (any state), one item state, or several (a tuple or list of them)."""
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        return (_one_of(value, "state", _models.ITEM_STATES),)
+    if not isinstance(value, (tuple, list, set, frozenset)):
+        raise _errors.InvalidType(
+            f"state must be a str or a tuple of them, not {type(value).__name__}"
+        )
+    chosen = {_one_of(state, "state", _models.ITEM_STATES) for state in value}
+    if not chosen:
+        raise _errors.InvalidInput("state names no state: pass None for any")
+    return tuple(state for state in _models.ITEM_STATES if state in chosen)
+
+
+def listing_order(value: object) -> bool:
+    """True for "newest" (first), False for "oldest"."""
+    return _one_of(value, "order", ("newest", "oldest")) == "newest"
+
+
+def search_text(value: object, what: str) -> str | None:
+    """None, or a non-empty text to look for (lower-cased: the match ignores case)."""
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise _errors.InvalidType(f"{what} must be a str, not {type(value).__name__}")
+    if not value or len(value) > MAX_ERROR_LENGTH:
+        raise _errors.InvalidInput(f"{what} must be 1 to {MAX_ERROR_LENGTH} characters")
+    return storable_text(value, what).lower()
+
+
 def encode_payload(payload: object, max_bytes: int) -> str:
     """Serialise a payload to compact JSON, refusing anything that would not round-trip.
 

@@ -3,6 +3,11 @@
     asyncplane stats DB                       counts by state and project, ages, sizes
     asyncplane verify DB                      the ledger check; exit 1 if it finds problems
     asyncplane events DB ITEM                 one item's history
+    asyncplane items DB [--project P] [--state S ...] [--error TEXT] ...   find items
+    asyncplane cancel DB ID ... [--reason TEXT]     cancel items (running ones too)
+    asyncplane cancel DB --project P --state ready [--reason TEXT] --yes
+    asyncplane requeue DB ID ...                    failed or cancelled items back to ready
+    asyncplane requeue DB --project P --state failed [--error TEXT] --yes
     asyncplane purge DB --retention 7d        archive, then delete, old settled items
     asyncplane import DB --from SRC --table T --column payload=data ...
     asyncplane copy SRC DST                   move a store to another (SQLite <-> PostgreSQL)
@@ -11,11 +16,13 @@
 DB, SRC and DST are SQLite files or ``postgresql://`` URLs.
 
 Every verb takes ``--json`` for one JSON object on stdout. Long operations (purge, import,
-copy) show their progress on stderr when it is a terminal. stats, verify and events open the
-file read-only and write nothing. Exit status: 0 on success, 1 when verify finds problems,
-2 for a usage error, a missing file, a file that is not an asyncplane store, or a store
-of another schema version (stats, verify and events need the current one; purge and
-import migrate an older store), 3 when the store or the disk fails under the command.
+copy) show their progress on stderr when it is a terminal. stats, verify, events and items
+open the store read-only and write nothing; a filter-wide cancel or requeue without
+``--yes`` only says how many items it would change. Exit status: 0 on success, 1 when
+verify finds problems, 2 for a usage error, a missing file, a file that is not an
+asyncplane store, a store of another schema version (the looking verbs need the current
+one; the others migrate an older store), or an item id that is unknown or cannot be
+requeued, 3 when the store or the disk fails under the command.
 """
 
 from __future__ import annotations
@@ -30,21 +37,46 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from asyncplane import __version__, _copy, _engine, _errors, _ledger, _sqlite, _store, probe
+from asyncplane import (
+    __version__,
+    _copy,
+    _engine,
+    _errors,
+    _ledger,
+    _rules,
+    _sqlite,
+    _store,
+    _validate,
+    probe,
+)  # fmt: skip
 
 __all__ = ("main", "parse_duration")
 
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 
 
+_PART = re.compile(r"(\d+(?:\.\d+)?)\s*([smhdw]?)\s*")
+
+
 def parse_duration(text: str) -> dt.timedelta:
-    """'90s', '15m', '12h', '7d', '2w' or plain seconds, as a timedelta."""
-    found = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*", text)
-    if found is None:
+    """'90s', '15m', '12h', '7d', '2w', compounds such as '1h30m', or plain seconds."""
+    body = text.strip()
+    if body.startswith("-"):
         raise argparse.ArgumentTypeError(
-            f"not a duration: {text!r} (use seconds, or a number with s, m, h, d or w)"
+            f"a duration cannot be negative: {text!r} (0s keeps nothing settled)"
         )
-    return dt.timedelta(seconds=float(found[1]) * _UNITS.get(found[2] or "s", 1))
+    parts = list(_PART.finditer(body))
+    plain = len(parts) == 1 and not parts[0][2]
+    if not body or "".join(p[0] for p in parts) != body or (len(parts) > 1 and not all(
+        p[2] for p in parts
+    )):  # fmt: skip
+        raise argparse.ArgumentTypeError(
+            f"not a duration: {text!r} (use seconds, or numbers with s, m, h, d or w, "
+            "such as 90s, 12h or 1h30m)"
+        )
+    if plain:
+        return dt.timedelta(seconds=float(parts[0][1]))
+    return dt.timedelta(seconds=sum(float(p[1]) * _UNITS[p[2]] for p in parts))
 
 
 def _literal(text: str) -> int | float | str:
@@ -67,7 +99,18 @@ def _parser() -> argparse.ArgumentParser:
     def verb(name: str, help_text: str) -> argparse.ArgumentParser:
         sub = verbs.add_parser(name, help=help_text, description=help_text)
         sub.add_argument("--json", action="store_true", help="print one JSON object")
+        _VERB_PARSERS[name] = sub
         return sub
+
+    def filters(sub: argparse.ArgumentParser) -> None:
+        sub.add_argument("--project", help="one project")
+        sub.add_argument(
+            "--state", action="append", default=None, metavar="S",
+            help="a state (ready, deferred, claimed, offloaded, done, failed, cancelled); "
+            "repeatable",
+        )  # fmt: skip
+        sub.add_argument("--owner", help="the owner of the last claim")
+        sub.add_argument("--error", help="a piece of the error text (ignoring case)")
 
     stats = verb("stats", "counts by state and project, oldest ready item, sizes")
     stats.add_argument("db")
@@ -98,12 +141,34 @@ def _parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     imported.add_argument("--drop-source", action="store_true", help="drop the table after")
     imported.add_argument("--chunk", type=int, default=1000)
+    items = verb("items", "find items: newest first, filtered, a page at a time")
+    items.add_argument("db")
+    filters(items)
+    items.add_argument("--limit", type=int, default=50, help="rows (at most 10,000)")
+    items.add_argument("--after", type=int, default=None, help="the last id of the page before")
+    items.add_argument("--oldest", action="store_true", help="oldest first")
+    for name, help_text, extra in (
+        ("cancel", "cancel items by id, or every live item a filter takes", True),
+        ("requeue", "put failed or cancelled items back in the queue, by id or by filter", False),
+    ):
+        sub = verb(name, help_text)
+        sub.add_argument("db")
+        sub.add_argument("ids", nargs="*", type=int, metavar="ID")
+        filters(sub)
+        if extra:
+            sub.add_argument("--reason", help="why (kept with the item and in its event)")
+        sub.add_argument(
+            "--yes", action="store_true",
+            help="with a filter: change the items (without it, only count them)",
+        )  # fmt: skip
     copied = verb("copy", "copy a store, items and histories, into another; idempotent")
     copied.add_argument("db", metavar="SRC", help="the store to copy (only read)")
     copied.add_argument("destination", metavar="DST", help="an empty store, or a new file")
     copied.add_argument("--chunk", type=int, default=500, help="items per transaction")
     copied.add_argument(
-        "--pending-only", action="store_true", help="leave settled (done, failed) items behind"
+        "--pending-only",
+        action="store_true",
+        help="leave settled (done, failed, cancelled) items behind",
     )
     verbs.add_parser("probe", help="qualify a disk: separate processes, exact counts")
     return parser
@@ -114,7 +179,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
     if args_list and args_list[0] == "probe":
         return probe.main(args_list[1:], prog="asyncplane probe")  # it owns its options
-    args = _parser().parse_args(args_list)
+    parser = _parser()
+    args, extra = parser.parse_known_args(_negative_durations(args_list))
+    if extra:  # a mistyped flag: the verb's own usage says what it takes
+        _VERB_PARSERS[args.verb].error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         _check_is_a_store(args.db)  # before any event loop: a plain, quick file read
         if args.verb == "copy" and pathlib.Path(args.destination).exists():
@@ -133,6 +201,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
 
 
+def _negative_durations(argv: list[str]) -> list[str]:
+    """``--retention -1d`` as ``--retention=-1d``: argparse would take ``-1d`` for a flag
+    and say only that a value is missing; this way the duration says what is wrong."""
+    merged: list[str] = []
+    for arg in argv:
+        if merged and merged[-1] == "--retention" and re.match(r"-\d", arg):
+            merged[-1] = f"--retention={arg}"
+        else:
+            merged.append(arg)
+    return merged
+
+
 class _Usage(Exception):
     """Something the user has to fix: exit status 2."""
 
@@ -144,6 +224,8 @@ def _check_is_a_store(location: str) -> None:
     if _engine.is_postgres_url(location):
         return
     path = pathlib.Path(location)
+    if path.is_dir():
+        raise _Usage(f"{path} is a directory: name the store's file in it")
     if not path.is_file():
         raise _Usage(f"no such file: {path}")
     try:
@@ -157,7 +239,7 @@ async def _run(args: argparse.Namespace) -> int:
     # nothing written. Only purge, import and copy (its destination) write.
     if args.verb == "copy":
         return await _copy_verb(args)
-    store = _store.ControlStore(args.db, read_only=args.verb in ("stats", "verify", "events"))
+    store = _store.ControlStore(args.db, read_only=args.verb in _LOOKING)
     try:
         try:
             await store.open()
@@ -176,7 +258,7 @@ def _out(args: argparse.Namespace, data: Any, text: str) -> None:
 
 def _jsonable(value: Any) -> Any:
     if isinstance(value, dt.datetime):
-        return value.isoformat()
+        return _when(value)
     return str(value)
 
 
@@ -234,7 +316,7 @@ async def _events(store: _store.ControlStore, args: argparse.Namespace) -> int:
     except _errors.UnknownItem as exc:
         raise _Usage(str(exc)) from exc
     text = "\n".join(
-        f"{e['at'].isoformat()}  {e['event_type']:<13} fence {e['fence']:<3} "
+        f"{_when(e['at'])}  {e['event_type']:<13} fence {e['fence']:<3} "
         f"owner {e['owner'] or '-'}  {json.dumps(e['detail']) if e['detail'] else ''}".rstrip()
         for e in events
     )
@@ -263,6 +345,8 @@ async def _import(store: _store.ControlStore, args: argparse.Namespace) -> int:
         if not sep:
             raise _Usage(f"--column takes FIELD=COLUMN, not {pair!r}")
         columns[field] = column
+    if args.source.is_dir():
+        raise _Usage(f"--from {args.source} is a directory: name the source's file")
     if not args.source.is_file():
         raise _Usage(f"no such file: {args.source}")
     try:
@@ -273,6 +357,8 @@ async def _import(store: _store.ControlStore, args: argparse.Namespace) -> int:
         )  # fmt: skip
     except _errors.UnknownProject as exc:
         raise _Usage(str(exc)) from exc
+    except _errors.InvalidInput as exc:  # the library's words, with this command's flags
+        raise _Usage(_in_flags(str(exc))) from exc
     finally:
         _end_progress()
     data = {
@@ -319,17 +405,149 @@ async def _copy_verb(args: argparse.Namespace) -> int:
     _out(
         args, data,
         f"copied {done.copied:,} items ({done.skipped:,} copied before) and "
-        f"{done.projects} new projects from {source.location} to {destination.location}; "
+        f"{done.projects} new project{'' if done.projects == 1 else 's'} from "
+        f"{source.location} to {destination.location}; "
         + ("the destination's ledger verifies clean" if not problems
            else f"the destination's ledger has problems: {problems[0]}"),
     )  # fmt: skip
     return 1 if problems else 0
 
 
+def _counted(count: int) -> str:
+    return f"{count:,} item{'' if count == 1 else 's'}"
+
+
+def _when(at: dt.datetime) -> str:
+    """A time as every table here prints it: UTC, to the millisecond."""
+    return at.isoformat(timespec="milliseconds")
+
+
+#: The keywords of the library's messages, as this command's flags.
+_FLAG_WORDS = (
+    ("give project_id=, or map a project_id column", "give --project, or map a project "
+     "column with --column project_id=COLUMN"),
+    ("project_id=", "--project"),
+    ("drop_source", "--drop-source"),
+)  # fmt: skip
+
+
+def _in_flags(message: str) -> str:
+    for word, flag in _FLAG_WORDS:
+        message = message.replace(word, flag)
+    return message
+
+
+def _where(args: argparse.Namespace) -> dict[str, Any]:
+    """The filter flags, as `ControlStore.items` keywords (only those given)."""
+    given = {
+        "project_id": args.project, "state": args.state, "owner": args.owner,
+        "error_contains": args.error,
+    }  # fmt: skip
+    return {key: value for key, value in given.items() if value is not None}
+
+
+async def _items(store: _store.ControlStore, args: argparse.Namespace) -> int:
+    rows = await store.items(
+        **_where(args), order="oldest" if args.oldest else "newest", after=args.after,
+        limit=args.limit, include_payload=args.json,
+    )  # fmt: skip
+    lines = [f"{'ID':>8}  {'PROJECT':<12} {'STATE':<10} {'ATT':>3}  {'UPDATED':<29} ERROR"]
+    for row in rows:
+        error = (row["error"] or "").replace("\n", " ")
+        lines.append(
+            f"{row['item_id']:>8}  {row['project_id']:<12} {row['state']:<10} "
+            f"{row['attempts']:>3}  {_when(row['updated_at']):<29} "
+            f"{error[:60] + ('...' if len(error) > 60 else '')}".rstrip()
+        )
+    if len(rows) == args.limit:
+        lines.append(f"(more: --after {rows[-1]['item_id']})")
+    _out(args, {"items": rows, "next_after": rows[-1]["item_id"] if rows else None},
+         "\n".join(lines) if rows else "no items")  # fmt: skip
+    return 0
+
+
+async def _by_id(args: argparse.Namespace, act: Callable[[int], Any], done: str) -> int:
+    """Apply ``act`` to each id; report each; exit 2 if any could not be acted on."""
+    results: list[dict[str, Any]] = []
+    refused = 0
+    for item_id in args.ids:
+        try:
+            state = await act(item_id)
+        except (_errors.UnknownItem, _errors.NotRequeueable) as exc:
+            refused += 1
+            results.append({"item_id": item_id, "error": str(exc)})
+            continue
+        results.append({"item_id": item_id, "state": state or done})
+    text = "\n".join(
+        f"item {r['item_id']}: {r.get('state') or 'refused: ' + r['error']}" for r in results
+    )
+    _out(args, {"items": results}, text)
+    return 2 if refused else 0
+
+
+async def _matching(store: _store.ControlStore, args: argparse.Namespace, states: Any) -> int:
+    """How many items a filter-wide cancel or requeue would change now."""
+    if not states:
+        return 0
+    where, count, after = {**_where(args), "state": states}, 0, None
+    while page := await store.items(
+        **where, order="oldest", after=after, limit=10_000, include_payload=False
+    ):
+        count += len(page)
+        after = page[-1]["item_id"]
+    return count
+
+
+async def _where_verb(
+    store: _store.ControlStore, args: argparse.Namespace, states: tuple[str, ...],
+    change: Callable[..., Any], verb: str,
+) -> int:  # fmt: skip
+    if not _where(args):
+        raise _Usage("name items by id, or say which with --project, --state, --owner or --error")
+    if not args.yes:
+        count = await _matching(store, args, states)
+        text = f"{_counted(count)} would be {verb}; add --yes to do it"
+        _out(args, {"would_change": count, "changed": 0}, text)
+        return 0
+    changed = await change(**_where(args))
+    _out(args, {"changed": changed}, f"{verb} {_counted(changed)}")
+    return 0
+
+
+async def _cancel(store: _store.ControlStore, args: argparse.Namespace) -> int:
+    if args.ids:
+        if _where(args):
+            raise _Usage("name items by id or by filter, not both")
+        return await _by_id(args, lambda i: store.cancel(i, reason=args.reason), "cancelled")
+    states = _rules.cancel_states(_validate.states(args.state))
+
+    async def change(**where: Any) -> int:
+        return await store.cancel_where(**where, reason=args.reason)
+
+    return await _where_verb(store, args, states, change, "cancelled")
+
+
+async def _requeue(store: _store.ControlStore, args: argparse.Namespace) -> int:
+    if args.ids:
+        if _where(args):
+            raise _Usage("name items by id or by filter, not both")
+        return await _by_id(args, store.requeue, "ready")
+    states = _rules.requeue_states(_validate.states(args.state))
+    return await _where_verb(store, args, states, store.requeue_where, "requeued")
+
+
+#: The verbs that only look: they open the store read-only.
+_LOOKING = ("stats", "verify", "events", "items")
+#: Each verb's own parser, for its usage line.
+_VERB_PARSERS: dict[str, argparse.ArgumentParser] = {}
+
 _VERBS: dict[str, Callable[[_store.ControlStore, argparse.Namespace], Any]] = {
     "stats": _stats,
     "verify": _verify,
     "events": _events,
+    "items": _items,
+    "cancel": _cancel,
+    "requeue": _requeue,
     "purge": _purge,
     "import": _import,
 }

@@ -1,0 +1,550 @@
+"""Operating single items: find them, cancel them (enforced by the fence), requeue them,
+wait for their results; on both backends."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import pathlib
+import pickle
+import sqlite3
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+
+from _signals import until
+from asyncplane import (
+    ControlStore,
+    Done,
+    FenceRejected,
+    InvalidInput,
+    ItemCancelled,
+    NotRequeueable,
+    ScopeDenied,
+    UnknownItem,
+    WaitTimeout,
+    copy_store,
+    drain,
+    testing,
+    verify_ledger,
+)
+from asyncplane.testing import ManualClock
+
+
+async def failed_item(store: ControlStore, payload: dict[str, Any], error: str) -> int:
+    item_id = await store.enqueue("alpha", payload)
+    claim = await store.claim("w", project_id="alpha")
+    assert claim is not None and claim.item_id == item_id
+    await store.finish(item_id, fence=claim.fence, status="failed", error=error)
+    return item_id
+
+
+# --- items() ---------------------------------------------------------------------------------
+
+
+async def test_items_lists_newest_first_and_pages_by_keyset(store: ControlStore) -> None:
+    ids = [await store.enqueue("alpha", {"n": n}) for n in range(7)]
+    first = await store.items(limit=3)
+    assert [row["item_id"] for row in first] == ids[::-1][:3]
+    assert first[0]["payload"] == {"n": 6}  # each row as item() gives it
+    assert first[0] == await store.item(ids[-1])
+    second = await store.items(limit=3, after=first[-1]["item_id"])
+    third = await store.items(limit=3, after=second[-1]["item_id"])
+    assert [row["item_id"] for row in first + second + third] == ids[::-1]
+    oldest = await store.items(order="oldest", limit=4)
+    assert [row["item_id"] for row in oldest] == ids[:4]
+    assert [r["item_id"] for r in await store.items(order="oldest", after=ids[4])] == ids[5:]
+
+
+async def test_items_filters_combine(store: ControlStore, clock: ManualClock) -> None:
+    await store.create_project("beta", "Beta")
+    a = await failed_item(store, {"n": 1}, "Rate limit reached")
+    clock.advance(10)
+    b = await failed_item(store, {"n": 2}, "bad brief")
+    ready = await store.enqueue("alpha", {"n": 3}, fingerprint="fp-3")
+    other = await store.enqueue("beta", {"n": 4})
+
+    async def ids(**filters: Any) -> list[int]:
+        return [row["item_id"] for row in await store.items(**filters)]
+
+    assert await ids(project_id="alpha", state="failed") == [b, a]
+    assert await ids(state=("ready", "failed")) == [other, ready, b, a]
+    assert await ids(project_id="alpha", state=["ready", "failed"]) == [ready, b, a]
+    assert await ids(project_id="beta") == [other]
+    assert await ids(error_contains="RATE LIMIT") == [a]  # ignoring case
+    assert await ids(fingerprint="fp-3") == [ready]
+    assert await ids(owner="w") == [b, a]
+    cut = (await store.item(b))["created_at"]
+    assert await ids(created_before=cut) == [a]
+    assert await ids(created_after=cut.timestamp() - 1, state="failed") == [b]
+    bare = await store.items(state="failed", include_payload=False)
+    assert "payload" not in bare[0] and "result" not in bare[0]
+    assert bare[0]["error"] == "bad brief"
+
+
+async def test_items_refuses_bad_filters_before_reading(store: ControlStore) -> None:
+    with pytest.raises(InvalidInput, match="unknown state"):
+        await store.items(state="lost")
+    with pytest.raises(InvalidInput, match="order"):
+        await store.items(order="random")
+    with pytest.raises(InvalidInput, match="at most 10000"):
+        await store.items(limit=10_001)
+    with pytest.raises(InvalidInput):
+        await store.items(limit=0)
+
+
+async def test_items_are_scoped_to_an_actor(store: ControlStore) -> None:
+    await store.create_project("beta", "Beta")
+    await store.assign("beta", "ann")
+    await store.enqueue("alpha", {})
+    mine = await store.enqueue("beta", {})
+    assert [row["item_id"] for row in await store.items(actor_id="ann")] == [mine]
+    assert await store.items(actor_id="ann", project_id="alpha") == []
+
+
+# --- cancel ----------------------------------------------------------------------------------
+
+
+async def test_cancelling_waiting_items_settles_them_at_once(
+    store: ControlStore, clock: ManualClock
+) -> None:
+    ready = await store.enqueue("alpha", {"n": 1})
+    later = await store.enqueue("alpha", {"n": 2}, not_before=clock.now() + 3600)
+    assert await store.cancel(ready, reason="wrong brief") == "cancelled"
+    assert await store.cancel(later) == "cancelled"
+    row = await store.item(ready)
+    assert (row["state"], row["error"]) == ("cancelled", "wrong brief")
+    events = await store.events(ready)
+    assert events[-1]["event_type"] == "cancelled"
+    assert events[-1]["detail"] == {"from": "ready", "reason": "wrong brief"}
+    assert await store.claim("w") is None  # neither is claimable any more
+    assert (await store.counts())["cancelled"] == 2
+    assert await verify_ledger(store) == []
+
+
+async def test_cancelling_a_running_item_refuses_its_holder(store: ControlStore) -> None:
+    item_id = await store.enqueue("alpha", {})
+    claim = await store.claim("w")
+    assert claim is not None
+    assert await store.cancel(item_id, reason="stop") == "cancelled"
+    for call in (
+        store.renew(item_id, fence=claim.fence),
+        store.finish(item_id, fence=claim.fence),
+        store.retry(item_id, fence=claim.fence, error="x"),
+        store.park(item_id, fence=claim.fence, delay=1),
+        store.offload(item_id, fence=claim.fence, handle="h"),
+    ):
+        with pytest.raises(ItemCancelled, match="cancelled: stop") as caught:
+            await call
+        assert isinstance(caught.value, FenceRejected)
+        assert caught.value.reason == "stop"
+        assert caught.value.current_fence == claim.fence + 1
+    copy = pickle.loads(pickle.dumps(caught.value))
+    assert (copy.item_id, copy.reason, str(copy)) == (item_id, "stop", str(caught.value))
+    assert (await store.item(item_id))["fence"] == claim.fence + 1
+    assert await verify_ledger(store) == []
+
+
+async def test_an_offloaded_item_cancelled_refuses_its_late_result(store: ControlStore) -> None:
+    item_id = await store.enqueue("alpha", {})
+    claim = await store.claim("w")
+    assert claim is not None
+    await store.offload(item_id, fence=claim.fence, handle="batch-1")
+    assert await store.cancel(item_id) == "cancelled"
+    assert await store.offloaded("batch-1") == []
+    with pytest.raises(ItemCancelled):
+        await store.finish(item_id, fence=claim.fence, result={"late": True})
+    assert await verify_ledger(store) == []
+
+
+async def test_cancelling_a_settled_item_changes_nothing(store: ControlStore) -> None:
+    done = await store.enqueue("alpha", {})
+    claim = await store.claim("w")
+    assert claim is not None
+    await store.finish(done, fence=claim.fence, result=1)
+    failed = await failed_item(store, {"n": 2}, "bad")
+    before = await store.events(done)
+    assert await store.cancel(done) == "done"
+    assert await store.cancel(failed) == "failed"
+    cancelled = await store.enqueue("alpha", {"n": 3})
+    await store.cancel(cancelled)
+    assert await store.cancel(cancelled) == "cancelled"
+    assert await store.events(done) == before
+    assert len([e for e in await store.events(cancelled) if e["event_type"] == "cancelled"]) == 1
+    assert await verify_ledger(store) == []
+
+
+async def test_a_cancelled_twin_stops_holding_its_twins_back(store: ControlStore) -> None:
+    first = await store.enqueue("alpha", {"n": 1}, fingerprint="same")
+    claim = await store.claim("w")
+    assert claim is not None and claim.item_id == first
+    assert await store.enqueue("alpha", {"n": 1}, fingerprint="same") == first  # dedup
+    twin = await store.enqueue("alpha", {"n": 1}, fingerprint="same", dedup=False)
+    assert await store.claim("w") is None  # held back while its twin runs
+    assert await store.cancel(first) == "cancelled"
+    taken = await store.claim("w")
+    assert taken is not None and taken.item_id == twin  # no longer held back
+    # A cancelled item is no dedup target: the same content again finds the twin in flight.
+    assert await store.enqueue("alpha", {"n": 1}, fingerprint="same") == twin
+    assert (await store.item(first))["state"] == "cancelled"
+    assert [e["event_type"] for e in await store.events(twin)] == ["queued", "claimed"]
+    assert await verify_ledger(store) == []
+
+
+async def test_cancel_and_requeue_are_scoped(store: ControlStore) -> None:
+    await store.create_project("beta", "Beta")
+    await store.assign("beta", "ann")
+    foreign = await store.enqueue("alpha", {})
+    with pytest.raises(ScopeDenied) as absent:
+        await store.cancel(10_000, actor_id="ann")
+    with pytest.raises(ScopeDenied) as hidden:
+        await store.cancel(foreign, actor_id="ann")
+    assert str(absent.value).replace("10000", "N") == str(hidden.value).replace(str(foreign), "N")
+    with pytest.raises(ScopeDenied):
+        await store.requeue(foreign, actor_id="ann")
+    with pytest.raises(UnknownItem):
+        await store.cancel(10_000)
+    assert (await store.item(foreign))["state"] == "ready"
+    mine = await store.enqueue("beta", {})
+    assert await store.cancel(mine, actor_id="ann") == "cancelled"
+    await store.requeue(mine, actor_id="ann")
+    assert (await store.events(mine))[-1]["actor_id"] == "ann"
+
+
+# --- requeue ---------------------------------------------------------------------------------
+
+
+async def test_requeue_gives_a_fresh_budget_and_a_higher_fence(
+    asyncplane_store_factory: Any,
+) -> None:
+    store: ControlStore = await asyncplane_store_factory(max_attempts=1)
+    await store.create_project("alpha", "Alpha")
+    item_id = await store.enqueue("alpha", {"brief": "x"}, fingerprint="fp")
+    claim = await store.claim("w")
+    assert claim is not None
+    assert await store.retry(item_id, fence=claim.fence, error="boom") == "failed"  # spent
+    await store.requeue(item_id)
+    row = await store.item(item_id)
+    assert (row["state"], row["attempts"], row["error"]) == ("ready", 0, None)
+    assert (row["payload"], row["fingerprint"]) == ({"brief": "x"}, "fp")
+    event = (await store.events(item_id))[-1]
+    assert (event["event_type"], event["detail"]) == ("requeued", {"from": "failed"})
+    again = await store.claim("w")
+    assert again is not None and again.item_id == item_id
+    assert again.fence > claim.fence and again.attempts == 1
+    await store.finish(item_id, fence=again.fence, result="ok")
+    # Done again: a dedup target once more.
+    assert await store.enqueue("alpha", {"brief": "x"}, fingerprint="fp") == item_id
+    kinds = [e["event_type"] for e in await store.events(item_id)]
+    assert kinds == ["queued", "claimed", "failed", "requeued", "claimed", "done"]
+    assert await verify_ledger(store) == []
+
+
+async def test_requeue_refuses_an_item_that_is_not_failed_or_cancelled(
+    store: ControlStore,
+) -> None:
+    item_id = await store.enqueue("alpha", {})
+    with pytest.raises(NotRequeueable, match="is ready") as caught:
+        await store.requeue(item_id)
+    assert caught.value.state == "ready"
+    claim = await store.claim("w")
+    assert claim is not None
+    with pytest.raises(NotRequeueable, match="is claimed"):
+        await store.requeue(item_id)
+    assert [e["event_type"] for e in await store.events(item_id)] == ["queued", "claimed"]
+
+
+async def test_a_cancelled_claim_requeued_then_reclaimed(store: ControlStore) -> None:
+    item_id = await store.enqueue("alpha", {})
+    first = await store.claim("w")
+    assert first is not None
+    await store.cancel(item_id)
+    await store.requeue(item_id)
+    second = await store.claim("v")
+    assert second is not None and second.fence == first.fence + 2  # the cancel, the claim
+    with pytest.raises(FenceRejected):
+        await store.finish(item_id, fence=first.fence)  # the old holder, still refused
+    await store.finish(item_id, fence=second.fence)
+    assert await verify_ledger(store) == []
+
+
+# --- cancel_where / requeue_where --------------------------------------------------------------
+
+
+async def test_where_calls_touch_only_their_filter_in_chunks(store: ControlStore) -> None:
+    await store.create_project("beta", "Beta")
+    settled = await failed_item(store, {"settled": True}, "bad")
+    waiting = [await store.enqueue("alpha", {"n": n}) for n in range(7)]
+    elsewhere = await store.enqueue("beta", {})
+    claim = await store.claim("w", project_id="alpha")
+    assert claim is not None and claim.item_id == waiting[0]
+    backend = await store._engine.ready()
+    assert backend.writer is not None
+    rounds = backend.writer.rounds
+    n = await store.cancel_where(
+        project_id="alpha", state=("ready", "failed"), reason="project closed", chunk=2
+    )
+    assert n == 6  # the six ready ones: the failed one is settled, never touched
+    assert backend.writer.rounds - rounds == 3 + 1  # short transactions, not one long one
+    states = {r["item_id"]: r["state"] for r in await store.items(limit=100)}
+    assert states[elsewhere] == "ready" and states[waiting[0]] == "claimed"
+    assert all(states[i] == "cancelled" for i in waiting[1:])
+    assert states[settled] == "failed"
+    assert await store.requeue_where(project_id="alpha", state="cancelled", chunk=4) == 6
+    assert (await store.counts(project_id="alpha"))["ready"] == 6
+    assert (await store.item(settled))["state"] == "failed"
+    assert await verify_ledger(store) == []
+
+
+async def test_requeue_where_matches_the_error(store: ControlStore) -> None:
+    limited = [await failed_item(store, {"n": n}, f"rate limit #{n}") for n in range(3)]
+    other = await failed_item(store, {"n": 9}, "bad brief")
+    assert await store.requeue_where(state="failed", error_contains="Rate Limit") == 3
+    assert {r["item_id"] for r in await store.items(state="ready")} == set(limited)
+    assert (await store.item(other))["state"] == "failed"
+    assert await store.requeue_where(state="ready") == 0  # never anything but failed/cancelled
+
+
+# --- wait -------------------------------------------------------------------------------------
+
+
+def parked() -> bool:
+    """A wait() has read its item, found it unsettled, and waits for a wake-up."""
+    return any(t.get_name().startswith("asyncplane-wait-local") for t in asyncio.all_tasks())
+
+
+async def test_wait_returns_the_settled_item(store: ControlStore) -> None:
+    item_id = await store.enqueue("alpha", {})
+    waiting = asyncio.create_task(store.wait(item_id, timeout=30))
+    await until(parked, what="the waiter has read the item and waits")
+    claim = await store.claim("w")
+    assert claim is not None
+    assert not waiting.done()
+    await store.finish(item_id, fence=claim.fence, result={"answer": 42})
+    row = await waiting
+    assert (row["state"], row["result"]) == ("done", {"answer": 42})
+    cancelled = await store.enqueue("alpha", {})
+    other = asyncio.create_task(store.wait(cancelled))
+    await store.cancel(cancelled)
+    assert (await other)["state"] == "cancelled"
+
+
+async def test_wait_times_out_and_refuses_unknown_items_at_once(store: ControlStore) -> None:
+    item_id = await store.enqueue("alpha", {})
+    with pytest.raises(WaitTimeout) as caught:
+        await store.wait(item_id, timeout=0.05)
+    assert isinstance(caught.value, TimeoutError)
+    with pytest.raises(UnknownItem):
+        await store.wait(10_000, timeout=30)
+
+
+async def test_a_settle_in_another_process_wakes_the_waiter(
+    store: ControlStore, location_of: Any
+) -> None:
+    del store
+    where = location_of("w.db")
+    async with ControlStore(where) as store:
+        await store.create_project("p", "P")
+        item_id = await store.enqueue("p", {})
+        claim = await store.claim("w")
+        assert claim is not None
+        waiting = asyncio.create_task(store.wait(item_id, timeout=60, poll_interval=0.01))
+        script = (
+            "import asyncio, sys\n"
+            "from asyncplane import ControlStore\n"
+            "async def main():\n"
+            "    async with ControlStore(sys.argv[1]) as s:\n"
+            "        await s.finish(int(sys.argv[2]), fence=int(sys.argv[3]), result='there')\n"
+            "asyncio.run(main())\n"
+        )
+        child = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", script, where, str(item_id), str(claim.fence),
+            stderr=subprocess.PIPE,
+        )  # fmt: skip
+        _, err = await child.communicate()
+        assert child.returncode == 0, err
+        assert (await waiting)["result"] == "there"
+
+
+# --- drain ------------------------------------------------------------------------------------
+
+
+async def test_drain_stops_an_executor_whose_item_is_cancelled(
+    store: ControlStore, clock: ManualClock
+) -> None:
+    item_id = await store.enqueue("alpha", {})
+    started, stopped = asyncio.Event(), asyncio.Event()
+
+    async def execute(batch: list[Any]) -> list[Any]:
+        started.set()
+        try:
+            await asyncio.Event().wait()  # an agent that would run forever
+        except asyncio.CancelledError:
+            stopped.set()
+            raise
+        return [Done()]
+
+    running = asyncio.create_task(drain(store, execute, batch_size=1, max_iters=1))
+    await started.wait()
+    assert await store.cancel(item_id, reason="operator") == "cancelled"
+    clock.advance(store.lease_seconds / 3 + 1)  # the renewer's next turn
+    summary = await running
+    assert stopped.is_set()
+    assert summary.cancelled == 1
+    assert (await store.item(item_id))["state"] == "cancelled"
+    assert await verify_ledger(store) == []
+
+
+# --- the command line -------------------------------------------------------------------------
+
+
+def cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "asyncplane.cli", *args], capture_output=True, text=True, timeout=120
+    )
+
+
+def seeded(location: str) -> dict[str, int]:
+    """A store with a failed item (rate limited), a failed one (bad brief), three ready."""
+
+    async def seed() -> dict[str, int]:
+        async with ControlStore(location) as store:
+            await store.create_project("alpha", "Alpha")
+            ids = {
+                "limited": await failed_item(store, {"n": 1}, "Rate limit reached"),
+                "bad": await failed_item(store, {"n": 2}, "bad brief"),
+            }
+            for n in range(3):
+                ids[f"ready{n}"] = await store.enqueue("alpha", {"n": 10 + n})
+            return ids
+
+    return asyncio.run(seed())
+
+
+def test_cli_items_finds_and_pages(location_of: Any) -> None:
+    where = location_of("cli.db")
+    ids = seeded(where)
+    found = cli("items", where, "--state", "failed", "--json")
+    assert found.returncode == 0, found.stderr
+    rows = json.loads(found.stdout)["items"]
+    assert [r["item_id"] for r in rows] == [ids["bad"], ids["limited"]]
+    assert rows[0]["payload"] == {"n": 2}
+    table = cli("items", where, "--project", "alpha", "--error", "rate LIMIT")
+    assert table.returncode == 0, table.stderr
+    assert "Rate limit reached" in table.stdout and "bad brief" not in table.stdout
+    page = cli("items", where, "--limit", "2")
+    assert f"(more: --after {ids['ready1']})" in page.stdout
+    rest = json.loads(cli("items", where, "--after", str(ids["ready1"]), "--json").stdout)
+    assert [r["item_id"] for r in rest["items"]] == [ids["ready0"], ids["bad"], ids["limited"]]
+
+
+def test_cli_cancel_and_requeue_by_id_and_by_filter(location_of: Any) -> None:
+    where = location_of("cli.db")
+    ids = seeded(where)
+    one = cli("cancel", where, str(ids["ready0"]), "--reason", "wrong brief")
+    assert one.returncode == 0 and f"item {ids['ready0']}: cancelled" in one.stdout
+    unknown = cli("cancel", where, "999")
+    assert unknown.returncode == 2 and "no item 999" in unknown.stdout
+    asked = cli("cancel", where, "--project", "alpha", "--state", "ready")
+    assert asked.returncode == 0 and "2 items would be cancelled; add --yes" in asked.stdout
+    assert len(json.loads(cli("items", where, "--state", "ready", "--json").stdout)["items"]) == 2
+    done = cli("cancel", where, "--project", "alpha", "--state", "ready", "--yes", "--json")
+    assert json.loads(done.stdout) == {"changed": 2}
+    not_failed = cli("requeue", where, str(ids["ready1"]), str(ids["bad"]))
+    assert f"item {ids['bad']}: ready" in not_failed.stdout
+    assert not_failed.returncode == 0  # a cancelled item requeues too
+    refused = cli("requeue", where, str(ids["bad"]))
+    assert refused.returncode == 2 and "is ready" in refused.stdout
+    limited = cli("requeue", where, "--state", "failed", "--error", "rate limit", "--yes")
+    assert limited.returncode == 0 and "requeued 1 item" in limited.stdout
+    states = {
+        r["item_id"]: r["state"] for r in json.loads(cli("items", where, "--json").stdout)["items"]
+    }
+    assert states == {
+        ids["limited"]: "ready", ids["bad"]: "ready", ids["ready0"]: "cancelled",
+        ids["ready1"]: "ready", ids["ready2"]: "cancelled",
+    }  # fmt: skip
+    both = cli("cancel", where, "1", "--state", "ready")
+    assert both.returncode == 2 and "not both" in both.stderr
+    nothing = cli("cancel", where)
+    assert nothing.returncode == 2 and "--project" in nothing.stderr
+
+
+def test_cli_frictions_a_new_user_met(tmp_path: pathlib.Path) -> None:
+    folder = cli("stats", str(tmp_path))
+    assert folder.returncode == 2 and "is a directory" in folder.stderr
+    where = str(tmp_path / "s.db")
+    seeded(where)
+    typo = cli("items", where, "--stae", "failed")
+    assert typo.returncode == 2 and "usage: asyncplane items" in typo.stderr
+    for good in ("1h30m", "90s", "2w", "0.5d", "45"):
+        done = cli("purge", where, "--retention", good, "--json")
+        assert done.returncode == 0, (good, done.stderr)
+    negative = cli("purge", where, "--retention", "-1d")
+    assert negative.returncode == 2 and "cannot be negative" in negative.stderr
+    mixed = cli("purge", where, "--retention", "1h30")
+    assert mixed.returncode == 2 and "not a duration" in mixed.stderr
+    source = tmp_path / "src.sqlite3"
+    conn = sqlite3.connect(source)
+    conn.execute("CREATE TABLE q (data TEXT)")
+    conn.commit()
+    conn.close()
+    no_project = cli("import", where, "--from", str(source), "--table", "q",
+                     "--column", "payload=data")  # fmt: skip
+    assert no_project.returncode == 2 and "--project" in no_project.stderr
+    assert "project_id=" not in no_project.stderr
+    events = cli("events", where, "1").stdout.splitlines()
+    assert len({len(line.split()[0]) for line in events}) == 1  # one time format
+    assert all(line.split()[0].endswith("+00:00") for line in events)
+
+
+def test_cli_names_a_missing_postgresql_schema_as_a_usage_error(
+    asyncplane_postgres_url: str,
+) -> None:
+    missing = testing.with_schema(asyncplane_postgres_url, "no_such_schema_here")
+    done = cli("stats", missing)
+    assert done.returncode == 2, done.stderr
+    assert "CREATE SCHEMA" in done.stderr
+
+
+# --- retention and copying ---------------------------------------------------------------------
+
+
+async def test_purge_archives_cancelled_items_like_other_settled_ones(
+    store: ControlStore, clock: ManualClock
+) -> None:
+    cancelled = await store.enqueue("alpha", {"n": 1})
+    await store.cancel(cancelled, reason="not needed")
+    requeued = await failed_item(store, {"n": 2}, "boom")
+    await store.requeue(requeued)  # ready again: never purged, whatever its history
+    clock.advance(10)
+    summary = await store.purge(5)
+    assert summary.purged == 1
+    archive = summary.archive_path
+    line = json.loads(archive.read_text().splitlines()[0])
+    assert line["item"]["item_id"] == cancelled and line["item"]["state"] == "cancelled"
+    assert [e["event_type"] for e in line["events"]] == ["queued", "cancelled"]
+    assert (await store.counts())["cancelled"] == 0
+    assert (await store.item(requeued))["state"] == "ready"
+    assert await verify_ledger(store) == []
+
+
+async def test_copy_store_carries_cancelled_and_requeued_histories(
+    store: ControlStore, asyncplane_store_factory: Any
+) -> None:
+    cancelled = await store.enqueue("alpha", {"n": 1})
+    await store.cancel(cancelled, reason="stop")
+    requeued = await failed_item(store, {"n": 2}, "boom")
+    await store.requeue(requeued)
+    everything: ControlStore = await asyncplane_store_factory(name="all")
+    summary = await copy_store(store, everything)
+    assert summary.copied == 2
+    for item_id in (cancelled, requeued):
+        assert await everything.item(item_id) == await store.item(item_id)
+        assert await everything.events(item_id) == await store.events(item_id)
+    assert await verify_ledger(everything) == []
+    pending: ControlStore = await asyncplane_store_factory(name="pending")
+    await copy_store(store, pending, pending_only=True)
+    assert [row["item_id"] for row in await pending.items()] == [requeued]  # not the cancelled
