@@ -29,7 +29,9 @@ import dataclasses
 import logging
 import os
 import pathlib
+import socket
 import time
+from collections.abc import AsyncIterator
 from typing import Literal
 
 from asyncplane import (
@@ -73,6 +75,11 @@ class Options:
     purge_min_interval: float
 
 
+def worker_name(kind: str) -> str:
+    """A default owner for a runtime's claims: its kind, host, process and a random id."""
+    return f"{kind}@{socket.gethostname()}:{os.getpid()}:{os.urandom(3).hex()}"
+
+
 def backend_for(
     location: str, options: Options, on_change: _backend.ChangeHook
 ) -> _backend.Backend:
@@ -110,6 +117,8 @@ class Engine:
     def __init__(self, location: str, options: Options) -> None:
         self.options = options
         self._watchers: set[asyncio.Event] = set()
+        #: How many times the store was closed: a waiter that saw it change stops waiting.
+        self.closes = 0
         self.backend = backend_for(location, options, self.notify)
         # Where the preflight's fingerprint backfill has got to, per scope it ran in.
         self._backfill_after: dict[tuple[str | None, str | None], int] = {}
@@ -156,6 +165,8 @@ class Engine:
             if not self.is_open:
                 return
             self.is_open = False
+            self.closes += 1
+            self.notify()  # waiters for work (claims(), work()) see the store close
             try:
                 await self.backend.close()
             finally:
@@ -234,6 +245,18 @@ class Engine:
     def drain_guard(self) -> contextlib.AbstractAsyncContextManager[_lock.Guard]:
         """The backend's single-drainer guard (a lock file, or an advisory lock)."""
         return self.backend.drain_guard()
+
+    @contextlib.asynccontextmanager
+    async def single_runner(self, lock_path: pathlib.Path | None) -> AsyncIterator[_lock.Guard]:
+        """The guard of a runtime that runs alone (drain(), work(exclusive=True)): the lock
+        file asked for, else the store's own (beside an SQLite file; a session advisory
+        lock on PostgreSQL, which holds across hosts)."""
+        if lock_path is not None:
+            async with _lock.DrainLock(lock_path) as lock:
+                yield _lock.Guard(lock.acquired)
+        else:
+            async with self.drain_guard() as guard:
+                yield guard
 
     # --- housekeeping ----------------------------------------------------------------------
 

@@ -7,6 +7,7 @@ import datetime as dt
 from typing import Any, Final
 
 __all__ = (
+    "BACK_TO_READY",
     "EVENT_TYPES",
     "FINISH_STATUSES",
     "ITEM_STATES",
@@ -50,7 +51,11 @@ EVENT_TYPES: Final = {
     "failed": "failed",
     "cancelled": "cancelled",  # its fence raised: the holder's next report is refused
     "requeued": "ready",  # a failed or cancelled item, back for a fresh attempt budget
+    "released": "ready",  # a claim given back unrun (a worker stopping), its attempt too
 }
+
+#: The events after which a claimed item is ready again, by the store's own hand.
+BACK_TO_READY: Final = ("requeued", "released")
 
 #: The events that settle an item: at most one of them since its last "requeued".
 SETTLING_EVENTS: Final = ("done", "failed", "cancelled")

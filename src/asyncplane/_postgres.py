@@ -331,6 +331,9 @@ class PostgresBackend(_backend.Writes):
     async def park(self, op: _backend.ParkOp) -> None:
         await self._write(_bind(_park, op))
 
+    async def release(self, op: _backend.ReleaseOp) -> None:
+        await self._write(_bind(_release, op))
+
     async def offload(self, op: _backend.OffloadOp) -> None:
         await self._write(_bind(_offload, op))
 
@@ -875,6 +878,13 @@ async def _park(op: _backend.ParkOp, conn: asyncpg.Connection, now: float) -> No
     if row is None:
         await _refuse_fenced(conn, op.item_id, op.fence, op.actor_id)
     await _insert_events(conn, [_rules.park_event(op, row[0], due, now)])
+
+
+async def _release(op: _backend.ReleaseOp, conn: asyncpg.Connection, now: float) -> None:
+    row = await conn.fetchrow(sql.RELEASE, op.item_id, op.fence, op.actor_id, now)
+    if row is None:
+        await _refuse_fenced(conn, op.item_id, op.fence, op.actor_id)
+    await _insert_events(conn, [_rules.release_event(op, row[0], now)])
 
 
 async def _offload(op: _backend.OffloadOp, conn: asyncpg.Connection, now: float) -> None:

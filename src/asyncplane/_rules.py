@@ -72,6 +72,7 @@ __all__ = (
     "project_exists",
     "refuse_newer_schema",
     "refuse_unreadable_schema",
+    "release_event",
     "requeue_event",
     "requeue_states",
     "retry_event",
@@ -557,6 +558,11 @@ def retry_event(op: _backend.RetryOp, plan: RetryPlan, owner: str | None, now: f
 def park_event(op: _backend.ParkOp, owner: str | None, due: float, now: float) -> Event:
     """The event a park records, with when the item falls due again."""
     return settlement_event(op.item_id, "parked", op.fence, owner, op.actor_id, now, due_at=due)
+
+
+def release_event(op: _backend.ReleaseOp, owner: str | None, now: float) -> Event:
+    """The event a release records: the claim given back unrun, the item ready again."""
+    return settlement_event(op.item_id, "released", op.fence, owner, op.actor_id, now)
 
 
 def offload_event(op: _backend.OffloadOp, owner: str | None, now: float) -> Event:

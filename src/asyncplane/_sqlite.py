@@ -214,6 +214,9 @@ class SQLiteBackend(_backend.Writes):
     async def park(self, op: _backend.ParkOp) -> None:
         await self._write(functools.partial(_park, op))
 
+    async def release(self, op: _backend.ReleaseOp) -> None:
+        await self._write(functools.partial(_release, op))
+
     async def offload(self, op: _backend.OffloadOp) -> None:
         await self._write(functools.partial(_offload, op))
 
@@ -553,6 +556,14 @@ def _park(op: _backend.ParkOp, db: sqlite3.Connection, now: float) -> None:
         sql.INSERT_EVENT,
         _rules.park_event(op, rows[0][0], due, now),
     )
+
+
+def _release(op: _backend.ReleaseOp, db: sqlite3.Connection, now: float) -> None:
+    params = _settle_params(op.item_id, op.fence, op.actor_id, now)
+    rows = db.execute(sql.RELEASE, params).fetchall()
+    if not rows:
+        _refuse_fenced(db, op.item_id, op.fence, op.actor_id)
+    db.execute(sql.INSERT_EVENT, _rules.release_event(op, rows[0][0], now))
 
 
 def _offload(op: _backend.OffloadOp, db: sqlite3.Connection, now: float) -> None:
