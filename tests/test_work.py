@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import random
@@ -451,3 +452,104 @@ async def test_retry_outcome_from_a_handler(store: ControlStore) -> None:
     summary = await work(store, handle, until_empty=True)
     assert summary.retried == 1
     assert (await store.item(item_id))["state"] == "deferred"
+
+
+# --- the worker command -----------------------------------------------------------------------
+
+HANDLERS = textwrap.dedent(
+    """
+    import asyncio
+    from asyncplane import Done
+
+    async def handle(claim):
+        if claim.payload.get("hang"):
+            await asyncio.Event().wait()
+        if claim.payload.get("raise"):
+            raise KeyError("prompt")
+        return Done({"n": claim.payload["n"]})
+
+    not_async = lambda claim: None
+    """
+)
+
+
+def worker(where: str, cwd: Any, *args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "asyncplane.cli", "worker", where, *args],
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+async def test_the_worker_command_works_until_sigterm(
+    store: ControlStore, location_of: Any, tmp_path: Any
+) -> None:
+    del store
+    (tmp_path / "fleet_handlers.py").write_text(HANDLERS)
+    where = location_of("cmd.db")
+    async with ControlStore(where) as store:
+        await store.create_project("p", "P")
+        await store.enqueue_many("p", [{"n": n} for n in range(20)])
+        await store.enqueue("p", {"n": 99, "raise": True})
+        child = worker(where, tmp_path, "fleet_handlers:handle", "--concurrency", "4",
+                       "--log-format", "json")  # fmt: skip
+
+        async def twenty_done() -> bool:
+            return (await store.counts())["done"] == 20
+
+        deadline = time.monotonic() + 60
+        while not await twenty_done():
+            assert time.monotonic() < deadline and child.poll() is None, child.stderr
+            await asyncio.sleep(0.05)
+        child.send_signal(signal.SIGTERM)
+        out, err = await asyncio.to_thread(child.communicate, timeout=60)
+        assert child.returncode == 0, err
+        lines = [json.loads(line) for line in err.splitlines() if line.startswith("{")]
+        raised = [line for line in lines if "KeyError" in line["message"]]
+        assert raised and "Traceback" in raised[0]["traceback"]
+        assert raised[0]["item_id"] == 21 and raised[0]["project_id"] == "p"
+        assert any("starting" in line["message"] for line in lines)
+        assert any("stopped" in line["message"] for line in lines)
+        assert await verify_ledger(store) == []
+
+
+async def test_a_second_signal_stops_the_worker_at_once_and_gives_claims_back(
+    store: ControlStore, location_of: Any, tmp_path: Any
+) -> None:
+    del store
+    (tmp_path / "fleet_handlers.py").write_text(HANDLERS)
+    where = location_of("cmd2.db")
+    async with ControlStore(where) as store:
+        await store.create_project("p", "P")
+        ids = await store.enqueue_many("p", [{"n": n, "hang": True} for n in range(3)])
+        child = worker(where, tmp_path, "fleet_handlers:handle", "--grace", "600")
+        deadline = time.monotonic() + 60
+        while (await store.counts())["claimed"] < 3:
+            assert time.monotonic() < deadline and child.poll() is None
+            await asyncio.sleep(0.05)
+        child.send_signal(signal.SIGTERM)  # graceful: would wait 600 s for hung items
+        await asyncio.sleep(0.2)
+        assert child.poll() is None
+        child.send_signal(signal.SIGINT)  # the second: at once
+        _, err = await asyncio.to_thread(child.communicate, timeout=60)
+        assert child.returncode == 1 and "stopped at once" in err
+        for item_id in ids:
+            row = await store.item(item_id)
+            assert (row["state"], row["attempts"]) == ("ready", 0)  # given back, unspent
+        assert await verify_ledger(store) == []
+
+
+def test_the_worker_command_refuses_a_bad_handler(tmp_path: Any) -> None:
+    (tmp_path / "fleet_handlers.py").write_text(HANDLERS)
+    where = str(tmp_path / "bad.db")
+    for spec, words in (
+        ("fleet_handlers:not_async", "not an async function"),
+        ("fleet_handlers:missing", "has no 'missing'"),
+        ("no_such_module:handle", "cannot import 'no_such_module'"),
+        ("fleet_handlers", "MODULE:ATTRIBUTE"),
+    ):
+        child = worker(where, tmp_path, spec)
+        _, err = child.communicate(timeout=60)
+        assert child.returncode == 2 and words in err, (spec, err)

@@ -206,6 +206,8 @@ class _Drain:
 
     def __post_init__(self) -> None:
         self.settler = Settler(self.store, self.actor_id, self.summary)
+        #: Items of the running batch a renewal found lost (taken over, cancelled).
+        self.lost: set[int] = set()
 
     @property
     def engine(self) -> _engine.Engine:
@@ -270,6 +272,7 @@ class _Drain:
 
     async def _run(self, batch: list[_models.ClaimedItem]) -> None:
         """Execute one batch under lease renewal, then settle every outcome."""
+        self.lost = set()
         settled: dict[int, bool] = {}
         renewer = asyncio.create_task(
             self._renew(batch), name=f"asyncplane-drain-renew[{self.owner}]"
@@ -283,13 +286,15 @@ class _Drain:
             if renewer in done and not renewer.cancelled() and renewer.exception() is not None:
                 failure = renewer.exception()
             elif renewer in done and not renewer.cancelled() and renewer.result():
-                # Every item of the batch was cancelled: stop its executor, settle nothing.
+                # No item of the batch is this drain's any more, and an operator cancelled
+                # at least one: stop the executor, settle nothing (see _renew).
                 executor.cancel()
-                await _tasks.to_the_end(
+                _, cut_short = await _tasks.to_the_end(
                     asyncio.gather(executor, return_exceptions=True),
                     "asyncplane-drain-stop-executor",
                 )
-                self.summary.cancelled += len(batch)
+                if cut_short:
+                    raise asyncio.CancelledError
                 return
             else:
                 outcomes = _checked(batch, await executor)
@@ -337,7 +342,8 @@ class _Drain:
 
     async def _renew(self, batch: list[_models.ClaimedItem]) -> bool:
         """Renew the batch's leases every third of a lease, until cancelled; return True
-        once every item of the batch has been cancelled (its executor should stop)."""
+        once no item of the batch is the drain's any more and at least one of them was
+        cancelled (the executor should stop: nothing it returns could be settled)."""
         clock = self.store.clock
         live = {claim.item_id: claim.fence for claim in batch}
         cancelled = 0
@@ -349,9 +355,13 @@ class _Drain:
                 except _errors.ItemCancelled:
                     del live[item_id]
                     cancelled += 1
+                    self.summary.cancelled += 1
+                    self.lost.add(item_id)
                 except _errors.FenceRejected:
-                    del live[item_id]  # lost already: its settlement will be refused too
-        return cancelled == len(batch)
+                    del live[item_id]  # lost already: its settlement would be refused too
+                    self.summary.fence_rejected += 1
+                    self.lost.add(item_id)
+        return cancelled > 0
 
     async def _settle(
         self,
@@ -361,6 +371,9 @@ class _Drain:
     ) -> None:
         failure: _errors.AsyncplaneError | None = None
         for claim, outcome in zip(batch, outcomes, strict=True):
+            if claim.item_id in self.lost:  # refused at its renewal: counted there
+                settled[claim.item_id] = True
+                continue
             try:
                 await self.settler.settle(claim, outcome)
             except _errors.ItemCancelled:

@@ -81,7 +81,10 @@ def worker_name(kind: str) -> str:
 
 
 def backend_for(
-    location: str, options: Options, on_change: _backend.ChangeHook
+    location: str,
+    options: Options,
+    on_change: _backend.ChangeHook,
+    on_settled: _backend.ChangeHook | None = None,
 ) -> _backend.Backend:
     """The backend a location names: an SQLite file (made absolute now, so a later chdir
     cannot move it), or the schema a ``postgresql://`` URL names (the ``postgres``
@@ -98,6 +101,8 @@ def backend_for(
             clock=clock,
             # NOTIFY from any host wakes this process's drainers as a local write does.
             on_change=on_change,
+            # NOTIFY asyncplane_settled wakes this process's wait() calls.
+            on_settled=on_settled,
             connect_timeout=options.busy_timeout,
         )
     from asyncplane import _sqlite
@@ -119,7 +124,8 @@ class Engine:
         self._watchers: set[asyncio.Event] = set()
         #: How many times the store was closed: a waiter that saw it change stops waiting.
         self.closes = 0
-        self.backend = backend_for(location, options, self.notify)
+        self._settle_watchers: set[asyncio.Event] = set()
+        self.backend = backend_for(location, options, self.notify, self.notify_settled)
         # Where the preflight's fingerprint backfill has got to, per scope it ran in.
         self._backfill_after: dict[tuple[str | None, str | None], int] = {}
         self._last_purge: float | None = None
@@ -223,19 +229,26 @@ class Engine:
 
     # --- change notification ---------------------------------------------------------------
 
-    def watch(self) -> asyncio.Event:
-        """An event set whenever this store writes something that may be claimable."""
+    def watch(self, *, settles: bool = False) -> asyncio.Event:
+        """An event set whenever this store writes something that may be claimable; with
+        ``settles``, also whenever another process or host settles an item (wait())."""
         event = asyncio.Event()
-        self._watchers.add(event)
+        (self._settle_watchers if settles else self._watchers).add(event)
         return event
 
     def unwatch(self, event: asyncio.Event) -> None:
         """Stop setting ``event``."""
         self._watchers.discard(event)
+        self._settle_watchers.discard(event)
 
     def notify(self) -> None:
-        """Wake every watcher: something may have become claimable."""
-        for event in self._watchers:
+        """Wake every watcher: something may have become claimable (or settled)."""
+        for event in (*self._watchers, *self._settle_watchers):
+            event.set()
+
+    def notify_settled(self) -> None:
+        """Wake the settle watchers: an item settled elsewhere (drainers sleep on)."""
+        for event in self._settle_watchers:
             event.set()
 
     async def data_version(self) -> int:

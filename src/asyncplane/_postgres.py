@@ -116,6 +116,7 @@ class PostgresBackend(_backend.Writes):
         *,
         clock: _clock.Clock | None,
         on_change: _backend.ChangeHook | None = None,
+        on_settled: _backend.ChangeHook | None = None,
         connect_timeout: float,
     ) -> None:
         super().__init__(sizing, claim_many=_claim_many, finish_many=_finish_many)
@@ -125,6 +126,7 @@ class PostgresBackend(_backend.Writes):
         # this clock carries the readings to the rest of the process.
         self._server_clock = ServerClock() if clock is None else None
         self._on_change = on_change
+        self._on_settled = on_settled
         self._connect_timeout = connect_timeout
         self._pool: asyncpg.Pool | None = None
         self._listener: asyncpg.Connection | None = None
@@ -225,6 +227,8 @@ class PostgresBackend(_backend.Writes):
         # An item settled (here or on another host): wait() looks again.
         if payload == self._schema:
             self._settled += 1
+            if self._on_settled is not None:
+                self._on_settled()
 
     def _went_deaf(self, conn: Any) -> None:
         self._deaf = True

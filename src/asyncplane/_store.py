@@ -1138,7 +1138,7 @@ class ControlStore:
         limit = None if timeout is None else _validate.seconds(timeout, "timeout", 10.0**7)
         poll = _validate.seconds(poll_interval, "poll_interval", 3600.0)
         engine = self._engine
-        local = engine.watch()
+        local = engine.watch(settles=True)
         try:
             return await asyncio.wait_for(self._settled(target, actor, local, poll), limit)
         except asyncio.TimeoutError:
@@ -1277,9 +1277,13 @@ def _claimed_item(row: _backend.ClaimRow, payload: dict[str, Any]) -> ClaimedIte
 
 
 async def _changed_since(backend: _backend.Backend, version: int, poll: float) -> None:
-    """Return once the backend's settled version moves past ``version``."""
-    while await backend.settled_version() == version:  # noqa: ASYNC110
+    """Return once the backend's settled version moves past ``version``, looking every
+    ``poll`` seconds (and never sooner: a version that moves on every look, a PostgreSQL
+    listener gone deaf, must not turn the wait into a busy loop)."""
+    while True:
         await asyncio.sleep(poll)
+        if await backend.settled_version() != version:
+            return
 
 
 def _item_dict(row: _backend.ItemRow, *, payload: bool = True) -> dict[str, Any]:

@@ -72,6 +72,10 @@ async def until_work(
 
 
 async def _commit_after(engine: _engine.Engine, version: int, poll_interval: float) -> None:
-    # Another process's commit sends no signal here; data_version is the cheap check.
-    while await engine.data_version() == version:  # noqa: ASYNC110
+    # Another process's commit sends no signal here; data_version is the cheap check,
+    # made every poll_interval and never sooner (a version that moves on every look, a
+    # PostgreSQL listener gone deaf, must not turn the wait into a busy loop).
+    while True:
         await asyncio.sleep(poll_interval)
+        if await engine.data_version() != version:
+            return

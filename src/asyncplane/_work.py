@@ -86,6 +86,7 @@ async def work(
     until_empty: bool = False,
     poll_interval: float = 0.1,
     preflight_chunk: int = 500,
+    progress: Callable[[DrainSummary], None] | None = None,
 ) -> DrainSummary:
     """Run the store's work through ``handle``, one item per call, ``concurrency`` at once.
 
@@ -107,6 +108,8 @@ async def work(
             waiting for work until ``stop``.
         poll_interval: Seconds between looks for other processes' commits, on SQLite.
         preflight_chunk: Items a preflight dedup step may touch.
+        progress: Called with the running summary after each item is settled (a status
+            line, metrics); it must not block.
 
     Returns:
         A `DrainSummary` (``rounds`` counts the claims made); ``skipped=True`` if
@@ -137,6 +140,7 @@ async def work(
         until_empty=_validate.boolean(until_empty, "until_empty"),
         poll_interval=_validate.seconds(poll_interval, "poll_interval", 3600.0),
         preflight_chunk=_validate.positive_int(preflight_chunk, "preflight_chunk"),
+        progress=_validate.callback(progress, "progress"),
     )
     lock = None if lock_path is None else _validate.absolute_path(lock_path, "lock_path")
     _log.info("asyncplane worker %s starting (concurrency %d)", run.owner, run.concurrency)
@@ -168,6 +172,7 @@ class _Worker:
     until_empty: bool
     poll_interval: float
     preflight_chunk: int
+    progress: Callable[[DrainSummary], None] | None = None
     summary: DrainSummary = dataclasses.field(default_factory=DrainSummary)
 
     def __post_init__(self) -> None:
@@ -186,9 +191,16 @@ class _Worker:
         except BaseException:
             await _tasks.to_the_end(self._shut_down(0.0), f"asyncplane-work-stop[{self.owner}]")
             raise
-        _, cancelled = await _tasks.to_the_end(
-            self._shut_down(self.grace), f"asyncplane-work-stop[{self.owner}]"
+        cancelled = False
+        if self.running and self.grace > 0:
+            try:  # the grace may be cut short: a second stop, a cancel
+                await asyncio.wait(set(self.running), timeout=self.grace)
+            except asyncio.CancelledError:
+                cancelled = True
+        _, again = await _tasks.to_the_end(
+            self._shut_down(0.0), f"asyncplane-work-stop[{self.owner}]"
         )
+        cancelled = cancelled or again
         if self.failure is not None:
             raise DrainError(
                 f"the store failed under a running item: {self.failure!r}", self.summary
@@ -364,6 +376,8 @@ class _Worker:
             self.summary.fence_rejected += 1
         else:
             _log.debug("settled item %d: %s", claim.item_id, type(outcome).__name__)
+        if self.progress is not None:
+            self.progress(self.summary)
 
     async def _renew(self, claim: ClaimedItem, lost: asyncio.Event) -> None:
         """Renew the claim every third of a lease; on a refusal, set ``lost`` and end."""
