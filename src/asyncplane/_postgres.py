@@ -768,10 +768,6 @@ async def _settle_twins(
     return len(twins)
 
 
-#: Above every item id (a bigint).
-_MAX_ID = 2**63 - 1
-
-
 def _list_params(
     where: _backend.ItemFilter, states: tuple[str, ...], newest: bool, after: int | None,
     limit: int,
@@ -781,7 +777,7 @@ def _list_params(
         where.project_id, where.owner, where.fingerprint, where.created_after,
         where.created_before, where.updated_after, where.updated_before,
         where.error_contains, where.actor_id,
-        (_MAX_ID if newest else 0) if after is None else after, limit, list(states),
+        _rules.keyset_start(newest, after), limit, list(states),
     )  # fmt: skip
 
 
@@ -830,7 +826,7 @@ async def _chunk_of(
     if not ids:
         return [], None
     rows = list(await conn.fetch(sql.LOCK_CHUNK, *params, ids))
-    return rows, (ids[-1] if len(ids) == op.chunk else None)
+    return rows, _rules.next_chunk(ids, op.chunk)
 
 
 async def _cancel_where(

@@ -582,15 +582,11 @@ def _list_params(
 ) -> dict[str, Any]:
     params: dict[str, Any] = {
         **where._asdict(),
-        "after": (_MAX_ID if newest else 0) if after is None else after,
+        "after": _rules.keyset_start(newest, after),
         "limit": limit,
     }
     del params["states"]  # written into the statement (see _sqlite_sql.list_items)
     return params
-
-
-#: Above every item id (SQLite's are 64-bit signed).
-_MAX_ID = 2**63 - 1
 
 
 def _listing(
@@ -653,7 +649,7 @@ def _cancel_where(
     rows = _chunk_of(db, op, _rules.cancel_states(op.where.states))
     for row in rows:
         _cancel_one(db, row[0], row[2], row[4], op.reason, op.where.actor_id, now)
-    return len(rows), (rows[-1][0] if len(rows) == op.chunk else None)
+    return len(rows), _rules.next_chunk([row[0] for row in rows], op.chunk)
 
 
 def _requeue_where(
@@ -662,7 +658,7 @@ def _requeue_where(
     rows = _chunk_of(db, op, _rules.requeue_states(op.where.states))
     for row in rows:
         _requeue_one(db, row[0], row[2], row[4], op.where.actor_id, now)
-    return len(rows), (rows[-1][0] if len(rows) == op.chunk else None)
+    return len(rows), _rules.next_chunk([row[0] for row in rows], op.chunk)
 
 
 def _backfill_fingerprints(

@@ -630,22 +630,11 @@ _SETTLED_ROW: Final = _models.sql_list(_models.FINISH_STATUSES)
 
 
 def _since_requeue(alias: str) -> str:
-    """An event of the item's current life: after its last "requeued" event, if any (an
-    index seek on events_by_item: requeues are few)."""
-    return (
-        f"{alias}.event_id > coalesce((SELECT max(r.event_id) FROM events AS r "
-        f"WHERE r.item_id = {alias}.item_id AND r.event_type = 'requeued'), 0)"
-    )
+    return _models.since_last(alias, ("requeued",))
 
 
 def _since_ready_again(alias: str) -> str:
-    """An event since the item was last made ready again by the store's own hand (a
-    requeue, a release), if ever: a claim before that is no reason for a ready row."""
-    return (
-        f"{alias}.event_id > coalesce((SELECT max(r.event_id) FROM events AS r "
-        f"WHERE r.item_id = {alias}.item_id AND r.event_type IN "
-        f"{_models.sql_list(_models.BACK_TO_READY)}), 0)"
-    )
+    return _models.since_last(alias, _models.BACK_TO_READY)
 
 
 LEDGER_CHECKS: Final[tuple[tuple[str, str], ...]] = (
