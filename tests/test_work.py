@@ -248,13 +248,13 @@ async def test_a_graceful_stop_lets_items_finish_then_gives_the_rest_back(
         await release_quick.wait()
         return Done()
 
-    worker = asyncio.create_task(work(store, handle, concurrency=4, stop=stop, grace=5))
+    worker = asyncio.create_task(work(store, handle, concurrency=4, stop=stop, grace=1))
     await until(lambda: running_tasks() == 2, what="both items run")
     stop.set()
     release_quick.set()  # the quick one finishes within the grace ...
     await until(lambda: running_tasks() == 1, what="the quick one is done")
     assert not worker.done()  # ... the hung one still has its grace
-    # Shorten the wait: a second worker's grace is what a test can afford.
+    # The grace runs out for the hung one: it is given back.
     summary = await asyncio.wait_for(worker, 10)
     assert (summary.done, summary.released) == (1, 1)
     row = await store.item(hung)
@@ -504,7 +504,7 @@ async def test_the_worker_command_works_until_sigterm(
             assert time.monotonic() < deadline and child.poll() is None, child.stderr
             await asyncio.sleep(0.05)
         child.send_signal(signal.SIGTERM)
-        out, err = await asyncio.to_thread(child.communicate, timeout=60)
+        _, err = await asyncio.to_thread(child.communicate, timeout=60)
         assert child.returncode == 0, err
         lines = [json.loads(line) for line in err.splitlines() if line.startswith("{")]
         raised = [line for line in lines if "KeyError" in line["message"]]

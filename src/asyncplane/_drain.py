@@ -50,6 +50,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import logging
 import os
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -81,6 +82,8 @@ from asyncplane._outcomes import (
 from asyncplane._store import ControlStore
 
 __all__ = ("DrainError", "Executor", "drain")
+
+_log = logging.getLogger("asyncplane.drain")
 
 Executor: TypeAlias = Callable[[list[ClaimedItem]], Awaitable[Sequence[Outcome]]]
 
@@ -419,6 +422,11 @@ async def _call(execute: Executor, batch: list[_models.ClaimedItem]) -> list[Any
 def _checked(batch: list[_models.ClaimedItem], result: list[Any] | BaseException) -> list[Outcome]:
     """One valid outcome per item, or a Retry for every item saying what went wrong."""
     if isinstance(result, BaseException):
+        _log.warning(
+            "the executor raised on a batch of %d items (%s): %s", len(batch),
+            ", ".join(str(claim.item_id) for claim in batch), short_error(result),
+            exc_info=result, extra={"item_ids": [claim.item_id for claim in batch]},
+        )  # fmt: skip
         return [Retry(short_error(f"the executor raised {short_error(result)}"))] * len(batch)
     if len(result) != len(batch):
         error = f"the executor returned {len(result)} outcomes for {len(batch)} items"
