@@ -8,10 +8,11 @@ from collections.abc import Awaitable, Callable
 
 
 def waiting_on(what: str) -> Callable[[], Awaitable[bool]]:
-    """A condition: a daemon drainer's wait task for ``what`` exists (it is idle, waiting)."""
+    """A condition: a waiter for work (a daemon drainer, work(), claim(wait=)) has a wait
+    task for ``what`` (it is idle, waiting)."""
 
     async def check() -> bool:
-        name = f"asyncplane-drain-wait-{what}"
+        name = f"asyncplane-wait-work-{what}"
         return any(task.get_name() == name for task in asyncio.all_tasks())
 
     return check

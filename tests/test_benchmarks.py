@@ -152,3 +152,17 @@ def test_the_items_benchmark_lists_from_both_backends(
     assert report["backend"] == backend
     assert report["rows"]["every state of one project"] == [20, 50]
     assert all(ms["large"] > 0 for ms in report["ms"].values())
+
+
+def test_the_agent_workload_benchmark_runs_every_runtime() -> None:
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "agent_workload.py"), "--items", "80",
+         "--concurrency", "8", "--json"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert set(report["ratio_to_ideal"]) == {
+        "ideal (asyncio.Queue)", "work(), 1 process", "work(), 4 processes", "drain(), batches",
+    }  # fmt: skip
+    assert all(rate > 0 for rate in report["throughput"].values())

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import pathlib
 import signal
@@ -609,3 +610,19 @@ async def test_an_idle_daemon_does_not_poll_with_writes(
     stop.set()
     summary = await task
     assert summary.done == 1
+
+
+async def test_an_executor_that_raises_is_logged_with_its_traceback(
+    store: ControlStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    item_id = await store.enqueue("alpha", {})
+
+    async def broken(batch: list[ClaimedItem]) -> list[Outcome]:
+        raise KeyError("prompt")
+
+    with caplog.at_level(logging.WARNING, logger="asyncplane.drain"):
+        await drain(store, broken, max_iters=1)
+    record = next(r for r in caplog.records if "KeyError" in r.getMessage())
+    assert record.exc_info is not None and record.exc_info[0] is KeyError
+    assert record.item_ids == [item_id]  # type: ignore[attr-defined]
+    assert (await store.item(item_id))["error"] == "the executor raised KeyError: 'prompt'"

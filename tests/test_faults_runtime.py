@@ -1220,7 +1220,7 @@ async def test_postgres_down_while_a_daemon_drain_is_idle(
             drain(store, gate, mode="daemon", stop=stop, poll_interval=0.02)
         )
         deadline = time.monotonic() + 30
-        while not any(t.get_name() == "asyncplane-drain-wait-commit" for t in asyncio.all_tasks()):
+        while not any(t.get_name() == "asyncplane-wait-work-commit" for t in asyncio.all_tasks()):
             assert time.monotonic() < deadline and not drainer.done()
             await asyncio.wait([drainer], timeout=0.01)
         assert (await store.counts())["done"] == 5

@@ -341,7 +341,7 @@ async def test_wait_times_out_and_refuses_unknown_items_at_once(store: ControlSt
 
 
 async def test_a_settle_in_another_process_wakes_the_waiter(
-    store: ControlStore, location_of: Any
+    store: ControlStore, location_of: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     del store
     where = location_of("w.db")
@@ -350,7 +350,15 @@ async def test_a_settle_in_another_process_wakes_the_waiter(
         item_id = await store.enqueue("p", {})
         claim = await store.claim("w")
         assert claim is not None
-        waiting = asyncio.create_task(store.wait(item_id, timeout=60, poll_interval=0.01))
+        if store.backend == "postgresql":
+            # Only NOTIFY may wake it in time: no safety look during this test.
+            from asyncplane import _postgres
+
+            monkeypatch.setattr(_postgres, "_SAFETY_POLL_SECONDS", 3600.0)
+        # On SQLite another process's commit is seen by a data_version look; on
+        # PostgreSQL only its NOTIFY may wake the waiter in time.
+        poll = 0.01 if store.backend == "sqlite" else 3600
+        waiting = asyncio.create_task(store.wait(item_id, timeout=20, poll_interval=poll))
         script = (
             "import asyncio, sys\n"
             "from asyncplane import ControlStore\n"
@@ -548,3 +556,52 @@ async def test_copy_store_carries_cancelled_and_requeued_histories(
     pending: ControlStore = await asyncplane_store_factory(name="pending")
     await copy_store(store, pending, pending_only=True)
     assert [row["item_id"] for row in await pending.items()] == [requeued]  # not the cancelled
+
+
+def test_cli_takes_ids_after_flags_and_speaks_in_flags(location_of: Any) -> None:
+    where = location_of("cli.db")
+    ids = seeded(where)
+    after = cli("cancel", where, "--reason", "late", str(ids["ready0"]), "--json")
+    assert after.returncode == 0, after.stderr
+    assert json.loads(after.stdout)["items"] == [{"item_id": ids["ready0"], "state": "cancelled"}]
+    empty = cli("items", where, "--error", "")
+    assert empty.returncode == 2 and "--error must be" in empty.stderr
+    assert "error_contains" not in empty.stderr
+    big = cli("items", where, "--limit", "20000")
+    assert big.returncode == 2 and "--limit is 20000" in big.stderr
+    for verb, extra in (("cancel", ["--yes"]), ("requeue", ["--yes"]), ("items", [])):
+        unknown = cli(verb, where, "--project", "nope", "--state", "failed", *extra)
+        assert unknown.returncode == 2 and "no project 'nope'" in unknown.stderr, verb
+
+
+async def test_items_filters_by_when_an_item_last_changed(
+    store: ControlStore, clock: ManualClock
+) -> None:
+    early = await store.enqueue("alpha", {"n": 1})
+    late = await store.enqueue("alpha", {"n": 2})
+    clock.advance(100)
+    await store.cancel(late)
+    cut = clock.now() - 50
+    assert [r["item_id"] for r in await store.items(updated_after=cut)] == [late]
+    assert [r["item_id"] for r in await store.items(updated_before=cut)] == [early]
+
+
+async def test_a_cancel_in_this_process_wakes_a_waiter_at_once(store: ControlStore) -> None:
+    # A poll interval of an hour: only the store's own wake-up can end this wait in time.
+    item_id = await store.enqueue("alpha", {})
+    waiting = asyncio.create_task(store.wait(item_id, timeout=30, poll_interval=3600))
+    await until(parked, what="the waiter waits")
+    await store.cancel(item_id)
+    assert (await waiting)["state"] == "cancelled"
+
+
+async def test_a_requeue_in_this_process_wakes_a_waiting_claim(store: ControlStore) -> None:
+    item_id = await failed_item(store, {"n": 1}, "boom")
+    waiting = asyncio.create_task(store.claim("w", wait=30, poll_interval=3600))
+    await until(
+        lambda: any(t.get_name() == "asyncplane-wait-work-local" for t in asyncio.all_tasks()),
+        what="the claim waits",
+    )
+    await store.requeue(item_id)
+    claim = await waiting
+    assert claim is not None and claim.item_id == item_id

@@ -12,7 +12,8 @@ from typing import Any
 
 import pytest
 
-from asyncplane import FenceRejected, ScopeDenied, UnknownItem, _backend, _rules
+from asyncplane import FenceRejected, NotRequeueable, ScopeDenied, UnknownItem, _backend, _rules
+from asyncplane._models import ITEM_STATES
 from asyncplane._rules import Candidate, ClaimMerge
 
 
@@ -205,3 +206,40 @@ def test_a_first_page_past_the_page_cap_still_reads_on_past_skipped_twins() -> N
     merge.feed(0, rows[offset : offset + size])
     assert merge.hungry() is None
     assert len(merge.chosen) == total
+
+
+# --- operating single items -----------------------------------------------------------------
+
+
+def test_a_cancel_raises_the_fence_of_a_live_item_and_leaves_a_settled_one() -> None:
+    plan = _rules.cancel_plan(7, "claimed", 3, "stop", "ann", 10.0)
+    assert plan is not None and plan.fence == 4
+    assert plan.event.event_type == "cancelled" and plan.event.fence == 4
+    assert json.loads(plan.event.detail_json or "{}") == {"from": "claimed", "reason": "stop"}
+    for settled in ("done", "failed", "cancelled"):
+        assert _rules.cancel_plan(7, settled, 3, None, None, 10.0) is None
+
+
+def test_only_a_failed_or_cancelled_item_requeues() -> None:
+    event = _rules.requeue_event(7, "failed", 3, None, 10.0)
+    assert (event.event_type, event.fence) == ("requeued", 3)
+    with pytest.raises(NotRequeueable, match="is claimed"):
+        _rules.requeue_event(7, "claimed", 3, None, 10.0)
+
+
+def test_listing_arms_and_the_states_where_calls_take() -> None:
+    assert _rules.listing_arms(("failed",), project=False) == ("failed",)
+    assert _rules.listing_arms((), project=True) == ITEM_STATES  # the project index is by state
+    assert _rules.listing_arms((), project=False) == ()  # the primary key
+    assert _rules.cancel_states(("ready", "done")) == ("ready",)
+    assert _rules.cancel_states(()) == ("ready", "deferred", "claimed", "offloaded")
+    assert _rules.requeue_states(("failed", "ready")) == ("failed",)
+    assert _rules.requeue_states(()) == ("failed", "cancelled")
+
+
+def test_keyset_paging_and_chunks() -> None:
+    assert _rules.keyset_start(True, None) == _rules.MAX_ITEM_ID
+    assert _rules.keyset_start(False, None) == 0
+    assert _rules.keyset_start(True, 42) == 42
+    assert _rules.next_chunk([1, 2, 3], 3) == 3
+    assert _rules.next_chunk([1, 2], 3) is None

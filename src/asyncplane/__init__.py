@@ -9,17 +9,7 @@ for fleets that outgrow one machine (a ``postgresql://`` URL instead of a path).
 
 from asyncplane._clock import Clock, SystemClock
 from asyncplane._copy import CopySummary, copy_store
-from asyncplane._drain import (
-    Done,
-    DrainError,
-    DrainSummary,
-    Failed,
-    Offload,
-    Outcome,
-    Park,
-    Retry,
-    drain,
-)
+from asyncplane._drain import DrainError, drain
 from asyncplane._errors import (
     ArchiveError,
     AsyncplaneError,
@@ -48,8 +38,10 @@ from asyncplane._import import ImportSummary
 from asyncplane._ledger import LEDGER_PROBLEM_KINDS, verify_ledger
 from asyncplane._lock import DrainLock
 from asyncplane._models import ClaimedItem, Job, LedgerProblem
+from asyncplane._outcomes import Done, DrainSummary, Failed, Offload, Outcome, Park, Retry
 from asyncplane._retention import PurgeSummary
 from asyncplane._store import ControlStore
+from asyncplane._work import Handler, work
 
 __version__ = "0.1.0"
 
@@ -69,6 +61,7 @@ __all__ = (
     "DrainSummary",
     "Failed",
     "FenceRejected",
+    "Handler",
     "ImportSummary",
     "InvalidInput",
     "InvalidPayload",
@@ -99,6 +92,7 @@ __all__ = (
     "drain",
     "fingerprint",
     "verify_ledger",
+    "work",
 )
 
 # Present re-exported classes and functions as asyncplane's own (in reprs, tracebacks and

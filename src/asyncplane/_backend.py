@@ -52,6 +52,7 @@ __all__ = (
     "ParkOp",
     "PreflightOp",
     "ProjectRow",
+    "ReleaseOp",
     "RenewOp",
     "RequeueOp",
     "RetryOp",
@@ -146,6 +147,14 @@ class ParkOp(NamedTuple):
     fence: int
     actor_id: str | None
     delay: float
+
+
+class ReleaseOp(NamedTuple):
+    """Parameters of release: a current claim given back, ready again, its attempt too."""
+
+    item_id: int
+    fence: int
+    actor_id: str | None
 
 
 class OffloadOp(NamedTuple):
@@ -488,6 +497,10 @@ class Backend(Protocol):
 
     async def park(self, op: ParkOp) -> None:
         """Defer a current claim without spending an attempt."""
+        ...
+
+    async def release(self, op: ReleaseOp) -> None:
+        """Give a current claim back: the item is ready again, its attempt given back."""
         ...
 
     async def offload(self, op: OffloadOp) -> None:

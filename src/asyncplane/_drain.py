@@ -50,80 +50,41 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import logging
 import os
-import pathlib
-import socket
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Literal, TypeAlias
 
-from asyncplane import _clock, _engine, _errors, _lock, _models, _store, _tasks, _validate
+from asyncplane import (
+    _clock,
+    _engine,
+    _errors,
+    _lock,
+    _models,
+    _store,
+    _tasks,
+    _validate,
+    _wakeups,
+)  # fmt: skip
 from asyncplane._models import ClaimedItem
+from asyncplane._outcomes import (
+    Done,
+    DrainSummary,
+    Failed,
+    Offload,
+    Outcome,
+    Park,
+    Retry,
+    Settler,
+    short_error,
+)
 from asyncplane._store import ControlStore
 
-__all__ = (
-    "Done",
-    "DrainError",
-    "DrainSummary",
-    "Failed",
-    "Offload",
-    "Outcome",
-    "Park",
-    "Retry",
-    "drain",
-)
+__all__ = ("DrainError", "Executor", "drain")
 
-#: Errors longer than this are cut before they are recorded (the store keeps 16 KiB).
-_ERROR_CHARS = 4000
+_log = logging.getLogger("asyncplane.drain")
 
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Done:
-    """The work succeeded; ``result`` (any JSON value) is kept with the item."""
-
-    result: Any = None
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Failed:
-    """A deterministic failure: the item fails now, whatever attempts remain."""
-
-    error: str
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Retry:
-    """A transient failure: try again after ``delay`` seconds (None: the store's backoff)."""
-
-    error: str
-    delay: float | None = None
-
-    def __post_init__(self) -> None:
-        if self.delay is not None:
-            _validate.delay(self.delay, "Retry.delay")
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Park:
-    """No capacity now: set the item aside for ``delay`` seconds without spending an attempt."""
-
-    delay: float
-
-    def __post_init__(self) -> None:
-        _validate.delay(self.delay, "Park.delay")
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Offload:
-    """Handed to an external batch ``handle``; settle it later (see `ControlStore.offloaded`)."""
-
-    handle: str
-
-    def __post_init__(self) -> None:
-        _validate.text_id(self.handle, "Offload.handle")
-
-
-Outcome: TypeAlias = Done | Failed | Retry | Park | Offload
 Executor: TypeAlias = Callable[[list[ClaimedItem]], Awaitable[Sequence[Outcome]]]
 
 
@@ -142,47 +103,6 @@ class DrainError(_errors.AsyncplaneError):
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (type(self), (str(self), self.summary))
-
-
-@dataclasses.dataclass
-class DrainSummary:
-    """What one drain() did.
-
-    Attributes:
-        skipped: Another drainer held the lock; nothing was touched.
-        rounds: Rounds run (each: preflight, claim, execute, settle).
-        claimed: Items claimed.
-        done: Items settled done by an outcome.
-        failed: Items that failed (a Failed outcome, or a Retry with no attempt left).
-        retried: Items deferred for another attempt.
-        parked: Items set aside by a Park outcome.
-        offloaded: Items handed to an external batch.
-        deduplicated: Pending items settled by preflight dedup, without running.
-        purged: Settled items archived and deleted by the store's retention (see
-            ``ControlStore(retention=...)``), at most every ``purge_min_interval_s``.
-        cancelled: Items cancelled while this drain held them (`ControlStore.cancel`): their
-            executor was stopped, or their outcome refused.
-        fence_rejected: Settlements the store refused because the claim was no longer
-            current (the item was taken over while it ran).
-        remaining: Items not yet settled when the drain ended (ready, deferred, claimed
-            or offloaded; of ``project_id`` if one was given).
-        elapsed_s: Seconds the drain took.
-    """
-
-    skipped: bool = False
-    rounds: int = 0
-    claimed: int = 0
-    done: int = 0
-    failed: int = 0
-    retried: int = 0
-    parked: int = 0
-    offloaded: int = 0
-    cancelled: int = 0
-    deduplicated: int = 0
-    purged: int = 0
-    fence_rejected: int = 0
-    remaining: int = 0
-    elapsed_s: float = 0.0
 
 
 async def drain(
@@ -232,20 +152,20 @@ async def drain(
     run = _Drain(
         store,
         execute,
-        owner=owner if owner is not None else _default_owner(),
+        owner=owner if owner is not None else _engine.worker_name("drain"),
         batch_size=_validate.positive_int(batch_size, "batch_size"),
         mode=_mode(mode),
         empty_rounds=_validate.positive_int(empty_rounds, "empty_rounds"),
         max_iters=_validate.optional_positive_int(max_iters, "max_iters"),
         project_id=None if project_id is None else _validate.text_id(project_id, "project_id"),
         actor_id=_validate.optional_actor(actor_id),
-        stop=_stop_event(stop),
+        stop=_validate.event(stop, "stop"),
         poll_interval=_validate.seconds(poll_interval, "poll_interval", 3600.0),
         preflight_chunk=_validate.positive_int(preflight_chunk, "preflight_chunk"),
     )
     _validate.text_id(run.owner, "owner")
     lock = None if lock_path is None else _validate.absolute_path(lock_path, "lock_path")
-    async with _single_drainer(store, lock) as guard:
+    async with _store.engine_of(store).single_runner(lock) as guard:
         if not guard:
             return DrainSummary(skipped=True, elapsed_s=time.monotonic() - started)
         run.guard = guard
@@ -270,53 +190,6 @@ def _mode(value: object) -> Literal["foreground", "daemon"]:
     )
 
 
-def _stop_event(value: object) -> asyncio.Event:
-    if value is None:
-        return asyncio.Event()
-    if not isinstance(value, asyncio.Event):
-        raise _errors.InvalidType(f"stop must be an asyncio.Event, not {type(value).__name__}")
-    return value
-
-
-def _default_owner() -> str:
-    return f"drain@{socket.gethostname()}:{os.getpid()}:{os.urandom(3).hex()}"
-
-
-@contextlib.asynccontextmanager
-async def _single_drainer(
-    store: _store.ControlStore, lock_path: pathlib.Path | None
-) -> AsyncIterator[_lock.Guard]:
-    """The drain's guard: the lock file asked for, else the store's own (beside an SQLite
-    file; a session advisory lock on PostgreSQL, which holds across hosts)."""
-    if lock_path is not None:
-        async with _lock.DrainLock(lock_path) as lock:
-            yield _lock.Guard(lock.acquired)
-    else:
-        async with _store.engine_of(store).drain_guard() as guard:
-            yield guard
-
-
-def _short(error: object) -> str:
-    """An error description the store always accepts, whatever the executor produced: an
-    exception (even one whose ``str()`` raises) or any text, with NUL and lone surrogates
-    (``surrogateescape`` output) made visible rather than fatal, and cut to a length."""
-    if isinstance(error, str):
-        text = error
-    elif isinstance(error, BaseException):
-        text = f"{type(error).__name__}: {_text_of(error)}"
-    else:
-        text = _text_of(error)
-    text = text.replace("\x00", "\ufffd").encode("utf-8", "backslashreplace").decode("utf-8")
-    return text if len(text) <= _ERROR_CHARS else text[: _ERROR_CHARS - 1] + "…"
-
-
-def _text_of(value: object) -> str:
-    try:
-        return str(value)
-    except Exception:  # a broken __str__ must not strand the batch
-        return f"<{type(value).__name__} that cannot be shown>"
-
-
 @dataclasses.dataclass
 class _Drain:
     store: _store.ControlStore
@@ -333,6 +206,11 @@ class _Drain:
     preflight_chunk: int
     summary: DrainSummary = dataclasses.field(default_factory=DrainSummary)
     guard: _lock.Guard = dataclasses.field(default_factory=lambda: _lock.Guard(True))
+
+    def __post_init__(self) -> None:
+        self.settler = Settler(self.store, self.actor_id, self.summary)
+        #: Items of the running batch a renewal found lost (taken over, cancelled).
+        self.lost: set[int] = set()
 
     @property
     def engine(self) -> _engine.Engine:
@@ -397,6 +275,7 @@ class _Drain:
 
     async def _run(self, batch: list[_models.ClaimedItem]) -> None:
         """Execute one batch under lease renewal, then settle every outcome."""
+        self.lost = set()
         settled: dict[int, bool] = {}
         renewer = asyncio.create_task(
             self._renew(batch), name=f"asyncplane-drain-renew[{self.owner}]"
@@ -410,13 +289,15 @@ class _Drain:
             if renewer in done and not renewer.cancelled() and renewer.exception() is not None:
                 failure = renewer.exception()
             elif renewer in done and not renewer.cancelled() and renewer.result():
-                # Every item of the batch was cancelled: stop its executor, settle nothing.
+                # No item of the batch is this drain's any more, and an operator cancelled
+                # at least one: stop the executor, settle nothing (see _renew).
                 executor.cancel()
-                await _tasks.to_the_end(
+                _, cut_short = await _tasks.to_the_end(
                     asyncio.gather(executor, return_exceptions=True),
                     "asyncplane-drain-stop-executor",
                 )
-                self.summary.cancelled += len(batch)
+                if cut_short:
+                    raise asyncio.CancelledError
                 return
             else:
                 outcomes = _checked(batch, await executor)
@@ -464,7 +345,8 @@ class _Drain:
 
     async def _renew(self, batch: list[_models.ClaimedItem]) -> bool:
         """Renew the batch's leases every third of a lease, until cancelled; return True
-        once every item of the batch has been cancelled (its executor should stop)."""
+        once no item of the batch is the drain's any more and at least one of them was
+        cancelled (the executor should stop: nothing it returns could be settled)."""
         clock = self.store.clock
         live = {claim.item_id: claim.fence for claim in batch}
         cancelled = 0
@@ -476,9 +358,13 @@ class _Drain:
                 except _errors.ItemCancelled:
                     del live[item_id]
                     cancelled += 1
+                    self.summary.cancelled += 1
+                    self.lost.add(item_id)
                 except _errors.FenceRejected:
-                    del live[item_id]  # lost already: its settlement will be refused too
-        return cancelled == len(batch)
+                    del live[item_id]  # lost already: its settlement would be refused too
+                    self.summary.fence_rejected += 1
+                    self.lost.add(item_id)
+        return cancelled > 0
 
     async def _settle(
         self,
@@ -488,8 +374,11 @@ class _Drain:
     ) -> None:
         failure: _errors.AsyncplaneError | None = None
         for claim, outcome in zip(batch, outcomes, strict=True):
+            if claim.item_id in self.lost:  # refused at its renewal: counted there
+                settled[claim.item_id] = True
+                continue
             try:
-                await self._settle_one(claim, outcome)
+                await self.settler.settle(claim, outcome)
             except _errors.ItemCancelled:
                 self.summary.cancelled += 1
             except _errors.FenceRejected:
@@ -503,53 +392,6 @@ class _Drain:
                 await self._put_back(batch, settled)
             raise DrainError(f"settling an outcome failed: {failure!r}", self.summary) from failure
 
-    async def _settle_one(self, claim: _models.ClaimedItem, outcome: Outcome) -> None:
-        """Settle one outcome; one the store refuses as bad input (a result it cannot keep)
-        fails the item with the reason, so no outcome can strand its neighbours."""
-        try:
-            await self._apply(claim, outcome)
-        except (_errors.InvalidInput, _errors.InvalidType) as exc:
-            what = "result" if isinstance(outcome, Done) else type(outcome).__name__
-            error = _short(f"the executor's {what} was refused: {exc}")
-            await self.store.finish(
-                claim.item_id, fence=claim.fence, status="failed", error=error,
-                actor_id=self.actor_id,
-            )  # fmt: skip
-            self.summary.failed += 1
-        except _errors.AsyncplaneError:
-            raise
-        except Exception as exc:  # a fault on this side, not the store's: retry the item
-            error = _short(f"settling its {type(outcome).__name__} raised {_short(exc)}")
-            await self._retry(claim, Retry(error))
-
-    async def _apply(self, claim: _models.ClaimedItem, outcome: Outcome) -> None:
-        store, item_id, fence, actor = self.store, claim.item_id, claim.fence, self.actor_id
-        if isinstance(outcome, Done):
-            await store.finish(item_id, fence=fence, result=outcome.result, actor_id=actor)
-            self.summary.done += 1
-        elif isinstance(outcome, Failed):
-            error = _short(outcome.error)
-            await store.finish(item_id, fence=fence, status="failed", error=error, actor_id=actor)
-            self.summary.failed += 1
-        elif isinstance(outcome, Retry):
-            await self._retry(claim, outcome)
-        elif isinstance(outcome, Park):
-            await store.park(item_id, fence=fence, delay=outcome.delay, actor_id=actor)
-            self.summary.parked += 1
-        else:
-            await store.offload(item_id, fence=fence, handle=outcome.handle, actor_id=actor)
-            self.summary.offloaded += 1
-
-    async def _retry(self, claim: _models.ClaimedItem, outcome: Retry) -> None:
-        state = await self.store.retry(
-            claim.item_id, fence=claim.fence, error=_short(outcome.error), delay=outcome.delay,
-            actor_id=self.actor_id,
-        )  # fmt: skip
-        if state == "failed":
-            self.summary.failed += 1
-        else:
-            self.summary.retried += 1
-
     async def _put_back(self, batch: list[_models.ClaimedItem], settled: dict[int, bool]) -> None:
         """Return every unsettled item of an interrupted batch, without spending an attempt."""
         for claim in batch:
@@ -562,33 +404,11 @@ class _Drain:
             settled[claim.item_id] = True
 
     async def _wait_for_work(self, local: asyncio.Event, version: int) -> None:
-        """Sleep until new work may be claimable: a local enqueue, another process's
-        commit, the earliest due item, or a stop request."""
-        store = self.store
-        due = await store.next_due(project_id=self.project_id, actor_id=self.actor_id)
-        waits: list[asyncio.Task[Any]] = [
-            asyncio.create_task(local.wait(), name="asyncplane-drain-wait-local"),
-            asyncio.create_task(self.stop.wait(), name="asyncplane-drain-wait-stop"),
-            asyncio.create_task(self._commit_after(version), name="asyncplane-drain-wait-commit"),
-        ]
-        if due is not None:
-            # next_due only counts work this drain's claims could take, so a time already
-            # past means work fell due since this round's claim: go again at once.
-            alarm = _clock.wait_until(store.clock, due.timestamp())
-            waits.append(asyncio.create_task(alarm, name="asyncplane-drain-wait-due"))
-        try:
-            done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-            for task in done:
-                task.result()  # a failed watcher stops the drain, loudly
-        finally:
-            for task in waits:
-                task.cancel()
-            await asyncio.gather(*waits, return_exceptions=True)
-
-    async def _commit_after(self, version: int) -> None:
-        # Another process's commit sends no signal here; data_version is the cheap check.
-        while await self.engine.data_version() == version:  # noqa: ASYNC110
-            await asyncio.sleep(self.poll_interval)
+        """Sleep until new work may be claimable (see `asyncplane._wakeups`)."""
+        await _wakeups.until_work(
+            self.engine, local, version, poll_interval=self.poll_interval,
+            project_id=self.project_id, actor_id=self.actor_id, stop=self.stop,
+        )  # fmt: skip
 
 
 async def _call(execute: Executor, batch: list[_models.ClaimedItem]) -> list[Any] | BaseException:
@@ -602,12 +422,17 @@ async def _call(execute: Executor, batch: list[_models.ClaimedItem]) -> list[Any
 def _checked(batch: list[_models.ClaimedItem], result: list[Any] | BaseException) -> list[Outcome]:
     """One valid outcome per item, or a Retry for every item saying what went wrong."""
     if isinstance(result, BaseException):
-        return [Retry(_short(f"the executor raised {_short(result)}"))] * len(batch)
+        _log.warning(
+            "the executor raised on a batch of %d items (%s): %s", len(batch),
+            ", ".join(str(claim.item_id) for claim in batch), short_error(result),
+            exc_info=result, extra={"item_ids": [claim.item_id for claim in batch]},
+        )  # fmt: skip
+        return [Retry(short_error(f"the executor raised {short_error(result)}"))] * len(batch)
     if len(result) != len(batch):
         error = f"the executor returned {len(result)} outcomes for {len(batch)} items"
         return [Retry(error)] * len(batch)
     for outcome in result:
         if not isinstance(outcome, (Done, Failed, Retry, Park, Offload)):
             error = f"the executor returned {type(outcome).__name__}, not an outcome"
-            return [Retry(_short(error))] * len(batch)
+            return [Retry(short_error(error))] * len(batch)
     return result

@@ -29,7 +29,9 @@ import dataclasses
 import logging
 import os
 import pathlib
+import socket
 import time
+from collections.abc import AsyncIterator
 from typing import Literal
 
 from asyncplane import (
@@ -73,8 +75,16 @@ class Options:
     purge_min_interval: float
 
 
+def worker_name(kind: str) -> str:
+    """A default owner for a runtime's claims: its kind, host, process and a random id."""
+    return f"{kind}@{socket.gethostname()}:{os.getpid()}:{os.urandom(3).hex()}"
+
+
 def backend_for(
-    location: str, options: Options, on_change: _backend.ChangeHook
+    location: str,
+    options: Options,
+    on_change: _backend.ChangeHook,
+    on_settled: _backend.ChangeHook | None = None,
 ) -> _backend.Backend:
     """The backend a location names: an SQLite file (made absolute now, so a later chdir
     cannot move it), or the schema a ``postgresql://`` URL names (the ``postgres``
@@ -91,6 +101,8 @@ def backend_for(
             clock=clock,
             # NOTIFY from any host wakes this process's drainers as a local write does.
             on_change=on_change,
+            # NOTIFY asyncplane_settled wakes this process's wait() calls.
+            on_settled=on_settled,
             connect_timeout=options.busy_timeout,
         )
     from asyncplane import _sqlite
@@ -110,7 +122,10 @@ class Engine:
     def __init__(self, location: str, options: Options) -> None:
         self.options = options
         self._watchers: set[asyncio.Event] = set()
-        self.backend = backend_for(location, options, self.notify)
+        #: How many times the store was closed: a waiter that saw it change stops waiting.
+        self.closes = 0
+        self._settle_watchers: set[asyncio.Event] = set()
+        self.backend = backend_for(location, options, self.notify, self.notify_settled)
         # Where the preflight's fingerprint backfill has got to, per scope it ran in.
         self._backfill_after: dict[tuple[str | None, str | None], int] = {}
         self._last_purge: float | None = None
@@ -156,6 +171,8 @@ class Engine:
             if not self.is_open:
                 return
             self.is_open = False
+            self.closes += 1
+            self.notify()  # waiters for work (claims(), work()) see the store close
             try:
                 await self.backend.close()
             finally:
@@ -212,19 +229,26 @@ class Engine:
 
     # --- change notification ---------------------------------------------------------------
 
-    def watch(self) -> asyncio.Event:
-        """An event set whenever this store writes something that may be claimable."""
+    def watch(self, *, settles: bool = False) -> asyncio.Event:
+        """An event set whenever this store writes something that may be claimable; with
+        ``settles``, also whenever another process or host settles an item (wait())."""
         event = asyncio.Event()
-        self._watchers.add(event)
+        (self._settle_watchers if settles else self._watchers).add(event)
         return event
 
     def unwatch(self, event: asyncio.Event) -> None:
         """Stop setting ``event``."""
         self._watchers.discard(event)
+        self._settle_watchers.discard(event)
 
     def notify(self) -> None:
-        """Wake every watcher: something may have become claimable."""
-        for event in self._watchers:
+        """Wake every watcher: something may have become claimable (or settled)."""
+        for event in (*self._watchers, *self._settle_watchers):
+            event.set()
+
+    def notify_settled(self) -> None:
+        """Wake the settle watchers: an item settled elsewhere (drainers sleep on)."""
+        for event in self._settle_watchers:
             event.set()
 
     async def data_version(self) -> int:
@@ -234,6 +258,18 @@ class Engine:
     def drain_guard(self) -> contextlib.AbstractAsyncContextManager[_lock.Guard]:
         """The backend's single-drainer guard (a lock file, or an advisory lock)."""
         return self.backend.drain_guard()
+
+    @contextlib.asynccontextmanager
+    async def single_runner(self, lock_path: pathlib.Path | None) -> AsyncIterator[_lock.Guard]:
+        """The guard of a runtime that runs alone (drain(), work(exclusive=True)): the lock
+        file asked for, else the store's own (beside an SQLite file; a session advisory
+        lock on PostgreSQL, which holds across hosts)."""
+        if lock_path is not None:
+            async with _lock.DrainLock(lock_path) as lock:
+                yield _lock.Guard(lock.acquired)
+        else:
+            async with self.drain_guard() as guard:
+                yield guard
 
     # --- housekeeping ----------------------------------------------------------------------
 

@@ -8,8 +8,9 @@ other kinds do not already name.
 Every transition of an item appends an event in the same transaction as the row change,
 so an item's state can be replayed from its events (``queued`` leaves it ready,
 ``claimed`` and ``lease_expired`` claimed, ``done``, ``failed`` and ``cancelled``
-settled, ``requeued`` ready again). A requeue starts a new life: the checks of a
-settled or ready row look at the events since the item's last ``requeued`` one. The
+settled, ``requeued`` and ``released`` ready again). A requeue starts a new life: the
+checks of a settled row look at the events since the item's last ``requeued`` one, and
+those of a ready row at the events since it was last requeued or released. The
 verifier looks for rows and histories that disagree: a write that changed state without
 recording it, or a record that was removed or added behind the store's back.
 
@@ -41,7 +42,8 @@ LEDGER_PROBLEM_KINDS: Final = {
     "fence_not_monotonic": "claim (and cancel) fences repeated or fell instead of rising",
     "fence_disagrees": "the row's fence differs from the last claim or cancel recorded",
     "ready_after_claim": (
-        "the row says ready but the history shows it was claimed since it was last queued"
+        "the row says ready but the history shows it was claimed since it was last queued, "
+        "requeued or released"
     ),
     "state_disagrees": "the row's state is not the one its events lead to, replayed in order",
     "orphan_events": "events reference an item that no longer exists",

@@ -7,6 +7,7 @@ import datetime as dt
 from typing import Any, Final
 
 __all__ = (
+    "BACK_TO_READY",
     "EVENT_TYPES",
     "FINISH_STATUSES",
     "ITEM_STATES",
@@ -19,6 +20,7 @@ __all__ = (
     "LedgerProblem",
     "from_timestamp",
     "replay_case",
+    "since_last",
     "sql_list",
 )
 
@@ -50,10 +52,24 @@ EVENT_TYPES: Final = {
     "failed": "failed",
     "cancelled": "cancelled",  # its fence raised: the holder's next report is refused
     "requeued": "ready",  # a failed or cancelled item, back for a fresh attempt budget
+    "released": "ready",  # a claim given back unrun (a worker stopping), its attempt too
 }
+
+#: The events after which a claimed item is ready again, by the store's own hand.
+BACK_TO_READY: Final = ("requeued", "released")
 
 #: The events that settle an item: at most one of them since its last "requeued".
 SETTLING_EVENTS: Final = ("done", "failed", "cancelled")
+
+
+def since_last(alias: str, events: tuple[str, ...]) -> str:
+    """SQL true for an event ``alias`` after the item's last event of ``events`` (all of
+    them, if it has none): the ledger checks' "since it was last requeued" and "since it
+    was last made ready again", in both dialects (an index seek on events_by_item)."""
+    return (
+        f"{alias}.event_id > coalesce((SELECT max(r.event_id) FROM events AS r "
+        f"WHERE r.item_id = {alias}.item_id AND r.event_type IN {sql_list(events)}), 0)"
+    )
 
 
 def sql_list(values: tuple[str, ...]) -> str:

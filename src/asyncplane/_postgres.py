@@ -116,6 +116,7 @@ class PostgresBackend(_backend.Writes):
         *,
         clock: _clock.Clock | None,
         on_change: _backend.ChangeHook | None = None,
+        on_settled: _backend.ChangeHook | None = None,
         connect_timeout: float,
     ) -> None:
         super().__init__(sizing, claim_many=_claim_many, finish_many=_finish_many)
@@ -125,6 +126,7 @@ class PostgresBackend(_backend.Writes):
         # this clock carries the readings to the rest of the process.
         self._server_clock = ServerClock() if clock is None else None
         self._on_change = on_change
+        self._on_settled = on_settled
         self._connect_timeout = connect_timeout
         self._pool: asyncpg.Pool | None = None
         self._listener: asyncpg.Connection | None = None
@@ -225,6 +227,8 @@ class PostgresBackend(_backend.Writes):
         # An item settled (here or on another host): wait() looks again.
         if payload == self._schema:
             self._settled += 1
+            if self._on_settled is not None:
+                self._on_settled()
 
     def _went_deaf(self, conn: Any) -> None:
         self._deaf = True
@@ -330,6 +334,9 @@ class PostgresBackend(_backend.Writes):
 
     async def park(self, op: _backend.ParkOp) -> None:
         await self._write(_bind(_park, op))
+
+    async def release(self, op: _backend.ReleaseOp) -> None:
+        await self._write(_bind(_release, op))
 
     async def offload(self, op: _backend.OffloadOp) -> None:
         await self._write(_bind(_offload, op))
@@ -761,10 +768,6 @@ async def _settle_twins(
     return len(twins)
 
 
-#: Above every item id (a bigint).
-_MAX_ID = 2**63 - 1
-
-
 def _list_params(
     where: _backend.ItemFilter, states: tuple[str, ...], newest: bool, after: int | None,
     limit: int,
@@ -774,7 +777,7 @@ def _list_params(
         where.project_id, where.owner, where.fingerprint, where.created_after,
         where.created_before, where.updated_after, where.updated_before,
         where.error_contains, where.actor_id,
-        (_MAX_ID if newest else 0) if after is None else after, limit, list(states),
+        _rules.keyset_start(newest, after), limit, list(states),
     )  # fmt: skip
 
 
@@ -823,7 +826,7 @@ async def _chunk_of(
     if not ids:
         return [], None
     rows = list(await conn.fetch(sql.LOCK_CHUNK, *params, ids))
-    return rows, (ids[-1] if len(ids) == op.chunk else None)
+    return rows, _rules.next_chunk(ids, op.chunk)
 
 
 async def _cancel_where(
@@ -875,6 +878,13 @@ async def _park(op: _backend.ParkOp, conn: asyncpg.Connection, now: float) -> No
     if row is None:
         await _refuse_fenced(conn, op.item_id, op.fence, op.actor_id)
     await _insert_events(conn, [_rules.park_event(op, row[0], due, now)])
+
+
+async def _release(op: _backend.ReleaseOp, conn: asyncpg.Connection, now: float) -> None:
+    row = await conn.fetchrow(sql.RELEASE, op.item_id, op.fence, op.actor_id, now)
+    if row is None:
+        await _refuse_fenced(conn, op.item_id, op.fence, op.actor_id)
+    await _insert_events(conn, [_rules.release_event(op, row[0], now)])
 
 
 async def _offload(op: _backend.OffloadOp, conn: asyncpg.Connection, now: float) -> None:

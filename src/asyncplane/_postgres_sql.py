@@ -474,6 +474,12 @@ UPDATE items SET state = 'deferred', due_at = $5, error = $6,
                  updated_at = $4
 {_SETTLE_GUARD} AND (NOT $8::boolean OR state = 'claimed') {_SETTLED}
 """
+# A claim given back unrun: ready again at once, its attempt refunded (as on SQLite).
+RELEASE: Final = f"""
+UPDATE items SET state = 'ready', attempts = attempts - 1, lease_expires_at = NULL,
+                 updated_at = $4
+{_SETTLE_GUARD} AND state = 'claimed' {_SETTLED}
+"""
 SETTLE_OFFLOADED: Final = f"""
 UPDATE items SET state = 'offloaded', offload_handle = $5, lease_expires_at = NULL,
                  updated_at = $4
@@ -756,7 +762,7 @@ SELECT item_id FROM events
 GROUP BY item_id
 HAVING count(*) FILTER (WHERE event_type = 'claimed')
        > 1 + count(*) FILTER (WHERE event_type IN ('lease_expired', 'retried', 'parked',
-                                                   'requeued'))
+                                                   'requeued', 'released'))
 ORDER BY item_id
 """
 ITEM_IDS_IN_STATE: Final = "SELECT item_id FROM items WHERE state = $1 ORDER BY item_id"
@@ -772,11 +778,11 @@ _SETTLED_ROW: Final = _models.sql_list(_models.FINISH_STATUSES)
 
 
 def _since_requeue(alias: str) -> str:
-    """An event of the item's current life: after its last "requeued" event, if any."""
-    return (
-        f"{alias}.event_id > coalesce((SELECT max(r.event_id) FROM events AS r "
-        f"WHERE r.item_id = {alias}.item_id AND r.event_type = 'requeued'), 0)"
-    )
+    return _models.since_last(alias, ("requeued",))
+
+
+def _since_ready_again(alias: str) -> str:
+    return _models.since_last(alias, _models.BACK_TO_READY)
 
 
 LEDGER_CHECKS: Final[tuple[tuple[str, str], ...]] = (
@@ -878,7 +884,7 @@ LEDGER_CHECKS: Final[tuple[tuple[str, str], ...]] = (
         f"""
         SELECT i.item_id, 'row is ready but the item was claimed at fence ' || max(e.fence)
         FROM items AS i JOIN events AS e ON e.item_id = i.item_id
-        WHERE i.state = 'ready' AND e.event_type = 'claimed' AND {_since_requeue("e")}
+        WHERE i.state = 'ready' AND e.event_type = 'claimed' AND {_since_ready_again("e")}
         GROUP BY i.item_id
         """,
     ),
@@ -905,7 +911,7 @@ LEDGER_CHECKS: Final[tuple[tuple[str, str], ...]] = (
                                AND t.event_type IN {_SETTLING} AND {_since_requeue("t")}))
           AND NOT (i.state = 'ready'
                    AND EXISTS (SELECT 1 FROM events AS t WHERE t.item_id = i.item_id
-                               AND t.event_type = 'claimed' AND {_since_requeue("t")}))
+                               AND t.event_type = 'claimed' AND {_since_ready_again("t")}))
         """,
     ),
     (

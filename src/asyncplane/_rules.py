@@ -37,6 +37,7 @@ from asyncplane import _backend, _errors, _models
 
 __all__ = (
     "CANCELLABLE",
+    "MAX_ITEM_ID",
     "MAX_PAGE",
     "REQUEUEABLE",
     "CancelPlan",
@@ -62,8 +63,10 @@ __all__ = (
     "finish_event",
     "history",
     "invisible_item",
+    "keyset_start",
     "listing_arms",
     "new_row",
+    "next_chunk",
     "offload_event",
     "one_project",
     "park_due",
@@ -72,6 +75,7 @@ __all__ = (
     "project_exists",
     "refuse_newer_schema",
     "refuse_unreadable_schema",
+    "release_event",
     "requeue_event",
     "requeue_states",
     "retry_event",
@@ -559,6 +563,11 @@ def park_event(op: _backend.ParkOp, owner: str | None, due: float, now: float) -
     return settlement_event(op.item_id, "parked", op.fence, owner, op.actor_id, now, due_at=due)
 
 
+def release_event(op: _backend.ReleaseOp, owner: str | None, now: float) -> Event:
+    """The event a release records: the claim given back unrun, the item ready again."""
+    return settlement_event(op.item_id, "released", op.fence, owner, op.actor_id, now)
+
+
 def offload_event(op: _backend.OffloadOp, owner: str | None, now: float) -> Event:
     """The event an offload records, with the external batch's handle."""
     return settlement_event(
@@ -636,6 +645,23 @@ def listing_arms(states: tuple[str, ...], project: bool) -> tuple[str, ...]:
     if states:
         return states
     return _models.ITEM_STATES if project else ()
+
+
+#: Above every item id (both backends' ids are 64-bit signed).
+MAX_ITEM_ID = 2**63 - 1
+
+
+def keyset_start(newest: bool, after: int | None) -> int:
+    """Where a listing starts: after ``after``, or from the newest (or oldest) end."""
+    if after is not None:
+        return after
+    return MAX_ITEM_ID if newest else 0
+
+
+def next_chunk(ids: Sequence[int], chunk: int) -> int | None:
+    """Where a filter-wide cancel or requeue goes on: after the last id of a full chunk;
+    None when the chunk was not full (nothing is left)."""
+    return ids[-1] if len(ids) == chunk else None
 
 
 def cancel_states(states: tuple[str, ...]) -> tuple[str, ...]:

@@ -214,6 +214,9 @@ class SQLiteBackend(_backend.Writes):
     async def park(self, op: _backend.ParkOp) -> None:
         await self._write(functools.partial(_park, op))
 
+    async def release(self, op: _backend.ReleaseOp) -> None:
+        await self._write(functools.partial(_release, op))
+
     async def offload(self, op: _backend.OffloadOp) -> None:
         await self._write(functools.partial(_offload, op))
 
@@ -555,6 +558,14 @@ def _park(op: _backend.ParkOp, db: sqlite3.Connection, now: float) -> None:
     )
 
 
+def _release(op: _backend.ReleaseOp, db: sqlite3.Connection, now: float) -> None:
+    params = _settle_params(op.item_id, op.fence, op.actor_id, now)
+    rows = db.execute(sql.RELEASE, params).fetchall()
+    if not rows:
+        _refuse_fenced(db, op.item_id, op.fence, op.actor_id)
+    db.execute(sql.INSERT_EVENT, _rules.release_event(op, rows[0][0], now))
+
+
 def _offload(op: _backend.OffloadOp, db: sqlite3.Connection, now: float) -> None:
     params = _settle_params(op.item_id, op.fence, op.actor_id, now)
     rows = db.execute(sql.SETTLE_OFFLOADED, {**params, "handle": op.handle}).fetchall()
@@ -571,15 +582,11 @@ def _list_params(
 ) -> dict[str, Any]:
     params: dict[str, Any] = {
         **where._asdict(),
-        "after": (_MAX_ID if newest else 0) if after is None else after,
+        "after": _rules.keyset_start(newest, after),
         "limit": limit,
     }
     del params["states"]  # written into the statement (see _sqlite_sql.list_items)
     return params
-
-
-#: Above every item id (SQLite's are 64-bit signed).
-_MAX_ID = 2**63 - 1
 
 
 def _listing(
@@ -642,7 +649,7 @@ def _cancel_where(
     rows = _chunk_of(db, op, _rules.cancel_states(op.where.states))
     for row in rows:
         _cancel_one(db, row[0], row[2], row[4], op.reason, op.where.actor_id, now)
-    return len(rows), (rows[-1][0] if len(rows) == op.chunk else None)
+    return len(rows), _rules.next_chunk([row[0] for row in rows], op.chunk)
 
 
 def _requeue_where(
@@ -651,7 +658,7 @@ def _requeue_where(
     rows = _chunk_of(db, op, _rules.requeue_states(op.where.states))
     for row in rows:
         _requeue_one(db, row[0], row[2], row[4], op.where.actor_id, now)
-    return len(rows), (rows[-1][0] if len(rows) == op.chunk else None)
+    return len(rows), _rules.next_chunk([row[0] for row in rows], op.chunk)
 
 
 def _backfill_fingerprints(

@@ -322,6 +322,12 @@ UPDATE items SET state = 'deferred', due_at = :due_at, error = :error,
                  updated_at = :now
 {_SETTLE_GUARD} AND (:from_claimed_only = 0 OR state = 'claimed') {_SETTLED}
 """
+# A claim given back unrun (a worker stopping): ready again at once, its attempt refunded.
+RELEASE: Final = f"""
+UPDATE items SET state = 'ready', attempts = attempts - 1, lease_expires_at = NULL,
+                 updated_at = :now
+{_SETTLE_GUARD} AND state = 'claimed' {_SETTLED}
+"""
 SETTLE_OFFLOADED: Final = f"""
 UPDATE items SET state = 'offloaded', offload_handle = :handle, lease_expires_at = NULL,
                  updated_at = :now
@@ -605,7 +611,7 @@ UNEXPLAINED_CLAIMS: Final = """
 SELECT item_id FROM events
 GROUP BY item_id
 HAVING sum(event_type = 'claimed')
-       > 1 + sum(event_type IN ('lease_expired', 'retried', 'parked', 'requeued'))
+       > 1 + sum(event_type IN ('lease_expired', 'retried', 'parked', 'requeued', 'released'))
 ORDER BY item_id
 """
 # Items in a given state (the probe's check for lost work).
@@ -624,12 +630,11 @@ _SETTLED_ROW: Final = _models.sql_list(_models.FINISH_STATUSES)
 
 
 def _since_requeue(alias: str) -> str:
-    """An event of the item's current life: after its last "requeued" event, if any (an
-    index seek on events_by_item: requeues are few)."""
-    return (
-        f"{alias}.event_id > coalesce((SELECT max(r.event_id) FROM events AS r "
-        f"WHERE r.item_id = {alias}.item_id AND r.event_type = 'requeued'), 0)"
-    )
+    return _models.since_last(alias, ("requeued",))
+
+
+def _since_ready_again(alias: str) -> str:
+    return _models.since_last(alias, _models.BACK_TO_READY)
 
 
 LEDGER_CHECKS: Final[tuple[tuple[str, str], ...]] = (
@@ -732,7 +737,7 @@ LEDGER_CHECKS: Final[tuple[tuple[str, str], ...]] = (
         f"""
         SELECT i.item_id, 'row is ready but the item was claimed at fence ' || max(e.fence)
         FROM items AS i JOIN events AS e ON e.item_id = i.item_id
-        WHERE i.state = 'ready' AND e.event_type = 'claimed' AND {_since_requeue("e")}
+        WHERE i.state = 'ready' AND e.event_type = 'claimed' AND {_since_ready_again("e")}
         GROUP BY i.item_id
         """,
     ),
@@ -762,7 +767,7 @@ LEDGER_CHECKS: Final[tuple[tuple[str, str], ...]] = (
                                AND t.event_type IN {_SETTLING} AND {_since_requeue("t")}))
           AND NOT (i.state = 'ready'
                    AND EXISTS (SELECT 1 FROM events AS t WHERE t.item_id = i.item_id
-                               AND t.event_type = 'claimed' AND {_since_requeue("t")}))
+                               AND t.event_type = 'claimed' AND {_since_ready_again("t")}))
         """,
     ),
     (

@@ -18,7 +18,15 @@ import os
 import pathlib
 import random
 import types
-from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping, Sequence
+from collections.abc import (
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Collection,
+    Iterable,
+    Mapping,
+    Sequence,
+)
 from datetime import datetime, timedelta
 from typing import Any, Literal
 
@@ -32,6 +40,7 @@ from asyncplane import (
     _retention,
     _tasks,
     _validate,
+    _wakeups,
 )
 from asyncplane._clock import Clock
 from asyncplane._import import ImportSummary
@@ -419,8 +428,15 @@ class ControlStore:
         actor_id: str | None = None,
         project_id: str | None = None,
         lease_seconds: float | None = None,
+        wait: float | None = None,
+        poll_interval: float = 0.1,
     ) -> ClaimedItem | None:
         """Claim the next available item for ``owner``, or return None if there is none.
+
+        With ``wait``, a claim that finds nothing waits up to that many seconds for
+        claimable work (an enqueue here or in another process, a retry falling due, a
+        lease lapsing, a release) before it returns None; it sleeps on the store's own
+        wake-ups (`asyncplane._wakeups`), never polling the queue.
 
         Available means: ready; or deferred (retried, parked, enqueued with not_before)
         and fallen due; or claimed by someone whose lease has lapsed (a takeover, recorded
@@ -437,11 +453,91 @@ class ControlStore:
             actor_id: Act as this actor: claim only from its assigned projects.
             project_id: Claim only from this project.
             lease_seconds: This claim's lease length instead of the store's default.
+            wait: Seconds to wait for work when there is none now (None: do not wait).
+            poll_interval: Seconds between looks for other processes' commits while
+                waiting, on SQLite.
         """
-        claims = await self.claim_batch(
-            owner, 1, actor_id=actor_id, project_id=project_id, lease_seconds=lease_seconds
-        )
-        return claims[0] if claims else None
+        limit = None if wait is None else _validate.seconds(wait, "wait", 10.0**7)
+        if limit is None:
+            claims = await self.claim_batch(
+                owner, 1, actor_id=actor_id, project_id=project_id, lease_seconds=lease_seconds
+            )
+            return claims[0] if claims else None
+        poll = _validate.seconds(poll_interval, "poll_interval", 3600.0)
+        deadline = asyncio.get_running_loop().time() + limit
+        while True:
+            claims, _ = await self._claim_or_wait(
+                owner, 1, actor_id, project_id, lease_seconds, poll,
+                deadline - asyncio.get_running_loop().time(),
+            )  # fmt: skip
+            if claims:
+                return claims[0]
+            if asyncio.get_running_loop().time() >= deadline:
+                return None
+
+    async def claims(
+        self,
+        owner: str,
+        *,
+        actor_id: str | None = None,
+        project_id: str | None = None,
+        lease_seconds: float | None = None,
+        stop: asyncio.Event | None = None,
+        poll_interval: float = 0.1,
+    ) -> AsyncIterator[ClaimedItem]:
+        """Claim item after item, waiting for work in between; for ``async for``.
+
+        Each claim is the one `claim` would make; when there is none the iterator waits
+        on the store's wake-ups (no polling of the queue) and claims again. It ends when
+        the store is closed, or ``stop`` is set. Settle each claim before asking for the
+        next one, or it stays claimed until its lease lapses.
+        """
+        poll = _validate.seconds(poll_interval, "poll_interval", 3600.0)
+        if stop is not None and not isinstance(stop, asyncio.Event):
+            raise _errors.InvalidType(f"stop must be an asyncio.Event, not {type(stop).__name__}")
+        await self._engine.ready()
+        closes = self._engine.closes
+        while (stop is None or not stop.is_set()) and self._engine.closes == closes:
+            found, closed = await self._claim_or_wait(
+                owner, 1, actor_id, project_id, lease_seconds, poll, None, stop, closes
+            )
+            if closed:
+                return
+            for claim in found:
+                yield claim
+
+    async def _claim_or_wait(
+        self,
+        owner: str,
+        limit: int,
+        actor_id: str | None,
+        project_id: str | None,
+        lease_seconds: float | None,
+        poll: float,
+        timeout: float | None,
+        stop: asyncio.Event | None = None,
+        closes: int | None = None,
+    ) -> tuple[list[ClaimedItem], bool]:
+        """One claim of up to ``limit`` items; if it found none, one sleep until work may
+        be claimable (or ``timeout``, or ``stop``). Returns the claims, and whether the
+        store was closed since ``closes`` (the waiter should end)."""
+        engine = self._engine
+        local = engine.watch()
+        try:
+            version = await engine.data_version()  # before the claim: nothing slips by
+            found = await self.claim_batch(
+                owner, limit, actor_id=actor_id, project_id=project_id,
+                lease_seconds=lease_seconds,
+            )  # fmt: skip
+            if found or (timeout is not None and timeout <= 0):
+                return found, False
+            await _wakeups.until_work(
+                engine, local, version, poll_interval=poll, project_id=project_id,
+                actor_id=actor_id, stop=stop, timeout=timeout,
+            )  # fmt: skip
+            return [], closes is not None and engine.closes != closes
+        finally:
+            engine.unwatch(local)
 
     async def claim_batch(
         self,
@@ -621,6 +717,25 @@ class ControlStore:
         )
         await (await self._engine.ready()).park(op)
         self._engine.notify()
+
+    async def release(self, item_id: int, *, fence: int, actor_id: str | None = None) -> None:
+        """Give a current claim back unrun: the item is ready again at once, and the
+        claim's attempt is given back (a "released" event).
+
+        For a worker stopping before it could run (or finish) the item: another worker
+        takes it now instead of after the lease lapses; its next claim raises the fence,
+        so a late report at this fence is refused.
+
+        Raises:
+            FenceRejected: The fence is not current, or the item is not claimed.
+        """
+        op = _backend.ReleaseOp(
+            _validate.item_id(item_id),
+            _validate.positive_int(fence, "fence"),
+            _validate.optional_actor(actor_id),
+        )
+        await (await self._engine.ready()).release(op)
+        self._engine.notify()  # claimable again, here and now
 
     async def offload(
         self, item_id: int, *, fence: int, handle: str, actor_id: str | None = None
@@ -1023,7 +1138,7 @@ class ControlStore:
         limit = None if timeout is None else _validate.seconds(timeout, "timeout", 10.0**7)
         poll = _validate.seconds(poll_interval, "poll_interval", 3600.0)
         engine = self._engine
-        local = engine.watch()
+        local = engine.watch(settles=True)
         try:
             return await asyncio.wait_for(self._settled(target, actor, local, poll), limit)
         except asyncio.TimeoutError:
@@ -1162,9 +1277,13 @@ def _claimed_item(row: _backend.ClaimRow, payload: dict[str, Any]) -> ClaimedIte
 
 
 async def _changed_since(backend: _backend.Backend, version: int, poll: float) -> None:
-    """Return once the backend's settled version moves past ``version``."""
-    while await backend.settled_version() == version:  # noqa: ASYNC110
+    """Return once the backend's settled version moves past ``version``, looking every
+    ``poll`` seconds (and never sooner: a version that moves on every look, a PostgreSQL
+    listener gone deaf, must not turn the wait into a busy loop)."""
+    while True:
         await asyncio.sleep(poll)
+        if await backend.settled_version() != version:
+            return
 
 
 def _item_dict(row: _backend.ItemRow, *, payload: bool = True) -> dict[str, Any]:

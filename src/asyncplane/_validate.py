@@ -18,6 +18,7 @@ an outcome, the CLI, an import):
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 import json
 import math
@@ -184,6 +185,15 @@ def _one_of(value: object, what: str, allowed: tuple[str, ...]) -> str:
     if value not in allowed:
         choices = ", ".join(repr(s) for s in allowed)
         raise _errors.InvalidInput(f"unknown {what} {shown(value)}: expected one of {choices}")
+    return value
+
+
+def event(value: object, what: str) -> asyncio.Event:
+    """An asyncio.Event, or a new one for None."""
+    if value is None:
+        return asyncio.Event()
+    if not isinstance(value, asyncio.Event):
+        raise _errors.InvalidType(f"{what} must be an asyncio.Event, not {type(value).__name__}")
     return value
 
 

@@ -11,6 +11,7 @@
     asyncplane purge DB --retention 7d        archive, then delete, old settled items
     asyncplane import DB --from SRC --table T --column payload=data ...
     asyncplane copy SRC DST                   move a store to another (SQLite <-> PostgreSQL)
+    asyncplane worker DB module:handle [--concurrency N] ...   run work() until SIGTERM
     asyncplane probe --store PATH --scenario ...   (see asyncplane.probe)
 
 DB, SRC and DST are SQLite files or ``postgresql://`` URLs.
@@ -47,6 +48,7 @@ from asyncplane import (
     _sqlite,
     _store,
     _validate,
+    _worker_command,
     probe,
 )  # fmt: skip
 
@@ -170,6 +172,9 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="leave settled (done, failed, cancelled) items behind",
     )
+    _worker_command.add_arguments(
+        verb("worker", "run a per-item handler over the store's work until SIGTERM")
+    )
     verbs.add_parser("probe", help="qualify a disk: separate processes, exact counts")
     return parser
 
@@ -180,15 +185,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args_list and args_list[0] == "probe":
         return probe.main(args_list[1:], prog="asyncplane probe")  # it owns its options
     parser = _parser()
-    args, extra = parser.parse_known_args(_negative_durations(args_list))
-    if extra:  # a mistyped flag: the verb's own usage says what it takes
-        _VERB_PARSERS[args.verb].error(f"unrecognized arguments: {' '.join(extra)}")
+    argv = _negative_durations(args_list)
+    args, _ = parser.parse_known_args(argv)
+    # The verb's own parser reads its arguments, options and ids in any order (a mistyped
+    # flag prints that verb's usage, not the command's).
+    rest = argv[argv.index(args.verb) + 1 :]
+    args = _VERB_PARSERS[args.verb].parse_intermixed_args(rest, argparse.Namespace(verb=args.verb))
     try:
+        if args.verb == "worker":
+            return _worker_command.run(args)
         _check_is_a_store(args.db)  # before any event loop: a plain, quick file read
         if args.verb == "copy" and pathlib.Path(args.destination).exists():
             _check_is_a_store(args.destination)  # an existing file must be a store too
         return asyncio.run(_run(args))
-    except _Usage as problem:
+    except (_Usage, _worker_command.Usage) as problem:
         print(f"asyncplane {args.verb}: {problem}", file=sys.stderr)
         return 2
     except (_errors.AsyncplaneError, OSError) as problem:
@@ -247,7 +257,7 @@ async def _run(args: argparse.Namespace) -> int:
             raise _Usage(str(exc)) from exc
         return int(await _VERBS[args.verb](store, args))
     except _errors.InvalidInput as exc:
-        raise _Usage(str(exc)) from exc
+        raise _Usage(_in_flags(str(exc))) from exc
     finally:
         await store.close()
 
@@ -404,7 +414,7 @@ async def _copy_verb(args: argparse.Namespace) -> int:
     }  # fmt: skip
     _out(
         args, data,
-        f"copied {done.copied:,} items ({done.skipped:,} copied before) and "
+        f"copied {_counted(done.copied)} ({done.skipped:,} copied before) and "
         f"{done.projects} new project{'' if done.projects == 1 else 's'} from "
         f"{source.location} to {destination.location}; "
         + ("the destination's ledger verifies clean" if not problems
@@ -428,6 +438,11 @@ _FLAG_WORDS = (
      "column with --column project_id=COLUMN"),
     ("project_id=", "--project"),
     ("drop_source", "--drop-source"),
+    ("error_contains", "--error"),
+    ("limit is", "--limit is"),
+    ("limit must", "--limit must"),
+    ("item_id must", "an item id must"),
+    ("chunk must", "--chunk must"),
 )  # fmt: skip
 
 
@@ -435,6 +450,15 @@ def _in_flags(message: str) -> str:
     for word, flag in _FLAG_WORDS:
         message = message.replace(word, flag)
     return message
+
+
+async def _known_project(store: _store.ControlStore, args: argparse.Namespace) -> None:
+    """A filter naming a project that does not exist is a usage error, as elsewhere."""
+    if args.project is not None:
+        try:
+            await store.project(args.project)
+        except _errors.UnknownProject as exc:
+            raise _Usage(str(exc)) from exc
 
 
 def _where(args: argparse.Namespace) -> dict[str, Any]:
@@ -447,6 +471,7 @@ def _where(args: argparse.Namespace) -> dict[str, Any]:
 
 
 async def _items(store: _store.ControlStore, args: argparse.Namespace) -> int:
+    await _known_project(store, args)
     rows = await store.items(
         **_where(args), order="oldest" if args.oldest else "newest", after=args.after,
         limit=args.limit, include_payload=args.json,
@@ -504,6 +529,7 @@ async def _where_verb(
 ) -> int:  # fmt: skip
     if not _where(args):
         raise _Usage("name items by id, or say which with --project, --state, --owner or --error")
+    await _known_project(store, args)
     if not args.yes:
         count = await _matching(store, args, states)
         text = f"{_counted(count)} would be {verb}; add --yes to do it"

@@ -1,0 +1,208 @@
+"""What an executor returns for an item, and how each outcome is settled in the store.
+
+Shared by the two runtimes: `drain()` (a bulk executor over batches) and `work()` (a
+per-item handler, continuously). An outcome is one of `Done`, `Failed`, `Retry`, `Park`
+and `Offload`; `Settler.settle` turns it into the store's fenced call, counting it in a
+`DrainSummary`. An outcome the store refuses as bad input (a result it cannot keep)
+fails the item with the reason instead, so no outcome can strand its neighbours; a fault
+on this side while settling retries the item.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, TypeAlias
+
+from asyncplane import _errors, _validate
+from asyncplane._models import ClaimedItem
+from asyncplane._store import ControlStore
+
+__all__ = (
+    "Done",
+    "DrainSummary",
+    "Failed",
+    "Offload",
+    "Outcome",
+    "Park",
+    "Retry",
+    "Settler",
+    "short_error",
+    "text_of",
+)
+
+#: Errors longer than this are cut before they are recorded (the store keeps 16 KiB).
+_ERROR_CHARS = 4000
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Done:
+    """The work succeeded; ``result`` (any JSON value) is kept with the item."""
+
+    result: Any = None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Failed:
+    """A deterministic failure: the item fails now, whatever attempts remain."""
+
+    error: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Retry:
+    """A transient failure: try again after ``delay`` seconds (None: the store's backoff)."""
+
+    error: str
+    delay: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.delay is not None:
+            _validate.delay(self.delay, "Retry.delay")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Park:
+    """No capacity now: set the item aside for ``delay`` seconds without spending an attempt."""
+
+    delay: float
+
+    def __post_init__(self) -> None:
+        _validate.delay(self.delay, "Park.delay")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Offload:
+    """Handed to an external batch ``handle``; settle it later (see `ControlStore.offloaded`)."""
+
+    handle: str
+
+    def __post_init__(self) -> None:
+        _validate.text_id(self.handle, "Offload.handle")
+
+
+Outcome: TypeAlias = Done | Failed | Retry | Park | Offload
+
+
+@dataclasses.dataclass
+class DrainSummary:
+    """What one drain() or work() did.
+
+    Attributes:
+        skipped: Another drainer held the lock; nothing was touched.
+        rounds: Rounds run (each: preflight, claim, execute, settle); for work(), claims
+            made.
+        claimed: Items claimed.
+        done: Items settled done by an outcome.
+        failed: Items that failed (a Failed outcome, or a Retry with no attempt left).
+        retried: Items deferred for another attempt.
+        parked: Items set aside by a Park outcome.
+        offloaded: Items handed to an external batch.
+        deduplicated: Pending items settled by preflight dedup, without running.
+        purged: Settled items archived and deleted by the store's retention (see
+            ``ControlStore(retention=...)``), at most every ``purge_min_interval_s``.
+        cancelled: Items cancelled while this drain held them (`ControlStore.cancel`): their
+            executor was stopped, or their outcome refused.
+        fence_rejected: Settlements the store refused because the claim was no longer
+            current (the item was taken over while it ran); for work(), also items whose
+            lease renewal was refused so: their task was cancelled, the outcome dropped.
+        timed_out: work() only: items whose handler ran past ``timeout`` (retried).
+        released: work() only: claims given back unrun at a stop (``grace`` ran out, or
+            the stop came before they started).
+        remaining: Items not yet settled when the drain ended (ready, deferred, claimed
+            or offloaded; of ``project_id`` if one was given).
+        elapsed_s: Seconds the drain took.
+    """
+
+    skipped: bool = False
+    rounds: int = 0
+    claimed: int = 0
+    done: int = 0
+    failed: int = 0
+    retried: int = 0
+    parked: int = 0
+    offloaded: int = 0
+    cancelled: int = 0
+    timed_out: int = 0
+    released: int = 0
+    deduplicated: int = 0
+    purged: int = 0
+    fence_rejected: int = 0
+    remaining: int = 0
+    elapsed_s: float = 0.0
+
+
+def short_error(error: object) -> str:
+    """An error description the store always accepts, whatever the executor produced: an
+    exception (even one whose ``str()`` raises) or any text, with NUL and lone surrogates
+    (``surrogateescape`` output) made visible rather than fatal, and cut to a length."""
+    if isinstance(error, str):
+        text = error
+    elif isinstance(error, BaseException):
+        text = f"{type(error).__name__}: {text_of(error)}"
+    else:
+        text = text_of(error)
+    text = text.replace("\x00", "\ufffd").encode("utf-8", "backslashreplace").decode("utf-8")
+    return text if len(text) <= _ERROR_CHARS else text[: _ERROR_CHARS - 1] + "…"
+
+
+def text_of(value: object) -> str:
+    try:
+        return str(value)
+    except Exception:  # a broken __str__ must not strand the batch
+        return f"<{type(value).__name__} that cannot be shown>"
+
+
+@dataclasses.dataclass
+class Settler:
+    """Settles outcomes of items claimed by one runtime, counting them in ``summary``."""
+
+    store: ControlStore
+    actor_id: str | None
+    summary: DrainSummary
+
+    async def settle(self, claim: ClaimedItem, outcome: Outcome) -> None:
+        """Settle one outcome; one the store refuses as bad input (a result it cannot keep)
+        fails the item with the reason, so no outcome can strand its neighbours."""
+        try:
+            await self._apply(claim, outcome)
+        except (_errors.InvalidInput, _errors.InvalidType) as exc:
+            what = "result" if isinstance(outcome, Done) else type(outcome).__name__
+            error = short_error(f"the executor's {what} was refused: {exc}")
+            await self.store.finish(
+                claim.item_id, fence=claim.fence, status="failed", error=error,
+                actor_id=self.actor_id,
+            )  # fmt: skip
+            self.summary.failed += 1
+        except _errors.AsyncplaneError:
+            raise
+        except Exception as exc:  # a fault on this side, not the store's: retry the item
+            error = short_error(f"settling its {type(outcome).__name__} raised {short_error(exc)}")
+            await self.retry(claim, Retry(error))
+
+    async def _apply(self, claim: ClaimedItem, outcome: Outcome) -> None:
+        store, item_id, fence, actor = self.store, claim.item_id, claim.fence, self.actor_id
+        if isinstance(outcome, Done):
+            await store.finish(item_id, fence=fence, result=outcome.result, actor_id=actor)
+            self.summary.done += 1
+        elif isinstance(outcome, Failed):
+            error = short_error(outcome.error)
+            await store.finish(item_id, fence=fence, status="failed", error=error, actor_id=actor)
+            self.summary.failed += 1
+        elif isinstance(outcome, Retry):
+            await self.retry(claim, outcome)
+        elif isinstance(outcome, Park):
+            await store.park(item_id, fence=fence, delay=outcome.delay, actor_id=actor)
+            self.summary.parked += 1
+        else:
+            await store.offload(item_id, fence=fence, handle=outcome.handle, actor_id=actor)
+            self.summary.offloaded += 1
+
+    async def retry(self, claim: ClaimedItem, outcome: Retry) -> None:
+        state = await self.store.retry(
+            claim.item_id, fence=claim.fence, error=short_error(outcome.error), delay=outcome.delay,
+            actor_id=self.actor_id,
+        )  # fmt: skip
+        if state == "failed":
+            self.summary.failed += 1
+        else:
+            self.summary.retried += 1

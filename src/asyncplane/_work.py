@@ -1,0 +1,413 @@
+"""work(): the continuous runtime for agent fleets, one handler call per item.
+
+    summary = await work(store, handle, concurrency=32, timeout=120, stop=stop, grace=30)
+
+``handle(claim)`` is a coroutine function that gets one `ClaimedItem` and returns one
+outcome (`Done`, `Failed`, `Retry`, `Park`, `Offload`). work() keeps ``concurrency``
+items running: each item is settled the moment its handler returns, and a freed slot is
+filled by the next claim at once (several free slots by one ``claim_batch``), so a slow
+item never holds back the others, as it does in drain()'s lockstep batches.
+
+The rules it keeps:
+
+* **Claims wait, never poll.** With nothing to claim, it sleeps on the store's wake-ups
+  (`asyncplane._wakeups`): an enqueue, retry or release here or in another process, a
+  deferred item falling due, a lease lapsing, a running item finishing, or ``stop``.
+* **Leases are renewed** every third of a lease while an item runs. A renewal refused
+  because the item was taken over or cancelled (`ItemCancelled`) cancels that item's
+  task; its late outcome is never reported, only counted.
+* **Time limits.** Past ``timeout`` seconds an item's task is cancelled and the item is
+  retried with ``timed out after N s`` (it spends an attempt; a spent budget fails it).
+* **A handler's exception** retries the item with the exception's type and message as
+  its error, and is logged with its traceback (logger ``asyncplane.drain``, with the
+  item id, project, attempt and fence as ``extra`` fields).
+* **Stopping.** Once ``stop`` is set, no more claims; running items get ``grace``
+  seconds to finish, then their tasks are cancelled and their claims given back at once
+  (`ControlStore.release`: ready again, the attempt refunded), so another worker takes
+  them now rather than after the lease. A cancelled work() does the same without the
+  grace, then re-raises. Nothing claimed is ever left to its lease by a stop.
+* **Many workers.** By default (``exclusive=False``) any number of workers run side by
+  side, in any number of processes and hosts: claims are atomic. ``exclusive=True``
+  takes the single-drainer guard, as drain() does, and returns at once (``skipped``) if
+  another holds it.
+* **Housekeeping** as drain() does it, on a throttle: a bounded preflight dedup step and
+  the store's retention purge, at most once a second.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import pathlib
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeAlias
+
+from asyncplane import _clock, _engine, _errors, _store, _tasks, _validate, _wakeups
+from asyncplane._drain import DrainError
+from asyncplane._models import ClaimedItem
+from asyncplane._outcomes import (
+    Done,
+    DrainSummary,
+    Failed,
+    Offload,
+    Park,
+    Retry,
+    Settler,
+    short_error,
+)
+from asyncplane._store import ControlStore
+
+__all__ = ("Handler", "work")
+
+#: ``async def handle(claim: ClaimedItem) -> Outcome``: runs one item.
+Handler: TypeAlias = Callable[[ClaimedItem], Awaitable[Any]]
+
+_log = logging.getLogger("asyncplane.drain")
+_OUTCOMES = (Done, Failed, Retry, Park, Offload)
+#: Seconds between housekeeping steps (preflight dedup, purge) while claiming.
+_HOUSEKEEPING_EVERY = 1.0
+
+
+async def work(
+    store: ControlStore,
+    handle: Handler,
+    *,
+    concurrency: int = 16,
+    timeout: float | None = None,
+    project_id: str | None = None,
+    actor_id: str | None = None,
+    owner: str | None = None,
+    exclusive: bool = False,
+    lock_path: str | pathlib.Path | None = None,
+    stop: asyncio.Event | None = None,
+    grace: float = 30.0,
+    until_empty: bool = False,
+    poll_interval: float = 0.1,
+    preflight_chunk: int = 500,
+    progress: Callable[[DrainSummary], None] | None = None,
+) -> DrainSummary:
+    """Run the store's work through ``handle``, one item per call, ``concurrency`` at once.
+
+    Args:
+        store: The store to work on.
+        handle: ``async def handle(claim: ClaimedItem) -> Outcome``.
+        concurrency: Items running at once.
+        timeout: Seconds an item may run before it is cancelled and retried (None: no
+            limit).
+        project_id: Work only this project.
+        actor_id: Work as this actor: only its projects.
+        owner: The name claims are made under (default: host, process and an id).
+        exclusive: Run alone, behind the single-drainer guard (as drain() does).
+        lock_path: With ``exclusive``, the lock file to use instead of the store's own.
+        stop: Set it to stop gracefully (see ``grace``).
+        grace: Seconds running items get to finish once ``stop`` is set; the rest are
+            cancelled and their claims given back unrun.
+        until_empty: Return once nothing is claimable and nothing runs, instead of
+            waiting for work until ``stop``.
+        poll_interval: Seconds between looks for other processes' commits, on SQLite.
+        preflight_chunk: Items a preflight dedup step may touch.
+        progress: Called with the running summary after each item is settled (a status
+            line, metrics); it must not block.
+
+    Returns:
+        A `DrainSummary` (``rounds`` counts the claims made); ``skipped=True`` if
+        ``exclusive`` and another runner held the guard.
+
+    Raises:
+        DrainError: The store failed under a renewal or a settlement (its error is the
+            cause); the running items were given back first where the store allowed.
+    """
+    _engine.require_asyncio()
+    started = time.monotonic()
+    if not callable(handle):
+        raise _errors.InvalidType(
+            f"handle must be an async function taking one ClaimedItem, not {type(handle).__name__}"
+        )
+    run = _Worker(
+        store,
+        handle,
+        owner=_validate.text_id(
+            owner if owner is not None else _engine.worker_name("work"), "owner"
+        ),
+        concurrency=_validate.positive_int(concurrency, "concurrency"),
+        timeout=None if timeout is None else _validate.seconds(timeout, "timeout", 10.0**7),
+        project_id=None if project_id is None else _validate.text_id(project_id, "project_id"),
+        actor_id=_validate.optional_actor(actor_id),
+        stop=_validate.event(stop, "stop"),
+        grace=_validate.delay(grace, "grace"),
+        until_empty=_validate.boolean(until_empty, "until_empty"),
+        poll_interval=_validate.seconds(poll_interval, "poll_interval", 3600.0),
+        preflight_chunk=_validate.positive_int(preflight_chunk, "preflight_chunk"),
+        progress=_validate.callback(progress, "progress"),
+    )
+    lock = None if lock_path is None else _validate.absolute_path(lock_path, "lock_path")
+    _log.info("asyncplane worker %s starting (concurrency %d)", run.owner, run.concurrency)
+    try:
+        if _validate.boolean(exclusive, "exclusive"):
+            async with _store.engine_of(store).single_runner(lock) as guard:
+                if not guard:
+                    return DrainSummary(skipped=True, elapsed_s=time.monotonic() - started)
+                await run.loop()
+        else:
+            await run.loop()
+    finally:
+        run.summary.elapsed_s = time.monotonic() - started
+        _log.info("asyncplane worker %s stopped: %s", run.owner, run.summary)
+    return run.summary
+
+
+@dataclasses.dataclass
+class _Worker:
+    store: ControlStore
+    handle: Handler
+    owner: str
+    concurrency: int
+    timeout: float | None
+    project_id: str | None
+    actor_id: str | None
+    stop: asyncio.Event
+    grace: float
+    until_empty: bool
+    poll_interval: float
+    preflight_chunk: int
+    progress: Callable[[DrainSummary], None] | None = None
+    summary: DrainSummary = dataclasses.field(default_factory=DrainSummary)
+
+    def __post_init__(self) -> None:
+        self.engine = _store.engine_of(self.store)
+        self.settler = Settler(self.store, self.actor_id, self.summary)
+        self.running: dict[asyncio.Task[None], ClaimedItem] = {}
+        self.failure: BaseException | None = None
+        self.wake = asyncio.Event()  # set whenever a running item ends
+        self.next_housekeeping = 0.0
+
+    # --- the loop ----------------------------------------------------------------------
+
+    async def loop(self) -> None:
+        try:
+            await self._claim_while_open()
+        except BaseException:
+            await _tasks.to_the_end(self._shut_down(0.0), f"asyncplane-work-stop[{self.owner}]")
+            raise
+        cancelled = False
+        if self.running and self.grace > 0:
+            try:  # the grace may be cut short: a second stop, a cancel
+                await asyncio.wait(set(self.running), timeout=self.grace)
+            except asyncio.CancelledError:
+                cancelled = True
+        _, again = await _tasks.to_the_end(
+            self._shut_down(0.0), f"asyncplane-work-stop[{self.owner}]"
+        )
+        cancelled = cancelled or again
+        if self.failure is not None:
+            raise DrainError(
+                f"the store failed under a running item: {self.failure!r}", self.summary
+            ) from self.failure
+        if cancelled:
+            raise asyncio.CancelledError
+
+    async def _shut_down(self, grace: float) -> None:
+        """No more claims: let running items finish for up to ``grace`` seconds, then
+        cancel the rest, which give their claims back (see `_run_item`)."""
+        if self.running and grace > 0:
+            await asyncio.wait(set(self.running), timeout=grace)
+        tasks = list(self.running)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _claim_while_open(self) -> None:
+        while not self.stop.is_set() and self.failure is None:
+            free = self.concurrency - len(self.running)
+            if free <= 0:
+                await self._until_a_slot_frees()
+                continue
+            await self._housekeeping()
+            local = self.engine.watch()
+            try:
+                version = await self.engine.data_version()  # before the claim
+                self.wake.clear()
+                batch = await self._claim(free)
+                if batch:
+                    continue
+                if self.until_empty and not self.running:
+                    return
+                waiting = asyncio.create_task(self.wake.wait(), name="asyncplane-work-wake")
+                try:
+                    await _wakeups.until_work(
+                        self.engine, local, version, poll_interval=self.poll_interval,
+                        project_id=self.project_id, actor_id=self.actor_id, stop=self.stop,
+                        also=waiting,
+                    )  # fmt: skip
+                finally:
+                    waiting.cancel()
+                    await asyncio.gather(waiting, return_exceptions=True)
+            finally:
+                self.engine.unwatch(local)
+
+    async def _until_a_slot_frees(self) -> None:
+        stopping = asyncio.create_task(self.stop.wait(), name="asyncplane-work-stop-wait")
+        try:
+            await asyncio.wait({*self.running, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopping.cancel()
+            await asyncio.gather(stopping, return_exceptions=True)
+
+    async def _housekeeping(self) -> None:
+        now = time.monotonic()
+        if now < self.next_housekeeping:
+            return
+        self.next_housekeeping = now + _HOUSEKEEPING_EVERY
+        settled, _ = await self.engine.preflight_step(
+            self.preflight_chunk, project_id=self.project_id, actor_id=self.actor_id
+        )
+        self.summary.deduplicated += settled
+        self.summary.purged += await self.engine.maybe_purge()
+
+    async def _claim(self, free: int) -> list[ClaimedItem]:
+        """Claim up to ``free`` items and start each; a claim that lands while this task is
+        being cancelled still starts its items, which the shutdown then gives back."""
+        claiming = self.store.claim_batch(
+            self.owner, free, actor_id=self.actor_id, project_id=self.project_id
+        )
+        batch, cancelled = await _tasks.to_the_end(claiming, f"asyncplane-work-claim[{self.owner}]")
+        self.summary.rounds += 1
+        self.summary.claimed += len(batch)
+        for claim in batch:
+            _log.debug("claimed item %d at fence %d", claim.item_id, claim.fence)
+            task = asyncio.create_task(
+                self._run_item(claim), name=f"asyncplane-work-item[{claim.item_id}]"
+            )
+            self.running[task] = claim
+            task.add_done_callback(self._ended)
+        if cancelled:
+            raise asyncio.CancelledError
+        return batch
+
+    def _ended(self, task: asyncio.Task[None]) -> None:
+        self.running.pop(task, None)
+        self.wake.set()
+        if not task.cancelled() and task.exception() is not None:
+            self.failure = self.failure or task.exception()
+
+    # --- one item --------------------------------------------------------------------------
+
+    async def _run_item(self, claim: ClaimedItem) -> None:
+        """Run, renew, settle one item; cancelled (a stop), give its claim back."""
+        lost = asyncio.Event()
+        handler = asyncio.create_task(
+            _call(self.handle, claim), name=f"asyncplane-work-handle[{claim.item_id}]"
+        )
+        renewer = asyncio.create_task(
+            self._renew(claim, lost), name=f"asyncplane-work-renew[{claim.item_id}]"
+        )
+        refused = asyncio.create_task(lost.wait(), name=f"asyncplane-work-lost[{claim.item_id}]")
+        try:
+            done, _ = await asyncio.wait(
+                {handler, refused, renewer}, timeout=self.timeout,
+                return_when=asyncio.FIRST_COMPLETED,
+            )  # fmt: skip
+        except asyncio.CancelledError:
+            await _tasks.to_the_end(
+                self._give_back(claim, handler, renewer, refused), "asyncplane-work-give-back"
+            )
+            raise
+        for side in (renewer, refused):
+            await _tasks.stop(side)
+        if renewer in done and renewer.exception() is not None:
+            await _tasks.stop(handler)
+            raise renewer.exception()  # type: ignore[misc]  # the store failed: work() stops
+        if handler not in done:
+            await _tasks.stop(handler)
+            if lost.is_set():
+                return  # taken over or cancelled: counted by the renewer, nothing reported
+            self.summary.timed_out += 1
+            outcome: Any = Retry(f"timed out after {self.timeout:g} s")
+        else:
+            outcome = self._outcome_of(claim, handler.result())
+        _, cancelled = await _tasks.to_the_end(
+            self._settle(claim, outcome), f"asyncplane-work-settle[{claim.item_id}]"
+        )
+        if cancelled:
+            raise asyncio.CancelledError
+
+    async def _give_back(
+        self,
+        claim: ClaimedItem,
+        handler: asyncio.Task[Any],
+        renewer: asyncio.Task[None],
+        refused: asyncio.Task[Any],
+    ) -> None:
+        for task in (handler, renewer, refused):
+            await _tasks.stop(task)
+        if handler.done() and not handler.cancelled():
+            # It finished just before the stop: its outcome stands.
+            await self._settle(claim, self._outcome_of(claim, handler.result()))
+            return
+        try:
+            await self.store.release(claim.item_id, fence=claim.fence, actor_id=self.actor_id)
+        except _errors.FenceRejected:
+            return  # taken over or cancelled meanwhile: not ours to give back
+        self.summary.released += 1
+
+    def _outcome_of(self, claim: ClaimedItem, result: Any) -> Any:
+        """The handler's outcome; an exception it raised, or something that is not an
+        outcome, retries the item (logged with its traceback)."""
+        if isinstance(result, BaseException):
+            _log.warning(
+                "the handler raised on item %d: %s", claim.item_id, short_error(result),
+                exc_info=result, extra=_extra(claim),
+            )  # fmt: skip
+            return Retry(short_error(f"the handler raised {short_error(result)}"))
+        if not isinstance(result, _OUTCOMES):
+            error = f"the handler returned {type(result).__name__}, not an outcome"
+            _log.warning("%s (item %d)", error, claim.item_id, extra=_extra(claim))
+            return Retry(error)
+        return result
+
+    async def _settle(self, claim: ClaimedItem, outcome: Any) -> None:
+        try:
+            await self.settler.settle(claim, outcome)
+        except _errors.ItemCancelled:
+            self.summary.cancelled += 1
+        except _errors.FenceRejected:
+            self.summary.fence_rejected += 1
+        else:
+            _log.debug("settled item %d: %s", claim.item_id, type(outcome).__name__)
+        if self.progress is not None:
+            self.progress(self.summary)
+
+    async def _renew(self, claim: ClaimedItem, lost: asyncio.Event) -> None:
+        """Renew the claim every third of a lease; on a refusal, set ``lost`` and end."""
+        clock = self.store.clock
+        while True:
+            await _clock.wait_until(clock, clock.now() + self.store.lease_seconds / 3)
+            try:
+                await self.store.renew(claim.item_id, fence=claim.fence, actor_id=self.actor_id)
+            except _errors.ItemCancelled:
+                self.summary.cancelled += 1
+            except _errors.FenceRejected:
+                self.summary.fence_rejected += 1
+            else:
+                continue
+            lost.set()
+            return
+
+
+async def _call(handle: Handler, claim: ClaimedItem) -> Any:
+    """The handler's outcome, or the exception it raised, as a value."""
+    try:
+        return await handle(claim)
+    except Exception as exc:
+        return exc
+
+
+def _extra(claim: ClaimedItem) -> dict[str, Any]:
+    return {
+        "item_id": claim.item_id,
+        "project_id": claim.project_id,
+        "attempt": claim.attempts,
+        "fence": claim.fence,
+    }

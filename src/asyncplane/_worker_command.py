@@ -1,0 +1,213 @@
+"""``asyncplane worker``: run `work()` from a shell until a signal says stop.
+
+    asyncplane worker DB|URL package.module:handle [--concurrency N] [--project P ...]
+                      [--timeout S] [--grace S] [--owner NAME] [--exclusive]
+                      [--log-level info] [--log-format text|json]
+
+The handler is imported as ``module:attribute`` (the working directory is on the import
+path, as for ``python -m``); it must be an ``async def`` taking one ClaimedItem. The
+first SIGTERM or SIGINT stops the worker gracefully (no more claims; running items get
+``--grace`` seconds, then are given back unrun); a second one stops it at once, still
+losing nothing (the claims are given back, or lapse). On a terminal a status line shows
+what it does; otherwise it logs: one INFO line at start and stop, the handler's failures
+as WARNING with their traceback (``--log-format json`` writes one JSON object a line,
+with the item's id, project, attempt and fence).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import importlib
+import inspect
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from typing import Any
+
+from asyncplane import _errors, _store, _work
+from asyncplane._outcomes import DrainSummary
+
+__all__ = ("add_arguments", "load_handler", "run")
+
+#: The fields a log record may carry beyond the standard ones (see `_work._extra`).
+_EXTRA_FIELDS = ("item_id", "project_id", "attempt", "fence")
+
+
+class Usage(Exception):
+    """Something the user has to fix: exit status 2."""
+
+
+def add_arguments(sub: argparse.ArgumentParser) -> None:
+    """The worker verb's own options."""
+    sub.add_argument("db")
+    sub.add_argument("handler", metavar="MODULE:HANDLER", help="e.g. myfleet.agents:handle")
+    sub.add_argument("--concurrency", type=int, default=16, help="items running at once")
+    sub.add_argument(
+        "--project", action="append", default=None, metavar="P",
+        help="work only this project; repeatable (the slots are shared among them)",
+    )  # fmt: skip
+    sub.add_argument("--timeout", type=float, default=None, help="seconds an item may run")
+    sub.add_argument("--grace", type=float, default=30.0, help="seconds to finish at a stop")
+    sub.add_argument("--owner", default=None, help="the name claims are made under")
+    sub.add_argument("--exclusive", action="store_true", help="run alone (single-drainer)")
+    sub.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    sub.add_argument("--log-format", default="text", choices=("text", "json"))
+
+
+def load_handler(spec: str) -> _work.Handler:
+    """Import ``module:attribute`` and check it is a per-item coroutine function."""
+    module_name, sep, attribute = spec.partition(":")
+    if not sep or not module_name or not attribute:
+        raise Usage(f"the handler is MODULE:ATTRIBUTE, such as myfleet.agents:handle, not {spec!r}")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise Usage(f"cannot import {module_name!r}: {exc}") from exc
+    target: Any = module
+    for part in attribute.split("."):
+        try:
+            target = getattr(target, part)
+        except AttributeError as exc:
+            raise Usage(f"{module_name!r} has no {attribute!r}") from exc
+    call = getattr(target, "__call__", None)  # noqa: B004 - an async __call__ counts too
+    if not (inspect.iscoroutinefunction(target) or inspect.iscoroutinefunction(call)):
+        raise Usage(
+            f"{spec} is {type(target).__name__}, not an async function: a handler is "
+            "`async def handle(claim) -> Outcome`"
+        )
+    handler: _work.Handler = target
+    return handler
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the verb; return its exit status."""
+    handler = load_handler(args.handler)
+    _configure_logging(args.log_level, args.log_format)
+    if args.concurrency < 1:
+        raise Usage("--concurrency must be at least 1")
+    return asyncio.run(_main(args, handler))
+
+
+async def _main(args: argparse.Namespace, handler: _work.Handler) -> int:
+    store = _store.ControlStore(args.db)
+    try:
+        await store.open()
+    except (_errors.NotAnAsyncplaneDatabase, _errors.SchemaVersionError) as exc:
+        raise Usage(str(exc)) from exc
+    stop = asyncio.Event()
+    projects = args.project or [None]
+    share = max(1, args.concurrency // len(projects))
+    status = _Status(len(projects) * share) if sys.stderr.isatty() else None
+    workers = [
+        asyncio.create_task(
+            _work.work(
+                store, handler, concurrency=share, timeout=args.timeout, project_id=project,
+                owner=args.owner, exclusive=args.exclusive, stop=stop, grace=args.grace,
+                progress=None if status is None else status.update,
+            ),
+            name=f"asyncplane-worker[{project or '*'}]",
+        )
+        for project in projects
+    ]  # fmt: skip
+    signals = _Signals(stop, workers)
+    try:
+        results = await asyncio.gather(*workers, return_exceptions=True)
+    finally:
+        signals.remove()
+        if status is not None:
+            status.end()
+        await store.close()
+    for result in results:
+        if isinstance(result, BaseException) and not isinstance(result, asyncio.CancelledError):
+            raise result
+    if signals.count > 1:
+        print("asyncplane worker: stopped at once; unfinished items were given back",
+              file=sys.stderr)  # fmt: skip
+        return 1
+    return 0
+
+
+class _Signals:
+    """The first SIGTERM or SIGINT sets ``stop``; the second cancels the workers."""
+
+    def __init__(self, stop: asyncio.Event, workers: list[asyncio.Task[Any]]) -> None:
+        self.stop, self.workers, self.count = stop, workers, 0
+        self.loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self.loop.add_signal_handler(sig, self.heard)
+
+    def heard(self) -> None:
+        self.count += 1
+        if self.count == 1:
+            logging.getLogger("asyncplane.drain").info("stopping: finishing running items")
+            self.stop.set()
+        else:
+            for worker in self.workers:
+                worker.cancel()
+
+    def remove(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            with contextlib.suppress(Exception):
+                self.loop.remove_signal_handler(sig)
+
+
+class _Status:
+    """A status line on stderr: settled items and the rates since the start."""
+
+    def __init__(self, slots: int) -> None:
+        self.slots, self.started, self.last = slots, time.monotonic(), 0.0
+        self.totals: dict[int, DrainSummary] = {}
+
+    def update(self, summary: DrainSummary) -> None:
+        self.totals[id(summary)] = summary
+        now = time.monotonic()
+        if now - self.last < 0.2:
+            return
+        self.last = now
+        elapsed = max(now - self.started, 1e-9)
+        done = sum(s.done for s in self.totals.values())
+        failed = sum(s.failed for s in self.totals.values())
+        retried = sum(s.retried for s in self.totals.values())
+        sys.stderr.write(
+            f"\r{self.slots} slots: done {done:,} ({done / elapsed:,.1f}/s), failed "
+            f"{failed:,}, retried {retried:,}\033[K"
+        )
+        sys.stderr.flush()
+
+    def end(self) -> None:
+        sys.stderr.write("\r\033[K")
+        sys.stderr.flush()
+
+
+class _JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        data: dict[str, Any] = {
+            "at": self.formatTime(record, "%Y-%m-%dT%H:%M:%S%z"),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        for field in _EXTRA_FIELDS:
+            if hasattr(record, field):
+                data[field] = getattr(record, field)
+        if record.exc_info:
+            data["traceback"] = self.formatException(record.exc_info)
+        return json.dumps(data)
+
+
+def _configure_logging(level: str, form: str) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    if form == "json":
+        handler.setFormatter(_JsonFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger("asyncplane")
+    root.addHandler(handler)
+    root.setLevel(level.upper())

@@ -1,0 +1,555 @@
+"""The worker runtime: work(), claim(wait=), claims(), release(); on both backends."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from typing import Any
+
+import pytest
+
+from _signals import until
+from asyncplane import (
+    ClaimedItem,
+    ControlStore,
+    Done,
+    FenceRejected,
+    InvalidType,
+    Park,
+    Retry,
+    verify_ledger,
+    work,
+)
+from asyncplane.testing import ManualClock
+
+
+async def states_of(store: ControlStore) -> dict[str, int]:
+    return {state: n for state, n in (await store.counts()).items() if n}
+
+
+def running_tasks(prefix: str = "asyncplane-work-handle") -> int:
+    return sum(t.get_name().startswith(prefix) for t in asyncio.all_tasks())
+
+
+# --- claim(wait=), claims(), release() -------------------------------------------------------
+
+
+async def test_claim_waits_for_work_enqueued_meanwhile(store: ControlStore) -> None:
+    waiting = asyncio.create_task(store.claim("w", wait=30))
+    await until(lambda: running_tasks("asyncplane-wait-work-local") > 0, what="the claim waits")
+    assert not waiting.done()
+    item_id = await store.enqueue("alpha", {"late": True})
+    claim = await waiting
+    assert claim is not None and claim.item_id == item_id
+
+
+async def test_claim_wait_gives_up_with_none(store: ControlStore) -> None:
+    started = time.monotonic()
+    assert await store.claim("w", wait=0.05) is None
+    assert time.monotonic() - started >= 0.05
+
+
+async def test_claim_waits_for_a_retry_to_fall_due(store: ControlStore, clock: ManualClock) -> None:
+    item_id = await store.enqueue("alpha", {})
+    first = await store.claim("w")
+    assert first is not None
+    await store.retry(item_id, fence=first.fence, error="later", delay=60)
+    waiting = asyncio.create_task(store.claim("w", wait=3600))
+    await until(lambda: running_tasks("asyncplane-wait-work-due") > 0, what="an alarm is set")
+    clock.advance(61)
+    again = await waiting
+    assert again is not None and again.item_id == item_id
+
+
+async def test_a_claim_in_another_process_wakes_on_an_enqueue_here(
+    store: ControlStore, location_of: Any
+) -> None:
+    del store
+    where = location_of("wake.db")
+    async with ControlStore(where) as here:
+        await here.create_project("p", "P")
+        script = textwrap.dedent(
+            """
+            import asyncio, sys
+            from asyncplane import ControlStore
+            async def main():
+                async with ControlStore(sys.argv[1]) as store:
+                    print("waiting", flush=True)
+                    claim = await store.claim("other", wait=60, poll_interval=0.01)
+                    print(claim.item_id if claim else "none", flush=True)
+            asyncio.run(main())
+            """
+        )
+        child = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", script, where, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        )
+        assert child.stdout is not None
+        assert (await child.stdout.readline()).strip() == b"waiting"
+        item_id = await here.enqueue("p", {})
+        out, err = await asyncio.wait_for(child.communicate(), 60)
+        assert child.returncode == 0, err
+        assert out.strip() == str(item_id).encode()
+
+
+async def test_claims_iterates_and_ends_when_the_store_closes(store: ControlStore) -> None:
+    ids = [await store.enqueue("alpha", {"n": n}) for n in range(3)]
+    seen: list[int] = []
+
+    async def consume() -> None:
+        async for claim in store.claims("w"):
+            seen.append(claim.item_id)
+            await store.finish(claim.item_id, fence=claim.fence)
+
+    consumer = asyncio.create_task(consume())
+    await until(lambda: len(seen) == 3, what="three claims")
+    later = await store.enqueue("alpha", {"later": True})
+    await until(lambda: len(seen) == 4, what="a claim after waiting")
+    await store.close()
+    await asyncio.wait_for(consumer, 10)
+    assert seen == [*ids, later]
+
+
+async def test_claims_ends_on_stop(store: ControlStore) -> None:
+    stop = asyncio.Event()
+
+    async def consume() -> list[int]:
+        return [claim.item_id async for claim in store.claims("w", stop=stop)]
+
+    consumer = asyncio.create_task(consume())
+    await until(lambda: running_tasks("asyncplane-wait-work-stop") > 0, what="it waits")
+    stop.set()
+    assert await asyncio.wait_for(consumer, 10) == []
+
+
+async def test_release_gives_a_claim_back_without_spending_an_attempt(
+    store: ControlStore,
+) -> None:
+    item_id = await store.enqueue("alpha", {}, max_attempts=1)
+    claim = await store.claim("w")
+    assert claim is not None
+    await store.release(item_id, fence=claim.fence)
+    row = await store.item(item_id)
+    assert (row["state"], row["attempts"], row["lease_expires_at"]) == ("ready", 0, None)
+    assert (await store.events(item_id))[-1]["event_type"] == "released"
+    with pytest.raises(FenceRejected):
+        await store.release(item_id, fence=claim.fence)  # not claimed any more
+    again = await store.claim("v")
+    assert again is not None and again.fence == claim.fence + 1 and again.attempts == 1
+    with pytest.raises(FenceRejected):
+        await store.finish(item_id, fence=claim.fence)  # the old holder's late report
+    await store.finish(item_id, fence=again.fence)
+    assert await verify_ledger(store) == []
+
+
+# --- work() ---------------------------------------------------------------------------------
+
+
+async def test_work_keeps_every_slot_busy_while_work_is_claimable(store: ControlStore) -> None:
+    rng = random.Random(3)
+    latencies = {n: rng.choice((0.001, 0.005, 0.02, 0.1, 0.5)) for n in range(120)}
+    await store.enqueue_many("alpha", [{"n": n} for n in latencies])
+    spans: list[tuple[float, float]] = []
+
+    async def handle(claim: ClaimedItem) -> Done:
+        start = time.monotonic()
+        await asyncio.sleep(latencies[claim.payload["n"]])
+        spans.append((start, time.monotonic()))
+        return Done()
+
+    summary = await work(store, handle, concurrency=16, until_empty=True)
+    assert (summary.done, summary.claimed) == (120, 120)
+    # While work was claimable (until the last start), a freed slot was filled again at
+    # once: the next start after each end came soon, never after another item's latency.
+    last_start = max(start for start, _ in spans)
+    starts = sorted(start for start, _ in spans)
+    gaps = [min(s for s in starts if s >= end) - end for _, end in spans if end < last_start]
+    assert max(gaps) < 0.25, max(gaps)  # a claim's round trip, not a batch's slowest item
+    assert await states_of(store) == {"done": 120}
+    assert await verify_ledger(store) == []
+
+
+async def test_work_settles_each_outcome_and_retries_a_raising_handler(
+    store: ControlStore, caplog: pytest.LogCaptureFixture, clock: ManualClock
+) -> None:
+    ids = [await store.enqueue("alpha", {"n": n}) for n in range(4)]
+
+    async def handle(claim: ClaimedItem) -> Any:
+        n = claim.payload["n"]
+        if n == 1:
+            raise KeyError("prompt")
+        if n == 2:
+            return Park(delay=3600)
+        if n == 3:
+            return "not an outcome"
+        return Done({"ok": n})
+
+    with caplog.at_level(logging.WARNING, logger="asyncplane.drain"):
+        summary = await work(store, handle, concurrency=4, until_empty=True)
+    assert (summary.done, summary.retried, summary.parked) == (1, 2, 1)
+    assert (await store.item(ids[0]))["result"] == {"ok": 0}
+    raised = await store.item(ids[1])
+    assert raised["state"] == "deferred"
+    assert raised["error"] == "the handler raised KeyError: 'prompt'"
+    assert (await store.events(ids[1]))[-1]["detail"]["error"] == raised["error"]
+    record = next(r for r in caplog.records if "KeyError" in r.getMessage())
+    assert record.exc_info is not None and record.exc_info[0] is KeyError  # a traceback
+    assert (record.item_id, record.project_id, record.attempt) == (ids[1], "alpha", 1)  # type: ignore[attr-defined]
+    assert "not an outcome" in (await store.item(ids[3]))["error"]
+    assert await verify_ledger(store) == []
+
+
+async def test_an_item_past_its_time_limit_is_cancelled_and_retried(
+    asyncplane_store_factory: Any,
+) -> None:
+    store: ControlStore = await asyncplane_store_factory(max_attempts=1)
+    await store.create_project("alpha", "Alpha")
+    hung = await store.enqueue("alpha", {"hang": True})
+    quick = await store.enqueue("alpha", {"hang": False})
+    cancelled: list[int] = []
+
+    async def handle(claim: ClaimedItem) -> Done:
+        if claim.payload["hang"]:
+            try:
+                await asyncio.Event().wait()  # a provider call that never returns
+            except asyncio.CancelledError:
+                cancelled.append(claim.item_id)
+                raise
+        return Done()
+
+    summary = await work(store, handle, concurrency=2, timeout=0.2, until_empty=True)
+    assert cancelled == [hung]
+    assert (summary.timed_out, summary.done, summary.failed) == (1, 1, 1)
+    row = await store.item(hung)
+    assert row["state"] == "failed"  # its one attempt was spent
+    assert "timed out after 0.2 s" in row["error"]
+    assert (await store.item(quick))["state"] == "done"
+    assert await verify_ledger(store) == []
+
+
+async def test_a_graceful_stop_lets_items_finish_then_gives_the_rest_back(
+    store: ControlStore,
+) -> None:
+    quick = await store.enqueue("alpha", {"hang": False})
+    hung = await store.enqueue("alpha", {"hang": True})
+    stop = asyncio.Event()
+    release_quick = asyncio.Event()
+
+    async def handle(claim: ClaimedItem) -> Done:
+        if claim.payload["hang"]:
+            await asyncio.Event().wait()
+        await release_quick.wait()
+        return Done()
+
+    worker = asyncio.create_task(work(store, handle, concurrency=4, stop=stop, grace=1))
+    await until(lambda: running_tasks() == 2, what="both items run")
+    stop.set()
+    release_quick.set()  # the quick one finishes within the grace ...
+    await until(lambda: running_tasks() == 1, what="the quick one is done")
+    assert not worker.done()  # ... the hung one still has its grace
+    # The grace runs out for the hung one: it is given back.
+    summary = await asyncio.wait_for(worker, 10)
+    assert (summary.done, summary.released) == (1, 1)
+    row = await store.item(hung)
+    assert (row["state"], row["attempts"]) == ("ready", 0)  # back at once, no attempt spent
+    assert (await store.item(quick))["state"] == "done"
+    assert await verify_ledger(store) == []
+
+
+async def test_a_cancelled_worker_gives_every_claim_back(store: ControlStore) -> None:
+    ids = [await store.enqueue("alpha", {"n": n}) for n in range(3)]
+
+    async def handle(claim: ClaimedItem) -> Done:
+        await asyncio.Event().wait()
+        return Done()
+
+    worker = asyncio.create_task(work(store, handle, concurrency=8))
+    await until(lambda: running_tasks() == 3, what="three items run")
+    worker.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await worker
+    for item_id in ids:
+        row = await store.item(item_id)
+        assert (row["state"], row["attempts"]) == ("ready", 0)
+    assert await verify_ledger(store) == []
+
+
+async def test_a_renewal_refused_cancels_the_item_and_drops_its_outcome(
+    store: ControlStore, clock: ManualClock
+) -> None:
+    taken = await store.enqueue("alpha", {"n": 1})
+    cancelled = await store.enqueue("alpha", {"n": 2})
+    stopped: list[int] = []
+    stop = asyncio.Event()
+
+    async def handle(claim: ClaimedItem) -> Done:
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            stopped.append(claim.item_id)
+            raise
+        return Done()
+
+    worker = asyncio.create_task(work(store, handle, concurrency=2, stop=stop, grace=0))
+    await until(lambda: running_tasks() == 2, what="both run")
+    await store.cancel(cancelled, reason="operator")
+    # The other one is taken over: its claim given back behind the worker's back and
+    # claimed by a rival, with a higher fence.
+    row = await store.item(taken)
+    await store.release(taken, fence=row["fence"])
+    rival = await store.claim("rival")
+    assert rival is not None and rival.item_id == taken
+    clock.advance(store.lease_seconds / 3 + 0.1)  # the renewers' turn: both refused
+    await until(lambda: sorted(stopped) == sorted([taken, cancelled]), what="both stopped")
+    stop.set()
+    summary = await asyncio.wait_for(worker, 10)
+    assert (summary.cancelled, summary.fence_rejected, summary.done) == (1, 1, 0)
+    assert (await store.item(taken))["owner"] == "rival"  # nothing reported over it
+    await store.finish(taken, fence=rival.fence)
+    assert (await store.item(cancelled))["state"] == "cancelled"
+    assert await verify_ledger(store) == []
+
+
+async def test_an_exclusive_worker_runs_alone(store: ControlStore) -> None:
+    stop = asyncio.Event()
+
+    async def handle(claim: ClaimedItem) -> Done:
+        return Done()
+
+    first = asyncio.create_task(work(store, handle, exclusive=True, stop=stop))
+    await until(lambda: running_tasks("asyncplane-wait-work-stop") > 0, what="it waits")
+    second = await work(store, handle, exclusive=True, until_empty=True)
+    assert second.skipped
+    shared = await work(store, handle, until_empty=True)  # not exclusive: runs beside it
+    assert not shared.skipped
+    stop.set()
+    assert not (await first).skipped
+
+
+async def test_work_refuses_a_handler_that_is_not_callable(store: ControlStore) -> None:
+    with pytest.raises(InvalidType, match="handle must be an async function"):
+        await work(store, "module:handle")  # type: ignore[arg-type]
+
+
+# --- processes --------------------------------------------------------------------------------
+
+WORKER = textwrap.dedent(
+    """
+    import asyncio, sys
+    from asyncplane import ControlStore, Done, work
+    async def handle(claim):
+        await asyncio.sleep(0.001 * (claim.item_id % 7))
+        return Done({"by": sys.argv[2]})
+    async def main():
+        async with ControlStore(sys.argv[1], lease_seconds=float(sys.argv[3])) as store:
+            summary = await work(store, handle, concurrency=16, until_empty=True,
+                                 owner=sys.argv[2], poll_interval=0.01)
+            print(summary.done, flush=True)
+    asyncio.run(main())
+    """
+)
+
+
+def test_four_worker_processes_drain_two_thousand_items_once(location_of: Any) -> None:
+    where = location_of("fleet.db")
+
+    async def seed() -> None:
+        async with ControlStore(where) as store:
+            await store.create_project("p", "P")
+            await store.enqueue_many("p", [{"n": n} for n in range(2000)])
+
+    asyncio.run(seed())
+    workers = [
+        subprocess.Popen(
+            [sys.executable, "-c", WORKER, where, f"w{n}", "60"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for n in range(4)
+    ]
+    results = [w.communicate(timeout=300) for w in workers]
+    assert [w.returncode for w in workers] == [0] * 4, [err for _, err in results]
+    done = [int(out.split()[-1]) for out, _ in results]
+    assert sum(done) == 2000  # each item settled by exactly one worker
+
+    async def check() -> None:
+        async with ControlStore(where) as store:
+            assert await states_of(store) == {"done": 2000}
+            assert await verify_ledger(store) == []
+            rows = await store.items(limit=10_000)
+            assert len({row["result"]["by"] for row in rows}) > 1  # they shared the work
+
+    asyncio.run(check())
+
+
+def test_a_killed_worker_process_leaves_nothing_another_cannot_finish(location_of: Any) -> None:
+    where = location_of("kill.db")
+    hanging = textwrap.dedent(
+        """
+        import asyncio, sys
+        from asyncplane import ControlStore, work
+        async def handle(claim):
+            print(claim.item_id, flush=True)
+            await asyncio.Event().wait()
+        async def main():
+            async with ControlStore(sys.argv[1], lease_seconds=0.5) as store:
+                await work(store, handle, concurrency=3)
+        asyncio.run(main())
+        """
+    )
+
+    async def seed() -> None:
+        async with ControlStore(where) as store:
+            await store.create_project("p", "P")
+            await store.enqueue_many("p", [{"n": n} for n in range(3)])
+
+    asyncio.run(seed())
+    child = subprocess.Popen(
+        [sys.executable, "-c", hanging, where], stdout=subprocess.PIPE, text=True
+    )
+    assert child.stdout is not None
+    claimed = {int(child.stdout.readline()) for _ in range(3)}
+    os.kill(child.pid, signal.SIGKILL)
+    child.wait(timeout=60)
+    child.stdout.close()
+
+    async def finish() -> None:
+        async with ControlStore(where, lease_seconds=0.5) as store:
+            stop = asyncio.Event()
+            finished: list[int] = []
+
+            async def handle(claim: ClaimedItem) -> Done:
+                finished.append(claim.item_id)
+                if len(finished) == 3:
+                    stop.set()
+                return Done()
+
+            # The leases lapse; the claims wait for that (an alarm, not a poll) and take over.
+            summary = await asyncio.wait_for(work(store, handle, stop=stop), 60)
+            assert summary.done == 3
+            rows = await store.items()
+            assert {row["item_id"] for row in rows} == claimed
+            assert all(row["state"] == "done" for row in rows)
+            assert await verify_ledger(store) == []
+
+    asyncio.run(finish())
+
+
+async def test_retry_outcome_from_a_handler(store: ControlStore) -> None:
+    item_id = await store.enqueue("alpha", {})
+
+    async def handle(claim: ClaimedItem) -> Retry:
+        return Retry("busy", delay=3600)
+
+    summary = await work(store, handle, until_empty=True)
+    assert summary.retried == 1
+    assert (await store.item(item_id))["state"] == "deferred"
+
+
+# --- the worker command -----------------------------------------------------------------------
+
+HANDLERS = textwrap.dedent(
+    """
+    import asyncio
+    from asyncplane import Done
+
+    async def handle(claim):
+        if claim.payload.get("hang"):
+            await asyncio.Event().wait()
+        if claim.payload.get("raise"):
+            raise KeyError("prompt")
+        return Done({"n": claim.payload["n"]})
+
+    not_async = lambda claim: None
+    """
+)
+
+
+def worker(where: str, cwd: Any, *args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "asyncplane.cli", "worker", where, *args],
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+async def test_the_worker_command_works_until_sigterm(
+    store: ControlStore, location_of: Any, tmp_path: Any
+) -> None:
+    del store
+    (tmp_path / "fleet_handlers.py").write_text(HANDLERS)
+    where = location_of("cmd.db")
+    async with ControlStore(where) as store:
+        await store.create_project("p", "P")
+        await store.enqueue_many("p", [{"n": n} for n in range(20)])
+        await store.enqueue("p", {"n": 99, "raise": True})
+        child = worker(where, tmp_path, "fleet_handlers:handle", "--concurrency", "4",
+                       "--log-format", "json")  # fmt: skip
+
+        async def twenty_done() -> bool:
+            return (await store.counts())["done"] == 20
+
+        deadline = time.monotonic() + 60
+        while not await twenty_done():
+            assert time.monotonic() < deadline and child.poll() is None, child.stderr
+            await asyncio.sleep(0.05)
+        child.send_signal(signal.SIGTERM)
+        _, err = await asyncio.to_thread(child.communicate, timeout=60)
+        assert child.returncode == 0, err
+        lines = [json.loads(line) for line in err.splitlines() if line.startswith("{")]
+        raised = [line for line in lines if "KeyError" in line["message"]]
+        assert raised and "Traceback" in raised[0]["traceback"]
+        assert raised[0]["item_id"] == 21 and raised[0]["project_id"] == "p"
+        assert any("starting" in line["message"] for line in lines)
+        assert any("stopped" in line["message"] for line in lines)
+        assert await verify_ledger(store) == []
+
+
+async def test_a_second_signal_stops_the_worker_at_once_and_gives_claims_back(
+    store: ControlStore, location_of: Any, tmp_path: Any
+) -> None:
+    del store
+    (tmp_path / "fleet_handlers.py").write_text(HANDLERS)
+    where = location_of("cmd2.db")
+    async with ControlStore(where) as store:
+        await store.create_project("p", "P")
+        ids = await store.enqueue_many("p", [{"n": n, "hang": True} for n in range(3)])
+        child = worker(where, tmp_path, "fleet_handlers:handle", "--grace", "600")
+        deadline = time.monotonic() + 60
+        while (await store.counts())["claimed"] < 3:
+            assert time.monotonic() < deadline and child.poll() is None
+            await asyncio.sleep(0.05)
+        child.send_signal(signal.SIGTERM)  # graceful: would wait 600 s for hung items
+        await asyncio.sleep(0.2)
+        assert child.poll() is None
+        child.send_signal(signal.SIGINT)  # the second: at once
+        _, err = await asyncio.to_thread(child.communicate, timeout=60)
+        assert child.returncode == 1 and "stopped at once" in err
+        for item_id in ids:
+            row = await store.item(item_id)
+            assert (row["state"], row["attempts"]) == ("ready", 0)  # given back, unspent
+        assert await verify_ledger(store) == []
+
+
+def test_the_worker_command_refuses_a_bad_handler(tmp_path: Any) -> None:
+    (tmp_path / "fleet_handlers.py").write_text(HANDLERS)
+    where = str(tmp_path / "bad.db")
+    for spec, words in (
+        ("fleet_handlers:not_async", "not an async function"),
+        ("fleet_handlers:missing", "has no 'missing'"),
+        ("no_such_module:handle", "cannot import 'no_such_module'"),
+        ("fleet_handlers", "MODULE:ATTRIBUTE"),
+    ):
+        child = worker(where, tmp_path, spec)
+        _, err = child.communicate(timeout=60)
+        assert child.returncode == 2 and words in err, (spec, err)
