@@ -57,7 +57,6 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Literal, TypeAlias
 
 from asyncplane import (
-    _clock,
     _engine,
     _errors,
     _lock,
@@ -344,27 +343,10 @@ class _Drain:
         await _tasks.to_the_end(self._put_back(batch, settled), "asyncplane-drain-put-back")
 
     async def _renew(self, batch: list[_models.ClaimedItem]) -> bool:
-        """Renew the batch's leases every third of a lease, until cancelled; return True
-        once no item of the batch is the drain's any more and at least one of them was
-        cancelled (the executor should stop: nothing it returns could be settled)."""
-        clock = self.store.clock
-        live = {claim.item_id: claim.fence for claim in batch}
-        cancelled = 0
-        while live:
-            await _clock.wait_until(clock, clock.now() + self.store.lease_seconds / 3)
-            for item_id, fence in list(live.items()):
-                try:
-                    await self.store.renew(item_id, fence=fence, actor_id=self.actor_id)
-                except _errors.ItemCancelled:
-                    del live[item_id]
-                    cancelled += 1
-                    self.summary.cancelled += 1
-                    self.lost.add(item_id)
-                except _errors.FenceRejected:
-                    del live[item_id]  # lost already: its settlement would be refused too
-                    self.summary.fence_rejected += 1
-                    self.lost.add(item_id)
-        return cancelled > 0
+        """Keep the batch's leases; True once no item of it is the drain's any more and
+        at least one was cancelled (the executor should stop: nothing it returns could
+        be settled)."""
+        return await self.settler.keep_leases(batch, self.lost)
 
     async def _settle(
         self,

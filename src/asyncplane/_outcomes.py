@@ -11,9 +11,10 @@ on this side while settling retries the item.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any, TypeAlias
 
-from asyncplane import _errors, _validate
+from asyncplane import _clock, _errors, _validate
 from asyncplane._models import ClaimedItem
 from asyncplane._store import ControlStore
 
@@ -154,11 +155,35 @@ def text_of(value: object) -> str:
 
 @dataclasses.dataclass
 class Settler:
-    """Settles outcomes of items claimed by one runtime, counting them in ``summary``."""
+    """Renews and settles the claims of one runtime, counting what happens in ``summary``."""
 
     store: ControlStore
     actor_id: str | None
     summary: DrainSummary
+
+    async def keep_leases(self, claims: Sequence[ClaimedItem], lost: set[int]) -> bool:
+        """Renew the claims' leases every third of a lease until none is left, each
+        dropped when its renewal is refused (taken over: ``fence_rejected``; cancelled:
+        ``cancelled``) and added to ``lost``. Returns, once all are lost, whether any
+        was cancelled. Runs until then, or until its task is cancelled."""
+        clock = self.store.clock
+        live = {claim.item_id: claim.fence for claim in claims}
+        cancelled = False
+        while live:
+            await _clock.wait_until(clock, clock.now() + self.store.lease_seconds / 3)
+            for item_id, fence in list(live.items()):
+                try:
+                    await self.store.renew(item_id, fence=fence, actor_id=self.actor_id)
+                except _errors.ItemCancelled:
+                    self.summary.cancelled += 1
+                    cancelled = True
+                except _errors.FenceRejected:
+                    self.summary.fence_rejected += 1
+                else:
+                    continue
+                del live[item_id]
+                lost.add(item_id)
+        return cancelled
 
     async def settle(self, claim: ClaimedItem, outcome: Outcome) -> None:
         """Settle one outcome; one the store refuses as bad input (a result it cannot keep)

@@ -44,7 +44,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeAlias
 
-from asyncplane import _clock, _engine, _errors, _store, _tasks, _validate, _wakeups
+from asyncplane import _engine, _errors, _store, _tasks, _validate, _wakeups
 from asyncplane._drain import DrainError
 from asyncplane._models import ClaimedItem
 from asyncplane._outcomes import (
@@ -380,20 +380,9 @@ class _Worker:
             self.progress(self.summary)
 
     async def _renew(self, claim: ClaimedItem, lost: asyncio.Event) -> None:
-        """Renew the claim every third of a lease; on a refusal, set ``lost`` and end."""
-        clock = self.store.clock
-        while True:
-            await _clock.wait_until(clock, clock.now() + self.store.lease_seconds / 3)
-            try:
-                await self.store.renew(claim.item_id, fence=claim.fence, actor_id=self.actor_id)
-            except _errors.ItemCancelled:
-                self.summary.cancelled += 1
-            except _errors.FenceRejected:
-                self.summary.fence_rejected += 1
-            else:
-                continue
-            lost.set()
-            return
+        """Keep the claim's lease; set ``lost`` once a renewal is refused."""
+        await self.settler.keep_leases([claim], set())
+        lost.set()
 
 
 async def _call(handle: Handler, claim: ClaimedItem) -> Any:
