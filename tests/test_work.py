@@ -209,7 +209,7 @@ async def test_work_settles_each_outcome_and_retries_a_raising_handler(
 async def test_an_item_past_its_time_limit_is_cancelled_and_retried(
     asyncplane_store_factory: Any,
 ) -> None:
-    store: ControlStore = await asyncplane_store_factory(max_attempts=1)
+    store: ControlStore = await asyncplane_store_factory(max_attempts=2)
     await store.create_project("alpha", "Alpha")
     hung = await store.enqueue("alpha", {"hang": True})
     quick = await store.enqueue("alpha", {"hang": False})
@@ -226,12 +226,29 @@ async def test_an_item_past_its_time_limit_is_cancelled_and_retried(
 
     summary = await work(store, handle, concurrency=2, timeout=0.2, until_empty=True)
     assert cancelled == [hung]
-    assert (summary.timed_out, summary.done, summary.failed) == (1, 1, 1)
+    assert (summary.timed_out, summary.done, summary.retried) == (1, 1, 1)
     row = await store.item(hung)
-    assert row["state"] == "failed"  # its one attempt was spent
-    assert "timed out after 0.2 s" in row["error"]
+    assert (row["state"], row["attempts"]) == ("deferred", 1)  # retried: an attempt spent
+    assert row["error"] == "timed out after 0.2 s"
     assert (await store.item(quick))["state"] == "done"
     assert await verify_ledger(store) == []
+
+
+async def test_a_timed_out_item_with_its_budget_spent_fails(
+    asyncplane_store_factory: Any,
+) -> None:
+    store: ControlStore = await asyncplane_store_factory(max_attempts=1)
+    await store.create_project("alpha", "Alpha")
+    hung = await store.enqueue("alpha", {})
+
+    async def handle(claim: ClaimedItem) -> Done:
+        await asyncio.Event().wait()
+        return Done()
+
+    summary = await work(store, handle, timeout=0.1, until_empty=True)
+    assert (summary.timed_out, summary.failed) == (1, 1)
+    row = await store.item(hung)
+    assert row["state"] == "failed" and "timed out after 0.1 s" in row["error"]
 
 
 async def test_a_graceful_stop_lets_items_finish_then_gives_the_rest_back(
@@ -544,6 +561,12 @@ async def test_a_second_signal_stops_the_worker_at_once_and_gives_claims_back(
 def test_the_worker_command_refuses_a_bad_handler(tmp_path: Any) -> None:
     (tmp_path / "fleet_handlers.py").write_text(HANDLERS)
     where = str(tmp_path / "bad.db")
+
+    async def make() -> None:
+        async with ControlStore(where) as store:
+            await store.projects()
+
+    asyncio.run(make())
     for spec, words in (
         ("fleet_handlers:not_async", "not an async function"),
         ("fleet_handlers:missing", "has no 'missing'"),
@@ -553,3 +576,36 @@ def test_the_worker_command_refuses_a_bad_handler(tmp_path: Any) -> None:
         child = worker(where, tmp_path, spec)
         _, err = child.communicate(timeout=60)
         assert child.returncode == 2 and words in err, (spec, err)
+
+
+async def test_a_release_in_this_process_wakes_a_waiting_claim(store: ControlStore) -> None:
+    item_id = await store.enqueue("alpha", {})
+    first = await store.claim("w")
+    assert first is not None
+    waiting = asyncio.create_task(store.claim("v", wait=30, poll_interval=3600))
+    await until(lambda: running_tasks("asyncplane-wait-work-local") > 0, what="it waits")
+    await store.release(item_id, fence=first.fence)
+    claim = await waiting
+    assert claim is not None and claim.item_id == item_id
+
+
+async def test_closing_the_store_ends_waiting_claims_and_workers(store: ControlStore) -> None:
+    async def handle(claim: ClaimedItem) -> Done:
+        return Done()
+
+    waiting = asyncio.create_task(store.claim("w", wait=600))
+    worker = asyncio.create_task(work(store, handle))
+    await until(lambda: running_tasks("asyncplane-wait-work-local") >= 2, what="both wait")
+    await store.close()
+    assert await asyncio.wait_for(waiting, 10) is None
+    summary = await asyncio.wait_for(worker, 10)
+    assert summary.claimed == 0
+    assert not store._engine.is_open  # neither reopened it
+
+
+def test_the_worker_command_refuses_a_store_that_is_not_there(tmp_path: Any) -> None:
+    (tmp_path / "fleet_handlers.py").write_text(HANDLERS)
+    child = worker(str(tmp_path / "typo.db"), tmp_path, "fleet_handlers:handle")
+    _, err = child.communicate(timeout=60)
+    assert child.returncode == 2 and "no such file" in err
+    assert not (tmp_path / "typo.db").exists()

@@ -98,7 +98,9 @@ class ClaimedItem:
         project_id: The project the item belongs to.
         payload: The payload given to enqueue().
         fence: This claim's token: above every earlier claim of the item.
-        attempts: How many times the item has been claimed, this claim included.
+        attempts: How many claims have counted against the item's budget, this one
+            included (a park or a release gives its claim's attempt back; a requeue
+            starts the count again).
         lease_expires_at: When the lease lapses unless renewed (aware, UTC).
         owner: Who claimed it.
         priority: Its priority (higher is claimed first).

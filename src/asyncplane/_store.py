@@ -465,15 +465,17 @@ class ControlStore:
             return claims[0] if claims else None
         poll = _validate.seconds(poll_interval, "poll_interval", 3600.0)
         deadline = asyncio.get_running_loop().time() + limit
+        await self._engine.ready()
+        closes = self._engine.closes
         while True:
-            claims, _ = await self._claim_or_wait(
+            claims, closed = await self._claim_or_wait(
                 owner, 1, actor_id, project_id, lease_seconds, poll,
-                deadline - asyncio.get_running_loop().time(),
+                deadline - asyncio.get_running_loop().time(), None, closes,
             )  # fmt: skip
             if claims:
                 return claims[0]
-            if asyncio.get_running_loop().time() >= deadline:
-                return None
+            if closed or asyncio.get_running_loop().time() >= deadline:
+                return None  # out of time, or the store was closed meanwhile
 
     async def claims(
         self,
@@ -525,10 +527,20 @@ class ControlStore:
         local = engine.watch()
         try:
             version = await engine.data_version()  # before the claim: nothing slips by
-            found = await self.claim_batch(
+            claiming = self.claim_batch(
                 owner, limit, actor_id=actor_id, project_id=project_id,
                 lease_seconds=lease_seconds,
             )  # fmt: skip
+            # A claim that commits while the caller is cancelled is given straight back,
+            # not left to its lease.
+            found, cancelled = await _tasks.to_the_end(claiming, "asyncplane-claim")
+            if cancelled:
+                for claim in found:
+                    await _tasks.to_the_end(
+                        self.release(claim.item_id, fence=claim.fence, actor_id=actor_id),
+                        "asyncplane-claim-give-back",
+                    )
+                raise asyncio.CancelledError
             if found or (timeout is not None and timeout <= 0):
                 return found, False
             await _wakeups.until_work(

@@ -44,7 +44,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeAlias
 
-from asyncplane import _engine, _errors, _store, _tasks, _validate, _wakeups
+from asyncplane import _engine, _errors, _lock, _store, _tasks, _validate, _wakeups
 from asyncplane._drain import DrainError
 from asyncplane._models import ClaimedItem
 from asyncplane._outcomes import (
@@ -148,10 +148,17 @@ async def work(
         if _validate.boolean(exclusive, "exclusive"):
             async with _store.engine_of(store).single_runner(lock) as guard:
                 if not guard:
-                    return DrainSummary(skipped=True, elapsed_s=time.monotonic() - started)
+                    run.summary.skipped = True
+                    return run.summary
+                run.guard = guard
                 await run.loop()
         else:
             await run.loop()
+        if run.engine.closes == run.closes:  # counting would reopen a closed store
+            counts = await store.counts(project_id=run.project_id, actor_id=run.actor_id)
+            run.summary.remaining = sum(
+                counts[state] for state in ("ready", "deferred", "claimed", "offloaded")
+            )
     finally:
         run.summary.elapsed_s = time.monotonic() - started
         _log.info("asyncplane worker %s stopped: %s", run.owner, run.summary)
@@ -174,6 +181,7 @@ class _Worker:
     preflight_chunk: int
     progress: Callable[[DrainSummary], None] | None = None
     summary: DrainSummary = dataclasses.field(default_factory=DrainSummary)
+    guard: _lock.Guard = dataclasses.field(default_factory=lambda: _lock.Guard(True))
 
     def __post_init__(self) -> None:
         self.engine = _store.engine_of(self.store)
@@ -182,6 +190,7 @@ class _Worker:
         self.failure: BaseException | None = None
         self.wake = asyncio.Event()  # set whenever a running item ends
         self.next_housekeeping = 0.0
+        self.closes = self.engine.closes  # the store closed since: stop
 
     # --- the loop ----------------------------------------------------------------------
 
@@ -192,7 +201,7 @@ class _Worker:
             await _tasks.to_the_end(self._shut_down(0.0), f"asyncplane-work-stop[{self.owner}]")
             raise
         cancelled = False
-        if self.running and self.grace > 0:
+        if self.running and self.grace > 0 and self.failure is None:
             try:  # the grace may be cut short: a second stop, a cancel
                 await asyncio.wait(set(self.running), timeout=self.grace)
             except asyncio.CancelledError:
@@ -220,6 +229,14 @@ class _Worker:
 
     async def _claim_while_open(self) -> None:
         while not self.stop.is_set() and self.failure is None:
+            if self.engine.closes != self.closes:
+                return  # the store was closed under the worker: it stops, as at a stop
+            if self.guard.lost is not None:
+                # Another runner may hold the guard now: stop claiming at once.
+                self.failure = _errors.StorageError(
+                    f"the single-drainer guard was lost ({self.guard.lost})"
+                )
+                return
             free = self.concurrency - len(self.running)
             if free <= 0:
                 await self._until_a_slot_frees()
@@ -311,18 +328,28 @@ class _Worker:
             )  # fmt: skip
         except asyncio.CancelledError:
             await _tasks.to_the_end(
-                self._give_back(claim, handler, renewer, refused), "asyncplane-work-give-back"
+                self._give_back(claim, handler, renewer, refused, lost),
+                "asyncplane-work-give-back",
             )
             raise
+        cut = False
         for side in (renewer, refused):
-            await _tasks.stop(side)
+            cut |= await _tasks.stop(side)
         if renewer in done and renewer.exception() is not None:
             await _tasks.stop(handler)
             raise renewer.exception()  # type: ignore[misc]  # the store failed: work() stops
-        if handler not in done:
+        if lost.is_set():
+            # Taken over or cancelled: counted by the renewer; nothing is reported.
             await _tasks.stop(handler)
-            if lost.is_set():
-                return  # taken over or cancelled: counted by the renewer, nothing reported
+            return
+        if handler not in done:
+            cut |= await _tasks.stop(handler)
+            if cut:  # a stop came meanwhile: the item goes back unspent, not retried
+                await _tasks.to_the_end(
+                    self._give_back(claim, handler, renewer, refused, lost),
+                    "asyncplane-work-give-back",
+                )
+                raise asyncio.CancelledError
             self.summary.timed_out += 1
             outcome: Any = Retry(f"timed out after {self.timeout:g} s")
         else:
@@ -330,7 +357,7 @@ class _Worker:
         _, cancelled = await _tasks.to_the_end(
             self._settle(claim, outcome), f"asyncplane-work-settle[{claim.item_id}]"
         )
-        if cancelled:
+        if cancelled or cut:
             raise asyncio.CancelledError
 
     async def _give_back(
@@ -339,9 +366,12 @@ class _Worker:
         handler: asyncio.Task[Any],
         renewer: asyncio.Task[None],
         refused: asyncio.Task[Any],
+        lost: asyncio.Event,
     ) -> None:
         for task in (handler, renewer, refused):
             await _tasks.stop(task)
+        if lost.is_set():
+            return  # taken over or cancelled: not ours to settle or give back
         if handler.done() and not handler.cancelled():
             # It finished just before the stop: its outcome stands.
             await self._settle(claim, self._outcome_of(claim, handler.result()))

@@ -49,7 +49,7 @@ def add_arguments(sub: argparse.ArgumentParser) -> None:
     sub.add_argument("--concurrency", type=int, default=16, help="items running at once")
     sub.add_argument(
         "--project", action="append", default=None, metavar="P",
-        help="work only this project; repeatable (the slots are shared among them)",
+        help="work only this project; repeatable (each gets an equal part of the slots)",
     )  # fmt: skip
     sub.add_argument("--timeout", type=float, default=None, help="seconds an item may run")
     sub.add_argument("--grace", type=float, default=30.0, help="seconds to finish at a stop")
@@ -92,6 +92,8 @@ def run(args: argparse.Namespace) -> int:
     _configure_logging(args.log_level, args.log_format)
     if args.concurrency < 1:
         raise Usage("--concurrency must be at least 1")
+    if args.exclusive and args.project and len(args.project) > 1:
+        raise Usage("--exclusive runs one worker alone: give it one --project at most")
     return asyncio.run(_main(args, handler))
 
 
@@ -118,6 +120,10 @@ async def _main(args: argparse.Namespace, handler: _work.Handler) -> int:
     ]  # fmt: skip
     signals = _Signals(stop, workers)
     try:
+        # One project's worker failing stops the others too (gracefully).
+        _, pending = await asyncio.wait(workers, return_when=asyncio.FIRST_EXCEPTION)
+        if pending:
+            stop.set()
         results = await asyncio.gather(*workers, return_exceptions=True)
     finally:
         signals.remove()

@@ -192,9 +192,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     rest = argv[argv.index(args.verb) + 1 :]
     args = _VERB_PARSERS[args.verb].parse_intermixed_args(rest, argparse.Namespace(verb=args.verb))
     try:
+        _check_is_a_store(args.db)  # before any event loop: a plain, quick file read
         if args.verb == "worker":
             return _worker_command.run(args)
-        _check_is_a_store(args.db)  # before any event loop: a plain, quick file read
         if args.verb == "copy" and pathlib.Path(args.destination).exists():
             _check_is_a_store(args.destination)  # an existing file must be a store too
         return asyncio.run(_run(args))
