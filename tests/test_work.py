@@ -609,3 +609,37 @@ def test_the_worker_command_refuses_a_store_that_is_not_there(tmp_path: Any) -> 
     _, err = child.communicate(timeout=60)
     assert child.returncode == 2 and "no such file" in err
     assert not (tmp_path / "typo.db").exists()
+
+
+async def test_a_release_in_another_process_wakes_a_waiting_claim(
+    store: ControlStore, location_of: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    del store
+    where = location_of("release.db")
+    if where.startswith("postgresql"):
+        from asyncplane import _postgres
+
+        monkeypatch.setattr(_postgres, "_SAFETY_POLL_SECONDS", 3600.0)  # NOTIFY alone
+    async with ControlStore(where) as here:
+        await here.create_project("p", "P")
+        item_id = await here.enqueue("p", {})
+        first = await here.claim("other")
+        assert first is not None
+        waiting = asyncio.create_task(here.claim("w", wait=20, poll_interval=0.01))
+        await until(lambda: running_tasks("asyncplane-wait-work-local") > 0, what="it waits")
+        script = (
+            "import asyncio, sys\n"
+            "from asyncplane import ControlStore\n"
+            "async def main():\n"
+            "    async with ControlStore(sys.argv[1]) as s:\n"
+            "        await s.release(int(sys.argv[2]), fence=int(sys.argv[3]))\n"
+            "asyncio.run(main())\n"
+        )
+        child = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", script, where, str(item_id), str(first.fence),
+            stderr=subprocess.PIPE,
+        )  # fmt: skip
+        _, err = await child.communicate()
+        assert child.returncode == 0, err
+        claim = await waiting
+        assert claim is not None and claim.item_id == item_id and claim.fence == first.fence + 1
