@@ -10,11 +10,14 @@ from __future__ import annotations
 import sqlite3
 import time
 
-# The store's claim order, from the same index: a fair baseline walks it as the store does.
+# The store's claim order, from the same index: a fair baseline walks it as the store does
+# (the benchmarks that use it hold one project).
 CLAIM = """
 UPDATE items SET state = 'claimed', fence = fence + 1, attempts = attempts + 1,
                  owner = ?, lease_expires_at = ?, updated_at = ?
-WHERE item_id = (SELECT item_id FROM items INDEXED BY items_ready WHERE state = 'ready'
+WHERE item_id = (SELECT item_id FROM items INDEXED BY items_claim
+                 WHERE project_id = (SELECT project_id FROM projects LIMIT 1)
+                   AND state = 'ready' AND held = 0
                  ORDER BY priority DESC, service_class, sla IS NULL, sla, item_id LIMIT 1)
 RETURNING item_id, fence
 """

@@ -73,6 +73,13 @@ def location_of(
             _blocking(testing.execute_sql(server or "", f"DROP SCHEMA IF EXISTS {schema} CASCADE"))
 
 
+@pytest.fixture
+def url(location_of: Callable[[str], str], asyncplane_backend: str) -> str:
+    """The URL of a fresh PostgreSQL schema, for a ``postgresql_only`` test."""
+    assert asyncplane_backend == "postgresql"
+    return location_of("pg")
+
+
 def _blocking(work: Coroutine[Any, Any, T]) -> T:
     """Run a coroutine to its end from sync code, even inside a running loop (an async
     test's own): then on a loop of its own, in a thread."""

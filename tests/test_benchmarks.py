@@ -154,6 +154,25 @@ def test_the_items_benchmark_lists_from_both_backends(
     assert all(ms["large"] > 0 for ms in report["ms"].values())
 
 
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
+def test_the_claim_cliff_benchmark_reports_every_case_on_both_backends(
+    backend: str, request: pytest.FixtureRequest
+) -> None:
+    url = (
+        [] if backend == "sqlite" else ["--url", request.getfixturevalue("asyncplane_postgres_url")]
+    )
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "claim_cliff.py"), "--backlog", "500", "--small", "80",
+         "--claims", "10", "--repeats", "1", "--json", *url],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert report["backend"] == backend
+    assert set(report["ratios"]) == {"a", "b", "c", "d"}
+    assert all(ratio > 0 for ratio in report["ratios"].values())
+
+
 def test_the_agent_workload_benchmark_runs_every_runtime() -> None:
     done = subprocess.run(
         [sys.executable, str(BENCHMARKS / "agent_workload.py"), "--items", "80",
@@ -166,3 +185,18 @@ def test_the_agent_workload_benchmark_runs_every_runtime() -> None:
         "ideal (asyncio.Queue)", "work(), 1 process", "work(), 4 processes", "drain(), batches",
     }  # fmt: skip
     assert all(rate > 0 for rate in report["throughput"].values())
+
+
+def test_the_twin_contention_benchmark_checks_the_line_it_leaves(
+    asyncplane_postgres_url: str,
+) -> None:
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "twin_contention.py"), "--url", asyncplane_postgres_url,
+         "--processes", "2", "--coroutines", "2", "--seconds", "2", "--json"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert report["operations"] > 0
+    assert report["errors"] == 0
+    assert report["ledger_problems"] == []

@@ -225,3 +225,22 @@ def test_the_copy_verb_moves_a_file_to_postgresql_and_back(
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert "and 1 new project from" in table.stdout, table.stderr  # one, not "1 new projects"
+
+
+async def test_a_copied_running_twin_holds_its_copied_twins_back(
+    asyncplane_store: ControlStore, other_store: Any, raw_of: Any
+) -> None:
+    # The running twin has the higher id, so the copy writes its waiting twin first.
+    source = asyncplane_store
+    await source.create_project("p", "P")
+    waiting = await source.enqueue("p", {"n": 1}, fingerprint="x")
+    running = await source.enqueue("p", {"n": 2}, fingerprint="x", dedup=False, priority=5)
+    claim = await source.claim("w")
+    assert claim is not None and claim.item_id == running
+    destination: ControlStore = await other_store()
+    await copy_store(source, destination)
+    held = raw_of(destination).execute("SELECT item_id FROM items WHERE held = ?", (True,))
+    assert [row[0] for row in held] == [waiting]
+    assert await destination.claim("w2") is None
+    await destination.finish(running, fence=claim.fence)
+    assert await verify_ledger(destination) == []

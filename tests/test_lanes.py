@@ -20,7 +20,6 @@ from asyncplane import (
     fingerprint,
     verify_ledger,
 )
-from asyncplane import _sqlite_sql as sql
 from asyncplane.testing import ManualClock
 
 IDENTITY = ("intent", "task", "system", "reasoning")
@@ -96,27 +95,6 @@ async def test_not_before_defers_until_due(lanes: ControlStore, clock: ManualClo
     past = await lanes.enqueue("alpha", {"n": 2}, not_before=clock.now() - 5)
     assert (await lanes.item(past))["state"] == "ready"
     assert await verify_ledger(lanes) == []
-
-
-async def test_the_claim_order_comes_from_an_index(lanes: ControlStore, raw_of: Any) -> None:
-    if lanes.backend == "postgresql":
-        from asyncplane import _postgres_sql
-
-        conn = raw_of(lanes)
-        conn.execute("SET enable_seqscan = off")  # an empty table: ask as for a big one
-        conn.execute("PREPARE claim(text, text, bigint, bigint) AS " + _postgres_sql.CLAIM_READY)
-        plan = " | ".join(row[0] for row in conn.execute("EXPLAIN EXECUTE claim(NULL, NULL, 1, 0)"))
-        assert "items_ready" in plan, plan
-        assert "Sort" not in plan, plan  # no sort: the index gives the order
-        return
-    conn = sqlite3.connect(lanes.path)
-    params = {"now": 0, "limit": 1, "offset": 0, "project_id": None, "actor_id": None}
-    plan = " | ".join(
-        row[3] for row in conn.execute("EXPLAIN QUERY PLAN " + sql.CLAIM_READY, params)
-    )
-    conn.close()
-    assert "USING INDEX items_ready" in plan
-    assert "TEMP B-TREE" not in plan  # no sort: the index gives the order
 
 
 # --- enqueue and enqueue_many ------------------------------------------------------------

@@ -55,6 +55,7 @@ def test_every_kind_is_checked_and_documented() -> None:
         "fence_disagrees",
         "ready_after_claim",
         "state_disagrees",
+        "twin_stranded",
         "orphan_events",
     }
 

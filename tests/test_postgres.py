@@ -24,6 +24,7 @@ from asyncplane import (
     CommitOutcomeUnknown,
     ControlStore,
     InvalidInput,
+    Job,
     NotAnAsyncplaneDatabase,
     ReadOnlyStore,
     SchemaVersionError,
@@ -38,13 +39,6 @@ pytestmark = pytest.mark.postgresql_only
 
 SERVER_NOW = "SELECT extract(epoch FROM clock_timestamp())::float8"
 TABLES_HERE = "SELECT tablename FROM pg_tables WHERE schemaname = current_schema()"
-
-
-@pytest.fixture
-def url(location_of: Any, asyncplane_backend: str) -> str:
-    assert asyncplane_backend == "postgresql"
-    location: str = location_of("pg")
-    return location
 
 
 async def sql(url: str, statement: str, *args: Any) -> list[Any]:
@@ -244,17 +238,19 @@ def test_the_cluster_helper_reports_why_it_could_not_start(
 async def test_a_row_shifted_between_pages_is_claimed_once(
     url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # The claim reads a second page (its first held a twin it skipped); meanwhile another
-    # host commits a higher-priority item, which shifts every row by one: the second
-    # page offers a row the first already gave. It must be claimed once, not twice.
+    # The claim reads a second page of one project (its first page held that project's
+    # share of the batch, and the batch needs more of it); meanwhile another host commits
+    # a higher-priority item there, which shifts every row by one: the second page offers
+    # a row the first already gave. It must be claimed once, not twice.
     from asyncplane import _postgres
 
     async with ControlStore(url) as store, ControlStore(url) as other:
         await store.create_project("p", "P")
-        await store.enqueue("p", {"n": "A"}, fingerprint="X", priority=5)
-        await store.enqueue("p", {"n": "B"}, fingerprint="X", dedup=False, priority=5)
-        await store.enqueue("p", {"n": "C"}, priority=5)
-        await store.enqueue("p", {"n": "D"}, priority=1)
+        await store.create_project("q", "Q")
+        for n in ("C", "D"):
+            await store.enqueue("p", {"n": n}, priority=5)
+        await store.enqueue("p", {"n": "F"}, priority=1)
+        await store.enqueue("q", {"n": "E"}, priority=1)
         next_page = _postgres._next_page
         pages = 0
 
@@ -268,6 +264,7 @@ async def test_a_row_shifted_between_pages_is_claimed_once(
         monkeypatch.setattr(_postgres, "_next_page", shifting_page)
         got = await store.claim_batch("w", 3)
         assert pages >= 1
+        assert [claim.payload["n"] for claim in got] == ["C", "D", "F"]
         ids = [claim.item_id for claim in got]
         assert len(ids) == len(set(ids))
         assert all(claim.fence == 1 for claim in got)
@@ -601,3 +598,134 @@ async def test_a_schema_of_the_previous_release_migrates_to_cancel_and_requeue(
         assert claim is not None and (claim.item_id, claim.fence) == (2, 2)
         assert await verify_ledger(store) == []
         assert (await store.stats())["schema_version"] == pg_sql.SCHEMA_VERSION
+
+
+# --- twins in line across hosts (see test_claim_reach.py for the line itself) ----------------
+
+
+async def test_opposite_order_twin_enqueues_from_many_hosts_never_deadlock(url: str) -> None:
+    # Each host enqueues twins of two running contents, half of them in the other order:
+    # the line's triggers take no lock of their own, so no two wait on each other in a
+    # circle (an earlier design with a lock per content deadlocked here).
+    hosts = [ControlStore(url) for _ in range(4)]
+    try:
+        first = hosts[0]
+        await first.create_project("p", "P")
+        for content in ("x", "y"):
+            await first.enqueue("p", {"c": content}, fingerprint=content, dedup=False)
+        running = await first.claim_batch("w", 2)
+        assert len(running) == 2
+
+        async def burst(store: ControlStore, order: list[str]) -> None:
+            for _ in range(25):
+                await store.enqueue_many(
+                    "p", [Job({"c": c}, fingerprint=c) for c in order], dedup=False
+                )
+
+        await asyncio.gather(*(
+            burst(store, ["x", "y"] if n % 2 else ["y", "x"]) for n, store in enumerate(hosts)
+        ))  # fmt: skip
+        backends: list[Any] = [await store._engine.ready() for store in hosts]
+        assert sum(backend.writer.retried_rounds for backend in backends) == 0
+        assert await first.claim("w") is None  # every twin waits behind its running one
+        for claim in running:
+            await first.finish(claim.item_id, fence=claim.fence)
+        assert {c.fingerprint for c in await first.claim_batch("w", 5)} == {"x", "y"}
+        assert await verify_ledger(first) == []
+    finally:
+        for store in hosts:
+            await store.close()
+
+
+async def test_a_held_twin_cancelled_while_its_running_twin_settles_hands_the_place_on(
+    url: str,
+) -> None:
+    # The settle's trigger picks the first held twin to hand the place to, while another
+    # transaction is cancelling that very twin: it must look again, not free a cancelled
+    # row and leave the rest of the line held behind nothing.
+    async with ControlStore(url) as store:
+        await store.create_project("p", "P")
+        running = await store.enqueue("p", {"n": "R"}, fingerprint="x", dedup=False)
+        claim = await store.claim("w")
+        assert claim is not None and claim.item_id == running
+        first, second = [
+            await store.enqueue("p", {"n": n}, fingerprint="x", dedup=False) for n in (1, 2)
+        ]
+        conn = await asyncpg.connect(url)
+        try:
+            cancel = conn.transaction()
+            await cancel.start()
+            await conn.execute(
+                "UPDATE items SET state = 'cancelled', fence = fence + 1 WHERE item_id = $1", first
+            )
+            await conn.execute(
+                "INSERT INTO events (item_id, event_type, fence, at) "
+                "VALUES ($1, 'cancelled', 1, 0)",
+                first,
+            )
+            settle = asyncio.ensure_future(store.finish(running, fence=claim.fence))
+
+            async def settle_waits() -> bool:
+                waiting = await conn.fetchval(
+                    "SELECT count(*) FROM pg_stat_activity "
+                    "WHERE wait_event_type = 'Lock' AND datname = current_database()"
+                )
+                return bool(waiting)
+
+            await until(settle_waits, what="the settle waiting for the cancelled row")
+            await cancel.commit()
+            await settle
+        finally:
+            await conn.close()
+        got = await store.claim("w")
+        assert got is not None and got.item_id == second
+        assert await verify_ledger(store) == []
+
+
+async def test_two_moves_of_one_line_at_once_hand_the_place_on_once(url: str) -> None:
+    # A twin arrived while its running twin's row was locked (a renewal in flight), so it
+    # stayed claimable beside it; then it is cancelled while the running twin settles.
+    # Each move's trigger, alone, would leave the handing-on to the other: one at a time,
+    # the second sees the first's, and the held twin gets the place.
+    async with ControlStore(url) as store:
+        await store.create_project("p", "P")
+        running = await store.enqueue("p", {"n": "R"}, fingerprint="x", dedup=False)
+        claim = await store.claim("w")
+        assert claim is not None and claim.item_id == running
+        conn = await asyncpg.connect(url)
+        try:
+            renewal = conn.transaction()
+            await renewal.start()
+            await conn.execute(
+                "UPDATE items SET updated_at = updated_at WHERE item_id = $1", running
+            )
+            beside = await store.enqueue("p", {"n": "T"}, fingerprint="x", dedup=False, priority=1)
+            await renewal.commit()
+            held = await store.enqueue("p", {"n": "H"}, fingerprint="x", dedup=False)
+            cancel = conn.transaction()
+            await cancel.start()
+            await conn.execute(
+                "UPDATE items SET state = 'cancelled', fence = fence + 1 WHERE item_id = $1", beside
+            )
+            await conn.execute(
+                "INSERT INTO events (item_id, event_type, fence, at) "
+                "VALUES ($1, 'cancelled', 1, 0)",
+                beside,
+            )
+            settle = asyncio.ensure_future(store.finish(running, fence=claim.fence))
+
+            async def settle_waits() -> bool:
+                waiting = await conn.fetchval(
+                    "SELECT count(*) FROM pg_stat_activity "
+                    "WHERE wait_event_type = 'Lock' AND datname = current_database()"
+                )
+                return bool(waiting)
+
+            await until(settle_waits, what="the settle waiting for the cancel's hand-off")
+            await cancel.commit()
+            await settle
+        finally:
+            await conn.close()
+        got = await store.claim("w")
+        assert got is not None and got.item_id == held
+        assert await verify_ledger(store) == []

@@ -1,9 +1,10 @@
 """verify_ledger: do the rows agree with their own history?
 
-The kinds are the nine of asyncplane's origin, plus ``cancelled_without_event`` and
-``state_disagrees``: replaying an item's events in order (each event type leaves one
-state, `asyncplane._models.EVENT_TYPES`) must give the row's state, in every case the
-other kinds do not already name.
+The kinds are the nine of asyncplane's origin, plus ``cancelled_without_event``,
+``twin_stranded`` (a row check: a twin held out of the claim index with nothing left to
+free it would never be claimed) and ``state_disagrees``: replaying an item's events in
+order (each event type leaves one state, `asyncplane._models.EVENT_TYPES`) must give the
+row's state, in every case the other kinds do not already name.
 
 Every transition of an item appends an event in the same transaction as the row change,
 so an item's state can be replayed from its events (``queued`` leaves it ready,
@@ -46,6 +47,9 @@ LEDGER_PROBLEM_KINDS: Final = {
         "requeued or released"
     ),
     "state_disagrees": "the row's state is not the one its events lead to, replayed in order",
+    "twin_stranded": (
+        "a ready twin is held in line, but no twin of it runs or is claimable to free it"
+    ),
     "orphan_events": "events reference an item that no longer exists",
 }
 """Every kind of problem verify_ledger reports, mapped to what it means."""

@@ -607,11 +607,16 @@ async def _enqueue(op: _backend.EnqueueOp, conn: asyncpg.Connection, now: float)
 
 
 async def _next_page(
-    conn: asyncpg.Connection, statement: str, reach: tuple[Any, ...], limit: int, offset: int,
-    extra: tuple[Any, ...],
+    conn: asyncpg.Connection, arm: tuple[str, str | None], reach: tuple[Any, ...],
+    limit: int, offset: int, now: float,
 ) -> list[Any]:  # fmt: skip
     """One more page of an arm's candidates (its first came with every other arm's)."""
-    return list(await conn.fetch(statement, *reach, limit, offset, *extra))
+    tag, project = arm
+    if tag == "r":
+        return list(await conn.fetch(sql.CLAIM_READY, project, limit, offset))
+    if tag == "d":
+        return list(await conn.fetch(sql.CLAIM_DUE, project, limit, offset, now))
+    return list(await conn.fetch(sql.CLAIM_LAPSED, *reach, limit, offset, now))
 
 
 async def _claim_many(
@@ -628,8 +633,8 @@ async def _claim_many(
     reach = (first.project_id, first.actor_id)
     total = sum(op.limit for op in ops)
     events: list[_rules.Event] = []
-    pages = await _candidates(conn, reach, total, now)
-    exhausted = [_rules.Candidate._make(row) for row in pages["x"]]
+    exhausted_rows, pages = await _candidates(conn, reach, total, now)
+    exhausted = [_rules.Candidate._make(row) for row in exhausted_rows]
     for candidate in exhausted:
         error, failed = _rules.exhausted_lease_events(candidate, first.actor_id, now)
         await conn.execute(sql.EXHAUST_ITEM, error, now, candidate.item_id, candidate.fence)
@@ -638,16 +643,18 @@ async def _claim_many(
         # The candidates were read in the snapshot that still showed those claims running,
         # which held back their waiting twins; they stopped running just now, so read
         # again (SQLite fails them before it reads, to the same effect).
-        pages = await _candidates(conn, reach, total, now)
-    arms = ((sql.CLAIM_READY, "r", ()), (sql.CLAIM_DUE, "d", (now,)),
-            (sql.CLAIM_LAPSED, "l", (now,)))  # fmt: skip
-    merge = _rules.ClaimMerge(len(arms), total)
-    for position, (_, tag, _) in enumerate(arms):
-        merge.feed(position, pages[tag])
+        _, pages = await _candidates(conn, reach, total, now)
+    # One arm per kind and project (ready and due, each project in reach), and the lapsed
+    # claims of them all; an arm the first statement found nothing in has nothing more.
+    keys = list(pages)
+    merge = _rules.ClaimMerge(len(keys), total)
+    for position, key in enumerate(keys):
+        size, rows = pages[key]
+        merge.ask(position, size)
+        merge.feed(position, rows)
     while (arm := merge.hungry()) is not None:
         limit, offset = merge.next_page(arm)
-        statement, _, extra = arms[arm]
-        merge.feed(arm, await _next_page(conn, statement, reach, limit, offset, extra))
+        merge.feed(arm, await _next_page(conn, keys[arm], reach, limit, offset, now))
     dealt = _rules.deal(merge.chosen, ops)
     guarded = [c.fingerprint is not None and c.state != "claimed" for c, _ in dealt]
     if any(guarded):
@@ -690,15 +697,24 @@ async def _claim_many(
 
 async def _candidates(
     conn: asyncpg.Connection, reach: tuple[Any, ...], total: int, now: float
-) -> dict[str, list[Any]]:
-    """Every arm's first page of candidates, in one statement: ready ("r"), fallen due
-    ("d"), lapsed ("l"), and lapsed claims with no attempt left ("x")."""
-    pages: dict[str, list[Any]] = {"r": [], "d": [], "l": [], "x": []}
+) -> tuple[list[Any], dict[tuple[str, str | None], tuple[int, list[_rules.Candidate]]]]:
+    """Every arm's first page of candidates, in one statement: the lapsed claims with no
+    attempt left, and per arm (ready "r" and fallen due "d" of each project, lapsed "l")
+    the page's size and its rows, in claim order."""
+    exhausted: list[Any] = []
+    tagged: list[Any] = []
+    sizes: dict[str, int] = {}
     for row in await conn.fetch(
-        sql.CLAIM_CANDIDATES, *reach, total, 0, now, _rules.exhausted_bound(total)
+        sql.CLAIM_CANDIDATES, *reach, total, now, _rules.exhausted_bound(total)
     ):
-        pages[row[0]].append(row[1:])
-    return pages
+        tag, size = row[0], row[1]
+        if tag == "x":
+            exhausted.append(row[2:])
+            continue
+        sizes[tag] = size
+        tagged.append((tag, *row[2:]))
+    pages = _rules.first_pages(tagged)
+    return exhausted, {key: (sizes[key[0]], page) for key, page in pages.items()}
 
 
 async def _finish_many(

@@ -185,6 +185,198 @@ MIGRATIONS: Final[tuple[str, ...]] = (
                            AND NEW.state IN ('done', 'failed', 'cancelled'))
         EXECUTE FUNCTION asyncplane_notify_settled();
     """,
+    # 3: no claim pays for work it cannot take, as SQLite's migration 5: the claim order
+    # per project, and twins in line (held out of the claim index while a twin runs or
+    # goes first). Transactions on several hosts move one content's twins at once. The
+    # rule that keeps a twin from being lost: a trigger holds a twin back only while it
+    # has a lock on the row it relies on (the running twin, or the claimable one ahead;
+    # FOR SHARE), so that row cannot stop running, or leave the line, until this
+    # transaction commits, and the trigger of whoever moves it then sees the held twin and
+    # hands it the place. Holding back is never waited for: with that row locked by
+    # another transaction (a claimer, a renewal), the twin stays claimable beside it (the
+    # claim still skips a twin of a running item), and the line is set right when it next
+    # moves. Handing the place on is always done, one hand-off per content at a time (a
+    # lock per content, taken only by a move that ends a running or claimable twin), and
+    # checked again against the row (it may have been cancelled meanwhile).
+    """
+    ALTER TABLE items ADD COLUMN held boolean NOT NULL DEFAULT false;
+    UPDATE items SET held = true
+    WHERE state = 'ready' AND fingerprint IS NOT NULL AND item_id NOT IN (
+        SELECT item_id FROM (
+            SELECT item_id, project_id, fingerprint, row_number() OVER (
+                PARTITION BY project_id, fingerprint
+                ORDER BY priority DESC, service_class, sla NULLS LAST, item_id) AS place
+            FROM items WHERE state = 'ready' AND fingerprint IS NOT NULL) AS ranked
+        WHERE place = 1 AND NOT EXISTS (
+            SELECT 1 FROM items AS twin
+            WHERE twin.project_id = ranked.project_id AND twin.fingerprint = ranked.fingerprint
+              AND twin.state IN ('claimed', 'offloaded')));
+    DROP INDEX items_ready;
+    CREATE INDEX items_claim
+        ON items (project_id, priority DESC, service_class, sla NULLS LAST, item_id)
+        WHERE state = 'ready' AND NOT held;
+    CREATE INDEX items_project_due ON items (project_id, due_at) WHERE state = 'deferred';
+    CREATE INDEX items_held
+        ON items (project_id, fingerprint, priority DESC, service_class, sla NULLS LAST, item_id)
+        WHERE state = 'ready' AND held;
+    CREATE INDEX items_next_twin ON items (project_id, fingerprint)
+        WHERE state = 'ready' AND NOT held AND fingerprint IS NOT NULL;
+    -- Their plans must come from the line's indexes even when the table's statistics are
+    -- stale (a bulk enqueue into a fresh store), or each row would scan the table.
+    --
+    -- A twin that arrives ready (enqueued, requeued, released) takes its place in line
+    -- before it is written, so a bulk enqueue of one content's twins writes each row
+    -- once, not once claimable and then again held.
+    CREATE FUNCTION asyncplane_twin_arrives() RETURNS trigger
+    LANGUAGE plpgsql SET enable_seqscan = off AS $$
+    DECLARE
+        ahead bigint;
+        ahead_held boolean;
+        goes_first boolean;
+    BEGIN
+        -- (One query of three probes, one per index of the line, never a walk over the
+        -- done twins.) No twin ready or running: no line to take a place in.
+        IF NOT EXISTS (
+            (SELECT 1 FROM items
+             WHERE project_id = NEW.project_id AND fingerprint = NEW.fingerprint
+               AND state IN ('claimed', 'offloaded') AND item_id <> NEW.item_id)
+            UNION ALL
+            (SELECT 1 FROM items
+             WHERE project_id = NEW.project_id AND fingerprint = NEW.fingerprint
+               AND state = 'ready' AND NOT held AND item_id <> NEW.item_id)
+            UNION ALL
+            (SELECT 1 FROM items
+             WHERE project_id = NEW.project_id AND fingerprint = NEW.fingerprint
+               AND state = 'ready' AND held AND item_id <> NEW.item_id))
+        THEN
+            NEW.held := false;
+            RETURN NEW;
+        END IF;
+        -- A running twin holds it back (locked: it cannot stop running unseen).
+        PERFORM 1 FROM items
+        WHERE project_id = NEW.project_id AND fingerprint = NEW.fingerprint
+          AND state IN ('claimed', 'offloaded') AND item_id <> NEW.item_id
+        FOR SHARE SKIP LOCKED;
+        IF FOUND THEN
+            NEW.held := true;
+            RETURN NEW;
+        END IF;
+        SELECT item_id, held,
+               (-priority, service_class, sla IS NULL, coalesce(sla, 0), item_id)
+               < (-NEW.priority, NEW.service_class, NEW.sla IS NULL, coalesce(NEW.sla, 0),
+                  NEW.item_id)
+        INTO ahead, ahead_held, goes_first
+        FROM (
+            (SELECT item_id, held, priority, service_class, sla FROM items
+             WHERE project_id = NEW.project_id AND fingerprint = NEW.fingerprint
+               AND state = 'ready' AND held AND item_id <> NEW.item_id
+             ORDER BY priority DESC, service_class, sla NULLS LAST, item_id LIMIT 1)
+            UNION ALL
+            SELECT item_id, held, priority, service_class, sla FROM items
+            WHERE project_id = NEW.project_id AND fingerprint = NEW.fingerprint
+              AND state = 'ready' AND NOT held AND item_id <> NEW.item_id) AS line
+        ORDER BY priority DESC, service_class, sla NULLS LAST, item_id LIMIT 1;
+        IF ahead IS NULL OR NOT goes_first THEN
+            -- First in line: the claimable twin there was waits behind it.
+            NEW.held := false;
+            UPDATE items SET held = true
+            WHERE item_id IN (
+                SELECT item_id FROM items
+                WHERE project_id = NEW.project_id AND fingerprint = NEW.fingerprint
+                  AND state = 'ready' AND NOT held AND item_id <> NEW.item_id
+                FOR UPDATE SKIP LOCKED);
+            RETURN NEW;
+        END IF;
+        -- A twin goes first: it is the claimable one (locked, or made so here).
+        IF ahead_held THEN
+            UPDATE items SET held = false
+            WHERE item_id = (SELECT item_id FROM items
+                             WHERE item_id = ahead AND state = 'ready' AND held
+                             FOR UPDATE SKIP LOCKED);
+        ELSE
+            PERFORM 1 FROM items WHERE item_id = ahead AND state = 'ready' AND NOT held
+            FOR SHARE SKIP LOCKED;
+        END IF;
+        NEW.held := FOUND;  -- (not found: moved, or locked; claimable beside it)
+        RETURN NEW;
+    END $$;
+    CREATE TRIGGER items_twin_arrives BEFORE INSERT OR UPDATE OF state, fingerprint ON items
+        FOR EACH ROW WHEN (NEW.state = 'ready' AND NEW.fingerprint IS NOT NULL)
+        EXECUTE FUNCTION asyncplane_twin_arrives();
+    -- A twin that starts running holds every claimable twin back; one that stops running,
+    -- or a claimable one that leaves the line, hands its place to the first in line. (At
+    -- most one twin runs at a time here: the unique index on running twins makes a second
+    -- wait until this transaction commits.)
+    CREATE FUNCTION asyncplane_line_moves_on() RETURNS trigger
+    LANGUAGE plpgsql SET enable_seqscan = off AS $$
+    DECLARE
+        first_twin bigint;
+    BEGIN
+        IF NEW.state NOT IN ('claimed', 'offloaded') THEN
+            -- One hand-off of a content's place at a time (a lock of its own, apart from
+            -- the claimers' try-locks): each looks in a snapshot taken after the one
+            -- before it committed, so of two moves at once (a cancel of the claimable
+            -- twin and the settle of the running one) the second sees the first's.
+            PERFORM pg_advisory_xact_lock(hashtextextended(
+                current_schema() || chr(1) || NEW.project_id || chr(1) || NEW.fingerprint, 2));
+            LOOP
+                IF EXISTS (
+                    SELECT 1 FROM items
+                    WHERE project_id = NEW.project_id AND fingerprint = NEW.fingerprint
+                      AND state IN ('claimed', 'offloaded'))
+                THEN
+                    RETURN NULL;  -- a twin runs: its own trigger held the line
+                END IF;
+                SELECT item_id INTO first_twin FROM (
+                    (SELECT item_id, priority, service_class, sla FROM items
+                     WHERE project_id = NEW.project_id AND fingerprint = NEW.fingerprint
+                       AND state = 'ready' AND held
+                     ORDER BY priority DESC, service_class, sla NULLS LAST, item_id LIMIT 1)
+                    UNION ALL
+                    SELECT item_id, priority, service_class, sla FROM items
+                    WHERE project_id = NEW.project_id AND fingerprint = NEW.fingerprint
+                      AND state = 'ready' AND NOT held) AS line
+                ORDER BY priority DESC, service_class, sla NULLS LAST, item_id LIMIT 1;
+                IF first_twin IS NULL THEN
+                    RETURN NULL;
+                END IF;
+                -- The first in line becomes claimable (always: waited for if need be).
+                UPDATE items SET held = false
+                WHERE item_id = first_twin AND state = 'ready' AND held;
+                IF NOT FOUND THEN
+                    PERFORM 1 FROM items
+                    WHERE item_id = first_twin AND state = 'ready' AND NOT held
+                    FOR SHARE SKIP LOCKED;
+                END IF;
+                EXIT WHEN FOUND;  -- it is claimable, and locked here: the others wait behind it
+                IF EXISTS (SELECT 1 FROM items
+                           WHERE item_id = first_twin AND state = 'ready' AND NOT held) THEN
+                    RETURN NULL;  -- claimable, locked by a claimer: the others stay as they are
+                END IF;
+                -- It moved meanwhile: look again.
+            END LOOP;
+        END IF;
+        UPDATE items SET held = true
+        WHERE item_id IN (
+            SELECT item_id FROM items
+            WHERE project_id = NEW.project_id AND fingerprint = NEW.fingerprint
+              AND state = 'ready' AND NOT held AND item_id IS DISTINCT FROM first_twin
+            FOR UPDATE SKIP LOCKED);
+        RETURN NULL;
+    END $$;
+    -- (A running twin copied in from another store holds its twins back as well.)
+    CREATE TRIGGER items_running_twin_arrives AFTER INSERT ON items
+        FOR EACH ROW WHEN (NEW.state IN ('claimed', 'offloaded') AND NEW.fingerprint IS NOT NULL)
+        EXECUTE FUNCTION asyncplane_line_moves_on();
+    CREATE TRIGGER items_line_moves_on AFTER UPDATE OF state, fingerprint ON items
+        FOR EACH ROW WHEN (NEW.fingerprint IS NOT NULL AND (
+            (OLD.fingerprint IS NULL AND NEW.state IN ('claimed', 'offloaded'))
+            OR (OLD.state IS DISTINCT FROM NEW.state
+                AND ((NEW.state IN ('claimed', 'offloaded'))
+                         <> (OLD.state IN ('claimed', 'offloaded'))
+                     OR (OLD.state = 'ready' AND NOT OLD.held)))))
+        EXECUTE FUNCTION asyncplane_line_moves_on();
+    """,
 )
 
 SCHEMA_VERSION: Final = len(MIGRATIONS)
@@ -287,10 +479,11 @@ ORDER BY fingerprint, state = 'done' DESC, item_id
 """
 
 # --- claims ----------------------------------------------------------------------------
-# Rows another transaction is claiming are skipped, never waited for. Every arm keeps to
-# open projects, to the project asked for and to the actor's projects (NULL: any).
-# Parameters: the ready arm takes ($1 project_id, $2 actor_id, $3 limit, $4 offset); the
-# due and lapsed arms take ($1 project_id, $2 actor_id, $3 limit, $4 offset, $5 now).
+# Rows another transaction is claiming are skipped, never waited for. A claim visits the
+# projects in its reach only (open, the one asked for, the actor's), each through its
+# part of a per-project index, so nothing another project holds is ever stepped over;
+# held twins are out of that index (migration 3). The lapsed claims are few and read for
+# all projects in reach at once.
 
 CLAIM_ORDER: Final = "priority DESC, service_class, sla NULLS LAST, item_id"
 _CLAIM_COLUMNS = (
@@ -312,43 +505,73 @@ _TWIN = """
 _CLAIMABLE = f"""{_IN_REACH}
       AND (fingerprint IS NULL OR NOT EXISTS ({_TWIN}))
 """
-CLAIM_READY: Final = f"""
-SELECT {_CLAIM_COLUMNS} FROM items
-WHERE state = 'ready' {_CLAIMABLE}
-ORDER BY {CLAIM_ORDER} LIMIT $3 OFFSET $4
-FOR UPDATE SKIP LOCKED
-"""
-CLAIM_DUE: Final = f"""
-SELECT {_CLAIM_COLUMNS} FROM items
-WHERE state = 'deferred' AND due_at <= $5 {_CLAIMABLE}
-ORDER BY {CLAIM_ORDER} LIMIT $3 OFFSET $4
-FOR UPDATE SKIP LOCKED
-"""
+
+
+def _ready(project: str, limit: str, offset: str) -> str:
+    """One project's claimable ready items, in claim order, from its part of items_claim."""
+    return f"""
+    SELECT {_CLAIM_COLUMNS} FROM items
+    WHERE items.project_id = {project} AND state = 'ready' AND NOT held
+      AND (fingerprint IS NULL OR NOT EXISTS ({_TWIN}))
+    ORDER BY {CLAIM_ORDER} LIMIT {limit} OFFSET {offset}
+    FOR UPDATE SKIP LOCKED"""
+
+
+def _due(project: str, limit: str, offset: str, now: str) -> str:
+    """One project's deferred items that have fallen due, in claim order."""
+    return f"""
+    SELECT {_CLAIM_COLUMNS} FROM items
+    WHERE items.project_id = {project} AND state = 'deferred' AND due_at <= {now}
+      AND (fingerprint IS NULL OR NOT EXISTS ({_TWIN}))
+    ORDER BY {CLAIM_ORDER} LIMIT {limit} OFFSET {offset}
+    FOR UPDATE SKIP LOCKED"""
+
+
 # A claim whose lease lapsed: no twin can be running beside it (the unique index covers
 # claimed and offloaded items alike), so nothing holds it back but the attempt budget.
-CLAIM_LAPSED: Final = f"""
-SELECT {_CLAIM_COLUMNS} FROM items
-WHERE state = 'claimed' AND lease_expires_at <= $5
-  AND (max_attempts IS NULL OR attempts < max_attempts) {_IN_REACH}
-ORDER BY {CLAIM_ORDER} LIMIT $3 OFFSET $4
-FOR UPDATE SKIP LOCKED
-"""
+def _lapsed(limit: str, offset: str, now: str) -> str:
+    return f"""
+    SELECT {_CLAIM_COLUMNS} FROM items
+    WHERE state = 'claimed' AND lease_expires_at <= {now}
+      AND (max_attempts IS NULL OR attempts < max_attempts) {_IN_REACH}
+    ORDER BY {CLAIM_ORDER} LIMIT {limit} OFFSET {offset}
+    FOR UPDATE SKIP LOCKED"""
+
+
+# Further pages of one arm, read when the merge skipped twins on the first one:
+# ($1 project, $2 limit, $3 offset); the due arm also ($4 now).
+CLAIM_READY: Final = _ready("$1::text", "$2", "$3")
+CLAIM_DUE: Final = _due("$1::text", "$2", "$3", "$4")
+# ($1 project_id, $2 actor_id, $3 limit, $4 offset, $5 now)
+CLAIM_LAPSED: Final = _lapsed("$3", "$4", "$5")
 # The first page of every arm, and the lapsed claims that spent their last attempt, in one
 # statement (one round trip for the common claim): each row tagged with its arm ('r'
-# ready, 'd' due, 'l' lapsed, 'x' exhausted). ($1 project_id, $2 actor_id, $3 limit,
-# $4 offset (0), $5 now, $6 how many exhausted claims to fail)
+# ready, 'd' due, per project in reach; 'l' lapsed; 'x' exhausted) and the size of the
+# page it came in (a project's share of the batch: `_rules.first_page`, here in SQL, as
+# the reach is known only here). ($1 project_id, $2 actor_id, $3 batch, $4 now, $5 how
+# many exhausted claims to fail)
 CLAIM_CANDIDATES: Final = f"""
-SELECT 'r' AS arm, * FROM ({CLAIM_READY.strip()}) AS ready
+WITH reach AS (
+    SELECT project_id FROM projects
+    WHERE status = 'open' AND ($1::text IS NULL OR project_id = $1::text)
+      AND ($2::text IS NULL
+           OR project_id IN (SELECT project_id FROM assignments WHERE actor_id = $2::text))),
+page AS (SELECT ($3::bigint - 1) / greatest(count(*), 1) + 1 AS size FROM reach)
+SELECT 'r' AS arm, page.size, ready.*
+FROM reach CROSS JOIN page
+CROSS JOIN LATERAL ({_ready("reach.project_id", "page.size", "0")}) AS ready
 UNION ALL
-SELECT 'd', * FROM ({CLAIM_DUE.strip()}) AS due
+SELECT 'd', page.size, due.*
+FROM reach CROSS JOIN page
+CROSS JOIN LATERAL ({_due("reach.project_id", "page.size", "0", "$4")}) AS due
 UNION ALL
-SELECT 'l', * FROM ({CLAIM_LAPSED.strip()}) AS lapsed
+SELECT 'l', $3::bigint, * FROM ({_lapsed("$3", "0", "$4")}) AS lapsed
 UNION ALL
-SELECT 'x', * FROM (
+SELECT 'x', $5::bigint, * FROM (
     SELECT {_CLAIM_COLUMNS} FROM items
-    WHERE state = 'claimed' AND lease_expires_at <= $5
+    WHERE state = 'claimed' AND lease_expires_at <= $4
       AND max_attempts IS NOT NULL AND attempts >= max_attempts {_IN_REACH}
-    ORDER BY {CLAIM_ORDER} LIMIT $6
+    ORDER BY {CLAIM_ORDER} LIMIT $5
     FOR UPDATE SKIP LOCKED) AS exhausted
 """
 # A claimer of a fingerprinted item first takes the lock of its (project, fingerprint),
@@ -912,6 +1135,22 @@ LEDGER_CHECKS: Final[tuple[tuple[str, str], ...]] = (
           AND NOT (i.state = 'ready'
                    AND EXISTS (SELECT 1 FROM events AS t WHERE t.item_id = i.item_id
                                AND t.event_type = 'claimed' AND {_since_ready_again("t")}))
+        """,
+    ),
+    (
+        # A held twin with no running or claimable twin of its content: nothing would
+        # ever free it (the line-up triggers of the claim index prevent this).
+        "twin_stranded",
+        """
+        SELECT i.item_id, 'held in line, but no twin of it runs or is claimable to free it'
+        FROM items AS i
+        WHERE i.state = 'ready' AND i.held
+          AND NOT EXISTS (SELECT 1 FROM items AS t
+                          WHERE t.project_id = i.project_id AND t.fingerprint = i.fingerprint
+                            AND t.state IN ('claimed', 'offloaded') AND t.fingerprint IS NOT NULL)
+          AND NOT EXISTS (SELECT 1 FROM items AS t
+                          WHERE t.project_id = i.project_id AND t.fingerprint = i.fingerprint
+                            AND t.state = 'ready' AND NOT t.held AND t.fingerprint IS NOT NULL)
         """,
     ),
     (

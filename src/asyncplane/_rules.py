@@ -13,6 +13,13 @@ has one home, whichever database holds the store:
   fallen due, lapsed), each read in claim order, merged into one claim order; one item per
   fingerprint; each row once, even if a later page shows it again; then dealt out to the
   requests of a group commit in request order.
+* **Which projects a claim visits** (`first_page`, `first_pages`): only those in its reach
+  (open; the one asked for; the actor's), each read from its own part of the claim
+  index, its first page its share of the batch, the pages put in claim order and merged.
+* **Twins in line**: of the ready items of one content, only the first in claim order is
+  claimable, and none while a twin runs; the others are held out of the claim index.
+  That rule is the one written in SQL, as each dialect's triggers (SQLite migration 5,
+  PostgreSQL migration 3), because every write that moves an item must keep it.
 * **Lapses and retries** (`exhausted_lease_error`, `retry_plan`, `backoff`): when a
   claim's last attempt is spent, and when a retried item falls due.
 * **Events** (`Event`, `arrival_events`, ...): what the ledger records for each
@@ -29,6 +36,7 @@ LAST, item_id``: `claim_key` here, and the ``ORDER BY`` of each dialect's claim 
 from __future__ import annotations
 
 import collections
+import heapq
 import json
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
@@ -61,6 +69,8 @@ __all__ = (
     "exhausted_lease_events",
     "fence_refusal",
     "finish_event",
+    "first_page",
+    "first_pages",
     "history",
     "invisible_item",
     "keyset_start",
@@ -360,23 +370,32 @@ class ClaimMerge:
             merge.feed(arm, run(statements[arm], limit, offset))
         chosen = merge.chosen
 
-    The merge takes the smallest head of all arms each time. An arm is read further only
-    when the merge needs its head, so a later page is read only after items it offered
-    were skipped as twins: a skipped item never pushes a later one out of the batch. One
-    item per fingerprint (per project) is taken; a twin waits until the one taken now
-    settles. Each item is taken once, even if a later page (a newer snapshot, where
-    commits shifted the offsets) shows it again.
+    An arm is one kind of claimable item (ready, fallen due) of one project in the claim's
+    reach, or the lapsed claims of them all (`first_page` says how big each arm's first
+    page is). The merge takes the smallest head of all arms each time (a heap: a pick
+    costs log(arms), however many projects there are). An arm is read further only when
+    the merge needs its head, so a later page is read only after items it offered were
+    skipped as twins: a skipped item never pushes a later one out of the batch. One item
+    per fingerprint (per project) is taken; a twin waits until the one taken now settles.
+    Each item is taken once, even if a later page (a newer snapshot, where commits
+    shifted the offsets) shows it again.
     """
 
     def __init__(self, arms: int, limit: int, *, first_page: int | None = None) -> None:
         self._limit = limit
-        # The first page is the whole batch (PostgreSQL reads it with every other arm's);
-        # MAX_PAGE caps only the further pages read past skipped twins.
+        # By default the first page is the whole batch (PostgreSQL reads it with every
+        # other arm's); MAX_PAGE caps only the further pages read past skipped twins.
         page = first_page if first_page is not None else limit
         self._rows: list[collections.deque[Candidate]] = [collections.deque() for _ in range(arms)]
         self._page = [max(page, 1)] * arms
         self._offset = [0] * arms
         self._more = [True] * arms
+        # The arms whose buffer is empty while more rows may come, which must be read
+        # before the next pick: a flag per arm, and a stack of them (stale entries, of
+        # arms fed since, are dropped as they surface), so a feed costs O(1).
+        self._starving = [True] * arms
+        self._starved = list(range(arms - 1, -1, -1))
+        self._heads: list[tuple[tuple[Any, ...], int]] = []
         self._twins: set[tuple[str, str]] = set()
         self._seen: set[int] = set()
         #: The items chosen so far, in claim order.
@@ -386,14 +405,23 @@ class ClaimMerge:
         """The (limit, offset) of the page to read next from ``arm``."""
         return self._page[arm], self._offset[arm]
 
+    def ask(self, arm: int, size: int) -> None:
+        """Say that ``arm``'s next page was read with a limit of ``size`` (PostgreSQL
+        sizes every first page in its one statement, as `first_page` would)."""
+        self._page[arm] = max(size, 1)
+
     def feed(self, arm: int, rows: Iterable[Sequence[Any]]) -> None:
         """Give ``arm``'s next page, as asked for by `next_page`."""
-        page = [Candidate._make(row) for row in rows]
+        page = [row if isinstance(row, Candidate) else Candidate._make(row) for row in rows]
         asked = self._page[arm]
         self._offset[arm] += len(page)
         self._more[arm] = len(page) == asked
-        self._rows[arm].extend(page)
+        buffered = self._rows[arm]
+        if page and not buffered:
+            heapq.heappush(self._heads, (claim_key(page[0]), arm))
+        buffered.extend(page)
         self._page[arm] = min(asked * 2, MAX_PAGE)  # twins ahead: read further, faster
+        self._starving[arm] = False
 
     @property
     def fetched(self) -> int:
@@ -403,15 +431,23 @@ class ClaimMerge:
     def hungry(self) -> int | None:
         """Merge as far as the rows at hand allow; return the arm whose next page the
         merge needs, or None once it is done (`chosen` holds the answer)."""
-        rows = self._rows
+        rows, heads = self._rows, self._heads
+        starved, starving = self._starved, self._starving
         while len(self.chosen) < self._limit:
-            for arm, buffered in enumerate(rows):
-                if not buffered and self._more[arm]:
-                    return arm
-            heads = [(claim_key(buffered[0]), arm) for arm, buffered in enumerate(rows) if buffered]
+            while starved and not starving[starved[-1]]:
+                starved.pop()
+            if starved:
+                return starved[-1]
             if not heads:
                 return None
-            candidate = rows[min(heads)[1]].popleft()
+            _, arm = heapq.heappop(heads)
+            buffered = rows[arm]
+            candidate = buffered.popleft()
+            if buffered:
+                heapq.heappush(heads, (claim_key(buffered[0]), arm))
+            elif self._more[arm]:
+                starving[arm] = True
+                starved.append(arm)
             if candidate.item_id in self._seen:
                 continue
             self._seen.add(candidate.item_id)
@@ -422,6 +458,30 @@ class ClaimMerge:
                 self._twins.add(twin)
             self.chosen.append(candidate)
         return None
+
+
+def first_pages(
+    rows: Iterable[Sequence[Any]],
+) -> dict[tuple[str, str | None], list[Candidate]]:
+    """Every arm's first page, from one statement's rows ``(arm tag, *candidate)``: the
+    ready ("r") and fallen-due ("d") items of each project, and the lapsed claims ("l"),
+    each page in claim order."""
+    pages: dict[tuple[str, str | None], list[Candidate]] = {}
+    for row in rows:
+        candidate = Candidate._make(row[1:])
+        key = (row[0], None if row[0] == "l" else candidate.project_id)
+        pages.setdefault(key, []).append(candidate)
+    for page in pages.values():
+        page.sort(key=claim_key)
+    return pages
+
+
+def first_page(total: int, projects: int) -> int:
+    """How many items a claim of ``total`` reads first from each project's arm: its share
+    of the batch (the whole batch when it visits one project), so a claim over many
+    projects reads about ``total + projects`` rows, not ``total * projects``; an arm that
+    holds more of the batch is read further in doubling pages."""
+    return max(1, -(-total // max(projects, 1)))
 
 
 def deal(

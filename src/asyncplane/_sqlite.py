@@ -436,18 +436,29 @@ def _claim_many(
             error, failed = _rules.exhausted_lease_events(candidate, first.actor_id, now)
             db.execute(sql.EXHAUST_ITEM, (error, now, candidate.item_id, candidate.fence))
             events.extend(failed)
-    # The arms: the ready queue, and only if the two probes above found any, the deferred
-    # items fallen due and the lapsed claims (the common claim reads the ready queue alone).
-    arms = [sql.CLAIM_READY]
+    # The arms: each project in reach's ready items, their first pages read in one
+    # statement; only if the probes above found any, each project's deferred items
+    # fallen due (one statement more) and the lapsed claims of them all. An arm whose
+    # first page was short has nothing more.
+    (projects,) = db.execute(sql.REACH_SIZE, params).fetchone()
+    page = _rules.first_page(total, projects)
+    paged = {**params, "page": page}
+    pages = _rules.first_pages(db.execute(sql.CLAIM_FIRST_PAGES, paged))
     if due:
-        arms.append(sql.CLAIM_DUE)
+        pages.update(_rules.first_pages(db.execute(sql.CLAIM_FIRST_DUE, paged)))
     if lapsed:
-        arms.append(sql.CLAIM_LAPSED)
-    merge = _rules.ClaimMerge(len(arms), total)
+        lapsed_page = db.execute(sql.CLAIM_LAPSED, {**params, "limit": page, "offset": 0})
+        pages[("l", None)] = [_rules.Candidate._make(row) for row in lapsed_page]
+    keys = list(pages)
+    merge = _rules.ClaimMerge(len(keys), total, first_page=page)
+    for position, key in enumerate(keys):
+        merge.feed(position, pages[key])
     while (arm := merge.hungry()) is not None:
         limit, offset = merge.next_page(arm)
-        page = {**params, "limit": limit, "offset": offset}
-        merge.feed(arm, db.execute(arms[arm], page).fetchall())
+        tag, project = keys[arm]
+        statement = {"r": sql.CLAIM_READY, "d": sql.CLAIM_DUE, "l": sql.CLAIM_LAPSED}[tag]
+        further = {**params, "project": project, "limit": limit, "offset": offset}
+        merge.feed(arm, db.execute(statement, further))
     results: dict[int, list[_backend.ClaimRow]] = {id(op): [] for op in ops}
     for candidate, op in _rules.deal(merge.chosen, ops):
         if candidate.state == "claimed":

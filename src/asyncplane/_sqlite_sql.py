@@ -25,6 +25,35 @@ APPLICATION_ID: Final = 0x41504C4E
 # --- schema and migrations -------------------------------------------------------------
 
 #: Migration n takes the schema from user_version n-1 to n. Append, never edit.
+
+# Migration 5's trigger body, which lines up the ready twins of NEW's content: the first
+# in claim order is claimable (not held) unless a twin runs; every other one is held. It
+# touches only the claimable one(s) (at most two: the one there was, and a newcomer) and
+# the first held one, through their indexes, so it costs the same however long the line.
+# (Written once for that migration and never edited, as a migration's text must not be.)
+_FIRST_TWIN_5 = """(
+        SELECT item_id FROM (
+            SELECT * FROM (
+                SELECT item_id, priority, service_class, sla FROM items INDEXED BY items_held
+                WHERE project_id = NEW.project_id AND fingerprint = NEW.fingerprint
+                  AND state = 'ready' AND held = 1
+                ORDER BY priority DESC, service_class, sla IS NULL, sla, item_id LIMIT 1)
+            UNION ALL
+            SELECT item_id, priority, service_class, sla FROM items INDEXED BY items_next_twin
+            WHERE project_id = NEW.project_id AND fingerprint = NEW.fingerprint
+              AND state = 'ready' AND held = 0 AND fingerprint IS NOT NULL)
+        WHERE NOT EXISTS (
+            SELECT 1 FROM items AS twin INDEXED BY items_running_fingerprint
+            WHERE twin.project_id = NEW.project_id AND twin.fingerprint = NEW.fingerprint
+              AND twin.state IN ('claimed', 'offloaded') AND twin.fingerprint IS NOT NULL)
+        ORDER BY priority DESC, service_class, sla IS NULL, sla, item_id LIMIT 1)"""
+_LINE_UP_TWINS_5 = f"""
+        UPDATE items SET held = 1
+        WHERE project_id = NEW.project_id AND fingerprint = NEW.fingerprint
+          AND state = 'ready' AND held = 0 AND fingerprint IS NOT NULL
+          AND item_id IS NOT {_FIRST_TWIN_5};
+        UPDATE items SET held = 0 WHERE item_id = {_FIRST_TWIN_5} AND held = 1;"""
+
 MIGRATIONS: Final[tuple[str, ...]] = (
     # 1: projects, assignments, items, the append-only event ledger.
     """
@@ -133,6 +162,49 @@ MIGRATIONS: Final[tuple[str, ...]] = (
     CREATE INDEX items_by_project ON items (project_id, state, item_id)
         WHERE state <> 'claimed';
     """,
+    # 5: no claim pays for work it cannot take. The claim order per project, so a claim
+    # walks only the projects in its reach; and twins in line: of the ready items of one
+    # content (project and fingerprint) only the first in claim order is in that index,
+    # and none while a twin runs; the others are held, so a claim never steps over them.
+    # The triggers keep the line whatever moves an item (_LINE_UP_TWINS_5).
+    f"""
+    ALTER TABLE items ADD COLUMN held INTEGER NOT NULL DEFAULT 0;
+    UPDATE items SET held = 1
+    WHERE state = 'ready' AND fingerprint IS NOT NULL AND item_id NOT IN (
+        SELECT item_id FROM (
+            SELECT item_id, project_id, fingerprint, row_number() OVER (
+                PARTITION BY project_id, fingerprint
+                ORDER BY priority DESC, service_class, sla IS NULL, sla, item_id) AS place
+            FROM items WHERE state = 'ready' AND fingerprint IS NOT NULL) AS ranked
+        WHERE place = 1 AND NOT EXISTS (
+            SELECT 1 FROM items AS twin
+            WHERE twin.project_id = ranked.project_id AND twin.fingerprint = ranked.fingerprint
+              AND twin.state IN ('claimed', 'offloaded')));
+    DROP INDEX items_ready;
+    CREATE INDEX items_claim
+        ON items (project_id, priority DESC, service_class, sla IS NULL, sla, item_id)
+        WHERE state = 'ready' AND held = 0;
+    CREATE INDEX items_project_due ON items (project_id, due_at) WHERE state = 'deferred';
+    CREATE INDEX items_held
+        ON items (project_id, fingerprint, priority DESC, service_class, sla IS NULL, sla,
+                  item_id)
+        WHERE state = 'ready' AND held = 1;
+    CREATE INDEX items_next_twin ON items (project_id, fingerprint)
+        WHERE state = 'ready' AND held = 0 AND fingerprint IS NOT NULL;
+    CREATE TRIGGER items_twin_arrives AFTER INSERT ON items
+    WHEN NEW.state IN ('ready', 'claimed', 'offloaded') AND NEW.fingerprint IS NOT NULL
+    BEGIN {_LINE_UP_TWINS_5}
+    END;
+    CREATE TRIGGER items_twin_moves AFTER UPDATE OF state, fingerprint ON items
+    WHEN NEW.fingerprint IS NOT NULL AND (
+        (OLD.fingerprint IS NULL AND NEW.state IN ('ready', 'claimed', 'offloaded'))
+        OR (OLD.state IS NOT NEW.state
+            AND (NEW.state IN ('ready', 'claimed', 'offloaded')
+                 OR OLD.state IN ('claimed', 'offloaded')
+                 OR (OLD.state = 'ready' AND OLD.held = 0))))
+    BEGIN {_LINE_UP_TWINS_5}
+    END;
+    """,
 )
 
 SCHEMA_VERSION: Final = len(MIGRATIONS)
@@ -193,21 +265,23 @@ LIMIT 1
 
 # --- claims ----------------------------------------------------------------------------
 # A claim runs inside BEGIN IMMEDIATE: the write lock is held from these reads to the
-# UPDATE that records the claim, so no other writer can slip in between. Three kinds of
-# item are claimable, each found through its own partial index:
-#   ready items, walked in claim order (INDEXED BY: the order must come from the index,
-#     whatever the planner guesses, so a claim costs the same at a thousand items or a
-#     million);
-#   deferred items that have fallen due (retried, parked, enqueued with not_before);
-#   claimed items whose lease has lapsed (a takeover).
-# The backend merges the three in claim order. Every arm keeps to open projects, to the
-# project asked for and to the actor's projects (a NULL parameter means "any"), and skips
-# an item whose content twin is running (claimed here, or offloaded to an external batch):
-# twins wait until it settles, so one piece of work is never paid twice, nor run twice at
-# once. A claimed twin holds its pending twins back even after its lease lapses: it is
-# the one to take over (with a higher fence, so its old holder cannot go on beside the
-# new one). Between claimed twins (left from before a fingerprint was known) only a live
-# lease holds back, so that one of two lapsed twins can always be taken over.
+# UPDATE that records the claim, so no other writer can slip in between. It first lists
+# the projects in its reach (open, the one asked for, the actor's: CLAIM_REACH), then
+# reads, per project, the kinds of claimable item, each through its own partial index:
+#   ready items, walked in claim order through that project's part of items_claim
+#     (INDEXED BY: the order must come from the index, whatever the planner guesses, so a
+#     claim costs the same at a thousand items or a million, and nothing another project
+#     holds is ever stepped over);
+#   deferred items of that project that have fallen due (retried, parked, not_before);
+#   claimed items whose lease has lapsed (a takeover: few, read for all projects at once).
+# The backend merges them in claim order (`_rules.ClaimMerge`). A ready item whose content
+# twin is in line behind another one is held, out of items_claim (migration 5's triggers);
+# every arm still skips an item whose twin runs (claimed here, or offloaded to an external
+# batch): twins wait until it settles, so one piece of work is never paid twice, nor run
+# twice at once. A claimed twin holds its pending twins back even after its lease lapses:
+# it is the one to take over (with a higher fence, so its old holder cannot go on beside
+# the new one). Between claimed twins (left from before a fingerprint was known) only a
+# live lease holds back, so that one of two lapsed twins can always be taken over.
 
 CLAIM_ORDER: Final = "priority DESC, service_class, sla IS NULL, sla, item_id"
 _CLAIM_COLUMNS = (
@@ -220,11 +294,26 @@ _IN_REACH = """
       AND (:actor_id IS NULL
            OR project_id IN (SELECT project_id FROM assignments WHERE actor_id = :actor_id))
 """
-_TWIN = """
+_REACH = """
+    status = 'open' AND (:project_id IS NULL OR project_id = :project_id)
+    AND (:actor_id IS NULL
+         OR project_id IN (SELECT project_id FROM assignments WHERE actor_id = :actor_id))"""
+# How many projects a claim visits: the size of its first pages (`_rules.first_page`).
+# A paused project, or one the actor is not assigned to, is never visited at all,
+# whatever it holds.
+REACH_SIZE: Final = f"SELECT count(*) FROM projects WHERE {_REACH}"
+
+
+def _twin_of(alias: str) -> str:
+    """A running twin of the row ``alias`` (claimed, or offloaded to an external batch)."""
+    return f"""
            SELECT 1 FROM items AS twin INDEXED BY items_running_fingerprint
-           WHERE twin.project_id = items.project_id AND twin.fingerprint = items.fingerprint
+           WHERE twin.project_id = {alias}.project_id AND twin.fingerprint = {alias}.fingerprint
              AND twin.state IN ('claimed', 'offloaded') AND twin.fingerprint IS NOT NULL
-             AND twin.item_id <> items.item_id"""
+             AND twin.item_id <> {alias}.item_id"""
+
+
+_TWIN = _twin_of("items")
 # A ready or deferred item: any running twin holds it back.
 _CLAIMABLE = f"""{_IN_REACH}
       AND (fingerprint IS NULL OR NOT EXISTS ({_TWIN}))
@@ -234,15 +323,46 @@ _TAKEABLE = f"""{_IN_REACH}
       AND (fingerprint IS NULL OR NOT EXISTS ({_TWIN}
              AND (twin.state = 'offloaded' OR twin.lease_expires_at > :now)))
 """
+# One project's ready items, in claim order. (:project, :limit, :offset)
 CLAIM_READY: Final = f"""
-SELECT {_CLAIM_COLUMNS} FROM items INDEXED BY items_ready
-WHERE state = 'ready' {_CLAIMABLE}
+SELECT {_CLAIM_COLUMNS} FROM items INDEXED BY items_claim
+WHERE project_id = :project AND state = 'ready' AND held = 0
+  AND (fingerprint IS NULL OR NOT EXISTS ({_TWIN}))
 ORDER BY {CLAIM_ORDER} LIMIT :limit OFFSET :offset
 """
+# One project's deferred items that have fallen due. (:project, :now, :limit, :offset)
 CLAIM_DUE: Final = f"""
-SELECT {_CLAIM_COLUMNS} FROM items INDEXED BY items_due
-WHERE state = 'deferred' AND due_at <= :now {_CLAIMABLE}
+SELECT {_CLAIM_COLUMNS} FROM items INDEXED BY items_project_due
+WHERE project_id = :project AND state = 'deferred' AND due_at <= :now
+  AND (fingerprint IS NULL OR NOT EXISTS ({_TWIN}))
 ORDER BY {CLAIM_ORDER} LIMIT :limit OFFSET :offset
+"""
+_FIRST_COLUMNS = ", ".join(f"items.{column.strip()}" for column in _CLAIM_COLUMNS.split(","))
+_FIRST_ORDER = "i.priority DESC, i.service_class, i.sla IS NULL, i.sla, i.item_id"
+# The first page of every project in reach, ready ("r") and fallen due ("d"), in one
+# statement: per project, one descent of its part of the index, each a correlated
+# subquery SQLite runs in its own loop (a few microseconds a project, where a statement
+# per project would cost a round through Python each). The rows of a page come in id
+# order; `_rules.first_pages` puts them in claim order. (:project_id, :actor_id, :page;
+# the due one also :now)
+CLAIM_FIRST_PAGES: Final = f"""
+WITH reach AS (SELECT project_id FROM projects WHERE {_REACH})
+SELECT 'r', {_FIRST_COLUMNS} FROM reach CROSS JOIN items
+WHERE items.item_id IN (
+    SELECT i.item_id FROM items AS i INDEXED BY items_claim
+    WHERE i.project_id = reach.project_id AND i.state = 'ready' AND i.held = 0
+      AND (i.fingerprint IS NULL OR NOT EXISTS ({_twin_of("i")}))
+    ORDER BY {_FIRST_ORDER} LIMIT :page)
+"""
+# The same for the deferred items fallen due, read only when ANY_LAPSED_OR_DUE found any.
+CLAIM_FIRST_DUE: Final = f"""
+WITH reach AS (SELECT project_id FROM projects WHERE {_REACH})
+SELECT 'd', {_FIRST_COLUMNS} FROM reach CROSS JOIN items
+WHERE items.item_id IN (
+    SELECT i.item_id FROM items AS i INDEXED BY items_project_due
+    WHERE i.project_id = reach.project_id AND i.state = 'deferred' AND i.due_at <= :now
+      AND (i.fingerprint IS NULL OR NOT EXISTS ({_twin_of("i")}))
+    ORDER BY {_FIRST_ORDER} LIMIT :page)
 """
 CLAIM_LAPSED: Final = f"""
 SELECT {_CLAIM_COLUMNS} FROM items INDEXED BY items_lease
@@ -573,7 +693,8 @@ SELECT project_id, state, count(*) FROM items GROUP BY project_id, state
 ORDER BY project_id, state
 """
 OLDEST_READY: Final = """
-SELECT min(created_at) FROM items INDEXED BY items_ready WHERE state = 'ready'
+SELECT min(created_at) FROM items INDEXED BY items_by_state
+WHERE state = 'ready' AND state <> 'claimed'  -- (the index leaves the claimed out)
 """
 EXPIRED_LEASES: Final = """
 SELECT count(*) FROM items INDEXED BY items_lease
@@ -768,6 +889,22 @@ LEDGER_CHECKS: Final[tuple[tuple[str, str], ...]] = (
           AND NOT (i.state = 'ready'
                    AND EXISTS (SELECT 1 FROM events AS t WHERE t.item_id = i.item_id
                                AND t.event_type = 'claimed' AND {_since_ready_again("t")}))
+        """,
+    ),
+    (
+        # A held twin with no running or claimable twin of its content: nothing would
+        # ever free it (the line-up triggers of the claim index prevent this).
+        "twin_stranded",
+        """
+        SELECT i.item_id, 'held in line, but no twin of it runs or is claimable to free it'
+        FROM items AS i INDEXED BY items_held
+        WHERE i.state = 'ready' AND i.held = 1
+          AND NOT EXISTS (SELECT 1 FROM items AS t INDEXED BY items_running_fingerprint
+                          WHERE t.project_id = i.project_id AND t.fingerprint = i.fingerprint
+                            AND t.state IN ('claimed', 'offloaded') AND t.fingerprint IS NOT NULL)
+          AND NOT EXISTS (SELECT 1 FROM items AS t INDEXED BY items_next_twin
+                          WHERE t.project_id = i.project_id AND t.fingerprint = i.fingerprint
+                            AND t.state = 'ready' AND t.held = 0 AND t.fingerprint IS NOT NULL)
         """,
     ),
     (
