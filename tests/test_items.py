@@ -340,6 +340,17 @@ async def test_wait_times_out_and_refuses_unknown_items_at_once(store: ControlSt
         await store.wait(10_000, timeout=30)
 
 
+async def test_wait_refuses_out_of_scope_however_short_the_timeout(store: ControlStore) -> None:
+    # The first look comes before the timeout runs: a refusal is a refusal, not a timeout.
+    item = await store.enqueue("alpha", {})
+    with pytest.raises(ScopeDenied):
+        await store.wait(item, timeout=1e-9, actor_id="stranger")
+    with pytest.raises(UnknownItem):
+        await store.wait(item + 100, timeout=1e-9)
+    with pytest.raises(WaitTimeout):
+        await store.wait(item, timeout=1e-9)
+
+
 async def test_a_settle_in_another_process_wakes_the_waiter(
     store: ControlStore, location_of: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -1152,7 +1152,13 @@ class ControlStore:
         engine = self._engine
         local = engine.watch(settles=True)
         try:
-            return await asyncio.wait_for(self._settled(target, actor, local, poll), limit)
+            # The first look comes before the timeout runs: a refusal (absent, not the
+            # actor's) is given as such, however short the timeout.
+            backend, version, row = await self._look(target, actor, local)
+            if row.state in _models.SETTLED_STATES:
+                return _item_dict(row)
+            settled = self._settled(target, actor, local, poll, backend, version)
+            return await asyncio.wait_for(settled, limit)
         except asyncio.TimeoutError:
             raise _errors.WaitTimeout(
                 f"item {target} had not settled after {limit} seconds"
@@ -1160,16 +1166,20 @@ class ControlStore:
         finally:
             engine.unwatch(local)
 
+    async def _look(
+        self, item_id: int, actor: str | None, local: asyncio.Event
+    ) -> tuple[_backend.Backend, int, _backend.ItemRow]:
+        """The item now, and the settle count read just before it (nothing slips by)."""
+        backend = await self._engine.ready()
+        version = await backend.settled_version()
+        local.clear()
+        return backend, version, await backend.get_item(item_id, actor)
+
     async def _settled(
-        self, item_id: int, actor: str | None, local: asyncio.Event, poll: float
-    ) -> dict[str, Any]:
+        self, item_id: int, actor: str | None, local: asyncio.Event, poll: float,
+        backend: _backend.Backend, version: int,
+    ) -> dict[str, Any]:  # fmt: skip
         while True:
-            backend = await self._engine.ready()
-            version = await backend.settled_version()  # before the read: nothing slips by
-            local.clear()
-            row = await backend.get_item(item_id, actor)
-            if row.state in _models.SETTLED_STATES:
-                return _item_dict(row)
             changed = asyncio.create_task(
                 _changed_since(backend, version, poll), name=f"asyncplane-wait[{item_id}]"
             )
@@ -1182,6 +1192,9 @@ class ControlStore:
                 for task in (changed, woken):
                     task.cancel()
                 await asyncio.gather(changed, woken, return_exceptions=True)
+            backend, version, row = await self._look(item_id, actor, local)
+            if row.state in _models.SETTLED_STATES:
+                return _item_dict(row)
 
     def _item_filter(
         self,
