@@ -13,7 +13,7 @@ import pathlib
 import shutil
 import tempfile
 import urllib.parse
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from typing import Any
 
 import asyncpg
@@ -637,6 +637,34 @@ async def test_opposite_order_twin_enqueues_from_many_hosts_never_deadlock(url: 
             await store.close()
 
 
+async def _settle_during_a_cancel(
+    conn: asyncpg.Connection, settle: Coroutine[Any, Any, Any], cancelled: int
+) -> None:
+    """Run ``settle`` while ``conn`` holds a cancel of ``cancelled`` open (row and event, as
+    the store writes them); commit the cancel once the settle waits for it."""
+    cancel = conn.transaction()
+    await cancel.start()
+    await conn.execute(
+        "UPDATE items SET state = 'cancelled', fence = fence + 1 WHERE item_id = $1", cancelled
+    )
+    await conn.execute(
+        "INSERT INTO events (item_id, event_type, fence, at) VALUES ($1, 'cancelled', 1, 0)",
+        cancelled,
+    )
+    settling = asyncio.ensure_future(settle)
+
+    async def settle_waits() -> bool:
+        waiting = await conn.fetchval(
+            "SELECT count(*) FROM pg_stat_activity "
+            "WHERE wait_event_type = 'Lock' AND datname = current_database()"
+        )
+        return bool(waiting)
+
+    await until(settle_waits, what="the settle waiting for the cancel")
+    await cancel.commit()
+    await settling
+
+
 async def test_a_held_twin_cancelled_while_its_running_twin_settles_hands_the_place_on(
     url: str,
 ) -> None:
@@ -653,28 +681,7 @@ async def test_a_held_twin_cancelled_while_its_running_twin_settles_hands_the_pl
         ]
         conn = await asyncpg.connect(url)
         try:
-            cancel = conn.transaction()
-            await cancel.start()
-            await conn.execute(
-                "UPDATE items SET state = 'cancelled', fence = fence + 1 WHERE item_id = $1", first
-            )
-            await conn.execute(
-                "INSERT INTO events (item_id, event_type, fence, at) "
-                "VALUES ($1, 'cancelled', 1, 0)",
-                first,
-            )
-            settle = asyncio.ensure_future(store.finish(running, fence=claim.fence))
-
-            async def settle_waits() -> bool:
-                waiting = await conn.fetchval(
-                    "SELECT count(*) FROM pg_stat_activity "
-                    "WHERE wait_event_type = 'Lock' AND datname = current_database()"
-                )
-                return bool(waiting)
-
-            await until(settle_waits, what="the settle waiting for the cancelled row")
-            await cancel.commit()
-            await settle
+            await _settle_during_a_cancel(conn, store.finish(running, fence=claim.fence), first)
         finally:
             await conn.close()
         got = await store.claim("w")
@@ -702,28 +709,7 @@ async def test_two_moves_of_one_line_at_once_hand_the_place_on_once(url: str) ->
             beside = await store.enqueue("p", {"n": "T"}, fingerprint="x", dedup=False, priority=1)
             await renewal.commit()
             held = await store.enqueue("p", {"n": "H"}, fingerprint="x", dedup=False)
-            cancel = conn.transaction()
-            await cancel.start()
-            await conn.execute(
-                "UPDATE items SET state = 'cancelled', fence = fence + 1 WHERE item_id = $1", beside
-            )
-            await conn.execute(
-                "INSERT INTO events (item_id, event_type, fence, at) "
-                "VALUES ($1, 'cancelled', 1, 0)",
-                beside,
-            )
-            settle = asyncio.ensure_future(store.finish(running, fence=claim.fence))
-
-            async def settle_waits() -> bool:
-                waiting = await conn.fetchval(
-                    "SELECT count(*) FROM pg_stat_activity "
-                    "WHERE wait_event_type = 'Lock' AND datname = current_database()"
-                )
-                return bool(waiting)
-
-            await until(settle_waits, what="the settle waiting for the cancel's hand-off")
-            await cancel.commit()
-            await settle
+            await _settle_during_a_cancel(conn, store.finish(running, fence=claim.fence), beside)
         finally:
             await conn.close()
         got = await store.claim("w")

@@ -266,7 +266,7 @@ LIMIT 1
 # --- claims ----------------------------------------------------------------------------
 # A claim runs inside BEGIN IMMEDIATE: the write lock is held from these reads to the
 # UPDATE that records the claim, so no other writer can slip in between. It first lists
-# the projects in its reach (open, the one asked for, the actor's: CLAIM_REACH), then
+# the projects in its reach (open, the one asked for, the actor's: REACH_SIZE, _REACH), then
 # reads, per project, the kinds of claimable item, each through its own partial index:
 #   ready items, walked in claim order through that project's part of items_claim
 #     (INDEXED BY: the order must come from the index, whatever the planner guesses, so a
