@@ -65,15 +65,29 @@ class ModelItem:
         return self.max_attempts is not None and self.attempts >= self.max_attempts
 
 
-def pick_batch(ordered: Sequence[ModelItem], limit: int) -> list[ModelItem]:
-    """The first ``limit`` items, at most one per (project, fingerprint)."""
+def pick_batch(
+    ordered: Sequence[ModelItem], limit: int, quotas: dict[str, list[int | None]] | None = None
+) -> list[ModelItem]:
+    """The first ``limit`` items, at most one per (project, fingerprint), and of a limited
+    project no more than its quota ``[slots, tokens]`` allows (a takeover of a lapsed
+    claim takes a token but no slot); the quotas are spent as items are picked."""
     chosen: list[ModelItem] = []
     seen: set[tuple[str, str]] = set()
     for item in ordered:
-        if item.fingerprint is not None:
-            twin = (item.project_id, item.fingerprint)
-            if twin in seen:
+        twin = None if item.fingerprint is None else (item.project_id, item.fingerprint)
+        if twin is not None and twin in seen:
+            continue
+        quota = (quotas or {}).get(item.project_id)
+        if quota is not None:
+            slots, tokens = quota
+            takeover = item.state == "claimed"
+            if (tokens is not None and tokens < 1) or (
+                not takeover and slots is not None and slots < 1
+            ):
                 continue
+            quota[0] = slots if takeover or slots is None else slots - 1
+            quota[1] = None if tokens is None else tokens - 1
+        if twin is not None:
             seen.add(twin)
         chosen.append(item)
         if len(chosen) == limit:

@@ -200,3 +200,23 @@ def test_the_twin_contention_benchmark_checks_the_line_it_leaves(
     assert report["operations"] > 0
     assert report["errors"] == 0
     assert report["ledger_problems"] == []
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
+def test_the_limits_benchmark_reports_both_figures_on_both_backends(
+    backend: str, request: pytest.FixtureRequest
+) -> None:
+    url = (
+        [] if backend == "sqlite" else ["--url", request.getfixturevalue("asyncplane_postgres_url")]
+    )
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "limits.py"), "--claims", "10", "--running", "0,3",
+         "--seconds", "0.2", "--backlog", "500", "--repeats", "1", "--json", *url],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert report["backend"] == backend
+    assert [row["running"] for row in report["claim_cost"]] == [0, 3]
+    assert all(row["ratio"] > 0 for row in report["claim_cost"])
+    assert report["other_rate"]["ratio"] > 0

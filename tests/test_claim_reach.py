@@ -221,7 +221,8 @@ async def test_every_postgresql_claim_shape_walks_one_project_index(url: str) ->
         await conn.executemany(_FILL.format(", ".join(f"${n}" for n in range(1, 9))), _rows())
         await conn.execute("ANALYZE")
         await conn.execute(
-            "PREPARE candidates(text, text, bigint, float8, bigint) AS " + pg_sql.CLAIM_CANDIDATES
+            "PREPARE candidates(text, text, bigint, float8, bigint, text[], bigint[], text[]) AS "
+            + pg_sql.CLAIM_CANDIDATES
         )
         await conn.execute("PREPARE ready(text, bigint, bigint) AS " + pg_sql.CLAIM_READY)
         for shape in SHAPES:
@@ -229,11 +230,15 @@ async def test_every_postgresql_claim_shape_walks_one_project_index(url: str) ->
                 "NULL" if value is None else f"'{value}'"
                 for value in (shape["project_id"], shape["actor_id"])
             )
-            rows = await conn.fetch(f"EXPLAIN EXECUTE candidates({project}, {actor}, 8, 1000, 1)")
-            plan = " | ".join(row[0] for row in rows)
-            assert "Index Scan using items_claim on items" in plan, plan  # ready, per project
-            assert "items_project_due" in plan, plan  # fallen due, per project
-            assert "Seq Scan on items" not in plan, plan
+            for limited in ("'{}'::text[], '{}'::bigint[], '{}'::text[]",
+                            "'{small}', '{3}', '{small}'"):  # fmt: skip
+                rows = await conn.fetch(
+                    f"EXPLAIN EXECUTE candidates({project}, {actor}, 8, 1000, 1, {limited})"
+                )
+                plan = " | ".join(row[0] for row in rows)
+                assert "Index Scan using items_claim on items" in plan, plan  # ready, per project
+                assert "items_project_due" in plan, plan  # fallen due, per project
+                assert "Seq Scan on items" not in plan, plan
         plan = " | ".join(
             row[0] for row in await conn.fetch("EXPLAIN EXECUTE ready('small', 8, 0)")
         )
@@ -323,3 +328,38 @@ async def _lined_up(store: ControlStore) -> None:
         assert await store.claim("w") is None
         await store.finish(2, fence=first.fence)
         assert await verify_ledger(store) == []
+
+
+@pytest.mark.postgresql_only
+async def test_the_postgresql_claim_statements_are_planned_once_not_per_claim(url: str) -> None:
+    # A statement the server plans afresh for every call (a custom plan, chosen when the
+    # generic one looks dearer, say for arrays of unknown size) costs a claim more than
+    # its whole execution: the claim's statements must settle on one generic plan, with
+    # limits and without.
+    from asyncplane._store import engine_of
+
+    async with ControlStore(url, lease_seconds=600) as store:
+        for project in ("free", "capped"):
+            await store.create_project(project, project)
+            await store.enqueue_many(project, [{"n": n} for n in range(40)])
+        await store.set_limits("capped", max_running=10**6, per_minute=6e6, burst=10**6)
+        for _ in range(20):
+            for project in ("free", "capped"):
+                claim = await store.claim("w", project_id=project)
+                assert claim is not None
+                await store.finish(claim.item_id, fence=claim.fence)
+        backend = engine_of(store).backend
+
+        async def plans(conn: Any, now: float) -> list[Any]:
+            return list(await conn.fetch(
+                "SELECT statement, generic_plans, custom_plans FROM pg_prepared_statements"
+            ))  # fmt: skip
+
+        found = await backend._write(plans)  # type: ignore[attr-defined]
+    claim_statements = {
+        "candidates": pg_sql.CLAIM_CANDIDATES, "claim": pg_sql.CLAIM_ITEMS,
+        "claim, spending": pg_sql.CLAIM_ITEMS_SPENDING,
+    }  # fmt: skip
+    for name, text in claim_statements.items():
+        (row,) = [row for row in found if row[0] == text]
+        assert row[2] <= 5 and row[1] >= 10, f"{name}: {row[1]} generic, {row[2]} custom plans"

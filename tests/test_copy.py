@@ -244,3 +244,30 @@ async def test_a_copied_running_twin_holds_its_copied_twins_back(
     assert await destination.claim("w2") is None
     await destination.finish(running, fence=claim.fence)
     assert await verify_ledger(destination) == []
+
+
+async def test_a_copy_carries_limits_and_schedules_which_keep_their_place(
+    asyncplane_store: ControlStore, other_store: Any, asyncplane_clock: ManualClock
+) -> None:
+    source = asyncplane_store
+    await source.create_project("p", "P")
+    await source.set_limits("p", max_running=2, per_minute=60, burst=3)
+    await source.set_schedule("beat", project_id="p", payload={"b": 1}, every=60)
+    await source.set_schedule(
+        "sweep", project_id="p", payload={"s": 1}, cron="0 3 * * *", timezone="Europe/Paris",
+        catch_up="all", priority=4,
+    )  # fmt: skip
+    await source.pause_schedule("sweep")
+    asyncplane_clock.advance(60)
+    assert await source.run_schedules() == 1
+    destination: ControlStore = await other_store()
+    await copy_store(source, destination)
+    assert await destination.schedules() == await source.schedules()
+    assert await destination.project_limits() == await source.project_limits()
+    assert await destination.run_schedules() == 0  # the tick taken there is not taken again
+    asyncplane_clock.advance(60)
+    assert await destination.run_schedules() == 1
+    await copy_store(source, destination)  # again: the destination's own stand
+    assert (await destination.schedule("beat"))["last_at"] != (await source.schedule("beat"))[
+        "last_at"
+    ]

@@ -27,6 +27,7 @@ def test_every_example_is_covered() -> None:
         "fleet.py",
         "agent_fleet.py",
         "operating_items.py",
+        "quota.py",
     }
 
 
@@ -73,4 +74,19 @@ def test_operating_items_finds_cancels_requeues_and_waits(
     assert "requeued 2 rate-limited items" in done.stdout
     assert "answers: 6 done; the running agent stopped: True" in done.stdout
     assert "'done': 6, 'failed': 0, 'cancelled': 1" in done.stdout
+    assert "verify_ledger: clean" in done.stdout
+
+
+def test_quota_keeps_a_fleet_within_its_limits_and_sweeps_once_per_tick(
+    tmp_path: pathlib.Path, location_of: Any
+) -> None:
+    done = run("quota.py", location_of("quota.db"), cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert re.search(r"\d+ calls answered by 3 workers", done.stdout)
+    at_once = re.search(r"at most (\d+) calls at once", done.stdout)
+    per_second = re.search(r"at most (\d+) claims in any second", done.stdout)
+    assert at_once is not None and int(at_once[1]) <= 8
+    assert per_second is not None and int(per_second[1]) <= 30
+    sweeps = re.search(r"sweeps enqueued: (\d+), one per tick: True", done.stdout)
+    assert sweeps is not None and int(sweeps[1]) >= 1
     assert "verify_ledger: clean" in done.stdout

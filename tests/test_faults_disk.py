@@ -378,8 +378,8 @@ def test_schema_creation_on_a_full_disk_is_typed_and_opens_cleanly_after(
     assert_recovered(report)
     refused = {refusal["leave"] for refusal in report.refusals()}
     opened = {fact["leave"] for fact in report.of("fact", what="opened")}
-    assert 0 in refused and 160 * 1024 in opened, report
-    assert refused | opened == set(range(0, 161 * 1024, 4 * 1024))
+    assert 0 in refused and 200 * 1024 in opened, report
+    assert refused | opened == set(range(0, 201 * 1024, 4 * 1024))
     assert "open" in {refusal["stage"] for refusal in report.refusals()}  # the schema's own
     assert len(report.of("retried", ok=True)) == len(refused | opened)
 

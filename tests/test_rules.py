@@ -243,3 +243,106 @@ def test_keyset_paging_and_chunks() -> None:
     assert _rules.keyset_start(True, 42) == 42
     assert _rules.next_chunk([1, 2, 3], 3) == 3
     assert _rules.next_chunk([1, 2], 3) is None
+
+
+# --- limits -------------------------------------------------------------------------------
+
+
+def limits(**fields: Any) -> _rules.Limits:
+    base: dict[str, Any] = dict.fromkeys(_rules.Limits._fields)
+    base.update(project_id="p", running=0)
+    base.update(fields)
+    return _rules.Limits(**base)
+
+
+def test_a_quota_leaves_the_slots_beside_the_running_and_the_whole_tokens() -> None:
+    assert _rules.quota(limits(max_running=8, running=5), 0.0).room == 3
+    assert _rules.quota(limits(max_running=2, running=5), 0.0).room == 0  # lowered below
+    # 600 a minute is 10 a second: 0.25 tokens left a half second ago make 5.25, so 5.
+    rated = limits(per_minute=600.0, burst=20, tokens=0.25, refilled_at=99.5)
+    assert _rules.bucket(rated, 100.0) == pytest.approx(5.25)
+    assert _rules.quota(rated, 100.0).room == 5
+    # Never more than the burst, however long the bucket rested; a clock gone back
+    # refills nothing.
+    assert _rules.bucket(rated, 10_000.0) == 20
+    assert _rules.bucket(rated, 50.0) == 0.25
+    both = _rules.quota(limits(max_running=4, running=1, per_minute=60.0, burst=9,
+                               tokens=2.0, refilled_at=0.0), 0.0)  # fmt: skip
+    assert (both.slots, both.tokens, both.room) == (3, 2, 2)
+
+
+def test_a_takeover_takes_a_token_and_no_slot() -> None:
+    quota = _rules.Quota(slots=0, tokens=1)
+    assert not quota.allows(takeover=False)
+    assert quota.allows(takeover=True)
+    quota.take(takeover=True)
+    assert (quota.slots, quota.tokens, quota.taken) == (0, 0, 1)
+    assert not quota.allows(takeover=True)
+
+
+def test_a_spent_bucket_and_when_its_next_token_comes() -> None:
+    rated = limits(per_minute=60.0, burst=3, tokens=3.0, refilled_at=10.0)
+    assert _rules.spend(rated, 10.0, 3) == (0.0, 10.0)
+    empty = rated._replace(tokens=0.0)
+    assert _rules.token_due(empty, 10.0) == pytest.approx(11.0)  # one a second
+    assert _rules.token_due(empty, 10.5) == pytest.approx(11.0)
+    assert _rules.token_due(rated, 10.0) is None  # a token is there now
+    # Float refills a hair short of a token count as one: a claimer woken when
+    # token_due said finds the token there.
+    assert _rules.quota(empty, 11.0 - 1e-12).tokens == 1
+    assert _rules.spend(limits(max_running=3), 10.0, 2) is None  # no rate: nothing to write
+
+
+def test_limits_merge_keeps_what_is_not_named_and_starts_a_bucket_full() -> None:
+    first = _rules.merged_limits(None, "p", {"max_running": 8}, 5.0)
+    assert first == limits(max_running=8)
+    rated = _rules.merged_limits(first, "p", {"per_minute": 600.0, "burst": 20}, 5.0)
+    assert rated == limits(max_running=8, per_minute=600.0, burst=20, tokens=20.0,
+                           refilled_at=5.0)  # fmt: skip
+    # A smaller burst keeps what the bucket holds, up to its new size.
+    drained = rated._replace(tokens=3.0)
+    assert _rules.merged_limits(drained, "p", {"burst": 2}, 5.0).tokens == 2.0  # type: ignore[union-attr]
+    assert _rules.merged_limits(drained, "p", {"burst": 10}, 5.0).tokens == 3.0  # type: ignore[union-attr]
+    # Clearing every limit leaves none (the row goes).
+    assert _rules.merged_limits(rated, "p", {"max_running": None, "per_minute": None,
+                                             "burst": None}, 5.0) is None  # fmt: skip
+
+
+def test_a_limited_project_is_due_when_a_slot_and_a_token_are_both_there() -> None:
+    full = limits(max_running=2, running=2)
+    assert _rules.limited_due(full, 10.0, ready=True, due_at=5.0, takeover_at=None) is None
+    assert _rules.limited_due(full, 10.0, ready=True, due_at=None, takeover_at=30.0) == 30.0
+    roomy = limits(max_running=3, running=2, per_minute=60.0, burst=1, tokens=0.0,
+                   refilled_at=10.0)  # fmt: skip
+    assert _rules.limited_due(roomy, 10.0, ready=True, due_at=None, takeover_at=None) == 11.0
+    assert _rules.limited_due(roomy, 10.0, ready=False, due_at=20.0, takeover_at=None) == 20.0
+    assert _rules.limited_due(roomy, 10.0, ready=False, due_at=None, takeover_at=None) is None
+
+
+def test_the_merge_gives_a_limited_project_no_more_than_its_room_and_stops_reading_it() -> None:
+    alpha = [candidate(n, project_id="alpha") for n in range(1, 40)]
+    beta = [candidate(n, project_id="beta") for n in range(100, 110)]
+    quotas = {"alpha": _rules.Quota(slots=3, tokens=None)}
+    merge = ClaimMerge(2, 8, first_page=3, quotas=quotas, arm_projects=["alpha", "beta"])
+    merge.feed(0, alpha[:3])
+    merge.feed(1, beta[:3])
+    reads = []
+    while (arm := merge.hungry()) is not None:
+        size, offset = merge.next_page(arm)
+        reads.append(arm)
+        merge.feed(arm, (alpha, beta)[arm][offset : offset + size])
+    chosen = [c.item_id for c in merge.chosen]
+    assert chosen == [1, 2, 3, 100, 101, 102, 103, 104]
+    assert 0 not in reads  # alpha gave its room on its first page: never read again
+    assert quotas["alpha"].taken == 3
+
+
+def test_a_lapsed_claim_of_a_full_project_is_still_taken_over() -> None:
+    lapsed = [candidate(5, project_id="alpha", state="claimed", fence=1)]
+    ready = [candidate(1, project_id="alpha")]
+    quotas = {"alpha": _rules.Quota(slots=0, tokens=None)}
+    merge = ClaimMerge(2, 4, quotas=quotas, arm_projects=["alpha", None])
+    merge.feed(0, ready)
+    merge.feed(1, lapsed)
+    assert merge.hungry() is None
+    assert [c.item_id for c in merge.chosen] == [5]

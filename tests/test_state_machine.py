@@ -44,6 +44,19 @@ What the model knows (see _sqlite.py and _sqlite_sql.py for the store's side):
   among those a claim could take then (open project, no running twin; the project or
   actor asked for); counts() counts states, of the whole store or a project or actor.
 * Scope is assignment only: project status limits claims, never reads or settlements.
+* set_schedule (every= in UTC) ticks at anchor + k * every, the anchor when its
+  timetable was set (a schedule declared again with the same one keeps its place);
+  run_schedules enqueues, per due schedule in the order of their next ticks, the newest
+  due tick ("latest"), each due one ("all"), or the newest if at most a minute late
+  ("none"), each an item of the schedule's job with {"schedule", "tick"} in "queued"; a
+  resumed schedule goes on from now.
+* set_limits keeps the limits it is not given and clears those given as None; with
+  max_running a claim takes no new run of a project with that many claimed items (a
+  takeover of a lapsed one takes no slot); with per_minute every claim takes a token of
+  a bucket that holds ``burst`` (one without), refilled at per_minute / 60 a second and
+  full when the rate is first set. next_due() of a limited project is when a claim could
+  take from it: its ready items now, its deferred ones when due (both only while a slot
+  is free), its lapsed claims when they lapse, each no sooner than a token is back.
 
 """
 
@@ -53,6 +66,7 @@ import asyncio
 import dataclasses
 import datetime as dt
 import itertools
+import math
 import os
 import pathlib
 import random
@@ -101,6 +115,7 @@ from asyncplane import (
     ScopeDenied,
     UnknownItem,
     UnknownProject,
+    UnknownSchedule,
     WaitTimeout,
     fingerprint,
     testing,
@@ -158,6 +173,11 @@ work_outcomes = st.sampled_from(
 # How long a worker waits before it claims, renews or settles (past LEASE, its own lease
 # has lapsed and earlier claims can be taken over).
 waits = st.sampled_from((0, 0, 0, 10, 30, 45))
+# A limit left as it is (...), cleared (None), or set; a token every ten seconds, or one.
+max_running_values = st.sampled_from((..., ..., None, 1, 2))
+per_minute_values = st.sampled_from((..., ..., None, 6.0, 60.0))
+burst_values = st.sampled_from((..., None, 1, 3))
+schedule_names = st.sampled_from(("s1", "s2"))
 
 
 job_specs = st.builds(
@@ -194,6 +214,8 @@ class StoreMachine(RuleBasedStateMachine):
         self.projects: dict[str, str] = {}
         self.assignments: set[tuple[str, str]] = set()
         self.model_items: dict[int, ModelItem] = {}
+        self.model_limits: dict[str, dict[str, Any]] = {}
+        self.model_schedules: dict[str, dict[str, Any]] = {}
         self.serial = 0  # makes every payload distinct
 
     def make_location(self) -> str | pathlib.Path:
@@ -353,6 +375,200 @@ class StoreMachine(RuleBasedStateMachine):
             if self.twin_free(item):
                 found.append(item)
         return by_claim_order(found)
+
+    # --- limits (see asyncplane._rules: a bucket's float sums as the store makes them) ----
+
+    def running(self, project_id: str) -> int:
+        return sum(
+            i.state == "claimed" and i.project_id == project_id for i in self.model_items.values()
+        )
+
+    def bucket(self, limits: dict[str, Any], now: float) -> float | None:
+        if limits["per_minute"] is None:
+            return None
+        capacity = float(limits["burst"] if limits["burst"] is not None else 1)
+        if limits["tokens"] is None or limits["refilled_at"] is None:
+            return capacity
+        refill = max(0.0, now - limits["refilled_at"]) * limits["per_minute"] / 60.0
+        return min(capacity, limits["tokens"] + refill)
+
+    def quota(self, project_id: str, now: float) -> list[int | None]:
+        limits = self.model_limits[project_id]
+        slots = limits["max_running"]
+        tokens = self.bucket(limits, now)
+        return [
+            None if slots is None else max(0, slots - self.running(project_id)),
+            None if tokens is None else int(tokens + 1e-9),
+        ]
+
+    def spend(self, project_id: str, taken: int, now: float) -> None:
+        limits = self.model_limits[project_id]
+        tokens = self.bucket(limits, now)
+        if not taken or tokens is None:
+            return
+        limits["tokens"] = max(0.0, tokens - taken)
+        refilled = limits["refilled_at"]
+        limits["refilled_at"] = now if refilled is None else max(now, refilled)
+
+    def limited_due(self, project_id: str, actor: str | None, now: float) -> float | None:
+        """When a claim with these filters could next take something of a limited project."""
+        mine = [i for i in self.model_items.values() if i.project_id == project_id]
+        limits = self.model_limits[project_id]
+        times: list[float] = []
+        slots = limits["max_running"]
+        if slots is None or slots > self.running(project_id):
+            if any(i.state == "ready" and self.twin_free(i) for i in mine):
+                times.append(now)
+            times += [i.due_at for i in mine if i.state == "deferred" and self.twin_free(i)
+                      and i.due_at is not None]  # fmt: skip
+        times += [at for i in mine if i.state == "claimed" and (at := self.free_at(i)) is not None]
+        if not times:
+            return None
+        tokens = self.bucket(limits, now)
+        if tokens is None or tokens + 1e-9 >= 1:
+            return min(times)
+        due = now + (1.0 - tokens) * 60.0 / limits["per_minute"]
+        while (self.bucket(limits, due) or 0.0) + 1e-9 < 1:  # the first time it is there
+            due = math.nextafter(due, math.inf)
+        return max(min(times), due)
+
+    @rule(
+        project=project_ids, max_running=max_running_values, per_minute=per_minute_values,
+        burst=burst_values,
+    )  # fmt: skip
+    def set_limits(self, project: str, max_running: Any, per_minute: Any, burst: Any) -> None:
+        given = (("max_running", max_running), ("per_minute", per_minute), ("burst", burst))
+        changes = {name: value for name, value in given if value is not ...}
+        if not changes:
+            return
+        _, error = self.attempt(self.store.set_limits(project, **changes))
+        if project not in self.projects:
+            self.check_error(error, UnknownProject, "set_limits")
+            return
+        now = self.clock.now()
+        old = self.model_limits.get(project)
+        limits = {"max_running": None, "per_minute": None, "burst": None}
+        if old is not None:
+            limits.update({name: old[name] for name in limits})
+        limits.update(changes)
+        if limits["per_minute"] is None and changes.get("burst") is not None:
+            self.check_error(error, InvalidInput, "set_limits: a burst with no rate")
+            return
+        self.check_error(error, None, "set_limits")
+        if limits["per_minute"] is None:
+            limits["burst"] = None
+        if all(value is None for value in limits.values()):
+            self.model_limits.pop(project, None)
+            return
+        limits["tokens"] = limits["refilled_at"] = None
+        if limits["per_minute"] is not None:
+            capacity = float(limits["burst"] if limits["burst"] is not None else 1)
+            held = None if old is None else self.bucket(old, now)
+            limits["tokens"] = capacity if held is None else min(capacity, held)
+            limits["refilled_at"] = now
+        self.model_limits[project] = limits
+
+    # --- schedules (every= ones, in UTC; asyncplane._schedule for the rules) -------------
+
+    @rule(
+        name=schedule_names, project=enqueue_projects, every=st.sampled_from((10.0, 30.0, 300.0)),
+        catch_up=st.sampled_from(("latest", "all", "none")), task=st.sampled_from((None, "t1")),
+    )  # fmt: skip
+    def set_schedule(
+        self, name: str, project: str, every: float, catch_up: str, task: str | None
+    ) -> None:
+        self.serial += 1
+        payload: dict[str, Any] = {"n": self.serial, "via": "schedule"}
+        if task is not None:
+            payload["task"] = task
+        _, error = self.attempt(
+            self.store.set_schedule(
+                name, project_id=project, payload=payload, every=every, catch_up=catch_up
+            )
+        )
+        if project not in self.projects:
+            self.check_error(error, UnknownProject, "set_schedule")
+            return
+        self.check_error(error, None, "set_schedule")
+        now = self.clock.now()
+        old = self.model_schedules.get(name)
+        if old is not None and old["every"] == every:
+            anchor, next_at = old["anchor"], old["next_at"]  # the same timetable: its place
+        else:
+            anchor, next_at = now, now + every
+        self.model_schedules[name] = {
+            "project_id": project, "payload": payload, "every": every, "catch_up": catch_up,
+            "anchor": anchor, "next_at": next_at,
+            "fingerprint": self.derived_fingerprint(payload, self.identity),
+            "paused": False if old is None else old["paused"],
+            "last_at": None if old is None else old["last_at"],
+        }  # fmt: skip
+
+    def after(self, schedule: dict[str, Any], moment: float) -> float:
+        anchor, every = schedule["anchor"], schedule["every"]
+        return float(anchor + (math.floor((moment - anchor) / every) + 1) * every)
+
+    @rule(name=schedule_names, paused=st.booleans())
+    def pause_schedule(self, name: str, paused: bool) -> None:
+        call = self.store.pause_schedule if paused else self.store.resume_schedule
+        _, error = self.attempt(call(name))
+        schedule = self.model_schedules.get(name)
+        if schedule is None:
+            self.check_error(error, UnknownSchedule, "pause/resume")
+            return
+        self.check_error(error, None, "pause/resume")
+        if schedule["paused"] and not paused:
+            schedule["next_at"] = self.after(schedule, self.clock.now())
+        schedule["paused"] = paused
+
+    @rule(name=schedule_names)
+    def delete_schedule(self, name: str) -> None:
+        _, error = self.attempt(self.store.delete_schedule(name))
+        expected = None if name in self.model_schedules else UnknownSchedule
+        self.check_error(error, expected, "delete_schedule")
+        self.model_schedules.pop(name, None)
+
+    @rule(target=items, wait=st.sampled_from((0, 10, 30, 75, 300, 370)))
+    def run_schedules(self, wait: float) -> Any:
+        """Run the schedules (after a while): each due tick of each schedule, in the order
+        of their next ticks, enqueued once with its schedule and tick in "queued"."""
+        self.clock.advance(wait)
+        now = self.clock.now()
+        got, error = self.attempt(self.store.run_schedules())
+        self.check_error(error, None, "run_schedules")
+        due = sorted(
+            (s["next_at"], name)
+            for name, s in self.model_schedules.items()
+            if not s["paused"] and s["next_at"] <= now
+        )
+        enqueued = 0
+        created: list[int] = []
+        for _, name in due:
+            schedule = self.model_schedules[name]
+            anchor, every = schedule["anchor"], schedule["every"]
+            last = math.floor((now - anchor) / every)
+            ticks = []
+            while len(ticks) < (1000 if schedule["catch_up"] == "all" else 1):
+                tick = anchor + last * every
+                if tick < schedule["next_at"] or last < 0:
+                    break
+                ticks.append(tick)
+                last -= 1
+            ticks.reverse()
+            if schedule["catch_up"] == "none" and ticks and now - ticks[-1] > 60.0:
+                ticks = []
+            for tick in ticks:
+                job = Job(schedule["payload"], fingerprint=schedule["fingerprint"])
+                detail = {"schedule": name, "tick": as_datetime(tick).isoformat()}
+                _, new = self.model_enqueue(
+                    schedule["project_id"], None, [job], True, False, queued=detail
+                )
+                created += new
+                enqueued += len(new)
+                schedule["last_at"] = tick
+            schedule["next_at"] = self.after(schedule, now)
+        assert got == enqueued, f"run_schedules: {got} ticks, the model expected {enqueued}"
+        return multiple(*created)
 
     def done_twins(self, item: ModelItem) -> list[ModelItem]:
         return [
@@ -606,7 +822,13 @@ class StoreMachine(RuleBasedStateMachine):
         return multiple(*new_ids)
 
     def model_enqueue(
-        self, project: str, actor: str | None, jobs: list[Job], dedup: bool, identity: bool
+        self,
+        project: str,
+        actor: str | None,
+        jobs: list[Job],
+        dedup: bool,
+        identity: bool,
+        queued: dict[str, Any] | None = None,
     ) -> tuple[list[int], list[int]]:
         """One enqueue transaction in the model: (the ids it returns, the ids it created)."""
         now = self.clock.now()
@@ -656,7 +878,7 @@ class StoreMachine(RuleBasedStateMachine):
                 due_at=job.not_before if deferred else None,
                 state="deferred" if deferred else "ready",
             )
-            item.events.append(("queued", 0, None, actor, None, at))
+            item.events.append(("queued", 0, None, actor, queued, at))
             if deferred:
                 item.events.append(("deferred", 0, None, actor, {"due_at": item.due_at}, at))
             self.model_items[new_id] = item
@@ -746,7 +968,10 @@ class StoreMachine(RuleBasedStateMachine):
         ]
         candidates += self.arm("deferred", actor, project, now)
         candidates += self.arm("ready", actor, project, now)
-        chosen = pick_batch(by_claim_order(candidates), limit)
+        quotas = {p: self.quota(p, now) for p in self.model_limits}
+        chosen = pick_batch(by_claim_order(candidates), limit, quotas)
+        for project_id in self.model_limits:
+            self.spend(project_id, sum(i.project_id == project_id for i in chosen), now)
         expected_ids = [item.item_id for item in chosen]
         got_ids = [claim.item_id for claim in got]
         assert got_ids == expected_ids, (
@@ -1342,11 +1567,21 @@ class StoreMachine(RuleBasedStateMachine):
             item.due_at if item.state == "deferred" else self.free_at(item)
             for item in self.model_items.values()
             if item.state in ("deferred", "claimed")
+            and item.project_id not in self.model_limits
             and self.projects[item.project_id] == "open"
             and self.in_scope(item, project, actor)
             and (item.state == "claimed" or self.twin_free(item))
         ]
-        return optional_datetime(min(a for a in alarms if a is not None) if alarms else None)
+        now = self.clock.now()
+        for limited in self.model_limits:
+            if (
+                self.projects[limited] == "open"
+                and (project is None or limited == project)
+                and (actor is None or self.visible(actor, limited))
+            ):
+                alarms.append(self.limited_due(limited, actor, now))
+        found = [a for a in alarms if a is not None]
+        return optional_datetime(min(found) if found else None)
 
     @rule(project=maybe_project, actor=maybe_actor)
     def scoped_summaries(self, project: str | None, actor: str | None) -> None:
@@ -1419,9 +1654,32 @@ class StoreMachine(RuleBasedStateMachine):
             counts = await self.store.counts()
             next_due = await self.store.next_due()
             problems = await verify_ledger(self.store)
-            return rows, events, projects, visible, counts, next_due, problems
+            limits = await self.store.project_limits()
+            schedules = await self.store.schedules()
+            return rows, events, projects, visible, counts, next_due, problems, limits, schedules
 
-        rows, events, projects, visible, counts, next_due, problems = self.run(read_everything())
+        rows, events, projects, visible, counts, next_due, problems, limits, schedules = self.run(
+            read_everything()
+        )
+        assert [
+            (row["name"], row["project_id"], row["payload"], row["every"].total_seconds(),
+             row["catch_up"], row["next_at"], row["last_at"], row["paused"], row["fingerprint"])
+            for row in schedules
+        ] == [
+            (name, m["project_id"], m["payload"], m["every"], m["catch_up"],
+             as_datetime(m["next_at"]), optional_datetime(m["last_at"]), m["paused"],
+             m["fingerprint"])
+            for name, m in sorted(self.model_schedules.items())
+        ]  # fmt: skip
+        now = self.clock.now()
+        assert [
+            (row["project_id"], row["max_running"], row["per_minute"], row["burst"],
+             row["running"], row["tokens"])
+            for row in limits
+        ] == [
+            (p, m["max_running"], m["per_minute"], m["burst"], self.running(p), self.bucket(m, now))
+            for p, m in sorted(self.model_limits.items())
+        ]  # fmt: skip
         assert problems == []
         for item_id, item in self.model_items.items():
             assert row_view(rows[item_id]) == model_row_view(item), f"item {item_id}"

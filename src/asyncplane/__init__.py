@@ -20,6 +20,7 @@ from asyncplane._errors import (
     InvalidPayload,
     InvalidType,
     ItemCancelled,
+    MissingExtra,
     NotAnAsyncplaneDatabase,
     NotOnAsyncio,
     NotRequeueable,
@@ -31,6 +32,7 @@ from asyncplane._errors import (
     StoreClosed,
     UnknownItem,
     UnknownProject,
+    UnknownSchedule,
     WaitTimeout,
 )
 from asyncplane._fingerprint import fingerprint
@@ -69,6 +71,7 @@ __all__ = (
     "ItemCancelled",
     "Job",
     "LedgerProblem",
+    "MissingExtra",
     "NotAnAsyncplaneDatabase",
     "NotOnAsyncio",
     "NotRequeueable",
@@ -86,6 +89,7 @@ __all__ = (
     "SystemClock",
     "UnknownItem",
     "UnknownProject",
+    "UnknownSchedule",
     "WaitTimeout",
     "__version__",
     "copy_store",

@@ -24,7 +24,7 @@ import contextlib
 from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol
 
-from asyncplane import _clock, _errors, _lock, _models, _write_queue
+from asyncplane import _clock, _errors, _lock, _models, _schedule, _write_queue
 
 __all__ = (
     "AssignmentRow",
@@ -45,6 +45,8 @@ __all__ = (
     "ItemFilter",
     "ItemRow",
     "LedgerTally",
+    "LimitsOp",
+    "LimitsRow",
     "ListOp",
     "NewItem",
     "NewProject",
@@ -56,8 +58,11 @@ __all__ = (
     "RenewOp",
     "RequeueOp",
     "RetryOp",
+    "ScheduleOp",
+    "ScheduleRow",
     "Sizing",
     "StoreStats",
+    "TickRow",
     "WhereOp",
     "Writes",
 )
@@ -224,6 +229,78 @@ class WhereOp(NamedTuple):
     reason: str | None  # a cancel's
 
 
+class LimitsOp(NamedTuple):
+    """Parameters of set_limits: the limits to change (None clears one), the rest kept."""
+
+    project_id: str
+    changes: tuple[tuple[str, int | float | None], ...]
+
+
+class LimitsRow(NamedTuple):
+    """A project's limits as stored, with how many of its items are claimed now."""
+
+    project_id: str
+    max_running: int | None
+    per_minute: float | None
+    burst: int | None
+    tokens: float | None
+    refilled_at: float | None
+    running: int = 0
+
+
+class ScheduleOp(NamedTuple):
+    """Parameters of set_schedule: what each tick enqueues, and when ticks fall."""
+
+    name: str
+    project_id: str
+    item: NewItem
+    timetable: _schedule.Timetable
+    catch_up: str
+
+
+class ScheduleRow(NamedTuple):
+    """A schedule as stored (``next_at``: its first tick not enqueued yet)."""
+
+    name: str
+    project_id: str
+    payload_json: str
+    cron: str | None
+    every: float | None
+    timezone: str
+    catch_up: str
+    priority: int
+    service_class: str
+    fingerprint: str | None
+    dedup: bool
+    max_attempts: int | None
+    paused: bool
+    anchor: float
+    next_at: float
+    last_at: float | None
+    created_at: float
+    updated_at: float
+
+    def timetable(self) -> _schedule.Timetable:
+        """When its ticks fall."""
+        return _schedule.Timetable(self.cron, self.every, self.timezone, self.anchor)
+
+    def item(self) -> NewItem:
+        """The item each tick enqueues."""
+        return NewItem(
+            self.payload_json, self.priority, self.service_class, None, self.fingerprint,
+            bool(self.dedup), self.max_attempts, None,
+        )  # fmt: skip
+
+
+class TickRow(NamedTuple):
+    """One tick enqueued: when it fell, its item, when it was enqueued."""
+
+    name: str
+    tick_at: float
+    item_id: int | None
+    at: float
+
+
 class ImportOp(NamedTuple):
     """Parameters of one chunk of an import: items keyed by their source row."""
 
@@ -310,10 +387,13 @@ class CopyOp(NamedTuple):
 
 
 class CopyProjectsOp(NamedTuple):
-    """The projects and assignments of another store, to add where not here yet."""
+    """The projects, assignments, limits and schedules of another store, to add where not
+    here yet (a schedule keeps its place: its next tick, its last)."""
 
     projects: tuple[ProjectRow, ...]
     assignments: tuple[AssignmentRow, ...]
+    limits: tuple[LimitsRow, ...] = ()
+    schedules: tuple[ScheduleRow, ...] = ()
 
 
 class ExportOp(NamedTuple):
@@ -540,6 +620,49 @@ class Backend(Protocol):
 
     async def stats(self) -> StoreStats:
         """Counts and ages, read in one snapshot."""
+        ...
+
+    async def set_limits(self, op: LimitsOp) -> LimitsRow | None:
+        """Change a project's limits (`asyncplane._rules.merged_limits`); return them (None:
+        none left). UnknownProject if absent."""
+        ...
+
+    async def get_limits(self, project_id: str | None) -> list[LimitsRow]:
+        """One project's limits with its claimed count (UnknownProject if absent; a project
+        without limits reads as all None), or every limited project's, ordered by id."""
+        ...
+
+    async def set_schedule(self, op: ScheduleOp) -> ScheduleRow:
+        """Add or change a schedule (`asyncplane._schedule.placed`); UnknownProject if its
+        project is absent."""
+        ...
+
+    async def list_schedules(self, name: str | None) -> list[ScheduleRow]:
+        """Every schedule by name, or the one named (UnknownSchedule if absent)."""
+        ...
+
+    async def pause_schedule(self, name: str, paused: bool) -> None:
+        """Pause or resume a schedule (resumed, its next tick is the first after now);
+        UnknownSchedule if absent."""
+        ...
+
+    async def delete_schedule(self, name: str) -> None:
+        """Delete a schedule and its ticks' keys (its items stay); UnknownSchedule if
+        absent."""
+        ...
+
+    async def run_schedules(self, limit: int) -> tuple[int, int]:
+        """Enqueue the due ticks of up to ``limit`` schedules, each tick's key with its item
+        (`asyncplane._schedule.plan`); return (items enqueued: a tick whose item is a
+        pending twin's adds none, schedules run)."""
+        ...
+
+    async def next_tick(self) -> float | None:
+        """When the earliest unpaused schedule's next tick falls, if any."""
+        ...
+
+    async def schedule_ticks(self, name: str, limit: int) -> list[TickRow]:
+        """The newest ``limit`` ticks of a schedule whose keys are kept, newest first."""
         ...
 
     async def list_assignments(self) -> list[AssignmentRow]:

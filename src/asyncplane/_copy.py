@@ -1,11 +1,13 @@
 """Copying a store to another: how a fleet moves from SQLite to PostgreSQL (or back).
 
-Every project, assignment and item goes across with its id, its row as it stands and its
-whole history, so the destination's ledger verifies exactly as the source's did; a claim
-copied mid-lease keeps its fence, and once its lease lapses in the destination it is taken
-over with a higher one. Each chunk of items is one transaction in the destination, and
-the destination remembers every item it copied (keyed by the source), so a second run,
-or a run after a crash half-way, copies nothing twice and finishes the job.
+Every project, assignment, limit, schedule and item goes across with its id, its row as
+it stands and its whole history, so the destination's ledger verifies exactly as the
+source's did; a claim copied mid-lease keeps its fence, and once its lease lapses in the
+destination it is taken over with a higher one. A schedule keeps its place (its next
+tick), so the destination does not run again a tick the source ran. Each chunk of items
+is one transaction in the destination, and the destination remembers every item it
+copied (keyed by the source), so a second run, or a run after a crash half-way, copies
+nothing twice and finishes the job.
 
 A copy keeps item ids, so the destination must hold no items of its own: a fresh store,
 or one this source was copied into before. Stop the workers on the source first (or let
@@ -41,8 +43,8 @@ async def copy_store(
     pending_only: bool = False,
     progress: Callable[[int], None] | None = None,
 ) -> CopySummary:
-    """Copy every project, assignment and item (with its history) from ``source`` into
-    ``destination``; idempotent.
+    """Copy every project, assignment, project's limits, schedule (keeping its next tick) and
+    item (with its history) from ``source`` into ``destination``; idempotent.
 
     Args:
         source: The store to copy from (any backend); it is only read.
@@ -64,7 +66,11 @@ async def copy_store(
     summary = CopySummary()
     projects = tuple(await src.list_projects())
     assignments = tuple(await src.list_assignments())
-    summary.projects = await dst.copy_projects(_backend.CopyProjectsOp(projects, assignments))
+    limits = tuple(await src.get_limits(None))
+    schedules = tuple(await src.list_schedules(None))
+    summary.projects = await dst.copy_projects(
+        _backend.CopyProjectsOp(projects, assignments, limits, schedules)
+    )
     label = f"copy:{source.location}"
     after = 0
     while True:

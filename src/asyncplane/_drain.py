@@ -239,6 +239,7 @@ class _Drain:
                 )
                 self.summary.deduplicated += settled
                 self.summary.purged += await self.engine.maybe_purge()
+                self.summary.scheduled += await self.engine.maybe_run_schedules()
                 batch = await self._claim()
                 if batch:
                     empty = 0
@@ -390,6 +391,7 @@ class _Drain:
         await _wakeups.until_work(
             self.engine, local, version, poll_interval=self.poll_interval,
             project_id=self.project_id, actor_id=self.actor_id, stop=self.stop,
+            schedules=True,
         )  # fmt: skip
 
 

@@ -129,6 +129,9 @@ class Engine:
         # Where the preflight's fingerprint backfill has got to, per scope it ran in.
         self._backfill_after: dict[tuple[str | None, str | None], int] = {}
         self._last_purge: float | None = None
+        self._last_schedules: float | None = None
+        #: When the next tick of any schedule falls, as the last run here found it.
+        self.next_tick: float | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._open_lock: asyncio.Lock | None = None
         self._lock_loop: asyncio.AbstractEventLoop | None = None
@@ -299,6 +302,42 @@ class Engine:
         """Make the next full preflight pass look at every item again."""
         self._backfill_after.pop((None, None), None)
 
+    async def run_schedules(self) -> int:
+        """Enqueue every due tick (a transaction per few dozen schedules), then note when
+        the next one falls; return how many items were enqueued."""
+        backend = await self.ready()
+        self._last_schedules = time.monotonic()
+        enqueued = 0
+        while True:
+            ticks, looked = await backend.run_schedules(_SCHEDULES_PER_ROUND)
+            enqueued += ticks
+            if looked < _SCHEDULES_PER_ROUND:
+                break
+        if enqueued:
+            self.notify()
+        self.next_tick = await backend.next_tick()
+        return enqueued
+
+    def recheck_schedules(self) -> None:
+        """Look at the schedules again in the next round, however recent the last look: a
+        waiter woke (a schedule may have been added, changed or resumed)."""
+        self._last_schedules = None
+
+    async def maybe_run_schedules(self) -> int:
+        """The drain loop's and work()'s schedules: at most once a second, and as soon as
+        the next tick known here falls; a look first (a read), so that a store with no
+        tick due takes no write lock for them."""
+        last = self._last_schedules
+        if last is not None and time.monotonic() - last < _SCHEDULES_EVERY:
+            tick = self.next_tick
+            if tick is None or self.clock.now() < tick:
+                return 0
+        self._last_schedules = time.monotonic()
+        tick = self.next_tick = await (await self.ready()).next_tick()
+        if tick is None or self.clock.now() < tick:
+            return 0
+        return await self.run_schedules()
+
     async def maybe_purge(self, max_chunks: int = 20) -> int:
         """The drain loop's retention: at most every purge_min_interval_s, a bounded purge."""
         options = self.options
@@ -324,6 +363,13 @@ class Engine:
             _log.warning("asyncplane: purge skipped, the archive failed: %s", exc)
             return 0
         return done.purged
+
+
+#: How many due schedules one transaction of run_schedules takes.
+_SCHEDULES_PER_ROUND = 50
+#: The least time between two runs of the schedules a drain loop makes (unless a tick
+#: it knows of falls due sooner), in seconds.
+_SCHEDULES_EVERY = 1.0
 
 
 def require_asyncio() -> asyncio.AbstractEventLoop:

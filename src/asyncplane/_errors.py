@@ -24,6 +24,7 @@ __all__ = (
     "InvalidPayload",
     "InvalidType",
     "ItemCancelled",
+    "MissingExtra",
     "NotAnAsyncplaneDatabase",
     "NotOnAsyncio",
     "NotRequeueable",
@@ -35,6 +36,7 @@ __all__ = (
     "StoreClosed",
     "UnknownItem",
     "UnknownProject",
+    "UnknownSchedule",
     "WaitTimeout",
 )
 
@@ -157,6 +159,15 @@ class InvalidPayload(InvalidInput):
 
 class InvalidType(AsyncplaneError, TypeError):
     """An argument has the wrong type (an id that is not a str/int, say); nothing was written."""
+
+
+class UnknownSchedule(AsyncplaneError, LookupError):
+    """No schedule has this name."""
+
+
+class MissingExtra(AsyncplaneError, ImportError):
+    """A feature needs an optional dependency that is not installed; the message names the
+    extra to install (``pip install 'asyncplane[cron]'``, say)."""
 
 
 class StoreClosed(AsyncplaneError):

@@ -101,6 +101,7 @@ class DrainSummary:
         deduplicated: Pending items settled by preflight dedup, without running.
         purged: Settled items archived and deleted by the store's retention (see
             ``ControlStore(retention=...)``), at most every ``purge_min_interval_s``.
+        scheduled: Items the schedules enqueued in this drain (`ControlStore.run_schedules`).
         cancelled: Items cancelled while this drain held them (`ControlStore.cancel`): their
             executor was stopped, or their outcome refused.
         fence_rejected: Settlements the store refused because the claim was no longer
@@ -127,6 +128,7 @@ class DrainSummary:
     released: int = 0
     deduplicated: int = 0
     purged: int = 0
+    scheduled: int = 0
     fence_rejected: int = 0
     remaining: int = 0
     elapsed_s: float = 0.0

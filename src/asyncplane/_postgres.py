@@ -22,7 +22,9 @@ Driver errors become asyncplane errors here and in the writer, once.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
+import functools
 import logging
 import time
 import urllib.parse
@@ -39,6 +41,7 @@ from asyncplane import (
     _lock,
     _models,
     _rules,
+    _schedule,
     _tasks,
 )
 from asyncplane import _postgres_sql as sql
@@ -119,7 +122,12 @@ class PostgresBackend(_backend.Writes):
         on_settled: _backend.ChangeHook | None = None,
         connect_timeout: float,
     ) -> None:
-        super().__init__(sizing, claim_many=_claim_many, finish_many=_finish_many)
+        # The reaches this process has seen limited projects in: a claim of one takes the
+        # limits first, before any item lock (see _claim_many).
+        limited: set[tuple[str | None, str | None]] = set()
+        super().__init__(
+            sizing, claim_many=functools.partial(_claim_many, limited), finish_many=_finish_many
+        )
         self._url = url
         self._clock = clock
         # Without an injected clock, leases follow the server's: the writer reads it, and
@@ -394,6 +402,48 @@ class PostgresBackend(_backend.Writes):
         now = None if self._clock is None else self._clock.now()
         return await self._read(_stats, now)
 
+    async def set_limits(self, op: _backend.LimitsOp) -> _backend.LimitsRow | None:
+        return await self._write(_bind(_set_limits, op))
+
+    async def get_limits(self, project_id: str | None) -> list[_backend.LimitsRow]:
+        if project_id is None:
+            rows = await self._fetch(sql.ALL_LIMITS)
+        else:
+            rows = await self._fetch(sql.GET_LIMITS, project_id)
+            if not rows:
+                raise _rules.unknown_project(project_id)
+        return [_rules.limits_row(tuple(row)) for row in rows]
+
+    async def set_schedule(self, op: _backend.ScheduleOp) -> _backend.ScheduleRow:
+        return await self._write(_bind(_set_schedule, op))
+
+    async def list_schedules(self, name: str | None) -> list[_backend.ScheduleRow]:
+        if name is None:
+            rows = await self._fetch(sql.LIST_SCHEDULES)
+        else:
+            rows = await self._fetch(sql.GET_SCHEDULE, name)
+            if not rows:
+                raise _rules.unknown_schedule(name)
+        return [_backend.ScheduleRow._make(row) for row in rows]
+
+    async def pause_schedule(self, name: str, paused: bool) -> None:
+        await self._write(_bind(_pause_schedule, name, paused))
+
+    async def delete_schedule(self, name: str) -> None:
+        await self._write(_bind(_delete_schedule, name))
+
+    async def run_schedules(self, limit: int) -> tuple[int, int]:
+        return await self._write(_bind(_run_schedules, limit))
+
+    async def next_tick(self) -> float | None:
+        rows = await self._fetch(sql.NEXT_TICK)
+        value: float | None = rows[0][0]
+        return value
+
+    async def schedule_ticks(self, name: str, limit: int) -> list[_backend.TickRow]:
+        rows = await self._fetch(sql.SCHEDULE_TICKS, name, limit)
+        return [_backend.TickRow._make(row) for row in rows]
+
     async def list_assignments(self) -> list[_backend.AssignmentRow]:
         return [_backend.AssignmentRow(*row) for row in await self._fetch(sql.LIST_ASSIGNMENTS)]
 
@@ -412,8 +462,16 @@ class PostgresBackend(_backend.Writes):
 
     async def next_due(self, project_id: str | None, actor_id: str | None) -> float | None:
         rows = await self._fetch(sql.NEXT_DUE, project_id, actor_id)
-        value: float | None = rows[0][0]
-        return value
+        times: list[float] = [] if rows[0][0] is None else [rows[0][0]]
+        now = self.clock.now()
+        for row in await self._fetch(sql.NEXT_DUE_LIMITED, project_id, actor_id):
+            limited = _rules.limited_due(
+                _rules.limits_row(tuple(row[:7])), now,
+                ready=row[7], due_at=row[8], takeover_at=row[9],
+            )  # fmt: skip
+            if limited is not None:
+                times.append(limited)
+        return min(times, default=None)
 
     async def get_item(self, item_id: int, actor_id: str | None) -> _backend.ItemRow:
         if actor_id is None:
@@ -550,6 +608,76 @@ async def _create_project(op: _backend.NewProject, conn: asyncpg.Connection, now
         raise _rules.project_exists(op.project_id)
 
 
+async def _set_limits(
+    op: _backend.LimitsOp, conn: asyncpg.Connection, now: float
+) -> _backend.LimitsRow | None:
+    if await conn.fetchval(sql.LOCK_PROJECT, op.project_id) is None:
+        raise _rules.unknown_project(op.project_id)
+    # Every claim begun before waits to its commit, and none begins meanwhile (see
+    # LIMITS_CHANGE); then the limits' row, which a claim may hold still.
+    await conn.execute(sql.LIMITS_CHANGE)
+    await conn.execute(sql.LOCK_LIMITS, op.project_id)
+    found = _rules.limits_row(tuple((await conn.fetch(sql.GET_LIMITS, op.project_id))[0]))
+    new = _rules.merged_limits(found, op.project_id, dict(op.changes), now)
+    if new is None:
+        await conn.execute(sql.DELETE_LIMITS, op.project_id)
+        return None
+    await conn.execute(sql.PUT_LIMITS, *new[:6])
+    return new._replace(running=found.running)
+
+
+async def _set_schedule(
+    op: _backend.ScheduleOp, conn: asyncpg.Connection, now: float
+) -> _backend.ScheduleRow:
+    if await conn.fetchval(sql.PROJECT_LOCKED, op.project_id) is None:
+        raise _rules.unknown_project(op.project_id)
+    found = await conn.fetchrow(sql.LOCK_SCHEDULE, op.name)
+    old = None if found is None else _backend.ScheduleRow._make(found)
+    row = _rules.declared_schedule(op, old, now)
+    await conn.execute(sql.PUT_SCHEDULE, *row)
+    return row
+
+
+async def _pause_schedule(name: str, paused: bool, conn: asyncpg.Connection, now: float) -> None:
+    found = await conn.fetchrow(sql.LOCK_SCHEDULE, name)
+    if found is None:
+        raise _rules.unknown_schedule(name)
+    row = _backend.ScheduleRow._make(found)
+    next_at = _schedule.paused_next_at(row.timetable(), row.paused, paused, row.next_at, now)
+    await conn.execute(sql.PAUSE_SCHEDULE, paused, next_at, now, name)
+
+
+async def _delete_schedule(name: str, conn: asyncpg.Connection, now: float) -> None:
+    if await conn.execute(sql.DELETE_SCHEDULE, name) == "DELETE 0":
+        raise _rules.unknown_schedule(name)
+    await conn.execute(sql.DELETE_TICKS, name)
+
+
+async def _run_schedules(limit: int, conn: asyncpg.Connection, now: float) -> tuple[int, int]:
+    """As SQLite's: the due schedules (those another host runs now skipped), each due
+    tick's key reserved, then its item enqueued; a key another transaction reserved is
+    waited for, and if it commits, this one enqueues nothing for that tick."""
+    rows = [_backend.ScheduleRow._make(r) for r in await conn.fetch(sql.DUE_SCHEDULES, now, limit)]
+    enqueued = 0
+    for row in rows:
+        table = row.timetable()
+        plan = _schedule.plan(table, row.catch_up, row.next_at, now)
+        last = None
+        for tick in plan.ticks:
+            if await conn.fetchval(sql.RESERVE_TICK, row.name, tick, now) is None:
+                continue  # enqueued before: never again
+            queued = _schedule.tick_detail(row.name, table, tick)
+            op = _backend.EnqueueOp(row.project_id, (row.item(),), None)
+            created: list[int] = []  # none, when it is a pending twin's
+            (item_id,) = await _enqueue(op, conn, now, queued, created)
+            await conn.execute(sql.FILL_TICK, item_id, row.name, tick)
+            enqueued += len(created)
+            last = tick
+        await conn.execute(sql.MOVE_SCHEDULE, plan.next_at, last, now, row.name)
+        await conn.execute(sql.FORGET_TICKS, row.name, now - _schedule.TICKS_KEPT)
+    return enqueued, len(rows)
+
+
 async def _set_project_status(
     project_id: str, status: str, conn: asyncpg.Connection, now: float
 ) -> None:
@@ -584,7 +712,13 @@ async def _insert_items(
     return ids
 
 
-async def _enqueue(op: _backend.EnqueueOp, conn: asyncpg.Connection, now: float) -> list[int]:
+async def _enqueue(
+    op: _backend.EnqueueOp,
+    conn: asyncpg.Connection,
+    now: float,
+    queued: dict[str, Any] | None = None,
+    created: list[int] | None = None,
+) -> list[int]:
     if op.actor_id is None:
         if await conn.fetchval(sql.PROJECT_EXISTS, op.project_id) is None:
             raise _rules.unknown_project(op.project_id)
@@ -602,7 +736,9 @@ async def _enqueue(op: _backend.EnqueueOp, conn: asyncpg.Connection, now: float)
     inserted: list[int] = []
     if plan.new:
         rows = [_rules.new_row(op.project_id, op.items[p], now) for p in plan.new]
-        inserted = await _insert_items(conn, rows, op.actor_id, now)
+        inserted = await _insert_items(conn, rows, op.actor_id, now, queued)
+    if created is not None:
+        created.extend(inserted)
     return plan.ids(inserted)
 
 
@@ -619,8 +755,59 @@ async def _next_page(
     return list(await conn.fetch(sql.CLAIM_LAPSED, *reach, limit, offset, now))
 
 
+class _Limited:
+    """The limited projects of one claim's reach, their limits read under their row locks,
+    and what each may give the claim (`asyncplane._rules.quota`)."""
+
+    def __init__(self) -> None:
+        self.limits: dict[str, _rules.Limits] = {}
+        self.quotas: dict[str, _rules.Quota] = {}
+
+    def take(self, rows: list[Any], now: float) -> list[str]:
+        """Add the limits read (TAKE_LIMITS); return the projects with room."""
+        roomy = []
+        for row in rows:
+            found = _rules.limits_row(tuple(row))
+            self.limits[found.project_id] = found
+            quota = self.quotas[found.project_id] = _rules.quota(found, now)
+            if quota.room != 0:
+                roomy.append(found.project_id)
+        return roomy
+
+    def block(self, projects: set[str]) -> None:
+        """Projects this claim may take nothing of (their limits are not its)."""
+        for project in projects:
+            self.quotas[project] = _rules.Quota(slots=0, tokens=0)
+
+    def stopped(self, runs: collections.Counter[str], now: float) -> None:
+        """Count out runs this claim ended (exhausted lapsed claims) since the limits were
+        read."""
+        for project, ended in runs.items():
+            if project in self.limits:
+                found = self.limits[project]
+                found = self.limits[project] = found._replace(running=found.running - ended)
+                self.quotas[project] = _rules.quota(found, now)
+
+    def spent(self, dealt: collections.Counter[str], now: float) -> list[tuple[str, float, float]]:
+        """What the items dealt take of rate buckets: (project, tokens left, refilled at)."""
+        return [
+            (project, *left)
+            for project, count in dealt.items()
+            if project in self.limits
+            and (left := _rules.spend(self.limits[project], now, count)) is not None
+        ]
+
+    def room(self, project: str, page: int) -> int:
+        """How big a first page of the project a claim reads: its share, at most its room."""
+        room = self.quotas[project].room
+        return page if room is None else min(page, room)
+
+
 async def _claim_many(
-    ops: list[_backend.ClaimOp], conn: asyncpg.Connection, now: float
+    limited_reaches: set[tuple[str | None, str | None]],
+    ops: list[_backend.ClaimOp],
+    conn: asyncpg.Connection,
+    now: float,
 ) -> list[list[_backend.ClaimRow]]:
     """Claims that share their filters and lease, decided together (see the SQLite one).
 
@@ -628,30 +815,64 @@ async def _claim_many(
     left, which fail here instead of moving on); one tries the content locks of the
     fingerprinted candidates; one claims them all. Further pages are read only when
     candidates were skipped as twins.
+
+    A reach with limited projects takes their locks first (TAKE_LIMITS: an advisory lock
+    per project, waited for in project order, before this claim locks any item), which
+    serialises the claims of those projects alone. A project limited since this process
+    last looked is found by the candidates statement; its limits are then taken without
+    waiting (one another claimer holds is left to it this time, and it takes nothing of
+    it), and the reach is remembered, so the next claim takes them first. (A round can
+    still meet another in a deadlock: one that claims for two limited reaches, one that
+    holds a row or content lock from an earlier request before its claim waits for a
+    limit lock, or set_limits waiting for the claims in flight; PostgreSQL breaks it, and
+    the writer runs the requests again, each on its own.)
     """
     first = ops[0]
     reach = (first.project_id, first.actor_id)
     total = sum(op.limit for op in ops)
     events: list[_rules.Event] = []
-    exhausted_rows, pages = await _candidates(conn, reach, total, now)
+    limited = _Limited()
+    if reach in limited_reaches:
+        rows = await conn.fetch(sql.TAKE_LIMITS, *reach, None)
+        if not rows:
+            limited_reaches.discard(reach)
+        limited.take(list(rows), now)
+    exhausted_rows, pages, unlocked = await _candidates(conn, reach, total, now, limited)
     exhausted = [_rules.Candidate._make(row) for row in exhausted_rows]
     for candidate in exhausted:
         error, failed = _rules.exhausted_lease_events(candidate, first.actor_id, now)
         await conn.execute(sql.EXHAUST_ITEM, error, now, candidate.item_id, candidate.fence)
         events.extend(failed)
-    if any(candidate.fingerprint is not None for candidate in exhausted):
+    # The limits were counted with those still running: count them as they stand now.
+    limited.stopped(collections.Counter(c.project_id for c in exhausted), now)
+    if any(c.fingerprint is not None or c.project_id in limited.limits for c in exhausted):
         # The candidates were read in the snapshot that still showed those claims running,
-        # which held back their waiting twins; they stopped running just now, so read
-        # again (SQLite fails them before it reads, to the same effect).
-        _, pages = await _candidates(conn, reach, total, now)
+        # which held back their waiting twins (and filled their projects' slots); they
+        # stopped running just now, so read again (SQLite fails them before it reads, to
+        # the same effect).
+        _, pages, _ = await _candidates(conn, reach, total, now, limited)
+    if unlocked:
+        limited_reaches.add(reach)
+        page = _rules.first_page(total, len(pages) + len(unlocked))
+        taken = list(await conn.fetch(sql.TAKE_LIMITS, *reach, unlocked))
+        # A project whose limits another claimer holds now is left to it: this claim takes
+        # nothing of it (not even a lapsed claim, which would draw from its bucket).
+        limited.block(set(unlocked) - {row[0] for row in taken})
+        for project in limited.take(taken, now):
+            size = limited.room(project, page)
+            for tag in ("r", "d"):
+                rows = await _next_page(conn, (tag, project), reach, size, 0, now)
+                pages[(tag, project)] = (size, [_rules.Candidate._make(row) for row in rows])
     # One arm per kind and project (ready and due, each project in reach), and the lapsed
     # claims of them all; an arm the first statement found nothing in has nothing more.
     keys = list(pages)
-    merge = _rules.ClaimMerge(len(keys), total)
+    merge = _rules.ClaimMerge(
+        len(keys), total, quotas=limited.quotas, arm_projects=[key[1] for key in keys]
+    )
     for position, key in enumerate(keys):
-        size, rows = pages[key]
+        size, candidates = pages[key]
         merge.ask(position, size)
-        merge.feed(position, rows)
+        merge.feed(position, candidates)
     while (arm := merge.hungry()) is not None:
         limit, offset = merge.next_page(arm)
         merge.feed(arm, await _next_page(conn, keys[arm], reach, limit, offset, now))
@@ -668,17 +889,28 @@ async def _claim_many(
         skip = {wanted[n - 1][0] for n, got in tried if not got}
         dealt = [d for position, d in enumerate(dealt) if position not in skip]
         guarded = [g for position, g in enumerate(guarded) if position not in skip]
-    # A takeover's "lease_expired" comes before its new "claimed" in the history. A
-    # takeover is never guarded, so every one dealt is claimed below.
-    events.extend(_rules.takeover_event(c, op, now) for c, op in dealt if c.state == "claimed")
+    # A takeover's "lease_expired" comes before its new "claimed" in the history, both
+    # written by the claim statement, and only for an item it claims (one of a project
+    # limited meanwhile is not).
     await _insert_events(conn, events)
+    before = [
+        _rules.takeover_event(c, op, now) if c.state == "claimed" else None for c, op in dealt
+    ]
     claimed_rows: dict[int, Any] = {}
     if dealt:
-        # The claims and their "claimed" events, in one statement.
+        # The claims, their "claimed" events and what they took of rate buckets, in one
+        # statement.
+        spent = limited.spent(collections.Counter(c.project_id for c, _ in dealt), now)
         for claimed_row in await conn.fetch(
-            sql.CLAIM_ITEMS, now,
+            sql.CLAIM_ITEMS_SPENDING if spent else sql.CLAIM_ITEMS, now,
             [c.item_id for c, _ in dealt], [op.owner for _, op in dealt],
             [now + op.lease_seconds for _, op in dealt], guarded, first.actor_id,
+            [c.project_id in limited.limits for c, _ in dealt],
+            [None if e is None else e.event_type for e in before],
+            [None if e is None else e.fence for e in before],
+            [None if e is None else e.owner for e in before],
+            [None if e is None else e.detail_json for e in before],
+            *(list(column) for column in zip(*spent, strict=True)),
         ):  # fmt: skip
             claimed_rows[claimed_row[0]] = claimed_row
     if merge.fetched > len(claimed_rows):
@@ -689,32 +921,44 @@ async def _claim_many(
     for c, op in dealt:
         got = claimed_rows.get(c.item_id)
         if got is None:
-            continue  # a twin started running meanwhile: this one waits
+            continue  # a twin started running meanwhile: this one waits (its token spent)
         _, project_id, payload, fence, attempts = got
         results[id(op)].append(_rules.claim_row(c, op, now, project_id, payload, fence, attempts))
     return [results[id(op)] for op in ops]
 
 
 async def _candidates(
-    conn: asyncpg.Connection, reach: tuple[Any, ...], total: int, now: float
-) -> tuple[list[Any], dict[tuple[str, str | None], tuple[int, list[_rules.Candidate]]]]:
+    conn: asyncpg.Connection,
+    reach: tuple[Any, ...],
+    total: int,
+    now: float,
+    limited: _Limited,
+) -> tuple[list[Any], dict[tuple[str, str | None], tuple[int, list[_rules.Candidate]]], list[str]]:
     """Every arm's first page of candidates, in one statement: the lapsed claims with no
     attempt left, and per arm (ready "r" and fallen due "d" of each project, lapsed "l")
-    the page's size and its rows, in claim order."""
+    the page's size and its rows, in claim order; and the limited projects in reach whose
+    limits this claim has not taken."""
     exhausted: list[Any] = []
     tagged: list[Any] = []
-    sizes: dict[str, int] = {}
+    unlocked: list[str] = []
+    sizes: dict[tuple[str, str | None], int] = {}
+    roomy = [p for p, quota in limited.quotas.items() if quota.room != 0]
+    rooms = [limited.quotas[p].room for p in roomy]
     for row in await conn.fetch(
-        sql.CLAIM_CANDIDATES, *reach, total, now, _rules.exhausted_bound(total)
-    ):
+        sql.CLAIM_CANDIDATES, *reach, total, now, _rules.exhausted_bound(total),
+        roomy, rooms, list(limited.quotas),
+    ):  # fmt: skip
         tag, size = row[0], row[1]
         if tag == "x":
             exhausted.append(row[2:])
             continue
-        sizes[tag] = size
+        if tag == "q":
+            unlocked.append(row[8])
+            continue
+        sizes[(tag, None if tag == "l" else row[8])] = size
         tagged.append((tag, *row[2:]))
     pages = _rules.first_pages(tagged)
-    return exhausted, {key: (sizes[key[0]], page) for key, page in pages.items()}
+    return exhausted, {key: (sizes[key], page) for key, page in pages.items()}, unlocked
 
 
 async def _finish_many(
@@ -969,6 +1213,13 @@ async def _copy_projects(op: _backend.CopyProjectsOp, conn: asyncpg.Connection, 
             added += 1
     if op.assignments:
         await conn.executemany(sql.COPY_ASSIGNMENT, [tuple(a) for a in op.assignments])
+    if op.limits:
+        await conn.executemany(sql.COPY_LIMITS, [row[:6] for row in op.limits])
+    if op.schedules:
+        rows = [
+            row._replace(dedup=bool(row.dedup), paused=bool(row.paused)) for row in op.schedules
+        ]
+        await conn.executemany(sql.COPY_SCHEDULE, [tuple(row) for row in rows])
     return added
 
 

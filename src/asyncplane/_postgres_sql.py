@@ -377,6 +377,119 @@ MIGRATIONS: Final[tuple[str, ...]] = (
                      OR (OLD.state = 'ready' AND NOT OLD.held)))))
         EXECUTE FUNCTION asyncplane_line_moves_on();
     """,
+    # 4: schedules and limits, as SQLite's migration 6. A claim takes the locks of the
+    # limited projects in its reach (asyncplane_take_limits: an advisory lock per project,
+    # taken in project order, then their claimed items counted in a statement of its own,
+    # which sees every claim committed before the locks were had), so two hosts never both
+    # take a project's last slot or token; claims of projects without limits take none.
+    # A claimed item of a project with max_running that stops running wakes the drainers
+    # of every host (a slot freed), as does any change of limits.
+    """
+    CREATE TABLE project_limits (
+        project_id  text PRIMARY KEY REFERENCES projects (project_id),
+        max_running bigint,
+        per_minute  float8,
+        burst       bigint,
+        tokens      float8,
+        refilled_at float8
+    );
+    CREATE INDEX items_running ON items (project_id) WHERE state = 'claimed';
+    CREATE TABLE schedules (
+        name          text PRIMARY KEY,
+        project_id    text NOT NULL REFERENCES projects (project_id),
+        payload       text NOT NULL,
+        cron          text,
+        every         float8,
+        timezone      text NOT NULL,
+        catch_up      text NOT NULL,
+        priority      bigint NOT NULL,
+        service_class text NOT NULL,
+        fingerprint   text,
+        dedup         boolean NOT NULL,
+        max_attempts  bigint,
+        paused        boolean NOT NULL DEFAULT false,
+        anchor        float8 NOT NULL,
+        next_at       float8 NOT NULL,
+        last_at       float8,
+        created_at    float8 NOT NULL,
+        updated_at    float8 NOT NULL
+    );
+    CREATE INDEX schedules_due ON schedules (next_at) WHERE NOT paused;
+    CREATE TABLE schedule_ticks (
+        name    text NOT NULL,
+        tick_at float8 NOT NULL,
+        item_id bigint,
+        at      float8 NOT NULL,
+        PRIMARY KEY (name, tick_at)
+    );
+    CREATE INDEX schedule_ticks_at ON schedule_ticks (at);
+    CREATE FUNCTION asyncplane_take_limits(reach_project text, reach_actor text,
+                                           only_these text[])
+    RETURNS TABLE (project_id text, max_running bigint, per_minute float8, burst bigint,
+                   tokens float8, refilled_at float8, running bigint)
+    -- Planned once per session, not per claim (the server would plan the queries below
+    -- afresh each time, for arrays and reaches it cannot size).
+    LANGUAGE plpgsql SET plan_cache_mode = force_generic_plan AS $$
+    #variable_conflict use_column
+    DECLARE
+        taken text[] := '{}';
+        limited text;
+    BEGIN
+        -- Held shared to the commit, before any project's lock: see CLAIM_CANDIDATES.
+        PERFORM pg_advisory_xact_lock_shared(
+            hashtextextended('asyncplane-limits:' || current_schema(), 0));
+        -- Each limited project's lock (an advisory lock: nothing written to take it), in
+        -- one order on every host; projects limited since the claim began (only_these)
+        -- are not waited for: this claim holds item locks by now, and those another
+        -- claimer holds are left to it.
+        FOR limited IN
+            SELECT l.project_id FROM project_limits AS l
+            JOIN projects AS p ON p.project_id = l.project_id
+            WHERE p.status = 'open'
+              AND (reach_project IS NULL OR l.project_id = reach_project)
+              AND (reach_actor IS NULL OR l.project_id IN (
+                  SELECT a.project_id FROM assignments AS a WHERE a.actor_id = reach_actor))
+              AND (only_these IS NULL OR l.project_id = ANY (only_these))
+            ORDER BY l.project_id
+        LOOP
+            IF only_these IS NULL THEN
+                PERFORM pg_advisory_xact_lock(hashtextextended(
+                    'asyncplane-limit:' || current_schema() || chr(1) || limited, 0));
+            ELSIF NOT pg_try_advisory_xact_lock(hashtextextended(
+                    'asyncplane-limit:' || current_schema() || chr(1) || limited, 0)) THEN
+                CONTINUE;
+            END IF;
+            taken := taken || limited;
+        END LOOP;
+        RETURN QUERY
+        SELECT l.project_id, l.max_running, l.per_minute, l.burst, l.tokens, l.refilled_at,
+               (SELECT count(*) FROM items AS i
+                WHERE i.project_id = l.project_id AND i.state = 'claimed')
+        FROM project_limits AS l WHERE l.project_id = ANY (taken)
+        ORDER BY l.project_id;
+    END $$;
+    CREATE FUNCTION asyncplane_slot_freed() RETURNS trigger
+    LANGUAGE plpgsql AS $$
+    BEGIN
+        IF EXISTS (SELECT 1 FROM project_limits
+                   WHERE project_id = NEW.project_id AND max_running IS NOT NULL) THEN
+            PERFORM pg_notify('asyncplane', current_schema());
+        END IF;
+        RETURN NULL;
+    END $$;
+    CREATE TRIGGER items_slot_freed AFTER UPDATE OF state ON items
+        FOR EACH ROW WHEN (OLD.state = 'claimed' AND NEW.state <> 'claimed')
+        EXECUTE FUNCTION asyncplane_slot_freed();
+    -- Limits set, changed or cleared (not a claim drawing from a bucket: that notifies
+    -- nobody, as any plain claim).
+    CREATE TRIGGER limits_moved
+        AFTER INSERT OR DELETE OR UPDATE OF max_running, per_minute, burst ON project_limits
+        FOR EACH STATEMENT EXECUTE FUNCTION asyncplane_notify();
+    -- A schedule added, changed or resumed: sleeping drainers look at the next tick again.
+    CREATE TRIGGER schedules_moved
+        AFTER INSERT OR UPDATE OF cron, every, timezone, paused ON schedules
+        FOR EACH STATEMENT EXECUTE FUNCTION asyncplane_notify();
+    """,
 )
 
 SCHEMA_VERSION: Final = len(MIGRATIONS)
@@ -544,26 +657,49 @@ CLAIM_READY: Final = _ready("$1::text", "$2", "$3")
 CLAIM_DUE: Final = _due("$1::text", "$2", "$3", "$4")
 # ($1 project_id, $2 actor_id, $3 limit, $4 offset, $5 now)
 CLAIM_LAPSED: Final = _lapsed("$3", "$4", "$5")
+# Every claim holds this lock, shared, to its commit; set_limits takes it alone. So limits
+# set for a project none had are in force for every claim that began before (set_limits
+# waits for it to commit, and a claim that counts afterwards sees what it took), or it is
+# refused by CLAIM_ITEMS, whose snapshot comes after (the claim waited for set_limits).
+_LIMITS_KEY = "hashtextextended('asyncplane-limits:' || current_schema(), 0)"
+_CLAIMING = f"pg_advisory_xact_lock_shared({_LIMITS_KEY})"
+LIMITS_CHANGE: Final = f"SELECT pg_advisory_xact_lock({_LIMITS_KEY})"
 # The first page of every arm, and the lapsed claims that spent their last attempt, in one
 # statement (one round trip for the common claim): each row tagged with its arm ('r'
 # ready, 'd' due, per project in reach; 'l' lapsed; 'x' exhausted) and the size of the
 # page it came in (a project's share of the batch: `_rules.first_page`, here in SQL, as
-# the reach is known only here). ($1 project_id, $2 actor_id, $3 batch, $4 now, $5 how
-# many exhausted claims to fail)
+# the reach is known only here). A limited project is in the reach only as the claim's
+# locked limits gave it room ($6, $7: its first page no bigger); one limited since
+# those were taken is named in a row of its own ('q'), for the claim to take its limits
+# then. ($1 project_id, $2 actor_id, $3 batch, $4 now, $5 how many exhausted claims to
+# fail, $6 limited projects with room, $7 their room, $8 every limited project locked)
 CLAIM_CANDIDATES: Final = f"""
-WITH reach AS (
-    SELECT project_id FROM projects
+WITH claiming AS (SELECT {_CLAIMING}),
+open_reach AS (
+    SELECT project_id FROM projects CROSS JOIN claiming
     WHERE status = 'open' AND ($1::text IS NULL OR project_id = $1::text)
       AND ($2::text IS NULL
            OR project_id IN (SELECT project_id FROM assignments WHERE actor_id = $2::text))),
-page AS (SELECT ($3::bigint - 1) / greatest(count(*), 1) + 1 AS size FROM reach)
-SELECT 'r' AS arm, page.size, ready.*
-FROM reach CROSS JOIN page
-CROSS JOIN LATERAL ({_ready("reach.project_id", "page.size", "0")}) AS ready
+reach AS (
+    SELECT project_id,
+           ($7::bigint[])[array_position($6::text[], project_id)] AS room
+    FROM open_reach
+    WHERE project_id = ANY ($6::text[])
+       OR project_id NOT IN (SELECT project_id FROM project_limits)),
+page AS (SELECT ($3::bigint - 1) / greatest(count(*), 1) + 1 AS size FROM reach),
+sized AS (
+    SELECT reach.project_id, least(page.size, coalesce(reach.room, page.size)) AS size
+    FROM reach CROSS JOIN page)
+SELECT 'r' AS arm, sized.size, ready.*
+FROM sized CROSS JOIN LATERAL ({_ready("sized.project_id", "sized.size", "0")}) AS ready
 UNION ALL
-SELECT 'd', page.size, due.*
-FROM reach CROSS JOIN page
-CROSS JOIN LATERAL ({_due("reach.project_id", "page.size", "0", "$4")}) AS due
+SELECT 'd', sized.size, due.*
+FROM sized CROSS JOIN LATERAL ({_due("sized.project_id", "sized.size", "0", "$4")}) AS due
+UNION ALL
+SELECT 'q', 0, NULL::bigint, NULL::text, NULL::bigint, NULL::text, NULL::bigint, NULL::bigint,
+       project_id, NULL::text, NULL::bigint, NULL::text, NULL::float8
+FROM open_reach
+WHERE project_id IN (SELECT project_id FROM project_limits) AND project_id <> ALL ($8::text[])
 UNION ALL
 SELECT 'l', $3::bigint, * FROM ({_lapsed("$3", "0", "$4")}) AS lapsed
 UNION ALL
@@ -587,28 +723,92 @@ ORDER BY project_id, fingerprint
 """
 # Claim many candidates at once, each for its own owner and lease, with its "claimed"
 # event; a fingerprinted ready or deferred one (guarded) only if no twin of it runs now.
-# The fence rises by one. ($1 now, $2 item ids, $3 owners, $4 lease expiries, $5 guarded,
-# $6 actor_id)
-CLAIM_ITEMS: Final = """
-WITH claimed AS (
+# The fence rises by one. What the claims took from limited projects' rate buckets is
+# written in the same statement (as `_rules.spend` says, counting every item dealt).
+# An item of a project limited since this claim read its reach, and whose limits it did
+# not take, is not claimed: its limits were not counted. ($1 now, $2 item ids, $3 owners,
+# $4 lease expiries, $5 guarded, $6 actor_id, $7 whether the item's project's limits are
+# the claim's: taken, and counted; then the event each claim records first, if any (a
+# takeover's "lease_expired", made by `_rules.takeover_event`), written only for an item
+# claimed: $8 its type, $9 fence, $10 owner, $11 detail)
+_CLAIMED = """claimed AS (
     UPDATE items
     SET state = 'claimed', fence = items.fence + 1, attempts = items.attempts + 1,
         owner = c.owner, lease_expires_at = c.expires, due_at = NULL, updated_at = $1
-    FROM unnest($2::bigint[], $3::text[], $4::float8[], $5::boolean[])
-         AS c (item_id, owner, expires, guarded)
+    FROM unnest($2::bigint[], $3::text[], $4::float8[], $5::boolean[], $7::boolean[],
+                $8::text[], $9::bigint[], $10::text[], $11::text[])
+         AS c (item_id, owner, expires, guarded, counted,
+               before_type, before_fence, before_owner, before_detail)
     WHERE items.item_id = c.item_id
+      AND (c.counted OR NOT EXISTS (
+          SELECT 1 FROM project_limits AS l WHERE l.project_id = items.project_id))
       AND (NOT c.guarded OR NOT EXISTS (
           SELECT 1 FROM items AS twin
           WHERE twin.project_id = items.project_id AND twin.fingerprint = items.fingerprint
             AND twin.state IN ('claimed', 'offloaded') AND twin.item_id <> items.item_id))
     RETURNING items.item_id, items.project_id, items.payload, items.fence, items.attempts,
-              items.owner),
+              items.owner, c.before_type, c.before_fence, c.before_owner, c.before_detail),
 logged AS (
     INSERT INTO events (item_id, event_type, fence, owner, actor_id, at, detail)
-    SELECT item_id, 'claimed', fence, owner, $6::text, $1, NULL FROM claimed
-    ORDER BY item_id)
+    SELECT item_id, event_type, fence, owner, $6::text, $1, detail FROM (
+        SELECT item_id, before_type AS event_type, before_fence AS fence,
+               before_owner AS owner, before_detail AS detail, 0 AS step
+        FROM claimed WHERE before_type IS NOT NULL
+        UNION ALL
+        SELECT item_id, 'claimed', fence, owner, NULL, 1 FROM claimed) AS claim_events
+    ORDER BY item_id, step)
 SELECT item_id, project_id, payload, fence, attempts FROM claimed
 """
+CLAIM_ITEMS: Final = "WITH " + _CLAIMED
+# The same, writing what the claims took of rate buckets (a statement apart, so that the
+# common claim's plan is not planned anew each time for arrays it never has). ($12 the
+# projects whose buckets were drawn from, $13 the tokens each has left, $14 refilled at)
+CLAIM_ITEMS_SPENDING: Final = (
+    """
+WITH spent AS (
+    UPDATE project_limits AS l SET tokens = s.tokens, refilled_at = s.refilled_at
+    FROM unnest($12::text[], $13::float8[], $14::float8[]) AS s (project_id, tokens, refilled_at)
+    WHERE l.project_id = s.project_id),
+"""
+    + _CLAIMED
+)
+# The limits of the claim's reach, locked ($1 project_id, $2 actor_id, $3 NULL: wait for
+# them all; or only these projects, skipping those another claimer holds).
+TAKE_LIMITS: Final = "SELECT * FROM asyncplane_take_limits($1::text, $2::text, $3::text[])"
+# One project's limits (all None: it has none), or every limited project's, each with
+# its count of claimed items.
+_LIMITS_COLUMNS = """
+    p.project_id, l.max_running, l.per_minute, l.burst, l.tokens, l.refilled_at,
+    (SELECT count(*) FROM items
+     WHERE items.project_id = p.project_id AND items.state = 'claimed')"""
+GET_LIMITS: Final = f"""
+SELECT {_LIMITS_COLUMNS}
+FROM projects AS p LEFT JOIN project_limits AS l ON l.project_id = p.project_id
+WHERE p.project_id = $1
+"""
+ALL_LIMITS: Final = f"""
+SELECT {_LIMITS_COLUMNS}
+FROM project_limits AS l JOIN projects AS p ON p.project_id = l.project_id
+ORDER BY p.project_id
+"""
+# set_limits changes one project's limits at a time on every host: it holds the project's
+# row (not so strongly that an enqueue's key check of it waits) while it reads and writes.
+LOCK_PROJECT: Final = "SELECT 1 FROM projects WHERE project_id = $1 FOR NO KEY UPDATE"
+# ... and its limits' lock, the one a claim takes (asyncplane_take_limits), so that a
+# claim drawing from the bucket now commits first, and what it spent is read (not given
+# back). ($1 project_id)
+LOCK_LIMITS: Final = """
+SELECT pg_advisory_xact_lock(
+    hashtextextended('asyncplane-limit:' || current_schema() || chr(1) || $1::text, 0))
+"""
+PUT_LIMITS: Final = """
+INSERT INTO project_limits (project_id, max_running, per_minute, burst, tokens, refilled_at)
+VALUES ($1, $2, $3, $4, $5, $6)
+ON CONFLICT (project_id) DO UPDATE SET
+    max_running = excluded.max_running, per_minute = excluded.per_minute,
+    burst = excluded.burst, tokens = excluded.tokens, refilled_at = excluded.refilled_at
+"""
+DELETE_LIMITS: Final = "DELETE FROM project_limits WHERE project_id = $1"
 # Said by a claim that locked candidates it did not take (another claimer skipped them
 # meanwhile, and may have gone to sleep for want of work): wake the drainers.
 NOTIFY: Final = "SELECT pg_notify('asyncplane', current_schema())"
@@ -752,14 +952,35 @@ WHERE item_id = $2 AND fingerprint IS NULL AND state NOT IN ('claimed', 'offload
 
 # The drain loop's alarm ($1 project_id, $2 actor_id): the earliest moment a deferred item
 # falls due or a lease lapses, among items a claim with the same filters could take.
+# Projects with limits are read apart (NEXT_DUE_LIMITED).
+_UNLIMITED = "AND project_id NOT IN (SELECT project_id FROM project_limits)"
 NEXT_DUE: Final = f"""
 SELECT min(at) FROM (
     SELECT min(due_at) AS at FROM items
-    WHERE state = 'deferred' {_CLAIMABLE}
+    WHERE state = 'deferred' {_CLAIMABLE} {_UNLIMITED}
     UNION ALL
     SELECT min(lease_expires_at) FROM items
-    WHERE state = 'claimed' {_IN_REACH}
+    WHERE state = 'claimed' {_IN_REACH} {_UNLIMITED}
 ) AS due
+"""
+# The same per limited project in reach, with its limits (`_rules.limited_due`): whether
+# it has ready items, when its first deferred one falls due, its first lease lapses.
+# ($1 project_id, $2 actor_id)
+NEXT_DUE_LIMITED: Final = f"""
+SELECT l.project_id, l.max_running, l.per_minute, l.burst, l.tokens, l.refilled_at,
+       (SELECT count(*) FROM items WHERE items.project_id = l.project_id
+          AND state = 'claimed'),
+       EXISTS (SELECT 1 FROM items WHERE items.project_id = l.project_id
+                 AND state = 'ready' AND NOT held
+                 AND (fingerprint IS NULL OR NOT EXISTS ({_TWIN}))),
+       (SELECT min(due_at) FROM items WHERE items.project_id = l.project_id
+          AND state = 'deferred' AND (fingerprint IS NULL OR NOT EXISTS ({_TWIN}))),
+       (SELECT min(lease_expires_at) FROM items WHERE items.project_id = l.project_id
+          AND state = 'claimed')
+FROM project_limits AS l JOIN projects AS p ON p.project_id = l.project_id
+WHERE p.status = 'open' AND ($1::text IS NULL OR l.project_id = $1::text)
+  AND ($2::text IS NULL
+       OR l.project_id IN (SELECT project_id FROM assignments WHERE actor_id = $2::text))
 """
 
 DIAGNOSE_ITEM: Final = """
@@ -919,6 +1140,11 @@ EXPORT_ITEMS: Final = f"""
 SELECT {_ITEM_COLUMNS} FROM items
 WHERE item_id > $1 AND (NOT $3::boolean OR state NOT IN {_SETTLED_STATES})
 ORDER BY item_id LIMIT $2
+"""
+COPY_LIMITS: Final = """
+INSERT INTO project_limits (project_id, max_running, per_minute, burst, tokens, refilled_at)
+VALUES ($1, $2, $3, $4, $5, $6)
+ON CONFLICT (project_id) DO NOTHING
 """
 COPY_PROJECT: Final = """
 INSERT INTO projects (project_id, name, status, created_at) VALUES ($1, $2, $3, $4)
@@ -1171,9 +1397,66 @@ COUNT_STORE_TABLES: Final = """
 SELECT count(*) FROM pg_catalog.pg_tables
 WHERE schemaname = current_schema() AND tablename = ANY($1::text[])
 """
-# Everything migration 1 made, for the probe's --overwrite.
+# Everything the migrations made, for the probe's --overwrite.
 DROP_STORE: Final = """
-DROP TABLE IF EXISTS asyncplane_meta, assignments, imports, events, items, projects CASCADE;
+DROP TABLE IF EXISTS asyncplane_meta, assignments, imports, events, items, projects,
+    project_limits, schedules, schedule_ticks CASCADE;
 DROP FUNCTION IF EXISTS asyncplane_refuse_event_update(), asyncplane_refuse_event_delete(),
-    asyncplane_notify(), asyncplane_notify_settled() CASCADE;
+    asyncplane_notify(), asyncplane_notify_settled(), asyncplane_twin_arrives(),
+    asyncplane_line_moves_on(), asyncplane_take_limits(text, text, text[]),
+    asyncplane_slot_freed() CASCADE;
 """
+
+# --- schedules -----------------------------------------------------------------------------
+# As on SQLite (see its SQL). A run takes the due schedules' rows, skipping those another
+# host is running now; a tick's key (RESERVE_TICK) waits for a concurrent insert of the same
+# key and then does nothing: the tick is enqueued once, whatever runs at once.
+
+_SCHEDULE_COLUMNS = (
+    "name, project_id, payload, cron, every, timezone, catch_up, priority, service_class, "
+    "fingerprint, dedup, max_attempts, paused, anchor, next_at, last_at, created_at, updated_at"
+)
+GET_SCHEDULE: Final = f"SELECT {_SCHEDULE_COLUMNS} FROM schedules WHERE name = $1"
+LOCK_SCHEDULE: Final = GET_SCHEDULE + " FOR UPDATE"
+LIST_SCHEDULES: Final = f"SELECT {_SCHEDULE_COLUMNS} FROM schedules ORDER BY name"
+PUT_SCHEDULE: Final = f"""
+INSERT INTO schedules ({_SCHEDULE_COLUMNS})
+VALUES ({", ".join(f"${n}" for n in range(1, 19))})
+ON CONFLICT (name) DO UPDATE SET
+    project_id = excluded.project_id, payload = excluded.payload, cron = excluded.cron,
+    every = excluded.every, timezone = excluded.timezone, catch_up = excluded.catch_up,
+    priority = excluded.priority, service_class = excluded.service_class,
+    fingerprint = excluded.fingerprint, dedup = excluded.dedup,
+    max_attempts = excluded.max_attempts, anchor = excluded.anchor,
+    next_at = excluded.next_at, updated_at = excluded.updated_at
+"""
+PAUSE_SCHEDULE: Final = """
+UPDATE schedules SET paused = $1, next_at = $2, updated_at = $3 WHERE name = $4
+"""
+DELETE_SCHEDULE: Final = "DELETE FROM schedules WHERE name = $1"
+DELETE_TICKS: Final = "DELETE FROM schedule_ticks WHERE name = $1"
+DUE_SCHEDULES: Final = f"""
+SELECT {_SCHEDULE_COLUMNS} FROM schedules
+WHERE NOT paused AND next_at <= $1
+ORDER BY next_at, name LIMIT $2
+FOR UPDATE SKIP LOCKED
+"""
+RESERVE_TICK: Final = """
+INSERT INTO schedule_ticks (name, tick_at, item_id, at) VALUES ($1, $2, NULL, $3)
+ON CONFLICT DO NOTHING
+RETURNING 1
+"""
+FILL_TICK: Final = "UPDATE schedule_ticks SET item_id = $1 WHERE name = $2 AND tick_at = $3"
+MOVE_SCHEDULE: Final = """
+UPDATE schedules SET next_at = $1, last_at = coalesce($2, last_at), updated_at = $3
+WHERE name = $4
+"""
+FORGET_TICKS: Final = "DELETE FROM schedule_ticks WHERE name = $1 AND tick_at < $2"
+NEXT_TICK: Final = "SELECT min(next_at) FROM schedules WHERE NOT paused"
+SCHEDULE_TICKS: Final = """
+SELECT name, tick_at, item_id, at FROM schedule_ticks WHERE name = $1
+ORDER BY tick_at DESC LIMIT $2
+"""
+COPY_SCHEDULE: Final = PUT_SCHEDULE[: PUT_SCHEDULE.index("ON CONFLICT")] + (
+    "ON CONFLICT (name) DO NOTHING\n"
+)

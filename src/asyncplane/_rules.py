@@ -20,6 +20,12 @@ has one home, whichever database holds the store:
   claimable, and none while a twin runs; the others are held out of the claim index.
   That rule is the one written in SQL, as each dialect's triggers (SQLite migration 5,
   PostgreSQL migration 3), because every write that moves an item must keep it.
+* **Per-project limits** (`Limits`, `Quota`, `quota`, `spend`, `token_due`,
+  `merged_limits`): how many items of a limited project a claim may take (a slot under
+  ``max_running``, a token of the ``per_minute``/``burst`` bucket), decided in the
+  claim's own transaction from the project's limit row and its count of claimed items,
+  which the backend reads under the row's lock. A limited project with nothing to give
+  leaves the claim's reach; one with some gives a first page no bigger than that.
 * **Lapses and retries** (`exhausted_lease_error`, `retry_plan`, `backoff`): when a
   claim's last attempt is spent, and when a retried item falls due.
 * **Events** (`Event`, `arrival_events`, ...): what the ledger records for each
@@ -38,10 +44,11 @@ from __future__ import annotations
 import collections
 import heapq
 import json
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
-from asyncplane import _backend, _errors, _models
+from asyncplane import _backend, _errors, _models, _schedule
 
 __all__ = (
     "CANCELLABLE",
@@ -53,16 +60,20 @@ __all__ = (
     "ClaimMerge",
     "EnqueuePlan",
     "Event",
+    "Limits",
     "NewRow",
+    "Quota",
     "RetryPlan",
     "arrival_events",
     "backoff",
+    "bucket",
     "cancel_plan",
     "cancel_states",
     "claim_key",
     "claim_row",
     "copy_id_taken",
     "deal",
+    "declared_schedule",
     "dedup_fingerprints",
     "event",
     "exhausted_bound",
@@ -74,7 +85,10 @@ __all__ = (
     "history",
     "invisible_item",
     "keyset_start",
+    "limited_due",
+    "limits_row",
     "listing_arms",
+    "merged_limits",
     "new_row",
     "next_chunk",
     "offload_event",
@@ -83,6 +97,7 @@ __all__ = (
     "park_event",
     "project_denied",
     "project_exists",
+    "quota",
     "refuse_newer_schema",
     "refuse_unreadable_schema",
     "release_event",
@@ -91,10 +106,13 @@ __all__ = (
     "retry_event",
     "retry_plan",
     "settlement_event",
+    "spend",
     "takeover_event",
     "target",
+    "token_due",
     "twin_events",
     "unknown_project",
+    "unknown_schedule",
 )
 
 # --- refusals ------------------------------------------------------------------------------
@@ -168,6 +186,30 @@ def copy_id_taken(item_id: int) -> _errors.InvalidInput:
         f"the destination holds an item {item_id} of its own: a copy keeps item ids, so "
         "it goes into an empty store (or one it copied into before)"
     )
+
+
+def declared_schedule(
+    op: _backend.ScheduleOp, old: _backend.ScheduleRow | None, now: float
+) -> _backend.ScheduleRow:
+    """The row a schedule is stored as once declared (`_schedule.placed` says where it stands; a
+    schedule declared again keeps whether it is paused, its last tick and its birth)."""
+    anchor, next_at = _schedule.placed(
+        op.timetable, None if old is None else old.timetable(),
+        None if old is None else old.next_at, now,
+    )  # fmt: skip
+    item = op.item
+    return _backend.ScheduleRow(
+        op.name, op.project_id, item.payload_json, op.timetable.cron, op.timetable.every,
+        op.timetable.timezone, op.catch_up, item.priority, item.service_class,
+        item.fingerprint, item.dedup, item.max_attempts,
+        False if old is None else bool(old.paused), anchor, next_at,
+        None if old is None else old.last_at, now if old is None else old.created_at, now,
+    )  # fmt: skip
+
+
+def unknown_schedule(name: str) -> _errors.UnknownSchedule:
+    """A schedule named that does not exist."""
+    return _errors.UnknownSchedule(f"no schedule {name!r}")
 
 
 def refuse_newer_schema(version: int, known: int) -> None:
@@ -381,8 +423,23 @@ class ClaimMerge:
     shifted the offsets) shows it again.
     """
 
-    def __init__(self, arms: int, limit: int, *, first_page: int | None = None) -> None:
+    def __init__(
+        self,
+        arms: int,
+        limit: int,
+        *,
+        first_page: int | None = None,
+        quotas: Mapping[str, Quota] | None = None,
+        arm_projects: Sequence[str | None] = (),
+    ) -> None:
         self._limit = limit
+        # Limited projects: what each may still give, and (to stop reading a project that
+        # has given all it may) which arms hold its ready and fallen-due items.
+        self._quotas = quotas or {}
+        self._arms_of: dict[str, list[int]] = {}
+        for arm, project in enumerate(arm_projects):
+            if project is not None and project in self._quotas:
+                self._arms_of.setdefault(project, []).append(arm)
         # By default the first page is the whole batch (PostgreSQL reads it with every
         # other arm's); MAX_PAGE caps only the further pages read past skipped twins.
         page = first_page if first_page is not None else limit
@@ -442,6 +499,8 @@ class ClaimMerge:
                 return None
             _, arm = heapq.heappop(heads)
             buffered = rows[arm]
+            if not buffered:
+                continue  # the arm of a limited project that has given all it may
             candidate = buffered.popleft()
             if buffered:
                 heapq.heappush(heads, (claim_key(buffered[0]), arm))
@@ -450,14 +509,34 @@ class ClaimMerge:
                 starved.append(arm)
             if candidate.item_id in self._seen:
                 continue
-            self._seen.add(candidate.item_id)
+            twin = None
             if candidate.fingerprint is not None:
                 twin = (candidate.project_id, candidate.fingerprint)
                 if twin in self._twins:
+                    self._seen.add(candidate.item_id)
                     continue
+            quota = self._quotas.get(candidate.project_id)
+            if quota is not None and not self._allowed(quota, candidate):
+                continue
+            self._seen.add(candidate.item_id)
+            if twin is not None:
                 self._twins.add(twin)
             self.chosen.append(candidate)
         return None
+
+    def _allowed(self, quota: Quota, candidate: Candidate) -> bool:
+        """Whether a limited project may give this candidate, taking it from the quota if
+        so; a project that can give no new run stops being read."""
+        takeover = candidate.state == "claimed"
+        allowed = quota.allows(takeover=takeover)
+        if allowed:
+            quota.take(takeover=takeover)
+        if quota.room == 0:
+            for arm in self._arms_of.pop(candidate.project_id, ()):
+                self._rows[arm].clear()
+                self._more[arm] = False
+                self._starving[arm] = False
+        return allowed
 
 
 def first_pages(
@@ -482,6 +561,170 @@ def first_page(total: int, projects: int) -> int:
     projects reads about ``total + projects`` rows, not ``total * projects``; an arm that
     holds more of the batch is read further in doubling pages."""
     return max(1, -(-total // max(projects, 1)))
+
+
+# --- limits --------------------------------------------------------------------------------
+
+#: A bucket this close below a whole token holds it (float sums of refills are inexact,
+#: and a claim woken when `token_due` said must find the token there).
+_TOKEN_SLACK = 1e-9
+
+
+#: A project's limits as stored, with how many of its items are claimed now.
+Limits = _backend.LimitsRow
+
+
+def limits_row(row: Sequence[Any]) -> Limits:
+    """A `Limits` from a backend's row, in its column order."""
+    return Limits._make(row)
+
+
+class Quota:
+    """What a limited project may still give one claim: ``slots`` new runs (under
+    ``max_running``; None: no such limit) and ``tokens`` claims of any kind (of the rate
+    bucket; None: no rate). A takeover of a lapsed claim takes a token, not a slot: the
+    item was running already."""
+
+    __slots__ = ("slots", "taken", "tokens")
+
+    def __init__(self, slots: int | None, tokens: int | None) -> None:
+        self.slots = slots
+        self.tokens = tokens
+        #: How many claims took from it.
+        self.taken = 0
+
+    def allows(self, *, takeover: bool) -> bool:
+        """Whether one more claim (a new run, or a takeover) is allowed."""
+        if self.tokens is not None and self.tokens < 1:
+            return False
+        return takeover or self.slots is None or self.slots >= 1
+
+    def take(self, *, takeover: bool) -> None:
+        """Count one claim against the quota."""
+        self.taken += 1
+        if self.tokens is not None:
+            self.tokens -= 1
+        if not takeover and self.slots is not None:
+            self.slots -= 1
+
+    @property
+    def room(self) -> int | None:
+        """How many new runs it may still give (None: any number)."""
+        if self.slots is None:
+            return self.tokens
+        return self.slots if self.tokens is None else min(self.slots, self.tokens)
+
+
+def _capacity(limits: Limits) -> float:
+    """The bucket's size: ``burst`` claims at once (one, without a burst)."""
+    return float(limits.burst if limits.burst is not None else 1)
+
+
+def bucket(limits: Limits, now: float) -> float | None:
+    """The tokens in the project's rate bucket at ``now`` (None: no rate limit): what was
+    left, refilled at ``per_minute / 60`` a second since, up to its size. A clock that went
+    back refills nothing."""
+    if limits.per_minute is None:
+        return None
+    capacity = _capacity(limits)
+    if limits.tokens is None or limits.refilled_at is None:
+        return capacity
+    refill = max(0.0, now - limits.refilled_at) * limits.per_minute / 60.0
+    return min(capacity, limits.tokens + refill)
+
+
+def quota(limits: Limits, now: float) -> Quota:
+    """What a limited project may give a claim at ``now``: the slots ``max_running``
+    leaves beside the claimed items, the whole tokens in its bucket."""
+    slots = None if limits.max_running is None else max(0, limits.max_running - limits.running)
+    tokens = bucket(limits, now)
+    return Quota(slots, None if tokens is None else int(tokens + _TOKEN_SLACK))
+
+
+def spend(limits: Limits, now: float, taken: int) -> tuple[float, float] | None:
+    """The bucket a claim leaves, ``(tokens, refilled_at)``, having taken ``taken``
+    tokens at ``now``; None for a project with no rate limit (nothing to write)."""
+    tokens = bucket(limits, now)
+    if tokens is None:
+        return None
+    refilled = now if limits.refilled_at is None else max(now, limits.refilled_at)
+    return max(0.0, tokens - taken), refilled
+
+
+def token_due(limits: Limits, now: float) -> float | None:
+    """When the rate bucket holds a whole token again, if it holds none now (the alarm of a
+    claimer that found the project's ready items out of tokens); None otherwise.
+
+    The moment is the first float time at which `bucket` itself says a token is there: the
+    division's answer, rounded to a time, can fall a hair short of it, and a claimer woken
+    then would find no token and be told the same moment again."""
+    tokens = bucket(limits, now)
+    if tokens is None or tokens + _TOKEN_SLACK >= 1 or limits.per_minute is None:
+        return None
+    due = now + (1.0 - tokens) * 60.0 / limits.per_minute
+    while (bucket(limits, due) or 0.0) + _TOKEN_SLACK < 1:
+        due = math.nextafter(due, math.inf)
+    return due
+
+
+def limited_due(
+    limits: Limits,
+    now: float,
+    *,
+    ready: bool,
+    due_at: float | None,
+    takeover_at: float | None,
+) -> float | None:
+    """When a claim could next take something of a limited project: its ready items now,
+    its first deferred item when it falls due, only while a slot is free (a settle frees
+    one, and wakes the claimer); its first lapsed claim when it can be taken over; each no
+    sooner than the rate bucket holds a token. None: nothing until an item settles."""
+    room = quota(limits, now)
+    times: list[float] = []
+    if room.slots is None or room.slots >= 1:
+        if ready:
+            times.append(now)
+        if due_at is not None:
+            times.append(due_at)
+    if takeover_at is not None:
+        times.append(takeover_at)
+    if not times:
+        return None
+    token = token_due(limits, now)
+    return min(times) if token is None else max(min(times), token)
+
+
+def merged_limits(
+    old: Limits | None,
+    project_id: str,
+    changes: Mapping[str, int | float | None],
+    now: float,
+) -> Limits | None:
+    """A project's limits after `set_limits`: the ``changes`` given (None clears one), the
+    rest as they were; None when no limit is left (the row goes). A rate bucket starts
+    full, and one whose rate or burst changes keeps what it holds, up to its new size; a
+    burst needs a rate (clearing the rate clears it)."""
+    current: dict[str, Any] = (
+        {"max_running": None, "per_minute": None, "burst": None}
+        if old is None
+        else {"max_running": old.max_running, "per_minute": old.per_minute, "burst": old.burst}
+    )
+    current.update(changes)
+    if current["per_minute"] is None:
+        if changes.get("burst") is not None:
+            raise _errors.InvalidInput(
+                "burst is the size of the per_minute bucket: give per_minute too"
+            )
+        current["burst"] = None  # no rate, no bucket
+    if all(value is None for value in current.values()):
+        return None
+    new = Limits(project_id, current["max_running"], current["per_minute"], current["burst"],
+                 None, None)  # fmt: skip
+    if new.per_minute is None:
+        return new
+    held = None if old is None else bucket(old, now)
+    tokens = _capacity(new) if held is None else min(_capacity(new), held)
+    return new._replace(tokens=tokens, refilled_at=now)
 
 
 def deal(

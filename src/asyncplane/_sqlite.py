@@ -35,6 +35,7 @@ from asyncplane import (
     _lock,
     _models,
     _rules,
+    _schedule,
     _writer,
 )
 from asyncplane import _sqlite_sql as sql
@@ -270,6 +271,48 @@ class SQLiteBackend(_backend.Writes):
     async def sizes(self) -> tuple[int, int]:
         return await anyio.to_thread.run_sync(_file_sizes, self._path)
 
+    async def set_limits(self, op: _backend.LimitsOp) -> _backend.LimitsRow | None:
+        return await self._write(functools.partial(_set_limits, op))
+
+    async def get_limits(self, project_id: str | None) -> list[_backend.LimitsRow]:
+        if project_id is None:
+            rows = await self._read(_fetch, sql.ALL_LIMITS, ())
+        else:
+            rows = await self._read(_fetch, sql.GET_LIMITS, (project_id,))
+            if not rows:
+                raise _rules.unknown_project(project_id)
+        return [_rules.limits_row(row) for row in rows]
+
+    async def set_schedule(self, op: _backend.ScheduleOp) -> _backend.ScheduleRow:
+        return await self._write(functools.partial(_set_schedule, op))
+
+    async def list_schedules(self, name: str | None) -> list[_backend.ScheduleRow]:
+        if name is None:
+            rows = await self._read(_fetch, sql.LIST_SCHEDULES, ())
+        else:
+            rows = await self._read(_fetch, sql.GET_SCHEDULE, (name,))
+            if not rows:
+                raise _rules.unknown_schedule(name)
+        return [_backend.ScheduleRow._make(row) for row in rows]
+
+    async def pause_schedule(self, name: str, paused: bool) -> None:
+        await self._write(functools.partial(_pause_schedule, name, paused))
+
+    async def delete_schedule(self, name: str) -> None:
+        await self._write(functools.partial(_delete_schedule, name))
+
+    async def run_schedules(self, limit: int) -> tuple[int, int]:
+        return await self._write(functools.partial(_run_schedules, limit))
+
+    async def next_tick(self) -> float | None:
+        rows = await self._read(_fetch, sql.NEXT_TICK, ())
+        value: float | None = rows[0][0]
+        return value
+
+    async def schedule_ticks(self, name: str, limit: int) -> list[_backend.TickRow]:
+        rows = await self._read(_fetch, sql.SCHEDULE_TICKS, (name, limit))
+        return [_backend.TickRow._make(row) for row in rows]
+
     async def list_assignments(self) -> list[_backend.AssignmentRow]:
         rows = await self._read(_fetch, sql.LIST_ASSIGNMENTS, ())
         return [_backend.AssignmentRow(*row) for row in rows]
@@ -291,9 +334,7 @@ class SQLiteBackend(_backend.Writes):
 
     async def next_due(self, project_id: str | None, actor_id: str | None) -> float | None:
         params = {"project_id": project_id, "actor_id": actor_id, "now": self._clock.now()}
-        rows = await self._read(_fetch_named, sql.NEXT_DUE, params)
-        value: float | None = rows[0][0]
-        return value
+        return await self._read(_next_due, params)
 
     async def get_item(self, item_id: int, actor_id: str | None) -> _backend.ItemRow:
         if actor_id is None:
@@ -377,7 +418,76 @@ def _unassign(project_id: str, actor_id: str, db: sqlite3.Connection, now: float
     db.execute(sql.UNASSIGN, (actor_id, project_id))
 
 
-def _enqueue(op: _backend.EnqueueOp, db: sqlite3.Connection, now: float) -> list[int]:
+def _set_limits(
+    op: _backend.LimitsOp, db: sqlite3.Connection, now: float
+) -> _backend.LimitsRow | None:
+    found = db.execute(sql.GET_LIMITS, (op.project_id,)).fetchone()
+    if found is None:
+        raise _rules.unknown_project(op.project_id)
+    new = _rules.merged_limits(_rules.limits_row(found), op.project_id, dict(op.changes), now)
+    if new is None:
+        db.execute(sql.DELETE_LIMITS, (op.project_id,))
+        return None
+    db.execute(sql.PUT_LIMITS, new[:6])
+    return new._replace(running=found[6])
+
+
+def _set_schedule(
+    op: _backend.ScheduleOp, db: sqlite3.Connection, now: float
+) -> _backend.ScheduleRow:
+    if db.execute(sql.PROJECT_EXISTS, (op.project_id,)).fetchone() is None:
+        raise _rules.unknown_project(op.project_id)
+    found = db.execute(sql.GET_SCHEDULE, (op.name,)).fetchone()
+    old = None if found is None else _backend.ScheduleRow._make(found)
+    row = _rules.declared_schedule(op, old, now)
+    db.execute(sql.PUT_SCHEDULE, row)
+    return row
+
+
+def _pause_schedule(name: str, paused: bool, db: sqlite3.Connection, now: float) -> None:
+    found = db.execute(sql.GET_SCHEDULE, (name,)).fetchone()
+    if found is None:
+        raise _rules.unknown_schedule(name)
+    row = _backend.ScheduleRow._make(found)
+    next_at = _schedule.paused_next_at(row.timetable(), bool(row.paused), paused, row.next_at, now)
+    db.execute(sql.PAUSE_SCHEDULE, (paused, next_at, now, name))
+
+
+def _delete_schedule(name: str, db: sqlite3.Connection, now: float) -> None:
+    if db.execute(sql.DELETE_SCHEDULE, (name,)).rowcount == 0:
+        raise _rules.unknown_schedule(name)
+    db.execute(sql.DELETE_TICKS, (name,))
+
+
+def _run_schedules(limit: int, db: sqlite3.Connection, now: float) -> tuple[int, int]:
+    rows = [_backend.ScheduleRow._make(r) for r in db.execute(sql.DUE_SCHEDULES, (now, limit))]
+    enqueued = 0
+    for row in rows:
+        table = row.timetable()
+        plan = _schedule.plan(table, row.catch_up, row.next_at, now)
+        last = None
+        for tick in plan.ticks:
+            if db.execute(sql.RESERVE_TICK, (row.name, tick, now)).rowcount == 0:
+                continue  # enqueued before: never again
+            queued = _schedule.tick_detail(row.name, table, tick)
+            op = _backend.EnqueueOp(row.project_id, (row.item(),), None)
+            created: list[int] = []  # none, when it is a pending twin's
+            (item_id,) = _enqueue(op, db, now, queued, created)
+            db.execute(sql.FILL_TICK, (item_id, row.name, tick))
+            enqueued += len(created)
+            last = tick
+        db.execute(sql.MOVE_SCHEDULE, (plan.next_at, last, now, row.name))
+        db.execute(sql.FORGET_TICKS, (row.name, now - _schedule.TICKS_KEPT))
+    return enqueued, len(rows)
+
+
+def _enqueue(
+    op: _backend.EnqueueOp,
+    db: sqlite3.Connection,
+    now: float,
+    queued: dict[str, Any] | None = None,
+    created: list[int] | None = None,
+) -> list[int]:
     if op.actor_id is None:
         if db.execute(sql.PROJECT_EXISTS, (op.project_id,)).fetchone() is None:
             raise _rules.unknown_project(op.project_id)
@@ -405,8 +515,10 @@ def _enqueue(op: _backend.EnqueueOp, db: sqlite3.Connection, now: float) -> list
         inserted = list(range(base + 1, base + 1 + len(rows)))
     events: list[_rules.Event] = []
     for item_id, row in zip(inserted, rows, strict=True):
-        events.extend(_rules.arrival_events(item_id, row, op.actor_id, now))
+        events.extend(_rules.arrival_events(item_id, row, op.actor_id, now, queued))
     db.executemany(sql.INSERT_EVENT, events)
+    if created is not None:
+        created.extend(inserted)
     return plan.ids(inserted)
 
 
@@ -428,7 +540,7 @@ def _claim_many(
     }
     total = sum(op.limit for op in ops)
     events: list[_rules.Event] = []
-    lapsed, due = db.execute(sql.ANY_LAPSED_OR_DUE, params).fetchone()
+    lapsed, due, limited = db.execute(sql.ANY_LAPSED_OR_DUE, params).fetchone()
     if lapsed:
         bounded = {**params, "limit": _rules.exhausted_bound(total)}
         for row in db.execute(sql.LAPSED_EXHAUSTED, bounded).fetchall():
@@ -436,28 +548,58 @@ def _claim_many(
             error, failed = _rules.exhausted_lease_events(candidate, first.actor_id, now)
             db.execute(sql.EXHAUST_ITEM, (error, now, candidate.item_id, candidate.fence))
             events.extend(failed)
+    # Limited projects in reach, read under the write lock with their claimed items: what
+    # each may give this claim (none: it is not visited).
+    limits: dict[str, _rules.Limits] = {}
+    quotas: dict[str, _rules.Quota] = {}
+    if limited:
+        for row in db.execute(sql.LIMITS_IN_REACH, params):
+            found = _rules.limits_row(row)
+            limits[found.project_id] = found
+            quotas[found.project_id] = _rules.quota(found, now)
+    roomy = {project: quota.room for project, quota in quotas.items() if quota.room != 0}
     # The arms: each project in reach's ready items, their first pages read in one
-    # statement; only if the probes above found any, each project's deferred items
-    # fallen due (one statement more) and the lapsed claims of them all. An arm whose
-    # first page was short has nothing more.
-    (projects,) = db.execute(sql.REACH_SIZE, params).fetchone()
-    page = _rules.first_page(total, projects)
+    # statement (a limited one's apart, no bigger than its room); only if the probes
+    # above found any, each project's deferred items fallen due (one statement more) and
+    # the lapsed claims of them all. An arm whose first page was short has nothing more.
+    if first.project_id is not None and first.project_id in limits:
+        projects = 0  # the one project asked for is limited: nothing else is in reach
+    else:
+        (projects,) = db.execute(sql.REACH_SIZE, params).fetchone()
+    page = _rules.first_page(total, projects + len(roomy))
     paged = {**params, "page": page}
-    pages = _rules.first_pages(db.execute(sql.CLAIM_FIRST_PAGES, paged))
-    if due:
-        pages.update(_rules.first_pages(db.execute(sql.CLAIM_FIRST_DUE, paged)))
+    pages: dict[tuple[str, str | None], list[_rules.Candidate]] = {}
+    if projects:
+        pages = _rules.first_pages(db.execute(sql.CLAIM_FIRST_PAGES, paged))
+        if due:
+            pages.update(_rules.first_pages(db.execute(sql.CLAIM_FIRST_DUE, paged)))
+    sizes: dict[tuple[str, str | None], int] = {}
+    for project, room in roomy.items():
+        size = page if room is None else min(page, room)
+        for tag, statement in (("r", sql.CLAIM_READY), ("d", sql.CLAIM_DUE)):
+            if tag == "d" and not due:
+                continue
+            first_rows = db.execute(
+                statement, {**params, "project": project, "limit": size, "offset": 0}
+            )
+            pages[(tag, project)] = [_rules.Candidate._make(row) for row in first_rows]
+            sizes[(tag, project)] = size
     if lapsed:
         lapsed_page = db.execute(sql.CLAIM_LAPSED, {**params, "limit": page, "offset": 0})
         pages[("l", None)] = [_rules.Candidate._make(row) for row in lapsed_page]
     keys = list(pages)
-    merge = _rules.ClaimMerge(len(keys), total, first_page=page)
+    merge = _rules.ClaimMerge(
+        len(keys), total, first_page=page, quotas=quotas, arm_projects=[key[1] for key in keys]
+    )
     for position, key in enumerate(keys):
+        if key in sizes:
+            merge.ask(position, sizes[key])
         merge.feed(position, pages[key])
     while (arm := merge.hungry()) is not None:
         limit, offset = merge.next_page(arm)
-        tag, project = keys[arm]
+        tag, arm_project = keys[arm]
         statement = {"r": sql.CLAIM_READY, "d": sql.CLAIM_DUE, "l": sql.CLAIM_LAPSED}[tag]
-        further = {**params, "project": project, "limit": limit, "offset": offset}
+        further = {**params, "project": arm_project, "limit": limit, "offset": offset}
         merge.feed(arm, db.execute(statement, further))
     results: dict[int, list[_backend.ClaimRow]] = {id(op): [] for op in ops}
     for candidate, op in _rules.deal(merge.chosen, ops):
@@ -470,6 +612,10 @@ def _claim_many(
             _rules.claim_row(candidate, op, now, project_id, payload, fence, attempts)
         )
         events.append(_rules.event(candidate.item_id, "claimed", fence, op.owner, op.actor_id, now))
+    for project, quota in quotas.items():
+        spent = _rules.spend(limits[project], now, quota.taken) if quota.taken else None
+        if spent is not None:
+            db.execute(sql.SPEND_TOKENS, (*spent, project))
     if len(events) == 1:
         db.execute(sql.INSERT_EVENT, events[0])
     elif events:
@@ -730,6 +876,8 @@ def _copy_projects(op: _backend.CopyProjectsOp, db: sqlite3.Connection, now: flo
     for project in op.projects:
         added += db.execute(sql.COPY_PROJECT, tuple(project)).rowcount
     db.executemany(sql.COPY_ASSIGNMENT, [tuple(a) for a in op.assignments])
+    db.executemany(sql.COPY_LIMITS, [row[:6] for row in op.limits])
+    db.executemany(sql.COPY_SCHEDULE, [tuple(row) for row in op.schedules])
     return added
 
 
@@ -860,6 +1008,23 @@ def _fetch(db: sqlite3.Connection, statement: str, params: tuple[Any, ...]) -> l
 
 def _fetch_named(db: sqlite3.Connection, statement: str, params: dict[str, Any]) -> list[Any]:
     return db.execute(statement, params).fetchall()
+
+
+def _next_due(db: sqlite3.Connection, params: dict[str, Any]) -> float | None:
+    """The drain loop's alarm (NEXT_DUE), and each limited project's (`_rules.limited_due`),
+    in one snapshot."""
+    times: list[float] = []
+    (unlimited,) = db.execute(sql.NEXT_DUE, params).fetchone()
+    if unlimited is not None:
+        times.append(unlimited)
+    for row in db.execute(sql.NEXT_DUE_LIMITED, params):
+        limited = _rules.limited_due(
+            _rules.limits_row(row[:7]), params["now"],
+            ready=bool(row[7]), due_at=row[8], takeover_at=row[9],
+        )  # fmt: skip
+        if limited is not None:
+            times.append(limited)
+    return min(times, default=None)
 
 
 def _tally(db: sqlite3.Connection) -> _backend.LedgerTally:

@@ -205,6 +205,49 @@ MIGRATIONS: Final[tuple[str, ...]] = (
     BEGIN {_LINE_UP_TWINS_5}
     END;
     """,
+    # 6: schedules and limits. A project's limits, with its rate bucket (the claimed items
+    # it counts are found through items_running, a few per project); schedules, and the key
+    # of every tick enqueued, written with its item so that a tick is enqueued once.
+    """
+    CREATE TABLE project_limits (
+        project_id  TEXT PRIMARY KEY NOT NULL REFERENCES projects (project_id),
+        max_running INTEGER,
+        per_minute  REAL,
+        burst       INTEGER,
+        tokens      REAL,
+        refilled_at REAL
+    ) WITHOUT ROWID;
+    CREATE INDEX items_running ON items (project_id) WHERE state = 'claimed';
+    CREATE TABLE schedules (
+        name          TEXT PRIMARY KEY NOT NULL,
+        project_id    TEXT NOT NULL REFERENCES projects (project_id),
+        payload       TEXT NOT NULL,
+        cron          TEXT,
+        every         REAL,
+        timezone      TEXT NOT NULL,
+        catch_up      TEXT NOT NULL,
+        priority      INTEGER NOT NULL,
+        service_class TEXT NOT NULL,
+        fingerprint   TEXT,
+        dedup         INTEGER NOT NULL,
+        max_attempts  INTEGER,
+        paused        INTEGER NOT NULL DEFAULT 0,
+        anchor        REAL NOT NULL,
+        next_at       REAL NOT NULL,
+        last_at       REAL,
+        created_at    REAL NOT NULL,
+        updated_at    REAL NOT NULL
+    ) WITHOUT ROWID;
+    CREATE INDEX schedules_due ON schedules (next_at) WHERE paused = 0;
+    CREATE TABLE schedule_ticks (
+        name    TEXT NOT NULL,
+        tick_at REAL NOT NULL,
+        item_id INTEGER,
+        at      REAL NOT NULL,
+        PRIMARY KEY (name, tick_at)
+    ) WITHOUT ROWID;
+    CREATE INDEX schedule_ticks_at ON schedule_ticks (at);
+    """,
 )
 
 SCHEMA_VERSION: Final = len(MIGRATIONS)
@@ -298,10 +341,52 @@ _REACH = """
     status = 'open' AND (:project_id IS NULL OR project_id = :project_id)
     AND (:actor_id IS NULL
          OR project_id IN (SELECT project_id FROM assignments WHERE actor_id = :actor_id))"""
-# How many projects a claim visits: the size of its first pages (`_rules.first_page`).
-# A paused project, or one the actor is not assigned to, is never visited at all,
-# whatever it holds.
-REACH_SIZE: Final = f"SELECT count(*) FROM projects WHERE {_REACH}"
+# A project with limits is visited apart (LIMITS_IN_REACH), its first page no bigger than
+# what its limits leave; one with nothing left is not visited at all.
+_OPEN_REACH = f"""{_REACH}
+    AND project_id NOT IN (SELECT project_id FROM project_limits)"""
+# How many projects without limits a claim visits: with those limited ones that have
+# room, the size of its first pages (`_rules.first_page`). A paused project, or one the
+# actor is not assigned to, is never visited at all, whatever it holds.
+REACH_SIZE: Final = f"SELECT count(*) FROM projects WHERE {_OPEN_REACH}"
+# The limited projects in a claim's reach, each with its count of claimed items, read in
+# the claim's write transaction (`_rules.quota` decides what each may give).
+LIMITS_IN_REACH: Final = f"""
+SELECT l.project_id, l.max_running, l.per_minute, l.burst, l.tokens, l.refilled_at,
+       (SELECT count(*) FROM items INDEXED BY items_running
+        WHERE items.project_id = l.project_id AND items.state = 'claimed')
+FROM project_limits AS l JOIN projects USING (project_id)
+WHERE {_REACH}
+ORDER BY l.project_id
+"""
+# One project's limits (all None: it has none), or every limited project's, each with
+# its count of claimed items.
+_LIMITS_COLUMNS = """
+    p.project_id, l.max_running, l.per_minute, l.burst, l.tokens, l.refilled_at,
+    (SELECT count(*) FROM items INDEXED BY items_running
+     WHERE items.project_id = p.project_id AND items.state = 'claimed')"""
+GET_LIMITS: Final = f"""
+SELECT {_LIMITS_COLUMNS}
+FROM projects AS p LEFT JOIN project_limits AS l ON l.project_id = p.project_id
+WHERE p.project_id = ?
+"""
+ALL_LIMITS: Final = f"""
+SELECT {_LIMITS_COLUMNS}
+FROM project_limits AS l JOIN projects AS p ON p.project_id = l.project_id
+ORDER BY p.project_id
+"""
+PUT_LIMITS: Final = """
+INSERT INTO project_limits (project_id, max_running, per_minute, burst, tokens, refilled_at)
+VALUES (?, ?, ?, ?, ?, ?)
+ON CONFLICT (project_id) DO UPDATE SET
+    max_running = excluded.max_running, per_minute = excluded.per_minute,
+    burst = excluded.burst, tokens = excluded.tokens, refilled_at = excluded.refilled_at
+"""
+DELETE_LIMITS: Final = "DELETE FROM project_limits WHERE project_id = ?"
+# What a claim leaves in a project's rate bucket. (tokens, refilled_at, project_id)
+SPEND_TOKENS: Final = """
+UPDATE project_limits SET tokens = ?, refilled_at = ? WHERE project_id = ?
+"""
 
 
 def _twin_of(alias: str) -> str:
@@ -346,7 +431,7 @@ _FIRST_ORDER = "i.priority DESC, i.service_class, i.sla IS NULL, i.sla, i.item_i
 # order; `_rules.first_pages` puts them in claim order. (:project_id, :actor_id, :page;
 # the due one also :now)
 CLAIM_FIRST_PAGES: Final = f"""
-WITH reach AS (SELECT project_id FROM projects WHERE {_REACH})
+WITH reach AS (SELECT project_id FROM projects WHERE {_OPEN_REACH})
 SELECT 'r', {_FIRST_COLUMNS} FROM reach CROSS JOIN items
 WHERE items.item_id IN (
     SELECT i.item_id FROM items AS i INDEXED BY items_claim
@@ -356,7 +441,7 @@ WHERE items.item_id IN (
 """
 # The same for the deferred items fallen due, read only when ANY_LAPSED_OR_DUE found any.
 CLAIM_FIRST_DUE: Final = f"""
-WITH reach AS (SELECT project_id FROM projects WHERE {_REACH})
+WITH reach AS (SELECT project_id FROM projects WHERE {_OPEN_REACH})
 SELECT 'd', {_FIRST_COLUMNS} FROM reach CROSS JOIN items
 WHERE items.item_id IN (
     SELECT i.item_id FROM items AS i INDEXED BY items_project_due
@@ -370,14 +455,16 @@ WHERE state = 'claimed' AND lease_expires_at <= :now
   AND (max_attempts IS NULL OR attempts < max_attempts) {_TAKEABLE}
 ORDER BY {CLAIM_ORDER} LIMIT :limit OFFSET :offset
 """
-# Whether any lease has lapsed, or any deferred item fallen due, at all: two index probes
-# that let the common claim (nothing lapsed, nothing due) skip those arms entirely.
+# Whether any lease has lapsed, or any deferred item fallen due, or any project has
+# limits, at all: three index probes that let the common claim (nothing lapsed, nothing
+# due, no limits) skip those arms entirely.
 ANY_LAPSED_OR_DUE: Final = """
 SELECT
     EXISTS (SELECT 1 FROM items INDEXED BY items_lease
             WHERE state = 'claimed' AND lease_expires_at <= :now),
     EXISTS (SELECT 1 FROM items INDEXED BY items_due
-            WHERE state = 'deferred' AND due_at <= :now)
+            WHERE state = 'deferred' AND due_at <= :now),
+    EXISTS (SELECT 1 FROM project_limits)
 """
 # Lapsed claims that spent their last attempt: a claim fails them (a bounded number at a
 # time) before it looks for work, instead of handing them on.
@@ -498,22 +585,46 @@ SET_FINGERPRINT: Final = (
 )
 
 
-# The earliest moment a deferred item falls due or a lease lapses, among the items a claim
-# with the same filters could take then (the drain loop's alarm): a time already past means
-# there is work to claim now, never work this caller could not have.
-NEXT_DUE: Final = f"""
-SELECT min(at) FROM (
-    SELECT min(due_at) AS at FROM items INDEXED BY items_due
-    WHERE state = 'deferred' {_CLAIMABLE}
-    UNION ALL
-    SELECT min(max(lease_expires_at, coalesce((
+# When a lapsed claim can be taken over: its lapse, or later the lapse of a claimed twin's
+# lease (between claimed twins, only a live lease holds back).
+_TAKEOVER_AT = """max(lease_expires_at, coalesce((
         SELECT max(twin.lease_expires_at) FROM items AS twin INDEXED BY items_running_fingerprint
         WHERE twin.project_id = items.project_id AND twin.fingerprint = items.fingerprint
           AND twin.state IN ('claimed', 'offloaded') AND twin.fingerprint IS NOT NULL
-          AND twin.state = 'claimed' AND twin.item_id <> items.item_id), 0)))
+          AND twin.state = 'claimed' AND twin.item_id <> items.item_id), 0))"""
+_UNLIMITED = "AND project_id NOT IN (SELECT project_id FROM project_limits)"
+# The earliest moment a deferred item falls due or a lease lapses, among the items a claim
+# with the same filters could take then (the drain loop's alarm), in projects without
+# limits: a time already past means there is work to claim now, never work this caller
+# could not have. Limited projects are read apart (NEXT_DUE_LIMITED).
+NEXT_DUE: Final = f"""
+SELECT min(at) FROM (
+    SELECT min(due_at) AS at FROM items INDEXED BY items_due
+    WHERE state = 'deferred' {_CLAIMABLE} {_UNLIMITED}
+    UNION ALL
+    SELECT min({_TAKEOVER_AT})
     FROM items INDEXED BY items_lease
-    WHERE state = 'claimed' {_IN_REACH}
+    WHERE state = 'claimed' {_IN_REACH} {_UNLIMITED}
       AND (fingerprint IS NULL OR NOT EXISTS ({_TWIN} AND twin.state = 'offloaded')))
+"""
+# The same per limited project in reach, with its limits (`_rules.limited_due` says when
+# a claim could take something of it): whether it has ready items, when its first
+# deferred one falls due, when its first lapsed claim can be taken over.
+NEXT_DUE_LIMITED: Final = f"""
+SELECT l.project_id, l.max_running, l.per_minute, l.burst, l.tokens, l.refilled_at,
+       (SELECT count(*) FROM items INDEXED BY items_running
+        WHERE items.project_id = l.project_id AND items.state = 'claimed'),
+       EXISTS (SELECT 1 FROM items INDEXED BY items_claim
+               WHERE items.project_id = l.project_id AND state = 'ready' AND held = 0
+                 AND (fingerprint IS NULL OR NOT EXISTS ({_TWIN}))),
+       (SELECT min(due_at) FROM items INDEXED BY items_project_due
+        WHERE items.project_id = l.project_id AND state = 'deferred'
+          AND (fingerprint IS NULL OR NOT EXISTS ({_TWIN}))),
+       (SELECT min({_TAKEOVER_AT}) FROM items INDEXED BY items_running
+        WHERE items.project_id = l.project_id AND state = 'claimed'
+          AND (fingerprint IS NULL OR NOT EXISTS ({_TWIN} AND twin.state = 'offloaded')))
+FROM project_limits AS l JOIN projects USING (project_id)
+WHERE {_REACH}
 """
 
 # Why a fenced update matched nothing: absent, out of scope, or a stale fence.
@@ -675,6 +786,11 @@ ORDER BY item_id LIMIT :chunk
 """
 COPY_PROJECT: Final = """
 INSERT INTO projects (project_id, name, status, created_at) VALUES (?, ?, ?, ?)
+ON CONFLICT (project_id) DO NOTHING
+"""
+COPY_LIMITS: Final = """
+INSERT INTO project_limits (project_id, max_running, per_minute, burst, tokens, refilled_at)
+VALUES (?, ?, ?, ?, ?, ?)
 ON CONFLICT (project_id) DO NOTHING
 """
 COPY_ASSIGNMENT: Final = (
@@ -916,4 +1032,56 @@ LEDGER_CHECKS: Final[tuple[tuple[str, str], ...]] = (
         GROUP BY e.item_id
         """,
     ),
+)
+
+# --- schedules -----------------------------------------------------------------------------
+# `asyncplane._schedule` decides when ticks fall and which a run enqueues; these read and
+# write it. A tick's key goes in first (RESERVE_TICK), in the transaction that enqueues its
+# item: a tick whose key is there already is never enqueued again.
+
+_SCHEDULE_COLUMNS = (
+    "name, project_id, payload, cron, every, timezone, catch_up, priority, service_class, "
+    "fingerprint, dedup, max_attempts, paused, anchor, next_at, last_at, created_at, updated_at"
+)
+GET_SCHEDULE: Final = f"SELECT {_SCHEDULE_COLUMNS} FROM schedules WHERE name = ?"
+LIST_SCHEDULES: Final = f"SELECT {_SCHEDULE_COLUMNS} FROM schedules ORDER BY name"
+# A schedule declared again keeps whether it is paused, its last tick and its birth.
+PUT_SCHEDULE: Final = f"""
+INSERT INTO schedules ({_SCHEDULE_COLUMNS})
+VALUES ({", ".join("?" * 18)})
+ON CONFLICT (name) DO UPDATE SET
+    project_id = excluded.project_id, payload = excluded.payload, cron = excluded.cron,
+    every = excluded.every, timezone = excluded.timezone, catch_up = excluded.catch_up,
+    priority = excluded.priority, service_class = excluded.service_class,
+    fingerprint = excluded.fingerprint, dedup = excluded.dedup,
+    max_attempts = excluded.max_attempts, anchor = excluded.anchor,
+    next_at = excluded.next_at, updated_at = excluded.updated_at
+"""
+PAUSE_SCHEDULE: Final = """
+UPDATE schedules SET paused = ?, next_at = ?, updated_at = ? WHERE name = ?
+"""
+DELETE_SCHEDULE: Final = "DELETE FROM schedules WHERE name = ?"
+DELETE_TICKS: Final = "DELETE FROM schedule_ticks WHERE name = ?"
+# The schedules with a tick due, the earliest first. (now, limit)
+DUE_SCHEDULES: Final = f"""
+SELECT {_SCHEDULE_COLUMNS} FROM schedules INDEXED BY schedules_due
+WHERE paused = 0 AND next_at <= ?
+ORDER BY next_at, name LIMIT ?
+"""
+RESERVE_TICK: Final = """
+INSERT INTO schedule_ticks (name, tick_at, item_id, at) VALUES (?, ?, NULL, ?)
+ON CONFLICT DO NOTHING
+"""
+FILL_TICK: Final = "UPDATE schedule_ticks SET item_id = ? WHERE name = ? AND tick_at = ?"
+MOVE_SCHEDULE: Final = """
+UPDATE schedules SET next_at = ?, last_at = coalesce(?, last_at), updated_at = ? WHERE name = ?
+"""
+FORGET_TICKS: Final = "DELETE FROM schedule_ticks WHERE name = ? AND tick_at < ?"
+NEXT_TICK: Final = "SELECT min(next_at) FROM schedules INDEXED BY schedules_due WHERE paused = 0"
+SCHEDULE_TICKS: Final = """
+SELECT name, tick_at, item_id, at FROM schedule_ticks WHERE name = ?
+ORDER BY tick_at DESC LIMIT ?
+"""
+COPY_SCHEDULE: Final = PUT_SCHEDULE[: PUT_SCHEDULE.index("ON CONFLICT")] + (
+    "ON CONFLICT (name) DO NOTHING\n"
 )

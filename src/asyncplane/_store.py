@@ -38,6 +38,8 @@ from asyncplane import (
     _import,
     _models,
     _retention,
+    _rules,
+    _schedule,
     _tasks,
     _validate,
     _wakeups,
@@ -444,6 +446,9 @@ class ControlStore:
         with ``actor_id``, assigned to that actor; never an item whose content twin is
         claimed right now. The next one is the one with the highest priority, then
         realtime before standard, then the earliest SLA (none last), then the oldest.
+        A project with limits (`set_limits`) gives no more than they leave: a claim that
+        meets them takes what other projects have, or returns None; ``wait`` then sleeps
+        until a slot frees or a token is back.
 
         The claim is decided and recorded in one write transaction, so an item goes to
         exactly one caller; its fence is above every earlier fence of the item.
@@ -1222,6 +1227,161 @@ class ControlStore:
             _validate.optional_actor(actor_id),
         )
 
+    # --- schedules -----------------------------------------------------------------------
+
+    async def set_schedule(
+        self,
+        name: str,
+        *,
+        project_id: str,
+        payload: dict[str, Any],
+        cron: str | None = None,
+        every: timedelta | float | None = None,
+        timezone: str = "UTC",
+        catch_up: str = "latest",
+        priority: int = 0,
+        service_class: str = "standard",
+        fingerprint: str | None = None,
+        dedup: bool = True,
+        max_attempts: int | None = None,
+    ) -> dict[str, Any]:
+        """Add a schedule, or change the one of that name; return it (as `schedules` does).
+
+        Each tick enqueues one item of ``payload`` in ``project_id``, with the job options
+        given (as `enqueue` takes them; the fingerprint also from the store's
+        ``identity``), its "queued" event recording ``{"schedule": name, "tick": ...}``.
+        Ticks fall by ``cron`` (five fields, or a nickname such as ``@daily``, read in
+        ``timezone``; the ``cron`` extra) or ``every`` (a timedelta or seconds, at least
+        one, counted from now). Declared again with the same timetable, a schedule keeps
+        its place, so a process may declare its schedules each time it starts.
+
+        ``catch_up`` says what a run does with ticks missed while nothing ran: "latest"
+        enqueues the newest, "all" each of them (at most 1000), "none" only a tick at
+        most a minute late.
+
+        Raises:
+            UnknownProject: No such project.
+            InvalidInput: A bad cron expression, an unknown timezone, both or neither of
+                cron and every, a bad job option; nothing was written.
+            MissingExtra: A cron schedule without the ``cron`` extra installed.
+        """
+        op = _backend.ScheduleOp(
+            _validate.text_id(name, "name"),
+            _validate.text_id(project_id, "project_id"),
+            self._engine.new_item(
+                _models.Job(payload, priority, service_class, None, fingerprint, max_attempts),
+                _validate.boolean(dedup, "dedup"),
+            ),
+            _schedule.timetable(cron, every, timezone, 0.0),
+            _validate.catch_up(catch_up),
+        )
+        row = await (await self._engine.ready()).set_schedule(op)
+        self._engine.notify()  # a daemon sleeping until the next tick looks again
+        return _schedule_dict(row)
+
+    async def schedules(self) -> list[dict[str, Any]]:
+        """Every schedule, by name: name, project_id, payload, cron or every, timezone,
+        catch_up, next_at (its next tick), last_at (its last tick enqueued), paused, and
+        its job options."""
+        rows = await (await self._engine.ready()).list_schedules(None)
+        return [_schedule_dict(row) for row in rows]
+
+    async def schedule(self, name: str) -> dict[str, Any]:
+        """One schedule (as `schedules` lists it); UnknownSchedule if absent."""
+        rows = await (await self._engine.ready()).list_schedules(_validate.text_id(name, "name"))
+        return _schedule_dict(rows[0])
+
+    async def pause_schedule(self, name: str) -> None:
+        """Stop a schedule's ticks (its items already enqueued stay); UnknownSchedule if
+        absent."""
+        backend = await self._engine.ready()
+        await backend.pause_schedule(_validate.text_id(name, "name"), True)
+
+    async def resume_schedule(self, name: str) -> None:
+        """Start a paused schedule's ticks again from now: the ticks that fell while it was
+        paused are not enqueued. UnknownSchedule if absent."""
+        backend = await self._engine.ready()
+        await backend.pause_schedule(_validate.text_id(name, "name"), False)
+        self._engine.notify()
+
+    async def delete_schedule(self, name: str) -> None:
+        """Delete a schedule (the items its ticks enqueued stay); UnknownSchedule if absent."""
+        await (await self._engine.ready()).delete_schedule(_validate.text_id(name, "name"))
+
+    async def run_schedules(self) -> int:
+        """Enqueue every tick now due, once, and return how many items were enqueued (a
+        tick whose item is the twin of one still pending, by fingerprint and dedup, takes
+        that one's id and adds none).
+
+        Safe to call from any number of processes and hosts at once: the key of each tick
+        is written in the transaction that enqueues its item, so a tick is enqueued by one
+        caller only. drain() and work() call this themselves (at most once a second, and
+        at each tick), so a fleet that runs either needs no scheduler of its own.
+        """
+        return await self._engine.run_schedules()
+
+    async def schedule_ticks(self, name: str, *, limit: int = 100) -> list[dict[str, Any]]:
+        """A schedule's ticks enqueued (their keys are kept a week), newest first: tick
+        (when it fell), item_id, enqueued_at."""
+        backend = await self._engine.ready()
+        rows = await backend.schedule_ticks(
+            _validate.text_id(name, "name"), _validate.positive_int(limit, "limit")
+        )
+        return [
+            {
+                "tick": _models.from_timestamp(row.tick_at),
+                "item_id": row.item_id,
+                "enqueued_at": _models.from_timestamp(row.at),
+            }
+            for row in rows
+        ]
+
+    # --- limits --------------------------------------------------------------------------
+
+    async def set_limits(
+        self,
+        project_id: str,
+        *,
+        max_running: int | types.EllipsisType | None = ...,
+        per_minute: float | types.EllipsisType | None = ...,
+        burst: int | types.EllipsisType | None = ...,
+    ) -> dict[str, Any]:
+        """Limit a project's claims, across every process and host; return its limits (as
+        `limits` does).
+
+        ``max_running``: at most this many of its items claimed at any instant.
+        ``per_minute`` and ``burst``: claims (takeovers too) drawn from a bucket that
+        holds ``burst`` (one, if not given) and refills at ``per_minute``; so in any
+        window of W seconds at most ``per_minute * W / 60 + burst`` claims. Keywords left
+        out stay as they are; None clears one. Enforced in each claim's own transaction;
+        a limit lowered below what runs now lets those runs finish.
+
+        Raises:
+            UnknownProject: No such project.
+            InvalidInput: A limit that is not positive, or no keyword at all.
+        """
+        project = _validate.text_id(project_id, "project_id")
+        op = _backend.LimitsOp(project, _validate.limit_changes(max_running, per_minute, burst))
+        backend = await self._engine.ready()
+        await backend.set_limits(op)
+        self._engine.notify()  # a raised limit may free claims now
+        return await self.limits(project)
+
+    async def limits(self, project_id: str) -> dict[str, Any]:
+        """A project's limits and what is in use now: project_id, max_running, per_minute,
+        burst (None: no such limit), running (its items claimed now), tokens (in its rate
+        bucket now) and next_token_at (when a whole token is back, if none is there)."""
+        project = _validate.text_id(project_id, "project_id")
+        backend = await self._engine.ready()
+        (row,) = await backend.get_limits(project)
+        return _limits_dict(row, backend.clock.now())
+
+    async def project_limits(self) -> list[dict[str, Any]]:
+        """The limits of every project that has any (as `limits` gives them), by id."""
+        backend = await self._engine.ready()
+        now = backend.clock.now()
+        return [_limits_dict(row, now) for row in await backend.get_limits(None)]
+
     async def events(self, item_id: int, *, actor_id: str | None = None) -> list[dict[str, Any]]:
         """The item's ledger, oldest first.
 
@@ -1250,6 +1410,41 @@ class ControlStore:
             }
             for row in rows
         ]
+
+
+def _limits_dict(row: _backend.LimitsRow, now: float) -> dict[str, Any]:
+    tokens = _rules.bucket(row, now)
+    return {
+        "project_id": row.project_id,
+        "max_running": row.max_running,
+        "per_minute": row.per_minute,
+        "burst": row.burst,
+        "running": row.running,
+        "tokens": tokens,
+        "next_token_at": _optional_time(_rules.token_due(row, now)),
+    }
+
+
+def _schedule_dict(row: _backend.ScheduleRow) -> dict[str, Any]:
+    return {
+        "name": row.name,
+        "project_id": row.project_id,
+        "payload": _decoded(row.payload_json, 0, "schedule payload"),
+        "cron": row.cron,
+        "every": None if row.every is None else timedelta(seconds=row.every),
+        "timezone": row.timezone,
+        "catch_up": row.catch_up,
+        "next_at": _models.from_timestamp(row.next_at),
+        "last_at": _optional_time(row.last_at),
+        "paused": bool(row.paused),
+        "priority": row.priority,
+        "service_class": row.service_class,
+        "fingerprint": row.fingerprint,
+        "dedup": bool(row.dedup),
+        "max_attempts": row.max_attempts,
+        "created_at": _models.from_timestamp(row.created_at),
+        "updated_at": _models.from_timestamp(row.updated_at),
+    }
 
 
 def engine_of(store: ControlStore) -> _engine.Engine:

@@ -26,7 +26,7 @@ import os
 import pathlib
 from typing import Any
 
-from asyncplane import _errors, _models
+from asyncplane import _errors, _models, _schedule
 
 __all__ = (
     "MAX_BUSY_TIMEOUT",
@@ -357,6 +357,39 @@ def instant(value: object, what: str) -> float | None:
 def optional_positive_int(value: object, what: str) -> int | None:
     """None, or a positive int."""
     return None if value is None else positive_int(value, what)
+
+
+def per_minute(value: object) -> float:
+    """A rate: a positive, finite number of claims a minute (at most a million a second)."""
+    number = _number(value, "per_minute", "an int or float")
+    if not math.isfinite(number) or number <= 0 or number > 60e6:
+        raise _errors.InvalidInput(
+            f"per_minute must be positive and at most 60000000, got {shown(value)}"
+        )
+    return number
+
+
+def limit_changes(
+    max_running: object, per_minute_value: object, burst: object
+) -> tuple[tuple[str, int | float | None], ...]:
+    """What set_limits changes: each keyword given (``...``: left as it is), checked; None
+    clears a limit."""
+    changes: list[tuple[str, int | float | None]] = []
+    if max_running is not ...:
+        changes.append(("max_running", optional_positive_int(max_running, "max_running")))
+    if per_minute_value is not ...:
+        rate = None if per_minute_value is None else per_minute(per_minute_value)
+        changes.append(("per_minute", rate))
+    if burst is not ...:
+        changes.append(("burst", optional_positive_int(burst, "burst")))
+    if not changes:
+        raise _errors.InvalidInput("set_limits needs max_running=, per_minute= or burst=")
+    return tuple(changes)
+
+
+def catch_up(value: object) -> str:
+    """What a schedule does with missed ticks: "latest", "all" or "none"."""
+    return _one_of(value, "catch_up", _schedule.CATCH_UP)
 
 
 def fingerprint(value: object) -> str | None:

@@ -10,7 +10,10 @@ found nothing. A waiter is woken by the first of:
   ``poll_interval`` seconds; on PostgreSQL a NOTIFY at once, and a safety look every few
   seconds);
 * the earliest deferred item falling due, or lease lapsing, that such a claim could take
-  (the engine's ``next_due``, by the store's clock);
+  (the engine's ``next_due``, by the store's clock; for a limited project, no sooner than
+  its rate bucket holds a token);
+* with ``schedules`` (a drain loop, work()), the next tick of a schedule, as the engine
+  last found it;
 * ``stop`` being set, ``also`` ending (the caller's own signal: work()'s running item
   finishing), or ``timeout`` seconds passing.
 
@@ -40,9 +43,12 @@ async def until_work(
     stop: asyncio.Event | None = None,
     timeout: float | None = None,
     also: asyncio.Future[Any] | None = None,
+    schedules: bool = False,
 ) -> None:
     """Sleep until work may be claimable (see the module); a failed watcher raises."""
     due = await (await engine.ready()).next_due(project_id, actor_id)
+    if schedules and engine.next_tick is not None:
+        due = engine.next_tick if due is None else min(due, engine.next_tick)
     sleeps: list[Coroutine[Any, Any, Any]] = [
         local.wait(),
         _commit_after(engine, version, poll_interval),
@@ -65,6 +71,8 @@ async def until_work(
         done, _ = await asyncio.wait(watched, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
         for task in done:
             task.result()  # a failed watcher says so, loudly
+        if schedules:
+            engine.recheck_schedules()  # what woke it may be a schedule set, or resumed
     finally:
         for task in waits:
             task.cancel()

@@ -256,7 +256,7 @@ class _Worker:
                     await _wakeups.until_work(
                         self.engine, local, version, poll_interval=self.poll_interval,
                         project_id=self.project_id, actor_id=self.actor_id, stop=self.stop,
-                        also=waiting,
+                        also=waiting, schedules=True,
                     )  # fmt: skip
                 finally:
                     waiting.cancel()
@@ -273,6 +273,8 @@ class _Worker:
             await asyncio.gather(stopping, return_exceptions=True)
 
     async def _housekeeping(self) -> None:
+        # Schedules keep their own pace: at most once a second, and at each tick.
+        self.summary.scheduled += await self.engine.maybe_run_schedules()
         now = time.monotonic()
         if now < self.next_housekeeping:
             return

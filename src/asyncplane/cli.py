@@ -11,6 +11,10 @@
     asyncplane purge DB --retention 7d        archive, then delete, old settled items
     asyncplane import DB --from SRC --table T --column payload=data ...
     asyncplane copy SRC DST                   move a store to another (SQLite <-> PostgreSQL)
+    asyncplane schedules DB                   every schedule, its next and last tick
+    asyncplane schedule DB NAME --project P --cron EXPR --payload JSON   add or change one
+    asyncplane schedule DB NAME --pause | --resume | --delete
+    asyncplane limits DB [PROJECT] [--max-running N] [--per-minute R] [--burst B]
     asyncplane worker DB module:handle [--concurrency N] ...   run work() until SIGTERM
     asyncplane probe --store PATH --scenario ...   (see asyncplane.probe)
 
@@ -18,7 +22,8 @@ DB, SRC and DST are SQLite files or ``postgresql://`` URLs.
 
 Every verb takes ``--json`` for one JSON object on stdout. Long operations (purge, import,
 copy) show their progress on stderr when it is a terminal. stats, verify, events and items
-open the store read-only and write nothing; a filter-wide cancel or requeue without
+(and schedules, and limits without a change) open the store read-only and write
+nothing; a filter-wide cancel or requeue without
 ``--yes`` only says how many items it would change. Exit status: 0 on success, 1 when
 verify finds problems, 2 for a usage error, a missing file, a file that is not an
 asyncplane store, a store of another schema version (the looking verbs need the current
@@ -89,6 +94,28 @@ def _literal(text: str) -> int | float | str:
         except ValueError:
             continue
     return text
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("a payload is a JSON object: {...}")
+    return value
+
+
+def _or_none(kind: type[int] | type[float]) -> Callable[[str], int | float | None]:
+    def parse(text: str) -> int | float | None:
+        if text.lower() == "none":
+            return None
+        try:
+            return kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number, nor 'none': {text!r}") from None
+
+    return parse
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -172,6 +199,29 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="leave settled (done, failed, cancelled) items behind",
     )
+    verb("schedules", "every schedule: its timetable, next tick, last tick").add_argument("db")
+    schedule = verb("schedule", "add or change a schedule; or pause, resume, delete one")
+    schedule.add_argument("db")
+    schedule.add_argument("name")
+    schedule.add_argument("--project", help="the project its ticks enqueue in")
+    timetable = schedule.add_mutually_exclusive_group()
+    timetable.add_argument("--cron", help="a cron expression, e.g. '0 3 * * *' or @daily")
+    timetable.add_argument("--every", type=parse_duration, help="a period, e.g. 5m")
+    schedule.add_argument("--timezone", default="UTC", help="the cron's timezone (IANA)")
+    schedule.add_argument("--payload", type=_json_object, help="each tick's item, as JSON")
+    schedule.add_argument("--catch-up", default="latest", choices=("latest", "all", "none"))
+    schedule.add_argument("--priority", type=int, default=0)
+    schedule.add_argument("--max-attempts", type=int, default=None)
+    change = schedule.add_mutually_exclusive_group()
+    for flag in ("--pause", "--resume", "--delete"):
+        change.add_argument(flag, action="store_true")
+    limits = verb("limits", "a project's limits and what is in use; or change them")
+    limits.add_argument("db")
+    limits.add_argument("project", nargs="?", help="one project (without: every limited one)")
+    for flag, kind in (("--max-running", int), ("--per-minute", float), ("--burst", int)):
+        limits.add_argument(
+            flag, type=_or_none(kind), default=..., metavar="N|none", help="none clears it"
+        )
     _worker_command.add_arguments(
         verb("worker", "run a per-item handler over the store's work until SIGTERM")
     )
@@ -249,7 +299,8 @@ async def _run(args: argparse.Namespace) -> int:
     # nothing written. Only purge, import and copy (its destination) write.
     if args.verb == "copy":
         return await _copy_verb(args)
-    store = _store.ControlStore(args.db, read_only=args.verb in _LOOKING)
+    looking = args.verb in _LOOKING or (args.verb == "limits" and not _limit_changes(args))
+    store = _store.ControlStore(args.db, read_only=looking)
     try:
         try:
             await store.open()
@@ -269,6 +320,8 @@ def _out(args: argparse.Namespace, data: Any, text: str) -> None:
 def _jsonable(value: Any) -> Any:
     if isinstance(value, dt.datetime):
         return _when(value)
+    if isinstance(value, dt.timedelta):
+        return value.total_seconds()
     return str(value)
 
 
@@ -562,8 +615,88 @@ async def _requeue(store: _store.ControlStore, args: argparse.Namespace) -> int:
     return await _where_verb(store, args, states, store.requeue_where, "requeued")
 
 
+def _show_schedule(row: dict[str, Any]) -> str:
+    when = row["cron"] if row["cron"] is not None else f"every {row['every']}"
+    last = "never" if row["last_at"] is None else _when(row["last_at"])
+    paused = "  (paused)" if row["paused"] else ""
+    return (
+        f"{row['name']}: {when} ({row['timezone']}) into {row['project_id']}: next "
+        f"{_when(row['next_at'])}, last {last}{paused}"
+    )
+
+
+async def _schedules(store: _store.ControlStore, args: argparse.Namespace) -> int:
+    rows = await store.schedules()
+    text = "\n".join(_show_schedule(row) for row in rows) or "no schedules"
+    _out(args, {"schedules": rows}, text)
+    return 0
+
+
+async def _schedule(store: _store.ControlStore, args: argparse.Namespace) -> int:
+    for flag, act, done in (("pause", store.pause_schedule, "paused"),
+                            ("resume", store.resume_schedule, "resumed"),
+                            ("delete", store.delete_schedule, "deleted")):  # fmt: skip
+        if getattr(args, flag):
+            try:
+                await act(args.name)
+            except _errors.UnknownSchedule as exc:
+                raise _Usage(str(exc)) from exc
+            _out(args, {"name": args.name, flag: True}, f"{args.name}: {done}")
+            return 0
+    if args.project is None or args.payload is None or (args.cron is None) == (args.every is None):
+        raise _Usage("a schedule needs --project, --payload, and --cron or --every")
+    try:
+        row = await store.set_schedule(
+            args.name, project_id=args.project, payload=args.payload, cron=args.cron,
+            every=args.every, timezone=args.timezone, catch_up=args.catch_up,
+            priority=args.priority, max_attempts=args.max_attempts,
+        )  # fmt: skip
+    except (_errors.UnknownProject, _errors.MissingExtra) as exc:
+        raise _Usage(str(exc)) from exc
+    _out(args, row, _show_schedule(row))
+    return 0
+
+
+def _limit_changes(args: argparse.Namespace) -> dict[str, Any]:
+    return {
+        name: getattr(args, name)
+        for name in ("max_running", "per_minute", "burst")
+        if getattr(args, name) is not ...
+    }
+
+
+def _show_limits(row: dict[str, Any]) -> str:
+    def shown(value: Any) -> str:
+        return "-" if value is None else f"{value:g}"
+
+    tokens = "" if row["tokens"] is None else f", tokens {row['tokens']:.2f}"
+    return (
+        f"{row['project_id']}: max_running {shown(row['max_running'])} (running "
+        f"{row['running']}), per_minute {shown(row['per_minute'])}, burst "
+        f"{shown(row['burst'])}{tokens}"
+    )
+
+
+async def _limits(store: _store.ControlStore, args: argparse.Namespace) -> int:
+    changes = _limit_changes(args)
+    try:
+        if changes and args.project is None:
+            raise _Usage("name the project whose limits change")
+        if changes:
+            rows = [await store.set_limits(args.project, **changes)]
+        elif args.project is not None:
+            rows = [await store.limits(args.project)]
+        else:
+            rows = await store.project_limits()
+    except _errors.UnknownProject as exc:
+        raise _Usage(str(exc)) from exc
+    text = "\n".join(_show_limits(row) for row in rows) or "no project has limits"
+    _out(args, {"limits": rows}, text)
+    return 0
+
+
 #: The verbs that only look: they open the store read-only.
-_LOOKING = ("stats", "verify", "events", "items")
+_LOOKING = ("stats", "verify", "events", "items", "schedules")
 #: Each verb's own parser, for its usage line.
 _VERB_PARSERS: dict[str, argparse.ArgumentParser] = {}
 
@@ -576,6 +709,9 @@ _VERBS: dict[str, Callable[[_store.ControlStore, argparse.Namespace], Any]] = {
     "requeue": _requeue,
     "purge": _purge,
     "import": _import,
+    "schedules": _schedules,
+    "schedule": _schedule,
+    "limits": _limits,
 }
 
 

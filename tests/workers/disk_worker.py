@@ -764,7 +764,7 @@ async def group_commit(run: Run) -> None:
     }
     writer = run.store._engine.backend.writer
     rounds = writer.rounds
-    run.disk.fill(leave=48 * KIB)
+    run.disk.fill(leave=64 * KIB)
     outcomes = await asyncio.gather(*(call() for call in calls.values()), return_exceptions=True)
     emit("fact", what="rounds", rounds=writer.rounds - rounds)
     refused = []
@@ -1054,7 +1054,7 @@ async def drain_retention(run: Run) -> None:
 async def open_new(run: Run) -> None:
     """Schema creation on a full disk, with every amount of room from none to enough."""
     run.path = run.root / "sweep.db"
-    for leave in range(0, 161 * KIB, 4 * KIB):
+    for leave in range(0, 201 * KIB, 4 * KIB):
         for leftover in run.root.glob("sweep.db*"):
             leftover.unlink()
         run.model = Model()

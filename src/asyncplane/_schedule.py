@@ -1,0 +1,254 @@
+"""The schedule rules: when a schedule's ticks fall, and which of them a run enqueues.
+
+Pure code, as `asyncplane._rules` is: a backend reads a schedule's row in its write
+transaction, asks here, and writes what this module decides, so both backends keep one
+set of rules:
+
+* **A timetable** (`Timetable`) is a cron expression read in an IANA timezone, or a fixed
+  period counted from the schedule's anchor (when its timetable was set). Cron
+  expressions are parsed and walked by cronsim (the ``cron`` extra), which follows
+  Debian cron across a DST change: a time that falls in the hour a spring change skips
+  runs at the first minute after it; a fixed time in the hour an autumn change repeats
+  runs once (the first), while ``*`` in the minute or hour field runs in both.
+* **A tick** is one moment of the timetable. ``next_at`` is the first tick not yet
+  enqueued; a run at ``now`` finds the ticks due (``next_at <= tick <= now``), and
+  `plan` says which it enqueues (`CATCH_UP`): ``"latest"`` the newest; ``"all"`` every
+  one, at most `MAX_CATCH_UP` (the newest of them); ``"none"`` the newest only if it fell
+  due at most `ON_TIME` seconds ago, so that a sweep due at three is not run at noon
+  after a night's downtime. On time, the three agree: one tick, enqueued.
+* **Exactly once**: the key of every tick enqueued, (name, tick), is written in the
+  transaction that enqueues its item, and a tick whose key is there is never enqueued
+  again, whoever runs the schedules, and however many at once.
+* **Redeclaring** a schedule (`placed`) with the same timetable keeps its place: a
+  process that declares its schedules each time it starts never skips, nor repeats, a
+  tick. A new timetable starts afresh from now.
+"""
+
+from __future__ import annotations
+
+import collections
+import datetime as dt
+import math
+import zoneinfo
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from asyncplane import _errors
+
+if TYPE_CHECKING:
+    import cronsim
+
+__all__ = (
+    "CATCH_UP",
+    "MAX_CATCH_UP",
+    "ON_TIME",
+    "TICKS_KEPT",
+    "TickPlan",
+    "Timetable",
+    "paused_next_at",
+    "placed",
+    "plan",
+    "tick_detail",
+    "timetable",
+)
+
+#: What a run does with ticks missed while nothing ran the schedules.
+CATCH_UP = ("latest", "all", "none")
+#: The most ticks one run enqueues for one schedule with ``catch_up="all"``.
+MAX_CATCH_UP = 1000
+#: How late a tick may be enqueued with ``catch_up="none"``, in seconds.
+ON_TIME = 60.0
+#: How long the key of a tick enqueued is kept, in seconds (a week; the ledger keeps each
+#: tick's "queued" event for as long as its item).
+TICKS_KEPT = 7 * 24 * 3600.0
+#: The most cron ticks one look walks through (a bound on any expression's walk).
+_MAX_WALK = 200_000
+#: The shortest period of an ``every=`` schedule, in seconds.
+MIN_EVERY = 1.0
+
+# cron nicknames, as Vixie cron reads them (cronsim takes five fields).
+_NICKNAMES = {
+    "@yearly": "0 0 1 1 *",
+    "@annually": "0 0 1 1 *",
+    "@monthly": "0 0 1 * *",
+    "@weekly": "0 0 * * 0",
+    "@daily": "0 0 * * *",
+    "@midnight": "0 0 * * *",
+    "@hourly": "0 * * * *",
+}
+
+
+def _cronsim() -> Any:
+    try:
+        import cronsim
+    except ImportError:
+        raise _errors.MissingExtra(
+            "cron schedules need the cron extra: pip install 'asyncplane[cron]' "
+            "(or give every= instead of cron=)"
+        ) from None
+    return cronsim
+
+
+class Timetable(NamedTuple):
+    """When a schedule's ticks fall: ``cron`` in ``timezone``, or every ``every`` seconds
+    from ``anchor`` (epoch seconds)."""
+
+    cron: str | None
+    every: float | None
+    timezone: str
+    anchor: float
+
+    def _zone(self) -> dt.tzinfo:
+        return zoneinfo.ZoneInfo(self.timezone)
+
+    def _walk(self, start: float) -> cronsim.CronSim:
+        """cronsim's forward walk: the cron's ticks strictly after ``start``."""
+        assert self.cron is not None
+        walk: cronsim.CronSim = _cronsim().CronSim(
+            _NICKNAMES.get(self.cron, self.cron), dt.datetime.fromtimestamp(start, self._zone())
+        )
+        return walk
+
+    def _tick(self, index: int) -> float:
+        assert self.every is not None
+        return self.anchor + index * self.every
+
+    def _index(self, moment: float) -> int:
+        """The number of the last ``every=`` tick at or before ``moment``: the division
+        guesses, the ticks themselves (as `_tick` computes them, always the same float)
+        decide, so a tick is never both past and still to come."""
+        assert self.every is not None
+        index = math.floor((moment - self.anchor) / self.every)
+        while self._tick(index + 1) <= moment:
+            index += 1
+        while self._tick(index) > moment:
+            index -= 1
+        return index
+
+    def after(self, moment: float) -> float:
+        """The first tick after ``moment``."""
+        if self.every is not None:
+            return self._tick(self._index(moment) + 1)
+        walk = self._walk(moment)
+        while (tick := next(walk).timestamp()) <= moment:
+            pass  # cronsim works in whole minutes; never hand back ``moment`` itself
+        return tick
+
+    def newest(self, since: float, now: float, most: int) -> list[float]:
+        """The ticks from ``since`` up to ``now`` (both included), the newest ``most`` of
+        them, oldest first."""
+        if self.every is not None:
+            last = self._index(now)
+            first = self._index(since)
+            if self._tick(first) < since:
+                first += 1
+            first = max(first, last - most + 1)
+            return [self._tick(index) for index in range(first, last + 1)]
+        # Cron: walked forward only (cronsim's walks back and forth do not always agree
+        # around a DST change, and walking back can fail to end), from a window before
+        # ``now`` that doubles until it holds ``most`` ticks or reaches ``since``.
+        window = 3600.0
+        while True:
+            start = max(since, now - window)
+            ticks = self._forward(start, now, most)
+            if len(ticks) >= most or start <= since:
+                return ticks
+            window *= 2
+
+    def _forward(self, start: float, now: float, most: int) -> list[float]:
+        """The newest ``most`` cron ticks from ``start`` up to ``now``, oldest first."""
+        ticks: collections.deque[float] = collections.deque(maxlen=most)
+        walk = self._walk(start - 1.0)  # cronsim looks strictly after
+        for _ in range(_MAX_WALK):
+            tick = next(walk).timestamp()
+            if tick > now:
+                break
+            if tick >= start:
+                ticks.append(tick)
+        return list(ticks)
+
+    def iso(self, tick: float) -> str:
+        """A tick as an ISO 8601 time in the schedule's timezone, with its UTC offset."""
+        return dt.datetime.fromtimestamp(tick, self._zone()).isoformat()
+
+
+def timetable(cron: object, every: object, timezone: object, anchor: float) -> Timetable:
+    """A checked timetable: exactly one of ``cron`` (a five-field expression or a nickname
+    such as ``@daily``) and ``every`` (a timedelta or seconds, at least `MIN_EVERY`), in a
+    timezone the system's IANA database knows."""
+    if not isinstance(timezone, str):
+        raise _errors.InvalidType(f"timezone must be a str, not {type(timezone).__name__}")
+    try:
+        zoneinfo.ZoneInfo(timezone)
+    except (zoneinfo.ZoneInfoNotFoundError, ValueError):
+        raise _errors.InvalidInput(
+            f"unknown timezone {timezone!r}: give an IANA name such as 'Europe/Paris' or 'UTC'"
+        ) from None
+    if (cron is None) == (every is None):
+        raise _errors.InvalidInput("a schedule takes exactly one of cron= and every=")
+    if every is not None:
+        if isinstance(every, dt.timedelta):
+            every = every.total_seconds()
+        if isinstance(every, bool) or not isinstance(every, (int, float)):
+            raise _errors.InvalidType(
+                f"every must be a timedelta or seconds, not {type(every).__name__}"
+            )
+        if not math.isfinite(every) or every < MIN_EVERY:
+            raise _errors.InvalidInput(
+                f"every must be at least {MIN_EVERY:g} second, and finite, got {every!r}"
+            )
+        return Timetable(None, float(every), timezone, anchor)
+    if not isinstance(cron, str):
+        raise _errors.InvalidType(f"cron must be a str, not {type(cron).__name__}")
+    expression = " ".join(cron.split())
+    module = _cronsim()
+    try:
+        module.CronSim(_NICKNAMES.get(expression, expression), dt.datetime.now(dt.timezone.utc))
+    except module.CronSimError as exc:
+        raise _errors.InvalidInput(f"bad cron expression {cron!r}: {exc}") from None
+    return Timetable(expression, None, timezone, anchor)
+
+
+def placed(
+    new: Timetable, old: Timetable | None, old_next_at: float | None, now: float
+) -> tuple[float, float]:
+    """Where a declared schedule stands, ``(anchor, next_at)``: as it was, when its
+    timetable is unchanged; otherwise afresh, its first tick after now."""
+    unchanged = old is not None and old._replace(anchor=0.0) == new._replace(anchor=0.0)
+    if old is not None and old_next_at is not None and unchanged:
+        return old.anchor, old_next_at
+    fresh = new._replace(anchor=now)
+    return now, fresh.after(now)
+
+
+def paused_next_at(
+    table: Timetable, was_paused: bool, paused: bool, next_at: float, now: float
+) -> float:
+    """A schedule's next tick once paused or resumed: a resumed one goes on from now (the
+    ticks that fell while it was paused are not caught up); otherwise it stays."""
+    if was_paused and not paused:
+        return table.after(now)
+    return next_at
+
+
+class TickPlan(NamedTuple):
+    """What one run does for one schedule: enqueue ``ticks`` (oldest first), then wait for
+    ``next_at``, the first tick after now."""
+
+    ticks: tuple[float, ...]
+    next_at: float
+
+
+def plan(table: Timetable, catch_up: str, next_at: float, now: float) -> TickPlan:
+    """The ticks a run at ``now`` enqueues of a schedule whose first tick not enqueued yet
+    is ``next_at`` (see the module's catch-up rules)."""
+    if next_at > now:
+        return TickPlan((), next_at)
+    due = table.newest(next_at, now, MAX_CATCH_UP if catch_up == "all" else 1)
+    if catch_up == "none" and due and now - due[-1] > ON_TIME:
+        due = []
+    return TickPlan(tuple(due), table.after(now))
+
+
+def tick_detail(name: str, table: Timetable, tick: float) -> dict[str, str]:
+    """What a tick's item's "queued" event records of it."""
+    return {"schedule": name, "tick": table.iso(tick)}
