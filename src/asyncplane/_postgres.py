@@ -755,54 +755,6 @@ async def _next_page(
     return list(await conn.fetch(sql.CLAIM_LAPSED, *reach, limit, offset, now))
 
 
-class _Limited:
-    """The limited projects of one claim's reach, their limits read under their row locks,
-    and what each may give the claim (`asyncplane._rules.quota`)."""
-
-    def __init__(self) -> None:
-        self.limits: dict[str, _rules.Limits] = {}
-        self.quotas: dict[str, _rules.Quota] = {}
-
-    def take(self, rows: list[Any], now: float) -> list[str]:
-        """Add the limits read (TAKE_LIMITS); return the projects with room."""
-        roomy = []
-        for row in rows:
-            found = _rules.limits_row(tuple(row))
-            self.limits[found.project_id] = found
-            quota = self.quotas[found.project_id] = _rules.quota(found, now)
-            if quota.room != 0:
-                roomy.append(found.project_id)
-        return roomy
-
-    def block(self, projects: set[str]) -> None:
-        """Projects this claim may take nothing of (their limits are not its)."""
-        for project in projects:
-            self.quotas[project] = _rules.Quota(slots=0, tokens=0)
-
-    def stopped(self, runs: collections.Counter[str], now: float) -> None:
-        """Count out runs this claim ended (exhausted lapsed claims) since the limits were
-        read."""
-        for project, ended in runs.items():
-            if project in self.limits:
-                found = self.limits[project]
-                found = self.limits[project] = found._replace(running=found.running - ended)
-                self.quotas[project] = _rules.quota(found, now)
-
-    def spent(self, dealt: collections.Counter[str], now: float) -> list[tuple[str, float, float]]:
-        """What the items dealt take of rate buckets: (project, tokens left, refilled at)."""
-        return [
-            (project, *left)
-            for project, count in dealt.items()
-            if project in self.limits
-            and (left := _rules.spend(self.limits[project], now, count)) is not None
-        ]
-
-    def room(self, project: str, page: int) -> int:
-        """How big a first page of the project a claim reads: its share, at most its room."""
-        room = self.quotas[project].room
-        return page if room is None else min(page, room)
-
-
 async def _claim_many(
     limited_reaches: set[tuple[str | None, str | None]],
     ops: list[_backend.ClaimOp],
@@ -831,7 +783,7 @@ async def _claim_many(
     reach = (first.project_id, first.actor_id)
     total = sum(op.limit for op in ops)
     events: list[_rules.Event] = []
-    limited = _Limited()
+    limited = _rules.LimitedReach()
     if reach in limited_reaches:
         rows = await conn.fetch(sql.TAKE_LIMITS, *reach, None)
         if not rows:
@@ -932,7 +884,7 @@ async def _candidates(
     reach: tuple[Any, ...],
     total: int,
     now: float,
-    limited: _Limited,
+    limited: _rules.LimitedReach,
 ) -> tuple[list[Any], dict[tuple[str, str | None], tuple[int, list[_rules.Candidate]]], list[str]]:
     """Every arm's first page of candidates, in one statement: the lapsed claims with no
     attempt left, and per arm (ready "r" and fallen due "d" of each project, lapsed "l")

@@ -20,8 +20,8 @@ has one home, whichever database holds the store:
   claimable, and none while a twin runs; the others are held out of the claim index.
   That rule is the one written in SQL, as each dialect's triggers (SQLite migration 5,
   PostgreSQL migration 3), because every write that moves an item must keep it.
-* **Per-project limits** (`Limits`, `Quota`, `quota`, `spend`, `token_due`,
-  `merged_limits`): how many items of a limited project a claim may take (a slot under
+* **Per-project limits** (`Limits`, `Quota`, `quota`, `LimitedReach`, `spend`,
+  `token_due`, `merged_limits`): how many items of a limited project a claim may take (a slot under
   ``max_running``, a token of the ``per_minute``/``burst`` bucket), decided in the
   claim's own transaction from the project's limit row and its count of claimed items,
   which the backend reads under the row's lock. A limited project with nothing to give
@@ -60,6 +60,7 @@ __all__ = (
     "ClaimMerge",
     "EnqueuePlan",
     "Event",
+    "LimitedReach",
     "Limits",
     "NewRow",
     "Quota",
@@ -692,6 +693,55 @@ def limited_due(
         return None
     token = token_due(limits, now)
     return min(times) if token is None else max(min(times), token)
+
+
+class LimitedReach:
+    """The limited projects of one claim's reach: their limits, read under the claim's
+    lock, and what each may give the claim (`quota`), whichever backend reads them."""
+
+    def __init__(self) -> None:
+        self.limits: dict[str, Limits] = {}
+        self.quotas: dict[str, Quota] = {}
+
+    def take(self, rows: Iterable[Iterable[Any]], now: float) -> list[str]:
+        """Add the limits read (with their claimed counts); return the projects with room."""
+        roomy = []
+        for row in rows:
+            found = limits_row(tuple(row))
+            self.limits[found.project_id] = found
+            given = self.quotas[found.project_id] = quota(found, now)
+            if given.room != 0:
+                roomy.append(found.project_id)
+        return roomy
+
+    def block(self, projects: set[str]) -> None:
+        """Projects this claim may take nothing of (their limits are not its)."""
+        for project in projects:
+            self.quotas[project] = Quota(slots=0, tokens=0)
+
+    def stopped(self, runs: Mapping[str, int], now: float) -> None:
+        """Count out runs this claim ended (exhausted lapsed claims) since the limits were
+        read."""
+        for project, ended in runs.items():
+            if project in self.limits:
+                found = self.limits[project]
+                found = self.limits[project] = found._replace(running=found.running - ended)
+                self.quotas[project] = quota(found, now)
+
+    def spent(self, dealt: Mapping[str, int], now: float) -> list[tuple[str, float, float]]:
+        """What the claims take of rate buckets, by project: (project, tokens left,
+        refilled at), for each one with a rate."""
+        return [
+            (project, *left)
+            for project, count in dealt.items()
+            if project in self.limits
+            and (left := spend(self.limits[project], now, count)) is not None
+        ]
+
+    def room(self, project: str, page: int) -> int:
+        """How big a first page of the project a claim reads: its share, at most its room."""
+        room = self.quotas[project].room
+        return page if room is None else min(page, room)
 
 
 def merged_limits(

@@ -550,19 +550,13 @@ def _claim_many(
             events.extend(failed)
     # Limited projects in reach, read under the write lock with their claimed items: what
     # each may give this claim (none: it is not visited).
-    limits: dict[str, _rules.Limits] = {}
-    quotas: dict[str, _rules.Quota] = {}
-    if limited:
-        for row in db.execute(sql.LIMITS_IN_REACH, params):
-            found = _rules.limits_row(row)
-            limits[found.project_id] = found
-            quotas[found.project_id] = _rules.quota(found, now)
-    roomy = {project: quota.room for project, quota in quotas.items() if quota.room != 0}
+    reach = _rules.LimitedReach()
+    roomy = reach.take(db.execute(sql.LIMITS_IN_REACH, params), now) if limited else []
     # The arms: each project in reach's ready items, their first pages read in one
     # statement (a limited one's apart, no bigger than its room); only if the probes
     # above found any, each project's deferred items fallen due (one statement more) and
     # the lapsed claims of them all. An arm whose first page was short has nothing more.
-    if first.project_id is not None and first.project_id in limits:
+    if first.project_id is not None and first.project_id in reach.limits:
         projects = 0  # the one project asked for is limited: nothing else is in reach
     else:
         (projects,) = db.execute(sql.REACH_SIZE, params).fetchone()
@@ -574,8 +568,8 @@ def _claim_many(
         if due:
             pages.update(_rules.first_pages(db.execute(sql.CLAIM_FIRST_DUE, paged)))
     sizes: dict[tuple[str, str | None], int] = {}
-    for project, room in roomy.items():
-        size = page if room is None else min(page, room)
+    for project in roomy:
+        size = reach.room(project, page)
         for tag, statement in (("r", sql.CLAIM_READY), ("d", sql.CLAIM_DUE)):
             if tag == "d" and not due:
                 continue
@@ -589,7 +583,11 @@ def _claim_many(
         pages[("l", None)] = [_rules.Candidate._make(row) for row in lapsed_page]
     keys = list(pages)
     merge = _rules.ClaimMerge(
-        len(keys), total, first_page=page, quotas=quotas, arm_projects=[key[1] for key in keys]
+        len(keys),
+        total,
+        first_page=page,
+        quotas=reach.quotas,
+        arm_projects=[key[1] for key in keys],
     )
     for position, key in enumerate(keys):
         if key in sizes:
@@ -612,10 +610,9 @@ def _claim_many(
             _rules.claim_row(candidate, op, now, project_id, payload, fence, attempts)
         )
         events.append(_rules.event(candidate.item_id, "claimed", fence, op.owner, op.actor_id, now))
-    for project, quota in quotas.items():
-        spent = _rules.spend(limits[project], now, quota.taken) if quota.taken else None
-        if spent is not None:
-            db.execute(sql.SPEND_TOKENS, (*spent, project))
+    taken = {project: quota.taken for project, quota in reach.quotas.items() if quota.taken}
+    for project, tokens, refilled_at in reach.spent(taken, now):
+        db.execute(sql.SPEND_TOKENS, (tokens, refilled_at, project))
     if len(events) == 1:
         db.execute(sql.INSERT_EVENT, events[0])
     elif events:
