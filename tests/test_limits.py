@@ -292,13 +292,7 @@ async def test_a_claim_waits_only_for_its_own_limited_projects_lock(url: str) ->
             await raw.execute(pg_sql.LOCK_LIMITS, "alpha")  # alpha's lock, as a claim has it
             waiting = asyncio.create_task(store.claim("w", project_id="alpha"))
 
-            async def blocked() -> bool:
-                await asyncio.sleep(0.001)
-                return bool(await raw.fetchval(
-                    "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
-                ))  # fmt: skip
-
-            await until(blocked, what="the claim of alpha waits for alpha's limits")
+            await _until_a_lock_wait(url, "the claim of alpha waits for alpha's limits")
             beta = await asyncio.wait_for(other.claim("w2", project_id="beta"), 30)
             assert beta is not None and beta.project_id == "beta"
             whole = await asyncio.wait_for(other.claim_batch("w2", 10), 30)
@@ -432,12 +426,21 @@ async def test_at_the_moment_next_due_names_the_token_is_there(
 # --- limits against claims on other hosts, step by step (found by review) ---------------
 
 
-async def _lock_waits(raw: Any) -> bool:
-    await asyncio.sleep(0.001)
-    found = await raw.fetchval(
-        "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
-    )
-    return bool(found)
+async def _until_a_lock_wait(url: str, what: str) -> None:
+    """Until some session of the server waits for a lock (another connection looks)."""
+    import asyncpg
+
+    watcher = await asyncpg.connect(url)
+
+    async def waiting() -> bool:
+        await asyncio.sleep(0.001)
+        query = "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+        return bool(await watcher.fetchval(query))
+
+    try:
+        await until(waiting, what=what)
+    finally:
+        await watcher.close()
 
 
 @pytest.mark.postgresql_only
@@ -487,11 +490,7 @@ async def test_set_limits_beside_a_claim_keeps_what_the_claim_spent(store: Contr
         (got,) = await _postgres._claim_many({(None, None)}, [op], raw, now)
         assert len(got) == 5
         setting = asyncio.create_task(store.set_limits("alpha", max_running=100))
-        watcher = await asyncpg.connect(store.location)
-        try:
-            await until(lambda: _lock_waits(watcher), what="set_limits waits for the claim")
-        finally:
-            await watcher.close()
+        await _until_a_lock_wait(store.location, "set_limits waits for the claim")
         await claiming.commit()
         await asyncio.wait_for(setting, 30)
     finally:
@@ -518,11 +517,7 @@ async def test_limits_set_while_a_claim_is_in_flight_hold_from_then_on(
         (got,) = await _postgres._claim_many(set(), [op], raw, now)
         assert len(got) == 2
         setting = asyncio.create_task(store.set_limits("alpha", max_running=2))
-        watcher = await asyncpg.connect(store.location)
-        try:
-            await until(lambda: _lock_waits(watcher), what="set_limits waits for the claim")
-        finally:
-            await watcher.close()
+        await _until_a_lock_wait(store.location, "set_limits waits for the claim")
         assert not setting.done()
         await claiming.commit()
         await asyncio.wait_for(setting, 30)
@@ -554,11 +549,7 @@ async def test_a_takeover_refused_for_limits_set_meanwhile_leaves_no_trace(
         await raw.execute(pg_sql.LIMITS_CHANGE)  # set_limits, half-way
         await raw.execute(pg_sql.PUT_LIMITS, "alpha", 5, None, None, None, None)
         claiming = asyncio.create_task(other.claim("w2"))
-        watcher = await asyncpg.connect(store.location)
-        try:
-            await until(lambda: _lock_waits(watcher), what="the claim waits for set_limits")
-        finally:
-            await watcher.close()
+        await _until_a_lock_wait(store.location, "the claim waits for set_limits")
         await limiting.commit()
         assert await asyncio.wait_for(claiming, 30) is None
     finally:
