@@ -75,7 +75,7 @@ def time_raw_executemany(path: pathlib.Path, batch: list[Job]) -> float:
         sql.INSERT_ITEM,
         [
             ("bench", "ready", json.dumps(job.payload), job.priority, job.service_class,
-             job.sla, job.fingerprint, 1, None, None, now, now)
+             job.sla, job.fingerprint, 1, None, None, now, now, None)
             for job in batch
         ],
     )  # fmt: skip
@@ -104,7 +104,7 @@ def fill(path: pathlib.Path, ready: int) -> None:
     for start in range(0, ready, chunk):
         rows = [
             ("bench", "ready", "{}", rng.randint(0, 3), rng.choice(("standard", "realtime")),
-             rng.choice((None, rng.uniform(1.8e9, 1.9e9))), None, 1, None, None, 0.0, 0.0)
+             rng.choice((None, rng.uniform(1.8e9, 1.9e9))), None, 1, None, None, 0.0, 0.0, None)
             for _ in range(start, min(ready, start + chunk))
         ]  # fmt: skip
         conn.executemany(sql.INSERT_ITEM, rows)

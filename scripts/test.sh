@@ -5,15 +5,21 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"
 
-# The suite runs every store test on a throwaway PostgreSQL cluster too, and the full-disk
-# tests mount a small tmpfs in a mount namespace of their own: bring what a fresh Debian
-# machine lacks (apt-get as root; otherwise say which packages to install).
+# The suite runs every store test on a throwaway PostgreSQL cluster too, the full-disk
+# tests mount a small tmpfs in a mount namespace of their own, and the dashboard's tests
+# run a real browser: bring what a fresh Debian machine lacks (apt-get as root; otherwise
+# say which packages to install).
 need=()
 if [ -z "${ASYNCPLANE_TEST_POSTGRES_URL:-}" ] && ! command -v initdb >/dev/null 2>&1 \
     && ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1; then
   need+=(postgresql)
 fi
 command -v unshare >/dev/null 2>&1 || need+=(util-linux)
+# The dashboard's browser tests drive the system's headless Chromium through its driver
+# (nothing downloads a browser); fonts so that the screenshots they save show text.
+if ! command -v chromium >/dev/null 2>&1 || ! command -v chromedriver >/dev/null 2>&1; then
+  need+=(chromium chromium-driver fonts-dejavu-core)
+fi
 if [ "${#need[@]}" -gt 0 ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
     echo "installing ${need[*]} (apt-get)"

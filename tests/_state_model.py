@@ -55,6 +55,7 @@ class ModelItem:
     result: Any = None
     error: str | None = None
     offload_handle: str | None = None
+    claimed_at: float | None = None
     events: list[Event] = dataclasses.field(default_factory=list)
 
     def claim_key(self) -> tuple[Any, ...]:
@@ -127,6 +128,7 @@ ROW_KEYS = (
     "result",
     "error",
     "offload_handle",
+    "claimed_at",
 )
 
 
@@ -156,11 +158,13 @@ def model_row_view(item: ModelItem) -> dict[str, Any]:
         "result": item.result,
         "error": item.error,
         "offload_handle": item.offload_handle,
+        "claimed_at": optional_datetime(item.claimed_at),
     }
 
 
 def claimed_view(claim: ClaimedItem) -> dict[str, Any]:
-    return dataclasses.asdict(claim)
+    # The model has no tracing: a trace context saved by a span of another test is not its.
+    return dataclasses.asdict(dataclasses.replace(claim, trace_context=None))
 
 
 def model_claimed_view(item: ModelItem) -> dict[str, Any]:
@@ -179,6 +183,7 @@ def model_claimed_view(item: ModelItem) -> dict[str, Any]:
             sla=optional_datetime(item.sla),
             fingerprint=item.fingerprint,
             max_attempts=item.max_attempts,
+            enqueued_at=as_datetime(item.created_at),
         )
     )
 

@@ -220,3 +220,16 @@ def test_the_limits_benchmark_reports_both_figures_on_both_backends(
     assert [row["running"] for row in report["claim_cost"]] == [0, 3]
     assert all(row["ratio"] > 0 for row in report["claim_cost"])
     assert report["other_rate"]["ratio"] > 0
+
+
+def test_the_telemetry_benchmark_measures_each_kind_of_process() -> None:
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "telemetry.py"), "--items", "200", "--repeats", "1",
+         "--json"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert set(report["rates"]) == {"none", "api", "sdk"}
+    assert all(rate > 0 for by in report["rates"].values() for rate in by.values())
+    assert set(report["api_vs_none"]) == set(report["sdk_vs_none"]) == {"1", "64"}

@@ -28,6 +28,7 @@ def test_every_example_is_covered() -> None:
         "agent_fleet.py",
         "operating_items.py",
         "quota.py",
+        "observe.py",
     }
 
 
@@ -90,3 +91,15 @@ def test_quota_keeps_a_fleet_within_its_limits_and_sweeps_once_per_tick(
     sweeps = re.search(r"sweeps enqueued: (\d+), one per tick: True", done.stdout)
     assert sweeps is not None and int(sweeps[1]) >= 1
     assert "verify_ledger: clean" in done.stdout
+
+
+def test_observe_links_every_run_to_its_request_and_serves_the_counts(
+    tmp_path: pathlib.Path, location_of: Any
+) -> None:
+    done = run("observe.py", location_of("observe.db"), cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "worked: 11 done, 1 failed" in done.stdout
+    assert "execution spans linked to the request's trace: 12 of 12" in done.stdout
+    assert "asyncplane.items.settled: {'done': 11, 'failed': 1}" in done.stdout
+    assert "dashboard /api/stats: 11 done, 1 failed" in done.stdout
+    assert 'asyncplane_items{project="docs",state="done"} 11.0' in done.stdout

@@ -93,3 +93,27 @@ def test_errors_pickle_intact() -> None:
     assert str(copy) == str(error)
     denied = pickle.loads(pickle.dumps(asyncplane.ScopeDenied("no")))
     assert type(denied) is asyncplane.ScopeDenied
+
+
+def test_the_dashboard_package_exports_its_one_name() -> None:
+    from asyncplane import dashboard
+
+    assert dashboard.__all__ == ("Dashboard",)
+    package = pathlib.Path(dashboard.__file__).parent
+    for module in package.glob("*.py"):
+        assert module.stem == "__init__" or module.stem.startswith("_"), module.name
+    assert (package / "templates" / "base.html").exists()
+    assert (package / "static" / "dashboard.js").exists()
+
+
+def test_the_extras_name_what_each_optional_feature_imports() -> None:
+    from importlib.metadata import requires
+
+    extras: dict[str, set[str]] = {}
+    for requirement in requires("asyncplane") or []:
+        if "extra ==" in requirement:
+            name = requirement.split(">")[0].split("=")[0].split(";")[0].strip()
+            extra = requirement.split("extra ==")[1].strip().strip("\"'")
+            extras.setdefault(extra, set()).add(name)
+    assert extras["otel"] == {"opentelemetry-api"}
+    assert extras["dashboard"] == {"aiohttp", "jinja2", "prometheus-client"}

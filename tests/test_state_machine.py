@@ -989,7 +989,7 @@ class StoreMachine(RuleBasedStateMachine):
             item.owner = owner
             item.lease_expires_at = now + (LEASE if lease is None else lease)
             item.due_at = None
-            item.updated_at = now
+            item.updated_at = item.claimed_at = now
             item.events.append(("claimed", item.fence, owner, actor, None, at))
             assert claimed_view(claim) == model_claimed_view(item), f"claim of item {item.item_id}"
             tickets.append((item.item_id, item.fence))

@@ -191,7 +191,7 @@ async def test_work_settles_each_outcome_and_retries_a_raising_handler(
             return "not an outcome"
         return Done({"ok": n})
 
-    with caplog.at_level(logging.WARNING, logger="asyncplane.drain"):
+    with caplog.at_level(logging.WARNING, logger="asyncplane.worker"):
         summary = await work(store, handle, concurrency=4, until_empty=True)
     assert (summary.done, summary.retried, summary.parked) == (1, 2, 1)
     assert (await store.item(ids[0]))["result"] == {"ok": 0}

@@ -91,6 +91,8 @@ class NewItem(NamedTuple):
     dedup: bool
     max_attempts: int | None
     not_before: float | None
+    #: The producer's trace context (W3C headers as compact JSON), or None.
+    trace_context: str | None = None
 
 
 class EnqueueOp(NamedTuple):
@@ -342,6 +344,12 @@ class ClaimRow(NamedTuple):
     sla: float | None
     fingerprint: str | None
     max_attempts: int | None
+    #: When the item was enqueued.
+    created_at: float = 0.0
+    #: The producer's trace context saved at enqueue (compact JSON), or None.
+    trace_context: str | None = None
+    #: Whether this claim took the item over from a lapsed lease.
+    taken_over: bool = False
 
 
 class ItemRow(NamedTuple):
@@ -368,6 +376,8 @@ class ItemRow(NamedTuple):
     offload_handle: str | None
     #: Whether the item takes part in enqueue and settlement dedup.
     dedup: bool = True
+    #: When its current (or last) claim began; renewals leave it be.
+    claimed_at: float | None = None
 
 
 class AssignmentRow(NamedTuple):
@@ -673,8 +683,9 @@ class Backend(Protocol):
         """A page of the items ``op.where`` takes, in one snapshot, from an index."""
         ...
 
-    async def cancel(self, op: CancelOp) -> str:
-        """Cancel an item; return its state afterwards (a settled one is left as it was)."""
+    async def cancel(self, op: CancelOp) -> tuple[str, bool]:
+        """Cancel an item; return its state afterwards (a settled one is left as it was),
+        and whether this call cancelled it."""
         ...
 
     async def requeue(self, op: RequeueOp) -> None:
@@ -739,6 +750,16 @@ class Backend(Protocol):
         """The ids of every item in ``state``, ascending."""
         ...
 
-    async def verify_ledger(self, limit: int | None) -> list[_models.LedgerProblem]:
-        """Compare every row with its history, in the database, and list disagreements."""
+    async def verify_ledger(
+        self, limit: int | None, item_id: int | None = None
+    ) -> list[_models.LedgerProblem]:
+        """Compare every row (or one item's) with its history, in the database, and list
+        disagreements."""
+        ...
+
+    async def settled_per_minute(
+        self, since: float, actor_id: str | None
+    ) -> list[tuple[float, str, str, int]]:
+        """Items settled (done, failed, cancelled) since ``since``, counted per minute
+        (the minute's start), project and state; only the actor's projects with one."""
         ...

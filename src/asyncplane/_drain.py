@@ -63,6 +63,7 @@ from asyncplane import (
     _models,
     _store,
     _tasks,
+    _telemetry,
     _validate,
     _wakeups,
 )  # fmt: skip
@@ -166,14 +167,17 @@ async def drain(
     lock = None if lock_path is None else _validate.absolute_path(lock_path, "lock_path")
     async with _store.engine_of(store).single_runner(lock) as guard:
         if not guard:
+            _log.info("drain %s skipped: another drainer holds the guard", run.owner)
             return DrainSummary(skipped=True, elapsed_s=time.monotonic() - started)
         run.guard = guard
+        _log.info("drain %s starting (%s)", run.owner, run.mode)
         try:
             await run.loop()
         finally:
             run.summary.elapsed_s = time.monotonic() - started
         run.summary.remaining = await run.remaining()
         run.summary.elapsed_s = time.monotonic() - started
+        _log.info("drain %s stopped: %s", run.owner, run.summary)
         return run.summary
 
 
@@ -281,7 +285,8 @@ class _Drain:
             self._renew(batch), name=f"asyncplane-drain-renew[{self.owner}]"
         )
         executor = asyncio.create_task(
-            _call(self.execute, list(batch)), name=f"asyncplane-drain-execute[{self.owner}]"
+            _call(self.execute, list(batch), self.owner),
+            name=f"asyncplane-drain-execute[{self.owner}]",
         )
         failure: BaseException | None = None
         try:
@@ -395,12 +400,25 @@ class _Drain:
         )  # fmt: skip
 
 
-async def _call(execute: Executor, batch: list[_models.ClaimedItem]) -> list[Any] | BaseException:
-    """Run the executor; an exception it raises comes back as a value (a transient failure)."""
-    try:
-        return list(await execute(batch))
-    except Exception as exc:
-        return exc
+async def _call(
+    execute: Executor, batch: list[_models.ClaimedItem], owner: str
+) -> list[Any] | BaseException:
+    """Run the executor in the round's span, each item in an execution span of its own; an
+    exception it raises comes back as a value (a transient failure)."""
+    result: list[Any] | BaseException = asyncio.CancelledError()
+    with _telemetry.round_span(owner, len(batch)):
+        runs = _telemetry.executions(batch)
+        try:
+            result = list(await execute(batch))
+        except Exception as exc:
+            result = exc
+        finally:
+            for position, run in enumerate(runs):
+                if isinstance(result, BaseException):
+                    run.finish(result)
+                else:  # a short list of outcomes is retried whole; its span says None
+                    run.finish(result[position] if position < len(result) else None)
+    return result
 
 
 def _checked(batch: list[_models.ClaimedItem], result: list[Any] | BaseException) -> list[Outcome]:

@@ -42,12 +42,15 @@ from asyncplane import (
     _lock,
     _models,
     _retention,
+    _telemetry,
     _validate,
 )
 
 __all__ = ("Engine", "Options", "backend_for", "is_postgres_url", "require_asyncio")
 
-_log = logging.getLogger("asyncplane")
+_log = logging.getLogger("asyncplane.store")
+_retention_log = logging.getLogger("asyncplane.retention")
+_schedules_log = logging.getLogger("asyncplane.schedules")
 
 
 def is_postgres_url(location: str | os.PathLike[str]) -> bool:
@@ -136,6 +139,8 @@ class Engine:
         self._open_lock: asyncio.Lock | None = None
         self._lock_loop: asyncio.AbstractEventLoop | None = None
         self.is_open = False
+        #: What the OpenTelemetry gauges read of this store, while it is open.
+        self.gauges: _telemetry.Gauges | None = None
 
     @property
     def clock(self) -> _clock.Clock:
@@ -163,6 +168,11 @@ class Engine:
                     self._loop = None
                     raise
                 self.is_open = True
+                if self.gauges is not None:  # left by a loop that ended
+                    self.gauges.forget()
+                self.gauges = _telemetry.Gauges(
+                    self.location, self.backend.stats, self.backend.clock.now, self._loop
+                )
         return self.backend
 
     async def close(self) -> None:
@@ -177,6 +187,9 @@ class Engine:
             self.closes += 1
             self.notify()  # waiters for work (claims(), work()) see the store close
             try:
+                if self.gauges is not None:
+                    gauges, self.gauges = self.gauges, None
+                    await gauges.close()
                 await self.backend.close()
             finally:
                 self._loop = None
@@ -296,6 +309,7 @@ class Engine:
             )
             self._backfill_after[scope] = after
         settled = await backend.settle_pending_twins(op)
+        _telemetry.dedup_settled(settled, "preflight")
         return settled, seen == chunk or settled == chunk
 
     def restart_backfill(self) -> None:
@@ -315,6 +329,7 @@ class Engine:
                 break
         if enqueued:
             self.notify()
+            _schedules_log.debug("schedules enqueued %d item(s)", enqueued)
         self.next_tick = await backend.next_tick()
         return enqueued
 
@@ -360,8 +375,10 @@ class Engine:
         except _errors.ArchiveError as exc:
             # The archive cannot be written (a missing directory, a full disk): nothing was
             # deleted, the work goes on, and the next interval tries again.
-            _log.warning("asyncplane: purge skipped, the archive failed: %s", exc)
+            _retention_log.warning("asyncplane: purge skipped, the archive failed: %s", exc)
             return 0
+        if done.purged:
+            _retention_log.info("purged %d settled item(s) into the archive", done.purged)
         return done.purged
 
 

@@ -58,19 +58,24 @@ LEDGER_PROBLEM_KINDS: Final = {
 _KIND_ORDER: Final = {kind: position for position, kind in enumerate(LEDGER_PROBLEM_KINDS)}
 
 
-async def verify_ledger(store: ControlStore, *, limit: int | None = None) -> list[LedgerProblem]:
+async def verify_ledger(
+    store: ControlStore, *, limit: int | None = None, item_id: int | None = None
+) -> list[LedgerProblem]:
     """List every disagreement between item rows and their events; [] when they agree.
 
     Args:
         store: The store to check (opened on first use, like every other call).
         limit: Stop after this many problems (all of them when None).
+        item_id: Check only this item (the same checks, filtered in the database; an item
+            that does not exist has no problems, unless events of it remain).
 
     Returns:
         The problems ordered by item id, each with its kind, item id and a detail.
     """
     if limit is not None:
         limit = _validate.positive_int(limit, "limit")
+    one = None if item_id is None else _validate.item_id(item_id)
     backend = await _store.engine_of(store).ready()
-    problems = await backend.verify_ledger(limit)
+    problems = await backend.verify_ledger(limit, one)
     problems.sort(key=lambda p: (p.item_id, _KIND_ORDER[p.kind]))
     return problems

@@ -108,6 +108,9 @@ class ClaimedItem:
         sla: Its deadline (aware, UTC), or None.
         fingerprint: Its content fingerprint, or None.
         max_attempts: How many claims it may have in all, or None for no limit.
+        enqueued_at: When it was enqueued (aware, UTC).
+        trace_context: The producer's trace context saved at enqueue (W3C headers such as
+            ``traceparent``), or None: what the execution span links to.
     """
 
     item_id: int
@@ -122,6 +125,8 @@ class ClaimedItem:
     sla: dt.datetime | None = None
     fingerprint: str | None = None
     max_attempts: int | None = None
+    enqueued_at: dt.datetime | None = None
+    trace_context: dict[str, str] | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

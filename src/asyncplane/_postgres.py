@@ -55,7 +55,7 @@ __all__ = (
 
 T = TypeVar("T")
 
-_log = logging.getLogger("asyncplane")
+_log = logging.getLogger("asyncplane.store")
 
 
 def redact(url: str) -> str:
@@ -361,7 +361,7 @@ class PostgresBackend(_backend.Writes):
         params = _list_params(op.where, states, op.newest, op.after, op.limit)
         return [_backend.ItemRow(*row) for row in await self._fetch(statement, *params)]
 
-    async def cancel(self, op: _backend.CancelOp) -> str:
+    async def cancel(self, op: _backend.CancelOp) -> tuple[str, bool]:
         return await self._write(_bind(_cancel, op))
 
     async def requeue(self, op: _backend.RequeueOp) -> None:
@@ -508,8 +508,16 @@ class PostgresBackend(_backend.Writes):
     async def item_ids(self, state: str) -> list[int]:
         return [row[0] for row in await self._fetch(sql.ITEM_IDS_IN_STATE, state)]
 
-    async def verify_ledger(self, limit: int | None) -> list[_models.LedgerProblem]:
-        return await self._read(_verify_ledger, limit)
+    async def verify_ledger(
+        self, limit: int | None, item_id: int | None = None
+    ) -> list[_models.LedgerProblem]:
+        return await self._read(_verify_ledger, limit, item_id)
+
+    async def settled_per_minute(
+        self, since: float, actor_id: str | None
+    ) -> list[tuple[float, str, str, int]]:
+        rows = await self._fetch(sql.SETTLED_PER_MINUTE, since, actor_id)
+        return [(float(m), p, s, int(n)) for m, p, s, n in rows]
 
     # --- the single-drainer guard --------------------------------------------------------
 
@@ -874,8 +882,7 @@ async def _claim_many(
         got = claimed_rows.get(c.item_id)
         if got is None:
             continue  # a twin started running meanwhile: this one waits (its token spent)
-        _, project_id, payload, fence, attempts = got
-        results[id(op)].append(_rules.claim_row(c, op, now, project_id, payload, fence, attempts))
+        results[id(op)].append(_rules.claim_row(c, op, now, got))
     return [results[id(op)] for op in ops]
 
 
@@ -1005,10 +1012,11 @@ async def _cancel_one(
     return "cancelled"
 
 
-async def _cancel(op: _backend.CancelOp, conn: asyncpg.Connection, now: float) -> str:
+async def _cancel(op: _backend.CancelOp, conn: asyncpg.Connection, now: float) -> tuple[str, bool]:
     found = await conn.fetchrow(sql.TARGET_ITEM, op.actor_id, op.item_id)
     state, fence = _rules.target(op.item_id, op.actor_id, found)
-    return await _cancel_one(conn, op.item_id, state, fence, op.reason, op.actor_id, now)
+    after = await _cancel_one(conn, op.item_id, state, fence, op.reason, op.actor_id, now)
+    return after, after != state
 
 
 async def _requeue_one(
@@ -1185,7 +1193,7 @@ async def _copy_items(op: _backend.CopyOp, conn: asyncpg.Connection, now: float)
             continue
         if await conn.fetchval(sql.ITEM_EXISTS, item.item_id) is not None:
             raise _rules.copy_id_taken(item.item_id)
-        await conn.execute(sql.COPY_ITEM, *item[:-1], bool(item.dedup))
+        await conn.execute(sql.COPY_ITEM, *item._replace(dedup=bool(item.dedup)))
         await _insert_events(
             conn,
             [_rules.Event(item.item_id, e.event_type, e.fence, e.owner, e.actor_id, e.at,
@@ -1294,15 +1302,18 @@ async def _stats(conn: asyncpg.Connection, now: float | None) -> _backend.StoreS
 
 
 async def _verify_ledger(
-    conn: asyncpg.Connection, limit: int | None
+    conn: asyncpg.Connection, limit: int | None, item_id: int | None
 ) -> list[_models.LedgerProblem]:
     problems: list[_models.LedgerProblem] = []
     async with _snapshot(conn):
         for kind, statement in sql.LEDGER_CHECKS:
             if limit is not None and len(problems) >= limit:
                 break
-            async for item_id, detail in conn.cursor(statement, prefetch=500):
-                problems.append(_models.LedgerProblem(kind, item_id, detail))
+            params: tuple[int, ...] = ()
+            if item_id is not None:
+                statement, params = sql.ONE_ITEM_CHECK.format(check=statement), (item_id,)
+            async for found, detail in conn.cursor(statement, *params, prefetch=500):
+                problems.append(_models.LedgerProblem(kind, found, detail))
                 if limit is not None and len(problems) >= limit:
                     break
     return problems  # verify_ledger puts them in order

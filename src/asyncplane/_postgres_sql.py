@@ -490,6 +490,13 @@ MIGRATIONS: Final[tuple[str, ...]] = (
         AFTER INSERT OR UPDATE OF cron, every, timezone, paused ON schedules
         FOR EACH STATEMENT EXECUTE FUNCTION asyncplane_notify();
     """,
+    # 5: observability. When the current claim began (renewals leave it be), for the time
+    # an item has run; and the producer's trace context, saved at enqueue, so the span of
+    # the item's execution links to the span that enqueued it, across processes.
+    """
+    ALTER TABLE items ADD COLUMN claimed_at float8;
+    ALTER TABLE items ADD COLUMN trace_context text;
+    """,
 )
 
 SCHEMA_VERSION: Final = len(MIGRATIONS)
@@ -554,10 +561,11 @@ SELECT nextval(pg_get_serial_sequence('items', 'item_id')) FROM generate_series(
 """
 INSERT_ITEMS: Final = """
 INSERT INTO items (item_id, project_id, state, payload, priority, service_class, sla,
-                   fingerprint, dedup, max_attempts, due_at, created_at, updated_at)
+                   fingerprint, dedup, max_attempts, due_at, created_at, updated_at,
+                   trace_context)
 SELECT * FROM unnest($1::bigint[], $2::text[], $3::text[], $4::text[], $5::bigint[],
                      $6::text[], $7::float8[], $8::text[], $9::boolean[], $10::bigint[],
-                     $11::float8[], $12::float8[], $13::float8[])
+                     $11::float8[], $12::float8[], $13::float8[], $14::text[])
 """
 INSERT_EVENT: Final = """
 INSERT INTO events (item_id, event_type, fence, owner, actor_id, at, detail)
@@ -734,7 +742,8 @@ ORDER BY project_id, fingerprint
 _CLAIMED = """claimed AS (
     UPDATE items
     SET state = 'claimed', fence = items.fence + 1, attempts = items.attempts + 1,
-        owner = c.owner, lease_expires_at = c.expires, due_at = NULL, updated_at = $1
+        owner = c.owner, lease_expires_at = c.expires, due_at = NULL, updated_at = $1,
+        claimed_at = $1
     FROM unnest($2::bigint[], $3::text[], $4::float8[], $5::boolean[], $7::boolean[],
                 $8::text[], $9::bigint[], $10::text[], $11::text[])
          AS c (item_id, owner, expires, guarded, counted,
@@ -747,6 +756,7 @@ _CLAIMED = """claimed AS (
           WHERE twin.project_id = items.project_id AND twin.fingerprint = items.fingerprint
             AND twin.state IN ('claimed', 'offloaded') AND twin.item_id <> items.item_id))
     RETURNING items.item_id, items.project_id, items.payload, items.fence, items.attempts,
+              items.created_at, items.trace_context,
               items.owner, c.before_type, c.before_fence, c.before_owner, c.before_detail),
 logged AS (
     INSERT INTO events (item_id, event_type, fence, owner, actor_id, at, detail)
@@ -757,7 +767,8 @@ logged AS (
         UNION ALL
         SELECT item_id, 'claimed', fence, owner, NULL, 1 FROM claimed) AS claim_events
     ORDER BY item_id, step)
-SELECT item_id, project_id, payload, fence, attempts FROM claimed
+SELECT item_id, project_id, payload, fence, attempts, created_at, trace_context
+FROM claimed
 """
 CLAIM_ITEMS: Final = "WITH " + _CLAIMED
 # The same, writing what the claims took of rate buckets (a statement apart, so that the
@@ -1015,7 +1026,7 @@ WHERE item_id = $2
 _LISTED = (
     "item_id, project_id, state, {payload}, fence, attempts, owner, lease_expires_at, "
     "created_at, updated_at, priority, service_class, sla, fingerprint, max_attempts, "
-    "due_at, {result}, error, offload_handle, dedup"
+    "due_at, {result}, error, offload_handle, dedup, claimed_at"
 )
 _LIST_FILTERS = """
       AND ($2::text IS NULL OR owner = $2)
@@ -1072,7 +1083,7 @@ ORDER BY item_id FOR UPDATE
 _ITEM_COLUMNS = (
     "item_id, project_id, state, payload, fence, attempts, owner, lease_expires_at, "
     "created_at, updated_at, priority, service_class, sla, fingerprint, max_attempts, "
-    "due_at, result, error, offload_handle, dedup"
+    "due_at, result, error, offload_handle, dedup, claimed_at"
 )
 GET_ITEM: Final = f"SELECT {_ITEM_COLUMNS} FROM items WHERE item_id = $1"
 GET_ITEM_SCOPED: Final = (
@@ -1158,7 +1169,7 @@ ON CONFLICT (actor_id, project_id) DO NOTHING
 ITEM_EXISTS: Final = "SELECT 1 FROM items WHERE item_id = $1"
 COPY_ITEM: Final = f"""
 INSERT INTO items ({_ITEM_COLUMNS})
-VALUES ({", ".join(f"${n}" for n in range(1, 21))})
+VALUES ({", ".join(f"${n}" for n in range(1, 22))})
 """
 # Ids a copy brought in are never handed out again: the sequence moves past them (and
 # never back, so the ids of purged items stay unused too).
@@ -1233,6 +1244,26 @@ def _since_requeue(alias: str) -> str:
 def _since_ready_again(alias: str) -> str:
     return _models.since_last(alias, _models.BACK_TO_READY)
 
+
+#: One check's problems of one item (the item's page in the dashboard): each check selects
+#: (item_id, detail); the filter reaches into the simpler checks, while those that replay
+#: or group the ledger still read their whole index (the dashboard keeps each verdict
+#: until the item's history changes).
+ONE_ITEM_CHECK: Final = (
+    "WITH found (item_id, detail) AS ({check}) SELECT item_id, detail FROM found WHERE item_id = $1"
+)
+
+# Settled items per minute, project and state since a time, through items_settled: the
+# dashboard's throughput (an hour of it once, then only the last minutes again).
+SETTLED_PER_MINUTE: Final = f"""
+SELECT floor(updated_at / 60) * 60 AS minute, project_id, state, count(*)
+FROM items
+WHERE state IN {_SETTLED_STATES} AND updated_at >= $1
+  AND ($2::text IS NULL
+       OR project_id IN (SELECT project_id FROM assignments WHERE actor_id = $2::text))
+GROUP BY minute, project_id, state
+ORDER BY minute, project_id, state
+"""
 
 LEDGER_CHECKS: Final[tuple[tuple[str, str], ...]] = (
     (

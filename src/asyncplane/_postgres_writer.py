@@ -37,12 +37,13 @@ be sealed; an error the server answers COMMIT with means nothing was saved.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import asyncpg
 
-from asyncplane import _clock, _errors, _write_queue
+from asyncplane import _clock, _errors, _telemetry, _write_queue
 from asyncplane import _postgres_sql as sql
 
 __all__ = ("Locking", "Operation", "Write", "Writer", "translate")
@@ -165,6 +166,7 @@ class Writer(_write_queue.WriterBase):
         """Run one transaction for ``batch`` and hand each caller its outcome."""
         self.rounds += 1
         self.requests += len(batch)
+        started = time.perf_counter()
         ops = [op for op, _ in batch]
         try:
             try:
@@ -188,6 +190,8 @@ class Writer(_write_queue.WriterBase):
         except BaseException as exc:
             self._broke(batch, exc)
             raise
+        # Measured before the callers wake, so a caller's next look sees its round.
+        _telemetry.write_round("postgresql", len(batch), time.perf_counter() - started)
         _write_queue.deliver(batch, outcomes)
 
     async def _alone(self, op: Write[Any]) -> list[Any]:

@@ -289,6 +289,7 @@ class NewRow(NamedTuple):
     due_at: float | None
     created_at: float
     updated_at: float
+    trace_context: str | None
 
 
 def new_row(project_id: str, item: _backend.NewItem, now: float) -> NewRow:
@@ -308,6 +309,7 @@ def new_row(project_id: str, item: _backend.NewItem, now: float) -> NewRow:
         item.not_before if deferred else None,
         now,
         now,
+        item.trace_context,
     )
 
 
@@ -822,19 +824,16 @@ def takeover_event(c: Candidate, op: _backend.ClaimOp, now: float) -> Event:
 
 
 def claim_row(
-    c: Candidate,
-    op: _backend.ClaimOp,
-    now: float,
-    project_id: str,
-    payload_json: str,
-    fence: int,
-    attempts: int,
+    c: Candidate, op: _backend.ClaimOp, now: float, claimed: Sequence[Any]
 ) -> _backend.ClaimRow:
-    """What a claim hands out: the claimed row's new fence and attempts, the rest from
-    the candidate."""
+    """What a claim hands out: from the claimed row (as both dialects' claim statements
+    return it: item_id, project_id, payload, fence, attempts, created_at, trace_context),
+    the new fence and attempts and what the row keeps; the rest from the candidate."""
+    _, project_id, payload_json, fence, attempts, created_at, trace_context = claimed[:7]
     return _backend.ClaimRow(
         c.item_id, project_id, payload_json, fence, attempts, op.owner, now + op.lease_seconds,
-        c.priority, c.service_class, c.sla, c.fingerprint, c.max_attempts,
+        c.priority, c.service_class, c.sla, c.fingerprint, c.max_attempts, created_at,
+        trace_context, c.state == "claimed",
     )  # fmt: skip
 
 

@@ -230,7 +230,7 @@ class SQLiteBackend(_backend.Writes):
     async def list_items(self, op: _backend.ListOp) -> list[_backend.ItemRow]:
         return await self._read(_list_items, op)
 
-    async def cancel(self, op: _backend.CancelOp) -> str:
+    async def cancel(self, op: _backend.CancelOp) -> tuple[str, bool]:
         return await self._write(functools.partial(_cancel, op))
 
     async def requeue(self, op: _backend.RequeueOp) -> None:
@@ -367,8 +367,16 @@ class SQLiteBackend(_backend.Writes):
     async def item_ids(self, state: str) -> list[int]:
         return [row[0] for row in await self._read(_fetch, sql.ITEM_IDS_IN_STATE, (state,))]
 
-    async def verify_ledger(self, limit: int | None) -> list[_models.LedgerProblem]:
-        return await self._read(_verify_ledger, limit)
+    async def verify_ledger(
+        self, limit: int | None, item_id: int | None = None
+    ) -> list[_models.LedgerProblem]:
+        return await self._read(_verify_ledger, limit, item_id)
+
+    async def settled_per_minute(
+        self, since: float, actor_id: str | None
+    ) -> list[tuple[float, str, str, int]]:
+        params = {"since": since, "actor_id": actor_id}
+        return [tuple(row) for row in await self._read(_fetch, sql.SETTLED_PER_MINUTE, params)]
 
 
 def _file_sizes(path: pathlib.Path) -> tuple[int, int]:
@@ -605,11 +613,11 @@ def _claim_many(
             events.append(_rules.takeover_event(candidate, op, now))
         expires = now + op.lease_seconds
         (got,) = db.execute(sql.CLAIM_ITEM, (op.owner, expires, now, candidate.item_id)).fetchall()
-        _, project_id, payload, fence, attempts = got
-        results[id(op)].append(
-            _rules.claim_row(candidate, op, now, project_id, payload, fence, attempts)
+        claimed = _rules.claim_row(candidate, op, now, got)
+        results[id(op)].append(claimed)
+        events.append(
+            _rules.event(candidate.item_id, "claimed", claimed.fence, op.owner, op.actor_id, now)
         )
-        events.append(_rules.event(candidate.item_id, "claimed", fence, op.owner, op.actor_id, now))
     taken = {project: quota.taken for project, quota in reach.quotas.items() if quota.taken}
     for project, tokens, refilled_at in reach.spent(taken, now):
         db.execute(sql.SPEND_TOKENS, (tokens, refilled_at, project))
@@ -769,10 +777,11 @@ def _cancel_one(
     return "cancelled"
 
 
-def _cancel(op: _backend.CancelOp, db: sqlite3.Connection, now: float) -> str:
+def _cancel(op: _backend.CancelOp, db: sqlite3.Connection, now: float) -> tuple[str, bool]:
     found = db.execute(sql.DIAGNOSE_ITEM, (op.actor_id, op.item_id)).fetchone()
     state, fence = _rules.target(op.item_id, op.actor_id, found)
-    return _cancel_one(db, op.item_id, state, fence, op.reason, op.actor_id, now)
+    after = _cancel_one(db, op.item_id, state, fence, op.reason, op.actor_id, now)
+    return after, after != state
 
 
 def _requeue_one(
@@ -887,7 +896,7 @@ def _copy_items(op: _backend.CopyOp, db: sqlite3.Connection, now: float) -> tupl
             continue
         if db.execute(sql.ITEM_EXISTS, (item.item_id,)).fetchone() is not None:
             raise _rules.copy_id_taken(item.item_id)
-        db.execute(sql.COPY_ITEM, (*item[:-1], 1 if item.dedup else 0))
+        db.execute(sql.COPY_ITEM, item)  # sqlite3 stores a bool dedup as 0 or 1
         db.executemany(
             sql.INSERT_EVENT,
             [(item.item_id, e.event_type, e.fence, e.owner, e.actor_id, e.at, e.detail_json)
@@ -1048,7 +1057,8 @@ def _purge_candidates(db: sqlite3.Connection, cutoff: float, chunk: int) -> _bac
 
 
 def _item(row: Any) -> _backend.ItemRow:
-    return _backend.ItemRow._make((*row[:-1], bool(row[-1])))  # dedup is stored as 0 or 1
+    found = _backend.ItemRow._make(row)
+    return found._replace(dedup=bool(found.dedup))  # dedup is stored as 0 or 1
 
 
 def _export_items(db: sqlite3.Connection, op: _backend.ExportOp) -> _backend.Histories:
@@ -1076,11 +1086,16 @@ def _stats(db: sqlite3.Connection, now: float) -> _backend.StoreStats:
     return _backend.StoreStats(by_project, oldest, expired, version)
 
 
-def _verify_ledger(db: sqlite3.Connection, limit: int | None) -> list[_models.LedgerProblem]:
+def _verify_ledger(
+    db: sqlite3.Connection, limit: int | None, item_id: int | None
+) -> list[_models.LedgerProblem]:
     problems: list[_models.LedgerProblem] = []
     db.execute("BEGIN")  # one snapshot for every check
     for kind, statement in sql.LEDGER_CHECKS:
-        cursor = db.execute(statement)
+        if item_id is None:
+            cursor = db.execute(statement)
+        else:
+            cursor = db.execute(sql.ONE_ITEM_CHECK.format(check=statement), (item_id,))
         while limit is None or len(problems) < limit:
             batch = cursor.fetchmany(500 if limit is None else min(500, limit - len(problems)))
             if not batch:

@@ -248,6 +248,13 @@ MIGRATIONS: Final[tuple[str, ...]] = (
     ) WITHOUT ROWID;
     CREATE INDEX schedule_ticks_at ON schedule_ticks (at);
     """,
+    # 7: observability. When the current claim began (renewals leave it be), for the time
+    # an item has run; and the producer's trace context, saved at enqueue, so the span of
+    # the item's execution links to the span that enqueued it, across processes.
+    """
+    ALTER TABLE items ADD COLUMN claimed_at REAL;
+    ALTER TABLE items ADD COLUMN trace_context TEXT;
+    """,
 )
 
 SCHEMA_VERSION: Final = len(MIGRATIONS)
@@ -285,8 +292,8 @@ IS_ASSIGNED: Final = "SELECT 1 FROM assignments WHERE actor_id = ? AND project_i
 
 INSERT_ITEM: Final = """
 INSERT INTO items (project_id, state, payload, priority, service_class, sla, fingerprint,
-                   dedup, max_attempts, due_at, created_at, updated_at)
-VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
+                   dedup, max_attempts, due_at, created_at, updated_at, trace_context)
+VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
 """
 INSERT_ITEM_RETURNING: Final = INSERT_ITEM.rstrip() + " RETURNING item_id"
 # Under the write lock, AUTOINCREMENT hands out consecutive ids: the next ones follow this.
@@ -479,9 +486,9 @@ ORDER BY {CLAIM_ORDER} LIMIT :limit
 CLAIM_ITEM: Final = """
 UPDATE items
 SET state = 'claimed', fence = fence + 1, attempts = attempts + 1,
-    owner = ?, lease_expires_at = ?, due_at = NULL, updated_at = ?
-WHERE item_id = ?
-RETURNING item_id, project_id, payload, fence, attempts
+    owner = ?1, lease_expires_at = ?2, due_at = NULL, updated_at = ?3, claimed_at = ?3
+WHERE item_id = ?4
+RETURNING item_id, project_id, payload, fence, attempts, created_at, trace_context
 """
 
 # A lapsed lease with no attempts left: the item fails instead of being taken over.
@@ -639,7 +646,7 @@ FROM items WHERE item_id = ?
 _ITEM_COLUMNS = (
     "item_id, project_id, state, payload, fence, attempts, owner, lease_expires_at, "
     "created_at, updated_at, priority, service_class, sla, fingerprint, max_attempts, "
-    "due_at, result, error, offload_handle, dedup"
+    "due_at, result, error, offload_handle, dedup, claimed_at"
 )
 GET_ITEM: Final = f"SELECT {_ITEM_COLUMNS} FROM items WHERE item_id = ?"
 GET_ITEM_SCOPED: Final = (
@@ -697,7 +704,7 @@ WHERE item_id = ?
 _LISTED = (
     "item_id, project_id, state, {payload}, fence, attempts, owner, lease_expires_at, "
     "created_at, updated_at, priority, service_class, sla, fingerprint, max_attempts, "
-    "due_at, {result}, error, offload_handle, dedup"
+    "due_at, {result}, error, offload_handle, dedup, claimed_at"
 )
 _LIST_FILTERS = """
       AND (:owner IS NULL OR owner = :owner)
@@ -799,7 +806,7 @@ COPY_ASSIGNMENT: Final = (
 )
 ITEM_EXISTS: Final = "SELECT 1 FROM items WHERE item_id = ?"
 COPY_ITEM: Final = f"""
-INSERT INTO items ({_ITEM_COLUMNS}) VALUES ({", ".join("?" * 20)})
+INSERT INTO items ({_ITEM_COLUMNS}) VALUES ({", ".join("?" * 21)})
 """
 
 # --- stats ----------------------------------------------------------------------------------
@@ -873,6 +880,26 @@ def _since_requeue(alias: str) -> str:
 def _since_ready_again(alias: str) -> str:
     return _models.since_last(alias, _models.BACK_TO_READY)
 
+
+#: One check's problems of one item (the item's page in the dashboard): each check selects
+#: (item_id, detail); the filter reaches into the simpler checks, while those that replay
+#: or group the ledger still read their whole index (the dashboard keeps each verdict
+#: until the item's history changes).
+ONE_ITEM_CHECK: Final = (
+    "WITH found (item_id, detail) AS ({check}) SELECT item_id, detail FROM found WHERE item_id = ?"
+)
+
+# Settled items per minute, project and state since a time, through items_settled: the
+# dashboard's throughput (an hour of it once, then only the last minutes again).
+SETTLED_PER_MINUTE: Final = f"""
+SELECT CAST(updated_at / 60 AS INTEGER) * 60 AS minute, project_id, state, count(*)
+FROM items INDEXED BY items_settled
+WHERE state IN {_SETTLED_STATES} AND updated_at >= :since
+  AND (:actor_id IS NULL
+       OR project_id IN (SELECT project_id FROM assignments WHERE actor_id = :actor_id))
+GROUP BY minute, project_id, state
+ORDER BY minute, project_id, state
+"""
 
 LEDGER_CHECKS: Final[tuple[tuple[str, str], ...]] = (
     (

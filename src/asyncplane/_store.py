@@ -17,6 +17,7 @@ import logging
 import os
 import pathlib
 import random
+import time
 import types
 from collections.abc import (
     AsyncIterator,
@@ -28,7 +29,7 @@ from collections.abc import (
     Sequence,
 )
 from datetime import datetime, timedelta
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from asyncplane import (
     _backend,
@@ -41,6 +42,7 @@ from asyncplane import (
     _rules,
     _schedule,
     _tasks,
+    _telemetry,
     _validate,
     _wakeups,
 )
@@ -51,7 +53,9 @@ from asyncplane._retention import PurgeSummary
 
 __all__ = ("ControlStore", "engine_of")
 
-_log = logging.getLogger("asyncplane")
+_T = TypeVar("_T")
+
+_log = logging.getLogger("asyncplane.store")
 
 #: The most rows one page of `ControlStore.items` returns.
 MAX_LIST_LIMIT = 10_000
@@ -225,6 +229,11 @@ class ControlStore:
         return "sqlite" if self._path is not None else "postgresql"
 
     @property
+    def read_only(self) -> bool:
+        """Whether the store was opened for reading only (every write raises ReadOnlyStore)."""
+        return self._engine.options.read_only
+
+    @property
     def lease_seconds(self) -> float:
         """The default lease length, in seconds."""
         return self._lease_seconds
@@ -380,9 +389,8 @@ class ControlStore:
         )
         project = _validate.text_id(project_id, "project_id")
         item = self._engine.new_item(job, _validate.boolean(dedup, "dedup"))
-        op = _backend.EnqueueOp(project, (item,), _validate.optional_actor(actor_id))
-        ids = await (await self._engine.ready()).enqueue(op)
-        self._engine.notify()
+        actor = _validate.optional_actor(actor_id)
+        ids = await self._enqueue(project, (item,), actor)
         return ids[0]
 
     async def enqueue_many(
@@ -418,9 +426,21 @@ class ControlStore:
                 items.append(self._engine.new_item(spec, same))
             except _errors.AsyncplaneError as exc:
                 raise type(exc)(f"jobs[{position}]: {exc}") from None
-        op = _backend.EnqueueOp(project, tuple(items), _validate.optional_actor(actor_id))
-        ids = await (await self._engine.ready()).enqueue(op)
+        return await self._enqueue(project, tuple(items), _validate.optional_actor(actor_id))
+
+    async def _enqueue(
+        self, project: str, items: tuple[_backend.NewItem, ...], actor: str | None
+    ) -> list[int]:
+        """Write checked items, inside the enqueue span whose context they keep."""
+        backend = await self._engine.ready()
+        with _telemetry.enqueue_span(project, len(items)) as trace_context:
+            if trace_context is not None:
+                items = tuple(item._replace(trace_context=trace_context) for item in items)
+            ids = await backend.enqueue(_backend.EnqueueOp(project, items, actor))
         self._engine.notify()
+        _telemetry.enqueued(project, len(items))
+        if _log.isEnabledFor(logging.DEBUG):
+            _log.debug("enqueued %d item(s) into %s: %s", len(ids), project, ids[:20])
         return ids
 
     async def claim(
@@ -580,7 +600,12 @@ class ControlStore:
         )
         backend = await self._engine.ready()
         claims: list[ClaimedItem] = []
-        for row in await backend.claim(op):
+        started = time.perf_counter()
+        rows = await backend.claim(op)
+        if _telemetry.ENABLED:
+            seconds = time.perf_counter() - started
+            _telemetry.claimed(rows, backend.clock.now(), seconds, self.backend)
+        for row in rows:
             try:
                 payload = json.loads(row.payload_json)
             except (ValueError, RecursionError) as exc:
@@ -605,11 +630,17 @@ class ControlStore:
             self._retry_backoff, self._retry_backoff_max, self._rng.random(),
         )  # fmt: skip
         try:
-            await backend.retry(op)
+            state = await backend.retry(op)
         except _errors.AsyncplaneError as failure:  # its lease lapses; a later claim tries again
-            _log.warning("asyncplane: item %d could not be set aside: %s", row.item_id, failure)
+            _log.warning(
+                "asyncplane: item %d could not be set aside: %s", row.item_id, failure,
+                extra=_row_extra(row),
+            )  # fmt: skip
         else:
-            _log.warning("asyncplane: item %d retried: %s", row.item_id, reason)
+            _log.warning(
+                "asyncplane: item %d retried: %s", row.item_id, reason, extra=_row_extra(row)
+            )
+            _telemetry.settled("retried" if state == "deferred" else "failed", None, self.backend)
             self._engine.notify()
 
     async def renew(
@@ -637,7 +668,7 @@ class ControlStore:
             else _validate.lease_seconds(lease_seconds),
             _validate.optional_actor(actor_id),
         )
-        expires = await (await self._engine.ready()).renew(op)
+        expires = await self._settle(None, (await self._engine.ready()).renew(op))
         return _models.from_timestamp(expires)
 
     async def finish(
@@ -679,7 +710,8 @@ class ControlStore:
             None if result is None else _validate.encode_result(result, self._max_result_bytes),
             _validate.error_text(error),
         )
-        await (await self._engine.ready()).finish(op)
+        twins = await self._settle(status, (await self._engine.ready()).finish(op))
+        _telemetry.dedup_settled(twins, "settlement")
         self._engine.notify()  # a settled item frees its waiting twins
 
     async def retry(
@@ -711,7 +743,11 @@ class ControlStore:
             self._retry_backoff_max,
             self._rng.random(),
         )
-        state = await (await self._engine.ready()).retry(op)
+        backend = await self._engine.ready()
+        started = time.perf_counter()
+        state = await self._settle(None, backend.retry(op))
+        _telemetry.settled("retried" if state == "deferred" else "failed",
+                           time.perf_counter() - started, self.backend)  # fmt: skip
         self._engine.notify()  # it may be due at once, or settle a twin's wait
         return state
 
@@ -732,7 +768,7 @@ class ControlStore:
             _validate.optional_actor(actor_id),
             _validate.delay(delay, "delay"),
         )
-        await (await self._engine.ready()).park(op)
+        await self._settle("parked", (await self._engine.ready()).park(op))
         self._engine.notify()
 
     async def release(self, item_id: int, *, fence: int, actor_id: str | None = None) -> None:
@@ -751,7 +787,7 @@ class ControlStore:
             _validate.positive_int(fence, "fence"),
             _validate.optional_actor(actor_id),
         )
-        await (await self._engine.ready()).release(op)
+        await self._settle("released", (await self._engine.ready()).release(op))
         self._engine.notify()  # claimable again, here and now
 
     async def offload(
@@ -772,7 +808,20 @@ class ControlStore:
             _validate.optional_actor(actor_id),
             _validate.text_id(handle, "handle"),
         )
-        await (await self._engine.ready()).offload(op)
+        await self._settle("offloaded", (await self._engine.ready()).offload(op))
+
+    async def _settle(self, outcome: str | None, call: Awaitable[_T]) -> _T:
+        """Await one settle (or renew) call, counted (under ``outcome``, if given now) and
+        timed; a refused fence is counted as such."""
+        started = time.perf_counter()
+        try:
+            result = await call
+        except _errors.FenceRejected as exc:
+            _telemetry.refused(isinstance(exc, _errors.ItemCancelled))
+            raise
+        if outcome is not None:
+            _telemetry.settled(outcome, time.perf_counter() - started, self.backend)
+        return result
 
     async def offloaded(self, handle: str, *, actor_id: str | None = None) -> list[dict[str, Any]]:
         """The items offloaded to ``handle``, each as `item` returns it (fence included)."""
@@ -917,6 +966,26 @@ class ControlStore:
             "wal_bytes": sizes[1],
         }
 
+    async def settled_per_minute(
+        self, *, since: datetime | float | None = None, actor_id: str | None = None
+    ) -> list[dict[str, Any]]:
+        """How many items settled in each minute since ``since`` (default: the last hour),
+        per project and state (done, failed, cancelled), oldest minute first.
+
+        Each row: ``minute`` (the minute's start, an aware UTC datetime), ``project_id``,
+        ``state``, ``count``. Read from the settled items' index, so it costs what the
+        minutes hold, never the store's size; an item requeued since no longer counts.
+        """
+        start = _validate.instant(since, "since")
+        backend = await self._engine.ready()
+        if start is None:
+            start = backend.clock.now() - 3600.0
+        rows = await backend.settled_per_minute(start, _validate.optional_actor(actor_id))
+        return [
+            {"minute": _models.from_timestamp(m), "project_id": p, "state": s, "count": n}
+            for m, p, s, n in rows
+        ]
+
     async def next_due(
         self, *, project_id: str | None = None, actor_id: str | None = None
     ) -> datetime | None:
@@ -1031,8 +1100,11 @@ class ControlStore:
             _validate.error_text(reason),
             _validate.optional_actor(actor_id),
         )
-        state = await (await self._engine.ready()).cancel(op)
+        started = time.perf_counter()
+        state, changed = await (await self._engine.ready()).cancel(op)
         self._engine.notify()  # its twins may be claimable, a waiter may be waiting
+        if changed:
+            _telemetry.settled("cancelled", time.perf_counter() - started, self.backend)
         return state
 
     async def requeue(self, item_id: int, *, actor_id: str | None = None) -> None:
@@ -1083,7 +1155,9 @@ class ControlStore:
         why = _validate.error_text(reason)
         size = _validate.positive_int(chunk, "chunk")
         backend = await self._engine.ready()
-        return await self._in_chunks(backend.cancel_where, where, size, why)
+        cancelled = await self._in_chunks(backend.cancel_where, where, size, why)
+        _telemetry.settled("cancelled", None, self.backend, count=cancelled)
+        return cancelled
 
     async def requeue_where(
         self,
@@ -1447,6 +1521,12 @@ def _schedule_dict(row: _backend.ScheduleRow) -> dict[str, Any]:
     }
 
 
+def _row_extra(row: _backend.ClaimRow) -> dict[str, Any]:
+    """The ``extra`` fields of a log record about one claimed item."""
+    return {"item_id": row.item_id, "project_id": row.project_id, "attempt": row.attempts,
+            "fence": row.fence, "owner": row.owner}  # fmt: skip
+
+
 def engine_of(store: ControlStore) -> _engine.Engine:
     """The engine beneath a store: what drain, retention, import, copy, the ledger check
     and the probe work through."""
@@ -1493,6 +1573,8 @@ def _claimed_item(row: _backend.ClaimRow, payload: dict[str, Any]) -> ClaimedIte
         sla=_optional_time(row.sla),
         fingerprint=row.fingerprint,
         max_attempts=row.max_attempts,
+        enqueued_at=_models.from_timestamp(row.created_at),
+        trace_context=_telemetry.saved_context(row.trace_context),
     )
 
 
@@ -1529,6 +1611,7 @@ def _item_dict(row: _backend.ItemRow, *, payload: bool = True) -> dict[str, Any]
         else _decoded(row.result_json, row.item_id, "result"),
         "error": row.error,
         "offload_handle": row.offload_handle,
+        "claimed_at": _optional_time(row.claimed_at),
     }
     if not payload:
         del found["payload"], found["result"]

@@ -19,7 +19,7 @@ The rules it keeps:
 * **Time limits.** Past ``timeout`` seconds an item's task is cancelled and the item is
   retried with ``timed out after N s`` (it spends an attempt; a spent budget fails it).
 * **A handler's exception** retries the item with the exception's type and message as
-  its error, and is logged with its traceback (logger ``asyncplane.drain``, with the
+  its error, and is logged with its traceback (logger ``asyncplane.worker``, with the
   item id, project, attempt and fence as ``extra`` fields).
 * **Stopping.** Once ``stop`` is set, no more claims; running items get ``grace``
   seconds to finish, then their tasks are cancelled and their claims given back at once
@@ -44,7 +44,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeAlias
 
-from asyncplane import _engine, _errors, _lock, _store, _tasks, _validate, _wakeups
+from asyncplane import _engine, _errors, _lock, _store, _tasks, _telemetry, _validate, _wakeups
 from asyncplane._drain import DrainError
 from asyncplane._models import ClaimedItem
 from asyncplane._outcomes import (
@@ -64,7 +64,7 @@ __all__ = ("Handler", "work")
 #: ``async def handle(claim: ClaimedItem) -> Outcome``: runs one item.
 Handler: TypeAlias = Callable[[ClaimedItem], Awaitable[Any]]
 
-_log = logging.getLogger("asyncplane.drain")
+_log = logging.getLogger("asyncplane.worker")
 _OUTCOMES = (Done, Failed, Retry, Park, Offload)
 #: Seconds between housekeeping steps (preflight dedup, purge) while claiming.
 _HOUSEKEEPING_EVERY = 1.0
@@ -295,7 +295,9 @@ class _Worker:
         self.summary.rounds += 1
         self.summary.claimed += len(batch)
         for claim in batch:
-            _log.debug("claimed item %d at fence %d", claim.item_id, claim.fence)
+            _log.debug(
+                "claimed item %d at fence %d", claim.item_id, claim.fence, extra=_extra(claim)
+            )
             task = asyncio.create_task(
                 self._run_item(claim), name=f"asyncplane-work-item[{claim.item_id}]"
             )
@@ -407,7 +409,10 @@ class _Worker:
         except _errors.FenceRejected:
             self.summary.fence_rejected += 1
         else:
-            _log.debug("settled item %d: %s", claim.item_id, type(outcome).__name__)
+            _log.debug(
+                "settled item %d: %s", claim.item_id, type(outcome).__name__,
+                extra=_extra(claim),
+            )  # fmt: skip
         if self.progress is not None:
             self.progress(self.summary)
 
@@ -418,11 +423,15 @@ class _Worker:
 
 
 async def _call(handle: Handler, claim: ClaimedItem) -> Any:
-    """The handler's outcome, or the exception it raised, as a value."""
-    try:
-        return await handle(claim)
-    except Exception as exc:
-        return exc
+    """The handler's outcome, or the exception it raised, as a value; run in the item's
+    execution span (ended by a cancellation too: a timeout, a stop)."""
+    with _telemetry.execution_span(claim) as run:
+        try:
+            result = await handle(claim)
+        except Exception as exc:
+            result = exc
+        run.finish(result)
+        return result
 
 
 def _extra(claim: ClaimedItem) -> dict[str, Any]:
@@ -431,4 +440,5 @@ def _extra(claim: ClaimedItem) -> dict[str, Any]:
         "project_id": claim.project_id,
         "attempt": claim.attempts,
         "fence": claim.fence,
+        "owner": claim.owner,
     }

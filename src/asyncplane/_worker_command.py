@@ -35,7 +35,7 @@ from asyncplane._outcomes import DrainSummary
 __all__ = ("add_arguments", "load_handler", "run")
 
 #: The fields a log record may carry beyond the standard ones (see `_work._extra`).
-_EXTRA_FIELDS = ("item_id", "project_id", "attempt", "fence")
+_EXTRA_FIELDS = ("item_id", "project_id", "attempt", "fence", "owner")
 
 
 class Usage(Exception):
@@ -152,7 +152,7 @@ class _Signals:
     def heard(self) -> None:
         self.count += 1
         if self.count == 1:
-            logging.getLogger("asyncplane.drain").info("stopping: finishing running items")
+            logging.getLogger("asyncplane.worker").info("stopping: finishing running items")
             self.stop.set()
         else:
             for worker in self.workers:

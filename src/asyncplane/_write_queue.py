@@ -45,7 +45,7 @@ __all__ = (
 
 T = TypeVar("T")
 
-_log = logging.getLogger("asyncplane")
+_log = logging.getLogger("asyncplane.writer")
 
 #: An operation and the future its caller waits on.
 Request = tuple[Any, "asyncio.Future[Any]"]

@@ -47,7 +47,7 @@ from typing import Any, TypeVar
 
 import aiosqlite
 
-from asyncplane import _clock, _connection, _errors, _write_queue
+from asyncplane import _clock, _connection, _errors, _telemetry, _write_queue
 
 __all__ = ("Operation", "Write", "Writer")
 
@@ -103,11 +103,16 @@ class Writer(_write_queue.WriterBase):
             self.in_flight = 0
 
 
-def _deliver(writer: Writer, batch: list[_Request], outcomes: list[Any], lock_wait: float) -> None:
-    """On the event loop: hand each caller its own outcome."""
+def _deliver(
+    writer: Writer, batch: list[_Request], outcomes: list[Any], lock_wait: float, took: float
+) -> None:
+    """On the event loop: hand each caller its own outcome (the round measured first, so a
+    caller's next look sees its round)."""
     writer.in_flight = 0
     writer.total_lock_wait += lock_wait
     writer.max_lock_wait = max(writer.max_lock_wait, lock_wait)
+    _telemetry.write_round("sqlite", len(batch), took)
+    _telemetry.lock_wait(lock_wait)
     _write_queue.deliver(batch, outcomes)
 
 
@@ -133,13 +138,15 @@ def _execute_round(
     writer: Writer,
 ) -> None:
     """Run on the connection's thread: one transaction for the batch, then deliver."""
+    started = time.perf_counter()
     try:
         outcomes, lock_wait = _transact([op for op, _ in batch], db, clock)
     except Exception as exc:  # outside any operation (the clock, say): fail the round only
         _rollback(db)
         outcomes = [_write_queue.Raised(_write_queue.round_failed(exc))] * len(batch)
         lock_wait = 0.0
-    loop.call_soon_threadsafe(_deliver, writer, batch, outcomes, lock_wait)
+    took = time.perf_counter() - started
+    loop.call_soon_threadsafe(_deliver, writer, batch, outcomes, lock_wait, took)
 
 
 def _run_unit(

@@ -16,6 +16,7 @@
     asyncplane schedule DB NAME --pause | --resume | --delete
     asyncplane limits DB [PROJECT] [--max-running N] [--per-minute R] [--burst B]
     asyncplane worker DB module:handle [--concurrency N] ...   run work() until SIGTERM
+    asyncplane dashboard DB [--host H] [--port N] [--allow-actions] [--actor ID] [--token T]
     asyncplane probe --store PATH --scenario ...   (see asyncplane.probe)
 
 DB, SRC and DST are SQLite files or ``postgresql://`` URLs.
@@ -225,6 +226,14 @@ def _parser() -> argparse.ArgumentParser:
     _worker_command.add_arguments(
         verb("worker", "run a per-item handler over the store's work until SIGTERM")
     )
+    board = verb("dashboard", "serve the operator dashboard (the dashboard extra)")
+    board.add_argument("db")
+    board.add_argument("--host", default="127.0.0.1", help="default: loopback only")
+    board.add_argument("--port", type=int, default=8080, help="0: a free port")
+    board.add_argument("--allow-actions", action="store_true", help="requeue, cancel, pause")
+    board.add_argument("--actor", default=None, help="show and act only as this actor")
+    board.add_argument("--token", default=None, help="required off loopback (else made)")
+    board.add_argument("--log-level", default="info", choices=("debug", "info", "warning"))
     verbs.add_parser("probe", help="qualify a disk: separate processes, exact counts")
     return parser
 
@@ -245,10 +254,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         _check_is_a_store(args.db)  # before any event loop: a plain, quick file read
         if args.verb == "worker":
             return _worker_command.run(args)
+        if args.verb == "dashboard":
+            if not 0 <= args.port <= 65535:
+                raise _Usage(f"--port must be 0 to 65535, not {args.port}")
+            from asyncplane.dashboard import _command  # the dashboard extra
+
+            return _command.run(args)
         if args.verb == "copy" and pathlib.Path(args.destination).exists():
             _check_is_a_store(args.destination)  # an existing file must be a store too
         return asyncio.run(_run(args))
-    except (_Usage, _worker_command.Usage) as problem:
+    except (_Usage, _worker_command.Usage, _errors.MissingExtra) as problem:
         print(f"asyncplane {args.verb}: {problem}", file=sys.stderr)
         return 2
     except (_errors.AsyncplaneError, OSError) as problem:

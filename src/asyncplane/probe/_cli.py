@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import logging
 import pathlib
 import sys
 import time
@@ -22,6 +23,8 @@ from asyncplane import (
 from asyncplane.probe._filesystem import filesystem_of, network_filesystem_warning
 from asyncplane.probe._report import ROLES, SCENARIOS, SPREADABLE, ProbeReport
 from asyncplane.probe._scenarios import _RUNNERS
+
+_log = logging.getLogger("asyncplane.probe")
 
 # --- running and reporting -----------------------------------------------------------------
 
@@ -47,10 +50,12 @@ async def run_probe(args: argparse.Namespace, *, progress: TextIO = sys.stderr) 
         report.workers = 0  # they run elsewhere, with --role worker
     if args.role == "worker":
         await _wait_for_store(args.store, args.wait_seconds)
+    _log.info("probe %s starting on %s (%s)", args.scenario, args.store, report.filesystem)
     async with _store.ControlStore(
         args.store, lease_seconds=args.lease_seconds, synchronous=args.synchronous
     ) as store:
         await _RUNNERS[args.scenario](args, store, report, progress)
+    _log.info("probe %s finished: %s", args.scenario, "passed" if report.passed else "FAILED")
     return report
 
 

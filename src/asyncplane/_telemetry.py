@@ -1,0 +1,445 @@
+"""Metrics and spans, through OpenTelemetry when the application has it.
+
+asyncplane records through the OpenTelemetry API (the ``otel`` extra installs
+``opentelemetry-api``); what it records goes wherever the application's meter and tracer
+providers send it. The rules:
+
+* **Nothing without the API.** If ``opentelemetry`` cannot be imported, every hook here is
+  a constant no-op (`ENABLED` is False): no instrument, no span, no trace context saved.
+* **The API's no-ops without a provider.** With the API and no provider configured, the
+  API's proxy instruments take the calls and drop them; a provider set later (even after
+  a store opened) starts receiving them, as the API's proxies forward.
+* **One set of instruments per process**, made on first use under the meter
+  ``asyncplane``: every store of the process records into them, told apart by their
+  attributes where it matters (``asyncplane.backend``, ``asyncplane.project``).
+* **Gauges are read lazily.** The observable gauges (items by state and project, the
+  oldest ready item's age) give the last snapshot each open store took, and ask that
+  store's event loop for a fresh one (``call_soon_threadsafe``: a metric reader collects
+  on a thread of its own). So a value is at most one collection interval old, and a
+  store that nobody collects from reads nothing for them.
+* **Trace context travels with the item.** `enqueue_span` saves the producer's context
+  (W3C ``traceparent``/``tracestate`` as compact JSON) in the item's row; the worker's
+  execution span links to it (a link, not a parent: the item may run hours later, on
+  another host, many times).
+
+Names and units are listed in docs/observability.md; a test checks the two agree.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import threading
+import time
+import weakref
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Final
+
+if TYPE_CHECKING:
+    from asyncplane._backend import ClaimRow, StoreStats
+    from asyncplane._models import ClaimedItem
+
+try:
+    from opentelemetry import metrics as _metrics
+    from opentelemetry import propagate as _propagate
+    from opentelemetry import trace as _trace
+except ImportError:  # the otel extra is not installed: every hook is a no-op
+    _metrics = None  # type: ignore[assignment]
+    _propagate = None  # type: ignore[assignment]
+    _trace = None  # type: ignore[assignment]
+
+__all__ = (
+    "COUNTERS",
+    "ENABLED",
+    "GAUGES",
+    "HISTOGRAMS",
+    "SPANS",
+    "Gauges",
+    "claimed",
+    "dedup_settled",
+    "enqueue_span",
+    "enqueued",
+    "execution_span",
+    "executions",
+    "lock_wait",
+    "refused",
+    "round_span",
+    "settled",
+    "write_round",
+)
+
+_log = logging.getLogger("asyncplane.store")
+
+#: Whether the OpenTelemetry API is importable here (the ``otel`` extra).
+ENABLED: Final = _trace is not None
+
+#: Counters: name -> (unit, description).
+COUNTERS: Final = {
+    "asyncplane.items.enqueued": ("{item}", "Jobs accepted by enqueue (a deduplicated one too)"),
+    "asyncplane.items.claimed": ("{item}", "Items handed out by claims"),
+    "asyncplane.items.settled": (
+        "{item}",
+        "Settlements, by asyncplane.outcome: done, failed, retried, parked, offloaded, "
+        "cancelled, released",
+    ),
+    "asyncplane.fence.refusals": (
+        "{refusal}",
+        "Reports refused because their fence was not current (asyncplane.reason: "
+        "fence or cancelled)",
+    ),
+    "asyncplane.items.dedup_settled": (
+        "{item}",
+        "Pending twins settled done without running (asyncplane.layer: settlement or preflight)",
+    ),
+    "asyncplane.leases.takeovers": ("{item}", "Claims that took an item over from a lapsed lease"),
+}
+#: Histograms: name -> (unit, description).
+HISTOGRAMS: Final = {
+    "asyncplane.queue.wait": ("s", "From enqueue to the first claim"),
+    "asyncplane.execution.duration": ("s", "An item's run in drain() or work()"),
+    "asyncplane.claim.duration": ("s", "A claim call, from request to the claimed rows"),
+    "asyncplane.settle.duration": ("s", "A settle call (finish, retry, park, ...)"),
+    "asyncplane.write.round.size": ("{request}", "Requests one group commit carried"),
+    "asyncplane.write.round.duration": ("s", "One write round, BEGIN to COMMIT"),
+    "asyncplane.write.lock_wait": ("s", "Time BEGIN IMMEDIATE waited for SQLite's write lock"),
+}
+#: Observable gauges: name -> (unit, description).
+GAUGES: Final = {
+    "asyncplane.items": ("{item}", "Items by asyncplane.state and asyncplane.project"),
+    "asyncplane.queue.oldest_ready_age": ("s", "How long the oldest ready item has waited"),
+}
+#: Spans: name -> what one covers.
+SPANS: Final = {
+    "asyncplane.enqueue": "An enqueue call (PRODUCER); its context is saved with the items",
+    "asyncplane.drain.round": "One round of drain(): the executor's run of a batch",
+    "asyncplane.execute": (
+        "One item's execution (CONSUMER), linked to the span that enqueued it; attributes "
+        "asyncplane.item_id, asyncplane.project, asyncplane.attempt, asyncplane.fence"
+    ),
+}
+
+
+class _Instruments:
+    """The process's instruments, made once under the meter ``asyncplane``."""
+
+    def __init__(self) -> None:
+        from asyncplane import __version__
+
+        meter = _metrics.get_meter("asyncplane", __version__)
+        counters = {name: meter.create_counter(name, u, d) for name, (u, d) in COUNTERS.items()}
+        histograms = {
+            name: meter.create_histogram(name, u, d) for name, (u, d) in HISTOGRAMS.items()
+        }
+        self.enqueued = counters["asyncplane.items.enqueued"]
+        self.claimed = counters["asyncplane.items.claimed"]
+        self.settled = counters["asyncplane.items.settled"]
+        self.refused = counters["asyncplane.fence.refusals"]
+        self.dedup = counters["asyncplane.items.dedup_settled"]
+        self.takeovers = counters["asyncplane.leases.takeovers"]
+        self.queue_wait = histograms["asyncplane.queue.wait"]
+        self.execution = histograms["asyncplane.execution.duration"]
+        self.claim = histograms["asyncplane.claim.duration"]
+        self.settle = histograms["asyncplane.settle.duration"]
+        self.round_size = histograms["asyncplane.write.round.size"]
+        self.round_duration = histograms["asyncplane.write.round.duration"]
+        self.lock_wait = histograms["asyncplane.write.lock_wait"]
+        unit, about = GAUGES["asyncplane.items"]
+        meter.create_observable_gauge("asyncplane.items", [_observe_items], unit, about)
+        unit, about = GAUGES["asyncplane.queue.oldest_ready_age"]
+        meter.create_observable_gauge(
+            "asyncplane.queue.oldest_ready_age", [_observe_oldest], unit, about
+        )
+        self.tracer = _trace.get_tracer("asyncplane", __version__)
+
+
+_MADE: list[_Instruments] = []
+#: Guards the instruments' making and the set of live stores: stores may live on several
+#: threads' loops, and a metric reader collects on a thread of its own.
+_GUARD = threading.Lock()
+
+
+def _instruments() -> _Instruments:
+    if _MADE:
+        return _MADE[0]
+    with _GUARD:
+        if not _MADE:
+            _MADE.append(_Instruments())
+    return _MADE[0]
+
+
+# --- counters and histograms ---------------------------------------------------------------
+
+
+def enqueued(project_id: str, count: int) -> None:
+    """``count`` jobs accepted by an enqueue into ``project_id``."""
+    if ENABLED:
+        _instruments().enqueued.add(count, {"asyncplane.project": project_id})
+
+
+def claimed(rows: Sequence[ClaimRow], now: float, seconds: float, backend: str) -> None:
+    """A claim call that took ``seconds`` and handed out ``rows`` at ``now``."""
+    if not ENABLED:
+        return
+    found = _instruments()
+    found.claim.record(seconds, {"asyncplane.backend": backend})
+    for row in rows:
+        project = {"asyncplane.project": row.project_id}
+        found.claimed.add(1, project)
+        if row.taken_over:
+            found.takeovers.add(1, project)
+        elif row.fence == 1:  # its first claim ever: the wait from enqueue is a queue wait
+            found.queue_wait.record(max(0.0, now - row.created_at), project)
+
+
+def settled(outcome: str, seconds: float | None, backend: str, *, count: int = 1) -> None:
+    """``count`` items settled as ``outcome`` by a settle call that took ``seconds``
+    (None: not one call's latency, a bulk cancel say)."""
+    if ENABLED and count:
+        found = _instruments()
+        found.settled.add(count, {"asyncplane.outcome": outcome})
+        if seconds is not None:
+            labels = {"asyncplane.backend": backend, "asyncplane.outcome": outcome}
+            found.settle.record(seconds, labels)
+
+
+def refused(cancelled: bool) -> None:
+    """A report refused for its fence (``cancelled``: because the item was cancelled)."""
+    if ENABLED:
+        reason = "cancelled" if cancelled else "fence"
+        _instruments().refused.add(1, {"asyncplane.reason": reason})
+
+
+def dedup_settled(count: int, layer: str) -> None:
+    """``count`` pending twins settled done without running, by ``layer``."""
+    if ENABLED and count:
+        _instruments().dedup.add(count, {"asyncplane.layer": layer})
+
+
+def write_round(backend: str, size: int, seconds: float) -> None:
+    """One write round of ``size`` requests that took ``seconds``."""
+    if ENABLED:
+        found = _instruments()
+        labels = {"asyncplane.backend": backend}
+        found.round_size.record(size, labels)
+        found.round_duration.record(seconds, labels)
+
+
+def lock_wait(seconds: float) -> None:
+    """How long one BEGIN IMMEDIATE waited for SQLite's write lock."""
+    if ENABLED:
+        _instruments().lock_wait.record(seconds, {"asyncplane.backend": "sqlite"})
+
+
+# --- spans ---------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def enqueue_span(project_id: str, count: int) -> Iterator[str | None]:
+    """The span of one enqueue call; yields the trace context to save with its items
+    (None when there is no valid span to link to)."""
+    if not ENABLED:
+        yield None
+        return
+    attributes: dict[str, str | int] = {"asyncplane.project": project_id, "asyncplane.count": count}
+    tracer = _instruments().tracer
+    with tracer.start_as_current_span(
+        "asyncplane.enqueue", kind=_trace.SpanKind.PRODUCER, attributes=attributes
+    ) as span:
+        if not span.get_span_context().is_valid:
+            yield None
+            return
+        carrier: dict[str, str] = {}
+        _propagate.inject(carrier)
+        yield json.dumps(carrier, separators=(",", ":"), sort_keys=True) if carrier else None
+
+
+@contextlib.contextmanager
+def round_span(owner: str, size: int) -> Iterator[None]:
+    """The span of one drain round running a batch of ``size`` items."""
+    if not ENABLED:
+        yield
+        return
+    attributes: dict[str, str | int] = {"asyncplane.owner": owner, "asyncplane.count": size}
+    tracer = _instruments().tracer
+    with tracer.start_as_current_span("asyncplane.drain.round", attributes=attributes):
+        yield
+
+
+class Execution:
+    """One item's execution span (a no-op without the API): `finish` ends it."""
+
+    __slots__ = ("_claim", "_span", "_started")
+
+    def __init__(self, claim: ClaimedItem) -> None:
+        self._claim = claim
+        self._started = time.perf_counter()
+        self._span: Any = None
+        if ENABLED:
+            self._span = _instruments().tracer.start_span(
+                "asyncplane.execute",
+                kind=_trace.SpanKind.CONSUMER,
+                attributes={
+                    "asyncplane.item_id": claim.item_id,
+                    "asyncplane.project": claim.project_id,
+                    "asyncplane.attempt": claim.attempts,
+                    "asyncplane.fence": claim.fence,
+                    "asyncplane.owner": claim.owner,
+                },
+                links=_links(claim.trace_context),
+            )
+
+    def finish(self, outcome: object) -> None:
+        """End the span with the outcome (an exception marks it failed)."""
+        if not ENABLED:
+            return
+        seconds = time.perf_counter() - self._started
+        _instruments().execution.record(seconds, {"asyncplane.project": self._claim.project_id})
+        span = self._span
+        if isinstance(outcome, BaseException):
+            span.record_exception(outcome)
+            span.set_status(_trace.Status(_trace.StatusCode.ERROR, type(outcome).__name__))
+        else:
+            span.set_attribute("asyncplane.outcome", type(outcome).__name__)
+        span.end()
+
+
+@contextlib.contextmanager
+def execution_span(claim: ClaimedItem) -> Iterator[Execution]:
+    """One item's execution span, current while the block runs (the handler's own spans
+    nest in it); the block calls `Execution.finish` with the outcome, or an exception
+    leaving the block ends it as failed."""
+    run = Execution(claim)
+    if not ENABLED:
+        yield run
+        return
+    with _trace.use_span(run._span, end_on_exit=False, record_exception=False):
+        try:
+            yield run
+        except BaseException as exc:
+            run.finish(exc)
+            raise
+
+
+def executions(batch: Iterable[ClaimedItem]) -> list[Execution]:
+    """One execution span per item of a drain batch (run by one executor call)."""
+    if not ENABLED:
+        return []
+    return [Execution(claim) for claim in batch]
+
+
+def _links(trace_context: dict[str, str] | None) -> list[Any]:
+    if not trace_context:
+        return []
+    context = _trace.get_current_span(_propagate.extract(trace_context)).get_span_context()
+    return [_trace.Link(context)] if context.is_valid else []
+
+
+def saved_context(text: str | None) -> dict[str, str] | None:
+    """A trace context as saved with an item, decoded (None if absent or unreadable)."""
+    if text is None:
+        return None
+    try:
+        found = json.loads(text)
+    except ValueError:
+        return None
+    if not isinstance(found, dict):
+        return None
+    return {str(k): str(v) for k, v in found.items()}
+
+
+# --- gauges --------------------------------------------------------------------------------
+
+
+class Gauges:
+    """What the observable gauges read of one open store: its last snapshot, refreshed
+    on the store's loop when a reader asks (see the module)."""
+
+    def __init__(
+        self,
+        name: str,
+        read: Callable[[], Awaitable[StoreStats]],
+        now: Callable[[], float],
+        loop: asyncio.AbstractEventLoop,
+    ) -> None:
+        self.name = name
+        self._read = read
+        self._now = now
+        self._loop = loop
+        self._refreshing: asyncio.Task[None] | None = None
+        #: The last snapshot: (states by project, oldest ready age), or None before one.
+        self.snapshot: tuple[tuple[tuple[str, str, int], ...], float | None] | None = None
+        #: Set each time a refresh lands (tests and the dashboard await it).
+        self.refreshed = asyncio.Event()
+        if ENABLED:
+            _instruments()  # the gauges exist from the first store on
+            with _GUARD:
+                _LIVE.add(self)
+
+    def request(self) -> None:
+        """From any thread: refresh soon, on the store's loop (one refresh at a time)."""
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nothing to refresh
+            self._loop.call_soon_threadsafe(self._start)
+
+    def _start(self) -> None:
+        if self._refreshing is None or self._refreshing.done():
+            self._refreshing = self._loop.create_task(
+                self._refresh(), name=f"asyncplane-gauges[{self.name}]"
+            )
+
+    async def _refresh(self) -> None:
+        try:
+            stats = await self._read()
+        except Exception as exc:  # a closed or failing store: the last snapshot stays
+            _log.debug("asyncplane: gauges of %s not refreshed: %s", self.name, exc)
+            return
+        age = None if stats.oldest_ready_at is None else self._now() - stats.oldest_ready_at
+        self.snapshot = (stats.states_by_project, age)
+        self.refreshed.set()
+
+    def forget(self) -> None:
+        """Stop giving values (the store's loop is gone)."""
+        with _GUARD:
+            _LIVE.discard(self)
+
+    async def close(self) -> None:
+        """Stop reading for the gauges (the store is closing)."""
+        self.forget()
+        task = self._refreshing
+        if task is not None and not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+
+_LIVE: weakref.WeakSet[Gauges] = weakref.WeakSet()
+
+
+def _live() -> list[Gauges]:
+    with _GUARD:
+        return list(_LIVE)
+
+
+def _observe_items(options: Any) -> list[Any]:
+    found = []
+    for gauges in _live():
+        gauges.request()
+        if gauges.snapshot is not None:
+            for project, state, count in gauges.snapshot[0]:
+                labels = {
+                    "asyncplane.store": gauges.name,
+                    "asyncplane.project": project,
+                    "asyncplane.state": state,
+                }
+                found.append(_metrics.Observation(count, labels))
+    return found
+
+
+def _observe_oldest(options: Any) -> list[Any]:
+    found = []
+    for gauges in _live():
+        if gauges.snapshot is not None and gauges.snapshot[1] is not None:
+            labels = {"asyncplane.store": gauges.name}
+            found.append(_metrics.Observation(gauges.snapshot[1], labels))
+    return found

@@ -1,0 +1,57 @@
+"""``asyncplane dashboard``: serve a store's dashboard until a signal says stop.
+
+    asyncplane dashboard DB|URL [--host 127.0.0.1] [--port 8080] [--allow-actions]
+                         [--actor ID] [--token TOKEN]
+
+Without ``--allow-actions`` the store is opened read-only (nothing can be written through
+the dashboard, whatever it is sent). Off loopback a token is required: ``--token``, or
+one is made and printed. Once it serves, it prints ``listening on http://HOST:PORT`` on
+stdout (``--port 0`` picks a free port); SIGINT or SIGTERM stops it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+
+from asyncplane._store import ControlStore
+from asyncplane.dashboard._server import Dashboard
+
+__all__ = ("run",)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Serve until SIGINT or SIGTERM; the exit status."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger("asyncplane")
+    root.addHandler(handler)
+    root.setLevel(args.log_level.upper())
+    return asyncio.run(_serve(args))
+
+
+async def _serve(args: argparse.Namespace) -> int:
+    store = ControlStore(args.db, read_only=not args.allow_actions)
+    dashboard = Dashboard(
+        store, actor_id=args.actor, allow_actions=args.allow_actions, token=args.token
+    )
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        url = await dashboard.start(args.host, args.port)
+        if dashboard.token is not None and args.token is None:
+            print(f"token: {dashboard.token}", flush=True)
+            print(f"open: {url}/?token={dashboard.token}", flush=True)
+        print(f"listening on {url}", flush=True)
+        await stop.wait()
+    finally:
+        await dashboard.stop()
+        await store.close()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+    return 0

@@ -1,0 +1,534 @@
+"""The dashboard's HTTP server: routes, pages, and the rules that keep it safe.
+
+Served by aiohttp on the store's own event loop (one dependency that is both the server
+and its test client, no ASGI server to pick and run beside it); pages are Jinja2
+templates with autoescaping on, so every payload, result, error and name reaches the page
+as text, never as markup. The rules:
+
+* **Loopback by default.** Binding to anything else needs a token (one is made if none
+  is given); every request must then carry it: ``Authorization: Bearer TOKEN``, the
+  ``asyncplane_token_PORT`` cookie, or ``?token=TOKEN`` once (which sets the cookie,
+  HttpOnly and SameSite=Strict, and redirects to the same page without it).
+* **No DNS rebinding.** Without a token, a request must name a loopback host in its
+  ``Host`` header (or one of ``allowed_hosts``): a hostile page whose name was made to
+  point at 127.0.0.1 is refused, so it can neither read a page nor its CSRF token.
+* **Actions only when allowed** (``allow_actions``), only as POSTs, each carrying the
+  page's CSRF token (a form field, or the ``X-CSRF-Token`` header) unless it is
+  authenticated by an ``Authorization`` header (which no other site can make a browser
+  send). A POST whose ``Origin`` names another host than the request's (the proxy's
+  ``X-Forwarded-Host``, behind one) is refused whatever it carries.
+* **Nothing runs that the package did not serve.** A Content-Security-Policy allows
+  scripts, styles and images from the dashboard alone, no inline script, and no
+  framing; every asset is in the package (fleets run offline).
+* **Scope.** With ``actor_id``, every page and action goes through the store as that
+  actor; out of scope reads as not found (404), as absent does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import ipaddress
+import logging
+import pathlib
+import secrets
+import urllib.parse
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from asyncplane import __version__, _errors, _models, _validate
+from asyncplane._store import ControlStore
+from asyncplane.dashboard import _views
+
+try:
+    import jinja2
+    from aiohttp import web
+except ImportError:  # pragma: no cover - the import is checked in asyncplane.dashboard
+    raise _errors.MissingExtra(
+        "the dashboard needs the dashboard extra: pip install 'asyncplane[dashboard]'"
+    ) from None
+
+__all__ = ("Dashboard",)
+
+_log = logging.getLogger("asyncplane.dashboard")
+
+_HERE = pathlib.Path(__file__).parent
+_LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
+_LIVE_HEADER = "X-Asyncplane-Live"
+_CSP = (
+    "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; "
+    "connect-src 'self'; form-action 'self'; frame-ancestors 'none'; base-uri 'none'"
+)
+_Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+class Dashboard:
+    """The operator dashboard of one store, served over HTTP (see `asyncplane.dashboard`).
+
+    Args:
+        store: The store to show (a read-only store shows everything, and refuses actions).
+        actor_id: Show and act only as this actor (as ``actor_id=`` in the API).
+        allow_actions: Serve the actions (requeue, cancel, pause, resume); off by default.
+        token: The token every request must carry; required off loopback (made by
+            `start` if not given: read it from `token`).
+        sample_every: Seconds between the overview's samples (queue depth, settled per
+            minute).
+        allowed_hosts: Host names (beyond loopback's) that requests may name in their
+            ``Host`` header when there is no token (a name of this machine, say).
+    """
+
+    def __init__(
+        self,
+        store: ControlStore,
+        *,
+        actor_id: str | None = None,
+        allow_actions: bool = False,
+        token: str | None = None,
+        sample_every: float = 10.0,
+        allowed_hosts: tuple[str, ...] = (),
+    ) -> None:
+        if not isinstance(store, ControlStore):
+            raise _errors.InvalidType(f"store must be a ControlStore, not {type(store).__name__}")
+        self.store = store
+        self.scope = _views.Scope(store, _validate.optional_actor(actor_id))
+        self.allow_actions = _validate.boolean(allow_actions, "allow_actions")
+        if token is not None and (not isinstance(token, str) or len(token) < 16):
+            raise _errors.InvalidInput("token must be a str of at least 16 characters")
+        self.token = token
+        self.sample_every = _validate.seconds(sample_every, "sample_every", 3600.0)
+        self.history = _views.History(self.scope)
+        self.verdicts = _views.Verdicts(self.scope)
+        hosts: object = allowed_hosts
+        if not isinstance(hosts, tuple) or not all(isinstance(h, str) and h for h in hosts):
+            raise _errors.InvalidType("allowed_hosts must be a tuple of host names")
+        self._allowed_hosts = _LOOPBACK_NAMES | {h.lower() for h in allowed_hosts}
+        self._cookie = "asyncplane_token"
+        self._csrf = secrets.token_urlsafe(32)
+        self._templates = jinja2.Environment(
+            loader=jinja2.FileSystemLoader(_HERE / "templates"),
+            autoescape=True,
+            undefined=jinja2.StrictUndefined,
+        )
+        self._templates.filters["ago"] = _ago
+        self._templates.filters["when"] = _when
+        self._runner: web.AppRunner | None = None
+        self._sampler: asyncio.Task[None] | None = None
+        self._stopping = asyncio.Event()
+        #: The URL the dashboard serves at, once started.
+        self.url: str | None = None
+
+    # --- lifecycle -----------------------------------------------------------------------
+
+    def app(self) -> web.Application:
+        """The aiohttp application (routes and middlewares), for embedding or testing."""
+        app = web.Application(middlewares=[self._guard])
+        app.add_routes(
+            [
+                web.get("/", self._overview),
+                web.get("/running", self._running),
+                web.get("/failures", self._failures),
+                web.get("/items/{item_id}", self._item),
+                web.get("/projects", self._projects),
+                web.get("/api/stats", self._api_stats),
+                web.get("/api/items/{item_id}", self._api_item),
+                web.get("/metrics", self._metrics),
+                web.static("/static", _HERE / "static", append_version=False),
+                web.post("/items/{item_id}/requeue", self._requeue),
+                web.post("/items/{item_id}/cancel", self._cancel),
+                web.post("/failures/requeue", self._requeue_group),
+                web.post("/failures/cancel", self._cancel_group),
+                # Names go in the form, not the path: a name may hold "/" or be "..".
+                web.post("/projects/pause", self._pause_project),
+                web.post("/projects/resume", self._resume_project),
+                web.post("/schedules/pause", self._pause_schedule),
+                web.post("/schedules/resume", self._resume_schedule),
+            ]
+        )
+        return app
+
+    async def start(self, host: str = "127.0.0.1", port: int = 8080) -> str:
+        """Serve on ``host``:``port`` (0: a free port); return the URL it serves at."""
+        if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+            raise _errors.InvalidInput(f"port must be an int from 0 to 65535, not {port!r}")
+        if not isinstance(host, str) or not host:
+            raise _errors.InvalidInput("host must be a non-empty str")
+        if self._runner is not None:
+            raise _errors.InvalidInput("this dashboard is serving already: stop() it first")
+        if not _loopback(host) and self.token is None:
+            self.token = secrets.token_urlsafe(24)
+        self._allowed_hosts = self._allowed_hosts | {host.lower()}
+        self._stopping.clear()
+        await self.store.open()
+        await self.history.sample()
+        self._runner = web.AppRunner(self.app(), access_log=None, handle_signals=False)
+        try:
+            await self._runner.setup()
+            await web.TCPSite(self._runner, host, port).start()
+        except BaseException:  # a port in use, say: nothing is left behind
+            await self.stop()
+            raise
+        self._sampler = asyncio.create_task(self._sample(), name="asyncplane-dashboard-sampler")
+        self._sampler.add_done_callback(_report_failure)
+        bound = self._runner.addresses[0]
+        shown = f"[{bound[0]}]" if ":" in bound[0] else bound[0]
+        self.url = f"http://{shown}:{bound[1]}"
+        self._cookie = f"asyncplane_token_{bound[1]}"  # one per dashboard of a host
+        _log.info("dashboard of %s listening on %s", self.store.location, self.url)
+        return self.url
+
+    async def stop(self) -> None:
+        """Stop serving (requests in progress end first) and stop sampling."""
+        self._stopping.set()
+        try:
+            if self._sampler is not None:
+                sampler, self._sampler = self._sampler, None
+                sampler.cancel()  # it only reads: a sample cut short loses nothing
+                await asyncio.gather(sampler, return_exceptions=True)  # reported already
+        finally:
+            if self._runner is not None:
+                runner, self._runner = self._runner, None
+                await runner.cleanup()
+
+    async def __aenter__(self) -> Dashboard:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    async def _sample(self) -> None:
+        """Sample the overview's history every ``sample_every`` seconds until stopped."""
+        while not self._stopping.is_set():
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._stopping.wait(), self.sample_every)
+            if self._stopping.is_set():
+                return
+            try:
+                await self.history.sample()
+            except Exception as exc:  # the store is down: the pages say so; go on sampling
+                _log.warning("dashboard: sampling failed: %s", exc)
+
+    # --- the guard: token, actions, CSRF, headers ----------------------------------------
+
+    @web.middleware
+    async def _guard(self, request: web.Request, handler: _Handler) -> web.StreamResponse:
+        try:
+            response = await self._checked(request, handler)
+        except web.HTTPException as exc:  # a redirect, a 404: answered as a plain response
+            response = web.Response(status=exc.status, text=exc.text, headers=exc.headers)
+        except _errors.ReadOnlyStore:
+            response = _text(403, "the store is open read-only: actions are off")
+        except (_errors.InvalidInput, _errors.InvalidType) as exc:  # a name too long, say
+            response = _text(400, str(exc))
+        except _errors.AsyncplaneError as exc:
+            if _views.not_found(exc):
+                response = _text(404, "not found")
+            else:
+                _log.warning("dashboard: %s %s failed: %s", request.method, request.path, exc)
+                response = _text(503, f"the store failed: {type(exc).__name__}")
+        response.headers["Content-Security-Policy"] = _CSP
+        response.headers["X-Content-Type-Options"] = "nosniff"
+        response.headers["Referrer-Policy"] = "same-origin"  # "no-referrer" would send Origin: null
+        response.headers["X-Frame-Options"] = "DENY"
+        response.headers.setdefault("Cache-Control", "no-store")
+        return response
+
+    async def _checked(self, request: web.Request, handler: _Handler) -> web.StreamResponse:
+        by_header = False
+        if self.token is None:
+            if _host_name(request.host) not in self._allowed_hosts:
+                return _text(421, "this dashboard answers to its own host names only")
+        else:
+            presented = self._presented(request)
+            if not any(_equal(given, self.token) for given, _ in presented):
+                return _text(401, "this dashboard needs its token (Authorization: Bearer ...)")
+            by_header = any(header and _equal(given, self.token) for given, header in presented)
+            if "token" in request.query and request.method == "GET":
+                # Once by URL: keep it in a cookie, and drop it from the address bar (to
+                # a path of this dashboard, never "//elsewhere").
+                query = [(k, v) for k, v in request.query.items() if k != "token"]
+                target = "/" + request.rel_url.raw_path.lstrip("/\\")
+                if query:
+                    target += "?" + urllib.parse.urlencode(query)
+                found = web.Response(status=303, headers={"Location": target})
+                found.set_cookie(self._cookie, self.token, httponly=True, samesite="Strict")
+                return found
+        if request.method == "POST":
+            if not self.allow_actions:
+                return _text(403, "actions are off: start the dashboard with --allow-actions")
+            origin = request.headers.get("Origin")
+            if origin is not None and not _same_host(origin, request):
+                return _text(403, "a request from another site is refused")
+            if not by_header:
+                form = await request.post()
+                sent = request.headers.get("X-CSRF-Token") or form.get("csrf")
+                if not isinstance(sent, str) or not _equal(sent, self._csrf):
+                    return _text(403, "missing or wrong CSRF token")
+        return await handler(request)
+
+    # --- pages ---------------------------------------------------------------------------
+
+    def _page(self, request: web.Request, template: str, **data: Any) -> web.Response:
+        """A page, or only its live part (the block ``live``) for the live updates."""
+        page = self._templates.get_template(template)
+        context = {
+            "csrf": self._csrf,
+            "actions": self.allow_actions,
+            "actor": self.scope.actor_id,
+            "store": self.store.location,
+            "backend": self.store.backend,
+            "read_only": self.store.read_only,
+            "version": __version__,
+            "path": request.path_qs,
+            "now": self.scope.now(),
+            **data,
+        }
+        if request.headers.get(_LIVE_HEADER) == "1":
+            body = "".join(page.blocks["live"](page.new_context(context)))
+        else:
+            body = page.render(context)
+        return web.Response(text=body, content_type="text/html", charset="utf-8")
+
+    async def _overview(self, request: web.Request) -> web.Response:
+        data = await _views.overview(self.scope, self.history)
+        return self._page(request, "overview.html", page="overview", **data)
+
+    async def _running(self, request: web.Request) -> web.Response:
+        data = await _views.running(self.scope)
+        return self._page(request, "running.html", page="running", **data)
+
+    async def _failures(self, request: web.Request) -> web.Response:
+        data = await _views.failures(self.scope)
+        return self._page(request, "failures.html", page="failures", **data)
+
+    async def _item(self, request: web.Request) -> web.Response:
+        data = await _views.item(self.scope, _item_id(request), self.verdicts)
+        return self._page(request, "item.html", page="item", **data)
+
+    async def _projects(self, request: web.Request) -> web.Response:
+        data = await _views.projects(self.scope)
+        return self._page(request, "projects.html", page="projects", **data)
+
+    async def _api_stats(self, request: web.Request) -> web.Response:
+        return web.json_response(await _views.stats(self.scope))
+
+    async def _api_item(self, request: web.Request) -> web.Response:
+        item_id = _item_id(request)
+        row = await self.store.item(item_id, actor_id=self.scope.actor_id)
+        return web.json_response(row, dumps=_json)
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        from prometheus_client import CollectorRegistry
+        from prometheus_client.exposition import generate_latest
+
+        stats = await _views.stats(self.scope)
+        families = list(_views.prometheus_families(stats, self.history))
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(_Families(families))
+        return web.Response(
+            body=generate_latest(registry),
+            headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"},
+        )
+
+    # --- actions -------------------------------------------------------------------------
+
+    async def _requeue(self, request: web.Request) -> web.StreamResponse:
+        item_id = _item_id(request)
+        try:
+            await self.store.requeue(item_id, actor_id=self.scope.actor_id)
+        except _errors.NotRequeueable as exc:
+            return _text(409, str(exc))
+        _log.debug("dashboard: requeued item %d", item_id, extra={"item_id": item_id})
+        return await self._done(request, {"item_id": item_id, "state": "ready"})
+
+    async def _cancel(self, request: web.Request) -> web.StreamResponse:
+        item_id = _item_id(request)
+        state = await self.store.cancel(
+            item_id, reason="cancelled from the dashboard", actor_id=self.scope.actor_id
+        )
+        _log.debug("dashboard: cancelled item %d", item_id, extra={"item_id": item_id})
+        return await self._done(request, {"item_id": item_id, "state": state})
+
+    async def _requeue_group(self, request: web.Request) -> web.StreamResponse:
+        error = await _field(request, "error")
+        done = 0
+        for item_id in await _views.group_members(self.scope, error, "failed"):
+            with contextlib.suppress(_errors.NotRequeueable):  # moved on meanwhile
+                await self.store.requeue(item_id, actor_id=self.scope.actor_id)
+                done += 1
+        _log.info("dashboard: requeued %d failed item(s) of one error group", done)
+        return await self._done(request, {"requeued": done})
+
+    async def _cancel_group(self, request: web.Request) -> web.StreamResponse:
+        error = await _field(request, "error")
+        done = 0
+        for item_id in await _views.group_members(self.scope, error, "deferred"):
+            state = await self.store.cancel(
+                item_id, reason="cancelled from the dashboard", actor_id=self.scope.actor_id
+            )
+            done += state == "cancelled"
+        _log.info("dashboard: cancelled %d retrying item(s) of one error group", done)
+        return await self._done(request, {"cancelled": done})
+
+    async def _pause_project(self, request: web.Request) -> web.StreamResponse:
+        return await self._project_status(request, "paused")
+
+    async def _resume_project(self, request: web.Request) -> web.StreamResponse:
+        return await self._project_status(request, "open")
+
+    async def _project_status(self, request: web.Request, status: str) -> web.StreamResponse:
+        project_id = await _field(request, "project_id")
+        if not await self.scope.visible(project_id):
+            return _text(404, "not found")
+        await self.store.set_project_status(project_id, status)
+        _log.info("dashboard: project %s is now %s", project_id, status)
+        return await self._done(request, {"project_id": project_id, "status": status})
+
+    async def _pause_schedule(self, request: web.Request) -> web.StreamResponse:
+        return await self._schedule_paused(request, True)
+
+    async def _resume_schedule(self, request: web.Request) -> web.StreamResponse:
+        return await self._schedule_paused(request, False)
+
+    async def _schedule_paused(self, request: web.Request, paused: bool) -> web.StreamResponse:
+        name = await _field(request, "name")
+        try:
+            schedule = await self.store.schedule(name)
+        except _errors.UnknownSchedule:
+            return _text(404, "not found")
+        if not await self.scope.visible(schedule["project_id"]):
+            return _text(404, "not found")
+        if paused:
+            await self.store.pause_schedule(name)
+        else:
+            await self.store.resume_schedule(name)
+        _log.info("dashboard: schedule %s %s", name, "paused" if paused else "resumed")
+        return await self._done(request, {"schedule": name, "paused": paused})
+
+    def _presented(self, request: web.Request) -> list[tuple[str, bool]]:
+        """Every token a request carries (the header, the cookie, the query), each with
+        whether it came in an Authorization header: any one that is right lets it in, so
+        a stale cookie never hides a fresh ``?token=``."""
+        found = []
+        header = request.headers.get("Authorization", "")
+        if header.startswith("Bearer "):
+            found.append((header[len("Bearer ") :].strip(), True))
+        if self._cookie in request.cookies:
+            found.append((request.cookies[self._cookie], False))
+        if "token" in request.query:
+            found.append((request.query["token"], False))
+        return found
+
+    async def _done(self, request: web.Request, answer: dict[str, Any]) -> web.StreamResponse:
+        """After an action: back to the page it came from (a form), or the answer (JSON)."""
+        if "application/json" in request.headers.get("Accept", ""):
+            return web.json_response(answer)
+        form = await request.post()
+        back = form.get("next")
+        if not isinstance(back, str) or not back.startswith("/") or back[1:2] in ("/", "\\"):
+            back = "/"
+        raise web.HTTPSeeOther(back)
+
+
+class _Families:
+    """A prometheus_client collector that yields metric families read beforehand."""
+
+    def __init__(self, families: list[Any]) -> None:
+        self._families = families
+
+    def collect(self) -> list[Any]:
+        return self._families
+
+
+def _equal(given: str, secret: str) -> bool:
+    """A constant-time comparison of a presented secret (any text) with ours."""
+    return hmac.compare_digest(given.encode("utf-8", "replace"), secret.encode())
+
+
+def _host_name(host: str | None) -> str:
+    """The name in a Host header, without its port or an IPv6 address's brackets."""
+    if not host:
+        return ""
+    try:
+        found = urllib.parse.urlsplit("//" + host).hostname
+    except ValueError:  # "[::1", say: names no host of ours
+        return ""
+    return (found or "").lower()
+
+
+def _same_host(origin: str, request: web.Request) -> bool:
+    """Whether a POST's Origin names the host the request went to: host names compared
+    (behind a TLS proxy the scheme and port differ, and the Host header may too, which
+    the proxy then forwards)."""
+    try:
+        named = _host_name(urllib.parse.urlsplit(origin).netloc)
+    except ValueError:
+        return False
+    hosts = {_host_name(request.host)}
+    forwarded = request.headers.get("X-Forwarded-Host")
+    if forwarded:
+        hosts.add(_host_name(forwarded.split(",")[0].strip()))
+    return bool(named) and named in hosts
+
+
+def _item_id(request: web.Request) -> int:
+    text = request.match_info["item_id"]
+    if not (text.isascii() and text.isdigit()) or len(text) > 19:
+        raise web.HTTPNotFound(text="not found")
+    return int(text)
+
+
+async def _field(request: web.Request, name: str) -> str:
+    form = await request.post()
+    value = form.get(name)
+    if not isinstance(value, str):
+        raise web.HTTPBadRequest(text=f"the form needs a {name} field")
+    return value
+
+
+def _text(status: int, message: str) -> web.Response:
+    return web.Response(status=status, text=message + "\n")
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _json(value: Any) -> str:
+    import json
+
+    return json.dumps(value, default=lambda v: v.isoformat())
+
+
+def _ago(seconds: float | None) -> str:
+    """A duration, short: ``42 s``, ``7 min``, ``3.2 h``, ``2.0 d``."""
+    if seconds is None:
+        return "-"
+    sign = "-" if seconds < 0 else ""
+    seconds = abs(seconds)
+    if seconds < 120:
+        return f"{sign}{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{sign}{seconds / 60:.0f} min"
+    if seconds < 172800:
+        return f"{sign}{seconds / 3600:.1f} h"
+    return f"{sign}{seconds / 86400:.1f} d"
+
+
+def _when(value: Any) -> str:
+    """A time as UTC, to the second."""
+    if value is None:
+        return "-"
+    if isinstance(value, (int, float)):
+        value = _models.from_timestamp(value)
+    return str(value.strftime("%Y-%m-%d %H:%M:%S"))
+
+
+def _report_failure(task: asyncio.Task[None]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        _log.error("dashboard: the sampler stopped", exc_info=task.exception())

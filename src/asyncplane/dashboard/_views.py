@@ -1,0 +1,374 @@
+"""What each dashboard page shows, read through the public store API.
+
+The dashboard is a client of `ControlStore` like any other: every read and action passes
+the dashboard's ``actor_id``, so ``--actor`` scopes the pages exactly as ``actor_id=``
+scopes the API (a project, item or schedule outside the actor's projects is "not found",
+never "forbidden": a denial does not reveal that the target exists).
+
+`History` keeps what the overview's charts need and the store cannot give in one read:
+the settled items per minute over the last hour (read once, then only the last two
+minutes again at each sample) and the queue depth, sampled here since the dashboard
+started (a store keeps no history of its depth).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import json
+import math
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from asyncplane import _errors, _ledger, _models
+from asyncplane._store import ControlStore
+
+__all__ = ("History", "Scope", "Verdicts")
+
+#: The most rows a list page shows (the newest first).
+PAGE_ROWS = 500
+#: The window of the overview's charts, in seconds.
+WINDOW = 3600.0
+_SETTLED = ("done", "failed", "cancelled")
+_LIVE = ("ready", "deferred", "claimed", "offloaded")
+
+
+@dataclasses.dataclass(frozen=True)
+class Scope:
+    """The store and the actor every read and action of the dashboard goes through."""
+
+    store: ControlStore
+    actor_id: str | None
+
+    def now(self) -> float:
+        """The store's "now" (its clock), in epoch seconds."""
+        return float(self.store.clock.now())
+
+    async def projects(self) -> list[dict[str, Any]]:
+        """The projects the dashboard may show."""
+        found = await self.store.projects()
+        if self.actor_id is None:
+            return found
+        visible = set(await self.store.visible_projects(self.actor_id))
+        return [p for p in found if p["project_id"] in visible]
+
+    async def visible(self, project_id: str) -> bool:
+        """Whether the dashboard may show (and act on) this project."""
+        return any(p["project_id"] == project_id for p in await self.projects())
+
+    async def counts(self) -> dict[str, dict[str, int]]:
+        """Items per state, per project (every project shown, every state a key)."""
+        if self.actor_id is None:
+            stats = await self.store.stats()
+            found: dict[str, dict[str, int]] = stats["projects"]
+            for project in await self.projects():
+                found.setdefault(project["project_id"], dict.fromkeys(_models.ITEM_STATES, 0))
+            return dict(sorted(found.items()))
+        return {
+            p["project_id"]: await self.store.counts(
+                project_id=p["project_id"], actor_id=self.actor_id
+            )
+            for p in await self.projects()
+        }
+
+    async def items(self, **filters: Any) -> list[dict[str, Any]]:
+        """A page of items (as `ControlStore.items` lists them), in scope."""
+        return await self.store.items(actor_id=self.actor_id, **filters)
+
+
+# --- the overview --------------------------------------------------------------------------
+
+
+class History:
+    """The overview's last hour: settled per minute (from the store) and queue depth
+    (sampled here). `sample` is called every few seconds by the dashboard's sampler."""
+
+    def __init__(self, scope: Scope) -> None:
+        self._scope = scope
+        #: minute start -> state -> count, over the window.
+        self.minutes: dict[float, collections.Counter[str]] = {}
+        #: (time, ready, deferred) samples, oldest first.
+        self.depth: collections.deque[tuple[float, int, int]] = collections.deque()
+        self._read_once = False
+        #: Set after every sample (tests and the first page wait for it).
+        self.sampled = asyncio.Event()
+
+    async def sample(self) -> None:
+        """Read the settled counts of the last minutes and the queue depth now."""
+        now = self._scope.now()
+        minute = math.floor(now / 60) * 60
+        since = now - WINDOW if not self._read_once else minute - 60
+        rows = await self._scope.store.settled_per_minute(
+            since=since, actor_id=self._scope.actor_id
+        )
+        fresh: dict[float, collections.Counter[str]] = {}
+        for row in rows:
+            at = row["minute"].timestamp()
+            fresh.setdefault(at, collections.Counter())[row["state"]] += row["count"]
+        for at in [at for at in self.minutes if at >= math.floor(since / 60) * 60]:
+            del self.minutes[at]  # read again just now
+        self.minutes.update(fresh)
+        for at in [at for at in self.minutes if at < now - WINDOW - 60]:
+            del self.minutes[at]
+        self._read_once = True
+        counts = await self._scope.counts()
+        ready = sum(c["ready"] for c in counts.values())
+        deferred = sum(c["deferred"] for c in counts.values())
+        self.depth.append((now, ready, deferred))
+        while self.depth and self.depth[0][0] < now - WINDOW:
+            self.depth.popleft()
+        self.sampled.set()
+
+    def throughput(self, now: float) -> list[tuple[float, int, int]]:
+        """(minute start, settled, failed) for each of the last 60 whole minutes and the
+        current one, oldest first."""
+        last = float(math.floor(now / 60) * 60)
+        series: list[tuple[float, int, int]] = []
+        for step in range(60, -1, -1):
+            at = last - 60 * step
+            counts = self.minutes.get(at, collections.Counter())
+            series.append((at, sum(counts[s] for s in _SETTLED), counts["failed"]))
+        return series
+
+
+def chart(values: Sequence[float], *, width: int = 600, height: int = 120) -> dict[str, Any]:
+    """An SVG line chart's geometry for ``values`` (a polyline's points, the top value);
+    numbers only, so the template draws it with nothing to escape."""
+    top = max([*values, 1.0])
+    if len(values) < 2:
+        values = [*values, *values] if values else [0.0, 0.0]
+    step = width / (len(values) - 1)
+    points = " ".join(
+        f"{i * step:.1f},{height - (v / top) * (height - 4) - 2:.1f}" for i, v in enumerate(values)
+    )
+    return {"points": points, "top": top, "width": width, "height": height}
+
+
+async def overview(scope: Scope, history: History) -> dict[str, Any]:
+    """The overview page: counts, the oldest ready item, the charts, the failure rate."""
+    now = scope.now()
+    counts = await scope.counts()
+    totals = {state: sum(c[state] for c in counts.values()) for state in _models.ITEM_STATES}
+    oldest = await scope.items(state="ready", order="oldest", limit=1, include_payload=False)
+    oldest_age = now - oldest[0]["created_at"].timestamp() if oldest else None
+    series = history.throughput(now)
+    settled_hour = sum(s for _, s, _ in series)
+    failed_hour = sum(f for _, _, f in series)
+    depth = [ready + deferred for _, ready, deferred in history.depth]
+    return {
+        "counts": counts,
+        "totals": totals,
+        "states": _models.ITEM_STATES,
+        "oldest": oldest[0] if oldest else None,
+        "oldest_age": oldest_age,
+        "throughput": chart([float(s) for _, s, _ in series]),
+        "throughput_last": series[-2][1] if len(series) > 1 else 0,
+        "depth": chart([float(d) for d in depth]),
+        "depth_now": depth[-1] if depth else totals["ready"] + totals["deferred"],
+        "depth_samples": len(depth),
+        "settled_hour": settled_hour,
+        "failed_hour": failed_hour,
+        "failure_rate": None if not settled_hour else failed_hour / settled_hour,
+    }
+
+
+async def stats(scope: Scope) -> dict[str, Any]:
+    """``GET /api/stats``: counts by state and by project, and the oldest ready age."""
+    now = scope.now()
+    counts = await scope.counts()
+    totals = {state: sum(c[state] for c in counts.values()) for state in _models.ITEM_STATES}
+    oldest = await scope.items(state="ready", order="oldest", limit=1, include_payload=False)
+    if scope.actor_id is None:
+        expired = (await scope.store.stats())["expired_leases"]
+    else:  # the store's count is the whole store's: count the actor's own
+        claimed = await scope.items(state="claimed", limit=10_000, include_payload=False)
+        expired = sum(1 for item in claimed if item["lease_expires_at"].timestamp() <= now)
+    return {
+        "states": totals,
+        "projects": counts,
+        "items": sum(totals.values()),
+        "oldest_ready_age_s": now - oldest[0]["created_at"].timestamp() if oldest else None,
+        "expired_leases": expired,
+        "actor_id": scope.actor_id,
+        "at": now,
+    }
+
+
+# --- running, failures ---------------------------------------------------------------------
+
+
+async def running(scope: Scope) -> dict[str, Any]:
+    """Every claimed item: owner, fence, time running, lease left; lapsed ones stuck."""
+    now = scope.now()
+    rows = []
+    for item in await scope.items(
+        state="claimed", order="oldest", limit=PAGE_ROWS, include_payload=False
+    ):
+        lease_left = item["lease_expires_at"].timestamp() - now
+        started = item["claimed_at"] or item["updated_at"]
+        rows.append(
+            {**item, "running_s": now - started.timestamp(), "lease_left_s": lease_left,
+             "stuck": lease_left <= 0}
+        )  # fmt: skip
+    rows.sort(key=lambda row: (not row["stuck"], -row["running_s"]))
+    return {"rows": rows, "stuck": sum(row["stuck"] for row in rows), "limit": PAGE_ROWS}
+
+
+async def failures(scope: Scope) -> dict[str, Any]:
+    """Failed items, and items waiting to retry after an error, grouped by error."""
+    failed = await scope.items(state="failed", limit=PAGE_ROWS, include_payload=False)
+    waiting = await scope.items(state="deferred", limit=PAGE_ROWS, include_payload=False)
+    groups: dict[str, dict[str, list[dict[str, Any]]]] = {}
+    for item in failed:
+        groups.setdefault(item["error"] or "", {"failed": [], "retrying": []})["failed"].append(
+            item
+        )
+    for item in waiting:
+        if item["error"]:
+            groups.setdefault(item["error"], {"failed": [], "retrying": []})["retrying"].append(
+                item
+            )
+    ordered = sorted(
+        groups.items(), key=lambda g: (-(len(g[1]["failed"]) + len(g[1]["retrying"])), g[0])
+    )
+    return {
+        "groups": [
+            {"error": error, "failed": found["failed"], "retrying": found["retrying"]}
+            for error, found in ordered
+        ],
+        "failed": len(failed),
+        "limit": PAGE_ROWS,
+    }
+
+
+async def group_members(scope: Scope, error: str, state: str) -> list[int]:
+    """The ids of every item in ``state`` whose error is exactly ``error`` (a group),
+    read page by page (the store matches a piece of the error; this, all of it)."""
+    members: list[int] = []
+    after = None
+    while True:
+        # The store's piece-of-text match folds ASCII case only on SQLite: look for an
+        # ASCII error's text, and page through every member otherwise.
+        piece = error if error and error.isascii() else None
+        page = await scope.items(
+            state=state, error_contains=piece, after=after, limit=PAGE_ROWS,
+            include_payload=False,
+        )  # fmt: skip
+        members.extend(item["item_id"] for item in page if (item["error"] or "") == error)
+        if len(page) < PAGE_ROWS:
+            return members
+        after = page[-1]["item_id"]
+
+
+# --- one item, projects --------------------------------------------------------------------
+
+
+class Verdicts:
+    """The ledger check's verdict on items, kept while an item's history stays as it was:
+    the item page asks every 2 seconds, and the check of one item still reads indexes
+    shared by every item, so it runs again only once the item has a new event."""
+
+    def __init__(self, scope: Scope, keep: int = 256) -> None:
+        self._scope = scope
+        self._keep = keep
+        self._found: collections.OrderedDict[int, tuple[Any, list[Any]]] = collections.OrderedDict()
+
+    async def of(
+        self, item_id: int, row: dict[str, Any], events: list[dict[str, Any]]
+    ) -> list[Any]:
+        """The problems of the item whose row and events these are."""
+        key = (row["state"], row["fence"], row["updated_at"], len(events),
+               events[-1]["event_id"] if events else None)  # fmt: skip
+        kept = self._found.get(item_id)
+        if kept is not None and kept[0] == key:
+            self._found.move_to_end(item_id)
+            return kept[1]
+        problems = await _ledger.verify_ledger(self._scope.store, item_id=item_id)
+        self._found[item_id] = (key, problems)
+        while len(self._found) > self._keep:
+            self._found.popitem(last=False)
+        return problems
+
+
+async def item(scope: Scope, item_id: int, verdicts: Verdicts) -> dict[str, Any]:
+    """An item's page: its row, its ledger, and the ledger check's verdict on it.
+
+    Raises `asyncplane.UnknownItem` or `asyncplane.ScopeDenied` as the store does.
+    """
+    row = await scope.store.item(item_id, actor_id=scope.actor_id)
+    events = await scope.store.events(item_id, actor_id=scope.actor_id)
+    problems = await verdicts.of(item_id, row, events)
+    return {
+        "item": row,
+        "payload": _pretty(row["payload"]),
+        "result": None if row["result"] is None else _pretty(row["result"]),
+        "events": [
+            {**e, "detail": None if e["detail"] is None else _pretty(e["detail"])} for e in events
+        ],
+        "problems": [
+            {"kind": p.kind, "detail": p.detail, "meaning": _ledger.LEDGER_PROBLEM_KINDS[p.kind]}
+            for p in problems
+        ],
+        "can_requeue": row["state"] in ("failed", "cancelled"),
+        "can_cancel": row["state"] in _LIVE,
+    }
+
+
+async def projects(scope: Scope) -> dict[str, Any]:
+    """Every project shown: status, counts, limits; and the schedules of those projects."""
+    shown = await scope.projects()
+    ids = {p["project_id"] for p in shown}
+    counts = await scope.counts()
+    limits = {row["project_id"]: row for row in await scope.store.project_limits()}
+    schedules = [s for s in await scope.store.schedules() if s["project_id"] in ids]
+    return {
+        "projects": [
+            {**p, "counts": counts.get(p["project_id"], {}), "limits": limits.get(p["project_id"])}
+            for p in shown
+        ],
+        "schedules": schedules,
+    }
+
+
+def prometheus_families(stats: dict[str, Any], history: History) -> Iterable[Any]:
+    """The store's gauges for ``GET /metrics``, as prometheus_client metric families."""
+    from prometheus_client.core import GaugeMetricFamily
+
+    items = GaugeMetricFamily(
+        "asyncplane_items", "Items by project and state.", labels=["project", "state"]
+    )
+    for project, counts in stats["projects"].items():
+        for state, count in counts.items():
+            items.add_metric([project, state], count)
+    yield items
+    oldest = GaugeMetricFamily(
+        "asyncplane_oldest_ready_age_seconds", "How long the oldest ready item has waited."
+    )
+    oldest.add_metric([], stats["oldest_ready_age_s"] or 0.0)
+    yield oldest
+    expired = GaugeMetricFamily(
+        "asyncplane_expired_leases", "Claimed items whose lease has lapsed (stuck)."
+    )
+    expired.add_metric([], stats["expired_leases"])
+    yield expired
+    rate = GaugeMetricFamily(
+        "asyncplane_settled_per_minute",
+        "Items settled in the last whole minute, by state.",
+        labels=["state"],
+    )
+    last = math.floor(stats["at"] / 60) * 60 - 60
+    counts = history.minutes.get(last, collections.Counter())
+    for state in _SETTLED:
+        rate.add_metric([state], counts[state])
+    yield rate
+
+
+def _pretty(value: Any) -> str:
+    return json.dumps(value, indent=2, sort_keys=True, ensure_ascii=False)
+
+
+def not_found(exc: BaseException) -> bool:
+    """Whether a store error means "not found" to the dashboard (absent, or out of scope:
+    the two look the same)."""
+    return isinstance(exc, (_errors.UnknownItem, _errors.ScopeDenied, _errors.UnknownProject))

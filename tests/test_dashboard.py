@@ -1,0 +1,574 @@
+"""The dashboard over HTTP: the real server on a loopback port, on both backends.
+
+Pages and JSON, the Prometheus text, the actions and what guards them (allow_actions,
+the CSRF token, the Origin, the token off loopback), scope (``actor_id``), escaping, the
+live fragments, the item's ledger verdict, and the command that serves it all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import urllib.request
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import aiohttp
+import pytest
+
+from asyncplane import ControlStore, InvalidInput, verify_ledger
+from asyncplane.dashboard import Dashboard
+from asyncplane.testing import ManualClock
+
+HOSTILE_PAYLOAD = {"x": "<script>window.__pwned = 1</script>"}
+HOSTILE_ERROR = '"><img src=x onerror="window.__pwned = 1">'
+
+
+@contextlib.asynccontextmanager
+async def serving(
+    store: ControlStore, host: str = "127.0.0.1", **options: Any
+) -> AsyncIterator[tuple[Dashboard, str, aiohttp.ClientSession]]:
+    dashboard = Dashboard(store, **options)
+    url = await dashboard.start(host, 0)
+    if host != "127.0.0.1":
+        url = url.replace(host, "127.0.0.1")
+    try:
+        # unsafe: keep cookies of an IP address's site, as a browser does
+        async with aiohttp.ClientSession(cookie_jar=aiohttp.CookieJar(unsafe=True)) as session:
+            yield dashboard, url, session
+    finally:
+        await dashboard.stop()
+
+
+async def text(session: aiohttp.ClientSession, url: str, **kw: Any) -> tuple[int, str]:
+    async with session.get(url, allow_redirects=False, **kw) as response:
+        return response.status, await response.text()
+
+
+def csrf_of(page: str) -> str:
+    found = re.search(r'name="csrf-token" content="([^"]+)"', page)
+    assert found is not None
+    return found.group(1)
+
+
+async def post(
+    session: aiohttp.ClientSession, url: str, data: dict[str, str] | None = None, **kw: Any
+) -> tuple[int, str, str | None]:
+    async with session.post(url, data=data or {}, allow_redirects=False, **kw) as response:
+        return response.status, await response.text(), response.headers.get("Location")
+
+
+async def seeded(store: ControlStore) -> dict[str, int]:
+    """alpha: one done, one failed (hostile error), one running, one ready (hostile
+    payload), one retrying; beta: one ready."""
+    await store.create_project("beta", "Beta")
+    ids = await store.enqueue_many("alpha", [{"n": n} for n in range(4)])
+    hostile = await store.enqueue("alpha", HOSTILE_PAYLOAD)
+    other = await store.enqueue("beta", {"n": 9})
+    batch = await store.claim_batch("worker-1", 4, project_id="alpha")
+    await store.finish(batch[0].item_id, fence=batch[0].fence, result={"answer": 42})
+    await store.finish(batch[1].item_id, fence=batch[1].fence, status="failed", error=HOSTILE_ERROR)
+    await store.retry(batch[3].item_id, fence=batch[3].fence, error="flaky", delay=600)
+    return {"done": ids[0], "failed": ids[1], "running": ids[2], "retrying": ids[3],
+            "hostile": hostile, "beta": other}  # fmt: skip
+
+
+async def test_every_page_and_the_json_answer(store: ControlStore) -> None:
+    ids = await seeded(store)
+    async with serving(store) as (_, url, session):
+        for path in ("/", "/running", "/failures", f"/items/{ids['done']}", "/projects"):
+            status, page = await text(session, url + path)
+            assert status == 200, path
+            assert "<title>" in page
+        async with session.get(url + "/api/stats") as response:
+            assert response.status == 200
+            stats = await response.json()
+        assert stats["states"]["ready"] == 2 and stats["states"]["failed"] == 1
+        assert stats["projects"]["beta"]["ready"] == 1
+        assert stats["projects"]["alpha"]["claimed"] == 1
+        assert stats["items"] == 6
+        _, running = await text(session, url + "/running")
+        assert f'data-item="{ids["running"]}"' in running and "worker-1" in running
+        _, failures = await text(session, url + "/failures")
+        assert "flaky" in failures and f'data-item="{ids["retrying"]}"' in failures
+        _, item = await text(session, url + f"/items/{ids['done']}")
+        assert "the row agrees with its history" in item
+        assert "&#34;answer&#34;: 42" in item
+        for event in ("queued", "claimed", "done"):
+            assert f'class="event-{event}"' in item
+        async with session.get(url + f"/api/items/{ids['failed']}") as response:
+            assert (await response.json())["error"] == HOSTILE_ERROR
+
+
+async def test_the_overview_counts_and_charts(store: ControlStore, clock: ManualClock) -> None:
+    ids = await seeded(store)
+    async with serving(store) as (dashboard, url, session):
+        status, page = await text(session, url + "/")
+        assert status == 200
+        assert re.search(r'data-state="ready">2<', page)
+        assert "settled per minute" in page and "queue depth" in page
+        assert re.search(r'id="failure-rate">50\.0%<', page)  # 1 failed of 2 settled
+        clock.advance(60.0)
+        claim = await store.claim("w2", project_id="beta")
+        assert claim is not None
+        await store.finish(claim.item_id, fence=claim.fence)
+        await dashboard.history.sample()
+        _, page = await text(session, url + "/")
+        assert re.search(r'id="failure-rate">33\.3%<', page)
+        assert f'href="/items/{ids["hostile"]}"' in page  # the oldest ready item
+
+
+async def test_metrics_in_prometheus_text(store: ControlStore) -> None:
+    await seeded(store)
+    async with serving(store) as (_, url, session), session.get(url + "/metrics") as response:
+        assert response.status == 200
+        assert response.headers["Content-Type"].startswith("text/plain; version=0.0.4")
+        body = await response.text()
+    assert 'asyncplane_items{project="alpha",state="ready"} 1.0' in body
+    assert 'asyncplane_items{project="beta",state="ready"} 1.0' in body
+    assert "# TYPE asyncplane_oldest_ready_age_seconds gauge" in body
+    assert "asyncplane_expired_leases 0.0" in body
+
+
+async def test_actions_need_allow_actions_and_the_csrf_token(store: ControlStore) -> None:
+    ids = await seeded(store)
+    async with serving(store) as (_, url, session):  # actions off
+        _, page = await text(session, url + "/")
+        status, body, _ = await post(
+            session, url + f"/items/{ids['failed']}/requeue", {"csrf": csrf_of(page)}
+        )
+        assert status == 403 and "actions are off" in body
+        assert "<form" not in (await text(session, url + "/failures"))[1]
+    assert (await store.item(ids["failed"]))["state"] == "failed"
+    async with serving(store, allow_actions=True) as (_, url, session):
+        target = url + f"/items/{ids['failed']}/requeue"
+        assert (await post(session, target))[0] == 403  # no CSRF token
+        assert (await post(session, target, {"csrf": "forged"}))[0] == 403
+        _, page = await text(session, url + "/failures")
+        token = csrf_of(page)
+        status, body, _ = await post(
+            session, target, {"csrf": token}, headers={"Origin": "http://evil.example"}
+        )
+        assert status == 403 and "another site" in body
+        assert (await store.item(ids["failed"]))["state"] == "failed"  # nothing changed yet
+        status, _, location = await post(session, target, {"csrf": token, "next": "/failures"})
+        assert (status, location) == (303, "/failures")
+        assert (await store.item(ids["failed"]))["state"] == "ready"
+        status, body, _ = await post(session, target, {"csrf": token})
+        assert status == 409  # not failed any more
+        cancel = url + f"/items/{ids['running']}/cancel"
+        async with session.post(
+            cancel, data={"csrf": token}, headers={"Accept": "application/json"}
+        ) as response:
+            assert await response.json() == {"item_id": ids["running"], "state": "cancelled"}
+        status, _, location = await post(
+            session, url + "/failures/cancel", {"csrf": token, "error": "flaky", "next": "//x"}
+        )
+        assert (status, location) == (303, "/")  # never a redirect off the dashboard
+        assert (await store.item(ids["retrying"]))["state"] == "cancelled"
+        beta = {"csrf": token, "project_id": "beta"}
+        assert (await post(session, url + "/projects/pause", beta))[0] == 303
+        assert (await store.project("beta"))["status"] == "paused"
+        assert (await post(session, url + "/projects/resume", beta))[0] == 303
+        assert (await store.project("beta"))["status"] == "open"
+        # The browser's Origin behind a TLS proxy: the same host, another scheme.
+        https = {"Origin": "https://" + url.removeprefix("http://")}
+        assert (await post(session, url + "/projects/pause", beta, headers=https))[0] == 303
+    assert await verify_ledger(store) == []
+
+
+async def test_a_failure_group_is_requeued_whole(store: ControlStore) -> None:
+    ids = await store.enqueue_many("alpha", [{"n": n} for n in range(4)])
+    batch = await store.claim_batch("w", 4)
+    for claim in batch[:3]:
+        await store.finish(claim.item_id, fence=claim.fence, status="failed", error="quota")
+    await store.finish(batch[3].item_id, fence=batch[3].fence, status="failed", error="quota 2")
+    async with serving(store, allow_actions=True) as (_, url, session):
+        _, page = await text(session, url + "/failures")
+        assert page.count("requeue every failed one") == 2  # two groups
+        status, _, _ = await post(
+            session, url + "/failures/requeue", {"csrf": csrf_of(page), "error": "quota"}
+        )
+        assert status == 303
+    states = [(await store.item(i))["state"] for i in ids]
+    assert states == ["ready", "ready", "ready", "failed"]  # the exact error, not a prefix
+
+
+async def test_a_token_guards_every_request_off_loopback(store: ControlStore) -> None:
+    ids = await seeded(store)
+    async with serving(store, host="0.0.0.0", allow_actions=True) as (dashboard, url, session):
+        token = dashboard.token
+        assert token is not None and len(token) >= 16  # made, as none was given
+        for path in (
+            "/",
+            "/api/stats",
+            "/metrics",
+            f"/items/{ids['done']}",
+            "/static/dashboard.js",
+        ):
+            assert (await text(session, url + path))[0] == 401, path
+        bearer = {"Authorization": f"Bearer {token}"}
+        assert (await text(session, url + "/api/stats", headers=bearer))[0] == 200
+        wrong = {"Authorization": "Bearer " + "x" * len(token)}
+        assert (await text(session, url + "/api/stats", headers=wrong))[0] == 401
+        # Once by URL: a cookie, and the same page without the token in its address.
+        async with session.get(url + f"/running?token={token}", allow_redirects=False) as answer:
+            assert answer.status == 303 and answer.headers["Location"] == "/running"
+            cookie = answer.cookies[f"asyncplane_token_{url.rsplit(':', 1)[1]}"]
+            assert cookie["httponly"] and cookie["samesite"] == "Strict"
+        status, _ = await text(session, url + "/running")
+        assert status == 200
+        # A script authenticated by its header needs no CSRF token; a cookie-borne one does.
+        target = url + f"/items/{ids['failed']}/requeue"
+        assert (await post(session, target))[0] == 403
+        async with aiohttp.ClientSession() as script:
+            status, _, _ = await post(script, target, headers=bearer)
+            assert status == 303
+    assert (await store.item(ids["failed"]))["state"] == "ready"
+
+
+async def test_a_given_token_holds_on_loopback_too(store: ControlStore) -> None:
+    async with serving(store, token="t" * 20) as (_, url, session):
+        assert (await text(session, url + "/"))[0] == 401
+        headers = {"Authorization": "Bearer " + "t" * 20}
+        assert (await text(session, url + "/", headers=headers))[0] == 200
+
+
+async def test_an_actor_sees_and_touches_only_its_projects(store: ControlStore) -> None:
+    ids = await seeded(store)
+    await store.assign("beta", "agent-b")
+    async with serving(store, actor_id="agent-b", allow_actions=True) as (_, url, session):
+        async with session.get(url + "/api/stats") as response:
+            stats = await response.json()
+        assert list(stats["projects"]) == ["beta"] and stats["items"] == 1
+        assert stats["actor_id"] == "agent-b"
+        hidden = await text(session, url + f"/items/{ids['failed']}")
+        absent = await text(session, url + "/items/999999")
+        assert hidden == absent == (404, "not found\n")  # out of scope looks like absent
+        _, page = await text(session, url + "/")
+        assert 'data-project="alpha"' not in page and 'data-project="beta"' in page
+        for path in ("/running", "/failures", "/projects"):
+            assert "alpha" not in (await text(session, url + path))[1], path
+        token = csrf_of(page)
+        for action, fields in ((f"/items/{ids['failed']}/requeue", {}),
+                               (f"/items/{ids['running']}/cancel", {}),
+                               ("/projects/pause", {"project_id": "alpha"})):  # fmt: skip
+            status, _, _ = await post(session, url + action, {"csrf": token, **fields})
+            assert status == 404, action
+        body = await text(session, url + "/metrics")
+        assert 'project="alpha"' not in body[1] and 'project="beta"' in body[1]
+    assert (await store.item(ids["failed"]))["state"] == "failed"
+    assert (await store.item(ids["running"]))["state"] == "claimed"
+    assert (await store.project("alpha"))["status"] == "open"
+
+
+async def test_everything_shown_is_escaped(store: ControlStore) -> None:
+    ids = await seeded(store)
+    async with serving(store) as (_, url, session):
+        for path in (f"/items/{ids['hostile']}", f"/items/{ids['failed']}", "/failures"):
+            status, page = await text(session, url + path)
+            assert status == 200
+            assert "<script>window" not in page and "<img src=x" not in page, path
+        _, item = await text(session, url + f"/items/{ids['hostile']}")
+        assert "&lt;script&gt;window.__pwned = 1&lt;/script&gt;" in item
+        async with session.get(url + "/") as response:
+            policy = response.headers["Content-Security-Policy"]
+        assert "script-src 'self'" in policy and "unsafe-inline" not in policy
+
+
+async def test_live_updates_get_the_changing_part_alone(store: ControlStore) -> None:
+    ids = await seeded(store)
+    async with serving(store) as (_, url, session):
+        live = {"X-Asyncplane-Live": "1"}
+        status, part = await text(session, url + f"/items/{ids['running']}", headers=live)
+        assert status == 200
+        assert "<html" not in part and 'id="item-state">claimed<' in part
+        await store.cancel(ids["running"])
+        _, part = await text(session, url + f"/items/{ids['running']}", headers=live)
+        assert 'id="item-state">cancelled<' in part
+
+
+async def test_the_item_page_gives_the_ledger_verdict_on_that_item(
+    store: ControlStore, raw: Any
+) -> None:
+    ids = await seeded(store)
+    raw.execute("UPDATE items SET state = 'done' WHERE item_id = ?", (ids["hostile"],))
+    everywhere = await verify_ledger(store)
+    assert [p.kind for p in everywhere] == ["terminal_without_event"]
+    assert await verify_ledger(store, item_id=ids["hostile"]) == everywhere
+    assert await verify_ledger(store, item_id=ids["done"]) == []
+    async with serving(store) as (_, url, session):
+        _, page = await text(session, url + f"/items/{ids['hostile']}")
+        assert "<b>terminal_without_event</b>" in page
+        _, page = await text(session, url + f"/items/{ids['done']}")
+        assert "the row agrees with its history" in page
+
+
+async def test_settled_per_minute_counts_by_minute_project_and_state(
+    store: ControlStore, clock: ManualClock
+) -> None:
+    await store.create_project("beta", "Beta")
+    await store.assign("beta", "agent-b")
+    await store.enqueue_many("alpha", [{"n": n} for n in range(3)])
+    await store.enqueue("beta", {"n": 9})
+    start = clock.now() - clock.now() % 60
+    clock.set(start + 1)
+    batch = await store.claim_batch("w", 4)
+    await store.finish(batch[0].item_id, fence=batch[0].fence)
+    await store.finish(batch[1].item_id, fence=batch[1].fence, status="failed", error="x")
+    clock.set(start + 61)
+    for claim in batch[2:]:
+        await store.finish(claim.item_id, fence=claim.fence)
+    rows = await store.settled_per_minute(since=start)
+    assert [(r["minute"].timestamp() - start, r["project_id"], r["state"], r["count"])
+            for r in rows] == [(0, "alpha", "done", 1), (0, "alpha", "failed", 1),
+                               (60, "alpha", "done", 1), (60, "beta", "done", 1)]  # fmt: skip
+    scoped = await store.settled_per_minute(since=start, actor_id="agent-b")
+    assert [(r["project_id"], r["count"]) for r in scoped] == [("beta", 1)]
+    assert await store.settled_per_minute(since=start + 120) == []
+    assert len(await store.settled_per_minute()) == 4  # the last hour, by default
+
+
+def test_the_command_serves_until_a_signal(
+    location_of: Callable[[str], str], asyncplane_backend: str
+) -> None:
+    location = location_of("served.db")
+
+    async def seed() -> None:
+        async with ControlStore(location) as store:
+            await store.create_project("alpha", "Alpha")
+            await store.enqueue("alpha", {"n": 1})
+
+    asyncio.run(seed())
+    for extra, needs_token in (([], False), (["--host", "0.0.0.0"], True)):
+        with subprocess.Popen(
+            [sys.executable, "-m", "asyncplane.cli", "dashboard", location, "--port", "0", *extra],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+        ) as served:  # fmt: skip
+            try:
+                _look_at(served, needs_token)
+                served.send_signal(signal.SIGTERM)
+                assert served.wait(timeout=30) == 0
+            finally:
+                if served.poll() is None:
+                    served.kill()
+                    served.wait()
+
+
+def _look_at(served: subprocess.Popen[str], needs_token: bool) -> None:
+    """Read the command's first lines, then ask it for its stats (with its token)."""
+    assert served.stdout is not None and served.stderr is not None
+    lines = []
+    while not (line := served.stdout.readline()).startswith("listening on "):
+        assert line, served.stderr.read()
+        lines.append(line)
+    found = re.fullmatch(r"listening on http://([\d.]+):(\d+)\n", line)
+    assert found is not None, line
+    port = int(found.group(2))
+    tokens = [x.split(": ", 1)[1].strip() for x in lines if x.startswith("token: ")]
+    assert bool(tokens) == needs_token
+    headers = {"Authorization": f"Bearer {tokens[0]}"} if tokens else {}
+    stats = urllib.request.Request(f"http://127.0.0.1:{port}/api/stats", headers=headers)
+    with urllib.request.urlopen(stats, timeout=30) as response:
+        assert json.load(response)["states"]["ready"] == 1
+    if not tokens:  # read-only without --allow-actions: no forms at all
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=30) as response:
+            assert b"<form" not in response.read()
+
+
+@pytest.mark.sqlite_only
+async def test_a_read_only_store_refuses_actions_even_when_allowed(
+    asyncplane_store_factory: Callable[..., Any], tmp_path: Any
+) -> None:
+    writer: ControlStore = await asyncplane_store_factory("ro.db")
+    await writer.create_project("alpha", "Alpha")
+    item_id = await writer.enqueue("alpha", {"n": 1})
+    reader = ControlStore(tmp_path / "ro.db", read_only=True)
+    try:
+        async with serving(reader, allow_actions=True) as (_, url, session):
+            _, page = await text(session, url + "/")
+            status, body, _ = await post(
+                session, url + f"/items/{item_id}/cancel", {"csrf": csrf_of(page)}
+            )
+            assert status == 403 and "read-only" in body
+    finally:
+        await reader.close()
+    assert (await writer.item(item_id))["state"] == "ready"
+
+
+def test_without_the_extra_the_command_names_it(tmp_path: Any) -> None:
+    script = (
+        "import sys; sys.modules['aiohttp'] = None\n"
+        "from asyncplane import cli\n"
+        "raise SystemExit(cli.main(['dashboard', sys.argv[1]]))\n"
+    )
+    asyncio.run(_make_store(str(tmp_path / "s.db")))
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path / "s.db")],
+        capture_output=True, text=True, timeout=60,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert "pip install 'asyncplane[dashboard]'" in done.stderr
+
+
+async def _make_store(path: str) -> None:
+    async with ControlStore(path) as store:
+        await store.create_project("alpha", "Alpha")
+
+
+async def test_a_page_named_by_another_host_is_refused_without_a_token(
+    store: ControlStore,
+) -> None:
+    # DNS rebinding: a hostile name pointed at 127.0.0.1 would make its pages same-origin
+    # with the dashboard's; naming it in Host is refused, so nothing can be read or sent.
+    ids = await seeded(store)
+    async with serving(store, allow_actions=True) as (_, url, session):
+        port = url.rsplit(":", 1)[1]
+        evil = {"Host": f"evil.example:{port}"}
+        assert (await text(session, url + "/api/stats", headers=evil))[0] == 421
+        _, page = await text(session, url + "/")
+        status, _, _ = await post(
+            session, url + f"/items/{ids['running']}/cancel", {"csrf": csrf_of(page)},
+            headers={**evil, "Origin": f"http://evil.example:{port}"},
+        )  # fmt: skip
+        assert status == 421
+        for name in ("localhost", "127.0.0.1"):
+            found = {"Host": f"{name}:{port}"}
+            assert (await text(session, url + "/api/stats", headers=found))[0] == 200
+    assert (await store.item(ids["running"]))["state"] == "claimed"
+
+
+async def test_the_token_link_never_leads_off_the_dashboard(store: ControlStore) -> None:
+    token = "s" * 24
+    async with serving(store, token=token) as (_, url, session):
+        for path, target in (("//evil.example/", "/evil.example/"),
+                             ("/%2F%2Fevil.example", "/%2F%2Fevil.example"),
+                             ("/running", "/running")):  # fmt: skip
+            async with session.get(
+                url + path + f"?token={token}&x=1", allow_redirects=False
+            ) as response:
+                assert response.status == 303, path
+                assert response.headers["Location"] == target + "?x=1", path
+    # A stale cookie (an earlier run's token) does not hide a fresh ?token=.
+    async with serving(store, token=token) as (_, url, _unused):
+        port = url.rsplit(":", 1)[1]
+        stale = {"Cookie": f"asyncplane_token_{port}={'stale' * 5}"}
+        async with aiohttp.ClientSession() as browser:
+            assert (await text(browser, url + "/", headers=stale))[0] == 401
+            assert (await text(browser, url + f"/?token={token}", headers=stale))[0] == 303
+            right = {"Cookie": f"asyncplane_token_{port}={token}"}
+            assert (await text(browser, url + "/?token=caf\u00e9", headers=right))[0] == 303
+
+
+async def test_group_actions_reach_past_one_page(
+    store: ControlStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from asyncplane.dashboard import _views
+
+    monkeypatch.setattr(_views, "PAGE_ROWS", 2)
+    ids = await store.enqueue_many("alpha", [{"n": n} for n in range(5)])
+    for claim in await store.claim_batch("w", 5):
+        await store.finish(claim.item_id, fence=claim.fence, status="failed", error="quota")
+    async with serving(store, allow_actions=True) as (_, url, session):
+        _, page = await text(session, url + "/failures")
+        status, _, _ = await post(
+            session, url + "/failures/requeue", {"csrf": csrf_of(page), "error": "quota"}
+        )
+        assert status == 303
+    assert [(await store.item(i))["state"] for i in ids] == ["ready"] * 5
+
+
+async def test_a_project_or_schedule_of_any_name_is_acted_on_by_name(
+    store: ControlStore,
+) -> None:
+    for name in ("a/b", ".."):
+        await store.create_project(name, "odd")
+    await store.set_schedule("../nightly", project_id="a/b", payload={}, every=60)
+    await store.set_schedule("nightly", project_id="alpha", payload={}, every=60)
+    async with serving(store, allow_actions=True) as (_, url, session):
+        _, page = await text(session, url + "/projects")
+        token = csrf_of(page)
+        for name in ("a/b", ".."):
+            fields = {"csrf": token, "project_id": name}
+            assert (await post(session, url + "/projects/pause", fields))[0] == 303
+            assert (await store.project(name))["status"] == "paused"
+        fields = {"csrf": token, "name": "../nightly"}
+        assert (await post(session, url + "/schedules/pause", fields))[0] == 303
+    assert (await store.schedule("../nightly"))["paused"]
+    assert not (await store.schedule("nightly"))["paused"]
+    assert (await store.project("alpha"))["status"] == "open"
+
+
+async def test_malformed_requests_get_plain_refusals(store: ControlStore) -> None:
+    ids = await seeded(store)
+    async with serving(store, allow_actions=True) as (dashboard, url, session):
+        port = url.rsplit(":", 1)[1]
+        assert (await text(session, url + "/", headers={"Host": "[::1"}))[0] == 421
+        assert (await text(session, url + "/items/%C2%B2"))[0] == 404
+        _, page = await text(session, url + "/")
+        token = csrf_of(page)
+        long_name = {"csrf": token, "name": "x" * 1000}
+        assert (await post(session, url + "/schedules/pause", long_name))[0] == 400
+        # The Origin's host is what counts: a TLS proxy changes its scheme and port.
+        cancel = url + f"/items/{ids['running']}/cancel"
+        status, _, _ = await post(
+            session, cancel, {"csrf": token},
+            headers={"Origin": "https://evil.example:8443", "Host": f"localhost:{port}"},
+        )  # fmt: skip
+        assert status == 403
+        assert (await store.item(ids["running"]))["state"] == "claimed"
+        status, _, _ = await post(
+            session, cancel, {"csrf": token},
+            headers={"Origin": "https://localhost:8443", "Host": f"localhost:{port}"},
+        )  # fmt: skip
+        assert status == 303
+        assert (await store.item(ids["running"]))["state"] == "cancelled"
+        with pytest.raises(InvalidInput, match="serving already"):
+            await dashboard.start("127.0.0.1", 0)
+
+
+async def test_a_wrong_bearer_beside_a_good_cookie_still_needs_the_csrf_token(
+    store: ControlStore,
+) -> None:
+    ids = await seeded(store)
+    token = "k" * 20
+    async with serving(store, token=token, allow_actions=True) as (_, url, session):
+        assert (await text(session, url + f"/?token={token}"))[0] == 303  # the cookie
+        wrong = {"Authorization": "Bearer nope"}
+        status, _, _ = await post(session, url + f"/items/{ids['running']}/cancel", headers=wrong)
+        assert status == 403
+    assert (await store.item(ids["running"]))["state"] == "claimed"
+
+
+async def test_an_error_group_of_any_letters_is_acted_on_whole(store: ControlStore) -> None:
+    ids = await store.enqueue_many("alpha", [{"n": n} for n in range(3)])
+    for claim in await store.claim_batch("w", 3):
+        await store.finish(
+            claim.item_id, fence=claim.fence, status="failed", error="Ärger: TIMEOUT"
+        )
+    async with serving(store, allow_actions=True) as (_, url, session):
+        _, page = await text(session, url + "/failures")
+        status, _, _ = await post(
+            session, url + "/failures/requeue", {"csrf": csrf_of(page), "error": "Ärger: TIMEOUT"}
+        )
+        assert status == 303
+    assert [(await store.item(i))["state"] for i in ids] == ["ready"] * 3
+
+
+async def test_a_port_in_use_leaves_nothing_behind(store: ControlStore) -> None:
+    async with serving(store) as (_, url, _session):
+        taken = int(url.rsplit(":", 1)[1])
+        second = Dashboard(store)
+        with pytest.raises(OSError, match="in use"):
+            await second.start("127.0.0.1", taken)
+        url_again = await second.start("127.0.0.1", 0)  # stopped cleanly: it starts again
+        await second.stop()
+        assert url_again != url

@@ -1,0 +1,371 @@
+"""OpenTelemetry: the counters, histograms, gauges and spans asyncplane records, on both
+backends, with the SDK's in-memory reader and exporter; the trace context carried from
+the producer to a worker in another OS process; and nothing at all without the API.
+
+The SDK's providers are global and set once per process: this module sets them on first
+use, with a span processor that keeps spans only while a test of this module asks, so
+the rest of the suite is not traced into memory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from opentelemetry import metrics, trace
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from asyncplane import (
+    ClaimedItem,
+    ControlStore,
+    Done,
+    Failed,
+    FenceRejected,
+    _telemetry,
+    drain,
+    work,
+)
+from asyncplane._store import engine_of
+from asyncplane.testing import ManualClock
+
+HERE = pathlib.Path(__file__).parent
+
+
+class _Gate(SpanProcessor):
+    """Passes ended spans to the exporter only while ``open``."""
+
+    def __init__(self, inner: SpanProcessor) -> None:
+        self.inner = inner
+        self.open = False
+
+    def on_end(self, span: ReadableSpan) -> None:
+        if self.open:
+            self.inner.on_end(span)
+
+    def shutdown(self) -> None:
+        self.inner.shutdown()
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        return self.inner.force_flush(timeout_millis)
+
+
+_INSTALLED: dict[str, Any] = {}
+
+
+def _install() -> tuple[InMemoryMetricReader, InMemorySpanExporter, _Gate]:
+    if not _INSTALLED:
+        reader = InMemoryMetricReader()
+        metrics.set_meter_provider(MeterProvider(metric_readers=[reader]))
+        exporter = InMemorySpanExporter()
+        gate = _Gate(SimpleSpanProcessor(exporter))
+        provider = TracerProvider()
+        provider.add_span_processor(gate)
+        trace.set_tracer_provider(provider)
+        _INSTALLED.update(reader=reader, exporter=exporter, gate=gate)
+    return _INSTALLED["reader"], _INSTALLED["exporter"], _INSTALLED["gate"]
+
+
+class Otel:
+    """The test's view of what was recorded."""
+
+    def __init__(self) -> None:
+        self.reader, self.exporter, self.gate = _install()
+
+    def points(self, name: str) -> list[Any]:
+        found = []
+        data = self.reader.get_metrics_data()
+        for resource in data.resource_metrics if data else ():
+            for scope in resource.scope_metrics:
+                for metric in scope.metrics:
+                    if metric.name == name:
+                        found.extend(metric.data.data_points)
+        return found
+
+    def total(self, name: str, **attributes: Any) -> float:
+        """A counter's sum (a histogram's count) over the points with these attributes."""
+        found = 0.0
+        for point in self.points(name):
+            labels = {k.removeprefix("asyncplane."): v for k, v in point.attributes.items()}
+            if all(labels.get(k) == v for k, v in attributes.items()):
+                found += getattr(point, "value", None) or getattr(point, "count", 0)
+        return found
+
+    def spans(self, name: str) -> list[ReadableSpan]:
+        return [s for s in self.exporter.get_finished_spans() if s.name == name]
+
+
+@pytest.fixture
+def otel() -> Iterator[Otel]:
+    found = Otel()
+    found.exporter.clear()
+    found.gate.open = True
+    try:
+        yield found
+    finally:
+        found.gate.open = False
+        found.exporter.clear()
+
+
+def test_the_api_is_installed_for_the_suite() -> None:
+    assert _telemetry.ENABLED  # the test extra brings opentelemetry-api
+
+
+async def test_counters_follow_enqueue_claim_settle_and_refusals(
+    store: ControlStore, otel: Otel
+) -> None:
+    before = {
+        name: otel.total(name)
+        for name in (
+            "asyncplane.items.enqueued", "asyncplane.items.claimed", "asyncplane.claim.duration",
+            "asyncplane.fence.refusals",
+        )
+    }  # fmt: skip
+    outcomes = ("done", "failed", "retried", "parked", "released", "cancelled")
+    settled = {o: otel.total("asyncplane.items.settled", outcome=o) for o in outcomes}
+    ids = await store.enqueue_many("alpha", [{"n": n} for n in range(6)])
+    batch = await store.claim_batch("w", 5)
+    await store.finish(batch[0].item_id, fence=batch[0].fence, result={"ok": True})
+    await store.finish(batch[1].item_id, fence=batch[1].fence, status="failed", error="no")
+    await store.retry(batch[2].item_id, fence=batch[2].fence, delay=60)
+    await store.park(batch[3].item_id, fence=batch[3].fence, delay=60)
+    await store.release(batch[4].item_id, fence=batch[4].fence)
+    await store.cancel(ids[5])
+    await store.cancel(ids[5])  # settled already: left as it is, not counted again
+    with pytest.raises(FenceRejected):
+        await store.finish(batch[0].item_id, fence=batch[0].fence)
+    assert otel.total("asyncplane.items.enqueued") - before["asyncplane.items.enqueued"] == 6
+    assert otel.total("asyncplane.items.claimed") - before["asyncplane.items.claimed"] == 5
+    assert otel.total("asyncplane.claim.duration") - before["asyncplane.claim.duration"] == 1
+    assert otel.total("asyncplane.fence.refusals") - before["asyncplane.fence.refusals"] == 1
+    for outcome in settled:
+        assert otel.total("asyncplane.items.settled", outcome=outcome) - settled[outcome] == 1
+    assert otel.total("asyncplane.items.claimed", project="alpha") >= 5
+
+
+async def test_takeovers_queue_wait_and_dedup_settlements_are_counted(
+    asyncplane_store_factory: Callable[..., Any], clock: ManualClock, otel: Otel
+) -> None:
+    old: ControlStore = await asyncplane_store_factory("shared.db", lease_seconds=10)
+    await old.create_project("p", "P")
+    twins = [await old.enqueue("p", {"task": "same"}) for _ in range(3)]
+    new: ControlStore = await asyncplane_store_factory(
+        "shared.db", identity=("task",), lease_seconds=10
+    )
+    takeovers = otel.total("asyncplane.leases.takeovers")
+    waits = otel.total("asyncplane.queue.wait")
+    dedup = otel.total("asyncplane.items.dedup_settled", layer="settlement")
+    await new.dedup_pending_against_done()  # fingerprints the old items
+    clock.advance(5.0)
+    first = await new.claim("w1")
+    assert first is not None and first.item_id == twins[0]
+    clock.advance(20.0)  # its lease lapses
+    again = await new.claim("w2")
+    assert again is not None and again.item_id == twins[0] and again.fence > first.fence
+    await new.finish(again.item_id, fence=again.fence, result={"shared": True})
+    assert otel.total("asyncplane.leases.takeovers") - takeovers == 1
+    assert otel.total("asyncplane.queue.wait") - waits == 1  # the first claim only
+    assert otel.total("asyncplane.items.dedup_settled", layer="settlement") - dedup == 2
+    wait_points = [p for p in otel.points("asyncplane.queue.wait") if p.count]
+    assert max(p.max for p in wait_points) >= 5.0
+
+
+async def test_write_rounds_are_measured(store: ControlStore, otel: Otel) -> None:
+    rounds = otel.total("asyncplane.write.round.duration", backend=store.backend)
+    sizes = otel.total("asyncplane.write.round.size", backend=store.backend)
+    lock_waits = otel.total("asyncplane.write.lock_wait")
+    await store.enqueue("alpha", {"n": 1})
+    assert otel.total("asyncplane.write.round.duration", backend=store.backend) > rounds
+    assert otel.total("asyncplane.write.round.size", backend=store.backend) > sizes
+    if store.backend == "sqlite":
+        assert otel.total("asyncplane.write.lock_wait") > lock_waits
+
+
+async def test_gauges_give_items_by_state_and_project_once_read(
+    store: ControlStore, clock: ManualClock, otel: Otel
+) -> None:
+    await store.create_project("beta", "Beta")
+    await store.enqueue_many("alpha", [{"n": n} for n in range(3)])
+    await store.enqueue("beta", {"n": 9})
+    claim = await store.claim("w", project_id="alpha")
+    assert claim is not None
+    clock.advance(30.0)
+    gauges = engine_of(store).gauges
+    assert gauges is not None
+    gauges.refreshed.clear()
+    otel.points("asyncplane.items")  # a collection asks the store for a snapshot
+    await gauges.refreshed.wait()
+
+    def mine(name: str) -> dict[tuple[str, ...], float]:
+        return {
+            tuple(str(v) for k, v in sorted(p.attributes.items()) if k != "asyncplane.store"): (
+                p.value
+            )
+            for p in otel.points(name)
+            if p.attributes.get("asyncplane.store") == store.location
+        }
+
+    items = mine("asyncplane.items")
+    assert items[("alpha", "ready")] == 2
+    assert items[("alpha", "claimed")] == 1
+    assert items[("beta", "ready")] == 1
+    (age,) = mine("asyncplane.queue.oldest_ready_age").values()
+    assert age == pytest.approx(30.0, abs=1.0)
+    await store.close()  # a closed store gives no more values
+    assert not mine("asyncplane.items")
+
+
+async def test_work_links_each_execution_to_the_span_that_enqueued_it(
+    store: ControlStore, otel: Otel
+) -> None:
+    tracer = trace.get_tracer("producer")
+    with tracer.start_as_current_span("request") as parent:
+        item_id = await store.enqueue("alpha", {"n": 1})
+    plain = await store.enqueue("alpha", {"n": 2})  # no span around it: its own trace
+    seen: dict[int, Any] = {}
+
+    async def handle(claim: ClaimedItem) -> Done:
+        seen[claim.item_id] = trace.get_current_span().get_span_context()
+        if claim.item_id == plain:
+            raise RuntimeError("a failure the span records")
+        return Done()
+
+    await work(store, handle, until_empty=True, timeout=30)
+    trace_id = parent.get_span_context().trace_id
+    (enqueue,) = [s for s in otel.spans("asyncplane.enqueue") if s.context.trace_id == trace_id]
+    assert enqueue.kind == trace.SpanKind.PRODUCER
+    executions = {s.attributes["asyncplane.item_id"]: s for s in otel.spans("asyncplane.execute")}
+    linked = executions[item_id]
+    assert linked.kind == trace.SpanKind.CONSUMER
+    assert [link.context.span_id for link in linked.links] == [enqueue.context.span_id]
+    assert linked.attributes["asyncplane.project"] == "alpha"
+    assert linked.attributes["asyncplane.attempt"] == 1
+    assert linked.attributes["asyncplane.fence"] == 1
+    assert linked.attributes["asyncplane.outcome"] == "Done"
+    assert seen[item_id].span_id == linked.context.span_id  # the handler ran inside it
+    failed = executions[plain]
+    (link,) = failed.links  # to its enqueue span, the root of a trace of its own
+    assert link.context.trace_id != parent.get_span_context().trace_id
+    assert failed.status.status_code == trace.StatusCode.ERROR
+    assert otel.total("asyncplane.execution.duration", project="alpha") >= 2
+
+
+async def test_a_drain_round_holds_one_execution_span_per_item(
+    store: ControlStore, otel: Otel
+) -> None:
+    await store.enqueue_many("alpha", [{"n": n} for n in range(3)])
+
+    async def execute(batch: list[ClaimedItem]) -> list[Any]:
+        return [Done() if c.payload["n"] else Failed("zero") for c in batch]
+
+    await drain(store, execute, batch_size=3)
+    (round_span,) = [
+        s for s in otel.spans("asyncplane.drain.round") if s.attributes["asyncplane.count"] == 3
+    ]
+    children = [s for s in otel.spans("asyncplane.execute") if s.parent is not None
+                and s.parent.span_id == round_span.context.span_id]  # fmt: skip
+    assert sorted(s.attributes["asyncplane.outcome"] for s in children) == [
+        "Done",
+        "Done",
+        "Failed",
+    ]
+
+
+def test_the_trace_context_crosses_to_a_worker_in_another_process(
+    location_of: Callable[[str], str], tmp_path: pathlib.Path, otel: Otel
+) -> None:
+    import asyncio
+
+    location = location_of("traced.db")
+
+    async def produce() -> tuple[int, Any]:
+        async with ControlStore(location) as store:
+            await store.create_project("alpha", "Alpha")
+            with trace.get_tracer("producer").start_as_current_span("request"):
+                item_id = await store.enqueue("alpha", {"n": 1})
+            (span,) = [
+                s for s in otel.spans("asyncplane.enqueue") if s.attributes["asyncplane.count"] == 1
+            ]
+            return item_id, span.context
+
+    item_id, producer = asyncio.run(produce())
+    spans_file = tmp_path / "spans.jsonl"
+    subprocess.run(
+        [sys.executable, str(HERE / "workers" / "trace_worker.py"), location, str(spans_file)],
+        check=True, timeout=120, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )  # fmt: skip
+    spans = [json.loads(line) for line in spans_file.read_text().splitlines() if line.strip()]
+    (execute,) = [s for s in spans if s["name"] == "asyncplane.execute"]
+    assert execute["attributes"]["asyncplane.item_id"] == item_id
+    assert [link["context"]["trace_id"] for link in execute["links"]] == [
+        f"0x{producer.trace_id:032x}"
+    ]
+    assert [link["context"]["span_id"] for link in execute["links"]] == [
+        f"0x{producer.span_id:016x}"
+    ]
+    (step,) = [s for s in spans if s["name"] == "agent.step"]
+    assert step["parent_id"] == execute["context"]["span_id"]  # the handler's span nests
+
+
+def test_without_the_api_nothing_is_recorded_and_everything_works(tmp_path: pathlib.Path) -> None:
+    script = """
+import asyncio, sys
+sys.modules["opentelemetry"] = None  # as if the otel extra were not installed
+from asyncplane import ControlStore, Done, work, _telemetry
+assert not _telemetry.ENABLED
+async def main():
+    async with ControlStore(sys.argv[1]) as store:
+        await store.create_project("alpha", "Alpha")
+        await store.enqueue_many("alpha", [{"n": n} for n in range(5)])
+        seen = []
+        async def handle(claim):
+            seen.append(claim.trace_context)
+            return Done()
+        summary = await work(store, handle, until_empty=True)
+        assert summary.claimed == 5 and seen == [None] * 5, (summary, seen)
+        assert (await store.counts())["done"] == 5
+asyncio.run(main())
+print("ok")
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path / "plain.db")],
+        capture_output=True, text=True, timeout=120,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "ok"
+
+
+def test_the_documented_names_are_the_recorded_ones() -> None:
+    page = (HERE.parent / "docs" / "observability.md").read_text()
+    for name in (
+        *_telemetry.COUNTERS,
+        *_telemetry.HISTOGRAMS,
+        *_telemetry.GAUGES,
+        *_telemetry.SPANS,
+    ):
+        assert f"`{name}`" in page, name
+
+
+async def test_bulk_cancels_and_refused_renewals_are_counted(
+    store: ControlStore, otel: Otel
+) -> None:
+    cancelled = otel.total("asyncplane.items.settled", outcome="cancelled")
+    refusals = otel.total("asyncplane.fence.refusals", reason="cancelled")
+    await store.enqueue_many("alpha", [{"n": n} for n in range(4)])
+    claim = await store.claim("w")
+    assert claim is not None
+    assert await store.cancel_where(project_id="alpha") == 4
+    with pytest.raises(FenceRejected):
+        await store.renew(claim.item_id, fence=claim.fence)
+    assert otel.total("asyncplane.items.settled", outcome="cancelled") - cancelled == 4
+    assert otel.total("asyncplane.fence.refusals", reason="cancelled") - refusals == 1
