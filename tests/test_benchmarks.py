@@ -233,3 +233,30 @@ def test_the_telemetry_benchmark_measures_each_kind_of_process() -> None:
     assert set(report["rates"]) == {"none", "api", "sdk"}
     assert all(rate > 0 for by in report["rates"].values() for rate in by.values())
     assert set(report["api_vs_none"]) == set(report["sdk_vs_none"]) == {"1", "64"}
+
+
+def test_the_import_time_benchmark_reports_the_ratio_to_asyncio() -> None:
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "import_time.py"), "--repeats", "1", "--json"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert set(report["ms"]) == {"asyncio", "asyncplane"}
+    assert report["ratio"] > 0 and report["heaviest_ms"]
+
+
+def test_importing_asyncplane_leaves_the_runtimes_and_telemetry_unloaded() -> None:
+    script = (
+        "import sys, asyncplane\n"
+        "loaded = {m for m in sys.modules if m.startswith(('asyncplane.', 'opentelemetry'))}\n"
+        "later = {'asyncplane._drain', 'asyncplane._work', 'asyncplane._outcomes',\n"
+        "         'asyncplane._copy', 'opentelemetry'}\n"
+        "assert not loaded & later, loaded & later\n"
+        "assert asyncplane.Done.__module__ == 'asyncplane' and asyncplane.drain\n"
+        "assert 'asyncplane._outcomes' in sys.modules\n"
+        "print('ok')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "ok"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import re
 import subprocess
 import sys
 from typing import Any
@@ -55,6 +56,9 @@ def test_concurrent_queue_counts_are_exact(location_of: Any) -> None:
         assert report[count] == 0, count
     assert report["items_per_s"] > 0
     assert report["per_worker_min"] >= 0 and report["per_worker_max"] <= 300
+    # Start-up (interpreters, imports, connections, the first thread hand-off) is counted
+    # apart, before the timed window starts.
+    assert report["startup_s"] > 0
 
 
 def test_kill_and_reclaim_fences_out_the_dead_worker(location_of: Any) -> None:
@@ -108,6 +112,7 @@ def test_human_report_names_the_wrong_count(tmp_path: pathlib.Path) -> None:
     assert done.returncode == 1
     assert "FAILED: lost is 1, must be 0" in done.stdout
     assert "asyncplane probe: concurrent-queue" in done.stdout
+    assert re.search(r"start-up \(every worker warm, not timed\) \d+\.\d\d s", done.stdout)
 
 
 def test_the_asyncplane_command_runs_the_probe(location_of: Any) -> None:

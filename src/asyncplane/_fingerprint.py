@@ -14,7 +14,6 @@ only choose the executor (a model, a lane) are left out of it.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -35,6 +34,8 @@ def fingerprint(*fields: str | None) -> str:
     Returns:
         64 lowercase hex characters.
     """
+    import hashlib  # on first use: only stores with an identity, or callers, fingerprint
+
     digest = hashlib.sha256()
     for field in fields:
         if field is None:

@@ -32,8 +32,6 @@ import sys
 import threading
 import types
 
-import anyio.to_thread
-
 from asyncplane import _errors, _tasks, _validate
 
 __all__ = ("DrainLock", "Guard")
@@ -83,6 +81,8 @@ class DrainLock:
     async def __aenter__(self) -> DrainLock:
         if self._fd is not None:
             raise RuntimeError("this DrainLock is held already; release it before re-entering")
+        import anyio.to_thread  # on first use, as a store's connections do
+
         attempt = _Attempt(self._path)
         try:
             # Wait for the thread even when cancelled (a moment: two non-blocking calls),

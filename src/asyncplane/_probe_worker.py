@@ -5,7 +5,9 @@ never forked from a running event loop. It opens its own ControlStore on the fil
 PostgreSQL URL), as a deployed worker would, and talks to the probe through one line of
 JSON per message:
 
-* on stdout: ``{"ready": ...}`` once the store is open, ``{"f": item_id, "fence": n}`` for
+* on stdout: ``{"ready": ...}`` once it is warm (the store open, its connections made,
+  the first hand-off to a thread done, so that nothing of its start-up falls in the
+  probe's timed window), ``{"f": item_id, "fence": n}`` for
   every item it finished (flushed at once, so a killed worker loses at most the line it
   was writing), ``{"claimed": ...}`` in hold mode, and a final ``{"summary": ...}``;
 * on stdin: one line to start (so every worker starts at once), and in hold mode one line
@@ -38,6 +40,10 @@ from asyncplane import _errors, _probe_protocol, _probe_support, _store
 
 #: How long a --until-drained worker waits before looking again for lapsed leases.
 _IDLE_POLL_SECONDS = 0.05
+
+
+def _nothing() -> None:
+    """A hand-off to a thread that does nothing (the warm-up before ready)."""
 
 
 def _say(message: _probe_protocol.Message) -> None:
@@ -91,6 +97,7 @@ async def _main(args: argparse.Namespace) -> int:
     )
     async with store:
         await store.counts()  # opened before saying ready
+        await anyio.to_thread.run_sync(_nothing)  # anyio's thread machinery, warm too
         if args.fault == "delete-item":  # before anyone starts: the item is surely pending
             await _probe_support.inject_fault(args.store, args.fault)
         _say(_probe_protocol.Ready(args.name))

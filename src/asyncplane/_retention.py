@@ -35,8 +35,6 @@ import sys
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-import anyio.to_thread
-
 from asyncplane import _backend, _clock, _errors, _models
 
 __all__ = ("PurgeSummary", "default_archive_path", "purge")
@@ -83,6 +81,8 @@ async def purge(
             break
         # Building the lines (JSON of whole items and histories) happens on the worker
         # thread too: a large chunk must not hold up the event loop.
+        import anyio.to_thread  # on first use, as a store's connections do
+
         try:
             await anyio.to_thread.run_sync(_archive, archive_path, found, archive_max_bytes)
         except OSError as exc:

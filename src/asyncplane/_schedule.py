@@ -29,7 +29,6 @@ from __future__ import annotations
 import collections
 import datetime as dt
 import math
-import zoneinfo
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from asyncplane import _errors
@@ -98,6 +97,8 @@ class Timetable(NamedTuple):
     anchor: float
 
     def _zone(self) -> dt.tzinfo:
+        import zoneinfo  # on first use: most programs run no cron schedule
+
         return zoneinfo.ZoneInfo(self.timezone)
 
     def _walk(self, start: float) -> cronsim.CronSim:
@@ -177,6 +178,8 @@ def timetable(cron: object, every: object, timezone: object, anchor: float) -> T
     timezone the system's IANA database knows."""
     if not isinstance(timezone, str):
         raise _errors.InvalidType(f"timezone must be a str, not {type(timezone).__name__}")
+    import zoneinfo  # on first use: most programs declare no schedule
+
     try:
         zoneinfo.ZoneInfo(timezone)
     except (zoneinfo.ZoneInfoNotFoundError, ValueError):

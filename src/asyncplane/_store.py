@@ -16,7 +16,6 @@ import json
 import logging
 import os
 import pathlib
-import random
 import time
 import types
 from collections.abc import (
@@ -29,14 +28,13 @@ from collections.abc import (
     Sequence,
 )
 from datetime import datetime, timedelta
-from typing import Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from asyncplane import (
     _backend,
     _clock,
     _engine,
     _errors,
-    _import,
     _models,
     _retention,
     _rules,
@@ -47,9 +45,13 @@ from asyncplane import (
     _wakeups,
 )
 from asyncplane._clock import Clock
-from asyncplane._import import ImportSummary
 from asyncplane._models import ClaimedItem, Job
 from asyncplane._retention import PurgeSummary
+
+if TYPE_CHECKING:
+    import random
+
+    from asyncplane._import import ImportSummary
 
 __all__ = ("ControlStore", "engine_of")
 
@@ -161,7 +163,11 @@ class ControlStore:
             raise _errors.InvalidInput("retry_backoff_max must not be below retry_backoff")
         if rng is not None and not callable(getattr(rng, "random", None)):
             raise _errors.InvalidType("rng must have a random() method, like random.Random")
-        self._rng = rng if rng is not None else random.Random()
+        if rng is None:
+            import random  # the jitter's source, made with the first store
+
+            rng = random.Random()
+        self._rng = rng
         self._retention = None if retention is None else _validate.duration(retention, "retention")
         if archive_path is not None:
             self._archive_path: pathlib.Path | None = _validate.absolute_path(
@@ -929,6 +935,8 @@ class ControlStore:
             chunk: Source rows per transaction.
             progress: Called with the number of source rows seen so far.
         """
+        from asyncplane import _import  # sqlite3 reading another database: on first use
+
         return await _import.import_pending(
             self._engine, source_path, table=table, columns=columns, project_id=project_id,
             pending=pending, drop_source=_validate.boolean(drop_source, "drop_source"),

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.util
 import json
 import logging
 import threading
@@ -40,15 +41,6 @@ from typing import TYPE_CHECKING, Any, Final
 if TYPE_CHECKING:
     from asyncplane._backend import ClaimRow, StoreStats
     from asyncplane._models import ClaimedItem
-
-try:
-    from opentelemetry import metrics as _metrics
-    from opentelemetry import propagate as _propagate
-    from opentelemetry import trace as _trace
-except ImportError:  # the otel extra is not installed: every hook is a no-op
-    _metrics = None  # type: ignore[assignment]
-    _propagate = None  # type: ignore[assignment]
-    _trace = None  # type: ignore[assignment]
 
 __all__ = (
     "COUNTERS",
@@ -72,8 +64,10 @@ __all__ = (
 
 _log = logging.getLogger("asyncplane.store")
 
-#: Whether the OpenTelemetry API is importable here (the ``otel`` extra).
-ENABLED: Final = _trace is not None
+#: Whether the OpenTelemetry API is importable here (the ``otel`` extra). It is imported
+#: when the first store opens, not with asyncplane: a program that never opens a store
+#: (a command's ``--help``, say) does not pay for it.
+ENABLED: Final = importlib.util.find_spec("opentelemetry") is not None
 
 #: Counters: name -> (unit, description).
 COUNTERS: Final = {
@@ -125,9 +119,14 @@ class _Instruments:
     """The process's instruments, made once under the meter ``asyncplane``."""
 
     def __init__(self) -> None:
+        from opentelemetry import metrics, propagate, trace
+
         from asyncplane import __version__
 
-        meter = _metrics.get_meter("asyncplane", __version__)
+        self.metrics = metrics
+        self.propagate = propagate
+        self.trace = trace
+        meter = metrics.get_meter("asyncplane", __version__)
         counters = {name: meter.create_counter(name, u, d) for name, (u, d) in COUNTERS.items()}
         histograms = {
             name: meter.create_histogram(name, u, d) for name, (u, d) in HISTOGRAMS.items()
@@ -151,7 +150,7 @@ class _Instruments:
         meter.create_observable_gauge(
             "asyncplane.queue.oldest_ready_age", [_observe_oldest], unit, about
         )
-        self.tracer = _trace.get_tracer("asyncplane", __version__)
+        self.tracer = trace.get_tracer("asyncplane", __version__)
 
 
 _MADE: list[_Instruments] = []
@@ -243,15 +242,15 @@ def enqueue_span(project_id: str, count: int) -> Iterator[str | None]:
         yield None
         return
     attributes: dict[str, str | int] = {"asyncplane.project": project_id, "asyncplane.count": count}
-    tracer = _instruments().tracer
-    with tracer.start_as_current_span(
-        "asyncplane.enqueue", kind=_trace.SpanKind.PRODUCER, attributes=attributes
+    otel = _instruments()
+    with otel.tracer.start_as_current_span(
+        "asyncplane.enqueue", kind=otel.trace.SpanKind.PRODUCER, attributes=attributes
     ) as span:
         if not span.get_span_context().is_valid:
             yield None
             return
         carrier: dict[str, str] = {}
-        _propagate.inject(carrier)
+        otel.propagate.inject(carrier)
         yield json.dumps(carrier, separators=(",", ":"), sort_keys=True) if carrier else None
 
 
@@ -277,9 +276,10 @@ class Execution:
         self._started = time.perf_counter()
         self._span: Any = None
         if ENABLED:
-            self._span = _instruments().tracer.start_span(
+            otel = _instruments()
+            self._span = otel.tracer.start_span(
                 "asyncplane.execute",
-                kind=_trace.SpanKind.CONSUMER,
+                kind=otel.trace.SpanKind.CONSUMER,
                 attributes={
                     "asyncplane.item_id": claim.item_id,
                     "asyncplane.project": claim.project_id,
@@ -295,11 +295,13 @@ class Execution:
         if not ENABLED:
             return
         seconds = time.perf_counter() - self._started
-        _instruments().execution.record(seconds, {"asyncplane.project": self._claim.project_id})
+        otel = _instruments()
+        otel.execution.record(seconds, {"asyncplane.project": self._claim.project_id})
         span = self._span
         if isinstance(outcome, BaseException):
             span.record_exception(outcome)
-            span.set_status(_trace.Status(_trace.StatusCode.ERROR, type(outcome).__name__))
+            status = otel.trace.Status(otel.trace.StatusCode.ERROR, type(outcome).__name__)
+            span.set_status(status)
         else:
             span.set_attribute("asyncplane.outcome", type(outcome).__name__)
         span.end()
@@ -314,7 +316,7 @@ def execution_span(claim: ClaimedItem) -> Iterator[Execution]:
     if not ENABLED:
         yield run
         return
-    with _trace.use_span(run._span, end_on_exit=False, record_exception=False):
+    with _instruments().trace.use_span(run._span, end_on_exit=False, record_exception=False):
         try:
             yield run
         except BaseException as exc:
@@ -332,8 +334,10 @@ def executions(batch: Iterable[ClaimedItem]) -> list[Execution]:
 def _links(trace_context: dict[str, str] | None) -> list[Any]:
     if not trace_context:
         return []
-    context = _trace.get_current_span(_propagate.extract(trace_context)).get_span_context()
-    return [_trace.Link(context)] if context.is_valid else []
+    otel = _instruments()
+    extracted = otel.propagate.extract(trace_context)
+    context = otel.trace.get_current_span(extracted).get_span_context()
+    return [otel.trace.Link(context)] if context.is_valid else []
 
 
 def saved_context(text: str | None) -> dict[str, str] | None:
@@ -432,7 +436,7 @@ def _observe_items(options: Any) -> list[Any]:
                     "asyncplane.project": project,
                     "asyncplane.state": state,
                 }
-                found.append(_metrics.Observation(count, labels))
+                found.append(_instruments().metrics.Observation(count, labels))
     return found
 
 
@@ -441,5 +445,5 @@ def _observe_oldest(options: Any) -> list[Any]:
     for gauges in _live():
         if gauges.snapshot is not None and gauges.snapshot[1] is not None:
             labels = {"asyncplane.store": gauges.name}
-            found.append(_metrics.Observation(gauges.snapshot[1], labels))
+            found.append(_instruments().metrics.Observation(gauges.snapshot[1], labels))
     return found

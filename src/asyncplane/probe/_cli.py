@@ -161,6 +161,7 @@ def _human(report: ProbeReport) -> str:
             else f"  drained in {report.seconds:.2f} s: {report.items_per_s:,.0f} items/s "
             f"(per worker {report.per_worker_min} to {report.per_worker_max} items)"
         )
+        lines.append(f"  start-up (every worker warm, not timed) {report.startup_s:.2f} s")
     lines.append(
         f"  duplicates {report.duplicates}, lost {report.lost}, "
         f"locked errors {report.locked_errors}, fence rejections {report.fence_rejections}"

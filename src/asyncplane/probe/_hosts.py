@@ -86,7 +86,7 @@ async def _work_here(
     await _seeded_ids(store, args.wait_seconds)
     workers = [await _spawn(args, f"{_host()}-w{n}", "--until-drained")
                for n in range(args.workers)]  # fmt: skip
-    started = await _go(workers)
+    started = await _go(workers, report)
     await asyncio.gather(*(w.wait() for w in workers))
     report.seconds = time.monotonic() - started
     done = sum(len(w.finished) for w in workers)

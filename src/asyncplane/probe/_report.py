@@ -36,6 +36,8 @@ class ProbeReport:
     synchronous: str
     lease_seconds: float
     seconds: float = 0.0
+    #: Seconds from the first worker's start to every worker ready (warm), not timed.
+    startup_s: float = 0.0
     items_per_s: float = 0.0
     duplicates: int = 0
     lost: int = 0

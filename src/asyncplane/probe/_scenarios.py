@@ -42,7 +42,7 @@ async def _concurrent_queue(
     ids = await _seed(store, args.items)
     extra = ("--fault", args.fault) if args.fault else ()
     workers = [await _spawn(args, f"w{n}", *(extra if n == 0 else ())) for n in range(args.workers)]
-    started = await _go(workers)
+    started = await _go(workers, report)
     progress = _start_progress(store, args.items, started, out, report.scenario)
     try:
         await asyncio.gather(*(w.wait() for w in workers))
@@ -67,7 +67,7 @@ async def _chaos(
     )
     live = [await _spawn(args, f"w{n}", "--until-drained") for n in range(args.workers)]
     everyone = list(live)
-    started = await _go(live)
+    started = await _go(live, report)
     progress = _start_progress(store, args.items, started, out, report.scenario)
     rng = random.Random(args.seed)
     try:
