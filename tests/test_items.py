@@ -58,6 +58,16 @@ async def test_items_lists_newest_first_and_pages_by_keyset(store: ControlStore)
     assert [r["item_id"] for r in await store.items(order="oldest", after=ids[4])] == ids[5:]
 
 
+async def test_an_error_search_folds_the_case_of_ascii_letters_only(
+    store: ControlStore,
+) -> None:
+    # On every backend and whatever the server's locale: other letters match as written.
+    item_id = await failed_item(store, {"n": 1}, "Ärger: TIMEOUT")
+    found = await store.items(error_contains="Ärger: timeout")
+    assert [row["item_id"] for row in found] == [item_id]
+    assert await store.items(error_contains="ärger") == []
+
+
 async def test_items_filters_combine(store: ControlStore, clock: ManualClock) -> None:
     await store.create_project("beta", "Beta")
     a = await failed_item(store, {"n": 1}, "Rate limit reached")

@@ -26,7 +26,7 @@ from __future__ import annotations
 import functools
 from typing import Final
 
-from asyncplane import _models
+from asyncplane import _models, _validate
 
 #: Written into the meta table so a foreign schema is recognised as "not ours".
 APPLICATION: Final = "asyncplane"
@@ -1028,14 +1028,17 @@ _LISTED = (
     "created_at, updated_at, priority, service_class, sla, fingerprint, max_attempts, "
     "due_at, {result}, error, offload_handle, dedup, claimed_at"
 )
-_LIST_FILTERS = """
+# A search folds the case of ASCII letters only, whatever the server's locale: lower()
+# would fold more under a UTF-8 ctype, and nothing but ASCII under C (see _validate).
+_FOLDED_ERROR = f"translate(error, '{_validate.ASCII_UPPER}', '{_validate.ASCII_LOWER}')"
+_LIST_FILTERS = f"""
       AND ($2::text IS NULL OR owner = $2)
       AND ($3::text IS NULL OR fingerprint = $3)
       AND ($4::float8 IS NULL OR created_at > $4)
       AND ($5::float8 IS NULL OR created_at < $5)
       AND ($6::float8 IS NULL OR updated_at > $6)
       AND ($7::float8 IS NULL OR updated_at < $7)
-      AND ($8::text IS NULL OR strpos(lower(error), $8) > 0)
+      AND ($8::text IS NULL OR strpos({_FOLDED_ERROR}, $8) > 0)
       AND ($9::text IS NULL
            OR project_id IN (SELECT project_id FROM assignments WHERE actor_id = $9))
 """

@@ -706,6 +706,8 @@ _LISTED = (
     "created_at, updated_at, priority, service_class, sla, fingerprint, max_attempts, "
     "due_at, {result}, error, offload_handle, dedup, claimed_at"
 )
+# lower() folds ASCII letters only (SQLite without ICU), as a search's text is folded
+# (see _validate.search_text): other letters match as written.
 _LIST_FILTERS = """
       AND (:owner IS NULL OR owner = :owner)
       AND (:fingerprint IS NULL OR fingerprint = :fingerprint)

@@ -749,11 +749,7 @@ class ControlStore:
             self._retry_backoff_max,
             self._rng.random(),
         )
-        backend = await self._engine.ready()
-        started = time.perf_counter()
-        state = await self._settle(None, backend.retry(op))
-        _telemetry.settled("retried" if state == "deferred" else "failed",
-                           time.perf_counter() - started, self.backend)  # fmt: skip
+        state = await self._settle(_retried, (await self._engine.ready()).retry(op))
         self._engine.notify()  # it may be due at once, or settle a twin's wait
         return state
 
@@ -816,17 +812,21 @@ class ControlStore:
         )
         await self._settle("offloaded", (await self._engine.ready()).offload(op))
 
-    async def _settle(self, outcome: str | None, call: Awaitable[_T]) -> _T:
-        """Await one settle (or renew) call, counted (under ``outcome``, if given now) and
-        timed; a refused fence is counted as such."""
+    async def _settle(
+        self, outcome: str | Callable[[_T], str | None] | None, call: Awaitable[_T]
+    ) -> _T:
+        """Await one settle (or renew) call, counted under ``outcome`` (a name, or what
+        it names from the call's answer; None: not a settlement) and timed; a refused
+        fence is counted as such."""
         started = time.perf_counter()
         try:
             result = await call
         except _errors.FenceRejected as exc:
             _telemetry.refused(isinstance(exc, _errors.ItemCancelled))
             raise
-        if outcome is not None:
-            _telemetry.settled(outcome, time.perf_counter() - started, self.backend)
+        named = outcome(result) if callable(outcome) else outcome
+        if named is not None:
+            _telemetry.settled(named, time.perf_counter() - started, self.backend)
         return result
 
     async def offloaded(self, handle: str, *, actor_id: str | None = None) -> list[dict[str, Any]]:
@@ -1057,7 +1057,8 @@ class ControlStore:
         """A page of items, each as `item` returns it, newest first (or oldest).
 
         Every filter is optional, and they combine: ``state`` is one state or several;
-        ``error_contains`` matches a piece of the error, ignoring case; the times are
+        ``error_contains`` matches a piece of the error, ignoring the case of ASCII
+        letters (other letters match as written, on every backend); the times are
         aware datetimes or epoch seconds, and exclusive. For the next page pass the last
         row's ``item_id`` as ``after`` (keyset paging: rows never repeat or go missing
         between pages). Each state asked for is read newest first from an index of its own
@@ -1108,11 +1109,8 @@ class ControlStore:
             _validate.error_text(reason),
             _validate.optional_actor(actor_id),
         )
-        started = time.perf_counter()
-        state, changed = await (await self._engine.ready()).cancel(op)
+        state, _ = await self._settle(_cancelled, (await self._engine.ready()).cancel(op))
         self._engine.notify()  # its twins may be claimable, a waiter may be waiting
-        if changed:
-            _telemetry.settled("cancelled", time.perf_counter() - started, self.backend)
         return state
 
     async def requeue(self, item_id: int, *, actor_id: str | None = None) -> None:
@@ -1527,6 +1525,16 @@ def _schedule_dict(row: _backend.ScheduleRow) -> dict[str, Any]:
         "created_at": _models.from_timestamp(row.created_at),
         "updated_at": _models.from_timestamp(row.updated_at),
     }
+
+
+def _retried(state: str) -> str:
+    """The outcome a retry's answer names: retried (deferred), or failed (out of attempts)."""
+    return "retried" if state == "deferred" else "failed"
+
+
+def _cancelled(answer: tuple[str, bool]) -> str | None:
+    """The outcome a cancel's answer names: cancelled, if this call cancelled it."""
+    return "cancelled" if answer[1] else None
 
 
 def _row_extra(row: _backend.ClaimRow) -> dict[str, Any]:

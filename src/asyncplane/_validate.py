@@ -24,7 +24,8 @@ import json
 import math
 import os
 import pathlib
-from typing import Any
+import string
+from typing import Any, Final
 
 from asyncplane import _errors, _models, _schedule
 
@@ -218,15 +219,24 @@ def listing_order(value: object) -> bool:
     return _one_of(value, "order", ("newest", "oldest")) == "newest"
 
 
+#: The case folding of a search: ASCII letters only, as SQLite's lower() folds and as the
+#: PostgreSQL dialect folds with translate(), so that a match never depends on a build's
+#: Unicode support or on a server's locale (other letters match as written).
+ASCII_UPPER: Final = string.ascii_uppercase
+ASCII_LOWER: Final = string.ascii_lowercase
+_FOLD: Final = str.maketrans(ASCII_UPPER, ASCII_LOWER)
+
+
 def search_text(value: object, what: str) -> str | None:
-    """None, or a non-empty text to look for (lower-cased: the match ignores case)."""
+    """None, or a non-empty text to look for, its ASCII letters lower-cased: the match
+    ignores the case of ASCII letters (see `ASCII_UPPER`)."""
     if value is None:
         return None
     if not isinstance(value, str):
         raise _errors.InvalidType(f"{what} must be a str, not {type(value).__name__}")
     if not value or len(value) > MAX_ERROR_LENGTH:
         raise _errors.InvalidInput(f"{what} must be 1 to {MAX_ERROR_LENGTH} characters")
-    return storable_text(value, what).lower()
+    return storable_text(value, what).translate(_FOLD)
 
 
 def encode_payload(payload: object, max_bytes: int) -> str:

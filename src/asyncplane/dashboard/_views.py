@@ -24,7 +24,7 @@ from typing import Any
 from asyncplane import _errors, _ledger, _models
 from asyncplane._store import ControlStore
 
-__all__ = ("History", "Scope", "Verdicts")
+__all__ = ("Glance", "History", "Scope", "Verdicts")
 
 #: The most rows a list page shows (the newest first).
 PAGE_ROWS = 500
@@ -32,6 +32,18 @@ PAGE_ROWS = 500
 WINDOW = 3600.0
 _SETTLED = ("done", "failed", "cancelled")
 _LIVE = ("ready", "deferred", "claimed", "offloaded")
+
+
+@dataclasses.dataclass(frozen=True)
+class Glance:
+    """What the overview and ``/api/stats`` show first, read together."""
+
+    counts: dict[str, dict[str, int]]
+    totals: dict[str, int]
+    oldest: dict[str, Any] | None
+    oldest_age: float | None
+    expired: int | None
+    at: float
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,12 +71,38 @@ class Scope:
 
     async def counts(self) -> dict[str, dict[str, int]]:
         """Items per state, per project (every project shown, every state a key)."""
-        if self.actor_id is None:
-            stats = await self.store.stats()
-            found: dict[str, dict[str, int]] = stats["projects"]
-            for project in await self.projects():
-                found.setdefault(project["project_id"], dict.fromkeys(_models.ITEM_STATES, 0))
-            return dict(sorted(found.items()))
+        return (await self._counts())[0]
+
+    async def _counts(self) -> tuple[dict[str, dict[str, int]], dict[str, Any] | None]:
+        """The counts, and the store's stats they were read from (None for an actor,
+        whose counts are its projects' own)."""
+        if self.actor_id is not None:
+            return await self._actor_counts(), None
+        stats = await self.store.stats()
+        found: dict[str, dict[str, int]] = stats["projects"]
+        for project in await self.projects():
+            found.setdefault(project["project_id"], dict.fromkeys(_models.ITEM_STATES, 0))
+        return dict(sorted(found.items())), stats
+
+    async def glance(self, *, expired: bool = False) -> Glance:
+        """Counts, their totals and the oldest ready item in one look; with ``expired``,
+        the lapsed leases too (from the same read of the store's stats, or, for an
+        actor, counted among its own claimed items)."""
+        now = self.now()
+        counts, stats = await self._counts()
+        totals = {state: sum(c[state] for c in counts.values()) for state in _models.ITEM_STATES}
+        first = await self.items(state="ready", order="oldest", limit=1, include_payload=False)
+        oldest = first[0] if first else None
+        lapsed = None
+        if expired and stats is not None:
+            lapsed = int(stats["expired_leases"])
+        elif expired:
+            claimed = await self.items(state="claimed", limit=10_000, include_payload=False)
+            lapsed = sum(1 for item in claimed if item["lease_expires_at"].timestamp() <= now)
+        oldest_age = None if oldest is None else now - oldest["created_at"].timestamp()
+        return Glance(counts, totals, oldest, oldest_age, lapsed, now)
+
+    async def _actor_counts(self) -> dict[str, dict[str, int]]:
         return {
             p["project_id"]: await self.store.counts(
                 project_id=p["project_id"], actor_id=self.actor_id
@@ -147,25 +185,21 @@ def chart(values: Sequence[float], *, width: int = 600, height: int = 120) -> di
 
 async def overview(scope: Scope, history: History) -> dict[str, Any]:
     """The overview page: counts, the oldest ready item, the charts, the failure rate."""
-    now = scope.now()
-    counts = await scope.counts()
-    totals = {state: sum(c[state] for c in counts.values()) for state in _models.ITEM_STATES}
-    oldest = await scope.items(state="ready", order="oldest", limit=1, include_payload=False)
-    oldest_age = now - oldest[0]["created_at"].timestamp() if oldest else None
-    series = history.throughput(now)
+    seen = await scope.glance()
+    series = history.throughput(seen.at)
     settled_hour = sum(s for _, s, _ in series)
     failed_hour = sum(f for _, _, f in series)
     depth = [ready + deferred for _, ready, deferred in history.depth]
     return {
-        "counts": counts,
-        "totals": totals,
+        "counts": seen.counts,
+        "totals": seen.totals,
         "states": _models.ITEM_STATES,
-        "oldest": oldest[0] if oldest else None,
-        "oldest_age": oldest_age,
+        "oldest": seen.oldest,
+        "oldest_age": seen.oldest_age,
         "throughput": chart([float(s) for _, s, _ in series]),
         "throughput_last": series[-2][1] if len(series) > 1 else 0,
         "depth": chart([float(d) for d in depth]),
-        "depth_now": depth[-1] if depth else totals["ready"] + totals["deferred"],
+        "depth_now": depth[-1] if depth else seen.totals["ready"] + seen.totals["deferred"],
         "depth_samples": len(depth),
         "settled_hour": settled_hour,
         "failed_hour": failed_hour,
@@ -175,23 +209,15 @@ async def overview(scope: Scope, history: History) -> dict[str, Any]:
 
 async def stats(scope: Scope) -> dict[str, Any]:
     """``GET /api/stats``: counts by state and by project, and the oldest ready age."""
-    now = scope.now()
-    counts = await scope.counts()
-    totals = {state: sum(c[state] for c in counts.values()) for state in _models.ITEM_STATES}
-    oldest = await scope.items(state="ready", order="oldest", limit=1, include_payload=False)
-    if scope.actor_id is None:
-        expired = (await scope.store.stats())["expired_leases"]
-    else:  # the store's count is the whole store's: count the actor's own
-        claimed = await scope.items(state="claimed", limit=10_000, include_payload=False)
-        expired = sum(1 for item in claimed if item["lease_expires_at"].timestamp() <= now)
+    seen = await scope.glance(expired=True)
     return {
-        "states": totals,
-        "projects": counts,
-        "items": sum(totals.values()),
-        "oldest_ready_age_s": now - oldest[0]["created_at"].timestamp() if oldest else None,
-        "expired_leases": expired,
+        "states": seen.totals,
+        "projects": seen.counts,
+        "items": sum(seen.totals.values()),
+        "oldest_ready_age_s": seen.oldest_age,
+        "expired_leases": seen.expired,
         "actor_id": scope.actor_id,
-        "at": now,
+        "at": seen.at,
     }
 
 
@@ -248,11 +274,8 @@ async def group_members(scope: Scope, error: str, state: str) -> list[int]:
     members: list[int] = []
     after = None
     while True:
-        # The store's piece-of-text match folds ASCII case only on SQLite: look for an
-        # ASCII error's text, and page through every member otherwise.
-        piece = error if error and error.isascii() else None
         page = await scope.items(
-            state=state, error_contains=piece, after=after, limit=PAGE_ROWS,
+            state=state, error_contains=error or None, after=after, limit=PAGE_ROWS,
             include_payload=False,
         )  # fmt: skip
         members.extend(item["item_id"] for item in page if (item["error"] or "") == error)
