@@ -7,8 +7,11 @@ the fastest honest way to do by hand what the store does.
 
 from __future__ import annotations
 
+import json
 import sqlite3
+import subprocess
 import time
+from typing import Any
 
 # The store's claim order, from the same index: a fair baseline walks it as the store does
 # (the benchmarks that use it hold one project).
@@ -29,6 +32,28 @@ EVENT = (
     "INSERT INTO events (item_id, event_type, fence, owner, actor_id, at, detail) "
     "VALUES (?, ?, ?, ?, NULL, ?, NULL)"
 )
+
+
+def go_and_wait(
+    procs: list[subprocess.Popen[str]], missing: str | None = None
+) -> tuple[list[dict[str, Any]], float]:
+    """Wait until every worker process says "ready", start them all at once (a "go"
+    line each), and read each one's last line of JSON (``missing`` for one that said
+    nothing): the results, and the seconds from the start until the last one is done."""
+    for proc in procs:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+    started = time.perf_counter()
+    for proc in procs:
+        assert proc.stdin is not None
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+    results = [json.loads(proc.communicate()[0] or missing or "") for proc in procs]
+    return results, time.perf_counter() - started
+
+
+def cpu_seconds() -> float:
+    """CPU time this process has used so far (user and system, every thread)."""
+    return time.process_time()  # every thread's, at the clock's own resolution
 
 
 def drain(conn: sqlite3.Connection, owner: str) -> tuple[int, float]:

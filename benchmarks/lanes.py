@@ -132,7 +132,7 @@ def time_claim_transactions(path: pathlib.Path, claims: int) -> float:
     op = functools.partial(_sqlite._claim_many, [claim])
     started = time.perf_counter()
     for _ in range(claims):
-        outcomes, _ = _writer._transact([op], conn, clock)
+        outcomes, _, _ = _writer._transact([op], conn, clock, None, None)
         assert outcomes[0][0]
     elapsed = (time.perf_counter() - started) / claims
     conn.close()

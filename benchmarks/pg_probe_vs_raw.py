@@ -33,6 +33,8 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import _raw
+
 from asyncplane import ControlStore, testing
 
 CLAIM = """
@@ -61,8 +63,11 @@ async def raw_drain(url: str, owner: str) -> None:
     conn = await asyncpg.connect(url)
     print("ready", flush=True)
     await asyncio.to_thread(sys.stdin.readline)
+    cpu = _raw.cpu_seconds()
     done = 0
+    claims: list[float] = []
     while True:
+        asked = time.perf_counter()
         async with conn.transaction():
             row = await conn.fetchrow(CLAIM)
             if row is None:
@@ -70,13 +75,23 @@ async def raw_drain(url: str, owner: str) -> None:
             now = time.time()
             fence = await conn.fetchval(TAKE, owner, now + 900, now, row[0])
             await conn.execute(EVENT, row[0], "claimed", fence, owner, now)
+        claims.append(time.perf_counter() - asked)
         async with conn.transaction():
             now = time.time()
             await conn.execute(FINISH, now, row[0], fence)
             await conn.execute(EVENT, row[0], "done", fence, owner, now)
         done += 1
     await conn.close()
-    print(json.dumps({"done": done}), flush=True)
+    cpu = _raw.cpu_seconds() - cpu
+    print(json.dumps({"done": done, "cpu": cpu, "claim_p99": p99(claims)}), flush=True)
+
+
+def p99(values: list[float]) -> float:
+    """The 99th percentile of ``values`` (0 for none)."""
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))]
 
 
 async def fresh_schema(url: str, name: str) -> str:
@@ -114,19 +129,16 @@ def run_raw(url: str, workers: int, items: int) -> dict[str, float]:
     procs = start_workers(
         [[sys.executable, __file__, "--raw-worker", schema, f"raw{n}"] for n in range(workers)]
     )
-    for proc in procs:
-        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
-    started = time.perf_counter()
-    for proc in procs:
-        assert proc.stdin is not None
-        proc.stdin.write("go\n")
-        proc.stdin.flush()
-    results = [json.loads(proc.communicate()[0]) for proc in procs]
-    seconds = time.perf_counter() - started
+    results, seconds = _raw.go_and_wait(procs)
     done = sum(r["done"] for r in results)
     if done != items:
         raise SystemExit(f"raw workers finished {done} of {items} items")
-    return {"items_per_s": items / seconds, "per_worker_min": min(r["done"] for r in results)}
+    return {
+        "items_per_s": items / seconds,
+        "per_worker_min": min(r["done"] for r in results),
+        "cpu_s": sum(r["cpu"] for r in results),
+        "claim_p99_s": max(r["claim_p99"] for r in results),
+    }
 
 
 def run_probe(url: str, workers: int, items: int, concurrency: int) -> dict[str, float]:
@@ -142,7 +154,8 @@ def run_probe(url: str, workers: int, items: int, concurrency: int) -> dict[str,
     report = json.loads(done.stdout)
     if not report["passed"]:
         raise SystemExit(f"the probe failed: {report['failures']}")
-    return {k: report[k] for k in ("items_per_s", "per_worker_min")}
+    got = {k: report[k] for k in ("items_per_s", "per_worker_min")}
+    return {**got, "cpu_s": report["worker_cpu_s"], "claim_p99_s": report["claim_p99_s"]}
 
 
 def pgqueuer_available() -> bool:
@@ -183,6 +196,7 @@ async def pgqueuer_drain(url: str, owner: str) -> None:
 
     print("ready", flush=True)
     await asyncio.to_thread(sys.stdin.readline)
+    cpu = _raw.cpu_seconds()
 
     async def stop_when_empty() -> None:
         watch = await asyncpg.connect(url)  # PgQueuer's own connection is busy dequeuing
@@ -197,7 +211,8 @@ async def pgqueuer_drain(url: str, owner: str) -> None:
     await pgq.run(dequeue_timeout=datetime.timedelta(seconds=0.05))
     await watcher
     await conn.close()
-    print(json.dumps({"done": done}), flush=True)
+    cpu = _raw.cpu_seconds() - cpu
+    print(json.dumps({"done": done, "cpu": cpu}), flush=True)
 
 
 def run_pgqueuer(url: str, workers: int, items: int) -> dict[str, float] | None:
@@ -221,20 +236,16 @@ def run_pgqueuer(url: str, workers: int, items: int) -> dict[str, float] | None:
         [[sys.executable, __file__, "--pgqueuer-worker", schema, f"q{n}"] for n in range(workers)],
         env=env,
     )
-    for proc in procs:
-        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
-    started = time.perf_counter()
-    for proc in procs:
-        assert proc.stdin is not None
-        proc.stdin.write("go\n")
-        proc.stdin.flush()
-    results = [json.loads(proc.communicate()[0] or '{"done": 0}') for proc in procs]
-    seconds = time.perf_counter() - started
+    results, seconds = _raw.go_and_wait(procs, missing='{"done": 0}')
     done = sum(r["done"] for r in results)
     if done < items:
         print(f"pgqueuer: {done} of {items} jobs ran", file=sys.stderr)
         return None
-    return {"items_per_s": items / seconds, "per_worker_min": min(r["done"] for r in results)}
+    return {
+        "items_per_s": items / seconds,
+        "per_worker_min": min(r["done"] for r in results),
+        "cpu_s": sum(r.get("cpu", 0.0) for r in results),
+    }
 
 
 @contextlib.contextmanager

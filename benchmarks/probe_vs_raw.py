@@ -36,8 +36,10 @@ def raw_worker(path: str, synchronous: str, name: str) -> None:
     conn = _raw.connect(path, synchronous)
     print("ready", flush=True)
     sys.stdin.readline()
+    cpu = _raw.cpu_seconds()
     done, longest = _raw.drain(conn, name)
-    print(json.dumps({"done": done, "longest": longest}), flush=True)
+    cpu = _raw.cpu_seconds() - cpu
+    print(json.dumps({"done": done, "longest": longest, "cpu": cpu}), flush=True)
 
 
 async def seed(path: pathlib.Path, items: int, synchronous: str) -> None:
@@ -58,15 +60,7 @@ def run_raw(tmp: pathlib.Path, workers: int, items: int, synchronous: str) -> di
         )
         for n in range(workers)
     ]
-    for proc in procs:
-        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
-    started = time.perf_counter()
-    for proc in procs:
-        assert proc.stdin is not None
-        proc.stdin.write("go\n")
-        proc.stdin.flush()
-    results = [json.loads(proc.communicate()[0]) for proc in procs]
-    seconds = time.perf_counter() - started
+    results, seconds = _raw.go_and_wait(procs)
     done = sum(r["done"] for r in results)
     if done != items:
         raise SystemExit(f"raw workers finished {done} of {items} items")
@@ -74,6 +68,7 @@ def run_raw(tmp: pathlib.Path, workers: int, items: int, synchronous: str) -> di
         "items_per_s": items / seconds,
         "per_worker_min": min(r["done"] for r in results),
         "max_lock_wait_s": max(r["longest"] for r in results),
+        "cpu_s": sum(r["cpu"] for r in results),
     }
 
 
@@ -90,7 +85,8 @@ def run_probe(
     report = json.loads(done.stdout)
     if not report["passed"]:
         raise SystemExit(f"the probe failed: {report['failures']}")
-    return {k: report[k] for k in ("items_per_s", "per_worker_min", "max_lock_wait_s")}
+    got = {k: report[k] for k in ("items_per_s", "per_worker_min", "max_lock_wait_s")}
+    return {**got, "cpu_s": report["worker_cpu_s"]}
 
 
 def main() -> int:

@@ -135,6 +135,28 @@ def test_postgresql_benchmark_reports_rates_and_ratios(asyncplane_postgres_url: 
     assert {"probe C=1 / raw", "probe C=8 / raw"} <= set(report["ratios"])
 
 
+def test_the_peers_benchmark_reports_every_side_and_target(asyncplane_postgres_url: str) -> None:
+    done = subprocess.run(
+        [
+            sys.executable, str(BENCHMARKS / "versus_peers.py"),
+            "--workers", "2", "--items", "40", "--full-items", "20", "--repeats", "1",
+            "--url", asyncplane_postgres_url, "--json",
+        ],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    lite, pg = report["sqlite"], report["postgres"]
+    assert {"raw", "probe C=1", "probe C=8", "raw FULL", "probe C=8 FULL"} <= set(lite)
+    for row in lite.values():
+        assert row["items_per_s"] > 0 and row["cpu_per_1000_s"] > 0
+        assert row["per_worker_min"] >= 0 and row["max_lock_wait_s"] >= 0
+    assert {"raw", "probe C=1", "probe C=8"} <= set(pg)
+    assert pg["probe C=8"]["claim_p99_s"] > 0 and pg["raw"]["claim_p99_s"] > 0
+    named = {name for name, *_ in report["sqlite_targets"] + report["postgres_targets"]}
+    assert "probe C=8 longest lock wait (ms)" in named and "probe C=8 / pgqueuer" in named
+
+
 @pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
 def test_the_items_benchmark_lists_from_both_backends(
     backend: str, request: pytest.FixtureRequest

@@ -250,10 +250,19 @@ def test_the_worker_protocol_reads_back_what_it_writes() -> None:
     messages: list[protocol.Message] = [
         protocol.Ready("w1"),
         protocol.Finished(3, 2),
+        protocol.FinishedMany([[3, 2], [5, 1]]),
         protocol.Claimed(4, 1, 1767225600.5),
         protocol.Reported("fence_rejected", 4, 1),
         protocol.Summary(
-            "w1", claimed=5, finished=4, locked=0, fence_rejected=1, max_lock_wait=0.25
+            "w1",
+            claimed=5,
+            finished=4,
+            locked=0,
+            fence_rejected=1,
+            max_lock_wait=0.25,
+            cpu_s=0.5,
+            claim_p99=0.01,
+            lock_held=0.2,
         ),
     ]
     for message in messages:

@@ -12,7 +12,17 @@ import dataclasses
 import json
 from typing import Any, Literal, TypeAlias
 
-__all__ = ("Claimed", "Finished", "Message", "Ready", "Reported", "Summary", "decode", "encode")
+__all__ = (
+    "Claimed",
+    "Finished",
+    "FinishedMany",
+    "Message",
+    "Ready",
+    "Reported",
+    "Summary",
+    "decode",
+    "encode",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,6 +38,14 @@ class Finished:
 
     item: int
     fence: int
+
+
+@dataclasses.dataclass(frozen=True)
+class FinishedMany:
+    """The items (``[item, fence]`` pairs) the worker finished in one turn of its event
+    loop, each acknowledged by the store: one line for a round's worth."""
+
+    items: list[list[int]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,18 +76,24 @@ class Summary:
     locked: int
     fence_rejected: int
     max_lock_wait: float
+    #: CPU seconds (user + system, every thread) from the go line to the summary.
+    cpu_s: float = 0.0
+    #: The 99th percentile of the worker's claim latencies, in seconds.
+    claim_p99: float = 0.0
+    #: Seconds the worker's writer held SQLite's write lock, summed (0 on PostgreSQL).
+    lock_held: float = 0.0
 
 
-Message: TypeAlias = Ready | Finished | Claimed | Reported | Summary
+Message: TypeAlias = Ready | Finished | FinishedMany | Claimed | Reported | Summary
 
 _KINDS: dict[str, type[Message]] = {
-    cls.__name__.lower(): cls for cls in (Ready, Finished, Claimed, Reported, Summary)
+    cls.__name__.lower(): cls for cls in (Ready, Finished, FinishedMany, Claimed, Reported, Summary)
 }
 
 
 def encode(message: Message) -> str:
     """One JSON line (without its newline) for ``message``."""
-    fields = dataclasses.asdict(message)
+    fields = vars(message)  # flat dataclasses: no deep copy needed
     return json.dumps({"kind": type(message).__name__.lower(), **fields}, separators=(",", ":"))
 
 

@@ -7,9 +7,10 @@ JSON per message:
 
 * on stdout: ``{"ready": ...}`` once it is warm (the store open, its connections made,
   the first hand-off to a thread done, so that nothing of its start-up falls in the
-  probe's timed window), ``{"f": item_id, "fence": n}`` for
-  every item it finished (flushed at once, so a killed worker loses at most the line it
-  was writing), ``{"claimed": ...}`` in hold mode, and a final ``{"summary": ...}``;
+  probe's timed window), a ``finishedmany`` line (``[item_id, fence]`` pairs) for the items it
+  finished in one turn of its event loop (flushed at the turn's end, so a killed worker
+  loses at most one turn's), ``{"claimed": ...}`` in hold mode, and a final
+  ``{"summary": ...}``;
 * on stdin: one line to start (so every worker starts at once), and in hold mode one line
   telling it to report its held item.
 
@@ -33,6 +34,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
+import time
 
 import anyio.to_thread
 
@@ -46,9 +48,32 @@ def _nothing() -> None:
     """A hand-off to a thread that does nothing (the warm-up before ready)."""
 
 
+def _cpu_seconds() -> float:
+    """CPU time this process has used so far, every thread, user and system."""
+    return time.process_time()  # every thread's, at the clock's own resolution
+
+
 def _say(message: _probe_protocol.Message) -> None:
     sys.stdout.write(_probe_protocol.encode(message) + "\n")
     sys.stdout.flush()
+
+
+class _Finishes:
+    """The items finished in one turn of the event loop, said in one line at its end: a
+    round's finishes cost the worker one write and the probe one line, not one each."""
+
+    def __init__(self) -> None:
+        self._items: list[list[int]] = []
+
+    def add(self, item_id: int, fence: int) -> None:
+        if not self._items:
+            asyncio.get_running_loop().call_soon(self.flush)
+        self._items.append([item_id, fence])
+
+    def flush(self) -> None:
+        if self._items:
+            _say(_probe_protocol.FinishedMany(self._items))
+            self._items = []
 
 
 class _Tally:
@@ -58,17 +83,28 @@ class _Tally:
         self.locked = 0
         self.fence_rejected = 0
         self.errors: list[str] = []
+        self.claim_seconds: list[float] = []
+        self.finishes = _Finishes()
+
+    def claim_p99(self) -> float:
+        """The 99th percentile of this worker's claim latencies, in seconds."""
+        if not self.claim_seconds:
+            return 0.0
+        ordered = sorted(self.claim_seconds)
+        return ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))]
 
 
 async def _drain_one(
     store: _store.ControlStore, owner: str, tally: _Tally, until_drained: bool
 ) -> None:
     while True:
+        asked = time.perf_counter()
         try:
             claim = await store.claim(owner=owner)
         except _errors.DatabaseLocked:
             tally.locked += 1
             continue
+        tally.claim_seconds.append(time.perf_counter() - asked)
         if claim is None:
             if not until_drained:
                 return
@@ -87,7 +123,7 @@ async def _drain_one(
             tally.locked += 1
             continue
         tally.finished += 1
-        _say(_probe_protocol.Finished(claim.item_id, claim.fence))
+        tally.finishes.add(claim.item_id, claim.fence)
 
 
 async def _main(args: argparse.Namespace) -> int:
@@ -103,6 +139,7 @@ async def _main(args: argparse.Namespace) -> int:
         _say(_probe_protocol.Ready(args.name))
         if not args.no_wait:
             await anyio.to_thread.run_sync(sys.stdin.readline)
+        cpu_at_go = _cpu_seconds()
         if args.mode == "hold":
             await _hold(store, args, tally)
         else:
@@ -112,6 +149,7 @@ async def _main(args: argparse.Namespace) -> int:
                     for n in range(args.concurrency)
                 )
             )
+        tally.finishes.flush()
         if args.fault == "duplicate-finish":
             await _probe_support.inject_fault(args.store, args.fault)
         writer = (await _store.engine_of(store).ready()).writer
@@ -123,6 +161,9 @@ async def _main(args: argparse.Namespace) -> int:
                 locked=tally.locked,
                 fence_rejected=tally.fence_rejected,
                 max_lock_wait=getattr(writer, "max_lock_wait", 0.0),
+                cpu_s=_cpu_seconds() - cpu_at_go,
+                claim_p99=tally.claim_p99(),
+                lock_held=getattr(writer, "total_lock_held", 0.0),
             )
         )
     return 0

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import json
 import pathlib
 import sqlite3
 from collections.abc import AsyncIterator, Callable
@@ -36,6 +37,7 @@ from asyncplane import (
     _models,
     _rules,
     _schedule,
+    _write_lock,
     _writer,
 )
 from asyncplane import _sqlite_sql as sql
@@ -97,10 +99,17 @@ class SQLiteBackend(_backend.Writes):
             busy_timeout=self._busy_timeout,
             vet=_check_header,
         )
+        locks: list[_write_lock.WriteLock | None] = []
         try:
             await _connection.run(conn, _migrate)
+            # Opened on the connection's thread, into a list of this frame's: if this call
+            # is cancelled meanwhile, the close below runs after it there, and finds it.
+            await _connection.run(conn, _open_write_lock, self._path, locks)
         except BaseException:
             await conn.close()
+            for lock in locks:
+                if lock is not None:
+                    lock.close()
             raise
         readers = _connection.ReaderPool(
             self._path, size=self._sizing.read_connections, busy_timeout=self._busy_timeout
@@ -114,7 +123,7 @@ class SQLiteBackend(_backend.Writes):
         self._readers = readers
         self._writer = _writer.Writer(
             conn, self._clock, name=self._path.name, max_batch=self._sizing.max_batch,
-            on_exit=close_readers,
+            on_exit=close_readers, lock_timeout=self._busy_timeout, write_lock=locks[0],
         )  # fmt: skip
         self._writer.start()
 
@@ -530,6 +539,13 @@ def _enqueue(
     return plan.ids(inserted)
 
 
+def _open_write_lock(
+    db: sqlite3.Connection, path: pathlib.Path, out: list[_write_lock.WriteLock | None]
+) -> None:
+    """The queue for the store's write lock, put in ``out`` (see SQLiteBackend.open)."""
+    out.append(_write_lock.open_write_lock(path))
+
+
 def _claim_many(
     ops: list[_backend.ClaimOp], db: sqlite3.Connection, now: float
 ) -> list[list[_backend.ClaimRow]]:
@@ -548,7 +564,7 @@ def _claim_many(
     }
     total = sum(op.limit for op in ops)
     events: list[_rules.Event] = []
-    lapsed, due, limited = db.execute(sql.ANY_LAPSED_OR_DUE, params).fetchone()
+    lapsed, due, limited, projects = db.execute(sql.ANY_LAPSED_OR_DUE, params).fetchone()
     if lapsed:
         bounded = {**params, "limit": _rules.exhausted_bound(total)}
         for row in db.execute(sql.LAPSED_EXHAUSTED, bounded).fetchall():
@@ -566,8 +582,6 @@ def _claim_many(
     # the lapsed claims of them all. An arm whose first page was short has nothing more.
     if first.project_id is not None and first.project_id in reach.limits:
         projects = 0  # the one project asked for is limited: nothing else is in reach
-    else:
-        (projects,) = db.execute(sql.REACH_SIZE, params).fetchone()
     page = _rules.first_page(total, projects + len(roomy))
     paged = {**params, "page": page}
     pages: dict[tuple[str, str | None], list[_rules.Candidate]] = {}
@@ -608,11 +622,10 @@ def _claim_many(
         further = {**params, "project": arm_project, "limit": limit, "offset": offset}
         merge.feed(arm, db.execute(statement, further))
     results: dict[int, list[_backend.ClaimRow]] = {id(op): [] for op in ops}
-    for candidate, op in _rules.deal(merge.chosen, ops):
+    dealt = list(_rules.deal(merge.chosen, ops))
+    for (candidate, op), got in zip(dealt, _claim_items(db, dealt, now), strict=True):
         if candidate.state == "claimed":
             events.append(_rules.takeover_event(candidate, op, now))
-        expires = now + op.lease_seconds
-        (got,) = db.execute(sql.CLAIM_ITEM, (op.owner, expires, now, candidate.item_id)).fetchall()
         claimed = _rules.claim_row(candidate, op, now, got)
         results[id(op)].append(claimed)
         events.append(
@@ -628,12 +641,60 @@ def _claim_many(
     return [results[id(op)] for op in ops]
 
 
+def _claim_items(
+    db: sqlite3.Connection, dealt: list[tuple[_rules.Candidate, _backend.ClaimOp]], now: float
+) -> list[Any]:
+    """Claim the dealt candidates (distinct items), each for its own request's owner and
+    lease: the claimed rows, in the order dealt. Several go in one statement."""
+    if len(dealt) == 1:
+        candidate, op = dealt[0]
+        expires = now + op.lease_seconds
+        return db.execute(sql.CLAIM_ITEM, (op.owner, expires, now, candidate.item_id)).fetchall()
+    claims = [[c.item_id, op.owner, now + op.lease_seconds] for c, op in dealt]
+    got = {
+        row[0]: row
+        for row in db.execute(sql.CLAIM_ITEMS, {"now": now, "claims": json.dumps(claims)})
+    }
+    if len(got) != len(dealt):  # each was read in this very transaction: cannot happen
+        raise _errors.StorageError("a claimed candidate was not found to claim")
+    return [got[c.item_id] for c, _ in dealt]
+
+
 def _finish_many(
     ops: list[_backend.FinishOp], db: sqlite3.Connection, now: float
 ) -> list[int | _errors.AsyncplaneError]:
-    """Finishes that came together: each on its own, a refusal answered, not raised."""
+    """Finishes that came together: each on its own, a refusal answered, not raised.
+
+    Several finishes as done of distinct items settle in one statement; a finish it did
+    not match wrote nothing, and is then explained (FenceRejected, ...).
+    """
     results: list[int | _errors.AsyncplaneError] = []
     events: list[tuple[Any, ...]] = []
+    if (
+        len(ops) > 1
+        and all(op.status == "done" for op in ops)
+        and len({op.item_id for op in ops}) == len(ops)
+    ):
+        finishes = [[op.item_id, op.fence, op.result_json, op.actor_id] for op in ops]
+        settled = {
+            row[0]: row[1:]
+            for row in db.execute(
+                sql.SETTLE_DONE_MANY, {"now": now, "finishes": json.dumps(finishes)}
+            )
+        }
+        for op in ops:
+            row = settled.get(op.item_id)
+            if row is None:
+                try:
+                    _refuse_fenced(db, op.item_id, op.fence, op.actor_id)
+                except _errors.AsyncplaneError as exc:
+                    results.append(exc)  # matched nothing: nothing was written for it
+                continue
+            owner, project_id, fp = row
+            events.append(_rules.finish_event(op, owner, now))
+            results.append(_settle_twins(op, db, now, project_id, fp, events))
+        db.executemany(sql.INSERT_EVENT, events)
+        return results
     for op in ops:
         before = db.total_changes
         try:
@@ -673,6 +734,18 @@ def _settle_finish(
         _refuse_fenced(db, op.item_id, op.fence, op.actor_id)
     owner, project_id, fp = rows[0][:3]
     events.append(_rules.finish_event(op, owner, now))
+    return _settle_twins(op, db, now, project_id, fp, events)
+
+
+def _settle_twins(
+    op: _backend.FinishOp,
+    db: sqlite3.Connection,
+    now: float,
+    project_id: str,
+    fp: str | None,
+    events: list[tuple[Any, ...]],
+) -> int:
+    """Settlement dedup: a done item's pending twins are done too, with its result."""
     if op.status != "done" or fp is None:
         return 0
     # Settlement dedup: every pending twin in the project is done too, with this result.

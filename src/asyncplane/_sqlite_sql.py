@@ -464,14 +464,16 @@ ORDER BY {CLAIM_ORDER} LIMIT :limit OFFSET :offset
 """
 # Whether any lease has lapsed, or any deferred item fallen due, or any project has
 # limits, at all: three index probes that let the common claim (nothing lapsed, nothing
-# due, no limits) skip those arms entirely.
-ANY_LAPSED_OR_DUE: Final = """
+# due, no limits) skip those arms entirely; and the reach's size (REACH_SIZE), in the
+# same statement.
+ANY_LAPSED_OR_DUE: Final = f"""
 SELECT
     EXISTS (SELECT 1 FROM items INDEXED BY items_lease
             WHERE state = 'claimed' AND lease_expires_at <= :now),
     EXISTS (SELECT 1 FROM items INDEXED BY items_due
             WHERE state = 'deferred' AND due_at <= :now),
-    EXISTS (SELECT 1 FROM project_limits)
+    EXISTS (SELECT 1 FROM project_limits),
+    ({REACH_SIZE})
 """
 # Lapsed claims that spent their last attempt: a claim fails them (a bounded number at a
 # time) before it looks for work, instead of handing them on.
@@ -489,6 +491,20 @@ SET state = 'claimed', fence = fence + 1, attempts = attempts + 1,
     owner = ?1, lease_expires_at = ?2, due_at = NULL, updated_at = ?3, claimed_at = ?3
 WHERE item_id = ?4
 RETURNING item_id, project_id, payload, fence, attempts, created_at, trace_context
+"""
+# A round's claims at once (one statement instead of one per item: a sixth to a quarter
+# less time per claim), each item with its own owner and lease: ``:claims`` is a JSON array of
+# ``[item_id, owner, lease_expires_at]``, distinct items. RETURNING as CLAIM_ITEM's, in
+# no particular order.
+CLAIM_ITEMS: Final = """
+UPDATE items
+SET state = 'claimed', fence = fence + 1, attempts = attempts + 1,
+    owner = json_extract(c.value, '$[1]'), lease_expires_at = json_extract(c.value, '$[2]'),
+    due_at = NULL, updated_at = :now, claimed_at = :now
+FROM json_each(:claims) AS c
+WHERE items.item_id = json_extract(c.value, '$[0]')
+RETURNING items.item_id, items.project_id, items.payload, items.fence, items.attempts,
+          items.created_at, items.trace_context
 """
 
 # A lapsed lease with no attempts left: the item fails instead of being taken over.
@@ -525,6 +541,23 @@ SETTLE_FAILED: Final = f"""
 UPDATE items SET state = 'failed', error = :error, lease_expires_at = NULL, due_at = NULL,
                  offload_handle = NULL, updated_at = :now
 {_SETTLE_GUARD} {_SETTLED}
+"""
+# A round's finishes as done at once, distinct items: ``:finishes`` is a JSON array of
+# ``[item_id, fence, result_json, actor_id]``. Each is guarded as SETTLE_DONE is; a
+# finish it did not match wrote nothing. RETURNING gives the item ids that matched, then
+# what SETTLE_DONE returns, in no particular order.
+SETTLE_DONE_MANY: Final = """
+UPDATE items SET state = 'done', result = json_extract(f.value, '$[2]'), error = NULL,
+                 lease_expires_at = NULL, due_at = NULL, offload_handle = NULL,
+                 updated_at = :now
+FROM json_each(:finishes) AS f
+WHERE items.item_id = json_extract(f.value, '$[0]')
+  AND items.fence = json_extract(f.value, '$[1]')
+  AND items.state IN ('claimed', 'offloaded')
+  AND (json_extract(f.value, '$[3]') IS NULL
+       OR items.project_id IN (SELECT project_id FROM assignments
+                               WHERE actor_id = json_extract(f.value, '$[3]')))
+RETURNING items.item_id, items.owner, items.project_id, items.fingerprint
 """
 # Retry reads the attempt budget first (it decides between deferred and failed).
 READ_BUDGET: Final = f"""

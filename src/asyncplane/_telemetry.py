@@ -97,7 +97,10 @@ HISTOGRAMS: Final = {
     "asyncplane.settle.duration": ("s", "A settle call (finish, retry, park, ...)"),
     "asyncplane.write.round.size": ("{request}", "Requests one group commit carried"),
     "asyncplane.write.round.duration": ("s", "One write round, BEGIN to COMMIT"),
-    "asyncplane.write.lock_wait": ("s", "Time BEGIN IMMEDIATE waited for SQLite's write lock"),
+    "asyncplane.write.lock_wait": (
+        "s",
+        "Time a write round waited for SQLite's write lock (the writers' queue and BEGIN)",
+    ),
 }
 #: Observable gauges: name -> (unit, description).
 GAUGES: Final = {
@@ -226,7 +229,7 @@ def write_round(backend: str, size: int, seconds: float) -> None:
 
 
 def lock_wait(seconds: float) -> None:
-    """How long one BEGIN IMMEDIATE waited for SQLite's write lock."""
+    """How long one round waited for SQLite's write lock (its queue, then BEGIN)."""
     if ENABLED:
         _instruments().lock_wait.record(seconds, {"asyncplane.backend": "sqlite"})
 

@@ -231,6 +231,11 @@ class WriterBase:
         self._drop()
 
     @property
+    def requests_waiting(self) -> int:
+        """Requests queued for a later round (read by tests and benchmarks)."""
+        return len(self._pending)
+
+    @property
     def running(self) -> bool:
         """True while the writer accepts requests."""
         return self._task is not None and not self._task.done() and not self._stopping

@@ -47,7 +47,8 @@ from typing import Any, TypeVar
 
 import aiosqlite
 
-from asyncplane import _clock, _connection, _errors, _telemetry, _write_queue
+from asyncplane import _clock, _connection, _errors, _telemetry, _write_lock, _write_queue
+from asyncplane._clock import Clock
 
 __all__ = ("Operation", "Write", "Writer")
 
@@ -73,15 +74,74 @@ class Writer(_write_queue.WriterBase):
     #: single wait, and the sum over rounds; the probe reports the longest.
     max_lock_wait = 0.0
     total_lock_wait = 0.0
+    #: Seconds this writer held the write lock (from having it to letting go), summed.
+    total_lock_held = 0.0
+
+    def __init__(
+        self,
+        conn: aiosqlite.Connection,
+        clock: Clock,
+        *,
+        write_lock: _write_lock.WriteLock | None,
+        lock_timeout: float,
+        **options: Any,
+    ) -> None:
+        super().__init__(conn, clock, **options)
+        #: The queue in front of the write lock (None: SQLite's busy handler alone).
+        self.write_lock = write_lock
+        self.lock_timeout = lock_timeout
+        #: Set while the write lock moves; clear while a round waits for its turn past
+        #: busy_timeout (given up, its thread still waiting).
+        self._moving = asyncio.Event()
+        self._moving.set()
+
+    async def submit(self, op: Any) -> Any:
+        """Queue one operation and wait for its result. While a round given up for the
+        lock still waits for it, a write first waits for the lock to move, at most
+        busy_timeout, and is then refused with DatabaseLocked, nothing written."""
+        if not self._moving.is_set() and self.running:
+            try:
+                await asyncio.wait_for(self._moving.wait(), self.lock_timeout)
+            except asyncio.TimeoutError:
+                if not self.running:  # closed meanwhile: that is the news
+                    raise self._closed_error() from None
+                raise _errors.DatabaseLocked(self._stuck_message()) from None
+        return await super().submit(op)
+
+    def _stuck_message(self) -> str:
+        return (
+            f"database is locked: the store's write lock has not come free in busy_timeout "
+            f"({self.lock_timeout:g} s)"
+        )
+
+    def _give_up(self, turn: _write_lock.Turn, batch: list[_Request]) -> None:
+        """busy_timeout has passed and the round's turn has not come: its callers, and
+        every write queued behind it, hear DatabaseLocked; nothing of theirs is written
+        (the thread lets the lock go unused when it comes)."""
+        if not turn.give_up():
+            return  # the round has begun meanwhile: it runs to its end
+        self._moving.clear()
+        waiting = [future for _, future in batch]
+        while self._pending:  # queued behind the round: they would wait longer still
+            waiting.append(self._pending.popleft()[1])
+        for future in waiting:
+            if not future.done():
+                future.set_exception(_errors.DatabaseLocked(self._stuck_message()))
 
     def _drop(self) -> None:
         self._conn.stop()  # the connection's thread ends; no loop is left to close it
+        if self.write_lock is not None:
+            self.write_lock.close()
 
     async def _serve(self, batch: list[_Request]) -> None:
         await self._round(batch)
 
     async def _close(self) -> None:
-        await self._conn.close()
+        try:
+            await self._conn.close()
+        finally:
+            if self.write_lock is not None:
+                self.write_lock.close()
 
     async def _round(self, batch: list[_Request]) -> None:
         """Run one transaction for ``batch``; its outcomes reach the callers from the thread."""
@@ -89,11 +149,16 @@ class Writer(_write_queue.WriterBase):
         self.in_flight = len(batch)
         self.rounds += 1
         self.requests += len(batch)
+        turn = None if self.write_lock is None else _write_lock.Turn()
+        timer = (
+            None if turn is None
+            else loop.call_later(self.lock_timeout, self._give_up, turn, batch)
+        )  # fmt: skip
         try:
             # The round hands its outcomes to the callers itself (call_soon_threadsafe), so
             # they arrive even if this task is cancelled while the round runs, and without
             # waiting for this task to wake up first.
-            await _connection.run(self._conn, _execute_round, batch, self._clock, loop, self)
+            await _connection.run(self._conn, _execute_round, batch, self._clock, loop, self, turn)
         except asyncio.CancelledError:
             raise
         except BaseException as exc:  # the round itself broke (connection closed, a bug)
@@ -101,15 +166,24 @@ class Writer(_write_queue.WriterBase):
             raise
         finally:
             self.in_flight = 0
+            if timer is not None:
+                timer.cancel()
+            self._moving.set()  # the thread is back: the lock moves again
 
 
 def _deliver(
-    writer: Writer, batch: list[_Request], outcomes: list[Any], lock_wait: float, took: float
+    writer: Writer,
+    batch: list[_Request],
+    outcomes: list[Any],
+    lock_wait: float,
+    held: float,
+    took: float,
 ) -> None:
     """On the event loop: hand each caller its own outcome (the round measured first, so a
     caller's next look sees its round)."""
     writer.in_flight = 0
     writer.total_lock_wait += lock_wait
+    writer.total_lock_held += held
     writer.max_lock_wait = max(writer.max_lock_wait, lock_wait)
     _telemetry.write_round("sqlite", len(batch), took)
     _telemetry.lock_wait(lock_wait)
@@ -136,17 +210,20 @@ def _execute_round(
     clock: _clock.Clock,
     loop: asyncio.AbstractEventLoop,
     writer: Writer,
+    turn: _write_lock.Turn | None,
 ) -> None:
     """Run on the connection's thread: one transaction for the batch, then deliver."""
     started = time.perf_counter()
     try:
-        outcomes, lock_wait = _transact([op for op, _ in batch], db, clock)
+        outcomes, lock_wait, held = _transact(
+            [op for op, _ in batch], db, clock, writer.write_lock, turn
+        )
     except Exception as exc:  # outside any operation (the clock, say): fail the round only
         _rollback(db)
         outcomes = [_write_queue.Raised(_write_queue.round_failed(exc))] * len(batch)
-        lock_wait = 0.0
+        lock_wait = held = 0.0
     took = time.perf_counter() - started
-    loop.call_soon_threadsafe(_deliver, writer, batch, outcomes, lock_wait, took)
+    loop.call_soon_threadsafe(_deliver, writer, batch, outcomes, lock_wait, held, took)
 
 
 def _run_unit(
@@ -192,23 +269,56 @@ def _seal(db: sqlite3.Connection) -> bool:
 
 
 def _transact(
-    ops: list[Write[Any]], db: sqlite3.Connection, clock: _clock.Clock
-) -> tuple[list[Any], float]:
-    """One transaction for all ops, isolating each op's failure.
+    ops: list[Write[Any]],
+    db: sqlite3.Connection,
+    clock: _clock.Clock,
+    lock: _write_lock.WriteLock | None,
+    turn: _write_lock.Turn | None,
+) -> tuple[list[Any], float, float]:
+    """One transaction for all ops, isolating each op's failure, with the place at the
+    head of the write-lock queue (``lock``) held from before BEGIN to after the end.
 
     Consecutive ops with the same ``group_key`` run as one (their ``run_group`` answers
     for each, and reports a member's refusal as an error instance, having written nothing
     for it). If such a run breaks, the round is rolled back and its members go again one
     by one, so a failure still belongs to the one request that caused it.
 
-    Returns the outcomes, and the longest single wait for the write lock, in seconds.
+    Returns the outcomes, the longest single wait for the write lock (the queue's and
+    BEGIN IMMEDIATE's together), and how long the lock was held, in seconds.
     """
+    asked = time.perf_counter()
+    if lock is None or not lock.acquire():  # no queue: SQLite's busy handler waits alone
+        if turn is not None and not turn.begin():
+            return _given_up(ops, asked)
+        outcomes, waited = _transact_held(ops, db, clock, asked)
+        return outcomes, waited, time.perf_counter() - asked - waited
+    try:
+        if turn is not None and not turn.begin():  # given up by the loop: write nothing
+            return _given_up(ops, asked)
+        outcomes, waited = _transact_held(ops, db, clock, asked)
+    finally:
+        try:
+            _rollback(db)  # an open transaction (something raised) ends before the lock goes
+        finally:
+            lock.release()
+    return outcomes, waited, time.perf_counter() - asked - waited
+
+
+def _given_up(ops: list[Write[Any]], asked: float) -> tuple[list[Any], float, float]:
+    """The outcomes of a round the loop gave up waiting for (its callers know already)."""
+    refused = _errors.DatabaseLocked("database is locked: the round was given up")
+    return [_write_queue.Raised(refused)] * len(ops), time.perf_counter() - asked, 0.0
+
+
+def _transact_held(
+    ops: list[Write[Any]], db: sqlite3.Connection, clock: _clock.Clock, asked: float
+) -> tuple[list[Any], float]:
+    """`_transact` once its place in the queue is held (``asked``: when it was asked for)."""
     outcomes: list[Any] = [None] * len(ops)
     todo = list(range(len(ops)))
     alone: set[int] = set()  # members of a broken run: they go again one by one
     lock_wait = 0.0
     while todo:
-        asked = time.perf_counter()
         try:
             db.execute("BEGIN IMMEDIATE")
         except sqlite3.Error as exc:
@@ -267,4 +377,5 @@ def _transact(
             todo = [index for index in todo if index != broken[0]]
         for index in todo:
             outcomes[index] = None
+        asked = time.perf_counter()  # the fresh transaction's BEGIN waits anew
     return outcomes, lock_wait

@@ -162,6 +162,17 @@ def _human(report: ProbeReport) -> str:
             f"(per worker {report.per_worker_min} to {report.per_worker_max} items)"
         )
         lines.append(f"  start-up (every worker warm, not timed) {report.startup_s:.2f} s")
+        if report.items:
+            per_1000 = report.worker_cpu_s / report.items * 1000
+            lines.append(
+                f"  workers' CPU while draining {report.worker_cpu_s:.2f} s "
+                f"({per_1000:.2f} s per 1,000 items)"
+            )
+        if report.lock_held_s and report.seconds:
+            lines.append(
+                f"  the write lock was held {report.lock_held_s / report.seconds:.0%} of the "
+                f"drain, {report.lock_held_s / report.items * 1e6:.0f} us per item"
+            )
     lines.append(
         f"  duplicates {report.duplicates}, lost {report.lost}, "
         f"locked errors {report.locked_errors}, fence rejections {report.fence_rejections}"

@@ -48,6 +48,14 @@ class ProbeReport:
     per_worker_min: int = 0
     per_worker_max: int = 0
     max_lock_wait_s: float = 0.0
+    #: CPU seconds the workers spent from their go line to their summary (start-up not
+    #: counted), all workers together.
+    worker_cpu_s: float = 0.0
+    #: The worst worker's 99th percentile claim latency, in seconds.
+    claim_p99_s: float = 0.0
+    #: Seconds the workers held SQLite's write lock, all together: over the drain's
+    #: seconds, how busy the lock was.
+    lock_held_s: float = 0.0
     role: str = "all"
     kills: int = 0
     re_executions: int = 0

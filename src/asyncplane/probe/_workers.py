@@ -45,7 +45,9 @@ class _Worker:
         assert self.process.stdout is not None
         async for raw in self.process.stdout:
             message = _probe_protocol.decode(raw)  # None: a line cut short by a kill
-            if isinstance(message, _probe_protocol.Finished):
+            if isinstance(message, _probe_protocol.FinishedMany):
+                self.finished.extend((item, fence) for item, fence in message.items)
+            elif isinstance(message, _probe_protocol.Finished):
                 self.finished.append((message.item, message.fence))
             elif isinstance(message, _probe_protocol.Summary):
                 self.summary = message
@@ -148,6 +150,9 @@ async def _check(
     _tally_workers(report, workers)
     report.locked_errors += sum(w.stderr.count(b"database is locked") for w in workers)
     report.max_lock_wait_s = max((s.max_lock_wait for s in summaries), default=0.0)
+    report.worker_cpu_s = sum(s.cpu_s for s in summaries)
+    report.claim_p99_s = max((s.claim_p99 for s in summaries), default=0.0)
+    report.lock_held_s = sum(s.lock_held for s in summaries)
     report.expect("duplicates", report.duplicates, 0)
     report.expect("lost", report.lost, 0)
     report.expect("locked_errors", report.locked_errors, 0)

@@ -1,0 +1,158 @@
+"""The queue in front of SQLite's write lock (`asyncplane._write_lock`), with real OS
+processes holding their place in it: writes wait their turn, give up after busy_timeout
+with nothing written, and a holder's death lets the next one go."""
+
+from __future__ import annotations
+
+import asyncio
+import pathlib
+import sys
+from collections.abc import Callable
+
+import pytest
+
+from asyncplane import ControlStore, DatabaseLocked, _write_lock, _writer
+
+pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="flock is POSIX")
+
+# Holds the queue's lock until told (a line on stdin), or until it is killed.
+HOLDER = """
+import fcntl, os, sys
+fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)
+fcntl.flock(fd, fcntl.LOCK_EX)
+print("held", flush=True)
+sys.stdin.readline()
+"""
+
+
+class Holder:
+    """Another process that holds the store's place at the head of the write queue."""
+
+    def __init__(self, process: asyncio.subprocess.Process) -> None:
+        self.process = process
+
+    @classmethod
+    async def start(cls, database: pathlib.Path) -> Holder:
+        lock_file = database.with_name(database.name + _write_lock.SUFFIX)
+        process = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", HOLDER, str(lock_file),
+            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        assert process.stdout is not None
+        assert (await process.stdout.readline()).strip() == b"held"
+        return cls(process)
+
+    async def let_go(self) -> None:
+        assert self.process.stdin is not None
+        self.process.stdin.write(b"go\n")
+        await self.process.stdin.drain()
+        assert await self.process.wait() == 0
+
+    async def kill(self) -> None:
+        self.process.kill()
+        await self.process.wait()
+
+
+async def writer_of(store: ControlStore) -> _writer.Writer:
+    writer = (await store._engine.ready()).writer
+    assert isinstance(writer, _writer.Writer)
+    return writer
+
+
+async def until(condition: Callable[[], bool]) -> None:
+    """Wait for a state of the writer's thread (which no event marks), a millisecond at a
+    time, for at most ten seconds."""
+    for _ in range(10_000):
+        if condition():
+            return
+        await asyncio.sleep(0.001)
+    raise AssertionError("the condition never came")
+
+
+async def test_the_queue_file_sits_beside_the_store(tmp_path: pathlib.Path) -> None:
+    path = tmp_path / "store.db"
+    async with ControlStore(path) as store:
+        await store.create_project("alpha", "Alpha")
+        assert (tmp_path / f"store.db{_write_lock.SUFFIX}").is_file()
+
+
+async def test_a_write_held_up_past_busy_timeout_is_refused_with_nothing_written(
+    tmp_path: pathlib.Path,
+) -> None:
+    path = tmp_path / "store.db"
+    async with ControlStore(path, busy_timeout=0.3) as store:
+        await store.create_project("alpha", "Alpha")
+        holder = await Holder.start(path)
+        try:
+            # SQLite's own lock is free all along: only the queue holds the write back.
+            with pytest.raises(DatabaseLocked, match="busy_timeout"):
+                await store.enqueue("alpha", {"n": 1})
+        finally:
+            await holder.let_go()
+        assert (await store.counts())["ready"] == 0  # the refused write left nothing
+        await store.enqueue("alpha", {"n": 2})  # the queue moves again: writes go
+        assert (await store.counts())["ready"] == 1
+
+
+async def test_writes_queued_behind_a_refused_round_are_refused_too(
+    tmp_path: pathlib.Path,
+) -> None:
+    path = tmp_path / "store.db"
+    # Long enough for the second write to be queued before the first round is given up,
+    # however loaded the machine.
+    async with ControlStore(path, busy_timeout=1.5) as store:
+        await store.create_project("alpha", "Alpha")
+        writer = await writer_of(store)
+        holder = await Holder.start(path)
+        try:
+            first = asyncio.create_task(store.enqueue("alpha", {"n": 1}))
+            await until(lambda: writer.in_flight == 1)  # its round is on the thread
+            queued = asyncio.create_task(store.enqueue("alpha", {"n": 2}))
+            await until(lambda: writer.requests_waiting == 1)  # behind that round
+            for refused in (first, queued):  # both refused when the round is given up
+                with pytest.raises(DatabaseLocked, match="not come free"):
+                    await refused
+            # The round still waits for the lock on its thread: a write now waits for
+            # the lock to move, at most busy_timeout, rather than behind it unbounded.
+            later = asyncio.get_running_loop().time()
+            with pytest.raises(DatabaseLocked, match="not come free"):
+                await store.enqueue("alpha", {"n": 3})
+            assert asyncio.get_running_loop().time() - later >= 1.5
+        finally:
+            await holder.let_go()
+        await store.enqueue("alpha", {"n": 4})  # waits for the round to come back, then goes
+        assert (await store.counts())["ready"] == 1
+
+
+async def test_a_killed_holder_lets_the_waiting_write_go(tmp_path: pathlib.Path) -> None:
+    path = tmp_path / "store.db"
+    async with ControlStore(path, busy_timeout=60) as store:
+        await store.create_project("alpha", "Alpha")
+        writer = await writer_of(store)
+        holder = await Holder.start(path)
+        write = asyncio.create_task(store.enqueue("alpha", {"n": 1}))
+        lock = writer.write_lock
+        assert lock is not None
+        await until(lambda: lock.waiting)  # the write's thread sleeps in flock
+        await holder.kill()  # SIGKILL: no clean-up; the kernel lets go of its flock
+        item_id = await write  # within the busy_timeout, never DatabaseLocked
+        assert (await store.item(item_id))["state"] == "ready"
+
+
+async def test_without_a_queue_file_the_store_still_writes(tmp_path: pathlib.Path) -> None:
+    path = tmp_path / "store.db"
+    (tmp_path / f"store.db{_write_lock.SUFFIX}").mkdir()  # the queue cannot be made here
+    async with ControlStore(path) as store:
+        await store.create_project("alpha", "Alpha")
+        await store.enqueue("alpha", {"n": 1})
+        assert (await store.counts())["ready"] == 1
+
+
+async def test_two_stores_in_one_process_take_turns(tmp_path: pathlib.Path) -> None:
+    path = tmp_path / "store.db"
+    async with ControlStore(path) as first, ControlStore(path) as second:
+        await first.create_project("alpha", "Alpha")
+        await asyncio.gather(
+            *(store.enqueue("alpha", {"n": n}) for n in range(50) for store in (first, second))
+        )
+        assert (await first.counts())["ready"] == 100
