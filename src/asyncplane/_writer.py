@@ -6,6 +6,12 @@ PostgreSQL writer). Callers hand the writer an *operation*: a plain function
 ``op(db, now)`` that runs on the connection's thread inside a transaction the writer
 opened with ``BEGIN IMMEDIATE``.
 
+The writers' queue. Before ``BEGIN IMMEDIATE`` a round takes its place in the queue every
+process's writers share (`asyncplane._write_lock`), and it lets go after its COMMIT or
+ROLLBACK, so writers take turns instead of sleeping in SQLite's busy handler. The event
+loop keeps busy_timeout: a round whose turn has not come in time is given up (`Turn`),
+its callers and the writes queued behind it told DatabaseLocked, nothing written.
+
 Group commit. While one transaction is on the connection's thread, new requests queue up;
 the next round takes all of them (up to ``max_batch``) into one transaction, so under load
 many claims and finishes share one BEGIN/COMMIT. Each request still succeeds or fails on
