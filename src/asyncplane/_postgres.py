@@ -930,7 +930,7 @@ async def _finish_many(
     """
     results: list[int | _errors.AsyncplaneError] = []
     events: list[_rules.Event] = []
-    if len(ops) > 1 and len({op.item_id for op in ops}) == len(ops):
+    if _rules.settle_as_one(ops):
         settled = {
             row[0]: row
             for row in await conn.fetch(

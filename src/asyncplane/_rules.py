@@ -927,6 +927,13 @@ def offload_event(op: _backend.OffloadOp, owner: str | None, now: float) -> Even
     )
 
 
+def settle_as_one(ops: Sequence[_backend.FinishOp]) -> bool:
+    """Whether a round's finishes may settle in one statement: several, of distinct items.
+    The same item twice goes one by one, so that the second is refused by the first (one
+    statement would match the item once and could not say which of the two it was)."""
+    return len(ops) > 1 and len({op.item_id for op in ops}) == len(ops)
+
+
 def finish_event(op: _backend.FinishOp, owner: str | None, now: float) -> Event:
     """The event a finish records: "done", or "failed" with its error."""
     return settlement_event(

@@ -670,11 +670,7 @@ def _finish_many(
     """
     results: list[int | _errors.AsyncplaneError] = []
     events: list[tuple[Any, ...]] = []
-    if (
-        len(ops) > 1
-        and all(op.status == "done" for op in ops)
-        and len({op.item_id for op in ops}) == len(ops)
-    ):
+    if _rules.settle_as_one(ops) and all(op.status == "done" for op in ops):  # its SQL's
         finishes = [[op.item_id, op.fence, op.result_json, op.actor_id] for op in ops]
         settled = {
             row[0]: row[1:]
