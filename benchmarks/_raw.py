@@ -34,12 +34,9 @@ EVENT = (
 )
 
 
-def go_and_wait(
-    procs: list[subprocess.Popen[str]], missing: str | None = None
-) -> tuple[list[dict[str, Any]], float]:
-    """Wait until every worker process says "ready", start them all at once (a "go"
-    line each), and read each one's last line of JSON (``missing`` for one that said
-    nothing): the results, and the seconds from the start until the last one is done."""
+def start_together(procs: list[subprocess.Popen[str]]) -> float:
+    """Wait until every worker process says "ready", then start them all at once (a
+    "go" line each): the clock's reading at the start (start-up is not timed)."""
     for proc in procs:
         assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
     started = time.perf_counter()
@@ -47,8 +44,32 @@ def go_and_wait(
         assert proc.stdin is not None
         proc.stdin.write("go\n")
         proc.stdin.flush()
+    return started
+
+
+def go_and_wait(
+    procs: list[subprocess.Popen[str]], missing: str | None = None
+) -> tuple[list[dict[str, Any]], float]:
+    """`start_together`, then each one's last line of JSON (``missing`` for one that
+    said nothing): the results, and the seconds from the start until the last is done."""
+    started = start_together(procs)
     results = [json.loads(proc.communicate()[0] or missing or "") for proc in procs]
     return results, time.perf_counter() - started
+
+
+def drain_figures(procs: list[subprocess.Popen[str]], items: int, label: str) -> dict[str, float]:
+    """Run workers that each end with ``{"done", "longest", "cpu"}`` (see `drain`) to the
+    end: the rate, the least busy worker, the longest lock wait, the CPU seconds."""
+    results, seconds = go_and_wait(procs)
+    done = sum(r["done"] for r in results)
+    if done != items:
+        raise SystemExit(f"{label}: the workers finished {done} of {items} items")
+    return {
+        "items_per_s": items / seconds,
+        "per_worker_min": min(r["done"] for r in results),
+        "max_lock_wait_s": max(r["longest"] for r in results),
+        "cpu_s": sum(r["cpu"] for r in results),
+    }
 
 
 def cpu_seconds() -> float:

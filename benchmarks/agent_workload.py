@@ -32,6 +32,8 @@ import tempfile
 import time
 from typing import Any
 
+import _raw
+
 from asyncplane import ClaimedItem, ControlStore, Done, Outcome, drain, work
 
 MEDIAN = 0.05
@@ -119,13 +121,7 @@ async def four_processes(path: pathlib.Path, delays: list[float], concurrency: i
     pipes: dict[str, Any] = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE, "text": True}
     # Started before the clock runs; their start-up is not measured.
     children = [subprocess.Popen(command, **pipes) for _ in range(4)]  # noqa: ASYNC220
-    for child in children:
-        assert child.stdout is not None and child.stdout.readline().strip() == "ready"
-    started = time.perf_counter()
-    for child in children:
-        assert child.stdin is not None
-        child.stdin.write("go\n")
-        child.stdin.flush()
+    started = _raw.start_together(children)
     done = 0
     for child in children:
         assert child.stdout is not None

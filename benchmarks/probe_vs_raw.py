@@ -60,16 +60,7 @@ def run_raw(tmp: pathlib.Path, workers: int, items: int, synchronous: str) -> di
         )
         for n in range(workers)
     ]
-    results, seconds = _raw.go_and_wait(procs)
-    done = sum(r["done"] for r in results)
-    if done != items:
-        raise SystemExit(f"raw workers finished {done} of {items} items")
-    return {
-        "items_per_s": items / seconds,
-        "per_worker_min": min(r["done"] for r in results),
-        "max_lock_wait_s": max(r["longest"] for r in results),
-        "cpu_s": sum(r["cpu"] for r in results),
-    }
+    return _raw.drain_figures(procs, items, "raw")
 
 
 def run_probe(

@@ -125,21 +125,7 @@ def run_huey(tmp: pathlib.Path, workers: int, items: int, synchronous: str) -> R
         )
         for _ in range(workers)
     ]
-    return _timed(procs, items, "huey")
-
-
-def _timed(procs: list[subprocess.Popen[str]], items: int, label: str) -> Run:
-    """Start every ready worker at once; the rate from then to the last one's exit."""
-    results, seconds = _raw.go_and_wait(procs)
-    done = sum(r["done"] for r in results)
-    if done != items:
-        raise SystemExit(f"{label}: the workers finished {done} of {items} items")
-    return {
-        "items_per_s": items / seconds,
-        "per_worker_min": min(r["done"] for r in results),
-        "max_lock_wait_s": max(r["longest"] for r in results),
-        "cpu_s": sum(r["cpu"] for r in results),
-    }
+    return _raw.drain_figures(procs, items, "huey")
 
 
 def huey_available() -> bool:
