@@ -357,8 +357,8 @@ async def test_the_postgresql_claim_statements_are_planned_once_not_per_claim(ur
 
         found = await backend._write(plans)  # type: ignore[attr-defined]
     claim_statements = {
-        "candidates": pg_sql.CLAIM_CANDIDATES, "claim": pg_sql.CLAIM_ITEMS,
-        "claim, spending": pg_sql.CLAIM_ITEMS_SPENDING,
+        "candidates": pg_sql.CLAIM_CANDIDATES, "claim, spending": pg_sql.CLAIM_ITEMS_SPENDING,
+        "the plain reach's one statement": pg_sql.CLAIM_ALONE,
     }  # fmt: skip
     for name, text in claim_statements.items():
         (row,) = [row for row in found if row[0] == text]

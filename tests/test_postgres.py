@@ -23,6 +23,7 @@ from _signals import until, waiting_on
 from asyncplane import (
     CommitOutcomeUnknown,
     ControlStore,
+    FenceRejected,
     InvalidInput,
     Job,
     NotAnAsyncplaneDatabase,
@@ -504,10 +505,13 @@ def _server_socket(directory: str) -> pathlib.Path:
 
 
 @contextlib.asynccontextmanager
-async def cut_on_commit(url: str) -> AsyncIterator[tuple[str, asyncio.Event, asyncio.Event]]:
+async def cut_on_commit(
+    url: str, marker: bytes = b"COMMIT"
+) -> AsyncIterator[tuple[str, asyncio.Event, asyncio.Event]]:
     """A proxy between a store and the server, as a network would be: ``(its url, arm,
-    cut)``. Once ``arm`` is set, the next COMMIT a client sends is never delivered: the
-    proxy drops both sides of that connection, so no answer ever comes, and sets ``cut``."""
+    cut)``. Once ``arm`` is set, the next COMMIT (or ``marker``) a client sends is never
+    delivered: the proxy drops both sides of that connection, so no answer ever comes, and
+    sets ``cut``."""
     parts = urllib.parse.urlsplit(url)
     query = urllib.parse.parse_qs(parts.query)
     socket = _server_socket(query["host"][0])
@@ -517,7 +521,7 @@ async def cut_on_commit(url: str) -> AsyncIterator[tuple[str, asyncio.Event, asy
 
     async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, up: bool) -> None:
         while data := await reader.read(65536):
-            if up and arm.is_set() and b"COMMIT" in data:
+            if up and arm.is_set() and marker in data:
                 cut.set()
                 return
             writer.write(data)
@@ -714,4 +718,183 @@ async def test_two_moves_of_one_line_at_once_hand_the_place_on_once(url: str) ->
             await conn.close()
         got = await store.claim("w")
         assert got is not None and got.item_id == held
+        assert await verify_ledger(store) == []
+
+
+async def test_only_the_settle_of_an_awaited_item_notifies(
+    url: str, tmp_path: pathlib.Path
+) -> None:
+    # Every notifying commit wakes every listening session of the database: a settle
+    # nobody waits for notifies nobody, one that a wait() marked does.
+    async with ControlStore(url) as store:
+        await store.create_project("p", "P")
+        alone, awaited = await store.enqueue("p", {}), await store.enqueue("p", {})
+        listener = await asyncpg.connect(url)
+        heard: list[str] = []
+        marks: asyncio.Queue[str] = asyncio.Queue()
+        try:
+            await listener.add_listener(pg_sql.SETTLED_CHANNEL, lambda *a: heard.append(a[3]))
+            await listener.add_listener("test_mark", lambda *a: marks.put_nowait(a[3]))
+
+            async def heard_since_mark(name: str) -> list[str]:
+                # Notifications come in commit order: once a later commit's has come,
+                # every earlier commit's has too.
+                heard.clear()
+                await sql(url, f"NOTIFY test_mark, '{name}'")
+                assert await marks.get() == name
+                return list(heard)
+
+            first, second = await store.claim("w"), await store.claim("w")
+            assert first is not None and second is not None
+            assert (first.item_id, second.item_id) == (alone, awaited)
+            await store.finish(first.item_id, fence=first.fence, result=1)
+            assert await heard_since_mark("unawaited") == []
+            waiting = asyncio.create_task(store.wait(awaited))
+
+            async def marked() -> bool:
+                return await listener.fetch("SELECT item_id FROM awaited") == [(awaited,)]
+
+            await until(marked, what="wait() marking its item")
+            heard.clear()
+            await store.finish(second.item_id, fence=second.fence, result=2)
+            assert (await waiting)["result"] == 2
+            await until(lambda: bool(heard), what="the awaited item's settle heard")
+            assert set(heard) == {(await sql(url, "SELECT current_schema()"))[0][0]}
+            await store.purge(0, archive_path=tmp_path / "archive.jsonl")
+            assert await sql(url, "SELECT item_id FROM awaited") == []
+        finally:
+            await listener.close()
+
+
+async def test_the_write_statements_plans_are_led_by_the_primary_key(url: str) -> None:
+    # The write connection plans each statement once, for any parameters. A plan made
+    # while the table's statistics are unknown (a fresh store filled since) must still
+    # look the items up by id, not scan the table for each round's handful.
+    async with ControlStore(url) as store:
+        await store.create_project("p", "P")
+        await store.enqueue("p", {})
+    conn = await asyncpg.connect(url, server_settings={"plan_cache_mode": "force_generic_plan"})
+    try:
+        await conn.execute(
+            "INSERT INTO items (project_id, state, payload, created_at, updated_at)"
+            " SELECT 'p', 'ready', '{}', 0, 0 FROM generate_series(1, 10000)"
+        )
+        statements = {
+            "claim": (pg_sql.CLAIM_ITEMS, 11, {2: "{1}", 3: "{w}", 4: "{1}", 5: "{f}", 7: "{f}"}),
+            "finish": (pg_sql.FINISH_MANY, 8, {2: "{1}", 3: "{1}", 5: "{done}"}),
+        }
+        for name, (statement, count, arrays) in statements.items():
+            args = ", ".join(
+                f"'{arrays[n]}'" if n in arrays else "NULL" for n in range(1, count + 1)
+            )
+            async with conn.transaction():
+                await conn.execute(f"PREPARE s AS {statement}")
+                plan = "\n".join(
+                    row[0] for row in await conn.fetch(f"EXPLAIN (COSTS OFF) EXECUTE s({args})")
+                )
+                await conn.execute("DEALLOCATE s")
+            assert "Seq Scan on items" not in plan, (name, plan)
+            assert "items_pkey" in plan, (name, plan)
+    finally:
+        await conn.close()
+
+
+async def test_a_round_of_finishes_that_need_nothing_more_commits_by_itself(url: str) -> None:
+    # A round of finishes is one statement, which commits by itself: no BEGIN, no COMMIT.
+    # A finish it cannot do alone (refused, or with twins to settle) goes on in a
+    # transaction, as before.
+    async with (
+        ControlStore(url) as store,
+        ControlStore(url, identity=("task",)) as fingerprinting,
+    ):
+        await store.create_project("p", "P")
+        writer: Any = (await store._engine.ready()).writer
+        plain = await store.enqueue("p", {})
+        claim = await store.claim("w")
+        assert claim is not None and claim.item_id == plain
+        alone, rounds = writer.alone_rounds, writer.rounds
+        assert await store.finish(plain, fence=claim.fence, result=1) is None
+        assert (writer.alone_rounds - alone, writer.rounds - rounds) == (1, 1)
+        with pytest.raises(FenceRejected):
+            await store.finish(plain, fence=claim.fence + 1, result=2)
+        assert (await store.item(plain))["result"] == 1
+
+        # Twins written without fingerprints, fingerprinted by the preflight.
+        done_id, twin = [await store.enqueue("p", {"task": "t"}) for _ in range(2)]
+        assert await fingerprinting.dedup_pending_against_done() == 0
+        claim = await fingerprinting.claim("w")
+        assert claim is not None and claim.item_id == done_id
+        await fingerprinting.finish(done_id, fence=claim.fence, result="shared")
+        assert (await store.item(twin))["state"] == "done"
+        assert (await store.events(twin))[-1]["detail"] == {"deduplicated_from": done_id}
+        assert await verify_ledger(store) == []
+
+
+async def test_a_connection_lost_under_a_finish_alone_says_the_outcome_is_unknown(
+    url: str,
+) -> None:
+    # The statement commits by itself: a connection lost with it on its way leaves the
+    # round as unknown as one lost during COMMIT.
+    async with (
+        cut_on_commit(url, marker=b"a.status <> 'done'") as (through, arm, cut),
+        ControlStore(through) as store,
+    ):
+        await store.create_project("p", "P")
+        item = await store.enqueue("p", {})
+        claim = await store.claim("w")
+        assert claim is not None
+        arm.set()
+        with pytest.raises(CommitOutcomeUnknown):
+            await store.finish(item, fence=claim.fence, result=1)
+        assert cut.is_set()
+        arm.clear()
+        assert (await store.item(item))["state"] == "claimed"  # never delivered
+        await store.finish(item, fence=claim.fence, result=1)
+        assert (await store.item(item))["state"] == "done"
+        assert await verify_ledger(store) == []
+
+
+async def test_a_plain_claim_is_one_statement_and_any_other_reach_goes_the_general_way(
+    url: str,
+) -> None:
+    # One open project, no limits, nothing lapsed or due, no fingerprint among the items
+    # taken: the claim is one statement that commits by itself, and claims what the
+    # general claim would. A reach that is not plain goes the general way, and its next
+    # claims do not try the one statement again for a while.
+    async with ControlStore(url, lease_seconds=60) as store:
+        await store.create_project("p", "P")
+        ids = await store.enqueue_many("p", [{"n": n} for n in range(6)])
+        urgent = await store.enqueue("p", {"urgent": True}, priority=5)
+        writer: Any = (await store._engine.ready()).writer
+        backend: Any = store._engine.backend
+
+        async def runs_alone() -> int:
+            async def read(conn: Any, now: float) -> int:
+                return int(await conn.fetchval(
+                    "SELECT coalesce(sum(generic_plans), 0) FROM pg_prepared_statements"
+                    " WHERE statement = $1", pg_sql.CLAIM_ALONE,
+                ))  # fmt: skip
+
+            return int(await backend._write(read))
+
+        alone = writer.alone_rounds
+        batch = await store.claim_batch("w", 3)
+        assert [c.item_id for c in batch] == [urgent, ids[0], ids[1]]
+        assert [c.fence for c in batch] == [1, 1, 1]
+        assert writer.alone_rounds == alone + 1
+        assert [e["event_type"] for e in await store.events(urgent)] == ["queued", "claimed"]
+        assert (await store.item(urgent))["claimed_at"] is not None
+
+        await store.create_project("q", "Q")  # two projects in reach: not plain
+        tried = await runs_alone()
+        claim = await store.claim("w")
+        assert claim is not None and claim.item_id == ids[2]
+        assert await runs_alone() == tried + 1  # tried, and went the general way
+        assert writer.alone_rounds == alone + 1
+        claim = await store.claim("w")
+        assert claim is not None and claim.item_id == ids[3]
+        assert await runs_alone() == tried + 1  # not tried again
+        claim = await store.claim("w", project_id="p")  # another reach, and a plain one
+        assert claim is not None and claim.item_id == ids[4]
+        assert writer.alone_rounds == alone + 2
         assert await verify_ledger(store) == []

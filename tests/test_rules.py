@@ -208,6 +208,33 @@ def test_a_first_page_past_the_page_cap_still_reads_on_past_skipped_twins() -> N
     assert len(merge.chosen) == total
 
 
+def test_one_arm_without_quotas_or_fingerprints_gives_its_first_rows_dealt_in_order() -> None:
+    # PostgreSQL's one-statement claim of a plain reach (CLAIM_ALONE) relies on this: one
+    # arm, no quota, no fingerprint: the merge chooses the arm's first rows in claim
+    # order, and `deal` hands them out by `slots`.
+    rng = random.Random(7)
+    for _ in range(200):
+        rows = sorted(
+            (candidate(n, priority=rng.randrange(3), sla=rng.choice([None, 5.0, 9.0]))
+             for n in range(rng.randrange(0, 30))),
+            key=_rules.claim_key,
+        )  # fmt: skip
+        ops = [
+            _backend.ClaimOp(f"w{n}", rng.randrange(1, 5), 60.0, None, None)
+            for n in range(rng.randrange(1, 6))
+        ]
+        total = sum(op.limit for op in ops)
+        chosen, _ = run_merge([rows], total)
+        assert chosen == [c.item_id for c in rows[:total]]
+        dealt = _rules.deal(rows[:total], ops)
+        assert [op for _, op in dealt] == _rules.slots(ops, len(dealt))
+        assert len(_rules.slots(ops, total + 5)) == total
+        assert [sum(1 for _, o in dealt if o is op) for op in ops] == [
+            min(op.limit, max(0, len(rows) - sum(o.limit for o in ops[:n])))
+            for n, op in enumerate(ops)
+        ]
+
+
 # --- operating single items -----------------------------------------------------------------
 
 

@@ -705,6 +705,12 @@ class Backend(Protocol):
         """A number that changes when an item may have settled, here or elsewhere."""
         ...
 
+    async def mark_awaited(self, item_id: int) -> None:
+        """Make the item's settle wake waiters in other processes from now on (wait()
+        calls it before it looks again); a backend whose settled_version moves on any
+        commit needs nothing."""
+        ...
+
     async def export_items(self, op: ExportOp) -> Histories:
         """Items after an id, in id order, each with its whole history, in one snapshot."""
         ...

@@ -33,7 +33,7 @@ APPLICATION: Final = "asyncplane"
 
 #: The channel a commit that may have made work claimable notifies (see migration 1).
 CHANNEL: Final = "asyncplane"
-#: The channel a commit that settled an item notifies (see migration 2).
+#: The channel a commit that settled an awaited item notifies (see migrations 2 and 6).
 SETTLED_CHANNEL: Final = "asyncplane_settled"
 
 # --- schema and migrations -------------------------------------------------------------
@@ -497,6 +497,35 @@ MIGRATIONS: Final[tuple[str, ...]] = (
     ALTER TABLE items ADD COLUMN claimed_at float8;
     ALTER TABLE items ADD COLUMN trace_context text;
     """,
+    # 6: a settle wakes only the waiters of its item. A notifying commit signals every
+    # listening session of the database, and every process behind one wakes; with each
+    # finish notifying, a fleet of N processes paid N wake-ups per commit (and the commits
+    # took the server's notification lock in turn). wait() marks its item awaited first
+    # (MARK_AWAITED); the trigger notifies only for a marked item. The item's lock, shared
+    # by a settle before it looks for the mark and exclusive for the first marker, orders
+    # the two: a settle that looked before the mark committed has committed before that
+    # waiter looks at the item. A mark is kept until its item is purged (a second settle
+    # of it, after a requeue, wakes waiters once more, which is harmless).
+    # And whether a project has limits, read afresh: the one-statement claim
+    # (CLAIM_ALONE) asks after trying the limits lock, in a snapshot that may be older.
+    """
+    CREATE TABLE awaited (item_id bigint PRIMARY KEY);
+    CREATE OR REPLACE FUNCTION asyncplane_notify_settled() RETURNS trigger
+    LANGUAGE plpgsql AS $$
+    BEGIN
+        PERFORM pg_advisory_xact_lock_shared(hashtextextended(
+            'asyncplane-awaited:' || current_schema() || chr(1) || NEW.item_id::text, 0));
+        IF EXISTS (SELECT 1 FROM awaited WHERE item_id = NEW.item_id) THEN
+            PERFORM pg_notify('asyncplane_settled', current_schema());
+        END IF;
+        RETURN NULL;
+    END $$;
+    CREATE FUNCTION asyncplane_limited(project text) RETURNS boolean
+    LANGUAGE plpgsql VOLATILE AS $$
+    BEGIN
+        RETURN EXISTS (SELECT 1 FROM project_limits WHERE project_id = project);
+    END $$;
+    """,
 )
 
 SCHEMA_VERSION: Final = len(MIGRATIONS)
@@ -718,6 +747,78 @@ SELECT 'x', $5::bigint, * FROM (
     ORDER BY {CLAIM_ORDER} LIMIT $5
     FOR UPDATE SKIP LOCKED) AS exhausted
 """
+
+
+def _claim_set(source: str, now: str) -> str:
+    """What a claim writes into an item: from ``source``'s owner and lease expiry."""
+    return f"""
+    SET state = 'claimed', fence = items.fence + 1, attempts = items.attempts + 1,
+        owner = {source}.owner, lease_expires_at = {source}.expires, due_at = NULL,
+        updated_at = {now}, claimed_at = {now}"""
+
+
+_NOTIFY_WORK = "pg_notify('asyncplane', current_schema())"
+# The common claim in one statement, which commits by itself: when the reach is one
+# open project without limits, with no lapsed claim and nothing fallen due, and the first
+# ready items in claim order carry no fingerprint, and no set_limits is under way (its lock
+# is tried, never waited for), the claim takes exactly those, as the
+# general claim (CLAIM_CANDIDATES, then CLAIM_ITEMS) would: each to the request its slot
+# names (`_rules.slots`), with its "claimed" event. Otherwise it takes nothing and answers
+# one row with a NULL slot, and the claim runs as the general one. The slot of each
+# claimed row comes first, then its candidate columns as they were, then the claimed
+# columns CLAIM_ITEMS returns. ($1 project_id, $2 actor_id, $3 now, $4 how many,
+# $5 the owner of each slot, $6 its lease's expiry)
+CLAIM_ALONE: Final = f"""
+WITH claiming AS (SELECT pg_try_advisory_xact_lock_shared({_LIMITS_KEY}) AS got),
+reach AS (
+    SELECT project_id FROM projects CROSS JOIN claiming
+    WHERE claiming.got AND status = 'open' AND ($1::text IS NULL OR project_id = $1::text)
+      AND ($2::text IS NULL
+           OR project_id IN (SELECT project_id FROM assignments WHERE actor_id = $2::text))),
+plain AS (
+    SELECT reach.project_id FROM reach
+    WHERE (SELECT count(*) FROM reach) = 1
+      AND NOT asyncplane_limited(reach.project_id)
+      AND NOT EXISTS (
+          SELECT 1 FROM items WHERE items.project_id = reach.project_id
+            AND state = 'claimed' AND lease_expires_at <= $3)
+      AND NOT EXISTS (
+          SELECT 1 FROM items WHERE items.project_id = reach.project_id
+            AND state = 'deferred' AND due_at <= $3)),
+picked AS (
+    SELECT row_number() OVER (ORDER BY {CLAIM_ORDER}) AS slot, ready.*
+    FROM plain CROSS JOIN LATERAL ({_ready("plain.project_id", "$4", "0")}) AS ready),
+verdict AS (
+    SELECT EXISTS (SELECT 1 FROM plain)
+           AND NOT EXISTS (SELECT 1 FROM picked WHERE fingerprint IS NOT NULL) AS ok),
+claimed AS (
+    UPDATE items {_claim_set("s", "$3")}
+    FROM picked AS p
+         JOIN unnest($5::text[], $6::float8[]) WITH ORDINALITY AS s (owner, expires, slot)
+         ON s.slot = p.slot
+    WHERE items.item_id = p.item_id AND (SELECT ok FROM verdict)
+    RETURNING p.slot, p.item_id, p.state, p.fence, p.owner, p.attempts, p.max_attempts,
+              p.project_id, p.fingerprint, p.priority, p.service_class, p.sla,
+              items.item_id AS claimed_id, items.project_id AS claimed_project,
+              items.payload, items.fence AS claimed_fence, items.attempts AS claimed_attempts,
+              items.created_at, items.trace_context, items.owner AS claimed_owner),
+logged AS (
+    INSERT INTO events (item_id, event_type, fence, owner, actor_id, at, detail)
+    SELECT claimed_id, 'claimed', claimed_fence, claimed_owner, $2::text, $3, NULL
+    FROM claimed ORDER BY claimed_id)
+SELECT slot, item_id, state, fence, owner, attempts, max_attempts, project_id, fingerprint,
+       priority, service_class, sla, claimed_id, claimed_project, payload, claimed_fence,
+       claimed_attempts, created_at, trace_context
+FROM claimed
+UNION ALL
+SELECT NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
+       NULL, NULL, NULL, NULL, NULL
+FROM verdict
+WHERE CASE WHEN verdict.ok THEN false
+           WHEN NOT EXISTS (SELECT 1 FROM picked) THEN true
+           -- Rows it locked and left were skipped by any claimer meanwhile: wake them.
+           ELSE (SELECT count(*) FROM (SELECT {_NOTIFY_WORK}) AS woken) > 0 END
+"""
 # A claimer of a fingerprinted item first takes the lock of its (project, fingerprint),
 # without waiting: held, another transaction is starting a twin, and this one skips the
 # item. Claimers thus never wait on each other's unique-index entries (which could
@@ -739,16 +840,13 @@ ORDER BY project_id, fingerprint
 # the claim's: taken, and counted; then the event each claim records first, if any (a
 # takeover's "lease_expired", made by `_rules.takeover_event`), written only for an item
 # claimed: $8 its type, $9 fence, $10 owner, $11 detail)
-_CLAIMED = """claimed AS (
-    UPDATE items
-    SET state = 'claimed', fence = items.fence + 1, attempts = items.attempts + 1,
-        owner = c.owner, lease_expires_at = c.expires, due_at = NULL, updated_at = $1,
-        claimed_at = $1
+_CLAIMED = f"""claimed AS (
+    UPDATE items {_claim_set("c", "$1")}
     FROM unnest($2::bigint[], $3::text[], $4::float8[], $5::boolean[], $7::boolean[],
                 $8::text[], $9::bigint[], $10::text[], $11::text[])
          AS c (item_id, owner, expires, guarded, counted,
                before_type, before_fence, before_owner, before_detail)
-    WHERE items.item_id = c.item_id
+    WHERE items.item_id = c.item_id AND items.item_id = ANY ($2::bigint[])
       AND (c.counted OR NOT EXISTS (
           SELECT 1 FROM project_limits AS l WHERE l.project_id = items.project_id))
       AND (NOT c.guarded OR NOT EXISTS (
@@ -822,7 +920,7 @@ ON CONFLICT (project_id) DO UPDATE SET
 DELETE_LIMITS: Final = "DELETE FROM project_limits WHERE project_id = $1"
 # Said by a claim that locked candidates it did not take (another claimer skipped them
 # meanwhile, and may have gone to sleep for want of work): wake the drainers.
-NOTIFY: Final = "SELECT pg_notify('asyncplane', current_schema())"
+NOTIFY: Final = "SELECT " + _NOTIFY_WORK
 EXHAUST_ITEM: Final = """
 UPDATE items SET state = 'failed', lease_expires_at = NULL, error = $1, updated_at = $2
 WHERE item_id = $3 AND state = 'claimed' AND fence = $4
@@ -874,7 +972,7 @@ WITH settled AS (
 # in FINISH_DONE, each with its own event. An asked row missing from the answer matched
 # nothing and wrote nothing. ($1 now, then arrays, pairwise: item ids, fences, actor ids,
 # statuses, results, errors, event details)
-FINISH_MANY: Final = """
+_FINISH_MANY = """
 WITH asked AS (
     SELECT * FROM unnest($2::bigint[], $3::bigint[], $4::text[], $5::text[], $6::text[],
                          $7::text[], $8::text[])
@@ -886,10 +984,11 @@ settled AS (
         error = CASE WHEN a.status = 'done' THEN NULL ELSE a.error END,
         lease_expires_at = NULL, due_at = NULL, offload_handle = NULL, updated_at = $1
     FROM asked AS a
-    WHERE items.item_id = a.item_id AND items.fence = a.fence
+    WHERE items.item_id = a.item_id AND items.item_id = ANY ($2::bigint[])
+      AND items.fence = a.fence
       AND items.state IN ('claimed', 'offloaded')
       AND (a.actor_id IS NULL OR items.project_id IN (
-               SELECT project_id FROM assignments WHERE actor_id = a.actor_id))
+               SELECT project_id FROM assignments WHERE actor_id = a.actor_id)) {alone}
     RETURNING items.item_id, items.owner, items.project_id, items.fingerprint, items.state,
               a.fence, a.actor_id, a.detail),
 logged AS (
@@ -897,6 +996,12 @@ logged AS (
     SELECT item_id, state, fence, owner, actor_id, $1, detail FROM settled)
 SELECT item_id, project_id, fingerprint FROM settled
 """
+FINISH_MANY: Final = _FINISH_MANY.format(alone="")
+# The same, as a transaction of its own: only finishes that need nothing more, so not the
+# done finish of a fingerprinted item (its twins settle with it, in statements of their own).
+FINISH_ALONE: Final = _FINISH_MANY.format(
+    alone="AND (a.status <> 'done' OR items.fingerprint IS NULL)"
+)
 READ_BUDGET: Final = f"""
 SELECT attempts, max_attempts, owner FROM items {_SETTLE_GUARD}
 FOR UPDATE
@@ -1131,6 +1236,18 @@ DELETE FROM items WHERE item_id = ANY($1::bigint[]) AND state IN {_SETTLED_STATE
 RETURNING item_id
 """
 PURGE_EVENTS: Final = "DELETE FROM events WHERE item_id = ANY($1::bigint[])"
+# A waiter marks its item awaited (its settle will notify): the first mark takes the
+# item's lock, which a settle of it holds shared while it looks for marks, so it waits for
+# a settle that looked without seeing it, and holds back one that comes, to its commit.
+# ($1 item id)
+MARK_AWAITED: Final = """
+WITH marked AS (
+    INSERT INTO awaited (item_id) VALUES ($1) ON CONFLICT DO NOTHING RETURNING item_id)
+SELECT pg_advisory_xact_lock(hashtextextended(
+           'asyncplane-awaited:' || current_schema() || chr(1) || item_id::text, 0))
+FROM marked
+"""
+PURGE_AWAITED: Final = "DELETE FROM awaited WHERE item_id = ANY($1::bigint[])"
 
 # --- imports --------------------------------------------------------------------------------
 
@@ -1434,11 +1551,11 @@ WHERE schemaname = current_schema() AND tablename = ANY($1::text[])
 # Everything the migrations made, for the probe's --overwrite.
 DROP_STORE: Final = """
 DROP TABLE IF EXISTS asyncplane_meta, assignments, imports, events, items, projects,
-    project_limits, schedules, schedule_ticks CASCADE;
+    project_limits, schedules, schedule_ticks, awaited CASCADE;
 DROP FUNCTION IF EXISTS asyncplane_refuse_event_update(), asyncplane_refuse_event_delete(),
     asyncplane_notify(), asyncplane_notify_settled(), asyncplane_twin_arrives(),
     asyncplane_line_moves_on(), asyncplane_take_limits(text, text, text[]),
-    asyncplane_slot_freed() CASCADE;
+    asyncplane_slot_freed(), asyncplane_limited(text) CASCADE;
 """
 
 # --- schedules -----------------------------------------------------------------------------

@@ -11,6 +11,15 @@ the failed request wrote is undone and the others commit; so does a plain except
 bug in an operation), which its caller gets as it was raised. A round of one unit needs no
 savepoint: the transaction is the unit.
 
+A round of one unit whose operation is a `FirstAlone` (a round of finishes, or of claims
+with one reach) runs first as that operation's one statement, outside any transaction:
+PostgreSQL commits a lone statement by itself, so the round saves the BEGIN and COMMIT
+round trips, and the state changes and their events still commit together. Its answers
+are handed out at once; what the statement left (a finish with twins to settle, a claim
+of a reach that is not plain) runs next in a transaction, as any round. A connection lost
+with that statement on its way leaves the round's outcome unknown, as one lost during
+COMMIT.
+
 Locks a round will need (enqueue dedup's content locks) are taken at its start, for all
 its requests at once and in sorted order, so two rounds never take them in opposite
 orders. Deadlocks and serialisation failures that happen anyway (two hosts' rounds
@@ -58,6 +67,9 @@ Write = Operation[T] | _write_queue.Grouped[T]
 
 _Request = tuple[Write[Any], "asyncio.Future[Any]"]
 
+#: An answer of `FirstAlone.alone`: this request is left to the round's transaction.
+LEFT: Any = object()
+
 #: SQLSTATEs that mean "run it again": serialization_failure, deadlock_detected.
 RETRYABLE = frozenset({"40001", "40P01"})
 _ROUND_ATTEMPTS = 5
@@ -86,6 +98,27 @@ class Locking:
 
     async def __call__(self, conn: asyncpg.Connection, now: float) -> Any:
         return await self.op(conn, now)
+
+
+class FirstAlone:
+    """A group's operation (``many``) with a form that runs without a transaction around
+    it, for a round that is this one unit: ``alone(ops, conn, now)`` runs one statement,
+    which PostgreSQL commits by itself (two round trips fewer than BEGIN and COMMIT), and
+    answers each op, or `LEFT` for one it did not do; those run in a transaction next,
+    through ``many``, as any round."""
+
+    __slots__ = ("alone", "many")
+
+    def __init__(
+        self,
+        many: Callable[[list[Any], asyncpg.Connection, float], Awaitable[list[Any]]],
+        alone: Callable[[list[Any], asyncpg.Connection, float], Awaitable[list[Any]]],
+    ) -> None:
+        self.many = many
+        self.alone = alone
+
+    async def __call__(self, ops: list[Any], conn: asyncpg.Connection, now: float) -> list[Any]:
+        return await self.many(ops, conn, now)
 
 
 class _Retry(Exception):
@@ -124,6 +157,9 @@ class Writer(_write_queue.WriterBase):
         self._round_task: asyncio.Task[None] | None = None
         #: Rounds that met a deadlock or serialisation failure and ran again.
         self.retried_rounds = 0
+        #: Rounds whose one statement committed by itself and answered some of their
+        #: requests (`FirstAlone`).
+        self.alone_rounds = 0
 
     def start(self) -> None:
         """Start the writer task, watching its connection: a session the server ends (a
@@ -163,14 +199,22 @@ class Writer(_write_queue.WriterBase):
         await _close(self._conn)
 
     async def _round(self, batch: list[_Request]) -> None:
-        """Run one transaction for ``batch`` and hand each caller its outcome."""
+        """Run one transaction for ``batch`` and hand each caller its outcome; a round of
+        one `FirstAlone` unit runs its statement alone first, and only what that left
+        runs in the transaction."""
         self.rounds += 1
         self.requests += len(batch)
         started = time.perf_counter()
+        size = len(batch)
+        group = _alone_group(batch)
         ops = [op for op, _ in batch]
         try:
             try:
-                outcomes = await self._transact(ops)
+                if group is not None:
+                    # What the statement answered is handed out here; the rest goes on.
+                    batch = await self._first_alone(batch, group)
+                    ops = [op for op, _ in batch]
+                outcomes = await self._transact(ops) if ops else []
             except _Retry:
                 # A deadlock or serialisation failure: each request again, on its own.
                 self.retried_rounds += 1
@@ -191,7 +235,7 @@ class Writer(_write_queue.WriterBase):
             self._broke(batch, exc)
             raise
         # Measured before the callers wake, so a caller's next look sees its round.
-        _telemetry.write_round("postgresql", len(batch), time.perf_counter() - started)
+        _telemetry.write_round("postgresql", size, time.perf_counter() - started)
         _write_queue.deliver(batch, outcomes)
 
     async def _alone(self, op: Write[Any]) -> list[Any]:
@@ -265,6 +309,48 @@ class Writer(_write_queue.WriterBase):
             error = _translated(exc)
             return [_write_queue.Raised(error)] * len(ops)
         return outcomes
+
+    async def _first_alone(self, batch: list[_Request], group: FirstAlone) -> list[_Request]:
+        """Run the round's one statement alone and hand out what it answered, before the
+        rest runs (so no later failure of the rest can reach a request already saved);
+        return the requests it left.
+
+        A server's error answer means nothing was saved: every request goes on to the
+        transaction, which runs them again if need be and finds the one a fault belongs to
+        (under savepoints). No answer at all (the connection lost) may mean the statement
+        was applied: the round's outcome is unknown."""
+        now = await self._now()
+        members = [op.op for op, _ in batch if isinstance(op, _write_queue.Grouped)]
+        try:
+            answers = await group.alone(members, self._conn, now)
+        except asyncpg.PostgresError as exc:
+            if isinstance(exc, asyncpg.PostgresConnectionError):
+                raise _CommitLost(exc) from exc
+            return batch  # nothing saved: the transaction finds whose error it is
+        except Exception as exc:
+            if self._conn.is_closed():
+                raise _CommitLost(exc) from exc
+            raise  # before anything was sent (an argument it cannot encode): the round's
+        done = [(request, answer) for request, answer in zip(batch, answers, strict=True)
+                if answer is not LEFT]  # fmt: skip
+        if done:
+            self.alone_rounds += 1
+            _write_queue.deliver(
+                [request for request, _ in done],
+                _write_queue.outcomes([answer for _, answer in done], True),
+            )
+        return [request for request, answer in zip(batch, answers, strict=True) if answer is LEFT]
+
+
+def _alone_group(batch: list[_Request]) -> FirstAlone | None:
+    """The `FirstAlone` of a round that is one unit of it, if it is."""
+    first = batch[0][0]
+    if not isinstance(first, _write_queue.Grouped) or not isinstance(first.many, FirstAlone):
+        return None
+    ops = [op for op, _ in batch]
+    if len(_write_queue.units(ops, range(len(ops)))) != 1:
+        return None
+    return first.many
 
 
 async def _isolated(

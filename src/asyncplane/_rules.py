@@ -424,6 +424,11 @@ class ClaimMerge:
     per fingerprint (per project) is taken; a twin waits until the one taken now settles.
     Each item is taken once, even if a later page (a newer snapshot, where commits
     shifted the offsets) shows it again.
+
+    With one arm, no quota and no fingerprint among the rows, the merge chooses the arm's
+    first ``limit`` rows, in claim order: PostgreSQL's one-statement claim of a plain
+    reach (`_postgres_sql.CLAIM_ALONE`) takes exactly those, dealt by `slots`, and bails
+    out to this merge otherwise (`tests/test_rules.py` holds the merge to it).
     """
 
     def __init__(
@@ -784,12 +789,18 @@ def deal(
 ) -> list[tuple[Candidate, _backend.ClaimOp]]:
     """Deal chosen items out to a group commit's claims in request order: the first
     request gets the first ``limit`` items, and so on."""
-    dealt: list[tuple[Candidate, _backend.ClaimOp]] = []
-    start = 0
+    return list(zip(chosen, slots(ops, len(chosen)), strict=True))
+
+
+def slots(ops: Sequence[_backend.ClaimOp], count: int) -> list[_backend.ClaimOp]:
+    """The request each of a round's first ``count`` chosen items goes to, in claim
+    order (at most as many as the requests asked for in all)."""
+    given: list[_backend.ClaimOp] = []
     for op in ops:
-        dealt.extend((candidate, op) for candidate in chosen[start : start + op.limit])
-        start += op.limit
-    return dealt
+        given.extend([op] * min(op.limit, count - len(given)))
+        if len(given) == count:
+            break
+    return given
 
 
 def exhausted_bound(total: int) -> int:
@@ -928,10 +939,15 @@ def offload_event(op: _backend.OffloadOp, owner: str | None, now: float) -> Even
 
 
 def settle_as_one(ops: Sequence[_backend.FinishOp]) -> bool:
-    """Whether a round's finishes may settle in one statement: several, of distinct items.
-    The same item twice goes one by one, so that the second is refused by the first (one
-    statement would match the item once and could not say which of the two it was)."""
-    return len(ops) > 1 and len({op.item_id for op in ops}) == len(ops)
+    """Whether a round's finishes may settle in one statement: several, of distinct items."""
+    return len(ops) > 1 and distinct_items(ops)
+
+
+def distinct_items(ops: Sequence[_backend.FinishOp]) -> bool:
+    """Whether finishes name distinct items. The same item twice goes one by one, so that
+    the second is refused by the first (one statement would match the item once and could
+    not say which of the two it was)."""
+    return len({op.item_id for op in ops}) == len(ops)
 
 
 def finish_event(op: _backend.FinishOp, owner: str | None, now: float) -> Event:

@@ -255,6 +255,9 @@ class SQLiteBackend(_backend.Writes):
         # Any commit of another connection may have settled an item (a cheap look).
         return await self.data_version()
 
+    async def mark_awaited(self, item_id: int) -> None:
+        return None  # data_version moves on every commit: every settle is seen
+
     async def backfill_fingerprints(
         self, op: _backend.PreflightOp, after_item_id: int, identity: tuple[str, ...]
     ) -> tuple[int, int]:

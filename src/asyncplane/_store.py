@@ -1239,10 +1239,10 @@ class ControlStore:
         try:
             # The first look comes before the timeout runs: a refusal (absent, not the
             # actor's) is given as such, however short the timeout.
-            backend, version, row = await self._look(target, actor, local)
+            backend, _, row = await self._look(target, actor, local)
             if row.state in _models.SETTLED_STATES:
                 return _item_dict(row)
-            settled = self._settled(target, actor, local, poll, backend, version)
+            settled = self._settled(target, actor, local, poll, backend)
             return await asyncio.wait_for(settled, limit)
         except asyncio.TimeoutError:
             raise _errors.WaitTimeout(
@@ -1262,9 +1262,15 @@ class ControlStore:
 
     async def _settled(
         self, item_id: int, actor: str | None, local: asyncio.Event, poll: float,
-        backend: _backend.Backend, version: int,
+        backend: _backend.Backend,
     ) -> dict[str, Any]:  # fmt: skip
+        # Other processes' settles of it wake this store from the mark on; it may have
+        # settled since the first look, so the loop looks before it waits.
+        await backend.mark_awaited(item_id)
         while True:
+            backend, version, row = await self._look(item_id, actor, local)
+            if row.state in _models.SETTLED_STATES:
+                return _item_dict(row)
             changed = asyncio.create_task(
                 _changed_since(backend, version, poll), name=f"asyncplane-wait[{item_id}]"
             )
@@ -1277,9 +1283,6 @@ class ControlStore:
                 for task in (changed, woken):
                     task.cancel()
                 await asyncio.gather(changed, woken, return_exceptions=True)
-            backend, version, row = await self._look(item_id, actor, local)
-            if row.state in _models.SETTLED_STATES:
-                return _item_dict(row)
 
     def _item_filter(
         self,
