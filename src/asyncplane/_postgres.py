@@ -133,8 +133,9 @@ class PostgresBackend(_backend.Writes):
             claim_many=_writer.FirstAlone(
                 functools.partial(_claim_many, limited),
                 functools.partial(_claim_alone, limited, detours),
+                functools.partial(_claimed_alone, detours),
             ),
-            finish_many=_writer.FirstAlone(_finish_many, _finish_alone),
+            finish_many=_writer.FirstAlone(_finish_many, _finish_alone, _finished_alone),
         )
         self._url = url
         self._clock = clock
@@ -912,37 +913,46 @@ async def _claim_many(
 _DETOUR = 64
 
 
-async def _claim_alone(
+def _claim_alone(
     limited: set[tuple[str | None, str | None]],
     detours: dict[tuple[str | None, str | None], int],
     ops: list[_backend.ClaimOp],
-    conn: asyncpg.Connection,
     now: float,
-) -> list[Any]:
-    """The common claim in one statement that commits by itself (CLAIM_ALONE): the same
+) -> tuple[str, tuple[Any, ...]] | None:
+    """The common claim as one statement that commits by itself (CLAIM_ALONE): the same
     items, dealt the same way, as `_claim_many` would claim, when the reach is plain (one
-    unlimited project, nothing lapsed or due, no fingerprint among the items taken). A
-    reach that is not is left to `_claim_many` (every request `LEFT`), and so are the
-    next claims of it, for a while."""
+    unlimited project, nothing lapsed or due, no fingerprint among the items taken). None
+    for a reach known not to be (it goes to `_claim_many`), and for a while after the
+    statement found one that was not (`_claimed_alone`)."""
     first = ops[0]
     reach = (first.project_id, first.actor_id)
     if reach in limited:
-        return [_writer.LEFT] * len(ops)
+        return None
     if detours.get(reach, 0) > 0:
         detours[reach] -= 1
-        return [_writer.LEFT] * len(ops)
+        return None
     total = sum(op.limit for op in ops)
     if total > _rules.MAX_PAGE:  # a batch that large goes the general way, page by page
-        return [_writer.LEFT] * len(ops)
+        return None
     slots = _rules.slots(ops, total)
-    rows = await conn.fetch(
-        sql.CLAIM_ALONE, *reach, now, len(slots), [op.owner for op in slots],
-        [now + op.lease_seconds for op in slots],
-    )  # fmt: skip
+    owners = [op.owner for op in slots]
+    return sql.CLAIM_ALONE, (*reach, now, total, owners, [now + op.lease_seconds for op in slots])
+
+
+def _claimed_alone(
+    detours: dict[tuple[str | None, str | None], int],
+    ops: list[_backend.ClaimOp],
+    now: float,
+    rows: list[Any],
+) -> list[Any]:
+    """Each claim's items from CLAIM_ALONE's rows, or every claim `LEFT` if it bailed out."""
+    first = ops[0]
+    reach = (first.project_id, first.actor_id)
     if rows and rows[-1][0] is None:
         detours[reach] = _DETOUR
         return [_writer.LEFT] * len(ops)
     detours.pop(reach, None)
+    slots = _rules.slots(ops, sum(op.limit for op in ops))
     results: dict[int, list[_backend.ClaimRow]] = {id(op): [] for op in ops}
     for row in sorted(rows, key=lambda row: int(row[0])):
         op = slots[row[0] - 1]
@@ -1017,16 +1027,19 @@ async def _finish_many(
     return results
 
 
-async def _finish_alone(
-    ops: list[_backend.FinishOp], conn: asyncpg.Connection, now: float
-) -> list[Any]:
+def _finish_alone(ops: list[_backend.FinishOp], now: float) -> tuple[str, tuple[Any, ...]] | None:
     """Finishes that need only their own rows (a failure, or the done finish of an item
     without a fingerprint), settled with their events in one statement that commits by
-    itself; every other one, and any the statement did not match (refused, or with twins
-    to settle), is left to a transaction (`_finish_many`), which says why."""
+    itself (FINISH_ALONE); every other one, and any the statement did not match (refused,
+    or with twins to settle), is left to a transaction (`_finish_many`), which says why."""
     if not _rules.distinct_items(ops):
-        return [_writer.LEFT] * len(ops)
-    settled = {row[0] for row in await conn.fetch(sql.FINISH_ALONE, *_finishes(ops, now))}
+        return None
+    return sql.FINISH_ALONE, _finishes(ops, now)
+
+
+def _finished_alone(ops: list[_backend.FinishOp], now: float, rows: list[Any]) -> list[Any]:
+    """FINISH_ALONE's answers: no twins settled for each it matched, `LEFT` otherwise."""
+    settled = {row[0] for row in rows}
     return [0 if op.item_id in settled else _writer.LEFT for op in ops]
 
 

@@ -102,20 +102,24 @@ class Locking:
 
 class FirstAlone:
     """A group's operation (``many``) with a form that runs without a transaction around
-    it, for a round that is this one unit: ``alone(ops, conn, now)`` runs one statement,
-    which PostgreSQL commits by itself (two round trips fewer than BEGIN and COMMIT), and
-    answers each op, or `LEFT` for one it did not do; those run in a transaction next,
-    through ``many``, as any round."""
+    it, for a round that is this one unit: ``statement(ops, now)`` gives one statement
+    and its arguments (or None: none this time), which PostgreSQL commits by itself (two
+    round trips fewer than BEGIN and COMMIT); ``answers(ops, now, rows)`` reads its rows
+    into each op's answer, or `LEFT` for one it did not do; those run in a transaction
+    next, through ``many``, as any round. The writer runs the statement itself, so it
+    knows whether a failure came before it was sent, from the server, or after."""
 
-    __slots__ = ("alone", "many")
+    __slots__ = ("answers", "many", "statement")
 
     def __init__(
         self,
         many: Callable[[list[Any], asyncpg.Connection, float], Awaitable[list[Any]]],
-        alone: Callable[[list[Any], asyncpg.Connection, float], Awaitable[list[Any]]],
+        statement: Callable[[list[Any], float], tuple[str, tuple[Any, ...]] | None],
+        answers: Callable[[list[Any], float, list[Any]], list[Any]],
     ) -> None:
         self.many = many
-        self.alone = alone
+        self.statement = statement
+        self.answers = answers
 
     async def __call__(self, ops: list[Any], conn: asyncpg.Connection, now: float) -> list[Any]:
         return await self.many(ops, conn, now)
@@ -322,15 +326,24 @@ class Writer(_write_queue.WriterBase):
         now = await self._now()
         members = [op.op for op, _ in batch if isinstance(op, _write_queue.Grouped)]
         try:
-            answers = await group.alone(members, self._conn, now)
+            planned = group.statement(members, now)
+        except Exception:
+            return batch  # nothing sent: the transaction finds whose error it is
+        if planned is None:
+            return batch
+        statement, args = planned
+        try:
+            rows = list(await self._conn.fetch(statement, *args))
         except asyncpg.PostgresError as exc:
-            if isinstance(exc, asyncpg.PostgresConnectionError):
+            if isinstance(exc, asyncpg.PostgresConnectionError) or self._conn.is_closed():
                 raise _CommitLost(exc) from exc
             return batch  # nothing saved: the transaction finds whose error it is
-        except Exception as exc:
-            if self._conn.is_closed():
-                raise _CommitLost(exc) from exc
-            raise  # before anything was sent (an argument it cannot encode): the round's
+        except Exception as exc:  # on its way, or its answer unread: it may be saved
+            raise _CommitLost(exc) from exc
+        try:
+            answers = group.answers(members, now, rows)
+        except Exception as exc:  # saved, but what it saved cannot be told
+            raise _CommitLost(exc) from exc
         done = [(request, answer) for request, answer in zip(batch, answers, strict=True)
                 if answer is not LEFT]  # fmt: skip
         if done:
