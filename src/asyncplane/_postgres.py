@@ -269,10 +269,22 @@ class PostgresBackend(_backend.Writes):
             with contextlib.suppress(Exception):
                 await listener.close(timeout=5)
         if pool is not None:
-            if graceful:
-                with contextlib.suppress(Exception):
-                    await asyncio.wait_for(pool.close(), timeout=30)
-            pool.terminate()
+            try:
+                if graceful:
+                    # Not asyncio.wait_for: before Python 3.12 it swallows a cancellation
+                    # that comes as the close ends (a close of a pool already closed ends
+                    # at once), and the cancelled caller would go on as if not cancelled.
+                    closing = asyncio.get_running_loop().create_task(
+                        pool.close(), name="asyncplane-pool-close"
+                    )
+                    try:
+                        await asyncio.wait([closing], timeout=30)
+                    finally:
+                        closing.cancel()
+                    with contextlib.suppress(Exception, asyncio.CancelledError):
+                        closing.result()
+            finally:
+                pool.terminate()
 
     async def close(self) -> None:
         """Serve queued writes, then close the writer, the pool and the listener."""
