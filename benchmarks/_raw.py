@@ -57,9 +57,13 @@ def go_and_wait(
     return results, time.perf_counter() - started
 
 
-def drain_figures(procs: list[subprocess.Popen[str]], items: int, label: str) -> dict[str, float]:
+def drain_figures(
+    procs: list[subprocess.Popen[str]], items: int, label: str,
+    worst: tuple[str, str] = ("longest", "max_lock_wait_s"),
+) -> dict[str, float]:  # fmt: skip
     """Run workers that each end with ``{"done", "longest", "cpu"}`` (see `drain`) to the
-    end: the rate, the least busy worker, the longest lock wait, the CPU seconds."""
+    end: the rate, the least busy worker, the worst wait (``worst``: the workers' key and
+    the figure's; the longest lock wait by default), the CPU seconds."""
     results, seconds = go_and_wait(procs)
     done = sum(r["done"] for r in results)
     if done != items:
@@ -67,7 +71,7 @@ def drain_figures(procs: list[subprocess.Popen[str]], items: int, label: str) ->
     return {
         "items_per_s": items / seconds,
         "per_worker_min": min(r["done"] for r in results),
-        "max_lock_wait_s": max(r["longest"] for r in results),
+        worst[1]: max(r[worst[0]] for r in results),
         "cpu_s": sum(r["cpu"] for r in results),
     }
 

@@ -129,16 +129,7 @@ def run_raw(url: str, workers: int, items: int) -> dict[str, float]:
     procs = start_workers(
         [[sys.executable, __file__, "--raw-worker", schema, f"raw{n}"] for n in range(workers)]
     )
-    results, seconds = _raw.go_and_wait(procs)
-    done = sum(r["done"] for r in results)
-    if done != items:
-        raise SystemExit(f"raw workers finished {done} of {items} items")
-    return {
-        "items_per_s": items / seconds,
-        "per_worker_min": min(r["done"] for r in results),
-        "cpu_s": sum(r["cpu"] for r in results),
-        "claim_p99_s": max(r["claim_p99"] for r in results),
-    }
+    return _raw.drain_figures(procs, items, "raw", worst=("claim_p99", "claim_p99_s"))
 
 
 def run_probe(url: str, workers: int, items: int, concurrency: int) -> dict[str, float]:
