@@ -220,7 +220,7 @@ def test_a_coordinator_and_workers_on_other_hosts_count_exactly(location_of: Any
         host_reports = []
         for host in hosts:
             out, err = host.communicate(timeout=300)
-            assert host.returncode == 0, (out, err)
+            assert host.returncode == 0, f"{out}\n{err}"  # in full: the failures are at its end
             host_reports.append(json.loads(out))
         out, err = coordinator.communicate(timeout=300)
     finally:
@@ -228,13 +228,50 @@ def test_a_coordinator_and_workers_on_other_hosts_count_exactly(location_of: Any
             if process.poll() is None:
                 process.kill()
                 process.wait()
-    assert coordinator.returncode == 0, (out, err)
+    assert coordinator.returncode == 0, f"{out}\n{err}"
     report = json.loads(out)
     assert (report["role"], report["items"], report["passed"]) == ("coordinator", 400, True)
     for count in ("duplicates", "lost", "ledger_problems"):
         assert report[count] == 0, count
     assert sum(r["items"] for r in host_reports) == 400  # every item, by one host or other
     assert all(r["role"] == "worker" and r["duplicates"] == 0 for r in host_reports)
+
+
+@pytest.mark.postgresql_only
+def test_a_coordinator_opens_its_project_only_once_every_item_is_in(location_of: Any) -> None:
+    # Worker hosts start when the project opens and stop when the queue is empty: had
+    # they seen it open while the enqueues were still committing, they could stop early.
+    from conftest import RawPostgres
+
+    store = location_of("seeding")
+    coordinator = subprocess.Popen(
+        [sys.executable, "-m", "asyncplane.probe", "--store", store, "--json",
+         "--scenario", "concurrent-queue", "--role", "coordinator", "--items", "3000",
+         "--wait-seconds", "60"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    raw = RawPostgres(store)
+    try:
+        query = (
+            "SELECT p.status, (SELECT count(*) FROM items) FROM projects AS p "
+            "WHERE p.project_id = 'probe'"
+        )  # one statement: the status and the count from the same snapshot
+        while coordinator.poll() is None:  # the coordinator makes the tables first
+            if raw.execute("SELECT to_regclass('projects') IS NOT NULL").fetchone() == (True,):
+                break
+        seen: list[tuple[str, int]] = []
+        while coordinator.poll() is None:
+            row = raw.execute(query).fetchone()
+            if row is not None:
+                seen.append((row[0], row[1]))
+                if row[0] == "open":
+                    break
+        assert seen and seen[-1] == ("open", 3000), seen[-3:]
+        assert {status for status, _ in seen[:-1]} <= {"paused"}
+    finally:
+        coordinator.kill()
+        coordinator.wait()
+        raw.close()
 
 
 def test_roles_need_a_server_database_and_a_spreadable_scenario(tmp_path: pathlib.Path) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import contextlib
 import os
 import time
 from collections.abc import Sequence
@@ -30,19 +31,19 @@ from asyncplane.probe._workers import (
 
 
 async def _seeded_ids(store: _store.ControlStore, wait_seconds: float) -> list[int]:
-    """A worker host's wait for the coordinator's items: the probe project must exist."""
+    """A worker host's wait for the coordinator's items: the probe project must be open,
+    which the coordinator makes it once every item is enqueued."""
     deadline = time.monotonic() + wait_seconds
     while True:
-        try:
-            await store.project(_PROJECT)
-            return []
-        except _errors.UnknownProject:
-            if time.monotonic() > deadline:
-                raise _errors.InvalidInput(
-                    f"no probe items appeared within {wait_seconds:g} s: start the "
-                    "coordinator (--role coordinator) on the same store"
-                ) from None
-            await asyncio.sleep(0.2)
+        with contextlib.suppress(_errors.UnknownProject):
+            if (await store.project(_PROJECT))["status"] == "open":
+                return []
+        if time.monotonic() > deadline:
+            raise _errors.InvalidInput(
+                f"no probe items appeared within {wait_seconds:g} s: start the "
+                "coordinator (--role coordinator) on the same store"
+            )
+        await asyncio.sleep(0.2)
 
 
 async def _coordinate(

@@ -106,11 +106,17 @@ async def _spawn(
 
 
 async def _seed(store: _store.ControlStore, items: int) -> list[int]:
-    await store.create_project(_PROJECT, "asyncplane probe")
+    """Enqueue the probe's items into a project that opens only once all of them are in.
+
+    Workers on other hosts start when the project opens; had they seen it while the
+    enqueues were still committing, a worker that drains "until empty" could stop early.
+    """
+    await store.create_project(_PROJECT, "asyncplane probe", status="paused")
     ids: list[int] = []
     for start in range(0, items, 512):  # concurrent enqueues share group commits
         chunk = range(start, min(items, start + 512))
         ids.extend(await asyncio.gather(*(store.enqueue(_PROJECT, {"n": n}) for n in chunk)))
+    await store.set_project_status(_PROJECT, "open")
     return ids
 
 
