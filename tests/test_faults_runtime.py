@@ -51,6 +51,7 @@ from asyncplane import (
     StoreClosed,
     UnknownItem,
     UnknownProject,
+    _tasks,
     drain,
     testing,
     verify_ledger,
@@ -1269,3 +1270,24 @@ async def test_a_drain_never_runs_without_its_guard_after_a_restart(
         assert not (second_drainer_may_run and first_still_runs), (
             "after the restart a second drainer got the guard while the first still ran"
         )
+
+
+# --- bounded waits ---------------------------------------------------------------------------
+
+
+async def test_a_bounded_wait_never_swallows_a_cancellation_that_comes_as_it_ends() -> None:
+    work: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+    waiting = asyncio.create_task(_tasks.within(work, 30, "bounded"))
+    await asyncio.sleep(0)  # one step: it waits on the work
+    work.set_result(1)
+    waiting.cancel()  # in the same step as the work ends (asyncio.wait_for would return 1)
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+
+
+async def test_a_bounded_wait_gives_the_result_or_times_out_and_cancels_the_work() -> None:
+    assert await _tasks.within(asyncio.sleep(0, "found"), 30, "quick") == "found"
+    never: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    with pytest.raises(asyncio.TimeoutError):
+        await _tasks.within(never, 0.01, "slow")
+    assert never.cancelled()

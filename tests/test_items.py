@@ -341,6 +341,24 @@ async def test_wait_returns_the_settled_item(store: ControlStore) -> None:
     assert (await other)["state"] == "cancelled"
 
 
+async def test_a_wait_cancelled_as_its_item_settles_is_cancelled(store: ControlStore) -> None:
+    # asyncio.wait_for before Python 3.12 returns the result when the cancellation comes
+    # just as the awaited work ends: the cancelled caller would go on as if not cancelled.
+    item_id = await store.enqueue("alpha", {})
+    claim = await store.claim("w")
+    assert claim is not None
+    waiting = asyncio.create_task(store.wait(item_id, timeout=30))
+    await until(parked, what="the waiter has read the item and waits")
+    (looking,) = [
+        t for t in asyncio.all_tasks() if t.get_name() == f"asyncplane-wait-settled[{item_id}]"
+    ]
+    looking.add_done_callback(lambda _: waiting.cancel())  # in the very step it ends
+    await store.finish(item_id, fence=claim.fence)
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    assert looking.done() and not looking.cancelled()  # it had found the item settled
+
+
 async def test_wait_times_out_and_refuses_unknown_items_at_once(store: ControlStore) -> None:
     item_id = await store.enqueue("alpha", {})
     with pytest.raises(WaitTimeout) as caught:

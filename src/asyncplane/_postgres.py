@@ -271,18 +271,10 @@ class PostgresBackend(_backend.Writes):
         if pool is not None:
             try:
                 if graceful:
-                    # Not asyncio.wait_for: before Python 3.12 it swallows a cancellation
-                    # that comes as the close ends (a close of a pool already closed ends
-                    # at once), and the cancelled caller would go on as if not cancelled.
-                    closing = asyncio.get_running_loop().create_task(
-                        pool.close(), name="asyncplane-pool-close"
-                    )
-                    try:
-                        await asyncio.wait([closing], timeout=30)
-                    finally:
-                        closing.cancel()
-                    with contextlib.suppress(Exception, asyncio.CancelledError):
-                        closing.result()
+                    # A cancellation that comes as the close ends (a close of a pool
+                    # already closed ends at once) is raised, never swallowed.
+                    with contextlib.suppress(Exception):
+                        await _tasks.within(pool.close(), 30, "asyncplane-pool-close")
             finally:
                 pool.terminate()
 

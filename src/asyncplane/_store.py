@@ -1243,7 +1243,7 @@ class ControlStore:
             if row.state in _models.SETTLED_STATES:
                 return _item_dict(row)
             settled = self._settled(target, actor, local, poll, backend)
-            return await asyncio.wait_for(settled, limit)
+            return await _tasks.within(settled, limit, f"asyncplane-wait-settled[{target}]")
         except asyncio.TimeoutError:
             raise _errors.WaitTimeout(
                 f"item {target} had not settled after {limit} seconds"

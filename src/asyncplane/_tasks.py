@@ -1,5 +1,9 @@
 """Structured-concurrency helpers: work that must reach its end whatever is cancelled.
 
+`within` bounds a wait in time without ever swallowing a cancellation, which
+``asyncio.wait_for`` does before Python 3.12 when the cancellation comes just as the
+awaited work ends (it returns the result, and the cancelled caller goes on).
+
 A write that has been sent (a claim, a put-back, a lock taken on a worker thread) must be
 received and dealt with even if the task that sent it is cancelled meanwhile; otherwise
 its effect is stranded (a batch claimed by nobody, a lock held by a descriptor nobody
@@ -13,7 +17,7 @@ import asyncio
 from collections.abc import Awaitable
 from typing import Any, TypeVar
 
-__all__ = ("stop", "to_the_end")
+__all__ = ("stop", "to_the_end", "within")
 
 T = TypeVar("T")
 
@@ -48,3 +52,40 @@ async def stop(task: asyncio.Task[Any]) -> bool:
         asyncio.gather(task, return_exceptions=True), f"{task.get_name()}-stop"
     )
     return cancelled
+
+
+async def within(work: Awaitable[T], timeout: float | None, name: str) -> T:
+    """Await ``work`` for at most ``timeout`` seconds (None: no limit).
+
+    asyncio.TimeoutError when the time runs out first (``work`` is cancelled and waited for). A
+    cancellation of the caller cancels ``work``, waits for it to end, and is raised,
+    even when ``work`` ended in the same instant: unlike ``asyncio.wait_for`` before
+    Python 3.12, never is a cancellation swallowed for a result.
+    """
+    task = asyncio.ensure_future(work)
+    if isinstance(task, asyncio.Task):
+        task.set_name(name)
+    try:
+        done, _ = await asyncio.wait([task], timeout=timeout)
+    except asyncio.CancelledError:
+        task.cancel()
+        task.add_done_callback(_observed)
+        try:
+            await asyncio.wait([task])  # it ends promptly: it was only waiting
+        except asyncio.CancelledError:
+            pass  # cancelled again meanwhile: the cancellation raised stands for both
+        raise
+    if not done:
+        task.cancel()
+        task.add_done_callback(_observed)
+        await asyncio.wait([task])
+        if not task.cancelled():
+            return task.result()  # it ended as the time ran out: that outcome stands
+        raise asyncio.TimeoutError(f"not done within {timeout:g} s")
+    return task.result()
+
+
+def _observed(task: asyncio.Future[Any]) -> None:
+    """Mark an abandoned task's outcome as seen (its caller has moved on)."""
+    if not task.cancelled():
+        task.exception()

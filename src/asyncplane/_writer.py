@@ -53,7 +53,15 @@ from typing import Any, TypeVar
 
 import aiosqlite
 
-from asyncplane import _clock, _connection, _errors, _telemetry, _write_lock, _write_queue
+from asyncplane import (
+    _clock,
+    _connection,
+    _errors,
+    _tasks,
+    _telemetry,
+    _write_lock,
+    _write_queue,
+)
 from asyncplane._clock import Clock
 
 __all__ = ("Operation", "Write", "Writer")
@@ -107,7 +115,7 @@ class Writer(_write_queue.WriterBase):
         busy_timeout, and is then refused with DatabaseLocked, nothing written."""
         if not self._moving.is_set() and self.running:
             try:
-                await asyncio.wait_for(self._moving.wait(), self.lock_timeout)
+                await _tasks.within(self._moving.wait(), self.lock_timeout, "asyncplane-lock-moves")
             except asyncio.TimeoutError:
                 if not self.running:  # closed meanwhile: that is the news
                     raise self._closed_error() from None

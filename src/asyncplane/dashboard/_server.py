@@ -37,7 +37,7 @@ import urllib.parse
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from asyncplane import __version__, _errors, _models, _validate
+from asyncplane import __version__, _errors, _models, _tasks, _validate
 from asyncplane._store import ControlStore
 from asyncplane.dashboard import _views
 
@@ -200,7 +200,7 @@ class Dashboard:
         """Sample the overview's history every ``sample_every`` seconds until stopped."""
         while not self._stopping.is_set():
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._stopping.wait(), self.sample_every)
+                await _tasks.within(self._stopping.wait(), self.sample_every, "dashboard-tick")
             if self._stopping.is_set():
                 return
             try:
