@@ -11,6 +11,8 @@ import asyncio
 import contextlib
 import pathlib
 import shutil
+import subprocess
+import sys
 import tempfile
 import urllib.parse
 from collections.abc import AsyncIterator, Coroutine
@@ -231,6 +233,38 @@ def test_the_cluster_helper_reports_why_it_could_not_start(
         cluster.start()
     with pytest.raises(RuntimeError, match="not running"):
         _ = cluster.socket_dir  # it cleaned up after itself
+
+
+def test_a_cluster_left_by_a_killed_process_is_reaped_by_the_next_start() -> None:
+    # A test run killed outright (by the OOM killer, say) leaves its server running and
+    # its directory behind; the next cluster started on the machine stops and removes it.
+    made = (
+        "import sys; from asyncplane import testing; c = testing.PostgresCluster(); "
+        "c.start(); print(c.socket_dir, flush=True); sys.stdin.read()"
+    )
+    with subprocess.Popen(
+        [sys.executable, "-c", made], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    ) as maker:
+        try:
+            assert maker.stdout is not None
+            root = pathlib.Path(maker.stdout.readline().strip())
+            postmaster = int((root / "data" / "postmaster.pid").read_text().split()[0])
+        finally:
+            maker.kill()  # as the OOM killer would: no clean-up of any kind
+    assert root.is_dir() and _running(postmaster)  # orphaned, and still serving
+    with testing.PostgresCluster() as cluster:
+        assert cluster.socket_dir != root
+        assert not root.exists()
+        assert not _running(postmaster)
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie nobody has reaped yet does not)."""
+    try:
+        stat = pathlib.Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 # --- found in review: races only a server database has --------------------------------------

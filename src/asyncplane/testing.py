@@ -157,10 +157,17 @@ class PostgresCluster:
         return url if schema is None else with_schema(url, schema)
 
     def start(self) -> str:
-        """Create and start the cluster; return its URL."""
-        root = pathlib.Path(tempfile.mkdtemp(prefix="asyncplane-pg-"))
+        """Create and start the cluster; return its URL.
+
+        First it stops and removes the clusters that processes now dead left behind (a
+        test run killed by the OOM killer, say): each cluster's directory names the
+        process that made it, and the time that process started.
+        """
+        _reap_orphans()
+        root = pathlib.Path(tempfile.mkdtemp(prefix=_PREFIX))
         self._root = root
         try:
+            (root / _OWNER).write_text(_process_identity(os.getpid()) or "")
             bindir = _postgres_bindir()
             if hasattr(os, "geteuid") and os.geteuid() == 0:
                 runuser = shutil.which("runuser")
@@ -192,17 +199,8 @@ class PostgresCluster:
     def stop(self) -> None:
         """Stop the server and remove its directory; idempotent."""
         root, self._root = self._root, None
-        if root is None:
-            return
-        try:
-            if (root / "data" / "postmaster.pid").exists():
-                subprocess.run(
-                    [*self._as, str(_postgres_bindir() / "pg_ctl"), "-D", str(root / "data"),
-                     "-m", "immediate", "-w", "stop"],
-                    capture_output=True, check=False, timeout=120,
-                )  # fmt: skip
-        finally:
-            shutil.rmtree(root, ignore_errors=True)
+        if root is not None:
+            _remove_cluster(root, self._as)
 
     def _run(self, command: list[str], what: str) -> None:
         try:
@@ -252,6 +250,54 @@ def with_schema(url: str, schema: str) -> str:
     query = [(k, v) for k, v in urllib.parse.parse_qsl(parts.query) if k != "search_path"]
     query.append(("search_path", schema))
     return urllib.parse.urlunsplit(parts._replace(query=urllib.parse.urlencode(query)))
+
+
+#: What a cluster's directory is called (in the temporary directory), and the file in it
+#: that names the process that made it.
+_PREFIX = "asyncplane-pg-"
+_OWNER = "owner"
+
+
+def _remove_cluster(root: pathlib.Path, run_as: list[str]) -> None:
+    """Stop the server in ``root`` (if it runs) at once, then remove the directory."""
+    try:
+        if (root / "data" / "postmaster.pid").exists():
+            subprocess.run(
+                [*run_as, str(_postgres_bindir() / "pg_ctl"), "-D", str(root / "data"),
+                 "-m", "immediate", "-w", "stop"],
+                capture_output=True, check=False, timeout=120,
+            )  # fmt: skip
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _process_identity(pid: int) -> str | None:
+    """``pid`` and the time it started (so a reused pid is told apart), or None if no
+    such process runs, or where /proc does not say."""
+    try:
+        stat = pathlib.Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    # Field 22, after the command name in parentheses (which may hold spaces).
+    return f"{pid} {stat.rsplit(')', 1)[1].split()[19]}"
+
+
+def _reap_orphans() -> None:
+    """Stop and remove the clusters whose maker is gone (Linux; elsewhere, nothing)."""
+    if not pathlib.Path("/proc/self/stat").exists():
+        return
+    for root in pathlib.Path(tempfile.gettempdir()).glob(_PREFIX + "*"):
+        try:
+            owner = (root / _OWNER).read_text().strip()
+            pid = int(owner.split()[0])
+        except (OSError, ValueError, IndexError):
+            continue  # not ours to judge (another user's, or its maker is still writing)
+        if _process_identity(pid) == owner:
+            continue  # its maker still runs
+        runuser = shutil.which("runuser")
+        as_root = hasattr(os, "geteuid") and os.geteuid() == 0 and runuser is not None
+        with contextlib.suppress(OSError, subprocess.SubprocessError, RuntimeError):
+            _remove_cluster(root, [str(runuser), "-u", "postgres", "--"] if as_root else [])
 
 
 def _postgres_bindir() -> pathlib.Path:
