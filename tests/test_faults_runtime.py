@@ -1291,3 +1291,27 @@ async def test_a_bounded_wait_gives_the_result_or_times_out_and_cancels_the_work
     with pytest.raises(asyncio.TimeoutError):
         await _tasks.within(never, 0.01, "slow")
     assert never.cancelled()
+
+
+async def test_a_bounded_wait_waits_for_its_work_however_often_it_is_cancelled() -> None:
+    # As an anyio cancel scope does: cancelled again at every await. The work's clean-up
+    # must still have ended when the cancellation reaches the caller.
+    release, cleaned = asyncio.Event(), asyncio.Event()
+
+    async def work() -> None:
+        try:
+            await asyncio.Event().wait()
+        finally:
+            await release.wait()  # a clean-up that takes its time
+            cleaned.set()
+
+    waiting = asyncio.create_task(_tasks.within(work(), 30, "stubborn"))
+    for _ in range(3):
+        await asyncio.sleep(0)
+        waiting.cancel()
+    await asyncio.sleep(0)
+    assert not waiting.done()  # still waiting for the work to end
+    release.set()
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    assert cleaned.is_set()

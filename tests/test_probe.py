@@ -12,11 +12,12 @@ import pathlib
 import re
 import subprocess
 import sys
+import time
 from typing import Any
 
 import pytest
 
-from asyncplane import probe
+from asyncplane import InvalidInput, probe
 
 REQUIRED_KEYS = {
     "scenario", "workers", "items", "seconds", "items_per_s", "duplicates", "lost",
@@ -256,22 +257,41 @@ def test_a_coordinator_opens_its_project_only_once_every_item_is_in(location_of:
             "SELECT p.status, (SELECT count(*) FROM items) FROM projects AS p "
             "WHERE p.project_id = 'probe'"
         )  # one statement: the status and the count from the same snapshot
-        while coordinator.poll() is None:  # the coordinator makes the tables first
+        deadline = time.monotonic() + 120
+        while coordinator.poll() is None and time.monotonic() < deadline:
+            # The coordinator makes the tables first. (Another process's commits: no
+            # signal reaches this one, so it looks every few milliseconds.)
             if raw.execute("SELECT to_regclass('projects') IS NOT NULL").fetchone() == (True,):
                 break
+            time.sleep(0.005)
         seen: list[tuple[str, int]] = []
-        while coordinator.poll() is None:
+        while coordinator.poll() is None and time.monotonic() < deadline:
             row = raw.execute(query).fetchone()
             if row is not None:
                 seen.append((row[0], row[1]))
                 if row[0] == "open":
                     break
+            time.sleep(0.005)
         assert seen and seen[-1] == ("open", 3000), seen[-3:]
         assert {status for status, _ in seen[:-1]} <= {"paused"}
     finally:
         coordinator.kill()
         coordinator.wait()
         raw.close()
+
+
+async def test_a_worker_host_starts_only_once_the_coordinator_opens_the_project(
+    asyncplane_store: Any,
+) -> None:
+    from asyncplane.probe import _hosts
+
+    with pytest.raises(InvalidInput, match="start the coordinator"):
+        await _hosts._seeded_ids(asyncplane_store, 0)
+    await asyncplane_store.create_project("probe", "asyncplane probe", status="paused")
+    with pytest.raises(InvalidInput, match="still being seeded"):
+        await _hosts._seeded_ids(asyncplane_store, 0)  # paused: the coordinator is seeding
+    await asyncplane_store.set_project_status("probe", "open")
+    assert await _hosts._seeded_ids(asyncplane_store, 0) == []
 
 
 def test_roles_need_a_server_database_and_a_spreadable_scenario(tmp_path: pathlib.Path) -> None:

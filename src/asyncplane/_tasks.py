@@ -44,23 +44,25 @@ async def to_the_end(work: Awaitable[T], name: str) -> tuple[T, bool]:
             cancelled = True
 
 
-async def stop(task: asyncio.Task[Any]) -> bool:
-    """Cancel a side task and wait for it to end, whatever else is cancelled meanwhile;
-    return whether a cancellation arrived for the caller."""
+async def stop(task: asyncio.Future[Any]) -> bool:
+    """Cancel a side task (or any future) and wait for it to end, whatever else is
+    cancelled meanwhile; return whether a cancellation arrived for the caller."""
     task.cancel()
-    _, cancelled = await to_the_end(
-        asyncio.gather(task, return_exceptions=True), f"{task.get_name()}-stop"
-    )
+    name = task.get_name() if isinstance(task, asyncio.Task) else "future"
+    _, cancelled = await to_the_end(asyncio.gather(task, return_exceptions=True), f"{name}-stop")
     return cancelled
 
 
 async def within(work: Awaitable[T], timeout: float | None, name: str) -> T:
     """Await ``work`` for at most ``timeout`` seconds (None: no limit).
 
-    asyncio.TimeoutError when the time runs out first (``work`` is cancelled and waited for). A
-    cancellation of the caller cancels ``work``, waits for it to end, and is raised,
-    even when ``work`` ended in the same instant: unlike ``asyncio.wait_for`` before
-    Python 3.12, never is a cancellation swallowed for a result.
+    asyncio.TimeoutError when the time runs out first. A cancellation of the caller
+    is raised, even when ``work`` ended in the same instant: unlike ``asyncio.wait_for``
+    before Python 3.12, never is a cancellation swallowed for a result. Either way
+    ``work`` is cancelled and waited for to its end, however often the caller is
+    cancelled meanwhile. Its result is then dropped: this is for waits whose result can
+    be thrown away (a look, an event); work whose effect must be kept, a claim say, goes
+    through `to_the_end`.
     """
     task = asyncio.ensure_future(work)
     if isinstance(task, asyncio.Task):
@@ -68,24 +70,10 @@ async def within(work: Awaitable[T], timeout: float | None, name: str) -> T:
     try:
         done, _ = await asyncio.wait([task], timeout=timeout)
     except asyncio.CancelledError:
-        task.cancel()
-        task.add_done_callback(_observed)
-        try:
-            await asyncio.wait([task])  # it ends promptly: it was only waiting
-        except asyncio.CancelledError:
-            pass  # cancelled again meanwhile: the cancellation raised stands for both
+        await stop(task)
         raise
-    if not done:
-        task.cancel()
-        task.add_done_callback(_observed)
-        await asyncio.wait([task])
-        if not task.cancelled():
-            return task.result()  # it ended as the time ran out: that outcome stands
+    if not done and await stop(task):
+        raise asyncio.CancelledError
+    if task.cancelled():
         raise asyncio.TimeoutError(f"not done within {timeout:g} s")
-    return task.result()
-
-
-def _observed(task: asyncio.Future[Any]) -> None:
-    """Mark an abandoned task's outcome as seen (its caller has moved on)."""
-    if not task.cancelled():
-        task.exception()
+    return task.result()  # it may have ended as the time ran out: that outcome stands

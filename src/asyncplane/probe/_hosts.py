@@ -34,13 +34,19 @@ async def _seeded_ids(store: _store.ControlStore, wait_seconds: float) -> list[i
     """A worker host's wait for the coordinator's items: the probe project must be open,
     which the coordinator makes it once every item is enqueued."""
     deadline = time.monotonic() + wait_seconds
+    status = None
     while True:
         with contextlib.suppress(_errors.UnknownProject):
-            if (await store.project(_PROJECT))["status"] == "open":
+            status = (await store.project(_PROJECT))["status"]
+            if status == "open":
                 return []
         if time.monotonic() > deadline:
             raise _errors.InvalidInput(
-                f"no probe items appeared within {wait_seconds:g} s: start the "
+                f"the probe's items were still being seeded after {wait_seconds:g} s "
+                "(its project is paused): the coordinator is slow, or stopped before it "
+                "had enqueued them all"
+                if status is not None
+                else f"no probe items appeared within {wait_seconds:g} s: start the "
                 "coordinator (--role coordinator) on the same store"
             )
         await asyncio.sleep(0.2)
