@@ -169,12 +169,9 @@ class PostgresCluster:
         try:
             (root / _OWNER).write_text(_process_identity(os.getpid()) or "")
             bindir = _postgres_bindir()
-            if hasattr(os, "geteuid") and os.geteuid() == 0:
-                runuser = shutil.which("runuser")
-                if runuser is None:
-                    raise RuntimeError("running as root needs runuser to start PostgreSQL")
+            self._as = _run_as()
+            if self._as:
                 shutil.chown(root, user="postgres")
-                self._as = [runuser, "-u", "postgres", "--"]
             data = root / "data"
             self._run(
                 [str(bindir / "initdb"), "-D", str(data), "-U", "postgres", "--auth=trust",
@@ -258,6 +255,17 @@ _PREFIX = "asyncplane-pg-"
 _OWNER = "owner"
 
 
+def _run_as() -> list[str]:
+    """The prefix that runs PostgreSQL's programs as the ``postgres`` user when this
+    process is root (PostgreSQL refuses to run as root); nothing otherwise."""
+    if not (hasattr(os, "geteuid") and os.geteuid() == 0):
+        return []
+    runuser = shutil.which("runuser")
+    if runuser is None:
+        raise RuntimeError("running as root needs runuser to start PostgreSQL")
+    return [runuser, "-u", "postgres", "--"]
+
+
 def _remove_cluster(root: pathlib.Path, run_as: list[str]) -> None:
     """Stop the server in ``root`` (if it runs) at once, then remove the directory."""
     try:
@@ -294,10 +302,8 @@ def _reap_orphans() -> None:
             continue  # not ours to judge (another user's, or its maker is still writing)
         if _process_identity(pid) == owner:
             continue  # its maker still runs
-        runuser = shutil.which("runuser")
-        as_root = hasattr(os, "geteuid") and os.geteuid() == 0 and runuser is not None
         with contextlib.suppress(OSError, subprocess.SubprocessError, RuntimeError):
-            _remove_cluster(root, [str(runuser), "-u", "postgres", "--"] if as_root else [])
+            _remove_cluster(root, _run_as())
 
 
 def _postgres_bindir() -> pathlib.Path:
