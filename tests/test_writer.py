@@ -32,6 +32,12 @@ async def writer_of(store: ControlStore) -> Any:
     return writer
 
 
+async def submitted(writer: Any, op: Any) -> Any:
+    """``op``'s outcome, submitted when gather starts this (in turn with the store's calls
+    beside it: ``writer.submit`` itself queues at once)."""
+    return await writer.submit(op)
+
+
 def operation(store: ControlStore, *statements: str, then: BaseException | None = None) -> Any:
     """A raw write operation for the store's writer: run ``statements``, then raise."""
     if store.backend == "sqlite":
@@ -94,7 +100,7 @@ async def test_a_database_error_mid_round_undoes_only_its_request(store: Control
     rounds = writer.rounds
     results = await asyncio.gather(
         store.enqueue("alpha", {"n": 1}),
-        writer.submit(broken),
+        submitted(writer, broken),
         store.enqueue("alpha", {"n": 2}),
         return_exceptions=True,
     )
@@ -124,7 +130,7 @@ async def test_a_bug_in_one_operation_reaches_only_its_caller(store: ControlStor
     rounds = writer.rounds
     results = await asyncio.gather(
         store.enqueue("alpha", {"n": 1}),
-        writer.submit(buggy()),
+        submitted(writer, buggy()),
         store.enqueue("alpha", {"n": 2}),
         return_exceptions=True,
     )
@@ -148,7 +154,7 @@ async def test_a_refusal_after_writing_is_rolled_back(store: ControlStore) -> No
     )
 
     results = await asyncio.gather(
-        writer.submit(refuses_late), store.enqueue("alpha", {}), return_exceptions=True
+        submitted(writer, refuses_late), store.enqueue("alpha", {}), return_exceptions=True
     )
     assert isinstance(results[0], InvalidInput)
     assert isinstance(results[1], int)

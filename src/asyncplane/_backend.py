@@ -21,7 +21,7 @@ Rules every backend keeps, because the store's guarantees rest on them:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, NamedTuple, Protocol
 
 from asyncplane import _clock, _errors, _lock, _models, _schedule, _write_queue
@@ -477,24 +477,24 @@ class Writes:
         """The writer task's handle (for tests, benchmarks and the probe)."""
         return self._writer
 
-    async def _submit(self, op: Any) -> Any:
+    def _submit(self, op: Any) -> Awaitable[Any]:
+        """Hand ``op`` to the writer: what to await for its outcome (refused at once on a
+        read-only or closed store)."""
         if self._sizing.read_only:
             raise _errors.ReadOnlyStore("this store was opened with read_only=True: no writes")
         if self._writer is None:
             raise _errors.StoreClosed("the store is closed")
-        return await self._writer.submit(op)
+        return self._writer.submit(op)
 
-    async def claim(self, op: ClaimOp) -> list[ClaimRow]:
+    def claim(self, op: ClaimOp) -> Awaitable[list[ClaimRow]]:
         """Claim up to ``op.limit`` items (grouped with claims of the same filters)."""
         key = ("claim", op.lease_seconds, op.actor_id, op.project_id)
         # Grouped is not subscripted here: a generic alias's call costs microseconds.
-        rows: list[ClaimRow] = await self._submit(_write_queue.Grouped(key, op, self._claim_many))
-        return rows
+        return self._submit(_write_queue.Grouped(key, op, self._claim_many))
 
-    async def finish(self, op: FinishOp) -> int:
+    def finish(self, op: FinishOp) -> Awaitable[int]:
         """Settle a current claim (grouped with the round's other finishes)."""
-        twins: int = await self._submit(_write_queue.Grouped(_FINISH_KEY, op, self._finish_many))
-        return twins
+        return self._submit(_write_queue.Grouped(_FINISH_KEY, op, self._finish_many))
 
 
 #: Every finish groups with every other finish of its round.
@@ -570,16 +570,18 @@ class Backend(Protocol):
         """Add the items (or find their twins), with their events; ids in input order."""
         ...
 
-    async def claim(self, op: ClaimOp) -> list[ClaimRow]:
-        """Claim up to ``op.limit`` items, each with a fence above any it had before."""
+    def claim(self, op: ClaimOp) -> Awaitable[list[ClaimRow]]:
+        """Claim up to ``op.limit`` items, each with a fence above any it had before (the
+        hot path: an awaitable, not a coroutine, so a caller awaits the request itself)."""
         ...
 
     async def renew(self, op: RenewOp) -> float:
         """Extend a current claim's lease; return the new expiry (epoch seconds)."""
         ...
 
-    async def finish(self, op: FinishOp) -> int:
-        """Settle a current claim as done or failed; return how many twins it settled."""
+    def finish(self, op: FinishOp) -> Awaitable[int]:
+        """Settle a current claim as done or failed; return how many twins it settled
+        (an awaitable, as `claim`)."""
         ...
 
     async def retry(self, op: RetryOp) -> str:

@@ -245,14 +245,17 @@ class WriterBase:
         """True when the writer stopped because it failed (not by stop())."""
         return self._failure is not None
 
-    async def submit(self, op: Any) -> Any:
-        """Queue one operation and wait for its own result or error."""
+    def submit(self, op: Any) -> Awaitable[Any]:
+        """Queue one operation: what to await for its own result or error.
+
+        The future itself, not a coroutine around it: every caller awaits through this,
+        and each layer of coroutines is one more frame to resume per request."""
         if not self.running:
             raise self._closed_error()
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._pending.append((op, future))
         self._wakeup.set()
-        return await future
+        return future
 
     async def stop(self) -> None:
         """Serve every queued request, run ``on_exit``, close the connection; idempotent."""

@@ -48,7 +48,7 @@ from __future__ import annotations
 import asyncio
 import sqlite3
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import aiosqlite
@@ -109,17 +109,21 @@ class Writer(_write_queue.WriterBase):
         self._moving = asyncio.Event()
         self._moving.set()
 
-    async def submit(self, op: Any) -> Any:
-        """Queue one operation and wait for its result. While a round given up for the
-        lock still waits for it, a write first waits for the lock to move, at most
+    def submit(self, op: Any) -> Awaitable[Any]:
+        """Queue one operation: what to await for its result. While a round given up for
+        the lock still waits for it, a write first waits for the lock to move, at most
         busy_timeout, and is then refused with DatabaseLocked, nothing written."""
         if not self._moving.is_set() and self.running:
-            try:
-                await _tasks.within(self._moving.wait(), self.lock_timeout, "asyncplane-lock-moves")
-            except asyncio.TimeoutError:
-                if not self.running:  # closed meanwhile: that is the news
-                    raise self._closed_error() from None
-                raise _errors.DatabaseLocked(self._stuck_message()) from None
+            return self._submit_once_moving(op)
+        return super().submit(op)
+
+    async def _submit_once_moving(self, op: Any) -> Any:
+        try:
+            await _tasks.within(self._moving.wait(), self.lock_timeout, "asyncplane-lock-moves")
+        except asyncio.TimeoutError:
+            if not self.running:  # closed meanwhile: that is the news
+                raise self._closed_error() from None
+            raise _errors.DatabaseLocked(self._stuck_message()) from None
         return await super().submit(op)
 
     def _stuck_message(self) -> str:
