@@ -34,7 +34,7 @@ async def writer_of(store: ControlStore) -> Any:
 
 async def submitted(writer: Any, op: Any) -> Any:
     """``op``'s outcome, submitted when gather starts this (in turn with the store's calls
-    beside it: ``writer.submit`` itself queues at once)."""
+    beside it: ``writer.submit`` itself queues at once, as a rule)."""
     return await writer.submit(op)
 
 

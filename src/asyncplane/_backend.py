@@ -571,8 +571,12 @@ class Backend(Protocol):
         ...
 
     def claim(self, op: ClaimOp) -> Awaitable[list[ClaimRow]]:
-        """Claim up to ``op.limit`` items, each with a fence above any it had before (the
-        hot path: an awaitable, not a coroutine, so a caller awaits the request itself)."""
+        """Claim up to ``op.limit`` items, each with a fence above any it had before.
+
+        The hot path: an awaitable (usually the request's future itself, so a caller
+        resumes no coroutines in between), and the request is queued by the call, not by
+        the first await: await what it returns at once, or the claim is made for no one
+        and its items wait for their leases to lapse."""
         ...
 
     async def renew(self, op: RenewOp) -> float:
@@ -581,7 +585,7 @@ class Backend(Protocol):
 
     def finish(self, op: FinishOp) -> Awaitable[int]:
         """Settle a current claim as done or failed; return how many twins it settled
-        (an awaitable, as `claim`)."""
+        (an awaitable queued by the call, as `claim`'s)."""
         ...
 
     async def retry(self, op: RetryOp) -> str:

@@ -246,7 +246,7 @@ class WriterBase:
         return self._failure is not None
 
     def submit(self, op: Any) -> Awaitable[Any]:
-        """Queue one operation: what to await for its own result or error.
+        """Queue one operation now: the future to await for its own result or error.
 
         The future itself, not a coroutine around it: every caller awaits through this,
         and each layer of coroutines is one more frame to resume per request."""

@@ -110,14 +110,16 @@ class Writer(_write_queue.WriterBase):
         self._moving.set()
 
     def submit(self, op: Any) -> Awaitable[Any]:
-        """Queue one operation: what to await for its result. While a round given up for
-        the lock still waits for it, a write first waits for the lock to move, at most
-        busy_timeout, and is then refused with DatabaseLocked, nothing written."""
+        """Queue one operation: what to await for its result (its future, queued now).
+        While a round given up for the lock still waits for it, a write first waits for
+        the lock to move, at most busy_timeout, and is then refused with DatabaseLocked,
+        nothing written: that is a coroutine, which queues the write when awaited."""
         if not self._moving.is_set() and self.running:
             return self._submit_once_moving(op)
         return super().submit(op)
 
     async def _submit_once_moving(self, op: Any) -> Any:
+        """`submit` once the write lock has moved (DatabaseLocked if not in busy_timeout)."""
         try:
             await _tasks.within(self._moving.wait(), self.lock_timeout, "asyncplane-lock-moves")
         except asyncio.TimeoutError:
