@@ -113,9 +113,9 @@ async def _seed(store: _store.ControlStore, items: int) -> list[int]:
     """
     await store.create_project(_PROJECT, "asyncplane probe", status="paused")
     ids: list[int] = []
-    for start in range(0, items, 512):  # concurrent enqueues share group commits
+    for start in range(0, items, 512):  # a transaction per 512 items, one statement each
         chunk = range(start, min(items, start + 512))
-        ids.extend(await asyncio.gather(*(store.enqueue(_PROJECT, {"n": n}) for n in chunk)))
+        ids.extend(await store.enqueue_many(_PROJECT, [{"n": n} for n in chunk]))
     await store.set_project_status(_PROJECT, "open")
     return ids
 
