@@ -30,6 +30,7 @@ import anyio.to_thread
 from asyncplane import (
     _backend,
     _clock,
+    _combine,
     _connection,
     _errors,
     _fingerprint,
@@ -100,16 +101,20 @@ class SQLiteBackend(_backend.Writes):
             vet=_check_header,
         )
         locks: list[_write_lock.WriteLock | None] = []
+        boards: list[_combine.Board | None] = []
         try:
             await _connection.run(conn, _migrate)
-            # Opened on the connection's thread, into a list of this frame's: if this call
-            # is cancelled meanwhile, the close below runs after it there, and finds it.
-            await _connection.run(conn, _open_write_lock, self._path, locks)
+            # Opened on the connection's thread, into lists of this frame's: if this call
+            # is cancelled meanwhile, the close below runs after it there, and finds them.
+            await _connection.run(conn, _open_write_lock, self._path, locks, boards)
         except BaseException:
             await conn.close()
             for lock in locks:
                 if lock is not None:
                     lock.close()
+            for board in boards:
+                if board is not None:
+                    board.close()
             raise
         readers = _connection.ReaderPool(
             self._path, size=self._sizing.read_connections, busy_timeout=self._busy_timeout
@@ -124,6 +129,7 @@ class SQLiteBackend(_backend.Writes):
         self._writer = _writer.Writer(
             conn, self._clock, name=self._path.name, max_batch=self._sizing.max_batch,
             on_exit=close_readers, lock_timeout=self._busy_timeout, write_lock=locks[0],
+            board=boards[0],
         )  # fmt: skip
         self._writer.start()
 
@@ -543,10 +549,20 @@ def _enqueue(
 
 
 def _open_write_lock(
-    db: sqlite3.Connection, path: pathlib.Path, out: list[_write_lock.WriteLock | None]
+    db: sqlite3.Connection,
+    path: pathlib.Path,
+    out: list[_write_lock.WriteLock | None],
+    boards: list[_combine.Board | None],
 ) -> None:
-    """The queue for the store's write lock, put in ``out`` (see SQLiteBackend.open)."""
-    out.append(_write_lock.open_write_lock(path))
+    """The queue for the store's write lock, put in ``out``, and with it a slot on the
+    board for combining rounds across processes, in ``boards`` (see SQLiteBackend.open)."""
+    lock = _write_lock.open_write_lock(path)
+    out.append(lock)
+    if lock is None:  # combining needs the queue: a holder serves while it holds it
+        boards.append(None)
+        return
+    kinds: dict[str, Callable[..., Any]] = {"claim": _claim_many, "finish": _finish_many}
+    boards.append(_combine.open_board(path, kinds, lock.held))
 
 
 def _claim_many(

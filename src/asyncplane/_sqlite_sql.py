@@ -255,6 +255,16 @@ MIGRATIONS: Final[tuple[str, ...]] = (
     ALTER TABLE items ADD COLUMN claimed_at REAL;
     ALTER TABLE items ADD COLUMN trace_context TEXT;
     """,
+    # 8: combining rounds across processes. A holder that serves a slot's posted claims and
+    # finishes writes the round's random token in the slot's row, in the same transaction,
+    # so a waiter whose holder died can tell whether the round committed (see _combine).
+    # A row is replaced only when its slot is served again, after its owner has looked.
+    """
+    CREATE TABLE combined_rounds (
+        slot  INTEGER PRIMARY KEY,
+        token BLOB NOT NULL
+    );
+    """,
 )
 
 SCHEMA_VERSION: Final = len(MIGRATIONS)
@@ -859,6 +869,10 @@ SELECT count(*) FROM items INDEXED BY items_lease
 WHERE state = 'claimed' AND lease_expires_at <= ?
 """
 READ_SCHEMA_VERSION: Final = "PRAGMA user_version"
+
+#: Whether a slot's combined round committed; the token of the round serving a slot.
+COMBINED_ROUND: Final = "SELECT 1 FROM combined_rounds WHERE slot = ? AND token = ?"
+INSERT_COMBINED_ROUND: Final = "INSERT OR REPLACE INTO combined_rounds (slot, token) VALUES (?, ?)"
 
 # --- counts --------------------------------------------------------------------------------
 

@@ -38,11 +38,13 @@ writers hold "the" lock at once. It stays empty.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import pathlib
 import sys
 import threading
+from collections.abc import Callable, Iterator
 
 __all__ = ("SUFFIX", "Turn", "WriteLock", "open_write_lock")
 
@@ -93,6 +95,26 @@ class WriteLock:
             self.waiting = False
         return True
 
+    def try_acquire(self) -> bool | None:
+        """Take the lock only if it is free now: whether it was taken; None when there
+        is no queue to take (closed, or flock failed)."""
+        with self._mutex:
+            if self._closed or self.broken:
+                return None
+            self._busy = True
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._let_go()
+            return False
+        except OSError as exc:
+            _log.warning("the write-lock queue failed (%s): SQLite's busy handler waits", exc)
+            with self._mutex:
+                self.broken = True
+            self._let_go()
+            return None
+        return True
+
     def release(self) -> None:
         """Let go of the lock (the round has committed or rolled back, or was given up).
         Never raises: what the round saved stands whatever the unlock does."""
@@ -111,6 +133,16 @@ class WriteLock:
             if self._closed:  # closed while this thread waited or held it
                 os.close(self._fd)
 
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        """The lock held for a moment (at once if the queue fails: nothing to hold)."""
+        got = self.acquire()
+        try:
+            yield
+        finally:
+            if got:
+                self.release()
+
     def close(self) -> None:
         """Close the file (the thread does it, if it is waiting for the lock or holds it)."""
         with self._mutex:
@@ -127,14 +159,33 @@ class Turn:
 
     The thread calls `begin` once it holds the lock: True if the round is still wanted.
     The loop calls `give_up` when the wait has lasted ``busy_timeout``: True if the
-    round had not begun, so that it never will and its callers may be told so.
+    round had not begun, so that it never will and its callers may be told so. A round
+    posted for another process's holder to take (`asyncplane._combine`) is posted through
+    `post`, so that giving it up takes the post back, or fails if a holder has it.
     """
 
-    __slots__ = ("_mutex", "_state")
+    __slots__ = ("_mutex", "_retract", "_state")
 
     def __init__(self) -> None:
         self._mutex = threading.Lock()
         self._state = "waiting"
+        self._retract: Callable[[], bool] | None = None
+
+    def post(self, post: Callable[[], bool], retract: Callable[[], bool]) -> bool | None:
+        """On the thread: ``post()`` the round unless it was given up (None); what
+        ``post`` said. From then on, giving up the round first ``retract()``s it."""
+        with self._mutex:
+            if self._state == "given up":
+                return None
+            posted = post()
+            if posted:
+                self._retract = retract
+            return posted
+
+    @property
+    def given_up(self) -> bool:
+        """Whether the loop gave the round up."""
+        return self._state == "given up"
 
     def begin(self) -> bool:
         """On the thread, the lock held: whether the round goes ahead."""
@@ -149,6 +200,8 @@ class Turn:
         with self._mutex:
             if self._state != "waiting":
                 return False
+            if self._retract is not None and not self._retract():
+                return False  # a holder elsewhere took it: it runs there
             self._state = "given up"
             return True
 

@@ -12,6 +12,11 @@ ROLLBACK, so writers take turns instead of sleeping in SQLite's busy handler. Th
 loop keeps busy_timeout: a round whose turn has not come in time is given up (`Turn`),
 its callers and the writes queued behind it told DatabaseLocked, nothing written.
 
+Combining across processes (`asyncplane._combine`, Linux). A round of claims and finishes
+that finds the lock taken is posted on the board beside the database instead, and the
+holder of the lock serves it in its own transaction; every round this writer runs takes
+in what other processes posted, and answers them before its COMMIT (`_transact_held`).
+
 Group commit. While one transaction is on the connection's thread, new requests queue up;
 the next round takes all of them (up to ``max_batch``) into one transaction, so under load
 many claims and finishes share one BEGIN/COMMIT. Each request still succeeds or fails on
@@ -46,15 +51,18 @@ are refused with StoreClosed, and the connection closes after the round, never d
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import sqlite3
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, TypeVar
 
 import aiosqlite
 
 from asyncplane import (
     _clock,
+    _combine,
     _connection,
     _errors,
     _tasks,
@@ -62,6 +70,7 @@ from asyncplane import (
     _write_lock,
     _write_queue,
 )
+from asyncplane import _sqlite_sql as sql
 from asyncplane._clock import Clock
 
 __all__ = ("Operation", "Write", "Writer")
@@ -98,11 +107,14 @@ class Writer(_write_queue.WriterBase):
         *,
         write_lock: _write_lock.WriteLock | None,
         lock_timeout: float,
+        board: _combine.Board | None = None,
         **options: Any,
     ) -> None:
         super().__init__(conn, clock, **options)
         #: The queue in front of the write lock (None: SQLite's busy handler alone).
         self.write_lock = write_lock
+        #: This process's slot for combining rounds across processes (None: no combining).
+        self.board = board
         self.lock_timeout = lock_timeout
         #: Set while the write lock moves; clear while a round waits for its turn past
         #: busy_timeout (given up, its thread still waiting).
@@ -152,6 +164,7 @@ class Writer(_write_queue.WriterBase):
         self._conn.stop()  # the connection's thread ends; no loop is left to close it
         if self.write_lock is not None:
             self.write_lock.close()
+        # The board stays open: the thread may still be serving a round through it.
 
     async def _serve(self, batch: list[_Request]) -> None:
         await self._round(batch)
@@ -162,6 +175,8 @@ class Writer(_write_queue.WriterBase):
         finally:
             if self.write_lock is not None:
                 self.write_lock.close()
+            if self.board is not None:
+                self.board.close()
 
     async def _round(self, batch: list[_Request]) -> None:
         """Run one transaction for ``batch``; its outcomes reach the callers from the thread."""
@@ -236,7 +251,7 @@ def _execute_round(
     started = time.perf_counter()
     try:
         outcomes, lock_wait, held = _transact(
-            [op for op, _ in batch], db, clock, writer.write_lock, turn
+            [op for op, _ in batch], db, clock, writer.write_lock, turn, writer.board
         )
     except Exception as exc:  # outside any operation (the clock, say): fail the round only
         _rollback(db)
@@ -294,6 +309,7 @@ def _transact(
     clock: _clock.Clock,
     lock: _write_lock.WriteLock | None,
     turn: _write_lock.Turn | None,
+    board: _combine.Board | None = None,
 ) -> tuple[list[Any], float, float]:
     """One transaction for all ops, isolating each op's failure, with the place at the
     head of the write-lock queue (``lock``) held from before BEGIN to after the end.
@@ -303,25 +319,136 @@ def _transact(
     for it). If such a run breaks, the round is rolled back and its members go again one
     by one, so a failure still belongs to the one request that caused it.
 
+    With a ``board``, a round of claims and finishes is posted for whichever process
+    holds the lock to serve (`_transact_posted`), and every round this writer runs takes
+    in what others posted (`_transact_held`).
+
     Returns the outcomes, the longest single wait for the write lock (the queue's and
-    BEGIN IMMEDIATE's together), and how long the lock was held, in seconds.
+    BEGIN IMMEDIATE's together; for a round another process served, the wait for its
+    answers), and how long the lock was held, in seconds.
     """
     asked = time.perf_counter()
-    if lock is None or not lock.acquire():  # no queue: SQLite's busy handler waits alone
+    if lock is None:  # no queue: SQLite's busy handler waits alone
         if turn is not None and not turn.begin():
             return _given_up(ops, asked)
-        outcomes, waited = _transact_held(ops, db, clock, asked)
+        outcomes, waited = _transact_held(ops, db, clock, asked, None)
         return outcomes, waited, time.perf_counter() - asked - waited
-    try:
+    if board is not None and board.postable(ops):
+        served = _transact_posted(ops, db, clock, lock, turn, board, asked)
+        if served is not None:
+            return served
+        board = None  # not posted: this round waits for its own turn, alone
+    if not lock.acquire():  # the queue failed: SQLite's busy handler waits alone
+        if turn is not None and not turn.begin():
+            return _given_up(ops, asked)
+        outcomes, waited = _transact_held(ops, db, clock, asked, None)
+        return outcomes, waited, time.perf_counter() - asked - waited
+    with _holding(lock, db, board):
         if turn is not None and not turn.begin():  # given up by the loop: write nothing
             return _given_up(ops, asked)
-        outcomes, waited = _transact_held(ops, db, clock, asked)
+        outcomes, waited = _transact_held(ops, db, clock, asked, board)
+    return outcomes, waited, time.perf_counter() - asked - waited
+
+
+@contextlib.contextmanager
+def _holding(
+    lock: _write_lock.WriteLock, db: sqlite3.Connection, board: _combine.Board | None
+) -> Iterator[None]:
+    """The write lock, held: any open transaction (something raised) ends before the lock
+    goes, and then a post that came too late to be taken is nudged to try it."""
+    try:
+        yield
     finally:
         try:
-            _rollback(db)  # an open transaction (something raised) ends before the lock goes
+            _rollback(db)
         finally:
             lock.release()
-    return outcomes, waited, time.perf_counter() - asked - waited
+            if board is not None:
+                board.nudge()
+
+
+def _transact_posted(
+    ops: list[Write[Any]],
+    db: sqlite3.Connection,
+    clock: _clock.Clock,
+    lock: _write_lock.WriteLock,
+    turn: _write_lock.Turn | None,
+    board: _combine.Board,
+    asked: float,
+) -> tuple[list[Any], float, float] | None:
+    """`_transact` for a round of claims and finishes on a board: if the write lock is
+    taken, posted, then served by whichever process holds it, this one included. None if
+    it could not be posted (too big, a full disk) or the queue is gone: the caller runs
+    it as any other round. A process alone never finds the lock taken, so never posts."""
+    posted: bool | None = False
+    looks = 0  # times this post was looked at unserved
+    while True:
+        looks += 1
+        if posted and looks > _LOOKS_BEFORE_QUEUEING and board.state() == _combine.POSTED:
+            # Unserved this long: the holders may be writers that do not combine (another
+            # board, ASYNCPLANE_NO_COMBINE). Wait in the queue for a turn of its own; a
+            # holder may still serve the post meanwhile, and then its answers are found.
+            got: bool | None = lock.acquire() or None
+        else:
+            got = lock.try_acquire()
+        if got is None and (not posted or board.retract()):  # no queue any more
+            return None
+        if got:
+            with _holding(lock, db, board):
+                if turn is not None and not turn.begin():  # given up (the post taken back)
+                    return _given_up(ops, asked)
+                if posted:
+                    answers = board.collect(ops, lambda token: _committed(db, board, token))
+                    if answers is not None:  # a holder that died had served it: it stands
+                        return answers, time.perf_counter() - asked, 0.0
+                outcomes, waited = _transact_held(ops, db, clock, asked, board)
+            return outcomes, waited, time.perf_counter() - asked - waited
+        if not posted:
+            if turn is None:
+                posted = board.post(ops)
+            else:
+                posted = turn.post(lambda: board.post(ops), board.retract)
+                if posted is None:  # given up before it was posted
+                    return _given_up(ops, asked)
+            if not posted:
+                return None
+            continue  # the lock again: a holder that let go before the post never saw it
+        signal = board.signal()
+        state = board.state()
+        if state in (_combine.POSTED, _combine.TAKEN):
+            if got is None and looks > _LOOKS_WITHOUT_QUEUE:  # taken, and no lock to ask
+                unknown = _errors.CommitOutcomeUnknown(
+                    "the store's write queue went away while another process's round "
+                    "held these requests: they may or may not have been saved"
+                )
+                return [_write_queue.Raised(unknown)] * len(ops), 0.0, 0.0
+            # Until a holder answers or nudges, or RECHECK passes: then try the lock,
+            # which a holder keeps while it serves, so a taken post whose holder let it
+            # go unanswered was left by a holder that died.
+            state = board.wait(signal, _combine.RECHECK)
+        if state == _combine.ANSWERED:
+            if turn is not None:
+                turn.begin()  # served: busy_timeout can no longer give it up
+            answers = board.collect(ops, _never)
+            assert answers is not None  # an answered slot always has its outcomes
+            return answers, time.perf_counter() - asked, 0.0
+        if state == _combine.EMPTY:  # the loop gave the round up and took the post back
+            return _given_up(ops, asked)
+
+
+#: Looks at an unserved post before waiting in the queue for a turn of its own.
+_LOOKS_BEFORE_QUEUEING = 20
+#: Looks at a taken post, with the queue gone, before its outcome is called unknown.
+_LOOKS_WITHOUT_QUEUE = 200
+
+
+def _never(token: bytes) -> bool:
+    return False
+
+
+def _committed(db: sqlite3.Connection, board: _combine.Board, token: bytes) -> bool:
+    """Whether the round marked by ``token`` that served this slot committed."""
+    return db.execute(sql.COMBINED_ROUND, (board.slot, token)).fetchone() is not None
 
 
 def _given_up(ops: list[Write[Any]], asked: float) -> tuple[list[Any], float, float]:
@@ -331,9 +458,111 @@ def _given_up(ops: list[Write[Any]], asked: float) -> tuple[list[Any], float, fl
 
 
 def _transact_held(
-    ops: list[Write[Any]], db: sqlite3.Connection, clock: _clock.Clock, asked: float
+    ops: list[Write[Any]],
+    db: sqlite3.Connection,
+    clock: _clock.Clock,
+    asked: float,
+    board: _combine.Board | None,
 ) -> tuple[list[Any], float]:
-    """`_transact` once its place in the queue is held (``asked``: when it was asked for)."""
+    """`_transact` once its place in the queue is held (``asked``: when it was asked for),
+    with every round other processes posted on ``board`` taken in and answered."""
+    taken = [] if board is None else board.take(token := os.urandom(16), _TAKE_ROOM)
+    if not taken:
+        return _run_held(ops, db, clock, asked, None)
+    assert board is not None
+    every: list[Any] = list(ops)
+    spans: list[tuple[_combine.Taken, int, int]] = []
+    for one in taken:
+        spans.append((one, len(every), len(every) + len(one.ops)))
+        every.extend(one.ops)
+    order = _combined_order(every, len(ops))
+    written: list[Any] = []
+
+    def in_place(ordered: list[Any]) -> list[Any]:
+        outcomes: list[Any] = [None] * len(every)
+        for position, index in enumerate(order):
+            outcomes[index] = ordered[position]
+        return outcomes
+
+    def before_commit(ordered: list[Any]) -> None:
+        # The answers first, then the token: both in the transaction's own window, so a
+        # waiter that finds the token finds its answers (see asyncplane._combine).
+        outcomes = in_place(ordered)
+        for one, start, end in spans:
+            board.answer(one, outcomes[start:end])
+        db.executemany(sql.INSERT_COMBINED_ROUND, [(one.slot, token) for one in taken])
+        written[:] = ordered
+
+    try:
+        ordered, waited = _run_held(
+            [every[index] for index in order], db, clock, asked, before_commit
+        )
+    except BaseException as exc:  # outside any operation: every taker hears the failure
+        failed = _write_queue.Raised(_write_queue.round_failed(exc))
+        for one in taken:
+            _answer_anew(board, one, [failed] * len(one.ops))
+        raise
+    outcomes = in_place(ordered)
+    changed = len(written) != len(ordered) or any(
+        a is not b for a, b in zip(written, ordered, strict=True)
+    )
+    for one, start, end in spans:
+        if changed:  # the commit failed: the answers written before it are not the news
+            _answer_anew(board, one, outcomes[start:end])
+        else:
+            board.answered(one)
+    return outcomes[: len(ops)], waited
+
+
+def _combined_order(every: list[Any], own: int) -> list[int]:
+    """The order a combined round runs in (indexes into ``every``: this round's ``own``
+    requests first, then those taken). This round's own keep their order, as in any round
+    (a claim after an enqueue may take its item); the taken ones, which no order binds to
+    them, go like with like, so each kind runs as one unit: those of a group key right
+    after this round's last request of that key, or at the end, in the order they came."""
+    taken: dict[Any, list[int]] = {}
+    for index in range(own, len(every)):
+        taken.setdefault(every[index].group_key, []).append(index)
+    last: dict[Any, int] = {}
+    for index in range(own):
+        op = every[index]
+        if isinstance(op, _write_queue.Grouped) and op.group_key in taken:
+            last[op.group_key] = index
+    after = {index: key for key, index in last.items()}
+    order: list[int] = []
+    for index in range(own):
+        order.append(index)
+        if index in after:
+            order.extend(taken.pop(after[index]))
+    for indexes in taken.values():
+        order.extend(indexes)
+    return order
+
+
+def _answer_anew(board: _combine.Board, taken: _combine.Taken, outcomes: list[Any]) -> None:
+    """Answer a taken round its round did not commit; if even that cannot be written, wake
+    its owner unanswered: holding the lock, it finds no token, and runs it itself."""
+    try:
+        board.answer(taken, outcomes)
+    except OSError:
+        board.wake(taken)
+    else:
+        board.answered(taken)
+
+
+#: At most about this many requests of other processes taken into one round.
+_TAKE_ROOM = 1024
+
+
+def _run_held(
+    ops: list[Write[Any]],
+    db: sqlite3.Connection,
+    clock: _clock.Clock,
+    asked: float,
+    before_commit: Callable[[list[Any]], None] | None,
+) -> tuple[list[Any], float]:
+    """Run ``ops`` in one transaction, each failure isolated; ``before_commit`` (if any)
+    runs in it with the outcomes, just before COMMIT."""
     outcomes: list[Any] = [None] * len(ops)
     todo = list(range(len(ops)))
     alone: set[int] = set()  # members of a broken run: they go again one by one
@@ -370,6 +599,18 @@ def _transact_held(
                     outcomes[index] = _write_queue.Raised(exc)
                 broken = unit
                 break
+        if broken is None and before_commit is not None:
+            try:
+                before_commit(outcomes)
+            except (sqlite3.Error, OSError) as exc:  # nothing of the round is saved
+                _rollback(db)
+                error = (
+                    _translated(exc) if isinstance(exc, sqlite3.Error)
+                    else _write_queue.caused(_errors.StorageError(
+                        f"the answers of a combined round could not be written: {exc}"
+                    ), exc)
+                )  # fmt: skip
+                return [_write_queue.Raised(error)] * len(ops), lock_wait
         if broken is None:
             try:
                 db.execute("COMMIT")

@@ -1,0 +1,430 @@
+"""Combining write rounds across processes: one holder of the write lock serves the claims
+and finishes every other process has posted, in its own transaction.
+
+Sixteen worker processes on one SQLite file each run rounds of a few requests, one at a
+time, each paying BEGIN, a cold page cache and COMMIT (under synchronous=FULL, an fsync).
+Flat combining gathers them: a writer whose round is all claims and finishes *posts* it,
+as data, in its own slot of a shared board beside the database, ``<database>-combine``,
+and tries the writers' queue (`asyncplane._write_lock`) without waiting. If the lock is
+free it becomes the *holder*; if not, it sleeps until its slot changes. A holder *takes*
+every posted slot into its round, runs them with its own requests in one transaction,
+writes each taker's answers into its slot, and wakes it. After letting the lock go, it
+wakes one writer whose post arrived too late, which then tries the lock in turn.
+
+What is saved stays knowable, whoever dies when:
+
+* **Answers before COMMIT, and a token in the transaction.** A holder writes the answers
+  into the slots and inserts the round's random token into ``combined_rounds`` before
+  COMMIT; only after COMMIT does it mark the slots answered. A waiter whose slot is still
+  marked taken once it holds the lock itself (the holder died, or it would hold the lock
+  still) looks the token up: found, the round committed and the answers stand; absent, it
+  rolled back and the waiter runs its requests itself.
+* **A waiter that dies** is not served: a slot is owned through an OFD lock on one byte
+  of the board, which the kernel lets go when the owner ends, and a holder skips posts
+  whose owner is gone. A process that takes over the slot clears it under the writers'
+  lock, so no holder of its predecessor's post can still be writing into it.
+* **busy_timeout** takes back a post nobody has taken (`Board.retract`), under a per-slot
+  lock that a holder also takes to mark a slot taken, so a request is either given up
+  with nothing written or served, never both. A taken request cannot be given up.
+* **A holder that stalls** (SIGSTOP) stalls its takers as it would the lock; a waiter
+  looks at the lock every ``RECHECK`` seconds, so a dead holder's takers go on soon.
+
+The board needs Linux: OFD locks, and futexes on the shared mapping for sleeping and
+waking (through ctypes). Elsewhere, or if the board cannot be opened, every writer waits
+in the queue for its own round as before. Requests and answers cross as marshal data
+(plain tuples; errors as a name in `asyncplane._errors` with its arguments), never
+pickles: the board is only as trusted as the database beside it, which holds no code.
+"""
+
+from __future__ import annotations
+
+import logging
+import marshal
+import mmap
+import os
+import pathlib
+import platform
+import struct
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, ClassVar, NamedTuple
+
+from asyncplane import _errors, _write_queue
+
+if sys.platform == "linux":
+    import ctypes
+    import fcntl
+
+__all__ = ("DISABLE", "RECHECK", "SUFFIX", "Board", "Taken", "open_board")
+
+_log = logging.getLogger("asyncplane.writer")
+
+#: The board's name is the database's with this added.
+SUFFIX = "-combine"
+#: Slots on a board: processes beyond this many wait for their own rounds.
+SLOTS = 64
+#: ``ASYNCPLANE_NO_COMBINE=1`` in a process's environment: its stores never combine (for
+#: measuring what combining is worth, in the same run).
+DISABLE = "ASYNCPLANE_NO_COMBINE"
+#: Seconds a waiter sleeps before it looks at the lock itself (a holder may have died).
+RECHECK = 0.05
+
+# The file: a page of slot headers, mapped (the futex words live there), allocated when
+# the board is made so that writing through the mapping never meets a full disk (SIGBUS);
+# then each slot's request and answer, written and read with pwrite and pread, so a full
+# disk is an error to handle. Only what is written takes room.
+_HEADER = 64  # state, seq, request length, answer length, token
+_HEADERS = SLOTS * _HEADER
+_REQUEST_ROOM = 64 * 1024  # a bigger round is not posted: it waits for its own turn
+_ANSWER_ROOM = 1024 * 1024  # a bigger answer goes in a file of its own (see _spill)
+_BODY = _REQUEST_ROOM + _ANSWER_ROOM
+_HEAD = struct.Struct("=IIII16s")
+_SIGNAL = 40  # a slot's signal word: bumped at every change its owner must look at
+_VERSION_AT = 44  # the layout of a post: a holder skips posts of another version
+_VERSION = 1
+_SPILLED = 0xFFFFFFFF  # answer length meaning "in the slot's spill file"
+
+EMPTY, POSTED, TAKEN, ANSWERED = 0, 1, 2, 3
+
+#: A request on the board: the name of its kind, its group key, its operation's fields.
+_Wire = tuple[str, tuple[Any, ...], tuple[Any, ...]]
+
+
+class Taken(NamedTuple):
+    """Another process's posted round, taken into this holder's round."""
+
+    slot: int
+    ops: list[_write_queue.Grouped[Any]]
+
+
+class _Futex:
+    """Sleeping on, and waking, a 32-bit word of a shared mapping (Linux futex(2))."""
+
+    #: futex's syscall number on each machine Python may name.
+    _NUMBERS: ClassVar[dict[str, int]] = {
+        "x86_64": 202, "aarch64": 98, "riscv64": 98, "ppc64le": 221, "s390x": 238,
+    }  # fmt: skip
+
+    def __init__(self) -> None:
+        number = self._NUMBERS.get(platform.machine())
+        if number is None:
+            raise OSError(f"no futex syscall number known for {platform.machine()}")
+        self._number = number
+        self._syscall = ctypes.CDLL(None, use_errno=True).syscall
+
+    def wait(self, address: int, expected: int, timeout: float) -> None:
+        """Sleep while the word at ``address`` is ``expected``, at most ``timeout`` s."""
+        spec = (ctypes.c_long * 2)(int(timeout), int((timeout % 1) * 1e9))
+        self._syscall(self._number, ctypes.c_void_p(address), 0, expected, spec, None, 0)
+
+    def wake(self, address: int) -> None:
+        """Wake one sleeper on the word at ``address``."""
+        self._syscall(self._number, ctypes.c_void_p(address), 1, 1, None, None, 0)
+
+
+def _range_lock(kind: int, start: int) -> bytes:
+    # struct flock on Linux: l_type, l_whence, l_start, l_len, l_pid (0 for OFD locks).
+    return struct.pack("hhqqixxxx", kind, os.SEEK_SET, start, 1, 0)
+
+
+class Board:
+    """One process's slot on a database's board, and its view of everyone else's.
+
+    Runs on the write connection's thread, except `retract` (the event loop, for
+    busy_timeout). ``kinds`` names the group operations that may be posted.
+    """
+
+    def __init__(
+        self, path: pathlib.Path, fd: int, slot: int, kinds: Mapping[str, Callable[..., Any]]
+    ) -> None:
+        self._path = path
+        self._fd = fd
+        self.slot = slot
+        self._kinds = kinds
+        self._names = {many: name for name, many in kinds.items()}
+        self._mem = mmap.mmap(fd, _HEADERS)
+        self._words = [ctypes.c_uint32.from_buffer(self._mem, s * _HEADER) for s in range(SLOTS)]
+        self._signals = [
+            ctypes.c_uint32.from_buffer(self._mem, s * _HEADER + _SIGNAL) for s in range(SLOTS)
+        ]
+        self._futex = _Futex()
+        self._seq = 0
+        #: Rounds of others this process's rounds took in, and its own served elsewhere.
+        self.served_for_others = 0
+        self.served_by_others = 0
+
+    # --- the owner's side ---------------------------------------------------------------
+
+    def postable(self, ops: Sequence[Any]) -> bool:
+        """Whether ``ops`` may be posted: all of them claims or finishes."""
+        names = self._names
+        return all(type(op) is _write_queue.Grouped and op.many in names for op in ops)
+
+    def post(self, ops: Sequence[Any]) -> bool:
+        """Put ``ops`` in this slot for a holder to take; False if they do not fit (or
+        the disk is full)."""
+        wire = [(self._names[op.many], op.group_key, tuple(op.op)) for op in ops]
+        body = marshal.dumps(wire)
+        if len(body) > _REQUEST_ROOM:
+            return False
+        try:
+            os.pwrite(self._fd, body, _HEADERS + self.slot * _BODY)
+        except OSError:
+            return False
+        self._seq = (self._seq + 1) & 0xFFFFFFFF
+        base = self.slot * _HEADER
+        _HEAD.pack_into(self._mem, base, EMPTY, self._seq, len(body), 0, bytes(16))
+        struct.pack_into("=I", self._mem, base + _VERSION_AT, _VERSION)
+        self._words[self.slot].value = POSTED  # last: a holder reads the body after this
+        return True
+
+    def state(self) -> int:
+        """This slot's state."""
+        return int(self._words[self.slot].value)
+
+    def signal(self) -> int:
+        """This slot's signal word, to `wait` on: read it before looking at the state."""
+        return int(self._signals[self.slot].value)
+
+    def wait(self, signal: int, timeout: float) -> int:
+        """Sleep until this slot's signal moves from ``signal`` (an answer, a nudge, a post
+        taken back), or ``timeout``; the slot's state."""
+        self._futex.wait(ctypes.addressof(self._signals[self.slot]), signal, timeout)
+        return self.state()
+
+    def _signal(self, slot: int) -> None:
+        """Move ``slot``'s signal and wake its sleeper: a wake that comes before the owner
+        sleeps is not lost, as the word it would sleep on has moved."""
+        word = self._signals[slot]
+        word.value = (word.value + 1) & 0xFFFFFFFF
+        self._futex.wake(ctypes.addressof(word))
+
+    def retract(self) -> bool:
+        """Take back this slot's post unless a holder has taken it: whether it is back
+        (or was never posted). Never blocks: a holder at the slot's lock is taking it."""
+        if not self._slot_lock(self.slot):
+            return False
+        try:
+            if self.state() in (TAKEN, ANSWERED):
+                return False
+            self._words[self.slot].value = EMPTY
+        finally:
+            self._slot_unlock(self.slot)
+        self._signal(self.slot)  # its thread: look again
+
+        return True
+
+    def collect(self, ops: Sequence[Any], committed: Callable[[bytes], bool]) -> list[Any] | None:
+        """With the writers' lock held (or the slot answered): this slot's outcomes, if a
+        holder served it and its round committed; else None (the post withdrawn, the
+        requests to run here). ``committed`` looks a round's token up in the database."""
+        state, _, _, answer_len, token = self._head(self.slot)
+        outcomes = None
+        if state == ANSWERED or (state == TAKEN and committed(token)):
+            outcomes = self._decode_answers(ops, self._answer_bytes(self.slot, answer_len))
+            self.served_by_others += 1
+        self._words[self.slot].value = EMPTY
+        return outcomes
+
+    # --- the holder's side --------------------------------------------------------------
+
+    def take(self, token: bytes, room: int) -> list[Taken]:
+        """With the writers' lock held: every posted round of a live owner (up to about
+        ``room`` requests), marked taken by ``token``."""
+        taken: list[Taken] = []
+        count = 0
+        for step in range(1, SLOTS):
+            if count >= room:
+                break
+            slot = (self.slot + step) % SLOTS
+            if self._words[slot].value != POSTED or not self._owned(slot):
+                continue
+            if not self._slot_lock(slot):
+                continue  # its owner is taking it back right now
+            try:
+                state, seq, request_len, _, _ = self._head(slot)
+                if state != POSTED:
+                    continue
+                ops = self._read_post(slot, request_len)
+                if ops is None:
+                    continue  # not a post this holder can read: its owner runs it
+                _HEAD.pack_into(self._mem, slot * _HEADER, TAKEN, seq, request_len, 0, token)
+            finally:
+                self._slot_unlock(slot)
+            taken.append(Taken(slot, ops))
+            count += len(ops)
+        self.served_for_others += len(taken)
+        return taken
+
+    def _read_post(self, slot: int, length: int) -> list[_write_queue.Grouped[Any]] | None:
+        """A slot's posted requests, or None if they are of another layout (another
+        version of asyncplane) or cannot be read."""
+        (version,) = struct.unpack_from("=I", self._mem, slot * _HEADER + _VERSION_AT)
+        if version != _VERSION:
+            return None
+        try:
+            wire: list[_Wire] = marshal.loads(os.pread(self._fd, length, _HEADERS + slot * _BODY))
+            return [
+                _write_queue.Grouped(key, _op_of(kind, fields), self._kinds[kind])
+                for kind, key, fields in wire
+            ]
+        except (OSError, ValueError, EOFError, TypeError, KeyError):
+            return None
+
+    def answer(self, taken: Taken, outcomes: Sequence[Any]) -> None:
+        """Write a taken round's outcomes into its slot (before COMMIT: provisional).
+        OSError if they cannot be written (a full disk): the round must not commit."""
+        body = marshal.dumps([_encode_outcome(outcome) for outcome in outcomes])
+        if len(body) <= _ANSWER_ROOM:
+            os.pwrite(self._fd, body, _HEADERS + taken.slot * _BODY + _REQUEST_ROOM)
+            length = len(body)
+        else:
+            spill = os.open(
+                self._spill(taken.slot), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC,
+                os.fstat(self._fd).st_mode & 0o666,
+            )  # fmt: skip
+            try:
+                os.write(spill, body)
+            finally:
+                os.close(spill)
+            length = _SPILLED
+        struct.pack_into("=I", self._mem, taken.slot * _HEADER + 12, length)
+
+    def wake(self, taken: Taken) -> None:
+        """Wake a taken round's owner without answering it: the round did not commit, so
+        once it has the lock it finds no token and runs its requests itself."""
+        self._signal(taken.slot)
+
+    def answered(self, taken: Taken) -> None:
+        """Mark a taken round answered (after COMMIT, or its failure) and wake its owner."""
+        self._words[taken.slot].value = ANSWERED
+        self._signal(taken.slot)
+
+    def nudge(self) -> None:
+        """After letting the writers' lock go: wake one writer whose post no holder took,
+        to try the lock itself (a post that came after this holder's `take`)."""
+        for step in range(1, SLOTS):
+            slot = (self.slot + step) % SLOTS
+            if self._words[slot].value == POSTED and self._owned(slot):
+                self._signal(slot)
+                return
+
+    def close(self) -> None:
+        """Let go of the slot and the mapping."""
+        del self._words, self._signals
+        self._mem.close()
+        os.close(self._fd)
+
+    # --- inside ------------------------------------------------------------------------
+
+    def _head(self, slot: int) -> tuple[int, int, int, int, bytes]:
+        state, seq, request_len, answer_len, token = _HEAD.unpack_from(self._mem, slot * _HEADER)
+        return state, seq, request_len, answer_len, token
+
+    def _answer_bytes(self, slot: int, length: int) -> bytes:
+        if length == _SPILLED:
+            return self._spill(slot).read_bytes()
+        return os.pread(self._fd, length, _HEADERS + slot * _BODY + _REQUEST_ROOM)
+
+    def _decode_answers(self, ops: Sequence[Any], body: bytes) -> list[Any]:
+        answers = marshal.loads(body)
+        return [
+            _decode_outcome(self._names[op.many], answer)
+            for op, answer in zip(ops, answers, strict=True)
+        ]
+
+    def _spill(self, slot: int) -> pathlib.Path:
+        return self._path.with_name(f"{self._path.name}-{slot}")
+
+    def _owned(self, slot: int) -> bool:
+        """Whether a live process owns ``slot`` (holds the OFD lock on its byte)."""
+        probe = fcntl.fcntl(self._fd, fcntl.F_OFD_GETLK, _range_lock(fcntl.F_WRLCK, slot))
+        kind: int = struct.unpack("hhqqixxxx", probe)[0]
+        return kind != fcntl.F_UNLCK
+
+    def _slot_lock(self, slot: int) -> bool:
+        try:
+            fcntl.fcntl(self._fd, fcntl.F_OFD_SETLK, _range_lock(fcntl.F_WRLCK, SLOTS + slot))
+        except OSError:
+            return False
+        return True
+
+    def _slot_unlock(self, slot: int) -> None:
+        fcntl.fcntl(self._fd, fcntl.F_OFD_SETLK, _range_lock(fcntl.F_UNLCK, SLOTS + slot))
+
+
+def _op_of(kind: str, fields: tuple[Any, ...]) -> Any:
+    from asyncplane import _backend
+
+    return (_backend.ClaimOp if kind == "claim" else _backend.FinishOp)(*fields)
+
+
+def _encode_outcome(outcome: Any) -> tuple[Any, ...]:
+    if isinstance(outcome, _write_queue.Raised):
+        error = outcome.error
+        if isinstance(error, _errors.AsyncplaneError):
+            reduced: tuple[Any, ...] = error.__reduce__()  # type: ignore[assignment]
+            rebuild, args = reduced[0], reduced[1]
+            try:
+                marshal.dumps(args)
+            except ValueError:  # arguments marshal cannot carry: the message alone
+                return ("e", "StorageError", (str(error),))
+            return ("e", rebuild.__name__, tuple(args))
+        return ("e", "StorageError", (f"the round failed in the process that ran it: {error!r}",))
+    if isinstance(outcome, list):  # a claim's rows
+        return ("v", [tuple(row) for row in outcome])
+    return ("v", outcome)
+
+
+def _decode_outcome(kind: str, answer: tuple[Any, ...]) -> Any:
+    if answer[0] == "e":
+        name = answer[1]
+        rebuild = getattr(_errors, name, None)
+        known = name.startswith("_rebuild_") or (
+            isinstance(rebuild, type) and issubclass(rebuild, _errors.AsyncplaneError)
+        )
+        if rebuild is None or not known:
+            return _write_queue.Raised(_errors.StorageError(f"an unknown error came back: {name}"))
+        return _write_queue.Raised(rebuild(*answer[2]))
+    if kind == "claim":
+        from asyncplane import _backend
+
+        return [_backend.ClaimRow(*row) for row in answer[1]]
+    return answer[1]
+
+
+def open_board(
+    path: pathlib.Path, kinds: Mapping[str, Callable[..., Any]], under_lock: Callable[[], Any]
+) -> Board | None:
+    """A slot on ``path``'s board, or None where combining cannot be had. The slot is
+    cleared under the writers' lock (``under_lock``: a context manager that holds it), so
+    no holder still serving a dead predecessor's post writes into it afterwards."""
+    if sys.platform != "linux" or os.environ.get(DISABLE) == "1":
+        return None
+    board_path = path.with_name(path.name + SUFFIX)
+    try:
+        mode = os.stat(path).st_mode & 0o666
+    except OSError:
+        mode = 0o644
+    try:
+        fd = os.open(board_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, mode)
+    except OSError as exc:
+        _log.debug("no combining board for %s (%s)", path, exc)
+        return None
+    try:
+        os.posix_fallocate(fd, 0, _HEADERS)  # the mapped page: never a SIGBUS
+        # The writers' lock first: while it is held no holder is serving, so the slot's
+        # old post (its owner dead) is cleared before any holder can see it owned again.
+        with under_lock():
+            for slot in range(SLOTS):
+                try:
+                    fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _range_lock(fcntl.F_WRLCK, slot))
+                except (BlockingIOError, PermissionError):
+                    continue
+                board = Board(board_path, fd, slot, kinds)
+                board._words[slot].value = EMPTY
+                return board
+    except (OSError, AttributeError) as exc:  # no OFD locks, no futex, no mapping
+        _log.debug("no combining board for %s (%s)", path, exc)
+    os.close(fd)
+    return None

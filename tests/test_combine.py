@@ -1,0 +1,380 @@
+"""Combining rounds across processes (`asyncplane._combine`), with real OS processes: a
+holder serves what others posted, and whoever dies when, every outcome stays knowable.
+
+The scenes are staged with the writers' lock: a process holding it (`Holder`) keeps every
+store's claim posted and waiting; the waiters' recheck is made long, so nothing moves
+until the test wakes a slot (`Board file` below), the way a holder's nudge would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import json
+import mmap
+import os
+import pathlib
+import signal
+import struct
+import sys
+
+import pytest
+from tests.test_write_lock import Holder, until, writer_of
+
+from asyncplane import (
+    ControlStore,
+    DatabaseLocked,
+    FenceRejected,
+    ItemCancelled,
+    _combine,
+    _errors,
+    _write_lock,
+    _write_queue,
+    _writer,
+    verify_ledger,
+)
+
+pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="the board needs Linux")
+
+# A store in another process: it opens, says its slot, claims when told (a line on stdin),
+# and prints what it got. DIE_AT makes it die as a holder: after running what it took but
+# before COMMIT ("answer"), or after COMMIT before marking the slots answered ("answered").
+PEER = """
+import asyncio, json, os, sys
+from asyncplane import ControlStore, _combine
+
+path, owner, die_at = sys.argv[1:4]
+_combine.RECHECK = 600.0
+if die_at == "answer":
+    _combine.Board.answer = lambda self, taken, outcomes: os._exit(9)
+elif die_at == "answered":
+    _combine.Board.answered = lambda self, taken: os._exit(9)
+elif die_at == "stall":
+    answer = _combine.Board.answer
+    def stalled(self, taken, outcomes):
+        print("stalled", flush=True)
+        sys.stdin.readline()
+        answer(self, taken, outcomes)
+    _combine.Board.answer = stalled
+
+async def main():
+    async with ControlStore(path) as store:
+        board = (await store._engine.ready()).writer.board
+        print("ready", board.slot, flush=True)
+        await asyncio.to_thread(sys.stdin.readline)
+        got = await store.claim(owner, lease_seconds=600)
+        print(json.dumps(None if got is None else got.item_id), flush=True)
+
+asyncio.run(main())
+"""
+
+
+class BoardFile:
+    """The board as the test sees it: each slot's state, and a nudge for a slot."""
+
+    def __init__(self, database: pathlib.Path) -> None:
+        self._fd = os.open(database.with_name(database.name + _combine.SUFFIX), os.O_RDWR)
+        self._mem = mmap.mmap(self._fd, _combine._HEADERS)
+        self._futex = _combine._Futex()
+
+    def state(self, slot: int) -> int:
+        value: int = struct.unpack_from("=I", self._mem, slot * _combine._HEADER)[0]
+        return value
+
+    def wake(self, slot: int) -> None:
+        """As a holder's nudge: the slot's signal moved, its sleeper woken."""
+        word = ctypes.c_uint32.from_buffer(self._mem, slot * _combine._HEADER + _combine._SIGNAL)
+        word.value += 1
+        self._futex.wake(ctypes.addressof(word))
+        del word
+
+    def close(self) -> None:
+        self._mem.close()
+        os.close(self._fd)
+
+
+class Peer:
+    """A store in another process, whose claim is staged by the test."""
+
+    def __init__(self, process: asyncio.subprocess.Process, slot: int) -> None:
+        self.process = process
+        self.slot = slot
+
+    @classmethod
+    async def start(cls, database: pathlib.Path, owner: str, die_at: str = "") -> Peer:
+        process = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", PEER, str(database), owner, die_at or "-",
+            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        line = await cls._line(process)
+        word, slot = line.split()
+        assert word == "ready"
+        return cls(process, int(slot))
+
+    @staticmethod
+    async def _line(process: asyncio.subprocess.Process) -> str:
+        assert process.stdout is not None
+        return (await process.stdout.readline()).decode().strip()
+
+    async def tell(self) -> None:
+        assert self.process.stdin is not None
+        self.process.stdin.write(b"go\n")
+        await self.process.stdin.drain()
+
+    async def line(self) -> str:
+        return await self._line(self.process)
+
+    async def ended(self) -> int:
+        return await self.process.wait()
+
+
+@pytest.fixture
+def patient(monkeypatch: pytest.MonkeyPatch) -> None:
+    """This process's waiters look at the lock only when woken (the test does it)."""
+    monkeypatch.setattr(_combine, "RECHECK", 600.0)
+
+
+async def seeded(path: pathlib.Path, items: int) -> ControlStore:
+    store = ControlStore(path)
+    await store.create_project("alpha", "Alpha")
+    await store.enqueue_many("alpha", [{"n": n} for n in range(items)])
+    return store
+
+
+async def claimed_by(store: ControlStore) -> dict[int, str]:
+    rows = await store.items(state="claimed")
+    return {row["item_id"]: row["owner"] for row in rows}
+
+
+async def test_a_holder_serves_the_claims_another_process_posted(
+    tmp_path: pathlib.Path, patient: None
+) -> None:
+    path = tmp_path / "store.db"
+    store = await seeded(path, 3)
+    board = BoardFile(path)
+    try:
+        mine = (await writer_of(store)).board
+        assert mine is not None
+        peer = await Peer.start(path, "peer")
+        holder = await Holder.start(path)
+        await peer.tell()
+        await until(lambda: board.state(peer.slot) == _combine.POSTED)
+        claim = asyncio.create_task(store.claim("here", lease_seconds=600))
+        await until(lambda: board.state(mine.slot) == _combine.POSTED)
+        await holder.let_go()
+        board.wake(peer.slot)  # the peer holds the lock next, and serves this claim too
+        got = await claim
+        assert got is not None
+        assert json.loads(await peer.line()) is not None
+        assert await peer.ended() == 0
+        assert mine.served_by_others == 1  # answered by the peer, not run here
+        assert sorted((await claimed_by(store)).values()) == ["here", "peer"]
+        assert await verify_ledger(store) == []
+    finally:
+        board.close()
+        await store.close()
+
+
+@pytest.mark.parametrize(
+    ("die_at", "saved"),
+    [
+        ("answer", False),  # the holder died before COMMIT: the waiter runs its claim
+        ("answered", True),  # after COMMIT: the waiter takes the answers it left
+    ],
+)
+async def test_a_holder_that_dies_leaves_its_takers_an_outcome_they_can_know(
+    tmp_path: pathlib.Path, patient: None, die_at: str, saved: bool
+) -> None:
+    path = tmp_path / "store.db"
+    store = await seeded(path, 3)
+    board = BoardFile(path)
+    try:
+        mine = (await writer_of(store)).board
+        assert mine is not None
+        peer = await Peer.start(path, "peer", die_at)
+        holder = await Holder.start(path)
+        await peer.tell()
+        await until(lambda: board.state(peer.slot) == _combine.POSTED)
+        claim = asyncio.create_task(store.claim("here", lease_seconds=600))
+        await until(lambda: board.state(mine.slot) == _combine.POSTED)
+        await holder.let_go()
+        board.wake(peer.slot)
+        assert await peer.ended() == 9  # died holding the lock, this claim taken
+        assert board.state(mine.slot) == _combine.TAKEN
+        board.wake(mine.slot)  # as the recheck would: the lock is free, the slot taken
+        got = await claim
+        assert got is not None
+        owners = await claimed_by(store)
+        assert owners[got.item_id] == "here"
+        # The peer's own claim stands exactly when its round committed.
+        assert sorted(owners.values()) == (["here", "peer"] if saved else ["here"])
+        assert mine.served_by_others == (1 if saved else 0)
+        assert await verify_ledger(store) == []
+    finally:
+        board.close()
+        await store.close()
+
+
+async def test_a_post_whose_owner_died_is_not_served_and_its_slot_is_cleared(
+    tmp_path: pathlib.Path,
+) -> None:
+    path = tmp_path / "store.db"
+    store = await seeded(path, 3)
+    board = BoardFile(path)
+    try:
+        peer = await Peer.start(path, "peer")
+        holder = await Holder.start(path)
+        await peer.tell()
+        await until(lambda: board.state(peer.slot) == _combine.POSTED)
+        peer.process.kill()
+        assert await peer.ended() == -signal.SIGKILL
+        await holder.let_go()
+        got = await store.claim("here", lease_seconds=600)
+        assert got is not None
+        assert list((await claimed_by(store)).values()) == ["here"]  # nothing for the dead
+        assert board.state(peer.slot) == _combine.POSTED  # left as it was, owner gone
+        async with ControlStore(path) as later:  # takes the dead owner's slot: cleared
+            slot = (await writer_of(later)).board
+            assert slot is not None and slot.slot == peer.slot
+            assert board.state(peer.slot) == _combine.EMPTY
+            assert await later.claim("later", lease_seconds=600) is not None
+        assert await verify_ledger(store) == []
+    finally:
+        board.close()
+        await store.close()
+
+
+async def test_a_posted_claim_given_up_after_busy_timeout_is_taken_back_unwritten(
+    tmp_path: pathlib.Path,
+) -> None:
+    path = tmp_path / "store.db"
+    async with ControlStore(path, busy_timeout=0.3) as store:
+        await store.create_project("alpha", "Alpha")
+        await store.enqueue("alpha", {"n": 1})
+        mine = (await writer_of(store)).board
+        assert mine is not None
+        holder = await Holder.start(path)
+        try:
+            with pytest.raises(DatabaseLocked, match="busy_timeout"):
+                await store.claim("here", lease_seconds=600)
+            assert mine.state() == _combine.EMPTY  # the post was taken back
+        finally:
+            await holder.let_go()
+        assert (await store.counts())["ready"] == 1  # nothing was written
+        assert await store.claim("here", lease_seconds=600) is not None
+
+
+async def test_a_claim_a_holder_has_taken_is_not_given_up_but_served(
+    tmp_path: pathlib.Path, patient: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "store.db"
+    store = ControlStore(path, busy_timeout=0.3)
+    await store.create_project("alpha", "Alpha")
+    await store.enqueue_many("alpha", [{"n": 1}, {"n": 2}])
+    refused: list[bool] = []
+    give_up = _write_lock.Turn.give_up
+
+    def recorded(turn: _write_lock.Turn) -> bool:
+        refused.append(not (result := give_up(turn)))
+        return result
+
+    monkeypatch.setattr(_write_lock.Turn, "give_up", recorded)
+    board = BoardFile(path)
+    try:
+        mine = (await writer_of(store)).board
+        assert mine is not None
+        peer = await Peer.start(path, "peer", "stall")
+        holder = await Holder.start(path)
+        await peer.tell()
+        await until(lambda: board.state(peer.slot) == _combine.POSTED)
+        claim = asyncio.create_task(store.claim("here", lease_seconds=600))
+        await until(lambda: board.state(mine.slot) == _combine.POSTED)
+        await holder.let_go()
+        board.wake(peer.slot)
+        assert await peer.line() == "stalled"  # holding the lock, this claim taken
+        await until(lambda: refused == [True])  # busy_timeout passed: not given up
+        await peer.tell()  # the holder goes on, and answers
+        got = await claim
+        assert got is not None
+        assert (await claimed_by(store))[got.item_id] == "here"
+        assert await peer.ended() == 0
+        assert await verify_ledger(store) == []
+    finally:
+        board.close()
+        await store.close()
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        FenceRejected(7, 2, current_fence=3, state="claimed"),
+        ItemCancelled(7, 2, current_fence=3, reason="operator"),
+        _errors.UnknownItem("item 7 does not exist"),
+        _errors.ScopeDenied("not yours"),
+    ],
+)
+def test_a_refusal_crosses_the_board_as_the_same_typed_error(error: Exception) -> None:
+    encoded = _combine._encode_outcome(_write_queue.Raised(error))
+    back = _combine._decode_outcome("finish", encoded)
+    assert isinstance(back, _write_queue.Raised)
+    assert type(back.error) is type(error)
+    assert str(back.error) == str(error)
+    assert vars(back.error) == vars(error)
+
+
+def test_an_error_the_board_does_not_know_comes_back_as_a_storage_error() -> None:
+    back = _combine._decode_outcome("finish", ("e", "os.system", ("true",)))
+    assert isinstance(back, _write_queue.Raised)
+    assert type(back.error) is _errors.StorageError
+
+
+async def test_claims_whose_answers_outgrow_the_slot_come_back_whole(
+    tmp_path: pathlib.Path, patient: None
+) -> None:
+    path = tmp_path / "store.db"
+    store = ControlStore(path)
+    await store.create_project("alpha", "Alpha")
+    big = "x" * (300 * 1024)
+    await store.enqueue_many("alpha", [{"n": n, "blob": big} for n in range(6)])
+    board = BoardFile(path)
+    try:
+        mine = (await writer_of(store)).board
+        assert mine is not None
+        peer = await Peer.start(path, "peer")
+        holder = await Holder.start(path)
+        await peer.tell()
+        await until(lambda: board.state(peer.slot) == _combine.POSTED)
+        batch = asyncio.create_task(store.claim_batch("here", 5, lease_seconds=600))
+        await until(lambda: board.state(mine.slot) == _combine.POSTED)
+        await holder.let_go()
+        board.wake(peer.slot)
+        got = await batch
+        assert mine.served_by_others == 1
+        assert sorted(item.payload["n"] for item in got) == sorted(
+            row["payload"]["n"]
+            for row in await store.items(state="claimed")
+            if row["owner"] == "here"
+        )
+        assert all(item.payload["blob"] == big for item in got) and len(got) == 5
+        assert await peer.ended() == 0
+    finally:
+        board.close()
+        await store.close()
+
+
+def test_a_combined_round_keeps_its_own_order_and_puts_like_with_like() -> None:
+    def plain(db: object, now: float) -> None:
+        """An enqueue, say: not a group's."""
+
+    def grouped(key: str) -> _write_queue.Grouped[None]:
+        return _write_queue.Grouped((key,), None, list)
+
+    own = [grouped("claim"), plain, grouped("claim"), grouped("finish")]
+    taken = [grouped("finish"), grouped("claim"), grouped("other"), grouped("claim")]
+    order = _writer._combined_order([*own, *taken], len(own))
+    # Its own four in their order; the taken claims after its last claim, the taken
+    # finish after its finish, a kind of its own at the end.
+    assert order == [0, 1, 2, 5, 7, 3, 4, 6]
+    assert _write_queue.units([[*own, *taken][i] for i in order], range(8)) == [
+        [0], [1], [2, 3, 4], [5, 6], [7],
+    ]  # fmt: skip
