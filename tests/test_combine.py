@@ -17,6 +17,8 @@ import pathlib
 import signal
 import struct
 import sys
+from collections.abc import Coroutine
+from typing import Any, TypeVar
 
 import pytest
 from tests.test_write_lock import Holder, until, writer_of
@@ -33,6 +35,8 @@ from asyncplane import (
     _writer,
     verify_ledger,
 )
+
+T = TypeVar("T")
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="the board needs Linux")
 
@@ -134,6 +138,21 @@ def patient(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_combine, "RECHECK", 600.0)
 
 
+async def served_by(
+    peer: Peer, request: Coroutine[Any, Any, T], path: pathlib.Path, board: BoardFile, slot: Any
+) -> asyncio.Task[T]:
+    """The peer's claim and ``request`` both posted behind a held writers' lock; then the
+    lock let go and the peer woken, as a nudge would: it takes the lock, and serves both."""
+    holder = await Holder.start(path)
+    await peer.tell()
+    await until(lambda: board.state(peer.slot) == _combine.POSTED)
+    task = asyncio.create_task(request)
+    await until(lambda: board.state(slot.slot) == _combine.POSTED)
+    await holder.let_go()
+    board.wake(peer.slot)
+    return task
+
+
 async def seeded(path: pathlib.Path, items: int) -> ControlStore:
     store = ControlStore(path)
     await store.create_project("alpha", "Alpha")
@@ -156,13 +175,7 @@ async def test_a_holder_serves_the_claims_another_process_posted(
         mine = (await writer_of(store)).board
         assert mine is not None
         peer = await Peer.start(path, "peer")
-        holder = await Holder.start(path)
-        await peer.tell()
-        await until(lambda: board.state(peer.slot) == _combine.POSTED)
-        claim = asyncio.create_task(store.claim("here", lease_seconds=600))
-        await until(lambda: board.state(mine.slot) == _combine.POSTED)
-        await holder.let_go()
-        board.wake(peer.slot)  # the peer holds the lock next, and serves this claim too
+        claim = await served_by(peer, store.claim("here", lease_seconds=600), path, board, mine)
         got = await claim
         assert got is not None
         assert json.loads(await peer.line()) is not None
@@ -192,13 +205,7 @@ async def test_a_holder_that_dies_leaves_its_takers_an_outcome_they_can_know(
         mine = (await writer_of(store)).board
         assert mine is not None
         peer = await Peer.start(path, "peer", die_at)
-        holder = await Holder.start(path)
-        await peer.tell()
-        await until(lambda: board.state(peer.slot) == _combine.POSTED)
-        claim = asyncio.create_task(store.claim("here", lease_seconds=600))
-        await until(lambda: board.state(mine.slot) == _combine.POSTED)
-        await holder.let_go()
-        board.wake(peer.slot)
+        claim = await served_by(peer, store.claim("here", lease_seconds=600), path, board, mine)
         assert await peer.ended() == 9  # died holding the lock, this claim taken
         assert board.state(mine.slot) == _combine.TAKEN
         board.wake(mine.slot)  # as the recheck would: the lock is free, the slot taken
@@ -284,13 +291,7 @@ async def test_a_claim_a_holder_has_taken_is_not_given_up_but_served(
         mine = (await writer_of(store)).board
         assert mine is not None
         peer = await Peer.start(path, "peer", "stall")
-        holder = await Holder.start(path)
-        await peer.tell()
-        await until(lambda: board.state(peer.slot) == _combine.POSTED)
-        claim = asyncio.create_task(store.claim("here", lease_seconds=600))
-        await until(lambda: board.state(mine.slot) == _combine.POSTED)
-        await holder.let_go()
-        board.wake(peer.slot)
+        claim = await served_by(peer, store.claim("here", lease_seconds=600), path, board, mine)
         assert await peer.line() == "stalled"  # holding the lock, this claim taken
         await until(lambda: refused == [True])  # busy_timeout passed: not given up
         await peer.tell()  # the holder goes on, and answers
@@ -341,13 +342,8 @@ async def test_claims_whose_answers_outgrow_the_slot_come_back_whole(
         mine = (await writer_of(store)).board
         assert mine is not None
         peer = await Peer.start(path, "peer")
-        holder = await Holder.start(path)
-        await peer.tell()
-        await until(lambda: board.state(peer.slot) == _combine.POSTED)
-        batch = asyncio.create_task(store.claim_batch("here", 5, lease_seconds=600))
-        await until(lambda: board.state(mine.slot) == _combine.POSTED)
-        await holder.let_go()
-        board.wake(peer.slot)
+        request = store.claim_batch("here", 5, lease_seconds=600)
+        batch = await served_by(peer, request, path, board, mine)
         got = await batch
         assert mine.served_by_others == 1
         assert sorted(item.payload["n"] for item in got) == sorted(
