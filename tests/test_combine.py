@@ -17,6 +17,7 @@ import pathlib
 import signal
 import struct
 import sys
+import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
@@ -165,9 +166,12 @@ async def claimed_by(store: ControlStore) -> dict[int, str]:
     return {row["item_id"]: row["owner"] for row in rows}
 
 
+@pytest.mark.parametrize("in_order", [True, False], ids=["x86", "weakly ordered"])
 async def test_a_holder_serves_the_claims_another_process_posted(
-    tmp_path: pathlib.Path, patient: None
+    tmp_path: pathlib.Path, patient: None, monkeypatch: pytest.MonkeyPatch, in_order: bool
 ) -> None:
+    # A weakly ordered machine (ARM) posts and collects under the slot's lock.
+    monkeypatch.setattr(_combine, "_STORES_IN_ORDER", in_order)
     path = tmp_path / "store.db"
     store = await seeded(path, 3)
     board = BoardFile(path)
@@ -218,6 +222,41 @@ async def test_a_holder_that_dies_leaves_its_takers_an_outcome_they_can_know(
         assert mine.served_by_others == (1 if saved else 0)
         assert await verify_ledger(store) == []
     finally:
+        board.close()
+        await store.close()
+
+
+async def test_a_holder_letting_go_wakes_a_post_that_came_after_its_take(
+    tmp_path: pathlib.Path, patient: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "store.db"
+    store = await seeded(path, 3)
+    took = threading.Event()
+    proceed = threading.Event()
+    take = _combine.Board.take
+
+    def held_after_take(board: _combine.Board, token: bytes, room: int) -> list[_combine.Taken]:
+        taken = take(board, token, room)
+        took.set()
+        proceed.wait(60)  # on the connection's thread, the lock held
+        return taken
+
+    board = BoardFile(path)
+    try:
+        peer = await Peer.start(path, "peer")  # looks at the lock only when woken
+        monkeypatch.setattr(_combine.Board, "take", held_after_take)
+        mine = asyncio.create_task(store.claim("here", lease_seconds=600))
+        await asyncio.to_thread(took.wait, 60)  # this store holds the lock, its take done
+        await peer.tell()
+        await until(lambda: board.state(peer.slot) == _combine.POSTED)  # too late to take
+        proceed.set()
+        assert await mine is not None
+        # Only the nudge of this store letting go can wake the peer: its claim goes on.
+        assert json.loads(await asyncio.wait_for(peer.line(), 60)) is not None
+        assert await peer.ended() == 0
+        assert sorted((await claimed_by(store)).values()) == ["here", "peer"]
+    finally:
+        proceed.set()
         board.close()
         await store.close()
 

@@ -85,6 +85,9 @@ _VERSION = 1
 _SPILLED = 0xFFFFFFFF  # answer length meaning "in the slot's spill file"
 
 EMPTY, POSTED, TAKEN, ANSWERED = 0, 1, 2, 3
+#: Whether this machine's stores are seen by other CPUs in the order they were made (x86's
+#: total store order): a post's header, then its state, needs no fence between them.
+_STORES_IN_ORDER = platform.machine() in ("x86_64", "AMD64", "i686")
 
 #: A request on the board: the name of its kind, its group key, its operation's fields.
 _Wire = tuple[str, tuple[Any, ...], tuple[Any, ...]]
@@ -175,7 +178,14 @@ class Board:
         base = self.slot * _HEADER
         _HEAD.pack_into(self._mem, base, EMPTY, self._seq, len(body), 0, bytes(16))
         struct.pack_into("=I", self._mem, base + _VERSION_AT, _VERSION)
-        self._words[self.slot].value = POSTED  # last: a holder reads the body after this
+        if _STORES_IN_ORDER:
+            self._words[self.slot].value = POSTED  # last: a holder reads the rest after it
+        else:  # the slot's lock orders the header's stores before the state's, for takers
+            self._slot_lock_wait(self.slot)
+            try:
+                self._words[self.slot].value = POSTED
+            finally:
+                self._slot_unlock(self.slot)
         return True
 
     def state(self) -> int:
@@ -218,6 +228,9 @@ class Board:
         """With the writers' lock held (or the slot answered): this slot's outcomes, if a
         holder served it and its round committed; else None (the post withdrawn, the
         requests to run here). ``committed`` looks a round's token up in the database."""
+        if not _STORES_IN_ORDER:  # see the answer's length the holder stored before
+            self._slot_lock_wait(self.slot)
+            self._slot_unlock(self.slot)
         state, _, _, answer_len, token = self._head(self.slot)
         outcomes = None
         if state == ANSWERED or (state == TAKEN and committed(token)):
@@ -297,7 +310,14 @@ class Board:
 
     def answered(self, taken: Taken) -> None:
         """Mark a taken round answered (after COMMIT, or its failure) and wake its owner."""
-        self._words[taken.slot].value = ANSWERED
+        if _STORES_IN_ORDER:
+            self._words[taken.slot].value = ANSWERED
+        else:  # the answer's length stored before the state, as its owner will read them
+            self._slot_lock_wait(taken.slot)
+            try:
+                self._words[taken.slot].value = ANSWERED
+            finally:
+                self._slot_unlock(taken.slot)
         self._signal(taken.slot)
 
     def nudge(self) -> None:
@@ -348,6 +368,9 @@ class Board:
         except OSError:
             return False
         return True
+
+    def _slot_lock_wait(self, slot: int) -> None:
+        fcntl.fcntl(self._fd, fcntl.F_OFD_SETLKW, _range_lock(fcntl.F_WRLCK, SLOTS + slot))
 
     def _slot_unlock(self, slot: int) -> None:
         fcntl.fcntl(self._fd, fcntl.F_OFD_SETLK, _range_lock(fcntl.F_UNLCK, SLOTS + slot))
