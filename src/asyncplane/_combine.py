@@ -21,8 +21,8 @@ What is saved stays knowable, whoever dies when:
   rolled back and the waiter runs its requests itself.
 * **A waiter that dies** is not served: a slot is owned through an OFD lock on one byte
   of the board, which the kernel lets go when the owner ends, and a holder skips posts
-  whose owner is gone. A process that takes over the slot clears it under the writers'
-  lock, so no holder of its predecessor's post can still be writing into it.
+  whose owner is gone. A process that takes over the slot clears it first, so that no
+  holder of its predecessor's post can still be writing into it (`Board._settle_in`).
 * **busy_timeout** takes back a post nobody has taken (`Board.retract`), under a per-slot
   lock that a holder also takes to mark a slot taken, so a request is either given up
   with nothing written or served, never both. A taken request cannot be given up.
@@ -47,9 +47,12 @@ import platform
 import struct
 import sys
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, ClassVar, NamedTuple
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 from asyncplane import _errors, _write_queue
+
+if TYPE_CHECKING:
+    from asyncplane._write_lock import WriteLock
 
 if sys.platform == "linux":
     import ctypes
@@ -337,6 +340,45 @@ class Board:
 
     # --- inside ------------------------------------------------------------------------
 
+    def _settle_in(self, lock: WriteLock) -> bool:
+        """Own a free slot and clear what a dead predecessor left in it; whether one was
+        had. Never waits: a slot that cannot be cleared now is left for another time.
+
+        A slot's state says what may still touch it. Empty or answered: nothing. Posted: a
+        holder may be about to take it (the slot looks owned again, by this process), so
+        it is cleared under the slot's lock, which a holder takes to mark it taken. Taken:
+        a holder may still write its answer, so it is cleared only with the writers' lock
+        held (tried, not waited for), which that holder keeps until it has answered."""
+        for slot in range(SLOTS):
+            try:
+                fcntl.fcntl(self._fd, fcntl.F_OFD_SETLK, _range_lock(fcntl.F_WRLCK, slot))
+            except (BlockingIOError, PermissionError):
+                continue
+            if self._clear(slot, lock):
+                self.slot = slot
+                return True
+            fcntl.fcntl(self._fd, fcntl.F_OFD_SETLK, _range_lock(fcntl.F_UNLCK, slot))
+        return False
+
+    def _clear(self, slot: int, lock: WriteLock) -> bool:
+        word = self._words[slot]
+        if word.value == POSTED and self._slot_lock(slot):
+            try:
+                if word.value == POSTED:
+                    word.value = EMPTY
+            finally:
+                self._slot_unlock(slot)
+        if word.value in (EMPTY, ANSWERED):
+            word.value = EMPTY
+            return True
+        if word.value == TAKEN and lock.try_acquire():
+            try:
+                word.value = EMPTY
+            finally:
+                lock.release()
+            return True
+        return False
+
     def _head(self, slot: int) -> tuple[int, int, int, int, bytes]:
         state, seq, request_len, answer_len, token = _HEAD.unpack_from(self._mem, slot * _HEADER)
         return state, seq, request_len, answer_len, token
@@ -417,11 +459,13 @@ def _decode_outcome(kind: str, answer: tuple[Any, ...]) -> Any:
 
 
 def open_board(
-    path: pathlib.Path, kinds: Mapping[str, Callable[..., Any]], under_lock: Callable[[], Any]
+    path: pathlib.Path,
+    kinds: Mapping[str, Callable[..., Any]],
+    lock: WriteLock,
 ) -> Board | None:
-    """A slot on ``path``'s board, or None where combining cannot be had. The slot is
-    cleared under the writers' lock (``under_lock``: a context manager that holds it), so
-    no holder still serving a dead predecessor's post writes into it afterwards."""
+    """A slot on ``path``'s board, or None where combining cannot be had (no slot free
+    either). ``lock`` is the writers' lock (`asyncplane._write_lock.WriteLock`), tried to
+    clear a slot a dead predecessor left taken (see `Board._settle_in`)."""
     if sys.platform != "linux" or os.environ.get(DISABLE) == "1":
         return None
     board_path = path.with_name(path.name + SUFFIX)
@@ -436,18 +480,13 @@ def open_board(
         return None
     try:
         os.posix_fallocate(fd, 0, _HEADERS)  # the mapped page: never a SIGBUS
-        # The writers' lock first: while it is held no holder is serving, so the slot's
-        # old post (its owner dead) is cleared before any holder can see it owned again.
-        with under_lock():
-            for slot in range(SLOTS):
-                try:
-                    fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _range_lock(fcntl.F_WRLCK, slot))
-                except (BlockingIOError, PermissionError):
-                    continue
-                board = Board(board_path, fd, slot, kinds)
-                board._words[slot].value = EMPTY
-                return board
+        board = Board(board_path, fd, -1, kinds)
     except (OSError, AttributeError) as exc:  # no OFD locks, no futex, no mapping
         _log.debug("no combining board for %s (%s)", path, exc)
-    os.close(fd)
+        os.close(fd)
+        return None
+    if board._settle_in(lock):
+        return board
+    _log.debug("no combining board for %s: every slot is taken", path)
+    board.close()
     return None

@@ -562,7 +562,7 @@ def _open_write_lock(
         boards.append(None)
         return
     kinds: dict[str, Callable[..., Any]] = {"claim": _claim_many, "finish": _finish_many}
-    boards.append(_combine.open_board(path, kinds, lock.held))
+    boards.append(_combine.open_board(path, kinds, lock))
 
 
 def _claim_many(

@@ -38,13 +38,12 @@ writers hold "the" lock at once. It stays empty.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import pathlib
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 __all__ = ("SUFFIX", "Turn", "WriteLock", "open_write_lock")
 
@@ -132,16 +131,6 @@ class WriteLock:
             self._busy = False
             if self._closed:  # closed while this thread waited or held it
                 os.close(self._fd)
-
-    @contextlib.contextmanager
-    def held(self) -> Iterator[None]:
-        """The lock held for a moment (at once if the queue fails: nothing to hold)."""
-        got = self.acquire()
-        try:
-            yield
-        finally:
-            if got:
-                self.release()
 
     def close(self) -> None:
         """Close the file (the thread does it, if it is waiting for the lock or holds it)."""
