@@ -43,7 +43,8 @@ pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="the board needs
 
 # A store in another process: it opens, says its slot, claims when told (a line on stdin),
 # and prints what it got. DIE_AT makes it die as a holder: after running what it took but
-# before COMMIT ("answer"), or after COMMIT before marking the slots answered ("answered").
+# before COMMIT ("answer"), after COMMIT with the lock held ("committed"), or after letting
+# the lock go, before marking the slots answered ("mark_answered").
 PEER = """
 import asyncio, json, os, sys
 from asyncplane import ControlStore, _combine
@@ -52,8 +53,10 @@ path, owner, die_at = sys.argv[1:4]
 _combine.RECHECK = 600.0
 if die_at == "answer":
     _combine.Board.answer = lambda self, taken, outcomes: os._exit(9)
-elif die_at == "answered":
-    _combine.Board.answered = lambda self, taken: os._exit(9)
+elif die_at == "committed":
+    _combine.Board.committed = lambda self, taken, token: os._exit(9)
+elif die_at == "mark_answered":
+    _combine.Board.mark_answered = lambda self: os._exit(9)
 elif die_at == "stall":
     answer = _combine.Board.answer
     def stalled(self, taken, outcomes):
@@ -196,7 +199,8 @@ async def test_a_holder_serves_the_claims_another_process_posted(
     ("die_at", "saved"),
     [
         ("answer", False),  # the holder died before COMMIT: the waiter runs its claim
-        ("answered", True),  # after COMMIT: the waiter takes the answers it left
+        ("committed", True),  # after COMMIT: the waiter takes the answers it left
+        ("mark_answered", True),  # the lock let go, the slots not yet marked: the same
     ],
 )
 async def test_a_holder_that_dies_leaves_its_takers_an_outcome_they_can_know(

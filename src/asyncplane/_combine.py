@@ -14,11 +14,12 @@ wakes one writer whose post arrived too late, which then tries the lock in turn.
 What is saved stays knowable, whoever dies when:
 
 * **Answers before COMMIT, and a token in the transaction.** A holder writes the answers
-  into the slots and inserts the round's random token into ``combined_rounds`` before
-  COMMIT; only after COMMIT does it mark the slots answered. A waiter whose slot is still
-  marked taken once it holds the lock itself (the holder died, or it would hold the lock
-  still) looks the token up: found, the round committed and the answers stand; absent, it
-  rolled back and the waiter runs its requests itself.
+  into the slots and the round's random token into each taken slot's row of
+  ``combined_rounds`` before COMMIT; it marks the slots answered only after COMMIT, once
+  it has let the lock go, and only a slot still taken by its round. A waiter whose slot
+  is still marked taken once it holds the lock itself finds that round decided (the
+  holder died, or has yet to mark it) and looks the token up: found, the round committed
+  and the answers stand; absent, it rolled back and the waiter runs its requests itself.
 * **A waiter that dies** is not served: a slot is owned through an OFD lock on one byte
   of the board, which the kernel lets go when the owner ends, and a holder skips posts
   whose owner is gone. A process that takes over the slot clears it first, so that no
@@ -155,6 +156,8 @@ class Board:
         ]
         self._futex = _Futex()
         self._seq = 0
+        self._committed: list[tuple[int, bytes]] = []
+        self._let_go = False
         #: Rounds of others this process's rounds took in, and its own served elsewhere.
         self.served_for_others = 0
         self.served_by_others = 0
@@ -231,16 +234,19 @@ class Board:
         """With the writers' lock held (or the slot answered): this slot's outcomes, if a
         holder served it and its round committed; else None (the post withdrawn, the
         requests to run here). ``committed`` looks a round's token up in the database."""
-        if not _STORES_IN_ORDER:  # see the answer's length the holder stored before
-            self._slot_lock_wait(self.slot)
+        # Under the slot's lock: a holder marks a slot answered after letting the writers'
+        # lock go (`mark_answered`), and only if it still finds the slot taken by its round.
+        self._slot_lock_wait(self.slot)
+        try:
+            state, _, _, answer_len, token = self._head(self.slot)
+            served = state == ANSWERED or (state == TAKEN and committed(token))
+            self._words[self.slot].value = EMPTY
+        finally:
             self._slot_unlock(self.slot)
-        state, _, _, answer_len, token = self._head(self.slot)
-        outcomes = None
-        if state == ANSWERED or (state == TAKEN and committed(token)):
-            outcomes = self._decode_answers(ops, self._answer_bytes(self.slot, answer_len))
-            self.served_by_others += 1
-        self._words[self.slot].value = EMPTY
-        return outcomes
+        if not served:
+            return None
+        self.served_by_others += 1
+        return self._decode_answers(ops, self._answer_bytes(self.slot, answer_len))
 
     # --- the holder's side --------------------------------------------------------------
 
@@ -310,6 +316,42 @@ class Board:
         """Wake a taken round's owner without answering it: the round did not commit, so
         once it has the lock it finds no token and runs its requests itself."""
         self._signal(taken.slot)
+
+    def committed(self, taken: Taken, token: bytes) -> None:
+        """Note a taken round whose transaction committed, its answers written before: to
+        be marked answered once the writers' lock is let go (`mark_answered`)."""
+        self._committed.append((taken.slot, token))
+
+    def let_go(self) -> None:
+        """Note that this process let the writers' lock go (see `after_round`)."""
+        self._let_go = True
+
+    def after_round(self) -> None:
+        """On the connection's thread, after a round's own callers have their outcomes:
+        mark the rounds noted `committed` answered and wake their owners, then, if this
+        process let the lock go, nudge a post that came too late to be taken. Waking a
+        process can hand it this one's CPU, so it comes after the lock has passed on and
+        this round's callers are served."""
+        self.mark_answered()
+        if self._let_go:
+            self._let_go = False
+            self.nudge()
+
+    def mark_answered(self) -> None:
+        """Mark the rounds noted `committed` answered, then wake their owners. A slot no
+        longer taken by the noting round (its owner, finding it taken with the writers'
+        lock free, took the answers already) is left as it is."""
+        for slot, token in self._committed:
+            self._slot_lock_wait(slot)
+            try:
+                state, _, _, _, now = self._head(slot)
+                if state == TAKEN and now == token:
+                    self._words[slot].value = ANSWERED
+            finally:
+                self._slot_unlock(slot)
+        for slot, _ in self._committed:
+            self._signal(slot)
+        self._committed.clear()
 
     def answered(self, taken: Taken) -> None:
         """Mark a taken round answered (after COMMIT, or its failure) and wake its owner."""

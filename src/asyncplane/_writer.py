@@ -258,7 +258,11 @@ def _execute_round(
         outcomes = [_write_queue.Raised(_write_queue.round_failed(exc))] * len(batch)
         lock_wait = held = 0.0
     took = time.perf_counter() - started
-    loop.call_soon_threadsafe(_deliver, writer, batch, outcomes, lock_wait, held, took)
+    try:
+        loop.call_soon_threadsafe(_deliver, writer, batch, outcomes, lock_wait, held, took)
+    finally:
+        if writer.board is not None:  # this round's callers first, then other processes'
+            writer.board.after_round()
 
 
 def _run_unit(
@@ -355,7 +359,7 @@ def _holding(
     lock: _write_lock.WriteLock, db: sqlite3.Connection, board: _combine.Board | None
 ) -> Iterator[None]:
     """The write lock, held: any open transaction (something raised) ends before the lock
-    goes, and then a post that came too late to be taken is nudged to try it."""
+    goes; then the board hears it went (`Board.after_round` answers and nudges)."""
     try:
         yield
     finally:
@@ -364,7 +368,7 @@ def _holding(
         finally:
             lock.release()
             if board is not None:
-                board.nudge()
+                board.let_go()
 
 
 def _transact_posted(
@@ -510,7 +514,7 @@ def _transact_held(
         if changed:  # the commit failed: the answers written before it are not the news
             _answer_anew(board, one, outcomes[start:end])
         else:
-            board.answered(one)
+            board.committed(one, token)  # marked answered once the lock has gone
     return outcomes[: len(ops)], waited
 
 
