@@ -265,6 +265,35 @@ async def test_a_holder_letting_go_wakes_a_post_that_came_after_its_take(
         await store.close()
 
 
+async def test_a_holder_serves_no_post_of_a_process_in_another_writers_queue(
+    tmp_path: pathlib.Path, patient: None
+) -> None:
+    path = tmp_path / "store.db"
+    store = await seeded(path, 3)
+    board = BoardFile(path)
+    try:
+        mine = (await writer_of(store)).board
+        assert mine is not None
+        # The queue's file replaced while this store has the old one open: a process that
+        # opens now waits in another queue, whose lock this store never holds.
+        path.with_name(path.name + _write_lock.SUFFIX).unlink()
+        peer = await Peer.start(path, "peer")
+        holder = await Holder.start(path)  # the new file's lock
+        await peer.tell()
+        await until(lambda: board.state(peer.slot) == _combine.POSTED)
+        assert await store.claim("here", lease_seconds=600) is not None  # the old file's
+        assert mine.served_for_others == 0  # the peer's post was left to its own queue
+        assert board.state(peer.slot) == _combine.POSTED
+        await holder.let_go()
+        board.wake(peer.slot)
+        assert json.loads(await peer.line()) is not None
+        assert await peer.ended() == 0
+        assert sorted((await claimed_by(store)).values()) == ["here", "peer"]
+    finally:
+        board.close()
+        await store.close()
+
+
 async def test_a_post_whose_owner_died_is_not_served_and_its_slot_is_cleared(
     tmp_path: pathlib.Path,
 ) -> None:
@@ -324,8 +353,9 @@ async def test_a_claim_a_holder_has_taken_is_not_given_up_but_served(
     refused: list[bool] = []
     give_up = _write_lock.Turn.give_up
 
-    def recorded(turn: _write_lock.Turn) -> bool:
-        refused.append(not (result := give_up(turn)))
+    def recorded(turn: _write_lock.Turn) -> bool | None:
+        result = give_up(turn)
+        refused.append(result is False)
         return result
 
     monkeypatch.setattr(_write_lock.Turn, "give_up", recorded)

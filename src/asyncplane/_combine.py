@@ -3,30 +3,44 @@ and finishes every other process has posted, in its own transaction.
 
 Sixteen worker processes on one SQLite file each run rounds of a few requests, one at a
 time, each paying BEGIN, a cold page cache and COMMIT (under synchronous=FULL, an fsync).
-Flat combining gathers them: a writer whose round is all claims and finishes *posts* it,
-as data, in its own slot of a shared board beside the database, ``<database>-combine``,
-and tries the writers' queue (`asyncplane._write_lock`) without waiting. If the lock is
-free it becomes the *holder*; if not, it sleeps until its slot changes. A holder *takes*
-every posted slot into its round, runs them with its own requests in one transaction,
-writes each taker's answers into its slot, and wakes it. After letting the lock go, it
-wakes one writer whose post arrived too late, which then tries the lock in turn.
+Flat combining gathers them: a writer whose round is all claims and finishes tries the
+writers' queue (`asyncplane._write_lock`) without waiting. If the lock is free it is the
+*holder* and runs its round; if not, it *posts* the round, as data, in its own slot of a
+shared board beside the database, ``<database>-combine``, tries once more, and sleeps
+until its slot's signal moves. A holder *takes* every posted slot of its queue into its
+round, runs them with its own requests in one transaction and writes each taker's
+answers into its slot. Once it has let the lock go and its own callers have their
+outcomes, it marks the slots answered and wakes their owners, then wakes one writer whose
+post arrived too late to be taken, which tries the lock in turn.
 
 What is saved stays knowable, whoever dies when:
 
 * **Answers before COMMIT, and a token in the transaction.** A holder writes the answers
   into the slots and the round's random token into each taken slot's row of
-  ``combined_rounds`` before COMMIT; it marks the slots answered only after COMMIT, once
-  it has let the lock go, and only a slot still taken by its round. A waiter whose slot
+  ``combined_rounds`` before COMMIT; after a COMMIT it marks the slots answered once it
+  has let the lock go, and only a slot still taken by its round. (A round whose COMMIT
+  failed answers its takers with the failure before it lets the lock go.) A waiter whose slot
   is still marked taken once it holds the lock itself finds that round decided (the
   holder died, or has yet to mark it) and looks the token up: found, the round committed
   and the answers stand; absent, it rolled back and the waiter runs its requests itself.
 * **A waiter that dies** is not served: a slot is owned through an OFD lock on one byte
   of the board, which the kernel lets go when the owner ends, and a holder skips posts
-  whose owner is gone. A process that takes over the slot clears it first, so that no
-  holder of its predecessor's post can still be writing into it (`Board._settle_in`).
+  whose owner is gone. (A post its owner died with can still be taken in the instant a
+  new process takes the slot over and before it clears it; its claims then lapse, as a
+  killed worker's do, and its finishes stand, as its owner asked.) A process that takes
+  over a slot clears it first, so that no holder of its predecessor's post can still
+  write into it (`Board._settle_in`).
 * **busy_timeout** takes back a post nobody has taken (`Board.retract`), under a per-slot
   lock that a holder also takes to mark a slot taken, so a request is either given up
-  with nothing written or served, never both. A taken request cannot be given up.
+  with nothing written or served, never both; if a holder is at the slot's lock that
+  instant, it asks again a moment later. A taken request cannot be given up.
+* **One queue, one board's takers.** A post names the writers' queue file its owner waits
+  in, and a holder takes only posts of its own queue, whose lock it holds: if the queue's
+  file is replaced while stores have it open, the two queues' processes never serve each
+  other's rounds.
+* **State words are stored whole** (ctypes), never through struct's pack_into, which
+  zeroes the span it is about to write: a state that reads as empty for that instant
+  tells its waiting owner that its round was given up.
 * **A holder that stalls** (SIGSTOP) stalls its takers as it would the lock; a waiter
   looks at the lock every ``RECHECK`` seconds, so a dead holder's takers go on soon.
 
@@ -83,9 +97,14 @@ _REQUEST_ROOM = 64 * 1024  # a bigger round is not posted: it waits for its own 
 _ANSWER_ROOM = 1024 * 1024  # a bigger answer goes in a file of its own (see _spill)
 _BODY = _REQUEST_ROOM + _ANSWER_ROOM
 _HEAD = struct.Struct("=IIII16s")
+# The header after its state word. A state word is only ever stored whole, through ctypes:
+# struct's pack_into zeroes its span before it writes the fields, and a state that reads
+# as EMPTY for that instant tells a waiting owner its round was given up.
+_REST = struct.Struct("=III16s")
 _SIGNAL = 40  # a slot's signal word: bumped at every change its owner must look at
 _VERSION_AT = 44  # the layout of a post: a holder skips posts of another version
 _VERSION = 1
+_QUEUE_AT = 48  # which writers' queue file the poster waits in (see `Board.queue`)
 _SPILLED = 0xFFFFFFFF  # answer length meaning "in the slot's spill file"
 
 EMPTY, POSTED, TAKEN, ANSWERED = 0, 1, 2, 3
@@ -156,6 +175,9 @@ class Board:
         ]
         self._futex = _Futex()
         self._seq = 0
+        #: The writers' queue file this process waits in, as a number: a holder serves only
+        #: posts of its own queue's waiters, whose lock it holds (`_read_post`).
+        self.queue = 0
         self._committed: list[tuple[int, bytes]] = []
         self._let_go = False
         #: Rounds of others this process's rounds took in, and its own served elsewhere.
@@ -182,8 +204,9 @@ class Board:
             return False
         self._seq = (self._seq + 1) & 0xFFFFFFFF
         base = self.slot * _HEADER
-        _HEAD.pack_into(self._mem, base, EMPTY, self._seq, len(body), 0, bytes(16))
+        _REST.pack_into(self._mem, base + 4, self._seq, len(body), 0, bytes(16))
         struct.pack_into("=I", self._mem, base + _VERSION_AT, _VERSION)
+        struct.pack_into("=Q", self._mem, base + _QUEUE_AT, self.queue)
         if _STORES_IN_ORDER:
             self._words[self.slot].value = POSTED  # last: a holder reads the rest after it
         else:  # the slot's lock orders the header's stores before the state's, for takers
@@ -215,11 +238,12 @@ class Board:
         word.value = (word.value + 1) & 0xFFFFFFFF
         self._futex.wake(ctypes.addressof(word))
 
-    def retract(self) -> bool:
+    def retract(self) -> bool | None:
         """Take back this slot's post unless a holder has taken it: whether it is back
-        (or was never posted). Never blocks: a holder at the slot's lock is taking it."""
+        (or was never posted); None if a holder is at the slot's lock this instant (ask
+        again). Never blocks."""
         if not self._slot_lock(self.slot):
-            return False
+            return None
         try:
             if self.state() in (TAKEN, ANSWERED):
                 return False
@@ -227,7 +251,6 @@ class Board:
         finally:
             self._slot_unlock(self.slot)
         self._signal(self.slot)  # its thread: look again
-
         return True
 
     def collect(self, ops: Sequence[Any], committed: Callable[[bytes], bool]) -> list[Any] | None:
@@ -236,17 +259,32 @@ class Board:
         requests to run here). ``committed`` looks a round's token up in the database."""
         # Under the slot's lock: a holder marks a slot answered after letting the writers'
         # lock go (`mark_answered`), and only if it still finds the slot taken by its round.
+        failed: Exception | None = None
         self._slot_lock_wait(self.slot)
         try:
             state, _, _, answer_len, token = self._head(self.slot)
-            served = state == ANSWERED or (state == TAKEN and committed(token))
+            served = state == ANSWERED
+            if state == TAKEN:
+                try:
+                    served = committed(token)
+                except Exception as exc:  # the lookup failed: it may have committed
+                    served, failed = True, exc
             self._words[self.slot].value = EMPTY
         finally:
             self._slot_unlock(self.slot)
         if not served:
             return None
         self.served_by_others += 1
-        return self._decode_answers(ops, self._answer_bytes(self.slot, answer_len))
+        if failed is None:
+            try:
+                return self._decode_answers(ops, self._answer_bytes(self.slot, answer_len))
+            except (OSError, ValueError, EOFError, TypeError, KeyError) as exc:
+                failed = exc
+        unknown = _errors.CommitOutcomeUnknown(
+            f"another process's round took these requests and may have committed them, "
+            f"but its outcome could not be read: {failed!r}"
+        )
+        return [_write_queue.Raised(_write_queue.caused(unknown, failed))] * len(ops)
 
     # --- the holder's side --------------------------------------------------------------
 
@@ -270,7 +308,8 @@ class Board:
                 ops = self._read_post(slot, request_len)
                 if ops is None:
                     continue  # not a post this holder can read: its owner runs it
-                _HEAD.pack_into(self._mem, slot * _HEADER, TAKEN, seq, request_len, 0, token)
+                _REST.pack_into(self._mem, slot * _HEADER + 4, seq, request_len, 0, token)
+                self._words[slot].value = TAKEN
             finally:
                 self._slot_unlock(slot)
             taken.append(Taken(slot, ops))
@@ -282,8 +321,9 @@ class Board:
         """A slot's posted requests, or None if they are of another layout (another
         version of asyncplane) or cannot be read."""
         (version,) = struct.unpack_from("=I", self._mem, slot * _HEADER + _VERSION_AT)
-        if version != _VERSION:
-            return None
+        (queue,) = struct.unpack_from("=Q", self._mem, slot * _HEADER + _QUEUE_AT)
+        if version != _VERSION or queue != self.queue:
+            return None  # another layout, or a poster in another queue (the file replaced)
         try:
             wire: list[_Wire] = marshal.loads(os.pread(self._fd, length, _HEADERS + slot * _BODY))
             return [
@@ -306,6 +346,7 @@ class Board:
                 os.fstat(self._fd).st_mode & 0o666,
             )  # fmt: skip
             try:
+                os.fchmod(spill, os.fstat(self._fd).st_mode & 0o666)  # not the umask's
                 os.write(spill, body)
             finally:
                 os.close(spill)
@@ -341,17 +382,19 @@ class Board:
         """Mark the rounds noted `committed` answered, then wake their owners. A slot no
         longer taken by the noting round (its owner, finding it taken with the writers'
         lock free, took the answers already) is left as it is."""
+        busy: list[tuple[int, bytes]] = []
         for slot, token in self._committed:
-            self._slot_lock_wait(slot)
+            if not self._slot_lock(slot):  # its owner is at it: the next round marks it
+                busy.append((slot, token))
+                continue
             try:
                 state, _, _, _, now = self._head(slot)
                 if state == TAKEN and now == token:
                     self._words[slot].value = ANSWERED
             finally:
                 self._slot_unlock(slot)
-        for slot, _ in self._committed:
             self._signal(slot)
-        self._committed.clear()
+        self._committed[:] = busy
 
     def answered(self, taken: Taken) -> None:
         """Mark a taken round answered (after COMMIT, or its failure) and wake its owner."""
@@ -390,7 +433,9 @@ class Board:
         holder may be about to take it (the slot looks owned again, by this process), so
         it is cleared under the slot's lock, which a holder takes to mark it taken. Taken:
         a holder may still write its answer, so it is cleared only with the writers' lock
-        held (tried, not waited for), which that holder keeps until it has answered."""
+        held (tried, not waited for), which that holder keeps until its round has
+        committed or rolled back with the answers written, and under the slot's lock,
+        which a holder marking it answered after letting the writers' lock go takes."""
         for slot in range(SLOTS):
             try:
                 fcntl.fcntl(self._fd, fcntl.F_OFD_SETLK, _range_lock(fcntl.F_WRLCK, slot))
@@ -414,8 +459,13 @@ class Board:
             word.value = EMPTY
             return True
         if word.value == TAKEN and lock.try_acquire():
-            try:
-                word.value = EMPTY
+            try:  # and the slot's lock: a holder past the writers' lock may be marking it
+                if not self._slot_lock(slot):
+                    return False
+                try:
+                    word.value = EMPTY
+                finally:
+                    self._slot_unlock(slot)
             finally:
                 lock.release()
             return True
@@ -527,6 +577,13 @@ def open_board(
         _log.debug("no combining board for %s (%s)", path, exc)
         os.close(fd)
         return None
+    try:
+        device, inode = lock.identity
+    except OSError as exc:
+        _log.debug("no combining board for %s (%s)", path, exc)
+        board.close()
+        return None
+    board.queue = (device * 1_000_003 ^ inode) & 0xFFFFFFFFFFFFFFFF
     if board._settle_in(lock):
         return board
     _log.debug("no combining board for %s: every slot is taken", path)

@@ -132,6 +132,13 @@ class WriteLock:
             if self._closed:  # closed while this thread waited or held it
                 os.close(self._fd)
 
+    @property
+    def identity(self) -> tuple[int, int]:
+        """Which file this queue is (device, inode): two processes share a queue only if
+        they opened the same file, not merely the same name."""
+        facts = os.fstat(self._fd)
+        return facts.st_dev, facts.st_ino
+
     def close(self) -> None:
         """Close the file (the thread does it, if it is waiting for the lock or holds it)."""
         with self._mutex:
@@ -158,9 +165,9 @@ class Turn:
     def __init__(self) -> None:
         self._mutex = threading.Lock()
         self._state = "waiting"
-        self._retract: Callable[[], bool] | None = None
+        self._retract: Callable[[], bool | None] | None = None
 
-    def post(self, post: Callable[[], bool], retract: Callable[[], bool]) -> bool | None:
+    def post(self, post: Callable[[], bool], retract: Callable[[], bool | None]) -> bool | None:
         """On the thread: ``post()`` the round unless it was given up (None); what
         ``post`` said. From then on, giving up the round first ``retract()``s it."""
         with self._mutex:
@@ -184,13 +191,16 @@ class Turn:
             self._state = "begun"
             return True
 
-    def give_up(self) -> bool:
-        """On the loop: stop waiting, unless the round has begun; whether it stopped."""
+    def give_up(self) -> bool | None:
+        """On the loop: stop waiting, unless the round has begun; whether it stopped
+        (None: its post could not be looked at this instant; ask again)."""
         with self._mutex:
             if self._state != "waiting":
                 return False
-            if self._retract is not None and not self._retract():
-                return False  # a holder elsewhere took it: it runs there
+            if self._retract is not None:
+                retracted = self._retract()
+                if not retracted:
+                    return retracted  # False: a holder elsewhere took it, it runs there
             self._state = "given up"
             return True
 

@@ -120,6 +120,8 @@ class Writer(_write_queue.WriterBase):
         #: busy_timeout (given up, its thread still waiting).
         self._moving = asyncio.Event()
         self._moving.set()
+        #: `_give_up` asked again (its post was at a holder's hands); cancelled with the round.
+        self._again: asyncio.TimerHandle | None = None
 
     def submit(self, op: Any) -> Awaitable[Any]:
         """Queue one operation: what to await for its result (its future, queued now).
@@ -150,7 +152,12 @@ class Writer(_write_queue.WriterBase):
         """busy_timeout has passed and the round's turn has not come: its callers, and
         every write queued behind it, hear DatabaseLocked; nothing of theirs is written
         (the thread lets the lock go unused when it comes)."""
-        if not turn.give_up():
+        stopped = turn.give_up()
+        if stopped is None:  # its post was at a holder's hands this instant: look again
+            loop = asyncio.get_running_loop()
+            self._again = loop.call_later(_combine.RECHECK, self._give_up, turn, batch)
+            return
+        if not stopped:
             return  # the round has begun meanwhile: it runs to its end
         self._moving.clear()
         waiting = [future for _, future in batch]
@@ -203,6 +210,9 @@ class Writer(_write_queue.WriterBase):
             self.in_flight = 0
             if timer is not None:
                 timer.cancel()
+            if self._again is not None:
+                self._again.cancel()
+                self._again = None
             self._moving.set()  # the thread is back: the lock moves again
 
 
@@ -250,15 +260,15 @@ def _execute_round(
     """Run on the connection's thread: one transaction for the batch, then deliver."""
     started = time.perf_counter()
     try:
-        outcomes, lock_wait, held = _transact(
-            [op for op, _ in batch], db, clock, writer.write_lock, turn, writer.board
-        )
-    except Exception as exc:  # outside any operation (the clock, say): fail the round only
-        _rollback(db)
-        outcomes = [_write_queue.Raised(_write_queue.round_failed(exc))] * len(batch)
-        lock_wait = held = 0.0
-    took = time.perf_counter() - started
-    try:
+        try:
+            outcomes, lock_wait, held = _transact(
+                [op for op, _ in batch], db, clock, writer.write_lock, turn, writer.board
+            )
+        except Exception as exc:  # outside any operation (the clock, say): fail the round
+            _rollback(db)
+            outcomes = [_write_queue.Raised(_write_queue.round_failed(exc))] * len(batch)
+            lock_wait = held = 0.0
+        took = time.perf_counter() - started
         loop.call_soon_threadsafe(_deliver, writer, batch, outcomes, lock_wait, held, took)
     finally:
         if writer.board is not None:  # this round's callers first, then other processes'
@@ -340,8 +350,7 @@ def _transact(
     if board is not None and board.postable(ops):
         served = _transact_posted(ops, db, clock, lock, turn, board, asked)
         if served is not None:
-            return served
-        board = None  # not posted: this round waits for its own turn, alone
+            return served  # else not posted: this round waits for its own turn
     if not lock.acquire():  # the queue failed: SQLite's busy handler waits alone
         if turn is not None and not turn.begin():
             return _given_up(ops, asked)
@@ -388,10 +397,11 @@ def _transact_posted(
     looks = 0  # times this post was looked at unserved
     while True:
         looks += 1
-        if posted and looks > _LOOKS_BEFORE_QUEUEING and board.state() == _combine.POSTED:
+        if posted and looks > _LOOKS_BEFORE_QUEUEING and board.state() != _combine.ANSWERED:
             # Unserved this long: the holders may be writers that do not combine (another
-            # board, ASYNCPLANE_NO_COMBINE). Wait in the queue for a turn of its own; a
-            # holder may still serve the post meanwhile, and then its answers are found.
+            # board, ASYNCPLANE_NO_COMBINE), or its holder died and others keep the lock
+            # busy. Wait in the queue for a turn of its own; a holder may still serve the
+            # post meanwhile, and then its answers are found.
             got: bool | None = lock.acquire() or None
         else:
             got = lock.try_acquire()
@@ -421,6 +431,8 @@ def _transact_posted(
         state = board.state()
         if state in (_combine.POSTED, _combine.TAKEN):
             if got is None and looks > _LOOKS_WITHOUT_QUEUE:  # taken, and no lock to ask
+                if turn is not None:
+                    turn.begin()  # taken: busy_timeout can no longer give it up
                 unknown = _errors.CommitOutcomeUnknown(
                     "the store's write queue went away while another process's round "
                     "held these requests: they may or may not have been saved"
