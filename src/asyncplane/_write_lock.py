@@ -85,9 +85,7 @@ class WriteLock:
         try:
             fcntl.flock(self._fd, fcntl.LOCK_EX)  # sleeps in the kernel while it is taken
         except OSError as exc:
-            _log.warning("the write-lock queue failed (%s): SQLite's busy handler waits", exc)
-            with self._mutex:
-                self.broken = True
+            self._broke(exc)
             self._let_go()
             return False
         finally:
@@ -107,9 +105,7 @@ class WriteLock:
             self._let_go()
             return False
         except OSError as exc:
-            _log.warning("the write-lock queue failed (%s): SQLite's busy handler waits", exc)
-            with self._mutex:
-                self.broken = True
+            self._broke(exc)
             self._let_go()
             return None
         return True
@@ -120,11 +116,15 @@ class WriteLock:
         try:
             fcntl.flock(self._fd, fcntl.LOCK_UN)
         except OSError as exc:  # the filesystem lost its locks: no queue from now on
-            _log.warning("the write-lock queue failed (%s): SQLite's busy handler waits", exc)
-            with self._mutex:
-                self.broken = True
+            self._broke(exc)
         finally:
             self._let_go()
+
+    def _broke(self, exc: OSError) -> None:
+        """flock failed (a filesystem that refuses it after all): no queue from now on."""
+        _log.warning("the write-lock queue failed (%s): SQLite's busy handler waits", exc)
+        with self._mutex:
+            self.broken = True
 
     def _let_go(self) -> None:
         with self._mutex:
