@@ -129,6 +129,11 @@ class Peer:
         self.process.stdin.write(b"go\n")
         await self.process.stdin.drain()
 
+    async def claims_posted(self, board: BoardFile) -> None:
+        """Tell it to claim, and wait until the claim is posted (the lock held elsewhere)."""
+        await self.tell()
+        await until(lambda: board.state(self.slot) == _combine.POSTED)
+
     async def line(self) -> str:
         return await self._line(self.process)
 
@@ -148,8 +153,7 @@ async def served_by(
     """The peer's claim and ``request`` both posted behind a held writers' lock; then the
     lock let go and the peer woken, as a nudge would: it takes the lock, and serves both."""
     holder = await Holder.start(path)
-    await peer.tell()
-    await until(lambda: board.state(peer.slot) == _combine.POSTED)
+    await peer.claims_posted(board)
     task = asyncio.create_task(request)
     await until(lambda: board.state(slot.slot) == _combine.POSTED)
     await holder.let_go()
@@ -251,8 +255,7 @@ async def test_a_holder_letting_go_wakes_a_post_that_came_after_its_take(
         monkeypatch.setattr(_combine.Board, "take", held_after_take)
         mine = asyncio.create_task(store.claim("here", lease_seconds=600))
         await asyncio.to_thread(took.wait, 60)  # this store holds the lock, its take done
-        await peer.tell()
-        await until(lambda: board.state(peer.slot) == _combine.POSTED)  # too late to take
+        await peer.claims_posted(board)  # too late to take
         proceed.set()
         assert await mine is not None
         # Only the nudge of this store letting go can wake the peer: its claim goes on.
@@ -279,8 +282,7 @@ async def test_a_holder_serves_no_post_of_a_process_in_another_writers_queue(
         path.with_name(path.name + _write_lock.SUFFIX).unlink()
         peer = await Peer.start(path, "peer")
         holder = await Holder.start(path)  # the new file's lock
-        await peer.tell()
-        await until(lambda: board.state(peer.slot) == _combine.POSTED)
+        await peer.claims_posted(board)
         assert await store.claim("here", lease_seconds=600) is not None  # the old file's
         assert mine.served_for_others == 0  # the peer's post was left to its own queue
         assert board.state(peer.slot) == _combine.POSTED
@@ -303,8 +305,7 @@ async def test_a_post_whose_owner_died_is_not_served_and_its_slot_is_cleared(
     try:
         peer = await Peer.start(path, "peer")
         holder = await Holder.start(path)
-        await peer.tell()
-        await until(lambda: board.state(peer.slot) == _combine.POSTED)
+        await peer.claims_posted(board)
         peer.process.kill()
         assert await peer.ended() == -signal.SIGKILL
         await holder.let_go()
