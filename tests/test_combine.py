@@ -234,27 +234,27 @@ async def test_a_holder_that_dies_leaves_its_takers_an_outcome_they_can_know(
         await store.close()
 
 
-async def test_a_holder_letting_go_wakes_a_post_that_came_after_its_take(
+async def test_a_holder_letting_go_wakes_a_post_that_came_after_its_look(
     tmp_path: pathlib.Path, patient: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     path = tmp_path / "store.db"
     store = await seeded(path, 3)
     took = threading.Event()
     proceed = threading.Event()
-    take = _combine.Board.take
+    posted = _combine.Board.posted
 
-    def held_after_take(board: _combine.Board, token: bytes, room: int) -> list[_combine.Taken]:
-        taken = take(board, token, room)
+    def held_after_look(board: _combine.Board) -> bool:
+        seen = posted(board)
         took.set()
         proceed.wait(60)  # on the connection's thread, the lock held
-        return taken
+        return seen
 
     board = BoardFile(path)
     try:
         peer = await Peer.start(path, "peer")  # looks at the lock only when woken
-        monkeypatch.setattr(_combine.Board, "take", held_after_take)
+        monkeypatch.setattr(_combine.Board, "posted", held_after_look)
         mine = asyncio.create_task(store.claim("here", lease_seconds=600))
-        await asyncio.to_thread(took.wait, 60)  # this store holds the lock, its take done
+        await asyncio.to_thread(took.wait, 60)  # this store holds the lock, its look done
         await peer.claims_posted(board)  # too late to take
         proceed.set()
         assert await mine is not None
@@ -372,6 +372,52 @@ async def test_a_claim_a_holder_has_taken_is_not_given_up_but_served(
         got = await claim
         assert got is not None
         assert (await claimed_by(store))[got.item_id] == "here"
+        assert await peer.ended() == 0
+        assert await verify_ledger(store) == []
+    finally:
+        board.close()
+        await store.close()
+
+
+async def test_busy_timeout_passing_as_a_served_claim_is_collected_gives_nothing_up(
+    tmp_path: pathlib.Path, patient: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # busy_timeout can pass in the instant the thread collects its answered claim (the slot
+    # already emptied, its outcome not yet handed out): the round has begun by then, so
+    # giving it up fails, and the caller hears its claim, never DatabaseLocked for it.
+    path = tmp_path / "store.db"
+    store = await seeded(path, 3)
+    turns: list[_write_lock.Turn] = []
+    stopped: list[bool | None] = []
+    init = _write_lock.Turn.__init__
+    collect = _combine.Board.collect
+
+    def recorded(turn: _write_lock.Turn) -> None:
+        init(turn)
+        turns.append(turn)
+
+    def collected_as_time_runs_out(
+        board: _combine.Board, ops: Any, committed: Any
+    ) -> list[Any] | None:
+        answers = collect(board, ops, committed)
+        stopped.append(turns[-1].give_up())  # as the loop's timer would, this instant
+        return answers
+
+    monkeypatch.setattr(_write_lock.Turn, "__init__", recorded)
+    monkeypatch.setattr(_combine.Board, "collect", collected_as_time_runs_out)
+    board = BoardFile(path)
+    try:
+        mine = (await writer_of(store)).board
+        assert mine is not None
+        peer = await Peer.start(path, "peer")
+        claim = await served_by(peer, store.claim("here", lease_seconds=600), path, board, mine)
+        got = await claim
+        assert got is not None
+        assert stopped == [False]  # not given up: the post stays collected
+        assert mine.state() == _combine.EMPTY
+        assert mine.served_by_others == 1
+        assert (await claimed_by(store))[got.item_id] == "here"
+        assert json.loads(await peer.line()) is not None
         assert await peer.ended() == 0
         assert await verify_ledger(store) == []
     finally:

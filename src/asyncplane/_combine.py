@@ -108,6 +108,12 @@ _QUEUE_AT = 48  # which writers' queue file the poster waits in (see `Board.queu
 _SPILLED = 0xFFFFFFFF  # answer length meaning "in the slot's spill file"
 
 EMPTY, POSTED, TAKEN, ANSWERED = 0, 1, 2, 3
+#: Every slot's state word in one read: a glance at the board, only ever a hint. A holder
+#: reads a slot's state again under the slot's lock before it takes the slot; a nudge may
+#: wake an owner whose post was taken meanwhile, which then only looks again. The states
+#: are small numbers, so only a word's low byte ever changes, and a read that tears cannot
+#: make one of them up.
+_STATES = struct.Struct("=" + f"I{_HEADER - 4}x" * SLOTS)
 #: Whether this machine's stores are seen by other CPUs in the order they were made (x86's
 #: total store order): a post's header, then its state, needs no fence between them.
 _STORES_IN_ORDER = platform.machine() in ("x86_64", "AMD64", "i686")
@@ -288,17 +294,22 @@ class Board:
 
     # --- the holder's side --------------------------------------------------------------
 
+    def posted(self) -> bool:
+        """At a glance: whether any slot but this process's looks posted."""
+        return _others_posted(_STATES.unpack_from(self._mem), self.slot)
+
     def take(self, token: bytes, room: int) -> list[Taken]:
         """With the writers' lock held: every posted round of a live owner (up to about
         ``room`` requests), marked taken by ``token``."""
         taken: list[Taken] = []
         count = 0
+        states = _STATES.unpack_from(self._mem)
         for step in range(1, SLOTS):
             if count >= room:
                 break
             slot = (self.slot + step) % SLOTS
-            if self._words[slot].value != POSTED or not self._owned(slot):
-                continue
+            if states[slot] != POSTED or not self._owned(slot):
+                continue  # (a posted slot's state is read again under its lock)
             if not self._slot_lock(slot):
                 continue  # its owner is taking it back right now
             try:
@@ -411,9 +422,12 @@ class Board:
     def nudge(self) -> None:
         """After letting the writers' lock go: wake one writer whose post no holder took,
         to try the lock itself (a post that came after this holder's `take`)."""
+        states = _STATES.unpack_from(self._mem)
+        if not _others_posted(states, self.slot):
+            return
         for step in range(1, SLOTS):
             slot = (self.slot + step) % SLOTS
-            if self._words[slot].value == POSTED and self._owned(slot):
+            if states[slot] == POSTED and self._owned(slot):
                 self._signal(slot)
                 return
 
@@ -508,6 +522,11 @@ class Board:
 
     def _slot_unlock(self, slot: int) -> None:
         fcntl.fcntl(self._fd, fcntl.F_OFD_SETLK, _range_lock(fcntl.F_UNLCK, SLOTS + slot))
+
+
+def _others_posted(states: tuple[int, ...], own: int) -> bool:
+    """Whether ``states`` (a glance at the board) has a posted slot other than ``own``."""
+    return bool(states.count(POSTED) > (states[own] == POSTED))
 
 
 def _op_of(kind: str, fields: tuple[Any, ...]) -> Any:

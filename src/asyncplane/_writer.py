@@ -482,7 +482,10 @@ def _transact_held(
 ) -> tuple[list[Any], float]:
     """`_transact` once its place in the queue is held (``asked``: when it was asked for),
     with every round other processes posted on ``board`` taken in and answered."""
-    taken = [] if board is None else board.take(token := os.urandom(16), _TAKE_ROOM)
+    taken = (
+        [] if board is None or not board.posted()
+        else board.take(token := os.urandom(16), _TAKE_ROOM)
+    )  # fmt: skip
     if not taken:
         return _run_held(ops, db, clock, asked, None)
     assert board is not None
