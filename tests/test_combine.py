@@ -9,6 +9,7 @@ until the test wakes a slot (`Board file` below), the way a holder's nudge would
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import json
 import mmap
@@ -18,7 +19,7 @@ import signal
 import struct
 import sys
 import threading
-from collections.abc import Coroutine
+from collections.abc import AsyncIterator, Coroutine
 from typing import Any, TypeVar
 
 import pytest
@@ -168,6 +169,23 @@ async def seeded(path: pathlib.Path, items: int) -> ControlStore:
     return store
 
 
+@contextlib.asynccontextmanager
+async def scene(
+    path: pathlib.Path, store: ControlStore | None = None
+) -> AsyncIterator[tuple[ControlStore, BoardFile, _combine.Board]]:
+    """A store on ``path`` (three items, unless one is given), the board as the test sees
+    it, and the store's own slot; the board and the store closed after."""
+    store = store or await seeded(path, 3)
+    board = BoardFile(path)
+    try:
+        mine = (await writer_of(store)).board
+        assert mine is not None
+        yield store, board, mine
+    finally:
+        board.close()
+        await store.close()
+
+
 async def claimed_by(store: ControlStore) -> dict[int, str]:
     rows = await store.items(state="claimed")
     return {row["item_id"]: row["owner"] for row in rows}
@@ -180,11 +198,7 @@ async def test_a_holder_serves_the_claims_another_process_posted(
     # A weakly ordered machine (ARM) posts and collects under the slot's lock.
     monkeypatch.setattr(_combine, "_STORES_IN_ORDER", in_order)
     path = tmp_path / "store.db"
-    store = await seeded(path, 3)
-    board = BoardFile(path)
-    try:
-        mine = (await writer_of(store)).board
-        assert mine is not None
+    async with scene(path) as (store, board, mine):
         peer = await Peer.start(path, "peer")
         claim = await served_by(peer, store.claim("here", lease_seconds=600), path, board, mine)
         got = await claim
@@ -194,9 +208,6 @@ async def test_a_holder_serves_the_claims_another_process_posted(
         assert mine.served_by_others == 1  # answered by the peer, not run here
         assert sorted((await claimed_by(store)).values()) == ["here", "peer"]
         assert await verify_ledger(store) == []
-    finally:
-        board.close()
-        await store.close()
 
 
 @pytest.mark.parametrize(
@@ -211,11 +222,7 @@ async def test_a_holder_that_dies_leaves_its_takers_an_outcome_they_can_know(
     tmp_path: pathlib.Path, patient: None, die_at: str, saved: bool
 ) -> None:
     path = tmp_path / "store.db"
-    store = await seeded(path, 3)
-    board = BoardFile(path)
-    try:
-        mine = (await writer_of(store)).board
-        assert mine is not None
+    async with scene(path) as (store, board, mine):
         peer = await Peer.start(path, "peer", die_at)
         claim = await served_by(peer, store.claim("here", lease_seconds=600), path, board, mine)
         assert await peer.ended() == 9  # died holding the lock, this claim taken
@@ -229,9 +236,6 @@ async def test_a_holder_that_dies_leaves_its_takers_an_outcome_they_can_know(
         assert sorted(owners.values()) == (["here", "peer"] if saved else ["here"])
         assert mine.served_by_others == (1 if saved else 0)
         assert await verify_ledger(store) == []
-    finally:
-        board.close()
-        await store.close()
 
 
 async def test_a_holder_letting_go_wakes_a_post_that_came_after_its_look(
@@ -272,11 +276,7 @@ async def test_a_holder_serves_no_post_of_a_process_in_another_writers_queue(
     tmp_path: pathlib.Path, patient: None
 ) -> None:
     path = tmp_path / "store.db"
-    store = await seeded(path, 3)
-    board = BoardFile(path)
-    try:
-        mine = (await writer_of(store)).board
-        assert mine is not None
+    async with scene(path) as (store, board, mine):
         # The queue's file replaced while this store has the old one open: a process that
         # opens now waits in another queue, whose lock this store never holds.
         path.with_name(path.name + _write_lock.SUFFIX).unlink()
@@ -291,9 +291,6 @@ async def test_a_holder_serves_no_post_of_a_process_in_another_writers_queue(
         assert json.loads(await peer.line()) is not None
         assert await peer.ended() == 0
         assert sorted((await claimed_by(store)).values()) == ["here", "peer"]
-    finally:
-        board.close()
-        await store.close()
 
 
 async def test_a_post_whose_owner_died_is_not_served_and_its_slot_is_cleared(
@@ -360,10 +357,7 @@ async def test_a_claim_a_holder_has_taken_is_not_given_up_but_served(
         return result
 
     monkeypatch.setattr(_write_lock.Turn, "give_up", recorded)
-    board = BoardFile(path)
-    try:
-        mine = (await writer_of(store)).board
-        assert mine is not None
+    async with scene(path, store) as (store, board, mine):
         peer = await Peer.start(path, "peer", "stall")
         claim = await served_by(peer, store.claim("here", lease_seconds=600), path, board, mine)
         assert await peer.line() == "stalled"  # holding the lock, this claim taken
@@ -374,9 +368,6 @@ async def test_a_claim_a_holder_has_taken_is_not_given_up_but_served(
         assert (await claimed_by(store))[got.item_id] == "here"
         assert await peer.ended() == 0
         assert await verify_ledger(store) == []
-    finally:
-        board.close()
-        await store.close()
 
 
 async def test_busy_timeout_passing_as_a_served_claim_is_collected_gives_nothing_up(
@@ -405,10 +396,7 @@ async def test_busy_timeout_passing_as_a_served_claim_is_collected_gives_nothing
 
     monkeypatch.setattr(_write_lock.Turn, "__init__", recorded)
     monkeypatch.setattr(_combine.Board, "collect", collected_as_time_runs_out)
-    board = BoardFile(path)
-    try:
-        mine = (await writer_of(store)).board
-        assert mine is not None
+    async with scene(path, store) as (store, board, mine):
         peer = await Peer.start(path, "peer")
         claim = await served_by(peer, store.claim("here", lease_seconds=600), path, board, mine)
         got = await claim
@@ -420,9 +408,6 @@ async def test_busy_timeout_passing_as_a_served_claim_is_collected_gives_nothing
         assert json.loads(await peer.line()) is not None
         assert await peer.ended() == 0
         assert await verify_ledger(store) == []
-    finally:
-        board.close()
-        await store.close()
 
 
 @pytest.mark.parametrize(
@@ -457,10 +442,7 @@ async def test_claims_whose_answers_outgrow_the_slot_come_back_whole(
     await store.create_project("alpha", "Alpha")
     big = "x" * (300 * 1024)
     await store.enqueue_many("alpha", [{"n": n, "blob": big} for n in range(6)])
-    board = BoardFile(path)
-    try:
-        mine = (await writer_of(store)).board
-        assert mine is not None
+    async with scene(path, store) as (store, board, mine):
         peer = await Peer.start(path, "peer")
         request = store.claim_batch("here", 5, lease_seconds=600)
         batch = await served_by(peer, request, path, board, mine)
@@ -473,9 +455,6 @@ async def test_claims_whose_answers_outgrow_the_slot_come_back_whole(
         )
         assert all(item.payload["blob"] == big for item in got) and len(got) == 5
         assert await peer.ended() == 0
-    finally:
-        board.close()
-        await store.close()
 
 
 def test_a_combined_round_keeps_its_own_order_and_puts_like_with_like() -> None:
