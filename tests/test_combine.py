@@ -297,9 +297,7 @@ async def test_a_post_whose_owner_died_is_not_served_and_its_slot_is_cleared(
     tmp_path: pathlib.Path,
 ) -> None:
     path = tmp_path / "store.db"
-    store = await seeded(path, 3)
-    board = BoardFile(path)
-    try:
+    async with scene(path) as (store, board, _):
         peer = await Peer.start(path, "peer")
         holder = await Holder.start(path)
         await peer.claims_posted(board)
@@ -316,9 +314,6 @@ async def test_a_post_whose_owner_died_is_not_served_and_its_slot_is_cleared(
             assert board.state(peer.slot) == _combine.EMPTY
             assert await later.claim("later", lease_seconds=600) is not None
         assert await verify_ledger(store) == []
-    finally:
-        board.close()
-        await store.close()
 
 
 async def test_a_posted_claim_given_up_after_busy_timeout_is_taken_back_unwritten(
