@@ -7,6 +7,7 @@ store's back exits 1 and names the count that is wrong.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import pathlib
 import re
@@ -57,6 +58,9 @@ def test_concurrent_queue_counts_are_exact(location_of: Any) -> None:
         assert report[count] == 0, count
     assert report["items_per_s"] > 0
     assert report["per_worker_min"] >= 0 and report["per_worker_max"] <= 300
+    # Said after the drain (--report-at-end), every finish still reaches the probe: the
+    # busiest of 4 workers said at least a quarter of the 300.
+    assert report["per_worker_max"] >= 75
     # Start-up (interpreters, imports, connections, the first thread hand-off) is counted
     # apart, before the timed window starts.
     assert report["startup_s"] > 0
@@ -299,6 +303,55 @@ def test_roles_need_a_server_database_and_a_spreadable_scenario(tmp_path: pathli
     assert code == 2 and "PostgreSQL" in err
     code, _, err = run_probe(tmp_path, "--scenario", "stall", "--role", "coordinator")
     assert code == 2 and "concurrent-queue and chaos only" in err
+
+
+@pytest.mark.parametrize("at_end", [False, True])
+async def test_a_worker_says_its_finishes_each_turn_or_after_the_drain(
+    location_of: Any, at_end: bool
+) -> None:
+    # Each turn's finishes in a line of their own: a killed worker (chaos) loses at most
+    # one turn's. With --report-at-end (concurrent-queue, which kills no one) they come
+    # after the drain, before the summary, so the timed window holds no probe messages.
+    from asyncplane import ControlStore
+    from asyncplane import _probe_protocol as protocol
+
+    store = location_of("said.db")
+    async with ControlStore(store) as seeding:
+        await seeding.create_project("probe", "asyncplane probe")
+        ids = await seeding.enqueue_many("probe", [{"n": n} for n in range(5)])
+    command = [sys.executable, "-m", "asyncplane._probe_worker", "--store", store,
+               "--name", "w", "--no-wait", *(["--report-at-end"] if at_end else [])]  # fmt: skip
+    worker = await asyncio.create_subprocess_exec(
+        *command, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+    )
+    out, err = await worker.communicate()
+    assert worker.returncode == 0, err.decode()
+    said = [protocol.decode(line) for line in out.splitlines()]
+    kinds = [type(message).__name__ for message in said]
+    finished = [
+        tuple(pair) for m in said if isinstance(m, protocol.FinishedMany) for pair in m.items
+    ]
+    assert sorted(item for item, _ in finished) == sorted(ids)
+    lines = 1 if at_end else 5  # one coroutine: one finish a turn
+    assert kinds == ["Ready", *["FinishedMany"] * lines, "Summary"]
+
+
+def test_finishes_said_at_the_end_come_in_lines_the_probe_can_read(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from asyncplane import _probe_protocol as protocol
+    from asyncplane import _probe_worker
+
+    finishes = _probe_worker._Finishes(at_end=True)
+    for item in range(2 * _probe_worker.LINE_ITEMS + 1):
+        finishes.add(item, 1)
+    finishes.flush()
+    lines = capsys.readouterr().out.splitlines()
+    sizes = [
+        len(m.items) for m in map(protocol.decode, lines) if isinstance(m, protocol.FinishedMany)
+    ]
+    assert sizes == [_probe_worker.LINE_ITEMS, _probe_worker.LINE_ITEMS, 1]
+    assert max(map(len, lines)) < 64 * 1024  # asyncio's StreamReader's line limit
 
 
 def test_the_worker_protocol_reads_back_what_it_writes() -> None:

@@ -91,7 +91,7 @@ async def _work_here(
 ) -> None:
     """Run this host's workers on a store a coordinator seeded; check their records."""
     await _seeded_ids(store, args.wait_seconds)
-    workers = [await _spawn(args, f"{_host()}-w{n}", "--until-drained")
+    workers = [await _spawn(args, f"{_host()}-w{n}", "--until-drained", "--report-at-end")
                for n in range(args.workers)]  # fmt: skip
     started = await _go(workers, report)
     await asyncio.gather(*(w.wait() for w in workers))

@@ -41,7 +41,12 @@ async def _concurrent_queue(
         return
     ids = await _seed(store, args.items)
     extra = ("--fault", args.fault) if args.fault else ()
-    workers = [await _spawn(args, f"w{n}", *(extra if n == 0 else ())) for n in range(args.workers)]
+    # Nothing kills these workers: they say what they finished after the drain, so the
+    # timed window holds the store's work, not the probe's messages.
+    workers = [
+        await _spawn(args, f"w{n}", "--report-at-end", *(extra if n == 0 else ()))
+        for n in range(args.workers)
+    ]
     started = await _go(workers, report)
     progress = _start_progress(store, args.items, started, out, report.scenario)
     try:
