@@ -282,3 +282,21 @@ def test_importing_asyncplane_leaves_the_runtimes_and_telemetry_unloaded() -> No
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "ok"
+
+
+def test_importing_asyncplane_leaves_the_file_pieces_to_the_first_store() -> None:
+    # pathlib (with urllib.parse and ipaddress behind it) and SQLite's modules come with
+    # the first store made on a file, not with the import (a PostgreSQL program never
+    # needs them).
+    script = (
+        "import sys\n"
+        "before = {'pathlib', 'sqlite3', 'aiosqlite'} & set(sys.modules)\n"
+        "import asyncplane\n"
+        "assert not {'pathlib', 'sqlite3', 'aiosqlite'} & set(sys.modules) - before\n"
+        "store = asyncplane.ControlStore('unopened.db')\n"
+        "assert 'pathlib' in sys.modules and store.path.name == 'unopened.db'\n"
+        "print('ok')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "ok"

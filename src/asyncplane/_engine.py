@@ -28,11 +28,9 @@ import contextlib
 import dataclasses
 import logging
 import os
-import pathlib
-import socket
 import time
 from collections.abc import AsyncIterator
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from asyncplane import (
     _backend,
@@ -45,6 +43,9 @@ from asyncplane import (
     _telemetry,
     _validate,
 )
+
+if TYPE_CHECKING:
+    import pathlib
 
 __all__ = ("Engine", "Options", "backend_for", "is_postgres_url", "require_asyncio")
 
@@ -80,6 +81,8 @@ class Options:
 
 def worker_name(kind: str) -> str:
     """A default owner for a runtime's claims: its kind, host, process and a random id."""
+    import socket  # on first use, as pathlib: see "What importing asyncplane loads"
+
     return f"{kind}@{socket.gethostname()}:{os.getpid()}:{os.urandom(3).hex()}"
 
 
@@ -108,6 +111,8 @@ def backend_for(
             on_settled=on_settled,
             connect_timeout=options.busy_timeout,
         )
+    import pathlib
+
     from asyncplane import _sqlite
 
     return _sqlite.SQLiteBackend(

@@ -26,13 +26,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import pathlib
-import socket
 import sys
 import threading
 import types
+from typing import TYPE_CHECKING
 
 from asyncplane import _errors, _tasks, _validate
+
+if TYPE_CHECKING:
+    import pathlib
 
 __all__ = ("DrainLock", "Guard")
 
@@ -135,6 +137,8 @@ class _Attempt:
                 os.close(fd)
                 return
             # Who holds it, for a person looking at the file; never read back.
+            import socket  # on first use: see "What importing asyncplane loads"
+
             with contextlib.suppress(OSError):
                 os.ftruncate(fd, 0)
                 os.write(fd, f"{socket.gethostname()} pid {os.getpid()}\n".encode())

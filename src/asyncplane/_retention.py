@@ -30,12 +30,14 @@ import dataclasses
 import datetime as dt
 import json
 import os
-import pathlib
 import sys
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from asyncplane import _backend, _clock, _errors, _models
+
+if TYPE_CHECKING:
+    import pathlib
 
 __all__ = ("PurgeSummary", "default_archive_path", "purge")
 

@@ -15,7 +15,6 @@ import asyncio
 import json
 import logging
 import os
-import pathlib
 import time
 import types
 from collections.abc import (
@@ -49,6 +48,7 @@ from asyncplane._models import ClaimedItem, Job
 from asyncplane._retention import PurgeSummary
 
 if TYPE_CHECKING:
+    import pathlib
     import random
 
     from asyncplane._import import ImportSummary
@@ -144,6 +144,8 @@ class ControlStore:
             )
         if clock is not None and not isinstance(clock, _clock.Clock):
             raise _errors.InvalidType("clock must have a now() method returning epoch seconds")
+        import pathlib  # here, not at import: see "What importing asyncplane loads"
+
         location = os.fspath(path)
         is_url = _engine.is_postgres_url(location)
         # Absolute from the start, so a later chdir cannot move the store.

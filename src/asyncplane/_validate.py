@@ -23,11 +23,13 @@ import datetime as dt
 import json
 import math
 import os
-import pathlib
 import string
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 from asyncplane import _errors, _models, _schedule
+
+if TYPE_CHECKING:
+    import pathlib
 
 __all__ = (
     "MAX_BUSY_TIMEOUT",
@@ -461,6 +463,8 @@ def duration(value: object, what: str) -> float:
 
 def absolute_path(value: object, what: str) -> pathlib.Path:
     """A str or PathLike, made absolute now (so a later chdir cannot move it)."""
+    import pathlib  # on first use: see "What importing asyncplane loads"
+
     return pathlib.Path(os.path.abspath(path_text(value, what)))
 
 
