@@ -28,6 +28,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import socket
 import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Literal
@@ -81,8 +82,6 @@ class Options:
 
 def worker_name(kind: str) -> str:
     """A default owner for a runtime's claims: its kind, host, process and a random id."""
-    import socket  # on first use, as pathlib: see "What importing asyncplane loads"
-
     return f"{kind}@{socket.gethostname()}:{os.getpid()}:{os.urandom(3).hex()}"
 
 
@@ -111,7 +110,7 @@ def backend_for(
             on_settled=on_settled,
             connect_timeout=options.busy_timeout,
         )
-    import pathlib
+    import pathlib  # on first use: see "What importing asyncplane loads"
 
     from asyncplane import _sqlite
 

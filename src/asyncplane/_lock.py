@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import socket
 import sys
 import threading
 import types
@@ -137,8 +138,6 @@ class _Attempt:
                 os.close(fd)
                 return
             # Who holds it, for a person looking at the file; never read back.
-            import socket  # on first use: see "What importing asyncplane loads"
-
             with contextlib.suppress(OSError):
                 os.ftruncate(fd, 0)
                 os.write(fd, f"{socket.gethostname()} pid {os.getpid()}\n".encode())

@@ -11,9 +11,9 @@ JSON per message:
   finished in one turn of its event loop (flushed at the turn's end, so a killed worker
   loses at most one turn's), ``{"claimed": ...}`` in hold mode, and a final
   ``{"summary": ...}``. With ``--report-at-end`` (concurrent-queue, whose workers nothing
-  kills) the finished items are said once the drain is over, before the summary, in lines
-  of at most `LINE_ITEMS`: a line per turn cost a one-coroutine worker and the probe about
-  a tenth of the drain's CPU, which measured the probe's own messages, not the store;
+  kills) the finished items are said once the drain is over (or fails), before the
+  summary, in lines of at most `LINE_ITEMS`: a line per turn cost a one-coroutine fleet
+  about a tenth of its workers' CPU, the probe's own messages and not the store's work;
 * on stdin: one line to start (so every worker starts at once), and in hold mode one line
   telling it to report its held item.
 
@@ -149,16 +149,19 @@ async def _main(args: argparse.Namespace) -> int:
         if not args.no_wait:
             await anyio.to_thread.run_sync(sys.stdin.readline)
         cpu_at_go = _cpu_seconds()
-        if args.mode == "hold":
-            await _hold(store, args, tally)
-        else:
-            await asyncio.gather(
-                *(
-                    _drain_one(store, f"{args.name}/{n}", tally, args.until_drained)
-                    for n in range(args.concurrency)
+        try:
+            if args.mode == "hold":
+                await _hold(store, args, tally)
+            else:
+                await asyncio.gather(
+                    *(
+                        _drain_one(store, f"{args.name}/{n}", tally, args.until_drained)
+                        for n in range(args.concurrency)
+                    )
                 )
-            )
-        tally.finishes.flush()
+            cpu_s = _cpu_seconds() - cpu_at_go  # to the last item: the lines below are ours
+        finally:
+            tally.finishes.flush()  # a worker failing mid-drain still says what it finished
         if args.fault == "duplicate-finish":
             await _probe_support.inject_fault(args.store, args.fault)
         writer = (await _store.engine_of(store).ready()).writer
@@ -170,7 +173,7 @@ async def _main(args: argparse.Namespace) -> int:
                 locked=tally.locked,
                 fence_rejected=tally.fence_rejected,
                 max_lock_wait=getattr(writer, "max_lock_wait", 0.0),
-                cpu_s=_cpu_seconds() - cpu_at_go,
+                cpu_s=cpu_s,
                 claim_p99=tally.claim_p99(),
                 lock_held=getattr(writer, "total_lock_held", 0.0),
             )

@@ -18,6 +18,7 @@ from asyncplane import (
 from asyncplane.probe._report import _PROJECT, ProbeReport
 from asyncplane.probe._workers import (
     _check,
+    _expect_heard,
     _go,
     _seed,
     _spawn,
@@ -100,6 +101,7 @@ async def _work_here(
     report.items = done
     report.items_per_s = done / report.seconds if report.seconds else 0.0
     _check_workers(report, workers)
+    _expect_heard(report, workers)
     report.expect("fence_rejections", report.fence_rejections, 0)
 
 

@@ -19,6 +19,7 @@ from asyncplane.probe._hosts import _check_workers, _coordinate, _seeded_ids, _w
 from asyncplane.probe._report import _KILL_EVERY_SECONDS, ProbeReport
 from asyncplane.probe._workers import (
     _check,
+    _expect_heard,
     _go,
     _seed,
     _spawn,
@@ -41,8 +42,8 @@ async def _concurrent_queue(
         return
     ids = await _seed(store, args.items)
     extra = ("--fault", args.fault) if args.fault else ()
-    # Nothing kills these workers: they say what they finished after the drain, so the
-    # timed window holds the store's work, not the probe's messages.
+    # Nothing kills these workers: they say what they finished once their drain is over,
+    # in a few lines, not a line per turn of their event loop while it runs.
     workers = [
         await _spawn(args, f"w{n}", "--report-at-end", *(extra if n == 0 else ()))
         for n in range(args.workers)
@@ -56,6 +57,7 @@ async def _concurrent_queue(
         await _stop(progress, out)
     report.items_per_s = args.items / report.seconds if report.seconds else 0.0
     await _check(report, store, ids, workers)
+    _expect_heard(report, workers)
     report.expect("fence_rejections", report.fence_rejections, 0)
 
 

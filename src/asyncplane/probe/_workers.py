@@ -166,6 +166,18 @@ async def _check(
     report.expect("worker_crashes", report.worker_crashes, 0)
 
 
+def _expect_heard(report: ProbeReport, workers: Sequence[_Worker]) -> None:
+    """Every finish a worker counted reached the probe: a worker that ended on its own
+    says in its summary how many items it finished, and its lines must name each one
+    (concurrent-queue's workers say them all at the end, in lines of up to a thousand)."""
+    unheard = sum(
+        w.summary.finished - len(w.finished)
+        for w in workers
+        if w.summary is not None and not w.killed
+    )
+    report.expect("finishes_unheard", unheard, 0)
+
+
 def _tally_workers(report: ProbeReport, workers: Sequence[_Worker]) -> None:
     """What the workers said of themselves: locked errors, fence refusals, how evenly
     the work spread, and which of them crashed (a killed one did not crash)."""
