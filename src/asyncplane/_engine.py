@@ -110,12 +110,10 @@ def backend_for(
             on_settled=on_settled,
             connect_timeout=options.busy_timeout,
         )
-    import pathlib  # on first use: see "What importing asyncplane loads"
-
     from asyncplane import _sqlite
 
     return _sqlite.SQLiteBackend(
-        pathlib.Path(os.path.abspath(location)),
+        _validate.absolute_path(location, "path"),
         sizing,
         clock=clock if clock is not None else _clock.SystemClock(),
         synchronous=options.synchronous,

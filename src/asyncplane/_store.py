@@ -144,12 +144,9 @@ class ControlStore:
             )
         if clock is not None and not isinstance(clock, _clock.Clock):
             raise _errors.InvalidType("clock must have a now() method returning epoch seconds")
-        import pathlib  # here, not at import: see "What importing asyncplane loads"
-
-        location = os.fspath(path)
         is_url = _engine.is_postgres_url(location)
         # Absolute from the start, so a later chdir cannot move the store.
-        self._path = None if is_url else pathlib.Path(os.path.abspath(location))
+        self._path = None if is_url else _validate.absolute_path(location, "path")
         self._lease_seconds = _validate.lease_seconds(lease_seconds)
         self._synchronous: Literal["NORMAL", "FULL"] = synchronous
         self._busy_timeout = _validate.seconds(
