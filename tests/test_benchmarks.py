@@ -139,7 +139,7 @@ def test_the_peers_benchmark_reports_every_side_and_target(asyncplane_postgres_u
     done = subprocess.run(
         [
             sys.executable, str(BENCHMARKS / "versus_peers.py"),
-            "--workers", "2", "--items", "40", "--full-items", "20", "--repeats", "1",
+            "--workers", "2", "--items", "40", "--full-items", "20", "--repeats", "2",
             "--url", asyncplane_postgres_url, "--json",
         ],
         capture_output=True, text=True, timeout=600,
@@ -153,8 +153,17 @@ def test_the_peers_benchmark_reports_every_side_and_target(asyncplane_postgres_u
         assert row["per_worker_min"] >= 0 and row["max_lock_wait_s"] >= 0
     assert {"raw", "probe C=1", "probe C=8"} <= set(pg)
     assert pg["probe C=8"]["claim_p99_s"] > 0 and pg["raw"]["claim_p99_s"] > 0
-    named = {name for name, *_ in report["sqlite_targets"] + report["postgres_targets"]}
+    targets = report["sqlite_targets"] + report["postgres_targets"]
+    named = {name for name, *_ in targets}
     assert "probe C=8 longest lock wait (ms)" in named and "probe C=8 / pgqueuer" in named
+    for name, value, _, _, each in targets:
+        if value is None:  # a peer that is not installed here
+            assert each == [], name
+            continue
+        # Each repeat's own figure; over two repeats the figure on the medians (a ratio of
+        # two sums, a mean, or the least of them) lies between the two.
+        assert len(each) == 2, name
+        assert min(each) * (1 - 1e-9) <= value <= max(each) * (1 + 1e-9), (name, value, each)
 
 
 @pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
