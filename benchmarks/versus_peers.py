@@ -206,10 +206,11 @@ def _with_cpu_per_1000(row: dict[str, float], size: int) -> dict[str, float]:
 
 def with_each_repeat(
     targets: list[Any], each: list[list[Any]]
-) -> list[tuple[str, float | None, str, float, list[float]]]:
-    """The targets on the medians, each with its figure in every repeat that had it."""
+) -> list[tuple[str, float | None, str, float, list[float | None]]]:
+    """The targets on the medians, each with its figure in every repeat (None in a repeat
+    where a side it needs did not run)."""
     return [
-        (name, value, op, target, [t[i][1] for t in each if t[i][1] is not None])
+        (name, value, op, target, [t[i][1] for t in each] if value is not None else [])
         for i, (name, value, op, target) in enumerate(targets)
     ]
 
@@ -275,10 +276,8 @@ def show(title: str, table: dict[str, dict[str, float]], targets: list[Any], wai
             continue
         met = value >= target if op == ">=" else value <= target
         verdict = f"({'meets' if met else 'MISSES'} {op} {target})"
-        print(
-            f"  {name:<48} {value:8.2f}  {verdict:<18} "
-            f"each repeat: {', '.join(f'{v:.2f}' for v in each)}"
-        )
+        figures = ", ".join("n/a" if v is None else f"{v:.2f}" for v in each)
+        print(f"  {name:<48} {value:8.2f}  {verdict:<18} each repeat: {figures}")
 
 
 def main() -> int:
