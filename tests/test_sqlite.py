@@ -13,6 +13,7 @@ import pathlib
 import sqlite3
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -88,6 +89,76 @@ async def test_aiosqlite_still_offers_the_hook_asyncplane_uses() -> None:
             await _connection.run(conn, lambda db, x: db.execute("SELECT ?", (x,)).fetchone()[0], 7)
             == 7
         )
+
+
+async def test_aiosqlite_still_takes_a_call_posted_on_its_queue() -> None:
+    # The writer's rounds go on the queue behind aiosqlite.Connection._execute with a
+    # stand-in for the future (asyncplane._connection.post); if a release changes what
+    # that queue takes, or what its thread does with a call's future, this fails first.
+    loop = asyncio.get_running_loop()
+    ran: asyncio.Future[tuple[int, int]] = loop.create_future()
+
+    def call(db: sqlite3.Connection, x: int) -> None:
+        value = db.execute("SELECT ?", (x,)).fetchone()[0]
+        loop.call_soon_threadsafe(ran.set_result, (value, threading.get_ident()))
+
+    async with aiosqlite.connect(":memory:") as conn:
+        _connection.post(conn, call, 7)
+        its_thread = await _connection.run(conn, lambda db: threading.get_ident())
+        assert await ran == (7, its_thread) and its_thread != threading.get_ident()
+    with pytest.raises(ValueError, match="closed"):
+        _connection.post(conn, call, 9)
+
+
+async def test_back_to_back_rounds_never_wake_the_writer_task(tmp_path: pathlib.Path) -> None:
+    # A round's delivery starts the next round, and a request made while the thread is
+    # free starts one by a callback: the writer task sleeps until the store stops.
+    async with ControlStore(tmp_path / "s.db") as store:
+        await store.create_project("p", "p")
+        await store.enqueue_many("p", [{"n": n} for n in range(20)])
+        writer = (await store._engine.ready()).writer
+        code = writer._task.get_coro().cr_code
+        resumed = 0
+
+        def profile(frame: Any, event: str, arg: Any) -> None:
+            nonlocal resumed
+            if event == "call" and frame.f_code is code:
+                resumed += 1
+
+        sys.setprofile(profile)
+        try:
+            for _ in range(20):
+                claim = await store.claim("w")
+                assert claim is not None
+                await store.finish(claim.item_id, fence=claim.fence)
+            rounds = writer.rounds
+        finally:
+            sys.setprofile(None)
+        assert rounds >= 40 and resumed == 0
+        assert (await store.counts())["done"] == 20
+
+
+async def test_a_round_that_breaks_on_its_thread_stops_the_writer_loudly(
+    tmp_path: pathlib.Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    class Escape(BaseException):  # not an Exception: nothing in the round catches it
+        pass
+
+    def escape(db: sqlite3.Connection, now: float) -> None:
+        db.execute("INSERT INTO projects VALUES ('x', 'x', 'open', ?)", (now,))
+        raise Escape
+
+    async with ControlStore(tmp_path / "s.db") as store:
+        writer = (await store._engine.ready()).writer
+        with pytest.raises(StorageError, match="write connection failed") as caught:
+            await writer.submit(escape)
+        assert isinstance(caught.value.__cause__, Escape)
+        await asyncio.wait([writer._task])
+        assert "asyncplane writer" in caplog.text
+        with pytest.raises(StoreClosed, match="writer stopped"):
+            await store.create_project("y", "y")
+    async with ControlStore(tmp_path / "s.db") as store:
+        assert [p["project_id"] for p in await store.projects()] == []  # nothing saved
 
 
 @pytest.mark.parametrize(("level", "code"), [("NORMAL", 1), ("FULL", 2)])

@@ -5,8 +5,9 @@ statement costs one round trip between the event loop and that thread, about as 
 the statement itself on a small machine. A claim is four statements, so asyncplane runs a
 whole transaction, or a whole group commit, as one function on the connection's thread
 (`run`), which is one round trip. aiosqlite's public calls cannot do that; `run` uses its
-``Connection._execute`` hook, the only private name asyncplane touches, kept here alone so
-that an aiosqlite change shows up in one place (tests/test_sqlite.py guards it).
+``Connection._execute`` hook, and the writer's rounds go on the queue behind it (`post`);
+these private names are kept here alone so that an aiosqlite change shows up in one place
+(tests/test_sqlite.py guards them).
 
 Connections run in autocommit mode (``isolation_level=None``): the sqlite3 module never
 opens a transaction behind our back, and asyncplane issues ``BEGIN IMMEDIATE`` and
@@ -86,6 +87,40 @@ async def run(conn: aiosqlite.Connection, fn: Callable[..., T], *args: Any) -> T
     raw = conn._conn  # the sqlite3.Connection, to be used only on that thread
     result: T = await conn._execute(fn, raw, *args)  # type: ignore[no-untyped-call]
     return result
+
+
+def post(conn: aiosqlite.Connection, fn: Callable[..., None], *args: Any) -> None:
+    """Queue ``fn(sqlite3_connection, *args)`` for the connection's own thread and return
+    at once. ``fn`` hands its outcome to the event loop itself and must not raise: the
+    thread wakes the loop once, for that, rather than once more for a future nobody
+    awaits. Raises ValueError, as aiosqlite's own calls do, once the connection is closed.
+
+    It puts the call on the queue `run`'s ``_execute`` puts it on, with a stand-in for the
+    future there (`_NO_FUTURE`): aiosqlite's thread hands a call's result to its future's
+    loop, and the stand-in's loop drops it.
+    """
+    if not conn._running or conn._connection is None:
+        raise ValueError("Connection closed")
+    conn._tx.put_nowait((_NO_FUTURE, functools.partial(fn, conn._conn, *args)))
+
+
+class _Dropped:
+    """The stand-in for a posted call's future, and its own loop: what aiosqlite's thread
+    would schedule on it (the call's result) is dropped."""
+
+    __slots__ = ()
+
+    def get_loop(self) -> _Dropped:
+        return self
+
+    def call_soon_threadsafe(self, callback: Callable[..., Any], *args: Any) -> None:
+        return None
+
+    def done(self) -> bool:
+        return True
+
+
+_NO_FUTURE: Any = _Dropped()
 
 
 async def check_path(path: pathlib.Path) -> None:

@@ -1,10 +1,13 @@
 """The part every backend's writer shares: a queue of write requests served in rounds.
 
-Callers `submit` an operation and wait for its own outcome. One task per store, the
-writer, takes every request waiting when it is free (up to ``max_batch``) and serves them
-together in one round: one transaction, group-committed. How a round begins, runs and
-commits is the backend's (`asyncplane._writer` for SQLite, `asyncplane._postgres_writer`
-for PostgreSQL); so is closing its connection. What a round is made of is shared:
+Callers `submit` an operation and wait for its own outcome. The writer takes every
+request waiting when it is free (up to ``max_batch``) and serves them together in one
+round: one transaction, group-committed. On PostgreSQL one task per store, the writer
+task, runs the rounds one after another (`WriterBase._serve_queue`); on SQLite callbacks
+start them and the task only waits for the end (`asyncplane._writer`). How a round
+begins, runs and commits is the backend's (`asyncplane._writer` for SQLite,
+`asyncplane._postgres_writer` for PostgreSQL); so is closing its connection. What a round
+is made of is shared:
 
 * **Units.** Consecutive requests of the same `Grouped` kind (claims with the same
   filters, finishes) run as one unit, one call that answers for each member (`units`);
@@ -252,10 +255,25 @@ class WriterBase:
         and each layer of coroutines is one more frame to resume per request."""
         if not self.running:
             raise self._closed_error()
-        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Any] = loop.create_future()
         self._pending.append((op, future))
-        self._wakeup.set()
+        self._queued(loop)
         return future
+
+    def _queued(self, loop: asyncio.AbstractEventLoop) -> None:
+        """A request was queued: wake the writer task (which takes it in its next round)."""
+        self._wakeup.set()
+
+    def _take_batch(self) -> list[Request]:
+        """The next round's requests: those queued first, up to ``max_batch``, leaving out
+        any whose caller gave up before it was written."""
+        batch: list[Request] = []
+        while self._pending and len(batch) < self._max_batch:
+            request = self._pending.popleft()
+            if not request[1].cancelled():
+                batch.append(request)
+        return batch
 
     async def stop(self) -> None:
         """Serve every queued request, run ``on_exit``, close the connection; idempotent."""
@@ -273,24 +291,25 @@ class WriterBase:
             return err
         return _errors.StoreClosed("the store is closed")
 
+    async def _serve_queue(self) -> None:
+        """Serve rounds until stopped with nothing queued (the task's loop): each round
+        takes what waits when the last one is done."""
+        while True:
+            if not self._pending:
+                if self._stopping:
+                    return
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            batch = self._take_batch()
+            if batch:
+                await self._serve(batch)
+
     async def _run(self) -> None:
         graceful = False
         try:
-            while True:
-                if not self._pending:
-                    if self._stopping:
-                        graceful = True
-                        return
-                    self._wakeup.clear()
-                    await self._wakeup.wait()
-                    continue
-                batch: list[Request] = []
-                while self._pending and len(batch) < self._max_batch:
-                    request = self._pending.popleft()
-                    if not request[1].cancelled():  # its caller gave up before it was written
-                        batch.append(request)
-                if batch:
-                    await self._serve(batch)
+            await self._serve_queue()
+            graceful = True
         except asyncio.CancelledError:
             raise
         except BaseException as exc:

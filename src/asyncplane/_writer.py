@@ -1,10 +1,17 @@
-"""The writer task: every write of a store goes through it, one transaction at a time.
+"""The writer: every write of a store goes through it, one transaction at a time.
 
-A store has exactly one write connection and one asyncio task, the writer, that owns it
-(its request queue and round loop are `asyncplane._write_queue`, shared with the
-PostgreSQL writer). Callers hand the writer an *operation*: a plain function
-``op(db, now)`` that runs on the connection's thread inside a transaction the writer
-opened with ``BEGIN IMMEDIATE``.
+A store has exactly one write connection and one writer that owns it (its request queue
+is `asyncplane._write_queue`, shared with the PostgreSQL writer). Callers hand the writer
+an *operation*: a plain function ``op(db, now)`` that runs on the connection's thread
+inside a transaction the writer opened with ``BEGIN IMMEDIATE``.
+
+Rounds follow each other without waking a task. The first request queued while the
+connection's thread is free schedules the round (``call_soon``: after the callbacks
+already due, so requests made in the same turn of the loop share it); the round goes to
+the thread on aiosqlite's own queue (`asyncplane._connection.post`); and its delivery, on
+the loop, starts the next round at once if requests queued up meanwhile. So a round wakes
+the loop once, to deliver, and the writer task not at all: the task only waits for the
+store to stop, lets what is queued be served, and closes the connection last.
 
 The writers' queue. Before ``BEGIN IMMEDIATE`` a round takes its place in the queue every
 process's writers share (`asyncplane._write_lock`), and it lets go after its COMMIT or
@@ -122,6 +129,11 @@ class Writer(_write_queue.WriterBase):
         self._moving.set()
         #: `_give_up` asked again (its post was at a holder's hands); cancelled with the round.
         self._again: asyncio.TimerHandle | None = None
+        #: The round on the connection's thread now (None: the thread is free), its
+        #: busy_timeout timer, and whether a `_dispatch` is scheduled.
+        self._on_thread: list[_Request] | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._dispatch_due = False
 
     def submit(self, op: Any) -> Awaitable[Any]:
         """Queue one operation: what to await for its result (its future, queued now).
@@ -173,9 +185,6 @@ class Writer(_write_queue.WriterBase):
             self.write_lock.close()
         # The board stays open: the thread may still be serving a round through it.
 
-    async def _serve(self, batch: list[_Request]) -> None:
-        await self._round(batch)
-
     async def _close(self) -> None:
         try:
             await self._conn.close()
@@ -185,35 +194,71 @@ class Writer(_write_queue.WriterBase):
             if self.board is not None:
                 self.board.close()
 
-    async def _round(self, batch: list[_Request]) -> None:
-        """Run one transaction for ``batch``; its outcomes reach the callers from the thread."""
+    # --- rounds, driven by callbacks -----------------------------------------------------
+    #
+    # No task wakes up per round: the first request queued while the thread is free
+    # schedules `_dispatch` (call_soon: after the callbacks already due, so that requests
+    # made in the same turn of the loop share the round), and a round's delivery, on the
+    # loop, starts the next round at once if requests queued up meanwhile. The writer task
+    # only waits for the end (`_serve_queue`) and then closes.
+
+    def _queued(self, loop: asyncio.AbstractEventLoop) -> None:
+        if self._on_thread is None and not self._dispatch_due:
+            self._dispatch_due = True
+            loop.call_soon(self._dispatch)
+
+    async def _serve_queue(self) -> None:
+        while True:
+            if self._failure is not None:  # a round broke: the task ends with it
+                raise self._failure
+            if self._stopping and self._on_thread is None and not self._pending:
+                return
+            self._wakeup.clear()
+            await self._wakeup.wait()
+
+    def _dispatch(self) -> None:
+        """Start a round for the requests queued, unless one is on the thread already."""
+        self._dispatch_due = False
+        if self._on_thread is not None or self._failure is not None:
+            return
+        batch = self._take_batch()
+        if not batch:
+            self._wakeup.set()  # a stop may be waiting for the queue to empty
+            return
         loop = asyncio.get_running_loop()
+        self._on_thread = batch
         self.in_flight = len(batch)
         self.rounds += 1
         self.requests += len(batch)
         turn = None if self.write_lock is None else _write_lock.Turn()
-        timer = (
-            None if turn is None
-            else loop.call_later(self.lock_timeout, self._give_up, turn, batch)
-        )  # fmt: skip
+        if turn is not None:
+            self._timer = loop.call_later(self.lock_timeout, self._give_up, turn, batch)
         try:
-            # The round hands its outcomes to the callers itself (call_soon_threadsafe), so
-            # they arrive even if this task is cancelled while the round runs, and without
-            # waiting for this task to wake up first.
-            await _connection.run(self._conn, _execute_round, batch, self._clock, loop, self, turn)
-        except asyncio.CancelledError:
-            raise
-        except BaseException as exc:  # the round itself broke (connection closed, a bug)
-            self._broke(batch, exc)
-            raise
-        finally:
-            self.in_flight = 0
-            if timer is not None:
-                timer.cancel()
-            if self._again is not None:
-                self._again.cancel()
-                self._again = None
-            self._moving.set()  # the thread is back: the lock moves again
+            # The round hands its outcomes to the callers itself (call_soon_threadsafe):
+            # they arrive even if the writer task is cancelled while the round runs.
+            _connection.post(self._conn, _execute_round, batch, self._clock, loop, self, turn)
+        except BaseException as exc:  # the connection is closed: the round never began
+            _round_broke(self, batch, exc)
+
+    def _round_over(self) -> None:
+        """The connection's thread is back from the round (on the event loop)."""
+        self._on_thread = None
+        self.in_flight = 0
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self._again is not None:
+            self._again.cancel()
+            self._again = None
+        self._moving.set()  # the thread is back: the lock moves again
+
+    def _next(self) -> None:
+        """After a round: the next one for what queued up meanwhile, or tell a stop
+        waiting for the queue to empty."""
+        if self._pending and self._failure is None:
+            self._dispatch()
+        elif self._stopping:
+            self._wakeup.set()
 
 
 def _deliver(
@@ -225,14 +270,24 @@ def _deliver(
     took: float,
 ) -> None:
     """On the event loop: hand each caller its own outcome (the round measured first, so a
-    caller's next look sees its round)."""
-    writer.in_flight = 0
+    caller's next look sees its round), then start the next round."""
+    writer._round_over()
     writer.total_lock_wait += lock_wait
     writer.total_lock_held += held
     writer.max_lock_wait = max(writer.max_lock_wait, lock_wait)
     _telemetry.write_round("sqlite", len(batch), took)
     _telemetry.lock_wait(lock_wait)
     _write_queue.deliver(batch, outcomes)
+    writer._next()
+
+
+def _round_broke(writer: Writer, batch: list[_Request], exc: BaseException) -> None:
+    """On the event loop: the round itself broke (the connection closed, a bug): its
+    callers still waiting hear it, and the writer stops, failed."""
+    if writer._on_thread is batch:  # not already ended by its delivery
+        writer._round_over()
+    writer._broke(batch, exc)
+    writer._wakeup.set()
 
 
 def _translated(exc: sqlite3.Error) -> _errors.StorageError:
@@ -257,22 +312,27 @@ def _execute_round(
     writer: Writer,
     turn: _write_lock.Turn | None,
 ) -> None:
-    """Run on the connection's thread: one transaction for the batch, then deliver."""
+    """Run on the connection's thread: one transaction for the batch, then deliver. It
+    never raises (nothing waits on the thread for it): a round that breaks says so."""
     started = time.perf_counter()
     try:
         try:
-            outcomes, lock_wait, held = _transact(
-                [op for op, _ in batch], db, clock, writer.write_lock, turn, writer.board
-            )
-        except Exception as exc:  # outside any operation (the clock, say): fail the round
-            _rollback(db)
-            outcomes = [_write_queue.Raised(_write_queue.round_failed(exc))] * len(batch)
-            lock_wait = held = 0.0
-        took = time.perf_counter() - started
-        loop.call_soon_threadsafe(_deliver, writer, batch, outcomes, lock_wait, held, took)
-    finally:
-        if writer.board is not None:  # this round's callers first, then other processes'
-            writer.board.after_round()
+            try:
+                outcomes, lock_wait, held = _transact(
+                    [op for op, _ in batch], db, clock, writer.write_lock, turn, writer.board
+                )
+            except Exception as exc:  # outside any operation (the clock, say): fail the round
+                _rollback(db)
+                outcomes = [_write_queue.Raised(_write_queue.round_failed(exc))] * len(batch)
+                lock_wait = held = 0.0
+            took = time.perf_counter() - started
+            loop.call_soon_threadsafe(_deliver, writer, batch, outcomes, lock_wait, held, took)
+        finally:
+            if writer.board is not None:  # this round's callers first, then other processes'
+                writer.board.after_round()
+    except BaseException as exc:  # the round itself broke (a bug, or the loop is gone)
+        with contextlib.suppress(RuntimeError):  # a closed loop: no one is left to tell
+            loop.call_soon_threadsafe(_round_broke, writer, batch, exc)
 
 
 def _run_unit(
