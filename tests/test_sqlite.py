@@ -102,10 +102,18 @@ async def test_aiosqlite_still_takes_a_call_posted_on_its_queue() -> None:
         value = db.execute("SELECT ?", (x,)).fetchone()[0]
         loop.call_soon_threadsafe(ran.set_result, (value, threading.get_ident()))
 
-    async with aiosqlite.connect(":memory:") as conn:
+    conn = await aiosqlite.connect(":memory:")
+    try:
         _connection.post(conn, call, 7)
-        its_thread = await _connection.run(conn, lambda db: threading.get_ident())
-        assert await ran == (7, its_thread) and its_thread != threading.get_ident()
+        # Bounded: a release that mishandled the stand-in would kill the thread, and
+        # then nothing on it would ever answer.
+        its_thread = await asyncio.wait_for(
+            _connection.run(conn, lambda db: threading.get_ident()), 10
+        )
+        assert await asyncio.wait_for(ran, 10) == (7, its_thread)
+        assert its_thread != threading.get_ident()
+    finally:
+        await asyncio.wait_for(conn.close(), 10)
     with pytest.raises(ValueError, match="closed"):
         _connection.post(conn, call, 9)
 
@@ -125,6 +133,7 @@ async def test_back_to_back_rounds_never_wake_the_writer_task(tmp_path: pathlib.
             if event == "call" and frame.f_code is code:
                 resumed += 1
 
+        before = sys.getprofile()
         sys.setprofile(profile)
         try:
             for _ in range(20):
@@ -133,9 +142,55 @@ async def test_back_to_back_rounds_never_wake_the_writer_task(tmp_path: pathlib.
                 await store.finish(claim.item_id, fence=claim.fence)
             rounds = writer.rounds
         finally:
-            sys.setprofile(None)
+            sys.setprofile(before)
         assert rounds >= 40 and resumed == 0
         assert (await store.counts())["done"] == 20
+
+
+async def test_callers_just_answered_join_the_round_queued_behind_theirs(
+    tmp_path: pathlib.Path,
+) -> None:
+    # A round's delivery schedules the next round rather than starting it: the callers it
+    # answered run first, and what they ask at once joins what queued up meanwhile.
+    release = threading.Event()
+
+    def slow(db: sqlite3.Connection, now: float) -> str:
+        release.wait(30)  # holds the connection's thread (never the loop) until released
+        return "slow"
+
+    def quick(db: sqlite3.Connection, now: float) -> str:
+        return "quick"
+
+    async with ControlStore(tmp_path / "s.db") as store:
+        writer = (await store._engine.ready()).writer
+        first = writer.submit(slow)
+
+        async def answered_then_asks_again() -> Any:
+            assert await first == "slow"
+            return await writer.submit(quick)
+
+        again = asyncio.ensure_future(answered_then_asks_again())
+        await until(lambda: writer.in_flight == 1, what="the slow round on the thread")
+        behind = writer.submit(quick)  # queued while the slow round runs
+        rounds = writer.rounds
+        release.set()
+        assert await behind == "quick" and await again == "quick"
+        assert writer.rounds == rounds + 1  # the two in one round
+
+
+async def test_an_operation_raising_stop_iteration_fails_alone(tmp_path: pathlib.Path) -> None:
+    # A future cannot take StopIteration (it would end the coroutine awaiting it): the
+    # caller gets a StorageError with it as the cause, and the writer goes on.
+    def stops(db: sqlite3.Connection, now: float) -> None:
+        raise StopIteration
+
+    async with ControlStore(tmp_path / "s.db") as store:
+        writer = (await store._engine.ready()).writer
+        with pytest.raises(StorageError, match="StopIteration") as caught:
+            await asyncio.wait_for(writer.submit(stops), 30)  # unanswered, it would hang
+        assert isinstance(caught.value.__cause__, StopIteration)
+        await store.create_project("p", "p")
+        assert [p["project_id"] for p in await store.projects()] == ["p"]
 
 
 async def test_a_round_that_breaks_on_its_thread_stops_the_writer_loudly(
@@ -389,7 +444,12 @@ def test_many_processes_create_a_fresh_store_at_once(tmp_path: pathlib.Path) -> 
         for n in range(8)
     ]
     errors = [w.communicate(timeout=120)[1] for w in workers]
-    assert [w.returncode for w in workers] == [0] * 8, errors
+    failed = [
+        (n, w.returncode, error.decode()[-2000:])
+        for n, (w, error) in enumerate(zip(workers, errors, strict=True))
+        if w.returncode != 0
+    ]
+    assert not failed, failed  # each failing worker with what it said
 
     async def projects() -> list[str]:
         async with ControlStore(path) as store:

@@ -37,6 +37,7 @@ __all__ = (
     "check_path",
     "open_reader",
     "open_writer",
+    "post",
     "run",
     "translate",
 )

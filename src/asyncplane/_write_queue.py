@@ -142,14 +142,18 @@ def deliver(batch: Sequence[Request], outcomes: Sequence[Any]) -> None:
         if future.done():
             continue
         if isinstance(outcome, Raised):
-            future.set_exception(outcome.error)
+            error = outcome.error
+            if isinstance(error, StopIteration):  # a future refuses it: it ends coroutines
+                error = caused(_errors.StorageError(f"the operation raised {error!r}"), error)
+            future.set_exception(error)
         else:
             future.set_result(outcome)
 
 
 class WriterBase:
-    """A store's request queue and the task that serves it in rounds, on ``conn`` (the
-    one write connection), with "now" from ``clock`` (None: the backend's own)."""
+    """A store's request queue, served in rounds on ``conn`` (the one write connection),
+    with "now" from ``clock`` (None: the backend's own), and the task that owns it: the
+    task serves the rounds (`_serve_queue`) unless the backend starts them otherwise."""
 
     def __init__(
         self,

@@ -9,9 +9,10 @@ Rounds follow each other without waking a task. The first request queued while t
 connection's thread is free schedules the round (``call_soon``: after the callbacks
 already due, so requests made in the same turn of the loop share it); the round goes to
 the thread on aiosqlite's own queue (`asyncplane._connection.post`); and its delivery, on
-the loop, starts the next round at once if requests queued up meanwhile. So a round wakes
-the loop once, to deliver, and the writer task not at all: the task only waits for the
-store to stop, lets what is queued be served, and closes the connection last.
+the loop, schedules the next round if requests queued up meanwhile (after the callers it
+answered, so that what they ask at once joins it). So a round wakes the loop once, to
+deliver, and the writer task not at all: the task only waits for the store to stop, lets
+what is queued be served, and closes the connection last.
 
 The writers' queue. Before ``BEGIN IMMEDIATE`` a round takes its place in the queue every
 process's writers share (`asyncplane._write_lock`), and it lets go after its COMMIT or
@@ -59,6 +60,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import sqlite3
 import time
@@ -83,6 +85,8 @@ from asyncplane._clock import Clock
 __all__ = ("Operation", "Write", "Writer")
 
 T = TypeVar("T")
+
+_log = logging.getLogger("asyncplane.writer")
 
 #: A write operation: runs on the connection's thread inside the writer's transaction.
 Operation = Callable[[sqlite3.Connection, float], T]
@@ -199,8 +203,8 @@ class Writer(_write_queue.WriterBase):
     # No task wakes up per round: the first request queued while the thread is free
     # schedules `_dispatch` (call_soon: after the callbacks already due, so that requests
     # made in the same turn of the loop share the round), and a round's delivery, on the
-    # loop, starts the next round at once if requests queued up meanwhile. The writer task
-    # only waits for the end (`_serve_queue`) and then closes.
+    # loop, schedules the next round the same way if requests queued up meanwhile. The
+    # writer task only waits for the end (`_serve_queue`) and then closes.
 
     def _queued(self, loop: asyncio.AbstractEventLoop) -> None:
         if self._on_thread is None and not self._dispatch_due:
@@ -222,8 +226,9 @@ class Writer(_write_queue.WriterBase):
         if self._on_thread is not None or self._failure is not None:
             return
         batch = self._take_batch()
-        if not batch:
-            self._wakeup.set()  # a stop may be waiting for the queue to empty
+        if not batch:  # every caller gave up meanwhile
+            if self._stopping:
+                self._wakeup.set()  # the stop waits for the queue to empty
             return
         loop = asyncio.get_running_loop()
         self._on_thread = batch
@@ -238,7 +243,7 @@ class Writer(_write_queue.WriterBase):
             # they arrive even if the writer task is cancelled while the round runs.
             _connection.post(self._conn, _execute_round, batch, self._clock, loop, self, turn)
         except BaseException as exc:  # the connection is closed: the round never began
-            _round_broke(self, batch, exc)
+            self._round_broke(batch, exc)
 
     def _round_over(self) -> None:
         """The connection's thread is back from the round (on the event loop)."""
@@ -252,13 +257,30 @@ class Writer(_write_queue.WriterBase):
             self._again = None
         self._moving.set()  # the thread is back: the lock moves again
 
-    def _next(self) -> None:
+    def _next(self, loop: asyncio.AbstractEventLoop) -> None:
         """After a round: the next one for what queued up meanwhile, or tell a stop
-        waiting for the queue to empty."""
+        waiting for the queue to empty. The next round is scheduled, not started here,
+        so that the callers just answered, whose callbacks come first, can join it."""
         if self._pending and self._failure is None:
-            self._dispatch()
+            if not self._dispatch_due:
+                self._dispatch_due = True
+                loop.call_soon(self._dispatch)
         elif self._stopping:
             self._wakeup.set()
+
+    def _round_broke(self, batch: list[_Request], exc: BaseException) -> None:
+        """On the event loop: the round itself broke (the connection closed, a bug): its
+        callers still waiting hear it, and the writer stops, failed, and says so."""
+        if self._on_thread is batch:  # not already ended by its delivery
+            self._round_over()
+        self._broke(batch, exc)
+        self._wakeup.set()
+        if self._task is not None and self._task.done():
+            # It broke after its delivery, and a stop had already ended the task: the
+            # task cannot report it, so it is reported here.
+            _log.error(
+                "asyncplane writer %s: a round broke after it stopped", self._name, exc_info=exc
+            )
 
 
 def _deliver(
@@ -270,24 +292,17 @@ def _deliver(
     took: float,
 ) -> None:
     """On the event loop: hand each caller its own outcome (the round measured first, so a
-    caller's next look sees its round), then start the next round."""
+    caller's next look sees its round), then see to the next round whatever happens."""
     writer._round_over()
-    writer.total_lock_wait += lock_wait
-    writer.total_lock_held += held
-    writer.max_lock_wait = max(writer.max_lock_wait, lock_wait)
-    _telemetry.write_round("sqlite", len(batch), took)
-    _telemetry.lock_wait(lock_wait)
-    _write_queue.deliver(batch, outcomes)
-    writer._next()
-
-
-def _round_broke(writer: Writer, batch: list[_Request], exc: BaseException) -> None:
-    """On the event loop: the round itself broke (the connection closed, a bug): its
-    callers still waiting hear it, and the writer stops, failed."""
-    if writer._on_thread is batch:  # not already ended by its delivery
-        writer._round_over()
-    writer._broke(batch, exc)
-    writer._wakeup.set()
+    try:
+        writer.total_lock_wait += lock_wait
+        writer.total_lock_held += held
+        writer.max_lock_wait = max(writer.max_lock_wait, lock_wait)
+        _telemetry.write_round("sqlite", len(batch), took)
+        _telemetry.lock_wait(lock_wait)
+        _write_queue.deliver(batch, outcomes)
+    finally:
+        writer._next(asyncio.get_running_loop())
 
 
 def _translated(exc: sqlite3.Error) -> _errors.StorageError:
@@ -332,7 +347,7 @@ def _execute_round(
                 writer.board.after_round()
     except BaseException as exc:  # the round itself broke (a bug, or the loop is gone)
         with contextlib.suppress(RuntimeError):  # a closed loop: no one is left to tell
-            loop.call_soon_threadsafe(_round_broke, writer, batch, exc)
+            loop.call_soon_threadsafe(writer._round_broke, batch, exc)
 
 
 def _run_unit(
