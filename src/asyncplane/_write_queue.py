@@ -143,7 +143,7 @@ def deliver(batch: Sequence[Request], outcomes: Sequence[Any]) -> None:
             continue
         if isinstance(outcome, Raised):
             error = outcome.error
-            if isinstance(error, StopIteration):  # a future refuses it: it ends coroutines
+            if isinstance(error, StopIteration):  # a future would refuse it, or rewrap it
                 error = caused(_errors.StorageError(f"the operation raised {error!r}"), error)
             future.set_exception(error)
         else:
@@ -335,3 +335,11 @@ class WriterBase:
                     await asyncio.shield(self._on_exit(graceful))
             finally:
                 await asyncio.shield(self._close())
+            if graceful and self._failure is not None:
+                # A round broke after its callers had their answers, while the writer
+                # was stopping (the connection's thread tells the loop before it closes,
+                # so it is known by now): the task ends quietly, so it is said here.
+                _log.error(
+                    "asyncplane writer %s: a round broke as it stopped", self._name,
+                    exc_info=self._failure,
+                )  # fmt: skip

@@ -60,7 +60,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import os
 import sqlite3
 import time
@@ -86,7 +85,6 @@ __all__ = ("Operation", "Write", "Writer")
 
 T = TypeVar("T")
 
-_log = logging.getLogger("asyncplane.writer")
 
 #: A write operation: runs on the connection's thread inside the writer's transaction.
 Operation = Callable[[sqlite3.Connection, float], T]
@@ -274,13 +272,7 @@ class Writer(_write_queue.WriterBase):
         if self._on_thread is batch:  # not already ended by its delivery
             self._round_over()
         self._broke(batch, exc)
-        self._wakeup.set()
-        if self._task is not None and self._task.done():
-            # It broke after its delivery, and a stop had already ended the task: the
-            # task cannot report it, so it is reported here.
-            _log.error(
-                "asyncplane writer %s: a round broke after it stopped", self._name, exc_info=exc
-            )
+        self._wakeup.set()  # the task ends with it (or says it, if it was stopping)
 
 
 def _deliver(
@@ -291,16 +283,23 @@ def _deliver(
     held: float,
     took: float,
 ) -> None:
-    """On the event loop: hand each caller its own outcome (the round measured first, so a
-    caller's next look sees its round), then see to the next round whatever happens."""
+    """On the event loop: hand each caller its own outcome (the round measured before any
+    caller runs, so a caller's next look sees its round), then see to the next round
+    whatever happens."""
     writer._round_over()
+    writer.total_lock_wait += lock_wait
+    writer.total_lock_held += held
+    writer.max_lock_wait = max(writer.max_lock_wait, lock_wait)
     try:
-        writer.total_lock_wait += lock_wait
-        writer.total_lock_held += held
-        writer.max_lock_wait = max(writer.max_lock_wait, lock_wait)
-        _telemetry.write_round("sqlite", len(batch), took)
+        _write_queue.deliver(batch, outcomes)  # schedules the callers: none runs before...
+        _telemetry.write_round("sqlite", len(batch), took)  # ...the round is counted here
         _telemetry.lock_wait(lock_wait)
-        _write_queue.deliver(batch, outcomes)
+    except BaseException as exc:  # a bug: no caller of the round may be left waiting
+        error = _errors.StorageError(f"the round's outcomes could not be handed over: {exc!r}")
+        for _, future in batch:
+            if not future.done():
+                future.set_exception(_write_queue.caused(error, exc))
+        raise
     finally:
         writer._next(asyncio.get_running_loop())
 
