@@ -85,7 +85,6 @@ __all__ = ("Operation", "Write", "Writer")
 
 T = TypeVar("T")
 
-
 #: A write operation: runs on the connection's thread inside the writer's transaction.
 Operation = Callable[[sqlite3.Connection, float], T]
 #: What a backend submits: an operation, or a request the round may group with its like.
@@ -205,7 +204,12 @@ class Writer(_write_queue.WriterBase):
     # writer task only waits for the end (`_serve_queue`) and then closes.
 
     def _queued(self, loop: asyncio.AbstractEventLoop) -> None:
-        if self._on_thread is None and not self._dispatch_due:
+        if self._on_thread is None:
+            self._schedule_dispatch(loop)
+
+    def _schedule_dispatch(self, loop: asyncio.AbstractEventLoop) -> None:
+        """`_dispatch` after the callbacks already due, once however often it is asked."""
+        if not self._dispatch_due:
             self._dispatch_due = True
             loop.call_soon(self._dispatch)
 
@@ -260,9 +264,7 @@ class Writer(_write_queue.WriterBase):
         waiting for the queue to empty. The next round is scheduled, not started here,
         so that the callers just answered, whose callbacks come first, can join it."""
         if self._pending and self._failure is None:
-            if not self._dispatch_due:
-                self._dispatch_due = True
-                loop.call_soon(self._dispatch)
+            self._schedule_dispatch(loop)
         elif self._stopping:
             self._wakeup.set()
 
@@ -276,6 +278,7 @@ class Writer(_write_queue.WriterBase):
 
 
 def _deliver(
+    loop: asyncio.AbstractEventLoop,
     writer: Writer,
     batch: list[_Request],
     outcomes: list[Any],
@@ -301,7 +304,7 @@ def _deliver(
                 future.set_exception(_write_queue.caused(error, exc))
         raise
     finally:
-        writer._next(asyncio.get_running_loop())
+        writer._next(loop)
 
 
 def _translated(exc: sqlite3.Error) -> _errors.StorageError:
@@ -340,7 +343,9 @@ def _execute_round(
                 outcomes = [_write_queue.Raised(_write_queue.round_failed(exc))] * len(batch)
                 lock_wait = held = 0.0
             took = time.perf_counter() - started
-            loop.call_soon_threadsafe(_deliver, writer, batch, outcomes, lock_wait, held, took)
+            loop.call_soon_threadsafe(
+                _deliver, loop, writer, batch, outcomes, lock_wait, held, took
+            )
         finally:
             if writer.board is not None:  # this round's callers first, then other processes'
                 writer.board.after_round()
