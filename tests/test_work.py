@@ -178,7 +178,7 @@ async def test_work_fills_a_freed_slot_while_every_other_slot_still_runs(
         assert len(running) == 16, running
         gates[rng.choice(running)].set()
         before = len(started)
-        await until(lambda: len(started) > before, what="the freed slot takes the next item")
+        await until(lambda n=before: len(started) > n, what="the freed slot takes the next item")
         assert len(started) == before + 1  # the other fifteen are still held
     for gate in gates.values():
         gate.set()
