@@ -92,6 +92,41 @@ def test_probe_vs_raw_benchmark_reports_every_ratio() -> None:
     assert len(report["ratios"]) == 3
 
 
+def test_the_c1_benchmark_drains_every_shape_shared_and_apart() -> None:
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(BENCHMARKS / "c1_shared_or_apart.py"),
+            "--repeats",
+            "1",
+            "--workers",
+            "3",
+            "--items",
+            "31",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert list(report["table"]) == [
+        "raw, one file",
+        "raw, a file each",
+        "asyncplane, one file",
+        "asyncplane, a file each",
+        "asyncplane, one file, next claim with the finish",
+    ]
+    for row in report["table"].values():
+        assert row["items_per_s"] > 0 and row["cpu_per_1000_s"] > 0
+        assert row["per_worker_min"] >= 0
+    # Apart, every worker drains its own file: 31 items over 3 files is 11, 10 and 10.
+    assert report["table"]["raw, a file each"]["per_worker_min"] == 10
+    assert report["table"]["asyncplane, a file each"]["per_worker_min"] == 10
+    assert len(report["ratios"]) == 6 and all(r > 0 for r in report["ratios"].values())
+
+
 def test_lanes_benchmark_reports_enqueue_and_depth_ratios() -> None:
     done = subprocess.run(
         [sys.executable, str(BENCHMARKS / "lanes.py"), "--items", "300", "--deep", "3000",
