@@ -28,6 +28,7 @@ from asyncplane import (
     verify_ledger,
     work,
 )
+from asyncplane._store import engine_of
 from asyncplane.testing import ManualClock
 
 
@@ -187,6 +188,55 @@ async def test_work_fills_a_freed_slot_while_every_other_slot_still_runs(
     assert sorted(started) == list(range(40))
     assert await states_of(store) == {"done": 40}
     assert await verify_ledger(store) == []
+
+
+async def test_work_reads_the_data_version_only_when_a_claim_may_find_nothing(
+    store: ControlStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The version a wait watches must be read before the claim that finds nothing; a
+    # claim straight after one that took something skips that read (one trip to a reader
+    # thread per claim, which at concurrency 1 is one per item).
+    await store.enqueue_many("alpha", [{"n": n} for n in range(30)])
+    engine = engine_of(store)
+    reads = 0
+    read = engine.data_version
+
+    async def counted() -> int:
+        nonlocal reads
+        reads += 1
+        return await read()
+
+    monkeypatch.setattr(engine, "data_version", counted)
+
+    async def handle(claim: ClaimedItem) -> Done:
+        return Done()
+
+    summary = await work(store, handle, concurrency=1, until_empty=True)
+    assert (summary.done, summary.claimed) == (30, 30)
+    assert reads <= 2, reads  # the first claim's, and the one before the claim that ends it
+    assert await states_of(store) == {"done": 30}
+
+
+async def test_work_runs_an_item_with_its_handler_and_renewer_tasks_alone(
+    store: ControlStore,
+) -> None:
+    # A refused renewal ends the renewer itself, so nothing else need watch for it: an
+    # item running costs three tasks (its own, its handler's, its renewer's).
+    await store.enqueue("alpha", {})
+    seen: list[str] = []
+
+    async def handle(claim: ClaimedItem) -> Done:
+        mine = f"[{claim.item_id}]"
+        seen.extend(t.get_name() for t in asyncio.all_tasks() if t.get_name().endswith(mine))
+        return Done()
+
+    summary = await work(store, handle, concurrency=1, until_empty=True)
+    assert summary.done == 1
+    assert sorted(name.split("[")[0] for name in seen) == [
+        "asyncplane-work-handle",
+        "asyncplane-work-item",
+        "asyncplane-work-renew",
+    ]
 
 
 async def test_work_settles_each_outcome_and_retries_a_raising_handler(

@@ -228,6 +228,7 @@ class _Worker:
         await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _claim_while_open(self) -> None:
+        busy = False  # the last claim took something: more is likely waiting
         while not self.stop.is_set() and self.failure is None:
             if self.engine.closes != self.closes:
                 return  # the store was closed under the worker: it stops, as at a stop
@@ -242,12 +243,20 @@ class _Worker:
                 await self._until_a_slot_frees()
                 continue
             await self._housekeeping()
+            if busy:
+                # Straight after a claim that took something, claim without first reading
+                # the store's data version (a read on another thread): only a claim that
+                # finds nothing needs one before it, to wait on, and then comes again.
+                self.wake.clear()
+                busy = bool(await self._claim(free))
+                if busy:
+                    continue
             local = self.engine.watch()
             try:
                 version = await self.engine.data_version()  # before the claim
                 self.wake.clear()
-                batch = await self._claim(free)
-                if batch:
+                busy = bool(await self._claim(free))
+                if busy:
                     continue
                 if self.until_empty and not self.running:
                     return
@@ -321,24 +330,21 @@ class _Worker:
         handler = asyncio.create_task(
             _call(self.handle, claim), name=f"asyncplane-work-handle[{claim.item_id}]"
         )
+        # The renewer ends only when a renewal is refused (``lost`` set) or the store
+        # fails: either way the handler's wait is over.
         renewer = asyncio.create_task(
             self._renew(claim, lost), name=f"asyncplane-work-renew[{claim.item_id}]"
         )
-        refused = asyncio.create_task(lost.wait(), name=f"asyncplane-work-lost[{claim.item_id}]")
         try:
             done, _ = await asyncio.wait(
-                {handler, refused, renewer}, timeout=self.timeout,
-                return_when=asyncio.FIRST_COMPLETED,
-            )  # fmt: skip
+                {handler, renewer}, timeout=self.timeout, return_when=asyncio.FIRST_COMPLETED
+            )
         except asyncio.CancelledError:
             await _tasks.to_the_end(
-                self._give_back(claim, handler, renewer, refused, lost),
-                "asyncplane-work-give-back",
+                self._give_back(claim, handler, renewer, lost), "asyncplane-work-give-back"
             )
             raise
-        cut = False
-        for side in (renewer, refused):
-            cut |= await _tasks.stop(side)
+        cut = await _tasks.stop(renewer)
         if renewer in done and renewer.exception() is not None:
             await _tasks.stop(handler)
             raise renewer.exception()  # type: ignore[misc]  # the store failed: work() stops
@@ -350,8 +356,7 @@ class _Worker:
             cut |= await _tasks.stop(handler)
             if cut:  # a stop came meanwhile: the item goes back unspent, not retried
                 await _tasks.to_the_end(
-                    self._give_back(claim, handler, renewer, refused, lost),
-                    "asyncplane-work-give-back",
+                    self._give_back(claim, handler, renewer, lost), "asyncplane-work-give-back"
                 )
                 raise asyncio.CancelledError
             self.summary.timed_out += 1
@@ -369,10 +374,9 @@ class _Worker:
         claim: ClaimedItem,
         handler: asyncio.Task[Any],
         renewer: asyncio.Task[None],
-        refused: asyncio.Task[Any],
         lost: asyncio.Event,
     ) -> None:
-        for task in (handler, renewer, refused):
+        for task in (handler, renewer):
             await _tasks.stop(task)
         if lost.is_set():
             return  # taken over or cancelled: not ours to settle or give back
