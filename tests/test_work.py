@@ -361,6 +361,44 @@ async def test_a_cancelled_worker_gives_every_claim_back(store: ControlStore) ->
     assert await verify_ledger(store) == []
 
 
+async def test_a_worker_cancelled_while_an_item_settles_keeps_its_outcome(
+    store: ControlStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The item's handler has returned and its finish is on its way when work() is
+    # cancelled: the settle goes to its end (done, not given back), the other item,
+    # still running, goes back unspent.
+    settled = await store.enqueue("alpha", {"hang": False})
+    hung = await store.enqueue("alpha", {"hang": True})
+    settling, go_on = asyncio.Event(), asyncio.Event()
+    finish = store.finish
+
+    async def held_finish(item_id: int, **kwargs: Any) -> None:
+        settling.set()
+        await go_on.wait()  # a stop's cancel would land here, were the settle cancelled
+        await finish(item_id, **kwargs)
+
+    monkeypatch.setattr(store, "finish", held_finish)
+
+    async def handle(claim: ClaimedItem) -> Done:
+        if claim.payload["hang"]:
+            await asyncio.Event().wait()
+        return Done()
+
+    worker = asyncio.create_task(work(store, handle, concurrency=2))
+    await settling.wait()
+    await until(lambda: running_tasks() == 1, what="the other item runs")
+    worker.cancel()
+    await until(lambda: running_tasks() == 0, what="the running item is cancelled")
+    assert not worker.done()  # it waits for the settle
+    go_on.set()
+    with pytest.raises(asyncio.CancelledError):
+        await worker
+    assert (await store.item(settled))["state"] == "done"
+    row = await store.item(hung)
+    assert (row["state"], row["attempts"]) == ("ready", 0)
+    assert await verify_ledger(store) == []
+
+
 async def test_a_renewal_refused_cancels_the_item_and_drops_its_outcome(
     store: ControlStore, clock: ManualClock
 ) -> None:
