@@ -361,6 +361,24 @@ async def test_a_cancelled_worker_gives_every_claim_back(store: ControlStore) ->
     assert await verify_ledger(store) == []
 
 
+async def test_work_waits_for_a_free_slot_without_a_task_per_wait(store: ControlStore) -> None:
+    # With every slot busy the loop sleeps until an item ends or a stop; one task for the
+    # whole run watches for the stop, not a new one each time the slots fill up.
+    await store.enqueue_many("alpha", [{"n": n} for n in range(10)])
+    watchers: list[asyncio.Task[Any]] = []  # held, so that no two can share an id
+
+    async def handle(claim: ClaimedItem) -> Done:
+        watchers.extend(
+            t for t in asyncio.all_tasks() if t.get_name() == "asyncplane-work-stop-wait"
+        )
+        return Done()
+
+    summary = await work(store, handle, concurrency=1, until_empty=True)
+    assert summary.done == 10
+    assert len(watchers) == 10 and len(set(watchers)) == 1
+    assert running_tasks("asyncplane-work-stop-wait") == 0  # and it ends with the run
+
+
 async def test_a_worker_cancelled_while_an_item_settles_keeps_its_outcome(
     store: ControlStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -231,6 +231,21 @@ class _Worker:
         await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _claim_while_open(self) -> None:
+        # One task for the whole run wakes the loop at a stop, rather than one per wait
+        # for a slot (`_until_a_slot_frees`).
+        watcher = asyncio.create_task(self._wake_at_stop(), name="asyncplane-work-stop-wait")
+        try:
+            await self._claims()
+        finally:
+            cut = await _tasks.stop(watcher)
+        if cut:
+            raise asyncio.CancelledError
+
+    async def _wake_at_stop(self) -> None:
+        await self.stop.wait()
+        self.wake.set()
+
+    async def _claims(self) -> None:
         busy = False  # the last claim took something: more is likely waiting
         while not self.stop.is_set() and self.failure is None:
             if self.engine.closes != self.closes:
@@ -277,12 +292,11 @@ class _Worker:
                 self.engine.unwatch(local)
 
     async def _until_a_slot_frees(self) -> None:
-        stopping = asyncio.create_task(self.stop.wait(), name="asyncplane-work-stop-wait")
-        try:
-            await asyncio.wait({*self.running, stopping}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            stopping.cancel()
-            await asyncio.gather(stopping, return_exceptions=True)
+        """Until a running item ends (`_ended` sets ``wake``) or a stop (`_wake_at_stop`)."""
+        self.wake.clear()
+        if len(self.running) < self.concurrency or self.stop.is_set():
+            return
+        await self.wake.wait()
 
     async def _housekeeping(self) -> None:
         # Schedules keep their own pace: at most once a second, and at each tick.
