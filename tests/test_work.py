@@ -21,6 +21,7 @@ from asyncplane import (
     ClaimedItem,
     ControlStore,
     Done,
+    DrainError,
     FenceRejected,
     InvalidType,
     Park,
@@ -159,27 +160,32 @@ async def test_work_fills_a_freed_slot_while_every_other_slot_still_runs(
     # Each handler waits on its own gate, so the test decides when an item ends. A slot
     # freed by one item's end must take the next item while the other fifteen still run:
     # it never waits for another item, as a batch waits for its slowest. Counted in items
-    # started, not measured in seconds.
+    # started, each awaited as a signal, not measured in seconds.
     await store.enqueue_many("alpha", [{"n": n} for n in range(40)])
     gates: dict[int, asyncio.Event] = {}
     started: list[int] = []
+    a_start = asyncio.Event()
 
     async def handle(claim: ClaimedItem) -> Done:
         n = claim.payload["n"]
         gates[n] = asyncio.Event()
         started.append(n)
+        a_start.set()
         await gates[n].wait()
         return Done()
 
     runner = asyncio.create_task(work(store, handle, concurrency=16, until_empty=True))
-    await until(lambda: len(started) == 16, what="every slot runs an item")
+    while len(started) < 16:
+        a_start.clear()
+        await asyncio.wait_for(a_start.wait(), 30)
     rng = random.Random(3)
     for _ in range(40 - 16):
         running = [n for n in started if not gates[n].is_set()]
         assert len(running) == 16, running
-        gates[rng.choice(running)].set()
         before = len(started)
-        await until(lambda n=before: len(started) > n, what="the freed slot takes the next item")
+        a_start.clear()
+        gates[rng.choice(running)].set()
+        await asyncio.wait_for(a_start.wait(), 30)  # the freed slot takes the next item
         assert len(started) == before + 1  # the other fifteen are still held
     for gate in gates.values():
         gate.set()
@@ -198,23 +204,112 @@ async def test_work_reads_the_data_version_only_when_a_claim_may_find_nothing(
     # thread per claim, which at concurrency 1 is one per item).
     await store.enqueue_many("alpha", [{"n": n} for n in range(30)])
     engine = engine_of(store)
-    reads = 0
-    read = engine.data_version
+    calls: list[str] = []
+    read, claim_batch = engine.data_version, store.claim_batch
 
-    async def counted() -> int:
-        nonlocal reads
-        reads += 1
+    async def logged_read() -> int:
+        calls.append("read")
         return await read()
 
-    monkeypatch.setattr(engine, "data_version", counted)
+    async def logged_claim(*args: Any, **kwargs: Any) -> list[ClaimedItem]:
+        got = await claim_batch(*args, **kwargs)
+        calls.append(f"claim {len(got)}")
+        return got
+
+    monkeypatch.setattr(engine, "data_version", logged_read)
+    monkeypatch.setattr(store, "claim_batch", logged_claim)
 
     async def handle(claim: ClaimedItem) -> Done:
         return Done()
 
     summary = await work(store, handle, concurrency=1, until_empty=True)
     assert (summary.done, summary.claimed) == (30, 30)
-    assert reads <= 2, reads  # the first claim's, and the one before the claim that ends it
+    # Read, then the first claim; thirty claims of one item without a read; the unread
+    # claim that finds nothing; and, before the worker could sleep, a read, then a claim.
+    assert calls == ["read", *["claim 1"] * 30, "claim 0", "read", "claim 0"], calls
     assert await states_of(store) == {"done": 30}
+
+
+async def test_a_failure_while_an_unread_claim_is_out_still_stops_the_worker(
+    store: ControlStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # An item fails the worker (its progress callback raises) while a claim made without
+    # a version read is out and finds nothing: the worker still stops, with DrainError,
+    # rather than going on to sleep beside the other item, which never ends.
+    await store.enqueue("alpha", {"hang": False})
+    hung = await store.enqueue("alpha", {"hang": True})
+    ended = asyncio.Event()
+    claim_batch = store.claim_batch
+    claims = 0
+
+    async def held_claim(*args: Any, **kwargs: Any) -> list[ClaimedItem]:
+        nonlocal claims
+        claims += 1
+        if claims == 2:  # the claim straight after the first, which took both items
+            await ended.wait()  # out while the quick item fails the worker
+        return await claim_batch(*args, **kwargs)
+
+    monkeypatch.setattr(store, "claim_batch", held_claim)
+
+    def progress(summary: Any) -> None:
+        ended.set()
+        raise RuntimeError("the progress callback broke")
+
+    async def handle(claim: ClaimedItem) -> Done:
+        if claim.payload["hang"]:
+            await asyncio.Event().wait()
+        return Done()
+
+    worker = asyncio.create_task(work(store, handle, concurrency=3, progress=progress))
+    with pytest.raises(DrainError, match="the progress callback broke"):
+        await asyncio.wait_for(worker, 30)
+    row = await store.item(hung)
+    assert (row["state"], row["attempts"]) == ("ready", 0)  # given back, unspent
+
+
+async def test_a_store_closed_while_an_unread_claim_is_out_stops_the_worker_unopened(
+    store: ControlStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    await store.enqueue("alpha", {})
+    claim_batch = store.claim_batch
+    claims = 0
+
+    async def closing_claim(*args: Any, **kwargs: Any) -> list[ClaimedItem]:
+        nonlocal claims
+        claims += 1
+        got = await claim_batch(*args, **kwargs)
+        if claims == 2:  # the claim straight after the one that took the item
+            await store.close()
+        return got
+
+    monkeypatch.setattr(store, "claim_batch", closing_claim)
+
+    async def handle(claim: ClaimedItem) -> Done:
+        return Done()
+
+    summary = await asyncio.wait_for(work(store, handle, concurrency=1), 30)
+    assert (summary.claimed, summary.done, claims) == (1, 1, 2)
+    assert not engine_of(store).is_open  # nothing reopened it
+
+
+async def test_a_stop_while_every_slot_is_busy_gives_the_running_item_back(
+    store: ControlStore,
+) -> None:
+    ids = [await store.enqueue("alpha", {"n": n}) for n in range(2)]
+    stop = asyncio.Event()
+
+    async def handle(claim: ClaimedItem) -> Done:
+        await asyncio.Event().wait()
+        return Done()
+
+    worker = asyncio.create_task(work(store, handle, concurrency=1, stop=stop, grace=0))
+    await until(lambda: running_tasks() == 1, what="the only slot runs an item")
+    stop.set()
+    summary = await asyncio.wait_for(worker, 30)
+    assert (summary.claimed, summary.released) == (1, 1)
+    for item_id in ids:
+        row = await store.item(item_id)
+        assert (row["state"], row["attempts"]) == ("ready", 0)
 
 
 async def test_work_runs_an_item_with_its_handler_and_renewer_tasks_alone(

@@ -264,11 +264,11 @@ class _Worker:
             if busy:
                 # Straight after a claim that took something, claim without first reading
                 # the store's data version (a read on another thread): only a claim that
-                # finds nothing needs one before it, to wait on, and then comes again.
-                self.wake.clear()
+                # finds nothing needs one before it, to wait on. Either way the loop goes
+                # round again, through the checks above: a stop, a failure or a close of
+                # the store may have come while this claim was out.
                 busy = bool(await self._claim(free))
-                if busy:
-                    continue
+                continue
             local = self.engine.watch()
             try:
                 version = await self.engine.data_version()  # before the claim
@@ -278,6 +278,8 @@ class _Worker:
                     continue
                 if self.until_empty and not self.running:
                     return
+                if self.failure is not None or self.engine.closes != self.closes:
+                    continue  # it came after the clear above, and ends the loop at its top
                 waiting = asyncio.create_task(self.wake.wait(), name="asyncplane-work-wake")
                 try:
                     await _wakeups.until_work(
@@ -362,7 +364,7 @@ class _Worker:
             )
             raise
         cut = await _tasks.stop(renewer)
-        if renewer in done and renewer.exception() is not None:
+        if renewer in done and not renewer.cancelled() and renewer.exception() is not None:
             await _tasks.stop(handler)
             raise renewer.exception()  # type: ignore[misc]  # the store failed: work() stops
         if lost.is_set():
