@@ -3,7 +3,7 @@
     python benchmarks/c1_shared_or_apart.py [--workers 16] [--items 10000] [--repeats 3]
 
 W worker processes, each claiming and finishing one item at a time until none is left,
-in four shapes, in turns and repeated (the median of the repeats; ratios in the same
+in five shapes, in turns and repeated (the median of the repeats; ratios in the same
 run):
 
 * **raw, one file**: plain sqlite3, one BEGIN IMMEDIATE transaction per claim and one per
@@ -20,7 +20,7 @@ run):
   shape raw sqlite3 is measured in here (raw could put both in one transaction too); it
   shows what the hand-offs cost each process.
 
-All four use asyncplane's schema (the same indexes and ledger trigger). The ratios say
+All five use asyncplane's schema (the same indexes and ledger trigger). The ratios say
 what each thing costs: asyncplane apart / raw apart is what one process's claim and
 finish cost beside raw's when nothing is shared; one file / a file each, for either
 side, is what sharing the file costs it. If asyncplane's two shapes drain alike, the
