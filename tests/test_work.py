@@ -292,6 +292,77 @@ async def test_a_store_closed_while_an_unread_claim_is_out_stops_the_worker_unop
     assert not engine_of(store).is_open  # nothing reopened it
 
 
+async def test_a_store_closed_during_housekeeping_stops_the_worker_unopened(
+    store: ControlStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    await store.enqueue("alpha", {})
+    engine = engine_of(store)
+
+    async def closing_schedules() -> int:
+        await store.close()  # closed before the worker's first read or claim
+        return 0
+
+    monkeypatch.setattr(engine, "maybe_run_schedules", closing_schedules)
+
+    async def handle(claim: ClaimedItem) -> Done:
+        return Done()
+
+    summary = await asyncio.wait_for(work(store, handle, concurrency=1), 30)
+    assert summary.claimed == 0
+    assert not engine.is_open  # neither the version read nor a claim reopened it
+
+
+async def test_a_store_closed_during_the_version_read_stops_the_worker_unopened(
+    store: ControlStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    await store.enqueue("alpha", {})
+    engine = engine_of(store)
+    read = engine.data_version
+
+    async def closing_read() -> int:
+        version = await read()
+        await store.close()  # closed between the read and the claim it comes before
+        return version
+
+    monkeypatch.setattr(engine, "data_version", closing_read)
+
+    async def handle(claim: ClaimedItem) -> Done:
+        return Done()
+
+    summary = await asyncio.wait_for(work(store, handle, concurrency=1), 30)
+    assert summary.claimed == 0
+    assert not engine.is_open  # the claim did not reopen it
+
+
+async def test_a_renewer_cancelled_by_someone_else_gives_its_item_back(
+    store: ControlStore,
+) -> None:
+    item_id = await store.enqueue("alpha", {})
+    stop = asyncio.Event()
+    handler_cancelled = asyncio.Event()
+
+    async def handle(claim: ClaimedItem) -> Done:
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            handler_cancelled.set()
+            raise
+        return Done()
+
+    worker = asyncio.create_task(work(store, handle, concurrency=1, stop=stop))
+    await until(lambda: running_tasks("asyncplane-work-renew") == 1, what="the item runs")
+    renewer = next(
+        t for t in asyncio.all_tasks() if t.get_name() == f"asyncplane-work-renew[{item_id}]"
+    )
+    renewer.cancel()
+    await asyncio.wait_for(handler_cancelled.wait(), 30)
+    stop.set()
+    summary = await asyncio.wait_for(worker, 30)
+    assert summary.released == 1
+    row = await store.item(item_id)
+    assert (row["state"], row["attempts"]) == ("ready", 0)  # back at once, unspent
+
+
 async def test_a_stop_while_every_slot_is_busy_gives_the_running_item_back(
     store: ControlStore,
 ) -> None:

@@ -261,6 +261,8 @@ class _Worker:
                 await self._until_a_slot_frees()
                 continue
             await self._housekeeping()
+            if self.engine.closes != self.closes:
+                continue  # closed meanwhile: a read or claim now would open it again
             if busy:
                 # Straight after a claim that took something, claim without first reading
                 # the store's data version (a read on another thread): only a claim that
@@ -272,6 +274,8 @@ class _Worker:
             local = self.engine.watch()
             try:
                 version = await self.engine.data_version()  # before the claim
+                if self.engine.closes != self.closes:
+                    continue  # closed during the read: the claim would open it again
                 self.wake.clear()
                 busy = bool(await self._claim(free))
                 if busy:
@@ -301,17 +305,19 @@ class _Worker:
         await self.wake.wait()
 
     async def _housekeeping(self) -> None:
-        # Schedules keep their own pace: at most once a second, and at each tick.
+        # Schedules keep their own pace: at most once a second, and at each tick. Each
+        # step first looks whether the store was closed meanwhile: a step would open it.
         self.summary.scheduled += await self.engine.maybe_run_schedules()
         now = time.monotonic()
-        if now < self.next_housekeeping:
+        if now < self.next_housekeeping or self.engine.closes != self.closes:
             return
         self.next_housekeeping = now + _HOUSEKEEPING_EVERY
         settled, _ = await self.engine.preflight_step(
             self.preflight_chunk, project_id=self.project_id, actor_id=self.actor_id
         )
         self.summary.deduplicated += settled
-        self.summary.purged += await self.engine.maybe_purge()
+        if self.engine.closes == self.closes:
+            self.summary.purged += await self.engine.maybe_purge()
 
     async def _claim(self, free: int) -> list[ClaimedItem]:
         """Claim up to ``free`` items and start each; a claim that lands while this task is
@@ -363,8 +369,13 @@ class _Worker:
                 self._give_back(claim, handler, renewer, lost), "asyncplane-work-give-back"
             )
             raise
+        if renewer in done and renewer.cancelled():  # by no one here: keep nothing held
+            await _tasks.to_the_end(
+                self._give_back(claim, handler, renewer, lost), "asyncplane-work-give-back"
+            )
+            return
         cut = await _tasks.stop(renewer)
-        if renewer in done and not renewer.cancelled() and renewer.exception() is not None:
+        if renewer in done and renewer.exception() is not None:
             await _tasks.stop(handler)
             raise renewer.exception()  # type: ignore[misc]  # the store failed: work() stops
         if lost.is_set():
