@@ -154,7 +154,7 @@ async def work(
                 await run.loop()
         else:
             await run.loop()
-        if run.engine.closes == run.closes:  # counting would reopen a closed store
+        if not run.store_closed():  # counting would reopen a closed store
             counts = await store.counts(project_id=run.project_id, actor_id=run.actor_id)
             run.summary.remaining = sum(
                 counts[state] for state in ("ready", "deferred", "claimed", "offloaded")
@@ -193,6 +193,11 @@ class _Worker:
         self.wake = asyncio.Event()  # set whenever a running item ends
         self.next_housekeeping = 0.0
         self.closes = self.engine.closes  # the store closed since: stop
+
+    def store_closed(self) -> bool:
+        """Whether the store was closed since the worker began: it stops, and no read or
+        claim of its may open the store again."""
+        return self.engine.closes != self.closes
 
     # --- the loop ----------------------------------------------------------------------
 
@@ -248,7 +253,7 @@ class _Worker:
     async def _claims(self) -> None:
         busy = False  # the last claim took something: more is likely waiting
         while not self.stop.is_set() and self.failure is None:
-            if self.engine.closes != self.closes:
+            if self.store_closed():
                 return  # the store was closed under the worker: it stops, as at a stop
             if self.guard.lost is not None:
                 # Another runner may hold the guard now: stop claiming at once.
@@ -261,7 +266,7 @@ class _Worker:
                 await self._until_a_slot_frees()
                 continue
             await self._housekeeping()
-            if self.engine.closes != self.closes:
+            if self.store_closed():
                 continue  # closed meanwhile: a read or claim now would open it again
             if busy:
                 # Straight after a claim that took something, claim without first reading
@@ -274,7 +279,7 @@ class _Worker:
             local = self.engine.watch()
             try:
                 version = await self.engine.data_version()  # before the claim
-                if self.engine.closes != self.closes:
+                if self.store_closed():
                     continue  # closed during the read: the claim would open it again
                 self.wake.clear()
                 busy = bool(await self._claim(free))
@@ -282,7 +287,7 @@ class _Worker:
                     continue
                 if self.until_empty and not self.running:
                     return
-                if self.failure is not None or self.engine.closes != self.closes:
+                if self.failure is not None or self.store_closed():
                     continue  # it came after the clear above, and ends the loop at its top
                 waiting = asyncio.create_task(self.wake.wait(), name="asyncplane-work-wake")
                 try:
@@ -309,14 +314,14 @@ class _Worker:
         # step first looks whether the store was closed meanwhile: a step would open it.
         self.summary.scheduled += await self.engine.maybe_run_schedules()
         now = time.monotonic()
-        if now < self.next_housekeeping or self.engine.closes != self.closes:
+        if now < self.next_housekeeping or self.store_closed():
             return
         self.next_housekeeping = now + _HOUSEKEEPING_EVERY
         settled, _ = await self.engine.preflight_step(
             self.preflight_chunk, project_id=self.project_id, actor_id=self.actor_id
         )
         self.summary.deduplicated += settled
-        if self.engine.closes == self.closes:
+        if not self.store_closed():
             self.summary.purged += await self.engine.maybe_purge()
 
     async def _claim(self, free: int) -> list[ClaimedItem]:
