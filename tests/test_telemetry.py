@@ -345,6 +345,56 @@ print("ok")
     assert done.stdout.strip() == "ok"
 
 
+def test_no_span_is_made_until_a_tracer_provider_is_set(tmp_path: pathlib.Path) -> None:
+    # With the API installed and no provider set, a span would go to the proxy's no-op:
+    # none is made (it costs more per item than the rest). A provider set later, with the
+    # store open and the worker between runs, gets the next spans, linked as always.
+    script = """
+import asyncio, sys
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from asyncplane import ControlStore, Done, drain, work
+made = []
+for name in ("start_span", "start_as_current_span"):
+    real = getattr(trace.ProxyTracer, name)
+    def counting(self, span_name, *args, _real=real, **kwargs):
+        made.append(span_name)
+        return _real(self, span_name, *args, **kwargs)
+    setattr(trace.ProxyTracer, name, counting)
+async def handle(claim):
+    return Done()
+async def execute(batch):
+    return [Done() for _ in batch]
+async def main():
+    async with ControlStore(sys.argv[1]) as store:
+        await store.create_project("alpha", "Alpha")
+        await store.enqueue_many("alpha", [{"n": n} for n in range(5)])
+        assert (await work(store, handle, until_empty=True)).done == 5
+        await store.enqueue("alpha", {"n": 5})
+        assert (await drain(store, execute)).done == 1
+        assert made == [], made
+        exporter = InMemorySpanExporter()
+        provider = TracerProvider()
+        provider.add_span_processor(SimpleSpanProcessor(exporter))
+        trace.set_tracer_provider(provider)
+        await store.enqueue_many("alpha", [{"n": n} for n in range(3)])
+        assert (await work(store, handle, until_empty=True)).done == 3
+        names = sorted(span.name for span in exporter.get_finished_spans())
+        assert names == ["asyncplane.enqueue"] + ["asyncplane.execute"] * 3, names
+asyncio.run(main())
+print("ok")
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path / "untraced.db")],
+        capture_output=True, text=True, timeout=120,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "ok"
+
+
 def test_the_documented_names_are_the_recorded_ones() -> None:
     page = (HERE.parent / "docs" / "observability.md").read_text()
     for name in (

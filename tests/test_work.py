@@ -545,6 +545,46 @@ async def test_work_waits_for_a_free_slot_without_a_task_per_wait(store: Control
     assert running_tasks("asyncplane-work-stop-wait") == 0  # and it ends with the run
 
 
+async def test_a_settle_and_the_next_claim_share_one_write_round(store: ControlStore) -> None:
+    # A slot frees when its handler returns: its next claim is queued right behind the
+    # settle and the writer takes both into one round, so an item costs one write round at
+    # concurrency 1, not two. The claim commits with the settle, never before it: the
+    # worker is never seen holding two items.
+    items = 20
+    await store.enqueue_many("alpha", [{"n": n} for n in range(items)])
+    writer = (await engine_of(store).ready()).writer
+    rounds = writer.rounds
+    held: list[int] = []
+
+    async def handle(claim: ClaimedItem) -> Done:
+        held.append((await store.counts())["claimed"])
+        return Done()
+
+    summary = await work(store, handle, concurrency=1, until_empty=True)
+    assert summary.done == items and held == [1] * items
+    # One round per item, besides the first claim and the last ones that find nothing.
+    assert writer.rounds - rounds <= items + 3
+    assert await verify_ledger(store) == []
+
+
+async def test_a_settle_comes_before_the_next_claim_in_their_round(store: ControlStore) -> None:
+    # Under a project's max_running of 1 the next item can be claimed only once the last
+    # is settled: in the shared round the settle runs first, so every claim takes one.
+    items = 20
+    await store.set_limits("alpha", max_running=1)
+    await store.enqueue_many("alpha", [{"n": n} for n in range(items)])
+    writer = (await engine_of(store).ready()).writer
+    rounds = writer.rounds
+
+    async def handle(claim: ClaimedItem) -> Done:
+        return Done()
+
+    summary = await work(store, handle, concurrency=1, until_empty=True)
+    assert summary.done == items
+    assert writer.rounds - rounds <= items + 3
+    assert summary.rounds <= items + 2  # no claim came back empty for the limit
+
+
 async def test_a_worker_cancelled_while_an_item_settles_keeps_its_outcome(
     store: ControlStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:

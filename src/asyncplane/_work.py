@@ -4,9 +4,16 @@
 
 ``handle(claim)`` is a coroutine function that gets one `ClaimedItem` and returns one
 outcome (`Done`, `Failed`, `Retry`, `Park`, `Offload`). work() keeps ``concurrency``
-items running: each item is settled the moment its handler returns, and a freed slot is
+handlers running: each item is settled the moment its handler returns, and a freed slot is
 filled by the next claim at once (several free slots by one ``claim_batch``), so a slow
 item never holds back the others, as it does in drain()'s lockstep batches.
+
+A slot is free once its handler has returned, not once its settle has committed: the
+slot's next claim is asked for right behind the settle, so the two go to the writer in the
+same round, one transaction, the settle first (a per-project ``max_running`` sees the
+settled item gone). So at ``concurrency=1`` an item costs one write round, not two; and
+the store never shows the worker holding more than ``concurrency`` items, since the claim
+commits with the settle or after it.
 
 The rules it keeps:
 
@@ -191,6 +198,8 @@ class _Worker:
         self.settling: set[asyncio.Task[Any]] = set()
         self.failure: BaseException | None = None
         self.wake = asyncio.Event()  # set whenever a running item ends
+        #: The loop waits for a free slot (`_until_a_slot_frees`): a settle wakes it.
+        self.waiting_for_slot = False
         self.next_housekeeping = 0.0
         self.closes = self.engine.closes  # the store closed since: stop
 
@@ -261,7 +270,7 @@ class _Worker:
                     f"the single-drainer guard was lost ({self.guard.lost})"
                 )
                 return
-            free = self.concurrency - len(self.running)
+            free = self.concurrency - self.handling()
             if free <= 0:
                 await self._until_a_slot_frees()
                 continue
@@ -302,12 +311,21 @@ class _Worker:
             finally:
                 self.engine.unwatch(local)
 
+    def handling(self) -> int:
+        """The slots taken: items running whose handler has yet to return."""
+        return len(self.running) - len(self.settling)
+
     async def _until_a_slot_frees(self) -> None:
-        """Until a running item ends (`_ended` sets ``wake``) or a stop (`_wake_at_stop`)."""
+        """Until a handler returns (`_settle_to_end`), a running item ends (`_ended`) or a
+        stop (`_wake_at_stop`): each sets ``wake``."""
         self.wake.clear()
-        if len(self.running) < self.concurrency or self.stop.is_set():
+        if self.handling() < self.concurrency or self.stop.is_set():
             return
-        await self.wake.wait()
+        self.waiting_for_slot = True
+        try:
+            await self.wake.wait()
+        finally:
+            self.waiting_for_slot = False
 
     async def _housekeeping(self) -> None:
         # Schedules keep their own pace: at most once a second, and at each tick. Each
@@ -411,8 +429,15 @@ class _Worker:
         task to shield it (one task fewer per item than `asyncplane._tasks.to_the_end`)."""
         task = asyncio.current_task()
         assert task is not None
-        self.settling.add(task)
+        self.settling.add(task)  # its slot is free from here
         try:
+            if self.waiting_for_slot:
+                # The loop claims for the freed slot. One turn of the event loop lets it
+                # start that claim before this settle is queued; the claim's request then
+                # comes right behind the settle's, in the same turn, and the writer takes
+                # both into one round: one transaction, the settle first.
+                self.wake.set()
+                await asyncio.sleep(0)
             await self._settle(claim, outcome)
         finally:
             self.settling.discard(task)
