@@ -334,33 +334,63 @@ async def test_a_store_closed_during_the_version_read_stops_the_worker_unopened(
     assert not engine.is_open  # the claim did not reopen it
 
 
-async def test_a_renewer_cancelled_by_someone_else_gives_its_item_back(
+async def test_a_renewer_cancelled_by_someone_else_stops_the_worker_and_gives_back(
     store: ControlStore,
 ) -> None:
+    # The run's one renewer keeps every lease: cancelled from outside, no lease would be
+    # kept any more, so the worker stops with DrainError and gives its items back at once.
     item_id = await store.enqueue("alpha", {})
-    stop = asyncio.Event()
-    handler_cancelled = asyncio.Event()
 
     async def handle(claim: ClaimedItem) -> Done:
-        try:
-            await asyncio.Event().wait()
-        except asyncio.CancelledError:
-            handler_cancelled.set()
-            raise
+        await asyncio.Event().wait()
         return Done()
 
-    worker = asyncio.create_task(work(store, handle, concurrency=1, stop=stop))
-    await until(lambda: running_tasks("asyncplane-work-renew") == 1, what="the item runs")
-    renewer = next(
-        t for t in asyncio.all_tasks() if t.get_name() == f"asyncplane-work-renew[{item_id}]"
-    )
+    worker = asyncio.create_task(work(store, handle, concurrency=1, owner="w"))
+    await until(lambda: running_tasks() == 1, what="the item runs")
+    (renewer,) = [t for t in asyncio.all_tasks() if t.get_name() == "asyncplane-work-renew[w]"]
     renewer.cancel()
-    await asyncio.wait_for(handler_cancelled.wait(), 30)
-    stop.set()
-    summary = await asyncio.wait_for(worker, 30)
-    assert summary.released == 1
+    with pytest.raises(DrainError, match="renewer was cancelled") as raised:
+        await asyncio.wait_for(worker, 30)
+    assert raised.value.summary.released == 1
     row = await store.item(item_id)
     assert (row["state"], row["attempts"]) == ("ready", 0)  # back at once, unspent
+
+
+async def test_leases_due_close_together_are_renewed_together(
+    store: ControlStore, clock: ManualClock
+) -> None:
+    # One renewer for the run: at the first lease's turn it also renews every lease due
+    # within the next sixth of a lease, in the same round, rather than waking again.
+    first = await store.enqueue("alpha", {"n": 1})
+    gate = asyncio.Event()
+
+    async def handle(claim: ClaimedItem) -> Done:
+        await gate.wait()
+        return Done()
+
+    stop = asyncio.Event()
+    worker = asyncio.create_task(work(store, handle, concurrency=2, stop=stop))
+    await until(lambda: running_tasks() == 1, what="the first item runs")
+    third = store.lease_seconds / 3
+    clock.advance(third / 5)
+    second = await store.enqueue("alpha", {"n": 2})
+    await until(lambda: running_tasks() == 2, what="the second item runs, a little later")
+    leases = {i: (await store.item(i))["lease_expires_at"] for i in (first, second)}
+    writer = (await engine_of(store).ready()).writer
+    rounds = writer.rounds
+    clock.advance(third - third / 5 + 0.01)  # the first lease's turn; the second's is near
+
+    async def both_renewed() -> bool:
+        rows = [await store.item(i) for i in (first, second)]
+        return all(row["lease_expires_at"] > leases[row["item_id"]] for row in rows)
+
+    await until(both_renewed, what="both leases renewed")
+    assert writer.rounds - rounds == 1  # one round for the two
+    gate.set()
+    stop.set()
+    summary = await asyncio.wait_for(worker, 30)
+    assert summary.done == 2
+    assert await verify_ledger(store) == []
 
 
 async def test_a_stop_while_every_slot_is_busy_gives_the_running_item_back(
@@ -383,26 +413,29 @@ async def test_a_stop_while_every_slot_is_busy_gives_the_running_item_back(
         assert (row["state"], row["attempts"]) == ("ready", 0)
 
 
-async def test_work_runs_an_item_with_its_handler_and_renewer_tasks_alone(
-    store: ControlStore,
-) -> None:
-    # A refused renewal ends the renewer itself, so nothing else need watch for it: an
-    # item running costs three tasks (its own, its handler's, its renewer's).
-    await store.enqueue("alpha", {})
+async def test_work_runs_an_item_with_its_handler_task_alone(store: ControlStore) -> None:
+    # Leases are kept by one renewer for the whole run, so an item running costs two
+    # tasks (its own and its handler's), not a renewer and a timer of its own besides.
+    await store.enqueue_many("alpha", [{"n": n} for n in range(3)])
     seen: list[str] = []
+    renewers: list[asyncio.Task[Any]] = []  # held, so that no two can share an id
 
     async def handle(claim: ClaimedItem) -> Done:
         mine = f"[{claim.item_id}]"
         seen.extend(t.get_name() for t in asyncio.all_tasks() if t.get_name().endswith(mine))
+        renewers.extend(
+            t for t in asyncio.all_tasks() if t.get_name().startswith("asyncplane-work-renew")
+        )
         return Done()
 
-    summary = await work(store, handle, concurrency=1, until_empty=True)
-    assert summary.done == 1
-    assert sorted(name.split("[")[0] for name in seen) == [
-        "asyncplane-work-handle",
-        "asyncplane-work-item",
-        "asyncplane-work-renew",
-    ]
+    summary = await work(store, handle, concurrency=1, until_empty=True, owner="w")
+    assert summary.done == 3
+    assert sorted(name.split("[")[0] for name in seen) == sorted(
+        ["asyncplane-work-handle", "asyncplane-work-item"] * 3
+    )
+    assert len(renewers) == 3 and len(set(renewers)) == 1
+    assert renewers[0].get_name() == "asyncplane-work-renew[w]"
+    assert running_tasks("asyncplane-work-renew") == 0  # and it ends with the run
 
 
 async def test_work_settles_each_outcome_and_retries_a_raising_handler(

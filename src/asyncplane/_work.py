@@ -20,9 +20,12 @@ The rules it keeps:
 * **Claims wait, never poll.** With nothing to claim, it sleeps on the store's wake-ups
   (`asyncplane._wakeups`): an enqueue, retry or release here or in another process, a
   deferred item falling due, a lease lapsing, a running item finishing, or ``stop``.
-* **Leases are renewed** every third of a lease while an item runs. A renewal refused
-  because the item was taken over or cancelled (`ItemCancelled`) cancels that item's
-  task; its late outcome is never reported, only counted.
+* **Leases are renewed** every third of a lease while an item runs, by one renewer task
+  for the whole run (`_keep_leases`): the leases due within the next sixth of a lease
+  are renewed together, in one write round. A renewal refused because the item was
+  taken over or cancelled (`ItemCancelled`) cancels that item's handler; its late
+  outcome is never reported, only counted. A renewer that fails (the store) or is
+  cancelled by someone else stops the worker, as a failed settle does.
 * **Time limits.** Past ``timeout`` seconds an item's task is cancelled and the item is
   retried with ``timed out after N s`` (it spends an attempt; a spent budget fails it).
 * **A handler's exception** retries the item with the exception's type and message as
@@ -51,7 +54,17 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeAlias
 
-from asyncplane import _engine, _errors, _lock, _store, _tasks, _telemetry, _validate, _wakeups
+from asyncplane import (
+    _clock,
+    _engine,
+    _errors,
+    _lock,
+    _store,
+    _tasks,
+    _telemetry,
+    _validate,
+    _wakeups,
+)
 from asyncplane._drain import DrainError
 from asyncplane._models import ClaimedItem
 from asyncplane._outcomes import (
@@ -123,8 +136,9 @@ async def work(
         ``exclusive`` and another runner held the guard.
 
     Raises:
-        DrainError: The store failed under a renewal or a settlement (its error is the
-            cause); the running items were given back first where the store allowed.
+        DrainError: The store failed under a renewal or a settlement, or the lease
+            renewer was cancelled by someone else (the error is the cause); the running
+            items were given back first where the store allowed.
     """
     _engine.require_asyncio()
     started = time.monotonic()
@@ -192,6 +206,11 @@ class _Worker:
 
     def __post_init__(self) -> None:
         self.engine = _store.engine_of(self.store)
+        #: Items whose handler runs, by id: the leases `_keep_leases` renews.
+        self.held: dict[int, _Held] = {}
+        self.held_again = asyncio.Event()  # set when ``held`` is no longer empty
+        self.third = self.store.lease_seconds / 3
+        self.renewer_stopping = False  # the renewer's end is the worker's own doing
         self.settler = Settler(self.store, self.actor_id, self.summary)
         self.running: dict[asyncio.Task[None], ClaimedItem] = {}
         #: Running items that are settling: a stop leaves them to finish (`_settle_to_end`).
@@ -211,6 +230,19 @@ class _Worker:
     # --- the loop ----------------------------------------------------------------------
 
     async def loop(self) -> None:
+        renewer = asyncio.create_task(
+            self._keep_leases(), name=f"asyncplane-work-renew[{self.owner}]"
+        )
+        renewer.add_done_callback(self._renewer_ended)
+        try:
+            await self._run()
+        finally:
+            self.renewer_stopping = True  # every item has ended: nothing is left to renew
+            cut = await _tasks.stop(renewer)
+        if cut:
+            raise asyncio.CancelledError
+
+    async def _run(self) -> None:
         try:
             await self._claim_while_open()
         except BaseException:
@@ -228,7 +260,7 @@ class _Worker:
         cancelled = cancelled or again
         if self.failure is not None:
             raise DrainError(
-                f"the store failed under a running item: {self.failure!r}", self.summary
+                f"work() stopped under its running items: {self.failure!r}", self.summary
             ) from self.failure
         if cancelled:
             raise asyncio.CancelledError
@@ -373,52 +405,36 @@ class _Worker:
     # --- one item --------------------------------------------------------------------------
 
     async def _run_item(self, claim: ClaimedItem) -> None:
-        """Run, renew, settle one item; cancelled (a stop), give its claim back."""
-        lost = asyncio.Event()
+        """Run and settle one item, its lease kept by `_keep_leases` while its handler
+        runs; cancelled (a stop), give its claim back."""
         handler = asyncio.create_task(
             _call(self.handle, claim), name=f"asyncplane-work-handle[{claim.item_id}]"
         )
-        # The renewer ends only when a renewal is refused (``lost`` set) or the store
-        # fails: either way the handler's wait is over.
-        renewer = asyncio.create_task(
-            self._renew(claim, lost), name=f"asyncplane-work-renew[{claim.item_id}]"
-        )
+        held = _Held(claim, handler, self.store.clock.now() + self.third)
+        if not self.held:
+            self.held_again.set()
+        self.held[claim.item_id] = held
         try:
-            done, _ = await asyncio.wait(
-                {handler, renewer}, timeout=self.timeout, return_when=asyncio.FIRST_COMPLETED
-            )
+            done, _ = await asyncio.wait((handler,), timeout=self.timeout)
         except asyncio.CancelledError:
-            await _tasks.to_the_end(
-                self._give_back(claim, handler, renewer, lost), "asyncplane-work-give-back"
-            )
+            await _tasks.to_the_end(self._give_back(held), "asyncplane-work-give-back")
             raise
-        if renewer in done and renewer.cancelled():  # by no one here: keep nothing held
-            await _tasks.to_the_end(
-                self._give_back(claim, handler, renewer, lost), "asyncplane-work-give-back"
-            )
-            return
-        cut = await _tasks.stop(renewer)
-        if renewer in done and renewer.exception() is not None:
-            await _tasks.stop(handler)
-            raise renewer.exception()  # type: ignore[misc]  # the store failed: work() stops
-        if lost.is_set():
-            # Taken over or cancelled: counted by the renewer; nothing is reported.
+        del self.held[claim.item_id]  # no renewal is made for it from here
+        if held.lost:
+            # Taken over or cancelled: counted by the renewer, which cancelled the handler;
+            # nothing is reported.
             await _tasks.stop(handler)
             return
         if handler not in done:
-            cut |= await _tasks.stop(handler)
-            if cut:  # a stop came meanwhile: the item goes back unspent, not retried
-                await _tasks.to_the_end(
-                    self._give_back(claim, handler, renewer, lost), "asyncplane-work-give-back"
-                )
+            if await _tasks.stop(handler):
+                # A stop came meanwhile: the item goes back unspent, not retried.
+                await _tasks.to_the_end(self._give_back(held), "asyncplane-work-give-back")
                 raise asyncio.CancelledError
             self.summary.timed_out += 1
             outcome: Any = Retry(f"timed out after {self.timeout:g} s")
         else:
             outcome = self._outcome_of(claim, handler.result())
         await self._settle_to_end(claim, outcome)
-        if cut:
-            raise asyncio.CancelledError
 
     async def _settle_to_end(self, claim: ClaimedItem, outcome: Any) -> None:
         """Settle in the item's own task, which a stop no longer cancels once it is here.
@@ -442,16 +458,11 @@ class _Worker:
         finally:
             self.settling.discard(task)
 
-    async def _give_back(
-        self,
-        claim: ClaimedItem,
-        handler: asyncio.Task[Any],
-        renewer: asyncio.Task[None],
-        lost: asyncio.Event,
-    ) -> None:
-        for task in (handler, renewer):
-            await _tasks.stop(task)
-        if lost.is_set():
+    async def _give_back(self, held: _Held) -> None:
+        claim, handler = held.claim, held.handler
+        self.held.pop(claim.item_id, None)  # no renewal is made for it from here
+        await _tasks.stop(handler)
+        if held.lost:
             return  # taken over or cancelled: not ours to settle or give back
         if handler.done() and not handler.cancelled():
             # It finished just before the stop: its outcome stands.
@@ -493,10 +504,81 @@ class _Worker:
         if self.progress is not None:
             self.progress(self.summary)
 
-    async def _renew(self, claim: ClaimedItem, lost: asyncio.Event) -> None:
-        """Keep the claim's lease; set ``lost`` once a renewal is refused."""
-        await self.settler.keep_leases([claim], set())
-        lost.set()
+    # --- leases -----------------------------------------------------------------------------
+
+    async def _keep_leases(self) -> None:
+        """Renew each running item's lease a third of a lease after its claim or its last
+        renewal, with every other lease due within the next sixth of a lease: one round of
+        writes for all of them, and one task and one timer for the run, not one an item.
+        It ends with the worker (or once the store was closed under it); a store's failure
+        ends it early, and the worker with it (`_renewer_ended`)."""
+        clock = self.store.clock
+        while not self.store_closed():
+            if not self.held:
+                self.held_again.clear()
+                await self.held_again.wait()
+                continue
+            # An item that starts later is due later: no wait need be cut short for it.
+            due = min(held.renew_at for held in self.held.values())
+            if clock.now() < due:
+                await _clock.wait_until(clock, due)
+                continue
+            horizon = clock.now() + self.third / 2
+            batch = [held for held in self.held.values() if held.renew_at <= horizon]
+            failures = [
+                failure
+                for failure in await asyncio.gather(
+                    *(self._renew(held) for held in batch), return_exceptions=True
+                )
+                if failure is not None
+            ]
+            if failures:
+                raise failures[0]
+
+    async def _renew(self, held: _Held) -> None:
+        """Renew one lease; a refusal marks the item lost and cancels its handler."""
+        claim = held.claim
+        try:
+            await self.store.renew(claim.item_id, fence=claim.fence, actor_id=self.actor_id)
+        except (_errors.ItemCancelled, _errors.FenceRejected) as refusal:
+            if self.held.get(claim.item_id) is not held:
+                return  # its handler has returned meanwhile: its settle hears the news
+            if isinstance(refusal, _errors.ItemCancelled):
+                self.summary.cancelled += 1
+            else:
+                self.summary.fence_rejected += 1
+            held.lost = True
+            held.handler.cancel()
+        else:
+            held.renew_at = self.store.clock.now() + self.third
+
+    def _renewer_ended(self, task: asyncio.Task[None]) -> None:
+        """The renewer ended before the worker did: no lease is kept any more, so the
+        worker stops (its failure says why) and gives its running items back."""
+        if self.renewer_stopping:
+            return
+        if task.cancelled():
+            failure: BaseException | None = _errors.AsyncplaneError(
+                "work()'s lease renewer was cancelled by someone else"
+            )
+        else:
+            failure = task.exception()
+        if failure is not None:
+            self.failure = self.failure or failure
+            self.wake.set()
+
+
+class _Held:
+    """An item whose handler runs: its claim, its handler's task, when its lease is next
+    to be renewed (by the store's clock) and whether a renewal was refused."""
+
+    __slots__ = ("claim", "handler", "lost", "renew_at")
+
+    def __init__(self, claim: ClaimedItem, handler: asyncio.Task[Any], renew_at: float) -> None:
+        self.claim = claim
+        self.handler = handler
+        self.renew_at = renew_at
+        self.lost = False
 
 
 async def _call(handle: Handler, claim: ClaimedItem) -> Any:
