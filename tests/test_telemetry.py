@@ -351,7 +351,7 @@ def test_no_span_is_made_until_a_tracer_provider_is_set(tmp_path: pathlib.Path) 
     # store open and the worker between runs, gets the next spans, linked as always.
     script = """
 import asyncio, sys
-from opentelemetry import trace
+from opentelemetry import context, propagate, trace
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -367,12 +367,21 @@ async def handle(claim):
     return Done()
 async def execute(batch):
     return [Done() for _ in batch]
+incoming = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
 async def main():
     async with ControlStore(sys.argv[1]) as store:
         await store.create_project("alpha", "Alpha")
         await store.enqueue_many("alpha", [{"n": n} for n in range(5)])
         assert (await work(store, handle, until_empty=True)).done == 5
-        await store.enqueue("alpha", {"n": 5})
+        # A context the producer is in (its request's) is saved all the same.
+        token = context.attach(propagate.extract({"traceparent": incoming}))
+        try:
+            await store.enqueue("alpha", {"n": 5})
+        finally:
+            context.detach(token)
+        claim = await store.claim("w")
+        assert claim.trace_context == {"traceparent": incoming}, claim.trace_context
+        await store.release(claim.item_id, fence=claim.fence)
         assert (await drain(store, execute)).done == 1
         assert made == [], made
         exporter = InMemorySpanExporter()

@@ -26,6 +26,7 @@ from asyncplane import (
     InvalidType,
     Park,
     Retry,
+    StorageError,
     verify_ledger,
     work,
 )
@@ -411,6 +412,169 @@ async def test_a_stop_while_every_slot_is_busy_gives_the_running_item_back(
     for item_id in ids:
         row = await store.item(item_id)
         assert (row["state"], row["attempts"]) == ("ready", 0)
+
+
+async def test_a_refused_renewal_is_asked_and_counted_once(
+    store: ControlStore, clock: ManualClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The item is cancelled by an operator; its handler cleans up before it lets the
+    # cancellation through. Meanwhile its lease is not renewed again (nor the refusal
+    # counted again, nor the cleanup cancelled again).
+    item_id = await store.enqueue("alpha", {})
+    renewals: list[int] = []
+    renew = store.renew
+
+    async def counted(item: int, **kwargs: Any) -> None:
+        renewals.append(item)
+        await renew(item, **kwargs)
+
+    monkeypatch.setattr(store, "renew", counted)
+    cancelled, cleaned = asyncio.Event(), asyncio.Event()
+    cancels = 0
+
+    async def handle(claim: ClaimedItem) -> Done:
+        nonlocal cancels
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            cancels += 1
+            cancelled.set()
+            try:
+                await cleaned.wait()  # cleaning up
+            except asyncio.CancelledError:
+                cancels += 1
+            raise
+        return Done()
+
+    stop = asyncio.Event()
+    worker = asyncio.create_task(work(store, handle, concurrency=1, stop=stop, grace=0))
+    await until(lambda: running_tasks() == 1, what="the item runs")
+    await store.cancel(item_id, reason="operator")
+    clock.advance(store.lease_seconds / 3 + 0.1)  # the renewal: refused
+    await asyncio.wait_for(cancelled.wait(), 30)
+    for _ in range(3):
+        await store.counts()  # turns of the loop, and threads', for a renewer to go on
+    cleaned.set()
+    stop.set()
+    summary = await asyncio.wait_for(worker, 30)
+    assert (renewals, summary.cancelled, cancels) == ([item_id], 1, 1)
+
+
+async def test_an_item_this_worker_takes_again_keeps_each_claim_apart(
+    store: ControlStore, clock: ManualClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A renewal is stuck (a paused machine, say) until the lease lapses, and this same
+    # worker claims the item again, at a higher fence. The stuck renewal's refusal then
+    # stops the first run; the second run's lease is kept and its outcome settled.
+    item_id = await store.enqueue("alpha", {})
+    renew = store.renew
+    stuck, asked = asyncio.Event(), asyncio.Event()
+
+    async def stalled_once(item: int, **kwargs: Any) -> None:
+        if not asked.is_set():
+            asked.set()
+            await stuck.wait()
+        await renew(item, **kwargs)
+
+    monkeypatch.setattr(store, "renew", stalled_once)
+    gates = [asyncio.Event(), asyncio.Event()]
+    fences: list[int] = []
+    stopped: list[int] = []
+
+    async def handle(claim: ClaimedItem) -> Done:
+        fences.append(claim.fence)
+        try:
+            await gates[len(fences) - 1].wait()
+        except asyncio.CancelledError:
+            stopped.append(claim.fence)
+            raise
+        return Done()
+
+    stop = asyncio.Event()
+    worker = asyncio.create_task(work(store, handle, concurrency=2, stop=stop))
+    await until(lambda: len(fences) == 1, what="the first run")
+    clock.advance(store.lease_seconds / 3 + 0.1)
+    await asyncio.wait_for(asked.wait(), 30)  # the renewal is stuck
+    clock.advance(store.lease_seconds)  # the lease lapses
+    await until(lambda: len(fences) == 2, what="the same worker takes the item again")
+    stuck.set()  # the stuck renewal goes on: refused, for the first claim only
+    await until(lambda: stopped == [fences[0]], what="the first run is stopped")
+    lease = (await store.item(item_id))["lease_expires_at"]
+    clock.advance(store.lease_seconds / 3 + 0.1)
+
+    async def renewed() -> bool:
+        return bool((await store.item(item_id))["lease_expires_at"] > lease)
+
+    await until(renewed, what="the second claim's lease renewed")
+    gates[1].set()
+    await until(lambda: running_tasks() == 0, what="the second run ends")
+    stop.set()
+    summary = await asyncio.wait_for(worker, 30)
+    assert (summary.done, summary.fence_rejected) == (1, 1)
+    row = await store.item(item_id)
+    assert (row["state"], row["fence"]) == ("done", fences[1])
+    assert await verify_ledger(store) == []
+
+
+async def test_a_store_closed_under_running_items_keeps_their_leases(
+    store: ControlStore, clock: ManualClock
+) -> None:
+    # A close stops the worker's claims, not the leases of what runs: until its handler
+    # returns, the item stays this worker's, however far the clock goes.
+    item_id = await store.enqueue("alpha", {})
+    gate = asyncio.Event()
+
+    async def handle(claim: ClaimedItem) -> Done:
+        await gate.wait()
+        return Done()
+
+    worker = asyncio.create_task(work(store, handle, concurrency=1))
+    await until(lambda: running_tasks() == 1, what="the item runs")
+    await store.close()
+    for _ in range(4):  # four renewals' turns: more than a whole lease
+        lease = (await store.item(item_id))["lease_expires_at"]
+        clock.advance(store.lease_seconds / 3 + 0.1)
+
+        async def renewed(before: Any = lease) -> bool:
+            return bool((await store.item(item_id))["lease_expires_at"] > before)
+
+        await until(renewed, what="the lease renewed")
+    assert await store.claim("rival") is None
+    gate.set()
+    summary = await asyncio.wait_for(worker, 30)
+    assert summary.done == 1
+    assert (await store.item(item_id))["state"] == "done"
+
+
+async def test_a_renewer_failing_in_the_grace_stops_the_worker_at_once(
+    store: ControlStore, clock: ManualClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Once no lease is kept, the grace is over: the worker gives its item back and
+    # raises, rather than letting the handler run on unrenewed for the rest of it.
+    item_id = await store.enqueue("alpha", {})
+
+    async def handle(claim: ClaimedItem) -> Done:
+        await asyncio.Event().wait()
+        return Done()
+
+    stop = asyncio.Event()
+    worker = asyncio.create_task(work(store, handle, concurrency=1, stop=stop, grace=3600))
+    await until(lambda: running_tasks() == 1, what="the item runs")
+    stop.set()
+    await until(lambda: running_tasks("asyncplane-work-stop-wait") == 0, what="claims end")
+
+    async def failing(item: int, **kwargs: Any) -> None:
+        raise StorageError("the disk went away")
+
+    monkeypatch.setattr(store, "renew", failing)
+    clock.advance(store.lease_seconds / 3 + 0.1)
+    done, _ = await asyncio.wait({worker}, timeout=30)
+    assert done, "the worker waits out its grace with no lease kept"
+    with pytest.raises(DrainError) as raised:
+        await worker
+    assert isinstance(raised.value.__cause__, StorageError)
+    assert raised.value.summary.released == 1
+    assert (await store.item(item_id))["state"] == "ready"
 
 
 async def test_work_runs_an_item_with_its_handler_task_alone(store: ControlStore) -> None:

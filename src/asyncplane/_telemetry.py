@@ -260,18 +260,28 @@ def enqueue_span(project_id: str, count: int) -> Iterator[str | None]:
     (None when there is no valid span to link to)."""
     otel = _tracing()
     if otel is None:
-        yield None
+        # No span of ours, but a context the caller is in (one that came with its
+        # request, say) is still saved, for a worker that traces.
+        yield _current_context()
         return
     attributes: dict[str, str | int] = {"asyncplane.project": project_id, "asyncplane.count": count}
     with otel.tracer.start_as_current_span(
         "asyncplane.enqueue", kind=otel.trace.SpanKind.PRODUCER, attributes=attributes
-    ) as span:
-        if not span.get_span_context().is_valid:
-            yield None
-            return
-        carrier: dict[str, str] = {}
-        otel.propagate.inject(carrier)
-        yield json.dumps(carrier, separators=(",", ":"), sort_keys=True) if carrier else None
+    ):
+        yield _current_context()
+
+
+def _current_context() -> str | None:
+    """The current trace context as compact JSON (None without the API, or without a
+    valid current span)."""
+    if not ENABLED:
+        return None
+    otel = _instruments()
+    if not otel.trace.get_current_span().get_span_context().is_valid:
+        return None
+    carrier: dict[str, str] = {}
+    otel.propagate.inject(carrier)
+    return json.dumps(carrier, separators=(",", ":"), sort_keys=True) if carrier else None
 
 
 @contextlib.contextmanager

@@ -12,8 +12,8 @@ A slot is free once its handler has returned, not once its settle has committed:
 slot's next claim is asked for right behind the settle, so the two go to the writer in the
 same round, one transaction, the settle first (a per-project ``max_running`` sees the
 settled item gone). So at ``concurrency=1`` an item costs one write round, not two; and
-the store never shows the worker holding more than ``concurrency`` items, since the claim
-commits with the settle or after it.
+the claim commits with the settle or after it (unless the settle fails inside the round:
+the rest commit without it, and the worker stops on the failure).
 
 The rules it keeps:
 
@@ -206,8 +206,9 @@ class _Worker:
 
     def __post_init__(self) -> None:
         self.engine = _store.engine_of(self.store)
-        #: Items whose handler runs, by id: the leases `_keep_leases` renews.
-        self.held: dict[int, _Held] = {}
+        #: Items whose handler runs, by item id and fence (a lapsed lease may hand this
+        #: worker the same item again, at a higher fence): the leases `_keep_leases` renews.
+        self.held: dict[tuple[int, int], _Held] = {}
         self.held_again = asyncio.Event()  # set when ``held`` is no longer empty
         self.third = self.store.lease_seconds / 3
         self.renewer_stopping = False  # the renewer's end is the worker's own doing
@@ -251,7 +252,7 @@ class _Worker:
         cancelled = False
         if self.running and self.grace > 0 and self.failure is None:
             try:  # the grace may be cut short: a second stop, a cancel
-                await asyncio.wait(set(self.running), timeout=self.grace)
+                await self._grace()
             except asyncio.CancelledError:
                 cancelled = True
         _, again = await _tasks.to_the_end(
@@ -264,6 +265,21 @@ class _Worker:
             ) from self.failure
         if cancelled:
             raise asyncio.CancelledError
+
+    async def _grace(self) -> None:
+        """After a stop: until every running item has ended, ``grace`` runs out, or a
+        failure (the renewer's, say: no lease is kept any more) ends it at once."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.grace
+        while self.running and self.failure is None:
+            left = deadline - loop.time()
+            if left <= 0:
+                return
+            self.wake.clear()  # set by an item's end (`_ended`) and by a failure
+            try:
+                await _tasks.within(self.wake.wait(), left, "asyncplane-work-grace")
+            except asyncio.TimeoutError:
+                return
 
     async def _shut_down(self, grace: float) -> None:
         """No more claims: let running items finish for up to ``grace`` seconds, then
@@ -407,19 +423,20 @@ class _Worker:
     async def _run_item(self, claim: ClaimedItem) -> None:
         """Run and settle one item, its lease kept by `_keep_leases` while its handler
         runs; cancelled (a stop), give its claim back."""
+        renew_at = self.store.clock.now() + self.third  # before the handler's task is made
         handler = asyncio.create_task(
             _call(self.handle, claim), name=f"asyncplane-work-handle[{claim.item_id}]"
         )
-        held = _Held(claim, handler, self.store.clock.now() + self.third)
+        held = _Held(claim, handler, renew_at)
         if not self.held:
             self.held_again.set()
-        self.held[claim.item_id] = held
+        self.held[held.key] = held
         try:
             done, _ = await asyncio.wait((handler,), timeout=self.timeout)
         except asyncio.CancelledError:
             await _tasks.to_the_end(self._give_back(held), "asyncplane-work-give-back")
             raise
-        del self.held[claim.item_id]  # no renewal is made for it from here
+        self.held.pop(held.key, None)  # no renewal is made for it from here
         if held.lost:
             # Taken over or cancelled: counted by the renewer, which cancelled the handler;
             # nothing is reported.
@@ -460,7 +477,7 @@ class _Worker:
 
     async def _give_back(self, held: _Held) -> None:
         claim, handler = held.claim, held.handler
-        self.held.pop(claim.item_id, None)  # no renewal is made for it from here
+        self.held.pop(held.key, None)  # no renewal is made for it from here
         await _tasks.stop(handler)
         if held.lost:
             return  # taken over or cancelled: not ours to settle or give back
@@ -508,12 +525,15 @@ class _Worker:
 
     async def _keep_leases(self) -> None:
         """Renew each running item's lease a third of a lease after its claim or its last
-        renewal, with every other lease due within the next sixth of a lease: one round of
-        writes for all of them, and one task and one timer for the run, not one an item.
-        It ends with the worker (or once the store was closed under it); a store's failure
-        ends it early, and the worker with it (`_renewer_ended`)."""
+        renewal, with every other lease due within the next sixth of a lease, all asked
+        for in the same turn (so in one write round, up to the writer's batch size): one
+        timer for the run, and one wake a turn, not a task and a timer an item.
+        It ends with the worker: a store closed under the worker stops the worker's
+        claims, not the leases of the items still running (their settles and give-backs
+        reach the store too). A store's failure ends it early, and the worker with it
+        (`_renewer_ended`)."""
         clock = self.store.clock
-        while not self.store_closed():
+        while True:
             if not self.held:
                 self.held_again.clear()
                 await self.held_again.wait()
@@ -541,8 +561,9 @@ class _Worker:
         try:
             await self.store.renew(claim.item_id, fence=claim.fence, actor_id=self.actor_id)
         except (_errors.ItemCancelled, _errors.FenceRejected) as refusal:
-            if self.held.get(claim.item_id) is not held:
+            if self.held.get(held.key) is not held:
                 return  # its handler has returned meanwhile: its settle hears the news
+            del self.held[held.key]  # never renewed again, nor counted twice
             if isinstance(refusal, _errors.ItemCancelled):
                 self.summary.cancelled += 1
             else:
@@ -572,9 +593,10 @@ class _Held:
     """An item whose handler runs: its claim, its handler's task, when its lease is next
     to be renewed (by the store's clock) and whether a renewal was refused."""
 
-    __slots__ = ("claim", "handler", "lost", "renew_at")
+    __slots__ = ("claim", "handler", "key", "lost", "renew_at")
 
     def __init__(self, claim: ClaimedItem, handler: asyncio.Task[Any], renew_at: float) -> None:
+        self.key = (claim.item_id, claim.fence)
         self.claim = claim
         self.handler = handler
         self.renew_at = renew_at
