@@ -316,6 +316,18 @@ def test_the_trace_context_crosses_to_a_worker_in_another_process(
     assert step["parent_id"] == execute["context"]["span_id"]  # the handler's span nests
 
 
+def assert_script_passes(script: str, database: pathlib.Path) -> None:
+    """Run ``script`` in a fresh interpreter (its own OpenTelemetry globals), the
+    database's path its argument; it must print ``ok``."""
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(database)],
+        capture_output=True, text=True, timeout=120,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "ok"
+
+
 def test_without_the_api_nothing_is_recorded_and_everything_works(tmp_path: pathlib.Path) -> None:
     script = """
 import asyncio, sys
@@ -336,13 +348,7 @@ async def main():
 asyncio.run(main())
 print("ok")
 """
-    done = subprocess.run(
-        [sys.executable, "-c", script, str(tmp_path / "plain.db")],
-        capture_output=True, text=True, timeout=120,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "ok"
+    assert_script_passes(script, tmp_path / "plain.db")
 
 
 def test_no_span_is_made_until_a_tracer_provider_is_set(tmp_path: pathlib.Path) -> None:
@@ -395,13 +401,7 @@ async def main():
 asyncio.run(main())
 print("ok")
 """
-    done = subprocess.run(
-        [sys.executable, "-c", script, str(tmp_path / "untraced.db")],
-        capture_output=True, text=True, timeout=120,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "ok"
+    assert_script_passes(script, tmp_path / "untraced.db")
 
 
 def test_the_documented_names_are_the_recorded_ones() -> None:
