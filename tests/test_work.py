@@ -414,6 +414,59 @@ async def test_a_stop_while_every_slot_is_busy_gives_the_running_item_back(
         assert (row["state"], row["attempts"]) == ("ready", 0)
 
 
+async def test_a_store_closed_while_every_slot_is_busy_stops_the_worker_at_once(
+    store: ControlStore,
+) -> None:
+    # The loop waits for a slot, not for work: the close has to reach that wait too,
+    # not only the next item's end (which here never comes).
+    item_id = await store.enqueue("alpha", {})
+
+    async def handle(claim: ClaimedItem) -> Done:
+        await asyncio.Event().wait()
+        return Done()
+
+    worker = asyncio.create_task(work(store, handle, concurrency=1, grace=0))
+    await until(lambda: running_tasks() == 1, what="the only slot runs an item")
+    await store.close()
+    done, _ = await asyncio.wait({worker}, timeout=20)
+    assert done, "the worker waits for its slot to free, past the store's close"
+    summary = worker.result()
+    assert (summary.claimed, summary.released) == (1, 1)
+    row = await store.item(item_id)
+    assert (row["state"], row["attempts"]) == ("ready", 0)
+
+
+async def test_a_handler_cancelled_by_someone_else_retries_its_item(
+    store: ControlStore, caplog: pytest.LogCaptureFixture, clock: ManualClock
+) -> None:
+    # Not a stop, a timeout or a refused renewal: the item is settled (an attempt spent),
+    # neither dropped to its lease nor taken for the worker's own stop.
+    item_id = await store.enqueue("alpha", {})
+    seen: list[int] = []
+
+    async def handle(claim: ClaimedItem) -> Done:
+        seen.append(claim.attempts)
+        if len(seen) == 1:
+            task = asyncio.current_task()
+            assert task is not None
+            task.cancel()
+            await asyncio.sleep(0)
+        return Done({"attempt": claim.attempts})
+
+    with caplog.at_level(logging.WARNING, logger="asyncplane.worker"):
+        summary = await asyncio.wait_for(work(store, handle, concurrency=1, until_empty=True), 30)
+    assert (summary.retried, summary.done, summary.released) == (1, 0, 0)
+    row = await store.item(item_id)
+    assert (row["state"], row["attempts"]) == ("deferred", 1)
+    assert row["error"] == "the handler was cancelled, not by the worker"
+    assert any("cancelled, not by the worker" in r.getMessage() for r in caplog.records)
+    clock.advance(3600)  # past the retry's back-off
+    summary = await asyncio.wait_for(work(store, handle, concurrency=1, until_empty=True), 30)
+    assert summary.done == 1 and seen == [1, 2]
+    assert (await store.item(item_id))["result"] == {"attempt": 2}
+    assert await verify_ledger(store) == []
+
+
 async def test_a_refused_renewal_is_asked_and_counted_once(
     store: ControlStore, clock: ManualClock, monkeypatch: pytest.MonkeyPatch
 ) -> None:

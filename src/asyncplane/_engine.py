@@ -130,6 +130,7 @@ class Engine:
         #: How many times the store was closed: a waiter that saw it change stops waiting.
         self.closes = 0
         self._settle_watchers: set[asyncio.Event] = set()
+        self._close_watchers: set[asyncio.Event] = set()
         self.backend = backend_for(location, options, self.notify, self.notify_settled)
         # Where the preflight's fingerprint backfill has got to, per scope it ran in.
         self._backfill_after: dict[tuple[str | None, str | None], int] = {}
@@ -188,6 +189,8 @@ class Engine:
             self.is_open = False
             self.closes += 1
             self.notify()  # waiters for work (claims(), work()) see the store close
+            for event in self._close_watchers:
+                event.set()
             try:
                 if self.gauges is not None:
                     gauges, self.gauges = self.gauges, None
@@ -254,10 +257,16 @@ class Engine:
         (self._settle_watchers if settles else self._watchers).add(event)
         return event
 
+    def watch_closes(self, event: asyncio.Event) -> None:
+        """Set ``event`` when the store closes, and at nothing else (until `unwatch`): a
+        worker whose slots are all busy waits for no new work, yet has to see a close."""
+        self._close_watchers.add(event)
+
     def unwatch(self, event: asyncio.Event) -> None:
         """Stop setting ``event``."""
         self._watchers.discard(event)
         self._settle_watchers.discard(event)
+        self._close_watchers.discard(event)
 
     def notify(self) -> None:
         """Wake every watcher: something may have become claimable (or settled)."""

@@ -30,12 +30,16 @@ The rules it keeps:
   retried with ``timed out after N s`` (it spends an attempt; a spent budget fails it).
 * **A handler's exception** retries the item with the exception's type and message as
   its error, and is logged with its traceback (logger ``asyncplane.worker``, with the
-  item id, project, attempt and fence as ``extra`` fields).
-* **Stopping.** Once ``stop`` is set, no more claims; running items get ``grace``
-  seconds to finish, then their tasks are cancelled and their claims given back at once
-  (`ControlStore.release`: ready again, the attempt refunded), so another worker takes
-  them now rather than after the lease. A cancelled work() does the same without the
-  grace, then re-raises. Nothing claimed is ever left to its lease by a stop.
+  item id, project, attempt and fence as ``extra`` fields). So does a handler's task
+  cancelled by anyone but the worker (the handler itself, a library it calls), with
+  ``the handler was cancelled, not by the worker``: the item is settled, never left to
+  its lease.
+* **Stopping.** Once ``stop`` is set, or the store is closed, no more claims (even with
+  every slot busy); running items get ``grace`` seconds to finish, then their tasks are
+  cancelled and their claims given back at once (`ControlStore.release`: ready again,
+  the attempt refunded), so another worker takes them now rather than after the lease.
+  A cancelled work() does the same without the grace, then re-raises. Nothing claimed
+  is ever left to its lease by a stop.
 * **Many workers.** By default (``exclusive=False``) any number of workers run side by
   side, in any number of processes and hosts: claims are atomic. ``exclusive=True``
   takes the single-drainer guard, as drain() does, and returns at once (``skipped``) if
@@ -294,11 +298,13 @@ class _Worker:
 
     async def _claim_while_open(self) -> None:
         # One task for the whole run wakes the loop at a stop, rather than one per wait
-        # for a slot (`_until_a_slot_frees`).
+        # for a slot (`_until_a_slot_frees`); a close of the store sets ``wake`` itself.
         watcher = asyncio.create_task(self._wake_at_stop(), name="asyncplane-work-stop-wait")
+        self.engine.watch_closes(self.wake)
         try:
             await self._claims()
         finally:
+            self.engine.unwatch(self.wake)
             cut = await _tasks.stop(watcher)
         if cut:
             raise asyncio.CancelledError
@@ -364,10 +370,11 @@ class _Worker:
         return len(self.running) - len(self.settling)
 
     async def _until_a_slot_frees(self) -> None:
-        """Until a handler returns (`_settle_to_end`), a running item ends (`_ended`) or a
-        stop (`_wake_at_stop`): each sets ``wake``."""
+        """Until a handler returns (`_settle_to_end`), a running item ends (`_ended`), a
+        stop (`_wake_at_stop`) or a close of the store (`Engine.watch_closes`): each sets
+        ``wake``."""
         self.wake.clear()
-        if self.handling() < self.concurrency or self.stop.is_set():
+        if self.handling() < self.concurrency or self.stop.is_set() or self.store_closed():
             return
         self.waiting_for_slot = True
         try:
@@ -450,7 +457,7 @@ class _Worker:
             self.summary.timed_out += 1
             outcome: Any = Retry(f"timed out after {self.timeout:g} s")
         else:
-            outcome = self._outcome_of(claim, handler.result())
+            outcome = self._outcome_of(claim, handler)
         await self._settle_to_end(claim, outcome)
 
     async def _settle_to_end(self, claim: ClaimedItem, outcome: Any) -> None:
@@ -483,7 +490,7 @@ class _Worker:
             return  # taken over or cancelled: not ours to settle or give back
         if handler.done() and not handler.cancelled():
             # It finished just before the stop: its outcome stands.
-            await self._settle(claim, self._outcome_of(claim, handler.result()))
+            await self._settle(claim, self._outcome_of(claim, handler))
             return
         try:
             await self.store.release(claim.item_id, fence=claim.fence, actor_id=self.actor_id)
@@ -491,9 +498,18 @@ class _Worker:
             return  # taken over or cancelled meanwhile: not ours to give back
         self.summary.released += 1
 
-    def _outcome_of(self, claim: ClaimedItem, result: Any) -> Any:
-        """The handler's outcome; an exception it raised, or something that is not an
-        outcome, retries the item (logged with its traceback)."""
+    def _outcome_of(self, claim: ClaimedItem, handler: asyncio.Task[Any]) -> Any:
+        """The outcome of a handler that has ended; an exception it raised, something that
+        is not an outcome, or a cancellation the worker did not ask for (the handler's
+        own, a library's) retries the item, logged (an exception with its traceback)."""
+        if handler.cancelled():
+            # Not a stop, a timeout or a refused renewal: those are the worker's own and
+            # never come here. Spending an attempt keeps a handler that always cancels
+            # itself from running for ever.
+            error = "the handler was cancelled, not by the worker"
+            _log.warning("%s (item %d)", error, claim.item_id, extra=_extra(claim))
+            return Retry(error)
+        result = handler.result()
         if isinstance(result, BaseException):
             _log.warning(
                 "the handler raised on item %d: %s", claim.item_id, short_error(result),
