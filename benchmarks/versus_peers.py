@@ -25,6 +25,12 @@ and the CPU seconds the workers spent per 1,000 items (each worker's own user + 
 time from its go line to its last item: start-up is not counted). huey's wait is the
 longest single dequeue or execute call, which holds any lock wait it had.
 
+The report starts with the machine: its CPUs, and how long a pure-Python loop
+(``sum(range(1000))``) took at the start and at the end of the run. asyncplane's side of
+a ratio is mostly Python and raw's mostly SQLite's C, so between sessions (a host that
+runs Python slower, a neighbour that takes the caches) the ratios move with that figure
+even though each is measured in one run.
+
 The targets of issue 17 are printed with a verdict each, on the medians, and beside it
 the same figure in each repeat (the sides of a repeat ran one after another, so a repeat's
 ratio compares neighbours in time; on a shared machine the spread between repeats is
@@ -36,12 +42,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+import timeit
 from collections.abc import Callable
 from typing import Any
 
@@ -253,6 +261,19 @@ def postgres_targets(table: dict[str, dict[str, float]]) -> list[Any]:
     ]
 
 
+def python_loop_us() -> float:
+    """How long this machine takes for ``sum(range(1000))`` just now, in µs (best of 5)."""
+    return min(timeit.repeat("sum(range(1000))", number=2000, repeat=5)) / 2000 * 1e6
+
+
+def show_machine(machine: dict[str, Any]) -> None:
+    start, end = machine["python_loop_us"]
+    print(
+        f"Machine: {machine['cpus']} CPUs; sum(range(1000)) in Python took {start:.1f} µs at "
+        f"the start, {end:.1f} µs at the end (the ratios below move with it between runs)"
+    )
+
+
 def show(title: str, table: dict[str, dict[str, float]], targets: list[Any], wait: str) -> None:
     print(title)
     print(
@@ -297,6 +318,7 @@ def main() -> int:
         huey_worker(*args.huey_worker)
         return 0
     report: dict[str, Any] = {"workers": args.workers, "items": args.items}
+    loop_at_start = python_loop_us()
     if not args.postgres_only:
         runs: dict[str, list[Run]] = {}
         plan = sqlite_plan(args)
@@ -323,10 +345,15 @@ def main() -> int:
             postgres_targets(report["postgres"]),
             [postgres_targets(t) for t in repeats(pg_runs, pg_sizes)],
         )
+    report["machine"] = {
+        "cpus": os.cpu_count(),
+        "python_loop_us": [loop_at_start, python_loop_us()],
+    }
     if args.json:
         print(json.dumps(report))
         return 0
     median = f"median of {args.repeats}"
+    show_machine(report["machine"])
     if "sqlite" in report:
         show(
             f"SQLite, {args.workers} worker processes, {args.items:,} items "

@@ -204,6 +204,9 @@ def test_the_peers_benchmark_reports_every_side_and_target(asyncplane_postgres_u
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)
     lite, pg = report["sqlite"], report["postgres"]
+    machine = report["machine"]
+    assert machine["cpus"] >= 1 and len(machine["python_loop_us"]) == 2
+    assert all(us > 0 for us in machine["python_loop_us"])
     assert {"raw", "probe C=1", "probe C=8", "raw FULL", "probe C=8 FULL"} <= set(lite)
     for row in lite.values():
         assert row["items_per_s"] > 0 and row["cpu_per_1000_s"] > 0
