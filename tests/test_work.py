@@ -426,10 +426,14 @@ async def test_a_store_closed_while_every_slot_is_busy_stops_the_worker_at_once(
         return Done()
 
     worker = asyncio.create_task(work(store, handle, concurrency=1, grace=0))
-    await until(lambda: running_tasks() == 1, what="the only slot runs an item")
-    await store.close()
-    done, _ = await asyncio.wait({worker}, timeout=20)
-    assert done, "the worker waits for its slot to free, past the store's close"
+    try:
+        await until(lambda: running_tasks() == 1, what="the only slot runs an item")
+        await store.close()
+        done, _ = await asyncio.wait({worker}, timeout=20)
+        assert done, "the worker waits for its slot to free, past the store's close"
+    finally:
+        worker.cancel()  # a failing run leaves no task behind it
+        await asyncio.gather(worker, return_exceptions=True)
     summary = worker.result()
     assert (summary.claimed, summary.released) == (1, 1)
     row = await store.item(item_id)

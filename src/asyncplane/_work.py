@@ -30,10 +30,10 @@ The rules it keeps:
   retried with ``timed out after N s`` (it spends an attempt; a spent budget fails it).
 * **A handler's exception** retries the item with the exception's type and message as
   its error, and is logged with its traceback (logger ``asyncplane.worker``, with the
-  item id, project, attempt and fence as ``extra`` fields). So does a handler's task
-  cancelled by anyone but the worker (the handler itself, a library it calls), with
-  ``the handler was cancelled, not by the worker``: the item is settled, never left to
-  its lease.
+  item id, project, attempt and fence as ``extra`` fields). A handler's task cancelled
+  by anyone but the worker (the handler itself, a library it calls) is retried the same
+  way, logged as a warning (no traceback), with ``the handler was cancelled, not by the
+  worker``: the item is settled, never left to its lease.
 * **Stopping.** Once ``stop`` is set, or the store is closed, no more claims (even with
   every slot busy); running items get ``grace`` seconds to finish, then their tasks are
   cancelled and their claims given back at once (`ControlStore.release`: ready again,
@@ -126,8 +126,8 @@ async def work(
         exclusive: Run alone, behind the single-drainer guard (as drain() does).
         lock_path: With ``exclusive``, the lock file to use instead of the store's own.
         stop: Set it to stop gracefully (see ``grace``).
-        grace: Seconds running items get to finish once ``stop`` is set; the rest are
-            cancelled and their claims given back unrun.
+        grace: Seconds running items get to finish once ``stop`` is set or the store
+            is closed; the rest are cancelled and their claims given back unrun.
         until_empty: Return once nothing is claimable and nothing runs, instead of
             waiting for work until ``stop``.
         poll_interval: Seconds between looks for other processes' commits, on SQLite.
@@ -506,9 +506,7 @@ class _Worker:
             # Not a stop, a timeout or a refused renewal: those are the worker's own and
             # never come here. Spending an attempt keeps a handler that always cancels
             # itself from running for ever.
-            error = "the handler was cancelled, not by the worker"
-            _log.warning("%s (item %d)", error, claim.item_id, extra=_extra(claim))
-            return Retry(error)
+            return _retry(claim, "the handler was cancelled, not by the worker")
         result = handler.result()
         if isinstance(result, BaseException):
             _log.warning(
@@ -517,9 +515,7 @@ class _Worker:
             )  # fmt: skip
             return Retry(short_error(f"the handler raised {short_error(result)}"))
         if not isinstance(result, _OUTCOMES):
-            error = f"the handler returned {type(result).__name__}, not an outcome"
-            _log.warning("%s (item %d)", error, claim.item_id, extra=_extra(claim))
-            return Retry(error)
+            return _retry(claim, f"the handler returned {type(result).__name__}, not an outcome")
         return result
 
     async def _settle(self, claim: ClaimedItem, outcome: Any) -> None:
@@ -629,6 +625,12 @@ async def _call(handle: Handler, claim: ClaimedItem) -> Any:
             result = exc
         run.finish(result)
         return result
+
+
+def _retry(claim: ClaimedItem, error: str) -> Retry:
+    """Retry ``claim`` with ``error``, logged as a warning with the item's fields."""
+    _log.warning("%s (item %d)", error, claim.item_id, extra=_extra(claim))
+    return Retry(error)
 
 
 def _extra(claim: ClaimedItem) -> dict[str, Any]:
