@@ -38,6 +38,12 @@ async def states_of(store: ControlStore) -> dict[str, int]:
     return {state: n for state, n in (await store.counts()).items() if n}
 
 
+async def hang(claim: ClaimedItem) -> Done:
+    """A handler that never returns of itself: only a cancellation ends it."""
+    await asyncio.Event().wait()
+    return Done()
+
+
 def running_tasks(prefix: str = "asyncplane-work-handle") -> int:
     return sum(t.get_name().startswith(prefix) for t in asyncio.all_tasks())
 
@@ -342,9 +348,7 @@ async def test_a_renewer_cancelled_by_someone_else_stops_the_worker_and_gives_ba
     # kept any more, so the worker stops with DrainError and gives its items back at once.
     item_id = await store.enqueue("alpha", {})
 
-    async def handle(claim: ClaimedItem) -> Done:
-        await asyncio.Event().wait()
-        return Done()
+    handle = hang
 
     worker = asyncio.create_task(work(store, handle, concurrency=1, owner="w"))
     await until(lambda: running_tasks() == 1, what="the item runs")
@@ -400,9 +404,7 @@ async def test_a_stop_while_every_slot_is_busy_gives_the_running_item_back(
     ids = [await store.enqueue("alpha", {"n": n}) for n in range(2)]
     stop = asyncio.Event()
 
-    async def handle(claim: ClaimedItem) -> Done:
-        await asyncio.Event().wait()
-        return Done()
+    handle = hang
 
     worker = asyncio.create_task(work(store, handle, concurrency=1, stop=stop, grace=0))
     await until(lambda: running_tasks() == 1, what="the only slot runs an item")
@@ -421,9 +423,7 @@ async def test_a_store_closed_while_every_slot_is_busy_stops_the_worker_at_once(
     # not only the next item's end (which here never comes).
     item_id = await store.enqueue("alpha", {})
 
-    async def handle(claim: ClaimedItem) -> Done:
-        await asyncio.Event().wait()
-        return Done()
+    handle = hang
 
     worker = asyncio.create_task(work(store, handle, concurrency=1, grace=0))
     try:
@@ -610,9 +610,7 @@ async def test_a_renewer_failing_in_the_grace_stops_the_worker_at_once(
     # raises, rather than letting the handler run on unrenewed for the rest of it.
     item_id = await store.enqueue("alpha", {})
 
-    async def handle(claim: ClaimedItem) -> Done:
-        await asyncio.Event().wait()
-        return Done()
+    handle = hang
 
     stop = asyncio.Event()
     worker = asyncio.create_task(work(store, handle, concurrency=1, stop=stop, grace=3600))
@@ -724,9 +722,7 @@ async def test_a_timed_out_item_with_its_budget_spent_fails(
     await store.create_project("alpha", "Alpha")
     hung = await store.enqueue("alpha", {})
 
-    async def handle(claim: ClaimedItem) -> Done:
-        await asyncio.Event().wait()
-        return Done()
+    handle = hang
 
     summary = await work(store, handle, timeout=0.1, until_empty=True)
     assert (summary.timed_out, summary.failed) == (1, 1)
@@ -766,9 +762,7 @@ async def test_a_graceful_stop_lets_items_finish_then_gives_the_rest_back(
 async def test_a_cancelled_worker_gives_every_claim_back(store: ControlStore) -> None:
     ids = [await store.enqueue("alpha", {"n": n}) for n in range(3)]
 
-    async def handle(claim: ClaimedItem) -> Done:
-        await asyncio.Event().wait()
-        return Done()
+    handle = hang
 
     worker = asyncio.create_task(work(store, handle, concurrency=8))
     await until(lambda: running_tasks() == 3, what="three items run")
