@@ -50,11 +50,25 @@ def start_together(procs: list[subprocess.Popen[str]]) -> float:
 def go_and_wait(
     procs: list[subprocess.Popen[str]], missing: str | None = None
 ) -> tuple[list[dict[str, Any]], float]:
-    """`start_together`, then each one's last line of JSON (``missing`` for one that
-    said nothing): the results, and the seconds from the start until the last is done."""
+    """`start_together`, then each one's line of JSON, said as its drain ends (``missing``
+    for one that said nothing): the results, and the seconds from the start until the last
+    of them was said. What a worker does after it (closing, its interpreter's teardown)
+    is not timed, as the probe does not time its workers' shut-down (``shutdown_s``)."""
     started = start_together(procs)
-    results = [json.loads(proc.communicate()[0] or missing or "") for proc in procs]
-    return results, time.perf_counter() - started
+    said = [_said(proc) for proc in procs]
+    drained = time.perf_counter()
+    for proc in procs:
+        proc.communicate()
+    return [json.loads(line or missing or "") for line in said], drained - started
+
+
+def _said(proc: subprocess.Popen[str]) -> str:
+    """The worker's line of JSON, read as soon as it is said ("" if it ended without one)."""
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if line.lstrip().startswith("{"):
+            return line
+    return ""
 
 
 def drain_figures(

@@ -10,10 +10,11 @@ The raw baseline: W worker processes (this script, in --raw-worker mode), each w
 asyncpg connection, draining asyncplane's own schema with one transaction per claim
 (SELECT ... FOR UPDATE SKIP LOCKED in claim order, UPDATE, event row) and one per finish
 (fenced UPDATE, event row): the fastest honest way to do by hand what the store does. Its
-clock runs from the moment every worker is ready until the last one exits, as the probe's
-own rate does. Then the probe's concurrent-queue with the same workers and items, at
---concurrency 1 and 8. pgqueuer, if it is installed, drains the same number of jobs with
-the same workers, for a third figure (it keeps no ledger: a lighter job).
+clock runs from the moment every worker is ready until the last one says its drain is
+over (not until it exits), as the probe's own rate does. Then the probe's
+concurrent-queue with the same workers and items, at --concurrency 1 and 8. pgqueuer, if
+it is installed, drains the same number of jobs with the same workers, for a third figure
+(it keeps no ledger: a lighter job).
 
 Target (issue 7): probe C=8 >= 1x raw. Each rate is the median of the repeats.
 """

@@ -5,8 +5,9 @@
 The raw ceiling: W plain sqlite3 worker processes (this script, in --raw-worker mode)
 draining the same schema, one BEGIN IMMEDIATE transaction per claim and one per finish,
 each writing its event row; the clock runs from the moment every worker is ready until
-the last one exits, as the probe's own rate does. Then the probe's concurrent-queue with
-the same workers and items, at --concurrency 1 and 8, with synchronous NORMAL and FULL.
+the last one says its drain is over (not until it exits), as the probe's own rate does.
+Then the probe's concurrent-queue with the same workers and items, at --concurrency 1
+and 8, with synchronous NORMAL and FULL.
 
 Targets (issue 3): probe C=1 >= 0.8x raw NORMAL; probe C=8 >= 2x raw NORMAL; probe C=8
 FULL >= 2x raw FULL. Each rate is the median of the repeats; the ratios compare medians.

@@ -17,13 +17,15 @@ SQLite (one file, W worker processes, synchronous NORMAL unless FULL is said):
 PostgreSQL (a throwaway cluster, fsync on, unless --url): raw SKIP LOCKED per item,
 pgqueuer (``pip install pgqueuer``) draining as many jobs, and the probe at C=1 and C=8.
 
-Every clock runs from the moment every worker is warm until the last one is done; the
-sides take turns, repeat, and each figure is the median. For each side the script prints
-its rate, its ratio to raw (and to huey or pgqueuer), the least busy worker, the longest
-single wait for SQLite's write lock (on PostgreSQL the worst worker's claim latency p99),
-and the CPU seconds the workers spent per 1,000 items (each worker's own user + system
-time from its go line to its last item: start-up is not counted). huey's wait is the
-longest single dequeue or execute call, which holds any lock wait it had.
+Every clock runs from the moment every worker is warm until the last one says its drain
+is over (its result line; the probe's, its summary), not until it exits: start-up and
+shut-down are not timed, on any side. The sides take turns, repeat, and each figure is
+the median. For each side the script prints its rate, its ratio to raw (and to huey or
+pgqueuer), the least busy worker, the longest single wait for SQLite's write lock (on
+PostgreSQL the worst worker's claim latency p99), and the CPU seconds the workers spent
+per 1,000 items (each worker's own user + system time from its go line to its last item:
+start-up is not counted). huey's wait is the longest single dequeue or execute call,
+which holds any lock wait it had.
 
 The report starts with the machine: its CPUs, and how long a pure-Python loop
 (``sum(range(1000))``) took at the start and at the end of the run. asyncplane's side of

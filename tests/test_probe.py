@@ -454,3 +454,61 @@ def test_the_worker_protocol_reads_back_what_it_writes() -> None:
     line = protocol.encode(messages[-1])
     assert protocol.decode(line[: len(line) // 2]) is None  # cut short by a kill
     assert protocol.decode('{"kind": "unheard-of"}') is None
+
+
+async def _stand_in_worker(name: str, *, summary: bool) -> Any:
+    """A real process standing in for a probe worker: it says its summary (or nothing, as
+    a worker that died would) and exits once told to on stdin, so the test decides how
+    long its shut-down lasts."""
+    from asyncplane import _probe_protocol as protocol
+    from asyncplane.probe import _workers
+
+    line = protocol.encode(
+        protocol.Summary(name=name, claimed=0, finished=0, locked=0, fence_rejected=0,
+                         max_lock_wait=0.0)
+    ) if summary else ""  # fmt: skip
+    script = f"import sys; print({line!r}, flush=True); sys.stdin.readline()"
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", script,
+        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    return _workers._Worker(name, process)
+
+
+async def test_the_timed_window_ends_with_the_last_summary_and_the_exit_is_shut_down() -> None:
+    # A worker's summary comes right after its drain; closing its store and its
+    # interpreter's teardown (sixteen of them at once on two CPUs: most of a second) are
+    # its shut-down, reported apart and not timed, as its start-up is not.
+    from asyncplane.probe import _workers
+    from asyncplane.probe._report import ProbeReport
+
+    started = time.monotonic()
+    workers = [await _stand_in_worker(f"w{n}", summary=True) for n in range(2)]
+    report = ProbeReport("concurrent-queue", 2, 0, 1, "NORMAL", 60.0)
+    drained = asyncio.create_task(_workers._until_drained(workers, started, report))
+    await asyncio.gather(*(worker.summarised.wait() for worker in workers))
+    said = max(worker.summary_at for worker in workers)
+    lingering = 0.3  # the shut-down this test makes, measured below
+    await asyncio.sleep(lingering)
+    await asyncio.gather(*(worker.say("exit") for worker in workers))
+    await drained
+    assert report.seconds == said - started
+    assert report.shutdown_s >= lingering
+
+
+async def test_a_worker_that_never_said_its_summary_ends_the_window_where_it_exited() -> None:
+    from asyncplane.probe import _workers
+    from asyncplane.probe._report import ProbeReport
+
+    started = time.monotonic()
+    workers = [
+        await _stand_in_worker("said", summary=True),
+        await _stand_in_worker("died", summary=False),
+    ]
+    report = ProbeReport("concurrent-queue", 2, 0, 1, "NORMAL", 60.0)
+    drained = asyncio.create_task(_workers._until_drained(workers, started, report))
+    await asyncio.gather(*(worker.say("exit") for worker in workers))
+    await drained
+    assert report.shutdown_s == 0.0  # the window ran to the last exit
+    assert report.seconds > workers[0].summary_at - started

@@ -162,6 +162,11 @@ def _human(report: ProbeReport) -> str:
             f"(per worker {report.per_worker_min} to {report.per_worker_max} items)"
         )
         lines.append(f"  start-up (every worker warm, not timed) {report.startup_s:.2f} s")
+        if report.shutdown_s:
+            lines.append(
+                f"  shut-down (every worker's drain over to its exit, not timed) "
+                f"{report.shutdown_s:.2f} s"
+            )
         if report.items:
             per_1000 = report.worker_cpu_s / report.items * 1000
             lines.append(

@@ -38,6 +38,9 @@ class ProbeReport:
     seconds: float = 0.0
     #: Seconds from the first worker's start to every worker ready (warm), not timed.
     startup_s: float = 0.0
+    #: Seconds from the last worker's summary (its drain over) to every worker exited:
+    #: closing stores and interpreters, not timed (concurrent-queue).
+    shutdown_s: float = 0.0
     items_per_s: float = 0.0
     duplicates: int = 0
     lost: int = 0

@@ -25,6 +25,7 @@ from asyncplane.probe._workers import (
     _spawn,
     _start_progress,
     _stop,
+    _until_drained,
     _Worker,
 )
 
@@ -51,8 +52,7 @@ async def _concurrent_queue(
     started = await _go(workers, report)
     progress = _start_progress(store, args.items, started, out, report.scenario)
     try:
-        await asyncio.gather(*(w.wait() for w in workers))
-        report.seconds = time.monotonic() - started
+        await _until_drained(workers, started, report)
     finally:
         await _stop(progress, out)
     report.items_per_s = args.items / report.seconds if report.seconds else 0.0

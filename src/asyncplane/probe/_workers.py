@@ -33,6 +33,9 @@ class _Worker:
         self.claimed_event = asyncio.Event()
         self.report: _probe_protocol.Reported | None = None
         self.summary: _probe_protocol.Summary | None = None
+        #: When the summary line was read (`time.monotonic`): the worker's drain is over.
+        self.summary_at: float | None = None
+        self.summarised = asyncio.Event()
         self.finished: list[tuple[int, int]] = []
         self.stderr = b""
         self.killed = False
@@ -51,6 +54,8 @@ class _Worker:
                 self.finished.append((message.item, message.fence))
             elif isinstance(message, _probe_protocol.Summary):
                 self.summary = message
+                self.summary_at = time.monotonic()
+                self.summarised.set()
             elif isinstance(message, _probe_protocol.Ready):
                 self.ready.set()
             elif isinstance(message, _probe_protocol.Claimed):
@@ -206,6 +211,20 @@ async def _go(workers: Sequence[_Worker], report: ProbeReport | None = None) -> 
         report.startup_s += started - waiting
     await asyncio.gather(*(w.say("go") for w in workers))
     return started
+
+
+async def _until_drained(workers: Sequence[_Worker], started: float, report: ProbeReport) -> None:
+    """Wait for every worker to exit; the timed window (``report.seconds``) ends when the
+    last one said its summary, right after its drain, and the rest (closing its store,
+    its interpreter's teardown) is its shut-down (``report.shutdown_s``), not timed, as
+    its start-up is not. A worker that never said its summary (it died) ends the window
+    where it exited."""
+    await asyncio.gather(*(w.wait() for w in workers))
+    exited = time.monotonic()
+    said = [w.summary_at for w in workers]
+    drained = exited if None in said else max(t for t in said if t is not None)
+    report.seconds = drained - started
+    report.shutdown_s = exited - drained
 
 
 def _start_progress(
