@@ -77,7 +77,8 @@ async def _store_drain(path: str, name: str, together: str = "") -> None:
                 claim = await store.claim(name)
             done += 1
         cpu = _raw.cpu_seconds() - cpu
-    print(json.dumps({"done": done, "longest": longest, "cpu": cpu}), flush=True)
+        # Said before the store closes: closing is not the drain (`_raw.go_and_wait`).
+        print(json.dumps({"done": done, "longest": longest, "cpu": cpu}), flush=True)
 
 
 def _seeded(tmp: pathlib.Path, label: str, files: int, items: int) -> list[pathlib.Path]:

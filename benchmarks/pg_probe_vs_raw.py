@@ -82,9 +82,10 @@ async def raw_drain(url: str, owner: str) -> None:
             await conn.execute(FINISH, now, row[0], fence)
             await conn.execute(EVENT, row[0], "done", fence, owner, now)
         done += 1
-    await conn.close()
     cpu = _raw.cpu_seconds() - cpu
+    # Said before the connection closes: closing is not the drain (`_raw.go_and_wait`).
     print(json.dumps({"done": done, "cpu": cpu, "claim_p99": p99(claims)}), flush=True)
+    await conn.close()
 
 
 def p99(values: list[float]) -> float:
@@ -202,9 +203,9 @@ async def pgqueuer_drain(url: str, owner: str) -> None:
     watcher = asyncio.create_task(stop_when_empty())
     await pgq.run(dequeue_timeout=datetime.timedelta(seconds=0.05))
     await watcher
-    await conn.close()
     cpu = _raw.cpu_seconds() - cpu
-    print(json.dumps({"done": done, "cpu": cpu}), flush=True)
+    print(json.dumps({"done": done, "cpu": cpu}), flush=True)  # before closing, as raw's
+    await conn.close()
 
 
 def run_pgqueuer(url: str, workers: int, items: int) -> dict[str, float] | None:

@@ -25,6 +25,7 @@ from asyncplane.probe._workers import (
     _start_progress,
     _stop,
     _tally_workers,
+    _until_drained,
     _Worker,
 )
 
@@ -95,8 +96,7 @@ async def _work_here(
     workers = [await _spawn(args, f"{_host()}-w{n}", "--until-drained", "--report-at-end")
                for n in range(args.workers)]  # fmt: skip
     started = await _go(workers, report)
-    await asyncio.gather(*(w.wait() for w in workers))
-    report.seconds = time.monotonic() - started
+    await _until_drained(workers, started, report)
     done = sum(len(w.finished) for w in workers)
     report.items = done
     report.items_per_s = done / report.seconds if report.seconds else 0.0

@@ -217,8 +217,8 @@ async def _until_drained(workers: Sequence[_Worker], started: float, report: Pro
     """Wait for every worker to exit; the timed window (``report.seconds``) ends when the
     last one said its summary, right after its drain, and the rest (closing its store,
     its interpreter's teardown) is its shut-down (``report.shutdown_s``), not timed, as
-    its start-up is not. A worker that never said its summary (it died) ends the window
-    where it exited."""
+    its start-up is not. If any worker never said its summary (it died), the window runs
+    to the last exit, as it did before workers said when their drain was over."""
     await asyncio.gather(*(w.wait() for w in workers))
     exited = time.monotonic()
     said = [w.summary_at for w in workers]
