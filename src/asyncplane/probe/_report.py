@@ -39,7 +39,7 @@ class ProbeReport:
     #: Seconds from the first worker's start to every worker ready (warm), not timed.
     startup_s: float = 0.0
     #: Seconds from the last worker's summary (its drain over) to every worker exited:
-    #: closing stores and interpreters, not timed (concurrent-queue).
+    #: closing stores and interpreters, not timed (concurrent-queue, and a worker host's).
     shutdown_s: float = 0.0
     items_per_s: float = 0.0
     duplicates: int = 0
