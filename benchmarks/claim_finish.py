@@ -14,6 +14,10 @@ neighbour hits all of them alike:
 It prints each rate (the median of the repeats) and the ratios to raw. Targets:
 64 coroutines >= 3.0x raw, 1 coroutine >= 0.4x raw (issue 17).
 
+asyncplane's sides run on the event loop asyncplane's own commands choose
+(`asyncplane._loops`): uvloop when it is installed (the ``speed`` extra), else asyncio's;
+``ASYNCPLANE_LOOP=asyncio`` keeps asyncio's. The report names it.
+
 It also measures the floor under any thread-per-connection design on this machine: the
 round trip of a no-op call to an aiosqlite connection's thread. One claim and one finish
 cost two such round trips whatever asyncplane does, so a single coroutine can at best
@@ -45,7 +49,7 @@ from typing import Any, TypeVar
 import _raw
 import aiosqlite
 
-from asyncplane import ControlStore, _connection
+from asyncplane import ControlStore, _connection, _loops
 
 T = TypeVar("T")
 
@@ -146,13 +150,13 @@ def main() -> int:
                     done, elapsed = run_raw(path, args.synchronous)
                 else:
                     coroutines = int(label.split()[0])
-                    done, elapsed = asyncio.run(run_store(path, coroutines, args.synchronous))
+                    done, elapsed = _loops.run(run_store(path, coroutines, args.synchronous))
                 if done != args.items:
                     print(f"{label}: finished {done} of {args.items} items", file=sys.stderr)
                     return 1
                 rates[label].append(done / elapsed)
 
-    floor_us = asyncio.run(thread_round_trip_us())
+    floor_us = _loops.run(thread_round_trip_us())
     median = {label: statistics.median(values) for label, values in rates.items()}
     ratios = {
         "1 coroutine / raw": median["1 coroutine"] / median["raw"],
@@ -172,6 +176,7 @@ def main() -> int:
                     "thread_round_trip_us": floor_us,
                     "one_coroutine_bound": bound,
                     "cpus": cpus,
+                    "event_loop": _loops.chosen(),
                     "what_if_on_loop": args.what_if_on_loop,
                     "calls_on_loop": ON_LOOP_CALLS[0],
                 }
@@ -180,7 +185,8 @@ def main() -> int:
     else:
         print(
             f"claim+finish round trips per second, {args.items} items, "
-            f"synchronous={args.synchronous}, median of {args.repeats}, {cpus} CPUs"
+            f"synchronous={args.synchronous}, median of {args.repeats}, {cpus} CPUs, "
+            f"on {_loops.chosen()}"
         )
         if args.what_if_on_loop:
             print("  WHAT-IF: SQLite called on the event-loop thread (not a supported mode)")

@@ -27,11 +27,13 @@ per 1,000 items (each worker's own user + system time from its go line to its la
 start-up is not counted). huey's wait is the longest single dequeue or execute call,
 which holds any lock wait it had.
 
-The report starts with the machine: its CPUs, and how long a pure-Python loop
-(``sum(range(1000))``) took at the start and at the end of the run. asyncplane's side of
-a ratio is mostly Python and raw's mostly SQLite's C, so between sessions (a host that
-runs Python slower, a neighbour that takes the caches) the ratios move with that figure
-even though each is measured in one run.
+The report starts with the machine: its CPUs, how long a pure-Python loop
+(``sum(range(1000))``) took at the start and at the end of the run, and the event loop
+asyncplane's processes ran on (uvloop when it is installed, the ``speed`` extra;
+``ASYNCPLANE_LOOP=asyncio`` runs them on the standard loop, `asyncplane._loops`).
+asyncplane's side of a ratio is mostly Python and raw's mostly SQLite's C, so between
+sessions (a host that runs Python slower, a neighbour that takes the caches) the ratios
+move with that figure even though each is measured in one run.
 
 The targets of issue 17 are printed with a verdict each, on the medians, and beside it
 the same figure in each repeat (the sides of a repeat ran one after another, so a repeat's
@@ -58,6 +60,8 @@ from typing import Any
 import _raw
 import pg_probe_vs_raw as pg
 import probe_vs_raw as lite
+
+from asyncplane import _loops
 
 Run = dict[str, float]
 
@@ -279,7 +283,8 @@ def show_machine(machine: dict[str, Any]) -> None:
     start, end = machine["python_loop_us"]
     print(
         f"Machine: {machine['cpus']} CPUs; sum(range(1000)) in Python took {start:.1f} µs at "
-        f"the start, {end:.1f} µs at the end (the ratios below move with it between runs)"
+        f"the start, {end:.1f} µs at the end (the ratios below move with it between runs); "
+        f"asyncplane's processes on {machine['event_loop']}"
     )
 
 
@@ -357,6 +362,7 @@ def main() -> int:
     report["machine"] = {
         "cpus": cpus(),
         "python_loop_us": [loop_at_start, python_loop_us()],
+        "event_loop": _loops.chosen(),  # the probe's, and so its workers' (ASYNCPLANE_LOOP)
     }
     if args.json:
         print(json.dumps(report))

@@ -3,6 +3,10 @@
 The store fixtures come from asyncplane's own pytest plugin (``asyncplane_store``,
 ``asyncplane_clock``, ``asyncplane_store_factory``); the short names below are aliases.
 
+The tests of the write path and the worker runtime (`BOTH_LOOPS`) run on both event loops
+a program may give the store: asyncio's own and uvloop (which asyncplane's commands choose
+when it is installed, and many programs run on).
+
 Every test that uses those fixtures runs twice, the way River proves its drivers: on an
 SQLite file under tmp_path, and on a fresh schema of a PostgreSQL server (a throwaway
 cluster the session starts, or ``$ASYNCPLANE_TEST_POSTGRES_URL``). A test whose mechanism
@@ -18,6 +22,7 @@ import os
 import pathlib
 import re
 import sqlite3
+import sys
 import threading
 from collections.abc import Callable, Coroutine, Iterable, Iterator, Sequence
 from typing import Any, TypeVar
@@ -28,6 +33,25 @@ from asyncplane import ControlStore, testing
 from asyncplane.testing import ManualClock
 
 T = TypeVar("T")
+
+
+#: Test modules whose async tests run on asyncio's loop and on uvloop.
+BOTH_LOOPS = frozenset({
+    "test_claims.py", "test_combine.py", "test_sqlite.py", "test_work.py",
+    "test_write_lock.py", "test_writer.py",
+})  # fmt: skip
+
+
+def pytest_asyncio_loop_factories(
+    config: pytest.Config, item: pytest.Item
+) -> dict[str, Callable[[], asyncio.AbstractEventLoop]]:
+    """asyncio and uvloop for the modules in `BOTH_LOOPS`, asyncio's loop for the rest."""
+    del config
+    if item.path.name not in BOTH_LOOPS or sys.platform == "win32":
+        return {"asyncio": asyncio.new_event_loop}
+    import uvloop
+
+    return {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import pathlib
 import re
 import subprocess
@@ -26,9 +27,19 @@ REQUIRED_KEYS = {
 }  # fmt: skip
 
 
-def run_probe(where: pathlib.Path | Any, *args: str, module: bool = True) -> tuple[int, Any, str]:
+#: The loop asyncplane's commands choose by themselves: uvloop, which the suite installs.
+DEFAULT_LOOP = "asyncio" if sys.platform == "win32" else "uvloop"
+
+
+def run_probe(
+    where: pathlib.Path | Any, *args: str, module: bool = True, loop: str | None = None
+) -> tuple[int, Any, str]:
     """Run the probe on ``where``: a directory (the store is probe.db in it), or the
-    ``location_of`` fixture (a fresh file, or a fresh PostgreSQL schema)."""
+    ``location_of`` fixture (a fresh file, or a fresh PostgreSQL schema); ``loop`` is
+    what ASYNCPLANE_LOOP says (None: unset)."""
+    env = {key: value for key, value in os.environ.items() if key != "ASYNCPLANE_LOOP"}
+    if loop is not None:
+        env["ASYNCPLANE_LOOP"] = loop
     command = (
         [sys.executable, "-m", "asyncplane.probe"]
         if module
@@ -40,6 +51,7 @@ def run_probe(where: pathlib.Path | Any, *args: str, module: bool = True) -> tup
         capture_output=True,
         text=True,
         timeout=300,
+        env=env,
     )
     report = json.loads(done.stdout) if done.stdout.strip() else None
     return done.returncode, report, done.stderr
@@ -63,6 +75,8 @@ def test_concurrent_queue_counts_are_exact(location_of: Any) -> None:
     assert report["startup_s"] > 0
     # So is the shut-down: from the last worker's summary (its drain over) to every exit.
     assert report["shutdown_s"] > 0
+    # Left to choose, the workers run on uvloop (installed with the suite).
+    assert report["event_loop"] == DEFAULT_LOOP
 
 
 def test_kill_and_reclaim_fences_out_the_dead_worker(location_of: Any) -> None:
@@ -116,16 +130,31 @@ def test_human_report_names_the_wrong_count(tmp_path: pathlib.Path) -> None:
     assert done.returncode == 1
     assert "FAILED: lost is 1, must be 0" in done.stdout
     assert "asyncplane probe: concurrent-queue" in done.stdout
+    assert f"synchronous=NORMAL, on {DEFAULT_LOOP}" in done.stdout
     assert re.search(r"start-up \(every worker warm, not timed\) \d+\.\d\d s", done.stdout)
 
 
 def test_the_asyncplane_command_runs_the_probe(location_of: Any) -> None:
     code, report, err = run_probe(
         location_of, "--scenario", "concurrent-queue", "--workers", "2", "--items", "40",
-        module=False,
+        module=False, loop="asyncio",
     )  # fmt: skip
     assert code == 0, err
     assert report["passed"] is True
+    # ASYNCPLANE_LOOP=asyncio reaches every worker: the standard loop, uvloop installed.
+    assert report["event_loop"] == "asyncio"
+
+
+def test_a_wrong_event_loop_choice_is_refused_before_anything_runs(
+    tmp_path: pathlib.Path,
+) -> None:
+    code, report, err = run_probe(
+        tmp_path, "--scenario", "concurrent-queue", "--workers", "2", "--items", "10",
+        loop="tokio",
+    )  # fmt: skip
+    assert (code, report) == (2, None)
+    assert "ASYNCPLANE_LOOP is 'tokio'" in err
+    assert not (tmp_path / "probe.db").exists()
 
 
 def test_an_existing_file_is_not_overwritten_without_asking(tmp_path: pathlib.Path) -> None:

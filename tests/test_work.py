@@ -1100,7 +1100,9 @@ async def test_the_worker_command_works_until_sigterm(
         raised = [line for line in lines if "KeyError" in line["message"]]
         assert raised and "Traceback" in raised[0]["traceback"]
         assert raised[0]["item_id"] == 21 and raised[0]["project_id"] == "p"
-        assert any("starting" in line["message"] for line in lines)
+        # The command runs on uvloop, installed with the suite (asyncplane._loops).
+        loop = "asyncio" if sys.platform == "win32" else "uvloop"
+        assert any(f"starting (concurrency 4, on {loop})" in line["message"] for line in lines)
         assert any("stopped" in line["message"] for line in lines)
         assert await verify_ledger(store) == []
 

@@ -16,6 +16,7 @@ from asyncplane import (
     InvalidInput,
     StorageError,
     StoreClosed,
+    _loops,
     _postgres_writer,
     _writer,
     verify_ledger,
@@ -243,3 +244,8 @@ async def test_one_failing_member_of_grouped_finishes_fails_alone(
     assert [(await store.item(i))["state"] for i in ids] == ["done", "claimed", "done"]
     raw.execute("DROP TRIGGER fault" + (" ON items" if raw.backend == "postgresql" else ""))
     assert await verify_ledger(store) == []
+
+
+async def test_the_write_path_runs_on_the_loop_it_is_given(request: pytest.FixtureRequest) -> None:
+    """This module runs on asyncio's loop and on uvloop (tests/conftest.py, BOTH_LOOPS)."""
+    assert f"[{_loops.running()}" in request.node.name

@@ -30,6 +30,8 @@ class Ready:
     """The worker opened the store and waits for its go line."""
 
     name: str
+    #: The event loop the worker runs on: "uvloop" or "asyncio" (`asyncplane._loops`).
+    event_loop: str = "asyncio"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -41,7 +41,7 @@ import time
 
 import anyio.to_thread
 
-from asyncplane import _errors, _probe_protocol, _probe_support, _store
+from asyncplane import _errors, _loops, _probe_protocol, _probe_support, _store
 
 #: How long a --until-drained worker waits before looking again for lapsed leases.
 _IDLE_POLL_SECONDS = 0.05
@@ -145,7 +145,7 @@ async def _main(args: argparse.Namespace) -> int:
         await anyio.to_thread.run_sync(_nothing)  # anyio's thread machinery, warm too
         if args.fault == "delete-item":  # before anyone starts: the item is surely pending
             await _probe_support.inject_fault(args.store, args.fault)
-        _say(_probe_protocol.Ready(args.name))
+        _say(_probe_protocol.Ready(args.name, _loops.running()))
         if not args.no_wait:
             await anyio.to_thread.run_sync(sys.stdin.readline)
         cpu_at_go = _cpu_seconds()
@@ -215,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         help="say the finished items once the drain is over, not at every turn's end",
     )  # fmt: skip
     parser.add_argument("--fault", choices=_probe_support.FAULTS)
-    return asyncio.run(_main(parser.parse_args(argv)))
+    return _loops.run(_main(parser.parse_args(argv)))
 
 
 if __name__ == "__main__":

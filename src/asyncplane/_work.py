@@ -63,6 +63,7 @@ from asyncplane import (
     _engine,
     _errors,
     _lock,
+    _loops,
     _store,
     _tasks,
     _telemetry,
@@ -168,7 +169,10 @@ async def work(
         progress=_validate.callback(progress, "progress"),
     )
     lock = None if lock_path is None else _validate.absolute_path(lock_path, "lock_path")
-    _log.info("asyncplane worker %s starting (concurrency %d)", run.owner, run.concurrency)
+    _log.info(
+        "asyncplane worker %s starting (concurrency %d, on %s)",
+        run.owner, run.concurrency, _loops.running(),
+    )  # fmt: skip
     try:
         if _validate.boolean(exclusive, "exclusive"):
             async with _store.engine_of(store).single_runner(lock) as guard:

@@ -29,7 +29,7 @@ import sys
 import time
 from typing import Any
 
-from asyncplane import _errors, _store, _work
+from asyncplane import _errors, _loops, _store, _work
 from asyncplane._outcomes import DrainSummary
 
 __all__ = ("add_arguments", "load_handler", "run")
@@ -94,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
         raise Usage("--concurrency must be at least 1")
     if args.exclusive and args.project and len(args.project) > 1:
         raise Usage("--exclusive runs one worker alone: give it one --project at most")
-    return asyncio.run(_main(args, handler))
+    return _loops.run(_main(args, handler))
 
 
 async def _main(args: argparse.Namespace, handler: _work.Handler) -> int:

@@ -35,7 +35,6 @@ requeued, 3 when the store or the disk fails under the command.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import datetime as dt
 import json
 import pathlib
@@ -50,6 +49,7 @@ from asyncplane import (
     _engine,
     _errors,
     _ledger,
+    _loops,
     _rules,
     _sqlite,
     _store,
@@ -251,6 +251,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     rest = argv[argv.index(args.verb) + 1 :]
     args = _VERB_PARSERS[args.verb].parse_intermixed_args(rest, argparse.Namespace(verb=args.verb))
     try:
+        try:
+            _loops.chosen()  # a wrong ASYNCPLANE_LOOP is the user's to fix, before anything
+        except _errors.InvalidInput as exc:
+            raise _Usage(str(exc)) from exc
         _check_is_a_store(args.db)  # before any event loop: a plain, quick file read
         if args.verb == "worker":
             return _worker_command.run(args)
@@ -262,7 +266,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _command.run(args)
         if args.verb == "copy" and pathlib.Path(args.destination).exists():
             _check_is_a_store(args.destination)  # an existing file must be a store too
-        return asyncio.run(_run(args))
+        return _loops.run(_run(args))
     except (_Usage, _worker_command.Usage, _errors.MissingExtra) as problem:
         print(f"asyncplane {args.verb}: {problem}", file=sys.stderr)
         return 2

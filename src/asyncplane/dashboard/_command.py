@@ -17,6 +17,7 @@ import logging
 import signal
 import sys
 
+from asyncplane import _loops
 from asyncplane._store import ControlStore
 from asyncplane.dashboard._server import Dashboard
 
@@ -30,7 +31,7 @@ def run(args: argparse.Namespace) -> int:
     root = logging.getLogger("asyncplane")
     root.addHandler(handler)
     root.setLevel(args.log_level.upper())
-    return asyncio.run(_serve(args))
+    return _loops.run(_serve(args))
 
 
 async def _serve(args: argparse.Namespace) -> int:

@@ -16,6 +16,7 @@ from typing import TextIO
 from asyncplane import (
     _engine,
     _errors,
+    _loops,
     _probe_support,
     _store,
     _validate,
@@ -117,7 +118,7 @@ def _parser(prog: str) -> argparse.ArgumentParser:
 def _prepare_path(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     if _engine.is_postgres_url(args.store):
         if args.role != "worker":
-            asyncio.run(_prepare_schema(args, parser))
+            _loops.run(_prepare_schema(args, parser))
         return
     store = pathlib.Path(args.store)
     paths = [store, *(store.with_name(store.name + s) for s in ("-wal", "-shm"))]
@@ -150,7 +151,8 @@ def _human(report: ProbeReport) -> str:
         f"asyncplane probe: {report.scenario} ({where}{role})",
         f"  {report.workers} worker processes x {report.concurrency} coroutines, "
         f"{report.items} items, lease {report.lease_seconds:g} s, "
-        f"synchronous={report.synchronous}",
+        f"synchronous={report.synchronous}"
+        + (f", on {report.event_loop}" if report.event_loop else ""),
     ]
     if report.scenario in ("concurrent-queue", "chaos"):
         lines.append(
@@ -207,6 +209,10 @@ def main(argv: Sequence[str] | None = None, *, prog: str = "python -m asyncplane
         parser.error("--workers, --items and --concurrency must be at least 1")
     if args.lease_seconds is None:
         args.lease_seconds = _default_lease(args.scenario)
+    try:
+        _loops.chosen()  # the probe's and its workers' event loop (ASYNCPLANE_LOOP)
+    except _errors.AsyncplaneError as exc:
+        parser.error(str(exc))
     if not 0 < args.lease_seconds <= _validate.MAX_LEASE_SECONDS:
         parser.error("--lease-seconds must be positive, and at most 366 days")
     if args.role != "all" and args.scenario not in SPREADABLE:
@@ -217,7 +223,7 @@ def main(argv: Sequence[str] | None = None, *, prog: str = "python -m asyncplane
     warning = network_filesystem_warning(args.store, filesystem_of(args.store))
     if warning:
         print(warning, file=sys.stderr)
-    report = asyncio.run(run_probe(args))
+    report = _loops.run(run_probe(args))
     if args.json:
         print(json.dumps(report.as_dict()))
     else:

@@ -59,6 +59,9 @@ class ProbeReport:
     #: Seconds the workers held SQLite's write lock, all together: over the drain's
     #: seconds, how busy the lock was.
     lock_held_s: float = 0.0
+    #: The event loop the workers ran on ("uvloop", "asyncio"; both, comma-separated, if
+    #: they differed; "" where the scenario does not tally its workers).
+    event_loop: str = ""
     role: str = "all"
     kills: int = 0
     re_executions: int = 0

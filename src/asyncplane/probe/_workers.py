@@ -29,6 +29,8 @@ class _Worker:
         self.name = name
         self.process = process
         self.ready = asyncio.Event()
+        #: The event loop the worker said it runs on (`Ready.event_loop`); "" until ready.
+        self.event_loop = ""
         self.claimed: _probe_protocol.Claimed | None = None
         self.claimed_event = asyncio.Event()
         self.report: _probe_protocol.Reported | None = None
@@ -57,6 +59,7 @@ class _Worker:
                 self.summary_at = time.monotonic()
                 self.summarised.set()
             elif isinstance(message, _probe_protocol.Ready):
+                self.event_loop = message.event_loop
                 self.ready.set()
             elif isinstance(message, _probe_protocol.Claimed):
                 self.claimed = message
@@ -185,7 +188,9 @@ def _expect_heard(report: ProbeReport, workers: Sequence[_Worker]) -> None:
 
 def _tally_workers(report: ProbeReport, workers: Sequence[_Worker]) -> None:
     """What the workers said of themselves: locked errors, fence refusals, how evenly
-    the work spread, and which of them crashed (a killed one did not crash)."""
+    the work spread, which of them crashed (a killed one did not crash), and the event
+    loops they ran on."""
+    report.event_loop = ",".join(sorted({w.event_loop for w in workers if w.event_loop}))
     summaries = [w.summary for w in workers if w.summary is not None]
     report.locked_errors = sum(s.locked for s in summaries)
     report.fence_rejections += sum(s.fence_rejected for s in summaries)

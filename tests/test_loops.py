@@ -1,0 +1,71 @@
+"""The event loop asyncplane's own commands run on (`asyncplane._loops`).
+
+The suite installs uvloop (the ``speed`` extra), so a command left to choose picks it;
+ASYNCPLANE_LOOP overrides the choice. That every worker of a command follows it, in
+real processes, is checked where the commands are (tests/test_probe.py, test_work.py).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from asyncplane import InvalidInput, MissingExtra, _loops
+
+#: What a command chooses on its own here.
+DEFAULT = "asyncio" if sys.platform == "win32" else "uvloop"
+
+
+async def _kind() -> str:
+    return _loops.running()
+
+
+def test_left_to_choose_a_command_runs_on_uvloop(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(_loops.ENV, raising=False)
+    assert _loops.chosen() == DEFAULT
+    assert _loops.run(_kind()) == DEFAULT
+    monkeypatch.setenv(_loops.ENV, "auto")
+    assert _loops.run(_kind()) == DEFAULT
+
+
+def test_asyncplane_loop_asyncio_keeps_the_standard_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(_loops.ENV, "asyncio")
+    assert _loops.chosen() == "asyncio"
+    assert _loops.run(_kind()) == "asyncio"
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="uvloop has no Windows build")
+def test_asyncplane_loop_uvloop_asks_for_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(_loops.ENV, " UVLOOP ")
+    assert _loops.run(_kind()) == "uvloop"
+
+
+def test_uvloop_asked_for_but_missing_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "uvloop", None)  # as if not installed: import fails
+    monkeypatch.delenv(_loops.ENV, raising=False)
+    assert _loops.chosen() == "asyncio"  # left to choose: the standard loop, quietly
+    monkeypatch.setenv(_loops.ENV, "uvloop")
+    with pytest.raises(MissingExtra, match=r"asyncplane\[speed\]"):
+        _loops.chosen()
+    coroutine = _kind()
+    with pytest.raises(MissingExtra):
+        _loops.run(coroutine)  # closed, not left un-awaited (warnings are errors here)
+    assert coroutine.cr_frame is None
+
+
+def test_a_wrong_choice_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(_loops.ENV, "trio")
+    with pytest.raises(InvalidInput, match=r"ASYNCPLANE_LOOP is 'trio'.*auto, asyncio, uvloop"):
+        _loops.chosen()
+
+
+def test_the_command_refuses_a_wrong_choice_with_its_usage_status(tmp_path: object) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "asyncplane.cli", "items", str(tmp_path) + "/none.db"],
+        capture_output=True, text=True, timeout=120,
+        env={"ASYNCPLANE_LOOP": "libuv", "PATH": "/usr/bin:/bin"},
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert "asyncplane items: ASYNCPLANE_LOOP is 'libuv'" in done.stderr
