@@ -45,7 +45,7 @@ from collections.abc import Callable
 import _raw
 import probe_vs_raw
 
-from asyncplane import ControlStore
+from asyncplane import ControlStore, _loops
 
 SHAPES = (
     "raw, one file",
@@ -168,6 +168,6 @@ def main() -> int:
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--store-worker":
-        asyncio.run(_store_drain(*sys.argv[2:5]))
+        _loops.run(_store_drain(*sys.argv[2:5]))
         sys.exit(0)
     sys.exit(main())

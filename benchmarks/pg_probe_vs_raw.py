@@ -14,7 +14,9 @@ clock runs from the moment every worker is ready until the last one says its dra
 over (not until it exits), as the probe's own rate does. Then the probe's
 concurrent-queue with the same workers and items, at --concurrency 1 and 8. pgqueuer, if
 it is installed, drains the same number of jobs with the same workers, for a third figure
-(it keeps no ledger: a lighter job).
+(it keeps no ledger: a lighter job). The raw and pgqueuer workers run on the event loop
+the probe's workers run on (`asyncplane._loops`: uvloop when installed, or as
+ASYNCPLANE_LOOP says), so that no side gains by its loop alone.
 
 Target (issue 7): probe C=8 >= 1x raw. Each rate is the median of the repeats.
 """
@@ -36,7 +38,7 @@ from typing import Any
 
 import _raw
 
-from asyncplane import ControlStore, testing
+from asyncplane import ControlStore, _loops, testing
 
 CLAIM = """
 SELECT item_id, fence FROM items WHERE state = 'ready'
@@ -147,6 +149,8 @@ def run_probe(url: str, workers: int, items: int, concurrency: int) -> dict[str,
     report = json.loads(done.stdout)
     if not report["passed"]:
         raise SystemExit(f"the probe failed: {report['failures']}")
+    if report["event_loop"] != _loops.chosen():  # the raw and pgqueuer workers' loop too
+        raise SystemExit(f"the probe's workers ran on {report['event_loop']!r}")
     got = {k: report[k] for k in ("items_per_s", "per_worker_min")}
     return {**got, "cpu_s": report["worker_cpu_s"], "claim_p99_s": report["claim_p99_s"]}
 
@@ -264,10 +268,10 @@ def main() -> int:
     parser.add_argument("--pgqueuer-enqueue", nargs=2, metavar=("URL", "N"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.raw_worker:
-        asyncio.run(raw_drain(*args.raw_worker))
+        _loops.run(raw_drain(*args.raw_worker))  # on the loop the probe's workers run on
         return 0
     if args.pgqueuer_worker:
-        asyncio.run(pgqueuer_drain(*args.pgqueuer_worker))
+        _loops.run(pgqueuer_drain(*args.pgqueuer_worker))
         return 0
     if args.pgqueuer_enqueue:
         asyncio.run(pgqueuer_enqueue(args.pgqueuer_enqueue[0], int(args.pgqueuer_enqueue[1])))

@@ -29,7 +29,7 @@ import time
 
 import _raw
 
-from asyncplane import ControlStore
+from asyncplane import ControlStore, _loops
 
 
 def raw_worker(path: str, synchronous: str, name: str) -> None:
@@ -77,6 +77,8 @@ def run_probe(
     report = json.loads(done.stdout)
     if not report["passed"]:
         raise SystemExit(f"the probe failed: {report['failures']}")
+    if report["event_loop"] != _loops.chosen():  # the loop the report will name
+        raise SystemExit(f"the probe's workers ran on {report['event_loop']!r}")
     got = {k: report[k] for k in ("items_per_s", "per_worker_min", "max_lock_wait_s")}
     return {**got, "cpu_s": report["worker_cpu_s"]}
 

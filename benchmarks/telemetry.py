@@ -50,12 +50,12 @@ def child(kind: str, path: str, coroutines: int, items: int) -> None:
 
     import claim_finish
 
-    from asyncplane import _telemetry
+    from asyncplane import _loops, _telemetry
 
     assert _telemetry.ENABLED is (kind != "none"), kind
     database = pathlib.Path(path)
     asyncio.run(claim_finish.prepare(database, items, "NORMAL"))
-    done, elapsed = asyncio.run(claim_finish.run_store(database, coroutines, "NORMAL"))
+    done, elapsed, _ = _loops.run(claim_finish.run_store(database, coroutines, "NORMAL"))
     assert done == items, (done, items)
     print(json.dumps({"rate": done / elapsed}))
 

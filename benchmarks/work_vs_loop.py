@@ -27,7 +27,7 @@ import statistics
 import tempfile
 import time
 
-from asyncplane import ClaimedItem, ControlStore, Done, work
+from asyncplane import ClaimedItem, ControlStore, Done, _loops, work
 
 CONCURRENCIES = (1, 16)
 
@@ -76,9 +76,7 @@ def main() -> int:
         for repeat in range(args.repeats):
             for runtime, c in sides:  # in turns, so the machine's noise hits every side alike
                 path = pathlib.Path(tmp) / f"{runtime[:4]}-{c}-{repeat}.db"
-                runs[f"{runtime}, C={c}"].append(
-                    asyncio.run(_measure(path, args.items, c, runtime))
-                )
+                runs[f"{runtime}, C={c}"].append(_loops.run(_measure(path, args.items, c, runtime)))
     table = {
         side: {key: statistics.median(run[key] for run in got) for key in got[0]}
         for side, got in runs.items()

@@ -22,7 +22,6 @@ import os
 import pathlib
 import re
 import sqlite3
-import sys
 import threading
 from collections.abc import Callable, Coroutine, Iterable, Iterator, Sequence
 from typing import Any, TypeVar
@@ -47,11 +46,29 @@ def pytest_asyncio_loop_factories(
 ) -> dict[str, Callable[[], asyncio.AbstractEventLoop]]:
     """asyncio and uvloop for the modules in `BOTH_LOOPS`, asyncio's loop for the rest."""
     del config
-    if item.path.name not in BOTH_LOOPS or sys.platform == "win32":
+    uvloop = _uvloop()
+    if item.path.name not in BOTH_LOOPS or uvloop is None:
         return {"asyncio": asyncio.new_event_loop}
-    import uvloop
-
     return {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
+
+
+def _uvloop() -> Any:
+    """uvloop, which the test extra installs (None where it has no build: Windows)."""
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _commands_left_to_choose_their_loop() -> Iterator[None]:
+    """Every command the suite starts chooses its event loop itself (uvloop, installed
+    with the suite), whatever ASYNCPLANE_LOOP the shell has; tests set it where they mean to."""
+    saved = os.environ.pop("ASYNCPLANE_LOOP", None)
+    yield
+    if saved is not None:
+        os.environ["ASYNCPLANE_LOOP"] = saved
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:

@@ -208,7 +208,7 @@ def test_the_peers_benchmark_reports_every_side_and_target(asyncplane_postgres_u
     lite, pg = report["sqlite"], report["postgres"]
     machine = report["machine"]
     assert machine["cpus"] >= 1 and len(machine["python_loop_us"]) == 2
-    assert machine["event_loop"] in ("uvloop", "asyncio")
+    assert machine["event_loop"] == ("asyncio" if sys.platform == "win32" else "uvloop")
     assert all(us > 0 for us in machine["python_loop_us"])
     assert {"raw", "probe C=1", "probe C=8", "raw FULL", "probe C=8 FULL"} <= set(lite)
     for row in lite.values():

@@ -7,12 +7,16 @@ real processes, is checked where the commands are (tests/test_probe.py, test_wor
 
 from __future__ import annotations
 
+import ast
+import os
+import pathlib
 import subprocess
 import sys
 
 import pytest
 
-from asyncplane import InvalidInput, MissingExtra, _loops
+import asyncplane
+from asyncplane import InvalidInput, MissingExtra, _loops, cli, probe
 
 #: What a command chooses on its own here.
 DEFAULT = "asyncio" if sys.platform == "win32" else "uvloop"
@@ -61,11 +65,48 @@ def test_a_wrong_choice_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
         _loops.chosen()
 
 
-def test_the_command_refuses_a_wrong_choice_with_its_usage_status(tmp_path: object) -> None:
+def test_the_command_refuses_a_wrong_choice_with_its_usage_status(
+    tmp_path: pathlib.Path,
+) -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "asyncplane.cli", "items", str(tmp_path) + "/none.db"],
+        [sys.executable, "-m", "asyncplane.cli", "items", str(tmp_path / "none.db")],
         capture_output=True, text=True, timeout=120,
-        env={"ASYNCPLANE_LOOP": "libuv", "PATH": "/usr/bin:/bin"},
+        env={**os.environ, _loops.ENV: "libuv"},
     )  # fmt: skip
     assert done.returncode == 2, done.stderr
     assert "asyncplane items: ASYNCPLANE_LOOP is 'libuv'" in done.stderr
+
+
+def test_the_commands_refuse_uvloop_asked_for_but_missing(
+    tmp_path: pathlib.Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.setitem(sys.modules, "uvloop", None)
+    monkeypatch.setenv(_loops.ENV, "uvloop")
+    assert cli.main(["items", str(tmp_path / "none.db")]) == 2
+    assert "asyncplane items:" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        probe.main(["--store", str(tmp_path / "p.db"), "--scenario", "concurrent-queue"])
+    assert exit_.value.code == 2
+    assert "asyncplane[speed]" in capsys.readouterr().err
+    assert not (tmp_path / "p.db").exists()
+
+
+def test_every_command_starts_its_loop_here() -> None:
+    """No module of the package but this one starts an event loop itself: a command that
+    did would run on asyncio's loop whatever is installed or asked for."""
+    starters = {"run", "Runner", "new_event_loop"}
+    found = []
+    for path in pathlib.Path(asyncplane.__file__).parent.rglob("*.py"):
+        if path.name == "_loops.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if (
+                isinstance(node, ast.Attribute)
+                and node.attr in starters
+                and isinstance(node.value, ast.Name)
+                and node.value.id in ("asyncio", "uvloop", "anyio", "trio")
+            ):
+                found.append(f"{path.name}:{node.lineno} {node.value.id}.{node.attr}")
+    assert found == []

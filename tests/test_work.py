@@ -1073,6 +1073,11 @@ def worker(where: str, cwd: Any, *args: str) -> subprocess.Popen[str]:
     )
 
 
+#: The worker command's own loop is the child's; the test's need not run on both.
+_COMMAND_TEST = pytest.mark.asyncio(loop_factories=["asyncio"])
+
+
+@_COMMAND_TEST
 async def test_the_worker_command_works_until_sigterm(
     store: ControlStore, location_of: Any, tmp_path: Any
 ) -> None:
@@ -1107,6 +1112,7 @@ async def test_the_worker_command_works_until_sigterm(
         assert await verify_ledger(store) == []
 
 
+@_COMMAND_TEST
 async def test_a_second_signal_stops_the_worker_at_once_and_gives_claims_back(
     store: ControlStore, location_of: Any, tmp_path: Any
 ) -> None:

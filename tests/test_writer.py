@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import sqlite3
+import sys
 from typing import Any
 
 import asyncpg
@@ -246,6 +247,7 @@ async def test_one_failing_member_of_grouped_finishes_fails_alone(
     assert await verify_ledger(store) == []
 
 
+@pytest.mark.skipif(sys.platform == "win32", reason="uvloop has no Windows build")
 async def test_the_write_path_runs_on_the_loop_it_is_given(request: pytest.FixtureRequest) -> None:
     """This module runs on asyncio's loop and on uvloop (tests/conftest.py, BOTH_LOOPS)."""
     assert f"[{_loops.running()}" in request.node.name

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
+import types
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
@@ -56,8 +57,9 @@ def chosen() -> str:
         return "uvloop"
     if wanted == "uvloop":
         raise _errors.MissingExtra(
-            f"{ENV}=uvloop needs the speed extra: pip install 'asyncplane[speed]'"
-            + (" (uvloop has no Windows build)" if sys.platform == "win32" else "")
+            f"{ENV}=uvloop, but uvloop has no Windows build: unset it, or say asyncio"
+            if sys.platform == "win32"
+            else f"{ENV}=uvloop needs the speed extra: pip install 'asyncplane[speed]'"
         )
     return "asyncio"
 
@@ -78,12 +80,13 @@ def run(main: Coroutine[Any, Any, T]) -> T:
 
 def running() -> str:
     """The running loop's kind: ``"uvloop"`` or ``"asyncio"`` (whoever chose it)."""
-    module = type(asyncio.get_running_loop()).__module__
-    return "uvloop" if module.partition(".")[0] == "uvloop" else "asyncio"
+    loop = asyncio.get_running_loop()
+    uvloop = sys.modules.get("uvloop")  # not imported: the loop cannot be one of its
+    return "uvloop" if uvloop is not None and isinstance(loop, uvloop.Loop) else "asyncio"
 
 
-def _uvloop() -> Any:
-    """The uvloop module, or None when it is not installed (or cannot load here)."""
+def _uvloop() -> types.ModuleType | None:
+    """The uvloop module, or None when it cannot be imported (not installed)."""
     try:
         import uvloop
     except ImportError:

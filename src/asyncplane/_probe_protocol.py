@@ -30,8 +30,9 @@ class Ready:
     """The worker opened the store and waits for its go line."""
 
     name: str
-    #: The event loop the worker runs on: "uvloop" or "asyncio" (`asyncplane._loops`).
-    event_loop: str = "asyncio"
+    #: The event loop the worker runs on: "uvloop" or "asyncio" (`asyncplane._loops`);
+    #: "" from a worker that did not say.
+    event_loop: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
