@@ -25,7 +25,7 @@ import sys
 import time
 from typing import Any
 
-from asyncplane import AsyncplaneError, ControlStore, Job, _loops, testing, verify_ledger
+from asyncplane import AsyncplaneError, ControlStore, Job, testing, verify_ledger
 
 #: Refusals that random operations on other coroutines' items meet by design.
 EXPECTED = ("FenceRejected", "ItemCancelled", "UnknownItem", "NotRequeueable", "InvalidInput")
@@ -166,11 +166,11 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--first", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.where:
-        _loops.run(_worker(args))
+        asyncio.run(_worker(args))
         return 0
     if not args.url:
         parser.error("--url postgresql://... is required (this measures a server's contention)")
-    report = _loops.run(_main(args))
+    report = asyncio.run(_main(args))
     if args.json:
         print(json.dumps(report))
         return 0

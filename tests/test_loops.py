@@ -51,7 +51,7 @@ def test_uvloop_asked_for_but_missing_names_the_extra(monkeypatch: pytest.Monkey
     monkeypatch.delenv(_loops.ENV, raising=False)
     assert _loops.chosen() == "asyncio"  # left to choose: the standard loop, quietly
     monkeypatch.setenv(_loops.ENV, "uvloop")
-    with pytest.raises(MissingExtra, match=r"asyncplane\[speed\]"):
+    with pytest.raises(MissingExtra, match="ASYNCPLANE_LOOP=uvloop"):
         _loops.chosen()
     coroutine = _kind()
     with pytest.raises(MissingExtra):
@@ -84,29 +84,35 @@ def test_the_commands_refuse_uvloop_asked_for_but_missing(
 ) -> None:
     monkeypatch.setitem(sys.modules, "uvloop", None)
     monkeypatch.setenv(_loops.ENV, "uvloop")
+    # Refused before the store is looked at (there is none: that would be refused too).
     assert cli.main(["items", str(tmp_path / "none.db")]) == 2
-    assert "asyncplane items:" in capsys.readouterr().err
+    assert "asyncplane items: ASYNCPLANE_LOOP=uvloop" in capsys.readouterr().err
+    kept = tmp_path / "p.db"
+    kept.write_bytes(b"not touched")
     with pytest.raises(SystemExit) as exit_:
-        probe.main(["--store", str(tmp_path / "p.db"), "--scenario", "concurrent-queue"])
+        probe.main(["--store", str(kept), "--scenario", "concurrent-queue", "--overwrite"])
     assert exit_.value.code == 2
-    assert "asyncplane[speed]" in capsys.readouterr().err
-    assert not (tmp_path / "p.db").exists()
+    assert "ASYNCPLANE_LOOP=uvloop" in capsys.readouterr().err
+    assert kept.read_bytes() == b"not touched"  # refused before --overwrite deleted it
 
 
 def test_every_command_starts_its_loop_here() -> None:
     """No module of the package but this one starts an event loop itself: a command that
     did would run on asyncio's loop whatever is installed or asked for."""
-    starters = {"run", "Runner", "new_event_loop"}
+    starters = {"run", "Runner", "new_event_loop", "run_until_complete", "run_forever"}
     found = []
     for path in pathlib.Path(asyncplane.__file__).parent.rglob("*.py"):
         if path.name == "_loops.py":
             continue
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        for node in ast.walk(ast.parse(path.read_bytes(), str(path))):
             if (
                 isinstance(node, ast.Attribute)
                 and node.attr in starters
                 and isinstance(node.value, ast.Name)
-                and node.value.id in ("asyncio", "uvloop", "anyio", "trio")
+                and node.value.id in ("asyncio", "uvloop", "anyio", "trio", "loop")
             ):
                 found.append(f"{path.name}:{node.lineno} {node.value.id}.{node.attr}")
+            elif isinstance(node, ast.ImportFrom) and node.module in ("asyncio", "uvloop"):
+                for name in {alias.name for alias in node.names} & starters:
+                    found.append(f"{path.name}:{node.lineno} from {node.module} import {name}")
     assert found == []
