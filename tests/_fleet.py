@@ -12,6 +12,9 @@ import sys
 from typing import Any
 
 WORKERS = pathlib.Path(__file__).parent / "workers"
+#: The event loop asyncplane's commands choose by themselves in this suite: uvloop, which
+#: the test extra installs (`asyncplane._loops`; no Windows build).
+COMMAND_LOOP = "asyncio" if sys.platform == "win32" else "uvloop"
 
 
 def run_fleet(script: str, argvs: list[list[str]], *, timeout: float = 300) -> list[dict[str, Any]]:

@@ -10,6 +10,8 @@ import sys
 
 import pytest
 
+from _fleet import COMMAND_LOOP
+
 BENCHMARKS = pathlib.Path(__file__).parent.parent / "benchmarks"
 
 
@@ -36,7 +38,7 @@ def test_claim_finish_benchmark_reports_rates_and_ratios() -> None:
     assert report["what_if_on_loop"] is False
     assert report["calls_on_loop"] == 0
     # Its asyncplane sides run where asyncplane's commands do: uvloop, installed here.
-    assert report["event_loop"] == ("asyncio" if sys.platform == "win32" else "uvloop")
+    assert report["event_loop"] == COMMAND_LOOP
 
 
 def test_claim_finish_what_if_runs_sqlite_on_the_event_loop_thread() -> None:
@@ -208,7 +210,7 @@ def test_the_peers_benchmark_reports_every_side_and_target(asyncplane_postgres_u
     lite, pg = report["sqlite"], report["postgres"]
     machine = report["machine"]
     assert machine["cpus"] >= 1 and len(machine["python_loop_us"]) == 2
-    assert machine["event_loop"] == ("asyncio" if sys.platform == "win32" else "uvloop")
+    assert machine["event_loop"] == COMMAND_LOOP
     assert all(us > 0 for us in machine["python_loop_us"])
     assert {"raw", "probe C=1", "probe C=8", "raw FULL", "probe C=8 FULL"} <= set(lite)
     for row in lite.values():

@@ -16,10 +16,8 @@ import sys
 import pytest
 
 import asyncplane
+from _fleet import COMMAND_LOOP
 from asyncplane import InvalidInput, MissingExtra, _loops, cli, probe
-
-#: What a command chooses on its own here.
-DEFAULT = "asyncio" if sys.platform == "win32" else "uvloop"
 
 
 async def _kind() -> str:
@@ -28,10 +26,10 @@ async def _kind() -> str:
 
 def test_left_to_choose_a_command_runs_on_uvloop(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(_loops.ENV, raising=False)
-    assert _loops.chosen() == DEFAULT
-    assert _loops.run(_kind()) == DEFAULT
+    assert _loops.chosen() == COMMAND_LOOP
+    assert _loops.run(_kind()) == COMMAND_LOOP
     monkeypatch.setenv(_loops.ENV, "auto")
-    assert _loops.run(_kind()) == DEFAULT
+    assert _loops.run(_kind()) == COMMAND_LOOP
 
 
 def test_asyncplane_loop_asyncio_keeps_the_standard_loop(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -19,16 +19,13 @@ from typing import Any
 
 import pytest
 
+from _fleet import COMMAND_LOOP
 from asyncplane import InvalidInput, probe
 
 REQUIRED_KEYS = {
     "scenario", "workers", "items", "seconds", "items_per_s", "duplicates", "lost",
     "locked_errors", "fence_rejections", "ledger_problems", "passed",
 }  # fmt: skip
-
-
-#: The loop asyncplane's commands choose by themselves: uvloop, which the suite installs.
-DEFAULT_LOOP = "asyncio" if sys.platform == "win32" else "uvloop"
 
 
 def run_probe(
@@ -76,7 +73,7 @@ def test_concurrent_queue_counts_are_exact(location_of: Any) -> None:
     # So is the shut-down: from the last worker's summary (its drain over) to every exit.
     assert report["shutdown_s"] > 0
     # Left to choose, the workers run on uvloop (installed with the suite).
-    assert report["event_loop"] == DEFAULT_LOOP
+    assert report["event_loop"] == COMMAND_LOOP
 
 
 def test_kill_and_reclaim_fences_out_the_dead_worker(location_of: Any) -> None:
@@ -130,7 +127,7 @@ def test_human_report_names_the_wrong_count(tmp_path: pathlib.Path) -> None:
     assert done.returncode == 1
     assert "FAILED: lost is 1, must be 0" in done.stdout
     assert "asyncplane probe: concurrent-queue" in done.stdout
-    assert f"synchronous=NORMAL, on {DEFAULT_LOOP}" in done.stdout
+    assert f"synchronous=NORMAL, on {COMMAND_LOOP}" in done.stdout
     assert re.search(r"start-up \(every worker warm, not timed\) \d+\.\d\d s", done.stdout)
 
 

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from _fleet import COMMAND_LOOP
 from _signals import until
 from asyncplane import (
     ClaimedItem,
@@ -1106,8 +1107,8 @@ async def test_the_worker_command_works_until_sigterm(
         assert raised and "Traceback" in raised[0]["traceback"]
         assert raised[0]["item_id"] == 21 and raised[0]["project_id"] == "p"
         # The command runs on uvloop, installed with the suite (asyncplane._loops).
-        loop = "asyncio" if sys.platform == "win32" else "uvloop"
-        assert any(f"starting (concurrency 4, on {loop})" in line["message"] for line in lines)
+        started = f"starting (concurrency 4, on {COMMAND_LOOP})"
+        assert any(started in line["message"] for line in lines)
         assert any("stopped" in line["message"] for line in lines)
         assert await verify_ledger(store) == []
 
