@@ -19,7 +19,7 @@ import random
 import sys
 import tempfile
 
-from asyncplane import ControlStore, FenceRejected, verify_ledger
+from asyncplane import ClaimedItem, ControlStore, FenceRejected, verify_ledger
 
 LEASE_SECONDS = 0.3  # short, so the stalled agent's lease lapses during the demo
 AGENTS = {
@@ -34,8 +34,10 @@ async def agent(store: ControlStore, name: str, tally: collections.Counter[str])
     rng = random.Random(name)
     stalled = False
     idle_rounds = 0
+    claim: ClaimedItem | None = None
     while idle_rounds < 6:  # give up after about two leases of silence
-        claim = await store.claim(owner=name, actor_id=name)
+        if claim is None:
+            claim = await store.claim(owner=name, actor_id=name)
         if claim is None:
             idle_rounds += 1
             await asyncio.sleep(LEASE_SECONDS / 2)  # the stalled item comes back after its lease
@@ -50,12 +52,17 @@ async def agent(store: ControlStore, name: str, tally: collections.Counter[str])
             await asyncio.sleep(rng.uniform(0.001, 0.01))  # "call the model"
         status = "failed" if claim.payload["step"] % 11 == 10 else "done"
         try:
-            await store.finish(claim.item_id, fence=claim.fence, status=status, actor_id=name)
+            # Settle this item and claim the next in one call (one write round on SQLite).
+            following = await store.finish_and_claim(
+                claim.item_id, fence=claim.fence, owner=name, status=status, actor_id=name
+            )
         except FenceRejected:
             tally["fence_rejected"] += 1  # someone else owns it now: discard this result
+            claim = None  # (and nothing was claimed with the refused report)
             continue
         tally[f"{name}:{status}"] += 1
         tally[status] += 1
+        claim = following
 
 
 async def main(path: str | pathlib.Path) -> int:

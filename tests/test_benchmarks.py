@@ -32,9 +32,11 @@ def test_claim_finish_benchmark_reports_rates_and_ratios() -> None:
     )
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)
-    assert set(report["rates"]) == {"raw", "1 coroutine", "64 coroutines"}
+    sides = ["1 coroutine", "64 coroutines"]
+    sides += [f"{side}, finish_and_claim" for side in sides]
+    assert set(report["rates"]) == {"raw", *sides}
     assert all(rate > 0 for rate in report["rates"].values())
-    assert set(report["ratios"]) == {"1 coroutine / raw", "64 coroutines / raw"}
+    assert set(report["ratios"]) == {f"{side} / raw" for side in sides}
     assert report["what_if_on_loop"] is False
     assert report["calls_on_loop"] == 0
     # Its asyncplane sides run where asyncplane's commands do: uvloop, installed here.

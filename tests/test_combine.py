@@ -34,7 +34,6 @@ from asyncplane import (
     _errors,
     _write_lock,
     _write_queue,
-    _writer,
     verify_ledger,
 )
 
@@ -457,14 +456,24 @@ def test_a_combined_round_keeps_its_own_order_and_puts_like_with_like() -> None:
         """An enqueue, say: not a group's."""
 
     def grouped(key: str) -> _write_queue.Grouped[None]:
-        return _write_queue.Grouped((key,), None, list)
+        return _write_queue.Grouped((key,), None, list, key == "finish")
 
     own = [grouped("claim"), plain, grouped("claim"), grouped("finish")]
     taken = [grouped("finish"), grouped("claim"), grouped("other"), grouped("claim")]
-    order = _writer._combined_order([*own, *taken], len(own))
-    # Its own four in their order; the taken claims after its last claim, the taken
-    # finish after its finish, a kind of its own at the end.
-    assert order == [0, 1, 2, 5, 7, 3, 4, 6]
-    assert _write_queue.units([[*own, *taken][i] for i in order], range(8)) == [
-        [0], [1], [2, 3, 4], [5, 6], [7],
-    ]  # fmt: skip
+    every = [*own, *taken]
+    order = _write_queue.combined_order(every, len(own))
+    # Its own four in their order; the taken claims after its last claim, and the taken
+    # finish no later than them (a poster's settle before its claim), a kind of its own
+    # at the end.
+    assert order == [0, 1, 2, 4, 5, 7, 3, 6]
+    ordered = [every[i] for i in order]
+    assert _write_queue.units(ordered, range(8)) == [[0], [1], [3, 6], [2, 4, 5], [7]]
+    # A poster's [finish, claim] behind a holder whose last claim comes before an
+    # enqueue: the finish still runs first, even if the claims' unit breaks.
+    own = [grouped("claim"), plain]
+    every = [*own, grouped("finish"), grouped("claim")]
+    order = _write_queue.combined_order(every, len(own))
+    assert order == [0, 2, 3, 1]
+    ordered = [every[i] for i in order]
+    assert _write_queue.units(ordered, range(4)) == [[1], [0, 2], [3]]
+    assert _write_queue.units(ordered, range(4), alone={0, 2}) == [[1], [0], [2], [3]]

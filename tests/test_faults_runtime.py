@@ -506,6 +506,41 @@ class Finish(Settle):
     kind, becomes, event = "finish", "done", "done"
 
 
+class FinishAndClaim(Case):
+    """finish_and_claim: the settle stands or not; the next item is the caller's (the
+    call finished) or ready again (cancelled: given back), never held by nobody."""
+
+    async def setup(self, s: Storm, r: int) -> Any:
+        ids = await s.store.enqueue_many("alpha", [{"r": r, "k": k} for k in range(2)])
+        claim = await s.store.claim("storm")
+        assert claim is not None and claim.item_id == ids[0]
+        return r, claim, ids[1]
+
+    def call(self, s: Storm, ctx: Any) -> Coroutine[Any, Any, Any]:
+        r, claim, _ = ctx
+        return s.store.finish_and_claim(
+            claim.item_id, fence=claim.fence, owner="storm", result={"r": r}
+        )
+
+    async def check(self, s: Storm, ctx: Any, finished: bool, result: Any) -> None:
+        r, claim, next_id = ctx
+        row = await s.store.item(claim.item_id)
+        assert row["state"] in ("done", "claimed")
+        if row["state"] == "claimed":  # not saved at all: the claim is still good
+            assert not finished and row["fence"] == claim.fence
+            await s.store.finish(claim.item_id, fence=claim.fence, result={"r": r})
+        assert await event_types(s.store, claim.item_id) == ["queued", "claimed", "done"]
+        following = await s.store.item(next_id)
+        if finished:
+            assert result is not None and result.item_id == next_id
+            assert (following["state"], following["fence"]) == ("claimed", result.fence)
+        else:
+            assert following["state"] == "ready", "a cancelled call left its claim held"
+            result = await s.store.claim("storm")
+            assert result is not None and result.item_id == next_id
+        await s.store.finish(next_id, fence=result.fence)
+
+
 class RetryCall(Settle):
     kind, becomes, event = "retry", "deferred", "retried"
 
@@ -827,6 +862,7 @@ CASES: dict[str, type[Case]] = {
     "claim_batch": ClaimBatch,
     "renew": Renew,
     "finish": Finish,
+    "finish_and_claim": FinishAndClaim,
     "retry": RetryCall,
     "park": ParkCall,
     "offload": OffloadCall,

@@ -14,6 +14,7 @@ from asyncplane._clock import Clock, SystemClock
 from asyncplane._errors import (
     ArchiveError,
     AsyncplaneError,
+    ClaimAfterSettleFailed,
     CommitOutcomeUnknown,
     DatabaseLocked,
     FenceRejected,
@@ -75,6 +76,7 @@ __all__ = (
     "LEDGER_PROBLEM_KINDS",
     "ArchiveError",
     "AsyncplaneError",
+    "ClaimAfterSettleFailed",
     "ClaimedItem",
     "Clock",
     "CommitOutcomeUnknown",

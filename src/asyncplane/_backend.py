@@ -65,6 +65,7 @@ __all__ = (
     "TickRow",
     "WhereOp",
     "Writes",
+    "finish_request",
 )
 
 
@@ -493,12 +494,21 @@ class Writes:
         return self._submit(_write_queue.Grouped(key, op, self._claim_many))
 
     def finish(self, op: FinishOp) -> Awaitable[int]:
-        """Settle a current claim (grouped with the round's other finishes)."""
-        return self._submit(_write_queue.Grouped(_FINISH_KEY, op, self._finish_many))
+        """Settle a current claim (grouped with the round's other finishes, which run
+        ahead of the claims queued with them: see `asyncplane._write_queue.units`)."""
+        return self._submit(finish_request(op, self._finish_many))
 
 
 #: Every finish groups with every other finish of its round.
 _FINISH_KEY = ("finish",)
+
+
+def finish_request(op: FinishOp, finish_many: GroupOp) -> _write_queue.Grouped[int]:
+    """A finish as its round's writer gets it (from this process, or posted by another
+    for combining): grouped with the round's other finishes, and ahead of the claims
+    queued with them, so a finish and the next claim its caller asked for with it run
+    in that order (see `asyncplane._write_queue.units`)."""
+    return _write_queue.Grouped(_FINISH_KEY, op, finish_many, True)
 
 
 class Backend(Protocol):
@@ -520,6 +530,10 @@ class Backend(Protocol):
     def writer(self) -> _write_queue.WriterBase | None:
         """The writer task's handle, or None before opening (tests, benchmarks, probe)."""
         ...
+
+    #: Whether a settle and the claim asked for with it (`ControlStore.finish_and_claim`)
+    #: go to the writer together, to share a write round, or the claim after the settle.
+    settle_with_claim: bool
 
     async def open(self) -> None:
         """Connect, create or migrate the schema; idempotent."""

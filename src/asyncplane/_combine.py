@@ -337,10 +337,7 @@ class Board:
             return None  # another layout, or a poster in another queue (the file replaced)
         try:
             wire: list[_Wire] = marshal.loads(os.pread(self._fd, length, _HEADERS + slot * _BODY))
-            return [
-                _write_queue.Grouped(key, _op_of(kind, fields), self._kinds[kind])
-                for kind, key, fields in wire
-            ]
+            return [_request_of(kind, key, fields, self._kinds[kind]) for kind, key, fields in wire]
         except (OSError, ValueError, EOFError, TypeError, KeyError):
             return None
 
@@ -529,10 +526,15 @@ def _others_posted(states: tuple[int, ...], own: int) -> bool:
     return bool(states.count(POSTED) > (states[own] == POSTED))
 
 
-def _op_of(kind: str, fields: tuple[Any, ...]) -> Any:
+def _request_of(
+    kind: str, key: tuple[Any, ...], fields: tuple[Any, ...], many: Callable[..., Any]
+) -> _write_queue.Grouped[Any]:
+    """A posted claim or finish, as the poster's own `asyncplane._backend.Writes` made it."""
     from asyncplane import _backend
 
-    return (_backend.ClaimOp if kind == "claim" else _backend.FinishOp)(*fields)
+    if kind == "claim":
+        return _write_queue.Grouped(key, _backend.ClaimOp(*fields), many)
+    return _backend.finish_request(_backend.FinishOp(*fields), many)
 
 
 def _encode_outcome(outcome: Any) -> tuple[Any, ...]:

@@ -17,6 +17,7 @@ from typing import Any
 __all__ = (
     "ArchiveError",
     "AsyncplaneError",
+    "ClaimAfterSettleFailed",
     "CommitOutcomeUnknown",
     "DatabaseLocked",
     "FenceRejected",
@@ -190,6 +191,12 @@ class NotOnAsyncio(AsyncplaneError, RuntimeError):
 
 class ReadOnlyStore(AsyncplaneError):
     """A write was asked of a store opened with ``read_only=True``; nothing was written."""
+
+
+class ClaimAfterSettleFailed(AsyncplaneError):
+    """`ControlStore.finish_and_claim` saved the settle, but the claim made with it
+    failed; the claim's error is the ``__cause__`` (DatabaseLocked, say). The item is
+    settled: do not settle it again; claim again (or stop) as that error says."""
 
 
 class StorageError(AsyncplaneError):

@@ -112,6 +112,12 @@ class ServerClock:
 class PostgresBackend(_backend.Writes):
     """Implements `asyncplane._backend.Backend` on one schema of a PostgreSQL database."""
 
+    #: A settle alone, or a claim alone, is one statement that commits by itself
+    #: (`asyncplane._postgres_writer.FirstAlone`); together they take a transaction with
+    #: a savepoint each, four times the round trips, which measured slower (see
+    #: docs/architecture.md, "A settle and the next claim in one round").
+    settle_with_claim = False
+
     def __init__(
         self,
         url: str,

@@ -41,7 +41,7 @@ import time
 
 import anyio.to_thread
 
-from asyncplane import _errors, _loops, _probe_protocol, _probe_support, _store
+from asyncplane import _errors, _loops, _models, _probe_protocol, _probe_support, _store
 
 #: How long a --until-drained worker waits before looking again for lapsed leases.
 _IDLE_POLL_SECONDS = 0.05
@@ -106,14 +106,38 @@ class _Tally:
 async def _drain_one(
     store: _store.ControlStore, owner: str, tally: _Tally, until_drained: bool
 ) -> None:
+    """Claim and finish until there is nothing to claim. Each finish carries the next
+    claim with it (`ControlStore.finish_and_claim`): one write round an item, as a
+    worker running `asyncplane.work` pays."""
+    done: _models.ClaimedItem | None = None  # claimed and run: settle it with the next claim
     while True:
         asked = time.perf_counter()
         try:
-            claim = await store.claim(owner=owner)
-        except _errors.DatabaseLocked:
+            if done is None:
+                claim = await store.claim(owner=owner)
+            else:
+                claim = await store.finish_and_claim(done.item_id, fence=done.fence, owner=owner)
+                tally.finished += 1
+                tally.finishes.add(done.item_id, done.fence)
+        except _errors.ClaimAfterSettleFailed as exc:  # settled; its claim was not
+            assert done is not None  # only finish_and_claim raises it
+            tally.finished += 1
+            tally.finishes.add(done.item_id, done.fence)
+            if not isinstance(exc.__cause__, _errors.DatabaseLocked):
+                raise
             tally.locked += 1
+            done = None
+            continue
+        except _errors.FenceRejected:  # the settle refused: nothing was claimed with it
+            tally.fence_rejected += 1
+            done = None
+            continue
+        except _errors.DatabaseLocked:  # nothing written
+            tally.locked += 1
+            done = None
             continue
         tally.claim_seconds.append(time.perf_counter() - asked)
+        done = claim
         if claim is None:
             if not until_drained:
                 return
@@ -123,16 +147,6 @@ async def _drain_one(
             await asyncio.sleep(_IDLE_POLL_SECONDS)  # a lapsed lease is a matter of time
             continue
         tally.claimed += 1
-        try:
-            await store.finish(claim.item_id, fence=claim.fence, status="done")
-        except _errors.FenceRejected:
-            tally.fence_rejected += 1
-            continue
-        except _errors.DatabaseLocked:
-            tally.locked += 1
-            continue
-        tally.finished += 1
-        tally.finishes.add(claim.item_id, claim.fence)
 
 
 async def _main(args: argparse.Namespace) -> int:

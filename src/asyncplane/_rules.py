@@ -35,6 +35,11 @@ has one home, whichever database holds the store:
   settled and its fence raised, so its holder is refused; a settled one is left as it
   is), which items a requeue takes back, and which index arms a listing walks.
 
+The order a write round runs its requests in (finishes ahead of the claims beside them,
+so a settle frees its ``max_running`` slot for the claim sent with it) orders requests,
+not rows: it lives with the rounds, in `asyncplane._write_queue` (`units`,
+`combined_order`), shared by both backends' writers.
+
 The claim order itself is ``priority DESC, service_class (realtime first), sla NULLS
 LAST, item_id``: `claim_key` here, and the ``ORDER BY`` of each dialect's claim index.
 """

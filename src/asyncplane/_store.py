@@ -12,6 +12,7 @@ opens itself on first use; ``async with`` or ``await store.close()`` releases it
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import logging
 import os
@@ -594,7 +595,21 @@ class ControlStore:
 
         As `claim`, in one transaction; a batch takes at most one item per fingerprint.
         """
-        op = _backend.ClaimOp(
+        op = self._claim_op(owner, limit, actor_id, project_id, lease_seconds)
+        backend = await self._engine.ready()
+        started = time.perf_counter()
+        return await self._claimed(backend, op, await backend.claim(op), started)
+
+    def _claim_op(
+        self,
+        owner: str,
+        limit: int,
+        actor_id: str | None,
+        project_id: str | None,
+        lease_seconds: float | None,
+    ) -> _backend.ClaimOp:
+        """A claim's arguments, checked (InvalidInput before anything is written)."""
+        return _backend.ClaimOp(
             _validate.text_id(owner, "owner"),
             _validate.positive_int(limit, "limit"),
             self._lease_seconds
@@ -603,10 +618,16 @@ class ControlStore:
             _validate.optional_actor(actor_id),
             None if project_id is None else _validate.text_id(project_id, "project_id"),
         )
-        backend = await self._engine.ready()
+
+    async def _claimed(
+        self,
+        backend: _backend.Backend,
+        op: _backend.ClaimOp,
+        rows: list[_backend.ClaimRow],
+        started: float,
+    ) -> list[ClaimedItem]:
+        """The items a claim asked for at ``started`` took, counted, as callers get them."""
         claims: list[ClaimedItem] = []
-        started = time.perf_counter()
-        rows = await backend.claim(op)
         if _telemetry.ENABLED:
             seconds = time.perf_counter() - started
             _telemetry.claimed(rows, backend.clock.now(), seconds, self.backend)
@@ -702,12 +723,100 @@ class ControlStore:
             InvalidInput: ``status`` is neither "done" nor "failed", or the result is too
                 large or not JSON; nothing was written and the claim stays valid.
         """
+        op = self._finish_op(item_id, fence, status, result, error, actor_id)
+        twins = await self._settle(op.status, (await self._engine.ready()).finish(op))
+        _telemetry.dedup_settled(twins, "settlement")
+        self._engine.notify()  # a settled item frees its waiting twins
+
+    async def finish_and_claim(
+        self,
+        item_id: int,
+        *,
+        fence: int,
+        owner: str,
+        status: str = "done",
+        result: Any = None,
+        error: str | None = None,
+        actor_id: str | None = None,
+        project_id: str | None = None,
+        lease_seconds: float | None = None,
+    ) -> ClaimedItem | None:
+        """Settle a current claim as `finish` does, then claim the next item for ``owner``
+        as `claim` does (without ``wait``): the next item, or None if there is none.
+
+        On SQLite the two go to the writer together and run in one write round, the
+        settle first (so a project's ``max_running`` sees the settled item gone): a worker
+        that loops claim, run, settle pays one write transaction per item instead of two.
+        On PostgreSQL, where a settle or a claim alone is one statement that commits by
+        itself, the claim follows the settle in a round of its own. ``actor_id`` is both
+        calls' actor; ``project_id`` and ``lease_seconds`` are the claim's.
+
+        An error raised means what it means for `finish` (the settle was refused, or for
+        CommitOutcomeUnknown may not be saved), and an item the claim took in the same
+        round has been given back first (`release`: ready again, its attempt refunded), so
+        a call that raises holds nothing; that claim's own effects stand (a ``per_minute``
+        token it spent, a lapsed lease it took over). Cancelled, the call gives back
+        whatever its claim took, too. One error is different: ClaimAfterSettleFailed says
+        the settle was saved and the claim then failed (its cause says why).
+
+        Raises:
+            FenceRejected: The settle's fence is not current (as for `finish`).
+            ClaimAfterSettleFailed: The settle was saved; the claim made with it failed.
+            InvalidInput: Either call's arguments, before anything is written.
+        """
+        settle = self._finish_op(item_id, fence, status, result, error, actor_id)
+        claim = self._claim_op(owner, 1, actor_id, project_id, lease_seconds)
+        backend = await self._engine.ready()
+        started = time.perf_counter()
+        finishing = backend.finish(settle)
+        # Queued right behind the settle, it shares its round, where rounds are dear.
+        claiming = backend.claim(claim) if backend.settle_with_claim else None
+        try:
+            twins = await self._settle(settle.status, finishing)
+        except BaseException as exc:
+            if claiming is not None:
+                _, cancelled = await _tasks.to_the_end(
+                    self._give_back(claiming, claim.actor_id), "asyncplane-give-back"
+                )
+                if cancelled and not isinstance(exc, asyncio.CancelledError):
+                    raise asyncio.CancelledError from exc  # the refusal is moot now
+            raise
+        _telemetry.dedup_settled(twins, "settlement")
+        self._engine.notify()  # a settled item frees its waiting twins
+        try:
+            if claiming is None:
+                started = time.perf_counter()  # the claim's latency is its own round's
+                claiming = backend.claim(claim)
+            rows, cancelled = await _tasks.to_the_end(claiming, "asyncplane-claim")
+        except Exception as exc:  # the settle stands: say so
+            raise _errors.ClaimAfterSettleFailed(
+                f"item {settle.item_id} was settled, but the claim made with it failed: "
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
+        if cancelled:  # a claim that committed meanwhile goes straight back
+            await _tasks.to_the_end(
+                self._release_rows(rows, claim.actor_id), "asyncplane-give-back"
+            )
+            raise asyncio.CancelledError
+        claims = await self._claimed(backend, claim, rows, started)
+        return claims[0] if claims else None
+
+    def _finish_op(
+        self,
+        item_id: int,
+        fence: int,
+        status: str,
+        result: Any,
+        error: str | None,
+        actor_id: str | None,
+    ) -> _backend.FinishOp:
+        """A finish's arguments, checked (InvalidInput before anything is written)."""
         status = _validate.finish_status(status)
         if status == "done" and error is not None:
             raise _errors.InvalidInput("error goes with status='failed'; a done item has none")
         if status == "failed" and result is not None:
             raise _errors.InvalidInput("result goes with status='done'; a failed item has none")
-        op = _backend.FinishOp(
+        return _backend.FinishOp(
             _validate.item_id(item_id),
             _validate.positive_int(fence, "fence"),
             status,
@@ -715,9 +824,31 @@ class ControlStore:
             None if result is None else _validate.encode_result(result, self._max_result_bytes),
             _validate.error_text(error),
         )
-        twins = await self._settle(status, (await self._engine.ready()).finish(op))
-        _telemetry.dedup_settled(twins, "settlement")
-        self._engine.notify()  # a settled item frees its waiting twins
+
+    async def _give_back(
+        self, claiming: Awaitable[list[_backend.ClaimRow]], actor_id: str | None
+    ) -> None:
+        """The claim asked for with a settle that did not go through: whatever it took is
+        given back (`release`); one that never reached the writer is dropped."""
+        if inspect.iscoroutine(claiming):  # not queued yet (see Writer.submit): nothing to undo
+            claiming.close()
+            return
+        try:
+            rows = await claiming
+        except Exception:  # it took nothing (or, CommitOutcomeUnknown, nothing known)
+            return
+        await self._release_rows(rows, actor_id)
+
+    async def _release_rows(self, rows: list[_backend.ClaimRow], actor_id: str | None) -> None:
+        """Give back claims nobody will run; one that cannot be is left to its lease."""
+        for row in rows:
+            try:
+                await self.release(row.item_id, fence=row.fence, actor_id=actor_id)
+            except _errors.AsyncplaneError as exc:  # its lease lapses; a later claim takes it
+                _log.warning(
+                    "asyncplane: item %d, claimed for a call that did not take it, could "
+                    "not be given back: %s", row.item_id, exc, extra=_row_extra(row),
+                )  # fmt: skip
 
     async def retry(
         self,

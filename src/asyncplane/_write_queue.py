@@ -12,6 +12,15 @@ is made of is shared:
 * **Units.** Consecutive requests of the same `Grouped` kind (claims with the same
   filters, finishes) run as one unit, one call that answers for each member (`units`);
   every other request is a unit by itself.
+* **Finishes first.** Within a stretch of grouped requests (claims and finishes, up to
+  the next request of another kind), those marked ``ahead`` (finishes) run first, then
+  the rest. Every request of a round is concurrent with every other (none of their
+  callers has an answer yet), so any order is one its callers could have seen; this one
+  keeps the only order a caller can ask for across two requests of one round, its
+  settle before its next claim (`ControlStore.finish_and_claim`, work()), so a settle
+  makes room, under ``max_running``, for the claim that rides with it. It also keeps
+  interleaved finishes and claims to two units (two statements), not one each. A round
+  that combines other processes' posts (`combined_order`, SQLite) keeps it too.
 * **Outcomes.** A unit's answer for a member is a value, or a refusal that wrote nothing,
   carried as `Raised` so the others of the round still commit (`outcomes`); `deliver`
   hands each caller its own outcome.
@@ -40,6 +49,7 @@ __all__ = (
     "WriterBase",
     "call_unit",
     "caused",
+    "combined_order",
     "deliver",
     "outcomes",
     "round_failed",
@@ -73,12 +83,16 @@ class Grouped(Generic[T]):
     PostgreSQL; `run` returns what it returns.
     """
 
-    __slots__ = ("group_key", "many", "op")
+    __slots__ = ("ahead", "group_key", "many", "op")
 
-    def __init__(self, group_key: tuple[Any, ...], op: Any, many: Callable[..., Any]) -> None:
+    def __init__(
+        self, group_key: tuple[Any, ...], op: Any, many: Callable[..., Any], ahead: bool = False
+    ) -> None:
         self.group_key = group_key
         self.op = op
         self.many = many
+        #: Runs ahead of the grouped requests queued before it in its round (see `units`).
+        self.ahead = ahead
 
     def run(self, members: Sequence[Any], conn: Any, now: float) -> Any:
         """``many`` for ``members`` (this request first among them)."""
@@ -86,20 +100,75 @@ class Grouped(Generic[T]):
 
 
 def units(ops: Sequence[Any], todo: Iterable[int], alone: Container[int] = ()) -> list[list[int]]:
-    """Split ``todo`` into units: consecutive `Grouped` requests that share a
-    ``group_key`` form one; every other request, and every one in ``alone`` (a member of
-    a unit that broke, going again on its own), is a unit by itself."""
+    """Split ``todo`` into units, in the order they run: consecutive `Grouped` requests
+    that share a ``group_key`` form one; every other request, and every one in ``alone``
+    (a member of a unit that broke, going again on its own), is a unit by itself. In a
+    stretch of grouped requests (up to the next request that is not grouped) those marked
+    ``ahead`` come first, in their order, then the others: see the module's docstring."""
     result: list[list[int]] = []
-    last_key: tuple[Any, ...] | None = None
+    stretch: list[int] = []
     for index in todo:
-        op = ops[index]
-        key = op.group_key if isinstance(op, Grouped) and index not in alone else None
+        if isinstance(ops[index], Grouped):
+            stretch.append(index)
+            continue
+        _stretch_units(ops, stretch, alone, result)
+        stretch = []
+        result.append([index])
+    _stretch_units(ops, stretch, alone, result)
+    return result
+
+
+def _stretch_units(
+    ops: Sequence[Any], stretch: list[int], alone: Container[int], result: list[list[int]]
+) -> None:
+    """Add the units of one stretch of grouped requests to ``result``: those ``ahead``
+    first, then the rest; like keys side by side form one unit, but for ``alone``."""
+    if not stretch:
+        return
+    first = [index for index in stretch if ops[index].ahead]
+    if first and len(first) < len(stretch):
+        stretch = first + [index for index in stretch if not ops[index].ahead]
+    last_key: tuple[Any, ...] | None = None
+    for index in stretch:
+        key = None if index in alone else ops[index].group_key
         if key is not None and key == last_key:
             result[-1].append(index)
         else:
             result.append([index])
         last_key = key
-    return result
+
+
+def combined_order(every: Sequence[Any], own: int) -> list[int]:
+    """The order a combined round runs in (indexes into ``every``: the holder's ``own``
+    requests first, then those it took from other processes, all `Grouped`). The holder's
+    own keep their order, as in any round (a claim after an enqueue may take its item);
+    the taken ones, which no order binds to them but each poster's own, go like with
+    like, so each kind runs as one unit: those of a group key right after the holder's
+    last request of that key, or at the end, in the order they came. A taken kind marked
+    ``ahead`` (finishes) goes no later than any other taken kind, so that `units` runs a
+    poster's settle before the claim it sent with it, as in the poster's own round."""
+    taken: dict[Any, list[int]] = {}
+    for index in range(own, len(every)):
+        taken.setdefault(every[index].group_key, []).append(index)
+    at = dict.fromkeys(taken, own - 1)  # after which of the holder's own requests
+    for index in range(own):
+        op = every[index]
+        if isinstance(op, Grouped) and op.group_key in taken:
+            at[op.group_key] = index
+    first = [key for key, indexes in taken.items() if every[indexes[0]].ahead]
+    rest = [key for key in taken if key not in first]
+    if first and rest:
+        earliest = min(at[key] for key in rest)
+        for key in first:
+            at[key] = min(at[key], earliest)
+    placed: dict[int, list[int]] = {}
+    for key in first + rest:
+        placed.setdefault(at[key], []).extend(taken[key])
+    order: list[int] = list(placed.get(-1, ()))  # a round of taken requests only
+    for index in range(own):
+        order.append(index)
+        order.extend(placed.get(index, ()))
+    return order
 
 
 def call_unit(ops: Sequence[Any], unit: Sequence[int], conn: Any, now: float) -> tuple[Any, bool]:

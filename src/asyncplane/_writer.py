@@ -573,7 +573,7 @@ def _transact_held(
     for one in taken:
         spans.append((one, len(every), len(every) + len(one.ops)))
         every.extend(one.ops)
-    order = _combined_order(every, len(ops))
+    order = _write_queue.combined_order(every, len(ops))
     written: list[Any] = []
 
     def in_place(ordered: list[Any]) -> list[Any]:
@@ -610,31 +610,6 @@ def _transact_held(
         else:
             board.committed(one, token)  # marked answered once the lock has gone
     return outcomes[: len(ops)], waited
-
-
-def _combined_order(every: list[Any], own: int) -> list[int]:
-    """The order a combined round runs in (indexes into ``every``: this round's ``own``
-    requests first, then those taken). This round's own keep their order, as in any round
-    (a claim after an enqueue may take its item); the taken ones, which no order binds to
-    them, go like with like, so each kind runs as one unit: those of a group key right
-    after this round's last request of that key, or at the end, in the order they came."""
-    taken: dict[Any, list[int]] = {}
-    for index in range(own, len(every)):
-        taken.setdefault(every[index].group_key, []).append(index)
-    last: dict[Any, int] = {}
-    for index in range(own):
-        op = every[index]
-        if isinstance(op, _write_queue.Grouped) and op.group_key in taken:
-            last[op.group_key] = index
-    after = {index: key for key, index in last.items()}
-    order: list[int] = []
-    for index in range(own):
-        order.append(index)
-        if index in after:
-            order.extend(taken.pop(after[index]))
-    for indexes in taken.values():
-        order.extend(indexes)
-    return order
 
 
 def _answer_anew(board: _combine.Board, taken: _combine.Taken, outcomes: list[Any]) -> None:

@@ -1,0 +1,228 @@
+"""finish_and_claim: a settle and the next claim in one write round, the settle first."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from asyncplane import (
+    ClaimAfterSettleFailed,
+    ControlStore,
+    FenceRejected,
+    InvalidInput,
+    StorageError,
+    verify_ledger,
+)
+from asyncplane._store import engine_of
+from asyncplane._write_queue import Grouped, units
+from asyncplane.testing import ManualClock
+
+
+async def _rounds(store: ControlStore) -> Callable[[], int]:
+    """How many write rounds the store's writer has run so far, to read again later."""
+    writer = (await engine_of(store).ready()).writer
+    assert writer is not None
+    return lambda: writer.rounds
+
+
+async def test_it_settles_the_claim_and_claims_the_next(store: ControlStore) -> None:
+    first_id, second_id = await store.enqueue_many("alpha", [{"n": 1}, {"n": 2}])
+    first = await store.claim(owner="w1")
+    assert first is not None and first.item_id == first_id
+    second = await store.finish_and_claim(
+        first.item_id, fence=first.fence, owner="w2", result={"ok": 1}
+    )
+    assert second is not None
+    assert (second.item_id, second.owner, second.fence, second.payload) == (
+        second_id, "w2", 1, {"n": 2},
+    )  # fmt: skip
+    done = await store.item(first_id)
+    assert (done["state"], done["result"]) == ("done", {"ok": 1})
+    assert (await store.item(second_id))["state"] == "claimed"
+    assert [e["event_type"] for e in await store.events(second_id)][-1] == "claimed"
+    # The last item: settled, and nothing left to claim.
+    assert await store.finish_and_claim(second.item_id, fence=second.fence, owner="w2") is None
+    assert (await store.item(second_id))["state"] == "done"
+    assert await verify_ledger(store) == []
+
+
+async def test_a_failed_settle_and_the_claim_options(
+    store: ControlStore, clock: ManualClock
+) -> None:
+    await store.create_project("beta", "Project Beta")
+    await store.enqueue("alpha", {"n": 1})
+    wanted = await store.enqueue("beta", {"n": 2})
+    await store.enqueue("alpha", {"n": 3})
+    first = await store.claim(owner="w", project_id="alpha")
+    assert first is not None
+    claim = await store.finish_and_claim(
+        first.item_id, fence=first.fence, owner="w", status="failed", error="boom",
+        project_id="beta", lease_seconds=7,
+    )  # fmt: skip
+    assert claim is not None and claim.item_id == wanted
+    assert claim.lease_expires_at == clock.datetime() + dt.timedelta(seconds=7)
+    failed = await store.item(first.item_id)
+    assert (failed["state"], failed["error"]) == ("failed", "boom")
+
+
+async def test_the_settle_and_the_claim_share_a_round_where_rounds_are_dear(
+    store: ControlStore,
+) -> None:
+    # On PostgreSQL each goes alone, one statement that commits by itself.
+    await store.enqueue_many("alpha", [{"n": n} for n in range(3)])
+    rounds = await _rounds(store)
+    claim = await store.claim(owner="w")
+    assert claim is not None
+    before = rounds()
+    while claim is not None:
+        claim = await store.finish_and_claim(claim.item_id, fence=claim.fence, owner="w")
+    # Three settles, two claims that took an item and one that found none.
+    assert rounds() - before == (3 if store.backend == "sqlite" else 6)
+    assert (await store.counts())["done"] == 3
+
+
+async def test_the_settle_runs_before_the_claim(store: ControlStore) -> None:
+    # Under max_running=1 the next item is claimable only once the last is settled: the
+    # claim that goes with the settle takes it, so the settle ran first.
+    await store.set_limits("alpha", max_running=1)
+    await store.enqueue_many("alpha", [{"n": n} for n in range(4)])
+    claim = await store.claim(owner="w")
+    taken = 0
+    while claim is not None:
+        taken += 1
+        claim = await store.finish_and_claim(claim.item_id, fence=claim.fence, owner="w")
+    assert taken == 4
+    assert (await store.counts())["done"] == 4
+
+
+async def test_a_finish_queued_after_a_claim_in_one_round_runs_first(store: ControlStore) -> None:
+    # Two callers in the same turn: a claim, then a finish. Under max_running=1 the claim
+    # finds room only because the finish, queued after it, runs ahead of it.
+    await store.set_limits("alpha", max_running=1)
+    held_id, next_id = await store.enqueue_many("alpha", [{"n": 1}, {"n": 2}])
+    held = await store.claim(owner="w1")
+    assert held is not None and held.item_id == held_id
+    rounds = await _rounds(store)
+    before = rounds()
+    claim, _ = await asyncio.gather(
+        store.claim(owner="w2"), store.finish(held_id, fence=held.fence)
+    )
+    assert rounds() - before == 1  # both in one round
+    assert claim is not None and claim.item_id == next_id
+
+
+async def test_a_claim_that_fails_after_the_settle_says_the_settle_stands(
+    store: ControlStore, raw: Any
+) -> None:
+    # The projects table gone (a tamperer's doing): every claim reads it, the settle not.
+    item_id = await store.enqueue("alpha", {"n": 1})
+    held = await store.claim(owner="w")
+    assert held is not None
+    raw.execute("ALTER TABLE projects RENAME TO projects_gone")
+    with pytest.raises(ClaimAfterSettleFailed) as caught:
+        await store.finish_and_claim(item_id, fence=held.fence, owner="w")
+    assert isinstance(caught.value.__cause__, StorageError)
+    raw.execute("ALTER TABLE projects_gone RENAME TO projects")
+    assert (await store.item(item_id))["state"] == "done"
+    assert await verify_ledger(store) == []
+
+
+async def test_a_refused_settle_is_raised_and_the_claim_given_back(store: ControlStore) -> None:
+    held_id, other_id = await store.enqueue_many("alpha", [{"n": 1}, {"n": 2}])
+    held = await store.claim(owner="w1")
+    assert held is not None and held.item_id == held_id
+    with pytest.raises(FenceRejected):
+        await store.finish_and_claim(held.item_id, fence=held.fence + 1, owner="w2")
+    assert (await store.item(held_id))["state"] == "claimed"  # untouched: fence was wrong
+    other = await store.item(other_id)
+    assert (other["state"], other["attempts"]) == ("ready", 0)
+    # On SQLite the claim ran in the settle's round and gave its item back; on PostgreSQL
+    # it was never made.
+    given_back = ["queued", "claimed", "released"] if store.backend == "sqlite" else ["queued"]
+    assert [e["event_type"] for e in await store.events(other_id)] == given_back
+    assert await verify_ledger(store) == []
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"status": "finished"},
+        {"status": "done", "error": "no"},
+        {"owner": ""},
+        {"lease_seconds": -1},
+        {"project_id": ""},
+        {"fence": 0},
+    ],
+)
+async def test_bad_arguments_write_nothing(store: ControlStore, bad: dict[str, Any]) -> None:
+    await store.enqueue_many("alpha", [{"n": 1}, {"n": 2}])
+    held = await store.claim(owner="w")
+    assert held is not None
+    rounds = await _rounds(store)
+    before = rounds()
+    kwargs: dict[str, Any] = {"fence": held.fence, "owner": "w", **bad}
+    with pytest.raises(InvalidInput):
+        await store.finish_and_claim(held.item_id, **kwargs)
+    assert rounds() == before
+    assert (await store.counts())["claimed"] == 1
+
+
+async def test_a_cancelled_call_leaves_nothing_claimed_by_it(store: ControlStore) -> None:
+    held_id, other_id = await store.enqueue_many("alpha", [{"n": 1}, {"n": 2}])
+    held = await store.claim(owner="w")
+    assert held is not None
+    call = asyncio.create_task(store.finish_and_claim(held_id, fence=held.fence, owner="w"))
+    await asyncio.sleep(0)  # one turn: the settle and the claim are queued
+    call.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await call
+    # The settle may have run or not (its round may have begun); the claim that came with
+    # it holds nothing either way.
+    assert (await store.item(held_id))["state"] in ("claimed", "done")
+    assert (await store.item(other_id))["state"] == "ready"
+    assert await verify_ledger(store) == []
+
+
+async def test_many_callers_each_item_settled_once(store: ControlStore) -> None:
+    items = 60
+    await store.enqueue_many("alpha", [{"n": n} for n in range(items)])
+    settled: list[int] = []
+
+    async def worker(name: str) -> None:
+        claim = await store.claim(owner=name)
+        while claim is not None:
+            settled.append(claim.item_id)
+            claim = await store.finish_and_claim(claim.item_id, fence=claim.fence, owner=name)
+
+    await asyncio.gather(*(worker(f"w{n}") for n in range(8)))
+    assert sorted(settled) == sorted(set(settled)) and len(settled) == items
+    assert (await store.counts())["done"] == items
+    assert await verify_ledger(store) == []
+
+
+def _claim(n: int, key: str = "c") -> Grouped[Any]:
+    return Grouped((key,), n, len)
+
+
+def _finish(n: int) -> Grouped[Any]:
+    return Grouped(("finish",), n, len, True)
+
+
+def test_finishes_run_ahead_of_the_claims_queued_with_them() -> None:
+    # Interleaved finishes and claims (several callers' finish_and_claim) run as two
+    # units, the finishes first; a request that is not grouped ends a stretch, and each
+    # caller's finish still comes before its claim.
+    ops: list[Any] = [_finish(0), _claim(1), _finish(2), _claim(3), object(), _claim(5), _finish(6)]
+    assert units(ops, range(len(ops))) == [[0, 2], [1, 3], [4], [6], [5]]
+    # Claims of different filters keep their order; an ``alone`` member (going again on
+    # its own after its unit broke) stands by itself, still ahead.
+    ops = [_claim(0, "a"), _finish(1), _claim(2, "b"), _claim(3, "b"), _finish(4)]
+    assert units(ops, range(len(ops))) == [[1, 4], [0], [2, 3]]
+    assert units(ops, range(len(ops)), alone={1}) == [[1], [4], [0], [2, 3]]
+    # Without finishes nothing moves.
+    ops = [_claim(0), _claim(1), object(), _claim(3)]
+    assert units(ops, range(len(ops))) == [[0, 1], [2], [3]]
