@@ -15,8 +15,11 @@ from asyncplane import (
     FenceRejected,
     InvalidInput,
     StorageError,
+    _tasks,
     verify_ledger,
 )
+from asyncplane._backend import ClaimOp, FinishOp
+from asyncplane._combine import _request_of as request_of
 from asyncplane._store import engine_of
 from asyncplane._write_queue import Grouped, units
 from asyncplane.testing import ManualClock
@@ -226,3 +229,43 @@ def test_finishes_run_ahead_of_the_claims_queued_with_them() -> None:
     # Without finishes nothing moves.
     ops = [_claim(0), _claim(1), object(), _claim(3)]
     assert units(ops, range(len(ops))) == [[0, 1], [2], [3]]
+
+
+async def test_a_refusal_served_by_close_never_opens_the_store_again(
+    store: ControlStore,
+) -> None:
+    # close() serves the queued settle (refused) and its claim; the item the claim took
+    # is given back through the closing writer, or left to its lease: never by opening
+    # the store again.
+    held_id, _ = await store.enqueue_many("alpha", [{"n": 1}, {"n": 2}])
+    held = await store.claim(owner="w")
+    assert held is not None
+    call = asyncio.create_task(store.finish_and_claim(held_id, fence=held.fence + 1, owner="w"))
+    await asyncio.sleep(0)  # one turn: the settle and the claim are queued
+    await store.close()
+    with pytest.raises(FenceRejected):
+        await call
+    assert not engine_of(store).is_open
+
+
+async def test_a_cancellation_is_never_lost_to_work_that_fails_after_it() -> None:
+    # to_the_end keeps a claim (or a give-back) going while its caller is cancelled; if
+    # that work then fails, the caller still ends cancelled, the failure as the cause.
+    loop = asyncio.get_running_loop()
+    work: asyncio.Future[int] = loop.create_future()
+    waiter = asyncio.create_task(_tasks.to_the_end(work, "work"))
+    await asyncio.sleep(0)
+    waiter.cancel()
+    await asyncio.sleep(0)
+    assert not waiter.done()  # still waiting for the work
+    work.set_exception(StorageError("the claim failed"))
+    with pytest.raises(asyncio.CancelledError) as caught:
+        await waiter
+    assert isinstance(caught.value.__cause__, StorageError)
+
+
+def test_a_finish_posted_for_combining_keeps_its_place_ahead() -> None:
+    finish = FinishOp(1, 1, "done", None, None, None)
+    claim = ClaimOp("w", 1, 60.0, None, None)
+    assert request_of("finish", ("finish",), tuple(finish), len).ahead
+    assert not request_of("claim", ("claim",), tuple(claim), len).ahead

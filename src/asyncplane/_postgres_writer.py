@@ -220,9 +220,13 @@ class Writer(_write_queue.WriterBase):
                     ops = [op for op, _ in batch]
                 outcomes = await self._transact(ops) if ops else []
             except _Retry:
-                # A deadlock or serialisation failure: each request again, on its own.
+                # A deadlock or serialisation failure: each request again, on its own, in
+                # the order the round ran them (finishes ahead of their claims).
                 self.retried_rounds += 1
-                outcomes = [(await self._alone(op))[0] for op in ops]
+                outcomes = [None] * len(ops)
+                for unit in _write_queue.units(ops, range(len(ops))):
+                    for index in unit:
+                        outcomes[index] = (await self._alone(ops[index]))[0]
         except asyncio.CancelledError:
             raise
         except _CommitLost as lost:

@@ -751,11 +751,13 @@ class ControlStore:
         itself, the claim follows the settle in a round of its own. ``actor_id`` is both
         calls' actor; ``project_id`` and ``lease_seconds`` are the claim's.
 
-        An error raised means what it means for `finish` (the settle was refused, or for
-        CommitOutcomeUnknown may not be saved), and an item the claim took in the same
-        round has been given back first (`release`: ready again, its attempt refunded), so
-        a call that raises holds nothing; that claim's own effects stand (a ``per_minute``
-        token it spent, a lapsed lease it took over). Cancelled, the call gives back
+        An error raised means what it means for `finish` (the settle was refused or not
+        written, or for CommitOutcomeUnknown may be saved), and an item the claim took in
+        the same round has been given back first (`release`: ready again, its attempt
+        refunded), so a call that raises holds nothing; that claim's own effects stand (a
+        ``per_minute`` token it spent, a lapsed lease it took over). After
+        CommitOutcomeUnknown the claim's outcome is as unknown as the settle's: a claim it
+        saved is left to its lease. Cancelled, the call gives back
         whatever its claim took, too. One error is different: ClaimAfterSettleFailed says
         the settle was saved and the claim then failed (its cause says why).
 
@@ -776,7 +778,7 @@ class ControlStore:
         except BaseException as exc:
             if claiming is not None:
                 _, cancelled = await _tasks.to_the_end(
-                    self._give_back(claiming, claim.actor_id), "asyncplane-give-back"
+                    self._give_back(backend, claiming, claim.actor_id), "asyncplane-give-back"
                 )
                 if cancelled and not isinstance(exc, asyncio.CancelledError):
                     raise asyncio.CancelledError from exc  # the refusal is moot now
@@ -795,7 +797,7 @@ class ControlStore:
             ) from exc
         if cancelled:  # a claim that committed meanwhile goes straight back
             await _tasks.to_the_end(
-                self._release_rows(rows, claim.actor_id), "asyncplane-give-back"
+                self._release_rows(backend, rows, claim.actor_id), "asyncplane-give-back"
             )
             raise asyncio.CancelledError
         claims = await self._claimed(backend, claim, rows, started)
@@ -826,7 +828,10 @@ class ControlStore:
         )
 
     async def _give_back(
-        self, claiming: Awaitable[list[_backend.ClaimRow]], actor_id: str | None
+        self,
+        backend: _backend.Backend,
+        claiming: Awaitable[list[_backend.ClaimRow]],
+        actor_id: str | None,
     ) -> None:
         """The claim asked for with a settle that did not go through: whatever it took is
         given back (`release`); one that never reached the writer is dropped."""
@@ -837,13 +842,18 @@ class ControlStore:
             rows = await claiming
         except Exception:  # it took nothing (or, CommitOutcomeUnknown, nothing known)
             return
-        await self._release_rows(rows, actor_id)
+        await self._release_rows(backend, rows, actor_id)
 
-    async def _release_rows(self, rows: list[_backend.ClaimRow], actor_id: str | None) -> None:
-        """Give back claims nobody will run; one that cannot be is left to its lease."""
+    async def _release_rows(
+        self, backend: _backend.Backend, rows: list[_backend.ClaimRow], actor_id: str | None
+    ) -> None:
+        """Give back claims nobody will run, through the backend that made them (never
+        opening a store closed meanwhile); one that cannot be is left to its lease."""
         for row in rows:
             try:
-                await self.release(row.item_id, fence=row.fence, actor_id=actor_id)
+                op = _backend.ReleaseOp(row.item_id, row.fence, actor_id)
+                await self._settle("released", backend.release(op))
+                self._engine.notify()  # claimable again, here and now
             except _errors.AsyncplaneError as exc:  # its lease lapses; a later claim takes it
                 _log.warning(
                     "asyncplane: item %d, claimed for a call that did not take it, could "

@@ -26,8 +26,10 @@ async def to_the_end(work: Awaitable[T], name: str) -> tuple[T, bool]:
     """Await ``work`` to its end whatever cancellations arrive meanwhile.
 
     Returns its result, and whether a cancellation arrived (the caller re-raises it once
-    the work is saved). asyncio.shield alone is not enough: a cancel scope (anyio) cancels
-    again at every await, and the shielded work would be left running unattended.
+    the work is saved). Work that fails after a cancellation arrived raises
+    CancelledError, its error as the cause: the cancellation is never lost to it.
+    asyncio.shield alone is not enough: a cancel scope (anyio) cancels again at every
+    await, and the shielded work would be left running unattended.
     """
     task = asyncio.ensure_future(work)
     if isinstance(task, asyncio.Task):
@@ -40,8 +42,15 @@ async def to_the_end(work: Awaitable[T], name: str) -> tuple[T, bool]:
             if task.cancelled():
                 raise
             if task.done():
+                failed = task.exception()
+                if failed is not None:
+                    raise asyncio.CancelledError from failed
                 return task.result(), True
             cancelled = True
+        except BaseException as failed:  # the work's own error
+            if cancelled:
+                raise asyncio.CancelledError from failed
+            raise
 
 
 async def stop(task: asyncio.Future[Any]) -> bool:
