@@ -269,3 +269,17 @@ def test_a_finish_posted_for_combining_keeps_its_place_ahead() -> None:
     claim = ClaimOp("w", 1, 60.0, None, None)
     assert request_of("finish", ("finish",), tuple(finish), len).ahead
     assert not request_of("claim", ("claim",), tuple(claim), len).ahead
+
+
+async def test_a_give_back_after_close_leaves_the_claim_to_its_lease(store: ControlStore) -> None:
+    # What finish_and_claim and claim(wait=) give back goes through the backend that
+    # claimed it: once the store is closed, the claim is left to its lease (logged), and
+    # the store is not opened again for it.
+    await store.enqueue("alpha", {"n": 1})
+    claim = await store.claim(owner="w")
+    assert claim is not None
+    backend = await engine_of(store).ready()
+    await store.close()
+    await store._release_rows(backend, [claim], None)
+    assert not engine_of(store).is_open
+    assert (await store.item(claim.item_id))["state"] == "claimed"

@@ -558,6 +558,7 @@ class ControlStore:
         local = engine.watch()
         try:
             version = await engine.data_version()  # before the claim: nothing slips by
+            backend = await engine.ready()
             claiming = self.claim_batch(
                 owner, limit, actor_id=actor_id, project_id=project_id,
                 lease_seconds=lease_seconds,
@@ -566,11 +567,10 @@ class ControlStore:
             # not left to its lease.
             found, cancelled = await _tasks.to_the_end(claiming, "asyncplane-claim")
             if cancelled:
-                for claim in found:
-                    await _tasks.to_the_end(
-                        self.release(claim.item_id, fence=claim.fence, actor_id=actor_id),
-                        "asyncplane-claim-give-back",
-                    )
+                await _tasks.to_the_end(
+                    self._release_rows(backend, found, _validate.optional_actor(actor_id)),
+                    "asyncplane-claim-give-back",
+                )
                 raise asyncio.CancelledError
             if found or (timeout is not None and timeout <= 0):
                 return found, False
@@ -845,7 +845,10 @@ class ControlStore:
         await self._release_rows(backend, rows, actor_id)
 
     async def _release_rows(
-        self, backend: _backend.Backend, rows: list[_backend.ClaimRow], actor_id: str | None
+        self,
+        backend: _backend.Backend,
+        rows: Sequence[_backend.ClaimRow | ClaimedItem],
+        actor_id: str | None,
     ) -> None:
         """Give back claims nobody will run, through the backend that made them (never
         opening a store closed meanwhile); one that cannot be is left to its lease."""
@@ -1680,7 +1683,7 @@ def _cancelled(answer: tuple[str, bool]) -> str | None:
     return "cancelled" if answer[1] else None
 
 
-def _row_extra(row: _backend.ClaimRow) -> dict[str, Any]:
+def _row_extra(row: _backend.ClaimRow | ClaimedItem) -> dict[str, Any]:
     """The ``extra`` fields of a log record about one claimed item."""
     return {"item_id": row.item_id, "project_id": row.project_id, "attempt": row.attempts,
             "fence": row.fence, "owner": row.owner}  # fmt: skip
