@@ -1,9 +1,14 @@
 """What the worker runtime costs per item: work() beside a hand-written claim loop.
 
     python benchmarks/work_vs_loop.py [--items 3000] [--repeats 5] [--json]
+    python benchmarks/work_vs_loop.py --url postgresql://...   (the same on PostgreSQL)
+    python benchmarks/work_vs_loop.py --postgres               (on a throwaway cluster)
 
-One process, one SQLite file per measurement, items whose handler returns ``Done()`` at
-once, so what is measured is the runtime itself and the store beneath it:
+One process, one SQLite file per measurement (on PostgreSQL: one schema, on the server at
+``--url`` or, with ``--postgres``, on a throwaway cluster of the machine's PostgreSQL
+server programs), items whose
+handler returns ``Done()`` at once, so what is measured is the runtime itself and the
+store beneath it:
 
 * **loop, C**: C coroutines that each ``claim()`` and ``finish()`` until nothing is left
   (the probe's concurrent-queue worker);
@@ -21,20 +26,21 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import pathlib
 import statistics
 import tempfile
 import time
 
-from asyncplane import ClaimedItem, ControlStore, Done, _loops, work
+import pg_probe_vs_raw as pg
+
+from asyncplane import ClaimedItem, ControlStore, Done, _loops, testing, work
 
 CONCURRENCIES = (1, 16)
 
 
-async def _measure(
-    path: pathlib.Path, items: int, concurrency: int, runtime: str
-) -> dict[str, float]:
+async def _measure(path: str, items: int, concurrency: int, runtime: str) -> dict[str, float]:
     async with ControlStore(path) as store:
         await store.create_project("p", "P")
         await store.enqueue_many("p", [{"n": n} for n in range(items)])
@@ -63,19 +69,39 @@ async def _measure(
     return {"items_per_s": items / seconds, "cpu_per_item_us": cpu / items * 1e6}
 
 
+async def _schema(url: str, schema: str) -> str:
+    """A fresh, empty schema on the server at ``url``: where a store goes."""
+    fresh = f"DROP SCHEMA IF EXISTS {schema} CASCADE; CREATE SCHEMA {schema}"
+    await testing.execute_sql(url, fresh)
+    return testing.with_schema(url, schema)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--items", type=int, default=3_000)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--url", help="measure on PostgreSQL, on this server")
+    parser.add_argument(
+        "--postgres", action="store_true", help="measure on PostgreSQL, on a throwaway cluster"
+    )
     args = parser.parse_args()
+    postgres = args.postgres or args.url is not None
 
     sides = [(runtime, c) for c in CONCURRENCIES for runtime in ("loop", "work()")]
     runs: dict[str, list[dict[str, float]]] = {f"{r}, C={c}": [] for r, c in sides}
-    with tempfile.TemporaryDirectory(prefix="asyncplane-work-vs-loop-") as tmp:
+    with contextlib.ExitStack() as stack:
+        if postgres:
+            url = stack.enter_context(pg.server(args.url))
+        else:
+            tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="asyncplane-work-"))
         for repeat in range(args.repeats):
             for runtime, c in sides:  # in turns, so the machine's noise hits every side alike
-                path = pathlib.Path(tmp) / f"{runtime[:4]}-{c}-{repeat}.db"
+                name = f"{runtime[:4]}_{c}_{repeat}"
+                if postgres:
+                    path = _loops.run(_schema(url, f"bench_work_{name}"))
+                else:
+                    path = str(pathlib.Path(tmp) / f"{name}.db")
                 runs[f"{runtime}, C={c}"].append(_loops.run(_measure(path, args.items, c, runtime)))
     table = {
         side: {key: statistics.median(run[key] for run in got) for key in got[0]}
@@ -86,11 +112,12 @@ def main() -> int:
         / table[f"loop, C={c}"]["items_per_s"]
         for c in CONCURRENCIES
     }
+    where = "postgresql" if postgres else "sqlite"
     if args.json:
-        print(json.dumps({"items": args.items, "repeats": args.repeats, "table": table,
-                          "ratios": ratios}))  # fmt: skip
+        fields = {"items": args.items, "repeats": args.repeats, "backend": where}
+        print(json.dumps({**fields, "table": table, "ratios": ratios}))
         return 0
-    print(f"{args.items} items a run, medians of {args.repeats}")
+    print(f"{args.items} items a run, {where}, medians of {args.repeats}")
     for side, row in table.items():
         print(
             f"  {side:<14} {row['items_per_s']:>8,.0f} items/s  "

@@ -133,23 +133,21 @@ def test_the_c1_benchmark_drains_every_shape_shared_and_apart() -> None:
     assert len(report["ratios"]) == 6 and all(r > 0 for r in report["ratios"].values())
 
 
-def test_the_work_benchmark_reports_work_beside_the_loop_at_each_concurrency() -> None:
-    done = subprocess.run(
-        [
-            sys.executable,
-            str(BENCHMARKS / "work_vs_loop.py"),
-            "--items",
-            "40",
-            "--repeats",
-            "1",
-            "--json",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
+def test_the_work_benchmark_reports_work_beside_the_loop_at_each_concurrency(
+    backend: str, request: pytest.FixtureRequest
+) -> None:
+    url = (
+        [] if backend == "sqlite" else ["--url", request.getfixturevalue("asyncplane_postgres_url")]
     )
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "work_vs_loop.py"), "--items", "40", "--repeats", "1",
+         "--json", *url],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)
+    assert report["backend"] == backend
     assert list(report["table"]) == ["loop, C=1", "work(), C=1", "loop, C=16", "work(), C=16"]
     assert all(row["items_per_s"] > 0 for row in report["table"].values())
     assert set(report["ratios"]) == {"work() / loop, C=1", "work() / loop, C=16"}

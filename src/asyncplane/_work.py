@@ -8,12 +8,15 @@ handlers running: each item is settled the moment its handler returns, and a fre
 filled by the next claim at once (several free slots by one ``claim_batch``), so a slow
 item never holds back the others, as it does in drain()'s lockstep batches.
 
-A slot is free once its handler has returned, not once its settle has committed: the
-slot's next claim is asked for right behind the settle, so the two go to the writer in the
-same round, one transaction, the settle first (a per-project ``max_running`` sees the
-settled item gone). So at ``concurrency=1`` an item costs one write round, not two; and
-the claim commits with the settle or after it (unless the settle fails inside the round:
-the rest commit without it, and the worker stops on the failure).
+A slot is free once its handler has returned, not once its settle has committed. Where
+the backend shares a settle's round with a claim (`Backend.settle_with_claim`: SQLite),
+the slot's next claim is asked for right behind the settle, so the two go to the writer
+in the same round, one transaction, the settle first (a per-project ``max_running`` sees
+the settled item gone), and at ``concurrency=1`` an item costs one write round, not two.
+On PostgreSQL, where a settle or a claim alone is one statement that commits by itself,
+the claim is asked for once the settle is done. Either way the claim commits with the
+settle or after it (unless the settle fails inside the round: the rest commit without
+it, and the worker stops on the failure).
 
 The rules it keeps:
 
@@ -475,11 +478,13 @@ class _Worker:
         assert task is not None
         self.settling.add(task)  # its slot is free from here
         try:
-            if self.waiting_for_slot:
+            if self.waiting_for_slot and self.engine.backend.settle_with_claim:
                 # The loop claims for the freed slot. One turn of the event loop lets it
                 # start that claim before this settle is queued; the claim's request then
                 # comes right behind the settle's, in the same turn, and the writer takes
-                # both into one round: one transaction, the settle first.
+                # both into one round: one transaction, the settle first. Where the
+                # backend would rather run them apart (PostgreSQL), the loop is woken
+                # once the settle is done (`_ended`), and its claim gets a round of its own.
                 self.wake.set()
                 await asyncio.sleep(0)
             await self._settle(claim, outcome)
