@@ -259,6 +259,28 @@ async def test_work_links_each_execution_to_the_span_that_enqueued_it(
     assert otel.total("asyncplane.execution.duration", project="alpha") >= 2
 
 
+async def test_an_exception_the_span_cannot_render_still_settles(
+    store: ControlStore, otel: Otel
+) -> None:
+    # The span records a handler's exception; one whose str() raises is recorded by its
+    # type alone, and the item is still settled (retried), never stranded by the span.
+    class Unprintable(Exception):
+        def __str__(self) -> str:
+            raise ValueError("no")
+
+    item_id = await store.enqueue("alpha", {})
+
+    async def handle(claim: ClaimedItem) -> Done:
+        raise Unprintable
+
+    summary = await work(store, handle, until_empty=True, timeout=30)
+    assert summary.retried == 1
+    assert (await store.item(item_id))["state"] == "deferred"
+    (failed,) = otel.spans("asyncplane.execute")
+    assert failed.status.status_code == trace.StatusCode.ERROR
+    assert [e.attributes["exception.type"] for e in failed.events] == [Unprintable.__qualname__]
+
+
 async def test_a_drain_round_holds_one_execution_span_per_item(
     store: ControlStore, otel: Otel
 ) -> None:

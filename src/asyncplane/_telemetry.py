@@ -332,7 +332,10 @@ class Execution:
         if span is None:
             return
         if isinstance(outcome, BaseException):
-            span.record_exception(outcome)
+            try:
+                span.record_exception(outcome)
+            except Exception:  # its str() raised, say: the span never breaks the work
+                span.add_event("exception", {"exception.type": type(outcome).__qualname__})
             status = otel.trace.Status(otel.trace.StatusCode.ERROR, type(outcome).__name__)
             span.set_status(status)
         else:
