@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+from typing import Any
 
 import pytest
 
 from asyncplane import ControlStore, FenceRejected, verify_ledger
+from asyncplane._store import engine_of
 from asyncplane.testing import ManualClock
 
 
@@ -262,3 +264,112 @@ async def test_counts_by_state(store: ControlStore, clock: ManualClock) -> None:
     await store.finish(a.item_id, fence=a.fence, status="done")
     await store.finish(b.item_id, fence=b.fence, status="failed")
     assert await store.counts() == {**zero, "ready": 1, "claimed": 1, "done": 1, "failed": 1}
+
+
+async def _until_in_a_round(store: ControlStore, served: int) -> None:
+    """Until the writer has taken a request into a round beyond the ``served`` it had
+    (loop steps only, no sleeps)."""
+    writer = (await engine_of(store).ready()).writer
+    assert writer is not None
+    for _ in range(1000):
+        if writer.requests > served and writer.requests_waiting == 0:
+            return
+        await asyncio.sleep(0)
+    raise AssertionError("the claim never left the writer's queue")
+
+
+async def test_a_claim_cancelled_while_its_round_ran_gives_back_what_it_took(
+    store: ControlStore, raw: Any
+) -> None:
+    # The write lock is held behind the store's back, so the claim's round waits in the
+    # middle; its caller is cancelled there (a claim() in asyncio.wait_for that timed
+    # out). The round then commits the claim for nobody: the item goes back at once,
+    # rather than waiting out its lease.
+    item_id = await store.enqueue("alpha", {"n": 1})
+    await store.counts()  # the readers open before the lock is taken
+    raw.execute("BEGIN IMMEDIATE" if raw.backend == "sqlite" else "BEGIN")
+    if raw.backend == "postgresql":
+        raw.execute("LOCK TABLE items IN EXCLUSIVE MODE")
+    writer = (await engine_of(store).ready()).writer
+    assert writer is not None
+    served = writer.requests
+    claiming = asyncio.create_task(store.claim(owner="gone"))
+    await _until_in_a_round(store, served)
+    claiming.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await claiming
+    raw.execute("COMMIT")
+    # A write queued behind the claim's round: the give-back, queued as that round was
+    # answered, has landed with it or before it.
+    await store.assign("alpha", "barrier")
+    row = await store.item(item_id)
+    assert (row["state"], row["attempts"]) == ("ready", 0)
+    assert [e["event_type"] for e in await store.events(item_id)] == [
+        "queued", "claimed", "released",
+    ]  # fmt: skip
+    again = await store.claim(owner="w")
+    assert again is not None and again.item_id == item_id and again.fence == 2
+    assert await verify_ledger(store) == []
+
+
+@pytest.mark.parametrize("limit", [1, 3])
+async def test_a_claim_cancelled_as_its_answer_came_gives_back_what_it_took(
+    store: ControlStore, monkeypatch: pytest.MonkeyPatch, limit: int
+) -> None:
+    # The round answered, and the caller is cancelled before it runs again: the answer
+    # is in the claim's future but reaches nobody. What it took goes back at once.
+    ids = await store.enqueue_many("alpha", [{"n": n} for n in range(limit)])
+    backend = await engine_of(store).ready()
+    claim = backend.claim
+    tasks: list[asyncio.Task[Any]] = []
+
+    def claim_then_cancel(op: Any) -> Any:
+        future = claim(op)
+        # Added before the caller awaits it, so it runs first once the answer is in.
+        future.add_done_callback(lambda _: tasks[0].cancel())
+        return future
+
+    monkeypatch.setattr(backend, "claim", claim_then_cancel)
+    tasks.append(asyncio.create_task(store.claim_batch("gone", limit)))
+    with pytest.raises(asyncio.CancelledError):
+        await tasks[0]
+    monkeypatch.undo()
+    await store.assign("alpha", "barrier")  # queued after the give-back
+    for item_id in ids:
+        row = await store.item(item_id)
+        assert (row["state"], row["attempts"]) == ("ready", 0)
+        assert [e["event_type"] for e in await store.events(item_id)][-2:] == [
+            "claimed", "released",
+        ]  # fmt: skip
+    assert len(await store.claim_batch("w", limit)) == limit
+    assert await verify_ledger(store) == []
+
+
+async def test_a_store_closed_after_a_cancelled_claim_gives_its_item_back_first(
+    store: ControlStore, raw: Any
+) -> None:
+    # The usual shutdown: a worker's claim cancelled in its round, then the store closed.
+    # The round is answered during the close, and the give-back is served before the
+    # writer ends.
+    item_id = await store.enqueue("alpha", {"n": 1})
+    await store.counts()
+    raw.execute("BEGIN IMMEDIATE" if raw.backend == "sqlite" else "BEGIN")
+    if raw.backend == "postgresql":
+        raw.execute("LOCK TABLE items IN EXCLUSIVE MODE")
+    writer = (await engine_of(store).ready()).writer
+    assert writer is not None
+    served = writer.requests
+    claiming = asyncio.create_task(store.claim(owner="gone"))
+    await _until_in_a_round(store, served)
+    claiming.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await claiming
+    closing = asyncio.create_task(store.close())
+    await asyncio.sleep(0)
+    raw.execute("COMMIT")
+    await closing
+    row = await store.item(item_id)  # opens the store again
+    assert (row["state"], row["attempts"]) == ("ready", 0)
+    assert [e["event_type"] for e in await store.events(item_id)] == [
+        "queued", "claimed", "released",
+    ]  # fmt: skip

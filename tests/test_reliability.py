@@ -40,6 +40,7 @@ from asyncplane import (
     fingerprint,
     verify_ledger,
 )
+from asyncplane._store import engine_of
 from asyncplane._validate import MAX_INT_DIGITS, MAX_JSON_DEPTH
 from asyncplane.testing import ManualClock
 
@@ -259,6 +260,36 @@ async def test_ints_every_reader_can_decode_are_the_limit(store: ControlStore) -
 
 #: A payload no Python decodes at its default int-to-str limit (4,300 digits).
 POISON = '{"n":' + "7" * 5000 + "}"
+
+
+async def test_a_claim_cancelled_while_it_sets_a_payload_aside_gives_the_rest_back(
+    store: ControlStore, raw: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The set-aside (a retry with the reason) runs to its end, the cancellation is not
+    swallowed, and the items the caller will now never see are given back at once."""
+    ids = await store.enqueue_many("alpha", [{"n": n} for n in range(3)])
+    raw.execute("UPDATE items SET payload = ? WHERE item_id = ?", (POISON, ids[1]))
+    backend = await engine_of(store).ready()
+    retry = backend.retry
+    tasks: list[asyncio.Task[Any]] = []
+
+    def retry_then_cancel(op: Any) -> Any:
+        tasks[0].cancel()  # the caller is cancelled while the set-aside is on its way
+        return retry(op)
+
+    monkeypatch.setattr(backend, "retry", retry_then_cancel)
+    tasks.append(asyncio.create_task(store.claim_batch("gone", 10)))
+    with pytest.raises(asyncio.CancelledError):
+        await tasks[0]
+    monkeypatch.undo()
+    await store.assign("alpha", "barrier")  # a write behind the give-back
+    poisoned = [e["event_type"] for e in await store.events(ids[1])]
+    assert poisoned == ["queued", "claimed", "retried"]
+    for item_id in (ids[0], ids[2]):
+        types = [e["event_type"] for e in await store.events(item_id)]
+        assert types == ["queued", "claimed", "released"], item_id
+    assert (await store.counts())["claimed"] == 0
+    assert await verify_ledger(store) == []
 
 
 # --- 5. nesting ------------------------------------------------------------------------------

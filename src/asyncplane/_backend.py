@@ -20,8 +20,10 @@ Rules every backend keeps, because the store's guarantees rest on them:
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-from collections.abc import Awaitable, Callable
+import functools
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, NamedTuple, Protocol
 
 from asyncplane import _clock, _errors, _lock, _models, _schedule, _write_queue
@@ -456,6 +458,10 @@ class Sizing(NamedTuple):
 
 #: ``many(ops, conn, now)``: decides a whole group of claims, or of finishes, at once.
 GroupOp = Callable[[list[Any], Any, float], Any]
+#: Hears, on the event loop, that a give-back of an item claimed for a caller that went
+#: away landed (``error`` None) or failed: ``given_back(row, error)`` (see
+#: `Writes.on_orphaned_claims`).
+GivenBack = Callable[["ClaimRow", BaseException | None], None]
 
 
 class Writes:
@@ -472,6 +478,45 @@ class Writes:
         self._claim_many = claim_many
         self._finish_many = finish_many
         self._writer: _write_queue.WriterBase | None = None
+        self._given_back: GivenBack | None = None
+
+    def on_orphaned_claims(self, given_back: GivenBack) -> None:
+        """Have the items of a claim whose caller was cancelled once its round had taken
+        them given back (`orphaned`), and hear ``given_back(row, error)`` as each give-back
+        lands (``error`` None) or fails."""
+        self._given_back = given_back
+
+    def orphaned(self, request: Any, outcome: Any) -> None:
+        """The writer's `asyncplane._write_queue.Orphaned`: a claim's items are released
+        at once, each queued now, ahead of the writer's end if it is stopping (nobody
+        knows their fences, so they would wait out their leases); any other request's
+        outcome stands as it is."""
+        if isinstance(request, _write_queue.Grouped) and isinstance(request.op, ClaimOp):
+            self.give_back(outcome, request.op.actor_id)
+
+    def give_back(self, rows: Sequence[ClaimRow], actor_id: str | None) -> None:
+        """Release ``rows``, claimed for a caller that is gone, queued now (see `orphaned`)."""
+        for row in rows:
+            release = self._release_write(ReleaseOp(row.item_id, row.fence, actor_id))
+            try:
+                if self._writer is None:
+                    raise _errors.StoreClosed("the store is closed")
+                landed = self._writer.queue_now(release)
+            except _errors.AsyncplaneError as exc:
+                self._tell(row, exc)
+                continue
+            landed.add_done_callback(functools.partial(self._landed, row))
+
+    def _landed(self, row: ClaimRow, landed: asyncio.Future[Any]) -> None:
+        self._tell(row, asyncio.CancelledError() if landed.cancelled() else landed.exception())
+
+    def _tell(self, row: ClaimRow, error: BaseException | None) -> None:
+        if self._given_back is not None:
+            self._given_back(row, error)
+
+    def _release_write(self, op: ReleaseOp) -> Any:
+        """A release as this backend's writer runs it."""
+        raise NotImplementedError
 
     @property
     def writer(self) -> _write_queue.WriterBase | None:
@@ -531,8 +576,9 @@ class Backend(Protocol):
         """The writer task's handle, or None before opening (tests, benchmarks, probe)."""
         ...
 
-    #: Whether a settle and the claim asked for with it (`ControlStore.finish_and_claim`)
-    #: go to the writer together, to share a write round, or the claim after the settle.
+    #: Whether a settle and the claim asked for with it (`ControlStore.finish_and_claim`,
+    #: a freed slot's claim in `work()`) go to the writer together, to share a write
+    #: round, or the claim after the settle.
     settle_with_claim: bool
 
     async def open(self) -> None:
@@ -550,6 +596,15 @@ class Backend(Protocol):
 
     def forget(self) -> None:
         """Drop handles left behind by an event loop that has ended."""
+        ...
+
+    def on_orphaned_claims(self, given_back: GivenBack) -> None:
+        """Hear of each give-back of a claim whose caller went away (see
+        `Writes.on_orphaned_claims`)."""
+        ...
+
+    def give_back(self, rows: Sequence[ClaimRow], actor_id: str | None) -> None:
+        """Release claims nobody will run, queued now (see `Writes.give_back`)."""
         ...
 
     async def create_project(self, op: NewProject) -> None:

@@ -234,7 +234,7 @@ class PostgresBackend(_backend.Writes):
             return
         self._writer = _writer.Writer(
             conn, self._clock, name=self._schema, max_batch=self._sizing.max_batch,
-            on_exit=close_readers,
+            on_exit=close_readers, orphaned=self.orphaned,
             server_clock=self._server_clock,
         )  # fmt: skip
         self._writer.start()
@@ -370,7 +370,10 @@ class PostgresBackend(_backend.Writes):
         await self._write(_bind(_park, op))
 
     async def release(self, op: _backend.ReleaseOp) -> None:
-        await self._write(_bind(_release, op))
+        await self._write(self._release_write(op))
+
+    def _release_write(self, op: _backend.ReleaseOp) -> _writer.Write[None]:
+        return _bind(_release, op)
 
     async def offload(self, op: _backend.OffloadOp) -> None:
         await self._write(_bind(_offload, op))

@@ -244,7 +244,7 @@ class Writer(_write_queue.WriterBase):
             raise
         # Measured before the callers wake, so a caller's next look sees its round.
         _telemetry.write_round("postgresql", size, time.perf_counter() - started)
-        _write_queue.deliver(batch, outcomes)
+        _write_queue.deliver(batch, outcomes, self.orphaned)
 
     async def _alone(self, op: Write[Any]) -> list[Any]:
         """Run one request in transactions of its own until it stops deadlocking."""
@@ -355,6 +355,7 @@ class Writer(_write_queue.WriterBase):
             _write_queue.deliver(
                 [request for request, _ in done],
                 _write_queue.outcomes([answer for _, answer in done], True),
+                self.orphaned,
             )
         return [request for request, answer in zip(batch, answers, strict=True) if answer is LEFT]
 

@@ -134,7 +134,7 @@ class SQLiteBackend(_backend.Writes):
         self._writer = _writer.Writer(
             conn, self._clock, name=self._path.name, max_batch=self._sizing.max_batch,
             on_exit=close_readers, lock_timeout=self._busy_timeout, write_lock=locks[0],
-            board=boards[0],
+            board=boards[0], orphaned=self.orphaned,
         )  # fmt: skip
         self._writer.start()
 
@@ -236,7 +236,10 @@ class SQLiteBackend(_backend.Writes):
         await self._write(functools.partial(_park, op))
 
     async def release(self, op: _backend.ReleaseOp) -> None:
-        await self._write(functools.partial(_release, op))
+        await self._write(self._release_write(op))
+
+    def _release_write(self, op: _backend.ReleaseOp) -> _writer.Write[None]:
+        return functools.partial(_release, op)
 
     async def offload(self, op: _backend.OffloadOp) -> None:
         await self._write(functools.partial(_offload, op))

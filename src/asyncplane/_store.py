@@ -28,7 +28,7 @@ from collections.abc import (
     Sequence,
 )
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING, Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, cast
 
 from asyncplane import (
     _backend,
@@ -204,6 +204,7 @@ class ControlStore:
                 purge_min_interval=self._purge_min_interval,
             ),
         )
+        self._engine.backend.on_orphaned_claims(self._given_back)
 
     def __repr__(self) -> str:
         state = "open" if self._engine.is_open else "closed"
@@ -477,7 +478,9 @@ class ControlStore:
         until a slot frees or a token is back.
 
         The claim is decided and recorded in one write transaction, so an item goes to
-        exactly one caller; its fence is above every earlier fence of the item.
+        exactly one caller; its fence is above every earlier fence of the item. A call
+        cancelled after its transaction took an item (a timeout, say) gives the item
+        back at once (as `release` does), rather than leaving it to its lease.
 
         Args:
             owner: Who is claiming (a worker name); recorded on the item and its events.
@@ -598,7 +601,18 @@ class ControlStore:
         op = self._claim_op(owner, limit, actor_id, project_id, lease_seconds)
         backend = await self._engine.ready()
         started = time.perf_counter()
-        return await self._claimed(backend, op, await backend.claim(op), started)
+        claiming = backend.claim(op)
+        try:
+            rows = await claiming
+        except asyncio.CancelledError:
+            # Cancelled with the answer already in (its round done, this call not yet
+            # resumed): nobody will run what it took. A cancel while the round ran is
+            # seen by the writer instead (`Writes.orphaned`).
+            taken = _answer_of(claiming)
+            if taken:
+                backend.give_back(taken, op.actor_id)
+            raise
+        return await self._claimed(backend, op, rows, started)
 
     def _claim_op(
         self,
@@ -631,17 +645,23 @@ class ControlStore:
         if _telemetry.ENABLED:
             seconds = time.perf_counter() - started
             _telemetry.claimed(rows, backend.clock.now(), seconds, self.backend)
-        for row in rows:
+        for index, row in enumerate(rows):
             try:
                 payload = json.loads(row.payload_json)
             except (ValueError, RecursionError) as exc:
                 # Committed, but its payload cannot be decoded here (written before today's
                 # limits, or by a tamperer): settle it with the reason instead of handing
                 # the caller an exception that would strand the rest of the batch. The
-                # retry reaches its end even if this call is cancelled meanwhile.
-                await _tasks.to_the_end(
+                # retry reaches its end even if this call is cancelled meanwhile; then the
+                # rest of the batch, which the caller will never see, goes back.
+                _, cut = await _tasks.to_the_end(
                     self._set_aside(backend, row, op.actor_id, exc), "asyncplane-set-aside"
                 )
+                if cut:
+                    kept = {claim.item_id for claim in claims}
+                    unseen = [r for r in rows[:index] if r.item_id in kept] + rows[index + 1 :]
+                    backend.give_back(unseen, op.actor_id)
+                    raise asyncio.CancelledError from exc
                 continue
             claims.append(_claimed_item(row, payload))
         return claims
@@ -843,6 +863,19 @@ class ControlStore:
         except Exception:  # it took nothing (or, CommitOutcomeUnknown, nothing known)
             return
         await self._release_rows(backend, rows, actor_id)
+
+    def _given_back(self, row: _backend.ClaimRow, error: BaseException | None) -> None:
+        """A give-back of an item claimed for a caller that went away (a `claim` in
+        ``asyncio.wait_for`` that timed out, say: `Writes.orphaned`) landed, or failed:
+        that item then waits out its lease, as before."""
+        if error is None:
+            _telemetry.settled("released", None, self.backend)
+            self._engine.notify()  # claimable again, here and now
+        elif not isinstance(error, _errors.FenceRejected):  # taken over: not ours now
+            _log.warning(
+                "asyncplane: item %d, claimed for a call that was cancelled, could not be "
+                "given back: %s", row.item_id, error, extra=_row_extra(row),
+            )  # fmt: skip
 
     async def _release_rows(
         self,
@@ -1738,6 +1771,14 @@ def _claimed_item(row: _backend.ClaimRow, payload: dict[str, Any]) -> ClaimedIte
         enqueued_at=_models.from_timestamp(row.created_at),
         trace_context=_telemetry.saved_context(row.trace_context),
     )
+
+
+def _answer_of(call: Awaitable[_T]) -> _T | None:
+    """The value ``call`` holds, if it is a future that has one (not a refusal, not
+    cancelled); else None."""
+    if not isinstance(call, asyncio.Future) or not call.done() or call.cancelled():
+        return None
+    return None if call.exception() is not None else cast("_T", call.result())
 
 
 async def _changed_since(backend: _backend.Backend, version: int, poll: float) -> None:

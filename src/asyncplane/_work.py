@@ -229,7 +229,8 @@ class _Worker:
         self.settling: set[asyncio.Task[Any]] = set()
         self.failure: BaseException | None = None
         self.wake = asyncio.Event()  # set whenever a running item ends
-        #: The loop waits for a free slot (`_until_a_slot_frees`): a settle wakes it.
+        #: The loop waits for a free slot (`_until_a_slot_frees`): a settle wakes it (on
+        #: PostgreSQL the item's end, once the settle is done).
         self.waiting_for_slot = False
         self.next_housekeeping = 0.0
         self.closes = self.engine.closes  # the store closed since: stop
@@ -377,9 +378,9 @@ class _Worker:
         return len(self.running) - len(self.settling)
 
     async def _until_a_slot_frees(self) -> None:
-        """Until a handler returns (`_settle_to_end`), a running item ends (`_ended`), a
-        stop (`_wake_at_stop`) or a close of the store (`Engine.watch_closes`): each sets
-        ``wake``."""
+        """Until a handler returns (`_settle_to_end`, where the backend shares a settle's
+        round with a claim), a running item ends (`_ended`), a stop (`_wake_at_stop`) or
+        a close of the store (`Engine.watch_closes`): each sets ``wake``."""
         self.wake.clear()
         if self.handling() < self.concurrency or self.stop.is_set() or self.store_closed():
             return

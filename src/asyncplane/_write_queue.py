@@ -204,11 +204,24 @@ def caused(error: E, cause: BaseException) -> E:
     return error
 
 
-def deliver(batch: Sequence[Request], outcomes: Sequence[Any]) -> None:
-    """On the event loop: hand each caller its own outcome (one cancelled while its round
-    ran gets nothing: the round stands)."""
-    for (_, future), outcome in zip(batch, outcomes, strict=True):
+#: Told of a request whose caller was cancelled while its round ran, and of the value
+#: the round answered it with (`WriterBase.orphaned`).
+Orphaned = Callable[[Any, Any], None]
+
+
+def deliver(
+    batch: Sequence[Request], outcomes: Sequence[Any], orphaned: Orphaned | None = None
+) -> None:
+    """On the event loop: hand each caller its own outcome. One cancelled while its round
+    ran gets nothing (the round stands); if the round answered it with a value, not a
+    refusal, ``orphaned`` hears of it (a claim nobody will run is given back)."""
+    for (op, future), outcome in zip(batch, outcomes, strict=True):
         if future.done():
+            if orphaned is not None and future.cancelled() and not isinstance(outcome, Raised):
+                try:
+                    orphaned(op, outcome)
+                except Exception:  # a bug: the round's other callers still hear theirs
+                    _log.exception("asyncplane: a cancelled caller's outcome was lost")
             continue
         if isinstance(outcome, Raised):
             error = outcome.error
@@ -232,12 +245,15 @@ class WriterBase:
         name: str,
         max_batch: int = 256,
         on_exit: Callable[[bool], Awaitable[None]] | None = None,
+        orphaned: Orphaned | None = None,
     ) -> None:
         self._conn = conn
         self._clock = clock
         self._name = name
         self._max_batch = max_batch
         self._on_exit = on_exit
+        #: Hears of a request answered with a value after its caller was cancelled.
+        self.orphaned = orphaned
         self._pending: collections.deque[Request] = collections.deque()
         self._wakeup = asyncio.Event()
         self._stopping = False
@@ -326,13 +342,24 @@ class WriterBase:
 
         The future itself, not a coroutine around it: every caller awaits through this,
         and each layer of coroutines is one more frame to resume per request."""
-        if not self.running:
+        return self._queue(op)
+
+    def _queue(self, op: Any, *, stopping: bool = False) -> asyncio.Future[Any]:
+        """`submit`, typed as the future it is (``stopping``: as `queue_now`)."""
+        alive = self._task is not None and not self._task.done()
+        if not (self.running or (stopping and alive and self._failure is None)):
             raise self._closed_error()
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Any] = loop.create_future()
         self._pending.append((op, future))
         self._queued(loop)
         return future
+
+    def queue_now(self, op: Any) -> asyncio.Future[Any]:
+        """Queue ``op`` at once, even while the writer stops (it is served before the
+        writer ends): for a write decided at a delivery, a give-back of claims whose
+        caller went away. StoreClosed once the writer has ended."""
+        return self._queue(op, stopping=True)
 
     def _queued(self, loop: asyncio.AbstractEventLoop) -> None:
         """A request was queued: wake the writer task (which takes it in its next round)."""

@@ -153,7 +153,15 @@ class Writer(_write_queue.WriterBase):
             if not self.running:  # closed meanwhile: that is the news
                 raise self._closed_error() from None
             raise _errors.DatabaseLocked(self._stuck_message()) from None
-        return await super().submit(op)
+        future = self._queue(op)
+        try:
+            return await future
+        except asyncio.CancelledError:
+            # Cancelled with the answer already in: as a cancel during the round would.
+            answered = future.done() and not future.cancelled() and future.exception() is None
+            if answered and self.orphaned is not None:
+                self.orphaned(op, future.result())
+            raise
 
     def _stuck_message(self) -> str:
         return (
@@ -294,8 +302,8 @@ def _deliver(
     writer.total_lock_held += held
     writer.max_lock_wait = max(writer.max_lock_wait, lock_wait)
     try:
-        _write_queue.deliver(batch, outcomes)  # schedules the callers: none runs before...
-        _telemetry.write_round("sqlite", len(batch), took)  # ...the round is counted here
+        _write_queue.deliver(batch, outcomes, writer.orphaned)  # schedules the callers...
+        _telemetry.write_round("sqlite", len(batch), took)  # ...none runs before it is counted
         _telemetry.lock_wait(lock_wait)
     except BaseException as exc:  # a bug: no caller of the round may be left waiting
         error = _errors.StorageError(f"the round's outcomes could not be handed over: {exc!r}")
