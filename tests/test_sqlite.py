@@ -587,6 +587,31 @@ async def test_cancelled_writer_finishes_its_round_and_reports_it(
     assert await verify_ledger(store) == []
 
 
+async def test_a_cancelled_writer_refuses_the_give_back_of_its_last_round(
+    store: ControlStore, lock_holder: sqlite3.Connection, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The event loop shuts down (the writer task cancelled) while a round runs whose claim
+    # lost its caller: the writer winds up and serves nothing more, so the give-back is
+    # refused and said, never left queued for no one; the item waits out its lease.
+    item_id = await store.enqueue("alpha", {})
+    writer = await writer_of(store)
+    lock_holder.execute("BEGIN IMMEDIATE")
+    doomed = asyncio.ensure_future(store.claim(owner="doomed"))
+    await until(lambda: writer.in_flight == 1)
+    doomed.cancel()
+    assert writer._task is not None
+    writer._task.cancel()  # as an event loop shutting down would
+    lock_holder.execute("COMMIT")
+    with pytest.raises(asyncio.CancelledError):
+        await writer._task
+    assert writer.requests_waiting == 0 and not writer.failed  # no round was broken for it
+    assert "could not be given back: the store is closed" in caplog.text
+    await store.close()
+    await store.open()
+    assert (await store.item(item_id))["owner"] == "doomed"  # left to its lease
+    assert await verify_ledger(store) == []
+
+
 # --- read-only stores -----------------------------------------------------------------
 
 

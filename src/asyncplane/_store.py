@@ -608,9 +608,7 @@ class ControlStore:
             # Cancelled with the answer already in (its round done, this call not yet
             # resumed): nobody will run what it took. A cancel while the round ran is
             # seen by the writer instead (`Writes.orphaned`).
-            taken = _answer_of(claiming)
-            if taken:
-                backend.give_back(taken, op.actor_id)
+            _give_back_now(backend, _answer_of(claiming) or [], op.actor_id)
             raise
         return await self._claimed(backend, op, rows, started)
 
@@ -654,13 +652,17 @@ class ControlStore:
                 # the caller an exception that would strand the rest of the batch. The
                 # retry reaches its end even if this call is cancelled meanwhile; then the
                 # rest of the batch, which the caller will never see, goes back.
-                _, cut = await _tasks.to_the_end(
-                    self._set_aside(backend, row, op.actor_id, exc), "asyncplane-set-aside"
-                )
+                kept = {claim.item_id for claim in claims}
+                unseen = [r for r in rows[:index] if r.item_id in kept] + rows[index + 1 :]
+                try:
+                    _, cut = await _tasks.to_the_end(
+                        self._set_aside(backend, row, op.actor_id, exc), "asyncplane-set-aside"
+                    )
+                except asyncio.CancelledError:  # and the set-aside failed, or was cut too
+                    _give_back_now(backend, unseen, op.actor_id)
+                    raise
                 if cut:
-                    kept = {claim.item_id for claim in claims}
-                    unseen = [r for r in rows[:index] if r.item_id in kept] + rows[index + 1 :]
-                    backend.give_back(unseen, op.actor_id)
+                    _give_back_now(backend, unseen, op.actor_id)
                     raise asyncio.CancelledError from exc
                 continue
             claims.append(_claimed_item(row, payload))
@@ -871,7 +873,9 @@ class ControlStore:
         if error is None:
             _telemetry.settled("released", None, self.backend)
             self._engine.notify()  # claimable again, here and now
-        elif not isinstance(error, _errors.FenceRejected):  # taken over: not ours now
+        elif isinstance(error, _errors.FenceRejected):  # taken over meanwhile: not ours
+            _telemetry.refused(isinstance(error, _errors.ItemCancelled))
+        else:
             _log.warning(
                 "asyncplane: item %d, claimed for a call that was cancelled, could not be "
                 "given back: %s", row.item_id, error, extra=_row_extra(row),
@@ -1771,6 +1775,18 @@ def _claimed_item(row: _backend.ClaimRow, payload: dict[str, Any]) -> ClaimedIte
         enqueued_at=_models.from_timestamp(row.created_at),
         trace_context=_telemetry.saved_context(row.trace_context),
     )
+
+
+def _give_back_now(backend: _backend.Backend, rows: Sequence[_backend.ClaimRow],
+                   actor_id: str | None) -> None:  # fmt: skip
+    """Queue the give-back of claims whose caller is gone (`Writes.give_back`), on the
+    way out of a cancellation that must not be lost to a failure here."""
+    if not rows:
+        return
+    try:
+        backend.give_back(rows, actor_id)
+    except Exception:
+        _log.exception("asyncplane: claims whose caller was cancelled were not given back")
 
 
 def _answer_of(call: Awaitable[_T]) -> _T | None:

@@ -215,13 +215,11 @@ def deliver(
     """On the event loop: hand each caller its own outcome. One cancelled while its round
     ran gets nothing (the round stands); if the round answered it with a value, not a
     refusal, ``orphaned`` hears of it (a claim nobody will run is given back)."""
+    gone: list[tuple[Any, Any]] = []
     for (op, future), outcome in zip(batch, outcomes, strict=True):
         if future.done():
             if orphaned is not None and future.cancelled() and not isinstance(outcome, Raised):
-                try:
-                    orphaned(op, outcome)
-                except Exception:  # a bug: the round's other callers still hear theirs
-                    _log.exception("asyncplane: a cancelled caller's outcome was lost")
+                gone.append((op, outcome))
             continue
         if isinstance(outcome, Raised):
             error = outcome.error
@@ -230,6 +228,20 @@ def deliver(
             future.set_exception(error)
         else:
             future.set_result(outcome)
+    # After every caller has its outcome: what `orphaned` queues comes after their wake-ups.
+    for op, outcome in gone:
+        tell(orphaned, op, outcome)
+
+
+def tell(orphaned: Orphaned | None, op: Any, outcome: Any) -> None:
+    """``orphaned(op, outcome)``, a failure of it logged, never raised: it runs where a
+    caller's outcome or cancellation must not be lost to it."""
+    if orphaned is None:
+        return
+    try:
+        orphaned(op, outcome)
+    except Exception:
+        _log.exception("asyncplane: what a cancelled caller's request took was not given back")
 
 
 class WriterBase:
@@ -254,6 +266,8 @@ class WriterBase:
         self._on_exit = on_exit
         #: Hears of a request answered with a value after its caller was cancelled.
         self.orphaned = orphaned
+        #: False once the task has stopped serving its queue (it is winding up).
+        self._serving = True
         self._pending: collections.deque[Request] = collections.deque()
         self._wakeup = asyncio.Event()
         self._stopping = False
@@ -346,7 +360,7 @@ class WriterBase:
 
     def _queue(self, op: Any, *, stopping: bool = False) -> asyncio.Future[Any]:
         """`submit`, typed as the future it is (``stopping``: as `queue_now`)."""
-        alive = self._task is not None and not self._task.done()
+        alive = self._task is not None and not self._task.done() and self._serving
         if not (self.running or (stopping and alive and self._failure is None)):
             raise self._closed_error()
         loop = asyncio.get_running_loop()
@@ -416,6 +430,7 @@ class WriterBase:
             self._failure = exc
             raise
         finally:
+            self._serving = False  # from here nothing queued would be served: refuse it
             self._stopping = True
             failure = self._closed_error()
             while self._pending:

@@ -50,7 +50,8 @@ writer task is cancelled while the round runs.
 
 Cancellation never decides what is saved. A caller cancelled before its round starts is
 dropped without writing; a caller cancelled during its round gets nothing back, but the
-round commits or rolls back as a whole (a claim taken that way simply lapses). A round
+round commits or rolls back as a whole (what a claim took that way is given back at
+once: `asyncplane._write_queue.deliver`'s ``orphaned``). A round
 once handed to the thread cannot be interrupted: if the writer task is cancelled (event
 loop shutdown), the round still runs to its end and delivers, the requests still queued
 are refused with StoreClosed, and the connection closes after the round, never during it.
@@ -158,9 +159,8 @@ class Writer(_write_queue.WriterBase):
             return await future
         except asyncio.CancelledError:
             # Cancelled with the answer already in: as a cancel during the round would.
-            answered = future.done() and not future.cancelled() and future.exception() is None
-            if answered and self.orphaned is not None:
-                self.orphaned(op, future.result())
+            if future.done() and not future.cancelled() and future.exception() is None:
+                _write_queue.tell(self.orphaned, op, future.result())
             raise
 
     def _stuck_message(self) -> str:
