@@ -278,7 +278,7 @@ async def _until_in_a_round(store: ControlStore, served: int) -> None:
     raise AssertionError("the claim never left the writer's queue")
 
 
-async def _claim_cancelled_in_its_round(store: ControlStore, raw: Any) -> int:
+async def claim_cancelled_in_its_round(store: ControlStore, raw: Any) -> int:
     """Enqueue an item and claim it with a call cancelled while its round waits for the
     write lock, held behind the store's back (``raw``, which the caller then lets go):
     the item's id."""
@@ -305,7 +305,7 @@ async def test_a_claim_cancelled_while_its_round_ran_gives_back_what_it_took(
     # middle; its caller is cancelled there (a claim() in asyncio.wait_for that timed
     # out). The round then commits the claim for nobody: the item goes back at once,
     # rather than waiting out its lease.
-    item_id = await _claim_cancelled_in_its_round(store, raw)
+    item_id = await claim_cancelled_in_its_round(store, raw)
     raw.execute("COMMIT")
     # A write queued behind the claim's round: the give-back, queued as that round was
     # answered, has landed with it or before it.
@@ -359,7 +359,7 @@ async def test_a_store_closed_after_a_cancelled_claim_gives_its_item_back_first(
     # The usual shutdown: a worker's claim cancelled in its round, then the store closed.
     # The round is answered during the close, and the give-back is served before the
     # writer ends.
-    item_id = await _claim_cancelled_in_its_round(store, raw)
+    item_id = await claim_cancelled_in_its_round(store, raw)
     closing = asyncio.create_task(store.close())
     await asyncio.sleep(0)
     raw.execute("COMMIT")

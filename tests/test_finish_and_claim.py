@@ -272,14 +272,14 @@ def test_a_finish_posted_for_combining_keeps_its_place_ahead() -> None:
 
 
 async def test_a_give_back_after_close_leaves_the_claim_to_its_lease(store: ControlStore) -> None:
-    # What finish_and_claim and claim(wait=) give back goes through the backend that
-    # claimed it: once the store is closed, the claim is left to its lease (logged), and
-    # the store is not opened again for it.
-    await store.enqueue("alpha", {"n": 1})
-    claim = await store.claim(owner="w")
-    assert claim is not None
+    # What finish_and_claim gives back after a refused settle goes through the backend
+    # that claimed it: once the store is closed, the claim is left to its lease (logged),
+    # and the store is not opened again for it.
+    item_id = await store.enqueue("alpha", {"n": 1})
     backend = await engine_of(store).ready()
+    rows = await backend.claim(ClaimOp("w", 1, 60.0, None, None))
+    assert [row.item_id for row in rows] == [item_id]
     await store.close()
-    await store._release_rows(backend, [claim], None)
+    await store._release_rows(backend, rows, None)
     assert not engine_of(store).is_open
-    assert (await store.item(claim.item_id))["state"] == "claimed"
+    assert (await store.item(item_id))["state"] == "claimed"

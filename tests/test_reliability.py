@@ -292,6 +292,38 @@ async def test_a_claim_cancelled_while_it_sets_a_payload_aside_gives_the_rest_ba
     assert await verify_ledger(store) == []
 
 
+async def test_a_set_aside_that_fails_after_a_cancel_still_gives_the_rest_back(
+    store: ControlStore, raw: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The caller is cancelled while a payload is set aside, and the set-aside then fails
+    (a bug in it, say): the call ends cancelled, the failure as the cause, and the items
+    the caller will never see still go back at once."""
+    ids = await store.enqueue_many("alpha", [{"n": n} for n in range(3)])
+    raw.execute("UPDATE items SET payload = ? WHERE item_id = ?", (POISON, ids[1]))
+    backend = await engine_of(store).ready()
+    tasks: list[asyncio.Task[Any]] = []
+
+    async def cancel_then_fail(op: Any) -> Any:
+        tasks[0].cancel()
+        await asyncio.sleep(0)  # the cancellation arrives while the set-aside is on its way
+        raise RuntimeError("the set-aside broke")
+
+    monkeypatch.setattr(backend, "retry", cancel_then_fail)
+    tasks.append(asyncio.create_task(store.claim_batch("gone", 10)))
+    with pytest.raises(asyncio.CancelledError) as caught:
+        await tasks[0]
+    monkeypatch.undo()
+    assert isinstance(caught.value.__cause__, RuntimeError)
+    await store.assign("alpha", "barrier")  # a write behind the give-back
+    for item_id in (ids[0], ids[2]):
+        types = [e["event_type"] for e in await store.events(item_id)]
+        assert types == ["queued", "claimed", "released"], item_id
+    # The one whose set-aside broke waits out its lease, as before.
+    assert (await store.counts())["claimed"] == 1
+    assert [e["event_type"] for e in await store.events(ids[1])] == ["queued", "claimed"]
+    assert await verify_ledger(store) == []
+
+
 # --- 5. nesting ------------------------------------------------------------------------------
 
 

@@ -9,6 +9,7 @@ the rest of the suite is not traced into memory.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import pathlib
@@ -24,6 +25,7 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from tests.test_claims import claim_cancelled_in_its_round
 
 from asyncplane import (
     ClaimedItem,
@@ -177,6 +179,40 @@ async def test_takeovers_queue_wait_and_dedup_settlements_are_counted(
     assert otel.total("asyncplane.items.dedup_settled", layer="settlement") - dedup == 2
     wait_points = [p for p in otel.points("asyncplane.queue.wait") if p.count]
     assert max(p.max for p in wait_points) >= 5.0
+
+
+async def test_claims_no_caller_saw_are_counted_claimed_as_they_are_released(
+    store: ControlStore, raw: Any, otel: Otel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The ledger has a claim and a release for each; the counters say the same, so that
+    # items claimed less items settled stays what the store holds claimed.
+    claimed = otel.total("asyncplane.items.claimed")
+    released = otel.total("asyncplane.items.settled", outcome="released")
+    # Cancelled while its round ran: the writer gives the item back (`Writes.orphaned`).
+    orphan = await claim_cancelled_in_its_round(store, raw)
+    raw.execute("COMMIT")
+    await store.assign("alpha", "barrier")  # a write behind the give-back
+    # Cancelled as the answer came (the answer found in the future), and with a settle.
+    backend = await engine_of(store).ready()
+    claim = backend.claim
+    tasks: list[asyncio.Task[Any]] = []
+
+    def claim_then_cancel(op: Any) -> Any:
+        future = claim(op)
+        future.add_done_callback(lambda _: tasks[-1].cancel())
+        return future
+
+    monkeypatch.setattr(backend, "claim", claim_then_cancel)
+    tasks.append(asyncio.create_task(store.claim_batch("gone", 1)))
+    with pytest.raises(asyncio.CancelledError):
+        await tasks[-1]
+    monkeypatch.undo()
+    await store.assign("alpha", "barrier")
+    assert [e["event_type"] for e in await store.events(orphan)] == [
+        "queued", "claimed", "released", "claimed", "released",
+    ]  # fmt: skip
+    assert otel.total("asyncplane.items.claimed") - claimed == 2
+    assert otel.total("asyncplane.items.settled", outcome="released") - released == 2
 
 
 async def test_write_rounds_are_measured(store: ControlStore, otel: Otel) -> None:

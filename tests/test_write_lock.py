@@ -156,3 +156,45 @@ async def test_two_stores_in_one_process_take_turns(tmp_path: pathlib.Path) -> N
             *(store.enqueue("alpha", {"n": n}) for n in range(50) for store in (first, second))
         )
         assert (await first.counts())["ready"] == 100
+
+
+async def test_a_claim_cancelled_as_its_answer_came_after_the_lock_moved_gives_it_back(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A round was given up for busy_timeout, so the next claim first waits for the lock to
+    # move (`Writer.submit`). It is then queued and answered, and its caller is cancelled
+    # before it runs again: what it took goes back at once, not to its lease.
+    path = tmp_path / "store.db"
+    async with ControlStore(path, busy_timeout=0.3) as store:
+        await store.create_project("alpha", "Alpha")
+        item_id = await store.enqueue("alpha", {"n": 1})
+        writer = await writer_of(store)
+        holder = await Holder.start(path)
+        tasks: list[asyncio.Task[object]] = []
+        try:
+            with pytest.raises(DatabaseLocked):
+                await store.enqueue("alpha", {"n": 2})  # its round waits on, given up
+            queue = writer._queue
+
+            def queue_then_cancel(op: object, **kwargs: bool) -> asyncio.Future[object]:
+                monkeypatch.undo()  # the claim's request only
+                future = queue(op, **kwargs)
+                # Added before the caller awaits it: it runs first once the answer is in.
+                future.add_done_callback(lambda _: tasks[0].cancel())
+                return future
+
+            monkeypatch.setattr(writer, "_queue", queue_then_cancel)
+            tasks.append(asyncio.create_task(store.claim(owner="gone")))
+            await asyncio.sleep(0)
+            assert writer.requests_waiting == 0  # waiting for the lock to move, not queued
+        finally:
+            await holder.let_go()
+        with pytest.raises(asyncio.CancelledError):
+            await tasks[0]
+        await store.assign("alpha", "barrier")  # a write behind the give-back
+        row = await store.item(item_id)
+        assert (row["state"], row["attempts"]) == ("ready", 0)
+        assert [e["event_type"] for e in await store.events(item_id)] == [
+            "queued", "claimed", "released",
+        ]  # fmt: skip
+        assert (await store.counts())["ready"] == 1  # the write given up wrote nothing

@@ -26,7 +26,7 @@ import functools
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, NamedTuple, Protocol
 
-from asyncplane import _clock, _errors, _lock, _models, _schedule, _write_queue
+from asyncplane import _clock, _errors, _lock, _models, _schedule, _telemetry, _write_queue
 
 __all__ = (
     "AssignmentRow",
@@ -480,6 +480,11 @@ class Writes:
         self._writer: _write_queue.WriterBase | None = None
         self._given_back: GivenBack | None = None
 
+    @property
+    def clock(self) -> _clock.Clock:
+        """The backend's clock (see `Backend.clock`)."""
+        raise NotImplementedError
+
     def on_orphaned_claims(self, given_back: GivenBack) -> None:
         """Have the items of a claim whose caller was cancelled once its round had taken
         them given back (`orphaned`), and hear ``given_back(row, error)`` as each give-back
@@ -492,6 +497,7 @@ class Writes:
         knows their fences, so they would wait out their leases); any other request's
         outcome stands as it is."""
         if isinstance(request, _write_queue.Grouped) and isinstance(request.op, ClaimOp):
+            _telemetry.taken(outcome, self.clock.now())  # claimed, though no caller saw them
             self.give_back(outcome, request.op.actor_id)
 
     def give_back(self, rows: Sequence[ClaimRow], actor_id: str | None) -> None:

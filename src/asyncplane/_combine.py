@@ -103,7 +103,9 @@ _HEAD = struct.Struct("=IIII16s")
 _REST = struct.Struct("=III16s")
 _SIGNAL = 40  # a slot's signal word: bumped at every change its owner must look at
 _VERSION_AT = 44  # the layout of a post: a holder skips posts of another version
-_VERSION = 1
+# 2: a holder runs a round's finishes ahead of its claims (`_write_queue.combined_order`),
+# which a finish posted with its caller's next claim counts on.
+_VERSION = 2
 _QUEUE_AT = 48  # which writers' queue file the poster waits in (see `Board.queue`)
 _SPILLED = 0xFFFFFFFF  # answer length meaning "in the slot's spill file"
 

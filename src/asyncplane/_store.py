@@ -561,20 +561,12 @@ class ControlStore:
         local = engine.watch()
         try:
             version = await engine.data_version()  # before the claim: nothing slips by
-            backend = await engine.ready()
-            claiming = self.claim_batch(
+            # Cancelled, claim_batch gives back what its round took, not leaving it to
+            # its lease.
+            found = await self.claim_batch(
                 owner, limit, actor_id=actor_id, project_id=project_id,
                 lease_seconds=lease_seconds,
             )  # fmt: skip
-            # A claim that commits while the caller is cancelled is given straight back,
-            # not left to its lease.
-            found, cancelled = await _tasks.to_the_end(claiming, "asyncplane-claim")
-            if cancelled:
-                await _tasks.to_the_end(
-                    self._release_rows(backend, found, _validate.optional_actor(actor_id)),
-                    "asyncplane-claim-give-back",
-                )
-                raise asyncio.CancelledError
             if found or (timeout is not None and timeout <= 0):
                 return found, False
             await _wakeups.until_work(
@@ -608,7 +600,7 @@ class ControlStore:
             # Cancelled with the answer already in (its round done, this call not yet
             # resumed): nobody will run what it took. A cancel while the round ran is
             # seen by the writer instead (`Writes.orphaned`).
-            _give_back_now(backend, _answer_of(claiming) or [], op.actor_id)
+            _give_back_unseen(backend, _answer_of(claiming) or [], op.actor_id)
             raise
         return await self._claimed(backend, op, rows, started)
 
@@ -811,17 +803,19 @@ class ControlStore:
             if claiming is None:
                 started = time.perf_counter()  # the claim's latency is its own round's
                 claiming = backend.claim(claim)
-            rows, cancelled = await _tasks.to_the_end(claiming, "asyncplane-claim")
+            rows = await claiming
+        except asyncio.CancelledError:
+            # As in claim_batch: a cancel while the round ran is seen by the writer
+            # (`Writes.orphaned`), one after it by the answer found here; either way what
+            # the claim took goes back.
+            if claiming is not None:
+                _give_back_unseen(backend, _answer_of(claiming) or [], claim.actor_id)
+            raise
         except Exception as exc:  # the settle stands: say so
             raise _errors.ClaimAfterSettleFailed(
                 f"item {settle.item_id} was settled, but the claim made with it failed: "
                 f"{type(exc).__name__}: {exc}"
             ) from exc
-        if cancelled:  # a claim that committed meanwhile goes straight back
-            await _tasks.to_the_end(
-                self._release_rows(backend, rows, claim.actor_id), "asyncplane-give-back"
-            )
-            raise asyncio.CancelledError
         claims = await self._claimed(backend, claim, rows, started)
         return claims[0] if claims else None
 
@@ -884,11 +878,12 @@ class ControlStore:
     async def _release_rows(
         self,
         backend: _backend.Backend,
-        rows: Sequence[_backend.ClaimRow | ClaimedItem],
+        rows: Sequence[_backend.ClaimRow],
         actor_id: str | None,
     ) -> None:
         """Give back claims nobody will run, through the backend that made them (never
         opening a store closed meanwhile); one that cannot be is left to its lease."""
+        _telemetry.taken(rows, backend.clock.now())  # claimed, though no caller saw them
         for row in rows:
             try:
                 op = _backend.ReleaseOp(row.item_id, row.fence, actor_id)
@@ -1775,6 +1770,13 @@ def _claimed_item(row: _backend.ClaimRow, payload: dict[str, Any]) -> ClaimedIte
         enqueued_at=_models.from_timestamp(row.created_at),
         trace_context=_telemetry.saved_context(row.trace_context),
     )
+
+
+def _give_back_unseen(backend: _backend.Backend, rows: Sequence[_backend.ClaimRow],
+                      actor_id: str | None) -> None:  # fmt: skip
+    """`_give_back_now` for claims no caller saw (so not counted as claimed yet)."""
+    _telemetry.taken(rows, backend.clock.now())
+    _give_back_now(backend, rows, actor_id)
 
 
 def _give_back_now(backend: _backend.Backend, rows: Sequence[_backend.ClaimRow],

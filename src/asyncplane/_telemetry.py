@@ -201,8 +201,16 @@ def claimed(rows: Sequence[ClaimRow], now: float, seconds: float, backend: str) 
     """A claim call that took ``seconds`` and handed out ``rows`` at ``now``."""
     if not ENABLED:
         return
+    _instruments().claim.record(seconds, {"asyncplane.backend": backend})
+    taken(rows, now)
+
+
+def taken(rows: Sequence[ClaimRow], now: float) -> None:
+    """``rows`` claimed at ``now`` (by a call that returned them, or by one cancelled
+    meanwhile, whose items are given back at once: the ledger has their claims too)."""
+    if not ENABLED:
+        return
     found = _instruments()
-    found.claim.record(seconds, {"asyncplane.backend": backend})
     for row in rows:
         project = {"asyncplane.project": row.project_id}
         found.claimed.add(1, project)
