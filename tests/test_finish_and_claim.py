@@ -183,10 +183,86 @@ async def test_a_cancelled_call_leaves_nothing_claimed_by_it(store: ControlStore
     call.cancel()
     with pytest.raises(asyncio.CancelledError):
         await call
+    await store.assign("alpha", "barrier")  # a write behind any give-back
     # The settle may have run or not (its round may have begun); the claim that came with
     # it holds nothing either way.
     assert (await store.item(held_id))["state"] in ("claimed", "done")
     assert (await store.item(other_id))["state"] == "ready"
+    assert await verify_ledger(store) == []
+
+
+@pytest.mark.parametrize("answered", ["settle", "claim"])
+async def test_a_call_cancelled_as_an_answer_came_holds_nothing(
+    store: ControlStore, monkeypatch: pytest.MonkeyPatch, answered: str
+) -> None:
+    # The caller is cancelled in the instant its settle's (or its claim's) answer comes:
+    # the settle stands, and whatever the claim took goes back at once. The claim alone
+    # answering first is staged on SQLite by letting the claim follow the settle in a
+    # round of its own, as on PostgreSQL.
+    held_id, other_id = await store.enqueue_many("alpha", [{"n": 1}, {"n": 2}])
+    held = await store.claim(owner="w")
+    assert held is not None and held.item_id == held_id
+    backend = await engine_of(store).ready()
+    if answered == "claim":
+        monkeypatch.setattr(backend, "settle_with_claim", False)
+    call = getattr(backend, "finish" if answered == "settle" else "claim")
+    tasks: list[asyncio.Task[Any]] = []
+
+    def call_then_cancel(op: Any) -> Any:
+        future = call(op)
+        # Added before the caller awaits it, so it runs first once the answer is in.
+        future.add_done_callback(lambda _: tasks[0].cancel())
+        return future
+
+    monkeypatch.setattr(backend, "finish" if answered == "settle" else "claim", call_then_cancel)
+    tasks.append(asyncio.create_task(store.finish_and_claim(held_id, fence=held.fence, owner="w")))
+    with pytest.raises(asyncio.CancelledError):
+        await tasks[0]
+    monkeypatch.undo()
+    await store.assign("alpha", "barrier")  # a write behind any give-back
+    assert (await store.item(held_id))["state"] == "done"
+    other = await store.item(other_id)
+    assert (other["state"], other["attempts"]) == ("ready", 0)
+    made = [e["event_type"] for e in await store.events(other_id)]
+    assert made in (["queued"], ["queued", "claimed", "released"])
+    if answered == "claim" or store.backend == "sqlite":  # the claim was made
+        assert made == ["queued", "claimed", "released"]
+    assert await verify_ledger(store) == []
+
+
+async def test_a_call_cancelled_while_queued_writes_nothing(store: ControlStore, raw: Any) -> None:
+    # The writer is busy with a round held up behind the store's back; the call's settle
+    # (and, on SQLite, its claim) wait in the queue behind it when the caller is
+    # cancelled: neither is written, and no claim is made to be given back.
+    held_id, other_id = await store.enqueue_many("alpha", [{"n": 1}, {"n": 2}])
+    held = await store.claim(owner="w")
+    assert held is not None and held.item_id == held_id
+    await store.counts()  # the readers open before the lock is taken
+    writer = (await engine_of(store).ready()).writer
+    assert writer is not None
+    raw.execute("BEGIN IMMEDIATE" if raw.backend == "sqlite" else "BEGIN")
+    if raw.backend == "postgresql":
+        raw.execute("LOCK TABLE items IN EXCLUSIVE MODE")
+    served = writer.requests
+    blocker = asyncio.create_task(store.enqueue("alpha", {"n": 3}))
+    for _ in range(1000):  # loop steps only: until the blocker's round has begun
+        if writer.requests > served and writer.requests_waiting == 0:
+            break
+        await asyncio.sleep(0)
+    call = asyncio.create_task(store.finish_and_claim(held_id, fence=held.fence, owner="w"))
+    for _ in range(1000):
+        if writer.requests_waiting:
+            break
+        await asyncio.sleep(0)
+    assert writer.requests_waiting == (2 if store.backend == "sqlite" else 1)
+    call.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await call
+    raw.execute("COMMIT")
+    await blocker
+    await store.assign("alpha", "barrier")
+    assert (await store.item(held_id))["state"] == "claimed"  # the settle never ran
+    assert [e["event_type"] for e in await store.events(other_id)] == ["queued"]
     assert await verify_ledger(store) == []
 
 

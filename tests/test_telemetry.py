@@ -184,15 +184,14 @@ async def test_takeovers_queue_wait_and_dedup_settlements_are_counted(
 async def test_claims_no_caller_saw_are_counted_claimed_as_they_are_released(
     store: ControlStore, raw: Any, otel: Otel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # The ledger has a claim and a release for each; the counters say the same, so that
-    # items claimed less items settled stays what the store holds claimed.
+    # The ledger has a claim and a release for each; the counters say the same.
     claimed = otel.total("asyncplane.items.claimed")
     released = otel.total("asyncplane.items.settled", outcome="released")
     # Cancelled while its round ran: the writer gives the item back (`Writes.orphaned`).
     orphan = await claim_cancelled_in_its_round(store, raw)
     raw.execute("COMMIT")
     await store.assign("alpha", "barrier")  # a write behind the give-back
-    # Cancelled as the answer came (the answer found in the future), and with a settle.
+    # Cancelled as the answer came (the answer found in the future).
     backend = await engine_of(store).ready()
     claim = backend.claim
     tasks: list[asyncio.Task[Any]] = []

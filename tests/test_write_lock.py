@@ -174,10 +174,15 @@ async def test_a_claim_cancelled_as_its_answer_came_after_the_lock_moved_gives_i
         try:
             with pytest.raises(DatabaseLocked):
                 await store.enqueue("alpha", {"n": 2})  # its round waits on, given up
+            # The claim's wait for the lock to move must outlast the holder's exit,
+            # however loaded the machine.
+            writer.lock_timeout = 60.0
             queue = writer._queue
+            queued: list[object] = []
 
             def queue_then_cancel(op: object, **kwargs: bool) -> asyncio.Future[object]:
                 monkeypatch.undo()  # the claim's request only
+                queued.append(op)
                 future = queue(op, **kwargs)
                 # Added before the caller awaits it: it runs first once the answer is in.
                 future.add_done_callback(lambda _: tasks[0].cancel())
@@ -185,8 +190,10 @@ async def test_a_claim_cancelled_as_its_answer_came_after_the_lock_moved_gives_i
 
             monkeypatch.setattr(writer, "_queue", queue_then_cancel)
             tasks.append(asyncio.create_task(store.claim(owner="gone")))
-            await asyncio.sleep(0)
-            assert writer.requests_waiting == 0  # waiting for the lock to move, not queued
+            await until(lambda: any(
+                task.get_name() == "asyncplane-lock-moves" for task in asyncio.all_tasks()
+            ))  # fmt: skip
+            assert not queued  # it waits for the lock to move, not yet queued
         finally:
             await holder.let_go()
         with pytest.raises(asyncio.CancelledError):
@@ -197,4 +204,5 @@ async def test_a_claim_cancelled_as_its_answer_came_after_the_lock_moved_gives_i
         assert [e["event_type"] for e in await store.events(item_id)] == [
             "queued", "claimed", "released",
         ]  # fmt: skip
+        assert queued  # it went through the wait for the lock to move
         assert (await store.counts())["ready"] == 1  # the write given up wrote nothing

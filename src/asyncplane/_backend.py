@@ -497,11 +497,19 @@ class Writes:
         knows their fences, so they would wait out their leases); any other request's
         outcome stands as it is."""
         if isinstance(request, _write_queue.Grouped) and isinstance(request.op, ClaimOp):
-            _telemetry.taken(outcome, self.clock.now())  # claimed, though no caller saw them
-            self.give_back(outcome, request.op.actor_id)
+            self.give_back(outcome, request.op.actor_id, unseen=True)
 
-    def give_back(self, rows: Sequence[ClaimRow], actor_id: str | None) -> None:
-        """Release ``rows``, claimed for a caller that is gone, queued now (see `orphaned`)."""
+    def give_back(
+        self, rows: Sequence[ClaimRow], actor_id: str | None, *, unseen: bool = False
+    ) -> None:
+        """Release ``rows``, claimed for a caller that is gone, queued now (see `orphaned`);
+        ``unseen``: no caller saw them, so they are counted claimed (`_telemetry.taken`)
+        once their releases are queued."""
+        self._give_back(rows, actor_id)
+        if unseen and _telemetry.ENABLED:
+            _telemetry.taken(rows, self.clock.now())
+
+    def _give_back(self, rows: Sequence[ClaimRow], actor_id: str | None) -> None:
         for row in rows:
             release = self._release_write(ReleaseOp(row.item_id, row.fence, actor_id))
             try:
@@ -609,7 +617,9 @@ class Backend(Protocol):
         `Writes.on_orphaned_claims`)."""
         ...
 
-    def give_back(self, rows: Sequence[ClaimRow], actor_id: str | None) -> None:
+    def give_back(
+        self, rows: Sequence[ClaimRow], actor_id: str | None, *, unseen: bool = False
+    ) -> None:
         """Release claims nobody will run, queued now (see `Writes.give_back`)."""
         ...
 

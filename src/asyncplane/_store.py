@@ -600,7 +600,7 @@ class ControlStore:
             # Cancelled with the answer already in (its round done, this call not yet
             # resumed): nobody will run what it took. A cancel while the round ran is
             # seen by the writer instead (`Writes.orphaned`).
-            _give_back_unseen(backend, _answer_of(claiming) or [], op.actor_id)
+            _give_back_now(backend, _answer_of(claiming) or [], op.actor_id, unseen=True)
             raise
         return await self._claimed(backend, op, rows, started)
 
@@ -772,7 +772,8 @@ class ControlStore:
         ``per_minute`` token it spent, a lapsed lease it took over). After
         CommitOutcomeUnknown the claim's outcome is as unknown as the settle's: a claim it
         saved is left to its lease. Cancelled, the call gives back
-        whatever its claim took, too. One error is different: ClaimAfterSettleFailed says
+        whatever its claim took, too (a claim still queued is dropped, never written).
+        One error is different: ClaimAfterSettleFailed says
         the settle was saved and the claim then failed (its cause says why).
 
         Raises:
@@ -789,33 +790,36 @@ class ControlStore:
         claiming = backend.claim(claim) if backend.settle_with_claim else None
         try:
             twins = await self._settle(settle.status, finishing)
-        except BaseException as exc:
+        except asyncio.CancelledError:
             if claiming is not None:
+                _drop_claim(backend, claiming, claim.actor_id)
+            raise
+        except BaseException as exc:
+            if claiming is not None:  # refused: the claim's round is the settle's
                 _, cancelled = await _tasks.to_the_end(
                     self._give_back(backend, claiming, claim.actor_id), "asyncplane-give-back"
                 )
-                if cancelled and not isinstance(exc, asyncio.CancelledError):
+                if cancelled:
                     raise asyncio.CancelledError from exc  # the refusal is moot now
             raise
         _telemetry.dedup_settled(twins, "settlement")
         self._engine.notify()  # a settled item frees its waiting twins
-        try:
-            if claiming is None:
-                started = time.perf_counter()  # the claim's latency is its own round's
+        if claiming is None:
+            started = time.perf_counter()  # the claim's latency is its own round's
+            try:
                 claiming = backend.claim(claim)
+            except Exception as exc:
+                raise _claim_failed(settle.item_id, exc) from exc
+        try:
             rows = await claiming
         except asyncio.CancelledError:
             # As in claim_batch: a cancel while the round ran is seen by the writer
             # (`Writes.orphaned`), one after it by the answer found here; either way what
             # the claim took goes back.
-            if claiming is not None:
-                _give_back_unseen(backend, _answer_of(claiming) or [], claim.actor_id)
+            _give_back_now(backend, _answer_of(claiming) or [], claim.actor_id, unseen=True)
             raise
-        except Exception as exc:  # the settle stands: say so
-            raise _errors.ClaimAfterSettleFailed(
-                f"item {settle.item_id} was settled, but the claim made with it failed: "
-                f"{type(exc).__name__}: {exc}"
-            ) from exc
+        except Exception as exc:
+            raise _claim_failed(settle.item_id, exc) from exc
         claims = await self._claimed(backend, claim, rows, started)
         return claims[0] if claims else None
 
@@ -883,7 +887,6 @@ class ControlStore:
     ) -> None:
         """Give back claims nobody will run, through the backend that made them (never
         opening a store closed meanwhile); one that cannot be is left to its lease."""
-        _telemetry.taken(rows, backend.clock.now())  # claimed, though no caller saw them
         for row in rows:
             try:
                 op = _backend.ReleaseOp(row.item_id, row.fence, actor_id)
@@ -894,6 +897,10 @@ class ControlStore:
                     "asyncplane: item %d, claimed for a call that did not take it, could "
                     "not be given back: %s", row.item_id, exc, extra=_row_extra(row),
                 )  # fmt: skip
+        try:  # claimed, though no caller saw them; never in the way of the refusal
+            _telemetry.taken(rows, backend.clock.now())
+        except Exception:
+            _log.exception("asyncplane: claims given back could not be counted")
 
     async def retry(
         self,
@@ -1772,23 +1779,38 @@ def _claimed_item(row: _backend.ClaimRow, payload: dict[str, Any]) -> ClaimedIte
     )
 
 
-def _give_back_unseen(backend: _backend.Backend, rows: Sequence[_backend.ClaimRow],
-                      actor_id: str | None) -> None:  # fmt: skip
-    """`_give_back_now` for claims no caller saw (so not counted as claimed yet)."""
-    _telemetry.taken(rows, backend.clock.now())
-    _give_back_now(backend, rows, actor_id)
+def _claim_failed(item_id: int, exc: Exception) -> _errors.ClaimAfterSettleFailed:
+    """finish_and_claim's claim failed after its settle was saved: say so."""
+    return _errors.ClaimAfterSettleFailed(
+        f"item {item_id} was settled, but the claim made with it failed: "
+        f"{type(exc).__name__}: {exc}"
+    )
 
 
 def _give_back_now(backend: _backend.Backend, rows: Sequence[_backend.ClaimRow],
-                   actor_id: str | None) -> None:  # fmt: skip
-    """Queue the give-back of claims whose caller is gone (`Writes.give_back`), on the
-    way out of a cancellation that must not be lost to a failure here."""
+                   actor_id: str | None, *, unseen: bool = False) -> None:  # fmt: skip
+    """Queue the give-back of claims whose caller is gone (`Writes.give_back`; ``unseen``:
+    no caller saw them, so they are counted claimed too), on the way out of a
+    cancellation that must not be lost to a failure here."""
     if not rows:
         return
     try:
-        backend.give_back(rows, actor_id)
+        backend.give_back(rows, actor_id, unseen=unseen)
     except Exception:
         _log.exception("asyncplane: claims whose caller was cancelled were not given back")
+
+
+def _drop_claim(backend: _backend.Backend, claiming: Awaitable[list[_backend.ClaimRow]],
+                actor_id: str | None) -> None:  # fmt: skip
+    """A claim nobody will wait for now, its caller cancelled: dropped if its request is
+    still queued (or was never queued), given back by the writer if its round is running
+    (`Writes.orphaned`), or here if its answer is in."""
+    if inspect.iscoroutine(claiming):  # not queued yet (see Writer.submit)
+        claiming.close()
+    elif isinstance(claiming, asyncio.Future) and not claiming.done():
+        claiming.cancel()
+    else:
+        _give_back_now(backend, _answer_of(claiming) or [], actor_id, unseen=True)
 
 
 def _answer_of(call: Awaitable[_T]) -> _T | None:

@@ -4,7 +4,7 @@
 ``asyncio.wait_for`` does before Python 3.12 when the cancellation comes just as the
 awaited work ends (it returns the result, and the cancelled caller goes on).
 
-A write that has been sent (a claim, a put-back, a lock taken on a worker thread) must be
+A write that has been sent (a put-back, a set-aside, a lock taken on a worker thread) must be
 received and dealt with even if the task that sent it is cancelled meanwhile; otherwise
 its effect is stranded (a batch claimed by nobody, a lock held by a descriptor nobody
 closes). `to_the_end` awaits such work to its end and tells the caller whether a
@@ -70,7 +70,7 @@ async def within(work: Awaitable[T], timeout: float | None, name: str) -> T:
     before Python 3.12, never is a cancellation swallowed for a result. Either way
     ``work`` is cancelled and waited for to its end, however often the caller is
     cancelled meanwhile. Its result is then dropped: this is for waits whose result can
-    be thrown away (a look, an event); work whose effect must be kept, a claim say, goes
+    be thrown away (a look, an event); work whose effect must be kept, a give-back say, goes
     through `to_the_end`.
     """
     task = asyncio.ensure_future(work)
