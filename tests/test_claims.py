@@ -268,17 +268,20 @@ async def test_counts_by_state(store: ControlStore, clock: ManualClock) -> None:
 
 async def _until_in_a_round(store: ControlStore, served: int) -> None:
     """Until the writer has taken a request into a round beyond the ``served`` it had
-    (loop steps only, no sleeps)."""
+    (no event marks it: looked at every millisecond, for at most ten seconds; the round
+    waits for a lock held by the test meanwhile, so it cannot end first)."""
     writer = (await engine_of(store).ready()).writer
     assert writer is not None
-    for _ in range(1000):
+    for _ in range(10_000):
         if writer.requests > served and writer.requests_waiting == 0:
             return
-        await asyncio.sleep(0)
+        await asyncio.sleep(0.001)
     raise AssertionError("the claim never left the writer's queue")
 
 
-async def claim_cancelled_in_its_round(store: ControlStore, raw: Any) -> int:
+async def claim_cancelled_in_its_round(
+    store: ControlStore, raw: Any, wait: float | None = None
+) -> int:
     """Enqueue an item and claim it with a call cancelled while its round waits for the
     write lock, held behind the store's back (``raw``, which the caller then lets go):
     the item's id."""
@@ -290,7 +293,7 @@ async def claim_cancelled_in_its_round(store: ControlStore, raw: Any) -> int:
     writer = (await engine_of(store).ready()).writer
     assert writer is not None
     served = writer.requests
-    claiming = asyncio.create_task(store.claim(owner="gone"))
+    claiming = asyncio.create_task(store.claim(owner="gone", wait=wait))
     await _until_in_a_round(store, served)
     claiming.cancel()
     with pytest.raises(asyncio.CancelledError):
@@ -298,14 +301,15 @@ async def claim_cancelled_in_its_round(store: ControlStore, raw: Any) -> int:
     return item_id
 
 
+@pytest.mark.parametrize("wait", [None, 5.0])
 async def test_a_claim_cancelled_while_its_round_ran_gives_back_what_it_took(
-    store: ControlStore, raw: Any
+    store: ControlStore, raw: Any, wait: float | None
 ) -> None:
     # The write lock is held behind the store's back, so the claim's round waits in the
     # middle; its caller is cancelled there (a claim() in asyncio.wait_for that timed
     # out). The round then commits the claim for nobody: the item goes back at once,
     # rather than waiting out its lease.
-    item_id = await claim_cancelled_in_its_round(store, raw)
+    item_id = await claim_cancelled_in_its_round(store, raw, wait)
     raw.execute("COMMIT")
     # A write queued behind the claim's round: the give-back, queued as that round was
     # answered, has landed with it or before it.

@@ -245,15 +245,17 @@ async def test_a_call_cancelled_while_queued_writes_nothing(store: ControlStore,
         raw.execute("LOCK TABLE items IN EXCLUSIVE MODE")
     served = writer.requests
     blocker = asyncio.create_task(store.enqueue("alpha", {"n": 3}))
-    for _ in range(1000):  # loop steps only: until the blocker's round has begun
+    # No event marks these states: looked at every millisecond, for at most ten seconds
+    # (the blocker's round waits for the lock the test holds meanwhile).
+    for _ in range(10_000):  # until the blocker's round has begun
         if writer.requests > served and writer.requests_waiting == 0:
             break
-        await asyncio.sleep(0)
+        await asyncio.sleep(0.001)
     call = asyncio.create_task(store.finish_and_claim(held_id, fence=held.fence, owner="w"))
-    for _ in range(1000):
+    for _ in range(10_000):  # until the call's requests are queued behind it
         if writer.requests_waiting:
             break
-        await asyncio.sleep(0)
+        await asyncio.sleep(0.001)
     assert writer.requests_waiting == (2 if store.backend == "sqlite" else 1)
     call.cancel()
     with pytest.raises(asyncio.CancelledError):
