@@ -23,10 +23,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, NamedTuple, Protocol
 
 from asyncplane import _clock, _errors, _lock, _models, _schedule, _telemetry, _write_queue
+
+_log = logging.getLogger("asyncplane.store")
 
 __all__ = (
     "AssignmentRow",
@@ -507,7 +510,10 @@ class Writes:
         once their releases are queued."""
         self._give_back(rows, actor_id)
         if unseen and _telemetry.ENABLED:
-            _telemetry.taken(rows, self.clock.now())
+            try:  # the releases are queued: a failure here is the count's alone
+                _telemetry.taken(rows, self.clock.now())
+            except Exception:
+                _log.exception("asyncplane: claims given back could not be counted")
 
     def _give_back(self, rows: Sequence[ClaimRow], actor_id: str | None) -> None:
         for row in rows:

@@ -645,16 +645,16 @@ class ControlStore:
                 # retry reaches its end even if this call is cancelled meanwhile; then the
                 # rest of the batch, which the caller will never see, goes back.
                 kept = {claim.item_id for claim in claims}
-                unseen = [r for r in rows[:index] if r.item_id in kept] + rows[index + 1 :]
+                rest = [r for r in rows[:index] if r.item_id in kept] + rows[index + 1 :]
                 try:
                     _, cut = await _tasks.to_the_end(
                         self._set_aside(backend, row, op.actor_id, exc), "asyncplane-set-aside"
                     )
                 except asyncio.CancelledError:  # and the set-aside failed, or was cut too
-                    _give_back_now(backend, unseen, op.actor_id)
+                    _give_back_now(backend, rest, op.actor_id)
                     raise
                 if cut:
-                    _give_back_now(backend, unseen, op.actor_id)
+                    _give_back_now(backend, rest, op.actor_id)
                     raise asyncio.CancelledError from exc
                 continue
             claims.append(_claimed_item(row, payload))
@@ -790,17 +790,17 @@ class ControlStore:
         claiming = backend.claim(claim) if backend.settle_with_claim else None
         try:
             twins = await self._settle(settle.status, finishing)
-        except asyncio.CancelledError:
-            if claiming is not None:
-                _drop_claim(backend, claiming, claim.actor_id)
-            raise
-        except BaseException as exc:
+        except Exception as exc:
             if claiming is not None:  # refused: the claim's round is the settle's
                 _, cancelled = await _tasks.to_the_end(
                     self._give_back(backend, claiming, claim.actor_id), "asyncplane-give-back"
                 )
                 if cancelled:
                     raise asyncio.CancelledError from exc  # the refusal is moot now
+            raise
+        except BaseException:  # cancelled: nobody will wait for the claim
+            if claiming is not None:
+                _drop_claim(backend, claiming, claim.actor_id)
             raise
         _telemetry.dedup_settled(twins, "settlement")
         self._engine.notify()  # a settled item frees its waiting twins

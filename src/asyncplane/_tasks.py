@@ -4,11 +4,11 @@
 ``asyncio.wait_for`` does before Python 3.12 when the cancellation comes just as the
 awaited work ends (it returns the result, and the cancelled caller goes on).
 
-A write that has been sent (a put-back, a set-aside, a lock taken on a worker thread) must be
-received and dealt with even if the task that sent it is cancelled meanwhile; otherwise
-its effect is stranded (a batch claimed by nobody, a lock held by a descriptor nobody
-closes). `to_the_end` awaits such work to its end and tells the caller whether a
-cancellation arrived, so the caller can undo or keep what was done and re-raise.
+A write that has been sent (a claim work() made, a put-back, a lock taken on a worker
+thread) must be received and dealt with even if the task that sent it is cancelled
+meanwhile; otherwise its effect is stranded (a batch claimed by nobody, a lock held by a
+descriptor nobody closes). `to_the_end` awaits such work to its end and tells the caller
+whether a cancellation arrived, so the caller can undo or keep what was done and re-raise.
 """
 
 from __future__ import annotations
