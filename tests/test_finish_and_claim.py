@@ -11,6 +11,7 @@ import pytest
 
 from asyncplane import (
     ClaimAfterSettleFailed,
+    ClaimedItem,
     ControlStore,
     FenceRejected,
     InvalidInput,
@@ -21,7 +22,7 @@ from asyncplane import (
 from asyncplane._backend import ClaimOp, FinishOp
 from asyncplane._combine import _request_of as request_of
 from asyncplane._store import engine_of
-from asyncplane._write_queue import Grouped, units
+from asyncplane._write_queue import Grouped, WriterBase, units
 from asyncplane.testing import ManualClock
 
 
@@ -234,15 +235,8 @@ async def test_a_call_cancelled_while_queued_writes_nothing(store: ControlStore,
     # The writer is busy with a round held up behind the store's back; the call's settle
     # (and, on SQLite, its claim) wait in the queue behind it when the caller is
     # cancelled: neither is written, and no claim is made to be given back.
-    held_id, other_id = await store.enqueue_many("alpha", [{"n": 1}, {"n": 2}])
-    held = await store.claim(owner="w")
-    assert held is not None and held.item_id == held_id
-    await store.counts()  # the readers open before the lock is taken
-    writer = (await engine_of(store).ready()).writer
-    assert writer is not None
-    raw.execute("BEGIN IMMEDIATE" if raw.backend == "sqlite" else "BEGIN")
-    if raw.backend == "postgresql":
-        raw.execute("LOCK TABLE items IN EXCLUSIVE MODE")
+    held, other_id, writer = await _held_with_the_lock_taken(store, raw)
+    held_id = held.item_id
     served = writer.requests
     blocker = asyncio.create_task(store.enqueue("alpha", {"n": 3}))
     await _until(lambda: writer.requests > served and writer.requests_waiting == 0)
@@ -266,15 +260,8 @@ async def test_a_call_cancelled_while_its_round_runs_holds_nothing(
     # The caller is cancelled while the round with its settle (and, on SQLite, its claim)
     # waits for a lock held behind the store's back: the round then runs for nobody. The
     # settle stands; the claim, which nobody will ever see, goes back at once.
-    held_id, other_id = await store.enqueue_many("alpha", [{"n": 1}, {"n": 2}])
-    held = await store.claim(owner="w")
-    assert held is not None and held.item_id == held_id
-    await store.counts()  # the readers open before the lock is taken
-    writer = (await engine_of(store).ready()).writer
-    assert writer is not None
-    raw.execute("BEGIN IMMEDIATE" if raw.backend == "sqlite" else "BEGIN")
-    if raw.backend == "postgresql":
-        raw.execute("LOCK TABLE items IN EXCLUSIVE MODE")
+    held, other_id, writer = await _held_with_the_lock_taken(store, raw)
+    held_id = held.item_id
     served = writer.requests
     call = asyncio.create_task(store.finish_and_claim(held_id, fence=held.fence, owner="w"))
     await _until(lambda: writer.requests > served and writer.requests_waiting == 0)
@@ -291,6 +278,23 @@ async def test_a_call_cancelled_while_its_round_runs_holds_nothing(
     made = ["queued", "claimed", "released"] if store.backend == "sqlite" else ["queued"]
     assert [e["event_type"] for e in await store.events(other_id)] == made
     assert await verify_ledger(store) == []
+
+
+async def _held_with_the_lock_taken(
+    store: ControlStore, raw: Any
+) -> tuple[ClaimedItem, int, WriterBase]:
+    """Two items, the first claimed; then the write lock taken behind the store's back
+    (``raw``, which the test lets go): the claim, the other item's id, the writer."""
+    held_id, other_id = await store.enqueue_many("alpha", [{"n": 1}, {"n": 2}])
+    held = await store.claim(owner="w")
+    assert held is not None and held.item_id == held_id
+    await store.counts()  # the readers open before the lock is taken
+    writer = (await engine_of(store).ready()).writer
+    assert writer is not None
+    raw.execute("BEGIN IMMEDIATE" if raw.backend == "sqlite" else "BEGIN")
+    if raw.backend == "postgresql":
+        raw.execute("LOCK TABLE items IN EXCLUSIVE MODE")
+    return held, other_id, writer
 
 
 async def _until(condition: Callable[[], bool]) -> None:
