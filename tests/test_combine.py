@@ -209,6 +209,33 @@ async def test_a_holder_serves_the_claims_another_process_posted(
         assert await verify_ledger(store) == []
 
 
+async def test_a_holder_runs_no_claim_that_rode_on_a_settle_it_refused(
+    tmp_path: pathlib.Path, patient: None
+) -> None:
+    # finish_and_claim's claim rides on its settle (`Grouped.after`) across the board
+    # too: the peer serving the post refuses the settle, so it never runs the claim.
+    path = tmp_path / "store.db"
+    async with scene(path) as (store, board, mine):
+        held = await store.claim("here", lease_seconds=600)
+        assert held is not None
+        peer = await Peer.start(path, "peer")
+        call = await served_by(
+            peer,
+            store.finish_and_claim(held.item_id, fence=held.fence + 1, owner="here"),
+            path, board, mine,
+        )  # fmt: skip
+        with pytest.raises(FenceRejected):
+            await call
+        assert json.loads(await peer.line()) is not None
+        assert await peer.ended() == 0
+        assert mine.served_by_others == 1  # answered by the peer, not run here
+        assert sorted((await claimed_by(store)).values()) == ["here", "peer"]
+        for item_id in (1, 2, 3):
+            types = [e["event_type"] for e in await store.events(item_id)]
+            assert "released" not in types, (item_id, types)  # no claim made to give back
+        assert await verify_ledger(store) == []
+
+
 @pytest.mark.parametrize(
     ("die_at", "saved"),
     [

@@ -135,7 +135,7 @@ async def test_a_claim_that_fails_after_the_settle_says_the_settle_stands(
     assert await verify_ledger(store) == []
 
 
-async def test_a_refused_settle_is_raised_and_the_claim_given_back(store: ControlStore) -> None:
+async def test_a_refused_settle_is_raised_and_no_claim_made(store: ControlStore) -> None:
     held_id, other_id = await store.enqueue_many("alpha", [{"n": 1}, {"n": 2}])
     held = await store.claim(owner="w1")
     assert held is not None and held.item_id == held_id
@@ -144,10 +144,30 @@ async def test_a_refused_settle_is_raised_and_the_claim_given_back(store: Contro
     assert (await store.item(held_id))["state"] == "claimed"  # untouched: fence was wrong
     other = await store.item(other_id)
     assert (other["state"], other["attempts"]) == ("ready", 0)
-    # On SQLite the claim ran in the settle's round and gave its item back; on PostgreSQL
-    # it was never made.
-    given_back = ["queued", "claimed", "released"] if store.backend == "sqlite" else ["queued"]
-    assert [e["event_type"] for e in await store.events(other_id)] == given_back
+    # On SQLite the claim rode in the settle's round and was not run; on PostgreSQL it
+    # was never asked. Either way no claim was made to be given back.
+    assert [e["event_type"] for e in await store.events(other_id)] == ["queued"]
+    assert await verify_ledger(store) == []
+
+
+async def test_a_refused_settle_whose_claim_went_in_the_next_round_gives_it_back(
+    asyncplane_store_factory: Callable[..., Any],
+) -> None:
+    # Rounds of one request each: the claim cannot ride in the settle's round, so it runs
+    # in the next whatever the settle met; what it took is given back before the refusal
+    # is raised, so the call still holds nothing.
+    store: ControlStore = await asyncplane_store_factory(max_batch=1)
+    await store.create_project("alpha", "Alpha")
+    held_id, other_id = await store.enqueue_many("alpha", [{"n": 1}, {"n": 2}])
+    held = await store.claim(owner="w1")
+    assert held is not None and held.item_id == held_id
+    with pytest.raises(FenceRejected):
+        await store.finish_and_claim(held.item_id, fence=held.fence + 1, owner="w2")
+    other = await store.item(other_id)
+    assert (other["state"], other["attempts"]) == ("ready", 0)
+    # On SQLite the claim ran and gave its item back; on PostgreSQL it was never asked.
+    made = ["queued", "claimed", "released"] if store.backend == "sqlite" else ["queued"]
+    assert [e["event_type"] for e in await store.events(other_id)] == made
     assert await verify_ledger(store) == []
 
 
@@ -204,18 +224,25 @@ async def test_a_call_cancelled_as_an_answer_came_holds_nothing(
     held = await store.claim(owner="w")
     assert held is not None and held.item_id == held_id
     backend = await engine_of(store).ready()
-    if answered == "claim":
-        monkeypatch.setattr(backend, "settle_with_claim", False)
-    call = getattr(backend, "finish" if answered == "settle" else "claim")
     tasks: list[asyncio.Task[Any]] = []
 
-    def call_then_cancel(op: Any) -> Any:
-        future = call(op)
+    def then_cancel(future: Any) -> Any:
         # Added before the caller awaits it, so it runs first once the answer is in.
         future.add_done_callback(lambda _: tasks[0].cancel())
         return future
 
-    monkeypatch.setattr(backend, "finish" if answered == "settle" else "claim", call_then_cancel)
+    if answered == "settle":
+        both = backend.finish_then_claim
+
+        def settle_then_cancel(settle: Any, claim: Any) -> Any:
+            finishing, claiming = both(settle, claim)
+            return then_cancel(finishing), claiming
+
+        monkeypatch.setattr(backend, "finish_then_claim", settle_then_cancel)
+    else:
+        monkeypatch.setattr(backend, "settle_with_claim", False)
+        claim = backend.claim
+        monkeypatch.setattr(backend, "claim", lambda op: then_cancel(claim(op)))
     tasks.append(asyncio.create_task(store.finish_and_claim(held_id, fence=held.fence, owner="w")))
     with pytest.raises(asyncio.CancelledError):
         await tasks[0]

@@ -476,6 +476,9 @@ class Writes:
     which decide a whole group in one go (see `asyncplane._write_queue.Grouped`).
     """
 
+    #: See `Backend.settle_with_claim`; each backend says.
+    settle_with_claim: bool
+
     def __init__(self, sizing: Sizing, *, claim_many: GroupOp, finish_many: GroupOp) -> None:
         self._sizing = sizing
         self._claim_many = claim_many
@@ -554,14 +557,34 @@ class Writes:
 
     def claim(self, op: ClaimOp) -> Awaitable[list[ClaimRow]]:
         """Claim up to ``op.limit`` items (grouped with claims of the same filters)."""
-        key = ("claim", op.lease_seconds, op.actor_id, op.project_id)
         # Grouped is not subscripted here: a generic alias's call costs microseconds.
-        return self._submit(_write_queue.Grouped(key, op, self._claim_many))
+        return self._submit(_write_queue.Grouped(_claim_key(op), op, self._claim_many))
 
     def finish(self, op: FinishOp) -> Awaitable[int]:
         """Settle a current claim (grouped with the round's other finishes, which run
         ahead of the claims queued with them: see `asyncplane._write_queue.units`)."""
         return self._submit(finish_request(op, self._finish_many))
+
+    def finish_then_claim(
+        self, settle: FinishOp, claim: ClaimOp
+    ) -> tuple[Awaitable[int], Awaitable[list[ClaimRow]] | None]:
+        """`finish`, and, where a settle and a claim share a round (`settle_with_claim`),
+        the claim queued right behind it, to run only if the settle is saved (refused,
+        the claim is not run: it answers `asyncplane._errors.NotRun`, nothing written).
+        Elsewhere None: the caller claims once the settle is done."""
+        settling = finish_request(settle, self._finish_many)
+        finishing = self._submit(settling)
+        if not self.settle_with_claim:
+            return finishing, None
+        riding: _write_queue.Grouped[list[ClaimRow]] = _write_queue.Grouped(
+            _claim_key(claim), claim, self._claim_many, after=settling
+        )
+        return finishing, self._submit(riding)
+
+
+def _claim_key(op: ClaimOp) -> tuple[Any, ...]:
+    """What a claim groups by: claims of the same filters and lease run as one unit."""
+    return ("claim", op.lease_seconds, op.actor_id, op.project_id)
 
 
 #: Every finish groups with every other finish of its round.
@@ -677,6 +700,13 @@ class Backend(Protocol):
     def finish(self, op: FinishOp) -> Awaitable[int]:
         """Settle a current claim as done or failed; return how many twins it settled
         (an awaitable queued by the call, as `claim`'s)."""
+        ...
+
+    def finish_then_claim(
+        self, settle: FinishOp, claim: ClaimOp
+    ) -> tuple[Awaitable[int], Awaitable[list[ClaimRow]] | None]:
+        """`finish`, and the claim riding on it where they share a round (see
+        `Writes.finish_then_claim`); None for the claim elsewhere."""
         ...
 
     async def retry(self, op: RetryOp) -> str:

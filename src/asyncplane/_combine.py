@@ -104,8 +104,9 @@ _REST = struct.Struct("=III16s")
 _SIGNAL = 40  # a slot's signal word: bumped at every change its owner must look at
 _VERSION_AT = 44  # the layout of a post: a holder skips posts of another version
 # 2: a holder runs a round's finishes ahead of its claims (`_write_queue.combined_order`),
-# which a finish posted with its caller's next claim counts on.
-_VERSION = 2
+# which a finish posted with its caller's next claim counts on. 3: a request names the
+# one it rides on (`_Wire`).
+_VERSION = 3
 _QUEUE_AT = 48  # which writers' queue file the poster waits in (see `Board.queue`)
 _SPILLED = 0xFFFFFFFF  # answer length meaning "in the slot's spill file"
 
@@ -120,8 +121,10 @@ _STATES = struct.Struct("=" + f"I{_HEADER - 4}x" * SLOTS)
 #: total store order): a post's header, then its state, needs no fence between them.
 _STORES_IN_ORDER = platform.machine() in ("x86_64", "AMD64", "i686")
 
-#: A request on the board: the name of its kind, its group key, its operation's fields.
-_Wire = tuple[str, tuple[Any, ...], tuple[Any, ...]]
+#: A request on the board: the name of its kind, its group key, its operation's fields,
+#: and the place in the post of the request it rides on (`_write_queue.Grouped.after`;
+#: -1: none).
+_Wire = tuple[str, tuple[Any, ...], tuple[Any, ...], int]
 
 
 class Taken(NamedTuple):
@@ -202,7 +205,12 @@ class Board:
     def post(self, ops: Sequence[Any]) -> bool:
         """Put ``ops`` in this slot for a holder to take; False if they do not fit (or
         the disk is full)."""
-        wire = [(self._names[op.many], op.group_key, tuple(op.op)) for op in ops]
+        place = {id(op): index for index, op in enumerate(ops)}
+        wire = [
+            (self._names[op.many], op.group_key, tuple(op.op),
+             -1 if op.after is None else place.get(id(op.after), -1))
+            for op in ops
+        ]  # fmt: skip
         body = marshal.dumps(wire)
         if len(body) > _REQUEST_ROOM:
             return False
@@ -339,7 +347,13 @@ class Board:
             return None  # another layout, or a poster in another queue (the file replaced)
         try:
             wire: list[_Wire] = marshal.loads(os.pread(self._fd, length, _HEADERS + slot * _BODY))
-            return [_request_of(kind, key, fields, self._kinds[kind]) for kind, key, fields in wire]
+            requests = [
+                _request_of(kind, key, fields, self._kinds[kind]) for kind, key, fields, _ in wire
+            ]
+            for request, (_, _, _, after) in zip(requests, wire, strict=True):
+                if after >= 0:
+                    request.after = requests[after]
+            return requests
         except (OSError, ValueError, EOFError, TypeError, KeyError):
             return None
 

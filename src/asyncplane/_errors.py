@@ -223,6 +223,12 @@ class NotAnAsyncplaneDatabase(StorageError):
     not a database at all, not a regular file, or a PostgreSQL schema that does not exist."""
 
 
+class NotRun(StorageError):
+    """Internal, never raised to a caller: a write sent on condition that another of its
+    round be saved (a claim riding on its settle) was not run, that one refused; nothing
+    of it was written (see `asyncplane._write_queue.runnable`)."""
+
+
 class SchemaVersionError(StorageError):
     """The store was written by a newer asyncplane whose schema this version does not
     know (or, opened read-only, needs migrating first)."""

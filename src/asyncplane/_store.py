@@ -766,10 +766,12 @@ class ControlStore:
         calls' actor; ``project_id`` and ``lease_seconds`` are the claim's.
 
         An error raised means what it means for `finish` (the settle was refused or not
-        written, or for CommitOutcomeUnknown may be saved), and an item the claim took in
-        the same round has been given back first (`release`: ready again, its attempt
-        refunded), so a call that raises holds nothing; that claim's own effects stand (a
-        ``per_minute`` token it spent, a lapsed lease it took over). After
+        written, or for CommitOutcomeUnknown may be saved), and the call holds nothing: a
+        claim in the settle's round runs only if the settle is saved. Should the two have
+        gone in different rounds (a round cut at its size limit, a wait for the write lock
+        to move), an item the claim took is given back first (`release`: ready again, its
+        attempt refunded); that claim's own effects then stand (a ``per_minute`` token it
+        spent, a lapsed lease it took over). After
         CommitOutcomeUnknown the claim's outcome is as unknown as the settle's: a claim it
         saved is left to its lease. Cancelled, the call gives back
         whatever its claim took, too (a claim still queued is dropped, never written).
@@ -785,9 +787,9 @@ class ControlStore:
         claim = self._claim_op(owner, 1, actor_id, project_id, lease_seconds)
         backend = await self._engine.ready()
         started = time.perf_counter()
-        finishing = backend.finish(settle)
-        # Queued right behind the settle, it shares its round, where rounds are dear.
-        claiming = backend.claim(claim) if backend.settle_with_claim else None
+        # Where rounds are dear the claim rides in the settle's round, run only if the
+        # settle is saved; elsewhere it is asked once the settle is done.
+        finishing, claiming = backend.finish_then_claim(settle, claim)
         try:
             twins = await self._settle(settle.status, finishing)
         except Exception as exc:

@@ -21,6 +21,12 @@ is made of is shared:
   makes room, under ``max_running``, for the claim that rides with it. It also keeps
   interleaved finishes and claims to two units (two statements), not one each. A round
   that combines other processes' posts (`combined_order`, SQLite) keeps it too.
+* **On condition.** A request may ride on another of its round (``Grouped.after``: the
+  claim `ControlStore.finish_and_claim` sends with its settle): if that one is refused,
+  it is not run, and answers `asyncplane._errors.NotRun` with nothing written
+  (`runnable`). The SQLite writer, where a settle and its claim share a round, keeps the
+  condition, across processes too (`asyncplane._combine`); a request whose condition is
+  not in its round runs as any other.
 * **Outcomes.** A unit's answer for a member is a value, or a refusal that wrote nothing,
   carried as `Raised` so the others of the round still commit (`outcomes`); `deliver`
   hands each caller its own outcome.
@@ -53,6 +59,7 @@ __all__ = (
     "deliver",
     "outcomes",
     "round_failed",
+    "runnable",
     "units",
 )
 
@@ -83,16 +90,24 @@ class Grouped(Generic[T]):
     PostgreSQL; `run` returns what it returns.
     """
 
-    __slots__ = ("ahead", "group_key", "many", "op")
+    __slots__ = ("after", "ahead", "group_key", "many", "op")
 
     def __init__(
-        self, group_key: tuple[Any, ...], op: Any, many: Callable[..., Any], ahead: bool = False
+        self,
+        group_key: tuple[Any, ...],
+        op: Any,
+        many: Callable[..., Any],
+        ahead: bool = False,
+        after: Grouped[Any] | None = None,
     ) -> None:
         self.group_key = group_key
         self.op = op
         self.many = many
         #: Runs ahead of the grouped requests queued before it in its round (see `units`).
         self.ahead = ahead
+        #: Runs only if this request, in its round and ahead of it, was not refused (see
+        #: `runnable`).
+        self.after = after
 
     def run(self, members: Sequence[Any], conn: Any, now: float) -> Any:
         """``many`` for ``members`` (this request first among them)."""
@@ -136,6 +151,25 @@ def _stretch_units(
         else:
             result.append([index])
         last_key = key
+
+
+def runnable(ops: Sequence[Any], unit: list[int], outcomes: list[Any]) -> list[int]:
+    """The members of ``unit`` to run now: each whose condition (`Grouped.after`) is in
+    this round and was refused is answered `asyncplane._errors.NotRun` in ``outcomes``
+    instead. Its
+    condition runs first: a request rides only on one marked ``ahead`` in its stretch."""
+    if all(getattr(ops[index], "after", None) is None for index in unit):
+        return unit
+    position = {id(op): index for index, op in enumerate(ops)}
+    kept: list[int] = []
+    for index in unit:
+        after = ops[index].after
+        at = None if after is None else position.get(id(after))
+        if at is not None and isinstance(outcomes[at], Raised):
+            outcomes[index] = Raised(_errors.NotRun("the request it rode on was refused"))
+        else:
+            kept.append(index)
+    return kept
 
 
 def combined_order(every: Sequence[Any], own: int) -> list[int]:

@@ -660,6 +660,9 @@ def _run_held(
         now = clock.now()
         broken: list[int] | None = None  # the run that spoiled the transaction
         for unit in _write_queue.units(ops, todo, alone):
+            unit = _write_queue.runnable(ops, unit, outcomes)
+            if not unit:
+                continue
             before = db.total_changes
             try:
                 for index, outcome in zip(unit, _run_unit(ops, unit, db, now), strict=True):
