@@ -21,8 +21,9 @@ from asyncplane import (
 )
 from asyncplane._backend import ClaimOp, FinishOp
 from asyncplane._combine import _request_of as request_of
+from asyncplane._errors import NotRun
 from asyncplane._store import engine_of
-from asyncplane._write_queue import Grouped, WriterBase, units
+from asyncplane._write_queue import Grouped, Raised, WriterBase, riders, runnable, units
 from asyncplane.testing import ManualClock
 
 
@@ -374,6 +375,24 @@ def test_finishes_run_ahead_of_the_claims_queued_with_them() -> None:
     # Without finishes nothing moves.
     ops = [_claim(0), _claim(1), object(), _claim(3)]
     assert units(ops, range(len(ops))) == [[0, 1], [2], [3]]
+
+
+def test_a_claim_runs_only_if_the_settle_it_rides_on_was_not_refused() -> None:
+    # Two callers' settle and claim, each claim riding on its own settle; a third claim
+    # rides on a settle of an earlier round (not in this one): it rides on nothing here.
+    earlier = _finish(9)
+    ops: list[Any] = [_finish(0), _claim(1), _finish(2), _claim(3), _claim(4)]
+    ops[1].after, ops[3].after, ops[4].after = ops[0], ops[2], earlier
+    riding = riders(ops)
+    assert riding == {1: 0, 3: 2}
+    assert riders([_finish(0), _claim(1), object()]) == {}
+    # The first settle refused, the second saved: only the second's claim runs.
+    outcomes: list[Any] = [Raised(InvalidInput("refused")), None, 1, None, None]
+    assert runnable([1, 3, 4], riding, outcomes) == [3, 4]
+    assert isinstance(outcomes[1], Raised) and isinstance(outcomes[1].error, NotRun)
+    assert outcomes[3] is None and outcomes[4] is None
+    # A settle not run yet (no outcome) holds nothing back.
+    assert runnable([1, 3], riding, [None] * 5) == [1, 3]
 
 
 async def test_a_refusal_served_by_close_never_opens_the_store_again(

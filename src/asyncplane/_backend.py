@@ -569,8 +569,9 @@ class Writes:
         self, settle: FinishOp, claim: ClaimOp
     ) -> tuple[Awaitable[int], Awaitable[list[ClaimRow]] | None]:
         """`finish`, and, where a settle and a claim share a round (`settle_with_claim`),
-        the claim queued right behind it, to run only if the settle is saved (refused,
-        the claim is not run: it answers `asyncplane._errors.NotRun`, nothing written).
+        the claim queued right behind it, to run only if the settle is not refused (the
+        two commit together; refused, the claim answers `asyncplane._errors.NotRun`,
+        nothing written).
         Elsewhere None: the caller claims once the settle is done."""
         settling = finish_request(settle, self._finish_many)
         finishing = self._submit(settling)

@@ -205,12 +205,11 @@ class Board:
     def post(self, ops: Sequence[Any]) -> bool:
         """Put ``ops`` in this slot for a holder to take; False if they do not fit (or
         the disk is full)."""
-        place = {id(op): index for index, op in enumerate(ops)}
+        riding = _write_queue.riders(ops)
         wire = [
-            (self._names[op.many], op.group_key, tuple(op.op),
-             -1 if op.after is None else place.get(id(op.after), -1))
-            for op in ops
-        ]  # fmt: skip
+            (self._names[op.many], op.group_key, tuple(op.op), riding.get(index, -1))
+            for index, op in enumerate(ops)
+        ]
         body = marshal.dumps(wire)
         if len(body) > _REQUEST_ROOM:
             return False
@@ -354,7 +353,7 @@ class Board:
                 if after >= 0:
                     request.after = requests[after]
             return requests
-        except (OSError, ValueError, EOFError, TypeError, KeyError):
+        except (OSError, ValueError, EOFError, TypeError, LookupError):
             return None
 
     def answer(self, taken: Taken, outcomes: Sequence[Any]) -> None:

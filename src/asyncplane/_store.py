@@ -767,9 +767,9 @@ class ControlStore:
 
         An error raised means what it means for `finish` (the settle was refused or not
         written, or for CommitOutcomeUnknown may be saved), and the call holds nothing: a
-        claim in the settle's round runs only if the settle is saved. Should the two have
-        gone in different rounds (a round cut at its size limit, a wait for the write lock
-        to move), an item the claim took is given back first (`release`: ready again, its
+        claim in the settle's round runs only if the settle is not refused (the two commit
+        together). Should the two have gone in different rounds (a round cut at its size
+        limit), an item the claim took is given back first (`release`: ready again, its
         attempt refunded); that claim's own effects then stand (a ``per_minute`` token it
         spent, a lapsed lease it took over). After
         CommitOutcomeUnknown the claim's outcome is as unknown as the settle's: a claim it
@@ -793,7 +793,9 @@ class ControlStore:
         try:
             twins = await self._settle(settle.status, finishing)
         except Exception as exc:
-            if claiming is not None:  # refused: the claim's round is the settle's
+            # Refused: a claim in the settle's round was not run (NotRun); one cut into the
+            # next round is given back.
+            if claiming is not None:
                 _, cancelled = await _tasks.to_the_end(
                     self._give_back(backend, claiming, claim.actor_id), "asyncplane-give-back"
                 )

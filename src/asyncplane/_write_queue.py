@@ -24,7 +24,7 @@ is made of is shared:
 * **On condition.** A request may ride on another of its round (``Grouped.after``: the
   claim `ControlStore.finish_and_claim` sends with its settle): if that one is refused,
   it is not run, and answers `asyncplane._errors.NotRun` with nothing written
-  (`runnable`). The SQLite writer, where a settle and its claim share a round, keeps the
+  (`riders`, `runnable`). The SQLite writer, where a settle and its claim share a round, keeps the
   condition, across processes too (`asyncplane._combine`); a request whose condition is
   not in its round runs as any other.
 * **Outcomes.** A unit's answer for a member is a value, or a refusal that wrote nothing,
@@ -43,7 +43,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-from collections.abc import Awaitable, Callable, Container, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Container, Iterable, Mapping, Sequence
 from typing import Any, Generic, TypeVar
 
 from asyncplane import _clock, _errors
@@ -58,6 +58,7 @@ __all__ = (
     "combined_order",
     "deliver",
     "outcomes",
+    "riders",
     "round_failed",
     "runnable",
     "units",
@@ -153,18 +154,30 @@ def _stretch_units(
         last_key = key
 
 
-def runnable(ops: Sequence[Any], unit: list[int], outcomes: list[Any]) -> list[int]:
-    """The members of ``unit`` to run now: each whose condition (`Grouped.after`) is in
-    this round and was refused is answered `asyncplane._errors.NotRun` in ``outcomes``
-    instead. Its
-    condition runs first: a request rides only on one marked ``ahead`` in its stretch."""
-    if all(getattr(ops[index], "after", None) is None for index in unit):
-        return unit
-    position = {id(op): index for index, op in enumerate(ops)}
+def riders(ops: Sequence[Any]) -> dict[int, int]:
+    """Which requests of a round ride on another of it (`Grouped.after`): each one's index,
+    to the index of the one it rides on. A request whose condition is not in the round
+    rides on nothing here: it runs as any other."""
+    if not any(type(op) is Grouped and op.after is not None for op in ops):
+        return {}
+    place = {id(op): index for index, op in enumerate(ops)}
+    riding: dict[int, int] = {}
+    for index, op in enumerate(ops):
+        if type(op) is Grouped and op.after is not None:
+            at = place.get(id(op.after))
+            if at is not None:
+                riding[index] = at
+    return riding
+
+
+def runnable(unit: list[int], riding: Mapping[int, int], outcomes: list[Any]) -> list[int]:
+    """The members of ``unit`` to run now: each riding on a request (``riding``, from
+    `riders`) that was refused is answered `asyncplane._errors.NotRun` in ``outcomes``
+    instead, with nothing written. The one ridden on has run by then: a request rides
+    only on one marked ``ahead`` (a finish), queued right before it."""
     kept: list[int] = []
     for index in unit:
-        after = ops[index].after
-        at = None if after is None else position.get(id(after))
+        at = riding.get(index)
         if at is not None and isinstance(outcomes[at], Raised):
             outcomes[index] = Raised(_errors.NotRun("the request it rode on was refused"))
         else:

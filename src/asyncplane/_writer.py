@@ -647,6 +647,7 @@ def _run_held(
     outcomes: list[Any] = [None] * len(ops)
     todo = list(range(len(ops)))
     alone: set[int] = set()  # members of a broken run: they go again one by one
+    riding = _write_queue.riders(ops)  # claims that run only if their settle is not refused
     lock_wait = 0.0
     while todo:
         try:
@@ -660,9 +661,10 @@ def _run_held(
         now = clock.now()
         broken: list[int] | None = None  # the run that spoiled the transaction
         for unit in _write_queue.units(ops, todo, alone):
-            unit = _write_queue.runnable(ops, unit, outcomes)
-            if not unit:
-                continue
+            if riding:
+                unit = _write_queue.runnable(unit, riding, outcomes)
+                if not unit:
+                    continue
             before = db.total_changes
             try:
                 for index, outcome in zip(unit, _run_unit(ops, unit, db, now), strict=True):
