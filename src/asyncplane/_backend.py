@@ -23,13 +23,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, NamedTuple, Protocol
 
 from asyncplane import _clock, _errors, _lock, _models, _schedule, _telemetry, _write_queue
-
-_log = logging.getLogger("asyncplane.store")
 
 __all__ = (
     "AssignmentRow",
@@ -512,11 +509,8 @@ class Writes:
         ``unseen``: no caller saw them, so they are counted claimed (`_telemetry.taken`)
         once their releases are queued."""
         self._give_back(rows, actor_id)
-        if unseen and _telemetry.ENABLED:
-            try:  # the releases are queued: a failure here is the count's alone
-                _telemetry.taken(rows, self.clock.now())
-            except Exception:
-                _log.exception("asyncplane: claims given back could not be counted")
+        if unseen:  # once the releases are queued: a failure here is the count's alone
+            _telemetry.taken_unseen(rows, self.clock.now)
 
     def _give_back(self, rows: Sequence[ClaimRow], actor_id: str | None) -> None:
         for row in rows:
@@ -571,8 +565,7 @@ class Writes:
         """`finish`, and, where a settle and a claim share a round (`settle_with_claim`),
         the claim queued right behind it, to run only if the settle is not refused (the
         two commit together; refused, the claim answers `asyncplane._errors.NotRun`,
-        nothing written).
-        Elsewhere None: the caller claims once the settle is done."""
+        nothing written). Elsewhere None: the caller claims once the settle is done."""
         settling = finish_request(settle, self._finish_many)
         finishing = self._submit(settling)
         if not self.settle_with_claim:

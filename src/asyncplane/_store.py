@@ -788,7 +788,7 @@ class ControlStore:
         backend = await self._engine.ready()
         started = time.perf_counter()
         # Where rounds are dear the claim rides in the settle's round, run only if the
-        # settle is saved; elsewhere it is asked once the settle is done.
+        # settle is not refused; elsewhere it is asked once the settle is done.
         finishing, claiming = backend.finish_then_claim(settle, claim)
         try:
             twins = await self._settle(settle.status, finishing)
@@ -901,10 +901,7 @@ class ControlStore:
                     "asyncplane: item %d, claimed for a call that did not take it, could "
                     "not be given back: %s", row.item_id, exc, extra=_row_extra(row),
                 )  # fmt: skip
-        try:  # claimed, though no caller saw them; never in the way of the refusal
-            _telemetry.taken(rows, backend.clock.now())
-        except Exception:
-            _log.exception("asyncplane: claims given back could not be counted")
+        _telemetry.taken_unseen(rows, backend.clock.now)  # claimed, though no caller saw them
 
     async def retry(
         self,

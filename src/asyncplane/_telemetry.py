@@ -205,6 +205,18 @@ def claimed(rows: Sequence[ClaimRow], now: float, seconds: float, backend: str) 
     taken(rows, now)
 
 
+def taken_unseen(rows: Sequence[ClaimRow], now: Callable[[], float]) -> None:
+    """`taken` for claims no caller saw, given back at once (``now``: the backend's
+    clock): on the way out of a refusal or a cancellation, so a failure here is logged,
+    never raised."""
+    if not ENABLED:
+        return
+    try:
+        taken(rows, now())
+    except Exception:
+        _log.exception("asyncplane: claims given back could not be counted")
+
+
 def taken(rows: Sequence[ClaimRow], now: float) -> None:
     """``rows`` claimed at ``now`` (by a call that returned them, or by one cancelled
     meanwhile, whose items are given back at once: the ledger has their claims too)."""

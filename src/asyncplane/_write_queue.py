@@ -24,9 +24,9 @@ is made of is shared:
 * **On condition.** A request may ride on another of its round (``Grouped.after``: the
   claim `ControlStore.finish_and_claim` sends with its settle): if that one is refused,
   it is not run, and answers `asyncplane._errors.NotRun` with nothing written
-  (`riders`, `runnable`). The SQLite writer, where a settle and its claim share a round, keeps the
-  condition, across processes too (`asyncplane._combine`); a request whose condition is
-  not in its round runs as any other.
+  (`riders`, `runnable`). The SQLite writer, where a settle and its claim share a round,
+  keeps the condition, across processes too (`asyncplane._combine`); a request whose
+  condition is not in its round runs as any other.
 * **Outcomes.** A unit's answer for a member is a value, or a refusal that wrote nothing,
   carried as `Raised` so the others of the round still commit (`outcomes`); `deliver`
   hands each caller its own outcome.
