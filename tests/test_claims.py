@@ -26,6 +26,58 @@ async def test_claim_hands_an_item_to_exactly_one_caller(store: ControlStore) ->
     assert await store.claim(owner="w2") is None
 
 
+async def test_a_claimed_item_carries_each_of_its_items_settings(
+    store: ControlStore, clock: ManualClock
+) -> None:
+    # Every field set, and to a value no other field has: ClaimedItem is built
+    # positionally on the claim's path, so a field out of place shows here.
+    enqueued_at = clock.datetime()
+    sla = enqueued_at + dt.timedelta(hours=2)
+    item_id = await store.enqueue(
+        "alpha",
+        {"n": 1},
+        priority=7,
+        service_class="realtime",
+        sla=sla,
+        fingerprint="fp-a",
+        max_attempts=5,
+    )
+    clock.advance(3)
+    claim = await store.claim(owner="w1", lease_seconds=40)
+    assert claim is not None
+    assert (
+        claim.item_id,
+        claim.project_id,
+        claim.payload,
+        claim.fence,
+        claim.attempts,
+        claim.lease_expires_at,
+        claim.owner,
+        claim.priority,
+        claim.service_class,
+        claim.sla,
+        claim.fingerprint,
+        claim.max_attempts,
+        claim.enqueued_at,
+        claim.trace_context,
+    ) == (
+        item_id,
+        "alpha",
+        {"n": 1},
+        1,
+        1,
+        enqueued_at + dt.timedelta(seconds=43),
+        "w1",
+        7,
+        "realtime",
+        sla,
+        "fp-a",
+        5,
+        enqueued_at,
+        None,
+    )
+
+
 async def test_claim_returns_none_on_an_empty_queue(store: ControlStore) -> None:
     assert await store.claim(owner="w1") is None
 

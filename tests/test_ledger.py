@@ -6,6 +6,7 @@ connection and checks that exactly the expected kind of problem, and no other, i
 
 from __future__ import annotations
 
+import asyncio
 import sqlite3
 from typing import Any
 
@@ -15,6 +16,7 @@ from asyncplane import (
     LEDGER_PROBLEM_KINDS,
     ClaimedItem,
     ControlStore,
+    Job,
     LedgerProblem,
     verify_ledger,
 )
@@ -78,6 +80,31 @@ async def test_every_transition_appends_an_event(store: ControlStore, clock: Man
     ]
     assert all(e["at"] is not None for e in events)
     assert [e["event_id"] for e in events] == sorted(e["event_id"] for e in events)
+
+
+@pytest.mark.parametrize("count", [41, 43])
+async def test_a_rounds_many_events_are_each_written_in_order(
+    store: ControlStore, count: int
+) -> None:
+    # One round each for the arrivals, the claims and the finishes: on SQLite their
+    # events go several rows to a statement (32, then 8, then one by one), and 41 and 43
+    # leave one and three over.
+    ids = await store.enqueue_many("alpha", [Job({"n": n}) for n in range(count)])
+    claims = await store.claim_batch("w", count)
+    assert [c.item_id for c in claims] == ids
+    await asyncio.gather(*(store.finish(c.item_id, fence=c.fence) for c in claims))
+    histories = [await store.events(item_id) for item_id in ids]
+    for item_id, events in zip(ids, histories, strict=True):
+        assert [(e["item_id"], e["event_type"], e["fence"]) for e in events] == [
+            (item_id, "queued", 0),
+            (item_id, "claimed", 1),
+            (item_id, "done", 1),
+        ]
+        assert events[1]["owner"] == "w"
+    for step in range(2):  # the arrivals' and the claims' ids rise with the items'
+        stepped = [events[step]["event_id"] for events in histories]
+        assert stepped == list(range(stepped[0], stepped[0] + count))
+    assert await verify_ledger(store) == []
 
 
 async def test_row_state_is_derivable_from_events(store: ControlStore, clock: ManualClock) -> None:

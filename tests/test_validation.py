@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import sqlite3
 from typing import Any
@@ -15,6 +16,7 @@ from asyncplane import (
     InvalidPayload,
     InvalidType,
     ProjectExists,
+    _models,
 )
 
 
@@ -223,3 +225,36 @@ async def test_nul_characters_are_refused_in_names_and_errors(store: ControlStor
         await store.retry(item_id, fence=claim.fence, error="bad\x00error")
     assert (await store.item(item_id))["state"] == "claimed"
     assert [p["project_id"] for p in await store.projects()] == ["alpha"]
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        '{"n": 1, "task": "x"}',
+        '[1, 2.5, null, true, "\\u00e9"]',
+        '"text"',
+        "7",
+        ' {"n": 1} ',  # whitespace around the value: json.loads's own path
+        b'{"n": 2}',  # bytes
+        '{"n": 1}x',  # trailing text
+        '{"n": }',
+        "",
+        "\ufeff{}",  # a byte-order mark
+        "NaN",
+    ],
+)
+def test_stored_json_decodes_as_json_loads_decodes_it(text: str | bytes) -> None:
+    # The claim's path reads payloads through _models.loads, which calls json.loads's
+    # scanner directly: values and errors must be json.loads's own.
+    def outcome(decode: Any) -> tuple[str, str]:
+        try:
+            return "value", json.dumps(decode(text))
+        except ValueError as exc:
+            return type(exc).__name__, str(exc)
+
+    assert outcome(_models.loads) == outcome(json.loads)
+
+
+def test_stored_json_nested_too_deep_is_a_recursion_error() -> None:
+    with pytest.raises(RecursionError):
+        _models.loads("[" * 100_000)

@@ -25,13 +25,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import os
 import socket
 import time
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, NamedTuple
 
 from asyncplane import (
     _backend,
@@ -60,9 +59,11 @@ def is_postgres_url(location: str | os.PathLike[str]) -> bool:
     return os.fspath(location).startswith(("postgresql://", "postgres://"))
 
 
-@dataclasses.dataclass(frozen=True)
-class Options:
-    """A store's settings, checked already, as the engine and its backend need them."""
+class Options(NamedTuple):
+    """A store's settings, checked already, as the engine and its backend need them.
+
+    A NamedTuple rather than a frozen dataclass: as immutable, and about 2 ms less to
+    import (a dataclass compiles each of its methods when the class is made)."""
 
     clock: _clock.Clock | None
     synchronous: Literal["NORMAL", "FULL"]

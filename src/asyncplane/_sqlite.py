@@ -22,7 +22,7 @@ import functools
 import json
 import pathlib
 import sqlite3
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, NoReturn, TypeVar, cast
 
 import anyio.to_thread
@@ -550,7 +550,7 @@ def _enqueue(
     events: list[_rules.Event] = []
     for item_id, row in zip(inserted, rows, strict=True):
         events.extend(_rules.arrival_events(item_id, row, op.actor_id, now, queued))
-    db.executemany(sql.INSERT_EVENT, events)
+    _insert_events(db, events)
     if created is not None:
         created.extend(inserted)
     return plan.ids(inserted)
@@ -661,11 +661,24 @@ def _claim_many(
     taken = {project: quota.taken for project, quota in reach.quotas.items() if quota.taken}
     for project, tokens, refilled_at in reach.spent(taken, now):
         db.execute(sql.SPEND_TOKENS, (tokens, refilled_at, project))
-    if len(events) == 1:
-        db.execute(sql.INSERT_EVENT, events[0])
-    elif events:
-        db.executemany(sql.INSERT_EVENT, events)
+    _insert_events(db, events)
     return [results[id(op)] for op in ops]
+
+
+def _insert_events(db: sqlite3.Connection, events: Sequence[Sequence[Any]]) -> None:
+    """Append a round's ledger events, in their order (so their ids rise in it), several
+    to a statement (`sql.INSERT_EVENTS`)."""
+    start, count = 0, len(events)
+    for rows, statement in sql.INSERT_EVENTS:
+        while count - start >= rows:
+            db.execute(
+                statement, [value for event in events[start : start + rows] for value in event]
+            )
+            start += rows
+    if count - start == 1:
+        db.execute(sql.INSERT_EVENT, events[start])
+    elif count > start:
+        db.executemany(sql.INSERT_EVENT, events[start:])
 
 
 def _claim_items(
@@ -716,7 +729,7 @@ def _finish_many(
             owner, project_id, fp = row
             events.append(_rules.finish_event(op, owner, now))
             results.append(_settle_twins(op, db, now, project_id, fp, events))
-        db.executemany(sql.INSERT_EVENT, events)
+        _insert_events(db, events)
         return results
     for op in ops:
         before = db.total_changes
@@ -726,7 +739,7 @@ def _finish_many(
             if db.total_changes != before:  # refused after writing: the writer must undo it
                 raise
             results.append(exc)  # the guarded UPDATE matched nothing: nothing was written
-    db.executemany(sql.INSERT_EVENT, events)
+    _insert_events(db, events)
     return results
 
 
@@ -943,7 +956,7 @@ def _settle_pending_twins(op: _backend.PreflightOp, db: sqlite3.Connection, now:
     for item_id, fence, done_id, result in rows:
         db.execute(sql.SETTLE_ONE_TWIN, (result, now, item_id))
         events.extend(_rules.twin_events(done_id, [(item_id, fence)], op.actor_id, now))
-    db.executemany(sql.INSERT_EVENT, events)
+    _insert_events(db, events)
     return len(rows)
 
 

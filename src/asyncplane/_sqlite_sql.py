@@ -312,6 +312,13 @@ INSERT_EVENT: Final = (
     "INSERT INTO events (item_id, event_type, fence, owner, actor_id, at, detail) "
     "VALUES (?, ?, ?, ?, ?, ?, ?)"
 )
+# A round's events, several rows a statement: an INSERT pays its AUTOINCREMENT bookkeeping
+# (reading and writing sqlite_sequence) once a statement, where executemany pays it once a
+# row. Two sizes only, so that the statements stay in the connection's statement cache:
+# (rows, statement), largest first; what is left over goes one row a statement.
+INSERT_EVENTS: Final = tuple(
+    (rows, INSERT_EVENT + ", (?, ?, ?, ?, ?, ?, ?)" * (rows - 1)) for rows in (32, 8)
+)
 
 # Enqueue dedup: an earlier item of the project with the same fingerprint that has not
 # failed nor been cancelled, a done one first (its result is there already), else the
