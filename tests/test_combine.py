@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import ctypes
 import json
+import marshal
 import mmap
 import os
 import pathlib
@@ -30,6 +31,7 @@ from asyncplane import (
     DatabaseLocked,
     FenceRejected,
     ItemCancelled,
+    _backend,
     _combine,
     _errors,
     _write_lock,
@@ -504,3 +506,32 @@ def test_a_combined_round_keeps_its_own_order_and_puts_like_with_like() -> None:
     ordered = [every[i] for i in order]
     assert _write_queue.units(ordered, range(4)) == [[1], [0, 2], [3]]
     assert _write_queue.units(ordered, range(4), alone={0, 2}) == [[1], [0], [2], [3]]
+
+
+async def test_a_post_naming_a_request_out_of_its_range_is_read_as_another_layout(
+    tmp_path: pathlib.Path,
+) -> None:
+    # A post's requests name the one each rides on by its place in the post. A holder
+    # reads a post whose place is out of range (only a corrupt or forged board has one)
+    # as it reads another version's: not served, rather than raised on the holder.
+    async with scene(tmp_path / "store.db") as (_, _, mine):
+        finish = _backend.finish_request(
+            _backend.FinishOp(1, 1, "done", None, None, None), mine._kinds["finish"]
+        )
+        claim = _write_queue.Grouped(
+            ("claim",), _backend.ClaimOp("here", 1, 30.0, None, None), mine._kinds["claim"]
+        )
+        claim.after = finish
+        assert mine.post([finish, claim])
+        request_len = mine._head(mine.slot)[2]
+        read = mine._read_post(mine.slot, request_len)
+        assert read is not None and read[1].after is read[0]  # the place, read back
+        wire = marshal.loads(
+            os.pread(mine._fd, request_len, _combine._HEADERS + mine.slot * _combine._BODY)
+        )
+        assert [after for *_, after in wire] == [-1, 0]
+        for place in (2, 7):
+            body = marshal.dumps([*wire[:1], (*wire[1][:3], place)])
+            os.pwrite(mine._fd, body, _combine._HEADERS + mine.slot * _combine._BODY)
+            assert mine._read_post(mine.slot, len(body)) is None
+        assert mine.retract()

@@ -151,6 +151,49 @@ async def test_a_refused_settle_is_raised_and_no_claim_made(store: ControlStore)
     assert await verify_ledger(store) == []
 
 
+async def test_a_settle_failing_as_its_round_runs_again_takes_no_claim(
+    store: ControlStore, raw: Any
+) -> None:
+    # Three calls in one round; the second's settle meets a database fault, which spoils
+    # the round's finishes as a whole. The writer runs them again one by one (SQLite,
+    # `_writer._run_held`), then the round without the culprit: the claims riding on the
+    # two settles that stand run, the one riding on the failed settle does not.
+    ids = await store.enqueue_many("alpha", [{"n": n} for n in range(6)])
+    held = await store.claim_batch("w", 3)
+    assert [c.item_id for c in held] == ids[:3]
+    if raw.backend == "sqlite":
+        raw.execute(
+            f"CREATE TRIGGER fault BEFORE UPDATE ON items WHEN OLD.item_id = {ids[1]} "
+            "BEGIN SELECT RAISE(ABORT, 'disk trouble'); END"
+        )
+    else:
+        raw.execute(
+            "CREATE FUNCTION fault() RETURNS trigger LANGUAGE plpgsql AS "
+            "$$ BEGIN RAISE EXCEPTION 'disk trouble'; END $$"
+        )
+        raw.execute(
+            f"CREATE TRIGGER fault BEFORE UPDATE ON items FOR EACH ROW "
+            f"WHEN (OLD.item_id = {ids[1]}) EXECUTE FUNCTION fault()"
+        )
+    rounds = await _rounds(store)
+    before = rounds()
+    results = await asyncio.gather(
+        *(store.finish_and_claim(c.item_id, fence=c.fence, owner="w") for c in held),
+        return_exceptions=True,
+    )
+    if store.backend == "sqlite":
+        assert rounds() == before + 1  # the settles and their claims, in one round
+    assert isinstance(results[0], ClaimedItem) and isinstance(results[2], ClaimedItem)
+    assert isinstance(results[1], StorageError) and "disk trouble" in str(results[1])
+    assert {results[0].item_id, results[2].item_id} == set(ids[3:5])
+    raw.execute("DROP TRIGGER fault" + (" ON items" if raw.backend == "postgresql" else ""))
+    states = [(await store.item(item_id))["state"] for item_id in ids]
+    assert states == ["done", "claimed", "done", "claimed", "claimed", "ready"]
+    for item_id in ids:  # no claim made and given back
+        assert "released" not in [e["event_type"] for e in await store.events(item_id)]
+    assert await verify_ledger(store) == []
+
+
 async def test_a_refused_settle_whose_claim_went_in_the_next_round_gives_it_back(
     asyncplane_store_factory: Callable[..., Any],
 ) -> None:

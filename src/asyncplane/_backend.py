@@ -25,7 +25,7 @@ Rules every backend keeps, because the store's guarantees rest on them:
 import asyncio
 import contextlib
 import functools
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, Protocol
 
 from asyncplane import _clock, _errors, _lock, _models, _schedule, _telemetry, _write_queue
@@ -542,7 +542,7 @@ class Writes:
         """The writer task's handle (for tests, benchmarks and the probe)."""
         return self._writer
 
-    def _submit(self, op: Any) -> Awaitable[Any]:
+    def _submit(self, op: Any) -> _write_queue.Pending[Any]:
         """Hand ``op`` to the writer: what to await for its outcome (refused at once on a
         read-only or closed store)."""
         if self._sizing.read_only:
@@ -551,19 +551,19 @@ class Writes:
             raise _errors.StoreClosed("the store is closed")
         return self._writer.submit(op)
 
-    def claim(self, op: ClaimOp) -> Awaitable[list[ClaimRow]]:
+    def claim(self, op: ClaimOp) -> _write_queue.Pending[list[ClaimRow]]:
         """Claim up to ``op.limit`` items (grouped with claims of the same filters)."""
         # Grouped is not subscripted here: a generic alias's call costs microseconds.
         return self._submit(_write_queue.Grouped(_claim_key(op), op, self._claim_many))
 
-    def finish(self, op: FinishOp) -> Awaitable[int]:
+    def finish(self, op: FinishOp) -> _write_queue.Pending[int]:
         """Settle a current claim (grouped with the round's other finishes, which run
         ahead of the claims queued with them: see `asyncplane._write_queue.units`)."""
         return self._submit(finish_request(op, self._finish_many))
 
     def finish_then_claim(
         self, settle: FinishOp, claim: ClaimOp
-    ) -> tuple[Awaitable[int], Awaitable[list[ClaimRow]] | None]:
+    ) -> tuple[_write_queue.Pending[int], _write_queue.Pending[list[ClaimRow]] | None]:
         """`finish`, and, where a settle and a claim share a round (`settle_with_claim`),
         the claim queued right behind it, to run only if the settle is not refused (the
         two commit together; refused, the claim answers `asyncplane._errors.NotRun`,
@@ -680,27 +680,28 @@ class Backend(Protocol):
         """Add the items (or find their twins), with their events; ids in input order."""
         ...
 
-    def claim(self, op: ClaimOp) -> Awaitable[list[ClaimRow]]:
+    def claim(self, op: ClaimOp) -> _write_queue.Pending[list[ClaimRow]]:
         """Claim up to ``op.limit`` items, each with a fence above any it had before.
 
-        The hot path: an awaitable (usually the request's future itself, so a caller
-        resumes no coroutines in between), and the request is queued by the call, not by
-        the first await: await what it returns at once, or the claim is made for no one
-        and its items wait for their leases to lapse."""
+        The hot path: the request's future itself (so a caller resumes no coroutines in
+        between), queued by the call, not by the first await; or, while the write lock
+        is moving, a coroutine that queues it once awaited (`_write_queue.Pending`).
+        Await what it returns at once, or the claim is made for no one and its items wait
+        for their leases to lapse."""
         ...
 
     async def renew(self, op: RenewOp) -> float:
         """Extend a current claim's lease; return the new expiry (epoch seconds)."""
         ...
 
-    def finish(self, op: FinishOp) -> Awaitable[int]:
+    def finish(self, op: FinishOp) -> _write_queue.Pending[int]:
         """Settle a current claim as done or failed; return how many twins it settled
         (an awaitable queued by the call, as `claim`'s)."""
         ...
 
     def finish_then_claim(
         self, settle: FinishOp, claim: ClaimOp
-    ) -> tuple[Awaitable[int], Awaitable[list[ClaimRow]] | None]:
+    ) -> tuple[_write_queue.Pending[int], _write_queue.Pending[list[ClaimRow]] | None]:
         """`finish`, and the claim riding on it where they share a round (see
         `Writes.finish_then_claim`); None for the claim elsewhere."""
         ...

@@ -43,6 +43,7 @@ from asyncplane import (
     _telemetry,
     _validate,
     _wakeups,
+    _write_queue,
 )
 from asyncplane._clock import Clock
 from asyncplane._models import ClaimedItem, Job
@@ -854,7 +855,7 @@ class ControlStore:
     async def _give_back(
         self,
         backend: _backend.Backend,
-        claiming: Awaitable[list[_backend.ClaimRow]],
+        claiming: _write_queue.Pending[list[_backend.ClaimRow]],
         actor_id: str | None,
     ) -> None:
         """The claim asked for with a settle that did not go through: whatever it took is
@@ -1803,8 +1804,11 @@ def _give_back_now(backend: _backend.Backend, rows: Sequence[_backend.ClaimRow],
         _log.exception("asyncplane: claims whose caller was cancelled were not given back")
 
 
-def _drop_claim(backend: _backend.Backend, claiming: Awaitable[list[_backend.ClaimRow]],
-                actor_id: str | None) -> None:  # fmt: skip
+def _drop_claim(
+    backend: _backend.Backend,
+    claiming: _write_queue.Pending[list[_backend.ClaimRow]],
+    actor_id: str | None,
+) -> None:
     """A claim nobody will wait for now, its caller cancelled: dropped if its request is
     still queued (or was never queued), given back by the writer if its round is running
     (`Writes.orphaned`), or here if its answer is in."""

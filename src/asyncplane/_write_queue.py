@@ -43,13 +43,14 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-from collections.abc import Awaitable, Callable, Container, Iterable, Mapping, Sequence
-from typing import Any, Generic, TypeVar
+from collections.abc import Awaitable, Callable, Container, Coroutine, Iterable, Mapping, Sequence
+from typing import Any, Generic, TypeVar, Union
 
 from asyncplane import _clock, _errors
 
 __all__ = (
     "Grouped",
+    "Pending",
     "Raised",
     "Request",
     "WriterBase",
@@ -67,6 +68,12 @@ __all__ = (
 T = TypeVar("T")
 
 _log = logging.getLogger("asyncplane.writer")
+
+#: What the caller of a write awaits: the request's future, queued already, or a
+#: coroutine that queues it once awaited (`asyncplane._writer.Writer.submit` while the
+#: write lock is moving). Nothing else: a caller that drops a request it never awaits
+#: (`asyncplane._store`'s cancelled claims) tells the two apart.
+Pending = Union["asyncio.Future[T]", Coroutine[Any, Any, T]]
 
 #: An operation and the future its caller waits on.
 Request = tuple[Any, "asyncio.Future[Any]"]
@@ -398,7 +405,7 @@ class WriterBase:
         """True when the writer stopped because it failed (not by stop())."""
         return self._failure is not None
 
-    def submit(self, op: Any) -> Awaitable[Any]:
+    def submit(self, op: Any) -> Pending[Any]:
         """Queue one operation now: the future to await for its own result or error.
 
         The future itself, not a coroutine around it: every caller awaits through this,

@@ -64,7 +64,7 @@ import contextlib
 import os
 import sqlite3
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import aiosqlite
@@ -137,7 +137,7 @@ class Writer(_write_queue.WriterBase):
         self._timer: asyncio.TimerHandle | None = None
         self._dispatch_due = False
 
-    def submit(self, op: Any) -> Awaitable[Any]:
+    def submit(self, op: Any) -> _write_queue.Pending[Any]:
         """Queue one operation: what to await for its result (its future, queued now).
         While a round given up for the lock still waits for it, a write first waits for
         the lock to move, at most busy_timeout, and is then refused with DatabaseLocked,
