@@ -30,7 +30,10 @@ async def test_a_claimed_item_carries_each_of_its_items_settings(
     store: ControlStore, clock: ManualClock
 ) -> None:
     # Every field set, and to a value no other field has: ClaimedItem is built
-    # positionally on the claim's path, so a field out of place shows here.
+    # positionally on the claim's path, so a field out of place shows here. (Two items
+    # ahead make the id 3; a claim given back makes the fence 2 with one attempt.)
+    await store.create_project("beta", "Beta")
+    await store.enqueue_many("beta", [{"n": 0}, {"n": 1}])
     enqueued_at = clock.datetime()
     sla = enqueued_at + dt.timedelta(hours=2)
     item_id = await store.enqueue(
@@ -42,8 +45,11 @@ async def test_a_claimed_item_carries_each_of_its_items_settings(
         fingerprint="fp-a",
         max_attempts=5,
     )
+    first = await store.claim(owner="w0", project_id="alpha")
+    assert first is not None
+    await store.release(first.item_id, fence=first.fence)
     clock.advance(3)
-    claim = await store.claim(owner="w1", lease_seconds=40)
+    claim = await store.claim(owner="w1", project_id="alpha", lease_seconds=40)
     assert claim is not None
     assert (
         claim.item_id,
@@ -61,10 +67,10 @@ async def test_a_claimed_item_carries_each_of_its_items_settings(
         claim.enqueued_at,
         claim.trace_context,
     ) == (
-        item_id,
+        3,
         "alpha",
         {"n": 1},
-        1,
+        2,
         1,
         enqueued_at + dt.timedelta(seconds=43),
         "w1",
@@ -76,6 +82,7 @@ async def test_a_claimed_item_carries_each_of_its_items_settings(
         enqueued_at,
         None,
     )
+    assert item_id == 3
 
 
 async def test_claim_returns_none_on_an_empty_queue(store: ControlStore) -> None:

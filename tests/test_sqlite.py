@@ -639,3 +639,29 @@ async def test_a_read_only_store_reads_and_writes_nothing(tmp_path: pathlib.Path
     conn.close()
     with pytest.raises(SchemaVersionError, match="needs migrating"):
         await ControlStore(copy, read_only=True).open()
+
+
+@pytest.mark.parametrize(
+    ("events", "rows"), [(50, [32, 8, 8, 1, 1]), (41, [32, 8, 1]), (7, [1] * 7)]
+)
+async def test_a_rounds_events_go_several_rows_to_a_statement(
+    tmp_path: pathlib.Path, events: int, rows: list[int]
+) -> None:
+    # `_sqlite._insert_events`: an INSERT into the AUTOINCREMENT ledger pays its
+    # sqlite_sequence bookkeeping once a statement, so a round's events go 32 rows to a
+    # statement, then 8, then one by one (each enqueued item has one event here).
+    async with ControlStore(tmp_path / "store.db") as store:
+        await store.create_project("alpha", "Alpha")
+        writer = await writer_of(store)
+        statements: list[str] = []
+
+        def traced(text: str) -> None:
+            if text.startswith("INSERT INTO events"):
+                statements.append(text)
+
+        await _connection.run(writer._conn, lambda db: db.set_trace_callback(traced))
+        ids = await store.enqueue_many("alpha", [{"n": n} for n in range(events)])
+        await _connection.run(writer._conn, lambda db: db.set_trace_callback(None))
+        assert [text.count("'queued'") for text in statements] == rows
+        assert [(await store.events(i))[0]["event_type"] for i in ids] == ["queued"] * events
+        assert await verify_ledger(store) == []

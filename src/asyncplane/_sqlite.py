@@ -667,9 +667,9 @@ def _claim_many(
 
 def _insert_events(db: sqlite3.Connection, events: Sequence[Sequence[Any]]) -> None:
     """Append a round's ledger events, in their order (so their ids rise in it), several
-    to a statement (`sql.INSERT_EVENTS`)."""
+    to a statement (`sql.INSERT_EVENT_ROWS`)."""
     start, count = 0, len(events)
-    for rows, statement in sql.INSERT_EVENTS:
+    for rows, statement in sql.INSERT_EVENT_ROWS:
         while count - start >= rows:
             db.execute(
                 statement, [value for event in events[start : start + rows] for value in event]

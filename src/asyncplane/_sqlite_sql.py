@@ -316,7 +316,7 @@ INSERT_EVENT: Final = (
 # (reading and writing sqlite_sequence) once a statement, where executemany pays it once a
 # row. Two sizes only, so that the statements stay in the connection's statement cache:
 # (rows, statement), largest first; what is left over goes one row a statement.
-INSERT_EVENTS: Final = tuple(
+INSERT_EVENT_ROWS: Final = tuple(
     (rows, INSERT_EVENT + ", (?, ?, ?, ?, ?, ?, ?)" * (rows - 1)) for rows in (32, 8)
 )
 

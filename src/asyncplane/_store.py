@@ -1764,7 +1764,8 @@ def _decoded(text: str, item_id: int, what: str) -> Any:
 
 def _claimed_item(row: _backend.ClaimRow, payload: dict[str, Any]) -> ClaimedItem:
     # Positional, in the order of ClaimedItem's fields: keywords cost a quarter more on
-    # the claim's path (tests/test_public_api.py holds the order).
+    # the claim's path (tests/test_claims.py holds each field to its value). The None
+    # checks inline, for the same reason: most items have no SLA and no trace context.
     return ClaimedItem(
         row.item_id,
         row.project_id,

@@ -44,7 +44,7 @@ import asyncio
 import collections
 import logging
 from collections.abc import Awaitable, Callable, Container, Coroutine, Iterable, Mapping, Sequence
-from typing import Any, Generic, TypeVar, Union
+from typing import Any, Generic, TypeVar
 
 from asyncplane import _clock, _errors
 
@@ -73,7 +73,7 @@ _log = logging.getLogger("asyncplane.writer")
 #: coroutine that queues it once awaited (`asyncplane._writer.Writer.submit` while the
 #: write lock is moving). Nothing else: a caller that drops a request it never awaits
 #: (`asyncplane._store`'s cancelled claims) tells the two apart.
-Pending = Union["asyncio.Future[T]", Coroutine[Any, Any, T]]
+Pending = asyncio.Future[T] | Coroutine[Any, Any, T]
 
 #: An operation and the future its caller waits on.
 Request = tuple[Any, "asyncio.Future[Any]"]
