@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+from tests.test_writer import update_fault
 
 from asyncplane import (
     ClaimAfterSettleFailed,
@@ -161,32 +162,18 @@ async def test_a_settle_failing_as_its_round_runs_again_takes_no_claim(
     ids = await store.enqueue_many("alpha", [{"n": n} for n in range(6)])
     held = await store.claim_batch("w", 3)
     assert [c.item_id for c in held] == ids[:3]
-    if raw.backend == "sqlite":
-        raw.execute(
-            f"CREATE TRIGGER fault BEFORE UPDATE ON items WHEN OLD.item_id = {ids[1]} "
-            "BEGIN SELECT RAISE(ABORT, 'disk trouble'); END"
-        )
-    else:
-        raw.execute(
-            "CREATE FUNCTION fault() RETURNS trigger LANGUAGE plpgsql AS "
-            "$$ BEGIN RAISE EXCEPTION 'disk trouble'; END $$"
-        )
-        raw.execute(
-            f"CREATE TRIGGER fault BEFORE UPDATE ON items FOR EACH ROW "
-            f"WHEN (OLD.item_id = {ids[1]}) EXECUTE FUNCTION fault()"
-        )
     rounds = await _rounds(store)
     before = rounds()
-    results = await asyncio.gather(
-        *(store.finish_and_claim(c.item_id, fence=c.fence, owner="w") for c in held),
-        return_exceptions=True,
-    )
+    with update_fault(raw, ids[1]):
+        results = await asyncio.gather(
+            *(store.finish_and_claim(c.item_id, fence=c.fence, owner="w") for c in held),
+            return_exceptions=True,
+        )
     if store.backend == "sqlite":
         assert rounds() == before + 1  # the settles and their claims, in one round
     assert isinstance(results[0], ClaimedItem) and isinstance(results[2], ClaimedItem)
     assert isinstance(results[1], StorageError) and "disk trouble" in str(results[1])
     assert {results[0].item_id, results[2].item_id} == set(ids[3:5])
-    raw.execute("DROP TRIGGER fault" + (" ON items" if raw.backend == "postgresql" else ""))
     states = [(await store.item(item_id))["state"] for item_id in ids]
     assert states == ["done", "claimed", "done", "claimed", "claimed", "ready"]
     for item_id in ids:  # no claim made and given back

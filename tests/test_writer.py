@@ -4,8 +4,10 @@ decides what is saved."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import sqlite3
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 import asyncpg
@@ -59,6 +61,30 @@ def operation(store: ControlStore, *statements: str, then: BaseException | None 
             raise then
 
     return pg_op
+
+
+@contextlib.contextmanager
+def update_fault(raw: Any, item_id: int) -> Iterator[None]:
+    """A database fault for one item only, while inside: a trigger raising 'disk trouble'
+    in any UPDATE of its row."""
+    if raw.backend == "sqlite":
+        raw.execute(
+            f"CREATE TRIGGER fault BEFORE UPDATE ON items WHEN OLD.item_id = {item_id} "
+            "BEGIN SELECT RAISE(ABORT, 'disk trouble'); END"
+        )
+    else:
+        raw.execute(
+            "CREATE OR REPLACE FUNCTION fault() RETURNS trigger LANGUAGE plpgsql AS "
+            "$$ BEGIN RAISE EXCEPTION 'disk trouble'; END $$"
+        )
+        raw.execute(
+            f"CREATE TRIGGER fault BEFORE UPDATE ON items FOR EACH ROW "
+            f"WHEN (OLD.item_id = {item_id}) EXECUTE FUNCTION fault()"
+        )
+    try:
+        yield
+    finally:
+        raw.execute("DROP TRIGGER fault" + (" ON items" if raw.backend == "postgresql" else ""))
 
 
 async def test_concurrent_requests_share_commits(store: ControlStore) -> None:
@@ -219,31 +245,17 @@ async def test_one_failing_member_of_grouped_finishes_fails_alone(
 ) -> None:
     ids = [await store.enqueue("alpha", {"n": n}) for n in range(3)]
     claims = [await store.claim(owner="w") for _ in ids]
-    # A database fault for the second item only, as a trigger raising inside its UPDATE.
-    if raw.backend == "sqlite":
-        raw.execute(
-            f"CREATE TRIGGER fault BEFORE UPDATE ON items WHEN OLD.item_id = {ids[1]} "
-            "BEGIN SELECT RAISE(ABORT, 'disk trouble'); END"
-        )
-    else:
-        raw.execute(
-            "CREATE FUNCTION fault() RETURNS trigger LANGUAGE plpgsql AS "
-            "$$ BEGIN RAISE EXCEPTION 'disk trouble'; END $$"
-        )
-        raw.execute(
-            f"CREATE TRIGGER fault BEFORE UPDATE ON items FOR EACH ROW "
-            f"WHEN (OLD.item_id = {ids[1]}) EXECUTE FUNCTION fault()"
-        )
     writer = await writer_of(store)
     rounds = writer.rounds
-    results = await asyncio.gather(
-        *(store.finish(c.item_id, fence=c.fence) for c in claims if c), return_exceptions=True
-    )
+    with update_fault(raw, ids[1]):
+        results = await asyncio.gather(
+            *(store.finish(c.item_id, fence=c.fence) for c in claims if c),
+            return_exceptions=True,
+        )
     assert writer.rounds == rounds + 1  # one round, run again inside it member by member
     assert results[0] is None and results[2] is None
     assert isinstance(results[1], StorageError) and "disk trouble" in str(results[1])
     assert [(await store.item(i))["state"] for i in ids] == ["done", "claimed", "done"]
-    raw.execute("DROP TRIGGER fault" + (" ON items" if raw.backend == "postgresql" else ""))
     assert await verify_ledger(store) == []
 
 
