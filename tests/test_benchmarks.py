@@ -377,3 +377,22 @@ def test_importing_asyncplane_leaves_the_file_pieces_to_the_first_store() -> Non
         "assert 'pathlib' in sys.modules and store.path.name == 'unopened.db'\n"
     )
     fresh_interpreter(script)
+
+
+def test_round_python_reports_a_rounds_statements_and_the_rest() -> None:
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "round_python.py"), "--items", "50", "--repeats", "2",
+         "--json"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert report["round_us"] > report["statements_us"] > 0
+    assert 0 < report["python_us"] < report["round_us"]
+    # The round's statements: the settle, the claim, and one COMMIT a round.
+    assert report["each_per_round"]["COMMIT"] == 1
+    assert report["each_per_round"]["BEGIN IMMEDIATE"] == 1
+    assert any(sql.startswith("UPDATE items SET state = 'done'") for sql in report["each_us"])
+    assert len(report["repeats"]) == 2

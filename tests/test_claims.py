@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime as dt
+import json
+from collections.abc import Awaitable, Iterator
 from typing import Any
 
 import pytest
 
-from asyncplane import ControlStore, FenceRejected, verify_ledger
+from asyncplane import ControlStore, FenceRejected, _telemetry, verify_ledger
 from asyncplane._store import engine_of
 from asyncplane.testing import ManualClock
 
@@ -26,12 +29,23 @@ async def test_claim_hands_an_item_to_exactly_one_caller(store: ControlStore) ->
     assert await store.claim(owner="w2") is None
 
 
+@contextlib.contextmanager
+def _saved_trace(project_id: str, count: int) -> Iterator[str]:
+    """An enqueue's span, as `_telemetry.enqueue_span` gives it, with a set context."""
+    yield json.dumps({"traceparent": _TRACEPARENT})
+
+
+_TRACEPARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+
+
 async def test_a_claimed_item_carries_each_of_its_items_settings(
-    store: ControlStore, clock: ManualClock
+    store: ControlStore, clock: ManualClock, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Every field set, and to a value no other field has: ClaimedItem is built
     # positionally on the claim's path, so a field out of place shows here. (Two items
-    # ahead make the id 3; a claim given back makes the fence 2 with one attempt.)
+    # ahead make the id 3; a claim given back makes the fence 2 with one attempt.) The
+    # trace context is set, so no tracing another test left on decides it.
+    monkeypatch.setattr(_telemetry, "enqueue_span", _saved_trace)
     await store.create_project("beta", "Beta")
     await store.enqueue_many("beta", [{"n": 0}, {"n": 1}])
     enqueued_at = clock.datetime()
@@ -80,7 +94,7 @@ async def test_a_claimed_item_carries_each_of_its_items_settings(
         "fp-a",
         5,
         enqueued_at,
-        None,
+        {"traceparent": _TRACEPARENT},
     )
     assert item_id == 3
 
@@ -345,6 +359,13 @@ async def claim_cancelled_in_its_round(
     write lock, held behind the store's back (``raw``, which the caller then lets go):
     the item's id."""
     item_id = await store.enqueue("alpha", {"n": 1})
+    await cancelled_in_its_round(store, raw, store.claim(owner="gone", wait=wait))
+    return item_id
+
+
+async def cancelled_in_its_round(store: ControlStore, raw: Any, call: Awaitable[Any]) -> None:
+    """Run ``call`` (one write), cancelled while its round waits for the write lock,
+    held behind the store's back (``raw``, which the caller then lets go)."""
     await store.counts()  # the readers open before the lock is taken
     raw.execute("BEGIN IMMEDIATE" if raw.backend == "sqlite" else "BEGIN")
     if raw.backend == "postgresql":
@@ -352,12 +373,11 @@ async def claim_cancelled_in_its_round(
     writer = (await engine_of(store).ready()).writer
     assert writer is not None
     served = writer.requests
-    claiming = asyncio.create_task(store.claim(owner="gone", wait=wait))
+    calling = asyncio.ensure_future(call)
     await _until_in_a_round(store, served)
-    claiming.cancel()
+    calling.cancel()
     with pytest.raises(asyncio.CancelledError):
-        await claiming
-    return item_id
+        await calling
 
 
 @pytest.mark.parametrize("wait", [None, 5.0])

@@ -13,6 +13,7 @@ import sys
 from typing import Any
 
 import pytest
+from tests.test_claims import cancelled_in_its_round
 
 from _signals import until
 from asyncplane import (
@@ -644,3 +645,26 @@ async def test_a_requeue_in_this_process_wakes_a_waiting_claim(store: ControlSto
     await store.requeue(item_id)
     claim = await waiting
     assert claim is not None and claim.item_id == item_id
+
+
+@pytest.mark.sqlite_only  # on PostgreSQL the server's NOTIFY wakes it whatever this process does
+@pytest.mark.parametrize("settle", ["finish", "finish_and_claim", "retry"])
+async def test_a_settle_saved_for_a_caller_gone_wakes_a_waiter_at_once(
+    store: ControlStore, raw: Any, settle: str
+) -> None:
+    # The settle's caller is cancelled while its round runs; the round commits it for
+    # nobody. This process's waiter hears of it from the writer, not an hour later.
+    item_id = await store.enqueue("alpha", {}, max_attempts=1)  # a retry fails it
+    claim = await store.claim("w")
+    assert claim is not None and claim.item_id == item_id
+    waiting = asyncio.create_task(store.wait(item_id, timeout=30, poll_interval=3600))
+    await until(parked, what="the waiter waits")
+    calls = {
+        "finish": lambda: store.finish(item_id, fence=claim.fence, result=1),
+        "finish_and_claim": lambda: store.finish_and_claim(item_id, fence=claim.fence, owner="w"),
+        "retry": lambda: store.retry(item_id, fence=claim.fence, error="boom"),
+    }
+    await cancelled_in_its_round(store, raw, calls[settle]())
+    raw.execute("COMMIT")
+    found = await waiting
+    assert found["state"] == ("failed" if settle == "retry" else "done")

@@ -235,6 +235,37 @@ def test_one_arm_without_quotas_or_fingerprints_gives_its_first_rows_dealt_in_or
         ]
 
 
+def test_a_sole_arm_page_decides_the_claim_as_the_merge_would() -> None:
+    # SQLite's claim skips the merge where one arm's first page settles it (most claims:
+    # one project, nothing lapsed or due, no limits); where it says so, it chooses what
+    # the merge chooses, and it says so for every page without twins that is short or
+    # holds the whole batch.
+    rng = random.Random(11)
+    decided = 0
+    for _ in range(500):
+        rows = sorted(
+            (candidate(n, priority=rng.randrange(3), project_id=rng.choice(["p", "q"]),
+                       fingerprint=rng.choice([None, None, None, "a", "b"]))
+             for n in range(1, rng.randrange(1, 30))),
+            key=_rules.claim_key,
+        )  # fmt: skip
+        limit = rng.randint(1, 8)
+        asked = rng.choice([limit, max(1, limit // 2), limit + 3])
+        page = rows[:asked]
+        merge = ClaimMerge(1, limit, first_page=asked)
+        while (arm := merge.hungry()) is not None:
+            size, offset = merge.next_page(arm)
+            merge.feed(arm, rows[offset : offset + size])
+        choice = _rules.sole_arm_choice(page, asked, limit)
+        prints = [(c.project_id, c.fingerprint) for c in page[:limit] if c.fingerprint]
+        settles = len(set(prints)) == len(prints) and (len(page) < asked or len(page) >= limit)
+        assert (choice is not None) == settles
+        if choice is not None:
+            decided += 1
+            assert [c.item_id for c in choice] == [c.item_id for c in merge.chosen]
+    assert decided > 200
+
+
 # --- operating single items -----------------------------------------------------------------
 
 

@@ -15,7 +15,7 @@ import os
 import pathlib
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import pytest
@@ -25,7 +25,7 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from tests.test_claims import claim_cancelled_in_its_round
+from tests.test_claims import cancelled_in_its_round, claim_cancelled_in_its_round
 
 from asyncplane import (
     ClaimedItem,
@@ -212,6 +212,129 @@ async def test_claims_no_caller_saw_are_counted_claimed_as_they_are_released(
     ]  # fmt: skip
     assert otel.total("asyncplane.items.claimed") - claimed == 2
     assert otel.total("asyncplane.items.settled", outcome="released") - released == 2
+
+
+#: Each settle, made for the item ``claim`` holds, by the outcome it is counted under:
+#: the backend's method it goes through, and the item's state after it.
+_SETTLES: dict[str, tuple[str, str, Callable[[ControlStore, ClaimedItem], Awaitable[Any]]]] = {
+    "done": ("finish", "done", lambda s, c: s.finish(c.item_id, fence=c.fence, result=1)),
+    "failed": (
+        "finish", "failed",
+        lambda s, c: s.finish(c.item_id, fence=c.fence, status="failed", error="boom"),
+    ),
+    "retried": ("retry", "deferred", lambda s, c: s.retry(c.item_id, fence=c.fence)),
+    "parked": ("park", "deferred", lambda s, c: s.park(c.item_id, fence=c.fence, delay=60)),
+    "released": ("release", "ready", lambda s, c: s.release(c.item_id, fence=c.fence)),
+    "offloaded": (
+        "offload", "offloaded", lambda s, c: s.offload(c.item_id, fence=c.fence, handle="b1"),
+    ),
+    "cancelled": ("cancel", "cancelled", lambda s, c: s.cancel(c.item_id, reason="stop")),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("outcome", list(_SETTLES))
+async def test_a_settle_saved_for_a_caller_cancelled_while_its_round_ran_is_counted(
+    store: ControlStore, raw: Any, otel: Otel, outcome: str
+) -> None:
+    # The round commits the settle for nobody: the item's state has changed, so the
+    # counter says so too.
+    _, state, settle = _SETTLES[outcome]
+    item_id = await store.enqueue("alpha", {"n": 1})
+    claim = await store.claim("w")
+    assert claim is not None and claim.item_id == item_id
+    settled = otel.total("asyncplane.items.settled", outcome=outcome)
+    await cancelled_in_its_round(store, raw, settle(store, claim))
+    raw.execute("COMMIT")
+    await store.assign("alpha", "barrier")  # a write behind the settle's round
+    assert (await store.item(item_id))["state"] == state
+    assert otel.total("asyncplane.items.settled", outcome=outcome) - settled == 1
+
+
+@pytest.mark.parametrize("outcome", list(_SETTLES))
+async def test_a_settle_whose_caller_is_cancelled_as_its_answer_came_is_counted(
+    store: ControlStore, otel: Otel, monkeypatch: pytest.MonkeyPatch, outcome: str
+) -> None:
+    # The answer is in the settle's future, and the caller is cancelled before it runs
+    # again: the settle stands, and is counted as if its caller had seen it.
+    method, state, settle = _SETTLES[outcome]
+    item_id = await store.enqueue("alpha", {"n": 1})
+    claim = await store.claim("w")
+    assert claim is not None
+    settled = otel.total("asyncplane.items.settled", outcome=outcome)
+    backend = await engine_of(store).ready()
+    call = getattr(backend, method)
+    tasks: list[asyncio.Task[Any]] = []
+
+    def then_cancel(op: Any) -> Any:
+        future = call(op)
+        assert isinstance(future, asyncio.Future)
+        # Added before the caller awaits it, so it runs first once the answer is in.
+        future.add_done_callback(lambda _: tasks[0].cancel())
+        return future
+
+    monkeypatch.setattr(backend, method, then_cancel)
+    tasks.append(asyncio.create_task(settle(store, claim)))
+    with pytest.raises(asyncio.CancelledError):
+        await tasks[0]
+    monkeypatch.undo()
+    assert (await store.item(item_id))["state"] == state
+    assert otel.total("asyncplane.items.settled", outcome=outcome) - settled == 1
+
+
+async def test_a_finish_saved_unseen_counts_the_twins_it_settled(
+    asyncplane_store_factory: Callable[..., Any], otel: Otel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Twins enqueued before the store knew its identity, fingerprinted afterwards: the
+    # finish of one settles the others, counted though its caller never saw it.
+    old: ControlStore = await asyncplane_store_factory("twins.db")
+    await old.create_project("p", "P")
+    twins = [await old.enqueue("p", {"task": "same"}) for _ in range(3)]
+    new: ControlStore = await asyncplane_store_factory("twins.db", identity=("task",))
+    await new.dedup_pending_against_done()  # fingerprints the old items
+    claim = await new.claim("w")
+    assert claim is not None and claim.item_id == twins[0]
+    dedup = otel.total("asyncplane.items.dedup_settled", layer="settlement")
+    backend = await engine_of(new).ready()
+    finish = backend.finish
+    tasks: list[asyncio.Task[Any]] = []
+
+    def then_cancel(op: Any) -> Any:
+        future = finish(op)
+        future.add_done_callback(lambda _: tasks[0].cancel())
+        return future
+
+    monkeypatch.setattr(backend, "finish", then_cancel)
+    tasks.append(asyncio.create_task(new.finish(claim.item_id, fence=claim.fence, result=1)))
+    with pytest.raises(asyncio.CancelledError):
+        await tasks[0]
+    monkeypatch.undo()
+    assert [(await new.item(i))["state"] for i in twins] == ["done"] * 3
+    assert otel.total("asyncplane.items.dedup_settled", layer="settlement") - dedup == 2
+
+
+async def test_a_bulk_cancel_stopped_midway_counts_the_chunks_it_saved(
+    store: ControlStore, otel: Otel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Each chunk commits by itself, and is counted as it does: a call cancelled after
+    # the first of three chunks leaves two items cancelled, and says so.
+    await store.enqueue_many("alpha", [{"n": n} for n in range(5)])
+    cancelled = otel.total("asyncplane.items.settled", outcome="cancelled")
+    backend = await engine_of(store).ready()
+    step = backend.cancel_where
+    tasks: list[asyncio.Task[Any]] = []
+
+    async def then_cancel(op: Any) -> Any:
+        answer = await step(op)
+        tasks[0].cancel()  # seen at the call's next await
+        return answer
+
+    monkeypatch.setattr(backend, "cancel_where", then_cancel)
+    tasks.append(asyncio.create_task(store.cancel_where(project_id="alpha", chunk=2)))
+    with pytest.raises(asyncio.CancelledError):
+        await tasks[0]
+    monkeypatch.undo()
+    assert (await store.counts(project_id="alpha"))["cancelled"] == 2
+    assert otel.total("asyncplane.items.settled", outcome="cancelled") - cancelled == 2
 
 
 async def test_write_rounds_are_measured(store: ControlStore, otel: Otel) -> None:

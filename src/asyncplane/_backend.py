@@ -31,6 +31,7 @@ from typing import Any, NamedTuple, Protocol
 from asyncplane import _clock, _errors, _lock, _models, _schedule, _telemetry, _write_queue
 
 __all__ = (
+    "SETTLES",
     "AssignmentRow",
     "Backend",
     "CancelOp",
@@ -43,6 +44,7 @@ __all__ = (
     "EventRow",
     "ExportOp",
     "FinishOp",
+    "GivenBack",
     "GroupOp",
     "Histories",
     "ImportOp",
@@ -62,6 +64,7 @@ __all__ = (
     "RenewOp",
     "RequeueOp",
     "RetryOp",
+    "SavedUnseen",
     "ScheduleOp",
     "ScheduleRow",
     "Sizing",
@@ -217,6 +220,11 @@ class CancelOp(NamedTuple):
     item_id: int
     reason: str | None
     actor_id: str | None
+
+
+#: The operations that settle one item, each counted as it is saved, answered or not
+#: (`Writes.orphaned`; `asyncplane._store`'s ``_outcome`` names each one's outcome).
+SETTLES = (FinishOp, RetryOp, ParkOp, ReleaseOp, OffloadOp, CancelOp)
 
 
 class RequeueOp(NamedTuple):
@@ -462,8 +470,12 @@ class Sizing(NamedTuple):
 GroupOp = Callable[[list[Any], Any, float], Any]
 #: Hears, on the event loop, that a give-back of an item claimed for a caller that went
 #: away landed (``error`` None) or failed: ``given_back(row, error)`` (see
-#: `Writes.on_orphaned_claims`).
+#: `Writes.on_orphaned`).
 GivenBack = Callable[["ClaimRow", BaseException | None], None]
+#: Hears, on the event loop, that a round saved a settle (a finish, retry, park,
+#: release, offload or cancel) for a caller that went away while it ran, with the answer
+#: its caller would have had: ``saved(op, answer)`` (see `Writes.on_orphaned`).
+SavedUnseen = Callable[[Any, Any], None]
 
 
 class Writes:
@@ -484,25 +496,33 @@ class Writes:
         self._finish_many = finish_many
         self._writer: _write_queue.WriterBase | None = None
         self._given_back: GivenBack | None = None
+        self._saved: SavedUnseen | None = None
 
     @property
     def clock(self) -> _clock.Clock:
         """The backend's clock (see `Backend.clock`)."""
         raise NotImplementedError
 
-    def on_orphaned_claims(self, given_back: GivenBack) -> None:
-        """Have the items of a claim whose caller was cancelled once its round had taken
-        them given back (`orphaned`), and hear ``given_back(row, error)`` as each give-back
-        lands (``error`` None) or fails."""
+    def on_orphaned(self, given_back: GivenBack, saved: SavedUnseen) -> None:
+        """For requests whose callers were cancelled while their rounds ran (`orphaned`):
+        have a claim's items given back, and hear ``given_back(row, error)`` as each
+        give-back lands (``error`` None) or fails; hear ``saved(op, answer)`` of a settle
+        saved."""
         self._given_back = given_back
+        self._saved = saved
 
     def orphaned(self, request: Any, outcome: Any) -> None:
         """The writer's `asyncplane._write_queue.Orphaned`: a claim's items are released
         at once, each queued now, ahead of the writer's end if it is stopping (nobody
-        knows their fences, so they would wait out their leases); any other request's
-        outcome stands as it is."""
-        if isinstance(request, _write_queue.Grouped) and isinstance(request.op, ClaimOp):
+        knows their fences, so they would wait out their leases); a settle stands, and
+        is told (`on_orphaned`), so it is counted and wakes this process's waiters as an
+        answered one does; any other request's outcome stands as it is."""
+        if not isinstance(request, _write_queue.Grouped | _write_queue.Named):
+            return
+        if isinstance(request.op, ClaimOp):
             self.give_back(outcome, request.op.actor_id, unseen=True)
+        elif self._saved is not None and isinstance(request.op, SETTLES):
+            self._saved(request.op, outcome)
 
     def give_back(
         self, rows: Sequence[ClaimRow], actor_id: str | None, *, unseen: bool = False
@@ -516,7 +536,7 @@ class Writes:
 
     def _give_back(self, rows: Sequence[ClaimRow], actor_id: str | None) -> None:
         for row in rows:
-            release = self._release_write(ReleaseOp(row.item_id, row.fence, actor_id))
+            release = self._settle_write(ReleaseOp(row.item_id, row.fence, actor_id))
             try:
                 if self._writer is None:
                     raise _errors.StoreClosed("the store is closed")
@@ -533,8 +553,9 @@ class Writes:
         if self._given_back is not None:
             self._given_back(row, error)
 
-    def _release_write(self, op: ReleaseOp) -> Any:
-        """A release as this backend's writer runs it."""
+    def _settle_write(self, op: Any) -> Any:
+        """A settle of `SETTLES` other than a finish (its op) as this backend's writer
+        runs it: the operation, called ``(conn, now)`` inside the round's transaction."""
         raise NotImplementedError
 
     @property
@@ -560,6 +581,33 @@ class Writes:
         """Settle a current claim (grouped with the round's other finishes, which run
         ahead of the claims queued with them: see `asyncplane._write_queue.units`)."""
         return self._submit(finish_request(op, self._finish_many))
+
+    def retry(self, op: RetryOp) -> _write_queue.Pending[str]:
+        """Defer a current claim for a retry, or fail it if no attempt is left: the
+        item's state afterwards."""
+        return self._settle(op)
+
+    def park(self, op: ParkOp) -> _write_queue.Pending[None]:
+        """Defer a current claim without spending an attempt."""
+        return self._settle(op)
+
+    def release(self, op: ReleaseOp) -> _write_queue.Pending[None]:
+        """Give a current claim back: the item is ready again, its attempt given back."""
+        return self._settle(op)
+
+    def offload(self, op: OffloadOp) -> _write_queue.Pending[None]:
+        """Hand a current claim to an external batch."""
+        return self._settle(op)
+
+    def cancel(self, op: CancelOp) -> _write_queue.Pending[tuple[str, bool]]:
+        """Cancel an item: its state afterwards (a settled one is left as it was), and
+        whether this call cancelled it."""
+        return self._settle(op)
+
+    def _settle(self, op: Any) -> _write_queue.Pending[Any]:
+        """One of those settles to the writer, naming its op (so that one saved for a
+        caller gone is still told: `orphaned`)."""
+        return self._submit(_write_queue.Named(self._settle_write(op), op))
 
     def finish_then_claim(
         self, settle: FinishOp, claim: ClaimOp
@@ -637,9 +685,9 @@ class Backend(Protocol):
         """Drop handles left behind by an event loop that has ended."""
         ...
 
-    def on_orphaned_claims(self, given_back: GivenBack) -> None:
-        """Hear of each give-back of a claim whose caller went away (see
-        `Writes.on_orphaned_claims`)."""
+    def on_orphaned(self, given_back: GivenBack, saved: SavedUnseen) -> None:
+        """Hear of each give-back of a claim, and each settle saved, whose caller went
+        away while its round ran (see `Writes.on_orphaned`)."""
         ...
 
     def give_back(
@@ -706,19 +754,19 @@ class Backend(Protocol):
         `Writes.finish_then_claim`); None for the claim elsewhere."""
         ...
 
-    async def retry(self, op: RetryOp) -> str:
+    def retry(self, op: RetryOp) -> _write_queue.Pending[str]:
         """Defer a current claim for a retry, or fail it if no attempt is left."""
         ...
 
-    async def park(self, op: ParkOp) -> None:
+    def park(self, op: ParkOp) -> _write_queue.Pending[None]:
         """Defer a current claim without spending an attempt."""
         ...
 
-    async def release(self, op: ReleaseOp) -> None:
+    def release(self, op: ReleaseOp) -> _write_queue.Pending[None]:
         """Give a current claim back: the item is ready again, its attempt given back."""
         ...
 
-    async def offload(self, op: OffloadOp) -> None:
+    def offload(self, op: OffloadOp) -> _write_queue.Pending[None]:
         """Hand a current claim to an external batch."""
         ...
 
@@ -808,9 +856,9 @@ class Backend(Protocol):
         """A page of the items ``op.where`` takes, in one snapshot, from an index."""
         ...
 
-    async def cancel(self, op: CancelOp) -> tuple[str, bool]:
-        """Cancel an item; return its state afterwards (a settled one is left as it was),
-        and whether this call cancelled it."""
+    def cancel(self, op: CancelOp) -> _write_queue.Pending[tuple[str, bool]]:
+        """Cancel an item: its state afterwards (a settled one is left as it was), and
+        whether this call cancelled it."""
         ...
 
     async def requeue(self, op: RequeueOp) -> None:

@@ -363,20 +363,8 @@ class PostgresBackend(_backend.Writes):
     async def renew(self, op: _backend.RenewOp) -> float:
         return await self._write(_bind(_renew, op))
 
-    async def retry(self, op: _backend.RetryOp) -> str:
-        return await self._write(_bind(_retry, op))
-
-    async def park(self, op: _backend.ParkOp) -> None:
-        await self._write(_bind(_park, op))
-
-    async def release(self, op: _backend.ReleaseOp) -> None:
-        await self._write(self._release_write(op))
-
-    def _release_write(self, op: _backend.ReleaseOp) -> _writer.Write[None]:
-        return _bind(_release, op)
-
-    async def offload(self, op: _backend.OffloadOp) -> None:
-        await self._write(_bind(_offload, op))
+    def _settle_write(self, op: Any) -> _writer.Operation[Any]:
+        return _bind(_SETTLES[type(op)], op)
 
     async def offloaded(self, handle: str, actor_id: str | None) -> list[_backend.ItemRow]:
         rows = await self._fetch(sql.OFFLOADED, handle, actor_id)
@@ -389,9 +377,6 @@ class PostgresBackend(_backend.Writes):
         )
         params = _list_params(op.where, states, op.newest, op.after, op.limit)
         return [_backend.ItemRow(*row) for row in await self._fetch(statement, *params)]
-
-    async def cancel(self, op: _backend.CancelOp) -> tuple[str, bool]:
-        return await self._write(_bind(_cancel, op))
 
     async def requeue(self, op: _backend.RequeueOp) -> None:
         await self._write(_bind(_requeue, op))
@@ -1219,6 +1204,17 @@ async def _offload(op: _backend.OffloadOp, conn: asyncpg.Connection, now: float)
     if row is None:
         await _refuse_fenced(conn, op.item_id, op.fence, op.actor_id)
     await _insert_events(conn, [_rules.offload_event(op, row[0], now)])
+
+
+#: Each settle other than a finish, by its op's type (`asyncplane._backend.Writes.retry`
+#: and its like queue them).
+_SETTLES: dict[type, Callable[..., Any]] = {
+    _backend.RetryOp: _retry,
+    _backend.ParkOp: _park,
+    _backend.ReleaseOp: _release,
+    _backend.OffloadOp: _offload,
+    _backend.CancelOp: _cancel,
+}
 
 
 async def _backfill_fingerprints(

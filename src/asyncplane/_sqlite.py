@@ -229,20 +229,8 @@ class SQLiteBackend(_backend.Writes):
     async def renew(self, op: _backend.RenewOp) -> float:
         return await self._write(functools.partial(_renew, op))
 
-    async def retry(self, op: _backend.RetryOp) -> str:
-        return await self._write(functools.partial(_retry, op))
-
-    async def park(self, op: _backend.ParkOp) -> None:
-        await self._write(functools.partial(_park, op))
-
-    async def release(self, op: _backend.ReleaseOp) -> None:
-        await self._write(self._release_write(op))
-
-    def _release_write(self, op: _backend.ReleaseOp) -> _writer.Write[None]:
-        return functools.partial(_release, op)
-
-    async def offload(self, op: _backend.OffloadOp) -> None:
-        await self._write(functools.partial(_offload, op))
+    def _settle_write(self, op: Any) -> _writer.Operation[Any]:
+        return functools.partial(_SETTLES[type(op)], op)
 
     async def offloaded(self, handle: str, actor_id: str | None) -> list[_backend.ItemRow]:
         rows = await self._read(
@@ -252,9 +240,6 @@ class SQLiteBackend(_backend.Writes):
 
     async def list_items(self, op: _backend.ListOp) -> list[_backend.ItemRow]:
         return await self._read(_list_items, op)
-
-    async def cancel(self, op: _backend.CancelOp) -> tuple[str, bool]:
-        return await self._write(functools.partial(_cancel, op))
 
     async def requeue(self, op: _backend.RequeueOp) -> None:
         await self._write(functools.partial(_requeue, op))
@@ -630,6 +615,40 @@ def _claim_many(
     if lapsed:
         lapsed_page = db.execute(sql.CLAIM_LAPSED, {**params, "limit": page, "offset": 0})
         pages[("l", None)] = [_rules.Candidate._make(row) for row in lapsed_page]
+    chosen = None
+    if len(pages) == 1 and not reach.quotas:  # most claims: the page settles it
+        (sole,) = pages.values()
+        chosen = _rules.sole_arm_choice(sole, page, total)
+    if chosen is None:
+        chosen = _merged(db, params, pages, sizes, page, total, reach)
+    results: dict[int, list[_backend.ClaimRow]] = {id(op): [] for op in ops}
+    dealt = _rules.deal(chosen, ops)
+    for (candidate, op), got in zip(dealt, _claim_items(db, dealt, now), strict=True):
+        if candidate.state == "claimed":
+            events.append(_rules.takeover_event(candidate, op, now))
+        claimed = _rules.claim_row(candidate, op, now, got)
+        results[id(op)].append(claimed)
+        events.append(
+            _rules.event(candidate.item_id, "claimed", claimed.fence, op.owner, op.actor_id, now)
+        )
+    taken = {project: quota.taken for project, quota in reach.quotas.items() if quota.taken}
+    for project, tokens, refilled_at in reach.spent(taken, now):
+        db.execute(sql.SPEND_TOKENS, (tokens, refilled_at, project))
+    _insert_events(db, events)
+    return [results[id(op)] for op in ops]
+
+
+def _merged(
+    db: sqlite3.Connection,
+    params: dict[str, Any],
+    pages: dict[tuple[str, str | None], list[_rules.Candidate]],
+    sizes: dict[tuple[str, str | None], int],
+    page: int,
+    total: int,
+    reach: _rules.LimitedReach,
+) -> list[_rules.Candidate]:
+    """A claim's items chosen by `asyncplane._rules.ClaimMerge` from every arm's first
+    page, each arm read further as the merge asks."""
     keys = list(pages)
     merge = _rules.ClaimMerge(
         len(keys),
@@ -648,21 +667,7 @@ def _claim_many(
         statement = {"r": sql.CLAIM_READY, "d": sql.CLAIM_DUE, "l": sql.CLAIM_LAPSED}[tag]
         further = {**params, "project": arm_project, "limit": limit, "offset": offset}
         merge.feed(arm, db.execute(statement, further))
-    results: dict[int, list[_backend.ClaimRow]] = {id(op): [] for op in ops}
-    dealt = list(_rules.deal(merge.chosen, ops))
-    for (candidate, op), got in zip(dealt, _claim_items(db, dealt, now), strict=True):
-        if candidate.state == "claimed":
-            events.append(_rules.takeover_event(candidate, op, now))
-        claimed = _rules.claim_row(candidate, op, now, got)
-        results[id(op)].append(claimed)
-        events.append(
-            _rules.event(candidate.item_id, "claimed", claimed.fence, op.owner, op.actor_id, now)
-        )
-    taken = {project: quota.taken for project, quota in reach.quotas.items() if quota.taken}
-    for project, tokens, refilled_at in reach.spent(taken, now):
-        db.execute(sql.SPEND_TOKENS, (tokens, refilled_at, project))
-    _insert_events(db, events)
-    return [results[id(op)] for op in ops]
+    return merge.chosen
 
 
 def _insert_events(db: sqlite3.Connection, events: Sequence[Sequence[Any]]) -> None:
@@ -891,6 +896,17 @@ def _cancel(op: _backend.CancelOp, db: sqlite3.Connection, now: float) -> tuple[
     state, fence = _rules.target(op.item_id, op.actor_id, found)
     after = _cancel_one(db, op.item_id, state, fence, op.reason, op.actor_id, now)
     return after, after != state
+
+
+#: Each settle other than a finish, by its op's type (`asyncplane._backend.Writes.retry`
+#: and its like queue them).
+_SETTLES: dict[type, Callable[..., Any]] = {
+    _backend.RetryOp: _retry,
+    _backend.ParkOp: _park,
+    _backend.ReleaseOp: _release,
+    _backend.OffloadOp: _offload,
+    _backend.CancelOp: _cancel,
+}
 
 
 def _requeue_one(

@@ -28,7 +28,7 @@ from collections.abc import (
     Sequence,
 )
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING, Any, Literal, TypeVar, cast
+from typing import TYPE_CHECKING, Any, Literal, TypeGuard, TypeVar
 
 from asyncplane import (
     _backend,
@@ -205,7 +205,7 @@ class ControlStore:
                 purge_min_interval=self._purge_min_interval,
             ),
         )
-        self._engine.backend.on_orphaned_claims(self._given_back)
+        self._engine.backend.on_orphaned(self._given_back, self._saved_unseen)
 
     def __repr__(self) -> str:
         state = "open" if self._engine.is_open else "closed"
@@ -709,7 +709,7 @@ class ControlStore:
             else _validate.lease_seconds(lease_seconds),
             _validate.optional_actor(actor_id),
         )
-        expires = await self._settle(None, (await self._engine.ready()).renew(op))
+        expires = await self._settle(op, (await self._engine.ready()).renew(op))
         return _models.from_timestamp(expires)
 
     async def finish(
@@ -739,7 +739,7 @@ class ControlStore:
                 large or not JSON; nothing was written and the claim stays valid.
         """
         op = self._finish_op(item_id, fence, status, result, error, actor_id)
-        twins = await self._settle(op.status, (await self._engine.ready()).finish(op))
+        twins = await self._settle(op, (await self._engine.ready()).finish(op))
         _telemetry.dedup_settled(twins, "settlement")
         self._engine.notify()  # a settled item frees its waiting twins
 
@@ -792,7 +792,7 @@ class ControlStore:
         # settle is not refused; elsewhere it is asked once the settle is done.
         finishing, claiming = backend.finish_then_claim(settle, claim)
         try:
-            twins = await self._settle(settle.status, finishing)
+            twins = await self._settle(settle, finishing)
         except Exception as exc:
             # Refused: a claim in the settle's round was not run (NotRun); one cut into the
             # next round is given back.
@@ -895,7 +895,7 @@ class ControlStore:
         for row in rows:
             try:
                 op = _backend.ReleaseOp(row.item_id, row.fence, actor_id)
-                await self._settle("released", backend.release(op))
+                await self._settle(op, backend.release(op))
                 self._engine.notify()  # claimable again, here and now
             except _errors.AsyncplaneError as exc:  # its lease lapses; a later claim takes it
                 _log.warning(
@@ -933,7 +933,7 @@ class ControlStore:
             self._retry_backoff_max,
             self._rng.random(),
         )
-        state = await self._settle(_retried, (await self._engine.ready()).retry(op))
+        state = await self._settle(op, (await self._engine.ready()).retry(op))
         self._engine.notify()  # it may be due at once, or settle a twin's wait
         return state
 
@@ -954,7 +954,7 @@ class ControlStore:
             _validate.optional_actor(actor_id),
             _validate.delay(delay, "delay"),
         )
-        await self._settle("parked", (await self._engine.ready()).park(op))
+        await self._settle(op, (await self._engine.ready()).park(op))
         self._engine.notify()
 
     async def release(self, item_id: int, *, fence: int, actor_id: str | None = None) -> None:
@@ -973,7 +973,7 @@ class ControlStore:
             _validate.positive_int(fence, "fence"),
             _validate.optional_actor(actor_id),
         )
-        await self._settle("released", (await self._engine.ready()).release(op))
+        await self._settle(op, (await self._engine.ready()).release(op))
         self._engine.notify()  # claimable again, here and now
 
     async def offload(
@@ -994,24 +994,39 @@ class ControlStore:
             _validate.optional_actor(actor_id),
             _validate.text_id(handle, "handle"),
         )
-        await self._settle("offloaded", (await self._engine.ready()).offload(op))
+        await self._settle(op, (await self._engine.ready()).offload(op))
 
-    async def _settle(
-        self, outcome: str | Callable[[_T], str | None] | None, call: Awaitable[_T]
-    ) -> _T:
-        """Await one settle (or renew) call, counted under ``outcome`` (a name, or what
-        it names from the call's answer; None: not a settlement) and timed; a refused
-        fence is counted as such."""
+    async def _settle(self, op: Any, call: Awaitable[_T]) -> _T:
+        """Await one settle (or renew) call, counted under the outcome its answer names
+        (`_outcome`) and timed; a refused fence is counted as such. Cancelled once the
+        answer was in, the settle stands, and is counted as saved unseen."""
         started = time.perf_counter()
         try:
             result = await call
         except _errors.FenceRejected as exc:
             _telemetry.refused(isinstance(exc, _errors.ItemCancelled))
             raise
-        named = outcome(result) if callable(outcome) else outcome
+        except asyncio.CancelledError:
+            # Cancelled while the round ran, the writer tells (`Writes.orphaned`); once
+            # the answer was in, its future holds it.
+            if _has_answer(call):
+                self._saved_unseen(op, call.result())
+            raise
+        named = _outcome(op, result)
         if named is not None:
             _telemetry.settled(named, time.perf_counter() - started, self.backend)
         return result
+
+    def _saved_unseen(self, op: Any, answer: Any) -> None:
+        """A settle saved for a caller that went away (`Writes.on_orphaned`): counted as
+        an answered one is (no latency: nobody waited for it), its twins too, and this
+        process's waiters woken, as the caller would have done."""
+        named = _outcome(op, answer)
+        if named is not None:
+            _telemetry.settled(named, None, self.backend)
+        if isinstance(op, _backend.FinishOp):
+            _telemetry.dedup_settled(answer, "settlement")
+        self._engine.notify()
 
     async def offloaded(self, handle: str, *, actor_id: str | None = None) -> list[dict[str, Any]]:
         """The items offloaded to ``handle``, each as `item` returns it (fence included)."""
@@ -1293,7 +1308,7 @@ class ControlStore:
             _validate.error_text(reason),
             _validate.optional_actor(actor_id),
         )
-        state, _ = await self._settle(_cancelled, (await self._engine.ready()).cancel(op))
+        state, _ = await self._settle(op, (await self._engine.ready()).cancel(op))
         self._engine.notify()  # its twins may be claimable, a waiter may be waiting
         return state
 
@@ -1345,9 +1360,7 @@ class ControlStore:
         why = _validate.error_text(reason)
         size = _validate.positive_int(chunk, "chunk")
         backend = await self._engine.ready()
-        cancelled = await self._in_chunks(backend.cancel_where, where, size, why)
-        _telemetry.settled("cancelled", None, self.backend, count=cancelled)
-        return cancelled
+        return await self._in_chunks(backend.cancel_where, where, size, why, "cancelled")
 
     async def requeue_where(
         self,
@@ -1375,7 +1388,7 @@ class ControlStore:
         )  # fmt: skip
         size = _validate.positive_int(chunk, "chunk")
         backend = await self._engine.ready()
-        return await self._in_chunks(backend.requeue_where, where, size, None)
+        return await self._in_chunks(backend.requeue_where, where, size, None, None)
 
     async def _in_chunks(
         self,
@@ -1383,12 +1396,17 @@ class ControlStore:
         where: _backend.ItemFilter,
         chunk: int,
         reason: str | None,
+        outcome: str | None,
     ) -> int:
+        """``step`` chunk after chunk to the end; how many items it changed, each chunk
+        counted settled under ``outcome`` (if any) as it commits."""
         changed, after = 0, 0
         while True:
             count, last = await step(_backend.WhereOp(where, after, chunk, reason))
             changed += count
             if count:
+                if outcome is not None:
+                    _telemetry.settled(outcome, None, self.backend, count=count)
                 self._engine.notify()
             if last is None:
                 return changed
@@ -1714,14 +1732,34 @@ def _schedule_dict(row: _backend.ScheduleRow) -> dict[str, Any]:
     }
 
 
-def _retried(state: str) -> str:
-    """The outcome a retry's answer names: retried (deferred), or failed (out of attempts)."""
-    return "retried" if state == "deferred" else "failed"
+def _outcome(op: Any, answer: Any) -> str | None:
+    """The outcome a settle counts under (`_telemetry.settled`), from its op and its
+    answer; None for a call that settles nothing (a renew, a cancel of a settled item)."""
+    if isinstance(op, _backend.FinishOp):
+        return op.status
+    if isinstance(op, _backend.RetryOp):  # its answer: deferred, or failed (out of attempts)
+        return "retried" if answer == "deferred" else "failed"
+    if isinstance(op, _backend.CancelOp):  # its answer: (state, whether this call cancelled)
+        return "cancelled" if answer[1] else None
+    return _OUTCOMES.get(type(op))
 
 
-def _cancelled(answer: tuple[str, bool]) -> str | None:
-    """The outcome a cancel's answer names: cancelled, if this call cancelled it."""
-    return "cancelled" if answer[1] else None
+#: The outcome of each settle whose answer does not change it.
+_OUTCOMES: dict[type, str] = {
+    _backend.ParkOp: "parked",
+    _backend.ReleaseOp: "released",
+    _backend.OffloadOp: "offloaded",
+}
+
+
+def _has_answer(call: Awaitable[_T]) -> TypeGuard[asyncio.Future[_T]]:
+    """Whether ``call`` is a future holding a value (not a refusal, not cancelled)."""
+    return (
+        isinstance(call, asyncio.Future)
+        and call.done()
+        and not call.cancelled()
+        and call.exception() is None
+    )
 
 
 def _row_extra(row: _backend.ClaimRow | ClaimedItem) -> dict[str, Any]:
@@ -1824,9 +1862,7 @@ def _drop_claim(
 def _answer_of(call: Awaitable[_T]) -> _T | None:
     """The value ``call`` holds, if it is a future that has one (not a refusal, not
     cancelled); else None."""
-    if not isinstance(call, asyncio.Future) or not call.done() or call.cancelled():
-        return None
-    return None if call.exception() is not None else cast("_T", call.result())
+    return call.result() if _has_answer(call) else None
 
 
 async def _changed_since(backend: _backend.Backend, version: int, poll: float) -> None:

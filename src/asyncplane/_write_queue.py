@@ -50,6 +50,7 @@ from asyncplane import _clock, _errors
 
 __all__ = (
     "Grouped",
+    "Named",
     "Pending",
     "Raised",
     "Request",
@@ -120,6 +121,22 @@ class Grouped(Generic[T]):
     def run(self, members: Sequence[Any], conn: Any, now: float) -> Any:
         """``many`` for ``members`` (this request first among them)."""
         return self.many([member.op for member in members], conn, now)
+
+
+class Named(Generic[T]):
+    """A write request that runs by itself, as a plain operation does, and names the
+    operation it writes (``op``: a `asyncplane._backend.RetryOp`, say), so that what a
+    round saved for a caller that went away can still be told (`deliver`'s
+    ``orphaned``). ``write(conn, now)`` is the backend's operation."""
+
+    __slots__ = ("op", "write")
+
+    def __init__(self, write: Callable[[Any, float], T], op: Any) -> None:
+        self.write = write
+        self.op = op
+
+    def __call__(self, conn: Any, now: float) -> T:
+        return self.write(conn, now)
 
 
 def units(ops: Sequence[Any], todo: Iterable[int], alone: Container[int] = ()) -> list[list[int]]:
