@@ -648,7 +648,7 @@ async def test_a_requeue_in_this_process_wakes_a_waiting_claim(store: ControlSto
 
 
 @pytest.mark.sqlite_only  # on PostgreSQL the server's NOTIFY wakes it whatever this process does
-@pytest.mark.parametrize("settle", ["finish", "finish_and_claim", "retry"])
+@pytest.mark.parametrize("settle", ["finish", "finish_and_claim", "retry", "cancel"])
 async def test_a_settle_saved_for_a_caller_gone_wakes_a_waiter_at_once(
     store: ControlStore, raw: Any, settle: str
 ) -> None:
@@ -663,8 +663,35 @@ async def test_a_settle_saved_for_a_caller_gone_wakes_a_waiter_at_once(
         "finish": lambda: store.finish(item_id, fence=claim.fence, result=1),
         "finish_and_claim": lambda: store.finish_and_claim(item_id, fence=claim.fence, owner="w"),
         "retry": lambda: store.retry(item_id, fence=claim.fence, error="boom"),
+        "cancel": lambda: store.cancel(item_id),
     }
     await cancelled_in_its_round(store, raw, calls[settle]())
     raw.execute("COMMIT")
     found = await waiting
-    assert found["state"] == ("failed" if settle == "retry" else "done")
+    states = {"retry": "failed", "cancel": "cancelled"}
+    assert found["state"] == states.get(settle, "done")
+
+
+@pytest.mark.sqlite_only  # on PostgreSQL the server's NOTIFY wakes it whatever this process does
+@pytest.mark.parametrize("settle", ["release", "park"])
+async def test_a_settle_saved_for_a_caller_gone_wakes_a_waiting_claim_at_once(
+    store: ControlStore, raw: Any, clock: ManualClock, settle: str
+) -> None:
+    # As above, for a claim waiting for work: a release makes the item ready again, a
+    # park of no delay makes it due at once.
+    item_id = await store.enqueue("alpha", {})
+    claim = await store.claim("w")
+    assert claim is not None and claim.item_id == item_id
+    waiting = asyncio.create_task(store.claim("w2", wait=30, poll_interval=3600))
+    await until(
+        lambda: any(t.get_name() == "asyncplane-wait-work-local" for t in asyncio.all_tasks()),
+        what="the claim waits",
+    )
+    call = (
+        store.release(item_id, fence=claim.fence) if settle == "release"
+        else store.park(item_id, fence=claim.fence, delay=0)
+    )  # fmt: skip
+    await cancelled_in_its_round(store, raw, call)
+    raw.execute("COMMIT")
+    again = await waiting
+    assert again is not None and again.item_id == item_id and again.owner == "w2"

@@ -30,6 +30,7 @@ from asyncplane import (
     StorageError,
     StoreClosed,
     _connection,
+    _rules,
     _sqlite,
     _writer,
     verify_ledger,
@@ -665,3 +666,31 @@ async def test_a_rounds_events_go_several_rows_to_a_statement(
         assert [text.count("'queued'") for text in statements] == rows
         assert [(await store.events(i))[0]["event_type"] for i in ids] == ["queued"] * events
         assert await verify_ledger(store) == []
+
+
+async def test_a_claim_that_one_arms_first_page_settles_builds_no_merge(
+    store: ControlStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The common claim (one project in reach, nothing lapsed or due, no limits) takes
+    # what the page holds without a ClaimMerge (`_rules.sole_arm_choice`); a claim over
+    # two projects' rows, or a limited project, still goes through one.
+    merges: list[int] = []
+    merge = _rules.ClaimMerge
+
+    def counted(*args: Any, **kwargs: Any) -> _rules.ClaimMerge:
+        merges.append(1)
+        return merge(*args, **kwargs)
+
+    monkeypatch.setattr(_rules, "ClaimMerge", counted)
+    first, second = await store.enqueue_many("alpha", [{"n": 1}, {"n": 2}])
+    claims = await store.claim_batch("w", 2)
+    assert [c.item_id for c in claims] == [first, second] and merges == []
+    await store.create_project("beta", "Beta")
+    in_beta = await store.enqueue("beta", {"n": 3})
+    in_alpha = await store.enqueue("alpha", {"n": 4})
+    claims = await store.claim_batch("w", 2)
+    assert [c.item_id for c in claims] == [in_beta, in_alpha] and merges == [1]
+    await store.set_limits("alpha", max_running=10)
+    last = await store.enqueue("alpha", {"n": 5})
+    claim = await store.claim("w", project_id="alpha")
+    assert claim is not None and claim.item_id == last and merges == [1, 1]

@@ -555,9 +555,9 @@ class ClaimMerge:
 def sole_arm_choice(page: Sequence[Candidate], asked: int, limit: int) -> list[Candidate] | None:
     """What `ClaimMerge` chooses for a claim of ``limit`` items with one arm and no
     quota, from that arm's first page (``asked`` rows were asked for, in claim order),
-    where the page settles it: no two of its rows twins, and either the arm has nothing
-    more (a short page) or the page holds the whole batch. None where the merge must
-    read on (`tests/test_rules.py` holds the two to the same choice)."""
+    where the page settles it: no two of its first ``limit`` rows twins, and either the
+    arm has nothing more (a short page) or the page holds the whole batch. None where the
+    merge must read on (`tests/test_rules.py` holds the two to the same choice)."""
     if len(page) < limit and len(page) >= asked:
         return None  # a full page short of the batch: the arm may have more
     chosen = page[:limit]

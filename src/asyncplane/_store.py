@@ -205,7 +205,7 @@ class ControlStore:
                 purge_min_interval=self._purge_min_interval,
             ),
         )
-        self._engine.backend.on_orphaned(self._given_back, self._saved_unseen)
+        self._engine.backend.on_orphaned(self._given_back, self._tally)
 
     def __repr__(self) -> str:
         state = "open" if self._engine.is_open else "closed"
@@ -681,8 +681,7 @@ class ControlStore:
             _log.warning(
                 "asyncplane: item %d retried: %s", row.item_id, reason, extra=_row_extra(row)
             )
-            _telemetry.settled("retried" if state == "deferred" else "failed", None, self.backend)
-            self._engine.notify()
+            self._tally(op, state)  # counted as any retry, no caller waiting
 
     async def renew(
         self,
@@ -1009,18 +1008,19 @@ class ControlStore:
         except asyncio.CancelledError:
             # Cancelled while the round ran, the writer tells (`Writes.orphaned`); once
             # the answer was in, its future holds it.
-            if _has_answer(call):
-                self._saved_unseen(op, call.result())
+            if _has_answer(call):  # told, never raised: the cancellation must not be lost
+                _write_queue.tell(self._tally, op, call.result())
             raise
         named = _outcome(op, result)
         if named is not None:
             _telemetry.settled(named, time.perf_counter() - started, self.backend)
         return result
 
-    def _saved_unseen(self, op: Any, answer: Any) -> None:
-        """A settle saved for a caller that went away (`Writes.on_orphaned`): counted as
-        an answered one is (no latency: nobody waited for it), its twins too, and this
-        process's waiters woken, as the caller would have done."""
+    def _tally(self, op: Any, answer: Any) -> None:
+        """A settle saved with no caller's latency to record (its caller went away while
+        it ran, `Writes.on_orphaned`, or the store made it itself): counted under its
+        outcome, a finish's dedup twins too, and this process's waiters woken, as that
+        caller would have done."""
         named = _outcome(op, answer)
         if named is not None:
             _telemetry.settled(named, None, self.backend)
