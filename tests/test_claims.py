@@ -380,6 +380,29 @@ async def cancelled_in_its_round(store: ControlStore, raw: Any, call: Awaitable[
         await calling
 
 
+async def cancelled_as_answered(store: ControlStore, method: str, call: Awaitable[Any]) -> None:
+    """Run ``call``, its caller cancelled as the answer of the store backend's ``method``
+    comes in: the answer is in the request's future, the caller not yet resumed."""
+    backend = await engine_of(store).ready()
+    original = getattr(backend, method)
+    tasks: list[asyncio.Future[Any]] = []
+
+    def then_cancel(op: Any) -> Any:
+        future = original(op)
+        assert isinstance(future, asyncio.Future)
+        # Added before the caller awaits it, so it runs first once the answer is in.
+        future.add_done_callback(lambda _: tasks[0].cancel())
+        return future
+
+    setattr(backend, method, then_cancel)
+    try:
+        tasks.append(asyncio.ensure_future(call))
+        with pytest.raises(asyncio.CancelledError):
+            await tasks[0]
+    finally:
+        delattr(backend, method)  # the backend's own method again
+
+
 @pytest.mark.parametrize("wait", [None, 5.0])
 async def test_a_claim_cancelled_while_its_round_ran_gives_back_what_it_took(
     store: ControlStore, raw: Any, wait: float | None
@@ -405,26 +428,12 @@ async def test_a_claim_cancelled_while_its_round_ran_gives_back_what_it_took(
 
 @pytest.mark.parametrize("limit", [1, 3])
 async def test_a_claim_cancelled_as_its_answer_came_gives_back_what_it_took(
-    store: ControlStore, monkeypatch: pytest.MonkeyPatch, limit: int
+    store: ControlStore, limit: int
 ) -> None:
     # The round answered, and the caller is cancelled before it runs again: the answer
     # is in the claim's future but reaches nobody. What it took goes back at once.
     ids = await store.enqueue_many("alpha", [{"n": n} for n in range(limit)])
-    backend = await engine_of(store).ready()
-    claim = backend.claim
-    tasks: list[asyncio.Task[Any]] = []
-
-    def claim_then_cancel(op: Any) -> Any:
-        future = claim(op)
-        # Added before the caller awaits it, so it runs first once the answer is in.
-        future.add_done_callback(lambda _: tasks[0].cancel())
-        return future
-
-    monkeypatch.setattr(backend, "claim", claim_then_cancel)
-    tasks.append(asyncio.create_task(store.claim_batch("gone", limit)))
-    with pytest.raises(asyncio.CancelledError):
-        await tasks[0]
-    monkeypatch.undo()
+    await cancelled_as_answered(store, "claim", store.claim_batch("gone", limit))
     await store.assign("alpha", "barrier")  # queued after the give-back
     for item_id in ids:
         row = await store.item(item_id)

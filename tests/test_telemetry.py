@@ -25,7 +25,11 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from tests.test_claims import cancelled_in_its_round, claim_cancelled_in_its_round
+from tests.test_claims import (
+    cancelled_as_answered,
+    cancelled_in_its_round,
+    claim_cancelled_in_its_round,
+)
 
 from asyncplane import (
     ClaimedItem,
@@ -182,7 +186,7 @@ async def test_takeovers_queue_wait_and_dedup_settlements_are_counted(
 
 
 async def test_claims_no_caller_saw_are_counted_claimed_as_they_are_released(
-    store: ControlStore, raw: Any, otel: Otel, monkeypatch: pytest.MonkeyPatch
+    store: ControlStore, raw: Any, otel: Otel
 ) -> None:
     # The ledger has a claim and a release for each; the counters say the same.
     claimed = otel.total("asyncplane.items.claimed")
@@ -192,20 +196,7 @@ async def test_claims_no_caller_saw_are_counted_claimed_as_they_are_released(
     raw.execute("COMMIT")
     await store.assign("alpha", "barrier")  # a write behind the give-back
     # Cancelled as the answer came (the answer found in the future).
-    backend = await engine_of(store).ready()
-    claim = backend.claim
-    tasks: list[asyncio.Task[Any]] = []
-
-    def claim_then_cancel(op: Any) -> Any:
-        future = claim(op)
-        future.add_done_callback(lambda _: tasks[-1].cancel())
-        return future
-
-    monkeypatch.setattr(backend, "claim", claim_then_cancel)
-    tasks.append(asyncio.create_task(store.claim_batch("gone", 1)))
-    with pytest.raises(asyncio.CancelledError):
-        await tasks[-1]
-    monkeypatch.undo()
+    await cancelled_as_answered(store, "claim", store.claim_batch("gone", 1))
     await store.assign("alpha", "barrier")
     assert [e["event_type"] for e in await store.events(orphan)] == [
         "queued", "claimed", "released", "claimed", "released",
@@ -252,7 +243,7 @@ async def test_a_settle_saved_for_a_caller_cancelled_while_its_round_ran_is_coun
 
 @pytest.mark.parametrize("outcome", list(_SETTLES))
 async def test_a_settle_whose_caller_is_cancelled_as_its_answer_came_is_counted(
-    store: ControlStore, otel: Otel, monkeypatch: pytest.MonkeyPatch, outcome: str
+    store: ControlStore, otel: Otel, outcome: str
 ) -> None:
     # The answer is in the settle's future, and the caller is cancelled before it runs
     # again: the settle stands, and is counted as if its caller had seen it.
@@ -261,28 +252,13 @@ async def test_a_settle_whose_caller_is_cancelled_as_its_answer_came_is_counted(
     claim = await store.claim("w")
     assert claim is not None
     settled = otel.total("asyncplane.items.settled", outcome=outcome)
-    backend = await engine_of(store).ready()
-    call = getattr(backend, method)
-    tasks: list[asyncio.Task[Any]] = []
-
-    def then_cancel(op: Any) -> Any:
-        future = call(op)
-        assert isinstance(future, asyncio.Future)
-        # Added before the caller awaits it, so it runs first once the answer is in.
-        future.add_done_callback(lambda _: tasks[0].cancel())
-        return future
-
-    monkeypatch.setattr(backend, method, then_cancel)
-    tasks.append(asyncio.create_task(settle(store, claim)))
-    with pytest.raises(asyncio.CancelledError):
-        await tasks[0]
-    monkeypatch.undo()
+    await cancelled_as_answered(store, method, settle(store, claim))
     assert (await store.item(item_id))["state"] == state
     assert otel.total("asyncplane.items.settled", outcome=outcome) - settled == 1
 
 
 async def test_a_finish_saved_unseen_counts_the_twins_it_settled(
-    asyncplane_store_factory: Callable[..., Any], otel: Otel, monkeypatch: pytest.MonkeyPatch
+    asyncplane_store_factory: Callable[..., Any], otel: Otel
 ) -> None:
     # Twins enqueued before the store knew its identity, fingerprinted afterwards: the
     # finish of one settles the others, counted though its caller never saw it.
@@ -294,20 +270,7 @@ async def test_a_finish_saved_unseen_counts_the_twins_it_settled(
     claim = await new.claim("w")
     assert claim is not None and claim.item_id == twins[0]
     dedup = otel.total("asyncplane.items.dedup_settled", layer="settlement")
-    backend = await engine_of(new).ready()
-    finish = backend.finish
-    tasks: list[asyncio.Task[Any]] = []
-
-    def then_cancel(op: Any) -> Any:
-        future = finish(op)
-        future.add_done_callback(lambda _: tasks[0].cancel())
-        return future
-
-    monkeypatch.setattr(backend, "finish", then_cancel)
-    tasks.append(asyncio.create_task(new.finish(claim.item_id, fence=claim.fence, result=1)))
-    with pytest.raises(asyncio.CancelledError):
-        await tasks[0]
-    monkeypatch.undo()
+    await cancelled_as_answered(new, "finish", new.finish(claim.item_id, fence=claim.fence))
     assert [(await new.item(i))["state"] for i in twins] == ["done"] * 3
     assert otel.total("asyncplane.items.dedup_settled", layer="settlement") - dedup == 2
 
