@@ -275,7 +275,7 @@ async def test_a_finish_saved_unseen_counts_the_twins_it_settled(
     assert otel.total("asyncplane.items.dedup_settled", layer="settlement") - dedup == 2
 
 
-async def test_a_bulk_cancel_stopped_midway_counts_the_chunks_it_saved(
+async def test_a_bulk_cancel_stopped_between_chunks_counts_the_chunks_it_saved(
     store: ControlStore, otel: Otel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Each chunk commits by itself, and is counted as it does: a call cancelled after
@@ -296,6 +296,31 @@ async def test_a_bulk_cancel_stopped_midway_counts_the_chunks_it_saved(
     with pytest.raises(asyncio.CancelledError):
         await tasks[0]
     monkeypatch.undo()
+    assert (await store.counts(project_id="alpha"))["cancelled"] == 2
+    assert otel.total("asyncplane.items.settled", outcome="cancelled") - cancelled == 2
+
+
+async def test_a_bulk_cancel_cancelled_while_a_chunk_ran_counts_that_chunk(
+    store: ControlStore, raw: Any, otel: Otel
+) -> None:
+    # The chunk's round commits for nobody: its three items are cancelled, and counted.
+    await store.enqueue_many("alpha", [{"n": n} for n in range(3)])
+    cancelled = otel.total("asyncplane.items.settled", outcome="cancelled")
+    await cancelled_in_its_round(store, raw, store.cancel_where(project_id="alpha", chunk=5))
+    raw.execute("COMMIT")
+    await store.assign("alpha", "barrier")  # a write behind the chunk's round
+    assert (await store.counts(project_id="alpha"))["cancelled"] == 3
+    assert otel.total("asyncplane.items.settled", outcome="cancelled") - cancelled == 3
+
+
+async def test_a_bulk_cancel_cancelled_as_a_chunk_answered_counts_that_chunk(
+    store: ControlStore, otel: Otel
+) -> None:
+    await store.enqueue_many("alpha", [{"n": n} for n in range(5)])
+    cancelled = otel.total("asyncplane.items.settled", outcome="cancelled")
+    await cancelled_as_answered(
+        store, "cancel_where", store.cancel_where(project_id="alpha", chunk=2)
+    )
     assert (await store.counts(project_id="alpha"))["cancelled"] == 2
     assert otel.total("asyncplane.items.settled", outcome="cancelled") - cancelled == 2
 

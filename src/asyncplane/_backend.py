@@ -35,6 +35,7 @@ __all__ = (
     "AssignmentRow",
     "Backend",
     "CancelOp",
+    "CancelWhereOp",
     "ChangeHook",
     "ClaimOp",
     "ClaimRow",
@@ -222,11 +223,6 @@ class CancelOp(NamedTuple):
     actor_id: str | None
 
 
-#: The operations that settle one item, each counted as it is saved, answered or not
-#: (`Writes.orphaned`; `asyncplane._store`'s ``_outcome`` names each one's outcome).
-SETTLES = (FinishOp, RetryOp, ParkOp, ReleaseOp, OffloadOp, CancelOp)
-
-
 class RequeueOp(NamedTuple):
     """Take one failed or cancelled item back to ready."""
 
@@ -242,6 +238,18 @@ class WhereOp(NamedTuple):
     after: int
     chunk: int
     reason: str | None  # a cancel's
+
+
+class CancelWhereOp(WhereOp):
+    """One chunk of a filter-wide cancel: a `WhereOp` whose write settles its items (so
+    one saved for a caller gone is counted, `SETTLES`)."""
+
+    __slots__ = ()
+
+
+#: The operations that settle items, each counted as it is saved, answered or not
+#: (`Writes.orphaned`; `asyncplane._store`'s ``_outcome`` names each one's outcome).
+SETTLES = (FinishOp, RetryOp, ParkOp, ReleaseOp, OffloadOp, CancelOp, CancelWhereOp)
 
 
 class LimitsOp(NamedTuple):
@@ -472,9 +480,9 @@ GroupOp = Callable[[list[Any], Any, float], Any]
 #: away landed (``error`` None) or failed: ``given_back(row, error)`` (see
 #: `Writes.on_orphaned`).
 GivenBack = Callable[["ClaimRow", BaseException | None], None]
-#: Hears, on the event loop, that a round saved a settle (a finish, retry, park,
-#: release, offload or cancel) for a caller that went away while it ran, with the answer
-#: its caller would have had: ``saved(op, answer)`` (see `Writes.on_orphaned`).
+#: Hears, on the event loop, that a round saved a settle (an op of `SETTLES`) for a
+#: caller that went away while it ran, with the answer its caller would have had:
+#: ``saved(op, answer)`` (see `Writes.on_orphaned`).
 SavedUnseen = Callable[[Any, Any], None]
 
 
@@ -602,6 +610,10 @@ class Writes:
     def cancel(self, op: CancelOp) -> _write_queue.Pending[tuple[str, bool]]:
         """Cancel an item: its state afterwards (a settled one is left as it was), and
         whether this call cancelled it."""
+        return self._settle(op)
+
+    def cancel_where(self, op: CancelWhereOp) -> _write_queue.Pending[tuple[int, int | None]]:
+        """Cancel a chunk: (how many were changed, the last id looked at, None at the end)."""
         return self._settle(op)
 
     def _settle(self, op: Any) -> _write_queue.Pending[Any]:
@@ -865,7 +877,7 @@ class Backend(Protocol):
         """Take a failed or cancelled item back to ready, or refuse, naming its state."""
         ...
 
-    async def cancel_where(self, op: WhereOp) -> tuple[int, int | None]:
+    def cancel_where(self, op: CancelWhereOp) -> _write_queue.Pending[tuple[int, int | None]]:
         """Cancel a chunk: (how many were changed, the last id looked at, None at the end)."""
         ...
 

@@ -381,9 +381,6 @@ class PostgresBackend(_backend.Writes):
     async def requeue(self, op: _backend.RequeueOp) -> None:
         await self._write(_bind(_requeue, op))
 
-    async def cancel_where(self, op: _backend.WhereOp) -> tuple[int, int | None]:
-        return await self._write(_bind(_cancel_where, op))
-
     async def requeue_where(self, op: _backend.WhereOp) -> tuple[int, int | None]:
         return await self._write(_bind(_requeue_where, op))
 
@@ -1206,17 +1203,6 @@ async def _offload(op: _backend.OffloadOp, conn: asyncpg.Connection, now: float)
     await _insert_events(conn, [_rules.offload_event(op, row[0], now)])
 
 
-#: Each settle other than a finish, by its op's type (`asyncplane._backend.Writes.retry`
-#: and its like queue them).
-_SETTLES: dict[type, Callable[..., Any]] = {
-    _backend.RetryOp: _retry,
-    _backend.ParkOp: _park,
-    _backend.ReleaseOp: _release,
-    _backend.OffloadOp: _offload,
-    _backend.CancelOp: _cancel,
-}
-
-
 async def _backfill_fingerprints(
     op: _backend.PreflightOp, after: int, identity: tuple[str, ...],
     conn: asyncpg.Connection, now: float,
@@ -1423,3 +1409,15 @@ async def _verify_ledger(
                 if limit is not None and len(problems) >= limit:
                     break
     return problems  # verify_ledger puts them in order
+
+
+#: Each settle other than a finish, by its op's type (`asyncplane._backend.Writes.retry`
+#: and its like queue them).
+_SETTLES: dict[type, Callable[..., Any]] = {
+    _backend.RetryOp: _retry,
+    _backend.ParkOp: _park,
+    _backend.ReleaseOp: _release,
+    _backend.OffloadOp: _offload,
+    _backend.CancelOp: _cancel,
+    _backend.CancelWhereOp: _cancel_where,
+}

@@ -244,9 +244,6 @@ class SQLiteBackend(_backend.Writes):
     async def requeue(self, op: _backend.RequeueOp) -> None:
         await self._write(functools.partial(_requeue, op))
 
-    async def cancel_where(self, op: _backend.WhereOp) -> tuple[int, int | None]:
-        return await self._write(functools.partial(_cancel_where, op))
-
     async def requeue_where(self, op: _backend.WhereOp) -> tuple[int, int | None]:
         return await self._write(functools.partial(_requeue_where, op))
 
@@ -898,17 +895,6 @@ def _cancel(op: _backend.CancelOp, db: sqlite3.Connection, now: float) -> tuple[
     return after, after != state
 
 
-#: Each settle other than a finish, by its op's type (`asyncplane._backend.Writes.retry`
-#: and its like queue them).
-_SETTLES: dict[type, Callable[..., Any]] = {
-    _backend.RetryOp: _retry,
-    _backend.ParkOp: _park,
-    _backend.ReleaseOp: _release,
-    _backend.OffloadOp: _offload,
-    _backend.CancelOp: _cancel,
-}
-
-
 def _requeue_one(
     db: sqlite3.Connection, item_id: int, state: str, fence: int, actor_id: str | None,
     now: float,
@@ -1231,3 +1217,15 @@ def _verify_ledger(
         cursor.close()
     db.execute("COMMIT")
     return problems  # verify_ledger puts them in order
+
+
+#: Each settle other than a finish, by its op's type (`asyncplane._backend.Writes.retry`
+#: and its like queue them).
+_SETTLES: dict[type, Callable[..., Any]] = {
+    _backend.RetryOp: _retry,
+    _backend.ParkOp: _park,
+    _backend.ReleaseOp: _release,
+    _backend.OffloadOp: _offload,
+    _backend.CancelOp: _cancel,
+    _backend.CancelWhereOp: _cancel_where,
+}

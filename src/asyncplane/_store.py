@@ -872,9 +872,8 @@ class ControlStore:
         """A give-back of an item claimed for a caller that went away (a `claim` in
         ``asyncio.wait_for`` that timed out, say: `Writes.orphaned`) landed, or failed:
         that item then waits out its lease, as before."""
-        if error is None:
-            _telemetry.settled("released", None, self.backend)
-            self._engine.notify()  # claimable again, here and now
+        if error is None:  # counted as any release, and claimable again, here and now
+            self._tally(_backend.ReleaseOp(row.item_id, row.fence, None), None)
         elif isinstance(error, _errors.FenceRejected):  # taken over meanwhile: not ours
             _telemetry.refused(isinstance(error, _errors.ItemCancelled))
         else:
@@ -995,10 +994,11 @@ class ControlStore:
         )
         await self._settle(op, (await self._engine.ready()).offload(op))
 
-    async def _settle(self, op: Any, call: Awaitable[_T]) -> _T:
+    async def _settle(self, op: Any, call: Awaitable[_T], *, timed: bool = True) -> _T:
         """Await one settle (or renew) call, counted under the outcome its answer names
-        (`_outcome`) and timed; a refused fence is counted as such. Cancelled once the
-        answer was in, the settle stands, and is counted as saved unseen."""
+        (`_outcome`) and, if ``timed``, timed; a refused fence is counted as such.
+        Cancelled once the answer was in, the settle stands, and is counted all the same
+        (`_tally`)."""
         started = time.perf_counter()
         try:
             result = await call
@@ -1013,7 +1013,8 @@ class ControlStore:
             raise
         named = _outcome(op, result)
         if named is not None:
-            _telemetry.settled(named, time.perf_counter() - started, self.backend)
+            took = time.perf_counter() - started if timed else None
+            _telemetry.settled(named, took, self.backend, count=_count(op, result))
         return result
 
     def _tally(self, op: Any, answer: Any) -> None:
@@ -1023,7 +1024,7 @@ class ControlStore:
         caller would have done."""
         named = _outcome(op, answer)
         if named is not None:
-            _telemetry.settled(named, None, self.backend)
+            _telemetry.settled(named, None, self.backend, count=_count(op, answer))
         if isinstance(op, _backend.FinishOp):
             _telemetry.dedup_settled(answer, "settlement")
         self._engine.notify()
@@ -1360,7 +1361,7 @@ class ControlStore:
         why = _validate.error_text(reason)
         size = _validate.positive_int(chunk, "chunk")
         backend = await self._engine.ready()
-        return await self._in_chunks(backend.cancel_where, where, size, why, "cancelled")
+        return await self._in_chunks(backend.cancel_where, where, size, why, _backend.CancelWhereOp)
 
     async def requeue_where(
         self,
@@ -1388,25 +1389,24 @@ class ControlStore:
         )  # fmt: skip
         size = _validate.positive_int(chunk, "chunk")
         backend = await self._engine.ready()
-        return await self._in_chunks(backend.requeue_where, where, size, None, None)
+        return await self._in_chunks(backend.requeue_where, where, size, None, _backend.WhereOp)
 
     async def _in_chunks(
         self,
-        step: Callable[[_backend.WhereOp], Awaitable[tuple[int, int | None]]],
+        step: Callable[[Any], Awaitable[tuple[int, int | None]]],
         where: _backend.ItemFilter,
         chunk: int,
         reason: str | None,
-        outcome: str | None,
+        kind: type[_backend.WhereOp],
     ) -> int:
-        """``step`` chunk after chunk to the end; how many items it changed, each chunk
-        counted settled under ``outcome`` (if any) as it commits."""
+        """``step`` chunk after chunk to the end, each chunk a ``kind`` op; how many items
+        it changed, a cancel's chunks counted settled as each commits (`_settle`)."""
         changed, after = 0, 0
         while True:
-            count, last = await step(_backend.WhereOp(where, after, chunk, reason))
+            op = kind(where, after, chunk, reason)
+            count, last = await self._settle(op, step(op), timed=False)
             changed += count
             if count:
-                if outcome is not None:
-                    _telemetry.settled(outcome, None, self.backend, count=count)
                 self._engine.notify()
             if last is None:
                 return changed
@@ -1749,7 +1749,14 @@ _OUTCOMES: dict[type, str] = {
     _backend.ParkOp: "parked",
     _backend.ReleaseOp: "released",
     _backend.OffloadOp: "offloaded",
+    _backend.CancelWhereOp: "cancelled",
 }
+
+
+def _count(op: Any, answer: Any) -> int:
+    """How many items a settle settled: a cancel's chunk says (its answer: how many, the
+    last id looked at); any other settle, one."""
+    return int(answer[0]) if isinstance(op, _backend.CancelWhereOp) else 1
 
 
 def _has_answer(call: Awaitable[_T]) -> TypeGuard[asyncio.Future[_T]]:
