@@ -648,7 +648,9 @@ async def test_a_requeue_in_this_process_wakes_a_waiting_claim(store: ControlSto
 
 
 @pytest.mark.sqlite_only  # on PostgreSQL the server's NOTIFY wakes it whatever this process does
-@pytest.mark.parametrize("settle", ["finish", "finish_and_claim", "retry", "cancel"])
+@pytest.mark.parametrize(
+    "settle", ["finish", "finish_and_claim", "retry", "cancel", "cancel_where"]
+)
 async def test_a_settle_saved_for_a_caller_gone_wakes_a_waiter_at_once(
     store: ControlStore, raw: Any, settle: str
 ) -> None:
@@ -664,11 +666,12 @@ async def test_a_settle_saved_for_a_caller_gone_wakes_a_waiter_at_once(
         "finish_and_claim": lambda: store.finish_and_claim(item_id, fence=claim.fence, owner="w"),
         "retry": lambda: store.retry(item_id, fence=claim.fence, error="boom"),
         "cancel": lambda: store.cancel(item_id),
+        "cancel_where": lambda: store.cancel_where(project_id="alpha"),
     }
     await cancelled_in_its_round(store, raw, calls[settle]())
     raw.execute("COMMIT")
     found = await waiting
-    states = {"retry": "failed", "cancel": "cancelled"}
+    states = {"retry": "failed", "cancel": "cancelled", "cancel_where": "cancelled"}
     assert found["state"] == states.get(settle, "done")
 
 

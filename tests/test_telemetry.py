@@ -588,6 +588,7 @@ async def test_bulk_cancels_and_refused_renewals_are_counted(
 ) -> None:
     cancelled = otel.total("asyncplane.items.settled", outcome="cancelled")
     refusals = otel.total("asyncplane.fence.refusals", reason="cancelled")
+    timed = otel.total("asyncplane.settle.duration", outcome="cancelled")
     await store.enqueue_many("alpha", [{"n": n} for n in range(4)])
     claim = await store.claim("w")
     assert claim is not None
@@ -595,4 +596,6 @@ async def test_bulk_cancels_and_refused_renewals_are_counted(
     with pytest.raises(FenceRejected):
         await store.renew(claim.item_id, fence=claim.fence)
     assert otel.total("asyncplane.items.settled", outcome="cancelled") - cancelled == 4
+    # A chunk is not one settle call's latency: it stays out of the histogram.
+    assert otel.total("asyncplane.settle.duration", outcome="cancelled") == timed
     assert otel.total("asyncplane.fence.refusals", reason="cancelled") - refusals == 1

@@ -995,8 +995,8 @@ class ControlStore:
         await self._settle(op, (await self._engine.ready()).offload(op))
 
     async def _settle(self, op: Any, call: Awaitable[_T], *, timed: bool = True) -> _T:
-        """Await one settle (or renew) call, counted under the outcome its answer names
-        (`_outcome`) and, if ``timed``, timed; a refused fence is counted as such.
+        """Await one settle, renew or bulk-chunk call, counted under the outcome its answer
+        names (`_outcome`) and, if ``timed``, timed; a refused fence is counted as such.
         Cancelled once the answer was in, the settle stands, and is counted all the same
         (`_tally`)."""
         started = time.perf_counter()
