@@ -29,6 +29,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from typing import Any
 
 import asyncplane
@@ -41,16 +42,17 @@ class _Timed(sqlite3.Connection):
     spent: collections.defaultdict[str, list[float]]
 
     def execute(self, sql: str, *args: Any) -> sqlite3.Cursor:
-        started = time.perf_counter()
-        try:
-            return super().execute(sql, *args)
-        finally:
-            self.spent[" ".join(sql.split())[:48]].append(time.perf_counter() - started)
+        return self._timed(super().execute, sql, args)
 
     def executemany(self, sql: str, *args: Any) -> sqlite3.Cursor:
+        return self._timed(super().executemany, sql, args)
+
+    def _timed(
+        self, run: Callable[..., sqlite3.Cursor], sql: str, args: tuple[Any, ...]
+    ) -> sqlite3.Cursor:
         started = time.perf_counter()
         try:
-            return super().executemany(sql, *args)
+            return run(sql, *args)
         finally:
             self.spent[" ".join(sql.split())[:48]].append(time.perf_counter() - started)
 

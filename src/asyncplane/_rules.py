@@ -560,12 +560,12 @@ def sole_arm_choice(page: Sequence[Candidate], asked: int, limit: int) -> list[C
     merge must read on (`tests/test_rules.py` holds the two to the same choice)."""
     if len(page) < limit and len(page) >= asked:
         return None  # a full page short of the batch: the arm may have more
-    chosen = page[:limit]
+    chosen = list(page[:limit])
     if len(chosen) > 1:
         prints = [(c.project_id, c.fingerprint) for c in chosen if c.fingerprint is not None]
         if len(set(prints)) != len(prints):
             return None  # twins: the merge skips them and reads on
-    return list(chosen)
+    return chosen
 
 
 def first_pages(
