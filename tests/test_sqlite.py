@@ -24,6 +24,7 @@ from _signals import until
 from asyncplane import (
     ControlStore,
     DatabaseLocked,
+    FenceRejected,
     NotAnAsyncplaneDatabase,
     ReadOnlyStore,
     SchemaVersionError,
@@ -665,6 +666,63 @@ async def test_a_rounds_events_go_several_rows_to_a_statement(
         await _connection.run(writer._conn, lambda db: db.set_trace_callback(None))
         assert [text.count("'queued'") for text in statements] == rows
         assert [(await store.events(i))[0]["event_type"] for i in ids] == ["queued"] * events
+        assert await verify_ledger(store) == []
+
+
+def _value_rows(statement: str) -> tuple[int, int]:
+    """How many rows a traced statement's VALUES list holds, and how many are padding."""
+    rows = statement.split("VALUES ", 1)[1].split(")\nUPDATE", 1)[0]
+    return rows.count("\n") + 1, rows.count("(NULL, NULL, NULL")
+
+
+@pytest.mark.parametrize(
+    ("items", "chunks"),
+    [(2, [2]), (5, [6]), (17, [24]), (64, [64]), (65, [64, 2]), (130, [64, 64, 2])],
+)
+async def test_a_rounds_claims_and_finishes_go_in_padded_chunks(
+    tmp_path: pathlib.Path, items: int, chunks: list[int]
+) -> None:
+    # `_sqlite._returned`: a round's claims, and its finishes as done, go up to 64 rows
+    # to a statement, each chunk padded with rows of NULLs to one of a few sizes
+    # (`sql.ROW_SHAPES`, so the statements stay cached). Padding matches nothing; every
+    # real row gets its own item, owner and fence, and a stale fence among them is refused
+    # alone.
+    async with ControlStore(tmp_path / "store.db") as store:
+        await store.create_project("alpha", "Alpha")
+        ids = await store.enqueue_many("alpha", [{"n": n} for n in range(items)])
+        writer = await writer_of(store)
+        claimed: list[str] = []
+        finished: list[str] = []
+
+        def traced(text: str) -> None:
+            # A statement is traced again at the start of each trigger it fires.
+            for start, seen in (("\nWITH c (", claimed), ("\nWITH f (", finished)):
+                if text.startswith(start) and (not seen or seen[-1] != text):
+                    seen.append(text)
+
+        await _connection.run(writer._conn, lambda db: db.set_trace_callback(traced))
+        claims = await asyncio.gather(*(store.claim(f"w{k}") for k in range(items)))
+        assert [_value_rows(text)[0] for text in claimed] == chunks
+        assert sum(_value_rows(text)[1] for text in claimed) == sum(chunks) - items
+        assert sorted(c.item_id for c in claims if c is not None) == ids
+        for k, claim in enumerate(claims):
+            assert claim is not None and claim.owner == f"w{k}" and claim.fence == 1
+        stale, *rest = claims
+        assert stale is not None
+        outcomes = await asyncio.gather(
+            store.finish(stale.item_id, fence=stale.fence + 1),
+            *(store.finish(c.item_id, fence=c.fence, result={"id": c.item_id}) for c in rest if c),
+            return_exceptions=True,
+        )
+        await _connection.run(writer._conn, lambda db: db.set_trace_callback(None))
+        assert [_value_rows(text)[0] for text in finished] == chunks
+        assert sum(_value_rows(text)[1] for text in finished) == sum(chunks) - items
+        assert isinstance(outcomes[0], FenceRejected) and outcomes[1:] == [None] * (items - 1)
+        assert (await store.item(stale.item_id))["state"] == "claimed"
+        for claim in rest:
+            assert claim is not None
+            item = await store.item(claim.item_id)
+            assert (item["state"], item["result"]) == ("done", {"id": claim.item_id})
         assert await verify_ledger(store) == []
 
 

@@ -17,12 +17,12 @@ so every claim of an item carries a fence above every earlier claim of it.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
 import functools
-import json
 import pathlib
 import sqlite3
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from typing import Any, NoReturn, TypeVar, cast
 
 import anyio.to_thread
@@ -692,14 +692,33 @@ def _claim_items(
         candidate, op = dealt[0]
         expires = now + op.lease_seconds
         return db.execute(sql.CLAIM_ITEM, (op.owner, expires, now, candidate.item_id)).fetchall()
-    claims = [[c.item_id, op.owner, now + op.lease_seconds] for c, op in dealt]
-    got = {
-        row[0]: row
-        for row in db.execute(sql.CLAIM_ITEMS, {"now": now, "claims": json.dumps(claims)})
-    }
+    claims = [(c.item_id, op.owner, now + op.lease_seconds) for c, op in dealt]
+    got = {row[0]: row for row in _returned(db, sql.CLAIM_ITEMS, claims, now)}
     if len(got) != len(dealt):  # each was read in this very transaction: cannot happen
         raise _errors.StorageError("a claimed candidate was not found to claim")
     return [got[c.item_id] for c, _ in dealt]
+
+
+def _returned(
+    db: sqlite3.Connection,
+    statements: Mapping[int, str],
+    rows: Sequence[tuple[Any, ...]],
+    now: float,
+) -> Iterator[Any]:
+    """What ``statements`` (by chunk size, `sql.ROW_SHAPES`) return for ``rows``: each
+    chunk in the smallest size that holds it (at most the largest), padded with rows of
+    NULLs, which match nothing; ``now`` is every statement's ?1."""
+    start, largest = 0, sql.ROW_SHAPES[-1]
+    while start < len(rows):
+        width = len(rows[start])
+        chunk = rows[start : start + largest]
+        shape = sql.ROW_SHAPES[bisect.bisect_left(sql.ROW_SHAPES, len(chunk))]
+        params: list[Any] = [now]
+        for row in chunk:
+            params.extend(row)
+        params.extend([None] * (width * (shape - len(chunk))))
+        yield from db.execute(statements[shape], params)
+        start += len(chunk)
 
 
 def _finish_many(
@@ -713,13 +732,8 @@ def _finish_many(
     results: list[int | _errors.AsyncplaneError] = []
     events: list[tuple[Any, ...]] = []
     if _rules.settle_as_one(ops) and all(op.status == "done" for op in ops):  # its SQL's
-        finishes = [[op.item_id, op.fence, op.result_json, op.actor_id] for op in ops]
-        settled = {
-            row[0]: row[1:]
-            for row in db.execute(
-                sql.SETTLE_DONE_MANY, {"now": now, "finishes": json.dumps(finishes)}
-            )
-        }
+        finishes = [(op.item_id, op.fence, op.result_json, op.actor_id) for op in ops]
+        settled = {row[0]: row[1:] for row in _returned(db, sql.SETTLE_DONE_MANY, finishes, now)}
         for op in ops:
             row = settled.get(op.item_id)
             if row is None:

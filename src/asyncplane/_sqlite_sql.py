@@ -509,20 +509,46 @@ SET state = 'claimed', fence = fence + 1, attempts = attempts + 1,
 WHERE item_id = ?4
 RETURNING item_id, project_id, payload, fence, attempts, created_at, trace_context
 """
-# A round's claims at once (one statement instead of one per item: a sixth to a quarter
-# less time per claim), each item with its own owner and lease: ``:claims`` is a JSON array of
-# ``[item_id, owner, lease_expires_at]``, distinct items. RETURNING as CLAIM_ITEM's, in
-# no particular order.
-CLAIM_ITEMS: Final = """
+# A round's claims and finishes go several to a statement, as the rows of a VALUES list
+# of bound parameters (?1 is now, the rows' own from ?2 on). A chunk comes in one of a few
+# sizes (ROW_SHAPES), padded to the next size with rows of NULLs, which match no item: a
+# statement per size, so that every one stays in the connection's statement cache. (They
+# used to be one statement over ``json_each`` of a JSON array: SQLite then parsed each
+# row's array again for every ``json_extract``, 1.5 µs a claim and 0.8 µs a settle more
+# on the store's schema.)
+#: The sizes of those chunks: the smallest that holds what is left, a chunk of the
+#: largest while more than that is left. A padding row costs about a row's binding and an
+#: index probe, so no chunk is more than a third padding.
+ROW_SHAPES: Final = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+
+
+def _rows(rows: int, width: int) -> str:
+    """The VALUES list of ``rows`` rows of ``width`` numbered parameters, from ?2 on."""
+    return ",\n".join(
+        "(" + ", ".join(f"?{2 + row * width + column}" for column in range(width)) + ")"
+        for row in range(rows)
+    )
+
+
+def _claim_items(rows: int) -> str:
+    return f"""
+WITH c (item_id, owner, lease_expires_at) AS (VALUES {_rows(rows, 3)})
 UPDATE items
 SET state = 'claimed', fence = fence + 1, attempts = attempts + 1,
-    owner = json_extract(c.value, '$[1]'), lease_expires_at = json_extract(c.value, '$[2]'),
-    due_at = NULL, updated_at = :now, claimed_at = :now
-FROM json_each(:claims) AS c
-WHERE items.item_id = json_extract(c.value, '$[0]')
+    owner = c.owner, lease_expires_at = c.lease_expires_at,
+    due_at = NULL, updated_at = ?1, claimed_at = ?1
+FROM c
+WHERE items.item_id = c.item_id
 RETURNING items.item_id, items.project_id, items.payload, items.fence, items.attempts,
           items.created_at, items.trace_context
 """
+
+
+#: A round's claims at once (one statement instead of one per item: a sixth to a quarter
+#: less time per claim), each item with its own owner and lease, by chunk size: rows of
+#: ``(item_id, owner, lease_expires_at)``, distinct items. RETURNING as CLAIM_ITEM's, in
+#: no particular order.
+CLAIM_ITEMS: Final = {rows: _claim_items(rows) for rows in ROW_SHAPES}
 
 # A lapsed lease with no attempts left: the item fails instead of being taken over.
 EXHAUST_ITEM: Final = """
@@ -559,23 +585,28 @@ UPDATE items SET state = 'failed', error = :error, lease_expires_at = NULL, due_
                  offload_handle = NULL, updated_at = :now
 {_SETTLE_GUARD} {_SETTLED}
 """
-# A round's finishes as done at once, distinct items: ``:finishes`` is a JSON array of
-# ``[item_id, fence, result_json, actor_id]``. Each is guarded as SETTLE_DONE is; a
-# finish it did not match wrote nothing. RETURNING gives the item ids that matched, then
-# what SETTLE_DONE returns, in no particular order.
-SETTLE_DONE_MANY: Final = """
-UPDATE items SET state = 'done', result = json_extract(f.value, '$[2]'), error = NULL,
+
+
+def _settle_done_many(rows: int) -> str:
+    return f"""
+WITH f (item_id, fence, result, actor_id) AS (VALUES {_rows(rows, 4)})
+UPDATE items SET state = 'done', result = f.result, error = NULL,
                  lease_expires_at = NULL, due_at = NULL, offload_handle = NULL,
-                 updated_at = :now
-FROM json_each(:finishes) AS f
-WHERE items.item_id = json_extract(f.value, '$[0]')
-  AND items.fence = json_extract(f.value, '$[1]')
+                 updated_at = ?1
+FROM f
+WHERE items.item_id = f.item_id AND items.fence = f.fence
   AND items.state IN ('claimed', 'offloaded')
-  AND (json_extract(f.value, '$[3]') IS NULL
-       OR items.project_id IN (SELECT project_id FROM assignments
-                               WHERE actor_id = json_extract(f.value, '$[3]')))
+  AND (f.actor_id IS NULL
+       OR items.project_id IN (SELECT project_id FROM assignments WHERE actor_id = f.actor_id))
 RETURNING items.item_id, items.owner, items.project_id, items.fingerprint
 """
+
+
+#: A round's finishes as done at once, distinct items, by chunk size (as CLAIM_ITEMS):
+#: rows of ``(item_id, fence, result_json, actor_id)``. Each is guarded as SETTLE_DONE
+#: is; a finish it did not match wrote nothing. RETURNING gives the item ids that
+#: matched, then what SETTLE_DONE returns, in no particular order.
+SETTLE_DONE_MANY: Final = {rows: _settle_done_many(rows) for rows in ROW_SHAPES}
 # Retry reads the attempt budget first (it decides between deferred and failed).
 READ_BUDGET: Final = f"""
 SELECT attempts, max_attempts, owner FROM items {_SETTLE_GUARD}
