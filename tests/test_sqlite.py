@@ -669,24 +669,34 @@ async def test_a_rounds_events_go_several_rows_to_a_statement(
         assert await verify_ledger(store) == []
 
 
-def _value_rows(statement: str) -> tuple[int, int]:
-    """How many rows a traced statement's VALUES list holds, and how many are padding."""
-    rows = statement.split("VALUES ", 1)[1].split(")\nUPDATE", 1)[0]
-    return rows.count("\n") + 1, rows.count("(NULL, NULL, NULL")
+def _chunk(statement: str) -> tuple[str, int, int]:
+    """A traced chunk statement's form ("rows": bound rows, or "json"), how many rows it
+    holds, and how many of them are padding."""
+    if statement.startswith(("\nWITH c (", "\nWITH f (")):
+        rows = statement.split("VALUES ", 1)[1].split(")\nUPDATE", 1)[0]
+        return "rows", rows.count("\n") + 1, rows.count("(NULL, NULL, NULL")
+    array = statement.split("json_each('", 1)[1].split("')", 1)[0]
+    return "json", array.count("[") - 1, 0
 
 
 @pytest.mark.parametrize(
     ("items", "chunks"),
-    [(2, [2]), (5, [6]), (17, [24]), (64, [64]), (65, [64, 2]), (130, [64, 64, 2])],
+    [
+        (2, [("json", 2, 0)]),
+        (47, [("json", 47, 0)]),
+        (48, [("rows", 64, 16)]),
+        (64, [("rows", 64, 0)]),
+        (65, [("rows", 64, 0), ("json", 1, 0)]),
+        (130, [("rows", 64, 0), ("rows", 64, 0), ("json", 2, 0)]),
+    ],
 )
-async def test_a_rounds_claims_and_finishes_go_in_padded_chunks(
-    tmp_path: pathlib.Path, items: int, chunks: list[int]
+async def test_a_rounds_claims_and_finishes_go_in_chunks(
+    tmp_path: pathlib.Path, items: int, chunks: list[tuple[str, int, int]]
 ) -> None:
-    # `_sqlite._returned`: a round's claims, and its finishes as done, go up to 64 rows
-    # to a statement, each chunk padded with rows of NULLs to one of a few sizes
-    # (`sql.ROW_SHAPES`, so the statements stay cached). Padding matches nothing; every
-    # real row gets its own item, owner and fence, and a stale fence among them is refused
-    # alone.
+    # `_sqlite._returned`: a round's claims, and its finishes as done, go 64 bound rows to
+    # a statement while 48 or more are left (padded with rows of NULLs), the rest in one
+    # JSON array. Padding matches nothing; every real row gets its own item, owner and
+    # fence, and a stale fence among them is refused alone.
     async with ControlStore(tmp_path / "store.db") as store:
         await store.create_project("alpha", "Alpha")
         ids = await store.enqueue_many("alpha", [{"n": n} for n in range(items)])
@@ -696,14 +706,16 @@ async def test_a_rounds_claims_and_finishes_go_in_padded_chunks(
 
         def traced(text: str) -> None:
             # A statement is traced again at the start of each trigger it fires.
-            for start, seen in (("\nWITH c (", claimed), ("\nWITH f (", finished)):
-                if text.startswith(start) and (not seen or seen[-1] != text):
+            for starts, seen in (
+                (("\nWITH c (", "\nUPDATE items\nSET state = 'claimed'"), claimed),
+                (("\nWITH f (", "\nUPDATE items SET state = 'done'"), finished),
+            ):
+                if text.startswith(starts) and (not seen or seen[-1] != text):
                     seen.append(text)
 
         await _connection.run(writer._conn, lambda db: db.set_trace_callback(traced))
         claims = await asyncio.gather(*(store.claim(f"w{k}") for k in range(items)))
-        assert [_value_rows(text)[0] for text in claimed] == chunks
-        assert sum(_value_rows(text)[1] for text in claimed) == sum(chunks) - items
+        assert [_chunk(text) for text in claimed] == chunks
         assert sorted(c.item_id for c in claims if c is not None) == ids
         for k, claim in enumerate(claims):
             assert claim is not None and claim.owner == f"w{k}" and claim.fence == 1
@@ -715,8 +727,7 @@ async def test_a_rounds_claims_and_finishes_go_in_padded_chunks(
             return_exceptions=True,
         )
         await _connection.run(writer._conn, lambda db: db.set_trace_callback(None))
-        assert [_value_rows(text)[0] for text in finished] == chunks
-        assert sum(_value_rows(text)[1] for text in finished) == sum(chunks) - items
+        assert [_chunk(text) for text in finished] == chunks
         assert isinstance(outcomes[0], FenceRejected) and outcomes[1:] == [None] * (items - 1)
         assert (await store.item(stale.item_id))["state"] == "claimed"
         for claim in rest:
@@ -724,6 +735,34 @@ async def test_a_rounds_claims_and_finishes_go_in_padded_chunks(
             item = await store.item(claim.item_id)
             assert (item["state"], item["result"]) == ("done", {"id": claim.item_id})
         assert await verify_ledger(store) == []
+
+
+async def test_the_chunk_statements_in_bound_rows_are_compiled_as_the_store_opens(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # `_sqlite._compile_chunks`: compiled at a round's first need, each would cost 0.4 to
+    # 0.5 ms with the write lock held. The store's opening transaction runs both once with
+    # rows of NULLs, so the connection has them cached; they write nothing.
+    ran: list[tuple[str, int]] = []
+    migrate = _sqlite._migrate
+
+    def traced(db: sqlite3.Connection) -> None:
+        before = db.total_changes
+        db.set_trace_callback(lambda text: ran.append((text, db.total_changes - before)))
+        try:
+            migrate(db)
+        finally:
+            db.set_trace_callback(None)
+
+    monkeypatch.setattr(_sqlite, "_migrate", traced)
+    async with ControlStore(tmp_path / "store.db") as store:
+        await store.create_project("alpha", "Alpha")
+    # The opening transaction ends: both bound-row statements, all 64 rows NULL, then
+    # COMMIT, with no change made in between.
+    tail = ran[-3:]
+    assert [text.split(" (", 1)[0] for text, _ in tail] == ["\nWITH c", "\nWITH f", "COMMIT"]
+    assert [text.count("(NULL, NULL, NULL") for text, _ in tail[:2]] == [sql.VALUES_ROWS] * 2
+    assert len({changes for _, changes in tail}) == 1
 
 
 async def test_a_claim_that_one_arms_first_page_settles_builds_no_merge(

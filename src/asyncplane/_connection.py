@@ -63,6 +63,24 @@ def _check_sqlite_version() -> None:
         found = sqlite3.sqlite_version
         need = ".".join(map(str, MIN_SQLITE_VERSION))
         raise _errors.StorageError(f"asyncplane needs SQLite {need} or newer; Python has {found}")
+    _check_json_functions()
+
+
+@functools.cache
+def _check_json_functions() -> None:
+    """A round's claims and finishes go in one statement each, over ``json_each``: refuse
+    an SQLite built without its JSON functions (optional before 3.38), on a connection of
+    its own in memory, so that no store file is touched (once per process)."""
+    probe = sqlite3.connect(":memory:")
+    try:
+        probe.execute("SELECT count(*) FROM json_each('[1]')").fetchone()
+    except sqlite3.Error as exc:
+        raise _errors.StorageError(
+            f"asyncplane needs SQLite's JSON functions (built in since SQLite 3.38); this "
+            f"SQLite ({sqlite3.sqlite_version}) was built without them: {exc}"
+        ) from exc
+    finally:
+        probe.close()
 
 
 async def run(conn: aiosqlite.Connection, fn: Callable[..., T], *args: Any) -> T:

@@ -509,46 +509,58 @@ SET state = 'claimed', fence = fence + 1, attempts = attempts + 1,
 WHERE item_id = ?4
 RETURNING item_id, project_id, payload, fence, attempts, created_at, trace_context
 """
-# A round's claims and finishes go several to a statement, as the rows of a VALUES list
-# of bound parameters (?1 is now, the rows' own from ?2 on). A chunk comes in one of a few
-# sizes (ROW_SHAPES), padded to the next size with rows of NULLs, which match no item: a
-# statement per size, so that every one stays in the connection's statement cache. (They
-# used to be one statement over ``json_each`` of a JSON array: SQLite then parsed each
-# row's array again for every ``json_extract``, 1.5 µs a claim and 0.8 µs a settle more
-# on the store's schema.)
-#: The sizes of those chunks: the smallest that holds what is left, a chunk of the
-#: largest while more than that is left. A padding row costs about a row's binding and an
-#: index probe, so no chunk is more than a third padding.
-ROW_SHAPES: Final = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+# A round's claims and finishes go several to a statement, their rows in one of two forms,
+# each statement written once for both (?1 is now):
+# - a JSON array, ?2, read through ``json_each``: any number of rows, one statement;
+# - VALUES_ROWS rows of bound parameters (?2 on), for a round with at least VALUES_FROM
+#   rows left, padded with rows of NULLs, which match no item. SQLite before 3.45 parses a
+#   row's array again for every ``json_extract``; bound, a claim costs 1.5 µs less and a
+#   settle 0.8 µs.
+# Only one size of the second: every statement a process runs is another compiled program
+# (an UPDATE of items carries its triggers, about a thousand instructions), and in a fleet
+# each size in rotation runs from cold CPU caches. Measured with a ladder of eleven sizes,
+# 16 workers one item at a time drained 13% slower (docs/architecture.md).
+#: The rows of a chunk of bound parameters.
+VALUES_ROWS: Final = 64
+#: The fewest rows a chunk of bound parameters is used for (the rest padding).
+VALUES_FROM: Final = 48
 
 
-def _rows(rows: int, width: int) -> str:
-    """The VALUES list of ``rows`` rows of ``width`` numbered parameters, from ?2 on."""
+def _values(rows: int, width: int) -> str:
+    """``rows`` rows of ``width`` numbered parameters, from ?2 on."""
     return ",\n".join(
         "(" + ", ".join(f"?{2 + row * width + column}" for column in range(width)) + ")"
         for row in range(rows)
     )
 
 
-def _claim_items(rows: int) -> str:
+def _claim_items(rows: int | None) -> str:
+    """CLAIM_ITEMS (``rows`` None: the JSON array) or CLAIM_ITEM_ROWS."""
+    if rows is None:
+        given, source = "", "json_each(?2) AS c"
+        item, owner, lease = (f"json_extract(c.value, '$[{n}]')" for n in range(3))
+    else:
+        given = f"WITH c (item_id, owner, lease_expires_at) AS (VALUES {_values(rows, 3)})\n"
+        source, item, owner, lease = "c", "c.item_id", "c.owner", "c.lease_expires_at"
     return f"""
-WITH c (item_id, owner, lease_expires_at) AS (VALUES {_rows(rows, 3)})
-UPDATE items
+{given}UPDATE items
 SET state = 'claimed', fence = fence + 1, attempts = attempts + 1,
-    owner = c.owner, lease_expires_at = c.lease_expires_at,
+    owner = {owner}, lease_expires_at = {lease},
     due_at = NULL, updated_at = ?1, claimed_at = ?1
-FROM c
-WHERE items.item_id = c.item_id
+FROM {source}
+WHERE items.item_id = {item}
 RETURNING items.item_id, items.project_id, items.payload, items.fence, items.attempts,
           items.created_at, items.trace_context
 """
 
 
 #: A round's claims at once (one statement instead of one per item: a sixth to a quarter
-#: less time per claim), each item with its own owner and lease, by chunk size: rows of
-#: ``(item_id, owner, lease_expires_at)``, distinct items. RETURNING as CLAIM_ITEM's, in
-#: no particular order.
-CLAIM_ITEMS: Final = {rows: _claim_items(rows) for rows in ROW_SHAPES}
+#: less time per claim), each item with its own owner and lease: rows of ``[item_id,
+#: owner, lease_expires_at]``, distinct items, as a JSON array. RETURNING as CLAIM_ITEM's,
+#: in no particular order.
+CLAIM_ITEMS: Final = _claim_items(None)
+#: The same for VALUES_ROWS rows of bound parameters.
+CLAIM_ITEM_ROWS: Final = _claim_items(VALUES_ROWS)
 
 # A lapsed lease with no attempts left: the item fails instead of being taken over.
 EXHAUST_ITEM: Final = """
@@ -587,26 +599,34 @@ UPDATE items SET state = 'failed', error = :error, lease_expires_at = NULL, due_
 """
 
 
-def _settle_done_many(rows: int) -> str:
+def _settle_done_many(rows: int | None) -> str:
+    """SETTLE_DONE_MANY (``rows`` None: the JSON array) or SETTLE_DONE_ROWS."""
+    if rows is None:
+        given, source = "", "json_each(?2) AS f"
+        item, fence, result, actor = (f"json_extract(f.value, '$[{n}]')" for n in range(4))
+    else:
+        given = f"WITH f (item_id, fence, result, actor_id) AS (VALUES {_values(rows, 4)})\n"
+        source, item, fence, result, actor = "f", "f.item_id", "f.fence", "f.result", "f.actor_id"
     return f"""
-WITH f (item_id, fence, result, actor_id) AS (VALUES {_rows(rows, 4)})
-UPDATE items SET state = 'done', result = f.result, error = NULL,
+{given}UPDATE items SET state = 'done', result = {result}, error = NULL,
                  lease_expires_at = NULL, due_at = NULL, offload_handle = NULL,
                  updated_at = ?1
-FROM f
-WHERE items.item_id = f.item_id AND items.fence = f.fence
+FROM {source}
+WHERE items.item_id = {item} AND items.fence = {fence}
   AND items.state IN ('claimed', 'offloaded')
-  AND (f.actor_id IS NULL
-       OR items.project_id IN (SELECT project_id FROM assignments WHERE actor_id = f.actor_id))
+  AND ({actor} IS NULL
+       OR items.project_id IN (SELECT project_id FROM assignments WHERE actor_id = {actor}))
 RETURNING items.item_id, items.owner, items.project_id, items.fingerprint
 """
 
 
-#: A round's finishes as done at once, distinct items, by chunk size (as CLAIM_ITEMS):
-#: rows of ``(item_id, fence, result_json, actor_id)``. Each is guarded as SETTLE_DONE
-#: is; a finish it did not match wrote nothing. RETURNING gives the item ids that
-#: matched, then what SETTLE_DONE returns, in no particular order.
-SETTLE_DONE_MANY: Final = {rows: _settle_done_many(rows) for rows in ROW_SHAPES}
+#: A round's finishes as done at once, distinct items: rows of ``[item_id, fence,
+#: result_json, actor_id]`` as a JSON array. Each is guarded as SETTLE_DONE is; a finish
+#: it did not match wrote nothing. RETURNING gives the item ids that matched, then what
+#: SETTLE_DONE returns, in no particular order.
+SETTLE_DONE_MANY: Final = _settle_done_many(None)
+#: The same for VALUES_ROWS rows of bound parameters.
+SETTLE_DONE_ROWS: Final = _settle_done_many(VALUES_ROWS)
 # Retry reads the attempt budget first (it decides between deferred and failed).
 READ_BUDGET: Final = f"""
 SELECT attempts, max_attempts, owner FROM items {_SETTLE_GUARD}
