@@ -697,7 +697,8 @@ async def test_a_rounds_claims_and_finishes_go_in_chunks(
     # a statement while 48 or more are left (padded with rows of NULLs), the rest in one
     # JSON array. Padding matches nothing; every real row gets its own item, owner and
     # fence, and a stale fence among them is refused alone.
-    async with ControlStore(tmp_path / "store.db") as store:
+    # A round must hold all of them: max_batch (256 by default) says so here.
+    async with ControlStore(tmp_path / "store.db", max_batch=256) as store:
         await store.create_project("alpha", "Alpha")
         ids = await store.enqueue_many("alpha", [{"n": n} for n in range(items)])
         writer = await writer_of(store)
@@ -740,13 +741,16 @@ async def test_a_rounds_claims_and_finishes_go_in_chunks(
 async def test_the_chunk_statements_in_bound_rows_are_compiled_as_the_store_opens(
     tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # `_sqlite._compile_chunks`: compiled at a round's first need, each would cost 0.4 to
-    # 0.5 ms with the write lock held. The store's opening transaction runs both once with
-    # rows of NULLs, so the connection has them cached; they write nothing.
+    # `_sqlite._compile_chunks`: compiled at a round's first need, each would cost 0.2 to
+    # 0.5 ms inside a round. The store's opening transaction, on the writer's connection,
+    # runs both once with rows of NULLs, so that connection has them cached; they write
+    # nothing.
     ran: list[tuple[str, int]] = []
+    connections: list[sqlite3.Connection] = []
     migrate = _sqlite._migrate
 
     def traced(db: sqlite3.Connection) -> None:
+        connections.append(db)
         before = db.total_changes
         db.set_trace_callback(lambda text: ran.append((text, db.total_changes - before)))
         try:
@@ -757,6 +761,7 @@ async def test_the_chunk_statements_in_bound_rows_are_compiled_as_the_store_open
     monkeypatch.setattr(_sqlite, "_migrate", traced)
     async with ControlStore(tmp_path / "store.db") as store:
         await store.create_project("alpha", "Alpha")
+        assert connections == [(await writer_of(store))._conn._conn]
     # The opening transaction ends: both bound-row statements, all 64 rows NULL, then
     # COMMIT, with no change made in between.
     tail = ran[-3:]

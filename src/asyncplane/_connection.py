@@ -68,9 +68,10 @@ def _check_sqlite_version() -> None:
 
 @functools.cache
 def _check_json_functions() -> None:
-    """A round's claims and finishes go in one statement each, over ``json_each``: refuse
-    an SQLite built without its JSON functions (optional before 3.38), on a connection of
-    its own in memory, so that no store file is touched (once per process)."""
+    """A round's claims and finishes go several to a statement, a small round's over
+    ``json_each`` (`asyncplane._sqlite._returned`): refuse an SQLite built without its
+    JSON functions (optional before 3.38), on a connection of its own in memory, so that
+    no store file is touched (once per process)."""
     probe = sqlite3.connect(":memory:")
     try:
         probe.execute("SELECT count(*) FROM json_each('[1]')").fetchone()

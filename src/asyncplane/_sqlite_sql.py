@@ -5,7 +5,10 @@ IMMEDIATE and COMMIT are issued by the writer, where a reader can see them.)
 
 Nothing here is ever formatted with user input: values travel only as bound parameters.
 Where a statement has a scoped and an unscoped form, both are written out in full so a
-reader sees exactly what runs.
+reader sees exactly what runs. The exception: a round's many-row claim and settle come in
+two forms, their rows as a JSON array or as bound parameters, each made from one template
+(`_claim_items`, `_settle_done_many`), so that the settle's fence, state and scope guard
+has one text for both.
 
 Times are REAL seconds since the Unix epoch (wall clock, UTC). Item ids come from
 AUTOINCREMENT so an id is never reused, even after rows are purged: a late report or an
@@ -513,17 +516,22 @@ RETURNING item_id, project_id, payload, fence, attempts, created_at, trace_conte
 # each statement written once for both (?1 is now):
 # - a JSON array, ?2, read through ``json_each``: any number of rows, one statement;
 # - VALUES_ROWS rows of bound parameters (?2 on), for a round with at least VALUES_FROM
-#   rows left, padded with rows of NULLs, which match no item. SQLite before 3.45 parses a
-#   row's array again for every ``json_extract``; bound, a claim costs 1.5 µs less and a
-#   settle 0.8 µs.
+#   rows left, padded with rows of NULLs, which match no item. Bound, no ``json_each``
+#   row is made and no ``json_extract`` looks its row up in SQLite's small cache of parsed
+#   JSON (comparing the row's text, which holds a settle's result) and walks its path: a
+#   claim costs about 1.4 µs less and a settle 0.7 µs.
 # Only one size of the second: every statement a process runs is another compiled program
 # (an UPDATE of items carries its triggers, about a thousand instructions), and in a fleet
 # each size in rotation runs from cold CPU caches. Measured with a ladder of eleven sizes,
-# 16 workers one item at a time drained 13% slower (docs/architecture.md).
+# 16 workers one item at a time drained about a tenth slower (docs/architecture.md).
 #: The rows of a chunk of bound parameters.
 VALUES_ROWS: Final = 64
 #: The fewest rows a chunk of bound parameters is used for (the rest padding).
 VALUES_FROM: Final = 48
+assert 0 < VALUES_FROM <= VALUES_ROWS
+#: The parameters of one row of a round's claims, and of its finishes as done.
+CLAIM_ROW_WIDTH: Final = 3
+SETTLE_ROW_WIDTH: Final = 4
 
 
 def _values(rows: int, width: int) -> str:
@@ -538,9 +546,10 @@ def _claim_items(rows: int | None) -> str:
     """CLAIM_ITEMS (``rows`` None: the JSON array) or CLAIM_ITEM_ROWS."""
     if rows is None:
         given, source = "", "json_each(?2) AS c"
-        item, owner, lease = (f"json_extract(c.value, '$[{n}]')" for n in range(3))
+        item, owner, lease = (f"json_extract(c.value, '$[{n}]')" for n in range(CLAIM_ROW_WIDTH))
     else:
-        given = f"WITH c (item_id, owner, lease_expires_at) AS (VALUES {_values(rows, 3)})\n"
+        rows_given = _values(rows, CLAIM_ROW_WIDTH)
+        given = f"WITH c (item_id, owner, lease_expires_at) AS (VALUES {rows_given})\n"
         source, item, owner, lease = "c", "c.item_id", "c.owner", "c.lease_expires_at"
     return f"""
 {given}UPDATE items
@@ -603,9 +612,12 @@ def _settle_done_many(rows: int | None) -> str:
     """SETTLE_DONE_MANY (``rows`` None: the JSON array) or SETTLE_DONE_ROWS."""
     if rows is None:
         given, source = "", "json_each(?2) AS f"
-        item, fence, result, actor = (f"json_extract(f.value, '$[{n}]')" for n in range(4))
+        item, fence, result, actor = (
+            f"json_extract(f.value, '$[{n}]')" for n in range(SETTLE_ROW_WIDTH)
+        )
     else:
-        given = f"WITH f (item_id, fence, result, actor_id) AS (VALUES {_values(rows, 4)})\n"
+        rows_given = _values(rows, SETTLE_ROW_WIDTH)
+        given = f"WITH f (item_id, fence, result, actor_id) AS (VALUES {rows_given})\n"
         source, item, fence, result, actor = "f", "f.item_id", "f.fence", "f.result", "f.actor_id"
     return f"""
 {given}UPDATE items SET state = 'done', result = {result}, error = NULL,
