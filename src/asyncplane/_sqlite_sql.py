@@ -521,9 +521,9 @@ RETURNING item_id, project_id, payload, fence, attempts, created_at, trace_conte
 #   JSON (comparing the row's text, which holds a settle's result) and walks its path: a
 #   claim costs about 1.4 µs less and a settle 0.7 µs.
 # Only one size of the second: every statement a process runs is another compiled program
-# (an UPDATE of items carries its triggers, about a thousand instructions), and in a fleet
-# each size in rotation runs from cold CPU caches. Measured with a ladder of eleven sizes,
-# 16 workers one item at a time drained about a tenth slower (docs/architecture.md).
+# (an UPDATE of items carries its triggers, about a thousand instructions). With a ladder
+# of eleven sizes in rotation, 16 workers one item at a time drained about a tenth slower,
+# compiled ahead or not (docs/architecture.md; most likely each size ran from cold caches).
 #: The rows of a chunk of bound parameters.
 VALUES_ROWS: Final = 64
 #: The fewest rows a chunk of bound parameters is used for (the rest padding).
