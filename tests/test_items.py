@@ -676,6 +676,24 @@ async def test_a_settle_saved_for_a_caller_gone_wakes_a_waiter_at_once(
 
 
 @pytest.mark.sqlite_only  # on PostgreSQL the server's NOTIFY wakes it whatever this process does
+async def test_an_enqueue_saved_for_a_caller_gone_wakes_a_waiting_claim_at_once(
+    store: ControlStore, raw: Any
+) -> None:
+    # The enqueue's caller is cancelled while its round runs; the round commits the item
+    # for nobody. This process's waiting claim hears of it from the writer, not an hour
+    # later.
+    waiting = asyncio.create_task(store.claim("w", wait=30, poll_interval=3600))
+    await until(
+        lambda: any(t.get_name() == "asyncplane-wait-work-local" for t in asyncio.all_tasks()),
+        what="the claim waits",
+    )
+    await cancelled_in_its_round(store, raw, store.enqueue("alpha", {"n": 1}))
+    raw.execute("COMMIT")
+    claim = await waiting
+    assert claim is not None and claim.payload == {"n": 1}
+
+
+@pytest.mark.sqlite_only  # on PostgreSQL the server's NOTIFY wakes it whatever this process does
 @pytest.mark.parametrize("settle", ["release", "park"])
 async def test_a_settle_saved_for_a_caller_gone_wakes_a_waiting_claim_at_once(
     store: ControlStore, raw: Any, clock: ManualClock, settle: str

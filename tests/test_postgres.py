@@ -532,6 +532,38 @@ async def test_stores_in_other_schemas_never_wait_on_each_others_locks(
             await holder.close()
 
 
+async def test_a_rounds_enqueues_take_their_content_locks_together_in_order(url: str) -> None:
+    # The writer takes every content lock its round's enqueues need at its start, sorted
+    # (`_postgres_writer.Locking`, also through the `Named` an enqueue is sent as), so two
+    # rounds never take them in opposite orders. Seen from outside: an enqueue of "y"
+    # queued ahead of one of "x", with "y" held elsewhere, waits holding "x" already.
+    async with ControlStore(url) as store:
+        await store.create_project("p", "P")
+        holder = await asyncpg.connect(url)
+        watcher = await asyncpg.connect(url)
+        locks = "SELECT pid, granted FROM pg_locks WHERE locktype = 'advisory'"
+        try:
+            async with holder.transaction():
+                await holder.execute(pg_sql.LOCK_CONTENTS, ["p"], ["y"])
+                both = asyncio.gather(
+                    store.enqueue("p", {"n": 1}, fingerprint="y"),
+                    store.enqueue("p", {"n": 2}, fingerprint="x"),
+                )
+
+                async def waiting() -> bool:
+                    return any(not granted for _, granted in await watcher.fetch(locks))
+
+                await until(waiting, what="the round waits for the lock on y")
+                rows = await watcher.fetch(locks)
+                (waiter,) = {pid for pid, granted in rows if not granted}
+                assert [granted for pid, granted in rows if pid == waiter].count(True) == 1
+            first, second = await asyncio.wait_for(both, timeout=30)
+            assert first != second
+        finally:
+            await holder.close()
+            await watcher.close()
+
+
 def _server_socket(directory: str) -> pathlib.Path:
     """The server's unix socket in ``directory`` (beside it stands its lock file)."""
     (socket,) = (p for p in pathlib.Path(directory).glob(".s.PGSQL.*") if p.suffix != ".lock")

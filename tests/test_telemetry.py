@@ -205,6 +205,21 @@ async def test_claims_no_caller_saw_are_counted_claimed_as_they_are_released(
     assert otel.total("asyncplane.items.settled", outcome="released") - released == 2
 
 
+async def test_an_enqueue_saved_for_a_caller_gone_is_counted(
+    store: ControlStore, raw: Any, otel: Otel
+) -> None:
+    # Cancelled while its round ran, and cancelled as its answer came: either way the
+    # items stand, and are counted as enqueued, as if their callers had seen them.
+    enqueued = otel.total("asyncplane.items.enqueued", project="alpha")
+    await cancelled_in_its_round(store, raw, store.enqueue_many("alpha", [{"n": 1}, {"n": 2}]))
+    raw.execute("COMMIT")
+    await store.assign("alpha", "barrier")  # a write behind the enqueue's round
+    await cancelled_as_answered(store, "enqueue", store.enqueue("alpha", {"n": 3}))
+    assert len(await store.items(state="ready")) == 3
+    counted = otel.total("asyncplane.items.enqueued", project="alpha")
+    assert counted - enqueued == 3
+
+
 #: Each settle, made for the item ``claim`` holds, by the outcome it is counted under:
 #: the backend's method it goes through, and the item's state after it.
 _SETTLES: dict[str, tuple[str, str, Callable[[ControlStore, ClaimedItem], Awaitable[Any]]]] = {

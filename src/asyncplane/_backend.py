@@ -250,6 +250,9 @@ class CancelWhereOp(WhereOp):
 #: The operations that settle items, each counted as it is saved, answered or not
 #: (`Writes.orphaned`; `asyncplane._store`'s ``_outcome`` names each one's outcome).
 SETTLES = (FinishOp, RetryOp, ParkOp, ReleaseOp, OffloadOp, CancelOp, CancelWhereOp)
+#: What a round saved for a caller gone is told of (`Writes.orphaned`): every settle, and
+#: an enqueue (counted, and waking this process's waiting claims, as its caller would).
+_TOLD = (*SETTLES, EnqueueOp)
 
 
 class LimitsOp(NamedTuple):
@@ -480,8 +483,8 @@ GroupOp = Callable[[list[Any], Any, float], Any]
 #: away landed (``error`` None) or failed: ``given_back(row, error)`` (see
 #: `Writes.on_orphaned`).
 GivenBack = Callable[["ClaimRow", BaseException | None], None]
-#: Hears, on the event loop, that a round saved a settle (an op of `SETTLES`) for a
-#: caller that went away while it ran, with the answer its caller would have had:
+#: Hears, on the event loop, that a round saved a settle (an op of `SETTLES`) or an
+#: enqueue for a caller that went away while it ran, with the answer its caller would have had:
 #: ``saved(op, answer)`` (see `Writes.on_orphaned`).
 SavedUnseen = Callable[[Any, Any], None]
 
@@ -515,21 +518,21 @@ class Writes:
         """For requests whose callers were cancelled while their rounds ran (`orphaned`):
         have a claim's items given back, and hear ``given_back(row, error)`` as each
         give-back lands (``error`` None) or fails; hear ``saved(op, answer)`` of a settle
-        saved."""
+        or an enqueue saved."""
         self._given_back = given_back
         self._saved = saved
 
     def orphaned(self, request: Any, outcome: Any) -> None:
         """The writer's `asyncplane._write_queue.Orphaned`: a claim's items are released
         at once, each queued now, ahead of the writer's end if it is stopping (nobody
-        knows their fences, so they would wait out their leases); a settle stands, and
-        is told (`on_orphaned`), so it is counted and wakes this process's waiters as an
-        answered one does; any other request's outcome stands as it is."""
+        knows their fences, so they would wait out their leases); a settle or an enqueue
+        stands, and is told (`on_orphaned`), so it is counted and wakes this process's
+        waiters as an answered one does; any other request's outcome stands as it is."""
         if not isinstance(request, _write_queue.Grouped | _write_queue.Named):
             return
         if isinstance(request.op, ClaimOp):
             self.give_back(outcome, request.op.actor_id, unseen=True)
-        elif self._saved is not None and isinstance(request.op, SETTLES):
+        elif self._saved is not None and isinstance(request.op, _TOLD):
             self._saved(request.op, outcome)
 
     def give_back(
@@ -561,6 +564,11 @@ class Writes:
         if self._given_back is not None:
             self._given_back(row, error)
 
+    def _enqueue_write(self, op: EnqueueOp) -> Any:
+        """An enqueue as this backend's writer runs it: the operation, called ``(conn,
+        now)`` inside the round's transaction."""
+        raise NotImplementedError
+
     def _settle_write(self, op: Any) -> Any:
         """A settle of `SETTLES` other than a finish (its op) as this backend's writer
         runs it: the operation, called ``(conn, now)`` inside the round's transaction."""
@@ -579,6 +587,11 @@ class Writes:
         if self._writer is None:
             raise _errors.StoreClosed("the store is closed")
         return self._writer.submit(op)
+
+    def enqueue(self, op: EnqueueOp) -> _write_queue.Pending[list[int]]:
+        """Add the items (or find their twins): their ids in input order. Named, so that
+        one saved for a caller gone is still told (`orphaned`)."""
+        return self._submit(_write_queue.Named(self._enqueue_write(op), op))
 
     def claim(self, op: ClaimOp) -> _write_queue.Pending[list[ClaimRow]]:
         """Claim up to ``op.limit`` items (grouped with claims of the same filters)."""
@@ -736,7 +749,7 @@ class Backend(Protocol):
         """The ids of the projects assigned to an actor, ordered."""
         ...
 
-    async def enqueue(self, op: EnqueueOp) -> list[int]:
+    def enqueue(self, op: EnqueueOp) -> _write_queue.Pending[list[int]]:
         """Add the items (or find their twins), with their events; ids in input order."""
         ...
 

@@ -356,9 +356,9 @@ class PostgresBackend(_backend.Writes):
 
     # --- items ---------------------------------------------------------------------------
 
-    async def enqueue(self, op: _backend.EnqueueOp) -> list[int]:
+    def _enqueue_write(self, op: _backend.EnqueueOp) -> _writer.Locking:
         keys = tuple((op.project_id, fp) for fp in _rules.dedup_fingerprints(op.items))
-        return await self._write(_writer.Locking(keys, _bind(_enqueue, op)))
+        return _writer.Locking(keys, _bind(_enqueue, op))
 
     async def renew(self, op: _backend.RenewOp) -> float:
         return await self._write(_bind(_renew, op))

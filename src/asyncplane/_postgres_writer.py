@@ -279,7 +279,7 @@ class Writer(_write_queue.WriterBase):
         await transaction.start()
         try:
             now = await self._now()
-            keys = sorted({key for op in ops if isinstance(op, Locking) for key in op.lock_keys})
+            keys = sorted({key for op in ops for key in _lock_keys(op)})
             if keys:
                 await conn.execute(
                     sql.LOCK_CONTENTS, [key[0] for key in keys], [key[1] for key in keys]
@@ -398,6 +398,13 @@ async def _isolated(
 
 def _translated(exc: BaseException) -> _errors.StorageError:
     return _write_queue.caused(translate(exc), exc)
+
+
+def _lock_keys(op: Write[Any]) -> tuple[tuple[str, str], ...]:
+    """The content locks a round's request needs: a `Locking` operation's, also when a
+    `asyncplane._write_queue.Named` names what it writes (an enqueue)."""
+    write = op.write if isinstance(op, _write_queue.Named) else op
+    return write.lock_keys if isinstance(write, Locking) else ()
 
 
 async def _run_unit(

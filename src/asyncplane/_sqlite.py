@@ -223,8 +223,8 @@ class SQLiteBackend(_backend.Writes):
 
     # --- items ---------------------------------------------------------------------------
 
-    async def enqueue(self, op: _backend.EnqueueOp) -> list[int]:
-        return await self._write(functools.partial(_enqueue, op))
+    def _enqueue_write(self, op: _backend.EnqueueOp) -> _writer.Operation[list[int]]:
+        return functools.partial(_enqueue, op)
 
     async def renew(self, op: _backend.RenewOp) -> float:
         return await self._write(functools.partial(_renew, op))

@@ -444,7 +444,16 @@ class ControlStore:
         with _telemetry.enqueue_span(project, len(items)) as trace_context:
             if trace_context is not None:
                 items = tuple(item._replace(trace_context=trace_context) for item in items)
-            ids = await backend.enqueue(_backend.EnqueueOp(project, items, actor))
+            op = _backend.EnqueueOp(project, items, actor)
+            enqueuing = backend.enqueue(op)
+            try:
+                ids = await enqueuing
+            except asyncio.CancelledError:
+                # Cancelled while the round ran, the writer tells (`Writes.orphaned`); once
+                # the answer was in, its future holds it. Either way the items stand.
+                if _has_answer(enqueuing):
+                    _write_queue.tell(self._tally, op, enqueuing.result())
+                raise
         self._engine.notify()
         _telemetry.enqueued(project, len(items))
         if _log.isEnabledFor(logging.DEBUG):
@@ -1018,10 +1027,14 @@ class ControlStore:
         return result
 
     def _tally(self, op: Any, answer: Any) -> None:
-        """A settle saved with no caller's latency to record (its caller went away while
-        it ran, `Writes.on_orphaned`, or the store made it itself): counted under its
-        outcome, a finish's dedup twins too, and this process's waiters woken, as that
-        caller would have done."""
+        """A settle or an enqueue saved with no caller's latency to record (its caller
+        went away while it ran, `Writes.on_orphaned`, or the store made it itself): counted
+        (a settle under its outcome, a finish's dedup twins too, an enqueue's jobs), and
+        this process's waiters woken, as that caller would have done."""
+        if isinstance(op, _backend.EnqueueOp):
+            _telemetry.enqueued(op.project_id, len(op.items))
+            self._engine.notify()
+            return
         named = _outcome(op, answer)
         if named is not None:
             _telemetry.settled(named, None, self.backend, count=_count(op, answer))
