@@ -711,8 +711,8 @@ class Backend(Protocol):
         ...
 
     def on_orphaned(self, given_back: GivenBack, saved: SavedUnseen) -> None:
-        """Hear of each give-back of a claim, and each settle saved, whose caller went
-        away while its round ran (see `Writes.on_orphaned`)."""
+        """Hear of each give-back of a claim, and each settle or enqueue saved, whose
+        caller went away while its round ran (see `Writes.on_orphaned`)."""
         ...
 
     def give_back(
@@ -750,7 +750,11 @@ class Backend(Protocol):
         ...
 
     def enqueue(self, op: EnqueueOp) -> _write_queue.Pending[list[int]]:
-        """Add the items (or find their twins), with their events; ids in input order."""
+        """Add the items (or find their twins), with their events; ids in input order.
+
+        The request's future, queued by the call, not by the first await (or, while the
+        write lock has yet to move, a coroutine that queues it); ReadOnlyStore and
+        StoreClosed are raised by the call."""
         ...
 
     def claim(self, op: ClaimOp) -> _write_queue.Pending[list[ClaimRow]]:

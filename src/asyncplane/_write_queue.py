@@ -285,8 +285,8 @@ def deliver(
 ) -> None:
     """On the event loop: hand each caller its own outcome. One cancelled while its round
     ran gets nothing (the round stands); if the round answered it with a value, not a
-    refusal, ``orphaned`` hears of it (a claim nobody will run is given back, a settle
-    saved is counted and wakes waiters)."""
+    refusal, ``orphaned`` hears of it (a claim nobody will run is given back, a settle or
+    an enqueue saved is counted and wakes waiters)."""
     gone: list[tuple[Any, Any]] = []
     for (op, future), outcome in zip(batch, outcomes, strict=True):
         if future.done():
@@ -315,7 +315,7 @@ def tell(orphaned: Orphaned | None, op: Any, outcome: Any) -> None:
     except Exception:
         _log.exception(
             "asyncplane: a request saved for a cancelled caller could not be followed up "
-            "(a claim given back, a settle counted)"
+            "(a claim given back, a settle or an enqueue counted)"
         )
 
 
