@@ -36,6 +36,7 @@ from asyncplane import (
     _errors,
     _write_lock,
     _write_queue,
+    _writer,
     verify_ledger,
 )
 
@@ -83,7 +84,8 @@ class BoardFile:
     """The board as the test sees it: each slot's state, and a nudge for a slot."""
 
     def __init__(self, database: pathlib.Path) -> None:
-        self._fd = os.open(database.with_name(database.name + _combine.SUFFIX), os.O_RDWR)
+        self._path = database.with_name(database.name + _combine.SUFFIX)
+        self._fd = os.open(self._path, os.O_RDWR)
         self._mem = mmap.mmap(self._fd, _combine._HEADERS)
         self._futex = _combine._Futex()
 
@@ -92,11 +94,17 @@ class BoardFile:
         return value
 
     def wake(self, slot: int) -> None:
-        """As a holder's nudge: the slot's signal moved, its sleeper woken."""
+        """As a holder's nudge: the slot's signal moved, its sleeper woken, on its thread
+        (the futex) or on its event loop (a byte in the slot's wake pipe)."""
         word = ctypes.c_uint32.from_buffer(self._mem, slot * _combine._HEADER + _combine._SIGNAL)
         word.value += 1
         self._futex.wake(ctypes.addressof(word))
         del word
+        pipe = os.open(_combine.wake_path(self._path, slot), os.O_WRONLY | os.O_NONBLOCK)
+        try:
+            os.write(pipe, b"\0")
+        finally:
+            os.close(pipe)
 
     def close(self) -> None:
         self._mem.close()
@@ -208,6 +216,76 @@ async def test_a_holder_serves_the_claims_another_process_posted(
         assert await peer.ended() == 0
         assert mine.served_by_others == 1  # answered by the peer, not run here
         assert sorted((await claimed_by(store)).values()) == ["here", "peer"]
+        assert await verify_ledger(store) == []
+
+
+async def test_a_round_served_elsewhere_never_goes_to_the_connection_thread(
+    tmp_path: pathlib.Path, patient: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The event loop posts the round and sleeps on the slot's wake pipe; the holder's
+    # answers are collected there, with no hand-off to this store's thread and back.
+    path = tmp_path / "store.db"
+    async with scene(path) as (store, board, mine):
+        rounds: list[object] = []
+        execute_round = _writer._execute_round
+
+        def counted(*args: Any) -> None:
+            rounds.append(args[1])
+            execute_round(*args)
+
+        monkeypatch.setattr(_writer, "_execute_round", counted)
+        peer = await Peer.start(path, "peer")
+        claim = await served_by(peer, store.claim("here", lease_seconds=600), path, board, mine)
+        assert await claim is not None
+        assert mine.served_by_others == 1
+        assert rounds == []  # posted, waited for and collected on the event loop
+        assert json.loads(await peer.line()) is not None
+        assert await peer.ended() == 0
+
+
+async def test_a_holder_wakes_a_slot_whose_wake_pipe_was_made_anew(
+    tmp_path: pathlib.Path, patient: None
+) -> None:
+    # A holder keeps each slot's wake pipe open; when a later owner of the slot makes the
+    # pipe anew (another inode, named in the slot's header), the holder opens that one.
+    path = tmp_path / "store.db"
+    async with scene(path, await seeded(path, 4)) as (store, board, mine):
+        slots = []
+        for n in range(2):
+            peer = await Peer.start(path, f"peer{n}")  # waits on its loop, for the pipe only
+            holder = await Holder.start(path)
+            await peer.claims_posted(board)
+            await holder.let_go()
+            assert await store.claim("here", lease_seconds=600) is not None  # serves it
+            assert json.loads(await asyncio.wait_for(peer.line(), 30)) is not None
+            assert await peer.ended() == 0
+            slots.append(peer.slot)
+            board_path = path.with_name(path.name + _combine.SUFFIX)
+            _combine.wake_path(board_path, peer.slot).unlink()  # the next owner makes one
+        assert slots[0] == slots[1]
+        assert mine.served_for_others == 2
+        assert sorted((await claimed_by(store)).values()) == ["here", "here", "peer0", "peer1"]
+
+
+async def test_a_post_unserved_for_long_queues_for_the_lock_on_the_connection_thread(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The holders may be writers that do not combine: after a few looks the loop hands
+    # the posted round to the thread, which waits in the queue for a turn of its own.
+    monkeypatch.setattr(_combine, "RECHECK", 0.01)
+    monkeypatch.setattr(_writer, "_LOOKS_BEFORE_QUEUEING", 3)
+    path = tmp_path / "store.db"
+    async with scene(path) as (store, _, mine):
+        writer = await writer_of(store)
+        assert writer.write_lock is not None
+        holder = await Holder.start(path)
+        claim = asyncio.create_task(store.claim("here", lease_seconds=600))
+        await until(lambda: writer.write_lock is not None and writer.write_lock.waiting)
+        assert mine.state() == _combine.POSTED  # still posted while it queues
+        await holder.let_go()
+        assert await claim is not None
+        assert mine.served_by_others == 0  # its own turn ran it
+        assert mine.state() == _combine.EMPTY
         assert await verify_ledger(store) == []
 
 
@@ -411,9 +489,9 @@ async def test_busy_timeout_passing_as_a_served_claim_is_collected_gives_nothing
         turns.append(turn)
 
     def collected_as_time_runs_out(
-        board: _combine.Board, ops: Any, committed: Any
+        board: _combine.Board, ops: Any, committed: Any, **how: Any
     ) -> list[Any] | None:
-        answers = collect(board, ops, committed)
+        answers = collect(board, ops, committed, **how)
         stopped.append(turns[-1].give_up())  # as the loop's timer would, this instant
         return answers
 

@@ -13,6 +13,16 @@ answers into its slot. Once it has let the lock go and its own callers have thei
 outcomes, it marks the slots answered and wakes their owners, then wakes one writer whose
 post arrived too late to be taken, which tries the lock in turn.
 
+**Where a waiter sleeps.** A post is made, and waited for, on the poster's event loop
+(`asyncplane._writer`), which never blocks for it: trying the lock and posting do not
+wait, and the loop sleeps on its slot's *wake pipe* (a FIFO beside the board,
+``<database>-combine-wake-N``, opened by the slot's owner and read by its loop), which a
+holder writes a byte to whenever it moves the slot's signal. A round served that way
+never reaches the poster's connection thread: no hand-off to it and back, which on two
+CPUs cost a served item about a third of its CPU (docs/architecture.md). A post that
+waits long goes to the connection's thread, which queues for the lock and sleeps on the
+signal word itself (a futex), woken by the same signal.
+
 What is saved stays knowable, whoever dies when:
 
 * **Answers before COMMIT, and a token in the transaction.** A holder writes the answers
@@ -53,12 +63,14 @@ pickles: the board is only as trusted as the database beside it, which holds no 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import marshal
 import mmap
 import os
 import pathlib
 import platform
+import stat
 import struct
 import sys
 from collections.abc import Callable, Mapping, Sequence
@@ -73,7 +85,7 @@ if sys.platform == "linux":
     import ctypes
     import fcntl
 
-__all__ = ("DISABLE", "RECHECK", "SUFFIX", "Board", "Taken", "open_board")
+__all__ = ("DISABLE", "RECHECK", "SUFFIX", "WAKE_SUFFIX", "Board", "Taken", "open_board")
 
 _log = logging.getLogger("asyncplane.writer")
 
@@ -108,6 +120,9 @@ _VERSION_AT = 44  # the layout of a post: a holder skips posts of another versio
 # one it rides on (`_Wire`).
 _VERSION = 3
 _QUEUE_AT = 48  # which writers' queue file the poster waits in (see `Board.queue`)
+_WAKE_AT = 56  # the inode of the slot's wake pipe (0: none), as its owner opened it
+#: A slot's wake pipe is the board's name with this and the slot's number added.
+WAKE_SUFFIX = "-wake-"
 _SPILLED = 0xFFFFFFFF  # answer length meaning "in the slot's spill file"
 
 EMPTY, POSTED, TAKEN, ANSWERED = 0, 1, 2, 3
@@ -185,6 +200,9 @@ class Board:
             ctypes.c_uint32.from_buffer(self._mem, s * _HEADER + _SIGNAL) for s in range(SLOTS)
         ]
         self._futex = _Futex()
+        #: This slot's wake pipe, read by its owner's event loop (-1: none; see `open_wake`).
+        self.wake_fd = -1
+        self._wakes: dict[int, tuple[int, int]] = {}  # a slot's pipe, opened: (inode, fd)
         self._seq = 0
         #: The writers' queue file this process waits in, as a number: a holder serves only
         #: posts of its own queue's waiters, whose lock it holds (`_read_post`).
@@ -247,11 +265,68 @@ class Board:
         return self.state()
 
     def _signal(self, slot: int) -> None:
-        """Move ``slot``'s signal and wake its sleeper: a wake that comes before the owner
-        sleeps is not lost, as the word it would sleep on has moved."""
+        """Move ``slot``'s signal and wake its sleeper, on its thread (the futex) or on its
+        event loop (the wake pipe): a wake that comes before the owner sleeps is not lost,
+        as the word it would sleep on has moved, and the pipe keeps the byte."""
         word = self._signals[slot]
         word.value = (word.value + 1) & 0xFFFFFFFF
         self._futex.wake(ctypes.addressof(word))
+        self._wake_loop(slot)
+
+    def _wake_loop(self, slot: int) -> None:
+        """A byte to ``slot``'s wake pipe, opened once and kept while its inode is the one
+        the slot's owner named (a pipe made anew by a later owner is opened anew)."""
+        (inode,) = struct.unpack_from("=Q", self._mem, slot * _HEADER + _WAKE_AT)
+        if inode == 0:
+            return  # its owner sleeps on its thread only
+        known = self._wakes.get(slot)
+        if known is None or known[0] != inode:
+            if known is not None:
+                os.close(known[1])
+                del self._wakes[slot]
+            try:  # no reader (its owner gone): ENXIO; no pipe: ENOENT
+                fd = os.open(
+                    wake_path(self._path, slot), os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC
+                )
+            except OSError:
+                return
+            if os.fstat(fd).st_ino != inode:
+                os.close(fd)
+                return
+            self._wakes[slot] = known = (inode, fd)
+        try:
+            os.write(known[1], b"\0")
+        except OSError:  # full (its owner has bytes to read already), or its reader gone
+            pass
+
+    def open_wake(self) -> bool:
+        """Open this slot's wake pipe for its event loop to read (`wake_fd`), and name it
+        in the slot's header for holders to write to; whether there is one (a filesystem
+        without FIFOs: the slot's owner waits on its thread, as before there were pipes)."""
+        path = wake_path(self._path, self.slot)
+        try:
+            with contextlib.suppress(FileExistsError):
+                os.mkfifo(path, os.fstat(self._fd).st_mode & 0o666)
+            # Read and write: a FIFO opened so never reads an end of file, and never blocks.
+            fd = os.open(path, os.O_RDWR | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError as exc:
+            _log.debug("no wake pipe for slot %d of %s (%s)", self.slot, self._path, exc)
+            return False
+        facts = os.fstat(fd)
+        if not stat.S_ISFIFO(facts.st_mode):  # something else by that name
+            os.close(fd)
+            return False
+        with contextlib.suppress(OSError):
+            os.fchmod(fd, os.fstat(self._fd).st_mode & 0o666)  # the board's, not the umask's
+        self.wake_fd = fd
+        struct.pack_into("=Q", self._mem, self.slot * _HEADER + _WAKE_AT, facts.st_ino)
+        return True
+
+    def woken(self) -> None:
+        """On the event loop, its wake pipe readable: read what holders wrote to it."""
+        with contextlib.suppress(BlockingIOError, InterruptedError):
+            while os.read(self.wake_fd, 512):
+                pass
 
     def retract(self) -> bool | None:
         """Take back this slot's post unless a holder has taken it: whether it is back
@@ -268,14 +343,22 @@ class Board:
         self._signal(self.slot)  # its thread: look again
         return True
 
-    def collect(self, ops: Sequence[Any], committed: Callable[[bytes], bool]) -> list[Any] | None:
+    def collect(
+        self, ops: Sequence[Any], committed: Callable[[bytes], bool], *, wait: bool = True
+    ) -> list[Any] | None:
         """With the writers' lock held (or the slot answered): this slot's outcomes, if a
         holder served it and its round committed; else None (the post withdrawn, the
-        requests to run here). ``committed`` looks a round's token up in the database."""
+        requests to run here). ``committed`` looks a round's token up in the database.
+        ``wait=False`` (the event loop): BlockingIOError if a holder is at the slot's lock
+        this instant, nothing done (ask again)."""
         # Under the slot's lock: a holder marks a slot answered after letting the writers'
         # lock go (`mark_answered`), and only if it still finds the slot taken by its round.
         failed: Exception | None = None
-        self._slot_lock_wait(self.slot)
+        if not wait:
+            if not self._slot_lock(self.slot):
+                raise BlockingIOError("the slot's lock is held by a holder this instant")
+        else:
+            self._slot_lock_wait(self.slot)
         try:
             state, _, _, answer_len, token = self._head(self.slot)
             served = state == ANSWERED
@@ -444,7 +527,15 @@ class Board:
                 return
 
     def close(self) -> None:
-        """Let go of the slot and the mapping."""
+        """Let go of the slot and the mapping, and of the wake pipes."""
+        if self.slot >= 0:  # holders no longer wake a pipe nobody reads
+            struct.pack_into("=Q", self._mem, self.slot * _HEADER + _WAKE_AT, 0)
+        for _, fd in self._wakes.values():
+            os.close(fd)
+        self._wakes.clear()
+        if self.wake_fd >= 0:
+            os.close(self.wake_fd)
+            self.wake_fd = -1
         del self._words, self._signals
         self._mem.close()
         os.close(self._fd)
@@ -536,6 +627,11 @@ class Board:
         fcntl.fcntl(self._fd, fcntl.F_OFD_SETLK, _range_lock(fcntl.F_UNLCK, SLOTS + slot))
 
 
+def wake_path(board: pathlib.Path, slot: int) -> pathlib.Path:
+    """Where ``slot``'s wake pipe is, beside ``board``."""
+    return board.with_name(f"{board.name}{WAKE_SUFFIX}{slot}")
+
+
 def _others_posted(states: tuple[int, ...], own: int) -> bool:
     """Whether ``states`` (a glance at the board) has a posted slot other than ``own``."""
     return bool(states.count(POSTED) > (states[own] == POSTED))
@@ -621,6 +717,7 @@ def open_board(
         return None
     board.queue = (device * 1_000_003 ^ inode) & 0xFFFFFFFFFFFFFFFF
     if board._settle_in(lock):
+        board.open_wake()
         return board
     _log.debug("no combining board for %s: every slot is taken", path)
     board.close()

@@ -24,6 +24,11 @@ Combining across processes (`asyncplane._combine`, Linux). A round of claims and
 that finds the lock taken is posted on the board beside the database instead, and the
 holder of the lock serves it in its own transaction; every round this writer runs takes
 in what other processes posted, and answers them before its COMMIT (`_transact_held`).
+The event loop tries the lock and posts (`Writer._post_on_loop`, neither waits) and
+sleeps on the slot's wake pipe until a holder answers, so a round served elsewhere never
+goes to the connection's thread; a round the loop finds the lock free for goes there
+with the lock held, and one unserved for long goes there to queue for the lock
+(`_transact_posted`, from where the loop left it: `Posting`).
 
 Group commit. While one transaction is on the connection's thread, new requests queue up;
 the next round takes all of them (up to ``max_batch``) into one transaction, so under load
@@ -65,7 +70,7 @@ import os
 import sqlite3
 import time
 from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import aiosqlite
 
@@ -131,11 +136,17 @@ class Writer(_write_queue.WriterBase):
         self._moving.set()
         #: `_give_up` asked again (its post was at a holder's hands); cancelled with the round.
         self._again: asyncio.TimerHandle | None = None
-        #: The round on the connection's thread now (None: the thread is free), its
-        #: busy_timeout timer, and whether a `_dispatch` is scheduled.
+        #: The round on the connection's thread now, or posted and waited for on the
+        #: loop (None: neither), its busy_timeout timer, and whether a `_dispatch` is
+        #: scheduled.
         self._on_thread: list[_Request] | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._dispatch_due = False
+        #: The round posted on the board and waited for on the loop (`_post_on_loop`),
+        #: and when it looks at the lock again unwoken.
+        self._posted: _OnLoop | None = None
+        self._look_again: asyncio.TimerHandle | None = None
+        self._reading: asyncio.AbstractEventLoop | None = None  # the loop reading the pipe
 
     def submit(self, op: Any) -> _write_queue.Pending[Any]:
         """Queue one operation: what to await for its result (its future, queued now).
@@ -180,13 +191,19 @@ class Writer(_write_queue.WriterBase):
             return
         if not stopped:
             return  # the round has begun meanwhile: it runs to its end
-        self._moving.clear()
         waiting = [future for _, future in batch]
+        ended = self._posted is not None and self._posted.batch is batch
+        if ended:
+            self._round_over()  # taken back from the board: nothing of it waits any more
+        else:
+            self._moving.clear()  # the thread still waits for the lock, to let it go unused
         while self._pending:  # queued behind the round: they would wait longer still
             waiting.append(self._pending.popleft()[1])
         for future in waiting:
             if not future.done():
                 future.set_exception(_errors.DatabaseLocked(self._stuck_message()))
+        if ended:
+            self._next(asyncio.get_running_loop())  # a stop waiting for the queue hears it
 
     def _drop(self) -> None:
         self._conn.stop()  # the connection's thread ends; no loop is left to close it
@@ -201,6 +218,8 @@ class Writer(_write_queue.WriterBase):
             if self.write_lock is not None:
                 self.write_lock.close()
             if self.board is not None:
+                if self._reading is not None and not self._reading.is_closed():
+                    self._reading.remove_reader(self.board.wake_fd)
                 self.board.close()
 
     # --- rounds, driven by callbacks -----------------------------------------------------
@@ -248,16 +267,134 @@ class Writer(_write_queue.WriterBase):
         turn = None if self.write_lock is None else _write_lock.Turn()
         if turn is not None:
             self._timer = loop.call_later(self.lock_timeout, self._give_up, turn, batch)
+            if self.board is not None and self.board.wake_fd >= 0:
+                ops = [op for op, _ in batch]
+                if self.board.postable(ops) and self._post_on_loop(loop, batch, ops, turn):
+                    return
+        self._to_thread(loop, batch, turn, None)
+
+    def _to_thread(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        batch: list[_Request],
+        turn: _write_lock.Turn | None,
+        posting: Posting | None,
+    ) -> None:
+        """Hand the round to the connection's thread (``posting``: as far as the loop got
+        with it on the board)."""
         try:
             # The round hands its outcomes to the callers itself (call_soon_threadsafe):
             # they arrive even if the writer task is cancelled while the round runs.
-            _connection.post(self._conn, _execute_round, batch, self._clock, loop, self, turn)
+            _connection.post(
+                self._conn, _execute_round, batch, self._clock, loop, self, turn, posting
+            )
         except BaseException as exc:  # the connection is closed: the round never began
+            if posting is not None and posting.locked:
+                assert self.write_lock is not None
+                self.write_lock.release()
             self._round_broke(batch, exc)
 
+    # --- a round posted from the loop ----------------------------------------------------
+    #
+    # What `_transact_posted` does on the thread for a round of claims and finishes, the
+    # loop does first, without waiting: try the lock, post, try again (a holder that let
+    # go before the post never saw it), then sleep on the slot's wake pipe, or until
+    # RECHECK, and look again. Served, the answers are collected here and delivered; the
+    # lock found free, the thread runs the round with it held (collecting the answers if
+    # a holder served the post and died); unserved for _LOOKS_BEFORE_QUEUEING looks, or
+    # with the queue gone, the thread takes over where the loop left off.
+
+    def _post_on_loop(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        batch: list[_Request],
+        ops: list[Any],
+        turn: _write_lock.Turn,
+    ) -> bool:
+        """Start ``batch`` on the board; False to hand it to the thread as any round."""
+        lock, board = self.write_lock, self.board
+        assert lock is not None and board is not None
+        asked = time.perf_counter()
+        got = lock.try_acquire()
+        if got is None:  # no queue any more: the thread's round, as any other
+            return False
+        if got:
+            self._to_thread(loop, batch, turn, Posting(asked, posted=False, locked=True))
+            return True
+        posted = turn.post(lambda: board.post(ops), board.retract)
+        if not posted:  # too big for a slot, or a full disk: it waits for its own turn
+            return False
+        got = lock.try_acquire()
+        if got is not False:
+            self._to_thread(loop, batch, turn, Posting(asked, posted=True, locked=bool(got)))
+            return True
+        if self._reading is None:
+            loop.add_reader(board.wake_fd, self._woken)
+            self._reading = loop
+        self._posted = _OnLoop(batch, ops, turn, asked)
+        self._look_again = loop.call_later(_combine.RECHECK, self._look)
+        return True
+
+    def _woken(self) -> None:
+        """The wake pipe is readable: a holder moved this slot's signal."""
+        assert self.board is not None
+        self.board.woken()
+        self._look()
+
+    def _look(self) -> None:
+        """Look at the posted round: answered, collect it; else try the lock again. If
+        looking breaks (a bug), the round's callers hear it, as from a broken round."""
+        posting = self._posted
+        if posting is None:
+            return  # a wake meant for the thread's wait, or one already seen to
+        try:
+            self._look_at(posting)
+        except Exception as exc:
+            if self._posted is posting:  # still waited for here: no one else will answer
+                self._round_broke(posting.batch, exc)
+
+    def _look_at(self, posting: _OnLoop) -> None:
+        lock, board = self.write_lock, self.board
+        assert lock is not None and board is not None
+        loop = asyncio.get_running_loop()
+        if self._look_again is not None:
+            self._look_again.cancel()
+            self._look_again = None
+        posting.looks += 1
+        state = board.state()
+        if state == _combine.ANSWERED:
+            posting.turn.begin()  # served: busy_timeout can no longer give it up
+            try:
+                answers = board.collect(posting.ops, _never, wait=False)
+            except BlockingIOError:  # a holder is at the slot's lock this instant
+                self._look_again = loop.call_later(_BUSY_SLOT, self._look)
+                return
+            assert answers is not None  # an answered slot always has its outcomes
+            self._posted = None
+            took = time.perf_counter() - posting.asked
+            _deliver(loop, self, posting.batch, answers, took, 0.0, took)
+            return
+        # Not posted any more, which only this process does (giving it up ended the round
+        # already): the thread's wait goes on from an empty slot, as before posting.
+        posted = state != _combine.EMPTY
+        got = lock.try_acquire() if posted and posting.looks <= _LOOKS_BEFORE_QUEUEING else None
+        if got is False:
+            self._look_again = loop.call_later(_combine.RECHECK, self._look)
+            return
+        # The lock is free (a holder gone, or one that let go unseen), or it has been
+        # unserved too long, or the queue is gone: the thread goes on from here.
+        self._posted = None
+        start = Posting(posting.asked, posted=posted, locked=bool(got), looks=posting.looks)
+        self._to_thread(loop, posting.batch, posting.turn, start)
+
     def _round_over(self) -> None:
-        """The connection's thread is back from the round (on the event loop)."""
+        """The connection's thread is back from the round, or the board's answers are in
+        (on the event loop)."""
         self._on_thread = None
+        self._posted = None
+        if self._look_again is not None:
+            self._look_again.cancel()
+            self._look_again = None
         self.in_flight = 0
         if self._timer is not None:
             self._timer.cancel()
@@ -329,6 +466,36 @@ def _rollback(db: sqlite3.Connection) -> None:
             pass
 
 
+class Posting(NamedTuple):
+    """How far the event loop got with a round on the board before the thread took it:
+    when the round asked for the lock, whether it is posted, whether the loop holds the
+    lock for it, and how often the post was looked at unserved."""
+
+    asked: float
+    posted: bool
+    locked: bool
+    looks: int = 0
+
+
+class _OnLoop:
+    """A round posted on the board, waited for on the event loop (`Writer._look`)."""
+
+    __slots__ = ("asked", "batch", "looks", "ops", "turn")
+
+    def __init__(
+        self, batch: list[_Request], ops: list[Any], turn: _write_lock.Turn, asked: float
+    ) -> None:
+        self.batch = batch
+        self.ops = ops
+        self.turn = turn
+        self.asked = asked
+        self.looks = 1  # looked at once, as it was posted
+
+
+#: Seconds before looking again at an answered slot whose lock a holder has this instant.
+_BUSY_SLOT = 0.0005
+
+
 def _execute_round(
     db: sqlite3.Connection,
     batch: list[_Request],
@@ -336,6 +503,7 @@ def _execute_round(
     loop: asyncio.AbstractEventLoop,
     writer: Writer,
     turn: _write_lock.Turn | None,
+    posting: Posting | None,
 ) -> None:
     """Run on the connection's thread: one transaction for the batch, then deliver. It
     never raises (nothing waits on the thread for it): a round that breaks says so."""
@@ -343,9 +511,16 @@ def _execute_round(
     try:
         try:
             try:
-                outcomes, lock_wait, held = _transact(
-                    [op for op, _ in batch], db, clock, writer.write_lock, turn, writer.board
-                )
+                ops = [op for op, _ in batch]
+                lock, board = writer.write_lock, writer.board
+                served = None
+                if posting is not None:  # begun on the loop: see Writer._post_on_loop
+                    assert lock is not None and board is not None
+                    served = _transact_posted(ops, db, clock, lock, turn, board, posting)
+                    board = None  # None: the queue is gone, the post taken back; not again
+                if served is None:
+                    served = _transact(ops, db, clock, lock, turn, board)
+                outcomes, lock_wait, held = served
             except Exception as exc:  # outside any operation (the clock, say): fail the round
                 _rollback(db)
                 outcomes = [_write_queue.Raised(_write_queue.round_failed(exc))] * len(batch)
@@ -435,7 +610,7 @@ def _transact(
         outcomes, waited = _transact_held(ops, db, clock, asked, None)
         return outcomes, waited, time.perf_counter() - asked - waited
     if board is not None and board.postable(ops):
-        served = _transact_posted(ops, db, clock, lock, turn, board, asked)
+        served = _transact_posted(ops, db, clock, lock, turn, board, Posting(asked, False, False))
         if served is not None:
             return served  # else not posted: this round waits for its own turn
     if not lock.acquire():  # the queue failed: SQLite's busy handler waits alone
@@ -474,22 +649,29 @@ def _transact_posted(
     lock: _write_lock.WriteLock,
     turn: _write_lock.Turn | None,
     board: _combine.Board,
-    asked: float,
+    start: Posting,
 ) -> tuple[list[Any], float, float] | None:
     """`_transact` for a round of claims and finishes on a board: if the write lock is
     taken, posted, then served by whichever process holds it, this one included. None if
     it could not be posted (too big, a full disk) or the queue is gone: the caller runs
-    it as any other round. A process alone never finds the lock taken, so never posts."""
-    posted: bool | None = False
-    looks = 0  # times this post was looked at unserved
+    it as any other round. A process alone never finds the lock taken, so never posts.
+    ``start`` says how far the event loop got with it (`Writer._post_on_loop`): posted
+    or not, the lock held or not, and how often the post was looked at."""
+    asked = start.asked
+    posted: bool | None = start.posted
+    looks = start.looks  # times this post was looked at unserved
+    locked = start.locked
     while True:
         looks += 1
-        if posted and looks > _LOOKS_BEFORE_QUEUEING and board.state() != _combine.ANSWERED:
+        if locked:  # the loop took the lock for this round: go on from there
+            got: bool | None = True
+            locked = False
+        elif posted and looks > _LOOKS_BEFORE_QUEUEING and board.state() != _combine.ANSWERED:
             # Unserved this long: the holders may be writers that do not combine (another
             # board, ASYNCPLANE_NO_COMBINE), or its holder died and others keep the lock
             # busy. Wait in the queue for a turn of its own; a holder may still serve the
             # post meanwhile, and then its answers are found.
-            got: bool | None = lock.acquire() or None
+            got = lock.acquire() or None
         else:
             got = lock.try_acquire()
         if got is None and (not posted or board.retract()):  # no queue any more
