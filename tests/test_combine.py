@@ -289,6 +289,32 @@ async def test_a_post_unserved_for_long_queues_for_the_lock_on_the_connection_th
         assert await verify_ledger(store) == []
 
 
+async def test_a_writer_cancelled_with_a_post_out_sees_the_round_to_its_end(
+    tmp_path: pathlib.Path, patient: None
+) -> None:
+    # The writer task is cancelled (the loop shutting down) while its round waits on the
+    # board: the connection's thread takes the round over before the connection closes,
+    # so it still runs to its end, once the lock comes, and the caller hears what it got.
+    path = tmp_path / "store.db"
+    async with scene(path) as (store, board, mine):
+        writer = await writer_of(store)
+        slot = mine.slot
+        holder = await Holder.start(path)
+        claim = asyncio.create_task(store.claim("here", lease_seconds=600))
+        await until(lambda: board.state(slot) == _combine.POSTED)
+        assert writer._task is not None
+        writer._task.cancel()
+        await until(lambda: writer.write_lock is not None and writer.write_lock.waiting)
+        await holder.let_go()
+        got = await claim
+        assert got is not None
+        await asyncio.wait([writer._task])
+        assert board.state(slot) == _combine.EMPTY
+    async with ControlStore(path) as after:
+        assert [row["owner"] for row in await after.items(state="claimed")] == ["here"]
+        assert await verify_ledger(after) == []
+
+
 async def test_a_holder_runs_no_claim_that_rode_on_a_settle_it_refused(
     tmp_path: pathlib.Path, patient: None
 ) -> None:

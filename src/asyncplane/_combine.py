@@ -296,13 +296,18 @@ class Board:
             self._wakes[slot] = known = (inode, fd)
         try:
             os.write(known[1], b"\0")
-        except OSError:  # full (its owner has bytes to read already), or its reader gone
+        except BlockingIOError:  # full: its owner has bytes to read already
             pass
+        except OSError:  # its reader gone (EPIPE): open the slot's pipe anew next time
+            os.close(known[1])
+            del self._wakes[slot]
 
     def open_wake(self) -> bool:
         """Open this slot's wake pipe for its event loop to read (`wake_fd`), and name it
         in the slot's header for holders to write to; whether there is one (a filesystem
         without FIFOs: the slot's owner waits on its thread, as before there were pipes)."""
+        if not _STORES_IN_ORDER:  # posting waits for the slot's lock: not on a loop
+            return False
         path = wake_path(self._path, self.slot)
         try:
             with contextlib.suppress(FileExistsError):

@@ -579,10 +579,16 @@ class ControlStore:
             )  # fmt: skip
             if found or (timeout is not None and timeout <= 0):
                 return found, False
-            await _wakeups.until_work(
-                engine, local, version, poll_interval=poll, project_id=project_id,
-                actor_id=actor_id, stop=stop, timeout=timeout,
-            )  # fmt: skip
+            try:
+                await _wakeups.until_work(
+                    engine, local, version, poll_interval=poll, project_id=project_id,
+                    actor_id=actor_id, stop=stop, timeout=timeout,
+                )  # fmt: skip
+            except _errors.StoreClosed:
+                # Closed while the wait read when work falls due (`closes` rises before
+                # the connections go): the waiter ends, as it would have on waking.
+                if closes is None or engine.closes == closes:
+                    raise
             return [], closes is not None and engine.closes != closes
         finally:
             engine.unwatch(local)

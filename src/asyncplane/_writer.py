@@ -212,6 +212,15 @@ class Writer(_write_queue.WriterBase):
         # The board stays open: the thread may still be serving a round through it.
 
     async def _close(self) -> None:
+        posting = self._posted
+        if posting is not None:  # the writer stops with a post out: the thread sees it
+            self._posted = None  # to its end (served, or run here), before it closes,
+            if self._look_again is not None:  # queueing for the lock at once
+                self._look_again.cancel()
+                self._look_again = None
+            looks = max(posting.looks, _LOOKS_BEFORE_QUEUEING)
+            start = Posting(posting.asked, posted=True, locked=False, looks=looks)
+            self._to_thread(asyncio.get_running_loop(), posting.batch, posting.turn, start)
         try:
             await self._conn.close()
         finally:
