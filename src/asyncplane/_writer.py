@@ -214,11 +214,8 @@ class Writer(_write_queue.WriterBase):
     async def _close(self) -> None:
         posting = self._posted
         if posting is not None:  # the writer stops with a post out: the thread sees it
-            self._posted = None  # to its end (served, or run here), before it closes,
-            if self._look_again is not None:  # queueing for the lock at once
-                self._look_again.cancel()
-                self._look_again = None
-            looks = max(posting.looks, _LOOKS_BEFORE_QUEUEING)
+            self._stop_looking()  # to its end (served, or run here), before it closes,
+            looks = max(posting.looks, _LOOKS_BEFORE_QUEUEING)  # queueing for the lock at once
             start = Posting(posting.asked, posted=True, locked=False, looks=looks)
             self._to_thread(asyncio.get_running_loop(), posting.batch, posting.turn, start)
         try:
@@ -366,9 +363,7 @@ class Writer(_write_queue.WriterBase):
         lock, board = self.write_lock, self.board
         assert lock is not None and board is not None
         loop = asyncio.get_running_loop()
-        if self._look_again is not None:
-            self._look_again.cancel()
-            self._look_again = None
+        self._cancel_look_again()
         posting.looks += 1
         state = board.state()
         if state == _combine.ANSWERED:
@@ -396,14 +391,21 @@ class Writer(_write_queue.WriterBase):
         start = Posting(posting.asked, posted=posted, locked=bool(got), looks=posting.looks)
         self._to_thread(loop, posting.batch, posting.turn, start)
 
+    def _stop_looking(self) -> None:
+        """No round is waited for on the loop any more."""
+        self._posted = None
+        self._cancel_look_again()
+
+    def _cancel_look_again(self) -> None:
+        if self._look_again is not None:
+            self._look_again.cancel()
+            self._look_again = None
+
     def _round_over(self) -> None:
         """The connection's thread is back from the round, or the board's answers are in
         (on the event loop)."""
         self._on_thread = None
-        self._posted = None
-        if self._look_again is not None:
-            self._look_again.cancel()
-            self._look_again = None
+        self._stop_looking()
         self.in_flight = 0
         if self._timer is not None:
             self._timer.cancel()
