@@ -226,14 +226,7 @@ async def test_a_round_served_elsewhere_never_goes_to_the_connection_thread(
     # answers are collected there, with no hand-off to this store's thread and back.
     path = tmp_path / "store.db"
     async with scene(path) as (store, board, mine):
-        rounds: list[object] = []
-        execute_round = _writer._execute_round
-
-        def counted(*args: Any) -> None:
-            rounds.append(args[1])
-            execute_round(*args)
-
-        monkeypatch.setattr(_writer, "_execute_round", counted)
+        rounds = _counted_rounds(monkeypatch)
         peer = await Peer.start(path, "peer")
         claim = await served_by(peer, store.claim("here", lease_seconds=600), path, board, mine)
         assert await claim is not None
@@ -241,6 +234,39 @@ async def test_a_round_served_elsewhere_never_goes_to_the_connection_thread(
         assert rounds == []  # posted, waited for and collected on the event loop
         assert json.loads(await peer.line()) is not None
         assert await peer.ended() == 0
+
+
+async def test_an_answered_slot_whose_lock_stays_busy_is_collected_on_the_thread(
+    tmp_path: pathlib.Path, patient: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The loop tries the slot's lock without waiting; if it never comes (a lock that
+    # cannot be had, ENOLCK, looks so too), the loop stops trying after a few looks and
+    # the thread waits for it, instead of the loop trying every half millisecond forever.
+    path = tmp_path / "store.db"
+    async with scene(path) as (store, board, mine):
+        rounds = _counted_rounds(monkeypatch)
+        peer = await Peer.start(path, "peer")
+        with monkeypatch.context() as busy:
+            busy.setattr(mine, "_slot_lock", lambda slot: False)
+            claim = await served_by(peer, store.claim("here", lease_seconds=600), path, board, mine)
+            await until(lambda: len(rounds) == 1)  # collected on the thread
+        assert await claim is not None
+        assert mine.served_by_others == 1
+        assert json.loads(await peer.line()) is not None
+        assert await peer.ended() == 0
+
+
+def _counted_rounds(monkeypatch: pytest.MonkeyPatch) -> list[object]:
+    """The rounds this process's connection threads run from now on."""
+    rounds: list[object] = []
+    execute_round = _writer._execute_round
+
+    def counted(*args: Any) -> None:
+        rounds.append(args[1])
+        execute_round(*args)
+
+    monkeypatch.setattr(_writer, "_execute_round", counted)
+    return rounds
 
 
 async def test_a_holder_wakes_a_slot_whose_wake_pipe_was_made_anew(
@@ -313,6 +339,73 @@ async def test_a_writer_cancelled_with_a_post_out_sees_the_round_to_its_end(
     async with ControlStore(path) as after:
         assert [row["owner"] for row in await after.items(state="claimed")] == ["here"]
         assert await verify_ledger(after) == []
+
+
+@pytest.mark.parametrize("where", ["look", "hand-off"])
+async def test_a_post_the_loop_can_no_longer_see_through_is_taken_back_unwritten(
+    tmp_path: pathlib.Path, patient: None, monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    # Looking at the posted round breaks (a bug), or the connection's thread cannot take
+    # it over once the lock is free: the post is taken back before the caller hears of it,
+    # so that no holder commits a round whose caller was told it failed.
+    path = tmp_path / "store.db"
+    async with scene(path) as (store, board, mine):
+        writer = await writer_of(store)
+        holder = await Holder.start(path)
+        claim = asyncio.create_task(store.claim("here", lease_seconds=600))
+        await until(lambda: board.state(mine.slot) == _combine.POSTED)
+        if where == "look":
+            monkeypatch.setattr(writer, "_look_at", _raises(RuntimeError("a bug")))
+        else:
+            monkeypatch.setattr(_writer._connection, "post", _raises(ValueError("closed")))
+            await holder.let_go()
+        board.wake(mine.slot)
+        with pytest.raises(_errors.StorageError) as raised:
+            await claim
+        assert not isinstance(raised.value, _errors.CommitOutcomeUnknown)
+        assert board.state(mine.slot) == _combine.EMPTY
+        if where == "look":
+            await holder.let_go()
+        lock = _write_lock.open_write_lock(path)
+        assert lock is not None
+        assert lock.try_acquire()  # the writers' lock was let go
+        lock.release()
+        lock.close()
+    monkeypatch.undo()
+    async with ControlStore(path) as after:  # nothing was written
+        assert await claimed_by(after) == {}
+        assert await verify_ledger(after) == []
+
+
+async def test_a_post_a_holder_has_taken_when_looking_breaks_may_have_been_saved(
+    tmp_path: pathlib.Path, patient: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The holder elsewhere has the round and will commit it: the caller cannot be told it
+    # failed, only that it may have been saved (and here it was).
+    path = tmp_path / "store.db"
+    async with scene(path) as (store, board, mine):
+        writer = await writer_of(store)
+        peer = await Peer.start(path, "peer", "stall")
+        claim = await served_by(peer, store.claim("here", lease_seconds=600), path, board, mine)
+        assert await peer.line() == "stalled"  # holding the lock, this claim taken
+        monkeypatch.setattr(writer, "_look_at", _raises(RuntimeError("a bug")))
+        board.wake(mine.slot)
+        with pytest.raises(_errors.CommitOutcomeUnknown, match="holder had taken"):
+            await claim
+        await peer.tell()  # the holder goes on, and commits it
+        assert json.loads(await peer.line()) is not None
+        assert await peer.ended() == 0
+    monkeypatch.undo()
+    async with ControlStore(path) as after:
+        assert sorted((await claimed_by(after)).values()) == ["here", "peer"]
+        assert await verify_ledger(after) == []
+
+
+def _raises(error: Exception) -> Any:
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise error
+
+    return broken
 
 
 async def test_a_holder_runs_no_claim_that_rode_on_a_settle_it_refused(
@@ -562,13 +655,16 @@ def test_an_error_the_board_does_not_know_comes_back_as_a_storage_error() -> Non
 
 
 async def test_claims_whose_answers_outgrow_the_slot_come_back_whole(
-    tmp_path: pathlib.Path, patient: None
+    tmp_path: pathlib.Path, patient: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # The answer waits in a file beside the board: the connection's thread reads it,
+    # never the event loop.
     path = tmp_path / "store.db"
     store = ControlStore(path)
     await store.create_project("alpha", "Alpha")
     big = "x" * (300 * 1024)
     await store.enqueue_many("alpha", [{"n": n, "blob": big} for n in range(6)])
+    rounds = _counted_rounds(monkeypatch)
     async with scene(path, store) as (store, board, mine):
         peer = await Peer.start(path, "peer")
         request = store.claim_batch("here", 5, lease_seconds=600)
@@ -581,6 +677,7 @@ async def test_claims_whose_answers_outgrow_the_slot_come_back_whole(
             if row["owner"] == "here"
         )
         assert all(item.payload["blob"] == big for item in got) and len(got) == 5
+        assert len(rounds) == 1  # collected on the thread
         assert await peer.ended() == 0
 
 

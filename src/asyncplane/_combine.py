@@ -333,6 +333,11 @@ class Board:
             while os.read(self.wake_fd, 512):
                 pass
 
+    def spilled(self) -> bool:
+        """Whether this slot's answer was too big for it and waits in a file beside the
+        board (read on the connection's thread, not on the event loop)."""
+        return bool(self._head(self.slot)[3] == _SPILLED)
+
     def retract(self) -> bool | None:
         """Take back this slot's post unless a holder has taken it: whether it is back
         (or was never posted); None if a holder is at the slot's lock this instant (ask

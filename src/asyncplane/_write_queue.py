@@ -385,19 +385,21 @@ class WriterBase:
             _log.error("asyncplane writer %s stopped", self._name, exc_info=task.exception())
 
     def _broke(
-        self, batch: Sequence[Request], exc: BaseException, *, unknown: bool = False
+        self,
+        batch: Sequence[Request],
+        exc: BaseException,
+        *,
+        unknown: bool = False,
+        why: str = "the write connection was lost during COMMIT",
     ) -> None:
         """The write connection broke under a round: the writer is failed (so the store
         reopens on its next call, not after) before each caller still waiting hears of it,
         with a StorageError: `CommitOutcomeUnknown` when ``unknown`` (it broke while
-        COMMIT was on its way, so the round may have been saved)."""
+        COMMIT was on its way, or ``why``, so the round may have been saved)."""
         self._failure = exc
         self._stopping = True
         error: _errors.StorageError = (
-            _errors.CommitOutcomeUnknown(
-                f"the write connection was lost during COMMIT, so the round may have been "
-                f"saved: {exc!r}"
-            )
+            _errors.CommitOutcomeUnknown(f"{why}, so the round may have been saved: {exc!r}")
             if unknown
             else _errors.StorageError(f"the store's write connection failed: {exc!r}")
         )

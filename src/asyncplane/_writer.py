@@ -209,7 +209,14 @@ class Writer(_write_queue.WriterBase):
         self._conn.stop()  # the connection's thread ends; no loop is left to close it
         if self.write_lock is not None:
             self.write_lock.close()
+        self._stop_reading()  # (its loop is closed by now, and reads nothing more)
         # The board stays open: the thread may still be serving a round through it.
+
+    def _stop_reading(self) -> None:
+        """The loop no longer watches the wake pipe (unless that loop is closed)."""
+        loop, self._reading = self._reading, None
+        if loop is not None and self.board is not None and not loop.is_closed():
+            loop.remove_reader(self.board.wake_fd)
 
     async def _close(self) -> None:
         posting = self._posted
@@ -223,9 +230,8 @@ class Writer(_write_queue.WriterBase):
         finally:
             if self.write_lock is not None:
                 self.write_lock.close()
+            self._stop_reading()
             if self.board is not None:
-                if self._reading is not None and not self._reading.is_closed():
-                    self._reading.remove_reader(self.board.wake_fd)
                 self.board.close()
 
     # --- rounds, driven by callbacks -----------------------------------------------------
@@ -295,10 +301,14 @@ class Writer(_write_queue.WriterBase):
                 self._conn, _execute_round, batch, self._clock, loop, self, turn, posting
             )
         except BaseException as exc:  # the connection is closed: the round never began
+            if posting is not None and posting.posted:
+                assert turn is not None
+                self._posted_broke(batch, turn, exc)  # taken back before the lock goes
+            else:
+                self._round_broke(batch, exc)
             if posting is not None and posting.locked:
                 assert self.write_lock is not None
                 self.write_lock.release()
-            self._round_broke(batch, exc)
 
     # --- a round posted from the loop ----------------------------------------------------
     #
@@ -357,7 +367,8 @@ class Writer(_write_queue.WriterBase):
             self._look_at(posting)
         except Exception as exc:
             if self._posted is posting:  # still waited for here: no one else will answer
-                self._round_broke(posting.batch, exc)
+                self._stop_looking()
+                self._posted_broke(posting.batch, posting.turn, exc)
 
     def _look_at(self, posting: _OnLoop) -> None:
         lock, board = self.write_lock, self.board
@@ -368,12 +379,21 @@ class Writer(_write_queue.WriterBase):
         state = board.state()
         if state == _combine.ANSWERED:
             posting.turn.begin()  # served: busy_timeout can no longer give it up
-            try:
-                answers = board.collect(posting.ops, _never, wait=False)
-            except BlockingIOError:  # a holder is at the slot's lock this instant
-                self._look_again = loop.call_later(_BUSY_SLOT, self._look)
+            answers = None
+            if not board.spilled():  # megabytes in a file are read on the thread, not here
+                try:
+                    answers = board.collect(posting.ops, _never, wait=False)
+                except BlockingIOError:
+                    if posting.looks <= _LOOKS_BEFORE_QUEUEING:
+                        self._look_again = loop.call_later(_BUSY_SLOT, self._look)
+                        return  # a holder is at the slot's lock this instant: look again
+            if answers is None:
+                # Spilled, or the slot's lock busy this long (held, or failing as a lock
+                # that cannot be had would): the thread waits for it, or hears why not.
+                self._posted = None
+                start = Posting(posting.asked, posted=True, locked=False, looks=posting.looks)
+                self._to_thread(loop, posting.batch, posting.turn, start)
                 return
-            assert answers is not None  # an answered slot always has its outcomes
             self._posted = None
             took = time.perf_counter() - posting.asked
             _deliver(loop, self, posting.batch, answers, took, 0.0, took)
@@ -424,13 +444,30 @@ class Writer(_write_queue.WriterBase):
         elif self._stopping:
             self._wakeup.set()
 
-    def _round_broke(self, batch: list[_Request], exc: BaseException) -> None:
+    def _round_broke(
+        self, batch: list[_Request], exc: BaseException, unknown: bool = False
+    ) -> None:
         """On the event loop: the round itself broke (the connection closed, a bug): its
         callers still waiting hear it, and the writer stops, failed, and says so."""
         if self._on_thread is batch:  # not already ended by its delivery
             self._round_over()
-        self._broke(batch, exc)
+        why = "another process's holder had taken the round posted for it"
+        self._broke(batch, exc, unknown=unknown, why=why)
         self._wakeup.set()  # the task ends with it (or says it, if it was stopping)
+
+    def _posted_broke(
+        self, batch: list[_Request], turn: _write_lock.Turn, exc: BaseException
+    ) -> None:
+        """A round on the board that this process can no longer see to its end (looking at
+        it broke, or the thread could not take it over): the post is taken back, so that
+        nothing of it is written and its callers hear ``exc``; unless a holder elsewhere
+        has taken it (or the slot could not be looked at), when they hear that the round
+        may have been saved (`CommitOutcomeUnknown`)."""
+        try:
+            stopped = turn.give_up()
+        except Exception:  # the slot itself cannot be read: what happened is not known
+            stopped = None
+        self._round_broke(batch, exc, unknown=not stopped)
 
 
 def _deliver(
