@@ -276,14 +276,22 @@ class Writer(_write_queue.WriterBase):
         self.in_flight = len(batch)
         self.rounds += 1
         self.requests += len(batch)
-        turn = None if self.write_lock is None else _write_lock.Turn()
-        if turn is not None:
-            self._timer = loop.call_later(self.lock_timeout, self._give_up, turn, batch)
+        turn = None
+        if self.write_lock is not None:
             if self.board is not None and self.board.wake_fd >= 0:
                 ops = [op for op, _ in batch]
-                if self.board.postable(ops) and self._post_on_loop(loop, batch, ops, turn):
+                if self.board.postable(ops) and self._post_on_loop(loop, batch, ops):
                     return
+            turn = self._waits_for_lock(loop, batch)
         self._to_thread(loop, batch, turn, None)
+
+    def _waits_for_lock(
+        self, loop: asyncio.AbstractEventLoop, batch: list[_Request]
+    ) -> _write_lock.Turn:
+        """The round's wait for the lock, given up once busy_timeout has passed."""
+        turn = _write_lock.Turn()
+        self._timer = loop.call_later(self.lock_timeout, self._give_up, turn, batch)
+        return turn
 
     def _to_thread(
         self,
@@ -321,25 +329,24 @@ class Writer(_write_queue.WriterBase):
     # with the queue gone, the thread takes over where the loop left off.
 
     def _post_on_loop(
-        self,
-        loop: asyncio.AbstractEventLoop,
-        batch: list[_Request],
-        ops: list[Any],
-        turn: _write_lock.Turn,
+        self, loop: asyncio.AbstractEventLoop, batch: list[_Request], ops: list[Any]
     ) -> bool:
-        """Start ``batch`` on the board; False to hand it to the thread as any round."""
+        """Start ``batch`` on the board (or on the thread, the lock had or the post
+        refused); False, the queue gone, to hand it to the thread as any round."""
         lock, board = self.write_lock, self.board
         assert lock is not None and board is not None
         asked = time.perf_counter()
         got = lock.try_acquire()
         if got is None:  # no queue any more: the thread's round, as any other
             return False
-        if got:
-            self._to_thread(loop, batch, turn, Posting(asked, posted=False, locked=True))
+        if got:  # the lock is this round's: it begins at once, nothing to give up
+            self._to_thread(loop, batch, None, Posting(asked, posted=False, locked=True))
             return True
+        turn = self._waits_for_lock(loop, batch)
         posted = turn.post(lambda: board.post(ops), board.retract)
         if not posted:  # too big for a slot, or a full disk: it waits for its own turn
-            return False
+            self._to_thread(loop, batch, turn, None)
+            return True
         got = lock.try_acquire()
         if got is not False:
             self._to_thread(loop, batch, turn, Posting(asked, posted=True, locked=bool(got)))
