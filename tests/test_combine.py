@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import errno
 import json
 import marshal
 import mmap
@@ -236,24 +237,56 @@ async def test_a_round_served_elsewhere_never_goes_to_the_connection_thread(
         assert await peer.ended() == 0
 
 
+@pytest.mark.parametrize("lock", ["busy", "never had"])
 async def test_an_answered_slot_whose_lock_stays_busy_is_collected_on_the_thread(
-    tmp_path: pathlib.Path, patient: None, monkeypatch: pytest.MonkeyPatch
+    tmp_path: pathlib.Path, patient: None, monkeypatch: pytest.MonkeyPatch, lock: str
 ) -> None:
     # The loop tries the slot's lock without waiting; if it never comes (a lock that
     # cannot be had, ENOLCK, looks so too), the loop stops trying after a few looks and
     # the thread waits for it, instead of the loop trying every half millisecond forever.
+    # If the thread cannot have it either, the claim a holder answered may have been
+    # saved (here it was): its caller hears CommitOutcomeUnknown, not a failure.
     path = tmp_path / "store.db"
     async with scene(path) as (store, board, mine):
         rounds = _counted_rounds(monkeypatch)
         peer = await Peer.start(path, "peer")
         with monkeypatch.context() as busy:
             busy.setattr(mine, "_slot_lock", lambda slot: False)
+            if lock == "never had":
+                busy.setattr(mine, "_slot_lock_wait", _raises(OSError(errno.ENOLCK, "no locks")))
             claim = await served_by(peer, store.claim("here", lease_seconds=600), path, board, mine)
             await until(lambda: len(rounds) == 1)  # collected on the thread
-        assert await claim is not None
-        assert mine.served_by_others == 1
+            if lock == "never had":
+                with pytest.raises(_errors.CommitOutcomeUnknown, match="could not be read"):
+                    await claim
+        if lock == "busy":
+            assert await claim is not None
+            assert mine.served_by_others == 1
         assert json.loads(await peer.line()) is not None
         assert await peer.ended() == 0
+        assert sorted((await claimed_by(store)).values()) == ["here", "peer"]
+        assert await verify_ledger(store) == []
+
+
+async def test_a_post_that_breaks_on_the_loop_fails_its_round_and_leaves_no_post(
+    tmp_path: pathlib.Path, patient: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Posting raises (a bug): the round's callers hear it at once, the writer stops
+    # failed, and no post is left for a holder to run.
+    path = tmp_path / "store.db"
+    async with scene(path) as (store, board, mine):
+        holder = await Holder.start(path)
+        try:
+            monkeypatch.setattr(mine, "post", _raises(ValueError("a bug")))
+            with pytest.raises(_errors.StorageError, match="a bug") as raised:
+                await asyncio.wait_for(store.claim("here", lease_seconds=600), 30)
+            assert not isinstance(raised.value, _errors.CommitOutcomeUnknown)
+            assert board.state(mine.slot) == _combine.EMPTY
+        finally:
+            await holder.let_go()
+    monkeypatch.undo()
+    async with ControlStore(path) as after:
+        assert await claimed_by(after) == {}
 
 
 def _counted_rounds(monkeypatch: pytest.MonkeyPatch) -> list[object]:
@@ -541,9 +574,14 @@ async def test_a_post_whose_owner_died_is_not_served_and_its_slot_is_cleared(
         assert await verify_ledger(store) == []
 
 
+@pytest.mark.parametrize("post", ["taken back", "refused"])
 async def test_a_posted_claim_given_up_after_busy_timeout_is_taken_back_unwritten(
-    tmp_path: pathlib.Path,
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, post: str
 ) -> None:
+    # "refused": a round too big for a slot (here: any round) waits for its own turn on
+    # the thread, and busy_timeout still gives it up, nothing written.
+    if post == "refused":
+        monkeypatch.setattr(_combine, "_REQUEST_ROOM", 0)
     path = tmp_path / "store.db"
     async with ControlStore(path, busy_timeout=0.3) as store:
         await store.create_project("alpha", "Alpha")
@@ -553,8 +591,8 @@ async def test_a_posted_claim_given_up_after_busy_timeout_is_taken_back_unwritte
         holder = await Holder.start(path)
         try:
             with pytest.raises(DatabaseLocked, match="busy_timeout"):
-                await store.claim("here", lease_seconds=600)
-            assert mine.state() == _combine.EMPTY  # the post was taken back
+                await asyncio.wait_for(store.claim("here", lease_seconds=600), 30)
+            assert mine.state() == _combine.EMPTY  # the post was taken back, or never made
         finally:
             await holder.let_go()
         assert (await store.counts())["ready"] == 1  # nothing was written

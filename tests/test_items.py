@@ -694,6 +694,38 @@ async def test_an_enqueue_saved_for_a_caller_gone_wakes_a_waiting_claim_at_once(
 
 
 @pytest.mark.sqlite_only  # on PostgreSQL the server's NOTIFY wakes it whatever this process does
+@pytest.mark.parametrize("write", ["requeue", "set_project_status", "set_limits"])
+async def test_a_write_that_frees_work_saved_for_a_caller_gone_wakes_a_waiting_claim(
+    store: ControlStore, raw: Any, write: str
+) -> None:
+    # As above, for the writes that are not settles but make work claimable: an item
+    # requeued, its project opened, its project's limit raised.
+    first = await store.enqueue("alpha", {"n": 1})
+    if write == "requeue":
+        await store.cancel(first)
+    elif write == "set_project_status":
+        await store.set_project_status("alpha", "paused")
+    else:
+        await store.set_limits("alpha", max_running=1)
+        assert await store.claim("w") is not None  # the one it may run
+        first = await store.enqueue("alpha", {"n": 2})
+    waiting = asyncio.create_task(store.claim("w2", wait=30, poll_interval=3600))
+    await until(
+        lambda: any(t.get_name() == "asyncplane-wait-work-local" for t in asyncio.all_tasks()),
+        what="the claim waits",
+    )
+    calls = {
+        "requeue": lambda: store.requeue(first),
+        "set_project_status": lambda: store.set_project_status("alpha", "open"),
+        "set_limits": lambda: store.set_limits("alpha", max_running=2),
+    }
+    await cancelled_in_its_round(store, raw, calls[write]())
+    raw.execute("COMMIT")
+    claim = await waiting
+    assert claim is not None and claim.item_id == first and claim.owner == "w2"
+
+
+@pytest.mark.sqlite_only  # on PostgreSQL the server's NOTIFY wakes it whatever this process does
 @pytest.mark.parametrize("settle", ["release", "park"])
 async def test_a_settle_saved_for_a_caller_gone_wakes_a_waiting_claim_at_once(
     store: ControlStore, raw: Any, clock: ManualClock, settle: str

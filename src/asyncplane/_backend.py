@@ -230,6 +230,20 @@ class RequeueOp(NamedTuple):
     actor_id: str | None
 
 
+class ProjectStatusOp(NamedTuple):
+    """Change a project's status (``"open"``, ``"paused"``, ``"closed"``)."""
+
+    project_id: str
+    status: str
+
+
+class PauseScheduleOp(NamedTuple):
+    """Pause a schedule, or resume it (``paused`` False)."""
+
+    name: str
+    paused: bool
+
+
 class WhereOp(NamedTuple):
     """One chunk of a filter-wide cancel or requeue: the items of ``where`` after
     ``after`` in id order, at most ``chunk`` of them, in one transaction."""
@@ -250,9 +264,6 @@ class CancelWhereOp(WhereOp):
 #: The operations that settle items, each counted as it is saved, answered or not
 #: (`Writes.orphaned`; `asyncplane._store`'s ``_outcome`` names each one's outcome).
 SETTLES = (FinishOp, RetryOp, ParkOp, ReleaseOp, OffloadOp, CancelOp, CancelWhereOp)
-#: What a round saved for a caller gone is told of (`Writes.orphaned`): every settle, and
-#: an enqueue (counted, and waking this process's waiting claims, as its caller would).
-_TOLD = (*SETTLES, EnqueueOp)
 
 
 class LimitsOp(NamedTuple):
@@ -260,6 +271,16 @@ class LimitsOp(NamedTuple):
 
     project_id: str
     changes: tuple[tuple[str, int | float | None], ...]
+
+
+#: The writes besides settles that can make work claimable here and now (an item ready
+#: again, a project opened, a limit raised, a schedule resumed): each wakes this
+#: process's waiting claims once saved, even for a caller gone.
+FREEING = (RequeueOp, ProjectStatusOp, LimitsOp, PauseScheduleOp)
+#: What a round saved for a caller gone is told of (`Writes.orphaned`): every settle, an
+#: enqueue (counted), and a write of `FREEING`, each waking this process's waiting
+#: claims, as its caller would have.
+_TOLD = (*SETTLES, EnqueueOp, *FREEING)
 
 
 class LimitsRow(NamedTuple):
@@ -547,7 +568,7 @@ class Writes:
 
     def _give_back(self, rows: Sequence[ClaimRow], actor_id: str | None) -> None:
         for row in rows:
-            release = self._settle_write(ReleaseOp(row.item_id, row.fence, actor_id))
+            release = self._named_write(ReleaseOp(row.item_id, row.fence, actor_id))
             try:
                 if self._writer is None:
                     raise _errors.StoreClosed("the store is closed")
@@ -569,9 +590,10 @@ class Writes:
         now)`` inside the round's transaction."""
         raise NotImplementedError
 
-    def _settle_write(self, op: Any) -> Any:
-        """A settle of `SETTLES` other than a finish (its op) as this backend's writer
-        runs it: the operation, called ``(conn, now)`` inside the round's transaction."""
+    def _named_write(self, op: Any) -> Any:
+        """A settle of `SETTLES` other than a finish, or a write of `FREEING` (its op), as
+        this backend's writer runs it: the operation, called ``(conn, now)`` inside the
+        round's transaction."""
         raise NotImplementedError
 
     @property
@@ -629,10 +651,28 @@ class Writes:
         """Cancel a chunk: (how many were changed, the last id looked at, None at the end)."""
         return self._settle(op)
 
+    def requeue(self, op: RequeueOp) -> _write_queue.Pending[None]:
+        """Take a failed or cancelled item back to ready, or refuse, naming its state."""
+        return self._settle(op)
+
+    def set_project_status(self, op: ProjectStatusOp) -> _write_queue.Pending[None]:
+        """Change a project's status; UnknownProject if absent."""
+        return self._settle(op)
+
+    def set_limits(self, op: LimitsOp) -> _write_queue.Pending[LimitsRow | None]:
+        """Change a project's limits (`asyncplane._rules.merged_limits`); return them (None:
+        none left). UnknownProject if absent."""
+        return self._settle(op)
+
+    def pause_schedule(self, op: PauseScheduleOp) -> _write_queue.Pending[None]:
+        """Pause or resume a schedule (resumed, its next tick is the first after now);
+        UnknownSchedule if absent."""
+        return self._settle(op)
+
     def _settle(self, op: Any) -> _write_queue.Pending[Any]:
-        """One of those settles to the writer, naming its op (so that one saved for a
+        """One of those writes to the writer, naming its op (so that one saved for a
         caller gone is still told: `orphaned`)."""
-        return self._submit(_write_queue.Named(self._settle_write(op), op))
+        return self._submit(_write_queue.Named(self._named_write(op), op))
 
     def finish_then_claim(
         self, settle: FinishOp, claim: ClaimOp
@@ -725,7 +765,7 @@ class Backend(Protocol):
         """Create a project; ProjectExists if the id is taken."""
         ...
 
-    async def set_project_status(self, project_id: str, status: str) -> None:
+    def set_project_status(self, op: ProjectStatusOp) -> _write_queue.Pending[None]:
         """Change a project's status; UnknownProject if absent."""
         ...
 
@@ -834,7 +874,7 @@ class Backend(Protocol):
         """Counts and ages, read in one snapshot."""
         ...
 
-    async def set_limits(self, op: LimitsOp) -> LimitsRow | None:
+    def set_limits(self, op: LimitsOp) -> _write_queue.Pending[LimitsRow | None]:
         """Change a project's limits (`asyncplane._rules.merged_limits`); return them (None:
         none left). UnknownProject if absent."""
         ...
@@ -853,7 +893,7 @@ class Backend(Protocol):
         """Every schedule by name, or the one named (UnknownSchedule if absent)."""
         ...
 
-    async def pause_schedule(self, name: str, paused: bool) -> None:
+    def pause_schedule(self, op: PauseScheduleOp) -> _write_queue.Pending[None]:
         """Pause or resume a schedule (resumed, its next tick is the first after now);
         UnknownSchedule if absent."""
         ...
@@ -890,7 +930,7 @@ class Backend(Protocol):
         whether this call cancelled it."""
         ...
 
-    async def requeue(self, op: RequeueOp) -> None:
+    def requeue(self, op: RequeueOp) -> _write_queue.Pending[None]:
         """Take a failed or cancelled item back to ready, or refuse, naming its state."""
         ...
 

@@ -335,9 +335,6 @@ class PostgresBackend(_backend.Writes):
     async def create_project(self, op: _backend.NewProject) -> None:
         await self._write(_bind(_create_project, op))
 
-    async def set_project_status(self, project_id: str, status: str) -> None:
-        await self._write(_bind(_set_project_status, project_id, status))
-
     async def get_project(self, project_id: str) -> _backend.ProjectRow:
         rows = await self._fetch(sql.GET_PROJECT, project_id)
         return _rules.one_project(rows, project_id)
@@ -363,8 +360,8 @@ class PostgresBackend(_backend.Writes):
     async def renew(self, op: _backend.RenewOp) -> float:
         return await self._write(_bind(_renew, op))
 
-    def _settle_write(self, op: Any) -> _writer.Operation[Any]:
-        return _bind(_SETTLES[type(op)], op)
+    def _named_write(self, op: Any) -> _writer.Operation[Any]:
+        return _bind(_NAMED_WRITES[type(op)], op)
 
     async def offloaded(self, handle: str, actor_id: str | None) -> list[_backend.ItemRow]:
         rows = await self._fetch(sql.OFFLOADED, handle, actor_id)
@@ -377,9 +374,6 @@ class PostgresBackend(_backend.Writes):
         )
         params = _list_params(op.where, states, op.newest, op.after, op.limit)
         return [_backend.ItemRow(*row) for row in await self._fetch(statement, *params)]
-
-    async def requeue(self, op: _backend.RequeueOp) -> None:
-        await self._write(_bind(_requeue, op))
 
     async def requeue_where(self, op: _backend.WhereOp) -> tuple[int, int | None]:
         return await self._write(_bind(_requeue_where, op))
@@ -419,9 +413,6 @@ class PostgresBackend(_backend.Writes):
         now = None if self._clock is None else self._clock.now()
         return await self._read(_stats, now)
 
-    async def set_limits(self, op: _backend.LimitsOp) -> _backend.LimitsRow | None:
-        return await self._write(_bind(_set_limits, op))
-
     async def get_limits(self, project_id: str | None) -> list[_backend.LimitsRow]:
         if project_id is None:
             rows = await self._fetch(sql.ALL_LIMITS)
@@ -442,9 +433,6 @@ class PostgresBackend(_backend.Writes):
             if not rows:
                 raise _rules.unknown_schedule(name)
         return [_backend.ScheduleRow._make(row) for row in rows]
-
-    async def pause_schedule(self, name: str, paused: bool) -> None:
-        await self._write(_bind(_pause_schedule, name, paused))
 
     async def delete_schedule(self, name: str) -> None:
         await self._write(_bind(_delete_schedule, name))
@@ -663,7 +651,10 @@ async def _set_schedule(
     return row
 
 
-async def _pause_schedule(name: str, paused: bool, conn: asyncpg.Connection, now: float) -> None:
+async def _pause_schedule(
+    op: _backend.PauseScheduleOp, conn: asyncpg.Connection, now: float
+) -> None:
+    name, paused = op
     found = await conn.fetchrow(sql.LOCK_SCHEDULE, name)
     if found is None:
         raise _rules.unknown_schedule(name)
@@ -704,10 +695,10 @@ async def _run_schedules(limit: int, conn: asyncpg.Connection, now: float) -> tu
 
 
 async def _set_project_status(
-    project_id: str, status: str, conn: asyncpg.Connection, now: float
+    op: _backend.ProjectStatusOp, conn: asyncpg.Connection, now: float
 ) -> None:
-    if await conn.fetchval(sql.SET_PROJECT_STATUS, status, project_id) is None:
-        raise _rules.unknown_project(project_id)
+    if await conn.fetchval(sql.SET_PROJECT_STATUS, op.status, op.project_id) is None:
+        raise _rules.unknown_project(op.project_id)
 
 
 async def _assign(project_id: str, actor_id: str, conn: asyncpg.Connection, now: float) -> None:
@@ -1413,11 +1404,16 @@ async def _verify_ledger(
 
 #: Each settle other than a finish, by its op's type (`asyncplane._backend.Writes.retry`
 #: and its like queue them).
-_SETTLES: dict[type, Callable[..., Any]] = {
+#: The writes named by their op (`asyncplane._backend.Writes._settle`), by op.
+_NAMED_WRITES: dict[type, Callable[..., Any]] = {
     _backend.RetryOp: _retry,
     _backend.ParkOp: _park,
     _backend.ReleaseOp: _release,
     _backend.OffloadOp: _offload,
     _backend.CancelOp: _cancel,
     _backend.CancelWhereOp: _cancel_where,
+    _backend.RequeueOp: _requeue,
+    _backend.ProjectStatusOp: _set_project_status,
+    _backend.LimitsOp: _set_limits,
+    _backend.PauseScheduleOp: _pause_schedule,
 }

@@ -200,9 +200,6 @@ class SQLiteBackend(_backend.Writes):
     async def create_project(self, op: _backend.NewProject) -> None:
         await self._write(functools.partial(_create_project, op))
 
-    async def set_project_status(self, project_id: str, status: str) -> None:
-        await self._write(functools.partial(_set_project_status, project_id, status))
-
     async def get_project(self, project_id: str) -> _backend.ProjectRow:
         rows = await self._read(_fetch, sql.GET_PROJECT, (project_id,))
         return _rules.one_project(rows, project_id)
@@ -229,8 +226,8 @@ class SQLiteBackend(_backend.Writes):
     async def renew(self, op: _backend.RenewOp) -> float:
         return await self._write(functools.partial(_renew, op))
 
-    def _settle_write(self, op: Any) -> _writer.Operation[Any]:
-        return functools.partial(_SETTLES[type(op)], op)
+    def _named_write(self, op: Any) -> _writer.Operation[Any]:
+        return functools.partial(_NAMED_WRITES[type(op)], op)
 
     async def offloaded(self, handle: str, actor_id: str | None) -> list[_backend.ItemRow]:
         rows = await self._read(
@@ -240,9 +237,6 @@ class SQLiteBackend(_backend.Writes):
 
     async def list_items(self, op: _backend.ListOp) -> list[_backend.ItemRow]:
         return await self._read(_list_items, op)
-
-    async def requeue(self, op: _backend.RequeueOp) -> None:
-        await self._write(functools.partial(_requeue, op))
 
     async def requeue_where(self, op: _backend.WhereOp) -> tuple[int, int | None]:
         return await self._write(functools.partial(_requeue_where, op))
@@ -279,9 +273,6 @@ class SQLiteBackend(_backend.Writes):
     async def sizes(self) -> tuple[int, int]:
         return await anyio.to_thread.run_sync(_file_sizes, self._path)
 
-    async def set_limits(self, op: _backend.LimitsOp) -> _backend.LimitsRow | None:
-        return await self._write(functools.partial(_set_limits, op))
-
     async def get_limits(self, project_id: str | None) -> list[_backend.LimitsRow]:
         if project_id is None:
             rows = await self._read(_fetch, sql.ALL_LIMITS, ())
@@ -302,9 +293,6 @@ class SQLiteBackend(_backend.Writes):
             if not rows:
                 raise _rules.unknown_schedule(name)
         return [_backend.ScheduleRow._make(row) for row in rows]
-
-    async def pause_schedule(self, name: str, paused: bool) -> None:
-        await self._write(functools.partial(_pause_schedule, name, paused))
 
     async def delete_schedule(self, name: str) -> None:
         await self._write(functools.partial(_delete_schedule, name))
@@ -417,9 +405,9 @@ def _create_project(op: _backend.NewProject, db: sqlite3.Connection, now: float)
     db.execute(sql.INSERT_PROJECT, (op.project_id, op.name, op.status, now))
 
 
-def _set_project_status(project_id: str, status: str, db: sqlite3.Connection, now: float) -> None:
-    if db.execute(sql.SET_PROJECT_STATUS, (status, project_id)).rowcount == 0:
-        raise _rules.unknown_project(project_id)
+def _set_project_status(op: _backend.ProjectStatusOp, db: sqlite3.Connection, now: float) -> None:
+    if db.execute(sql.SET_PROJECT_STATUS, (op.status, op.project_id)).rowcount == 0:
+        raise _rules.unknown_project(op.project_id)
 
 
 def _assign(project_id: str, actor_id: str, db: sqlite3.Connection, now: float) -> None:
@@ -460,7 +448,8 @@ def _set_schedule(
     return row
 
 
-def _pause_schedule(name: str, paused: bool, db: sqlite3.Connection, now: float) -> None:
+def _pause_schedule(op: _backend.PauseScheduleOp, db: sqlite3.Connection, now: float) -> None:
+    name, paused = op
     found = db.execute(sql.GET_SCHEDULE, (name,)).fetchone()
     if found is None:
         raise _rules.unknown_schedule(name)
@@ -1261,11 +1250,16 @@ def _verify_ledger(
 
 #: Each settle other than a finish, by its op's type (`asyncplane._backend.Writes.retry`
 #: and its like queue them).
-_SETTLES: dict[type, Callable[..., Any]] = {
+#: The writes named by their op (`asyncplane._backend.Writes._settle`), by op.
+_NAMED_WRITES: dict[type, Callable[..., Any]] = {
     _backend.RetryOp: _retry,
     _backend.ParkOp: _park,
     _backend.ReleaseOp: _release,
     _backend.OffloadOp: _offload,
     _backend.CancelOp: _cancel,
     _backend.CancelWhereOp: _cancel_where,
+    _backend.RequeueOp: _requeue,
+    _backend.ProjectStatusOp: _set_project_status,
+    _backend.LimitsOp: _set_limits,
+    _backend.PauseScheduleOp: _pause_schedule,
 }

@@ -314,7 +314,8 @@ class ControlStore:
         """Change a project's status; UnknownProject if it does not exist."""
         project_id = _validate.text_id(project_id, "project_id")
         status = _validate.project_status(status)
-        await (await self._engine.ready()).set_project_status(project_id, status)
+        op = _backend.ProjectStatusOp(project_id, status)
+        await (await self._engine.ready()).set_project_status(op)
         self._engine.notify()
 
     async def project(self, project_id: str) -> dict[str, Any]:
@@ -1033,10 +1034,11 @@ class ControlStore:
         return result
 
     def _tally(self, op: Any, answer: Any) -> None:
-        """A settle or an enqueue saved with no caller's latency to record (its caller
-        went away while it ran, `Writes.on_orphaned`, or the store made it itself): counted
-        (a settle under its outcome, a finish's dedup twins too, an enqueue's jobs), and
-        this process's waiters woken, as that caller would have done."""
+        """A settle, an enqueue or another write that can free work (`_backend.FREEING`)
+        saved with no caller's latency to record (its caller went away while it ran,
+        `Writes.on_orphaned`, or the store made it itself): counted (a settle under its
+        outcome, a finish's dedup twins too, an enqueue's jobs), and this process's waiters
+        woken, as that caller would have done."""
         if isinstance(op, _backend.EnqueueOp):
             _telemetry.enqueued(op.project_id, len(op.items))
             self._engine.notify()
@@ -1599,13 +1601,16 @@ class ControlStore:
         """Stop a schedule's ticks (its items already enqueued stay); UnknownSchedule if
         absent."""
         backend = await self._engine.ready()
-        await backend.pause_schedule(_validate.text_id(name, "name"), True)
+        await backend.pause_schedule(
+            _backend.PauseScheduleOp(_validate.text_id(name, "name"), True)
+        )
 
     async def resume_schedule(self, name: str) -> None:
         """Start a paused schedule's ticks again from now: the ticks that fell while it was
         paused are not enqueued. UnknownSchedule if absent."""
         backend = await self._engine.ready()
-        await backend.pause_schedule(_validate.text_id(name, "name"), False)
+        op = _backend.PauseScheduleOp(_validate.text_id(name, "name"), False)
+        await backend.pause_schedule(op)
         self._engine.notify()
 
     async def delete_schedule(self, name: str) -> None:

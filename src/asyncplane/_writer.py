@@ -137,8 +137,8 @@ class Writer(_write_queue.WriterBase):
         #: `_give_up` asked again (its post was at a holder's hands); cancelled with the round.
         self._again: asyncio.TimerHandle | None = None
         #: The round on the connection's thread now, or posted and waited for on the
-        #: loop (None: neither), its busy_timeout timer, and whether a `_dispatch` is
-        #: scheduled.
+        #: loop (None: neither), its busy_timeout timer (None: no lock to wait for, or
+        #: the lock taken at once), and whether a `_dispatch` is scheduled.
         self._on_thread: list[_Request] | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._dispatch_due = False
@@ -309,14 +309,16 @@ class Writer(_write_queue.WriterBase):
                 self._conn, _execute_round, batch, self._clock, loop, self, turn, posting
             )
         except BaseException as exc:  # the connection is closed: the round never began
-            if posting is not None and posting.posted:
-                assert turn is not None
-                self._posted_broke(batch, turn, exc)  # taken back before the lock goes
-            else:
-                self._round_broke(batch, exc)
-            if posting is not None and posting.locked:
-                assert self.write_lock is not None
-                self.write_lock.release()
+            try:
+                if posting is not None and posting.posted:
+                    assert turn is not None
+                    self._posted_broke(batch, turn, exc)  # taken back before the lock goes
+                else:
+                    self._round_broke(batch, exc)
+            finally:
+                if posting is not None and posting.locked:
+                    assert self.write_lock is not None
+                    self.write_lock.release()
 
     # --- a round posted from the loop ----------------------------------------------------
     #
@@ -343,17 +345,22 @@ class Writer(_write_queue.WriterBase):
             self._to_thread(loop, batch, None, Posting(asked, posted=False, locked=True))
             return True
         turn = self._waits_for_lock(loop, batch)
-        posted = turn.post(lambda: board.post(ops), board.retract)
-        if not posted:  # too big for a slot, or a full disk: it waits for its own turn
-            self._to_thread(loop, batch, turn, None)
+        try:
+            posted = turn.post(lambda: board.post(ops), board.retract)
+            if not posted:  # too big for a slot, or a full disk: it waits for its own turn
+                self._to_thread(loop, batch, turn, None)
+                return True
+            got = lock.try_acquire()
+            if got is not False:
+                start = Posting(asked, posted=True, locked=bool(got))
+                self._to_thread(loop, batch, turn, start)
+                return True
+            if self._reading is None:
+                loop.add_reader(board.wake_fd, self._woken)
+                self._reading = loop
+        except Exception as exc:  # a bug: its callers hear it, the post taken back first
+            self._posted_broke(batch, turn, exc)
             return True
-        got = lock.try_acquire()
-        if got is not False:
-            self._to_thread(loop, batch, turn, Posting(asked, posted=True, locked=bool(got)))
-            return True
-        if self._reading is None:
-            loop.add_reader(board.wake_fd, self._woken)
-            self._reading = loop
         self._posted = _OnLoop(batch, ops, turn, asked)
         self._look_again = loop.call_later(_combine.RECHECK, self._look)
         return True
@@ -391,7 +398,8 @@ class Writer(_write_queue.WriterBase):
                 try:
                     answers = board.collect(posting.ops, _never, wait=False)
                 except BlockingIOError:
-                    if posting.looks <= _LOOKS_BEFORE_QUEUEING:
+                    posting.busy += 1
+                    if posting.busy <= _LOOKS_BEFORE_QUEUEING:
                         self._look_again = loop.call_later(_BUSY_SLOT, self._look)
                         return  # a holder is at the slot's lock this instant: look again
             if answers is None:
@@ -452,14 +460,17 @@ class Writer(_write_queue.WriterBase):
             self._wakeup.set()
 
     def _round_broke(
-        self, batch: list[_Request], exc: BaseException, unknown: bool = False
+        self, batch: list[_Request], exc: BaseException, unknown: str | None = None
     ) -> None:
         """On the event loop: the round itself broke (the connection closed, a bug): its
-        callers still waiting hear it, and the writer stops, failed, and says so."""
+        callers still waiting hear it, and the writer stops, failed, and says so.
+        ``unknown``: why the round may have been saved (they hear CommitOutcomeUnknown)."""
         if self._on_thread is batch:  # not already ended by its delivery
             self._round_over()
-        why = "another process's holder had taken the round posted for it"
-        self._broke(batch, exc, unknown=unknown, why=why)
+        if unknown is None:
+            self._broke(batch, exc)
+        else:  # it may have been saved, for this reason
+            self._broke(batch, exc, unknown=True, why=unknown)
         self._wakeup.set()  # the task ends with it (or says it, if it was stopping)
 
     def _posted_broke(
@@ -470,11 +481,21 @@ class Writer(_write_queue.WriterBase):
         nothing of it is written and its callers hear ``exc``; unless a holder elsewhere
         has taken it (or the slot could not be looked at), when they hear that the round
         may have been saved (`CommitOutcomeUnknown`)."""
+        stopped: bool | None = None
         try:
-            stopped = turn.give_up()
+            for _ in range(_GIVE_UP_TRIES):  # None: a holder at the slot's lock this instant
+                stopped = turn.give_up()
+                if stopped is not None:
+                    break
         except Exception:  # the slot itself cannot be read: what happened is not known
             stopped = None
-        self._round_broke(batch, exc, unknown=not stopped)
+        if stopped:
+            self._round_broke(batch, exc)
+        elif stopped is None:
+            self._round_broke(batch, exc, "the round's post on the board could not be taken back")
+        else:
+            why = "another process's holder had taken or answered the round posted for it"
+            self._round_broke(batch, exc, why)
 
 
 def _deliver(
@@ -535,7 +556,7 @@ class Posting(NamedTuple):
 class _OnLoop:
     """A round posted on the board, waited for on the event loop (`Writer._look`)."""
 
-    __slots__ = ("asked", "batch", "looks", "ops", "turn")
+    __slots__ = ("asked", "batch", "busy", "looks", "ops", "turn")
 
     def __init__(
         self, batch: list[_Request], ops: list[Any], turn: _write_lock.Turn, asked: float
@@ -545,10 +566,14 @@ class _OnLoop:
         self.turn = turn
         self.asked = asked
         self.looks = 1  # looked at once, as it was posted
+        self.busy = 0  # looks at its answered slot that found the slot's lock held
 
 
 #: Seconds before looking again at an answered slot whose lock a holder has this instant.
 _BUSY_SLOT = 0.0005
+#: Tries at taking back a post whose slot a holder has this instant, before a round that
+#: broke is called of unknown outcome (each try a system call, the holder's hold brief).
+_GIVE_UP_TRIES = 100
 
 
 def _execute_round(
@@ -736,7 +761,7 @@ def _transact_posted(
                 if turn is not None and not turn.begin():  # given up (the post taken back)
                     return _given_up(ops, asked)
                 if posted:
-                    answers = board.collect(ops, lambda token: _committed(db, board, token))
+                    answers = _collected(board, ops, lambda token: _committed(db, board, token))
                     if answers is not None:  # a holder that died had served it: it stands
                         return answers, time.perf_counter() - asked, 0.0
                 outcomes, waited = _transact_held(ops, db, clock, asked, board)
@@ -769,7 +794,7 @@ def _transact_posted(
         if state == _combine.ANSWERED:
             if turn is not None:
                 turn.begin()  # served: busy_timeout can no longer give it up
-            answers = board.collect(ops, _never)
+            answers = _collected(board, ops, _never)
             assert answers is not None  # an answered slot always has its outcomes
             return answers, time.perf_counter() - asked, 0.0
         if state == _combine.EMPTY:  # the loop gave the round up and took the post back
@@ -780,6 +805,21 @@ def _transact_posted(
 _LOOKS_BEFORE_QUEUEING = 20
 #: Looks at a taken post, with the queue gone, before its outcome is called unknown.
 _LOOKS_WITHOUT_QUEUE = 200
+
+
+def _collected(
+    board: _combine.Board, ops: list[Write[Any]], committed: Callable[[bytes], bool]
+) -> list[Any] | None:
+    """`Board.collect` on the thread; if the slot's lock cannot be had (ENOLCK, say),
+    every request's outcome is unknown, as a holder may have committed it."""
+    try:
+        return board.collect(ops, committed)
+    except OSError as exc:
+        unknown = _errors.CommitOutcomeUnknown(
+            f"another process's round may have taken these requests, but their slot on "
+            f"the board could not be read: {exc!r}"
+        )
+        return [_write_queue.Raised(_write_queue.caused(unknown, exc))] * len(ops)
 
 
 def _never(token: bytes) -> bool:
