@@ -13,7 +13,7 @@ import sys
 from typing import Any
 
 import pytest
-from tests.test_claims import cancelled_in_its_round
+from tests.test_claims import cancelled_as_answered, cancelled_in_its_round
 
 from _signals import until
 from asyncplane import (
@@ -694,12 +694,14 @@ async def test_an_enqueue_saved_for_a_caller_gone_wakes_a_waiting_claim_at_once(
 
 
 @pytest.mark.sqlite_only  # on PostgreSQL the server's NOTIFY wakes it whatever this process does
+@pytest.mark.parametrize("how", ["in its round", "as answered"])
 @pytest.mark.parametrize("write", ["requeue", "set_project_status", "set_limits"])
 async def test_a_write_that_frees_work_saved_for_a_caller_gone_wakes_a_waiting_claim(
-    store: ControlStore, raw: Any, write: str
+    store: ControlStore, raw: Any, write: str, how: str
 ) -> None:
     # As above, for the writes that are not settles but make work claimable: an item
-    # requeued, its project opened, its project's limit raised.
+    # requeued, its project opened, its project's limit raised; its caller cancelled
+    # while its round ran, or as its answer came in.
     first = await store.enqueue("alpha", {"n": 1})
     if write == "requeue":
         await store.cancel(first)
@@ -709,7 +711,7 @@ async def test_a_write_that_frees_work_saved_for_a_caller_gone_wakes_a_waiting_c
         await store.set_limits("alpha", max_running=1)
         assert await store.claim("w") is not None  # the one it may run
         first = await store.enqueue("alpha", {"n": 2})
-    waiting = asyncio.create_task(store.claim("w2", wait=30, poll_interval=3600))
+    waiting = asyncio.create_task(store.claim("w2", wait=10, poll_interval=3600))
     await until(
         lambda: any(t.get_name() == "asyncplane-wait-work-local" for t in asyncio.all_tasks()),
         what="the claim waits",
@@ -719,8 +721,11 @@ async def test_a_write_that_frees_work_saved_for_a_caller_gone_wakes_a_waiting_c
         "set_project_status": lambda: store.set_project_status("alpha", "open"),
         "set_limits": lambda: store.set_limits("alpha", max_running=2),
     }
-    await cancelled_in_its_round(store, raw, calls[write]())
-    raw.execute("COMMIT")
+    if how == "in its round":
+        await cancelled_in_its_round(store, raw, calls[write]())
+        raw.execute("COMMIT")
+    else:
+        await cancelled_as_answered(store, write, calls[write]())
     claim = await waiting
     assert claim is not None and claim.item_id == first and claim.owner == "w2"
 

@@ -31,6 +31,7 @@ from typing import Any, NamedTuple, Protocol
 from asyncplane import _clock, _errors, _lock, _models, _schedule, _telemetry, _write_queue
 
 __all__ = (
+    "FREEING",
     "SETTLES",
     "AssignmentRow",
     "Backend",
@@ -59,8 +60,10 @@ __all__ = (
     "NewProject",
     "OffloadOp",
     "ParkOp",
+    "PauseScheduleOp",
     "PreflightOp",
     "ProjectRow",
+    "ProjectStatusOp",
     "ReleaseOp",
     "RenewOp",
     "RequeueOp",
@@ -504,9 +507,9 @@ GroupOp = Callable[[list[Any], Any, float], Any]
 #: away landed (``error`` None) or failed: ``given_back(row, error)`` (see
 #: `Writes.on_orphaned`).
 GivenBack = Callable[["ClaimRow", BaseException | None], None]
-#: Hears, on the event loop, that a round saved a settle (an op of `SETTLES`) or an
-#: enqueue for a caller that went away while it ran, with the answer its caller would have had:
-#: ``saved(op, answer)`` (see `Writes.on_orphaned`).
+#: Hears, on the event loop, that a round saved a write of `_TOLD` (a settle, an enqueue,
+#: a write of `FREEING`) for a caller that went away while it ran, with the answer its
+#: caller would have had: ``saved(op, answer)`` (see `Writes.on_orphaned`).
 SavedUnseen = Callable[[Any, Any], None]
 
 
@@ -538,17 +541,18 @@ class Writes:
     def on_orphaned(self, given_back: GivenBack, saved: SavedUnseen) -> None:
         """For requests whose callers were cancelled while their rounds ran (`orphaned`):
         have a claim's items given back, and hear ``given_back(row, error)`` as each
-        give-back lands (``error`` None) or fails; hear ``saved(op, answer)`` of a settle
-        or an enqueue saved."""
+        give-back lands (``error`` None) or fails; hear ``saved(op, answer)`` of a write
+        of `_TOLD` saved."""
         self._given_back = given_back
         self._saved = saved
 
     def orphaned(self, request: Any, outcome: Any) -> None:
         """The writer's `asyncplane._write_queue.Orphaned`: a claim's items are released
         at once, each queued now, ahead of the writer's end if it is stopping (nobody
-        knows their fences, so they would wait out their leases); a settle or an enqueue
-        stands, and is told (`on_orphaned`), so it is counted and wakes this process's
-        waiters as an answered one does; any other request's outcome stands as it is."""
+        knows their fences, so they would wait out their leases); a settle, an enqueue or
+        a write of `FREEING` stands, and is told (`on_orphaned`), so it is counted and
+        wakes this process's waiters as an answered one does; any other request's outcome
+        stands as it is."""
         if not isinstance(request, _write_queue.Grouped | _write_queue.Named):
             return
         if isinstance(request.op, ClaimOp):

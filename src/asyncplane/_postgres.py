@@ -1402,9 +1402,8 @@ async def _verify_ledger(
     return problems  # verify_ledger puts them in order
 
 
-#: Each settle other than a finish, by its op's type (`asyncplane._backend.Writes.retry`
-#: and its like queue them).
-#: The writes named by their op (`asyncplane._backend.Writes._settle`), by op.
+#: The writes sent named by their op (each settle other than a finish, and each write of
+#: `asyncplane._backend.FREEING`), by its op's type (`asyncplane._backend.Writes._settle`).
 _NAMED_WRITES: dict[type, Callable[..., Any]] = {
     _backend.RetryOp: _retry,
     _backend.ParkOp: _park,

@@ -315,8 +315,7 @@ class ControlStore:
         project_id = _validate.text_id(project_id, "project_id")
         status = _validate.project_status(status)
         op = _backend.ProjectStatusOp(project_id, status)
-        await (await self._engine.ready()).set_project_status(op)
-        self._engine.notify()
+        await self._freeing(op, (await self._engine.ready()).set_project_status(op))
 
     async def project(self, project_id: str) -> dict[str, Any]:
         """A project as a dict: project_id, name, status, created_at."""
@@ -1033,6 +1032,19 @@ class ControlStore:
             _telemetry.settled(named, took, self.backend, count=_count(op, result))
         return result
 
+    async def _freeing(self, op: Any, call: Awaitable[_T]) -> _T:
+        """Await a write that can free work (`_backend.FREEING`), then wake this process's
+        waiting claims. Cancelled once the answer was in, it stands, and wakes them all
+        the same (`_tally`), as one cancelled while its round ran does (`Writes.orphaned`)."""
+        try:
+            result = await call
+        except asyncio.CancelledError:
+            if _has_answer(call):  # told, never raised: the cancellation must not be lost
+                _write_queue.tell(self._tally, op, call.result())
+            raise
+        self._engine.notify()
+        return result
+
     def _tally(self, op: Any, answer: Any) -> None:
         """A settle, an enqueue or another write that can free work (`_backend.FREEING`)
         saved with no caller's latency to record (its caller went away while it ran,
@@ -1348,8 +1360,7 @@ class ControlStore:
             ScopeDenied: The actor may not see the item (or it does not exist).
         """
         op = _backend.RequeueOp(_validate.item_id(item_id), _validate.optional_actor(actor_id))
-        await (await self._engine.ready()).requeue(op)
-        self._engine.notify()
+        await self._freeing(op, (await self._engine.ready()).requeue(op))
 
     async def cancel_where(
         self,
@@ -1610,8 +1621,7 @@ class ControlStore:
         paused are not enqueued. UnknownSchedule if absent."""
         backend = await self._engine.ready()
         op = _backend.PauseScheduleOp(_validate.text_id(name, "name"), False)
-        await backend.pause_schedule(op)
-        self._engine.notify()
+        await self._freeing(op, backend.pause_schedule(op))  # a daemon's sleep, a claim's
 
     async def delete_schedule(self, name: str) -> None:
         """Delete a schedule (the items its ticks enqueued stay); UnknownSchedule if absent."""
@@ -1672,8 +1682,7 @@ class ControlStore:
         project = _validate.text_id(project_id, "project_id")
         op = _backend.LimitsOp(project, _validate.limit_changes(max_running, per_minute, burst))
         backend = await self._engine.ready()
-        await backend.set_limits(op)
-        self._engine.notify()  # a raised limit may free claims now
+        await self._freeing(op, backend.set_limits(op))  # a raised limit may free claims now
         return await self.limits(project)
 
     async def limits(self, project_id: str) -> dict[str, Any]:

@@ -389,7 +389,6 @@ class Writer(_write_queue.WriterBase):
         assert lock is not None and board is not None
         loop = asyncio.get_running_loop()
         self._cancel_look_again()
-        posting.looks += 1
         state = board.state()
         if state == _combine.ANSWERED:
             posting.turn.begin()  # served: busy_timeout can no longer give it up
@@ -413,6 +412,7 @@ class Writer(_write_queue.WriterBase):
             took = time.perf_counter() - posting.asked
             _deliver(loop, self, posting.batch, answers, took, 0.0, took)
             return
+        posting.looks += 1
         # Not posted any more, which only this process does (giving it up ended the round
         # already): the thread's wait goes on from an empty slot, as before posting.
         posted = state != _combine.EMPTY
