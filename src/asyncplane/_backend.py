@@ -632,48 +632,48 @@ class Writes:
     def retry(self, op: RetryOp) -> _write_queue.Pending[str]:
         """Defer a current claim for a retry, or fail it if no attempt is left: the
         item's state afterwards."""
-        return self._settle(op)
+        return self._send_named(op)
 
     def park(self, op: ParkOp) -> _write_queue.Pending[None]:
         """Defer a current claim without spending an attempt."""
-        return self._settle(op)
+        return self._send_named(op)
 
     def release(self, op: ReleaseOp) -> _write_queue.Pending[None]:
         """Give a current claim back: the item is ready again, its attempt given back."""
-        return self._settle(op)
+        return self._send_named(op)
 
     def offload(self, op: OffloadOp) -> _write_queue.Pending[None]:
         """Hand a current claim to an external batch."""
-        return self._settle(op)
+        return self._send_named(op)
 
     def cancel(self, op: CancelOp) -> _write_queue.Pending[tuple[str, bool]]:
         """Cancel an item: its state afterwards (a settled one is left as it was), and
         whether this call cancelled it."""
-        return self._settle(op)
+        return self._send_named(op)
 
     def cancel_where(self, op: CancelWhereOp) -> _write_queue.Pending[tuple[int, int | None]]:
         """Cancel a chunk: (how many were changed, the last id looked at, None at the end)."""
-        return self._settle(op)
+        return self._send_named(op)
 
     def requeue(self, op: RequeueOp) -> _write_queue.Pending[None]:
         """Take a failed or cancelled item back to ready, or refuse, naming its state."""
-        return self._settle(op)
+        return self._send_named(op)
 
     def set_project_status(self, op: ProjectStatusOp) -> _write_queue.Pending[None]:
         """Change a project's status; UnknownProject if absent."""
-        return self._settle(op)
+        return self._send_named(op)
 
     def set_limits(self, op: LimitsOp) -> _write_queue.Pending[LimitsRow | None]:
         """Change a project's limits (`asyncplane._rules.merged_limits`); return them (None:
         none left). UnknownProject if absent."""
-        return self._settle(op)
+        return self._send_named(op)
 
     def pause_schedule(self, op: PauseScheduleOp) -> _write_queue.Pending[None]:
         """Pause or resume a schedule (resumed, its next tick is the first after now);
         UnknownSchedule if absent."""
-        return self._settle(op)
+        return self._send_named(op)
 
-    def _settle(self, op: Any) -> _write_queue.Pending[Any]:
+    def _send_named(self, op: Any) -> _write_queue.Pending[Any]:
         """One of those writes to the writer, naming its op (so that one saved for a
         caller gone is still told: `orphaned`)."""
         return self._submit(_write_queue.Named(self._named_write(op), op))

@@ -1403,7 +1403,7 @@ async def _verify_ledger(
 
 
 #: The writes sent named by their op (each settle other than a finish, and each write of
-#: `asyncplane._backend.FREEING`), by its op's type (`asyncplane._backend.Writes._settle`).
+#: `asyncplane._backend.FREEING`), by its op's type (`asyncplane._backend.Writes._send_named`).
 _NAMED_WRITES: dict[type, Callable[..., Any]] = {
     _backend.RetryOp: _retry,
     _backend.ParkOp: _park,

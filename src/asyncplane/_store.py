@@ -1010,8 +1010,9 @@ class ControlStore:
         await self._settle(op, (await self._engine.ready()).offload(op))
 
     async def _settle(self, op: Any, call: Awaitable[_T], *, timed: bool = True) -> _T:
-        """Await one settle, renew or bulk-chunk call, counted under the outcome its answer
-        names (`_outcome`) and, if ``timed``, timed; a refused fence is counted as such.
+        """Await one settle, renew, bulk-chunk or `_freeing` call, counted under the outcome
+        its answer names (`_outcome`; none for a renew or a write of `_backend.FREEING`)
+        and, if ``timed``, timed; a refused fence is counted as such.
         Cancelled once the answer was in, the settle stands, and is counted all the same
         (`_tally`)."""
         started = time.perf_counter()
@@ -1035,13 +1036,8 @@ class ControlStore:
     async def _freeing(self, op: Any, call: Awaitable[_T]) -> _T:
         """Await a write that can free work (`_backend.FREEING`), then wake this process's
         waiting claims. Cancelled once the answer was in, it stands, and wakes them all
-        the same (`_tally`), as one cancelled while its round ran does (`Writes.orphaned`)."""
-        try:
-            result = await call
-        except asyncio.CancelledError:
-            if _has_answer(call):  # told, never raised: the cancellation must not be lost
-                _write_queue.tell(self._tally, op, call.result())
-            raise
+        the same, as a settle does (`_settle`, which counts nothing for these)."""
+        result = await self._settle(op, call, timed=False)
         self._engine.notify()
         return result
 

@@ -209,14 +209,7 @@ class Writer(_write_queue.WriterBase):
         self._conn.stop()  # the connection's thread ends; no loop is left to close it
         if self.write_lock is not None:
             self.write_lock.close()
-        self._stop_reading()  # (its loop is closed by now, and reads nothing more)
         # The board stays open: the thread may still be serving a round through it.
-
-    def _stop_reading(self) -> None:
-        """The loop no longer watches the wake pipe (unless that loop is closed)."""
-        loop, self._reading = self._reading, None
-        if loop is not None and self.board is not None and not loop.is_closed():
-            loop.remove_reader(self.board.wake_fd)
 
     async def _close(self) -> None:
         posting = self._posted
@@ -230,8 +223,9 @@ class Writer(_write_queue.WriterBase):
         finally:
             if self.write_lock is not None:
                 self.write_lock.close()
-            self._stop_reading()
             if self.board is not None:
+                if self._reading is not None and not self._reading.is_closed():
+                    self._reading.remove_reader(self.board.wake_fd)
                 self.board.close()
 
     # --- rounds, driven by callbacks -----------------------------------------------------
