@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import ctypes
 import errno
+import fcntl
 import json
 import marshal
 import mmap
@@ -106,6 +107,11 @@ class BoardFile:
             os.write(pipe, b"\0")
         finally:
             os.close(pipe)
+
+    def hold_slot(self, slot: int, held: bool = True) -> None:
+        """Take a slot's own lock (or let it go), as a holder does to mark a post taken."""
+        kind = fcntl.F_WRLCK if held else fcntl.F_UNLCK
+        fcntl.fcntl(self._fd, fcntl.F_OFD_SETLK, _combine._range_lock(kind, _combine.SLOTS + slot))
 
     def close(self) -> None:
         self._mem.close()
@@ -404,6 +410,46 @@ async def test_a_post_the_loop_can_no_longer_see_through_is_taken_back_unwritten
         assert lock.try_acquire()  # the writers' lock was let go
         lock.release()
         lock.close()
+    monkeypatch.undo()
+    async with ControlStore(path) as after:  # nothing was written
+        assert await claimed_by(after) == {}
+        assert await verify_ledger(after) == []
+
+
+async def test_a_broken_post_whose_slot_a_holder_is_at_is_taken_back_once_it_lets_go(
+    tmp_path: pathlib.Path, patient: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Looking at the posted round breaks while a holder is at the slot's own lock (a
+    # process descheduled there, say): the loop does not call the round's outcome unknown
+    # after an instant of tries, it asks again a moment later, the round still on, and
+    # takes the post back once the slot's lock is free.
+    path = tmp_path / "store.db"
+    async with scene(path) as (store, board, mine):
+        writer = await writer_of(store)
+        holder = await Holder.start(path)
+        asked = [0]
+        retract = mine.retract
+
+        def counted() -> bool | None:
+            asked[0] += 1
+            return retract()
+
+        monkeypatch.setattr(mine, "retract", counted)
+        try:
+            claim = asyncio.create_task(store.claim("here", lease_seconds=600))
+            await until(lambda: board.state(mine.slot) == _combine.POSTED)
+            board.hold_slot(mine.slot)
+            monkeypatch.setattr(writer, "_look_at", _raises(RuntimeError("a bug")))
+            board.wake(mine.slot)
+            await until(lambda: asked[0] >= 3)  # the loop asks again, and again
+            assert not claim.done()
+            board.hold_slot(mine.slot, held=False)
+            with pytest.raises(_errors.StorageError, match="a bug") as raised:
+                await claim
+            assert not isinstance(raised.value, _errors.CommitOutcomeUnknown)
+            assert board.state(mine.slot) == _combine.EMPTY
+        finally:
+            await holder.let_go()
     monkeypatch.undo()
     async with ControlStore(path) as after:  # nothing was written
         assert await claimed_by(after) == {}

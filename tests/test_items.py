@@ -4,6 +4,7 @@ wait for their results; on both backends."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import pathlib
 import pickle
@@ -695,19 +696,29 @@ async def test_an_enqueue_saved_for_a_caller_gone_wakes_a_waiting_claim_at_once(
 
 @pytest.mark.sqlite_only  # on PostgreSQL the server's NOTIFY wakes it whatever this process does
 @pytest.mark.parametrize("how", ["in its round", "as answered"])
-@pytest.mark.parametrize("write", ["requeue", "set_project_status", "set_limits"])
+@pytest.mark.parametrize(
+    "write", ["requeue", "requeue_where", "import_pending", "set_project_status", "set_limits"]
+)
 async def test_a_write_that_frees_work_saved_for_a_caller_gone_wakes_a_waiting_claim(
-    store: ControlStore, raw: Any, write: str, how: str
+    store: ControlStore, raw: Any, write: str, how: str, tmp_path: pathlib.Path
 ) -> None:
     # As above, for the writes that are not settles but make work claimable: an item
-    # requeued, its project opened, its project's limit raised; its caller cancelled
-    # while its round ran, or as its answer came in.
-    first = await store.enqueue("alpha", {"n": 1})
-    if write == "requeue":
+    # requeued (alone or in a filter's chunk), rows imported, its project opened, its
+    # project's limit raised; its caller cancelled while its round ran, or as its answer
+    # came in.
+    source = tmp_path / "source.sqlite3"
+    if write == "import_pending":
+        with contextlib.closing(sqlite3.connect(source)) as conn, conn:
+            conn.execute("CREATE TABLE queue (data TEXT)")
+            conn.execute("""INSERT INTO queue VALUES ('{"n": 1}')""")
+        first = None
+    else:
+        first = await store.enqueue("alpha", {"n": 1})
+    if write in ("requeue", "requeue_where"):
         await store.cancel(first)
     elif write == "set_project_status":
         await store.set_project_status("alpha", "paused")
-    else:
+    elif write == "set_limits":
         await store.set_limits("alpha", max_running=1)
         assert await store.claim("w") is not None  # the one it may run
         first = await store.enqueue("alpha", {"n": 2})
@@ -718,6 +729,10 @@ async def test_a_write_that_frees_work_saved_for_a_caller_gone_wakes_a_waiting_c
     )
     calls = {
         "requeue": lambda: store.requeue(first),
+        "requeue_where": lambda: store.requeue_where(project_id="alpha"),
+        "import_pending": lambda: store.import_pending(
+            source, table="queue", columns={"payload": "data"}, project_id="alpha"
+        ),
         "set_project_status": lambda: store.set_project_status("alpha", "open"),
         "set_limits": lambda: store.set_limits("alpha", max_running=2),
     }
@@ -725,9 +740,11 @@ async def test_a_write_that_frees_work_saved_for_a_caller_gone_wakes_a_waiting_c
         await cancelled_in_its_round(store, raw, calls[write]())
         raw.execute("COMMIT")
     else:
-        await cancelled_as_answered(store, write, calls[write]())
+        method = {"import_pending": "import_rows"}.get(write, write)
+        await cancelled_as_answered(store, method, calls[write]())
     claim = await waiting
-    assert claim is not None and claim.item_id == first and claim.owner == "w2"
+    assert claim is not None and claim.owner == "w2"
+    assert claim.item_id == first if first is not None else claim.payload == {"n": 1}
 
 
 @pytest.mark.sqlite_only  # on PostgreSQL the server's NOTIFY wakes it whatever this process does

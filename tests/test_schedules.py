@@ -12,6 +12,7 @@ import sys
 from typing import Any
 
 import pytest
+from tests.test_claims import cancelled_as_answered, cancelled_in_its_round
 
 from _fleet import FileClock, run_fleet
 from _signals import until, waiting_on
@@ -300,6 +301,37 @@ async def test_a_daemon_drain_enqueues_and_runs_a_tick_when_it_falls(
     stop.set()
     summary = await daemon
     assert summary.scheduled == 1
+
+
+@pytest.mark.sqlite_only  # on PostgreSQL the server's NOTIFY wakes it whatever this process does
+@pytest.mark.parametrize("how", ["in its round", "as answered"])
+async def test_a_schedule_set_for_a_caller_gone_wakes_a_sleeping_daemon(
+    store: ControlStore, raw: Any, clock: ManualClock, how: str
+) -> None:
+    # The daemon sleeps with no tick to wait for (and polls hourly); set_schedule's caller
+    # is cancelled while its round runs, or as its answer comes in. The schedule is saved
+    # all the same, and the daemon hears of it from this process at once: it then sleeps
+    # until the tick.
+    clock.set(at(2026, 12, 1, 0, 0))
+
+    async def execute(batch: list[Any]) -> list[Any]:
+        return [Done() for _ in batch]
+
+    stop = asyncio.Event()
+    daemon = asyncio.create_task(
+        drain(store, execute, mode="daemon", stop=stop, poll_interval=3600)
+    )
+    await until(waiting_on("local"), what="the daemon sleeps")
+    assert not await waiting_on("due")()
+    call = store.set_schedule("s", project_id="alpha", payload={"task": "t"}, every=3600)
+    if how == "in its round":
+        await cancelled_in_its_round(store, raw, call)
+        raw.execute("COMMIT")
+    else:
+        await cancelled_as_answered(store, "set_schedule", call)
+    await asyncio.wait_for(until(waiting_on("due"), what="the daemon waits for the tick"), 30)
+    stop.set()
+    await daemon
 
 
 async def test_work_runs_schedules_too(store: ControlStore, clock: ManualClock) -> None:

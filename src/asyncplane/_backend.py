@@ -276,16 +276,6 @@ class LimitsOp(NamedTuple):
     changes: tuple[tuple[str, int | float | None], ...]
 
 
-#: The writes besides settles that can make work claimable here and now (an item ready
-#: again, a project opened, a limit raised, a schedule resumed): each wakes this
-#: process's waiting claims once saved, even for a caller gone.
-FREEING = (RequeueOp, ProjectStatusOp, LimitsOp, PauseScheduleOp)
-#: What a round saved for a caller gone is told of (`Writes.orphaned`): every settle, an
-#: enqueue (counted), and a write of `FREEING`, each waking this process's waiting
-#: claims, as its caller would have.
-_TOLD = (*SETTLES, EnqueueOp, *FREEING)
-
-
 class LimitsRow(NamedTuple):
     """A project's limits as stored, with how many of its items are claimed now."""
 
@@ -357,6 +347,18 @@ class ImportOp(NamedTuple):
     source: str
     project_id: str
     rows: tuple[tuple[str, NewItem], ...]
+
+
+#: The writes besides settles that can make work claimable, or a tick due, here and now
+#: (an item ready again, a chunk of them requeued, rows imported, a project opened, a
+#: limit raised, a schedule set or resumed): each wakes this process's waiting claims and
+#: sleeping drainers once saved, even for a caller gone. (`WhereOp` is a requeue's chunk;
+#: a cancel's, `CancelWhereOp`, is a settle.)
+FREEING = (RequeueOp, WhereOp, ImportOp, ProjectStatusOp, LimitsOp, ScheduleOp, PauseScheduleOp)
+#: What a round saved for a caller gone is told of (`Writes.orphaned`): every settle, an
+#: enqueue (counted), and a write of `FREEING`, each waking this process's waiting
+#: claims, as its caller would have.
+_TOLD = (*SETTLES, EnqueueOp, *FREEING)
 
 
 class StoreStats(NamedTuple):
@@ -673,6 +675,20 @@ class Writes:
         UnknownSchedule if absent."""
         return self._send_named(op)
 
+    def requeue_where(self, op: WhereOp) -> _write_queue.Pending[tuple[int, int | None]]:
+        """Requeue a chunk, as `cancel_where` cancels one."""
+        return self._send_named(op)
+
+    def import_rows(self, op: ImportOp) -> _write_queue.Pending[tuple[int, int]]:
+        """Add the rows not imported before, each with a "queued" event naming its source,
+        and remember them; return (imported, already imported)."""
+        return self._send_named(op)
+
+    def set_schedule(self, op: ScheduleOp) -> _write_queue.Pending[ScheduleRow]:
+        """Add or change a schedule (`asyncplane._schedule.placed`); UnknownProject if its
+        project is absent."""
+        return self._send_named(op)
+
     def _send_named(self, op: Any) -> _write_queue.Pending[Any]:
         """One of those writes to the writer, naming its op (so that one saved for a
         caller gone is still told: `orphaned`)."""
@@ -869,7 +885,7 @@ class Backend(Protocol):
         """Delete settled items and then their events; return how many items went."""
         ...
 
-    async def import_rows(self, op: ImportOp) -> tuple[int, int]:
+    def import_rows(self, op: ImportOp) -> _write_queue.Pending[tuple[int, int]]:
         """Add the rows not imported before, each with a "queued" event naming its source,
         and remember them; return (imported, already imported)."""
         ...
@@ -888,7 +904,7 @@ class Backend(Protocol):
         without limits reads as all None), or every limited project's, ordered by id."""
         ...
 
-    async def set_schedule(self, op: ScheduleOp) -> ScheduleRow:
+    def set_schedule(self, op: ScheduleOp) -> _write_queue.Pending[ScheduleRow]:
         """Add or change a schedule (`asyncplane._schedule.placed`); UnknownProject if its
         project is absent."""
         ...
@@ -942,7 +958,7 @@ class Backend(Protocol):
         """Cancel a chunk: (how many were changed, the last id looked at, None at the end)."""
         ...
 
-    async def requeue_where(self, op: WhereOp) -> tuple[int, int | None]:
+    def requeue_where(self, op: WhereOp) -> _write_queue.Pending[tuple[int, int | None]]:
         """Requeue a chunk, as `cancel_where` cancels one."""
         ...
 

@@ -337,10 +337,11 @@ class Engine:
         while True:
             ticks, looked = await backend.run_schedules(_SCHEDULES_PER_ROUND)
             enqueued += ticks
+            if ticks:  # each transaction's items, as it commits (a later one may be cut)
+                self.notify()
             if looked < _SCHEDULES_PER_ROUND:
                 break
         if enqueued:
-            self.notify()
             _schedules_log.debug("schedules enqueued %d item(s)", enqueued)
         self.next_tick = await backend.next_tick()
         return enqueued

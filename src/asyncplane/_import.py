@@ -21,7 +21,7 @@ import json
 import os
 import pathlib
 import sqlite3
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Awaitable, Callable, Collection, Mapping
 from typing import Any
 
 import anyio.to_thread
@@ -64,8 +64,14 @@ class ImportSummary:
     dropped: bool
 
 
+#: ``freeing(op, call)``: await a write that can free work, then wake this process's
+#: waiting claims, even if cancelled once its answer was in (`ControlStore._freeing`).
+Freeing = Callable[[Any, Awaitable[Any]], Awaitable[Any]]
+
+
 async def import_pending(
     engine: _engine.Engine,
+    freeing: Freeing,
     source_path: str | os.PathLike[str],
     *,
     table: str,
@@ -111,15 +117,14 @@ async def import_pending(
             )
             wanted.setdefault(target, []).append((str(row["key"]), _new_item(engine, row)))
         for target, items in wanted.items():
-            done, again = await backend.import_rows(_backend.ImportOp(name, target, tuple(items)))
+            op = _backend.ImportOp(name, target, tuple(items))
+            done, again = await freeing(op, backend.import_rows(op))  # waiters woken
             imported += done
             skipped += again
         if progress is not None:
             progress(imported + skipped + left)
         if len(rows) < chunk:
             break
-    if imported:
-        engine.notify()
     dropped = False
     if drop_source:
         await anyio.to_thread.run_sync(_drop_table, source, table)

@@ -375,9 +375,6 @@ class PostgresBackend(_backend.Writes):
         params = _list_params(op.where, states, op.newest, op.after, op.limit)
         return [_backend.ItemRow(*row) for row in await self._fetch(statement, *params)]
 
-    async def requeue_where(self, op: _backend.WhereOp) -> tuple[int, int | None]:
-        return await self._write(_bind(_requeue_where, op))
-
     async def settled_version(self) -> int:
         """A number that changes when an item settles (NOTIFY asyncplane_settled)."""
         if self._pool is None:
@@ -406,9 +403,6 @@ class PostgresBackend(_backend.Writes):
     async def purge_items(self, item_ids: tuple[int, ...]) -> int:
         return await self._write(_bind(_purge_items, item_ids))
 
-    async def import_rows(self, op: _backend.ImportOp) -> tuple[int, int]:
-        return await self._write(_bind(_import_rows, op))
-
     async def stats(self) -> _backend.StoreStats:
         now = None if self._clock is None else self._clock.now()
         return await self._read(_stats, now)
@@ -421,9 +415,6 @@ class PostgresBackend(_backend.Writes):
             if not rows:
                 raise _rules.unknown_project(project_id)
         return [_rules.limits_row(tuple(row)) for row in rows]
-
-    async def set_schedule(self, op: _backend.ScheduleOp) -> _backend.ScheduleRow:
-        return await self._write(_bind(_set_schedule, op))
 
     async def list_schedules(self, name: str | None) -> list[_backend.ScheduleRow]:
         if name is None:
@@ -1415,4 +1406,7 @@ _NAMED_WRITES: dict[type, Callable[..., Any]] = {
     _backend.ProjectStatusOp: _set_project_status,
     _backend.LimitsOp: _set_limits,
     _backend.PauseScheduleOp: _pause_schedule,
+    _backend.WhereOp: _requeue_where,
+    _backend.ImportOp: _import_rows,
+    _backend.ScheduleOp: _set_schedule,
 }

@@ -238,9 +238,6 @@ class SQLiteBackend(_backend.Writes):
     async def list_items(self, op: _backend.ListOp) -> list[_backend.ItemRow]:
         return await self._read(_list_items, op)
 
-    async def requeue_where(self, op: _backend.WhereOp) -> tuple[int, int | None]:
-        return await self._write(functools.partial(_requeue_where, op))
-
     async def settled_version(self) -> int:
         # Any commit of another connection may have settled an item (a cheap look).
         return await self.data_version()
@@ -264,9 +261,6 @@ class SQLiteBackend(_backend.Writes):
     async def purge_items(self, item_ids: tuple[int, ...]) -> int:
         return await self._write(functools.partial(_purge_items, item_ids))
 
-    async def import_rows(self, op: _backend.ImportOp) -> tuple[int, int]:
-        return await self._write(functools.partial(_import_rows, op))
-
     async def stats(self) -> _backend.StoreStats:
         return await self._read(_stats, self._clock.now())
 
@@ -281,9 +275,6 @@ class SQLiteBackend(_backend.Writes):
             if not rows:
                 raise _rules.unknown_project(project_id)
         return [_rules.limits_row(row) for row in rows]
-
-    async def set_schedule(self, op: _backend.ScheduleOp) -> _backend.ScheduleRow:
-        return await self._write(functools.partial(_set_schedule, op))
 
     async def list_schedules(self, name: str | None) -> list[_backend.ScheduleRow]:
         if name is None:
@@ -1261,4 +1252,7 @@ _NAMED_WRITES: dict[type, Callable[..., Any]] = {
     _backend.ProjectStatusOp: _set_project_status,
     _backend.LimitsOp: _set_limits,
     _backend.PauseScheduleOp: _pause_schedule,
+    _backend.WhereOp: _requeue_where,
+    _backend.ImportOp: _import_rows,
+    _backend.ScheduleOp: _set_schedule,
 }

@@ -1167,7 +1167,8 @@ class ControlStore:
         from asyncplane import _import  # sqlite3 reading another database: on first use
 
         return await _import.import_pending(
-            self._engine, source_path, table=table, columns=columns, project_id=project_id,
+            self._engine, self._freeing, source_path, table=table, columns=columns,
+            project_id=project_id,
             pending=pending, drop_source=_validate.boolean(drop_source, "drop_source"),
             chunk=chunk, progress=progress,
         )  # fmt: skip
@@ -1588,8 +1589,8 @@ class ControlStore:
             _schedule.timetable(cron, every, timezone, 0.0),
             _validate.catch_up(catch_up),
         )
-        row = await (await self._engine.ready()).set_schedule(op)
-        self._engine.notify()  # a daemon sleeping until the next tick looks again
+        # A daemon sleeping until the next tick looks again.
+        row = await self._freeing(op, (await self._engine.ready()).set_schedule(op))
         return _schedule_dict(row)
 
     async def schedules(self) -> list[dict[str, Any]]:

@@ -306,7 +306,8 @@ class Writer(_write_queue.WriterBase):
             try:
                 if posting is not None and posting.posted:
                     assert turn is not None
-                    self._posted_broke(batch, turn, exc)  # taken back before the lock goes
+                    # Taken back before the lock goes (at once, if the loop holds it).
+                    self._posted_broke(batch, turn, exc, wait=not posting.locked)
                 else:
                     self._round_broke(batch, exc)
             finally:
@@ -468,21 +469,34 @@ class Writer(_write_queue.WriterBase):
         self._wakeup.set()  # the task ends with it (or says it, if it was stopping)
 
     def _posted_broke(
-        self, batch: list[_Request], turn: _write_lock.Turn, exc: BaseException
+        self,
+        batch: list[_Request],
+        turn: _write_lock.Turn,
+        exc: BaseException,
+        tries: int = 1,
+        *,
+        wait: bool = True,
     ) -> None:
         """A round on the board that this process can no longer see to its end (looking at
         it broke, or the thread could not take it over): the post is taken back, so that
         nothing of it is written and its callers hear ``exc``; unless a holder elsewhere
         has taken it (or the slot could not be looked at), when they hear that the round
-        may have been saved (`CommitOutcomeUnknown`)."""
-        stopped: bool | None = None
+        may have been saved (`CommitOutcomeUnknown`). A holder at the slot's lock this
+        instant (a process descheduled there, say) is given time: the loop asks again a
+        moment later (`_BUSY_SLOT`), `_GIVE_UP_TRIES` times in all, the round still on;
+        not ``wait``ing (the loop holds the writers' lock for the round, to let go right
+        after), it asks again at once."""
         try:
-            for _ in range(_GIVE_UP_TRIES):  # None: a holder at the slot's lock this instant
+            stopped = turn.give_up()  # None: a holder at the slot's lock this instant
+            while stopped is None and not wait and tries < _GIVE_UP_TRIES:
+                tries += 1
                 stopped = turn.give_up()
-                if stopped is not None:
-                    break
         except Exception:  # the slot itself cannot be read: what happened is not known
-            stopped = None
+            stopped, tries = None, _GIVE_UP_TRIES
+        if stopped is None and tries < _GIVE_UP_TRIES:
+            loop = asyncio.get_running_loop()
+            loop.call_later(_BUSY_SLOT, self._posted_broke, batch, turn, exc, tries + 1)
+            return
         if stopped:
             self._round_broke(batch, exc)
         elif stopped is None:
@@ -565,8 +579,8 @@ class _OnLoop:
 
 #: Seconds before looking again at an answered slot whose lock a holder has this instant.
 _BUSY_SLOT = 0.0005
-#: Tries at taking back a post whose slot a holder has this instant, before a round that
-#: broke is called of unknown outcome (each try a system call, the holder's hold brief).
+#: Tries at taking back a post whose slot a holder has this instant, `_BUSY_SLOT` apart,
+#: before a round that broke is called of unknown outcome (a holder's hold is brief).
 _GIVE_UP_TRIES = 100
 
 
