@@ -416,13 +416,16 @@ async def test_a_post_the_loop_can_no_longer_see_through_is_taken_back_unwritten
         assert await verify_ledger(after) == []
 
 
+@pytest.mark.parametrize("then", ["asked again", "writer cancelled"])
 async def test_a_broken_post_whose_slot_a_holder_is_at_is_taken_back_once_it_lets_go(
-    tmp_path: pathlib.Path, patient: None, monkeypatch: pytest.MonkeyPatch
+    tmp_path: pathlib.Path, patient: None, monkeypatch: pytest.MonkeyPatch, then: str
 ) -> None:
     # Looking at the posted round breaks while a holder is at the slot's own lock (a
     # process descheduled there, say): the loop does not call the round's outcome unknown
-    # after an instant of tries, it asks again a moment later, the round still on, and
-    # takes the post back once the slot's lock is free.
+    # after an instant of tries, it asks again a moment later, the round still on (its
+    # busy_timeout moot meanwhile), and takes the post back once the slot's lock is free;
+    # or, the writer cancelled meanwhile (the loop shutting down), at once as it closes,
+    # while the board is still open.
     path = tmp_path / "store.db"
     async with scene(path) as (store, board, mine):
         writer = await writer_of(store)
@@ -435,17 +438,24 @@ async def test_a_broken_post_whose_slot_a_holder_is_at_is_taken_back_once_it_let
             return retract()
 
         monkeypatch.setattr(mine, "retract", counted)
+        if then == "writer cancelled":  # no look of its own comes round before it closes
+            monkeypatch.setattr(_writer, "_BUSY_SLOT", 600.0)
         try:
             claim = asyncio.create_task(store.claim("here", lease_seconds=600))
             await until(lambda: board.state(mine.slot) == _combine.POSTED)
             board.hold_slot(mine.slot)
             monkeypatch.setattr(writer, "_look_at", _raises(RuntimeError("a bug")))
             board.wake(mine.slot)
-            await until(lambda: asked[0] >= 3)  # the loop asks again, and again
+            await until(lambda: asked[0] >= (3 if then == "asked again" else 1))
             assert not claim.done()
+            assert writer._timer is None  # no busy_timeout to hear instead of the bug
             board.hold_slot(mine.slot, held=False)
+            if then == "writer cancelled":  # before its next look comes round
+                task = writer._task
+                assert task is not None
+                task.cancel()
             with pytest.raises(_errors.StorageError, match="a bug") as raised:
-                await claim
+                await asyncio.wait_for(claim, 30)
             assert not isinstance(raised.value, _errors.CommitOutcomeUnknown)
             assert board.state(mine.slot) == _combine.EMPTY
         finally:

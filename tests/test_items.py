@@ -697,15 +697,16 @@ async def test_an_enqueue_saved_for_a_caller_gone_wakes_a_waiting_claim_at_once(
 @pytest.mark.sqlite_only  # on PostgreSQL the server's NOTIFY wakes it whatever this process does
 @pytest.mark.parametrize("how", ["in its round", "as answered"])
 @pytest.mark.parametrize(
-    "write", ["requeue", "requeue_where", "import_pending", "set_project_status", "set_limits"]
+    "write",
+    ["requeue", "requeue_where", "import_pending", "set_project_status", "assign", "set_limits"],
 )
 async def test_a_write_that_frees_work_saved_for_a_caller_gone_wakes_a_waiting_claim(
     store: ControlStore, raw: Any, write: str, how: str, tmp_path: pathlib.Path
 ) -> None:
     # As above, for the writes that are not settles but make work claimable: an item
-    # requeued (alone or in a filter's chunk), rows imported, its project opened, its
-    # project's limit raised; its caller cancelled while its round ran, or as its answer
-    # came in.
+    # requeued (alone or in a filter's chunk), rows imported, its project opened or given
+    # to the waiting claim's actor, its project's limit raised; its caller cancelled while
+    # its round ran, or as its answer came in.
     source = tmp_path / "source.sqlite3"
     if write == "import_pending":
         with contextlib.closing(sqlite3.connect(source)) as conn, conn:
@@ -722,7 +723,8 @@ async def test_a_write_that_frees_work_saved_for_a_caller_gone_wakes_a_waiting_c
         await store.set_limits("alpha", max_running=1)
         assert await store.claim("w") is not None  # the one it may run
         first = await store.enqueue("alpha", {"n": 2})
-    waiting = asyncio.create_task(store.claim("w2", wait=10, poll_interval=3600))
+    actor = "a2" if write == "assign" else None  # alpha is not yet a2's
+    waiting = asyncio.create_task(store.claim("w2", actor_id=actor, wait=10, poll_interval=3600))
     await until(
         lambda: any(t.get_name() == "asyncplane-wait-work-local" for t in asyncio.all_tasks()),
         what="the claim waits",
@@ -734,6 +736,7 @@ async def test_a_write_that_frees_work_saved_for_a_caller_gone_wakes_a_waiting_c
             source, table="queue", columns={"payload": "data"}, project_id="alpha"
         ),
         "set_project_status": lambda: store.set_project_status("alpha", "open"),
+        "assign": lambda: store.assign("alpha", "a2"),
         "set_limits": lambda: store.set_limits("alpha", max_running=2),
     }
     if how == "in its round":

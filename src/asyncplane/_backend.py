@@ -33,6 +33,7 @@ from asyncplane import _clock, _errors, _lock, _models, _schedule, _telemetry, _
 __all__ = (
     "FREEING",
     "SETTLES",
+    "AssignOp",
     "AssignmentRow",
     "Backend",
     "CancelOp",
@@ -240,6 +241,13 @@ class ProjectStatusOp(NamedTuple):
     status: str
 
 
+class AssignOp(NamedTuple):
+    """Give an actor a project (idempotent)."""
+
+    project_id: str
+    actor_id: str
+
+
 class PauseScheduleOp(NamedTuple):
     """Pause a schedule, or resume it (``paused`` False)."""
 
@@ -350,11 +358,14 @@ class ImportOp(NamedTuple):
 
 
 #: The writes besides settles that can make work claimable, or a tick due, here and now
-#: (an item ready again, a chunk of them requeued, rows imported, a project opened, a
-#: limit raised, a schedule set or resumed): each wakes this process's waiting claims and
-#: sleeping drainers once saved, even for a caller gone. (`WhereOp` is a requeue's chunk;
-#: a cancel's, `CancelWhereOp`, is a settle.)
-FREEING = (RequeueOp, WhereOp, ImportOp, ProjectStatusOp, LimitsOp, ScheduleOp, PauseScheduleOp)
+#: (an item ready again, a chunk of them requeued, rows imported, a project opened or
+#: given to an actor, a limit raised, a schedule set or resumed): each wakes this
+#: process's waiting claims and sleeping drainers once saved, even for a caller gone.
+#: (`WhereOp` is a requeue's chunk; a cancel's, `CancelWhereOp`, is a settle.)
+FREEING = (
+    RequeueOp, WhereOp, ImportOp, ProjectStatusOp, AssignOp, LimitsOp, ScheduleOp,
+    PauseScheduleOp,
+)  # fmt: skip
 #: What a round saved for a caller gone is told of (`Writes.orphaned`): every settle, an
 #: enqueue (counted), and a write of `FREEING`, each waking this process's waiting
 #: claims, as its caller would have.
@@ -665,6 +676,10 @@ class Writes:
         """Change a project's status; UnknownProject if absent."""
         return self._send_named(op)
 
+    def assign(self, op: AssignOp) -> _write_queue.Pending[None]:
+        """Give an actor a project (idempotent); UnknownProject if absent."""
+        return self._send_named(op)
+
     def set_limits(self, op: LimitsOp) -> _write_queue.Pending[LimitsRow | None]:
         """Change a project's limits (`asyncplane._rules.merged_limits`); return them (None:
         none left). UnknownProject if absent."""
@@ -797,7 +812,7 @@ class Backend(Protocol):
         """Every project, ordered by id."""
         ...
 
-    async def assign(self, project_id: str, actor_id: str) -> None:
+    def assign(self, op: AssignOp) -> _write_queue.Pending[None]:
         """Give an actor a project (idempotent); UnknownProject if absent."""
         ...
 

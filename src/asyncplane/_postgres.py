@@ -342,9 +342,6 @@ class PostgresBackend(_backend.Writes):
     async def list_projects(self) -> list[_backend.ProjectRow]:
         return [_backend.ProjectRow(*row) for row in await self._fetch(sql.LIST_PROJECTS)]
 
-    async def assign(self, project_id: str, actor_id: str) -> None:
-        await self._write(_bind(_assign, project_id, actor_id))
-
     async def unassign(self, project_id: str, actor_id: str) -> None:
         await self._write(_bind(_unassign, project_id, actor_id))
 
@@ -692,7 +689,8 @@ async def _set_project_status(
         raise _rules.unknown_project(op.project_id)
 
 
-async def _assign(project_id: str, actor_id: str, conn: asyncpg.Connection, now: float) -> None:
+async def _assign(op: _backend.AssignOp, conn: asyncpg.Connection, now: float) -> None:
+    project_id, actor_id = op
     if await conn.fetchval(sql.PROJECT_LOCKED, project_id) is None:
         raise _rules.unknown_project(project_id)
     await conn.execute(sql.ASSIGN, actor_id, project_id, now)
@@ -1404,6 +1402,7 @@ _NAMED_WRITES: dict[type, Callable[..., Any]] = {
     _backend.CancelWhereOp: _cancel_where,
     _backend.RequeueOp: _requeue,
     _backend.ProjectStatusOp: _set_project_status,
+    _backend.AssignOp: _assign,
     _backend.LimitsOp: _set_limits,
     _backend.PauseScheduleOp: _pause_schedule,
     _backend.WhereOp: _requeue_where,

@@ -208,9 +208,6 @@ class SQLiteBackend(_backend.Writes):
         rows = await self._read(_fetch, sql.LIST_PROJECTS, ())
         return [_backend.ProjectRow(*row) for row in rows]
 
-    async def assign(self, project_id: str, actor_id: str) -> None:
-        await self._write(functools.partial(_assign, project_id, actor_id))
-
     async def unassign(self, project_id: str, actor_id: str) -> None:
         await self._write(functools.partial(_unassign, project_id, actor_id))
 
@@ -401,7 +398,8 @@ def _set_project_status(op: _backend.ProjectStatusOp, db: sqlite3.Connection, no
         raise _rules.unknown_project(op.project_id)
 
 
-def _assign(project_id: str, actor_id: str, db: sqlite3.Connection, now: float) -> None:
+def _assign(op: _backend.AssignOp, db: sqlite3.Connection, now: float) -> None:
+    project_id, actor_id = op
     if db.execute(sql.PROJECT_EXISTS, (project_id,)).fetchone() is None:
         raise _rules.unknown_project(project_id)
     db.execute(sql.ASSIGN, (actor_id, project_id, now))
@@ -1250,6 +1248,7 @@ _NAMED_WRITES: dict[type, Callable[..., Any]] = {
     _backend.CancelWhereOp: _cancel_where,
     _backend.RequeueOp: _requeue,
     _backend.ProjectStatusOp: _set_project_status,
+    _backend.AssignOp: _assign,
     _backend.LimitsOp: _set_limits,
     _backend.PauseScheduleOp: _pause_schedule,
     _backend.WhereOp: _requeue_where,

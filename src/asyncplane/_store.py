@@ -329,9 +329,11 @@ class ControlStore:
 
     async def assign(self, project_id: str, actor_id: str) -> None:
         """Let an actor see and work on a project (idempotent)."""
-        project_id = _validate.text_id(project_id, "project_id")
-        actor_id = _validate.text_id(actor_id, "actor_id")
-        await (await self._engine.ready()).assign(project_id, actor_id)
+        op = _backend.AssignOp(
+            _validate.text_id(project_id, "project_id"), _validate.text_id(actor_id, "actor_id")
+        )
+        # A claim waiting for that actor may have work now.
+        await self._freeing(op, (await self._engine.ready()).assign(op))
 
     async def unassign(self, project_id: str, actor_id: str) -> None:
         """Take a project away from an actor (idempotent)."""

@@ -66,6 +66,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import sqlite3
 import time
@@ -147,6 +148,9 @@ class Writer(_write_queue.WriterBase):
         self._posted: _OnLoop | None = None
         self._look_again: asyncio.TimerHandle | None = None
         self._reading: asyncio.AbstractEventLoop | None = None  # the loop reading the pipe
+        #: A broken post being taken back (`_posted_broke`): its next try, and the same try
+        #: made at once, as the writer closes.
+        self._taking_back: tuple[asyncio.TimerHandle, Callable[[], None]] | None = None
 
     def submit(self, op: Any) -> _write_queue.Pending[Any]:
         """Queue one operation: what to await for its result (its future, queued now).
@@ -212,6 +216,10 @@ class Writer(_write_queue.WriterBase):
         # The board stays open: the thread may still be serving a round through it.
 
     async def _close(self) -> None:
+        if self._taking_back is not None:  # a broken post is still being taken back: at
+            handle, now = self._taking_back  # once, while the board is open to do it
+            handle.cancel()
+            now()
         posting = self._posted
         if posting is not None:  # the writer stops with a post out: the thread sees it
             self._stop_looking()  # to its end (served, or run here), before it closes,
@@ -437,13 +445,17 @@ class Writer(_write_queue.WriterBase):
         self._on_thread = None
         self._stop_looking()
         self.in_flight = 0
+        self._cancel_timers()
+        self._moving.set()  # the thread is back: the lock moves again
+
+    def _cancel_timers(self) -> None:
+        """The round's busy_timeout timer, and its give-up asked again, cancelled."""
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
         if self._again is not None:
             self._again.cancel()
             self._again = None
-        self._moving.set()  # the thread is back: the lock moves again
 
     def _next(self, loop: asyncio.AbstractEventLoop) -> None:
         """After a round: the next one for what queued up meanwhile, or tell a stop
@@ -486,6 +498,7 @@ class Writer(_write_queue.WriterBase):
         moment later (`_BUSY_SLOT`), `_GIVE_UP_TRIES` times in all, the round still on;
         not ``wait``ing (the loop holds the writers' lock for the round, to let go right
         after), it asks again at once."""
+        self._taking_back = None
         try:
             stopped = turn.give_up()  # None: a holder at the slot's lock this instant
             while stopped is None and not wait and tries < _GIVE_UP_TRIES:
@@ -494,8 +507,11 @@ class Writer(_write_queue.WriterBase):
         except Exception:  # the slot itself cannot be read: what happened is not known
             stopped, tries = None, _GIVE_UP_TRIES
         if stopped is None and tries < _GIVE_UP_TRIES:
-            loop = asyncio.get_running_loop()
-            loop.call_later(_BUSY_SLOT, self._posted_broke, batch, turn, exc, tries + 1)
+            if self._on_thread is batch:  # its end is decided here: busy_timeout is moot
+                self._cancel_timers()
+            again = functools.partial(self._posted_broke, batch, turn, exc, tries + 1)
+            handle = asyncio.get_running_loop().call_later(_BUSY_SLOT, again)
+            self._taking_back = (handle, functools.partial(again, wait=False))
             return
         if stopped:
             self._round_broke(batch, exc)
@@ -577,8 +593,9 @@ class _OnLoop:
         self.busy = 0  # looks at its answered slot that found the slot's lock held
 
 
-#: Seconds before looking again at an answered slot whose lock a holder has this instant.
-_BUSY_SLOT = 0.0005
+#: Seconds before looking again at a slot whose lock a holder has this instant (uvloop's
+#: timers count whole milliseconds: less would be no wait at all there).
+_BUSY_SLOT = 0.001
 #: Tries at taking back a post whose slot a holder has this instant, `_BUSY_SLOT` apart,
 #: before a round that broke is called of unknown outcome (a holder's hold is brief).
 _GIVE_UP_TRIES = 100
