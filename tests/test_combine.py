@@ -274,6 +274,34 @@ async def test_an_answered_slot_whose_lock_stays_busy_is_collected_on_the_thread
         assert await verify_ledger(store) == []
 
 
+async def test_an_unserved_post_whose_slot_lock_cannot_be_had_runs_here_under_the_lock(
+    tmp_path: pathlib.Path, patient: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The post is still unserved when this process has the writers' lock for it, and the
+    # slot's own lock cannot be had (ENOLCK): nobody can take a post while that lock is
+    # held, so it is taken back and run here, rather than called of unknown outcome and
+    # left posted for a later holder to commit.
+    path = tmp_path / "store.db"
+    async with scene(path) as (store, board, mine):
+        holder = await Holder.start(path)
+        try:
+            claim = asyncio.create_task(store.claim("here", lease_seconds=600))
+            await until(lambda: board.state(mine.slot) == _combine.POSTED)
+            no_locks = _raises(OSError(errno.ENOLCK, "no locks"))
+            monkeypatch.setattr(mine, "_slot_lock_wait", no_locks)
+        finally:
+            await holder.let_go()
+        board.wake(mine.slot)  # the loop looks, finds the lock free: the thread runs it
+        got = await asyncio.wait_for(claim, 30)
+        assert got is not None
+        assert board.state(mine.slot) == _combine.EMPTY
+        assert mine.served_by_others == 0
+    monkeypatch.undo()
+    async with ControlStore(path) as after:
+        assert await claimed_by(after) == {got.item_id: "here"}
+        assert await verify_ledger(after) == []
+
+
 async def test_a_post_that_breaks_on_the_loop_fails_its_round_and_leaves_no_post(
     tmp_path: pathlib.Path, patient: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:

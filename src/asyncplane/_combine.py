@@ -353,6 +353,16 @@ class Board:
         self._signal(self.slot)  # its thread: look again
         return True
 
+    def withdraw_unserved(self) -> bool:
+        """With the writers' lock held and the slot's own lock out of reach (ENOLCK, say):
+        take back this slot's post if no holder has taken it; whether it was posted and
+        is back. No lock is needed for that: only a holder of the writers' lock takes a
+        post, and a slot still posted has no holder's answer to come."""
+        if self.state() != POSTED:
+            return False
+        self._words[self.slot].value = EMPTY
+        return True
+
     def collect(
         self, ops: Sequence[Any], committed: Callable[[bytes], bool], *, wait: bool = True
     ) -> list[Any] | None:

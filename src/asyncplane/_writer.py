@@ -786,7 +786,9 @@ def _transact_posted(
                 if turn is not None and not turn.begin():  # given up (the post taken back)
                     return _given_up(ops, asked)
                 if posted:
-                    answers = _collected(board, ops, lambda token: _committed(db, board, token))
+                    answers = _collected(
+                        board, ops, lambda token: _committed(db, board, token), held=True
+                    )
                     if answers is not None:  # a holder that died had served it: it stands
                         return answers, time.perf_counter() - asked, 0.0
                 outcomes, waited = _transact_held(ops, db, clock, asked, board)
@@ -833,13 +835,21 @@ _LOOKS_WITHOUT_QUEUE = 200
 
 
 def _collected(
-    board: _combine.Board, ops: list[Write[Any]], committed: Callable[[bytes], bool]
+    board: _combine.Board,
+    ops: list[Write[Any]],
+    committed: Callable[[bytes], bool],
+    *,
+    held: bool = False,
 ) -> list[Any] | None:
     """`Board.collect` on the thread; if the slot's lock cannot be had (ENOLCK, say),
-    every request's outcome is unknown, as a holder may have committed it."""
+    every request's outcome is unknown, as a holder may have committed it; unless the
+    writers' lock is ``held`` and the post was never taken: then it is taken back, to run
+    here (None), so that no later holder serves a round its callers were answered for."""
     try:
         return board.collect(ops, committed)
     except OSError as exc:
+        if held and board.withdraw_unserved():
+            return None
         unknown = _errors.CommitOutcomeUnknown(
             f"another process's round may have taken these requests, but their slot on "
             f"the board could not be read: {exc!r}"
