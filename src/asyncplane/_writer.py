@@ -216,10 +216,6 @@ class Writer(_write_queue.WriterBase):
         # The board stays open: the thread may still be serving a round through it.
 
     async def _close(self) -> None:
-        if self._taking_back is not None:  # a broken post is still being taken back: at
-            handle, now = self._taking_back  # once, while the board is open to do it
-            handle.cancel()
-            now()
         posting = self._posted
         if posting is not None:  # the writer stops with a post out: the thread sees it
             self._stop_looking()  # to its end (served, or run here), before it closes,
@@ -229,6 +225,10 @@ class Writer(_write_queue.WriterBase):
         try:
             await self._conn.close()
         finally:
+            if self._taking_back is not None:  # a broken post still being taken back (its
+                handle, now = self._taking_back  # hand-off above failing, say): its tries
+                handle.cancel()  # made at once, while the board is open to make them
+                now()
             if self.write_lock is not None:
                 self.write_lock.close()
             if self.board is not None:
