@@ -202,6 +202,24 @@ async def scene(
         await store.close()
 
 
+async def posted_claim(
+    path: pathlib.Path, store: ControlStore, board: BoardFile, slot: int
+) -> tuple[Holder, asyncio.Task[Any]]:
+    """A claim of ``store`` posted on the board behind the writers' lock, which another
+    process holds (the holder returned: the test lets it go)."""
+    holder = await Holder.start(path)
+    claim = asyncio.create_task(store.claim("here", lease_seconds=600))
+    await until(lambda: board.state(slot) == _combine.POSTED)
+    return holder, claim
+
+
+async def nothing_written(path: pathlib.Path) -> None:
+    """The store on ``path``, opened again, holds no claim and a clean ledger."""
+    async with ControlStore(path) as after:
+        assert await claimed_by(after) == {}
+        assert await verify_ledger(after) == []
+
+
 async def claimed_by(store: ControlStore) -> dict[int, str]:
     rows = await store.items(state="claimed")
     return {row["item_id"]: row["owner"] for row in rows}
@@ -283,10 +301,8 @@ async def test_an_unserved_post_whose_slot_lock_cannot_be_had_runs_here_under_th
     # left posted for a later holder to commit.
     path = tmp_path / "store.db"
     async with scene(path) as (store, board, mine):
-        holder = await Holder.start(path)
+        holder, claim = await posted_claim(path, store, board, mine.slot)
         try:
-            claim = asyncio.create_task(store.claim("here", lease_seconds=600))
-            await until(lambda: board.state(mine.slot) == _combine.POSTED)
             no_locks = _raises(OSError(errno.ENOLCK, "no locks"))
             monkeypatch.setattr(mine, "_slot_lock_wait", no_locks)
         finally:
@@ -319,8 +335,7 @@ async def test_a_post_that_breaks_on_the_loop_fails_its_round_and_leaves_no_post
         finally:
             await holder.let_go()
     monkeypatch.undo()
-    async with ControlStore(path) as after:
-        assert await claimed_by(after) == {}
+    await nothing_written(path)
 
 
 def _counted_rounds(monkeypatch: pytest.MonkeyPatch) -> list[object]:
@@ -392,9 +407,7 @@ async def test_a_writer_cancelled_with_a_post_out_sees_the_round_to_its_end(
     async with scene(path) as (store, board, mine):
         writer = await writer_of(store)
         slot = mine.slot
-        holder = await Holder.start(path)
-        claim = asyncio.create_task(store.claim("here", lease_seconds=600))
-        await until(lambda: board.state(slot) == _combine.POSTED)
+        holder, claim = await posted_claim(path, store, board, slot)
         assert writer._task is not None
         writer._task.cancel()
         await until(lambda: writer.write_lock is not None and writer.write_lock.waiting)
@@ -418,9 +431,7 @@ async def test_a_post_the_loop_can_no_longer_see_through_is_taken_back_unwritten
     path = tmp_path / "store.db"
     async with scene(path) as (store, board, mine):
         writer = await writer_of(store)
-        holder = await Holder.start(path)
-        claim = asyncio.create_task(store.claim("here", lease_seconds=600))
-        await until(lambda: board.state(mine.slot) == _combine.POSTED)
+        holder, claim = await posted_claim(path, store, board, mine.slot)
         if where == "look":
             monkeypatch.setattr(writer, "_look_at", _raises(RuntimeError("a bug")))
         else:
@@ -439,9 +450,7 @@ async def test_a_post_the_loop_can_no_longer_see_through_is_taken_back_unwritten
         lock.release()
         lock.close()
     monkeypatch.undo()
-    async with ControlStore(path) as after:  # nothing was written
-        assert await claimed_by(after) == {}
-        assert await verify_ledger(after) == []
+    await nothing_written(path)
 
 
 @pytest.mark.parametrize("then", ["asked again", "writer cancelled"])
@@ -457,7 +466,6 @@ async def test_a_broken_post_whose_slot_a_holder_is_at_is_taken_back_once_it_let
     path = tmp_path / "store.db"
     async with scene(path) as (store, board, mine):
         writer = await writer_of(store)
-        holder = await Holder.start(path)
         asked = [0]
         retract = mine.retract
 
@@ -468,9 +476,8 @@ async def test_a_broken_post_whose_slot_a_holder_is_at_is_taken_back_once_it_let
         monkeypatch.setattr(mine, "retract", counted)
         if then == "writer cancelled":  # no look of its own comes round before it closes
             monkeypatch.setattr(_writer, "_BUSY_SLOT", 600.0)
+        holder, claim = await posted_claim(path, store, board, mine.slot)  # counted retract
         try:
-            claim = asyncio.create_task(store.claim("here", lease_seconds=600))
-            await until(lambda: board.state(mine.slot) == _combine.POSTED)
             board.hold_slot(mine.slot)
             monkeypatch.setattr(writer, "_look_at", _raises(RuntimeError("a bug")))
             board.wake(mine.slot)
@@ -489,9 +496,7 @@ async def test_a_broken_post_whose_slot_a_holder_is_at_is_taken_back_once_it_let
         finally:
             await holder.let_go()
     monkeypatch.undo()
-    async with ControlStore(path) as after:  # nothing was written
-        assert await claimed_by(after) == {}
-        assert await verify_ledger(after) == []
+    await nothing_written(path)
 
 
 async def test_a_post_a_holder_has_taken_when_looking_breaks_may_have_been_saved(
