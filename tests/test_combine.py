@@ -421,13 +421,15 @@ async def test_a_writer_cancelled_with_a_post_out_sees_the_round_to_its_end(
         assert await verify_ledger(after) == []
 
 
-@pytest.mark.parametrize("where", ["look", "hand-off"])
+@pytest.mark.parametrize("where", ["look", "hand-off", "hand-off, a holder at the slot"])
 async def test_a_post_the_loop_can_no_longer_see_through_is_taken_back_unwritten(
     tmp_path: pathlib.Path, patient: None, monkeypatch: pytest.MonkeyPatch, where: str
 ) -> None:
     # Looking at the posted round breaks (a bug), or the connection's thread cannot take
     # it over once the lock is free: the post is taken back before the caller hears of it,
-    # so that no holder commits a round whose caller was told it failed.
+    # so that no holder commits a round whose caller was told it failed. With the loop
+    # holding the writers' lock, that holds even while a holder that let go is at the
+    # slot's own lock: no one can take the post meanwhile, so it is taken back without it.
     path = tmp_path / "store.db"
     async with scene(path) as (store, board, mine):
         writer = await writer_of(store)
@@ -437,10 +439,14 @@ async def test_a_post_the_loop_can_no_longer_see_through_is_taken_back_unwritten
         else:
             monkeypatch.setattr(_writer._connection, "post", _raises(ValueError("closed")))
             await holder.let_go()
+            if where.endswith("slot"):
+                board.hold_slot(mine.slot)
         board.wake(mine.slot)
         with pytest.raises(_errors.StorageError) as raised:
             await claim
         assert not isinstance(raised.value, _errors.CommitOutcomeUnknown)
+        if where.endswith("slot"):
+            board.hold_slot(mine.slot, held=False)
         assert board.state(mine.slot) == _combine.EMPTY
         if where == "look":
             await holder.let_go()

@@ -698,20 +698,32 @@ async def test_an_enqueue_saved_for_a_caller_gone_wakes_a_waiting_claim_at_once(
 @pytest.mark.parametrize("how", ["in its round", "as answered"])
 @pytest.mark.parametrize(
     "write",
-    ["requeue", "requeue_where", "import_pending", "set_project_status", "assign", "set_limits"],
-)
+    [
+        "requeue", "requeue_where", "import_pending", "set_project_status", "assign",
+        "set_limits", "run_schedules",
+    ],
+)  # fmt: skip
 async def test_a_write_that_frees_work_saved_for_a_caller_gone_wakes_a_waiting_claim(
-    store: ControlStore, raw: Any, write: str, how: str, tmp_path: pathlib.Path
+    store: ControlStore,
+    raw: Any,
+    clock: ManualClock,
+    write: str,
+    how: str,
+    tmp_path: pathlib.Path,
 ) -> None:
     # As above, for the writes that are not settles but make work claimable: an item
     # requeued (alone or in a filter's chunk), rows imported, its project opened or given
-    # to the waiting claim's actor, its project's limit raised; its caller cancelled while
-    # its round ran, or as its answer came in.
+    # to the waiting claim's actor, its project's limit raised, a schedule's due tick
+    # enqueued; its caller cancelled while its round ran, or as its answer came in.
     source = tmp_path / "source.sqlite3"
     if write == "import_pending":
         with contextlib.closing(sqlite3.connect(source)) as conn, conn:
             conn.execute("CREATE TABLE queue (data TEXT)")
             conn.execute("""INSERT INTO queue VALUES ('{"n": 1}')""")
+        first = None
+    elif write == "run_schedules":
+        await store.set_schedule("s", project_id="alpha", payload={"n": 1}, every=3600)
+        clock.advance(3600)  # its first tick is due, and nothing has enqueued it
         first = None
     else:
         first = await store.enqueue("alpha", {"n": 1})
@@ -738,6 +750,7 @@ async def test_a_write_that_frees_work_saved_for_a_caller_gone_wakes_a_waiting_c
         "set_project_status": lambda: store.set_project_status("alpha", "open"),
         "assign": lambda: store.assign("alpha", "a2"),
         "set_limits": lambda: store.set_limits("alpha", max_running=2),
+        "run_schedules": store.run_schedules,
     }
     if how == "in its round":
         await cancelled_in_its_round(store, raw, calls[write]())

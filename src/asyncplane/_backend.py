@@ -69,6 +69,7 @@ __all__ = (
     "RenewOp",
     "RequeueOp",
     "RetryOp",
+    "RunSchedulesOp",
     "SavedUnseen",
     "ScheduleOp",
     "ScheduleRow",
@@ -306,6 +307,12 @@ class ScheduleOp(NamedTuple):
     catch_up: str
 
 
+class RunSchedulesOp(NamedTuple):
+    """Parameters of one transaction of run_schedules: how many due schedules it takes."""
+
+    limit: int
+
+
 class ScheduleRow(NamedTuple):
     """A schedule as stored (``next_at``: its first tick not enqueued yet)."""
 
@@ -359,12 +366,12 @@ class ImportOp(NamedTuple):
 
 #: The writes besides settles that can make work claimable, or a tick due, here and now
 #: (an item ready again, a chunk of them requeued, rows imported, a project opened or
-#: given to an actor, a limit raised, a schedule set or resumed): each wakes this
+#: given to an actor, a limit raised, a schedule set or resumed, ticks enqueued): each wakes this
 #: process's waiting claims and sleeping drainers once saved, even for a caller gone.
 #: (`WhereOp` is a requeue's chunk; a cancel's, `CancelWhereOp`, is a settle.)
 FREEING = (
     RequeueOp, WhereOp, ImportOp, ProjectStatusOp, AssignOp, LimitsOp, ScheduleOp,
-    PauseScheduleOp,
+    PauseScheduleOp, RunSchedulesOp,
 )  # fmt: skip
 #: What a round saved for a caller gone is told of (`Writes.orphaned`): every settle, an
 #: enqueue (counted), and a write of `FREEING`, each waking this process's waiting
@@ -704,6 +711,12 @@ class Writes:
         project is absent."""
         return self._send_named(op)
 
+    def run_schedules(self, op: RunSchedulesOp) -> _write_queue.Pending[tuple[int, int]]:
+        """Enqueue the due ticks of up to ``op.limit`` schedules, each tick's key with its
+        item (`asyncplane._schedule.plan`); return (items enqueued: a tick whose item is a
+        pending twin's adds none, schedules run)."""
+        return self._send_named(op)
+
     def _send_named(self, op: Any) -> _write_queue.Pending[Any]:
         """One of those writes to the writer, naming its op (so that one saved for a
         caller gone is still told: `orphaned`)."""
@@ -938,9 +951,9 @@ class Backend(Protocol):
         absent."""
         ...
 
-    async def run_schedules(self, limit: int) -> tuple[int, int]:
-        """Enqueue the due ticks of up to ``limit`` schedules, each tick's key with its item
-        (`asyncplane._schedule.plan`); return (items enqueued: a tick whose item is a
+    def run_schedules(self, op: RunSchedulesOp) -> _write_queue.Pending[tuple[int, int]]:
+        """Enqueue the due ticks of up to ``op.limit`` schedules, each tick's key with its
+        item (`asyncplane._schedule.plan`); return (items enqueued: a tick whose item is a
         pending twin's adds none, schedules run)."""
         ...
 

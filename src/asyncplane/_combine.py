@@ -354,13 +354,16 @@ class Board:
         return True
 
     def withdraw_unserved(self) -> bool:
-        """With the writers' lock held and the slot's own lock out of reach (ENOLCK, say):
-        take back this slot's post if no holder has taken it; whether it was posted and
-        is back. No lock is needed for that: only a holder of the writers' lock takes a
-        post, and a slot still posted has no holder's answer to come."""
-        if self.state() != POSTED:
+        """`retract` with the writers' lock held, when the slot's own lock is out of reach
+        (a holder at it, or ENOLCK): take back this slot's post if no holder has taken it;
+        whether it is back (or was never posted). No slot lock is needed for that: only a
+        holder of the writers' lock takes a post, and a slot still posted has no holder's
+        answer to come."""
+        state = self.state()
+        if state in (TAKEN, ANSWERED):
             return False
-        self._words[self.slot].value = EMPTY
+        if state == POSTED:
+            self._words[self.slot].value = EMPTY
         return True
 
     def collect(

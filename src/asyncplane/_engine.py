@@ -42,6 +42,7 @@ from asyncplane import (
     _retention,
     _telemetry,
     _validate,
+    _write_queue,
 )
 
 if TYPE_CHECKING:
@@ -334,8 +335,17 @@ class Engine:
         backend = await self.ready()
         self._last_schedules = time.monotonic()
         enqueued = 0
+        op = _backend.RunSchedulesOp(_SCHEDULES_PER_ROUND)
         while True:
-            ticks, looked = await backend.run_schedules(_SCHEDULES_PER_ROUND)
+            call = backend.run_schedules(op)
+            try:
+                ticks, looked = await call
+            except asyncio.CancelledError:
+                # Cancelled while its round ran, the writer tells (`Writes.orphaned`,
+                # which wakes the waiters); once its answer was in, the future holds it.
+                if _write_queue.has_answer(call) and call.result()[0]:
+                    self.notify()
+                raise
             enqueued += ticks
             if ticks:  # each transaction's items, as it commits (a later one may be cut)
                 self.notify()

@@ -425,9 +425,6 @@ class PostgresBackend(_backend.Writes):
     async def delete_schedule(self, name: str) -> None:
         await self._write(_bind(_delete_schedule, name))
 
-    async def run_schedules(self, limit: int) -> tuple[int, int]:
-        return await self._write(_bind(_run_schedules, limit))
-
     async def next_tick(self) -> float | None:
         rows = await self._fetch(sql.NEXT_TICK)
         value: float | None = rows[0][0]
@@ -657,11 +654,14 @@ async def _delete_schedule(name: str, conn: asyncpg.Connection, now: float) -> N
     await conn.execute(sql.DELETE_TICKS, name)
 
 
-async def _run_schedules(limit: int, conn: asyncpg.Connection, now: float) -> tuple[int, int]:
+async def _run_schedules(
+    op: _backend.RunSchedulesOp, conn: asyncpg.Connection, now: float
+) -> tuple[int, int]:
     """As SQLite's: the due schedules (those another host runs now skipped), each due
     tick's key reserved, then its item enqueued; a key another transaction reserved is
     waited for, and if it commits, this one enqueues nothing for that tick."""
-    rows = [_backend.ScheduleRow._make(r) for r in await conn.fetch(sql.DUE_SCHEDULES, now, limit)]
+    due = await conn.fetch(sql.DUE_SCHEDULES, now, op.limit)
+    rows = [_backend.ScheduleRow._make(r) for r in due]
     enqueued = 0
     for row in rows:
         table = row.timetable()
@@ -671,9 +671,9 @@ async def _run_schedules(limit: int, conn: asyncpg.Connection, now: float) -> tu
             if await conn.fetchval(sql.RESERVE_TICK, row.name, tick, now) is None:
                 continue  # enqueued before: never again
             queued = _schedule.tick_detail(row.name, table, tick)
-            op = _backend.EnqueueOp(row.project_id, (row.item(),), None)
+            adding = _backend.EnqueueOp(row.project_id, (row.item(),), None)
             created: list[int] = []  # none, when it is a pending twin's
-            (item_id,) = await _enqueue(op, conn, now, queued, created)
+            (item_id,) = await _enqueue(adding, conn, now, queued, created)
             await conn.execute(sql.FILL_TICK, item_id, row.name, tick)
             enqueued += len(created)
             last = tick
@@ -1408,4 +1408,5 @@ _NAMED_WRITES: dict[type, Callable[..., Any]] = {
     _backend.WhereOp: _requeue_where,
     _backend.ImportOp: _import_rows,
     _backend.ScheduleOp: _set_schedule,
+    _backend.RunSchedulesOp: _run_schedules,
 }

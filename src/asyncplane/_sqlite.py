@@ -285,9 +285,6 @@ class SQLiteBackend(_backend.Writes):
     async def delete_schedule(self, name: str) -> None:
         await self._write(functools.partial(_delete_schedule, name))
 
-    async def run_schedules(self, limit: int) -> tuple[int, int]:
-        return await self._write(functools.partial(_run_schedules, limit))
-
     async def next_tick(self) -> float | None:
         rows = await self._read(_fetch, sql.NEXT_TICK, ())
         value: float | None = rows[0][0]
@@ -453,8 +450,11 @@ def _delete_schedule(name: str, db: sqlite3.Connection, now: float) -> None:
     db.execute(sql.DELETE_TICKS, (name,))
 
 
-def _run_schedules(limit: int, db: sqlite3.Connection, now: float) -> tuple[int, int]:
-    rows = [_backend.ScheduleRow._make(r) for r in db.execute(sql.DUE_SCHEDULES, (now, limit))]
+def _run_schedules(
+    op: _backend.RunSchedulesOp, db: sqlite3.Connection, now: float
+) -> tuple[int, int]:
+    due = db.execute(sql.DUE_SCHEDULES, (now, op.limit))
+    rows = [_backend.ScheduleRow._make(r) for r in due]
     enqueued = 0
     for row in rows:
         table = row.timetable()
@@ -464,9 +464,9 @@ def _run_schedules(limit: int, db: sqlite3.Connection, now: float) -> tuple[int,
             if db.execute(sql.RESERVE_TICK, (row.name, tick, now)).rowcount == 0:
                 continue  # enqueued before: never again
             queued = _schedule.tick_detail(row.name, table, tick)
-            op = _backend.EnqueueOp(row.project_id, (row.item(),), None)
+            adding = _backend.EnqueueOp(row.project_id, (row.item(),), None)
             created: list[int] = []  # none, when it is a pending twin's
-            (item_id,) = _enqueue(op, db, now, queued, created)
+            (item_id,) = _enqueue(adding, db, now, queued, created)
             db.execute(sql.FILL_TICK, (item_id, row.name, tick))
             enqueued += len(created)
             last = tick
@@ -1254,4 +1254,5 @@ _NAMED_WRITES: dict[type, Callable[..., Any]] = {
     _backend.WhereOp: _requeue_where,
     _backend.ImportOp: _import_rows,
     _backend.ScheduleOp: _set_schedule,
+    _backend.RunSchedulesOp: _run_schedules,
 }

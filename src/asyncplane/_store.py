@@ -28,7 +28,7 @@ from collections.abc import (
     Sequence,
 )
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING, Any, Literal, TypeGuard, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from asyncplane import (
     _backend,
@@ -453,7 +453,7 @@ class ControlStore:
             except asyncio.CancelledError:
                 # Cancelled while the round ran, the writer tells (`Writes.orphaned`); once
                 # the answer was in, its future holds it. Either way the items stand.
-                if _has_answer(enqueuing):
+                if _write_queue.has_answer(enqueuing):
                     _write_queue.tell(self._tally, op, enqueuing.result())
                 raise
         self._engine.notify()
@@ -1026,7 +1026,7 @@ class ControlStore:
         except asyncio.CancelledError:
             # Cancelled while the round ran, the writer tells (`Writes.orphaned`); once
             # the answer was in, its future holds it.
-            if _has_answer(call):  # told, never raised: the cancellation must not be lost
+            if _write_queue.has_answer(call):  # told, never raised: keep the cancellation
                 _write_queue.tell(self._tally, op, call.result())
             raise
         named = _outcome(op, result)
@@ -1791,16 +1791,6 @@ def _count(op: Any, answer: Any) -> int:
     return int(answer[0]) if isinstance(op, _backend.CancelWhereOp) else 1
 
 
-def _has_answer(call: Awaitable[_T]) -> TypeGuard[asyncio.Future[_T]]:
-    """Whether ``call`` is a future holding a value (not a refusal, not cancelled)."""
-    return (
-        isinstance(call, asyncio.Future)
-        and call.done()
-        and not call.cancelled()
-        and call.exception() is None
-    )
-
-
 def _row_extra(row: _backend.ClaimRow | ClaimedItem) -> dict[str, Any]:
     """The ``extra`` fields of a log record about one claimed item."""
     return {"item_id": row.item_id, "project_id": row.project_id, "attempt": row.attempts,
@@ -1901,7 +1891,7 @@ def _drop_claim(
 def _answer_of(call: Awaitable[_T]) -> _T | None:
     """The value ``call`` holds, if it is a future that has one (not a refusal, not
     cancelled); else None."""
-    return call.result() if _has_answer(call) else None
+    return call.result() if _write_queue.has_answer(call) else None
 
 
 async def _changed_since(backend: _backend.Backend, version: int, poll: float) -> None:

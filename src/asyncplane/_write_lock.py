@@ -191,14 +191,16 @@ class Turn:
             self._state = "begun"
             return True
 
-    def give_up(self) -> bool | None:
+    def give_up(self, retract: Callable[[], bool | None] | None = None) -> bool | None:
         """On the loop: stop waiting, unless the round has begun; whether it stopped
-        (None: its post could not be looked at this instant; ask again)."""
+        (None: its post could not be looked at this instant; ask again). ``retract``
+        takes a post back in place of the one given to `post` (with the writers' lock
+        held, say, when no slot lock is needed)."""
         with self._mutex:
             if self._state != "waiting":
                 return False
             if self._retract is not None:
-                retracted = self._retract()
+                retracted = (retract or self._retract)()
                 if not retracted:
                     return retracted  # False: a holder elsewhere took it, it runs there
             self._state = "given up"

@@ -44,7 +44,7 @@ import asyncio
 import collections
 import logging
 from collections.abc import Awaitable, Callable, Container, Coroutine, Iterable, Mapping, Sequence
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeGuard, TypeVar
 
 from asyncplane import _clock, _errors
 
@@ -303,6 +303,17 @@ def deliver(
     # After every caller has its outcome: what `orphaned` queues comes after their wake-ups.
     for op, outcome in gone:
         tell(orphaned, op, outcome)
+
+
+def has_answer(call: Awaitable[T]) -> TypeGuard[asyncio.Future[T]]:
+    """Whether ``call`` is a future holding a value (not a refusal, not cancelled): a
+    caller cancelled as it was answered finds its answer there."""
+    return (
+        isinstance(call, asyncio.Future)
+        and call.done()
+        and not call.cancelled()
+        and call.exception() is None
+    )
 
 
 def tell(orphaned: Orphaned | None, op: Any, outcome: Any) -> None:

@@ -314,8 +314,9 @@ class Writer(_write_queue.WriterBase):
             try:
                 if posting is not None and posting.posted:
                     assert turn is not None
-                    # Taken back before the lock goes (at once, if the loop holds it).
-                    self._posted_broke(batch, turn, exc, wait=not posting.locked)
+                    # Taken back before the lock goes (without the slot's lock, if the
+                    # loop holds the writers' lock: no holder can take the post).
+                    self._posted_broke(batch, turn, exc, held=posting.locked)
                 else:
                     self._round_broke(batch, exc)
             finally:
@@ -488,6 +489,7 @@ class Writer(_write_queue.WriterBase):
         tries: int = 1,
         *,
         wait: bool = True,
+        held: bool = False,
     ) -> None:
         """A round on the board that this process can no longer see to its end (looking at
         it broke, or the thread could not take it over): the post is taken back, so that
@@ -496,11 +498,16 @@ class Writer(_write_queue.WriterBase):
         may have been saved (`CommitOutcomeUnknown`). A holder at the slot's lock this
         instant (a process descheduled there, say) is given time: the loop asks again a
         moment later (`_BUSY_SLOT`), `_GIVE_UP_TRIES` times in all, the round still on;
-        not ``wait``ing (the loop holds the writers' lock for the round, to let go right
-        after), it asks again at once."""
+        not ``wait``ing (the writer closing), it asks again at once. Where the loop
+        ``held`` the writers' lock for the round (to let go right after), no holder can
+        take the post meanwhile: still unserved, it is taken back without the slot's lock
+        (`Board.withdraw_unserved`), and one taken is a holder's to answer."""
         self._taking_back = None
         try:
             stopped = turn.give_up()  # None: a holder at the slot's lock this instant
+            if stopped is None and held:
+                assert self.board is not None  # a post was out
+                stopped = turn.give_up(self.board.withdraw_unserved)
             while stopped is None and not wait and tries < _GIVE_UP_TRIES:
                 tries += 1
                 stopped = turn.give_up()
