@@ -182,8 +182,10 @@ def _range_lock(kind: int, start: int) -> bytes:
 class Board:
     """One process's slot on a database's board, and its view of everyone else's.
 
-    Runs on the write connection's thread, except `retract` (the event loop, for
-    busy_timeout). ``kinds`` names the group operations that may be posted.
+    Runs on the write connection's thread, except what the event loop calls for a post
+    it waits for (`post`, `state`, `collect` without waiting, `retract` for busy_timeout,
+    `withdraw_unserved` for a hand-off that failed). ``kinds`` names the group
+    operations that may be posted.
     """
 
     def __init__(
@@ -354,16 +356,15 @@ class Board:
         return True
 
     def withdraw_unserved(self) -> bool:
-        """`retract` with the writers' lock held, when the slot's own lock is out of reach
-        (a holder at it, or ENOLCK): take back this slot's post if no holder has taken it;
-        whether it is back (or was never posted). No slot lock is needed for that: only a
-        holder of the writers' lock takes a post, and a slot still posted has no holder's
-        answer to come."""
-        state = self.state()
-        if state in (TAKEN, ANSWERED):
+        """With the writers' lock held, when the slot's own lock is out of reach (a holder
+        at it, or ENOLCK): take back this slot's post if no holder has taken it; whether
+        it was posted and is back. No slot lock is needed for that: only a holder of the
+        writers' lock takes a post, and a slot still posted has no holder's answer to
+        come. An empty slot is False: it may have been emptied by a collect whose own
+        unlock then failed, its round served."""
+        if self.state() != POSTED:
             return False
-        if state == POSTED:
-            self._words[self.slot].value = EMPTY
+        self._words[self.slot].value = EMPTY
         return True
 
     def collect(

@@ -174,7 +174,7 @@ class Writer(_write_queue.WriterBase):
             return await future
         except asyncio.CancelledError:
             # Cancelled with the answer already in: as a cancel during the round would.
-            if future.done() and not future.cancelled() and future.exception() is None:
+            if _write_queue.has_answer(future):
                 _write_queue.tell(self.orphaned, op, future.result())
             raise
 
@@ -507,6 +507,7 @@ class Writer(_write_queue.WriterBase):
             stopped = turn.give_up()  # None: a holder at the slot's lock this instant
             if stopped is None and held:
                 assert self.board is not None  # a post was out
+                # True or False, never None: no later try (none would hold the lock).
                 stopped = turn.give_up(self.board.withdraw_unserved)
             while stopped is None and not wait and tries < _GIVE_UP_TRIES:
                 tries += 1
