@@ -360,6 +360,15 @@ def cli(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.parametrize("verb", ["worker", "dashboard"])
+def test_the_verbs_that_run_until_stopped_refuse_json(tmp_path: pathlib.Path, verb: str) -> None:
+    # They print no result to shape, so --json is a usage error, not a flag ignored.
+    args = ["mod:handle"] if verb == "worker" else []
+    done = cli(verb, str(tmp_path / "none.db"), *args, "--json")
+    assert done.returncode == 2
+    assert "unrecognized arguments: --json" in done.stderr
+
+
 def test_cli_verbs_with_json(tmp_path: pathlib.Path) -> None:
     path = tmp_path / "cli.db"
 

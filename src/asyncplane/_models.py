@@ -93,8 +93,8 @@ class ClaimedItem:
     """An item handed to one worker, with the fence that proves the claim is current.
 
     Pass ``fence`` back to renew() and to the call that settles it (finish(), retry(),
-    park(), offload()); once the lease lapses and someone else claims the item, that fence
-    is refused with FenceRejected.
+    park(), release(), offload()); once the lease lapses and someone else claims the
+    item, that fence is refused with FenceRejected.
 
     Attributes:
         item_id: The item's id.

@@ -96,12 +96,12 @@ class ControlStore:
         retry_backoff_max: ... and capped at this many seconds.
         rng: The random source of the jitter (seeded in tests).
         retention: How long settled (done, failed, cancelled) items stay before `purge` archives
-            and deletes them (a timedelta or seconds; None: drain() never purges).
+            and deletes them (a timedelta or seconds; None: drain() and work() never purge).
         archive_path: Where purged items are appended (default: beside the database,
             ``<database>.archive.jsonl``; a PostgreSQL store has no default).
         archive_max_mb: The archive rotates to a single ``.1`` generation past this size.
         purge_chunk: Items archived and deleted per transaction.
-        purge_min_interval_s: drain() purges at most this often (seconds).
+        purge_min_interval_s: drain() and work() purge at most this often (seconds).
         max_batch: The most requests one group commit may carry.
         read_connections: How many read-only connections reads may use at once.
         read_only: Open for reading only: no write connection, no migration, nothing
@@ -1255,7 +1255,7 @@ class ControlStore:
         """The item's current row as a dict.
 
         Keys: item_id, project_id, state, payload, fence, attempts, owner,
-        lease_expires_at, created_at, updated_at, priority, service_class, sla,
+        lease_expires_at, claimed_at, created_at, updated_at, priority, service_class, sla,
         fingerprint, max_attempts, due_at (when a deferred item falls due), result,
         error and offload_handle (times as aware UTC datetimes).
 

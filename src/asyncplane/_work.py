@@ -48,7 +48,8 @@ The rules it keeps:
   takes the single-drainer guard, as drain() does, and returns at once (``skipped``) if
   another holds it.
 * **Housekeeping** as drain() does it, on a throttle: a bounded preflight dedup step and
-  the store's retention purge, at most once a second.
+  the store's retention purge, a step at most once a second (the purge itself throttled
+  to the store's ``purge_min_interval_s``).
 """
 
 from __future__ import annotations

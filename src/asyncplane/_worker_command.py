@@ -8,10 +8,10 @@ The handler is imported as ``module:attribute`` (the working directory is on the
 path, as for ``python -m``); it must be an ``async def`` taking one ClaimedItem. The
 first SIGTERM or SIGINT stops the worker gracefully (no more claims; running items get
 ``--grace`` seconds, then are given back unrun); a second one stops it at once, still
-losing nothing (the claims are given back, or lapse). On a terminal a status line shows
-what it does; otherwise it logs: one INFO line at start and stop, the handler's failures
-as WARNING with their traceback (``--log-format json`` writes one JSON object a line,
-with the item's id, project, attempt and fence).
+losing nothing (the claims are given back, or lapse). It logs, and on a terminal a
+status line shows what it does beside the log: one INFO line at start and stop, the
+handler's failures as WARNING with their traceback (``--log-format json`` writes one
+JSON object a line, with the item's id, project, attempt and fence).
 """
 
 from __future__ import annotations

@@ -21,7 +21,8 @@
 
 DB, SRC and DST are SQLite files or ``postgresql://`` URLs.
 
-Every verb takes ``--json`` for one JSON object on stdout. Long operations (purge, import,
+Every verb but worker and dashboard (which run until stopped) takes ``--json`` for one
+JSON object on stdout. Long operations (purge, import,
 copy) show their progress on stderr when it is a terminal. stats, verify, events and items
 (and schedules, and limits without a change) open the store read-only and write
 nothing; a filter-wide cancel or requeue without
@@ -126,9 +127,11 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"asyncplane {__version__}")
     verbs = parser.add_subparsers(dest="verb", metavar="VERB", required=True)
 
-    def verb(name: str, help_text: str) -> argparse.ArgumentParser:
+    def verb(name: str, help_text: str, *, prints: bool = True) -> argparse.ArgumentParser:
+        """A verb's parser; one that ``prints`` a result takes ``--json`` for it."""
         sub = verbs.add_parser(name, help=help_text, description=help_text)
-        sub.add_argument("--json", action="store_true", help="print one JSON object")
+        if prints:
+            sub.add_argument("--json", action="store_true", help="print one JSON object")
         _VERB_PARSERS[name] = sub
         return sub
 
@@ -224,9 +227,9 @@ def _parser() -> argparse.ArgumentParser:
             flag, type=_or_none(kind), default=..., metavar="N|none", help="none clears it"
         )
     _worker_command.add_arguments(
-        verb("worker", "run a per-item handler over the store's work until SIGTERM")
+        verb("worker", "run a per-item handler over the store's work until SIGTERM", prints=False)
     )
-    board = verb("dashboard", "serve the operator dashboard (the dashboard extra)")
+    board = verb("dashboard", "serve the operator dashboard (the dashboard extra)", prints=False)
     board.add_argument("db")
     board.add_argument("--host", default="127.0.0.1", help="default: loopback only")
     board.add_argument("--port", type=int, default=8080, help="0: a free port")
@@ -314,8 +317,8 @@ def _check_is_a_store(location: str) -> None:
 
 
 async def _run(args: argparse.Namespace) -> int:
-    # Looking (stats, verify, events) opens the file read-only: no migration, no write lock,
-    # nothing written. Only purge, import and copy (its destination) write.
+    # Looking (`_LOOKING`, and limits without a change) opens the file read-only: no
+    # migration, no write lock, nothing written. The other verbs write.
     if args.verb == "copy":
         return await _copy_verb(args)
     looking = args.verb in _LOOKING or (args.verb == "limits" and not _limit_changes(args))
