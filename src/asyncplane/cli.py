@@ -24,8 +24,8 @@ DB, SRC and DST are SQLite files or ``postgresql://`` URLs.
 Every verb but worker and dashboard (which run until stopped) takes ``--json`` for one
 JSON object on stdout. Long operations (purge, import,
 copy) show their progress on stderr when it is a terminal. stats, verify, events and items
-(and schedules, and limits without a change) open the store read-only and write
-nothing; a filter-wide cancel or requeue without
+(and schedules, limits without a change, and dashboard without --allow-actions) open the
+store read-only and write nothing; a filter-wide cancel or requeue without
 ``--yes`` only says how many items it would change. Exit status: 0 on success, 1 when
 verify finds problems, 2 for a usage error, a missing file, a file that is not an
 asyncplane store, a store of another schema version (the looking verbs need the current
