@@ -342,8 +342,9 @@ class Engine:
                 ticks, looked = await call
             except asyncio.CancelledError:
                 # Cancelled while its round ran, the writer tells (`Writes.orphaned`,
-                # which wakes the waiters); once its answer was in, the future holds it.
-                if _write_queue.has_answer(call) and call.result()[0]:
+                # which wakes the waiters, as for any write of FREEING); once its answer
+                # was in, the future holds it: a waiter woken for nothing looks once more.
+                if _write_queue.has_answer(call):
                     self.notify()
                 raise
             enqueued += ticks

@@ -1053,8 +1053,6 @@ class ControlStore:
             _telemetry.enqueued(op.project_id, len(op.items))
             self._engine.notify()
             return
-        if isinstance(op, _backend.RunSchedulesOp) and not answer[0]:
-            return  # no tick enqueued: nothing to wake for
         named = _outcome(op, answer)
         if named is not None:
             _telemetry.settled(named, None, self.backend, count=_count(op, answer))
