@@ -22,6 +22,7 @@ import os
 import pathlib
 import re
 import sqlite3
+import sys
 import threading
 from collections.abc import Callable, Coroutine, Iterable, Iterator, Sequence
 from typing import Any, TypeVar
@@ -264,3 +265,33 @@ class _SQLite:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._conn, name)
+
+
+_exit_status: list[int] = []
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    _exit_status.append(int(exitstatus))
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """Leave, saying so, if a connection's thread outlives the run.
+
+    A test that fails with its worker still running can leave a store that a later
+    give-back opened again; aiosqlite's threads are not daemons, so the interpreter would
+    wait on them at exit for ever and turn one failure into a CI timeout. They get a few
+    seconds to end; then the run ends with its own status (1 if it had passed: a test
+    left a store open, which is a fault too).
+    """
+    left = [t for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon]
+    for thread in left:
+        thread.join(timeout=5)
+    left = [thread for thread in left if thread.is_alive()]
+    if left:
+        names = ", ".join(sorted(thread.name for thread in left))
+        sys.stdout.flush()
+        sys.stderr.write(f"\n{len(left)} thread(s) still running at exit, left by a test: ")
+        sys.stderr.write(f"{names}\n")
+        sys.stderr.flush()
+        os._exit(_exit_status[-1] if _exit_status and _exit_status[-1] else 1)

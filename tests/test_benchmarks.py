@@ -396,3 +396,19 @@ def test_round_python_reports_a_rounds_statements_and_the_rest() -> None:
     assert report["each_per_round"]["BEGIN IMMEDIATE"] == 1
     assert any(sql.startswith("UPDATE items SET state = 'done'") for sql in report["each_us"])
     assert len(report["repeats"]) == 2
+
+
+def test_the_preflight_benchmark_times_the_look_and_the_write_it_saves() -> None:
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "preflight.py"), "--items", "500", "--repeats", "1",
+         "--json"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert report["items"] == 500
+    assert set(report["ms"]) == {"look (read)", "settle write", "preflight_step"}
+    assert all(value > 0 for value in report["ms"].values())
+    assert report["look / write"] > 0

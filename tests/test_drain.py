@@ -195,6 +195,42 @@ async def test_a_slow_executor_keeps_its_claims(
     assert (await store.item(item_id))["result"] == "late but mine"
 
 
+async def test_a_batch_lease_is_renewed_a_third_of_a_lease_after_the_store_granted_it(
+    store: ControlStore, clock: ManualClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # As in work(): the drain's renewer hears of each renewal late, yet renews a third
+    # of a lease after the store granted the last, not a third after its turn came back.
+    await store.create_project("p", "P")
+    item_id = await store.enqueue("p", {})
+    renew, late = store.renew, store.lease_seconds / 6
+
+    async def renew_heard_late(*args: Any, **kwargs: Any) -> Any:
+        expires = await renew(*args, **kwargs)
+        clock.advance(late)
+        return expires
+
+    monkeypatch.setattr(store, "renew", renew_heard_late)
+    started, release = asyncio.Event(), asyncio.Event()
+
+    async def slow(batch: list[ClaimedItem]) -> list[Outcome]:
+        started.set()
+        await release.wait()
+        return [Done() for _ in batch]
+
+    task = asyncio.create_task(drain(store, slow, empty_rounds=1))
+    await started.wait()
+    for _ in range(3):
+        lease = (await store.item(item_id))["lease_expires_at"]
+        clock.set(lease.timestamp() - store.lease_seconds * 2 / 3)  # a third after the grant
+
+        async def renewed(before: Any = lease) -> bool:
+            return bool((await store.item(item_id))["lease_expires_at"] > before)
+
+        await until(renewed, what="the lease was renewed")
+    release.set()
+    assert (await task).done == 1
+
+
 async def test_a_failing_side_task_stops_the_drain_and_puts_the_batch_back(
     asyncplane_store_factory: Any, clock: ManualClock
 ) -> None:

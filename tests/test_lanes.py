@@ -20,6 +20,7 @@ from asyncplane import (
     fingerprint,
     verify_ledger,
 )
+from asyncplane._store import engine_of
 from asyncplane.testing import ManualClock
 
 IDENTITY = ("intent", "task", "system", "reasoning")
@@ -237,6 +238,21 @@ async def test_preflight_backfills_fingerprints_and_settles_pending_twins(
     assert (await new.item(other))["fingerprint"] is not None
     assert await new.dedup_pending_against_done() == 0
     assert await verify_ledger(new) == []
+
+
+async def test_a_preflight_step_with_no_twin_to_settle_writes_nothing(
+    asyncplane_store_factory: Any,
+) -> None:
+    # work() takes a preflight step every second and drain() one a round, busy or idle.
+    # With no twin to settle (the usual case) the step only reads: no write round, so no
+    # write lock held over a look through the pending items.
+    store: ControlStore = await asyncplane_store_factory("twins.db")
+    await store.create_project("p", "P")
+    await store.enqueue_many("p", [task(f"q{n}") for n in range(5)])
+    writer = (await engine_of(store).ready()).writer
+    rounds = writer.rounds
+    assert await store.dedup_pending_against_done() == 0
+    assert writer.rounds == rounds
 
 
 async def test_a_batch_takes_one_item_per_fingerprint_and_twins_wait(lanes: ControlStore) -> None:

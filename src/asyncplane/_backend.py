@@ -897,6 +897,10 @@ class Backend(Protocol):
         """Fingerprint up to ``op.chunk`` items that lack one; return (last id seen, seen)."""
         ...
 
+    async def any_pending_twin(self, op: PreflightOp) -> bool:
+        """Whether `settle_pending_twins` would settle anything now (a read)."""
+        ...
+
     async def settle_pending_twins(self, op: PreflightOp) -> int:
         """Settle up to ``op.chunk`` pending items whose twin is done; return how many."""
         ...

@@ -321,7 +321,11 @@ class Engine:
                 op, self._backfill_after.get(scope, 0), self.options.identity
             )
             self._backfill_after[scope] = after
-        settled = await backend.settle_pending_twins(op)
+        # A look first (a read), so that a store with no twin to settle, the usual case,
+        # takes no write lock for it: work() steps once a second even when idle.
+        settled = (
+            await backend.settle_pending_twins(op) if await backend.any_pending_twin(op) else 0
+        )
         _telemetry.dedup_settled(settled, "preflight")
         return settled, seen == chunk or settled == chunk
 

@@ -11,6 +11,7 @@ on this side while settling retries the item.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 from collections.abc import Sequence
 from typing import Any, TypeAlias
 
@@ -164,28 +165,37 @@ class Settler:
     summary: DrainSummary
 
     async def keep_leases(self, claims: Sequence[ClaimedItem], lost: set[int]) -> bool:
-        """Renew the claims' leases every third of a lease until none is left, each
-        dropped when its renewal is refused (taken over: ``fence_rejected``; cancelled:
-        ``cancelled``) and added to ``lost``. Returns, once all are lost, whether any
-        was cancelled. Runs until then, or until its task is cancelled."""
+        """Renew the claims' leases every third of a lease (`renewal_due`) until none is
+        left, each dropped when its renewal is refused (taken over: ``fence_rejected``;
+        cancelled: ``cancelled``) and added to ``lost``. Returns, once all are lost,
+        whether any was cancelled. Runs until then, or until its task is cancelled."""
         clock = self.store.clock
         live = {claim.item_id: claim.fence for claim in claims}
+        due = {claim.item_id: self.renewal_due(claim.lease_expires_at) for claim in claims}
         cancelled = False
         while live:
-            await _clock.wait_until(clock, clock.now() + self.store.lease_seconds / 3)
+            await _clock.wait_until(clock, min(due[item_id] for item_id in live))
             for item_id, fence in list(live.items()):
                 try:
-                    await self.store.renew(item_id, fence=fence, actor_id=self.actor_id)
+                    expires = await self.store.renew(item_id, fence=fence, actor_id=self.actor_id)
                 except _errors.ItemCancelled:
                     self.summary.cancelled += 1
                     cancelled = True
                 except _errors.FenceRejected:
                     self.summary.fence_rejected += 1
                 else:
+                    due[item_id] = self.renewal_due(expires)
                     continue
                 del live[item_id]
                 lost.add(item_id)
         return cancelled
+
+    def renewal_due(self, expires: datetime.datetime) -> float:
+        """When a lease ending at ``expires`` is next renewed: a third of a lease after the
+        store granted it, by the store's own reading inside the transaction. Not a third
+        after the renewer's turn came back, which a busy loop or a slow hand-off delays:
+        each late turn would push the next renewal later by as much."""
+        return expires.timestamp() - self.store.lease_seconds * 2 / 3
 
     async def settle(self, claim: ClaimedItem, outcome: Outcome) -> None:
         """Settle one outcome; one the store refuses as bad input (a result it cannot keep)

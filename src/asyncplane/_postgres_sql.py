@@ -1046,6 +1046,19 @@ WHERE p.state IN ('ready', 'deferred') AND p.dedup AND p.fingerprint IS NOT NULL
 ORDER BY p.item_id LIMIT $1
 FOR UPDATE OF p SKIP LOCKED
 """
+# Preflight's look before its write: is there anything for PENDING_WITH_DONE_TWIN?
+ANY_PENDING_TWIN: Final = """
+SELECT EXISTS (
+  SELECT 1 FROM items AS p
+  WHERE p.state IN ('ready', 'deferred') AND p.dedup AND p.fingerprint IS NOT NULL
+    AND ($1::text IS NULL OR p.project_id = $1::text)
+    AND ($2::text IS NULL
+         OR p.project_id IN (SELECT project_id FROM assignments WHERE actor_id = $2::text))
+    AND EXISTS (
+      SELECT 1 FROM items AS d
+      WHERE d.project_id = p.project_id AND d.fingerprint = p.fingerprint
+        AND d.state = 'done'))
+"""
 SETTLE_ONE_TWIN: Final = """
 UPDATE items SET state = 'done', result = $1, error = NULL, due_at = NULL, updated_at = $2
 WHERE item_id = $3 AND state IN ('ready', 'deferred')

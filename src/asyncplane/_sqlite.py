@@ -249,6 +249,10 @@ class SQLiteBackend(_backend.Writes):
             functools.partial(_backfill_fingerprints, op, after_item_id, identity)
         )
 
+    async def any_pending_twin(self, op: _backend.PreflightOp) -> bool:
+        params = {"project_id": op.project_id, "actor_id": op.actor_id}
+        return bool((await self._read(_fetch_named, sql.ANY_PENDING_TWIN, params))[0][0])
+
     async def settle_pending_twins(self, op: _backend.PreflightOp) -> int:
         return await self._write(functools.partial(_settle_pending_twins, op))
 

@@ -439,7 +439,7 @@ class _Worker:
     async def _run_item(self, claim: ClaimedItem) -> None:
         """Run and settle one item, its lease kept by `_keep_leases` while its handler
         runs; cancelled (a stop), give its claim back."""
-        renew_at = self.store.clock.now() + self.third  # before the handler's task is made
+        renew_at = self.settler.renewal_due(claim.lease_expires_at)
         handler = asyncio.create_task(
             _call(self.handle, claim), name=f"asyncplane-work-handle[{claim.item_id}]"
         )
@@ -582,7 +582,9 @@ class _Worker:
         """Renew one lease; a refusal marks the item lost and cancels its handler."""
         claim = held.claim
         try:
-            await self.store.renew(claim.item_id, fence=claim.fence, actor_id=self.actor_id)
+            expires = await self.store.renew(
+                claim.item_id, fence=claim.fence, actor_id=self.actor_id
+            )
         except (_errors.ItemCancelled, _errors.FenceRejected) as refusal:
             if self.held.get(held.key) is not held:
                 return  # its handler has returned meanwhile: its settle hears the news
@@ -594,7 +596,7 @@ class _Worker:
             held.lost = True
             held.handler.cancel()
         else:
-            held.renew_at = self.store.clock.now() + self.third
+            held.renew_at = self.settler.renewal_due(expires)
 
     def _renewer_ended(self, task: asyncio.Task[None]) -> None:
         """The renewer ended before the worker did: no lease is kept any more, so the
