@@ -24,6 +24,7 @@ import re
 import sqlite3
 import sys
 import threading
+import time
 from collections.abc import Callable, Coroutine, Iterable, Iterator, Sequence
 from typing import Any, TypeVar
 
@@ -267,11 +268,11 @@ class _SQLite:
         return getattr(self._conn, name)
 
 
-_exit_status: list[int] = []
+_sessions: list[pytest.Session] = []
 
 
-def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    _exit_status.append(int(exitstatus))
+def pytest_sessionstart(session: pytest.Session) -> None:
+    _sessions.append(session)
 
 
 @pytest.hookimpl(trylast=True)
@@ -280,13 +281,14 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
     A test that fails with its worker still running can leave a store that a later
     give-back opened again; aiosqlite's threads are not daemons, so the interpreter would
-    wait on them at exit for ever and turn one failure into a CI timeout. They get a few
-    seconds to end; then the run ends with its own status (1 if it had passed: a test
-    left a store open, which is a fault too).
+    wait on them at exit for ever and turn one failure into a CI timeout. They get five
+    seconds in all to end; then the run ends with its own status (1 if it had passed: a
+    test left a store open, which is a fault too).
     """
+    deadline = time.monotonic() + 5
     left = [t for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon]
     for thread in left:
-        thread.join(timeout=5)
+        thread.join(timeout=max(0.0, deadline - time.monotonic()))
     left = [thread for thread in left if thread.is_alive()]
     if left:
         names = ", ".join(sorted(thread.name for thread in left))
@@ -294,4 +296,5 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         sys.stderr.write(f"\n{len(left)} thread(s) still running at exit, left by a test: ")
         sys.stderr.write(f"{names}\n")
         sys.stderr.flush()
-        os._exit(_exit_status[-1] if _exit_status and _exit_status[-1] else 1)
+        status = int(_sessions[-1].exitstatus) if _sessions else 1
+        os._exit(status or 1)

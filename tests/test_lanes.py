@@ -17,6 +17,7 @@ from asyncplane import (
     InvalidType,
     Job,
     ScopeDenied,
+    _backend,
     fingerprint,
     verify_ledger,
 )
@@ -253,6 +254,36 @@ async def test_a_preflight_step_with_no_twin_to_settle_writes_nothing(
     rounds = writer.rounds
     assert await store.dedup_pending_against_done() == 0
     assert writer.rounds == rounds
+
+
+async def test_the_preflight_look_answers_for_the_rows_its_write_would_settle(
+    asyncplane_store_factory: Any,
+) -> None:
+    # A pending twin of a done item in project q: the look sees it in q's scope and in the
+    # whole store's, not in p's nor in the scope of an actor assigned only to p.
+    old: ControlStore = await asyncplane_store_factory("scoped.db")
+    for project in ("p", "q"):
+        await old.create_project(project, project.upper())
+    await old.enqueue("p", task("other"))
+    first = await old.enqueue("q", task("same"))
+    twin = await old.enqueue("q", task("same"))
+    claim = await old.claim("w", project_id="q")
+    assert claim is not None and claim.item_id == first
+    await old.finish(first, fence=claim.fence, result="answer")
+    new: ControlStore = await asyncplane_store_factory("scoped.db", identity=IDENTITY)
+    await new.assign("p", "alice")
+    backend: Any = await engine_of(new).ready()
+    await backend.backfill_fingerprints(_backend.PreflightOp(500, None, None), 0, IDENTITY)
+    scopes = {"alice": (None, "alice"), "p": ("p", None), "q": ("q", None), "all": (None, None)}
+    for name, (project_id, actor_id) in scopes.items():
+        op = _backend.PreflightOp(500, project_id, actor_id)
+        found = await backend.any_pending_twin(op)
+        assert found == (name in ("q", "all")), name
+        if not found:
+            assert await backend.settle_pending_twins(op) == 0, name
+    assert await backend.settle_pending_twins(_backend.PreflightOp(500, "q", None)) == 1
+    assert (await new.item(twin))["result"] == "answer"
+    assert await verify_ledger(new) == []
 
 
 async def test_a_batch_takes_one_item_per_fingerprint_and_twins_wait(lanes: ControlStore) -> None:

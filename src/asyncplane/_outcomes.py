@@ -194,8 +194,16 @@ class Settler:
         """When a lease ending at ``expires`` is next renewed: a third of a lease after the
         store granted it, by the store's own reading inside the transaction. Not a third
         after the renewer's turn came back, which a busy loop or a slow hand-off delays:
-        each late turn would push the next renewal later by as much."""
-        return expires.timestamp() - self.store.lease_seconds * 2 / 3
+        each late turn would push the next renewal later by as much.
+
+        The runtimes claim and renew with the store's ``lease_seconds``, so the grant is
+        the end less that. A microsecond early: ``expires`` is kept to the microsecond, so
+        a clock moved exactly a third of a lease past the grant still reaches it. A due
+        time already past (a renewal that took longer than a third of a lease to come
+        back) renews at once: one write round after another, never a spin, and what keeps
+        the lease on a store that slow. Not a floor from now: that would bring back the
+        slide this avoids."""
+        return expires.timestamp() - self.store.lease_seconds * 2 / 3 - 1e-6
 
     async def settle(self, claim: ClaimedItem, outcome: Outcome) -> None:
         """Settle one outcome; one the store refuses as bad input (a result it cannot keep)

@@ -392,7 +392,7 @@ class PostgresBackend(_backend.Writes):
         return await self._write(_bind(_backfill_fingerprints, op, after_item_id, identity))
 
     async def any_pending_twin(self, op: _backend.PreflightOp) -> bool:
-        return bool((await self._fetch(sql.ANY_PENDING_TWIN, op.project_id, op.actor_id))[0][0])
+        return bool((await self._fetch(sql.ANY_PENDING_TWIN, 1, op.project_id, op.actor_id))[0][0])
 
     async def settle_pending_twins(self, op: _backend.PreflightOp) -> int:
         return await self._write(_bind(_settle_pending_twins, op))

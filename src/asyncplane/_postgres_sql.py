@@ -1031,9 +1031,9 @@ WHERE project_id = $3 AND fingerprint = $4 AND dedup
 RETURNING item_id, fence
 """
 # Preflight: pending items whose twin is already done (the oldest done twin gives its
-# result), in bounded chunks. $1 chunk, $2 project_id, $3 actor_id.
-PENDING_WITH_DONE_TWIN: Final = """
-SELECT p.item_id, p.fence, d.item_id, d.result
+# result), in bounded chunks; and the look before that write (is there one?), the same
+# rows counted. $1 chunk, $2 project_id, $3 actor_id.
+_PENDING_WITH_DONE_TWIN = """
 FROM items AS p
 CROSS JOIN LATERAL (
     SELECT item_id, result FROM items AS d
@@ -1043,22 +1043,15 @@ WHERE p.state IN ('ready', 'deferred') AND p.dedup AND p.fingerprint IS NOT NULL
   AND ($2::text IS NULL OR p.project_id = $2::text)
   AND ($3::text IS NULL
        OR p.project_id IN (SELECT project_id FROM assignments WHERE actor_id = $3::text))
-ORDER BY p.item_id LIMIT $1
+"""
+PENDING_WITH_DONE_TWIN: Final = f"""
+SELECT p.item_id, p.fence, d.item_id, d.result
+{_PENDING_WITH_DONE_TWIN}ORDER BY p.item_id LIMIT $1
 FOR UPDATE OF p SKIP LOCKED
 """
-# Preflight's look before its write: is there anything for PENDING_WITH_DONE_TWIN?
-ANY_PENDING_TWIN: Final = """
-SELECT EXISTS (
-  SELECT 1 FROM items AS p
-  WHERE p.state IN ('ready', 'deferred') AND p.dedup AND p.fingerprint IS NOT NULL
-    AND ($1::text IS NULL OR p.project_id = $1::text)
-    AND ($2::text IS NULL
-         OR p.project_id IN (SELECT project_id FROM assignments WHERE actor_id = $2::text))
-    AND EXISTS (
-      SELECT 1 FROM items AS d
-      WHERE d.project_id = p.project_id AND d.fingerprint = p.fingerprint
-        AND d.state = 'done'))
-"""
+ANY_PENDING_TWIN: Final = (
+    f"SELECT count(*) FROM (SELECT 1 {_PENDING_WITH_DONE_TWIN} LIMIT $1) AS found"
+)
 SETTLE_ONE_TWIN: Final = """
 UPDATE items SET state = 'done', result = $1, error = NULL, due_at = NULL, updated_at = $2
 WHERE item_id = $3 AND state IN ('ready', 'deferred')

@@ -672,9 +672,10 @@ WHERE project_id = :project_id AND fingerprint = :fingerprint AND dedup = 1
 RETURNING item_id, fence
 """
 
-# Preflight: pending items whose twin is already done, in bounded chunks.
-PENDING_WITH_DONE_TWIN: Final = """
-SELECT p.item_id, p.fence, min(d.item_id), d.result  -- the oldest done twin, its result
+# Preflight: pending items whose twin is already done, in bounded chunks; and the look
+# before that write (is there one?), the same join: an EXISTS per pending item costs
+# about twice as much.
+_PENDING_WITH_DONE_TWIN = """
 FROM items AS p
 JOIN items AS d INDEXED BY items_fingerprint
   ON d.project_id = p.project_id AND d.fingerprint = p.fingerprint AND d.state = 'done'
@@ -682,23 +683,14 @@ WHERE p.state IN ('ready', 'deferred') AND p.dedup = 1 AND p.fingerprint IS NOT 
   AND (:project_id IS NULL OR p.project_id = :project_id)
   AND (:actor_id IS NULL
        OR p.project_id IN (SELECT project_id FROM assignments WHERE actor_id = :actor_id))
-GROUP BY p.item_id
+"""
+PENDING_WITH_DONE_TWIN: Final = f"""
+SELECT p.item_id, p.fence, min(d.item_id), d.result  -- the oldest done twin, its result
+{_PENDING_WITH_DONE_TWIN}GROUP BY p.item_id
 ORDER BY p.item_id
 LIMIT :chunk
 """
-# Preflight's look before its write: is there anything for PENDING_WITH_DONE_TWIN? (A
-# join, as there: an EXISTS per pending item costs about twice as much.)
-ANY_PENDING_TWIN: Final = """
-SELECT count(*) FROM (
-  SELECT 1 FROM items AS p
-  JOIN items AS d INDEXED BY items_fingerprint
-    ON d.project_id = p.project_id AND d.fingerprint = p.fingerprint AND d.state = 'done'
-  WHERE p.state IN ('ready', 'deferred') AND p.dedup = 1 AND p.fingerprint IS NOT NULL
-    AND (:project_id IS NULL OR p.project_id = :project_id)
-    AND (:actor_id IS NULL
-         OR p.project_id IN (SELECT project_id FROM assignments WHERE actor_id = :actor_id))
-  LIMIT 1)
-"""
+ANY_PENDING_TWIN: Final = f"SELECT count(*) FROM (SELECT 1 {_PENDING_WITH_DONE_TWIN} LIMIT 1)"
 SETTLE_ONE_TWIN: Final = """
 UPDATE items SET state = 'done', result = ?, error = NULL, due_at = NULL, updated_at = ?
 WHERE item_id = ? AND state IN ('ready', 'deferred')
