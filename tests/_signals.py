@@ -6,6 +6,9 @@ import asyncio
 import inspect
 import time
 from collections.abc import Awaitable, Callable
+from typing import Any
+
+import pytest
 
 
 def waiting_on(what: str) -> Callable[[], Awaitable[bool]]:
@@ -49,3 +52,31 @@ async def until(
             raise AssertionError(f"never happened: {what}")
         turns += 1
         await asyncio.sleep(0 if turns < _EAGER_TURNS else 0.001)
+
+
+def renewals_heard_late(store: Any, clock: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each renewal of ``store`` comes back after its ``clock`` has moved on a sixth of a
+    lease: the renewer's turn returns late (a busy loop, a slow hand-off)."""
+    renew, late = store.renew, store.lease_seconds / 6
+
+    async def heard_late(*args: Any, **kwargs: Any) -> Any:
+        expires = await renew(*args, **kwargs)
+        clock.advance(late)
+        return expires
+
+    monkeypatch.setattr(store, "renew", heard_late)
+
+
+async def renewed_a_third_after_each_grant(
+    store: Any, clock: Any, item_id: int, *, turns: int = 3
+) -> None:
+    """Set ``clock`` to a third of a lease after the grant of the item's lease (the store's
+    reading), and wait for the renewal, ``turns`` times."""
+    for _ in range(turns):
+        lease = (await store.item(item_id))["lease_expires_at"]
+        clock.set(lease.timestamp() - store.lease_seconds * 2 / 3)
+
+        async def renewed(before: Any = lease) -> bool:
+            return bool((await store.item(item_id))["lease_expires_at"] > before)
+
+        await until(renewed, what="the lease renewed a third of a lease after its grant")

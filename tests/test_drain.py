@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from _signals import until, waiting_on
+from _signals import renewals_heard_late, renewed_a_third_after_each_grant, until, waiting_on
 from asyncplane import (
     ClaimedItem,
     ControlStore,
@@ -32,6 +32,7 @@ from asyncplane import (
     drain,
     verify_ledger,
 )
+from asyncplane._store import engine_of
 from asyncplane.testing import ManualClock
 
 WORKER = pathlib.Path(__file__).parent / "workers" / "drain_worker.py"
@@ -195,6 +196,38 @@ async def test_a_slow_executor_keeps_its_claims(
     assert (await store.item(item_id))["result"] == "late but mine"
 
 
+async def test_a_batch_is_renewed_together_not_one_round_trip_after_another(
+    store: ControlStore, clock: ManualClock
+) -> None:
+    # The renewer asks for every claim's renewal at once: the writer takes them into a
+    # round or two (its batch), where one after another they would take a round each.
+    await store.create_project("p", "P")
+    ids = [await store.enqueue("p", {"n": n}) for n in range(20)]
+    started, release = asyncio.Event(), asyncio.Event()
+
+    async def slow(batch: list[ClaimedItem]) -> list[Outcome]:
+        started.set()
+        await release.wait()
+        return [Done() for _ in batch]
+
+    task = asyncio.create_task(drain(store, slow, batch_size=20, empty_rounds=1))
+    await started.wait()
+    leases = {i: (await store.item(i))["lease_expires_at"] for i in ids}
+    writer = (await engine_of(store).ready()).writer
+    rounds = writer.rounds
+    clock.advance(store.lease_seconds / 3 + 0.01)
+
+    async def all_renewed() -> bool:
+        rows = [await store.item(i) for i in ids]
+        return all(row["lease_expires_at"] > leases[row["item_id"]] for row in rows)
+
+    await until(all_renewed, what="every lease of the batch renewed")
+    assert writer.rounds - rounds <= 2
+    release.set()
+    assert (await task).done == 20
+    assert await verify_ledger(store) == []
+
+
 async def test_a_batch_lease_is_renewed_a_third_of_a_lease_after_the_store_granted_it(
     store: ControlStore, clock: ManualClock, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -202,14 +235,7 @@ async def test_a_batch_lease_is_renewed_a_third_of_a_lease_after_the_store_grant
     # of a lease after the store granted the last, not a third after its turn came back.
     await store.create_project("p", "P")
     item_id = await store.enqueue("p", {})
-    renew, late = store.renew, store.lease_seconds / 6
-
-    async def renew_heard_late(*args: Any, **kwargs: Any) -> Any:
-        expires = await renew(*args, **kwargs)
-        clock.advance(late)
-        return expires
-
-    monkeypatch.setattr(store, "renew", renew_heard_late)
+    renewals_heard_late(store, clock, monkeypatch)
     started, release = asyncio.Event(), asyncio.Event()
 
     async def slow(batch: list[ClaimedItem]) -> list[Outcome]:
@@ -219,14 +245,7 @@ async def test_a_batch_lease_is_renewed_a_third_of_a_lease_after_the_store_grant
 
     task = asyncio.create_task(drain(store, slow, empty_rounds=1))
     await started.wait()
-    for _ in range(3):
-        lease = (await store.item(item_id))["lease_expires_at"]
-        clock.set(lease.timestamp() - store.lease_seconds * 2 / 3)  # a third after the grant
-
-        async def renewed(before: Any = lease) -> bool:
-            return bool((await store.item(item_id))["lease_expires_at"] > before)
-
-        await until(renewed, what="the lease was renewed")
+    await renewed_a_third_after_each_grant(store, clock, item_id)
     release.set()
     assert (await task).done == 1
 

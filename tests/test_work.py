@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from _fleet import COMMAND_LOOP
-from _signals import until
+from _signals import renewals_heard_late, renewed_a_third_after_each_grant, until
 from asyncplane import (
     ClaimedItem,
     ControlStore,
@@ -614,14 +614,7 @@ async def test_a_lease_is_renewed_a_third_of_a_lease_after_the_store_granted_it(
     # hand-off): the next renewal is still due a third of a lease after the store granted
     # the last one, not a third after that turn, which would lose a sixth of a lease a time.
     item_id = await store.enqueue("alpha", {})
-    renew, late = store.renew, store.lease_seconds / 6
-
-    async def renew_heard_late(*args: Any, **kwargs: Any) -> Any:
-        expires = await renew(*args, **kwargs)
-        clock.advance(late)
-        return expires
-
-    monkeypatch.setattr(store, "renew", renew_heard_late)
+    renewals_heard_late(store, clock, monkeypatch)
     gate, stop = asyncio.Event(), asyncio.Event()
 
     async def handle(claim: ClaimedItem) -> Done:
@@ -630,14 +623,7 @@ async def test_a_lease_is_renewed_a_third_of_a_lease_after_the_store_granted_it(
 
     worker = asyncio.create_task(work(store, handle, concurrency=1, stop=stop))
     await until(lambda: running_tasks() == 1, what="the item runs")
-    for _ in range(3):
-        lease = (await store.item(item_id))["lease_expires_at"]
-        clock.set(lease.timestamp() - store.lease_seconds * 2 / 3)  # a third after the grant
-
-        async def renewed(before: Any = lease) -> bool:
-            return bool((await store.item(item_id))["lease_expires_at"] > before)
-
-        await until(renewed, what="the lease renewed")
+    await renewed_a_third_after_each_grant(store, clock, item_id)
     gate.set()
     stop.set()
     summary = await asyncio.wait_for(worker, 30)

@@ -10,6 +10,7 @@ on this side while settling retries the item.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import datetime
 from collections.abc import Sequence
@@ -168,23 +169,32 @@ class Settler:
         """Renew the claims' leases every third of a lease (`renewal_due`) until none is
         left, each dropped when its renewal is refused (taken over: ``fence_rejected``;
         cancelled: ``cancelled``) and added to ``lost``. Returns, once all are lost,
-        whether any was cancelled. Runs until then, or until its task is cancelled."""
+        whether any was cancelled. Runs until then, or until its task is cancelled.
+
+        A turn asks for every live claim's renewal at once, so the writer takes them into
+        as few rounds as its batch allows, not one round trip after another (a batch of a
+        hundred would otherwise wait out a hundred rounds each turn)."""
         clock = self.store.clock
         live = {claim.item_id: claim.fence for claim in claims}
         due = {claim.item_id: self.renewal_due(claim.lease_expires_at) for claim in claims}
         cancelled = False
         while live:
             await _clock.wait_until(clock, min(due[item_id] for item_id in live))
-            for item_id, fence in list(live.items()):
-                try:
-                    expires = await self.store.renew(item_id, fence=fence, actor_id=self.actor_id)
-                except _errors.ItemCancelled:
+            turn = list(live.items())
+            answers = await asyncio.gather(
+                *(self.store.renew(i, fence=fence, actor_id=self.actor_id) for i, fence in turn),
+                return_exceptions=True,
+            )
+            for (item_id, _), answer in zip(turn, answers, strict=True):
+                if isinstance(answer, _errors.ItemCancelled):
                     self.summary.cancelled += 1
                     cancelled = True
-                except _errors.FenceRejected:
+                elif isinstance(answer, _errors.FenceRejected):
                     self.summary.fence_rejected += 1
+                elif isinstance(answer, BaseException):
+                    raise answer
                 else:
-                    due[item_id] = self.renewal_due(expires)
+                    due[item_id] = self.renewal_due(answer)
                     continue
                 del live[item_id]
                 lost.add(item_id)
