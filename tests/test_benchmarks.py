@@ -7,6 +7,7 @@ import json
 import pathlib
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 
@@ -15,23 +16,21 @@ from _fleet import COMMAND_LOOP
 BENCHMARKS = pathlib.Path(__file__).parent.parent / "benchmarks"
 
 
-def test_claim_finish_benchmark_reports_rates_and_ratios() -> None:
+def benchmark_report(script: str, *args: str, timeout: float = 300) -> Any:
+    """Run ``benchmarks/<script>`` with ``args`` and ``--json``: its report, once it has
+    exited cleanly."""
     done = subprocess.run(
-        [
-            sys.executable,
-            str(BENCHMARKS / "claim_finish.py"),
-            "--items",
-            "200",
-            "--repeats",
-            "1",
-            "--json",
-        ],
+        [sys.executable, str(BENCHMARKS / script), *args, "--json"],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=timeout,
     )
     assert done.returncode == 0, done.stderr
-    report = json.loads(done.stdout)
+    return json.loads(done.stdout)
+
+
+def test_claim_finish_benchmark_reports_rates_and_ratios() -> None:
+    report = benchmark_report("claim_finish.py", "--items", "200", "--repeats", "1")
     sides = ["1 coroutine", "64 coroutines"]
     sides += [f"{side}, finish_and_claim" for side in sides]
     assert set(report["rates"]) == {"raw", *sides}
@@ -44,49 +43,18 @@ def test_claim_finish_benchmark_reports_rates_and_ratios() -> None:
 
 
 def test_claim_finish_what_if_runs_sqlite_on_the_event_loop_thread() -> None:
-    done = subprocess.run(
-        [
-            sys.executable,
-            str(BENCHMARKS / "claim_finish.py"),
-            "--items",
-            "100",
-            "--repeats",
-            "1",
-            "--json",
-            "--what-if-on-loop",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
+    report = benchmark_report(
+        "claim_finish.py", "--items", "100", "--repeats", "1", "--what-if-on-loop"
     )
-    assert done.returncode == 0, done.stderr
-    report = json.loads(done.stdout)
     assert report["what_if_on_loop"] is True
     assert report["calls_on_loop"] >= 2 * 100  # a claim and a finish per item, at least
     assert all(rate > 0 for rate in report["rates"].values())
 
 
 def test_probe_vs_raw_benchmark_reports_every_ratio() -> None:
-    done = subprocess.run(
-        [
-            sys.executable,
-            str(BENCHMARKS / "probe_vs_raw.py"),
-            "--repeats",
-            "1",
-            "--workers",
-            "2",
-            "--items",
-            "60",
-            "--full-items",
-            "30",
-            "--json",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
+    report = benchmark_report(
+        "probe_vs_raw.py", "--repeats", "1", "--workers", "2", "--items", "60", "--full-items", "30"
     )
-    assert done.returncode == 0, done.stderr
-    report = json.loads(done.stdout)
     assert set(report["rates"]) == {
         "raw NORMAL",
         "probe C=1 NORMAL",
@@ -99,24 +67,9 @@ def test_probe_vs_raw_benchmark_reports_every_ratio() -> None:
 
 
 def test_the_c1_benchmark_drains_every_shape_shared_and_apart() -> None:
-    done = subprocess.run(
-        [
-            sys.executable,
-            str(BENCHMARKS / "c1_shared_or_apart.py"),
-            "--repeats",
-            "1",
-            "--workers",
-            "3",
-            "--items",
-            "31",
-            "--json",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
+    report = benchmark_report(
+        "c1_shared_or_apart.py", "--repeats", "1", "--workers", "3", "--items", "31"
     )
-    assert done.returncode == 0, done.stderr
-    report = json.loads(done.stdout)
     assert list(report["table"]) == [
         "raw, one file",
         "raw, a file each",
@@ -140,13 +93,7 @@ def test_the_work_benchmark_reports_work_beside_the_loop_at_each_concurrency(
     url = (
         [] if backend == "sqlite" else ["--url", request.getfixturevalue("asyncplane_postgres_url")]
     )
-    done = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "work_vs_loop.py"), "--items", "40", "--repeats", "1",
-         "--json", *url],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    report = json.loads(done.stdout)
+    report = benchmark_report("work_vs_loop.py", "--items", "40", "--repeats", "1", *url)
     assert report["backend"] == backend
     assert list(report["table"]) == ["loop, C=1", "work(), C=1", "loop, C=16", "work(), C=16"]
     assert all(row["items_per_s"] > 0 for row in report["table"].values())
@@ -154,15 +101,19 @@ def test_the_work_benchmark_reports_work_beside_the_loop_at_each_concurrency(
 
 
 def test_lanes_benchmark_reports_enqueue_and_depth_ratios() -> None:
-    done = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "lanes.py"), "--items", "300", "--deep", "3000",
-         "--shallow", "100", "--claims", "20", "--repeats", "1", "--json"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    report = json.loads(done.stdout)
+    report = benchmark_report(
+        "lanes.py",
+        "--items",
+        "300",
+        "--deep",
+        "3000",
+        "--shallow",
+        "100",
+        "--claims",
+        "20",
+        "--repeats",
+        "1",
+    )
     assert report["enqueue_ratio"] > 0
     assert set(report["depth_ratios"]) == {"store", "transaction"}
     assert set(report["claim_us"]) == {
@@ -171,42 +122,37 @@ def test_lanes_benchmark_reports_enqueue_and_depth_ratios() -> None:
 
 
 def test_postgresql_benchmark_reports_rates_and_ratios(asyncplane_postgres_url: str) -> None:
-    done = subprocess.run(
-        [
-            sys.executable,
-            str(BENCHMARKS / "pg_probe_vs_raw.py"),
-            "--workers",
-            "2",
-            "--items",
-            "60",
-            "--repeats",
-            "1",
-            "--url",
-            asyncplane_postgres_url,
-            "--json",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
+    report = benchmark_report(
+        "pg_probe_vs_raw.py",
+        "--workers",
+        "2",
+        "--items",
+        "60",
+        "--repeats",
+        "1",
+        "--url",
+        asyncplane_postgres_url,
     )
-    assert done.returncode == 0, done.stderr
-    report = json.loads(done.stdout)
     assert {"raw", "probe C=1", "probe C=8"} <= set(report["rates"])
     assert all(rate > 0 for rate in report["rates"].values())
     assert {"probe C=1 / raw", "probe C=8 / raw"} <= set(report["ratios"])
 
 
 def test_the_peers_benchmark_reports_every_side_and_target(asyncplane_postgres_url: str) -> None:
-    done = subprocess.run(
-        [
-            sys.executable, str(BENCHMARKS / "versus_peers.py"),
-            "--workers", "2", "--items", "40", "--full-items", "20", "--repeats", "2",
-            "--url", asyncplane_postgres_url, "--json",
-        ],
-        capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    report = json.loads(done.stdout)
+    report = benchmark_report(
+        "versus_peers.py",
+        "--workers",
+        "2",
+        "--items",
+        "40",
+        "--full-items",
+        "20",
+        "--repeats",
+        "2",
+        "--url",
+        asyncplane_postgres_url,
+        timeout=600,
+    )
     lite, pg = report["sqlite"], report["postgres"]
     machine = report["machine"]
     assert machine["cpus"] >= 1 and len(machine["python_loop_us"]) == 2
@@ -239,13 +185,9 @@ def test_the_items_benchmark_lists_from_both_backends(
     url = (
         [] if backend == "sqlite" else ["--url", request.getfixturevalue("asyncplane_postgres_url")]
     )
-    done = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "items.py"), "--small", "200", "--large", "3000",
-         "--repeats", "2", "--json", *url],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    report = json.loads(done.stdout)
+    report = benchmark_report(
+        "items.py", "--small", "200", "--large", "3000", "--repeats", "2", *url
+    )
     assert report["backend"] == backend
     assert report["rows"]["every state of one project"] == [20, 50]
     assert all(ms["large"] > 0 for ms in report["ms"].values())
@@ -258,26 +200,25 @@ def test_the_claim_cliff_benchmark_reports_every_case_on_both_backends(
     url = (
         [] if backend == "sqlite" else ["--url", request.getfixturevalue("asyncplane_postgres_url")]
     )
-    done = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "claim_cliff.py"), "--backlog", "500", "--small", "80",
-         "--claims", "10", "--repeats", "1", "--json", *url],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    report = json.loads(done.stdout)
+    report = benchmark_report(
+        "claim_cliff.py",
+        "--backlog",
+        "500",
+        "--small",
+        "80",
+        "--claims",
+        "10",
+        "--repeats",
+        "1",
+        *url,
+    )
     assert report["backend"] == backend
     assert set(report["ratios"]) == {"a", "b", "c", "d"}
     assert all(ratio > 0 for ratio in report["ratios"].values())
 
 
 def test_the_agent_workload_benchmark_runs_every_runtime() -> None:
-    done = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "agent_workload.py"), "--items", "80",
-         "--concurrency", "8", "--json"],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    report = json.loads(done.stdout)
+    report = benchmark_report("agent_workload.py", "--items", "80", "--concurrency", "8")
     assert set(report["ratio_to_ideal"]) == {
         "ideal (asyncio.Queue)", "work(), 1 process", "work(), 4 processes", "drain(), batches",
     }  # fmt: skip
@@ -287,13 +228,17 @@ def test_the_agent_workload_benchmark_runs_every_runtime() -> None:
 def test_the_twin_contention_benchmark_checks_the_line_it_leaves(
     asyncplane_postgres_url: str,
 ) -> None:
-    done = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "twin_contention.py"), "--url", asyncplane_postgres_url,
-         "--processes", "2", "--coroutines", "2", "--seconds", "2", "--json"],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    report = json.loads(done.stdout)
+    report = benchmark_report(
+        "twin_contention.py",
+        "--url",
+        asyncplane_postgres_url,
+        "--processes",
+        "2",
+        "--coroutines",
+        "2",
+        "--seconds",
+        "2",
+    )
     assert report["operations"] > 0
     assert report["errors"] == 0
     assert report["ledger_problems"] == []
@@ -306,13 +251,20 @@ def test_the_limits_benchmark_reports_both_figures_on_both_backends(
     url = (
         [] if backend == "sqlite" else ["--url", request.getfixturevalue("asyncplane_postgres_url")]
     )
-    done = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "limits.py"), "--claims", "10", "--running", "0,3",
-         "--seconds", "0.2", "--backlog", "500", "--repeats", "1", "--json", *url],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    report = json.loads(done.stdout)
+    report = benchmark_report(
+        "limits.py",
+        "--claims",
+        "10",
+        "--running",
+        "0,3",
+        "--seconds",
+        "0.2",
+        "--backlog",
+        "500",
+        "--repeats",
+        "1",
+        *url,
+    )
     assert report["backend"] == backend
     assert [row["running"] for row in report["claim_cost"]] == [0, 3]
     assert all(row["ratio"] > 0 for row in report["claim_cost"])
@@ -320,25 +272,14 @@ def test_the_limits_benchmark_reports_both_figures_on_both_backends(
 
 
 def test_the_telemetry_benchmark_measures_each_kind_of_process() -> None:
-    done = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "telemetry.py"), "--items", "200", "--repeats", "1",
-         "--json"],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    report = json.loads(done.stdout)
+    report = benchmark_report("telemetry.py", "--items", "200", "--repeats", "1")
     assert set(report["rates"]) == {"none", "api", "sdk"}
     assert all(rate > 0 for by in report["rates"].values() for rate in by.values())
     assert set(report["api_vs_none"]) == set(report["sdk_vs_none"]) == {"1", "64"}
 
 
 def test_the_import_time_benchmark_reports_the_ratio_to_asyncio() -> None:
-    done = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "import_time.py"), "--repeats", "1", "--json"],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    report = json.loads(done.stdout)
+    report = benchmark_report("import_time.py", "--repeats", "1")
     assert set(report["ms"]) == {"asyncio", "asyncplane"}
     assert report["ratio"] > 0 and report["heaviest_ms"]
 
@@ -380,15 +321,7 @@ def test_importing_asyncplane_leaves_the_file_pieces_to_the_first_store() -> Non
 
 
 def test_round_python_reports_a_rounds_statements_and_the_rest() -> None:
-    done = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "round_python.py"), "--items", "50", "--repeats", "2",
-         "--json"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    report = json.loads(done.stdout)
+    report = benchmark_report("round_python.py", "--items", "50", "--repeats", "2")
     assert report["round_us"] > report["statements_us"] > 0
     assert 0 < report["python_us"] < report["round_us"]
     # The round's statements: the settle, the claim, and one COMMIT a round.
@@ -399,15 +332,7 @@ def test_round_python_reports_a_rounds_statements_and_the_rest() -> None:
 
 
 def test_the_preflight_benchmark_times_the_look_and_the_write_it_saves() -> None:
-    done = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "preflight.py"), "--items", "500", "--repeats", "1",
-         "--json"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    report = json.loads(done.stdout)
+    report = benchmark_report("preflight.py", "--items", "500", "--repeats", "1")
     assert report["items"] == 500
     assert set(report["ms"]) == {"look (read)", "settle write", "preflight_step"}
     assert all(value > 0 for value in report["ms"].values())
