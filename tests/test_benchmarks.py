@@ -331,9 +331,16 @@ def test_round_python_reports_a_rounds_statements_and_the_rest() -> None:
     assert len(report["repeats"]) == 2
 
 
-def test_the_preflight_benchmark_times_the_look_and_the_write_it_saves() -> None:
+def test_the_preflight_benchmark_times_the_steps_and_drain_beside_a_backlog() -> None:
     report = benchmark_report("preflight.py", "--items", "500", "--repeats", "1")
     assert report["items"] == 500
-    assert set(report["ms"]) == {"look (read)", "settle write", "preflight_step"}
+    assert set(report["ms"]) == {
+        "full walk",
+        "noted look",
+        "preflight_step",
+        "step settling a pair",
+    }
     assert all(value > 0 for value in report["ms"].values())
-    assert report["look / write"] > 0
+    assert report["full walk / step"] > 0
+    assert all(rate > 0 for rate in report["drain items/s"].values())
+    assert report["drain backlog / small"] > 0

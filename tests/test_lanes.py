@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import json
 import random
 import sqlite3
 from typing import Any
@@ -277,13 +278,186 @@ async def test_the_preflight_look_answers_for_the_rows_its_write_would_settle(
     scopes = {"alice": (None, "alice"), "p": ("p", None), "q": ("q", None), "all": (None, None)}
     for name, (project_id, actor_id) in scopes.items():
         op = _backend.PreflightOp(500, project_id, actor_id)
-        found = await backend.any_pending_twin(op)
+        found = await backend.any_twin_noted(op)
         assert found == (name in ("q", "all")), name
         if not found:
             assert await backend.settle_pending_twins(op) == 0, name
     assert await backend.settle_pending_twins(_backend.PreflightOp(500, "q", None)) == 1
     assert (await new.item(twin))["result"] == "answer"
     assert await verify_ledger(new) == []
+
+
+async def settled_by_the_next_step(
+    store: ControlStore, item_id: int, done_id: int, result: Any
+) -> None:
+    """A preflight step settles ``item_id`` with its done twin's result, then forgets the
+    pair: the next look finds nothing noted, and the next step writes nothing."""
+    engine = engine_of(store)
+    backend: Any = await engine.ready()
+    op = _backend.PreflightOp(500, None, None)
+    assert await backend.any_twin_noted(op)
+    assert (await engine.preflight_step(500))[0] == 1
+    row = await store.item(item_id)
+    assert (row["state"], row["result"]) == ("done", result)
+    assert (await store.events(item_id))[-1]["detail"] == {"deduplicated_from": done_id}
+    assert not await backend.any_twin_noted(op)
+    rounds = backend.writer.rounds
+    assert (await engine.preflight_step(500))[0] == 0
+    assert backend.writer.rounds == rounds
+    assert await verify_ledger(store) == []
+
+
+async def requeued_beside_a_done_twin(store: ControlStore, project_id: str) -> tuple[int, int]:
+    """A twin pair, formed by a requeue: an item failed, its twin done with the result
+    ``{"answer": 2}``, then the first requeued. Returns (the pending item, the done one)."""
+    first = await store.enqueue(project_id, task("q"))
+    claim = await store.claim("w", project_id=project_id)
+    assert claim is not None and claim.item_id == first
+    await store.finish(first, fence=claim.fence, status="failed", error="boom")
+    assert (await store.item(first))["state"] == "failed"
+    second = await store.enqueue(project_id, task("q"))  # a failed twin is not reused
+    claim = await store.claim("w", project_id=project_id)
+    assert claim is not None and claim.item_id == second
+    await store.finish(second, fence=claim.fence, result={"answer": 2})
+    await store.requeue(first)
+    return first, second
+
+
+async def test_a_requeued_item_whose_twin_is_done_is_settled_by_the_next_step(
+    lanes: ControlStore,
+) -> None:
+    # A step looks only at the twin pairs noted as they formed; a requeue forms one.
+    first, second = await requeued_beside_a_done_twin(lanes, "alpha")
+    await settled_by_the_next_step(lanes, first, second, {"answer": 2})
+
+
+async def test_an_imported_item_whose_twin_is_done_is_settled_by_the_next_step(
+    lanes: ControlStore, tmp_path: Any
+) -> None:
+    # An import adds rows without looking for twins (unlike enqueue): a pair can form.
+    done = await lanes.enqueue("alpha", task("q"))
+    claim = await lanes.claim("w")
+    assert claim is not None
+    await lanes.finish(done, fence=claim.fence, result={"answer": 1})
+    source = sqlite3.connect(tmp_path / "source.db")
+    source.execute("CREATE TABLE jobs (body TEXT NOT NULL)")
+    source.execute("INSERT INTO jobs VALUES (?)", (json.dumps(task("q")),))
+    source.commit()
+    source.close()
+    summary = await lanes.import_pending(
+        tmp_path / "source.db", table="jobs", columns={"payload": "body"}, project_id="alpha"
+    )
+    assert summary.imported == 1
+    (imported,) = await lanes.items(project_id="alpha", state="ready")
+    await settled_by_the_next_step(lanes, imported["item_id"], done, {"answer": 1})
+
+
+async def test_a_done_item_given_its_fingerprint_after_its_twin_is_noted(
+    asyncplane_store_factory: Any,
+) -> None:
+    # Written without fingerprints: the pending item first, the done one after it. The
+    # backfill, one item a step, gives the pending one its fingerprint first (no done
+    # twin has one yet), then the done one: that write is the one that forms the pair.
+    old: ControlStore = await asyncplane_store_factory("backfill.db")
+    await old.create_project("p", "P")
+    pending = await old.enqueue("p", task("q"))
+    done = await old.enqueue("p", task("q"), priority=1)
+    claim = await old.claim("w")
+    assert claim is not None and claim.item_id == done
+    await old.finish(done, fence=claim.fence, result={"answer": 3})
+    new: ControlStore = await asyncplane_store_factory("backfill.db", identity=IDENTITY)
+    engine = engine_of(new)
+    assert await engine.preflight_step(1) == (0, True)
+    assert (await new.item(pending))["fingerprint"] is not None
+    assert (await new.item(done))["fingerprint"] is None
+    backend: Any = await engine.ready()
+    assert not await backend.any_twin_noted(_backend.PreflightOp(1, None, None))
+    assert await engine.preflight_step(1) == (1, True)
+    row = await new.item(pending)
+    assert (row["state"], row["result"]) == ("done", {"answer": 3})
+    assert await verify_ledger(new) == []
+
+
+async def test_a_pair_no_note_names_is_settled_by_a_full_pass(
+    asyncplane_store_factory: Any, raw_of: Any
+) -> None:
+    # A step trusts the notes; a full pass walks the store for pairs however they formed
+    # (here: a note lost behind the store's back).
+    store: ControlStore = await asyncplane_store_factory("lost.db", identity=IDENTITY)
+    await store.create_project("p", "P")
+    first, _ = await requeued_beside_a_done_twin(store, "p")
+    raw_of(store).execute("DELETE FROM twin_checks")
+    assert (await engine_of(store).preflight_step(500))[0] == 0
+    assert (await store.item(first))["state"] == "ready"
+    assert await store.dedup_pending_against_done() == 1
+    assert (await store.item(first))["result"] == {"answer": 2}
+    assert await verify_ledger(store) == []
+
+
+async def test_a_store_of_the_schema_before_notes_its_twin_pairs_as_it_migrates(
+    asyncplane_store_factory: Any, raw_of: Any
+) -> None:
+    # A store as the release before the notes left it, with a twin pair in it: the
+    # migration notes the pair, so the first step settles it.
+    store: ControlStore = await asyncplane_store_factory("before.db", identity=IDENTITY)
+    await store.create_project("p", "P")
+    first, second = await requeued_beside_a_done_twin(store, "p")
+    await store.close()
+    raw = raw_of(store)
+    if raw.backend == "sqlite":
+        undo = ["DROP TRIGGER items_twin_pair_arrives", "DROP TRIGGER items_twin_pair_forms",
+                "PRAGMA user_version = 8"]  # fmt: skip
+    else:
+        undo = ["DROP TRIGGER items_twin_pair_arrives ON items",
+                "DROP TRIGGER items_twin_pair_forms ON items",
+                "DROP FUNCTION asyncplane_twin_pair()",
+                "UPDATE asyncplane_meta SET value = '6' WHERE key = 'schema_version'"]  # fmt: skip
+    for statement in ["DROP INDEX items_unfingerprinted", "DROP TABLE twin_checks", *undo]:
+        raw.execute(statement)
+    reopened: ControlStore = await asyncplane_store_factory("before.db", identity=IDENTITY)
+    await settled_by_the_next_step(reopened, first, second, {"answer": 2})
+
+
+@pytest.mark.postgresql_only
+async def test_a_twin_locked_elsewhere_keeps_its_note_for_the_next_step(
+    asyncplane_store_factory: Any,
+) -> None:
+    # Writers run side by side on PostgreSQL: a step skips a pending twin another
+    # transaction holds, and forgets only the notes with no pair left.
+    import asyncpg
+
+    store: ControlStore = await asyncplane_store_factory("locked.db", identity=IDENTITY)
+    await store.create_project("p", "P")
+    first, second = await requeued_beside_a_done_twin(store, "p")
+    engine = engine_of(store)
+    backend: Any = await engine.ready()
+    op = _backend.PreflightOp(500, None, None)
+    conn = await asyncpg.connect(store.location)
+    try:
+        async with conn.transaction():
+            await conn.execute("SELECT 1 FROM items WHERE item_id = $1 FOR UPDATE", first)
+            assert (await engine.preflight_step(500))[0] == 0
+            assert await backend.any_twin_noted(op)
+    finally:
+        await conn.close()
+    await settled_by_the_next_step(store, first, second, {"answer": 2})
+
+
+async def test_a_backfill_step_that_fingerprints_nothing_writes_nothing(
+    asyncplane_store_factory: Any,
+) -> None:
+    # Items whose payloads have none of the identity's fields get no fingerprint: the
+    # backfill looks at them once (its mark moves past them) and takes no write lock.
+    store: ControlStore = await asyncplane_store_factory("plain.db", identity=IDENTITY)
+    await store.create_project("p", "P")
+    await store.enqueue_many("p", [{"n": n} for n in range(5)])
+    engine = engine_of(store)
+    writer = (await engine.ready()).writer
+    rounds = writer.rounds
+    assert await engine.preflight_step(3) == (0, True)
+    assert await engine.preflight_step(3) == (0, False)
+    assert await engine.preflight_step(3) == (0, False)
+    assert writer.rounds == rounds
 
 
 async def test_a_batch_takes_one_item_per_fingerprint_and_twins_wait(lanes: ControlStore) -> None:

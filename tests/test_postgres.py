@@ -968,3 +968,52 @@ async def test_a_plain_claim_is_one_statement_and_any_other_reach_goes_the_gener
         assert claim is not None and claim.item_id == ids[4]
         assert writer.alone_rounds == alone + 2
         assert await verify_ledger(store) == []
+
+
+async def test_a_preflight_steps_plans_never_walk_the_items(url: str) -> None:
+    # A step's cost follows what changed, not the store's size: its statements lead by
+    # the notes of twin pairs or by the items without a fingerprint (their own index),
+    # and reach other items by content only, whatever the plan: generic (the write
+    # connection's, perhaps made before the table had statistics) or not, before the
+    # table is analysed and after. No walk of the table, nor of the pending or done items
+    # through an index on state, nor of the table in id order for a LIMIT.
+    async with ControlStore(url) as store:
+        await store.create_project("p", "P")
+        await store.enqueue("p", {})
+    conn = await asyncpg.connect(url)
+    try:
+        for state in ("ready", "done"):
+            await conn.execute(
+                "INSERT INTO items"
+                " (project_id, state, payload, created_at, updated_at, fingerprint)"
+                f" SELECT 'p', '{state}', '{{}}', 0, 0, 'f' || n"
+                " FROM generate_series(1, 10000) AS n"
+            )
+        statements = {
+            "look": (pg_sql.ANY_TWIN_NOTED, "NULL, NULL", None),
+            "notes": (pg_sql.TWIN_NOTES, "500, NULL, NULL", None),
+            "pairs": (pg_sql.NOTED_TWIN_PAIRS, "500, '{p}', '{f1}'", "items_fingerprint"),
+            "forget": (pg_sql.FORGET_TWIN_NOTES, "'{1}'", "items_fingerprint"),
+            "backfill": (
+                pg_sql.MISSING_FINGERPRINTS,
+                "0, 500, NULL, NULL",
+                "items_unfingerprinted",
+            ),
+        }
+        walks = ("Seq Scan on items", "items_by_state", "items_by_project", "items_pkey")
+        for analysed in (False, True):
+            if analysed:
+                await conn.execute("ANALYZE items")
+            for mode in ("force_generic_plan", "auto"):
+                await conn.execute(f"SET plan_cache_mode = {mode}")
+                for name, (statement, args, index) in statements.items():
+                    async with conn.transaction():
+                        await conn.execute(f"PREPARE s AS {statement}")
+                        explained = await conn.fetch(f"EXPLAIN (COSTS OFF) EXECUTE s({args})")
+                        await conn.execute("DEALLOCATE s")
+                    plan = "\n".join(row[0] for row in explained)
+                    seen = (analysed, mode, name, plan)
+                    assert not [walk for walk in walks if walk in plan], seen
+                    assert index is None or index in plan, seen
+    finally:
+        await conn.close()

@@ -894,15 +894,23 @@ class Backend(Protocol):
     async def backfill_fingerprints(
         self, op: PreflightOp, after_item_id: int, identity: tuple[str, ...]
     ) -> tuple[int, int]:
-        """Fingerprint up to ``op.chunk`` items that lack one; return (last id seen, seen)."""
+        """Fingerprint up to ``op.chunk`` items that lack one (a look first: no write when
+        none gets one); return (last id seen, seen)."""
         ...
 
-    async def any_pending_twin(self, op: PreflightOp) -> bool:
-        """Whether `settle_pending_twins` would settle anything now (a read)."""
+    async def any_twin_noted(self, op: PreflightOp) -> bool:
+        """Whether a twin pair's content is noted in scope: whether `settle_pending_twins`
+        has anything to look at (a read)."""
         ...
 
     async def settle_pending_twins(self, op: PreflightOp) -> int:
-        """Settle up to ``op.chunk`` pending items whose twin is done; return how many."""
+        """Settle up to ``op.chunk`` pending items of the noted contents whose twin is done,
+        then forget the contents with no pair left; return how many were settled."""
+        ...
+
+    async def note_twin_pairs(self, op: PreflightOp) -> int:
+        """Note the content of every twin pair in scope, found by a walk of the store (a
+        full preflight pass); return how many contents were found."""
         ...
 
     async def next_due(self, project_id: str | None, actor_id: str | None) -> float | None:

@@ -309,8 +309,9 @@ class Engine:
 
         Looks at most ``chunk`` items for missing fingerprints, continuing where the last
         step in the same scope stopped, then settles at most ``chunk`` pending twins of
-        done items; only within ``project_id`` / ``actor_id`` when given. The drain loop
-        takes one step per round, so preflight never holds a round up.
+        done items among the twin pairs the store noted as they formed; only within
+        ``project_id`` / ``actor_id`` when given. The drain loop takes one step per round,
+        so preflight never holds a round up, and a step costs what changed, not the store.
         """
         backend = await self.ready()
         op = _backend.PreflightOp(chunk, project_id, actor_id)
@@ -321,17 +322,19 @@ class Engine:
                 op, self._backfill_after.get(scope, 0), self.options.identity
             )
             self._backfill_after[scope] = after
-        # A look first (a read), so that a store with no twin to settle, the usual case,
-        # takes no write lock for it: work() steps once a second even when idle.
-        settled = (
-            await backend.settle_pending_twins(op) if await backend.any_pending_twin(op) else 0
-        )
+        # A look first (a read of the contents noted as they formed a twin pair), so that
+        # a store with no twin to settle, the usual case, takes no write lock for it and
+        # reads nothing in proportion to its size: work() steps once a second even idle.
+        settled = await backend.settle_pending_twins(op) if await backend.any_twin_noted(op) else 0
         _telemetry.dedup_settled(settled, "preflight")
         return settled, seen == chunk or settled == chunk
 
-    def restart_backfill(self) -> None:
-        """Make the next full preflight pass look at every item again."""
+    async def restart_preflight(self, chunk: int) -> None:
+        """Make the next preflight steps a full pass: the backfill looks at every item
+        again, and every twin pair in the store is noted, however it formed."""
         self._backfill_after.pop((None, None), None)
+        backend = await self.ready()
+        await backend.note_twin_pairs(_backend.PreflightOp(chunk, None, None))
 
     async def run_schedules(self) -> int:
         """Enqueue every due tick (a transaction per few dozen schedules), then note when

@@ -20,7 +20,7 @@ from typing import Any
 
 from asyncplane import _errors
 
-__all__ = ("backfilled", "fingerprint", "from_payload", "from_stored")
+__all__ = ("fingerprint", "from_payload", "from_stored", "to_write")
 
 _MISSING = b"\xff" * 8  # never a length prefix: lengths are below 2**63
 
@@ -82,10 +82,12 @@ def from_stored(payload_json: str, identity: Sequence[str]) -> str | None:
     return from_payload(payload, identity) if isinstance(payload, dict) else None
 
 
-def backfilled(rows: Iterable[Any], identity: Sequence[str]) -> list[tuple[Any, Any]]:
-    """``(fingerprint, item_id)`` for each stored ``(item_id, payload_json)``: the
-    preflight's backfill of items written without one."""
-    return [(from_stored(payload, identity), item_id) for item_id, payload in rows]
+def to_write(rows: Iterable[Any], identity: Sequence[str]) -> list[tuple[str, Any]]:
+    """``(fingerprint, item_id)`` for each stored ``(item_id, payload_json)`` that gets
+    one: the preflight's backfill of items written without one (an item whose payload
+    has no identity field, or cannot be decoded here, gets none and is not written)."""
+    found = ((from_stored(payload, identity), item_id) for item_id, payload in rows)
+    return [(value, item_id) for value, item_id in found if value is not None]
 
 
 def _field(value: Any) -> str | None:

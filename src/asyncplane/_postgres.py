@@ -389,13 +389,28 @@ class PostgresBackend(_backend.Writes):
     async def backfill_fingerprints(
         self, op: _backend.PreflightOp, after_item_id: int, identity: tuple[str, ...]
     ) -> tuple[int, int]:
-        return await self._write(_bind(_backfill_fingerprints, op, after_item_id, identity))
+        # A look first: the write is made only for items that get a fingerprint.
+        rows = await self._fetch(
+            sql.MISSING_FINGERPRINTS, after_item_id, op.chunk, op.project_id, op.actor_id
+        )
+        if not rows:
+            return after_item_id, 0
+        writes = _fingerprint.to_write(rows, identity)
+        if writes:
+            await self._write(_bind(_set_fingerprints, writes))
+        return int(rows[-1][0]), len(rows)
 
-    async def any_pending_twin(self, op: _backend.PreflightOp) -> bool:
-        return bool((await self._fetch(sql.ANY_PENDING_TWIN, 1, op.project_id, op.actor_id))[0][0])
+    async def any_twin_noted(self, op: _backend.PreflightOp) -> bool:
+        return bool((await self._fetch(sql.ANY_TWIN_NOTED, op.project_id, op.actor_id))[0][0])
 
     async def settle_pending_twins(self, op: _backend.PreflightOp) -> int:
         return await self._write(_bind(_settle_pending_twins, op))
+
+    async def note_twin_pairs(self, op: _backend.PreflightOp) -> int:
+        contents = await self._fetch(sql.ALL_TWIN_PAIRS, op.project_id, op.actor_id)
+        if contents:
+            await self._write(_bind(_note_twin_pairs, [tuple(row) for row in contents]))
+        return len(contents)
 
     async def purge_candidates(self, cutoff: float, chunk: int) -> _backend.Histories:
         return await self._read(_purge_candidates, cutoff, chunk)
@@ -1186,27 +1201,37 @@ async def _offload(op: _backend.OffloadOp, conn: asyncpg.Connection, now: float)
     await _insert_events(conn, [_rules.offload_event(op, row[0], now)])
 
 
-async def _backfill_fingerprints(
-    op: _backend.PreflightOp, after: int, identity: tuple[str, ...],
-    conn: asyncpg.Connection, now: float,
-) -> tuple[int, int]:  # fmt: skip
-    rows = await conn.fetch(sql.MISSING_FINGERPRINTS, after, op.chunk, op.project_id, op.actor_id)
-    if not rows:
-        return after, 0
-    await conn.executemany(sql.SET_FINGERPRINT, _fingerprint.backfilled(rows, identity))
-    return int(rows[-1][0]), len(rows)
+async def _set_fingerprints(
+    writes: list[tuple[str, int]], conn: asyncpg.Connection, now: float
+) -> None:
+    locked = {row[0] for row in await conn.fetch(
+        sql.LOCK_UNFINGERPRINTED, [item_id for _, item_id in writes])}  # fmt: skip
+    await conn.executemany(sql.SET_FINGERPRINT, [w for w in writes if w[1] in locked])
 
 
 async def _settle_pending_twins(
     op: _backend.PreflightOp, conn: asyncpg.Connection, now: float
 ) -> int:
-    rows = await conn.fetch(sql.PENDING_WITH_DONE_TWIN, op.chunk, op.project_id, op.actor_id)
+    notes = await conn.fetch(sql.TWIN_NOTES, op.chunk, op.project_id, op.actor_id)
+    if not notes:
+        return 0
+    contents = dict.fromkeys((note[1], note[2]) for note in notes)  # a content noted twice
+    projects = [project_id for project_id, _ in contents]
+    fingerprints = [fingerprint for _, fingerprint in contents]
+    rows = await conn.fetch(sql.NOTED_TWIN_PAIRS, op.chunk, projects, fingerprints)
     events: list[_rules.Event] = []
     for item_id, fence, done_id, result in rows:
         await conn.execute(sql.SETTLE_ONE_TWIN, result, now, item_id)
         events.extend(_rules.twin_events(done_id, [(item_id, fence)], op.actor_id, now))
     await _insert_events(conn, events)
+    await conn.execute(sql.FORGET_TWIN_NOTES, [note[0] for note in notes])
     return len(rows)
+
+
+async def _note_twin_pairs(
+    contents: list[tuple[str, str]], conn: asyncpg.Connection, now: float
+) -> None:
+    await conn.executemany(sql.NOTE_TWIN_CHECK, contents)
 
 
 async def _purge_items(item_ids: tuple[int, ...], conn: asyncpg.Connection, now: float) -> int:

@@ -526,6 +526,63 @@ MIGRATIONS: Final[tuple[str, ...]] = (
         RETURN EXISTS (SELECT 1 FROM project_limits WHERE project_id = project);
     END $$;
     """,
+    # 7: preflight that costs what changed, as SQLite's migration 9: a twin pair's content
+    # noted as it forms, and the items without a fingerprint in an index of their own.
+    # Writers run side by side here, and a trigger cannot see a twin that another
+    # transaction is changing. An item that becomes pending therefore notes its content
+    # when a twin is done or running: a running twin may finish meanwhile, and its finish
+    # settles only the pending twins its snapshot shows. (A done item given its
+    # fingerprint by the backfill, or copied in, notes its content when a pending twin is
+    # there; one becoming pending at that very moment, uncommitted, is left to a full
+    # pass.) A note is a row of its own, never updated, so a preflight forgets only the
+    # notes it read: one made meanwhile, by a transaction it could not see, stays.
+    """
+    CREATE TABLE twin_checks (
+        note_id     bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+        project_id  text NOT NULL,
+        fingerprint text NOT NULL
+    );
+    INSERT INTO twin_checks (project_id, fingerprint)
+    SELECT DISTINCT p.project_id, p.fingerprint FROM items AS p
+    WHERE p.state IN ('ready', 'deferred') AND p.dedup AND p.fingerprint IS NOT NULL
+      AND EXISTS (SELECT 1 FROM items AS d
+                  WHERE d.project_id = p.project_id AND d.fingerprint = p.fingerprint
+                    AND d.state = 'done');
+    CREATE FUNCTION asyncplane_twin_pair() RETURNS trigger
+    LANGUAGE plpgsql AS $$
+    BEGIN
+        IF NEW.state = 'done' THEN
+            IF NOT EXISTS (
+                SELECT 1 FROM items
+                WHERE project_id = NEW.project_id AND fingerprint = NEW.fingerprint
+                  AND state IN ('ready', 'deferred') AND dedup)
+            THEN
+                RETURN NULL;
+            END IF;
+        ELSIF NOT EXISTS (
+            SELECT 1 FROM items
+            WHERE project_id = NEW.project_id AND fingerprint = NEW.fingerprint
+              AND state IN ('done', 'claimed', 'offloaded') AND item_id <> NEW.item_id)
+        THEN
+            RETURN NULL;
+        END IF;
+        INSERT INTO twin_checks (project_id, fingerprint)
+        VALUES (NEW.project_id, NEW.fingerprint);
+        RETURN NULL;
+    END $$;
+    CREATE TRIGGER items_twin_pair_arrives AFTER INSERT ON items
+        FOR EACH ROW WHEN (NEW.fingerprint IS NOT NULL AND (
+            (NEW.state IN ('ready', 'deferred') AND NEW.dedup) OR NEW.state = 'done'))
+        EXECUTE FUNCTION asyncplane_twin_pair();
+    CREATE TRIGGER items_twin_pair_forms AFTER UPDATE OF state, fingerprint, dedup ON items
+        FOR EACH ROW WHEN (NEW.fingerprint IS NOT NULL AND (
+            (NEW.state IN ('ready', 'deferred') AND NEW.dedup
+             AND (OLD.state NOT IN ('ready', 'deferred') OR NOT OLD.dedup
+                  OR OLD.fingerprint IS DISTINCT FROM NEW.fingerprint))
+            OR (NEW.state = 'done' AND OLD.fingerprint IS DISTINCT FROM NEW.fingerprint)))
+        EXECUTE FUNCTION asyncplane_twin_pair();
+    CREATE INDEX items_unfingerprinted ON items (item_id) WHERE fingerprint IS NULL;
+    """,
 )
 
 SCHEMA_VERSION: Final = len(MIGRATIONS)
@@ -1030,33 +1087,80 @@ WHERE project_id = $3 AND fingerprint = $4 AND dedup
   AND state IN ('ready', 'deferred') AND item_id <> $5
 RETURNING item_id, fence
 """
-# Preflight: pending items whose twin is already done (the oldest done twin gives its
-# result), in bounded chunks; and the look before that write (is there one?), the same
-# rows counted. $1 chunk, $2 project_id, $3 actor_id.
-_PENDING_WITH_DONE_TWIN = """
-FROM items AS p
-CROSS JOIN LATERAL (
-    SELECT item_id, result FROM items AS d
-    WHERE d.project_id = p.project_id AND d.fingerprint = p.fingerprint AND d.state = 'done'
-    ORDER BY d.item_id LIMIT 1) AS d
-WHERE p.state IN ('ready', 'deferred') AND p.dedup AND p.fingerprint IS NOT NULL
-  AND ($2::text IS NULL OR p.project_id = $2::text)
+# Preflight, as on SQLite: the contents noted as they formed a twin pair (migration 7),
+# read a chunk of notes at a time; their pending twins settled with the oldest done
+# twin's result (locked, skipping any another transaction holds); then the notes read
+# whose content has no pair left are forgotten, in a snapshot taken after the settles, so
+# a twin skipped while locked keeps its note. The look: $1 project_id, $2 actor_id; the
+# notes: $1 chunk, $2 project_id, $3 actor_id.
+ANY_TWIN_NOTED: Final = """
+SELECT EXISTS (
+    SELECT 1 FROM twin_checks
+    WHERE ($1::text IS NULL OR project_id = $1::text)
+      AND ($2::text IS NULL
+           OR project_id IN (SELECT project_id FROM assignments WHERE actor_id = $2::text)))
+"""
+TWIN_NOTES: Final = """
+SELECT note_id, project_id, fingerprint FROM twin_checks
+WHERE ($2::text IS NULL OR project_id = $2::text)
   AND ($3::text IS NULL
-       OR p.project_id IN (SELECT project_id FROM assignments WHERE actor_id = $3::text))
+       OR project_id IN (SELECT project_id FROM assignments WHERE actor_id = $3::text))
+ORDER BY note_id LIMIT $1
 """
-PENDING_WITH_DONE_TWIN: Final = f"""
+# Each looked up from its content through items_fingerprint, for any plan, generic (the
+# write connection's, perhaps made before the table had statistics) or not: the contents
+# lead (LATERAL keeps them outside), and each state test is written "(...) IS TRUE", which
+# no index on state can serve, so no plan walks the pending or done items through one
+# (items_by_state, items_by_project), nor the whole table in id order for the LIMIT.
+# $1 chunk, $2 the notes' projects, $3 their fingerprints (distinct contents).
+NOTED_TWIN_PAIRS: Final = """
 SELECT p.item_id, p.fence, d.item_id, d.result
-{_PENDING_WITH_DONE_TWIN}ORDER BY p.item_id LIMIT $1
-FOR UPDATE OF p SKIP LOCKED
+FROM unnest($2::text[], $3::text[]) AS c (project_id, fingerprint)
+CROSS JOIN LATERAL (
+    SELECT item_id, fence FROM items
+    WHERE project_id = c.project_id AND fingerprint = c.fingerprint AND dedup
+      AND (state IN ('ready', 'deferred')) IS TRUE
+    FOR UPDATE SKIP LOCKED) AS p
+CROSS JOIN LATERAL (
+    SELECT item_id, result FROM items
+    WHERE project_id = c.project_id AND fingerprint = c.fingerprint
+      AND (state = 'done') IS TRUE
+    ORDER BY item_id LIMIT 1) AS d
+LIMIT $1
 """
-ANY_PENDING_TWIN: Final = (
-    f"SELECT count(*) FROM (SELECT 1 {_PENDING_WITH_DONE_TWIN} LIMIT $1) AS found"
-)
+# (A scalar subquery, run for each note read: as NOT EXISTS the planner may make it an
+# anti join that walks every pending item.)
+FORGET_TWIN_NOTES: Final = """
+DELETE FROM twin_checks AS c
+WHERE c.note_id = ANY ($1::bigint[]) AND NOT coalesce((
+    SELECT true FROM items AS p
+    WHERE p.project_id = c.project_id AND p.fingerprint = c.fingerprint AND p.dedup
+      AND (p.state IN ('ready', 'deferred')) IS TRUE
+      AND EXISTS (SELECT 1 FROM items AS d
+                  WHERE d.project_id = c.project_id AND d.fingerprint = c.fingerprint
+                    AND (d.state = 'done') IS TRUE)
+    LIMIT 1), false)
+"""
 SETTLE_ONE_TWIN: Final = """
 UPDATE items SET state = 'done', result = $1, error = NULL, due_at = NULL, updated_at = $2
 WHERE item_id = $3 AND state IN ('ready', 'deferred')
 """
-# Backfill: $1 after, $2 chunk, $3 project_id, $4 actor_id.
+# A full pass: every pair's content in scope ($1 project_id, $2 actor_id), found by a
+# walk of the pending items (a read), then noted.
+ALL_TWIN_PAIRS: Final = """
+SELECT DISTINCT p.project_id, p.fingerprint FROM items AS p
+WHERE p.state IN ('ready', 'deferred') AND p.dedup AND p.fingerprint IS NOT NULL
+  AND EXISTS (SELECT 1 FROM items AS d
+              WHERE d.project_id = p.project_id AND d.fingerprint = p.fingerprint
+                AND d.state = 'done')
+  AND ($1::text IS NULL OR p.project_id = $1::text)
+  AND ($2::text IS NULL
+       OR p.project_id IN (SELECT project_id FROM assignments WHERE actor_id = $2::text))
+"""
+NOTE_TWIN_CHECK: Final = "INSERT INTO twin_checks (project_id, fingerprint) VALUES ($1, $2)"
+# Backfill, through the items without a fingerprint (their own index): $1 after, $2 chunk,
+# $3 project_id, $4 actor_id; read first, and only those that get a fingerprint written
+# ($1 their ids; each locked, skipping any another transaction holds).
 MISSING_FINGERPRINTS: Final = """
 SELECT item_id, payload FROM items
 WHERE fingerprint IS NULL AND item_id > $1
@@ -1065,6 +1169,11 @@ WHERE fingerprint IS NULL AND item_id > $1
   AND ($4::text IS NULL
        OR project_id IN (SELECT project_id FROM assignments WHERE actor_id = $4::text))
 ORDER BY item_id LIMIT $2
+"""
+LOCK_UNFINGERPRINTED: Final = """
+SELECT item_id FROM items
+WHERE item_id = ANY ($1::bigint[])
+  AND fingerprint IS NULL AND state NOT IN ('claimed', 'offloaded')
 FOR UPDATE SKIP LOCKED
 """
 SET_FINGERPRINT: Final = """

@@ -245,16 +245,27 @@ class SQLiteBackend(_backend.Writes):
     async def backfill_fingerprints(
         self, op: _backend.PreflightOp, after_item_id: int, identity: tuple[str, ...]
     ) -> tuple[int, int]:
-        return await self._write(
-            functools.partial(_backfill_fingerprints, op, after_item_id, identity)
-        )
+        # A look first: the write lock is taken only for items that get a fingerprint.
+        params = {"after": after_item_id, "chunk": op.chunk, "project_id": op.project_id,
+                  "actor_id": op.actor_id}  # fmt: skip
+        writes, after, seen = await self._read(_missing_fingerprints, params, identity)
+        if writes:
+            await self._write(functools.partial(_set_fingerprints, writes))
+        return after, seen
 
-    async def any_pending_twin(self, op: _backend.PreflightOp) -> bool:
+    async def any_twin_noted(self, op: _backend.PreflightOp) -> bool:
         params = {"project_id": op.project_id, "actor_id": op.actor_id}
-        return bool((await self._read(_fetch_named, sql.ANY_PENDING_TWIN, params))[0][0])
+        return bool((await self._read(_fetch_named, sql.ANY_TWIN_NOTED, params))[0][0])
 
     async def settle_pending_twins(self, op: _backend.PreflightOp) -> int:
         return await self._write(functools.partial(_settle_pending_twins, op))
+
+    async def note_twin_pairs(self, op: _backend.PreflightOp) -> int:
+        params = {"project_id": op.project_id, "actor_id": op.actor_id}
+        contents = await self._read(_fetch_named, sql.ALL_TWIN_PAIRS, params)
+        if contents:
+            await self._write(functools.partial(_note_twin_pairs, contents))
+        return len(contents)
 
     async def purge_candidates(self, cutoff: float, chunk: int) -> _backend.Histories:
         return await self._read(_purge_candidates, cutoff, chunk)
@@ -936,31 +947,35 @@ def _requeue_where(
     return len(rows), _rules.next_chunk([row[0] for row in rows], op.chunk)
 
 
-def _backfill_fingerprints(
-    op: _backend.PreflightOp,
-    after: int,
-    identity: tuple[str, ...],
-    db: sqlite3.Connection,
-    now: float,
-) -> tuple[int, int]:
-    params = {"after": after, "chunk": op.chunk, "project_id": op.project_id,
-              "actor_id": op.actor_id}  # fmt: skip
+def _missing_fingerprints(
+    db: sqlite3.Connection, params: dict[str, Any], identity: tuple[str, ...]
+) -> tuple[list[tuple[str, int]], int, int]:
+    """The backfill's look: (fingerprints to write, the mark after the items seen, how
+    many were seen), the payloads decoded here on the reader's thread."""
     rows = db.execute(sql.MISSING_FINGERPRINTS, params).fetchall()
     if not rows:
-        return after, 0
-    db.executemany(sql.SET_FINGERPRINT, _fingerprint.backfilled(rows, identity))
-    return rows[-1][0], len(rows)
+        return [], params["after"], 0
+    return _fingerprint.to_write(rows, identity), rows[-1][0], len(rows)
+
+
+def _set_fingerprints(writes: list[tuple[str, int]], db: sqlite3.Connection, now: float) -> None:
+    db.executemany(sql.SET_FINGERPRINT, writes)
 
 
 def _settle_pending_twins(op: _backend.PreflightOp, db: sqlite3.Connection, now: float) -> int:
     params = {"chunk": op.chunk, "project_id": op.project_id, "actor_id": op.actor_id}
-    rows = db.execute(sql.PENDING_WITH_DONE_TWIN, params).fetchall()
+    rows = db.execute(sql.NOTED_TWIN_PAIRS, params).fetchall()
     events: list[_rules.Event] = []
     for item_id, fence, done_id, result in rows:
         db.execute(sql.SETTLE_ONE_TWIN, (result, now, item_id))
         events.extend(_rules.twin_events(done_id, [(item_id, fence)], op.actor_id, now))
     _insert_events(db, events)
+    db.execute(sql.FORGET_TWIN_CHECKS, {"project_id": op.project_id, "actor_id": op.actor_id})
     return len(rows)
+
+
+def _note_twin_pairs(contents: list[Any], db: sqlite3.Connection, now: float) -> None:
+    db.executemany(sql.NOTE_TWIN_CHECK, contents)
 
 
 def _purge_items(item_ids: tuple[int, ...], db: sqlite3.Connection, now: float) -> int:

@@ -57,6 +57,17 @@ _LINE_UP_TWINS_5 = f"""
           AND item_id IS NOT {_FIRST_TWIN_5};
         UPDATE items SET held = 0 WHERE item_id = {_FIRST_TWIN_5} AND held = 1;"""
 
+# Migration 9's twin probes (written once for it, never edited): whether NEW has a done
+# twin, or a pending twin enqueued with dedup.
+_DONE_TWIN_9 = """EXISTS (
+            SELECT 1 FROM items AS d INDEXED BY items_fingerprint
+            WHERE d.project_id = NEW.project_id AND d.fingerprint = NEW.fingerprint
+              AND d.state = 'done')"""
+_PENDING_TWIN_9 = """EXISTS (
+            SELECT 1 FROM items AS p INDEXED BY items_fingerprint
+            WHERE p.project_id = NEW.project_id AND p.fingerprint = NEW.fingerprint
+              AND p.state IN ('ready', 'deferred') AND p.dedup = 1)"""
+
 MIGRATIONS: Final[tuple[str, ...]] = (
     # 1: projects, assignments, items, the append-only event ledger.
     """
@@ -267,6 +278,53 @@ MIGRATIONS: Final[tuple[str, ...]] = (
         slot  INTEGER PRIMARY KEY,
         token BLOB NOT NULL
     );
+    """,
+    # 9: preflight that costs what changed, not the store's size. A pending item enqueued
+    # with dedup and a done twin beside it (a "twin pair") is settled by the preflight,
+    # which used to find pairs by joining every pending fingerprinted item against the
+    # done ones, each step. Now the triggers below note the content (project and
+    # fingerprint) of every pair as it forms, in the transaction that forms it, and the
+    # preflight settles the noted contents only. A pair forms when an item becomes
+    # pending with dedup while a done twin exists (inserted by an import or a copy,
+    # requeued, released, retried, given its fingerprint by the backfill), or becomes
+    # done while a pending twin exists without settling it (inserted done by a copy, or
+    # given its fingerprint while done). A finish settles its pending twins itself, in
+    # its own transaction, so a state moving to done is not watched. The pairs already
+    # there are noted here. And the items without a fingerprint, for the backfill, which
+    # used to walk every item after its mark when none lacked one.
+    f"""
+    CREATE TABLE twin_checks (
+        project_id  TEXT NOT NULL,
+        fingerprint TEXT NOT NULL,
+        PRIMARY KEY (project_id, fingerprint)
+    ) WITHOUT ROWID;
+    INSERT OR IGNORE INTO twin_checks (project_id, fingerprint)
+    SELECT DISTINCT p.project_id, p.fingerprint
+    FROM items AS p
+    JOIN items AS d INDEXED BY items_fingerprint
+      ON d.project_id = p.project_id AND d.fingerprint = p.fingerprint AND d.state = 'done'
+    WHERE p.state IN ('ready', 'deferred') AND p.dedup = 1 AND p.fingerprint IS NOT NULL;
+    CREATE TRIGGER items_twin_pair_arrives AFTER INSERT ON items
+    WHEN NEW.fingerprint IS NOT NULL AND (
+        (NEW.state IN ('ready', 'deferred') AND NEW.dedup = 1 AND {_DONE_TWIN_9})
+        OR (NEW.state = 'done' AND {_PENDING_TWIN_9}))
+    BEGIN
+        INSERT OR IGNORE INTO twin_checks (project_id, fingerprint)
+        VALUES (NEW.project_id, NEW.fingerprint);
+    END;
+    CREATE TRIGGER items_twin_pair_forms AFTER UPDATE OF state, fingerprint, dedup ON items
+    WHEN NEW.fingerprint IS NOT NULL AND (
+        (NEW.state IN ('ready', 'deferred') AND NEW.dedup = 1
+         AND (OLD.state NOT IN ('ready', 'deferred') OR OLD.dedup = 0
+              OR OLD.fingerprint IS NOT NEW.fingerprint)
+         AND {_DONE_TWIN_9})
+        OR (NEW.state = 'done' AND OLD.fingerprint IS NOT NEW.fingerprint
+            AND {_PENDING_TWIN_9}))
+    BEGIN
+        INSERT OR IGNORE INTO twin_checks (project_id, fingerprint)
+        VALUES (NEW.project_id, NEW.fingerprint);
+    END;
+    CREATE INDEX items_unfingerprinted ON items (item_id) WHERE fingerprint IS NULL;
     """,
 )
 
@@ -672,10 +730,50 @@ WHERE project_id = :project_id AND fingerprint = :fingerprint AND dedup = 1
 RETURNING item_id, fence
 """
 
-# Preflight: pending items whose twin is already done, in bounded chunks; and the look
-# before that write (is there one?), the same join: an EXISTS per pending item costs
-# about twice as much.
-_PENDING_WITH_DONE_TWIN = """
+# Preflight. A pending item enqueued with dedup whose twin is done is settled with a copy
+# of the oldest done twin's result. The triggers of migration 9 note the content of each
+# such pair as it forms (twin_checks), so a step looks at the noted contents only: the
+# look (is one noted, in scope?) is a read of that table, and the write settles their
+# pairs, then forgets the contents with no pair left. The whole store's pairs, found by
+# the join below, are noted only by a full pass (`dedup_pending_against_done`).
+_TWIN_CHECK_SCOPE = """
+  AND (:project_id IS NULL OR c.project_id = :project_id)
+  AND (:actor_id IS NULL
+       OR c.project_id IN (SELECT project_id FROM assignments WHERE actor_id = :actor_id))
+"""
+ANY_TWIN_NOTED: Final = (
+    f"SELECT EXISTS (SELECT 1 FROM twin_checks AS c WHERE 1 {_TWIN_CHECK_SCOPE})"
+)
+NOTED_TWIN_PAIRS: Final = f"""
+SELECT p.item_id, p.fence, min(d.item_id), d.result  -- the oldest done twin, its result
+FROM twin_checks AS c  -- first (CROSS JOIN keeps the order): the notes lead, not the store
+CROSS JOIN items AS p INDEXED BY items_fingerprint
+CROSS JOIN items AS d INDEXED BY items_fingerprint
+WHERE p.project_id = c.project_id AND p.fingerprint = c.fingerprint
+  AND p.state IN ('ready', 'deferred') AND p.dedup = 1
+  AND d.project_id = c.project_id AND d.fingerprint = c.fingerprint AND d.state = 'done'
+  {_TWIN_CHECK_SCOPE}
+GROUP BY p.item_id
+ORDER BY p.item_id
+LIMIT :chunk
+"""
+FORGET_TWIN_CHECKS: Final = f"""
+DELETE FROM twin_checks AS c
+WHERE NOT EXISTS (
+    SELECT 1 FROM items AS p INDEXED BY items_fingerprint
+    WHERE p.project_id = c.project_id AND p.fingerprint = c.fingerprint
+      AND p.state IN ('ready', 'deferred') AND p.dedup = 1
+      AND EXISTS (SELECT 1 FROM items AS d INDEXED BY items_fingerprint
+                  WHERE d.project_id = c.project_id AND d.fingerprint = c.fingerprint
+                    AND d.state = 'done')) {_TWIN_CHECK_SCOPE}
+"""
+SETTLE_ONE_TWIN: Final = """
+UPDATE items SET state = 'done', result = ?, error = NULL, due_at = NULL, updated_at = ?
+WHERE item_id = ? AND state IN ('ready', 'deferred')
+"""
+# A full pass: every pair's content in scope, found by a join (a read), then noted.
+ALL_TWIN_PAIRS: Final = """
+SELECT DISTINCT p.project_id, p.fingerprint
 FROM items AS p
 JOIN items AS d INDEXED BY items_fingerprint
   ON d.project_id = p.project_id AND d.fingerprint = p.fingerprint AND d.state = 'done'
@@ -684,20 +782,12 @@ WHERE p.state IN ('ready', 'deferred') AND p.dedup = 1 AND p.fingerprint IS NOT 
   AND (:actor_id IS NULL
        OR p.project_id IN (SELECT project_id FROM assignments WHERE actor_id = :actor_id))
 """
-PENDING_WITH_DONE_TWIN: Final = f"""
-SELECT p.item_id, p.fence, min(d.item_id), d.result  -- the oldest done twin, its result
-{_PENDING_WITH_DONE_TWIN}GROUP BY p.item_id
-ORDER BY p.item_id
-LIMIT :chunk
-"""
-ANY_PENDING_TWIN: Final = f"SELECT count(*) FROM (SELECT 1 {_PENDING_WITH_DONE_TWIN} LIMIT 1)"
-SETTLE_ONE_TWIN: Final = """
-UPDATE items SET state = 'done', result = ?, error = NULL, due_at = NULL, updated_at = ?
-WHERE item_id = ? AND state IN ('ready', 'deferred')
-"""
-# Backfill: items without a fingerprint, after a given id, in bounded chunks.
+NOTE_TWIN_CHECK: Final = "INSERT OR IGNORE INTO twin_checks (project_id, fingerprint) VALUES (?, ?)"
+# Backfill: items without a fingerprint after a given id (through their own index, so a
+# step costs the items that lack one, not the store), in bounded chunks; read first, and
+# written only when one of them gets a fingerprint.
 MISSING_FINGERPRINTS: Final = """
-SELECT item_id, payload FROM items
+SELECT item_id, payload FROM items INDEXED BY items_unfingerprinted
 WHERE fingerprint IS NULL AND item_id > :after
   AND state NOT IN ('claimed', 'offloaded')  -- never under a running claim
   AND (:project_id IS NULL OR project_id = :project_id)
@@ -705,9 +795,10 @@ WHERE fingerprint IS NULL AND item_id > :after
        OR project_id IN (SELECT project_id FROM assignments WHERE actor_id = :actor_id))
 ORDER BY item_id LIMIT :chunk
 """
-SET_FINGERPRINT: Final = (
-    "UPDATE items SET fingerprint = ? WHERE item_id = ? AND fingerprint IS NULL"
-)
+SET_FINGERPRINT: Final = """
+UPDATE items SET fingerprint = ?
+WHERE item_id = ? AND fingerprint IS NULL AND state NOT IN ('claimed', 'offloaded')
+"""
 
 
 # When a lapsed claim can be taken over: its lapse, or later the lapse of a claimed twin's

@@ -1075,9 +1075,13 @@ class ControlStore:
         deferred) item enqueued with dedup whose twin in the same project is done becomes
         done with a copy of the twin's result, ``chunk`` items per transaction, each with
         a "done" event naming the twin. Returns how many items it settled.
+
+        This is the full pass: it walks the store for twin pairs however they formed.
+        The steps drain() and work() take look only at the pairs the store noted as they
+        formed (see docs/concepts/lanes.md, "Preflight").
         """
         chunk = _validate.positive_int(chunk, "chunk")
-        self._engine.restart_backfill()  # a full pass: every item again
+        await self._engine.restart_preflight(chunk)  # a full pass: every item again
         settled = 0
         while True:
             count, more = await self._engine.preflight_step(chunk)
