@@ -12,7 +12,7 @@ interleaved and repeated (median):
 
 * the full walk: every pending item joined against its done twins, which each step made
   until a step looked only at the twin pairs noted as they formed
-  (`Backend.note_twin_pairs`, now run by a full pass only);
+  (`Backend.twin_pairs`, now read by a full pass only);
 * the step's look at the noted pairs (`Backend.any_twin_noted`);
 * a whole `Engine.preflight_step`: the backfill's look for items without a fingerprint
   (through their own index), then the look at the noted pairs;
@@ -22,7 +22,7 @@ interleaved and repeated (median):
 Then what drain() pays for it, in the same run: 1,600 items (100 rounds of 16) drained
 from the backlog of ``--items``, and from a backlog of 2,000 on a store of its own, each
 repeated; the ratio of the two rates is near 1 when a round's cost does not grow with the
-backlog (before the noted pairs, 137 against 2,585 items/s at 100,000).
+backlog (before the noted pairs, 137 against 1,908 items/s at 100,000 and 2,000).
 
 It prints each in milliseconds (the figures in docs/architecture.md come from here).
 """
@@ -65,7 +65,7 @@ async def _step_costs(location: str, items: int, repeats: int) -> dict[str, floa
         op = _backend.PreflightOp(500, None, None)
         await engine.preflight_step(500)  # the backfill's mark past the items written
         sides: dict[str, Callable[[], Awaitable[Any]]] = {
-            "full walk": lambda: backend.note_twin_pairs(op),
+            "full walk": lambda: backend.twin_pairs(op),
             "noted look": lambda: backend.any_twin_noted(op),
             "preflight_step": lambda: engine.preflight_step(500),
         }

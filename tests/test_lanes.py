@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 import json
 import random
@@ -10,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from _signals import until
 from asyncplane import (
     ControlStore,
     FenceRejected,
@@ -19,6 +21,7 @@ from asyncplane import (
     Job,
     ScopeDenied,
     _backend,
+    copy_store,
     fingerprint,
     verify_ledger,
 )
@@ -274,15 +277,16 @@ async def test_the_preflight_look_answers_for_the_rows_its_write_would_settle(
     new: ControlStore = await asyncplane_store_factory("scoped.db", identity=IDENTITY)
     await new.assign("p", "alice")
     backend: Any = await engine_of(new).ready()
-    await backend.backfill_fingerprints(_backend.PreflightOp(500, None, None), 0, IDENTITY)
+    look = await backend.missing_fingerprints(_backend.PreflightOp(500, None, None), 0, IDENTITY)
+    await backend.set_fingerprints(look.writes)
     scopes = {"alice": (None, "alice"), "p": ("p", None), "q": ("q", None), "all": (None, None)}
     for name, (project_id, actor_id) in scopes.items():
         op = _backend.PreflightOp(500, project_id, actor_id)
         found = await backend.any_twin_noted(op)
         assert found == (name in ("q", "all")), name
         if not found:
-            assert await backend.settle_pending_twins(op) == 0, name
-    assert await backend.settle_pending_twins(_backend.PreflightOp(500, "q", None)) == 1
+            assert await backend.settle_pending_twins(op) == (0, False), name
+    assert await backend.settle_pending_twins(_backend.PreflightOp(500, "q", None)) == (1, False)
     assert (await new.item(twin))["result"] == "answer"
     assert await verify_ledger(new) == []
 
@@ -307,15 +311,17 @@ async def settled_by_the_next_step(
     assert await verify_ledger(store) == []
 
 
-async def requeued_beside_a_done_twin(store: ControlStore, project_id: str) -> tuple[int, int]:
+async def requeued_beside_a_done_twin(
+    store: ControlStore, project_id: str, text: str = "q"
+) -> tuple[int, int]:
     """A twin pair, formed by a requeue: an item failed, its twin done with the result
     ``{"answer": 2}``, then the first requeued. Returns (the pending item, the done one)."""
-    first = await store.enqueue(project_id, task("q"))
+    first = await store.enqueue(project_id, task(text))
     claim = await store.claim("w", project_id=project_id)
     assert claim is not None and claim.item_id == first
     await store.finish(first, fence=claim.fence, status="failed", error="boom")
     assert (await store.item(first))["state"] == "failed"
-    second = await store.enqueue(project_id, task("q"))  # a failed twin is not reused
+    second = await store.enqueue(project_id, task(text))  # a failed twin is not reused
     claim = await store.claim("w", project_id=project_id)
     assert claim is not None and claim.item_id == second
     await store.finish(second, fence=claim.fence, result={"answer": 2})
@@ -350,6 +356,19 @@ async def test_an_imported_item_whose_twin_is_done_is_settled_by_the_next_step(
     assert summary.imported == 1
     (imported,) = await lanes.items(project_id="alpha", state="ready")
     await settled_by_the_next_step(lanes, imported["item_id"], done, {"answer": 1})
+
+
+async def test_a_pair_copied_in_is_noted_in_the_destination(
+    asyncplane_store_factory: Any, tmp_path: Any
+) -> None:
+    # A copy brings rows as they stand, the pending item before its done twin (a lower
+    # id): the done row's arrival forms the pair in the destination, which notes it.
+    async with ControlStore(tmp_path / "source.db", identity=IDENTITY) as source:
+        await source.create_project("p", "P")
+        first, second = await requeued_beside_a_done_twin(source, "p")
+        destination: ControlStore = await asyncplane_store_factory("copy.db", identity=IDENTITY)
+        await copy_store(source, destination, chunk=1)
+    await settled_by_the_next_step(destination, first, second, {"answer": 2})
 
 
 async def test_a_done_item_given_its_fingerprint_after_its_twin_is_noted(
@@ -410,12 +429,29 @@ async def test_a_store_of_the_schema_before_notes_its_twin_pairs_as_it_migrates(
     else:
         undo = ["DROP TRIGGER items_twin_pair_arrives ON items",
                 "DROP TRIGGER items_twin_pair_forms ON items",
-                "DROP FUNCTION asyncplane_twin_pair()",
+                "DROP FUNCTION asyncplane_twin_pair()", "DROP INDEX items_unfingerprinted",
                 "UPDATE asyncplane_meta SET value = '6' WHERE key = 'schema_version'"]  # fmt: skip
-    for statement in ["DROP INDEX items_unfingerprinted", "DROP TABLE twin_checks", *undo]:
+    for statement in ["DROP TABLE twin_checks", *undo]:
         raw.execute(statement)
     reopened: ControlStore = await asyncplane_store_factory("before.db", identity=IDENTITY)
     await settled_by_the_next_step(reopened, first, second, {"answer": 2})
+
+
+async def test_a_full_pass_goes_on_past_notes_whose_pair_went_otherwise(
+    lanes: ControlStore,
+) -> None:
+    # Two pairs whose pending item was claimed before any step looked (their notes now
+    # name no pair), then a pair to settle: a full pass two items at a time must not end
+    # on the first step, which settles nothing.
+    for text in ("gone-1", "gone-2"):
+        first, _ = await requeued_beside_a_done_twin(lanes, "alpha", text)
+        claim = await lanes.claim("w", project_id="alpha")
+        assert claim is not None and claim.item_id == first
+    first, _ = await requeued_beside_a_done_twin(lanes, "alpha", "kept")
+    assert await lanes.dedup_pending_against_done(chunk=2) == 1
+    assert (await lanes.item(first))["result"] == {"answer": 2}
+    backend: Any = await engine_of(lanes).ready()
+    assert not await backend.any_twin_noted(_backend.PreflightOp(2, None, None))
 
 
 @pytest.mark.postgresql_only
@@ -441,6 +477,30 @@ async def test_a_twin_locked_elsewhere_keeps_its_note_for_the_next_step(
     finally:
         await conn.close()
     await settled_by_the_next_step(store, first, second, {"answer": 2})
+
+
+async def test_the_backfill_comes_back_for_an_item_that_was_running(
+    asyncplane_store_factory: Any,
+) -> None:
+    # The backfill never writes under a running claim: an item without a fingerprint
+    # that runs while the backfill passes is fingerprinted by a later step, once it is
+    # back, however far the mark went past it meanwhile.
+    old: ControlStore = await asyncplane_store_factory("running.db")
+    await old.create_project("p", "P")
+    running = await old.enqueue("p", task("a"), priority=1)
+    after = await old.enqueue("p", task("b"))
+    claim = await old.claim("w")
+    assert claim is not None and claim.item_id == running
+    new: ControlStore = await asyncplane_store_factory("running.db", identity=IDENTITY)
+    engine = engine_of(new)
+    assert await engine.preflight_step(500) == (0, False)
+    assert (await new.item(after))["fingerprint"] is not None
+    assert (await new.item(running))["fingerprint"] is None
+    later = await old.enqueue("p", task("c"))  # written since, without one too
+    await old.release(running, fence=claim.fence)
+    assert await engine.preflight_step(500) == (0, False)
+    assert (await new.item(running))["fingerprint"] is not None
+    assert (await new.item(later))["fingerprint"] is not None
 
 
 async def test_a_backfill_step_that_fingerprints_nothing_writes_nothing(
@@ -955,3 +1015,106 @@ async def test_a_batch_larger_than_a_page_is_filled_past_skipped_twins(store: Co
     batch = await store.claim_batch("w", 1_100)
     assert len(batch) == 1_100  # one of the ten twins, and 1,099 others
     assert len({claim.item_id for claim in batch}) == 1_100
+
+
+def _content_lock(fingerprint: str) -> str:
+    """The SQL that takes a content's hand-off lock in project p (as a finish does)."""
+    return (
+        "SELECT pg_advisory_xact_lock(hashtextextended("
+        f"current_schema() || chr(1) || 'p' || chr(1) || '{fingerprint}', 2))"
+    )
+
+
+async def _lock_waiters(conn: Any) -> int:
+    """How many sessions wait for an advisory lock."""
+    waiting = "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
+    return int(await conn.fetchval(waiting))
+
+
+@pytest.mark.postgresql_only
+async def test_a_twin_finished_while_a_pair_forms_elsewhere_waits_and_settles_it(
+    asyncplane_store_factory: Any, clock: ManualClock
+) -> None:
+    # A transaction makes an item pending (a requeue, here by hand) while its twin, due
+    # but deferred, is claimed and finished elsewhere. The finish must not settle in a
+    # snapshot that misses the item: it waits for the content's lock, which the pending
+    # item's trigger took, then its settle sees the item and settles it with itself.
+    import asyncpg
+
+    store: ControlStore = await asyncplane_store_factory("race.db", identity=IDENTITY)
+    await store.create_project("p", "P")
+    first = await store.enqueue("p", task("q"))
+    claim = await store.claim("w")
+    assert claim is not None and claim.item_id == first
+    await store.finish(first, fence=claim.fence, status="failed", error="boom")
+    twin = await store.enqueue("p", task("q"), not_before=clock.now() + 10)
+    clock.advance(20)
+    forming = await asyncpg.connect(store.location)
+    watching = await asyncpg.connect(store.location)
+    try:
+        async with forming.transaction():
+            fence = await forming.fetchval(
+                "UPDATE items SET state = 'ready', attempts = 0, error = NULL"
+                " WHERE item_id = $1 RETURNING fence",
+                first,
+            )
+            await forming.execute(
+                "INSERT INTO events (item_id, event_type, fence, at)"
+                " VALUES ($1, 'requeued', $2, 0)",
+                first,
+                fence,
+            )
+            claim = await store.claim("w")
+            assert claim is not None and claim.item_id == twin
+            finishing = asyncio.create_task(
+                store.finish(twin, fence=claim.fence, result={"answer": 5})
+            )
+            await until(lambda: _lock_waiters(watching), what="the finish waiting")
+            assert not finishing.done()
+        await finishing
+    finally:
+        await forming.close()
+        await watching.close()
+    row = await store.item(first)
+    assert (row["state"], row["result"]) == ("done", {"answer": 5})
+    assert await verify_ledger(store) == []
+
+
+@pytest.mark.postgresql_only
+async def test_a_pair_formed_while_a_twin_finishes_elsewhere_is_noted(
+    asyncplane_store_factory: Any,
+) -> None:
+    # The other order: a twin's finish holds the content's lock, not committed yet, when
+    # a requeue makes the item pending. The requeue's trigger cannot look after that
+    # finish, so it notes the content, and the next step settles the pair.
+    import asyncpg
+
+    store: ControlStore = await asyncplane_store_factory("race2.db", identity=IDENTITY)
+    await store.create_project("p", "P")
+    first = await store.enqueue("p", task("q"))
+    claim = await store.claim("w")
+    assert claim is not None and claim.item_id == first
+    await store.finish(first, fence=claim.fence, status="failed", error="boom")
+    twin = await store.enqueue("p", task("q"))
+    claim = await store.claim("w")
+    assert claim is not None and claim.item_id == twin
+    fingerprint = (await store.item(twin))["fingerprint"]
+    finisher = await asyncpg.connect(store.location)
+    try:
+        async with finisher.transaction():
+            await finisher.execute(_content_lock(fingerprint))
+            await finisher.execute(
+                "UPDATE items SET state = 'done', result = '{\"answer\": 6}', "
+                "lease_expires_at = NULL WHERE item_id = $1",
+                twin,
+            )
+            await finisher.execute(
+                "INSERT INTO events (item_id, event_type, fence, owner, at) "
+                "VALUES ($1, 'done', $2, 'w', 0)",
+                twin,
+                claim.fence,
+            )
+            await store.requeue(first)
+    finally:
+        await finisher.close()
+    await settled_by_the_next_step(store, first, twin, {"answer": 6})

@@ -36,6 +36,7 @@ __all__ = (
     "AssignOp",
     "AssignmentRow",
     "Backend",
+    "Backfill",
     "CancelOp",
     "CancelWhereOp",
     "ChangeHook",
@@ -193,6 +194,15 @@ class PreflightOp(NamedTuple):
     chunk: int
     project_id: str | None
     actor_id: str | None
+
+
+class Backfill(NamedTuple):
+    """What the fingerprint backfill's look found: the fingerprints to write, as
+    ``(fingerprint, item_id)``, where its next look starts, and how many items it saw."""
+
+    writes: list[tuple[str, int]]
+    after: int
+    seen: int
 
 
 class ItemFilter(NamedTuple):
@@ -891,11 +901,16 @@ class Backend(Protocol):
         """The items offloaded to ``handle``."""
         ...
 
-    async def backfill_fingerprints(
+    async def missing_fingerprints(
         self, op: PreflightOp, after_item_id: int, identity: tuple[str, ...]
-    ) -> tuple[int, int]:
-        """Fingerprint up to ``op.chunk`` items that lack one (a look first: no write when
-        none gets one); return (last id seen, seen)."""
+    ) -> Backfill:
+        """Up to ``op.chunk`` items after ``after_item_id`` that lack a fingerprint, and the
+        fingerprints of those that get one (a read; `_fingerprint.backfill`)."""
+        ...
+
+    async def set_fingerprints(self, writes: list[tuple[str, int]]) -> None:
+        """Write fingerprints the backfill found, to items still without one and not
+        running."""
         ...
 
     async def any_twin_noted(self, op: PreflightOp) -> bool:
@@ -903,14 +918,19 @@ class Backend(Protocol):
         has anything to look at (a read)."""
         ...
 
-    async def settle_pending_twins(self, op: PreflightOp) -> int:
+    async def settle_pending_twins(self, op: PreflightOp) -> tuple[int, bool]:
         """Settle up to ``op.chunk`` pending items of the noted contents whose twin is done,
-        then forget the contents with no pair left; return how many were settled."""
+        then forget the notes with no pair left; return (how many were settled, whether
+        more may be left)."""
         ...
 
-    async def note_twin_pairs(self, op: PreflightOp) -> int:
-        """Note the content of every twin pair in scope, found by a walk of the store (a
-        full preflight pass); return how many contents were found."""
+    async def twin_pairs(self, op: PreflightOp) -> list[tuple[str, str]]:
+        """The content of every twin pair in scope, found by a walk of the store (a read,
+        for a full preflight pass)."""
+        ...
+
+    async def note_twin_pairs(self, contents: list[tuple[str, str]]) -> None:
+        """Note these contents (project id, fingerprint) as twin pairs to look at."""
         ...
 
     async def next_due(self, project_id: str | None, actor_id: str | None) -> float | None:

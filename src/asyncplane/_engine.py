@@ -317,24 +317,33 @@ class Engine:
         op = _backend.PreflightOp(chunk, project_id, actor_id)
         seen = 0
         if self.options.identity:
+            # A look first (a read, through the items without a fingerprint): the write
+            # lock is taken only for items that get one.
             scope = (project_id, actor_id)
-            after, seen = await backend.backfill_fingerprints(
+            look = await backend.missing_fingerprints(
                 op, self._backfill_after.get(scope, 0), self.options.identity
             )
-            self._backfill_after[scope] = after
-        # A look first (a read of the contents noted as they formed a twin pair), so that
-        # a store with no twin to settle, the usual case, takes no write lock for it and
-        # reads nothing in proportion to its size: work() steps once a second even idle.
-        settled = await backend.settle_pending_twins(op) if await backend.any_twin_noted(op) else 0
+            if look.writes:
+                await backend.set_fingerprints(look.writes)
+            self._backfill_after[scope] = look.after
+            seen = look.seen
+        # A look first (a read of the twin pairs noted as they formed), so that a store
+        # with no twin to settle, the usual case, takes no write lock for it and reads
+        # nothing in proportion to its size: work() steps once a second even idle.
+        settled, more = 0, False
+        if await backend.any_twin_noted(op):
+            settled, more = await backend.settle_pending_twins(op)
         _telemetry.dedup_settled(settled, "preflight")
-        return settled, seen == chunk or settled == chunk
+        return settled, seen == chunk or more
 
     async def restart_preflight(self, chunk: int) -> None:
         """Make the next preflight steps a full pass: the backfill looks at every item
         again, and every twin pair in the store is noted, however it formed."""
         self._backfill_after.pop((None, None), None)
         backend = await self.ready()
-        await backend.note_twin_pairs(_backend.PreflightOp(chunk, None, None))
+        contents = await backend.twin_pairs(_backend.PreflightOp(chunk, None, None))
+        if contents:
+            await backend.note_twin_pairs(contents)
 
     async def run_schedules(self) -> int:
         """Enqueue every due tick (a transaction per few dozen schedules), then note when

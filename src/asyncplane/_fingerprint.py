@@ -15,12 +15,12 @@ only choose the executor (a model, a lane) are left out of it.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from asyncplane import _errors
 
-__all__ = ("fingerprint", "from_payload", "from_stored", "to_write")
+__all__ = ("backfill", "fingerprint", "from_payload", "from_stored")
 
 _MISSING = b"\xff" * 8  # never a length prefix: lengths are below 2**63
 
@@ -82,12 +82,35 @@ def from_stored(payload_json: str, identity: Sequence[str]) -> str | None:
     return from_payload(payload, identity) if isinstance(payload, dict) else None
 
 
-def to_write(rows: Iterable[Any], identity: Sequence[str]) -> list[tuple[str, Any]]:
-    """``(fingerprint, item_id)`` for each stored ``(item_id, payload_json)`` that gets
-    one: the preflight's backfill of items written without one (an item whose payload
-    has no identity field, or cannot be decoded here, gets none and is not written)."""
+def backfill(
+    rows: Sequence[Any],
+    after: int,
+    chunk: int,
+    identity: Sequence[str],
+    bounds: tuple[int | None, int | None] | None,
+) -> tuple[list[tuple[str, int]], int, int]:
+    """One step of the preflight's backfill of items written without a fingerprint.
+
+    ``rows`` are the stored ``(item_id, payload_json)`` its look found after the mark
+    ``after`` (at most ``chunk``, in id order, none running). ``bounds``, when the
+    backend can give them from the same snapshot, are the first running item after the
+    mark without a fingerprint and the table's last id. Returns ``(fingerprint,
+    item_id)`` for each row that gets one (a payload with no identity field, or that
+    this process cannot decode, gets none and is not written), where the next look
+    starts, and how many rows were seen. The mark moves past the rows seen; with bounds,
+    a look that reached the end moves it to the end, and either stops short of a running
+    item, which may take a fingerprint once it stops running.
+    """
     found = ((from_stored(payload, identity), item_id) for item_id, payload in rows)
-    return [(value, item_id) for value, item_id in found if value is not None]
+    writes = [(value, int(item_id)) for value, item_id in found if value is not None]
+    mark = int(rows[-1][0]) if rows else after
+    if bounds is not None:
+        running, last = bounds
+        if len(rows) < chunk and last is not None:
+            mark = max(mark, int(last))
+        if running is not None:
+            mark = max(after, min(mark, int(running) - 1))
+    return writes, mark, len(rows)
 
 
 def _field(value: Any) -> str | None:

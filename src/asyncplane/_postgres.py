@@ -386,31 +386,31 @@ class PostgresBackend(_backend.Writes):
         if not self._sizing.read_only:
             await self._write(_bind(_mark_awaited, item_id))
 
-    async def backfill_fingerprints(
+    async def missing_fingerprints(
         self, op: _backend.PreflightOp, after_item_id: int, identity: tuple[str, ...]
-    ) -> tuple[int, int]:
-        # A look first: the write is made only for items that get a fingerprint.
-        rows = await self._fetch(
-            sql.MISSING_FINGERPRINTS, after_item_id, op.chunk, op.project_id, op.actor_id
+    ) -> _backend.Backfill:
+        rows, running = await self._read(_missing_fingerprints, op, after_item_id)
+        # (No last id: commits here come in no order of ids, so a look cannot tell that
+        # no item before the table's last id is still to come.)
+        return _backend.Backfill(
+            *_fingerprint.backfill(rows, after_item_id, op.chunk, identity, (running, None))
         )
-        if not rows:
-            return after_item_id, 0
-        writes = _fingerprint.to_write(rows, identity)
-        if writes:
-            await self._write(_bind(_set_fingerprints, writes))
-        return int(rows[-1][0]), len(rows)
+
+    async def set_fingerprints(self, writes: list[tuple[str, int]]) -> None:
+        await self._write(_bind(_set_fingerprints, writes))
 
     async def any_twin_noted(self, op: _backend.PreflightOp) -> bool:
         return bool((await self._fetch(sql.ANY_TWIN_NOTED, op.project_id, op.actor_id))[0][0])
 
-    async def settle_pending_twins(self, op: _backend.PreflightOp) -> int:
+    async def settle_pending_twins(self, op: _backend.PreflightOp) -> tuple[int, bool]:
         return await self._write(_bind(_settle_pending_twins, op))
 
-    async def note_twin_pairs(self, op: _backend.PreflightOp) -> int:
-        contents = await self._fetch(sql.ALL_TWIN_PAIRS, op.project_id, op.actor_id)
-        if contents:
-            await self._write(_bind(_note_twin_pairs, [tuple(row) for row in contents]))
-        return len(contents)
+    async def twin_pairs(self, op: _backend.PreflightOp) -> list[tuple[str, str]]:
+        rows = await self._fetch(sql.ALL_TWIN_PAIRS, op.project_id, op.actor_id)
+        return [(row[0], row[1]) for row in rows]
+
+    async def note_twin_pairs(self, contents: list[tuple[str, str]]) -> None:
+        await self._write(_bind(_note_twin_pairs, contents))
 
     async def purge_candidates(self, cutoff: float, chunk: int) -> _backend.Histories:
         return await self._read(_purge_candidates, cutoff, chunk)
@@ -1201,6 +1201,19 @@ async def _offload(op: _backend.OffloadOp, conn: asyncpg.Connection, now: float)
     await _insert_events(conn, [_rules.offload_event(op, row[0], now)])
 
 
+async def _missing_fingerprints(
+    conn: asyncpg.Connection, op: _backend.PreflightOp, after: int
+) -> tuple[list[Any], int | None]:
+    """The backfill's look and the first running item it must stop short of, in one
+    snapshot."""
+    async with _snapshot(conn):
+        rows = await conn.fetch(
+            sql.MISSING_FINGERPRINTS, after, op.chunk, op.project_id, op.actor_id
+        )
+        running: int | None = await conn.fetchval(sql.BACKFILL_RUNNING, after)
+    return list(rows), running
+
+
 async def _set_fingerprints(
     writes: list[tuple[str, int]], conn: asyncpg.Connection, now: float
 ) -> None:
@@ -1211,10 +1224,12 @@ async def _set_fingerprints(
 
 async def _settle_pending_twins(
     op: _backend.PreflightOp, conn: asyncpg.Connection, now: float
-) -> int:
+) -> tuple[int, bool]:
+    # A chunk of notes at most: a full one may leave more notes, as may a full chunk of
+    # settles more pairs.
     notes = await conn.fetch(sql.TWIN_NOTES, op.chunk, op.project_id, op.actor_id)
     if not notes:
-        return 0
+        return 0, False
     contents = dict.fromkeys((note[1], note[2]) for note in notes)  # a content noted twice
     projects = [project_id for project_id, _ in contents]
     fingerprints = [fingerprint for _, fingerprint in contents]
@@ -1225,7 +1240,7 @@ async def _settle_pending_twins(
         events.extend(_rules.twin_events(done_id, [(item_id, fence)], op.actor_id, now))
     await _insert_events(conn, events)
     await conn.execute(sql.FORGET_TWIN_NOTES, [note[0] for note in notes])
-    return len(rows)
+    return len(rows), len(rows) == op.chunk or len(notes) == op.chunk
 
 
 async def _note_twin_pairs(

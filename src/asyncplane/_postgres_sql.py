@@ -529,40 +529,49 @@ MIGRATIONS: Final[tuple[str, ...]] = (
     # 7: preflight that costs what changed, as SQLite's migration 9: a twin pair's content
     # noted as it forms, and the items without a fingerprint in an index of their own.
     # Writers run side by side here, and a trigger cannot see a twin that another
-    # transaction is changing. An item that becomes pending therefore notes its content
-    # when a twin is done or running: a running twin may finish meanwhile, and its finish
-    # settles only the pending twins its snapshot shows. (A done item given its
-    # fingerprint by the backfill, or copied in, notes its content when a pending twin is
-    # there; one becoming pending at that very moment, uncommitted, is left to a full
-    # pass.) A note is a row of its own, never updated, so a preflight forgets only the
-    # notes it read: one made meanwhile, by a transaction it could not see, stays.
+    # transaction is changing: a twin may become done (a finish) while this transaction
+    # is still open, and that finish settles only the pending twins its snapshot shows.
+    # So, when the item has a twin, the trigger tries the content's hand-off lock, the
+    # one a twin that stops running takes (asyncplane_line_moves_on), which every finish
+    # takes before it settles its twins, and looks only then, in a snapshot taken after
+    # it. Had: any finish before it has committed (the look sees it), any after it waits
+    # for this transaction (and its settle sees this item); the same holds between two
+    # writes that form a pair from either side. Not had (another holds it now): the
+    # content is noted whatever the look would show. An item with no twin takes no lock
+    # (an enqueue's row, as a rule; a bulk enqueue would hold a lock a row): a twin that
+    # a transaction not yet committed is adding, and that runs and finishes before this
+    # one commits, is the one case a step misses, left to a full pass (not two enqueues:
+    # they take turns on the content's enqueue lock, and the second finds the first's
+    # item). A note is a row of its own, never updated, so a preflight forgets only the
+    # notes it read: one made meanwhile, by a transaction it could not see, stays. The
+    # triggers come before the notes of the pairs already there, whose look then sees
+    # every pair committed before the migration took the table's lock.
     """
     CREATE TABLE twin_checks (
         note_id     bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
         project_id  text NOT NULL,
         fingerprint text NOT NULL
     );
-    INSERT INTO twin_checks (project_id, fingerprint)
-    SELECT DISTINCT p.project_id, p.fingerprint FROM items AS p
-    WHERE p.state IN ('ready', 'deferred') AND p.dedup AND p.fingerprint IS NOT NULL
-      AND EXISTS (SELECT 1 FROM items AS d
-                  WHERE d.project_id = p.project_id AND d.fingerprint = p.fingerprint
-                    AND d.state = 'done');
     CREATE FUNCTION asyncplane_twin_pair() RETURNS trigger
-    LANGUAGE plpgsql AS $$
+    LANGUAGE plpgsql SET enable_seqscan = off AS $$
+    DECLARE
+        alone boolean;
     BEGIN
-        IF NEW.state = 'done' THEN
-            IF NOT EXISTS (
-                SELECT 1 FROM items
-                WHERE project_id = NEW.project_id AND fingerprint = NEW.fingerprint
-                  AND state IN ('ready', 'deferred') AND dedup)
-            THEN
-                RETURN NULL;
-            END IF;
-        ELSIF NOT EXISTS (
+        IF NOT EXISTS (
             SELECT 1 FROM items
             WHERE project_id = NEW.project_id AND fingerprint = NEW.fingerprint
-              AND state IN ('done', 'claimed', 'offloaded') AND item_id <> NEW.item_id)
+              AND item_id <> NEW.item_id)
+        THEN
+            RETURN NULL;  -- no twin: no lock (an enqueue's usual row, and a bulk one's)
+        END IF;
+        alone := pg_try_advisory_xact_lock(hashtextextended(
+            current_schema() || chr(1) || NEW.project_id || chr(1) || NEW.fingerprint, 2));
+        IF alone AND NOT EXISTS (
+            SELECT 1 FROM items
+            WHERE project_id = NEW.project_id AND fingerprint = NEW.fingerprint
+              AND item_id <> NEW.item_id
+              AND CASE WHEN NEW.state = 'done' THEN state IN ('ready', 'deferred') AND dedup
+                       ELSE state = 'done' END)
         THEN
             RETURN NULL;
         END IF;
@@ -581,6 +590,12 @@ MIGRATIONS: Final[tuple[str, ...]] = (
                   OR OLD.fingerprint IS DISTINCT FROM NEW.fingerprint))
             OR (NEW.state = 'done' AND OLD.fingerprint IS DISTINCT FROM NEW.fingerprint)))
         EXECUTE FUNCTION asyncplane_twin_pair();
+    INSERT INTO twin_checks (project_id, fingerprint)
+    SELECT DISTINCT p.project_id, p.fingerprint FROM items AS p
+    WHERE p.state IN ('ready', 'deferred') AND p.dedup AND p.fingerprint IS NOT NULL
+      AND EXISTS (SELECT 1 FROM items AS d
+                  WHERE d.project_id = p.project_id AND d.fingerprint = p.fingerprint
+                    AND d.state = 'done');
     CREATE INDEX items_unfingerprinted ON items (item_id) WHERE fingerprint IS NULL;
     """,
 )
@@ -1111,34 +1126,35 @@ ORDER BY note_id LIMIT $1
 # write connection's, perhaps made before the table had statistics) or not: the contents
 # lead (LATERAL keeps them outside), and each state test is written "(...) IS TRUE", which
 # no index on state can serve, so no plan walks the pending or done items through one
-# (items_by_state, items_by_project), nor the whole table in id order for the LIMIT.
+# (items_by_state, items_by_project), nor the whole table in id order for the LIMIT. What
+# makes a pair is written once (_PAIR_PENDING, _PAIR_DONE): the settle, the forgetting and
+# the full pass must agree on it, or a note would go while its pair stays.
+_PAIR_PENDING = "(p.state IN ('ready', 'deferred')) IS TRUE AND p.dedup"
+_PAIR_DONE = "(d.state = 'done') IS TRUE"
 # $1 chunk, $2 the notes' projects, $3 their fingerprints (distinct contents).
-NOTED_TWIN_PAIRS: Final = """
+NOTED_TWIN_PAIRS: Final = f"""
 SELECT p.item_id, p.fence, d.item_id, d.result
 FROM unnest($2::text[], $3::text[]) AS c (project_id, fingerprint)
 CROSS JOIN LATERAL (
-    SELECT item_id, fence FROM items
-    WHERE project_id = c.project_id AND fingerprint = c.fingerprint AND dedup
-      AND (state IN ('ready', 'deferred')) IS TRUE
+    SELECT p.item_id, p.fence FROM items AS p
+    WHERE p.project_id = c.project_id AND p.fingerprint = c.fingerprint AND {_PAIR_PENDING}
     FOR UPDATE SKIP LOCKED) AS p
 CROSS JOIN LATERAL (
-    SELECT item_id, result FROM items
-    WHERE project_id = c.project_id AND fingerprint = c.fingerprint
-      AND (state = 'done') IS TRUE
-    ORDER BY item_id LIMIT 1) AS d
+    SELECT d.item_id, d.result FROM items AS d
+    WHERE d.project_id = c.project_id AND d.fingerprint = c.fingerprint AND {_PAIR_DONE}
+    ORDER BY d.item_id LIMIT 1) AS d
 LIMIT $1
 """
 # (A scalar subquery, run for each note read: as NOT EXISTS the planner may make it an
 # anti join that walks every pending item.)
-FORGET_TWIN_NOTES: Final = """
+FORGET_TWIN_NOTES: Final = f"""
 DELETE FROM twin_checks AS c
 WHERE c.note_id = ANY ($1::bigint[]) AND NOT coalesce((
     SELECT true FROM items AS p
-    WHERE p.project_id = c.project_id AND p.fingerprint = c.fingerprint AND p.dedup
-      AND (p.state IN ('ready', 'deferred')) IS TRUE
+    WHERE p.project_id = c.project_id AND p.fingerprint = c.fingerprint AND {_PAIR_PENDING}
       AND EXISTS (SELECT 1 FROM items AS d
                   WHERE d.project_id = c.project_id AND d.fingerprint = c.fingerprint
-                    AND (d.state = 'done') IS TRUE)
+                    AND {_PAIR_DONE})
     LIMIT 1), false)
 """
 SETTLE_ONE_TWIN: Final = """
@@ -1147,12 +1163,12 @@ WHERE item_id = $3 AND state IN ('ready', 'deferred')
 """
 # A full pass: every pair's content in scope ($1 project_id, $2 actor_id), found by a
 # walk of the pending items (a read), then noted.
-ALL_TWIN_PAIRS: Final = """
+ALL_TWIN_PAIRS: Final = f"""
 SELECT DISTINCT p.project_id, p.fingerprint FROM items AS p
-WHERE p.state IN ('ready', 'deferred') AND p.dedup AND p.fingerprint IS NOT NULL
+WHERE {_PAIR_PENDING} AND p.fingerprint IS NOT NULL
   AND EXISTS (SELECT 1 FROM items AS d
               WHERE d.project_id = p.project_id AND d.fingerprint = p.fingerprint
-                AND d.state = 'done')
+                AND {_PAIR_DONE})
   AND ($1::text IS NULL OR p.project_id = $1::text)
   AND ($2::text IS NULL
        OR p.project_id IN (SELECT project_id FROM assignments WHERE actor_id = $2::text))
@@ -1169,6 +1185,16 @@ WHERE fingerprint IS NULL AND item_id > $1
   AND ($4::text IS NULL
        OR project_id IN (SELECT project_id FROM assignments WHERE actor_id = $4::text))
 ORDER BY item_id LIMIT $2
+"""
+# The first running item after the mark ($1) without a fingerprint: the mark stops short
+# of it (`_fingerprint.backfill`). Read in the look's snapshot.
+BACKFILL_RUNNING: Final = """
+SELECT min(item_id) FROM (
+    SELECT item_id FROM items
+    WHERE state = 'claimed' AND fingerprint IS NULL AND item_id > $1
+    UNION ALL
+    SELECT item_id FROM items
+    WHERE state = 'offloaded' AND fingerprint IS NULL AND item_id > $1) AS running
 """
 LOCK_UNFINGERPRINTED: Final = """
 SELECT item_id FROM items

@@ -242,30 +242,29 @@ class SQLiteBackend(_backend.Writes):
     async def mark_awaited(self, item_id: int) -> None:
         return None  # data_version moves on every commit: every settle is seen
 
-    async def backfill_fingerprints(
+    async def missing_fingerprints(
         self, op: _backend.PreflightOp, after_item_id: int, identity: tuple[str, ...]
-    ) -> tuple[int, int]:
-        # A look first: the write lock is taken only for items that get a fingerprint.
+    ) -> _backend.Backfill:
         params = {"after": after_item_id, "chunk": op.chunk, "project_id": op.project_id,
                   "actor_id": op.actor_id}  # fmt: skip
-        writes, after, seen = await self._read(_missing_fingerprints, params, identity)
-        if writes:
-            await self._write(functools.partial(_set_fingerprints, writes))
-        return after, seen
+        return await self._read(_missing_fingerprints, params, identity)
+
+    async def set_fingerprints(self, writes: list[tuple[str, int]]) -> None:
+        await self._write(functools.partial(_set_fingerprints, writes))
 
     async def any_twin_noted(self, op: _backend.PreflightOp) -> bool:
         params = {"project_id": op.project_id, "actor_id": op.actor_id}
         return bool((await self._read(_fetch_named, sql.ANY_TWIN_NOTED, params))[0][0])
 
-    async def settle_pending_twins(self, op: _backend.PreflightOp) -> int:
+    async def settle_pending_twins(self, op: _backend.PreflightOp) -> tuple[int, bool]:
         return await self._write(functools.partial(_settle_pending_twins, op))
 
-    async def note_twin_pairs(self, op: _backend.PreflightOp) -> int:
+    async def twin_pairs(self, op: _backend.PreflightOp) -> list[tuple[str, str]]:
         params = {"project_id": op.project_id, "actor_id": op.actor_id}
-        contents = await self._read(_fetch_named, sql.ALL_TWIN_PAIRS, params)
-        if contents:
-            await self._write(functools.partial(_note_twin_pairs, contents))
-        return len(contents)
+        return await self._read(_fetch_named, sql.ALL_TWIN_PAIRS, params)
+
+    async def note_twin_pairs(self, contents: list[tuple[str, str]]) -> None:
+        await self._write(functools.partial(_note_twin_pairs, contents))
 
     async def purge_candidates(self, cutoff: float, chunk: int) -> _backend.Histories:
         return await self._read(_purge_candidates, cutoff, chunk)
@@ -949,20 +948,27 @@ def _requeue_where(
 
 def _missing_fingerprints(
     db: sqlite3.Connection, params: dict[str, Any], identity: tuple[str, ...]
-) -> tuple[list[tuple[str, int]], int, int]:
-    """The backfill's look: (fingerprints to write, the mark after the items seen, how
-    many were seen), the payloads decoded here on the reader's thread."""
+) -> _backend.Backfill:
+    """The backfill's look (in one read transaction: the end it saw is the end of the
+    rows it read), the payloads decoded here on the reader's thread."""
+    db.execute("BEGIN")
     rows = db.execute(sql.MISSING_FINGERPRINTS, params).fetchall()
-    if not rows:
-        return [], params["after"], 0
-    return _fingerprint.to_write(rows, identity), rows[-1][0], len(rows)
+    bounds = db.execute(sql.BACKFILL_BOUNDS, params).fetchone()
+    db.execute("COMMIT")
+    return _backend.Backfill(
+        *_fingerprint.backfill(rows, params["after"], params["chunk"], identity, bounds)
+    )
 
 
 def _set_fingerprints(writes: list[tuple[str, int]], db: sqlite3.Connection, now: float) -> None:
     db.executemany(sql.SET_FINGERPRINT, writes)
 
 
-def _settle_pending_twins(op: _backend.PreflightOp, db: sqlite3.Connection, now: float) -> int:
+def _settle_pending_twins(
+    op: _backend.PreflightOp, db: sqlite3.Connection, now: float
+) -> tuple[int, bool]:
+    # Every note in scope is read (the write lock is held: no note can be missed or
+    # locked elsewhere), so only a full chunk of settles may leave more.
     params = {"chunk": op.chunk, "project_id": op.project_id, "actor_id": op.actor_id}
     rows = db.execute(sql.NOTED_TWIN_PAIRS, params).fetchall()
     events: list[_rules.Event] = []
@@ -971,10 +977,10 @@ def _settle_pending_twins(op: _backend.PreflightOp, db: sqlite3.Connection, now:
         events.extend(_rules.twin_events(done_id, [(item_id, fence)], op.actor_id, now))
     _insert_events(db, events)
     db.execute(sql.FORGET_TWIN_CHECKS, {"project_id": op.project_id, "actor_id": op.actor_id})
-    return len(rows)
+    return len(rows), len(rows) == op.chunk
 
 
-def _note_twin_pairs(contents: list[Any], db: sqlite3.Connection, now: float) -> None:
+def _note_twin_pairs(contents: list[tuple[str, str]], db: sqlite3.Connection, now: float) -> None:
     db.executemany(sql.NOTE_TWIN_CHECK, contents)
 
 
