@@ -15,7 +15,7 @@ interleaved and repeated (median):
   (`Backend.twin_pairs`, now read by a full pass only);
 * the step's look at the noted pairs (`Backend.any_twin_noted`);
 * a whole `Engine.preflight_step`: the backfill's look for items without a fingerprint
-  (through their own index), then the look at the noted pairs;
+  after its mark, then the look at the noted pairs;
 * a step that settles one pair, formed just before it (an item failed, its twin done, the
   first requeued), in a project of its own.
 

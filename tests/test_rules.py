@@ -417,15 +417,13 @@ def test_a_lapsed_claim_of_a_full_project_is_still_taken_over() -> None:
 def test_the_backfill_writes_only_what_gets_a_fingerprint_and_marks_where_it_stopped() -> None:
     identity = ("task",)
     rows = [(3, '{"task": "a"}'), (5, '{"other": 1}'), (8, "not json")]
-    writes, mark, seen = _fingerprint.backfill(rows, 0, 10, identity, None)
+    writes, mark, seen = _fingerprint.backfill(rows, 0, 10, identity)
     assert writes == [(_fingerprint.from_payload({"task": "a"}, identity), 3)]
     assert (mark, seen) == (8, 3)
     # A look that reached the end (fewer rows than a chunk) moves to the table's end ...
-    assert _fingerprint.backfill(rows, 0, 10, identity, (None, 40))[1] == 40
-    assert _fingerprint.backfill([], 12, 10, identity, (None, 40))[1] == 40
-    # ... not a full chunk, after which more may come ...
-    assert _fingerprint.backfill(rows, 0, 3, identity, (None, 40))[1] == 8
-    # ... and never past a running item without a fingerprint, nor back before the mark.
-    assert _fingerprint.backfill(rows, 0, 10, identity, (6, 40))[1] == 5
-    assert _fingerprint.backfill([], 12, 10, identity, (13, 40))[1] == 12
-    assert _fingerprint.backfill([], 12, 10, identity, (None, None))[1] == 12
+    assert _fingerprint.backfill(rows, 0, 10, identity, 40)[1] == 40
+    assert _fingerprint.backfill([], 12, 10, identity, 40)[1] == 40
+    # ... not after a full chunk, which more may follow, nor back before the mark.
+    assert _fingerprint.backfill(rows, 0, 3, identity, 40)[1] == 8
+    assert _fingerprint.backfill([], 12, 10, identity, 7)[1] == 12
+    assert _fingerprint.backfill([], 12, 10, identity)[1] == 12

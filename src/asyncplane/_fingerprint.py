@@ -83,33 +83,24 @@ def from_stored(payload_json: str, identity: Sequence[str]) -> str | None:
 
 
 def backfill(
-    rows: Sequence[Any],
-    after: int,
-    chunk: int,
-    identity: Sequence[str],
-    bounds: tuple[int | None, int | None] | None,
+    rows: Sequence[Any], after: int, chunk: int, identity: Sequence[str], end: int | None = None
 ) -> tuple[list[tuple[str, int]], int, int]:
     """One step of the preflight's backfill of items written without a fingerprint.
 
     ``rows`` are the stored ``(item_id, payload_json)`` its look found after the mark
-    ``after`` (at most ``chunk``, in id order, none running). ``bounds``, when the
-    backend can give them from the same snapshot, are the first running item after the
-    mark without a fingerprint and the table's last id. Returns ``(fingerprint,
-    item_id)`` for each row that gets one (a payload with no identity field, or that
-    this process cannot decode, gets none and is not written), where the next look
-    starts, and how many rows were seen. The mark moves past the rows seen; with bounds,
-    a look that reached the end moves it to the end, and either stops short of a running
-    item, which may take a fingerprint once it stops running.
+    ``after`` (at most ``chunk``, in id order, none running). ``end`` is the table's last
+    id in the look's snapshot, when the backend can tell that no item below it is still
+    to come. Returns ``(fingerprint, item_id)`` for each row that gets one (a payload
+    with no identity field, or that this process cannot decode, gets none and is not
+    written), where the next look starts, and how many rows were seen. The mark moves
+    past the rows seen, and to ``end`` when the look reached it (fewer rows than a
+    chunk). An item running as the look passed it is left to a full pass.
     """
     found = ((from_stored(payload, identity), item_id) for item_id, payload in rows)
     writes = [(value, int(item_id)) for value, item_id in found if value is not None]
     mark = int(rows[-1][0]) if rows else after
-    if bounds is not None:
-        running, last = bounds
-        if len(rows) < chunk and last is not None:
-            mark = max(mark, int(last))
-        if running is not None:
-            mark = max(after, min(mark, int(running) - 1))
+    if end is not None and len(rows) < chunk:
+        mark = max(mark, int(end))
     return writes, mark, len(rows)
 
 

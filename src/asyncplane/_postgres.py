@@ -196,7 +196,12 @@ class PostgresBackend(_backend.Writes):
             # by an index (a lateral read per project, ids named with = ANY); a chunk of
             # cancel_where or requeue_where walks the ids in order under any plan, its
             # optional filters applied on the way (reads keep their custom plans).
-            conn = await self._connect(plan_cache_mode="force_generic_plan")
+            # Read committed whatever the server's default: the triggers' looks after a
+            # lock (twins in line, twin pairs) rely on each statement's own snapshot.
+            conn = await self._connect(
+                plan_cache_mode="force_generic_plan",
+                default_transaction_isolation="read committed",
+            )
             undo.push_async_callback(_close_quietly, conn)
             try:
                 if self._sizing.read_only:
@@ -389,12 +394,12 @@ class PostgresBackend(_backend.Writes):
     async def missing_fingerprints(
         self, op: _backend.PreflightOp, after_item_id: int, identity: tuple[str, ...]
     ) -> _backend.Backfill:
-        rows, running = await self._read(_missing_fingerprints, op, after_item_id)
-        # (No last id: commits here come in no order of ids, so a look cannot tell that
-        # no item before the table's last id is still to come.)
-        return _backend.Backfill(
-            *_fingerprint.backfill(rows, after_item_id, op.chunk, identity, (running, None))
+        rows = await self._fetch(
+            sql.MISSING_FINGERPRINTS, after_item_id, op.chunk, op.project_id, op.actor_id
         )
+        # (No end: commits here come in no order of ids, so a look cannot tell that no
+        # item below the table's last id is still to come; the index serves it instead.)
+        return _backend.Backfill(*_fingerprint.backfill(rows, after_item_id, op.chunk, identity))
 
     async def set_fingerprints(self, writes: list[tuple[str, int]]) -> None:
         await self._write(_bind(_set_fingerprints, writes))
@@ -1201,19 +1206,6 @@ async def _offload(op: _backend.OffloadOp, conn: asyncpg.Connection, now: float)
     await _insert_events(conn, [_rules.offload_event(op, row[0], now)])
 
 
-async def _missing_fingerprints(
-    conn: asyncpg.Connection, op: _backend.PreflightOp, after: int
-) -> tuple[list[Any], int | None]:
-    """The backfill's look and the first running item it must stop short of, in one
-    snapshot."""
-    async with _snapshot(conn):
-        rows = await conn.fetch(
-            sql.MISSING_FINGERPRINTS, after, op.chunk, op.project_id, op.actor_id
-        )
-        running: int | None = await conn.fetchval(sql.BACKFILL_RUNNING, after)
-    return list(rows), running
-
-
 async def _set_fingerprints(
     writes: list[tuple[str, int]], conn: asyncpg.Connection, now: float
 ) -> None:
@@ -1239,7 +1231,16 @@ async def _settle_pending_twins(
         await conn.execute(sql.SETTLE_ONE_TWIN, result, now, item_id)
         events.extend(_rules.twin_events(done_id, [(item_id, fence)], op.actor_id, now))
     await _insert_events(conn, events)
-    await conn.execute(sql.FORGET_TWIN_NOTES, [note[0] for note in notes])
+    # Forgotten only under the content's lock: a note made because another transaction
+    # held it (a finish, say) stays until that one has committed, and a look after the
+    # lock sees what it wrote.
+    had = await conn.fetch(
+        sql.LOCK_NOTED_CONTENTS,
+        [note[0] for note in notes],
+        [note[1] for note in notes],
+        [note[2] for note in notes],
+    )
+    await conn.execute(sql.FORGET_TWIN_NOTES, [row[0] for row in had])
     return len(rows), len(rows) == op.chunk or len(notes) == op.chunk
 
 

@@ -552,8 +552,10 @@ MIGRATIONS: Final[tuple[str, ...]] = (
         project_id  text NOT NULL,
         fingerprint text NOT NULL
     );
+    -- VOLATILE (written out, since the argument rests on it): each of its statements
+    -- takes a snapshot of its own, so the look after the lock sees what committed before.
     CREATE FUNCTION asyncplane_twin_pair() RETURNS trigger
-    LANGUAGE plpgsql SET enable_seqscan = off AS $$
+    LANGUAGE plpgsql VOLATILE SET enable_seqscan = off AS $$
     DECLARE
         alone boolean;
     BEGIN
@@ -1145,6 +1147,14 @@ CROSS JOIN LATERAL (
     ORDER BY d.item_id LIMIT 1) AS d
 LIMIT $1
 """
+# The notes read ($1 ids, $2 projects, $3 fingerprints) whose content's hand-off lock this
+# transaction has or gets now (tried, never waited for: held elsewhere, the note stays).
+LOCK_NOTED_CONTENTS: Final = """
+SELECT c.note_id FROM unnest($1::bigint[], $2::text[], $3::text[])
+    AS c (note_id, project_id, fingerprint)
+WHERE pg_try_advisory_xact_lock(hashtextextended(
+    current_schema() || chr(1) || c.project_id || chr(1) || c.fingerprint, 2))
+"""
 # (A scalar subquery, run for each note read: as NOT EXISTS the planner may make it an
 # anti join that walks every pending item.)
 FORGET_TWIN_NOTES: Final = f"""
@@ -1185,16 +1195,6 @@ WHERE fingerprint IS NULL AND item_id > $1
   AND ($4::text IS NULL
        OR project_id IN (SELECT project_id FROM assignments WHERE actor_id = $4::text))
 ORDER BY item_id LIMIT $2
-"""
-# The first running item after the mark ($1) without a fingerprint: the mark stops short
-# of it (`_fingerprint.backfill`). Read in the look's snapshot.
-BACKFILL_RUNNING: Final = """
-SELECT min(item_id) FROM (
-    SELECT item_id FROM items
-    WHERE state = 'claimed' AND fingerprint IS NULL AND item_id > $1
-    UNION ALL
-    SELECT item_id FROM items
-    WHERE state = 'offloaded' AND fingerprint IS NULL AND item_id > $1) AS running
 """
 LOCK_UNFINGERPRINTED: Final = """
 SELECT item_id FROM items

@@ -953,10 +953,10 @@ def _missing_fingerprints(
     rows it read), the payloads decoded here on the reader's thread."""
     db.execute("BEGIN")
     rows = db.execute(sql.MISSING_FINGERPRINTS, params).fetchall()
-    bounds = db.execute(sql.BACKFILL_BOUNDS, params).fetchone()
+    (end,) = db.execute(sql.BACKFILL_END).fetchone()
     db.execute("COMMIT")
     return _backend.Backfill(
-        *_fingerprint.backfill(rows, params["after"], params["chunk"], identity, bounds)
+        *_fingerprint.backfill(rows, params["after"], params["chunk"], identity, end)
     )
 
 

@@ -786,14 +786,13 @@ NOTE_TWIN_CHECK: Final = (
     "INSERT INTO twin_checks (project_id, fingerprint) VALUES (?, ?) ON CONFLICT DO NOTHING"
 )
 # Backfill: items without a fingerprint after a given id, in bounded chunks; read first,
-# and written only when one of them gets a fingerprint. The look also reads, in the same
-# read transaction, the first running item after the mark without a fingerprint and the
-# last id of the table (BACKFILL_BOUNDS), so that one reaching the end moves the mark to
-# the end (a later item has a higher id: the writer's commits come in id order), short of
-# a running item, which a later look takes once it stops running (`_fingerprint.backfill`).
-# So a step walks the items written since the last, not the store. (An index of the items
-# without a fingerprint would do it too, as on PostgreSQL, but every enqueue of a store
-# without an identity would pay for it: 26.4 against 25.0 µs an item in a bulk enqueue.)
+# and written only when one of them gets a fingerprint. A look that reaches the end of the
+# table moves the mark to the table's last id (BACKFILL_END, read in the same read
+# transaction: a later item has a higher id, the writer's commits coming in id order), so
+# a step walks the items written since the last, not the store (`_fingerprint.backfill`).
+# (An index of the items without a fingerprint would do it too, as on PostgreSQL, but every
+# enqueue of a store without an identity would pay for it: 26.4 against 25.0 µs an item in
+# a bulk enqueue.)
 MISSING_FINGERPRINTS: Final = """
 SELECT item_id, payload FROM items
 WHERE fingerprint IS NULL AND item_id > :after
@@ -803,16 +802,7 @@ WHERE fingerprint IS NULL AND item_id > :after
        OR project_id IN (SELECT project_id FROM assignments WHERE actor_id = :actor_id))
 ORDER BY item_id LIMIT :chunk
 """
-BACKFILL_BOUNDS: Final = """
-SELECT
-    (SELECT min(item_id) FROM (
-        SELECT item_id FROM items INDEXED BY items_lease
-        WHERE state = 'claimed' AND fingerprint IS NULL AND item_id > :after
-        UNION ALL
-        SELECT item_id FROM items INDEXED BY items_offloaded
-        WHERE state = 'offloaded' AND fingerprint IS NULL AND item_id > :after)),
-    (SELECT max(item_id) FROM items)
-"""
+BACKFILL_END: Final = "SELECT max(item_id) FROM items"
 SET_FINGERPRINT: Final = """
 UPDATE items SET fingerprint = ?
 WHERE item_id = ? AND fingerprint IS NULL AND state NOT IN ('claimed', 'offloaded')
