@@ -245,6 +245,20 @@ def run_pgqueuer(url: str, workers: int, items: int) -> dict[str, float] | None:
     }
 
 
+def add_postgres_arguments(parser: argparse.ArgumentParser) -> None:
+    """A benchmark's choice of PostgreSQL: ``--url`` (this server) or ``--postgres`` (a
+    throwaway cluster of the machine's server programs); neither, SQLite."""
+    parser.add_argument("--url", help="measure on PostgreSQL, on this server")
+    parser.add_argument(
+        "--postgres", action="store_true", help="measure on PostgreSQL, on a throwaway cluster"
+    )
+
+
+def postgres_wanted(args: argparse.Namespace) -> bool:
+    """Whether `add_postgres_arguments`' choice asks for PostgreSQL."""
+    return bool(args.postgres or args.url is not None)
+
+
 @contextlib.contextmanager
 def server(url: str | None) -> Iterator[str]:
     if url:

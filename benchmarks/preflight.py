@@ -139,14 +139,11 @@ def main() -> None:
     parser.add_argument("--items", type=int, default=50_000)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--json", action="store_true")
-    parser.add_argument("--url", help="measure on PostgreSQL, on this server")
-    parser.add_argument(
-        "--postgres", action="store_true", help="measure on PostgreSQL, on a throwaway cluster"
-    )
+    pg.add_postgres_arguments(parser)
     args = parser.parse_args()
     with contextlib.ExitStack() as stack:
         url = None
-        if args.postgres or args.url is not None:
+        if pg.postgres_wanted(args):
             url = stack.enter_context(pg.server(args.url))
         report = asyncio.run(measure(args.items, args.repeats, url))
     if args.json:

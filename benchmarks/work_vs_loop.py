@@ -81,12 +81,9 @@ def main() -> int:
     parser.add_argument("--items", type=int, default=3_000)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--json", action="store_true")
-    parser.add_argument("--url", help="measure on PostgreSQL, on this server")
-    parser.add_argument(
-        "--postgres", action="store_true", help="measure on PostgreSQL, on a throwaway cluster"
-    )
+    pg.add_postgres_arguments(parser)
     args = parser.parse_args()
-    postgres = args.postgres or args.url is not None
+    postgres = pg.postgres_wanted(args)
 
     sides = [(runtime, c) for c in CONCURRENCIES for runtime in ("loop", "work()")]
     runs: dict[str, list[dict[str, float]]] = {f"{r}, C={c}": [] for r, c in sides}

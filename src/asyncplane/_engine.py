@@ -317,8 +317,8 @@ class Engine:
         op = _backend.PreflightOp(chunk, project_id, actor_id)
         seen = 0
         if self.options.identity:
-            # A look first (a read, through the items without a fingerprint): the write
-            # lock is taken only for items that get one.
+            # A look first (a read of the items after the mark that lack a fingerprint):
+            # the write lock is taken only for items that get one.
             scope = (project_id, actor_id)
             look = await backend.missing_fingerprints(
                 op, self._backfill_after.get(scope, 0), self.options.identity
