@@ -344,3 +344,21 @@ def test_the_preflight_benchmark_times_the_steps_and_drain_beside_a_backlog() ->
     assert report["full walk / step"] > 0
     assert all(rate > 0 for rate in report["drain items/s"].values())
     assert report["drain backlog / small"] > 0
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
+def test_the_enqueue_benchmark_reports_growth_and_the_fingerprint_ratio(
+    backend: str, request: pytest.FixtureRequest
+) -> None:
+    url = (
+        [] if backend == "sqlite" else ["--url", request.getfixturevalue("asyncplane_postgres_url")]
+    )
+    report = benchmark_report(
+        "enqueue.py", "--items", "400", "--batch", "20", "--repeats", "1", *url
+    )
+    assert report["backend"] == backend
+    assert set(report["us_per_item"]) == {"plain", "fingerprinted"}
+    assert all(us > 0 for kind in report["us_per_item"].values() for us in kind.values())
+    assert set(report["growth"]) == {"plain", "fingerprinted"}
+    assert report["fingerprinted / plain"] > 0
+    assert set(report["met"]) == {"growth", "fingerprinted / plain"}

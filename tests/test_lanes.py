@@ -159,6 +159,36 @@ async def test_enqueue_many_is_one_transaction(lanes: ControlStore) -> None:
     assert (await lanes.item(ids[-1]))["payload"] == {"n": 499}
 
 
+@pytest.mark.parametrize("size", [9, 41, 45, 300])
+async def test_a_bulk_enqueue_of_any_size_keeps_its_order_and_its_twin_lines(
+    lanes: ControlStore, size: int
+) -> None:
+    # Rows go several to a statement (256, 32, then 8, then one at a time on SQLite): each
+    # keeps its place, its id and its event, and each content's twins line up as the
+    # rows arrive, whatever statement carried them. Every third row is a twin of one of
+    # five contents, the later ones of higher priority (first in line when they come).
+    jobs = [
+        Job({"n": n}, priority=n, fingerprint=f"c{n % 5}") if n % 3 == 0 else Job({"n": n})
+        for n in range(size)
+    ]
+    ids = await lanes.enqueue_many("alpha", jobs, dedup=False)
+    assert ids == list(range(ids[0], ids[0] + size))
+    for item_id, job in zip(ids, jobs, strict=True):
+        item = await lanes.item(item_id)
+        assert (item["payload"], item["fingerprint"]) == (job.payload, job.fingerprint)
+    firsts: dict[str, int] = {}
+    for item_id, job in zip(ids, jobs, strict=True):
+        if job.fingerprint is not None:
+            firsts[job.fingerprint] = item_id  # the last one has the highest priority
+    claimed = []
+    while (claim := await lanes.claim("w", project_id="alpha")) is not None:
+        claimed.append(claim.item_id)
+    twins = [i for i, job in zip(ids, jobs, strict=True) if job.fingerprint is not None]
+    assert sorted(set(claimed) & set(twins)) == sorted(firsts.values())
+    assert len(claimed) == size - len(twins) + len(firsts)
+    assert await verify_ledger(lanes) == []
+
+
 async def test_actor_scope_applies_to_enqueue_many(lanes: ControlStore) -> None:
     with pytest.raises(ScopeDenied):
         await lanes.enqueue_many("alpha", [{}], actor_id="stranger")

@@ -828,3 +828,55 @@ async def test_a_preflight_step_reaches_the_items_through_indexes_only(
             assert any(step.startswith("SEARCH") for step in plan), (name, plan)
     finally:
         conn.close()
+
+
+def vm_steps(conn: sqlite3.Connection, statement: str, params: dict[str, Any]) -> int:
+    """How much work SQLite does to answer ``statement``: its virtual machine's steps,
+    counted in hundreds (a measure that no machine's speed blurs)."""
+    steps = 0
+
+    def count() -> int:
+        nonlocal steps
+        steps += 1
+        return 0
+
+    conn.set_progress_handler(count, 100)
+    try:
+        conn.execute(statement, params).fetchall()
+    finally:
+        conn.set_progress_handler(None, 100)
+    return steps
+
+
+async def test_counts_and_the_next_due_time_of_a_project_cost_what_it_holds(
+    tmp_path: pathlib.Path,
+) -> None:
+    # counts() of one project (a dashboard's row each) and the next due time of a reach
+    # (each time a claimer goes to sleep) read that project's part of the indexes: 5,000
+    # deferred items of another project cost them nothing. (A count walked the whole
+    # table; the next due time walked every deferred item due before the reach's own.)
+    path = tmp_path / "due.db"
+    async with ControlStore(path) as store:
+        for project in ("big", "small"):
+            await store.create_project(project, project)
+        await store.enqueue("small", {}, not_before=3e9)
+        await store.enqueue("small", {})
+        assert await store.claim("w", project_id="small") is not None
+    conn = sqlite3.connect(path)
+    try:
+        params = {"project_id": "small", "actor_id": None, "now": 0.0}
+        before = {
+            name: vm_steps(conn, getattr(sql, name), params)
+            for name in ("COUNT_STATES", "NEXT_DUE")
+        }
+        with conn:
+            conn.executemany(
+                "INSERT INTO items (project_id, state, payload, created_at, updated_at, due_at)"
+                " VALUES ('big', 'deferred', '{}', 0, 0, ?)",
+                [(2e9 + n,) for n in range(5000)],
+            )
+        after = {name: vm_steps(conn, getattr(sql, name), params) for name in before}
+        for name, steps in after.items():
+            assert steps <= before[name] + 2, (name, before[name], steps)
+    finally:
+        conn.close()

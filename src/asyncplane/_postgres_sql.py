@@ -613,6 +613,10 @@ CURRENT_SCHEMA: Final = "SELECT current_schema()"
 META_EXISTS: Final = (
     "SELECT to_regclass(format('%I.asyncplane_meta', current_schema())) IS NOT NULL"
 )
+# The write connection's plans, made again once the items table has grown (the writer's
+# docstring): its size in bytes, and the statement that drops the plans.
+ITEMS_SIZE: Final = "SELECT pg_relation_size('items')"
+DISCARD_PLANS: Final = "DISCARD PLANS"
 # The single-drainer guard: a session lock per schema, held by the drain's connection.
 DRAIN_TRY_LOCK: Final = (
     "SELECT pg_try_advisory_lock(hashtextextended('asyncplane-drain:' || current_schema(), 0))"
@@ -694,12 +698,18 @@ ORDER BY project_id, fingerprint
 """
 # Enqueue dedup: for each fingerprint, an earlier item of the project with it that has not
 # failed nor been cancelled, a done one first (its result is there already), else the
-# oldest in flight.
+# oldest in flight. Led by the fingerprints, one probe of a content's twins each (LATERAL
+# with a LIMIT is never flattened): a custom plan of `fingerprint = ANY(...)` walked the
+# project's whole part of the index instead, an enqueue costing the project's size.
 # ($1 project_id, $2 fingerprints)
 FIND_TWINS: Final = """
-SELECT DISTINCT ON (fingerprint) fingerprint, item_id FROM items
-WHERE project_id = $1 AND fingerprint = ANY($2::text[]) AND state NOT IN ('failed', 'cancelled')
-ORDER BY fingerprint, state = 'done' DESC, item_id
+SELECT wanted.fingerprint, twin.item_id
+FROM unnest($2::text[]) AS wanted (fingerprint)
+CROSS JOIN LATERAL (
+    SELECT item_id FROM items
+    WHERE project_id = $1 AND fingerprint = wanted.fingerprint
+      AND state NOT IN ('failed', 'cancelled')
+    ORDER BY state = 'done' DESC, item_id LIMIT 1) AS twin
 """
 
 # --- claims ----------------------------------------------------------------------------
@@ -725,10 +735,6 @@ _TWIN = """
            WHERE twin.project_id = items.project_id AND twin.fingerprint = items.fingerprint
              AND twin.state IN ('claimed', 'offloaded') AND twin.fingerprint IS NOT NULL
              AND twin.item_id <> items.item_id"""
-# A ready or deferred item: a running twin holds it back.
-_CLAIMABLE = f"""{_IN_REACH}
-      AND (fingerprint IS NULL OR NOT EXISTS ({_TWIN}))
-"""
 
 
 def _ready(project: str, limit: str, offset: str) -> str:
@@ -1210,15 +1216,25 @@ WHERE item_id = $2 AND fingerprint IS NULL AND state NOT IN ('claimed', 'offload
 # The drain loop's alarm ($1 project_id, $2 actor_id): the earliest moment a deferred item
 # falls due or a lease lapses, among items a claim with the same filters could take.
 # Projects with limits are read apart (NEXT_DUE_LIMITED).
-_UNLIMITED = "AND project_id NOT IN (SELECT project_id FROM project_limits)"
+# Led by the projects in reach without limits, a probe of each: its first deferred item
+# (items_project_due, in due order) and its first lease to lapse (its claimed items,
+# few). Written as a min() over the items, every plan read every deferred item of the
+# reach, each time a claimer went to sleep.
 NEXT_DUE: Final = f"""
-SELECT min(at) FROM (
-    SELECT min(due_at) AS at FROM items
-    WHERE state = 'deferred' {_CLAIMABLE} {_UNLIMITED}
+SELECT min(due.at) FROM projects AS p
+CROSS JOIN LATERAL (
+    (SELECT due_at AS at FROM items
+     WHERE items.project_id = p.project_id AND state = 'deferred'
+       AND (fingerprint IS NULL OR NOT EXISTS ({_TWIN}))
+     ORDER BY due_at LIMIT 1)
     UNION ALL
-    SELECT min(lease_expires_at) FROM items
-    WHERE state = 'claimed' {_IN_REACH} {_UNLIMITED}
-) AS due
+    (SELECT lease_expires_at FROM items
+     WHERE items.project_id = p.project_id AND state = 'claimed'
+     ORDER BY lease_expires_at LIMIT 1)) AS due
+WHERE p.status = 'open' AND ($1::text IS NULL OR p.project_id = $1::text)
+  AND ($2::text IS NULL
+       OR p.project_id IN (SELECT project_id FROM assignments WHERE actor_id = $2::text))
+  AND p.project_id NOT IN (SELECT project_id FROM project_limits)
 """
 # The same per limited project in reach, with its limits (`_rules.limited_due`): whether
 # it has ready items, when its first deferred one falls due, its first lease lapses.
@@ -1459,12 +1475,18 @@ FROM pg_catalog.pg_tables WHERE schemaname = current_schema()
 
 # --- counts --------------------------------------------------------------------------------
 
-COUNT_STATES: Final = """
-SELECT state, count(*) FROM items
-WHERE ($1::text IS NULL OR project_id = $1::text)
+# Counted from the indexes (as SQLite's): a project's part of items_by_project (every state
+# but claimed) and of items_running (the claimed). Written as one count over the items, no
+# index held them all, and every plan walked the table for one small project. ($1
+# project_id, $2 actor_id; read with custom plans, which see the project asked for.)
+_COUNTED = """($1::text IS NULL OR project_id = $1::text)
   AND ($2::text IS NULL
-       OR project_id IN (SELECT project_id FROM assignments WHERE actor_id = $2::text))
+       OR project_id IN (SELECT project_id FROM assignments WHERE actor_id = $2::text))"""
+COUNT_STATES: Final = f"""
+SELECT state, count(*) FROM items WHERE state <> 'claimed' AND {_COUNTED}
 GROUP BY state
+UNION ALL
+SELECT 'claimed', count(*) FROM items WHERE state = 'claimed' AND {_COUNTED}
 """
 LEDGER_TALLY: Final = """
 SELECT

@@ -34,6 +34,17 @@ clock is read at most every couple of seconds; in between the store's `ServerClo
 carries the reading forward on this host's clock (a round trip saved per transaction, an
 error of well under a millisecond).
 
+Plans made again as the store grows. The write connection plans each statement once
+(`plan_cache_mode = force_generic_plan`) and keeps the plan until something invalidates it
+(an ANALYZE of the table, which autovacuum runs only after enough rows changed, and at
+most once a minute or so). A plan made while `items` held a handful of rows chooses as
+for a handful: a hash join over the whole table for a round's ids, a walk of every
+claimed item for one renewal. So the writer looks at the table's size every
+`plan_check_seconds` (one cheap statement before a round) and, once it has doubled since
+the plans were made, drops its plans (`DISCARD PLANS`): each statement is planned again,
+against the table's size now, when next run. Growing from one page to a terabyte, that
+is some thirty times in all.
+
 Cancellation never decides what is saved: a round runs as a task of its own, shielded from
 the writer task, and hands each caller its outcome itself; a caller cancelled during its
 round gets nothing back, but the round commits or rolls back as a whole.
@@ -69,6 +80,9 @@ _Request = tuple[Write[Any], "asyncio.Future[Any]"]
 
 #: An answer of `FirstAlone.alone`: this request is left to the round's transaction.
 LEFT: Any = object()
+
+#: The table's size, in bytes, below which its plans are never made again (a few pages).
+_PLANNED_AT_LEAST = 64 * 1024
 
 #: SQLSTATEs that mean "run it again": serialization_failure, deadlock_detected.
 RETRYABLE = frozenset({"40001", "40P01"})
@@ -164,6 +178,13 @@ class Writer(_write_queue.WriterBase):
         #: Rounds whose one statement committed by itself and answered some of their
         #: requests (`FirstAlone`).
         self.alone_rounds = 0
+        #: How often, in seconds, the writer looks whether `items` has grown enough to
+        #: plan its statements again (see the module's docstring).
+        self.plan_check_seconds = 2.0
+        #: Times the writer dropped its plans because the table had grown.
+        self.replans = 0
+        self._planned_size: int | None = None  # the table's size when the plans were made
+        self._plans_checked = -float("inf")  # on time.monotonic()
 
     def start(self) -> None:
         """Start the writer task, watching its connection: a session the server ends (a
@@ -214,6 +235,8 @@ class Writer(_write_queue.WriterBase):
         ops = [op for op, _ in batch]
         try:
             try:
+                if time.monotonic() - self._plans_checked >= self.plan_check_seconds:
+                    await self._check_plans()
                 if group is not None:
                     # What the statement answered is handed out here; the rest goes on.
                     batch = await self._first_alone(batch, group)
@@ -245,6 +268,17 @@ class Writer(_write_queue.WriterBase):
         # Measured before the callers wake, so a caller's next look sees its round.
         _telemetry.write_round("postgresql", size, time.perf_counter() - started)
         _write_queue.deliver(batch, outcomes, self.orphaned)
+
+    async def _check_plans(self) -> None:
+        """Drop the connection's plans once `items` has doubled since they were made."""
+        self._plans_checked = time.monotonic()
+        size: int = await self._conn.fetchval(sql.ITEMS_SIZE)
+        if self._planned_size is None:
+            self._planned_size = size  # the first plans are being made about now
+        elif size >= max(2 * self._planned_size, _PLANNED_AT_LEAST):
+            await self._conn.execute(sql.DISCARD_PLANS)
+            self._planned_size = size
+            self.replans += 1
 
     async def _alone(self, op: Write[Any]) -> list[Any]:
         """Run one request in transactions of its own until it stops deadlocking."""

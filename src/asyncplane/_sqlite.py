@@ -349,7 +349,10 @@ class SQLiteBackend(_backend.Writes):
 
     async def count_states(self, project_id: str | None, actor_id: str | None) -> dict[str, int]:
         params = {"project_id": project_id, "actor_id": actor_id}
-        return dict(await self._read(_fetch_named, sql.COUNT_STATES, params))
+        counted: dict[str, int] = {}
+        for state, count in await self._read(_fetch_named, sql.COUNT_STATES, params):
+            counted[state] = counted.get(state, 0) + count
+        return counted
 
     async def data_version(self) -> int:
         if self._readers is None:
@@ -517,7 +520,7 @@ def _enqueue(
         # Under the write lock AUTOINCREMENT hands out consecutive ids, so a bulk insert's
         # ids follow the sequence; checked, not assumed.
         base = db.execute(sql.LAST_ITEM_ID).fetchone()[0]
-        db.executemany(sql.INSERT_ITEM, rows)
+        _insert_rows(db, sql.INSERT_ITEM, sql.INSERT_ITEM_ROWS, rows)
         if db.execute(sql.LAST_ITEM_ID).fetchone()[0] != base + len(rows):
             raise _errors.StorageError("item ids were not handed out consecutively")
         inserted = list(range(base + 1, base + 1 + len(rows)))
@@ -662,17 +665,26 @@ def _merged(
 def _insert_events(db: sqlite3.Connection, events: Sequence[Sequence[Any]]) -> None:
     """Append a round's ledger events, in their order (so their ids rise in it), several
     to a statement (`sql.INSERT_EVENT_ROWS`)."""
-    start, count = 0, len(events)
-    for rows, statement in sql.INSERT_EVENT_ROWS:
-        while count - start >= rows:
-            db.execute(
-                statement, [value for event in events[start : start + rows] for value in event]
-            )
-            start += rows
+    _insert_rows(db, sql.INSERT_EVENT, sql.INSERT_EVENT_ROWS, events)
+
+
+def _insert_rows(
+    db: sqlite3.Connection,
+    one: str,
+    several: tuple[tuple[int, str], ...],
+    rows: Sequence[Sequence[Any]],
+) -> None:
+    """Insert rows in their order, several to a statement where ``several`` has a size
+    for them (largest first), the rest one a statement."""
+    start, count = 0, len(rows)
+    for size, statement in several:
+        while count - start >= size:
+            db.execute(statement, [value for row in rows[start : start + size] for value in row])
+            start += size
     if count - start == 1:
-        db.execute(sql.INSERT_EVENT, events[start])
+        db.execute(one, rows[start])
     elif count > start:
-        db.executemany(sql.INSERT_EVENT, events[start:])
+        db.executemany(one, rows[start:])
 
 
 def _claim_items(
