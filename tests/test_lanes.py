@@ -1159,3 +1159,103 @@ async def test_a_pair_formed_while_a_twin_finishes_elsewhere_is_noted(
     finally:
         await finisher.close()
     await settled_by_the_next_step(store, first, twin, {"answer": 6})
+
+
+async def _insert_pending_twin(conn: Any, fingerprint: str, *, deferred: bool = False) -> int:
+    """A pending item of content ``fingerprint`` in project p (ready, or deferred to
+    2100), with dedup and its events, written as an import or a copy writes one: by an
+    INSERT of the row."""
+    item_id = int(
+        await conn.fetchval(
+            "INSERT INTO items (project_id, state, payload, created_at, updated_at,"
+            " fingerprint, dedup, due_at) VALUES ('p', $2, '{}', 0, 0, $1, true, $3)"
+            " RETURNING item_id",
+            fingerprint,
+            "deferred" if deferred else "ready",
+            4.1e9 if deferred else None,
+        )
+    )
+    events = ["queued", "deferred"] if deferred else ["queued"]
+    for event in events:
+        await conn.execute(
+            "INSERT INTO events (item_id, event_type, fence, at) VALUES ($1, $2, 0, 0)",
+            item_id,
+            event,
+        )
+    return item_id
+
+
+@pytest.mark.postgresql_only
+async def test_a_twin_inserted_while_a_twin_finishes_elsewhere_is_noted(
+    asyncplane_store_factory: Any,
+) -> None:
+    # An inserted row's trigger, as an updated one's: a twin's finish holds the content's
+    # lock, not committed yet, as a pending twin is inserted (an import, a copy); the
+    # trigger cannot look after that finish, so it notes the content, and the next step
+    # settles it.
+    import asyncpg
+
+    store: ControlStore = await asyncplane_store_factory("insert.db", identity=IDENTITY)
+    await store.create_project("p", "P")
+    twin = await store.enqueue("p", task("q"))
+    claim = await store.claim("w")
+    assert claim is not None and claim.item_id == twin
+    fingerprint = (await store.item(twin))["fingerprint"]
+    finisher = await asyncpg.connect(store.location)
+    inserter = await asyncpg.connect(store.location)
+    try:
+        async with finisher.transaction():
+            await finisher.execute(_content_lock(fingerprint))
+            await finisher.execute(
+                "UPDATE items SET state = 'done', result = '{\"answer\": 7}', "
+                "lease_expires_at = NULL WHERE item_id = $1",
+                twin,
+            )
+            await finisher.execute(
+                "INSERT INTO events (item_id, event_type, fence, owner, at) "
+                "VALUES ($1, 'done', $2, 'w', 0)",
+                twin,
+                claim.fence,
+            )
+            async with inserter.transaction():
+                pending = await _insert_pending_twin(inserter, fingerprint)
+            assert (await engine_of(store).preflight_step(500))[0] == 0  # note kept
+    finally:
+        await finisher.close()
+        await inserter.close()
+    await settled_by_the_next_step(store, pending, twin, {"answer": 7})
+
+
+@pytest.mark.postgresql_only
+async def test_a_twin_finished_while_a_twin_is_inserted_elsewhere_waits_and_settles_it(
+    asyncplane_store_factory: Any,
+) -> None:
+    # The other order: the INSERT's trigger took the content's lock (its transaction still
+    # open) when a twin is finished elsewhere; the finish waits for that lock, then its
+    # settle sees the inserted item and settles it with itself. (Deferred, the inserted
+    # twin takes no place in the running twin's line, and no lock on its row.)
+    import asyncpg
+
+    store: ControlStore = await asyncplane_store_factory("insert2.db", identity=IDENTITY)
+    await store.create_project("p", "P")
+    twin = await store.enqueue("p", task("q"))
+    fingerprint = (await store.item(twin))["fingerprint"]
+    claim = await store.claim("w")
+    assert claim is not None and claim.item_id == twin
+    inserter = await asyncpg.connect(store.location)
+    watching = await asyncpg.connect(store.location)
+    try:
+        async with inserter.transaction():
+            pending = await _insert_pending_twin(inserter, fingerprint, deferred=True)
+            finishing = asyncio.create_task(
+                store.finish(twin, fence=claim.fence, result={"answer": 8})
+            )
+            await until(lambda: _lock_waiters(watching), what="the finish waiting")
+            assert not finishing.done()
+        await finishing
+    finally:
+        await inserter.close()
+        await watching.close()
+    row = await store.item(pending)
+    assert (row["state"], row["result"]) == ("done", {"answer": 8})
+    assert await verify_ledger(store) == []
