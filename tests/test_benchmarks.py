@@ -362,3 +362,19 @@ def test_the_enqueue_benchmark_reports_growth_and_the_fingerprint_ratio(
     assert set(report["growth"]) == {"plain", "fingerprinted"}
     assert report["fingerprinted / plain"] > 0
     assert set(report["met"]) == {"growth", "fingerprinted / plain"}
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
+def test_the_reads_benchmark_reports_each_read_alone_and_beside_a_big_project(
+    backend: str, request: pytest.FixtureRequest
+) -> None:
+    url = (
+        [] if backend == "sqlite" else ["--url", request.getfixturevalue("asyncplane_postgres_url")]
+    )
+    report = benchmark_report("reads.py", "--big", "300", "--repeats", "1", *url)
+    assert report["backend"] == backend
+    reads = {"counts(small)", "next_due(small)", "next_due()"}
+    assert set(report["ms"]) == reads | {f"store {read}" for read in reads}
+    assert all(ms > 0 for sides in report["ms"].values() for ms in sides.values())
+    assert set(report["ratios"]) == set(report["ms"])
+    assert isinstance(report["met"], bool)
