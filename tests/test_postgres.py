@@ -1101,6 +1101,68 @@ async def plans_as_the_table_grows(
         await conn.close()
 
 
+async def test_a_look_at_the_tables_size_that_fails_leaves_the_round_alone(url: str) -> None:
+    # The look is the writer's own business: when it fails (here the table is locked by
+    # another session, past the connection's lock_timeout), the round's requests run as
+    # if it had not been made, and a later look tries again.
+    async with ControlStore(url) as store:
+        await store.create_project("p", "P")
+        backend: Any = await store._engine.ready()
+        writer = backend.writer
+
+        async def impatient(conn: Any, now: float) -> None:
+            await conn.execute("SET lock_timeout = '50ms'")
+
+        await backend._write(impatient)
+        locker = await asyncpg.connect(url)
+        try:
+            async with locker.transaction():
+                await locker.execute("LOCK TABLE items IN ACCESS EXCLUSIVE MODE")
+                writer.plan_check_seconds = 0.0  # a look before each round
+                await store.create_project("q", "Q")  # the look timed out; the round ran
+        finally:
+            await locker.close()
+        assert [p["project_id"] for p in await store.projects()] == ["p", "q"]
+        assert writer.replans == 0
+
+
+async def test_the_read_connections_are_replaced_as_the_writer_plans_again(url: str) -> None:
+    # The read connections plan as PostgreSQL chooses (`auto`): after five runs of a
+    # statement it may keep a generic plan, and one chosen on a tiny table is kept as the
+    # writer's were (seen: counts() of a small project then walked the whole table, after
+    # a dashboard's counts of the whole store on a new store). When the writer drops its
+    # plans, the read connections are replaced, and plan afresh.
+    async with ControlStore(url) as store:
+        await store.create_project("p", "P")
+        backend: Any = await store._engine.ready()
+        writer = backend.writer
+        writer.plan_check_seconds = float("inf")  # no look until this test asks for one
+
+        async def reader() -> int:
+            [row] = await backend._fetch("SELECT pg_backend_pid()")
+            return int(row[0])
+
+        before = await reader()
+        assert await reader() == before  # one read connection, reused
+        conn = await asyncpg.connect(url)
+        try:
+            await conn.execute(
+                "INSERT INTO items (project_id, state, payload, created_at, updated_at)"
+                " SELECT 'p', 'done', '{}', 0, 0 FROM generate_series(1, 20000)"
+            )
+        finally:
+            await conn.close()
+        writer.plan_check_seconds = 0.0  # a look before the next round
+        await store.create_project("q", "Q")
+        assert writer.replans == 1
+        after = await reader()
+        assert after != before  # a fresh connection, with no plan made on a tiny table
+        assert await store.counts(project_id="p") == {
+            **dict.fromkeys(await store.counts(project_id="q"), 0),
+            "done": 20000,
+        }
+
+
 def item_walks(plan: str, most: int = 100) -> list[str]:
     """The lines of an EXPLAIN ANALYZE plan that read more items than a look needs: a scan
     of the table, a scan of items yielding more than ``most`` rows in all (an aggregate
@@ -1144,9 +1206,10 @@ async def test_the_enqueue_look_for_twins_reads_only_the_contents_asked_for(url:
 
 async def test_counts_and_the_next_due_time_read_a_project_by_its_own_items(url: str) -> None:
     # counts() of one project (a dashboard's row each) and the next due time (each time a
-    # claimer goes to sleep) read that project's part of an index, and a probe of each
-    # project's first deferred item and first lease: never the whole table, nor every
-    # deferred item of the store, as the read connections plan them.
+    # claimer goes to sleep) read that project's part of an index, a probe of each
+    # project's first deferred item, and the claimed items in reach: never the whole
+    # table, nor every deferred item of the store, nor the store's claimed items once a
+    # project (big holds 10,000 deferred items and 5,000 claimed; 100 projects hold none).
     async with ControlStore(url) as store:
         for project in ("big", "small"):
             await store.create_project(project, project)
@@ -1158,7 +1221,12 @@ async def test_counts_and_the_next_due_time_read_a_project_by_its_own_items(url:
         "INSERT INTO items (project_id, state, payload, created_at, updated_at, due_at,"
         " fingerprint)"
         " SELECT 'big', CASE WHEN n % 2 = 0 THEN 'deferred' ELSE 'done' END, '{}', 0, 0,"
-        " CASE WHEN n % 2 = 0 THEN 1e9 + n END, 'g' || n FROM generate_series(1, 20000) AS n"
+        " CASE WHEN n % 2 = 0 THEN 1e9 + n END, 'g' || n FROM generate_series(1, 20000) AS n;"
+        " INSERT INTO items (project_id, state, payload, created_at, updated_at,"
+        " lease_expires_at, owner, fence)"
+        " SELECT 'big', 'claimed', '{}', 0, 0, 3e9 + n, 'x', 1 FROM generate_series(1, 5000) AS n;"
+        " INSERT INTO projects (project_id, name, status, created_at)"
+        " SELECT 'p' || n, 'P', 'open', 0 FROM generate_series(1, 100) AS n"
     )
     statements = {
         "counts of small": (pg_sql.COUNT_STATES, "'small', NULL"),
@@ -1167,7 +1235,8 @@ async def test_counts_and_the_next_due_time_read_a_project_by_its_own_items(url:
     }
     modes = ("auto", "force_custom_plan")  # as the read connections plan
     async for name, rows, plan, seen in plans_as_the_table_grows(url, statements, fill, modes):
-        assert not item_walks(plan), seen
+        # The whole store's next due time reads its claimed items once, no more.
+        assert not item_walks(plan, 5001 + 100 if name == "next due of all" else 100), seen
         if name == "counts of small":
             assert sorted(tuple(row) for row in rows) == [("claimed", 1), ("deferred", 1)]
         elif name == "next due of small":  # its lease lapses before its deferred item

@@ -25,6 +25,7 @@ from asyncplane import (
     ControlStore,
     DatabaseLocked,
     FenceRejected,
+    Job,
     NotAnAsyncplaneDatabase,
     ReadOnlyStore,
     SchemaVersionError,
@@ -666,6 +667,36 @@ async def test_a_rounds_events_go_several_rows_to_a_statement(
         await _connection.run(writer._conn, lambda db: db.set_trace_callback(None))
         assert [text.count("'queued'") for text in statements] == rows
         assert [(await store.events(i))[0]["event_type"] for i in ids] == ["queued"] * events
+        assert await verify_ledger(store) == []
+
+
+@pytest.mark.parametrize(
+    ("items", "rows"),
+    [(300, [256, 32, 8, 1, 1, 1, 1]), (41, [32, 8, 1]), (7, [1] * 7), (1, [1])],
+)
+async def test_a_bulk_enqueues_items_go_several_rows_to_a_statement(
+    tmp_path: pathlib.Path, items: int, rows: list[int]
+) -> None:
+    # `_sqlite._insert_rows`: a statement that fires triggers journals the pages it changes
+    # that its transaction changed before it, so a bulk enqueue's items go 256 rows to a
+    # statement, then 32, then 8, then one by one (fingerprinted here: the twin triggers
+    # fire for each).
+    async with ControlStore(tmp_path / "store.db") as store:
+        await store.create_project("alpha", "Alpha")
+        writer = await writer_of(store)
+        statements: list[str] = []
+
+        def traced(text: str) -> None:
+            # Each trigger a statement fires reports the statement again: counted once.
+            if text.lstrip().startswith("INSERT INTO items") and statements[-1:] != [text]:
+                statements.append(text)
+
+        await _connection.run(writer._conn, lambda db: db.set_trace_callback(traced))
+        jobs = [Job({"n": n}, fingerprint=f"f{n}") for n in range(items)]
+        ids = await store.enqueue_many("alpha", jobs)
+        await _connection.run(writer._conn, lambda db: db.set_trace_callback(None))
+        assert [text.count("'ready'") for text in statements] == rows
+        assert [(await store.item(i))["fingerprint"] for i in ids] == [j.fingerprint for j in jobs]
         assert await verify_ledger(store) == []
 
 

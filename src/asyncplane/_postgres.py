@@ -240,7 +240,7 @@ class PostgresBackend(_backend.Writes):
         self._writer = _writer.Writer(
             conn, self._clock, name=self._schema, max_batch=self._sizing.max_batch,
             on_exit=close_readers, orphaned=self.orphaned,
-            server_clock=self._server_clock,
+            server_clock=self._server_clock, replanned=pool.expire_connections,
         )  # fmt: skip
         self._writer.start()
 

@@ -701,7 +701,7 @@ ORDER BY project_id, fingerprint
 # oldest in flight. Led by the fingerprints, one probe of a content's twins each (LATERAL
 # with a LIMIT is never flattened): a custom plan of `fingerprint = ANY(...)` walked the
 # project's whole part of the index instead, an enqueue costing the project's size.
-# ($1 project_id, $2 fingerprints)
+# ($1 project_id, $2 fingerprints, distinct: a row each)
 FIND_TWINS: Final = """
 SELECT wanted.fingerprint, twin.item_id
 FROM unnest($2::text[]) AS wanted (fingerprint)
@@ -735,6 +735,8 @@ _TWIN = """
            WHERE twin.project_id = items.project_id AND twin.fingerprint = items.fingerprint
              AND twin.state IN ('claimed', 'offloaded') AND twin.fingerprint IS NOT NULL
              AND twin.item_id <> items.item_id"""
+# A ready or deferred item may run: no twin of it runs (a running twin holds it back).
+_NO_RUNNING_TWIN = f"(fingerprint IS NULL OR NOT EXISTS ({_TWIN}))"
 
 
 def _ready(project: str, limit: str, offset: str) -> str:
@@ -742,7 +744,7 @@ def _ready(project: str, limit: str, offset: str) -> str:
     return f"""
     SELECT {_CLAIM_COLUMNS} FROM items
     WHERE items.project_id = {project} AND state = 'ready' AND NOT held
-      AND (fingerprint IS NULL OR NOT EXISTS ({_TWIN}))
+      AND {_NO_RUNNING_TWIN}
     ORDER BY {CLAIM_ORDER} LIMIT {limit} OFFSET {offset}
     FOR UPDATE SKIP LOCKED"""
 
@@ -752,7 +754,7 @@ def _due(project: str, limit: str, offset: str, now: str) -> str:
     return f"""
     SELECT {_CLAIM_COLUMNS} FROM items
     WHERE items.project_id = {project} AND state = 'deferred' AND due_at <= {now}
-      AND (fingerprint IS NULL OR NOT EXISTS ({_TWIN}))
+      AND {_NO_RUNNING_TWIN}
     ORDER BY {CLAIM_ORDER} LIMIT {limit} OFFSET {offset}
     FOR UPDATE SKIP LOCKED"""
 
@@ -1216,25 +1218,23 @@ WHERE item_id = $2 AND fingerprint IS NULL AND state NOT IN ('claimed', 'offload
 # The drain loop's alarm ($1 project_id, $2 actor_id): the earliest moment a deferred item
 # falls due or a lease lapses, among items a claim with the same filters could take.
 # Projects with limits are read apart (NEXT_DUE_LIMITED).
-# Led by the projects in reach without limits, a probe of each: its first deferred item
-# (items_project_due, in due order) and its first lease to lapse (its claimed items,
-# few). Written as a min() over the items, every plan read every deferred item of the
-# reach, each time a claimer went to sleep.
+# The deferred side is led by the projects in reach without limits, a probe of each: its
+# first deferred item that may run (items_project_due, in due order). Written as a min()
+# over the items, every plan read every deferred item of the reach, each time a claimer
+# went to sleep. The lease side is one min() over the reach's claimed items (a fleet's
+# running work): per project, a plan walked all of them in lease order once a project.
+_UNLIMITED = "AND project_id NOT IN (SELECT project_id FROM project_limits)"
 NEXT_DUE: Final = f"""
-SELECT min(due.at) FROM projects AS p
-CROSS JOIN LATERAL (
-    (SELECT due_at AS at FROM items
-     WHERE items.project_id = p.project_id AND state = 'deferred'
-       AND (fingerprint IS NULL OR NOT EXISTS ({_TWIN}))
-     ORDER BY due_at LIMIT 1)
+SELECT min(at) FROM (
+    SELECT (SELECT due_at FROM items
+            WHERE items.project_id = projects.project_id AND state = 'deferred'
+              AND {_NO_RUNNING_TWIN}
+            ORDER BY due_at LIMIT 1) AS at
+    FROM projects WHERE TRUE {_IN_REACH} {_UNLIMITED}
     UNION ALL
-    (SELECT lease_expires_at FROM items
-     WHERE items.project_id = p.project_id AND state = 'claimed'
-     ORDER BY lease_expires_at LIMIT 1)) AS due
-WHERE p.status = 'open' AND ($1::text IS NULL OR p.project_id = $1::text)
-  AND ($2::text IS NULL
-       OR p.project_id IN (SELECT project_id FROM assignments WHERE actor_id = $2::text))
-  AND p.project_id NOT IN (SELECT project_id FROM project_limits)
+    SELECT min(lease_expires_at) FROM items
+    WHERE state = 'claimed' {_IN_REACH} {_UNLIMITED}
+) AS due
 """
 # The same per limited project in reach, with its limits (`_rules.limited_due`): whether
 # it has ready items, when its first deferred one falls due, its first lease lapses.
@@ -1245,9 +1245,9 @@ SELECT l.project_id, l.max_running, l.per_minute, l.burst, l.tokens, l.refilled_
           AND state = 'claimed'),
        EXISTS (SELECT 1 FROM items WHERE items.project_id = l.project_id
                  AND state = 'ready' AND NOT held
-                 AND (fingerprint IS NULL OR NOT EXISTS ({_TWIN}))),
+                 AND {_NO_RUNNING_TWIN}),
        (SELECT min(due_at) FROM items WHERE items.project_id = l.project_id
-          AND state = 'deferred' AND (fingerprint IS NULL OR NOT EXISTS ({_TWIN}))),
+          AND state = 'deferred' AND {_NO_RUNNING_TWIN}),
        (SELECT min(lease_expires_at) FROM items WHERE items.project_id = l.project_id
           AND state = 'claimed')
 FROM project_limits AS l JOIN projects AS p ON p.project_id = l.project_id

@@ -42,8 +42,11 @@ for a handful: a hash join over the whole table for a round's ids, a walk of eve
 claimed item for one renewal. So the writer looks at the table's size every
 `plan_check_seconds` (one cheap statement before a round) and, once it has doubled since
 the plans were made, drops its plans (`DISCARD PLANS`): each statement is planned again,
-against the table's size now, when next run. Growing from one page to a terabyte, that
-is some thirty times in all.
+against the table's size now, when next run. Growing from 64 KiB to a terabyte, that is
+some twenty-four times in all. The store's read connections, which plan as PostgreSQL
+chooses (and keep a generic plan chosen on a tiny table just the same), are replaced
+then too (``replanned``). A look that fails (a statement timeout, say) is skipped until
+the next; a lost connection fails the round, as any statement's would.
 
 Cancellation never decides what is saved: a round runs as a task of its own, shielded from
 the writer task, and hands each caller its outcome itself; a caller cancelled during its
@@ -168,10 +171,11 @@ class Writer(_write_queue.WriterBase):
 
     def __init__(
         self, conn: asyncpg.Connection, clock: _clock.Clock | None, *, server_clock: Any = None,
-        **queue: Any,
+        replanned: Callable[[], Awaitable[None]] | None = None, **queue: Any,
     ) -> None:  # fmt: skip
         super().__init__(conn, clock, **queue)
         self._server_clock = server_clock
+        self._replanned = replanned
         self._round_task: asyncio.Task[None] | None = None
         #: Rounds that met a deadlock or serialisation failure and ran again.
         self.retried_rounds = 0
@@ -270,15 +274,25 @@ class Writer(_write_queue.WriterBase):
         _write_queue.deliver(batch, outcomes, self.orphaned)
 
     async def _check_plans(self) -> None:
-        """Drop the connection's plans once `items` has doubled since they were made."""
+        """Drop the connection's plans once `items` has doubled since they were made (and
+        have the read connections replaced)."""
         self._plans_checked = time.monotonic()
-        size: int = await self._conn.fetchval(sql.ITEMS_SIZE)
-        if self._planned_size is None:
-            self._planned_size = size  # the first plans are being made about now
-        elif size >= max(2 * self._planned_size, _PLANNED_AT_LEAST):
+        try:
+            size: int = await self._conn.fetchval(sql.ITEMS_SIZE)
+            if self._planned_size is None:
+                self._planned_size = size  # the first plans are being made about now
+                return
+            if size < max(2 * self._planned_size, _PLANNED_AT_LEAST):
+                return
             await self._conn.execute(sql.DISCARD_PLANS)
-            self._planned_size = size
-            self.replans += 1
+        except asyncpg.PostgresConnectionError:
+            raise
+        except asyncpg.PostgresError:
+            return  # the round goes on with the plans it has; the next look is soon
+        self._planned_size = size
+        self.replans += 1
+        if self._replanned is not None:
+            await self._replanned()
 
     async def _alone(self, op: Write[Any]) -> list[Any]:
         """Run one request in transactions of its own until it stops deadlocking."""

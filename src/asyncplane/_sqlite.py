@@ -349,10 +349,7 @@ class SQLiteBackend(_backend.Writes):
 
     async def count_states(self, project_id: str | None, actor_id: str | None) -> dict[str, int]:
         params = {"project_id": project_id, "actor_id": actor_id}
-        counted: dict[str, int] = {}
-        for state, count in await self._read(_fetch_named, sql.COUNT_STATES, params):
-            counted[state] = counted.get(state, 0) + count
-        return counted
+        return dict(await self._read(_fetch_named, sql.COUNT_STATES, params))
 
     async def data_version(self) -> int:
         if self._readers is None:

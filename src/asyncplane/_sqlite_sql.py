@@ -492,6 +492,8 @@ def _twin_of(alias: str) -> str:
 
 
 _TWIN = _twin_of("items")
+# A ready or deferred item may run: no twin of it runs (a running twin holds it back).
+_NO_RUNNING_TWIN = f"(fingerprint IS NULL OR NOT EXISTS ({_TWIN}))"
 # A claimed item with a lapsed lease: an offloaded twin, or one claimed under a live lease.
 _TAKEABLE = f"""{_IN_REACH}
       AND (fingerprint IS NULL OR NOT EXISTS ({_TWIN}
@@ -501,14 +503,14 @@ _TAKEABLE = f"""{_IN_REACH}
 CLAIM_READY: Final = f"""
 SELECT {_CLAIM_COLUMNS} FROM items INDEXED BY items_claim
 WHERE project_id = :project AND state = 'ready' AND held = 0
-  AND (fingerprint IS NULL OR NOT EXISTS ({_TWIN}))
+  AND {_NO_RUNNING_TWIN}
 ORDER BY {CLAIM_ORDER} LIMIT :limit OFFSET :offset
 """
 # One project's deferred items that have fallen due. (:project, :now, :limit, :offset)
 CLAIM_DUE: Final = f"""
 SELECT {_CLAIM_COLUMNS} FROM items INDEXED BY items_project_due
 WHERE project_id = :project AND state = 'deferred' AND due_at <= :now
-  AND (fingerprint IS NULL OR NOT EXISTS ({_TWIN}))
+  AND {_NO_RUNNING_TWIN}
 ORDER BY {CLAIM_ORDER} LIMIT :limit OFFSET :offset
 """
 _FIRST_COLUMNS = ", ".join(f"items.{column.strip()}" for column in _CLAIM_COLUMNS.split(","))
@@ -834,7 +836,7 @@ NEXT_DUE: Final = f"""
 SELECT min(at) FROM (
     SELECT (SELECT min(due_at) FROM items INDEXED BY items_project_due
             WHERE items.project_id = projects.project_id AND state = 'deferred'
-              AND (fingerprint IS NULL OR NOT EXISTS ({_TWIN}))) AS at
+              AND {_NO_RUNNING_TWIN}) AS at
     FROM projects WHERE {_OPEN_REACH}
     UNION ALL
     SELECT min({_TAKEOVER_AT})
@@ -851,10 +853,10 @@ SELECT l.project_id, l.max_running, l.per_minute, l.burst, l.tokens, l.refilled_
         WHERE items.project_id = l.project_id AND items.state = 'claimed'),
        EXISTS (SELECT 1 FROM items INDEXED BY items_claim
                WHERE items.project_id = l.project_id AND state = 'ready' AND held = 0
-                 AND (fingerprint IS NULL OR NOT EXISTS ({_TWIN}))),
+                 AND {_NO_RUNNING_TWIN}),
        (SELECT min(due_at) FROM items INDEXED BY items_project_due
         WHERE items.project_id = l.project_id AND state = 'deferred'
-          AND (fingerprint IS NULL OR NOT EXISTS ({_TWIN}))),
+          AND {_NO_RUNNING_TWIN}),
        (SELECT min({_TAKEOVER_AT}) FROM items INDEXED BY items_running
         WHERE items.project_id = l.project_id AND state = 'claimed'
           AND (fingerprint IS NULL OR NOT EXISTS ({_TWIN} AND twin.state = 'offloaded')))
@@ -1064,7 +1066,7 @@ INSERT_COMBINED_ROUND: Final = "INSERT OR REPLACE INTO combined_rounds (slot, to
 # Counted from the indexes, a project at a time: a project's part of items_by_project
 # (every state but claimed) and of items_running (the claimed), never the table's rows
 # (a scan of the whole table, payloads and all, for one small project, once a dashboard
-# row). Its rows: (state, count), claimed perhaps twice.
+# row). Its rows: (state, count), a state once.
 _COUNTED_PROJECTS = """project_id IN (
     SELECT project_id FROM projects
     WHERE (:project_id IS NULL OR project_id = :project_id)
