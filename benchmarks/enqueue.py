@@ -29,8 +29,6 @@ The figures in docs/architecture.md ("What an enqueue costs") come from here.
 from __future__ import annotations
 
 import argparse
-import asyncio
-import contextlib
 import json
 import pathlib
 import statistics
@@ -102,11 +100,7 @@ def main() -> None:
     parser.add_argument("--json", action="store_true")
     pg.add_postgres_arguments(parser)
     args = parser.parse_args()
-    with contextlib.ExitStack() as stack:
-        url = None
-        if pg.postgres_wanted(args):
-            url = stack.enter_context(pg.server(args.url))
-        report = asyncio.run(measure(args.items, args.batch, args.repeats, url))
+    report = pg.measured_on(args, lambda url: measure(args.items, args.batch, args.repeats, url))
     if args.json:
         print(json.dumps(report))
         return

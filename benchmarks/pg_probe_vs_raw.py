@@ -33,8 +33,8 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Any, TypeVar
 
 import _raw
 
@@ -257,6 +257,17 @@ def add_postgres_arguments(parser: argparse.ArgumentParser) -> None:
 def postgres_wanted(args: argparse.Namespace) -> bool:
     """Whether `add_postgres_arguments`' choice asks for PostgreSQL."""
     return bool(args.postgres or args.url is not None)
+
+
+T = TypeVar("T")
+
+
+def measured_on(args: argparse.Namespace, measure: Callable[[str | None], Awaitable[T]]) -> T:
+    """``measure(url)`` run to its end, with the server `add_postgres_arguments`' choice
+    asks for (a throwaway cluster stopped after), or ``None`` for SQLite."""
+    with contextlib.ExitStack() as stack:
+        url = stack.enter_context(server(args.url)) if postgres_wanted(args) else None
+        return asyncio.run(measure(url))
 
 
 @contextlib.contextmanager

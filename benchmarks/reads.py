@@ -28,7 +28,6 @@ statements took 6.9 and 14.8 ms on SQLite, 11.7 and 1.1 ms on PostgreSQL (and
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import json
 import pathlib
@@ -167,11 +166,7 @@ def main() -> None:
     parser.add_argument("--json", action="store_true")
     pg.add_postgres_arguments(parser)
     args = parser.parse_args()
-    with contextlib.ExitStack() as stack:
-        url = None
-        if pg.postgres_wanted(args):
-            url = stack.enter_context(pg.server(args.url))
-        report = asyncio.run(measure(args.big, args.repeats, url))
+    report = pg.measured_on(args, lambda url: measure(args.big, args.repeats, url))
     if args.json:
         print(json.dumps(report))
         return
