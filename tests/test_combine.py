@@ -102,7 +102,12 @@ class BoardFile:
         word.value += 1
         self._futex.wake(ctypes.addressof(word))
         del word
-        pipe = os.open(_combine.wake_path(self._path, slot), os.O_WRONLY | os.O_NONBLOCK)
+        try:  # as the holder does: no reader on the pipe now (ENXIO), the futex woke it
+            pipe = os.open(_combine.wake_path(self._path, slot), os.O_WRONLY | os.O_NONBLOCK)
+        except OSError as exc:
+            if exc.errno not in (errno.ENXIO, errno.ENOENT):
+                raise
+            return
         try:
             os.write(pipe, b"\0")
         finally:

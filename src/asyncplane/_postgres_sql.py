@@ -1218,29 +1218,27 @@ WHERE item_id = $2 AND fingerprint IS NULL AND state NOT IN ('claimed', 'offload
 # The drain loop's alarm ($1 project_id, $2 actor_id): the earliest moment a deferred item
 # falls due or a lease lapses, among items a claim with the same filters could take.
 # Projects with limits are read apart (NEXT_DUE_LIMITED).
-# Led by the projects in reach without limits, two reads of each. Its first deferred item:
-# the first row from the project's place in items_project_due on, asked for by a row
-# comparison on that index's columns, which no other index serves in that order (asked
-# as `project_id = ... ORDER BY due_at`, plans walked the store's deferred items in due
-# order through items_due, filtering for the project, once a project: 760 ms for 100
-# projects beside 50,000 deferred items of another). A row of another project means
-# none; one held back by a running twin, that the project's others are read for the
-# first that may run (filtered on the way, the scan would run on into the next
-# projects' items). And its claimed items' first lease, `+ 0` keeping the planner from
-# reading it off items_lease (the store's claimed items in lease order, once a project),
-# so it reads the project's own through items_running. (Written as min()s over the items,
-# every plan read every deferred item of the reach, each time a claimer went to sleep.)
+# Led by the projects in reach without limits, two reads of each. Its first deferred item
+# that may run: from the project's place in items_project_due on, asked for by a row
+# comparison on that index's columns, which leads every plan there (asked as
+# `project_id = ... ORDER BY due_at`, plans walked the store's deferred items in due order
+# through items_due, filtering for the project, once a project: 760 ms for 100 projects
+# beside 50,000 deferred items of another); its own items held back by a running twin
+# are stepped over, and the first row of any other project ends the scan (and means none:
+# filtered too, the scan ran on into the next projects' held items). And its claimed
+# items' first lease, `+ 0` keeping the planner from reading it off items_lease (the
+# store's claimed items in lease order, once a project), so it reads the project's own
+# through items_running. (Written as min()s over the items, every plan read every
+# deferred item of the reach, each time a claimer went to sleep.)
 _UNLIMITED = "AND project_id NOT IN (SELECT project_id FROM project_limits)"
 NEXT_DUE: Final = f"""
 SELECT min(due.at) FROM projects AS p
 CROSS JOIN LATERAL (
-    SELECT CASE WHEN first.may_run THEN first.due_at ELSE (
-               SELECT min(due_at + 0) FROM items
-               WHERE items.project_id = p.project_id AND state = 'deferred'
-                 AND {_NO_RUNNING_TWIN}) END AS at
-    FROM (SELECT project_id, due_at, {_NO_RUNNING_TWIN} AS may_run FROM items
-          WHERE state = 'deferred' AND (project_id, due_at) >= (p.project_id, '-Infinity')
-          ORDER BY project_id, due_at LIMIT 1) AS first
+    SELECT first.due_at AS at FROM (
+        SELECT project_id, due_at FROM items
+        WHERE state = 'deferred' AND (project_id, due_at) >= (p.project_id, '-Infinity')
+          AND (project_id <> p.project_id OR {_NO_RUNNING_TWIN})
+        ORDER BY project_id, due_at LIMIT 1) AS first
     WHERE first.project_id = p.project_id
     UNION ALL
     SELECT min(lease_expires_at + 0) FROM items
