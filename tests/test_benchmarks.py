@@ -378,3 +378,20 @@ def test_the_reads_benchmark_reports_each_read_alone_and_beside_a_big_project(
     assert all(ms > 0 for sides in report["ms"].values() for ms in sides.values())
     assert set(report["ratios"]) == set(report["ms"])
     assert isinstance(report["met"], bool)
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
+def test_the_history_benchmark_reports_a_recurring_content_against_fresh_ones(
+    backend: str, request: pytest.FixtureRequest
+) -> None:
+    url = (
+        [] if backend == "sqlite" else ["--url", request.getfixturevalue("asyncplane_postgres_url")]
+    )
+    report = benchmark_report("history.py", "--cycles", "30", "--repeats", "1", *url)
+    assert report["backend"] == backend
+    operations = {"finish", "dedup enqueue"}
+    assert set(report["us_last_tenth"]) == {"fresh", "recurring"}
+    assert all(set(us) == operations for us in report["us_last_tenth"].values())
+    assert all(us > 0 for kind in report["us_last_tenth"].values() for us in kind.values())
+    assert set(report["recurring / fresh"]) == operations
+    assert set(report["met"]) == operations

@@ -861,7 +861,7 @@ async def test_a_preflight_step_reaches_the_items_through_indexes_only(
         conn.close()
 
 
-def vm_steps(conn: sqlite3.Connection, statement: str, params: dict[str, Any]) -> int:
+def vm_steps(conn: sqlite3.Connection, statement: str, params: Any) -> int:
     """How much work SQLite does to answer ``statement``: its virtual machine's steps,
     counted in hundreds (a measure that no machine's speed blurs)."""
     steps = 0
@@ -909,5 +909,60 @@ async def test_counts_and_the_next_due_time_of_a_project_cost_what_it_holds(
         after = {name: vm_steps(conn, getattr(sql, name), params) for name in before}
         for name, steps in after.items():
             assert steps <= before[name] + 2, (name, before[name], steps)
+    finally:
+        conn.close()
+
+
+async def test_a_look_at_a_contents_twins_costs_the_same_whatever_its_history(
+    tmp_path: pathlib.Path,
+) -> None:
+    # A content run again and again (dedup off, or a schedule's) gathers done twins, and
+    # one that keeps failing gathers failed ones. Each look at a content's twins seeks
+    # the states it names (the pending twins a done finish settles, the oldest done or
+    # else live twin an enqueue takes, a noted pair's two sides, the pair triggers' looks
+    # as a twin arrives): 5,000 earlier runs of each content cost them nothing. (Looked up
+    # through items_fingerprint by content alone, each read every twin there had been.)
+    path = tmp_path / "history.db"
+    async with ControlStore(path) as store:
+        await store.create_project("p", "P")
+        for content in ("again", "paired"):
+            await store.enqueue("p", {}, fingerprint=content, dedup=False)
+            claim = await store.claim("w")
+            assert claim is not None
+            await store.finish(claim.item_id, fence=claim.fence)
+        await store.enqueue("p", {}, fingerprint="failing", dedup=False)
+    columns = "(project_id, state, payload, created_at, updated_at, fingerprint, dedup)"
+    arrives = f"INSERT INTO items {columns} VALUES ('p', ?, '{{}}', 0, 0, ?, 1)"
+    conn = sqlite3.connect(path)
+    try:
+        with conn:
+            conn.execute(arrives, ("ready", "paired"))  # a pair, noted
+        named = {"project_id": "p", "actor_id": None, "fingerprint": "again", "item_id": 0,
+                 "result": None, "now": 0.0, "chunk": 500}  # fmt: skip
+        looks = {
+            **{f"find {c}": (sql.FIND_TWIN, ("p", c)) for c in ("again", "failing", "paired")},
+            "settle": (sql.SETTLE_TWINS, named),
+            "pairs": (sql.NOTED_TWIN_PAIRS, named),
+            "forget": (sql.FORGET_TWIN_CHECKS, named),
+            "arrives pending": (arrives, ("ready", "failing")),  # a done twin?
+            "arrives done": (arrives, ("done", "again")),  # a pending twin?
+        }
+
+        def steps() -> dict[str, int]:
+            try:
+                return {name: vm_steps(conn, *look) for name, look in looks.items()}
+            finally:
+                conn.rollback()
+
+        before = steps()
+        with conn:
+            conn.executemany(
+                f"INSERT INTO items {columns} VALUES ('p', ?, '{{}}', 0, 0, ?, 0)",
+                [("failed", "failing"), ("done", "again"), ("done", "paired")] * 5000,
+            )
+        after = steps()
+        for name, counted in after.items():
+            assert counted <= before[name] + 2, (name, before[name], counted)
+        assert conn.execute("SELECT count(*) FROM twin_checks").fetchone() == (1,)
     finally:
         conn.close()

@@ -13,7 +13,10 @@ __all__ = (
     "EVENT_TYPES",
     "FINISH_STATUSES",
     "ITEM_STATES",
+    "LIVE_STATES",
+    "PENDING_STATES",
     "PROJECT_STATUSES",
+    "RUNNING_STATES",
     "SERVICE_CLASSES",
     "SETTLED_STATES",
     "SETTLING_EVENTS",
@@ -37,6 +40,12 @@ ITEM_STATES: Final = (
 )  # fmt: skip
 #: The states an item settles in: nothing runs it any more (a requeue aside).
 SETTLED_STATES: Final = ("done", "failed", "cancelled")
+#: The states of an item waiting to be claimed (a done twin settles those with dedup).
+PENDING_STATES: Final = ("ready", "deferred")
+#: The states of an item a worker holds (a claim, or an offload waiting to settle).
+RUNNING_STATES: Final = ("claimed", "offloaded")
+#: The states of an item not settled.
+LIVE_STATES: Final = PENDING_STATES + RUNNING_STATES
 FINISH_STATUSES: Final = ("done", "failed")
 PROJECT_STATUSES: Final = ("open", "paused", "closed")
 SERVICE_CLASSES: Final = ("standard", "realtime")

@@ -38,6 +38,121 @@ SETTLED_CHANNEL: Final = "asyncplane_settled"
 
 # --- schema and migrations -------------------------------------------------------------
 
+# Migration 3's trigger function for a twin arriving ready (written once for it, never
+# edited; migration 8 makes it again with one probe changed, from this text).
+_TWIN_ARRIVES_3 = """    CREATE FUNCTION asyncplane_twin_arrives() RETURNS trigger
+    LANGUAGE plpgsql SET enable_seqscan = off AS $$
+    DECLARE
+        ahead bigint;
+        ahead_held boolean;
+        goes_first boolean;
+    BEGIN
+        -- (One query of three probes, one per index of the line, never a walk over the
+        -- done twins.) No twin ready or running: no line to take a place in.
+        IF NOT EXISTS (
+            (SELECT 1 FROM items
+             WHERE project_id = NEW.project_id AND fingerprint = NEW.fingerprint
+               AND state IN ('claimed', 'offloaded') AND item_id <> NEW.item_id)
+            UNION ALL
+            (SELECT 1 FROM items
+             WHERE project_id = NEW.project_id AND fingerprint = NEW.fingerprint
+               AND state = 'ready' AND NOT held AND item_id <> NEW.item_id)
+            UNION ALL
+            (SELECT 1 FROM items
+             WHERE project_id = NEW.project_id AND fingerprint = NEW.fingerprint
+               AND state = 'ready' AND held AND item_id <> NEW.item_id))
+        THEN
+            NEW.held := false;
+            RETURN NEW;
+        END IF;
+        -- A running twin holds it back (locked: it cannot stop running unseen).
+        PERFORM 1 FROM items
+        WHERE project_id = NEW.project_id AND fingerprint = NEW.fingerprint
+          AND state IN ('claimed', 'offloaded') AND item_id <> NEW.item_id
+        FOR SHARE SKIP LOCKED;
+        IF FOUND THEN
+            NEW.held := true;
+            RETURN NEW;
+        END IF;
+        SELECT item_id, held,
+               (-priority, service_class, sla IS NULL, coalesce(sla, 0), item_id)
+               < (-NEW.priority, NEW.service_class, NEW.sla IS NULL, coalesce(NEW.sla, 0),
+                  NEW.item_id)
+        INTO ahead, ahead_held, goes_first
+        FROM (
+            (SELECT item_id, held, priority, service_class, sla FROM items
+             WHERE project_id = NEW.project_id AND fingerprint = NEW.fingerprint
+               AND state = 'ready' AND held AND item_id <> NEW.item_id
+             ORDER BY priority DESC, service_class, sla NULLS LAST, item_id LIMIT 1)
+            UNION ALL
+            SELECT item_id, held, priority, service_class, sla FROM items
+            WHERE project_id = NEW.project_id AND fingerprint = NEW.fingerprint
+              AND state = 'ready' AND NOT held AND item_id <> NEW.item_id) AS line
+        ORDER BY priority DESC, service_class, sla NULLS LAST, item_id LIMIT 1;
+        IF ahead IS NULL OR NOT goes_first THEN
+            -- First in line: the claimable twin there was waits behind it.
+            NEW.held := false;
+            UPDATE items SET held = true
+            WHERE item_id IN (
+                SELECT item_id FROM items
+                WHERE project_id = NEW.project_id AND fingerprint = NEW.fingerprint
+                  AND state = 'ready' AND NOT held AND item_id <> NEW.item_id
+                FOR UPDATE SKIP LOCKED);
+            RETURN NEW;
+        END IF;
+        -- A twin goes first: it is the claimable one (locked, or made so here).
+        IF ahead_held THEN
+            UPDATE items SET held = false
+            WHERE item_id = (SELECT item_id FROM items
+                             WHERE item_id = ahead AND state = 'ready' AND held
+                             FOR UPDATE SKIP LOCKED);
+        ELSE
+            PERFORM 1 FROM items WHERE item_id = ahead AND state = 'ready' AND NOT held
+            FOR SHARE SKIP LOCKED;
+        END IF;
+        NEW.held := FOUND;  -- (not found: moved, or locked; claimable beside it)
+        RETURN NEW;
+    END $$;"""
+# Its first look, whether the content has a twin ready or running (three probes, one per
+# index of the line), and migration 8's: one probe of the content's live twins.
+_ANY_IN_LINE_3 = """
+        -- (One query of three probes, one per index of the line, never a walk over the
+        -- done twins.) No twin ready or running: no line to take a place in.
+        IF NOT EXISTS (
+            (SELECT 1 FROM items
+             WHERE project_id = NEW.project_id AND fingerprint = NEW.fingerprint
+               AND state IN ('claimed', 'offloaded') AND item_id <> NEW.item_id)
+            UNION ALL
+            (SELECT 1 FROM items
+             WHERE project_id = NEW.project_id AND fingerprint = NEW.fingerprint
+               AND state = 'ready' AND NOT held AND item_id <> NEW.item_id)
+            UNION ALL
+            (SELECT 1 FROM items
+             WHERE project_id = NEW.project_id AND fingerprint = NEW.fingerprint
+               AND state = 'ready' AND held AND item_id <> NEW.item_id))"""
+_ANY_IN_LINE_8 = """
+        -- (One probe of the content's live twins, never a walk over its history.) No
+        -- twin ready or running: no line to take a place in.
+        IF NOT EXISTS (
+            SELECT 1 FROM items
+            WHERE project_id = NEW.project_id AND fingerprint = NEW.fingerprint
+              AND state IN ('ready', 'claimed', 'offloaded') AND item_id <> NEW.item_id)"""
+
+
+def _replaced(text: str, old: str, new: str) -> str:
+    """``text`` with its one ``old`` made ``new`` (a later migration's edit of an earlier
+    migration's object, written as the difference)."""
+    assert text.count(old) == 1, old
+    return text.replace(old, new)
+
+
+_TWIN_ARRIVES_8 = _replaced(
+    _replaced(_TWIN_ARRIVES_3, "CREATE FUNCTION", "CREATE OR REPLACE FUNCTION"),
+    _ANY_IN_LINE_3,
+    _ANY_IN_LINE_8,
+)
+
+
 #: Migration n takes the schema from version n-1 to n. Append, never edit.
 MIGRATIONS: Final[tuple[str, ...]] = (
     # 1: the whole store as of SQLite schema 3, in one step.
@@ -198,7 +313,7 @@ MIGRATIONS: Final[tuple[str, ...]] = (
     # moves. Handing the place on is always done, one hand-off per content at a time (a
     # lock per content, taken only by a move that ends a running or claimable twin), and
     # checked again against the row (it may have been cancelled meanwhile).
-    """
+    f"""
     ALTER TABLE items ADD COLUMN held boolean NOT NULL DEFAULT false;
     UPDATE items SET held = true
     WHERE state = 'ready' AND fingerprint IS NOT NULL AND item_id NOT IN (
@@ -227,79 +342,7 @@ MIGRATIONS: Final[tuple[str, ...]] = (
     -- A twin that arrives ready (enqueued, requeued, released) takes its place in line
     -- before it is written, so a bulk enqueue of one content's twins writes each row
     -- once, not once claimable and then again held.
-    CREATE FUNCTION asyncplane_twin_arrives() RETURNS trigger
-    LANGUAGE plpgsql SET enable_seqscan = off AS $$
-    DECLARE
-        ahead bigint;
-        ahead_held boolean;
-        goes_first boolean;
-    BEGIN
-        -- (One query of three probes, one per index of the line, never a walk over the
-        -- done twins.) No twin ready or running: no line to take a place in.
-        IF NOT EXISTS (
-            (SELECT 1 FROM items
-             WHERE project_id = NEW.project_id AND fingerprint = NEW.fingerprint
-               AND state IN ('claimed', 'offloaded') AND item_id <> NEW.item_id)
-            UNION ALL
-            (SELECT 1 FROM items
-             WHERE project_id = NEW.project_id AND fingerprint = NEW.fingerprint
-               AND state = 'ready' AND NOT held AND item_id <> NEW.item_id)
-            UNION ALL
-            (SELECT 1 FROM items
-             WHERE project_id = NEW.project_id AND fingerprint = NEW.fingerprint
-               AND state = 'ready' AND held AND item_id <> NEW.item_id))
-        THEN
-            NEW.held := false;
-            RETURN NEW;
-        END IF;
-        -- A running twin holds it back (locked: it cannot stop running unseen).
-        PERFORM 1 FROM items
-        WHERE project_id = NEW.project_id AND fingerprint = NEW.fingerprint
-          AND state IN ('claimed', 'offloaded') AND item_id <> NEW.item_id
-        FOR SHARE SKIP LOCKED;
-        IF FOUND THEN
-            NEW.held := true;
-            RETURN NEW;
-        END IF;
-        SELECT item_id, held,
-               (-priority, service_class, sla IS NULL, coalesce(sla, 0), item_id)
-               < (-NEW.priority, NEW.service_class, NEW.sla IS NULL, coalesce(NEW.sla, 0),
-                  NEW.item_id)
-        INTO ahead, ahead_held, goes_first
-        FROM (
-            (SELECT item_id, held, priority, service_class, sla FROM items
-             WHERE project_id = NEW.project_id AND fingerprint = NEW.fingerprint
-               AND state = 'ready' AND held AND item_id <> NEW.item_id
-             ORDER BY priority DESC, service_class, sla NULLS LAST, item_id LIMIT 1)
-            UNION ALL
-            SELECT item_id, held, priority, service_class, sla FROM items
-            WHERE project_id = NEW.project_id AND fingerprint = NEW.fingerprint
-              AND state = 'ready' AND NOT held AND item_id <> NEW.item_id) AS line
-        ORDER BY priority DESC, service_class, sla NULLS LAST, item_id LIMIT 1;
-        IF ahead IS NULL OR NOT goes_first THEN
-            -- First in line: the claimable twin there was waits behind it.
-            NEW.held := false;
-            UPDATE items SET held = true
-            WHERE item_id IN (
-                SELECT item_id FROM items
-                WHERE project_id = NEW.project_id AND fingerprint = NEW.fingerprint
-                  AND state = 'ready' AND NOT held AND item_id <> NEW.item_id
-                FOR UPDATE SKIP LOCKED);
-            RETURN NEW;
-        END IF;
-        -- A twin goes first: it is the claimable one (locked, or made so here).
-        IF ahead_held THEN
-            UPDATE items SET held = false
-            WHERE item_id = (SELECT item_id FROM items
-                             WHERE item_id = ahead AND state = 'ready' AND held
-                             FOR UPDATE SKIP LOCKED);
-        ELSE
-            PERFORM 1 FROM items WHERE item_id = ahead AND state = 'ready' AND NOT held
-            FOR SHARE SKIP LOCKED;
-        END IF;
-        NEW.held := FOUND;  -- (not found: moved, or locked; claimable beside it)
-        RETURN NEW;
-    END $$;
+{_TWIN_ARRIVES_3}
     CREATE TRIGGER items_twin_arrives BEFORE INSERT OR UPDATE OF state, fingerprint ON items
         FOR EACH ROW WHEN (NEW.state = 'ready' AND NEW.fingerprint IS NOT NULL)
         EXECUTE FUNCTION asyncplane_twin_arrives();
@@ -600,12 +643,84 @@ MIGRATIONS: Final[tuple[str, ...]] = (
                     AND d.state = 'done');
     CREATE INDEX items_unfingerprinted ON items (item_id) WHERE fingerprint IS NULL;
     """,
+    # 8: a content's history costs nothing (as SQLite's migration 10, another way). Every
+    # look at a content's twins in given states (a done finish settling the pending
+    # ones, the enqueue's look for a done or a live one, the pair probes of the trigger
+    # below and of the preflight) read all of its twins through items_fingerprint and
+    # tested each row's state: a content run again and again (dedup off, or a
+    # schedule's) paid for every earlier run on every finish. Now a content's twins are
+    # in one of two indexes, by whether they are settled, each with that test for its
+    # predicate. The live twins (pending or running: few, a content's backlog) are
+    # looked up by content; the settled ones (its history) by content and state, so a
+    # look for its done twins seeks them past its failed and cancelled ones. A look names
+    # the states it wants, and no index but its group's serves it as closely, so no plan
+    # reads a content's history, whatever it expects. (Keying items_fingerprint by state,
+    # as on SQLite, whose statements name their index, did not do: with no statistics,
+    # or in a generic plan, the planner expects a content's twins to be few, and an
+    # `IN` of states is then left out of the seek and filtered; and an index of the done
+    # twins beside items_fingerprint lost to it, whose entries for one content are a
+    # single posting list.) A row version is in one of the two, where it was in
+    # items_fingerprint: no write adds an entry. The pair trigger looks at one side's
+    # states (the function as migration 7 made it otherwise: a CASE between the sides
+    # matches no index), and for any twin at all with a probe of each index.
+    f"""
+    DROP INDEX items_fingerprint;
+    CREATE INDEX items_live_twins ON items (project_id, fingerprint, item_id)
+        WHERE fingerprint IS NOT NULL
+          AND state IN ('ready', 'deferred', 'claimed', 'offloaded');
+    CREATE INDEX items_settled_twins ON items (project_id, fingerprint, state, item_id)
+        WHERE fingerprint IS NOT NULL AND state IN ('done', 'failed', 'cancelled');
+{_TWIN_ARRIVES_8}
+    CREATE OR REPLACE FUNCTION asyncplane_twin_pair() RETURNS trigger
+    LANGUAGE plpgsql VOLATILE SET enable_seqscan = off AS $$
+    DECLARE
+        alone boolean;
+    BEGIN
+        IF NOT EXISTS (
+            (SELECT 1 FROM items
+             WHERE project_id = NEW.project_id AND fingerprint = NEW.fingerprint
+               AND state IN ('ready', 'deferred', 'claimed', 'offloaded')
+               AND item_id <> NEW.item_id)
+            UNION ALL
+            (SELECT 1 FROM items
+             WHERE project_id = NEW.project_id AND fingerprint = NEW.fingerprint
+               AND state IN ('done', 'failed', 'cancelled') AND item_id <> NEW.item_id))
+        THEN
+            RETURN NULL;  -- no twin: no lock (an enqueue's usual row, and a bulk one's)
+        END IF;
+        alone := pg_try_advisory_xact_lock(hashtextextended(
+            current_schema() || chr(1) || NEW.project_id || chr(1) || NEW.fingerprint, 2));
+        IF alone AND NEW.state = 'done' AND NOT EXISTS (
+            SELECT 1 FROM items
+            WHERE project_id = NEW.project_id AND fingerprint = NEW.fingerprint
+              AND state IN ('ready', 'deferred') AND dedup AND item_id <> NEW.item_id)
+        THEN
+            RETURN NULL;
+        END IF;
+        IF alone AND NEW.state <> 'done' AND NOT EXISTS (
+            SELECT 1 FROM items
+            WHERE project_id = NEW.project_id AND fingerprint = NEW.fingerprint
+              AND state = 'done' AND item_id <> NEW.item_id)
+        THEN
+            RETURN NULL;
+        END IF;
+        INSERT INTO twin_checks (project_id, fingerprint)
+        VALUES (NEW.project_id, NEW.fingerprint);
+        RETURN NULL;
+    END $$;
+    """,
 )
 
 SCHEMA_VERSION: Final = len(MIGRATIONS)
 
 #: ``('done', 'failed', 'cancelled')``, for SQL below (from `_models.SETTLED_STATES`).
 _SETTLED_STATES: Final = _models.sql_list(_models.SETTLED_STATES)
+#: ``('ready', 'deferred')`` (from `_models.PENDING_STATES`).
+_PENDING_STATES: Final = _models.sql_list(_models.PENDING_STATES)
+#: ``('ready', 'deferred', 'claimed', 'offloaded')`` (from `_models.LIVE_STATES`):
+#: items_live_twins' states.
+_LIVE_STATES: Final = _models.sql_list(_models.LIVE_STATES)
+
 
 # Serialises schema creation between processes opening a fresh database at once.
 MIGRATION_LOCK: Final = "SELECT pg_advisory_xact_lock(hashtextextended('asyncplane-migrate', 0))"
@@ -697,19 +812,23 @@ FROM unnest($1::text[], $2::text[]) AS content (project_id, fingerprint)
 ORDER BY project_id, fingerprint
 """
 # Enqueue dedup: for each fingerprint, an earlier item of the project with it that has not
-# failed nor been cancelled, a done one first (its result is there already), else the
-# oldest in flight. Led by the fingerprints, one probe of a content's twins each (LATERAL
-# with a LIMIT is never flattened): a custom plan of `fingerprint = ANY(...)` walked the
-# project's whole part of the index instead, an enqueue costing the project's size.
-# ($1 project_id, $2 fingerprints, distinct: a row each)
-FIND_TWINS: Final = """
-SELECT wanted.fingerprint, twin.item_id
-FROM unnest($2::text[]) AS wanted (fingerprint)
-CROSS JOIN LATERAL (
-    SELECT item_id FROM items
-    WHERE project_id = $1 AND fingerprint = wanted.fingerprint
-      AND state NOT IN ('failed', 'cancelled')
-    ORDER BY state = 'done' DESC, item_id LIMIT 1) AS twin
+# failed nor been cancelled, the oldest done one first (its result is there already),
+# else the oldest live one. Led by the fingerprints (subqueries run for each), each a
+# seek to the first of the content's twins in those states, in the index of such twins
+# (migration 8): a custom plan of `fingerprint = ANY(...)` walked the project's whole part
+# of items_fingerprint instead, an enqueue costing the project's size, and a look at all
+# of a content's twins cost its whole history. ($1 project_id, $2 fingerprints, distinct;
+# a row for each one with a twin)
+_TWIN_OF_WANTED = "project_id = $1 AND fingerprint = wanted.fingerprint"
+FIND_TWINS: Final = f"""
+SELECT fingerprint, item_id FROM (
+    SELECT wanted.fingerprint, coalesce(
+        (SELECT item_id FROM items WHERE {_TWIN_OF_WANTED} AND state = 'done'
+         ORDER BY item_id LIMIT 1),
+        (SELECT item_id FROM items WHERE {_TWIN_OF_WANTED} AND state IN {_LIVE_STATES}
+         ORDER BY item_id LIMIT 1)) AS item_id
+    FROM unnest($2::text[]) AS wanted (fingerprint)) AS twin
+WHERE item_id IS NOT NULL
 """
 
 # --- claims ----------------------------------------------------------------------------
@@ -1106,10 +1225,10 @@ UPDATE items SET state = 'offloaded', offload_handle = $5, lease_expires_at = NU
                  updated_at = $4
 {_SETTLE_GUARD} AND state = 'claimed' {_SETTLED}
 """
-SETTLE_TWINS: Final = """
+SETTLE_TWINS: Final = f"""
 UPDATE items SET state = 'done', result = $1, error = NULL, due_at = NULL, updated_at = $2
 WHERE project_id = $3 AND fingerprint = $4 AND dedup
-  AND state IN ('ready', 'deferred') AND item_id <> $5
+  AND state IN {_PENDING_STATES} AND item_id <> $5
 RETURNING item_id, fence
 """
 # Preflight, as on SQLite: the contents noted as they formed a twin pair (migration 7),
@@ -1132,15 +1251,16 @@ WHERE ($2::text IS NULL OR project_id = $2::text)
        OR project_id IN (SELECT project_id FROM assignments WHERE actor_id = $3::text))
 ORDER BY note_id LIMIT $1
 """
-# Each looked up from its content through items_fingerprint, for any plan, generic (the
-# write connection's, perhaps made before the table had statistics) or not: the contents
-# lead (LATERAL keeps them outside), and each state test is written "(...) IS TRUE", which
-# no index on state can serve, so no plan walks the pending or done items through one
-# (items_by_state, items_by_project), nor the whole table in id order for the LIMIT. What
-# makes a pair is written once (_PAIR_PENDING, _PAIR_DONE): the settle, the forgetting and
-# the full pass must agree on it, or a note would go while its pair stays.
-_PAIR_PENDING = "(p.state IN ('ready', 'deferred')) IS TRUE AND p.dedup"
-_PAIR_DONE = "(d.state = 'done') IS TRUE"
+# Each looked up from its content, for any plan, generic (the write connection's, perhaps
+# made before the table had statistics) or not: the contents lead (LATERAL keeps them
+# outside), and each side's state test is the predicate of its own index of a content's
+# twins (migration 8), so no plan walks the pending or done items of the store through
+# another (items_by_state, items_by_project), nor the whole table in id order for the
+# LIMIT, nor every twin a content ever had. What makes a pair is written once
+# (_PAIR_PENDING, _PAIR_DONE): the settle, the forgetting and the full pass must agree on
+# it, or a note would go while its pair stays.
+_PAIR_PENDING = f"p.state IN {_PENDING_STATES} AND p.dedup"
+_PAIR_DONE = "d.state = 'done'"
 # $1 chunk, $2 the notes' projects, $3 their fingerprints (distinct contents).
 NOTED_TWIN_PAIRS: Final = f"""
 SELECT p.item_id, p.fence, d.item_id, d.result

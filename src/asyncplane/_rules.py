@@ -994,9 +994,7 @@ def twin_events(
 #: The states a requeue takes back to ready.
 REQUEUEABLE: tuple[str, ...] = ("failed", "cancelled")
 #: The states a cancel settles: every live one.
-CANCELLABLE: tuple[str, ...] = tuple(
-    state for state in _models.ITEM_STATES if state not in _models.SETTLED_STATES
-)
+CANCELLABLE: tuple[str, ...] = _models.LIVE_STATES
 
 
 class CancelPlan(NamedTuple):

@@ -505,9 +505,9 @@ def _enqueue(
     # or earlier in this same call) takes that one's id and adds no row.
     found: dict[str, int] = {}
     for fp in _rules.dedup_fingerprints(op.items):
-        twin = db.execute(sql.FIND_TWIN, (op.project_id, fp)).fetchone()
+        [twin] = db.execute(sql.FIND_TWIN, (op.project_id, fp)).fetchone()
         if twin is not None:
-            found[fp] = twin[0]
+            found[fp] = twin
     plan = _rules.EnqueuePlan(op.items, found)
     rows = [_rules.new_row(op.project_id, op.items[p], now) for p in plan.new]
     inserted: list[int] = []

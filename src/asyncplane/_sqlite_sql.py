@@ -324,12 +324,27 @@ MIGRATIONS: Final[tuple[str, ...]] = (
         VALUES (NEW.project_id, NEW.fingerprint) ON CONFLICT DO NOTHING;
     END;
     """,
+    # 10: a content's history costs nothing. Every look at a content's twins in a given
+    # state (a done finish settling the pending ones, the enqueue's look for a done or a
+    # live one, the pair probes of migration 9's triggers and of the preflight) read all
+    # of its twins through items_fingerprint and tested each row's state: a content run
+    # again and again (dedup off, or a schedule's) paid for every earlier run on every
+    # finish. With the state in the key, each is a seek to the states it asks for. The
+    # name stays: the triggers and statements that name the index (INDEXED BY) read it
+    # as they did.
+    """
+    DROP INDEX items_fingerprint;
+    CREATE INDEX items_fingerprint ON items (project_id, fingerprint, state)
+        WHERE fingerprint IS NOT NULL;
+    """,
 )
 
 SCHEMA_VERSION: Final = len(MIGRATIONS)
 
 #: ``('done', 'failed', 'cancelled')``, for SQL below (from `_models.SETTLED_STATES`).
 _SETTLED_STATES: Final = _models.sql_list(_models.SETTLED_STATES)
+#: ``('ready', 'deferred', 'claimed', 'offloaded')`` (from `_models.LIVE_STATES`).
+_LIVE_STATES: Final = _models.sql_list(_models.LIVE_STATES)
 
 READ_HEADER: Final = "SELECT * FROM pragma_application_id, pragma_user_version"
 COUNT_OBJECTS: Final = "SELECT count(*) FROM sqlite_master WHERE name NOT LIKE 'sqlite_%'"
@@ -390,13 +405,15 @@ INSERT_EVENT_ROWS: Final = tuple(
 )
 
 # Enqueue dedup: an earlier item of the project with the same fingerprint that has not
-# failed nor been cancelled, a done one first (its result is there already), else the
-# oldest in flight.
-FIND_TWIN: Final = """
-SELECT item_id FROM items INDEXED BY items_fingerprint
-WHERE project_id = ? AND fingerprint = ? AND state NOT IN ('failed', 'cancelled')
-ORDER BY state = 'done' DESC, item_id
-LIMIT 1
+# failed nor been cancelled, the oldest done one first (its result is there already),
+# else the oldest live one; NULL if none. Each a seek to its states in items_fingerprint
+# (migration 10), so a content's long history is never read.
+FIND_TWIN: Final = f"""
+SELECT coalesce(
+    (SELECT min(item_id) FROM items INDEXED BY items_fingerprint
+     WHERE project_id = ?1 AND fingerprint = ?2 AND state = 'done'),
+    (SELECT min(item_id) FROM items INDEXED BY items_fingerprint
+     WHERE project_id = ?1 AND fingerprint = ?2 AND state IN {_LIVE_STATES}))
 """
 
 # --- claims ----------------------------------------------------------------------------
@@ -729,8 +746,8 @@ UPDATE items SET state = 'offloaded', offload_handle = :handle, lease_expires_at
 # deferred, enqueued with dedup) are settled with a copy of its result, in the same
 # transaction.
 SETTLE_TWINS: Final = """
-UPDATE items SET state = 'done', result = :result, error = NULL, due_at = NULL,
-                 updated_at = :now
+UPDATE items INDEXED BY items_fingerprint
+SET state = 'done', result = :result, error = NULL, due_at = NULL, updated_at = :now
 WHERE project_id = :project_id AND fingerprint = :fingerprint AND dedup = 1
   AND state IN ('ready', 'deferred') AND item_id <> :item_id
 RETURNING item_id, fence
@@ -754,15 +771,18 @@ _TWIN_CHECK_SCOPE = """
 ANY_TWIN_NOTED: Final = (
     f"SELECT EXISTS (SELECT 1 FROM twin_checks AS c WHERE 1 {_TWIN_CHECK_SCOPE})"
 )
+# (The oldest done twin by a seek to the content's first done id, not a join with every
+# done twin: a content run again and again has many.)
 NOTED_TWIN_PAIRS: Final = f"""
-SELECT p.item_id, p.fence, min(d.item_id), d.result  -- the oldest done twin, its result
+SELECT p.item_id, p.fence, oldest.item_id, oldest.result
 FROM twin_checks AS c  -- first (CROSS JOIN keeps the order): the notes lead, not the store
 CROSS JOIN items AS p INDEXED BY items_fingerprint
-CROSS JOIN items AS d INDEXED BY items_fingerprint
+CROSS JOIN items AS oldest
 WHERE p.project_id = c.project_id AND p.fingerprint = c.fingerprint AND {_PAIR_PENDING}
-  AND d.project_id = c.project_id AND d.fingerprint = c.fingerprint AND {_PAIR_DONE}
+  AND oldest.item_id = (
+      SELECT min(d.item_id) FROM items AS d INDEXED BY items_fingerprint
+      WHERE d.project_id = c.project_id AND d.fingerprint = c.fingerprint AND {_PAIR_DONE})
   {_TWIN_CHECK_SCOPE}
-GROUP BY p.item_id
 ORDER BY p.item_id
 LIMIT :chunk
 """
