@@ -1289,6 +1289,41 @@ async def test_the_pair_triggers_never_read_a_contents_history(url: str) -> None
         await conn.close()
 
 
+async def test_a_twin_costs_the_same_to_line_up_however_long_its_line(url: str) -> None:
+    # The triggers that keep a content's line touch its claimable twin and its first held
+    # one through their own indexes: a twin arriving ready, or the claimable one
+    # cancelled, reads a handful of index entries beside 2,000 held twins.
+    async with ControlStore(url) as store:
+        await store.create_project("p", "P")
+        await store.enqueue_many("p", [Job({}, fingerprint="c") for _ in range(3)], dedup=False)
+    arrives = (
+        "INSERT INTO items (project_id, state, payload, created_at, updated_at, fingerprint)"
+        " VALUES ('p', 'ready', '{}', 0, 0, 'c')"
+    )
+    conn = await asyncpg.connect(url)
+    try:
+        await conn.execute(f"{arrives}, " + ", ".join(["('p', 'ready', '{}', 0, 0, 'c')"] * 1999))
+        await conn.execute("ANALYZE items")
+        [(claimable,)] = await conn.fetch("SELECT item_id FROM items WHERE NOT held")
+        for statement in (
+            arrives,
+            f"UPDATE items SET state = 'cancelled' WHERE item_id = {claimable}",
+        ):
+            await conn.execute("SELECT pg_stat_force_next_flush()")  # counting from here
+            async with conn.transaction():
+                await conn.execute(statement)
+                read = await conn.fetchval(
+                    "SELECT sum(pg_stat_get_xact_tuples_returned(c.oid))"
+                    " FROM pg_class AS c JOIN pg_namespace AS n ON n.oid = c.relnamespace"
+                    " WHERE n.nspname = current_schema() AND c.relname LIKE 'items%'"
+                )
+                assert read < 20, (statement, read)
+                in_front = "SELECT count(*) FROM items WHERE state = 'ready' AND NOT held"
+                assert await conn.fetchval(in_front) == 1
+    finally:
+        await conn.close()
+
+
 async def test_counts_and_the_next_due_time_read_a_project_by_its_own_items(url: str) -> None:
     # counts() of one project (a dashboard's row each) and the next due time (each time a
     # claimer goes to sleep) read that project's part of an index, a probe of each

@@ -966,3 +966,39 @@ async def test_a_look_at_a_contents_twins_costs_the_same_whatever_its_history(
         assert conn.execute("SELECT count(*) FROM twin_checks").fetchone() == (1,)
     finally:
         conn.close()
+
+
+async def test_a_twin_costs_the_same_to_line_up_however_long_its_line(
+    tmp_path: pathlib.Path,
+) -> None:
+    # The triggers that keep a content's line touch its claimable twin(s) and its first
+    # held one through their own indexes: a twin arriving ready, or a held one cancelled,
+    # costs the same beside 2,000 held twins as beside two. (With the state in
+    # items_fingerprint's key, the UPDATE holding the others back took that index, three
+    # equalities to two, and read every ready twin of the content, held ones too.)
+    path = tmp_path / "line.db"
+    async with ControlStore(path) as store:
+        await store.create_project("p", "P")
+        await store.enqueue_many("p", [Job({}, fingerprint="c") for _ in range(3)], dedup=False)
+    arrives = (
+        "INSERT INTO items (project_id, state, payload, created_at, updated_at, fingerprint)"
+        " VALUES ('p', 'ready', '{}', 0, 0, 'c')"
+    )
+    leaves = "UPDATE items SET state = 'cancelled' WHERE item_id = 2"
+    conn = sqlite3.connect(path)
+    try:
+
+        def steps() -> list[int]:
+            try:
+                return [vm_steps(conn, statement, ()) for statement in (arrives, leaves)]
+            finally:
+                conn.rollback()
+
+        before = steps()
+        with conn:
+            conn.executemany(arrives, [()] * 2000)
+        after = steps()
+        assert all(n <= was + 2 for n, was in zip(after, before, strict=True)), (before, after)
+        assert conn.execute("SELECT count(*) FROM items WHERE held = 0").fetchone() == (1,)
+    finally:
+        conn.close()

@@ -23,6 +23,7 @@ __all__ = (
     "ClaimedItem",
     "Job",
     "LedgerProblem",
+    "edited",
     "from_timestamp",
     "loads",
     "replay_case",
@@ -82,6 +83,14 @@ def since_last(alias: str, events: tuple[str, ...]) -> str:
         f"{alias}.event_id > coalesce((SELECT max(r.event_id) FROM events AS r "
         f"WHERE r.item_id = {alias}.item_id AND r.event_type IN {sql_list(events)}), 0)"
     )
+
+
+def edited(text: str, old: str, new: str, times: int = 1) -> str:
+    """``text`` with ``old``, found there exactly ``times`` times, made ``new``: a later
+    migration's object made again from an earlier migration's text, written as the
+    difference (the earlier text is never edited)."""
+    assert text.count(old) == times, old
+    return text.replace(old, new)
 
 
 def sql_list(values: tuple[str, ...]) -> str:

@@ -139,15 +139,8 @@ _ANY_IN_LINE_8 = """
               AND state IN ('ready', 'claimed', 'offloaded') AND item_id <> NEW.item_id)"""
 
 
-def _replaced(text: str, old: str, new: str) -> str:
-    """``text`` with its one ``old`` made ``new`` (a later migration's edit of an earlier
-    migration's object, written as the difference)."""
-    assert text.count(old) == 1, old
-    return text.replace(old, new)
-
-
-_TWIN_ARRIVES_8 = _replaced(
-    _replaced(_TWIN_ARRIVES_3, "CREATE FUNCTION", "CREATE OR REPLACE FUNCTION"),
+_TWIN_ARRIVES_8 = _models.edited(
+    _models.edited(_TWIN_ARRIVES_3, "CREATE FUNCTION", "CREATE OR REPLACE FUNCTION"),
     _ANY_IN_LINE_3,
     _ANY_IN_LINE_8,
 )
@@ -676,15 +669,17 @@ MIGRATIONS: Final[tuple[str, ...]] = (
     DECLARE
         alone boolean;
     BEGIN
+        -- (Two looks, each planned for its first row: as one EXISTS over a UNION ALL,
+        -- a plan read every twin of a long line into a bitmap first.)
         IF NOT EXISTS (
-            (SELECT 1 FROM items
-             WHERE project_id = NEW.project_id AND fingerprint = NEW.fingerprint
-               AND state IN ('ready', 'deferred', 'claimed', 'offloaded')
-               AND item_id <> NEW.item_id)
-            UNION ALL
-            (SELECT 1 FROM items
-             WHERE project_id = NEW.project_id AND fingerprint = NEW.fingerprint
-               AND state IN ('done', 'failed', 'cancelled') AND item_id <> NEW.item_id))
+            SELECT 1 FROM items
+            WHERE project_id = NEW.project_id AND fingerprint = NEW.fingerprint
+              AND state IN ('ready', 'deferred', 'claimed', 'offloaded')
+              AND item_id <> NEW.item_id)
+           AND NOT EXISTS (
+            SELECT 1 FROM items
+            WHERE project_id = NEW.project_id AND fingerprint = NEW.fingerprint
+              AND state IN ('done', 'failed', 'cancelled') AND item_id <> NEW.item_id)
         THEN
             RETURN NULL;  -- no twin: no lock (an enqueue's usual row, and a bulk one's)
         END IF;

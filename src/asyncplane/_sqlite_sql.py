@@ -57,6 +57,22 @@ _LINE_UP_TWINS_5 = f"""
           AND item_id IS NOT {_FIRST_TWIN_5};
         UPDATE items SET held = 0 WHERE item_id = {_FIRST_TWIN_5} AND held = 1;"""
 
+# Migration 5's triggers that keep the line (written once for it, never edited; migration
+# 10 makes them again from this text, their first UPDATE led by items_next_twin).
+_TWIN_TRIGGERS_5 = f"""    CREATE TRIGGER items_twin_arrives AFTER INSERT ON items
+    WHEN NEW.state IN ('ready', 'claimed', 'offloaded') AND NEW.fingerprint IS NOT NULL
+    BEGIN {_LINE_UP_TWINS_5}
+    END;
+    CREATE TRIGGER items_twin_moves AFTER UPDATE OF state, fingerprint ON items
+    WHEN NEW.fingerprint IS NOT NULL AND (
+        (OLD.fingerprint IS NULL AND NEW.state IN ('ready', 'claimed', 'offloaded'))
+        OR (OLD.state IS NOT NEW.state
+            AND (NEW.state IN ('ready', 'claimed', 'offloaded')
+                 OR OLD.state IN ('claimed', 'offloaded')
+                 OR (OLD.state = 'ready' AND OLD.held = 0))))
+    BEGIN {_LINE_UP_TWINS_5}
+    END;"""
+
 # Migration 9's twin probes (written once for it, never edited): whether NEW has a done
 # twin, or a pending twin enqueued with dedup.
 _DONE_TWIN_9 = """EXISTS (
@@ -67,6 +83,28 @@ _PENDING_TWIN_9 = """EXISTS (
             SELECT 1 FROM items AS p INDEXED BY items_fingerprint
             WHERE p.project_id = NEW.project_id AND p.fingerprint = NEW.fingerprint
               AND p.state IN ('ready', 'deferred') AND p.dedup = 1)"""
+
+# Migration 10's line-up: its first UPDATE names the index of claimable twins, which
+# a state in items_fingerprint's key would otherwise win (three equalities against two),
+# reading every ready twin of the content, held ones too, for each that arrives. (An
+# UPDATE in a trigger takes no INDEXED BY; the SELECT that finds its rows does.)
+_HOLD_OTHERS_5 = f"""
+        UPDATE items SET held = 1
+        WHERE project_id = NEW.project_id AND fingerprint = NEW.fingerprint
+          AND state = 'ready' AND held = 0 AND fingerprint IS NOT NULL
+          AND item_id IS NOT {_FIRST_TWIN_5};"""
+_HOLD_OTHERS_10 = f"""
+        UPDATE items SET held = 1 WHERE item_id IN (
+            SELECT item_id FROM items INDEXED BY items_next_twin
+            WHERE project_id = NEW.project_id AND fingerprint = NEW.fingerprint
+              AND state = 'ready' AND held = 0 AND fingerprint IS NOT NULL
+              AND item_id IS NOT {_FIRST_TWIN_5});"""
+_TWIN_TRIGGERS_10 = _models.edited(
+    _TWIN_TRIGGERS_5,
+    _LINE_UP_TWINS_5,
+    _models.edited(_LINE_UP_TWINS_5, _HOLD_OTHERS_5, _HOLD_OTHERS_10),
+    times=2,
+)
 
 MIGRATIONS: Final[tuple[str, ...]] = (
     # 1: projects, assignments, items, the append-only event ledger.
@@ -205,19 +243,7 @@ MIGRATIONS: Final[tuple[str, ...]] = (
         WHERE state = 'ready' AND held = 1;
     CREATE INDEX items_next_twin ON items (project_id, fingerprint)
         WHERE state = 'ready' AND held = 0 AND fingerprint IS NOT NULL;
-    CREATE TRIGGER items_twin_arrives AFTER INSERT ON items
-    WHEN NEW.state IN ('ready', 'claimed', 'offloaded') AND NEW.fingerprint IS NOT NULL
-    BEGIN {_LINE_UP_TWINS_5}
-    END;
-    CREATE TRIGGER items_twin_moves AFTER UPDATE OF state, fingerprint ON items
-    WHEN NEW.fingerprint IS NOT NULL AND (
-        (OLD.fingerprint IS NULL AND NEW.state IN ('ready', 'claimed', 'offloaded'))
-        OR (OLD.state IS NOT NEW.state
-            AND (NEW.state IN ('ready', 'claimed', 'offloaded')
-                 OR OLD.state IN ('claimed', 'offloaded')
-                 OR (OLD.state = 'ready' AND OLD.held = 0))))
-    BEGIN {_LINE_UP_TWINS_5}
-    END;
+{_TWIN_TRIGGERS_5}
     """,
     # 6: schedules and limits. A project's limits, with its rate bucket (the claimed items
     # it counts are found through items_running, a few per project); schedules, and the key
@@ -332,10 +358,15 @@ MIGRATIONS: Final[tuple[str, ...]] = (
     # finish. With the state in the key, each is a seek to the states it asks for. The
     # name stays: the triggers and statements that name the index (INDEXED BY) read it
     # as they did.
-    """
+    # (And migration 5's line-keeping triggers made again, their first UPDATE led by the
+    # index of claimable twins: see _HOLD_OTHERS_10.)
+    f"""
     DROP INDEX items_fingerprint;
     CREATE INDEX items_fingerprint ON items (project_id, fingerprint, state)
         WHERE fingerprint IS NOT NULL;
+    DROP TRIGGER items_twin_arrives;
+    DROP TRIGGER items_twin_moves;
+{_TWIN_TRIGGERS_10}
     """,
 )
 
