@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import pathlib
 import statistics
 import tempfile
 import time
@@ -68,10 +67,7 @@ async def measure(items: int, batch: int, repeats: int, url: str | None) -> dict
         for n in range(repeats):
             for kind in KINDS:
                 name = f"{kind}_{n}"
-                if url is None:
-                    location = str(pathlib.Path(folder) / f"{name}.db")
-                else:
-                    location = await pg.fresh_schema(url, f"bench_enqueue_{name}")
+                location = await pg.fresh_store(url, folder, f"enqueue_{name}")
                 first, last = await _costs(location, kind, items, batch)
                 seen[kind]["first"].append(first)
                 seen[kind]["last"].append(last)

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import pathlib
 import statistics
 import tempfile
 import time
@@ -68,10 +67,7 @@ async def measure(cycles: int, repeats: int, url: str | None) -> dict[str, Any]:
         for n in range(repeats):
             for kind in KINDS:
                 name = f"{kind}_{n}"
-                if url is None:
-                    location = str(pathlib.Path(folder) / f"{name}.db")
-                else:
-                    location = await pg.fresh_schema(url, f"bench_history_{name}")
+                location = await pg.fresh_store(url, folder, f"history_{name}")
                 for op, us in (await _costs(location, kind, cycles)).items():
                     seen[kind][op].append(us)
     us = {k: {op: statistics.median(v) for op, v in seen[k].items()} for k in KINDS}

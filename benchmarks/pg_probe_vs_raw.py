@@ -29,6 +29,7 @@ import contextlib
 import datetime
 import json
 import os
+import pathlib
 import statistics
 import subprocess
 import sys
@@ -107,6 +108,14 @@ async def fresh_schema(url: str, name: str) -> str:
     finally:
         await conn.close()
     return testing.with_schema(url, name)
+
+
+async def fresh_store(url: str | None, folder: str, name: str) -> str:
+    """A fresh store's location: a file ``name``.db in ``folder`` (url None, SQLite), or a
+    schema bench_``name`` on the server at ``url``, made empty."""
+    if url is None:
+        return str(pathlib.Path(folder) / f"{name}.db")
+    return await fresh_schema(url, "bench_" + name.replace("-", "_"))
 
 
 async def seed(url: str, items: int) -> None:

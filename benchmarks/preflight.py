@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import pathlib
 import statistics
 import tempfile
 import time
@@ -112,9 +111,7 @@ async def measure(items: int, repeats: int, url: str | None) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as folder:
 
         async def fresh(name: str) -> str:
-            if url is None:
-                return str(pathlib.Path(folder) / f"{name}.db")
-            return await pg.fresh_schema(url, f"bench_preflight_{name.replace('-', '_')}")
+            return await pg.fresh_store(url, folder, f"preflight_{name}")
 
         ms = await _step_costs(await fresh("steps"), items, repeats)
         rates: dict[str, list[float]] = {"large": [], "small": []}

@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import pathlib
 import sqlite3
 import statistics
 import tempfile
@@ -126,10 +125,7 @@ async def measure(big: int, repeats: int, url: str | None) -> dict[str, Any]:
         stores, where = {}, {}
         for side, items in (("alone", 0), ("beside big", big)):
             name = side.replace(" ", "_")
-            if url is None:
-                location = str(pathlib.Path(folder) / f"{name}.db")
-            else:
-                location = await pg.fresh_schema(url, f"bench_reads_{name}")
+            location = await pg.fresh_store(url, folder, f"reads_{name}")
             async with ControlStore(location) as filling:
                 await _fill(filling, items)
             # Opened afresh, as a process finds the store (its WAL checkpointed at close):
