@@ -1261,12 +1261,18 @@ async def test_the_pair_triggers_never_read_a_contents_history(url: str) -> None
     # A twin arriving pending with dedup looks for a done twin, one arriving done (a
     # copy, an import) for a pending one: each reads those states only, beside 5,000
     # failed twins and 5,000 done ones. (The look by content alone read past every
-    # failed twin to find a done one, and every done twin to find no pending one.)
+    # failed twin to find a done one, and every done twin to find no pending one.) And
+    # an item of a new content looks for any twin by content, never through the store's
+    # settled items (items_settled), 20,000 of other contents.
     async with ControlStore(url) as store:
         await store.create_project("p", "P")
     columns = "(project_id, state, payload, created_at, updated_at, fingerprint, dedup)"
     conn = await asyncpg.connect(url)
     try:
+        await conn.execute(
+            f"INSERT INTO items {columns} SELECT 'p', 'done', '{{}}', n, n, 'o' || n, false"
+            " FROM generate_series(1, 20000) AS n"
+        )
         for state in ("failed", "done"):
             await conn.execute(
                 f"INSERT INTO items {columns} SELECT 'p', '{state}', '{{}}', 0, 0, 'c', false"
@@ -1274,9 +1280,10 @@ async def test_the_pair_triggers_never_read_a_contents_history(url: str) -> None
             )
         await conn.execute("SELECT pg_stat_force_next_flush()")  # counting from here
         async with conn.transaction():
-            for state in ("ready", "done"):
+            for state, content in (("ready", "c"), ("done", "c"), ("ready", "new")):
                 await conn.execute(
-                    f"INSERT INTO items {columns} VALUES ('p', '{state}', '{{}}', 0, 0, 'c', true)"
+                    f"INSERT INTO items {columns}"
+                    f" VALUES ('p', '{state}', '{{}}', 0, 0, '{content}', true)"
                 )
             read = await conn.fetchval(
                 "SELECT sum(pg_stat_get_xact_tuples_returned(c.oid))"
