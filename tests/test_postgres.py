@@ -1257,6 +1257,37 @@ async def test_a_look_at_a_contents_twins_never_reads_its_history(url: str) -> N
     assert await sql(url, "SELECT 1 FROM twin_checks WHERE note_id = $1", note)  # pair stays
 
 
+async def test_the_enqueue_look_never_walks_the_table_when_few_contents_recur(
+    url: str,
+) -> None:
+    # A store where a handful of contents recur: statistics that saw few contents made
+    # the planner walk the table in id order for "the first done twin", hoping to meet
+    # the content at once, and read all of it for a content with none (migration 9).
+    async with ControlStore(url) as store:
+        await store.create_project("p", "P")
+    conn = await asyncpg.connect(url)
+    try:
+        await conn.execute(
+            "INSERT INTO items"
+            " (project_id, state, payload, created_at, updated_at, fingerprint, dedup)"
+            " SELECT 'p', 'done', '{}', 0, 0, (ARRAY['a', 'b', 'c'])[n % 3 + 1], false"
+            " FROM generate_series(1, 40000) AS n"
+        )
+        await conn.execute("ANALYZE items")
+        for mode in ("force_generic_plan", "force_custom_plan"):
+            await conn.execute(f"SET plan_cache_mode = {mode}")
+            async with conn.transaction():
+                await conn.execute(f"PREPARE find AS {pg_sql.FIND_TWINS}")
+                explained = await conn.fetch(
+                    "EXPLAIN (ANALYZE, COSTS OFF, TIMING OFF) EXECUTE find('p', '{new,a}')"
+                )
+                await conn.execute("DEALLOCATE find")
+            plan = "\n".join(row[0] for row in explained)
+            assert not item_walks(plan), (mode, plan)
+    finally:
+        await conn.close()
+
+
 async def test_the_pair_triggers_never_read_a_contents_history(url: str) -> None:
     # A twin arriving pending with dedup looks for a done twin, one arriving done (a
     # copy, an import) for a pending one: each reads those states only, beside 5,000
