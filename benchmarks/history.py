@@ -18,7 +18,7 @@ finish (which settles the content's pending twins) and the dedup enqueue (which 
 its oldest done twin), the cost in microseconds of the last tenth of the cycles, median of
 ``--repeats`` (the kinds in turns), and the ratio recurring / fresh. Target: at most 1.25x
 for each, a content's history never read (both once read every twin the content ever had,
-and grew with it: 2.7x and 4.4x over 5,000 cycles on SQLite).
+and grew with it: 3.3x and 5.3x over 5,000 cycles on SQLite).
 
 The figures in docs/architecture.md ("A content's history") come from here.
 """
