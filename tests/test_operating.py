@@ -7,6 +7,7 @@ import datetime as dt
 import json
 import os
 import pathlib
+import re
 import signal
 import sqlite3
 import subprocess
@@ -349,6 +350,26 @@ async def test_stats_describe_the_store(store: ControlStore, clock: ManualClock)
         assert stats["schema_version"] == _postgres_sql.SCHEMA_VERSION
     else:
         assert stats["schema_version"] == sql.SCHEMA_VERSION
+
+
+def test_the_docs_give_this_releases_schema_versions() -> None:
+    # The docs say which schema version this release writes, on each backend, and show
+    # it in the stats' sample output.
+    from asyncplane import _postgres_sql
+
+    docs = pathlib.Path(__file__).parent.parent / "docs"
+    versions = (sql.SCHEMA_VERSION, _postgres_sql.SCHEMA_VERSION)
+    operating, architecture = (
+        " ".join((docs / page).read_text().split()) for page in ("operating.md", "architecture.md")
+    )
+    assert f"({versions[0]} in this release on SQLite, {versions[1]} on PostgreSQL;" in operating
+    assert (
+        f"({versions[0]} in this release; a PostgreSQL schema keeps its version, {versions[1]},"
+        in architecture
+    )
+    for page in ("operating.md", "cli.md"):
+        samples = re.findall(r'"schema_version": (\d+)', (docs / page).read_text())
+        assert samples and all(int(n) == versions[0] for n in samples), (page, samples)
 
 
 # --- the command line ----------------------------------------------------------------------

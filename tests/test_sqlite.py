@@ -1002,3 +1002,44 @@ async def test_a_twin_costs_the_same_to_line_up_however_long_its_line(
         assert conn.execute("SELECT count(*) FROM items WHERE held = 0").fetchone() == (1,)
     finally:
         conn.close()
+
+
+async def test_a_contents_deferred_twins_cost_nothing_to_its_line(
+    tmp_path: pathlib.Path,
+) -> None:
+    # A content's deferred twins (due later, enqueued with dedup off) are not in its line:
+    # a twin arriving ready, claimed, going back to ready, cancelled, costs the same
+    # beside 2,000 of them as beside three (as on PostgreSQL, where it once did not).
+    path = tmp_path / "deferred.db"
+    async with ControlStore(path) as store:
+        await store.create_project("p", "P")
+        await store.enqueue_many(
+            "p", [Job({}, fingerprint="c", not_before=4e9) for _ in range(3)], dedup=False
+        )
+    columns = "(project_id, state, payload, created_at, updated_at, fingerprint, dedup)"
+    newest = "(SELECT max(item_id) FROM items)"
+    statements = (
+        f"INSERT INTO items {columns} VALUES ('p', 'ready', '{{}}', 0, 0, 'c', 0)",
+        f"UPDATE items SET state = 'claimed' WHERE item_id = {newest}",
+        f"UPDATE items SET state = 'ready' WHERE item_id = {newest}",
+        f"UPDATE items SET state = 'cancelled' WHERE item_id = {newest}",
+    )
+    conn = sqlite3.connect(path)
+    try:
+
+        def steps() -> list[int]:
+            try:
+                return [vm_steps(conn, statement, ()) for statement in statements]
+            finally:
+                conn.rollback()
+
+        before = steps()
+        with conn:
+            conn.executemany(
+                f"INSERT INTO items {columns} VALUES ('p', 'deferred', '{{}}', 0, 0, 'c', 0)",
+                [()] * 2000,
+            )
+        after = steps()
+        assert all(n <= was + 2 for n, was in zip(after, before, strict=True)), (before, after)
+    finally:
+        conn.close()

@@ -114,7 +114,8 @@ _TWIN_ARRIVES_3 = """    CREATE FUNCTION asyncplane_twin_arrives() RETURNS trigg
         RETURN NEW;
     END $$;"""
 # Its first look, whether the content has a twin ready or running (three probes, one per
-# index of the line), and migration 8's: one probe of the content's live twins.
+# index of the line); migration 8's, one probe of the content's live twins that filtered
+# out the deferred ones (a content with many read them all); and migration 10's.
 _ANY_IN_LINE_3 = """
         -- (One query of three probes, one per index of the line, never a walk over the
         -- done twins.) No twin ready or running: no line to take a place in.
@@ -137,6 +138,15 @@ _ANY_IN_LINE_8 = """
             SELECT 1 FROM items
             WHERE project_id = NEW.project_id AND fingerprint = NEW.fingerprint
               AND state IN ('ready', 'claimed', 'offloaded') AND item_id <> NEW.item_id)"""
+_ANY_LIVE_10 = """
+        -- (A probe of the content's live twins that stops at the first, whatever its
+        -- state: what follows finds the line, if any, through the line's own indexes.)
+        -- No twin pending or running: no line to take a place in.
+        IF NOT EXISTS (
+            SELECT 1 FROM items
+            WHERE project_id = NEW.project_id AND fingerprint = NEW.fingerprint
+              AND state IN ('ready', 'deferred', 'claimed', 'offloaded')
+              AND item_id <> NEW.item_id)"""
 
 
 _TWIN_ARRIVES_8 = _models.edited(
@@ -144,6 +154,7 @@ _TWIN_ARRIVES_8 = _models.edited(
     _ANY_IN_LINE_3,
     _ANY_IN_LINE_8,
 )
+_TWIN_ARRIVES_10 = _models.edited(_TWIN_ARRIVES_8, _ANY_IN_LINE_8, _ANY_LIVE_10)
 
 
 #: Migration n takes the schema from version n-1 to n. Append, never edit.
@@ -713,6 +724,17 @@ MIGRATIONS: Final[tuple[str, ...]] = (
     # for every other row, whatever a sample saw, from the next ANALYZE on.
     """
     ALTER TABLE items ALTER COLUMN fingerprint SET (n_distinct = -0.5);
+    """,
+    # 10: a content's deferred twins cost nothing to its line. Migration 8's first look of
+    # the twin line's trigger, whether the content has a twin ready or running, was a
+    # probe of items_live_twins that tested each entry's state: a content with many
+    # twins deferred (due later, or enqueued with dedup off) read every one of them for
+    # each twin that arrived ready or went back to ready. It now stops at the first live
+    # twin, whatever its state; a content whose live twins are all deferred then goes on
+    # to the line's own looks (the running twin, the first held and the claimable one,
+    # each a probe of its index), which find no line, as before.
+    f"""
+{_TWIN_ARRIVES_10}
     """,
 )
 
