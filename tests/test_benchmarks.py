@@ -381,7 +381,7 @@ def test_the_reads_benchmark_reports_each_read_alone_and_beside_a_big_project(
 
 
 @pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
-def test_the_history_benchmark_reports_a_recurring_content_against_fresh_ones(
+def test_the_history_benchmark_reports_a_recurring_content_and_a_backlog_against_fresh(
     backend: str, request: pytest.FixtureRequest
 ) -> None:
     url = (
@@ -390,8 +390,9 @@ def test_the_history_benchmark_reports_a_recurring_content_against_fresh_ones(
     report = benchmark_report("history.py", "--cycles", "30", "--repeats", "1", *url)
     assert report["backend"] == backend
     operations = {"finish", "dedup enqueue"}
-    assert set(report["us_last_tenth"]) == {"fresh", "recurring"}
+    assert set(report["us_last_tenth"]) == {"fresh", "recurring", "backlog"}
     assert all(set(us) == operations for us in report["us_last_tenth"].values())
     assert all(us > 0 for kind in report["us_last_tenth"].values() for us in kind.values())
-    assert set(report["recurring / fresh"]) == operations
-    assert set(report["met"]) == operations
+    for part in ("to fresh", "met"):
+        assert set(report[part]) == {"recurring", "backlog"}
+        assert all(set(ops) == operations for ops in report[part].values())

@@ -990,7 +990,7 @@ async def test_a_preflight_steps_plans_never_walk_the_items(url: str) -> None:
                 f" SELECT 'p', '{state}', '{{}}', 0, 0, 'f' || n"
                 " FROM generate_series(1, 10000) AS n"
             )
-        twins = ("items_live_twins", "items_settled_twins")
+        twins = ("items_dedup_twins", "items_settled_twins")  # (the two sides of a pair)
         statements = {
             "look": (pg_sql.ANY_TWIN_NOTED, "NULL, NULL", ()),
             "notes": (pg_sql.TWIN_NOTES, "500, NULL, NULL", ()),
@@ -1205,14 +1205,27 @@ async def test_the_enqueue_look_for_twins_reads_only_the_contents_asked_for(url:
         assert not item_walks(plan), seen
 
 
-async def test_a_look_at_a_contents_twins_never_reads_its_history(url: str) -> None:
+#: What a content gathers: its history (runs done, or failed), or its backlog (twins
+#: pending, enqueued with dedup off: a content enqueued faster than it runs).
+GATHERED = {
+    "history": "CASE WHEN n % 3 = 0 THEN 'failed' ELSE 'done' END",
+    "backlog": "CASE WHEN n % 3 = 0 THEN 'ready' ELSE 'deferred' END",
+}
+
+
+@pytest.mark.parametrize("gathered", sorted(GATHERED))
+async def test_a_look_at_a_contents_twins_never_reads_what_it_gathered(
+    url: str, gathered: str
+) -> None:
     # A content run again and again (dedup off, or a schedule's) gathers done twins, and
-    # one that keeps failing gathers failed ones. Each look at a content's twins reads
+    # one that keeps failing gathers failed ones; one enqueued with dedup off faster than
+    # it runs gathers a backlog of pending twins. Each look at a content's twins reads
     # the states it names only (the pending twins a done finish settles, the oldest done
     # or else live twin an enqueue takes, a noted pair's two sides), in any plan, made on
-    # the empty table or not: 15,000 earlier runs of each content, among 30,000 other
-    # contents, cost nothing. (Looked up
-    # through items_fingerprint by content alone, each read every twin there had been.)
+    # the empty table or not: 15,000 twins of each content, among 30,000 other contents,
+    # cost nothing. (Looked up through items_fingerprint by content alone, each read
+    # every twin there had been; by content alone among the live twins, the settle and
+    # the pending side of a pair read every pending twin, dedup or not.)
     async with ControlStore(url) as store:
         await store.create_project("p", "P")
         done = {}
@@ -1232,7 +1245,7 @@ async def test_a_look_at_a_contents_twins_never_reads_its_history(url: str) -> N
     fill = (
         "INSERT INTO items"
         " (project_id, state, payload, created_at, updated_at, fingerprint, dedup)"
-        " SELECT 'p', CASE WHEN n % 3 = 0 THEN 'failed' ELSE 'done' END, '{}', 0, 0,"
+        f" SELECT 'p', {GATHERED[gathered]}, '{{}}', 0, 0,"
         " (ARRAY['failing', 'again', 'paired'])[n % 3 + 1], false"
         " FROM generate_series(1, 45000) AS n;"
         # and a store's many other contents, once each (as its statistics then show)
@@ -1299,13 +1312,21 @@ async def items_entries_read(conn: asyncpg.Connection) -> int:
     return int(read)
 
 
-async def test_the_pair_triggers_never_read_a_contents_history(url: str) -> None:
+@pytest.mark.parametrize(
+    ("gathered", "states"),
+    [("history", ("failed", "done")), ("backlog", ("ready", "deferred"))],
+)
+async def test_the_pair_triggers_never_read_what_a_content_gathered(
+    url: str, gathered: str, states: tuple[str, str]
+) -> None:
     # A twin arriving pending with dedup looks for a done twin, one arriving done (a
-    # copy, an import) for a pending one: each reads those states only, beside 5,000
-    # failed twins and 5,000 done ones. (The look by content alone read past every
-    # failed twin to find a done one, and every done twin to find no pending one.) And
-    # an item of a new content looks for any twin by content, never through the store's
-    # settled items (items_settled), 20,000 of other contents.
+    # copy, an import) for a pending one enqueued with dedup: each reads those only,
+    # beside 5,000 twins in each of two other states (its history, or its backlog
+    # enqueued with dedup off). (The look by content alone read past every failed twin
+    # to find a done one, and every done twin to find no pending one; the look by
+    # content among the live twins read every pending twin enqueued with dedup off.)
+    # And an item of a new content looks for any twin by content, never through the
+    # store's settled items (items_settled), 20,000 of other contents.
     async with ControlStore(url) as store:
         await store.create_project("p", "P")
     columns = "(project_id, state, payload, created_at, updated_at, fingerprint, dedup)"
@@ -1315,7 +1336,7 @@ async def test_the_pair_triggers_never_read_a_contents_history(url: str) -> None
             f"INSERT INTO items {columns} SELECT 'p', 'done', '{{}}', n, n, 'o' || n, false"
             " FROM generate_series(1, 20000) AS n"
         )
-        for state in ("failed", "done"):
+        for state in states:
             await conn.execute(
                 f"INSERT INTO items {columns} SELECT 'p', '{state}', '{{}}', 0, 0, 'c', false"
                 " FROM generate_series(1, 5000)"
@@ -1329,7 +1350,9 @@ async def test_the_pair_triggers_never_read_a_contents_history(url: str) -> None
                 )
             read = await items_entries_read(conn)
         assert read < 20, read
-        assert await conn.fetchval("SELECT count(*) FROM twin_checks") == 2  # each noted it
+        # each noted its pair (in the backlog, the pending twin arriving has no done one)
+        noted = {"history": 2, "backlog": 1}[gathered]
+        assert await conn.fetchval("SELECT count(*) FROM twin_checks") == noted
     finally:
         await conn.close()
 

@@ -913,15 +913,27 @@ async def test_counts_and_the_next_due_time_of_a_project_cost_what_it_holds(
         conn.close()
 
 
-async def test_a_look_at_a_contents_twins_costs_the_same_whatever_its_history(
-    tmp_path: pathlib.Path,
+#: What a content gathers: its history (runs done, or failed), or its backlog (twins
+#: pending, enqueued with dedup off: a content enqueued faster than it runs).
+GATHERED = {
+    "history": [("failed", "failing"), ("done", "again"), ("done", "paired")],
+    "backlog": [("ready", "failing"), ("deferred", "again"), ("ready", "paired")],
+}
+
+
+@pytest.mark.parametrize("gathered", sorted(GATHERED))
+async def test_a_look_at_a_contents_twins_costs_the_same_whatever_it_gathered(
+    tmp_path: pathlib.Path, gathered: str
 ) -> None:
     # A content run again and again (dedup off, or a schedule's) gathers done twins, and
-    # one that keeps failing gathers failed ones. Each look at a content's twins seeks
+    # one that keeps failing gathers failed ones; one enqueued with dedup off faster than
+    # it runs gathers a backlog of pending twins. Each look at a content's twins seeks
     # the states it names (the pending twins a done finish settles, the oldest done or
     # else live twin an enqueue takes, a noted pair's two sides, the pair triggers' looks
-    # as a twin arrives): 5,000 earlier runs of each content cost them nothing. (Looked up
-    # through items_fingerprint by content alone, each read every twin there had been.)
+    # as a twin arrives): 5,000 twins of each content cost them nothing. (Looked up
+    # through items_fingerprint by content alone, each read every twin there had been;
+    # by content and state, the settle and the pending side of a pair read every pending
+    # twin, dedup or not.)
     path = tmp_path / "history.db"
     async with ControlStore(path) as store:
         await store.create_project("p", "P")
@@ -958,7 +970,7 @@ async def test_a_look_at_a_contents_twins_costs_the_same_whatever_its_history(
         with conn:
             conn.executemany(
                 f"INSERT INTO items {columns} VALUES ('p', ?, '{{}}', 0, 0, ?, 0)",
-                [("failed", "failing"), ("done", "again"), ("done", "paired")] * 5000,
+                GATHERED[gathered] * 5000,
             )
         after = steps()
         for name, counted in after.items():

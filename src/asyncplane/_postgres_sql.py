@@ -736,6 +736,22 @@ MIGRATIONS: Final[tuple[str, ...]] = (
     f"""
 {_TWIN_ARRIVES_10}
     """,
+    # 11: a content's backlog costs nothing either (as SQLite's migration 11, another
+    # way). A done finish settles the content's pending twins enqueued with dedup, and
+    # read every live twin to find them: a line of twins enqueued with dedup off (a
+    # content run again and again, faster than it runs) paid for its whole length on
+    # every finish, so draining it was quadratic. Those twins, the ones a settle and a
+    # pair's pending side want, now have an index of their own, whose predicate is
+    # exactly that look's state and dedup test: no plan, generic or custom, made on an
+    # empty table or not, finds a cheaper way to them (no other index leaves less to
+    # test). (Keying items_live_twins by dedup did not do: on a table with no
+    # statistics, items_by_project then cost the same to the planner, and won.) A pending
+    # twin enqueued with dedup, a fingerprinted enqueue's usual row, has an entry here
+    # besides its entry in items_live_twins.
+    """
+    CREATE INDEX items_dedup_twins ON items (project_id, fingerprint, item_id)
+        WHERE fingerprint IS NOT NULL AND dedup AND state IN ('ready', 'deferred');
+    """,
 )
 
 SCHEMA_VERSION: Final = len(MIGRATIONS)

@@ -368,6 +368,18 @@ MIGRATIONS: Final[tuple[str, ...]] = (
     DROP TRIGGER items_twin_moves;
 {_TWIN_TRIGGERS_10}
     """,
+    # 11: a content's backlog costs nothing either. A done finish settles the content's
+    # pending twins enqueued with dedup, and read every pending twin to find them: a line
+    # of twins enqueued with dedup off (a content run again and again, faster than it
+    # runs) paid for its whole length on every finish, so draining it was quadratic. With
+    # dedup in the key, the settle (and the pair looks, which want the same twins) seeks
+    # them. A look for the first id of some states names both values of dedup
+    # (_ANY_DEDUP), and SQLite seeks each.
+    """
+    DROP INDEX items_fingerprint;
+    CREATE INDEX items_fingerprint ON items (project_id, fingerprint, state, dedup)
+        WHERE fingerprint IS NOT NULL;
+    """,
 )
 
 SCHEMA_VERSION: Final = len(MIGRATIONS)
@@ -435,16 +447,22 @@ INSERT_EVENT_ROWS: Final = tuple(
     (rows, INSERT_EVENT + ", (?, ?, ?, ?, ?, ?, ?)" * (rows - 1)) for rows in (32, 8)
 )
 
+# Every value dedup takes (written as 0 and 1), for a look that wants the first id of a
+# content's twins in some states whatever their dedup: with dedup in items_fingerprint's
+# key (migration 11), SQLite then seeks the first of each; left out, it reads them all.
+_ANY_DEDUP = "dedup IN (0, 1)"
+
 # Enqueue dedup: an earlier item of the project with the same fingerprint that has not
 # failed nor been cancelled, the oldest done one first (its result is there already),
 # else the oldest live one; NULL if none. Each a seek to its states in items_fingerprint
-# (migration 10), so a content's long history is never read.
+# (migrations 10 and 11), so a content's long history, or long line, is never read.
 FIND_TWIN: Final = f"""
 SELECT coalesce(
     (SELECT min(item_id) FROM items INDEXED BY items_fingerprint
-     WHERE project_id = ?1 AND fingerprint = ?2 AND state = 'done'),
+     WHERE project_id = ?1 AND fingerprint = ?2 AND state = 'done' AND {_ANY_DEDUP}),
     (SELECT min(item_id) FROM items INDEXED BY items_fingerprint
-     WHERE project_id = ?1 AND fingerprint = ?2 AND state IN {_LIVE_STATES}))
+     WHERE project_id = ?1 AND fingerprint = ?2 AND state IN {_LIVE_STATES}
+       AND {_ANY_DEDUP}))
 """
 
 # --- claims ----------------------------------------------------------------------------
@@ -775,7 +793,8 @@ UPDATE items SET state = 'offloaded', offload_handle = :handle, lease_expires_at
 
 # When an item finishes done, its pending twins (same project, same fingerprint, ready or
 # deferred, enqueued with dedup) are settled with a copy of its result, in the same
-# transaction.
+# transaction: a seek to each state with dedup (migration 11), never a read of the twins
+# enqueued with dedup off.
 SETTLE_TWINS: Final = """
 UPDATE items INDEXED BY items_fingerprint
 SET state = 'done', result = :result, error = NULL, due_at = NULL, updated_at = :now
@@ -812,7 +831,8 @@ CROSS JOIN items AS oldest
 WHERE p.project_id = c.project_id AND p.fingerprint = c.fingerprint AND {_PAIR_PENDING}
   AND oldest.item_id = (
       SELECT min(d.item_id) FROM items AS d INDEXED BY items_fingerprint
-      WHERE d.project_id = c.project_id AND d.fingerprint = c.fingerprint AND {_PAIR_DONE})
+      WHERE d.project_id = c.project_id AND d.fingerprint = c.fingerprint AND {_PAIR_DONE}
+        AND d.{_ANY_DEDUP})
   {_TWIN_CHECK_SCOPE}
 ORDER BY p.item_id
 LIMIT :chunk
