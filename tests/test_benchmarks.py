@@ -389,7 +389,7 @@ def test_the_history_benchmark_reports_a_recurring_content_and_a_backlog_against
     )
     report = benchmark_report("history.py", "--cycles", "30", "--repeats", "1", *url)
     assert report["backend"] == backend
-    operations = {"finish", "dedup enqueue"}
+    operations = {"enqueue", "finish", "dedup enqueue"}
     assert set(report["us_last_tenth"]) == {"fresh", "recurring", "backlog"}
     assert all(set(us) == operations for us in report["us_last_tenth"].values())
     assert all(us > 0 for kind in report["us_last_tenth"].values() for us in kind.values())

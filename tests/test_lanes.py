@@ -463,7 +463,7 @@ async def test_a_store_of_the_schema_before_notes_its_twin_pairs_as_it_migrates(
     raw = raw_of(store)
     if raw.backend == "sqlite":
         undo = ["DROP TRIGGER items_twin_pair_arrives", "DROP TRIGGER items_twin_pair_forms",
-                "DROP INDEX items_fingerprint",
+                "DROP INDEX items_dedup_twins", "DROP INDEX items_fingerprint",
                 "CREATE INDEX items_fingerprint ON items (project_id, fingerprint)"
                 " WHERE fingerprint IS NOT NULL",
                 "PRAGMA user_version = 8"]  # fmt: skip
