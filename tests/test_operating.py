@@ -370,6 +370,12 @@ def test_the_docs_give_this_releases_schema_versions() -> None:
     for page in ("operating.md", "cli.md"):
         samples = re.findall(r'"schema_version": (\d+)', (docs / page).read_text())
         assert samples and all(int(n) == versions[0] for n in samples), (page, samples)
+    # and the refusal of a store from a newer release, one version ahead
+    newer = re.findall(
+        r"schema version (\d+); this asyncplane knows versions up to (\d+)",
+        (docs / "cli.md").read_text(),
+    )
+    assert newer == [(str(versions[0] + 1), str(versions[0]))], newer
 
 
 # --- the command line ----------------------------------------------------------------------
