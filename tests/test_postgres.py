@@ -1164,22 +1164,77 @@ async def test_the_read_connections_are_replaced_as_the_writer_plans_again(url: 
         }
 
 
-def item_walks(plan: str, most: int = 100) -> list[str]:
-    """The lines of an EXPLAIN ANALYZE plan that read more items than a look needs: a scan
-    of the table, or a scan of items yielding (or filtering out) more than ``most`` rows
-    (an aggregate over a walk, or a walk for a few)."""
-    walks, node = [], ""
+def item_walks(plan: str, most: int = 100, table: str = "items") -> list[str]:
+    """The lines of an EXPLAIN ANALYZE plan that read more items (or rows of ``table``)
+    than a look needs: a scan of the table, or a scan of it yielding (or filtering out)
+    more than ``most`` rows (an aggregate over a walk, or a walk for a few)."""
+    walks, node, on = [], "", f" on {table}"
     for line in plan.splitlines():
         if " on " in line and ("Scan" in line or "Bitmap" in line):
             node = line
             read = re.search(r"actual rows=(\d+) loops=(\d+)", line)
-            if " on items" in line and (
-                "Seq Scan" in line or (read and int(read[1]) * int(read[2]) > most)
-            ):
+            if on in line and ("Seq Scan" in line or (read and int(read[1]) * int(read[2]) > most)):
                 walks.append(line.strip())
-        elif "Rows Removed" in line and " on items" in node and int(line.split(":")[1]) > most:
+        elif "Rows Removed" in line and on in node and int(line.split(":")[1]) > most:
             walks.append(f"{node.strip()}: {line.strip()}")
     return walks
+
+
+async def test_a_purge_reads_only_the_items_and_events_of_its_chunk(url: str) -> None:
+    # A purge chunk's statements (the events of the items it archives, and the deletes)
+    # read the chunk's items and events by id, planned on a table that has grown and was
+    # never analysed (the writer, and the read connections, plan again as the table
+    # doubles; autovacuum analyses it later, if ever). The events' look (a read
+    # connection's, generic or custom) does so in a plan made on the near-empty table too.
+    # (The delete's test that an item is settled took items_settled, every settled item;
+    # the events' order took a walk of every event.)
+    async with ControlStore(url) as store:
+        await store.create_project("p", "P")
+        await store.enqueue("p", {})
+        claim = await store.claim("w")
+        assert claim is not None
+        await store.finish(claim.item_id, fence=claim.fence)  # a handful of rows
+    conn = await asyncpg.connect(url)
+    modes = ("force_generic_plan", "force_custom_plan")
+    try:
+        for mode in modes:
+            await conn.execute(f"SET plan_cache_mode = {mode}")
+            await conn.execute(f"PREPARE early_{mode} AS {pg_sql.EVENTS_OF_ITEMS}")
+            await conn.execute(f"EXECUTE early_{mode}('{{1}}')")
+        await conn.execute(
+            "INSERT INTO items (project_id, state, payload, created_at, updated_at)"
+            " SELECT 'p', 'done', '{}', n, n FROM generate_series(1, 30000) AS n;"
+            " INSERT INTO events (item_id, event_type, fence, at)"
+            " SELECT item_id, kind, 0, 0"
+            " FROM items, unnest(ARRAY['enqueued', 'claimed', 'done']) AS kind"
+        )
+        statements = {
+            "events": pg_sql.EVENTS_OF_ITEMS,
+            "purge items": pg_sql.PURGE_ITEMS,
+            "purge events": pg_sql.PURGE_EVENTS,
+        }
+        for mode in modes:
+            await conn.execute(f"SET plan_cache_mode = {mode}")
+            for name, statement in {"events, planned early": None, **statements}.items():
+                prepared = f"early_{mode}" if statement is None else "late"
+                tr = conn.transaction()
+                await tr.start()
+                try:
+                    if statement is not None:
+                        await conn.execute(f"PREPARE late AS {statement}")
+                    if name == "purge events":  # (an item goes first, then its history)
+                        await conn.execute(pg_sql.PURGE_ITEMS, [50, 60, 70])
+                    explain = "EXPLAIN (ANALYZE, COSTS OFF, TIMING OFF) EXECUTE"
+                    explained = await conn.fetch(f"{explain} {prepared}('{{50,60,70}}')")
+                finally:
+                    await tr.rollback()  # (nothing purged: each runs on the same store)
+                    if statement is not None:
+                        await conn.execute("DEALLOCATE late")
+                plan = "\n".join(row[0] for row in explained)
+                walks = item_walks(plan) + item_walks(plan, table="events")
+                assert not walks, (mode, name, plan)
+    finally:
+        await conn.close()
 
 
 async def test_the_enqueue_look_for_twins_reads_only_the_contents_asked_for(url: str) -> None:
