@@ -879,6 +879,24 @@ def vm_steps(conn: sqlite3.Connection, statement: str, params: Any) -> int:
     return steps
 
 
+def steps_before_and_after(
+    conn: sqlite3.Connection, statements: tuple[str, ...], grow: str, rows: int
+) -> tuple[list[int], list[int]]:
+    """Each statement's `vm_steps` (each run after the ones before it, then all rolled
+    back), before and after ``grow`` is run ``rows`` times (committed)."""
+
+    def steps() -> list[int]:
+        try:
+            return [vm_steps(conn, statement, ()) for statement in statements]
+        finally:
+            conn.rollback()
+
+    before = steps()
+    with conn:
+        conn.executemany(grow, [()] * rows)
+    return before, steps()
+
+
 async def test_counts_and_the_next_due_time_of_a_project_cost_what_it_holds(
     tmp_path: pathlib.Path,
 ) -> None:
@@ -1002,17 +1020,7 @@ async def test_a_twin_costs_the_same_to_line_up_however_long_its_line(
     leaves = "UPDATE items SET state = 'cancelled' WHERE item_id = 2"
     conn = sqlite3.connect(path)
     try:
-
-        def steps() -> list[int]:
-            try:
-                return [vm_steps(conn, statement, ()) for statement in (arrives, leaves)]
-            finally:
-                conn.rollback()
-
-        before = steps()
-        with conn:
-            conn.executemany(arrives, [()] * 2000)
-        after = steps()
+        before, after = steps_before_and_after(conn, (arrives, leaves), arrives, 2000)
         assert all(n <= was + 2 for n, was in zip(after, before, strict=True)), (before, after)
         assert conn.execute("SELECT count(*) FROM items WHERE held = 0").fetchone() == (1,)
     finally:
@@ -1039,22 +1047,10 @@ async def test_a_contents_deferred_twins_cost_nothing_to_its_line(
         f"UPDATE items SET state = 'ready' WHERE item_id = {newest}",
         f"UPDATE items SET state = 'cancelled' WHERE item_id = {newest}",
     )
+    deferred = f"INSERT INTO items {columns} VALUES ('p', 'deferred', '{{}}', 0, 0, 'c', 0)"
     conn = sqlite3.connect(path)
     try:
-
-        def steps() -> list[int]:
-            try:
-                return [vm_steps(conn, statement, ()) for statement in statements]
-            finally:
-                conn.rollback()
-
-        before = steps()
-        with conn:
-            conn.executemany(
-                f"INSERT INTO items {columns} VALUES ('p', 'deferred', '{{}}', 0, 0, 'c', 0)",
-                [()] * 2000,
-            )
-        after = steps()
+        before, after = steps_before_and_after(conn, statements, deferred, 2000)
         assert all(n <= was + 2 for n, was in zip(after, before, strict=True)), (before, after)
     finally:
         conn.close()
