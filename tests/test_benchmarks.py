@@ -396,3 +396,20 @@ def test_the_history_benchmark_reports_a_recurring_content_and_a_backlog_against
     for part in ("to fresh", "met"):
         assert set(report[part]) == {"recurring", "backlog"}
         assert all(set(ops) == operations for ops in report[part].values())
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
+def test_the_fingerprinted_benchmark_reports_claims_and_finishes_against_plain_ones(
+    backend: str, request: pytest.FixtureRequest
+) -> None:
+    url = (
+        [] if backend == "sqlite" else ["--url", request.getfixturevalue("asyncplane_postgres_url")]
+    )
+    report = benchmark_report("fingerprinted.py", "--items", "20", "--repeats", "1", *url)
+    assert report["backend"] == backend
+    operations = {"claim", "finish"}
+    assert set(report["us"]) == {"plain", "fingerprinted"}
+    assert all(set(us) == operations for us in report["us"].values())
+    assert all(us > 0 for kind in report["us"].values() for us in kind.values())
+    assert set(report["fingerprinted / plain"]) == operations
+    assert set(report["met"]) == operations
