@@ -141,6 +141,11 @@ _TWIN_TRIGGERS_10 = _models.edited(
 # every finish of a fingerprinted item. One is all there can be: a content has at most one
 # claimable twin (these triggers keep it so), and a firing adds at most one more (the row
 # that fired it, arriving ready, or moved back to ready), of which the first in line stays.
+# That holds while a twin's place in line moves only with a firing: the store never
+# changes an item's priority, service class, SLA or fingerprint (but to give one where
+# there was none). A row edited by hand to go ahead of its content's claimable twin can
+# leave two claimable (both still wait while a twin runs), where migration 10's hold-back
+# mended that at the next firing.
 _HOLD_OTHERS_12 = f"""
         UPDATE items SET held = 1 WHERE item_id = (
             SELECT item_id FROM items INDEXED BY items_next_twin
