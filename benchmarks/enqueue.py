@@ -28,8 +28,6 @@ The figures in docs/architecture.md ("What an enqueue costs") come from here.
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import tempfile
 import time
@@ -89,17 +87,16 @@ async def measure(items: int, batch: int, repeats: int, url: str | None) -> dict
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--items", type=int, default=50_000)
-    parser.add_argument("--batch", type=int, default=500)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--json", action="store_true")
-    pg.add_postgres_arguments(parser)
-    args = parser.parse_args()
-    report = pg.measured_on(args, lambda url: measure(args.items, args.batch, args.repeats, url))
-    if args.json:
-        print(json.dumps(report))
+    ran = pg.run_benchmark(
+        __doc__,
+        lambda args, url: measure(args.items, args.batch, args.repeats, url),
+        items=50_000,
+        batch=500,
+        repeats=3,
+    )
+    if ran is None:
         return
+    args, report = ran
     print(
         f"enqueue_many of {args.items:,} items in calls of {args.batch}, {report['backend']}, "
         f"µs an item (median of {args.repeats}):"

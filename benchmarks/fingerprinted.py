@@ -23,8 +23,6 @@ The figures in docs/architecture.md ("What a fingerprint costs a claim") come fr
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import tempfile
 import time
@@ -80,16 +78,12 @@ async def measure(items: int, repeats: int, url: str | None) -> dict[str, Any]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--items", type=int, default=3_000)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--json", action="store_true")
-    pg.add_postgres_arguments(parser)
-    args = parser.parse_args()
-    report = pg.measured_on(args, lambda url: measure(args.items, args.repeats, url))
-    if args.json:
-        print(json.dumps(report))
+    ran = pg.run_benchmark(
+        __doc__, lambda args, url: measure(args.items, args.repeats, url), items=3_000, repeats=3
+    )
+    if ran is None:
         return
+    args, report = ran
     print(f"{args.items:,} items, {report['backend']}, median µs (median of {args.repeats}):")
     print(f"  {'':<8} {'plain':>8} {'fingerprinted':>14} {'ratio':>7}")
     for op in OPERATIONS:

@@ -32,8 +32,6 @@ The figures in docs/architecture.md ("A content's history") come from here.
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import tempfile
 import time
@@ -95,16 +93,12 @@ async def measure(cycles: int, repeats: int, url: str | None) -> dict[str, Any]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cycles", type=int, default=5_000)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--json", action="store_true")
-    pg.add_postgres_arguments(parser)
-    args = parser.parse_args()
-    report = pg.measured_on(args, lambda url: measure(args.cycles, args.repeats, url))
-    if args.json:
-        print(json.dumps(report))
+    ran = pg.run_benchmark(
+        __doc__, lambda args, url: measure(args.cycles, args.repeats, url), cycles=5_000, repeats=3
+    )
+    if ran is None:
         return
+    args, report = ran
     print(
         f"{args.cycles:,} cycles, {report['backend']}, µs in the last tenth "
         f"(median of {args.repeats}):"

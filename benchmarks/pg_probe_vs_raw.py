@@ -279,6 +279,28 @@ def measured_on(args: argparse.Namespace, measure: Callable[[str | None], Awaita
         return asyncio.run(measure(url))
 
 
+def run_benchmark(
+    doc: str | None,
+    measure: Callable[[argparse.Namespace, str | None], Awaitable[dict[str, Any]]],
+    **sizes: int,
+) -> tuple[argparse.Namespace, dict[str, Any]] | None:
+    """A benchmark's command line, run: each of ``sizes`` an integer option (``--name``,
+    its default), then ``--json`` and `add_postgres_arguments`' choice; ``measure(args,
+    url)`` run on that choice (`measured_on`). With ``--json`` the report is printed as
+    JSON and None comes back; otherwise (args, report), for the benchmark to print."""
+    parser = argparse.ArgumentParser(description=(doc or "").splitlines()[0])
+    for name, default in sizes.items():
+        parser.add_argument(f"--{name}", type=int, default=default)
+    parser.add_argument("--json", action="store_true")
+    add_postgres_arguments(parser)
+    args = parser.parse_args()
+    report = measured_on(args, lambda url: measure(args, url))
+    if args.json:
+        print(json.dumps(report))
+        return None
+    return args, report
+
+
 @contextlib.contextmanager
 def server(url: str | None) -> Iterator[str]:
     if url:

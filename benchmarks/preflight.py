@@ -29,8 +29,6 @@ It prints each in milliseconds (the figures in docs/architecture.md come from he
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import tempfile
 import time
@@ -130,16 +128,12 @@ async def measure(items: int, repeats: int, url: str | None) -> dict[str, Any]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--items", type=int, default=50_000)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--json", action="store_true")
-    pg.add_postgres_arguments(parser)
-    args = parser.parse_args()
-    report = pg.measured_on(args, lambda url: measure(args.items, args.repeats, url))
-    if args.json:
-        print(json.dumps(report))
+    ran = pg.run_benchmark(
+        __doc__, lambda args, url: measure(args.items, args.repeats, url), items=50_000, repeats=5
+    )
+    if ran is None:
         return
+    args, report = ran
     print(
         f"{args.items} pending fingerprinted items, no twin done, {report['backend']} "
         f"(median of {args.repeats}):"

@@ -27,9 +27,7 @@ statements took 6.9 and 14.8 ms on SQLite, 11.7 and 1.1 ms on PostgreSQL (and
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import json
 import sqlite3
 import statistics
 import tempfile
@@ -156,16 +154,12 @@ async def measure(big: int, repeats: int, url: str | None) -> dict[str, Any]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--big", type=int, default=100_000)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--json", action="store_true")
-    pg.add_postgres_arguments(parser)
-    args = parser.parse_args()
-    report = pg.measured_on(args, lambda url: measure(args.big, args.repeats, url))
-    if args.json:
-        print(json.dumps(report))
+    ran = pg.run_benchmark(
+        __doc__, lambda args, url: measure(args.big, args.repeats, url), big=100_000, repeats=5
+    )
+    if ran is None:
         return
+    args, report = ran
     print(
         f"reads of a small project, alone and beside {args.big:,} items, "
         f"{report['backend']}, ms a call (median of {args.repeats}):"
