@@ -473,6 +473,9 @@ async def test_a_store_of_the_schema_before_notes_its_twin_pairs_as_it_migrates(
                 "DROP FUNCTION asyncplane_twin_pair()", "DROP INDEX items_unfingerprinted",
                 "DROP INDEX items_live_twins", "DROP INDEX items_settled_twins",
                 "DROP INDEX items_dedup_twins",
+                "DROP FUNCTION asyncplane_twin_may_start(text, text, bigint)",
+                "DROP FUNCTION asyncplane_settle_twins(text, text, bigint, text, float8, text,"
+                " text, text, text)",
                 "CREATE INDEX items_fingerprint ON items (project_id, fingerprint)"
                 " WHERE fingerprint IS NOT NULL",
                 "UPDATE asyncplane_meta SET value = '6' WHERE key = 'schema_version'"]  # fmt: skip

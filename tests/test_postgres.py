@@ -852,7 +852,7 @@ async def test_the_write_statements_plans_are_led_by_the_primary_key(url: str) -
         )
         statements = {
             "claim": (pg_sql.CLAIM_ITEMS, 11, {2: "{1}", 3: "{w}", 4: "{1}", 5: "{f}", 7: "{f}"}),
-            "finish": (pg_sql.FINISH_MANY, 8, {2: "{1}", 3: "{1}", 5: "{done}"}),
+            "finish": (pg_sql.FINISH_MANY, 11, {2: "{1}", 3: "{1}", 5: "{done}"}),
         }
         for name, (statement, count, arrays) in statements.items():
             args = ", ".join(
@@ -870,10 +870,11 @@ async def test_the_write_statements_plans_are_led_by_the_primary_key(url: str) -
         await conn.close()
 
 
-async def test_a_round_of_finishes_that_need_nothing_more_commits_by_itself(url: str) -> None:
-    # A round of finishes is one statement, which commits by itself: no BEGIN, no COMMIT.
-    # A finish it cannot do alone (refused, or with twins to settle) goes on in a
-    # transaction, as before.
+async def test_a_round_of_finishes_commits_by_itself_twins_and_all(url: str) -> None:
+    # A round of finishes is one statement, which commits by itself: no BEGIN, no COMMIT,
+    # the done finish of a fingerprinted item that settles its twins included (migration
+    # 12; before, that one went on in a transaction of four more round trips). A finish
+    # it cannot do alone (refused) goes on in a transaction, as before.
     async with (
         ControlStore(url) as store,
         ControlStore(url, identity=("task",)) as fingerprinting,
@@ -895,10 +896,132 @@ async def test_a_round_of_finishes_that_need_nothing_more_commits_by_itself(url:
         assert await fingerprinting.dedup_pending_against_done() == 0
         claim = await fingerprinting.claim("w")
         assert claim is not None and claim.item_id == done_id
+        writer = (await fingerprinting._engine.ready()).writer
+        alone, rounds = writer.alone_rounds, writer.rounds
         await fingerprinting.finish(done_id, fence=claim.fence, result="shared")
+        assert (writer.alone_rounds - alone, writer.rounds - rounds) == (1, 1)
         assert (await store.item(twin))["state"] == "done"
+        assert (await store.item(twin))["result"] == "shared"
         assert (await store.events(twin))[-1]["detail"] == {"deduplicated_from": done_id}
         assert await verify_ledger(store) == []
+
+
+async def test_a_fingerprinted_claim_and_finish_are_one_statement_each(url: str) -> None:
+    # An item with a content of its own is claimed and finished as a plain one is: each a
+    # statement that commits by itself (CLAIM_ALONE and FINISH_MANY; before migration 12,
+    # a transaction of five round trips each, and the claim went the general way for the
+    # next 64 claims too). Twins among the first ready items still go the general way,
+    # which takes one of them.
+    async with ControlStore(url) as store:
+        await store.create_project("p", "P")
+        writer: Any = (await store._engine.ready()).writer
+        first, second = await store.enqueue_many("p", [
+            Job({"n": 1}, fingerprint="one"), Job({"n": 2}, fingerprint="two"),
+        ])  # fmt: skip
+        for item in (first, second):
+            alone, rounds = writer.alone_rounds, writer.rounds
+            claim = await store.claim("w")
+            assert claim is not None and claim.item_id == item
+            await store.finish(item, fence=claim.fence, result=item)
+            assert (writer.alone_rounds - alone, writer.rounds - rounds) == (2, 2)
+
+        # Two claimable twins at once (a hand edit; the line keeps one as a rule).
+        twins = await store.enqueue_many(
+            "p", [Job({"n": n}, fingerprint="both") for n in range(2)], dedup=False
+        )
+        other = await store.enqueue("p", {"n": 3}, fingerprint="other")
+        await sql(url, "UPDATE items SET held = false WHERE fingerprint = 'both'")
+        alone = writer.alone_rounds
+        batch = await store.claim_batch("w", 2)
+        assert [c.item_id for c in batch] == [twins[0], other]
+        assert writer.alone_rounds == alone
+        assert await verify_ledger(store) == []
+
+
+async def test_a_claim_leaves_a_twin_another_claimer_is_starting_and_wakes_the_drainers(
+    url: str,
+) -> None:
+    # The one-statement claim takes a fingerprinted item only if its content's claim lock
+    # is had (tried, never waited for) and no twin runs: while another transaction holds
+    # that lock, the item is left, and the drainers are told (the claim locked a row it
+    # did not take, which any claimer meanwhile skipped).
+    async with ControlStore(url) as store:
+        await store.create_project("p", "P")
+        writer: Any = (await store._engine.ready()).writer
+        item = await store.enqueue("p", {}, fingerprint="c")
+        claimer = await asyncpg.connect(url)
+        listener = await asyncpg.connect(url)
+        heard: list[str] = []
+        try:
+            await listener.add_listener(pg_sql.CHANNEL, lambda *a: heard.append(a[3]))
+            starting = claimer.transaction()
+            await starting.start()
+            await claimer.execute(
+                "SELECT pg_advisory_xact_lock(hashtextextended("
+                " current_schema() || chr(1) || 'p' || chr(1) || 'c', 1))"
+            )
+            alone = writer.alone_rounds
+            assert await store.claim("w") is None
+            assert writer.alone_rounds == alone + 1
+            await until(lambda: bool(heard), what="the drainers woken")
+            assert (await store.item(item))["state"] == "ready"
+            await starting.rollback()
+            claim = await store.claim("w")
+            assert claim is not None and claim.item_id == item
+        finally:
+            await claimer.close()
+            await listener.close()
+        assert await verify_ledger(store) == []
+
+
+async def test_a_done_finish_settles_the_twins_committed_while_it_waited_for_the_content(
+    url: str,
+) -> None:
+    # The one-statement finish settles a done item's pending twins after its content's
+    # hand-off lock, in a snapshot of its own (asyncplane_settle_twins): a twin whose
+    # transaction held that lock when the finish began, and committed while the finish
+    # waited for it, is settled, though the finish's statement began before it existed.
+    # (Its own pair trigger had the lock, so it noted nothing: this settle is its only
+    # one.)
+    async with ControlStore(url) as store:
+        await store.create_project("p", "P")
+        running = await store.enqueue("p", {}, fingerprint="c")
+        claim = await store.claim("w")
+        assert claim is not None and claim.item_id == running
+        adding = await asyncpg.connect(url)
+        watcher = await asyncpg.connect(url)
+        try:
+            enqueue = adding.transaction()
+            await enqueue.start()
+            await adding.execute(
+                "SELECT pg_advisory_xact_lock(hashtextextended("
+                " current_schema() || chr(1) || 'p' || chr(1) || 'c', 2))"
+            )
+            twin = await adding.fetchval(
+                "INSERT INTO items (project_id, state, payload, created_at, updated_at,"
+                " fingerprint, due_at) VALUES ('p', 'deferred', '{}', 0, 0, 'c',"
+                " extract(epoch FROM clock_timestamp()) + 86400)"
+                " RETURNING item_id"
+            )
+            finishing = asyncio.create_task(
+                store.finish(running, fence=claim.fence, result="shared"), name="finish"
+            )
+
+            async def waits_for_the_content() -> bool:
+                return bool(await watcher.fetchval(
+                    "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
+                ))  # fmt: skip
+
+            await until(waits_for_the_content, what="the finish waiting for the content")
+            await enqueue.commit()
+            await finishing
+        finally:
+            await adding.close()
+            await watcher.close()
+        settled = await store.item(twin)
+        assert (settled["state"], settled["result"]) == ("done", "shared")
+        assert (await store.events(twin))[-1]["detail"] == {"deduplicated_from": running}
+        assert await sql(url, "SELECT 1 FROM twin_checks") == []
 
 
 async def test_a_connection_lost_under_a_finish_alone_says_the_outcome_is_unknown(
@@ -907,7 +1030,7 @@ async def test_a_connection_lost_under_a_finish_alone_says_the_outcome_is_unknow
     # The statement commits by itself: a connection lost with it on its way leaves the
     # round as unknown as one lost during COMMIT.
     async with (
-        cut_on_commit(url, marker=b"a.status <> 'done'") as (through, arm, cut),
+        cut_on_commit(url, marker=b"twin_detail") as (through, arm, cut),
         ControlStore(through) as store,
     ):
         await store.create_project("p", "P")
@@ -1309,7 +1432,8 @@ async def test_a_look_at_a_contents_twins_never_reads_what_it_gathered(
     )
     statements = {
         "find": (pg_sql.FIND_TWINS, "'p', '{again,failing,paired,new}'"),
-        "settle": (pg_sql.SETTLE_TWINS, "'{}', 0, 'p', 'again', 0"),
+        # (the statement asyncplane_settle_twins runs, planned as a function's are)
+        "settle": (pg_sql.SETTLE_TWINS_12, "'p', 'again', 0, '{}', 0"),
         "pairs": (pg_sql.NOTED_TWIN_PAIRS, "500, '{p}', '{paired}'"),
         "forget": (pg_sql.FORGET_TWIN_NOTES, f"'{{{note}}}'"),
     }

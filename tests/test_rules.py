@@ -216,14 +216,16 @@ def test_a_first_page_past_the_page_cap_still_reads_on_past_skipped_twins() -> N
     assert len(merge.chosen) == total
 
 
-def test_one_arm_without_quotas_or_fingerprints_gives_its_first_rows_dealt_in_order() -> None:
+def test_one_arm_without_quotas_or_twins_gives_its_first_rows_dealt_in_order() -> None:
     # PostgreSQL's one-statement claim of a plain reach (CLAIM_ALONE) relies on this: one
-    # arm, no quota, no fingerprint: the merge chooses the arm's first rows in claim
-    # order, and `deal` hands them out by `slots`.
+    # arm, no quota, no two rows twins (each fingerprint, if any, a content of its own):
+    # the merge chooses the arm's first rows in claim order, and `deal` hands them out
+    # by `slots`.
     rng = random.Random(7)
     for _ in range(200):
         rows = sorted(
-            (candidate(n, priority=rng.randrange(3), sla=rng.choice([None, 5.0, 9.0]))
+            (candidate(n, priority=rng.randrange(3), sla=rng.choice([None, 5.0, 9.0]),
+                       fingerprint=rng.choice([None, f"content {n}"]))
              for n in range(rng.randrange(0, 30))),
             key=_rules.claim_key,
         )  # fmt: skip

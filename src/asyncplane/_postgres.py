@@ -907,7 +907,8 @@ async def _claim_many(
 
 
 #: After a claim found its reach not plain, how many claims of that reach skip the one
-#: statement (a reach with fingerprints or limits would pay a round trip for nothing).
+#: statement (a reach with limits, or with twins at the head of its line, would pay a
+#: round trip for nothing).
 _DETOUR = 64
 
 
@@ -919,7 +920,7 @@ def _claim_alone(
 ) -> tuple[str, tuple[Any, ...]] | None:
     """The common claim as one statement that commits by itself (CLAIM_ALONE): the same
     items, dealt the same way, as `_claim_many` would claim, when the reach is plain (one
-    unlimited project, nothing lapsed or due, no fingerprint among the items taken). None
+    unlimited project, nothing lapsed or due, no two twins among the items taken). None
     for a reach known not to be (it goes to `_claim_many`), and for a while after the
     statement found one that was not (`_claimed_alone`)."""
     first = ops[0]
@@ -998,62 +999,64 @@ async def _finish_many(
 ) -> list[int | _errors.AsyncplaneError]:
     """Finishes that came together: each on its own, a refusal answered, not raised.
 
-    Several finishes of distinct items settle in one statement (one round trip); a
-    finish it did not match wrote nothing, and is then explained (FenceRejected, ...).
+    Several finishes of distinct items settle in one statement (one round trip), twins
+    and all; a finish it did not match wrote nothing, and is then explained
+    (FenceRejected, ...).
     """
     results: list[int | _errors.AsyncplaneError] = []
-    events: list[_rules.Event] = []
     if _rules.settle_as_one(ops):
-        settled = {row[0]: row for row in await conn.fetch(sql.FINISH_MANY, *_finishes(ops, now))}
+        rows = await conn.fetch(sql.FINISH_MANY, *_finishes(ops, now))
+        settled = {row[0]: row[3] for row in rows}
         for op in ops:
-            row = settled.get(op.item_id)
-            if row is None:
+            twins = settled.get(op.item_id)
+            if twins is None:
                 try:
                     await _refuse_fenced(conn, op.item_id, op.fence, op.actor_id)
                 except _errors.AsyncplaneError as exc:
                     results.append(exc)
                 continue
-            results.append(await _settle_twins(op, conn, now, row[1], row[2], events))
-        await _insert_events(conn, events)
+            results.append(int(twins))
         return results
     for op in ops:
         try:
-            results.append(await _settle_finish(op, conn, now, events))
+            results.append(await _settle_finish(op, conn, now))
         except _errors.AsyncplaneError as exc:
             results.append(exc)  # the guarded UPDATE matched nothing: nothing was written
-    await _insert_events(conn, events)
     return results
 
 
 def _finish_alone(ops: list[_backend.FinishOp], now: float) -> tuple[str, tuple[Any, ...]] | None:
-    """Finishes that need only their own rows (a failure, or the done finish of an item
-    without a fingerprint), settled with their events in one statement that commits by
-    itself (FINISH_ALONE); every other one, and any the statement did not match (refused,
-    or with twins to settle), is left to a transaction (`_finish_many`), which says why."""
+    """A round of finishes of distinct items as the one statement that settles them, twins
+    and all, with their events (FINISH_MANY), which commits by itself; any it did not
+    match (refused) is left to a transaction (`_finish_many`), which says why."""
     if not _rules.distinct_items(ops):
         return None
-    return sql.FINISH_ALONE, _finishes(ops, now)
+    return sql.FINISH_MANY, _finishes(ops, now)
 
 
 def _finished_alone(ops: list[_backend.FinishOp], now: float, rows: list[Any]) -> list[Any]:
-    """FINISH_ALONE's answers: no twins settled for each it matched, `LEFT` otherwise."""
-    settled = {row[0] for row in rows}
-    return [0 if op.item_id in settled else _writer.LEFT for op in ops]
+    """FINISH_MANY's answers: how many twins each it matched settled, `LEFT` otherwise."""
+    settled = {row[0]: int(row[3]) for row in rows}
+    return [settled.get(op.item_id, _writer.LEFT) for op in ops]
 
 
 def _finishes(ops: list[_backend.FinishOp], now: float) -> tuple[Any, ...]:
-    """FINISH_MANY's (and FINISH_ALONE's) parameters: now, then a column per field."""
+    """FINISH_MANY's parameters: now, then a column per field; then the twin events' type
+    and owner (the same for every finish: `_rules.twin_event`) and each finish's twin
+    event detail."""
+    twins = [_rules.twin_event(op.item_id, op.actor_id, now) for op in ops]
     return (
         now, [op.item_id for op in ops], [op.fence for op in ops],
         [op.actor_id for op in ops], [op.status for op in ops],
         [op.result_json for op in ops], [op.error for op in ops],
         [_rules.finish_event(op, None, now).detail_json for op in ops],
+        twins[0].event_type, twins[0].owner, [twin.detail_json for twin in twins],
     )  # fmt: skip
 
 
-async def _settle_finish(
-    op: _backend.FinishOp, conn: asyncpg.Connection, now: float, events: list[_rules.Event]
-) -> int:
+async def _settle_finish(op: _backend.FinishOp, conn: asyncpg.Connection, now: float) -> int:
+    """One finish, as its own statements; settlement dedup: a done item's pending twins
+    are done too, with its result, each with its event (SETTLE_TWINS)."""
     detail = _rules.finish_event(op, None, now).detail_json
     base = (op.item_id, op.fence, op.actor_id, now)
     if op.status == "done":
@@ -1062,19 +1065,15 @@ async def _settle_finish(
         row = await conn.fetchrow(sql.FINISH_FAILED, *base, op.error, detail)
     if row is None:
         await _refuse_fenced(conn, op.item_id, op.fence, op.actor_id)
-    return await _settle_twins(op, conn, now, row[1], row[2], events)
-
-
-async def _settle_twins(
-    op: _backend.FinishOp, conn: asyncpg.Connection, now: float, project_id: str,
-    fp: str | None, events: list[_rules.Event],
-) -> int:  # fmt: skip
-    """Settlement dedup: a done item's pending twins are done too, with its result."""
+    project_id, fp = row[1], row[2]
     if op.status != "done" or fp is None:
         return 0
-    twins = await conn.fetch(sql.SETTLE_TWINS, op.result_json, now, project_id, fp, op.item_id)
-    events.extend(_rules.twin_events(op.item_id, twins, op.actor_id, now))
-    return len(twins)
+    twin = _rules.twin_event(op.item_id, op.actor_id, now)
+    settled: int = await conn.fetchval(
+        sql.SETTLE_TWINS, project_id, fp, op.item_id, op.result_json, now, op.actor_id,
+        twin.event_type, twin.owner, twin.detail_json,
+    )  # fmt: skip
+    return settled
 
 
 def _list_params(

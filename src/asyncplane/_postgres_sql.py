@@ -155,6 +155,16 @@ _TWIN_ARRIVES_8 = _models.edited(
     _ANY_IN_LINE_8,
 )
 _TWIN_ARRIVES_10 = _models.edited(_TWIN_ARRIVES_8, _ANY_IN_LINE_8, _ANY_LIVE_10)
+# The settle of a done item's pending twins enqueued with dedup, each with its fence, as
+# migration 12's function runs it ($1 project_id, $2 fingerprint, $3 the done item, $4
+# its result, $5 now: the function's first arguments). Frozen here, as migration 12's
+# text.
+SETTLE_TWINS_12: Final = """
+        UPDATE items SET state = 'done', result = $4, error = NULL, due_at = NULL,
+                         updated_at = $5
+        WHERE project_id = $1 AND fingerprint = $2 AND dedup
+          AND state IN ('ready', 'deferred') AND item_id <> $3
+        RETURNING item_id, fence"""
 
 
 #: Migration n takes the schema from version n-1 to n. Append, never edit.
@@ -752,6 +762,51 @@ MIGRATIONS: Final[tuple[str, ...]] = (
     CREATE INDEX items_dedup_twins ON items (project_id, fingerprint, item_id)
         WHERE fingerprint IS NOT NULL AND dedup AND state IN ('ready', 'deferred');
     """,
+    # 12: a fingerprint costs a claim and a finish no round trip. A claim of a
+    # fingerprinted item tried its content's lock and then claimed it with the twin guard,
+    # each a statement of its own, so that the guard's look came in a snapshot taken after
+    # the lock was had; a done finish settled its twins in a statement after the finish,
+    # in a snapshot taken after the content's hand-off lock (see migration 7). Each was a
+    # transaction of five round trips where a plain item's is one statement. A function
+    # declared VOLATILE takes a snapshot for each statement it runs, so each pair of steps
+    # is now a function, in that order, which the one statement of a claim (CLAIM_ALONE)
+    # or of a round of finishes (FINISH_MANY) calls for each fingerprinted row: the lock,
+    # then the look. The twin guard tries the claimers' lock of the content; the settle
+    # takes the hand-off lock (the finish's own trigger takes it again, at the end of the
+    # statement: a lock held is had at once), then settles the pending twins enqueued with
+    # dedup (through items_dedup_twins, as the statement it replaces) and writes their
+    # events, as the rules core's template says (`_rules.twin_event`: the caller passes
+    # its type, owner and detail), and answers how many it settled.
+    f"""
+    CREATE FUNCTION asyncplane_twin_may_start(project text, content text, item bigint)
+    RETURNS boolean LANGUAGE plpgsql VOLATILE AS $$
+    BEGIN
+        IF NOT pg_try_advisory_xact_lock(hashtextextended(
+                current_schema() || chr(1) || project || chr(1) || content, 1)) THEN
+            RETURN false;  -- another transaction is starting a twin: this one waits
+        END IF;
+        RETURN NOT EXISTS (
+            SELECT 1 FROM items
+            WHERE project_id = project AND fingerprint = content
+              AND state IN ('claimed', 'offloaded') AND item_id <> item);
+    END $$;
+    CREATE FUNCTION asyncplane_settle_twins(project text, content text, done_item bigint,
+                                            outcome text, settled_at float8, actor text,
+                                            twin_type text, twin_owner text, twin_detail text)
+    RETURNS bigint LANGUAGE plpgsql VOLATILE AS $$
+    DECLARE
+        settled bigint;
+    BEGIN
+        PERFORM pg_advisory_xact_lock(hashtextextended(
+            current_schema() || chr(1) || project || chr(1) || content, 2));
+        WITH twins AS ({SETTLE_TWINS_12})
+        INSERT INTO events (item_id, event_type, fence, owner, actor_id, at, detail)
+        SELECT item_id, twin_type, fence, twin_owner, actor, settled_at, twin_detail
+        FROM twins ORDER BY item_id;
+        GET DIAGNOSTICS settled = ROW_COUNT;
+        RETURN settled;
+    END $$;
+    """,
 )
 
 SCHEMA_VERSION: Final = len(MIGRATIONS)
@@ -1003,15 +1058,17 @@ def _claim_set(source: str, now: str) -> str:
 
 _NOTIFY_WORK = "pg_notify('asyncplane', current_schema())"
 # The common claim in one statement, which commits by itself: when the reach is one
-# open project without limits, with no lapsed claim and nothing fallen due, and the first
-# ready items in claim order carry no fingerprint, and no set_limits is under way (its lock
-# is tried, never waited for), the claim takes exactly those, as the
-# general claim (CLAIM_CANDIDATES, then CLAIM_ITEMS) would: each to the request its slot
-# names (`_rules.slots`), with its "claimed" event. Otherwise it takes nothing and answers
-# one row with a NULL slot, and the claim runs as the general one. The slot of each
-# claimed row comes first, then its candidate columns as they were, then the claimed
-# columns CLAIM_ITEMS returns. ($1 project_id, $2 actor_id, $3 now, $4 how many,
-# $5 the owner of each slot, $6 its lease's expiry)
+# open project without limits, with no lapsed claim and nothing fallen due, no two of the
+# first ready items in claim order are twins, and no set_limits is under way (its lock is
+# tried, never waited for), the claim takes exactly those, as the general claim
+# (CLAIM_CANDIDATES, then CLAIM_ITEMS) would: each to the request its slot names
+# (`_rules.slots`), with its "claimed" event; a fingerprinted one only if it may start
+# (asyncplane_twin_may_start, migration 12: its content's claim lock tried, then no twin
+# running, in a snapshot of its own), as CLAIM_ITEMS's guard after TRY_LOCK_CONTENTS.
+# Otherwise it takes nothing and answers one row with a NULL slot, and the claim runs as
+# the general one. The slot of each claimed row comes first, then its candidate columns
+# as they were, then the claimed columns CLAIM_ITEMS returns. ($1 project_id, $2
+# actor_id, $3 now, $4 how many, $5 the owner of each slot, $6 its lease's expiry)
 CLAIM_ALONE: Final = f"""
 WITH claiming AS (SELECT pg_try_advisory_xact_lock_shared({_LIMITS_KEY}) AS got),
 reach AS (
@@ -1034,13 +1091,15 @@ picked AS (
     FROM plain CROSS JOIN LATERAL ({_ready("plain.project_id", "$4", "0")}) AS ready),
 verdict AS (
     SELECT EXISTS (SELECT 1 FROM plain)
-           AND NOT EXISTS (SELECT 1 FROM picked WHERE fingerprint IS NOT NULL) AS ok),
+           AND (SELECT count(DISTINCT fingerprint) = count(fingerprint) FROM picked) AS ok),
 claimed AS (
     UPDATE items {_claim_set("s", "$3")}
     FROM picked AS p
          JOIN unnest($5::text[], $6::float8[]) WITH ORDINALITY AS s (owner, expires, slot)
          ON s.slot = p.slot
     WHERE items.item_id = p.item_id AND (SELECT ok FROM verdict)
+      AND (p.fingerprint IS NULL
+           OR asyncplane_twin_may_start(p.project_id, p.fingerprint, p.item_id))
     RETURNING p.slot, p.item_id, p.state, p.fence, p.owner, p.attempts, p.max_attempts,
               p.project_id, p.fingerprint, p.priority, p.service_class, p.sla,
               items.item_id AS claimed_id, items.project_id AS claimed_project,
@@ -1058,10 +1117,14 @@ UNION ALL
 SELECT NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
        NULL, NULL, NULL, NULL, NULL
 FROM verdict
-WHERE CASE WHEN verdict.ok THEN false
-           WHEN NOT EXISTS (SELECT 1 FROM picked) THEN true
-           -- Rows it locked and left were skipped by any claimer meanwhile: wake them.
-           ELSE (SELECT count(*) FROM (SELECT {_NOTIFY_WORK}) AS woken) > 0 END
+WHERE CASE WHEN NOT verdict.ok AND NOT EXISTS (SELECT 1 FROM picked) THEN true
+           -- Rows it locked and left were skipped by any claimer meanwhile: wake them
+           -- (a row with a NULL slot if it bailed out; none if it claimed, some twin
+           -- that may not start left).
+           WHEN NOT verdict.ok
+                OR (SELECT count(*) FROM picked) > (SELECT count(*) FROM claimed)
+           THEN (SELECT count(*) FROM (SELECT {_NOTIFY_WORK}) AS woken) > 0 AND NOT verdict.ok
+           ELSE false END
 """
 # A claimer of a fingerprinted item first takes the lock of its (project, fingerprint),
 # without waiting: held, another transaction is starting a twin, and this one skips the
@@ -1075,7 +1138,9 @@ FROM unnest($1::text[], $2::text[]) WITH ORDINALITY AS c (project_id, fingerprin
 ORDER BY project_id, fingerprint
 """
 # Claim many candidates at once, each for its own owner and lease, with its "claimed"
-# event; a fingerprinted ready or deferred one (guarded) only if no twin of it runs now.
+# event; a fingerprinted ready or deferred one (guarded) only if it may start
+# (asyncplane_twin_may_start: its content's lock, already had from TRY_LOCK_CONTENTS, and
+# no twin running now, in a snapshot taken after it).
 # The fence rises by one. What the claims took from limited projects' rate buckets is
 # written in the same statement (as `_rules.spend` says, counting every item dealt).
 # An item of a project limited since this claim read its reach, and whose limits it did
@@ -1093,10 +1158,8 @@ _CLAIMED = f"""claimed AS (
     WHERE items.item_id = c.item_id AND items.item_id = ANY ($2::bigint[])
       AND (c.counted OR NOT EXISTS (
           SELECT 1 FROM project_limits AS l WHERE l.project_id = items.project_id))
-      AND (NOT c.guarded OR NOT EXISTS (
-          SELECT 1 FROM items AS twin
-          WHERE twin.project_id = items.project_id AND twin.fingerprint = items.fingerprint
-            AND twin.state IN ('claimed', 'offloaded') AND twin.item_id <> items.item_id))
+      AND (NOT c.guarded
+           OR asyncplane_twin_may_start(items.project_id, items.fingerprint, items.item_id))
     RETURNING items.item_id, items.project_id, items.payload, items.fence, items.attempts,
               items.created_at, items.trace_context,
               items.owner, c.before_type, c.before_fence, c.before_owner, c.before_detail),
@@ -1213,14 +1276,19 @@ WITH settled AS (
                      offload_handle = NULL, updated_at = $4
     {_SETTLE_GUARD} RETURNING owner, project_id, fingerprint, state){_LOGGED}"""
 # Finishes that came together, all in one statement: each row fenced and state-guarded as
-# in FINISH_DONE, each with its own event. An asked row missing from the answer matched
-# nothing and wrote nothing. ($1 now, then arrays, pairwise: item ids, fences, actor ids,
-# statuses, results, errors, event details)
-_FINISH_MANY = """
+# in FINISH_DONE, each with its own event; a done one with a fingerprint then settles its
+# pending twins (asyncplane_settle_twins, migration 12: after the content's hand-off lock,
+# in a snapshot of its own), each with the event of the twin template (`_rules.twin_event`).
+# An asked row missing from the answer matched nothing and wrote nothing. The writer
+# sends it alone, and PostgreSQL commits it by itself. ($1 now, then arrays, pairwise:
+# item ids, fences, actor ids, statuses, results, errors, event details; then the twin
+# events' type and owner, and each finish's twin event detail) -> each settled item,
+# with how many twins it settled
+FINISH_MANY: Final = """
 WITH asked AS (
     SELECT * FROM unnest($2::bigint[], $3::bigint[], $4::text[], $5::text[], $6::text[],
-                         $7::text[], $8::text[])
-        AS a (item_id, fence, actor_id, status, result, error, detail)),
+                         $7::text[], $8::text[], $11::text[])
+        AS a (item_id, fence, actor_id, status, result, error, detail, twin_detail)),
 settled AS (
     UPDATE items
     SET state = a.status,
@@ -1232,20 +1300,21 @@ settled AS (
       AND items.fence = a.fence
       AND items.state IN ('claimed', 'offloaded')
       AND (a.actor_id IS NULL OR items.project_id IN (
-               SELECT project_id FROM assignments WHERE actor_id = a.actor_id)) {alone}
+               SELECT project_id FROM assignments WHERE actor_id = a.actor_id))
     RETURNING items.item_id, items.owner, items.project_id, items.fingerprint, items.state,
-              a.fence, a.actor_id, a.detail),
+              a.fence, a.actor_id, a.detail, a.result, a.twin_detail),
 logged AS (
     INSERT INTO events (item_id, event_type, fence, owner, actor_id, at, detail)
-    SELECT item_id, state, fence, owner, actor_id, $1, detail FROM settled)
-SELECT item_id, project_id, fingerprint FROM settled
+    SELECT item_id, state, fence, owner, actor_id, $1, detail FROM settled
+    RETURNING item_id)
+-- (Read through the events written: an item's twins settle after its own event.)
+SELECT s.item_id, s.project_id, s.fingerprint,
+       CASE WHEN s.state = 'done' AND s.fingerprint IS NOT NULL
+            THEN asyncplane_settle_twins(s.project_id, s.fingerprint, s.item_id, s.result, $1,
+                                         s.actor_id, $9, $10, s.twin_detail)
+            ELSE 0 END
+FROM settled AS s JOIN logged USING (item_id)
 """
-FINISH_MANY: Final = _FINISH_MANY.format(alone="")
-# The same, as a transaction of its own: only finishes that need nothing more, so not the
-# done finish of a fingerprinted item (its twins settle with it, in statements of their own).
-FINISH_ALONE: Final = _FINISH_MANY.format(
-    alone="AND (a.status <> 'done' OR items.fingerprint IS NULL)"
-)
 READ_BUDGET: Final = f"""
 SELECT attempts, max_attempts, owner FROM items {_SETTLE_GUARD}
 FOR UPDATE
@@ -1268,12 +1337,11 @@ UPDATE items SET state = 'offloaded', offload_handle = $5, lease_expires_at = NU
                  updated_at = $4
 {_SETTLE_GUARD} AND state = 'claimed' {_SETTLED}
 """
-SETTLE_TWINS: Final = f"""
-UPDATE items SET state = 'done', result = $1, error = NULL, due_at = NULL, updated_at = $2
-WHERE project_id = $3 AND fingerprint = $4 AND dedup
-  AND state IN {_PENDING_STATES} AND item_id <> $5
-RETURNING item_id, fence
-"""
+# A done item's pending twins enqueued with dedup, settled with its result after the
+# content's hand-off lock, each with its event (migration 12: $1 project_id, $2
+# fingerprint, $3 the done item, $4 its result, $5 now, $6 actor_id, then the twin
+# events' type, owner and detail) -> how many
+SETTLE_TWINS: Final = "SELECT asyncplane_settle_twins($1, $2, $3, $4, $5, $6, $7, $8, $9)"
 # Preflight, as on SQLite: the contents noted as they formed a twin pair (migration 7),
 # read a chunk of notes at a time; their pending twins settled with the oldest done
 # twin's result (locked, skipping any another transaction holds); then the notes read

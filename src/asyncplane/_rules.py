@@ -116,6 +116,7 @@ __all__ = (
     "takeover_event",
     "target",
     "token_due",
+    "twin_event",
     "twin_events",
     "unknown_project",
     "unknown_schedule",
@@ -430,7 +431,7 @@ class ClaimMerge:
     Each item is taken once, even if a later page (a newer snapshot, where commits
     shifted the offsets) shows it again.
 
-    With one arm, no quota and no fingerprint among the rows, the merge chooses the arm's
+    With one arm, no quota and no two twins among the rows, the merge chooses the arm's
     first ``limit`` rows, in claim order: PostgreSQL's one-statement claim of a plain
     reach (`_postgres_sql.CLAIM_ALONE`) takes exactly those, dealt by `slots`, and bails
     out to this merge otherwise (`tests/test_rules.py` holds the merge to it).
@@ -983,10 +984,14 @@ def twin_events(
 ) -> list[Event]:
     """Settlement dedup: each pending twin ``(item_id, fence)`` of a done item is done
     too, with its result; the event names the item it was settled from."""
-    return [
-        event(twin_id, "done", fence, None, actor_id, now, {"deduplicated_from": done_id})
-        for twin_id, fence in twins
-    ]
+    template = twin_event(done_id, actor_id, now)
+    return [template._replace(item_id=twin_id, fence=fence) for twin_id, fence in twins]
+
+
+def twin_event(done_id: int, actor_id: str | None, now: float) -> Event:
+    """The event of each pending twin a done item settles, but for the twin's id and fence
+    (0 here): PostgreSQL's one-statement finish fills them in for the twins it settles."""
+    return event(0, "done", 0, None, actor_id, now, {"deduplicated_from": done_id})
 
 
 # --- operating single items ----------------------------------------------------------------
