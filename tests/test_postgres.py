@@ -964,6 +964,7 @@ async def test_a_claim_leaves_a_twin_another_claimer_is_starting_and_wakes_the_d
             assert await store.claim("w") is None
             assert writer.alone_rounds == alone + 1
             await until(lambda: bool(heard), what="the drainers woken")
+            assert set(heard) == {(await sql(url, "SELECT current_schema()"))[0][0]}
             assert (await store.item(item))["state"] == "ready"
             await starting.rollback()
             claim = await store.claim("w")
@@ -985,9 +986,11 @@ async def test_a_done_finish_settles_the_twins_committed_while_it_waited_for_the
     # one.)
     async with ControlStore(url) as store:
         await store.create_project("p", "P")
+        writer: Any = (await store._engine.ready()).writer
         running = await store.enqueue("p", {}, fingerprint="c")
         claim = await store.claim("w")
         assert claim is not None and claim.item_id == running
+        alone = writer.alone_rounds
         adding = await asyncpg.connect(url)
         watcher = await asyncpg.connect(url)
         try:
@@ -1009,7 +1012,9 @@ async def test_a_done_finish_settles_the_twins_committed_while_it_waited_for_the
 
             async def waits_for_the_content() -> bool:
                 return bool(await watcher.fetchval(
-                    "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
+                    "SELECT count(*) FROM pg_locks JOIN pg_stat_activity USING (pid)"
+                    " WHERE locktype = 'advisory' AND NOT granted"
+                    " AND query LIKE '%WITH asked AS%'"  # FINISH_MANY's opening
                 ))  # fmt: skip
 
             await until(waits_for_the_content, what="the finish waiting for the content")
@@ -1018,10 +1023,95 @@ async def test_a_done_finish_settles_the_twins_committed_while_it_waited_for_the
         finally:
             await adding.close()
             await watcher.close()
+        assert writer.alone_rounds == alone + 1  # the one statement, not a transaction
         settled = await store.item(twin)
         assert (settled["state"], settled["result"]) == ("done", "shared")
         assert (await store.events(twin))[-1]["detail"] == {"deduplicated_from": running}
         assert await sql(url, "SELECT 1 FROM twin_checks") == []
+
+
+async def test_the_twin_guard_looks_after_it_has_the_content_lock(url: str) -> None:
+    # asyncplane_twin_may_start looks for a running twin in a snapshot taken after it has
+    # the content's lock, not in the snapshot of the statement that calls it: a twin that
+    # started running after that statement began, and before the lock was tried, is seen.
+    async with ControlStore(url) as store:
+        await store.create_project("p", "P")
+        first, second = await store.enqueue_many(
+            "p", [Job({"n": n}, fingerprint="c") for n in range(2)], dedup=False
+        )
+        calling = await asyncpg.connect(url)
+        holding = await asyncpg.connect(url)
+        try:
+            await holding.execute("SELECT pg_advisory_lock(4242)")
+            called = asyncio.create_task(calling.fetchval(
+                "WITH paused AS MATERIALIZED (SELECT pg_advisory_lock(4242))"
+                " SELECT asyncplane_twin_may_start('p', 'c', $1::bigint) FROM paused", second,
+            ), name="guard")  # fmt: skip
+            pid = calling.get_server_pid()
+
+            async def paused() -> bool:
+                return bool(await holding.fetchval(
+                    "SELECT count(*) FROM pg_locks WHERE pid = $1 AND NOT granted", pid
+                ))  # fmt: skip
+
+            await until(paused, what="the calling statement begun, and waiting")
+            claim = await store.claim("w")  # the first twin starts running, and commits
+            assert claim is not None and claim.item_id == first
+            await holding.execute("SELECT pg_advisory_unlock(4242)")
+            assert await called is False
+        finally:
+            await calling.close()
+            await holding.close()
+
+
+async def test_a_round_of_finishes_settles_each_contents_twins_after_every_finish(
+    url: str,
+) -> None:
+    # One FINISH_MANY of four finishes: two done items with pending twins (two and one),
+    # a failed one with a twin (left pending: only a done item settles its twins) and a
+    # plain one. Each answers how many twins it settled; every finish's event comes
+    # before any twin's, as in a transaction of a statement each.
+    from asyncplane import _backend, _postgres
+
+    async with (
+        ControlStore(url) as store,
+        ControlStore(url, identity=("task",)) as fingerprinting,
+    ):
+        await store.create_project("p", "P")
+        tasks = ["a", "a", "a", "b", "b", "c", "c"]
+        ids = await store.enqueue_many("p", [{"task": task} for task in tasks])
+        plain = await store.enqueue("p", {"n": 1})
+        assert await fingerprinting.dedup_pending_against_done() == 0  # fingerprints given
+        batch = await fingerprinting.claim_batch("w", 4)
+        assert [c.item_id for c in batch] == [ids[0], ids[3], ids[5], plain]
+        ops = [
+            _backend.FinishOp(c.item_id, c.fence, status, None, f'"{c.item_id}"', error)
+            for c, (status, error) in zip(
+                batch, [("done", None), ("done", None), ("failed", "no"), ("done", None)],
+                strict=True,
+            )
+        ]  # fmt: skip
+        now = (await sql(url, SERVER_NOW))[0][0]
+        rows = await sql(url, pg_sql.FINISH_MANY, *_postgres._finishes(ops, now))
+        assert sorted((row[0], row[3]) for row in rows) == [
+            (ids[0], 2),
+            (ids[3], 1),
+            (ids[5], 0),
+            (plain, 0),
+        ]
+        for twin, done_id in ((ids[1], ids[0]), (ids[2], ids[0]), (ids[4], ids[3])):
+            item = await store.item(twin)
+            assert (item["state"], item["result"]) == ("done", str(done_id))
+            assert (await store.events(twin))[-1]["detail"] == {"deduplicated_from": done_id}
+        assert (await store.item(ids[6]))["state"] == "ready"
+        [(last_finish, first_twin)] = await sql(
+            url,
+            "SELECT max(event_id) FILTER (WHERE item_id = ANY ($1::bigint[])),"
+            " min(event_id) FILTER (WHERE detail LIKE '%deduplicated_from%') FROM events",
+            [op.item_id for op in ops],
+        )
+        assert last_finish < first_twin
+        assert await verify_ledger(store) == []
 
 
 async def test_a_connection_lost_under_a_finish_alone_says_the_outcome_is_unknown(
@@ -1051,7 +1141,7 @@ async def test_a_connection_lost_under_a_finish_alone_says_the_outcome_is_unknow
 async def test_a_plain_claim_is_one_statement_and_any_other_reach_goes_the_general_way(
     url: str,
 ) -> None:
-    # One open project, no limits, nothing lapsed or due, no fingerprint among the items
+    # One open project, no limits, nothing lapsed or due, no two twins among the items
     # taken: the claim is one statement that commits by itself, and claims what the
     # general claim would. A reach that is not plain goes the general way, and its next
     # claims do not try the one statement again for a while.

@@ -1307,13 +1307,17 @@ logged AS (
     INSERT INTO events (item_id, event_type, fence, owner, actor_id, at, detail)
     SELECT item_id, state, fence, owner, actor_id, $1, detail FROM settled
     RETURNING item_id)
--- (Read through the events written: an item's twins settle after its own event.)
 SELECT s.item_id, s.project_id, s.fingerprint,
        CASE WHEN s.state = 'done' AND s.fingerprint IS NOT NULL
             THEN asyncplane_settle_twins(s.project_id, s.fingerprint, s.item_id, s.result, $1,
                                          s.actor_id, $9, $10, s.twin_detail)
             ELSE 0 END
-FROM settled AS s JOIN logged USING (item_id)
+FROM settled AS s
+-- (Every finish's event is written first, once, before any row is read here: the twins'
+-- events come after the finishes', as they did in a transaction. A join with `logged`
+-- did the same, but its plan read `logged` again for each row: a round of 256 finishes
+-- cost 11 ms, against 8.)
+WHERE (SELECT count(*) FROM logged) >= 0
 """
 READ_BUDGET: Final = f"""
 SELECT attempts, max_attempts, owner FROM items {_SETTLE_GUARD}

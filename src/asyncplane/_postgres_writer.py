@@ -15,8 +15,8 @@ A round of one unit whose operation is a `FirstAlone` (a round of finishes, or o
 with one reach) runs first as that operation's one statement, outside any transaction:
 PostgreSQL commits a lone statement by itself, so the round saves the BEGIN and COMMIT
 round trips, and the state changes and their events still commit together. Its answers
-are handed out at once; what the statement left (a finish with twins to settle, a claim
-of a reach that is not plain) runs next in a transaction, as any round. A connection lost
+are handed out at once; what the statement left (a refused finish, a claim of a reach
+that is not plain) runs next in a transaction, as any round. A connection lost
 with that statement on its way leaves the round's outcome unknown, as one lost during
 COMMIT.
 
