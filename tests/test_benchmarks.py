@@ -413,3 +413,23 @@ def test_the_fingerprinted_benchmark_reports_claims_and_finishes_against_plain_o
     assert all(us > 0 for kind in report["us"].values() for us in kind.values())
     assert set(report["fingerprinted / plain"]) == operations
     assert set(report["met"]) == operations
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
+def test_the_wake_ups_benchmark_reports_what_idle_processes_pay_for_each_kind(
+    backend: str, request: pytest.FixtureRequest
+) -> None:
+    url = (
+        [] if backend == "sqlite" else ["--url", request.getfixturevalue("asyncplane_postgres_url")]
+    )
+    report = benchmark_report("wake_ups.py", "--items", "20", "--idle", "2", "--repeats", "1", *url)
+    assert report["backend"] == backend
+    assert set(report["figures"]) == {"plain", "fingerprinted"}
+    for figures in report["figures"].values():
+        assert figures["pairs_per_second"] > 0
+        assert figures["idle_cpu_us_per_pair"] >= 0
+    heard = {kind: report["figures"][kind]["notifies_per_pair"] for kind in report["figures"]}
+    # what the benchmark is for: a plain pair notifies nobody; a fingerprinted settle,
+    # as things stand, every listener (SQLite has no notifications)
+    assert heard == ({"plain": 0, "fingerprinted": 0} if backend == "sqlite"
+                     else {"plain": 0, "fingerprinted": 1})  # fmt: skip
