@@ -38,16 +38,22 @@ OPERATIONS = ("claim", "finish")
 TARGET = 1.25
 
 
+async def fill(store: ControlStore, kind: str, items: int) -> None:
+    """Project "p" of a fresh store, with ``items`` items of ``kind`` (one of `KINDS`):
+    without a fingerprint, or each with a content of its own."""
+    await store.create_project("p", "P")
+    jobs = [
+        Job({"n": n}, fingerprint=f"c{n}" if kind == "fingerprinted" else None)
+        for n in range(items)
+    ]
+    await store.enqueue_many("p", jobs)
+
+
 async def _costs(location: str, kind: str, items: int) -> dict[str, float]:
     """Median µs of each operation over ``items`` claims and finishes, on a fresh store."""
     seen: dict[str, list[float]] = {op: [] for op in OPERATIONS}
     async with ControlStore(location) as store:
-        await store.create_project("p", "P")
-        jobs = [
-            Job({"n": n}, fingerprint=f"c{n}" if kind == "fingerprinted" else None)
-            for n in range(items)
-        ]
-        await store.enqueue_many("p", jobs)
+        await fill(store, kind, items)
         for _ in range(items):
             started = time.perf_counter()
             claim = await store.claim("worker")

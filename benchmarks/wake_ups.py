@@ -34,11 +34,12 @@ import tempfile
 import time
 from typing import Any
 
+import fingerprinted
 import pg_probe_vs_raw as pg
 
-from asyncplane import ControlStore, Job
+from asyncplane import ControlStore
 
-KINDS = ("plain", "fingerprinted")
+KINDS = fingerprinted.KINDS
 
 
 async def _idle(location: str) -> None:
@@ -67,12 +68,7 @@ async def _run(
     """One kind on a fresh store: pairs/s, NOTIFYs heard a pair, idle CPU µs a pair."""
     heard = 0
     async with ControlStore(location) as store:
-        await store.create_project("p", "P")
-        jobs = [
-            Job({"n": n}, fingerprint=f"c{n}" if kind == "fingerprinted" else None)
-            for n in range(items)
-        ]
-        await store.enqueue_many("p", jobs)
+        await fingerprinted.fill(store, kind, items)
         command = [sys.executable, __file__, "--idle", location]
         processes = pg.start_workers([command] * idle)
         listener: Any = None
