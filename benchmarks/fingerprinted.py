@@ -16,8 +16,8 @@ It prints the median microseconds of a claim and of a finish, each the median of
 ``--repeats`` (the kinds in turns), and the ratio fingerprinted / plain. Target: at most
 1.25x each. (The twin line's triggers of SQLite's migration 10 built a temporary list of
 rows to hold back on every claim and finish of a fingerprinted item: 1.8x for the pair;
-migration 12 finds the one row by a seek. On PostgreSQL each was a transaction of five
-round trips, 2.3x and 1.9x; its migration 12 makes each one statement.)
+migration 12 finds the one row by a seek. On PostgreSQL each took five round trips,
+most of them a transaction's: 2.3x and 1.9x; its migration 12 makes each one statement.)
 
 The figures in docs/architecture.md ("What a fingerprint costs a claim") come from here.
 """

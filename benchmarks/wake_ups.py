@@ -80,11 +80,13 @@ async def _run(
             if url is not None:
                 import asyncpg
 
-                def count(*_: Any) -> None:
-                    nonlocal heard
-                    heard += 1
-
                 listener = await asyncpg.connect(location)
+                schema = await listener.fetchval("SELECT current_schema()")
+
+                def count(conn: Any, pid: int, channel: str, payload: str) -> None:
+                    nonlocal heard
+                    heard += payload == schema  # this store's: not another's on the server
+
                 await listener.add_listener("asyncplane", count)
             _tell(processes, "go")
             started = time.perf_counter()

@@ -909,9 +909,9 @@ async def test_a_round_of_finishes_commits_by_itself_twins_and_all(url: str) -> 
 async def test_a_fingerprinted_claim_and_finish_are_one_statement_each(url: str) -> None:
     # An item with a content of its own is claimed and finished as a plain one is: each a
     # statement that commits by itself (CLAIM_ALONE and FINISH_MANY; before migration 12,
-    # a transaction of five round trips each, and the claim went the general way for the
-    # next 64 claims too). Twins among the first ready items still go the general way,
-    # which takes one of them.
+    # five round trips each, mostly a transaction's, and the claim went the general way
+    # for the next 64 claims too). Twins among the first ready items still go the general
+    # way, which takes one of them.
     async with ControlStore(url) as store:
         await store.create_project("p", "P")
         writer: Any = (await store._engine.ready()).writer
@@ -1028,6 +1028,31 @@ async def test_a_done_finish_settles_the_twins_committed_while_it_waited_for_the
         assert (settled["state"], settled["result"]) == ("done", "shared")
         assert (await store.events(twin))[-1]["detail"] == {"deduplicated_from": running}
         assert await sql(url, "SELECT 1 FROM twin_checks") == []
+
+
+async def test_a_dropped_store_leaves_its_schema_empty_and_opens_again(url: str) -> None:
+    # The probe's --overwrite drops the store in its schema (`drop_store`): every table
+    # and function every migration made, so that the next store there migrates from
+    # nothing. (It left migration 7's table and function behind, and the next open failed
+    # on "already exists".)
+    from asyncplane import _probe_support
+
+    async with ControlStore(url) as store:
+        await store.create_project("p", "P")
+        await store.enqueue("p", {}, fingerprint="c")
+    await _probe_support.drop_store(url)
+    left = await sql(
+        url,
+        "SELECT relname FROM pg_class WHERE relnamespace = current_schema()::regnamespace"
+        " UNION ALL SELECT proname FROM pg_proc"
+        " WHERE pronamespace = current_schema()::regnamespace",
+    )
+    assert left == []
+    assert await _probe_support.schema_is_empty(url)
+    async with ControlStore(url) as store:
+        await store.create_project("p", "P")
+        assert await store.enqueue("p", {}, fingerprint="c") > 0
+        assert await verify_ledger(store) == []
 
 
 async def test_the_twin_guard_looks_after_it_has_the_content_lock(url: str) -> None:

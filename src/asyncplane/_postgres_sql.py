@@ -766,8 +766,9 @@ MIGRATIONS: Final[tuple[str, ...]] = (
     # fingerprinted item tried its content's lock and then claimed it with the twin guard,
     # each a statement of its own, so that the guard's look came in a snapshot taken after
     # the lock was had; a done finish settled its twins in a statement after the finish,
-    # in a snapshot taken after the content's hand-off lock (see migration 7). Each was a
-    # transaction of five round trips where a plain item's is one statement. A function
+    # in a snapshot taken after the content's hand-off lock (see migration 7). Each took
+    # five round trips (a claim's transaction; a finish's one statement, which left it,
+    # and then its transaction) where a plain item's is one statement. A function
     # declared VOLATILE takes a snapshot for each statement it runs, so each pair of steps
     # is now a function, in that order, which the one statement of a claim (CLAIM_ALONE)
     # or of a round of finishes (FINISH_MANY) calls for each fingerprinted row: the lock,
@@ -1965,14 +1966,17 @@ COUNT_STORE_TABLES: Final = """
 SELECT count(*) FROM pg_catalog.pg_tables
 WHERE schemaname = current_schema() AND tablename = ANY($1::text[])
 """
-# Everything the migrations made, for the probe's --overwrite.
+# Everything the migrations made, for the probe's --overwrite (a test holds it whole: a
+# store dropped leaves its schema as empty as it found it).
 DROP_STORE: Final = """
 DROP TABLE IF EXISTS asyncplane_meta, assignments, imports, events, items, projects,
-    project_limits, schedules, schedule_ticks, awaited CASCADE;
+    project_limits, schedules, schedule_ticks, awaited, twin_checks CASCADE;
 DROP FUNCTION IF EXISTS asyncplane_refuse_event_update(), asyncplane_refuse_event_delete(),
     asyncplane_notify(), asyncplane_notify_settled(), asyncplane_twin_arrives(),
     asyncplane_line_moves_on(), asyncplane_take_limits(text, text, text[]),
-    asyncplane_slot_freed(), asyncplane_limited(text) CASCADE;
+    asyncplane_slot_freed(), asyncplane_limited(text), asyncplane_twin_pair(),
+    asyncplane_twin_may_start(text, text, bigint),
+    asyncplane_settle_twins(text, text, bigint, text, float8, text, text, text, text) CASCADE;
 """
 
 # --- schedules -----------------------------------------------------------------------------
