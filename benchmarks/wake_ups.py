@@ -13,14 +13,14 @@ schema or an SQLite file), in two kinds, in turns:
 
 On PostgreSQL every store keeps a connection listening for the store's NOTIFYs, which say
 "work may have become claimable", and every NOTIFY wakes every listening process. A plain
-claim or finish notifies nobody; the settle of a fingerprinted item notifies every time
-(`items_moved`: a twin of it may have been waiting), whether or not a twin exists.
+claim or finish notifies nobody. Until PostgreSQL's migration 13 the settle of a
+fingerprinted item notified every time (a twin of it might have been waiting), whether or
+not a twin existed; now only when it frees one, so neither kind here notifies.
 
 It prints, for each kind, the pairs per second, the NOTIFYs heard per pair (a listener of
 this process counts them), and the CPU the idle processes spent per pair, all of them
 together (their rusage from when the pairs began to when they ended), each the median of
-``--repeats``. There is no target yet: the fingerprinted kind's wake-ups are a known gap
-(docs/architecture.md, "What a fingerprint costs the fleet").
+``--repeats`` (docs/architecture.md, "What a fingerprint costs the fleet").
 """
 
 from __future__ import annotations

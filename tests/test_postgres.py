@@ -837,6 +837,227 @@ async def test_only_the_settle_of_an_awaited_item_notifies(
             await listener.close()
 
 
+class _Heard:
+    """What a connection of the test hears on the store's channel, counted between marks:
+    notifications come in commit order, so once a later commit's mark has come, every
+    earlier commit's notification has too."""
+
+    def __init__(self, url: str) -> None:
+        self._url = url
+        self._heard: list[str] = []
+        self._marks: asyncio.Queue[str] = asyncio.Queue()
+        self._conn: asyncpg.Connection | None = None
+        self._channel = ""
+
+    async def __aenter__(self) -> _Heard:
+        self._conn = conn = await asyncpg.connect(self._url)
+        schema = await conn.fetchval("SELECT current_schema()")
+        self._channel = f"test_mark_{await conn.fetchval('SELECT pg_backend_pid()')}"
+
+        def heard(*args: Any) -> None:
+            if args[3] == schema:  # (a server shared with other schemas' stores)
+                self._heard.append(args[3])
+
+        await conn.add_listener(pg_sql.CHANNEL, heard)
+        await conn.add_listener(self._channel, lambda *a: self._marks.put_nowait(a[3]))
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._conn is not None
+        await self._conn.close()
+
+    async def _mark(self, name: str) -> None:
+        await sql(self._url, f"NOTIFY {self._channel}, '{name}'")
+        assert await self._marks.get() == name
+
+    async def during(self, name: str, write: Coroutine[Any, Any, Any]) -> int:
+        """How many NOTIFYs the commits of ``write`` sent."""
+        await self._mark(f"before {name}")
+        self._heard.clear()
+        await write
+        await self._mark(name)
+        return len(self._heard)
+
+
+async def test_a_fingerprinted_settle_wakes_the_fleet_only_when_it_frees_a_twin(
+    url: str,
+) -> None:
+    # Every NOTIFY wakes every process with a store open on the database. The settle of
+    # a fingerprinted item notified every time, since a twin of it might wait; now only
+    # when its twin line's trigger finds one to free (migration 13).
+    async with ControlStore(url) as store, _Heard(url) as heard:
+        await store.create_project("p", "P")
+        wakes = (await store._engine.ready()).twin_wakes
+        assert wakes is not None
+
+        async def running(content: str) -> Any:
+            await store.enqueue("p", {"n": content}, fingerprint=content)
+            claim = await store.claim("w")
+            assert claim is not None and claim.fingerprint == content
+            return claim
+
+        alone = await running("alone")
+        assert await heard.during("no twin", store.finish(alone.item_id, fence=alone.fence)) == 0
+        lone = await store.enqueue("p", {}, fingerprint="lone")
+        assert await heard.during("a cancel, no twin", store.cancel(lone)) == 0
+        failing = await running("failing")
+        fail = store.finish(failing.item_id, fence=failing.fence, status="failed", error="e")
+        assert await heard.during("a failure", fail) == 0
+
+        ahead = await running("line")
+        held = [await store.enqueue("p", {}, fingerprint="line", dedup=False) for _ in "ab"]
+        assert await heard.during("a held twin cancelled", store.cancel(held[1])) == 0
+        settle = store.finish(ahead.item_id, fence=ahead.fence)
+        assert await heard.during("a twin freed", settle) == 1
+        assert await heard.during("the freed twin cancelled", store.cancel(held[0])) == 0
+
+        later = await running("later")
+        assert (wakes.sent, wakes.left_to_settles) == (0, 0)
+        not_before = (await sql(url, SERVER_NOW))[0][0] + 3600
+
+        async def deferred_beside_it() -> None:
+            await store.enqueue("p", {}, fingerprint="later", dedup=False, not_before=not_before)
+            # Its process looks again after its commit, in case a settle missed it: a
+            # twin runs, whose settle will look after that, so no second NOTIFY.
+            await until(lambda: wakes.left_to_settles == 1, what="the deferred twin's look")
+
+        assert await heard.during("a deferred twin added", deferred_beside_it()) == 1
+        settle = store.finish(later.item_id, fence=later.fence)
+        assert await heard.during("a deferred twin left", settle) == 1
+        assert wakes.sent == 0
+        assert await verify_ledger(store) == []
+
+
+async def _settling(conn: asyncpg.Connection, claim: Any) -> Any:
+    """A settle of ``claim``'s item, done, held open on ``conn`` (row and event, as the
+    store writes them): its trigger has the content's hand-off lock, and has looked."""
+    settle = conn.transaction()
+    await settle.start()
+    await conn.execute(
+        "UPDATE items SET state = 'done', lease_expires_at = NULL, result = 'null'"
+        " WHERE item_id = $1",
+        claim.item_id,
+    )
+    await conn.execute(
+        "INSERT INTO events (item_id, event_type, fence, owner, at)"
+        " VALUES ($1, 'done', $2, $3, 0)",
+        claim.item_id, claim.fence, claim.owner,
+    )  # fmt: skip
+    return settle
+
+
+@pytest.mark.parametrize("arrives", ["ready", "deferred"])
+async def test_a_twin_that_arrives_while_its_running_twin_settles_is_claimed_at_once(
+    url: str, arrives: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The settle's look missed the twin (it was not there yet), and the twin could not wait
+    # behind the running one (the settle had its row), so it committed first: its NOTIFY
+    # woke drainers that still saw its twin running, and the settle sends none. The
+    # twin's process wakes them again once the settle has committed (migration 13).
+    from asyncplane import _postgres
+
+    monkeypatch.setattr(_postgres, "_SAFETY_POLL_SECONDS", 3600.0)  # NOTIFY alone
+    async with ControlStore(url) as here, ControlStore(url) as there:
+        await here.create_project("p", "P")
+        running = await here.enqueue("p", {"n": "R"}, fingerprint="x", dedup=False)
+        claim = await here.claim("w")
+        assert claim is not None and claim.item_id == running
+        wakes = (await here._engine.ready()).twin_wakes
+        drainer = (await there._engine.ready()).writer
+        conn = await asyncpg.connect(url)
+        try:
+            settle = await _settling(conn, claim)
+            waiting = asyncio.create_task(there.claim("v", wait=120, poll_interval=0.01))
+            await until(waiting_on("local"), what="the claim elsewhere waiting")
+            looked = drainer.rounds
+            not_before = None
+            if arrives == "deferred":
+                not_before = (await sql(url, SERVER_NOW))[0][0] + 0.5
+            twin = await here.enqueue(
+                "p", {"n": "T"}, fingerprint="x", dedup=False, not_before=not_before
+            )
+            assert (await here.item(twin))["state"] == arrives
+            # The claim elsewhere heard the twin, looked, and found it behind a running one.
+            await until(lambda: drainer.rounds > looked, what="the claim elsewhere looking")
+            assert wakes is not None
+            await until(lambda: wakes.busy > 0, what="the twin's wake-up finding the settle")
+            assert wakes.sent == 0
+            await settle.commit()
+            got = await asyncio.wait_for(waiting, 60)
+        finally:
+            await conn.close()
+        assert got is not None and got.item_id == twin
+        assert wakes.sent == 1
+        assert await verify_ledger(here) == []
+
+
+@pytest.mark.parametrize("other", ["deferred and due", "enqueued after it"])
+async def test_a_twin_unheld_while_its_twin_is_claimed_and_settled_is_claimed(
+    url: str, other: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The twin arrives while no twin of it runs: its twin is deferred and due, or comes
+    # after it (neither sees the other), so nothing holds it back. Before it commits,
+    # that twin is claimed elsewhere and its settle begins: the claim and the settle's
+    # look both came before the arrival committed. Unheld, with a twin live when it
+    # commits, it tells its process, which wakes the drainers once the settle has
+    # committed (migration 13).
+    from asyncplane import _postgres
+
+    monkeypatch.setattr(_postgres, "_SAFETY_POLL_SECONDS", 3600.0)  # NOTIFY alone
+    async with ControlStore(url) as here, ControlStore(url) as there:
+        await here.create_project("p", "P")
+        if other == "deferred and due":
+            later = (await sql(url, SERVER_NOW))[0][0] + 3600
+            due = await here.enqueue(
+                "p", {"n": "R"}, fingerprint="x", dedup=False, not_before=later
+            )
+            await sql(url, "UPDATE items SET due_at = 0 WHERE item_id = $1", due)
+        backend = await here._engine.ready()
+        wakes, drainer = backend.twin_wakes, (await there._engine.ready()).writer
+        assert wakes is not None
+        inserted, release = asyncio.Event(), asyncio.Event()
+
+        async def arrive(conn: asyncpg.Connection, now: float) -> int:
+            twin: int = await conn.fetchval(
+                "INSERT INTO items (project_id, state, payload, created_at, updated_at,"
+                " fingerprint, dedup) VALUES ('p', 'ready', '{}', $1, $1, 'x', false)"
+                " RETURNING item_id",
+                now,
+            )
+            await conn.execute(
+                "INSERT INTO events (item_id, event_type, fence, at) VALUES ($1, 'queued', 0, $2)",
+                twin, now,
+            )  # fmt: skip
+            inserted.set()
+            await release.wait()  # the round's transaction stays open
+            return twin
+
+        arriving = asyncio.ensure_future(backend.writer.submit(arrive))
+        await inserted.wait()
+        if other == "enqueued after it":
+            due = await there.enqueue("p", {"n": "R"}, fingerprint="x", dedup=False)
+        claim = await there.claim("w")
+        assert claim is not None and claim.item_id == due
+        conn = await asyncpg.connect(url)
+        try:
+            settle = await _settling(conn, claim)
+            waiting = asyncio.create_task(there.claim("v", wait=120, poll_interval=0.01))
+            await until(waiting_on("local"), what="the claim elsewhere waiting")
+            looked = drainer.rounds
+            release.set()
+            twin = await arriving
+            assert (await here.item(twin))["state"] == "ready"
+            await until(lambda: drainer.rounds > looked, what="the claim elsewhere looking")
+            await until(lambda: wakes.busy > 0, what="the twin's wake-up finding the settle")
+            await settle.commit()
+            got = await asyncio.wait_for(waiting, 60)
+        finally:
+            await conn.close()
+        assert got is not None and got.item_id == twin
+        assert wakes.sent == 1
+        assert await verify_ledger(here) == []
+
+
 async def test_the_write_statements_plans_are_led_by_the_primary_key(url: str) -> None:
     # The write connection plans each statement once, for any parameters. A plan made
     # while the table's statistics are unknown (a fresh store filled since) must still

@@ -25,6 +25,7 @@ import asyncio
 import collections
 import contextlib
 import functools
+import json
 import logging
 import time
 import urllib.parse
@@ -50,6 +51,7 @@ from asyncplane import _postgres_writer as _writer
 __all__ = (
     "PostgresBackend",
     "ServerClock",
+    "TwinWakes",
     "redact",
 )
 
@@ -109,6 +111,102 @@ class ServerClock:
         return f"ServerClock(offset={self._offset:+.3f}s)"
 
 
+class TwinWakes:
+    """The wake-ups this process owes the fleet for twins it wrote unheld beside a live
+    twin, which a settle under way may have missed (see the SQL's migration 13).
+
+    Such a twin's trigger tells this process on a channel of the write connection's own
+    (`asyncplane._postgres_sql.twin_channel`), heard once the twin has committed. For each
+    content heard of, a pooled connection, which holds nothing and waits for nothing,
+    tries the content's hand-off lock shared: while a settle has it, the look is made
+    again a little later (the connection back in the pool meanwhile); once had, it
+    notifies the drainers unless a twin runs. A task of its own, so the writer never
+    waits for another host's settle. A wake-up that fails (a lost connection), or whose
+    content stays busy for longer than the drainers' safety poll, is let go: that poll
+    finds the twin.
+    """
+
+    def __init__(self, pool: asyncpg.Pool, name: str) -> None:
+        self._pool = pool
+        self._contents: dict[tuple[str, str], float] = {}  # when heard, in that order
+        self._heard = asyncio.Event()
+        self._stopping = False
+        self._task = asyncio.get_running_loop().create_task(
+            self._run(), name=f"asyncplane-twin-wakes[{name}]"
+        )
+        self._task.add_done_callback(_log_failure)
+        #: Looks that found a content's hand-off under way, wake-ups sent, and contents
+        #: let go with none needed (a twin ran): read by tests.
+        self.busy = 0
+        self.sent = 0
+        self.left_to_settles = 0
+
+    def heard(self, conn: Any, pid: int, channel: str, payload: object) -> None:
+        """A twin of this process's committed unheld beside a live twin."""
+        try:
+            project, content = json.loads(str(payload))
+        except (ValueError, TypeError):
+            return  # not a trigger's: nothing to pass on
+        self._contents.setdefault((str(project), str(content)), time.monotonic())
+        self._heard.set()
+
+    async def _run(self) -> None:
+        delay = _WAKE_RETRY_FIRST
+        while True:
+            if not self._contents:
+                if self._stopping:
+                    return
+                self._heard.clear()
+                await self._heard.wait()
+                delay = _WAKE_RETRY_FIRST
+                continue
+            for key in list(self._contents):
+                if await self._passed_on(key):
+                    del self._contents[key]
+            if self._contents:  # a settle of some content is under way: soon again
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, _WAKE_RETRY_MOST)
+
+    async def _passed_on(self, key: tuple[str, str]) -> bool:
+        """Whether ``key``'s wake-up is done with: sent, not needed, or let go."""
+        try:
+            answer = await self._pool.fetchval(sql.TWIN_WAITED, *key)
+        except _DRIVER_ERRORS as exc:
+            _log.warning("asyncplane: a twin's wake-up was not sent: %r", exc)
+            return True
+        if answer is None:
+            self.busy += 1
+            if time.monotonic() - self._contents[key] < _SAFETY_POLL_SECONDS:
+                return False
+            _log.warning("asyncplane: a twin's wake-up was let go: its content stayed busy")
+            return True
+        if answer:
+            self.sent += 1
+        else:
+            self.left_to_settles += 1
+        return True
+
+    async def stop(self, graceful: bool) -> None:
+        """End: gracefully, once what was heard is passed on (for at most a few
+        seconds); otherwise at once."""
+        self._stopping = True
+        self._heard.set()
+        if graceful:
+            await asyncio.wait([self._task], timeout=_WAKES_STOP_SECONDS)
+        if not self._task.done():
+            self._task.cancel()  # the drainers' safety poll covers what is left
+            await asyncio.wait([self._task])
+
+    def forget(self) -> None:
+        """Let the task go with an event loop that has ended."""
+        self._stopping = True
+
+
+def _log_failure(task: asyncio.Task[None]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        _log.error("asyncplane: %s failed", task.get_name(), exc_info=task.exception())
+
+
 class PostgresBackend(_backend.Writes):
     """Implements `asyncplane._backend.Backend` on one schema of a PostgreSQL database."""
 
@@ -153,6 +251,7 @@ class PostgresBackend(_backend.Writes):
         self._connect_timeout = connect_timeout
         self._pool: asyncpg.Pool | None = None
         self._listener: asyncpg.Connection | None = None
+        self._wakes: TwinWakes | None = None
         self._schema = ""
         self._version = 0
         self._deaf = False  # the listener is gone: every poll must look again
@@ -226,13 +325,23 @@ class PostgresBackend(_backend.Writes):
             except _DRIVER_ERRORS as exc:
                 raise _writer.translate(exc) from exc
             listener.add_termination_listener(self._went_deaf)
+            wakes = None
+            if not self._sizing.read_only:
+                wakes = TwinWakes(pool, self._schema)
+                undo.push_async_callback(wakes.stop, False)
+                try:
+                    # (the server's own number: a pooler may hand the driver another)
+                    session: int = await conn.fetchval(sql.BACKEND_PID)
+                    await listener.add_listener(sql.twin_channel(session), wakes.heard)
+                except _DRIVER_ERRORS as exc:
+                    raise _writer.translate(exc) from exc
             undo.pop_all()  # all made: from here on close() owns them
-        self._pool, self._listener, self._deaf = pool, listener, False
+        self._pool, self._listener, self._wakes, self._deaf = pool, listener, wakes, False
 
         async def close_readers(graceful: bool) -> None:
             # This opening's own pool and listener: a store reopened meanwhile (a close
             # that was cancelled, a lost connection) has new ones, which stay.
-            await self._close_side_connections(graceful, pool, listener)
+            await self._close_side_connections(graceful, pool, listener, wakes)
 
         if self._sizing.read_only:
             await _close_quietly(conn)
@@ -243,6 +352,11 @@ class PostgresBackend(_backend.Writes):
             server_clock=self._server_clock, replanned=pool.expire_connections,
         )  # fmt: skip
         self._writer.start()
+
+    @property
+    def twin_wakes(self) -> TwinWakes | None:
+        """The wake-ups this opening owes the fleet for its twins (None: not open to write)."""
+        return self._wakes
 
     @property
     def broken(self) -> bool:
@@ -269,13 +383,22 @@ class PostgresBackend(_backend.Writes):
         self._deaf = True
 
     async def _close_side_connections(
-        self, graceful: bool, pool: asyncpg.Pool | None, listener: asyncpg.Connection | None
+        self,
+        graceful: bool,
+        pool: asyncpg.Pool | None,
+        listener: asyncpg.Connection | None,
+        wakes: TwinWakes | None,
     ) -> None:
-        """Close one opening's pool and listener (never a later opening's)."""
+        """Close one opening's pool and listener (never a later opening's), once its
+        wake-ups are sent."""
         if self._pool is pool:
             self._pool = None
         if self._listener is listener:
             self._listener = None
+        if self._wakes is wakes:
+            self._wakes = None
+        if wakes is not None:
+            await wakes.stop(graceful)
         if listener is not None:
             with contextlib.suppress(Exception):
                 await listener.close(timeout=5)
@@ -291,12 +414,12 @@ class PostgresBackend(_backend.Writes):
 
     async def close(self) -> None:
         """Serve queued writes, then close the writer, the pool and the listener."""
-        writer, pool, listener = self._writer, self._pool, self._listener
+        writer, pool, listener, wakes = self._writer, self._pool, self._listener, self._wakes
         if writer is not None:
             await writer.stop()  # its on_exit closes the pool and the listener
             if self._writer is writer:
                 self._writer = None
-        await self._close_side_connections(True, pool, listener)
+        await self._close_side_connections(True, pool, listener, wakes)
 
     def forget(self) -> None:
         """Drop every connection left behind by an event loop that has ended.
@@ -306,6 +429,7 @@ class PostgresBackend(_backend.Writes):
         closes. Nothing is lost: whatever those connections had not committed never was.
         """
         for drop in (
+            self._wakes.forget if self._wakes is not None else None,
             self._writer.abandon if self._writer is not None else None,
             self._pool.terminate if self._pool is not None else None,
             self._listener.terminate if self._listener is not None else None,
@@ -313,7 +437,7 @@ class PostgresBackend(_backend.Writes):
             if drop is not None:
                 with contextlib.suppress(Exception):  # the loop is closed: nothing to wait for
                     drop()
-        self._writer = self._pool = self._listener = None
+        self._writer = self._pool = self._listener = self._wakes = None
 
     async def _write(self, op: _writer.Write[T]) -> T:
         return cast(T, await self._submit(op))
@@ -581,6 +705,12 @@ async def _close_quietly(conn: asyncpg.Connection) -> None:
 
 #: However quiet the notifications, a sleeping drainer looks for work this often.
 _SAFETY_POLL_SECONDS = 5.0
+#: How long a closing store waits to send the twins' wake-ups it owes (`TwinWakes`),
+#: and how soon, then how often at most, a wake-up looks again while a settle of its
+#: content is under way.
+_WAKES_STOP_SECONDS = 5.0
+_WAKE_RETRY_FIRST = 0.002
+_WAKE_RETRY_MOST = 0.1
 
 #: What the driver may raise: every one becomes an asyncplane error, here or in the writer.
 _DRIVER_ERRORS = (

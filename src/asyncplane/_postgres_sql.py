@@ -36,6 +36,13 @@ CHANNEL: Final = "asyncplane"
 #: The channel a commit that settled an awaited item notifies (see migrations 2 and 6).
 SETTLED_CHANNEL: Final = "asyncplane_settled"
 
+
+def twin_channel(session: int) -> str:
+    """The channel a twin that arrived beside a running twin it could not lock (a settle
+    under way) tells the process of the session that wrote it on (see migration 13)."""
+    return f"asyncplane_twin_{session}"
+
+
 # --- schema and migrations -------------------------------------------------------------
 
 # Migration 3's trigger function for a twin arriving ready (written once for it, never
@@ -148,6 +155,66 @@ _ANY_LIVE_10 = """
               AND state IN ('ready', 'deferred', 'claimed', 'offloaded')
               AND item_id <> NEW.item_id)"""
 
+# Migration 3's trigger function for a twin line moving on (never edited; migration 13
+# makes it again, from this text, with the wake-ups it sends).
+_LINE_MOVES_ON_3 = """    CREATE FUNCTION asyncplane_line_moves_on() RETURNS trigger
+    LANGUAGE plpgsql SET enable_seqscan = off AS $$
+    DECLARE
+        first_twin bigint;
+    BEGIN
+        IF NEW.state NOT IN ('claimed', 'offloaded') THEN
+            -- One hand-off of a content's place at a time (a lock of its own, apart from
+            -- the claimers' try-locks): each looks in a snapshot taken after the one
+            -- before it committed, so of two moves at once (a cancel of the claimable
+            -- twin and the settle of the running one) the second sees the first's.
+            PERFORM pg_advisory_xact_lock(hashtextextended(
+                current_schema() || chr(1) || NEW.project_id || chr(1) || NEW.fingerprint, 2));
+            LOOP
+                IF EXISTS (
+                    SELECT 1 FROM items
+                    WHERE project_id = NEW.project_id AND fingerprint = NEW.fingerprint
+                      AND state IN ('claimed', 'offloaded'))
+                THEN
+                    RETURN NULL;  -- a twin runs: its own trigger held the line
+                END IF;
+                SELECT item_id INTO first_twin FROM (
+                    (SELECT item_id, priority, service_class, sla FROM items
+                     WHERE project_id = NEW.project_id AND fingerprint = NEW.fingerprint
+                       AND state = 'ready' AND held
+                     ORDER BY priority DESC, service_class, sla NULLS LAST, item_id LIMIT 1)
+                    UNION ALL
+                    SELECT item_id, priority, service_class, sla FROM items
+                    WHERE project_id = NEW.project_id AND fingerprint = NEW.fingerprint
+                      AND state = 'ready' AND NOT held) AS line
+                ORDER BY priority DESC, service_class, sla NULLS LAST, item_id LIMIT 1;
+                IF first_twin IS NULL THEN
+                    RETURN NULL;
+                END IF;
+                -- The first in line becomes claimable (always: waited for if need be).
+                UPDATE items SET held = false
+                WHERE item_id = first_twin AND state = 'ready' AND held;
+                IF NOT FOUND THEN
+                    PERFORM 1 FROM items
+                    WHERE item_id = first_twin AND state = 'ready' AND NOT held
+                    FOR SHARE SKIP LOCKED;
+                END IF;
+                EXIT WHEN FOUND;  -- it is claimable, and locked here: the others wait behind it
+                IF EXISTS (SELECT 1 FROM items
+                           WHERE item_id = first_twin AND state = 'ready' AND NOT held) THEN
+                    RETURN NULL;  -- claimable, locked by a claimer: the others stay as they are
+                END IF;
+                -- It moved meanwhile: look again.
+            END LOOP;
+        END IF;
+        UPDATE items SET held = true
+        WHERE item_id IN (
+            SELECT item_id FROM items
+            WHERE project_id = NEW.project_id AND fingerprint = NEW.fingerprint
+              AND state = 'ready' AND NOT held AND item_id IS DISTINCT FROM first_twin
+            FOR UPDATE SKIP LOCKED);
+        RETURN NULL;
+    END $$;"""
+
 
 _TWIN_ARRIVES_8 = _models.edited(
     _models.edited(_TWIN_ARRIVES_3, "CREATE FUNCTION", "CREATE OR REPLACE FUNCTION"),
@@ -155,6 +222,43 @@ _TWIN_ARRIVES_8 = _models.edited(
     _ANY_IN_LINE_8,
 )
 _TWIN_ARRIVES_10 = _models.edited(_TWIN_ARRIVES_8, _ANY_IN_LINE_8, _ANY_LIVE_10)
+# Migration 13's: the twin line's trigger sends the wake-up a twin's settle owes the
+# fleet, and only it (from migration 3's text, with three edits).
+_WAKE = "PERFORM pg_notify('asyncplane', current_schema());"
+_LINE_MOVES_ON_13 = _models.edited(
+    _models.edited(
+        _models.edited(
+            _models.edited(_LINE_MOVES_ON_3, "CREATE FUNCTION", "CREATE OR REPLACE FUNCTION"),
+            """
+                IF first_twin IS NULL THEN
+                    RETURN NULL;
+                END IF;""",
+            f"""
+                IF first_twin IS NULL THEN
+                    -- No line. Twins deferred while this one ran were left out of the
+                    -- drainers' alarms (NEXT_DUE): they look again.
+                    IF OLD.state IN ('claimed', 'offloaded') AND EXISTS (
+                        SELECT 1 FROM items
+                        WHERE project_id = NEW.project_id AND fingerprint = NEW.fingerprint
+                          AND state = 'deferred' AND item_id <> NEW.item_id)
+                    THEN
+                        {_WAKE}
+                    END IF;
+                    RETURN NULL;
+                END IF;""",
+        ),
+        """
+                    RETURN NULL;  -- claimable, locked by a claimer: the others stay as they are""",
+        f"""
+                    {_WAKE}  -- (it may be claimable once this commits)
+                    RETURN NULL;  -- claimable, locked by a claimer: the others stay as they are""",
+    ),
+    """
+            END LOOP;""",
+    f"""
+            END LOOP;
+            {_WAKE}  -- the first in line is claimable""",
+)
 # The settle of a done item's pending twins enqueued with dedup, each with its fence, as
 # migration 12's function runs it ($1 project_id, $2 fingerprint, $3 the done item, $4
 # its result, $5 now: the function's first arguments). Frozen here, as migration 12's
@@ -364,63 +468,7 @@ MIGRATIONS: Final[tuple[str, ...]] = (
     -- or a claimable one that leaves the line, hands its place to the first in line. (At
     -- most one twin runs at a time here: the unique index on running twins makes a second
     -- wait until this transaction commits.)
-    CREATE FUNCTION asyncplane_line_moves_on() RETURNS trigger
-    LANGUAGE plpgsql SET enable_seqscan = off AS $$
-    DECLARE
-        first_twin bigint;
-    BEGIN
-        IF NEW.state NOT IN ('claimed', 'offloaded') THEN
-            -- One hand-off of a content's place at a time (a lock of its own, apart from
-            -- the claimers' try-locks): each looks in a snapshot taken after the one
-            -- before it committed, so of two moves at once (a cancel of the claimable
-            -- twin and the settle of the running one) the second sees the first's.
-            PERFORM pg_advisory_xact_lock(hashtextextended(
-                current_schema() || chr(1) || NEW.project_id || chr(1) || NEW.fingerprint, 2));
-            LOOP
-                IF EXISTS (
-                    SELECT 1 FROM items
-                    WHERE project_id = NEW.project_id AND fingerprint = NEW.fingerprint
-                      AND state IN ('claimed', 'offloaded'))
-                THEN
-                    RETURN NULL;  -- a twin runs: its own trigger held the line
-                END IF;
-                SELECT item_id INTO first_twin FROM (
-                    (SELECT item_id, priority, service_class, sla FROM items
-                     WHERE project_id = NEW.project_id AND fingerprint = NEW.fingerprint
-                       AND state = 'ready' AND held
-                     ORDER BY priority DESC, service_class, sla NULLS LAST, item_id LIMIT 1)
-                    UNION ALL
-                    SELECT item_id, priority, service_class, sla FROM items
-                    WHERE project_id = NEW.project_id AND fingerprint = NEW.fingerprint
-                      AND state = 'ready' AND NOT held) AS line
-                ORDER BY priority DESC, service_class, sla NULLS LAST, item_id LIMIT 1;
-                IF first_twin IS NULL THEN
-                    RETURN NULL;
-                END IF;
-                -- The first in line becomes claimable (always: waited for if need be).
-                UPDATE items SET held = false
-                WHERE item_id = first_twin AND state = 'ready' AND held;
-                IF NOT FOUND THEN
-                    PERFORM 1 FROM items
-                    WHERE item_id = first_twin AND state = 'ready' AND NOT held
-                    FOR SHARE SKIP LOCKED;
-                END IF;
-                EXIT WHEN FOUND;  -- it is claimable, and locked here: the others wait behind it
-                IF EXISTS (SELECT 1 FROM items
-                           WHERE item_id = first_twin AND state = 'ready' AND NOT held) THEN
-                    RETURN NULL;  -- claimable, locked by a claimer: the others stay as they are
-                END IF;
-                -- It moved meanwhile: look again.
-            END LOOP;
-        END IF;
-        UPDATE items SET held = true
-        WHERE item_id IN (
-            SELECT item_id FROM items
-            WHERE project_id = NEW.project_id AND fingerprint = NEW.fingerprint
-              AND state = 'ready' AND NOT held AND item_id IS DISTINCT FROM first_twin
-            FOR UPDATE SKIP LOCKED);
-        RETURN NULL;
-    END $$;
+{_LINE_MOVES_ON_3}
     -- (A running twin copied in from another store holds its twins back as well.)
     CREATE TRIGGER items_running_twin_arrives AFTER INSERT ON items
         FOR EACH ROW WHEN (NEW.state IN ('claimed', 'offloaded') AND NEW.fingerprint IS NOT NULL)
@@ -808,6 +856,88 @@ MIGRATIONS: Final[tuple[str, ...]] = (
         RETURN settled;
     END $$;
     """,
+    # 13: a twin's settle wakes the fleet only when it frees a twin. Every store listens
+    # for this channel, and every NOTIFY wakes every listening process of the database; a
+    # done, failed or cancelled fingerprinted item notified every time (items_moved, as
+    # migrations 1 and 2 made it), whether a twin waited or not. Now the twin line's
+    # trigger notifies, after the content's hand-off lock and in a snapshot taken after
+    # it, when a twin that stopped running (or a claimable one that left the line) leaves
+    # a first in line, or leaves twins deferred, which the drainers' alarms left out
+    # while it ran (NEXT_DUE).
+    #
+    # A twin that arrives while another moves can miss that look. One held back is safe:
+    # it holds the row it waits behind (the running twin, or the claimable one ahead) for
+    # share, so that row's move waits for its commit, and its look sees it. One left
+    # unheld is not: it found that row locked (a settle under way has it), or went first
+    # while a claimer had the twin it would have held, or is deferred (a deferred twin
+    # holds nothing back). If it commits before a settle whose look came before it, its
+    # own NOTIFY wakes drainers that still see a twin running, and the settle sends none.
+    # So a twin that arrives pending and unheld (enqueued, requeued, copied in, given its
+    # fingerprint) tells this session's process, if a twin of it is live when its
+    # transaction commits (a trigger deferred to the commit: the look sees every twin
+    # committed by then, also one that arrived after it), on a channel named after this
+    # session that only that process listens to, heard once it has committed.
+    # That process then, on a connection that holds nothing, tries the content's hand-off
+    # lock shared (asyncplane_twin_waited; again a little later while a settle has it)
+    # and, once had, notifies unless a twin runs: every settle that looked before the
+    # arrival committed has committed by then, and every later one looks after it and
+    # sees it (that twin's settle will notify). Nothing waits while holding anything. Not
+    # covered: a twin that commits, is claimed, and whose settle looks, all between an
+    # arrival's look at its commit and the commit itself; that arrival waits for the
+    # drainers' safety poll, as migration 7 leaves one pair to a full pass.
+    f"""
+    DROP TRIGGER items_moved ON items;
+    CREATE TRIGGER items_moved AFTER UPDATE OF state ON items
+        FOR EACH ROW WHEN (NEW.state IS DISTINCT FROM OLD.state
+                           AND NEW.state IN ('ready', 'deferred'))
+        EXECUTE FUNCTION asyncplane_notify();
+{_LINE_MOVES_ON_13}
+    CREATE FUNCTION asyncplane_twin_unheld() RETURNS trigger
+    LANGUAGE plpgsql VOLATILE SET enable_seqscan = off AS $$
+    BEGIN
+        IF EXISTS (
+            SELECT 1 FROM items
+            WHERE project_id = NEW.project_id AND fingerprint = NEW.fingerprint
+              AND state IN ('ready', 'deferred', 'claimed', 'offloaded')
+              AND item_id <> NEW.item_id)
+        THEN
+            PERFORM pg_notify('asyncplane_twin_' || pg_backend_pid(),
+                              json_build_array(NEW.project_id, NEW.fingerprint)::text);
+        END IF;
+        RETURN NULL;
+    END $$;
+    CREATE CONSTRAINT TRIGGER items_unheld_twin_arrives AFTER INSERT ON items
+        DEFERRABLE INITIALLY DEFERRED FOR EACH ROW WHEN (NEW.fingerprint IS NOT NULL
+                           AND (NEW.state = 'deferred' OR (NEW.state = 'ready' AND NOT NEW.held)))
+        EXECUTE FUNCTION asyncplane_twin_unheld();
+    -- (Not a running twin's own release, retry or park: its line's trigger looks after it.)
+    CREATE CONSTRAINT TRIGGER items_unheld_twin_moves AFTER UPDATE OF state, fingerprint ON items
+        DEFERRABLE INITIALLY DEFERRED FOR EACH ROW WHEN (NEW.fingerprint IS NOT NULL
+                           AND (NEW.state = 'deferred' OR (NEW.state = 'ready' AND NOT NEW.held))
+                           AND OLD.state NOT IN ('claimed', 'offloaded')
+                           AND (OLD.state IS DISTINCT FROM NEW.state
+                                OR OLD.fingerprint IS DISTINCT FROM NEW.fingerprint))
+        EXECUTE FUNCTION asyncplane_twin_unheld();
+    -- Null: a transaction has the content's hand-off (try again); false: a twin runs (its
+    -- settle will look, and see what committed before); true: notified.
+    CREATE FUNCTION asyncplane_twin_waited(project text, content text)
+    RETURNS boolean LANGUAGE plpgsql VOLATILE SET enable_seqscan = off AS $$
+    BEGIN
+        IF NOT pg_try_advisory_xact_lock_shared(hashtextextended(
+                current_schema() || chr(1) || project || chr(1) || content, 2)) THEN
+            RETURN NULL;
+        END IF;
+        IF EXISTS (
+            SELECT 1 FROM items
+            WHERE project_id = project AND fingerprint = content
+              AND state IN ('claimed', 'offloaded'))
+        THEN
+            RETURN false;
+        END IF;
+        {_WAKE}
+        RETURN true;
+    END $$;
+    """,
 )
 
 SCHEMA_VERSION: Final = len(MIGRATIONS)
@@ -844,6 +974,10 @@ INSERT INTO asyncplane_meta (key, value) VALUES ($1, $2)
 ON CONFLICT (key) DO UPDATE SET value = excluded.value
 """
 SERVER_NOW: Final = "SELECT extract(epoch FROM clock_timestamp())::float8"
+BACKEND_PID: Final = "SELECT pg_backend_pid()"
+# After the commit of a twin told of on `twin_channel` ($1 project_id, $2 fingerprint):
+# once no hand-off of the content is under way, wake the drainers (see migration 13).
+TWIN_WAITED: Final = "SELECT asyncplane_twin_waited($1, $2)"
 
 # --- projects and scope ----------------------------------------------------------------
 
@@ -1976,7 +2110,8 @@ DROP FUNCTION IF EXISTS asyncplane_refuse_event_update(), asyncplane_refuse_even
     asyncplane_line_moves_on(), asyncplane_take_limits(text, text, text[]),
     asyncplane_slot_freed(), asyncplane_limited(text), asyncplane_twin_pair(),
     asyncplane_twin_may_start(text, text, bigint),
-    asyncplane_settle_twins(text, text, bigint, text, float8, text, text, text, text) CASCADE;
+    asyncplane_settle_twins(text, text, bigint, text, float8, text, text, text, text),
+    asyncplane_twin_unheld(), asyncplane_twin_waited(text, text) CASCADE;
 """
 
 # --- schedules -----------------------------------------------------------------------------
