@@ -476,10 +476,10 @@ async def test_a_store_of_the_schema_before_notes_its_twin_pairs_as_it_migrates(
                 "DROP FUNCTION asyncplane_twin_may_start(text, text, bigint)",
                 "DROP FUNCTION asyncplane_settle_twins(text, text, bigint, text, float8, text,"
                 " text, text, text)",
-                "DROP TRIGGER items_unheld_twin_arrives ON items",
-                "DROP TRIGGER items_unheld_twin_moves ON items",
-                "DROP FUNCTION asyncplane_twin_unheld()",
-                "DROP FUNCTION asyncplane_twin_waited(text, text)",
+                "DROP TRIGGER items_deferred_twin_arrives ON items",
+                "DROP TRIGGER items_deferred_twin_moves ON items",
+                "DROP FUNCTION asyncplane_twin_deferred()",
+                "DROP FUNCTION asyncplane_twins_waited(text[], text[])",
                 "CREATE INDEX items_fingerprint ON items (project_id, fingerprint)"
                 " WHERE fingerprint IS NOT NULL",
                 "UPDATE asyncplane_meta SET value = '6' WHERE key = 'schema_version'"]  # fmt: skip

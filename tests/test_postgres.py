@@ -15,6 +15,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import types
 import urllib.parse
 from collections.abc import AsyncIterator, Coroutine
 from typing import Any
@@ -928,6 +929,12 @@ async def test_a_fingerprinted_settle_wakes_the_fleet_only_when_it_frees_a_twin(
         assert await verify_ledger(store) == []
 
 
+def _asleep() -> set[asyncio.Task[Any]]:
+    """The wait tasks of this process's claims asleep now: one the set did not have is
+    a claim that woke, looked, found nothing and went back to sleep."""
+    return {task for task in asyncio.all_tasks() if task.get_name() == "asyncplane-wait-work-local"}
+
+
 async def _settling(conn: asyncpg.Connection, claim: Any) -> Any:
     """A settle of ``claim``'s item, done, held open on ``conn`` (row and event, as the
     store writes them): its trigger has the content's hand-off lock, and has looked."""
@@ -963,13 +970,12 @@ async def test_a_twin_that_arrives_while_its_running_twin_settles_is_claimed_at_
         claim = await here.claim("w")
         assert claim is not None and claim.item_id == running
         wakes = (await here._engine.ready()).twin_wakes
-        drainer = (await there._engine.ready()).writer
         conn = await asyncpg.connect(url)
         try:
             settle = await _settling(conn, claim)
             waiting = asyncio.create_task(there.claim("v", wait=120, poll_interval=0.01))
             await until(waiting_on("local"), what="the claim elsewhere waiting")
-            looked = drainer.rounds
+            asleep = _asleep()
             not_before = None
             if arrives == "deferred":
                 not_before = (await sql(url, SERVER_NOW))[0][0] + 0.5
@@ -978,7 +984,7 @@ async def test_a_twin_that_arrives_while_its_running_twin_settles_is_claimed_at_
             )
             assert (await here.item(twin))["state"] == arrives
             # The claim elsewhere heard the twin, looked, and found it behind a running one.
-            await until(lambda: drainer.rounds > looked, what="the claim elsewhere looking")
+            await until(lambda: bool(_asleep() - asleep), what="the claim elsewhere looking")
             assert wakes is not None
             await until(lambda: wakes.busy > 0, what="the twin's wake-up finding the settle")
             assert wakes.sent == 0
@@ -991,29 +997,24 @@ async def test_a_twin_that_arrives_while_its_running_twin_settles_is_claimed_at_
         assert await verify_ledger(here) == []
 
 
-@pytest.mark.parametrize("other", ["deferred and due", "enqueued after it"])
 async def test_a_twin_unheld_while_its_twin_is_claimed_and_settled_is_claimed(
-    url: str, other: str, monkeypatch: pytest.MonkeyPatch
+    url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # The twin arrives while no twin of it runs: its twin is deferred and due, or comes
-    # after it (neither sees the other), so nothing holds it back. Before it commits,
-    # that twin is claimed elsewhere and its settle begins: the claim and the settle's
-    # look both came before the arrival committed. Unheld, with a twin live when it
-    # commits, it tells its process, which wakes the drainers once the settle has
-    # committed (migration 13).
+    # The twin arrives while no twin of it runs: its twin is deferred and due, so nothing
+    # holds it back. Before it commits, that twin is claimed elsewhere and its settle
+    # begins: the claim and the settle's look both came before the arrival committed.
+    # Unheld beside a live twin, it tells its process, which wakes the drainers once the
+    # settle has committed (migration 13).
     from asyncplane import _postgres
 
     monkeypatch.setattr(_postgres, "_SAFETY_POLL_SECONDS", 3600.0)  # NOTIFY alone
     async with ControlStore(url) as here, ControlStore(url) as there:
         await here.create_project("p", "P")
-        if other == "deferred and due":
-            later = (await sql(url, SERVER_NOW))[0][0] + 3600
-            due = await here.enqueue(
-                "p", {"n": "R"}, fingerprint="x", dedup=False, not_before=later
-            )
-            await sql(url, "UPDATE items SET due_at = 0 WHERE item_id = $1", due)
+        later = (await sql(url, SERVER_NOW))[0][0] + 3600
+        due = await here.enqueue("p", {"n": "R"}, fingerprint="x", dedup=False, not_before=later)
+        await sql(url, "UPDATE items SET due_at = 0 WHERE item_id = $1", due)
         backend = await here._engine.ready()
-        wakes, drainer = backend.twin_wakes, (await there._engine.ready()).writer
+        wakes = backend.twin_wakes
         assert wakes is not None
         inserted, release = asyncio.Event(), asyncio.Event()
 
@@ -1034,8 +1035,6 @@ async def test_a_twin_unheld_while_its_twin_is_claimed_and_settled_is_claimed(
 
         arriving = asyncio.ensure_future(backend.writer.submit(arrive))
         await inserted.wait()
-        if other == "enqueued after it":
-            due = await there.enqueue("p", {"n": "R"}, fingerprint="x", dedup=False)
         claim = await there.claim("w")
         assert claim is not None and claim.item_id == due
         conn = await asyncpg.connect(url)
@@ -1043,11 +1042,11 @@ async def test_a_twin_unheld_while_its_twin_is_claimed_and_settled_is_claimed(
             settle = await _settling(conn, claim)
             waiting = asyncio.create_task(there.claim("v", wait=120, poll_interval=0.01))
             await until(waiting_on("local"), what="the claim elsewhere waiting")
-            looked = drainer.rounds
+            asleep = _asleep()
             release.set()
             twin = await arriving
             assert (await here.item(twin))["state"] == "ready"
-            await until(lambda: drainer.rounds > looked, what="the claim elsewhere looking")
+            await until(lambda: bool(_asleep() - asleep), what="the claim elsewhere looking")
             await until(lambda: wakes.busy > 0, what="the twin's wake-up finding the settle")
             await settle.commit()
             got = await asyncio.wait_for(waiting, 60)
@@ -1056,6 +1055,118 @@ async def test_a_twin_unheld_while_its_twin_is_claimed_and_settled_is_claimed(
         assert got is not None and got.item_id == twin
         assert wakes.sent == 1
         assert await verify_ledger(here) == []
+
+
+async def test_a_twin_behind_one_a_claimer_is_taking_is_claimed_after_that_ones_settle(
+    url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The twin arrives behind a claimable twin whose row a claimer has locked, so it
+    # cannot wait behind it and stays claimable beside it. Before it commits, that claim
+    # commits and the claimed twin's settle begins, looking before the arrival committed.
+    # Unheld beside a live twin, it tells its process (migration 13).
+    from asyncplane import _postgres
+
+    monkeypatch.setattr(_postgres, "_SAFETY_POLL_SECONDS", 3600.0)  # NOTIFY alone
+    async with ControlStore(url) as here, ControlStore(url) as there:
+        await here.create_project("p", "P")
+        ahead = await here.enqueue("p", {"n": "A"}, fingerprint="x", dedup=False, priority=1)
+        backend = await here._engine.ready()
+        wakes = backend.twin_wakes
+        assert wakes is not None
+        inserted, release = asyncio.Event(), asyncio.Event()
+
+        async def arrive(conn: asyncpg.Connection, now: float) -> int:
+            twin: int = await conn.fetchval(
+                "INSERT INTO items (project_id, state, payload, created_at, updated_at,"
+                " fingerprint, dedup) VALUES ('p', 'ready', '{}', $1, $1, 'x', false)"
+                " RETURNING item_id",
+                now,
+            )
+            await conn.execute(
+                "INSERT INTO events (item_id, event_type, fence, at) VALUES ($1, 'queued', 0, $2)",
+                twin, now,
+            )  # fmt: skip
+            inserted.set()
+            await release.wait()  # the round's transaction stays open
+            return twin
+
+        claimer, settler = await asyncpg.connect(url), await asyncpg.connect(url)
+        try:
+            claiming = claimer.transaction()
+            await claiming.start()
+            await claimer.execute(
+                "UPDATE items SET state = 'claimed', fence = 1, attempts = 1, owner = 'k',"
+                " lease_expires_at = 1e12 WHERE item_id = $1",
+                ahead,
+            )
+            await claimer.execute(
+                "INSERT INTO events (item_id, event_type, fence, owner, at)"
+                " VALUES ($1, 'claimed', 1, 'k', 0)",
+                ahead,
+            )
+            arriving = asyncio.ensure_future(backend.writer.submit(arrive))
+            await inserted.wait()
+            await claiming.commit()
+            claim = types.SimpleNamespace(item_id=ahead, fence=1, owner="k")
+            settle = await _settling(settler, claim)
+            waiting = asyncio.create_task(there.claim("v", wait=120, poll_interval=0.01))
+            await until(waiting_on("local"), what="the claim elsewhere waiting")
+            asleep = _asleep()
+            release.set()
+            twin = await arriving
+            assert (await here.item(twin))["state"] == "ready"
+            await until(lambda: bool(_asleep() - asleep), what="the claim elsewhere looking")
+            await until(lambda: wakes.busy > 0, what="the twin's wake-up finding the settle")
+            await settle.commit()
+            got = await asyncio.wait_for(waiting, 60)
+        finally:
+            await claimer.close()
+            await settler.close()
+        assert got is not None and got.item_id == twin
+        assert wakes.sent == 1
+        assert await verify_ledger(here) == []
+
+
+async def test_a_deferred_item_given_a_settling_twins_fingerprint_is_claimed_when_due(
+    url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A deferred item without a fingerprint is given one (the preflight's backfill) while
+    # the running twin of that content settles: the drainers' alarms leave it out from
+    # then on, and the settle's look came before it was a twin. Its process wakes them
+    # once the settle has committed (migration 13).
+    from asyncplane import _postgres
+
+    monkeypatch.setattr(_postgres, "_SAFETY_POLL_SECONDS", 3600.0)  # NOTIFY alone
+    async with ControlStore(url) as here, ControlStore(url) as there:
+        await here.create_project("p", "P")
+        later = (await sql(url, SERVER_NOW))[0][0] + 3600
+        item = await here.enqueue("p", {"n": "D"}, not_before=later)
+        running = await here.enqueue("p", {"n": "R"}, fingerprint="x", dedup=False)
+        claim = await here.claim("w")
+        assert claim is not None and claim.item_id == running
+        backend = await here._engine.ready()
+        wakes = backend.twin_wakes
+        assert wakes is not None
+
+        async def given(conn: asyncpg.Connection, now: float) -> None:
+            # (as SET_FINGERPRINT writes it, and due at once)
+            await conn.execute(
+                "UPDATE items SET fingerprint = 'x', due_at = 0 WHERE item_id = $1", item
+            )
+
+        conn = await asyncpg.connect(url)
+        try:
+            settle = await _settling(conn, claim)
+            waiting = asyncio.create_task(there.claim("v", wait=120, poll_interval=0.01))
+            await until(waiting_on("local"), what="the claim elsewhere waiting")
+            await backend.writer.submit(given)
+            await until(lambda: wakes.busy > 0, what="the item's wake-up finding the settle")
+            await settle.commit()
+            got = await asyncio.wait_for(waiting, 60)
+        finally:
+            await conn.close()
+        assert got is not None and got.item_id == item
+        assert wakes.sent == 1
 
 
 async def test_the_write_statements_plans_are_led_by_the_primary_key(url: str) -> None:

@@ -116,27 +116,28 @@ class TwinWakes:
     twin, which a settle under way may have missed (see the SQL's migration 13).
 
     Such a twin's trigger tells this process on a channel of the write connection's own
-    (`asyncplane._postgres_sql.twin_channel`), heard once the twin has committed. For each
-    content heard of, a pooled connection, which holds nothing and waits for nothing,
-    tries the content's hand-off lock shared: while a settle has it, the look is made
-    again a little later (the connection back in the pool meanwhile); once had, it
-    notifies the drainers unless a twin runs. A task of its own, so the writer never
-    waits for another host's settle. A wake-up that fails (a lost connection), or whose
-    content stays busy for longer than the drainers' safety poll, is let go: that poll
-    finds the twin.
+    (`asyncplane._postgres_sql.twin_channel`), heard once the twin has committed. Each
+    pass takes every content heard of (in statements of `_WAKES_A_STATEMENT`) to a pooled
+    connection, which holds nothing and waits for nothing: it tries each content's
+    hand-off lock shared, and sends one NOTIFY for all those it had with no twin running.
+    Those whose hand-off is under way (a settle has the lock) are looked at again a
+    little later, the connection back in the pool meanwhile, or at once when more is
+    heard. A task of its own, so the writer never waits for another host's settle. A
+    pass that fails (a lost connection), or a content that stays busy for longer than
+    the drainers' safety poll, is let go: that poll finds the twin.
     """
 
     def __init__(self, pool: asyncpg.Pool, name: str) -> None:
         self._pool = pool
-        self._contents: dict[tuple[str, str], float] = {}  # when heard, in that order
+        self._contents: dict[tuple[str, str], float] = {}  # when last heard
         self._heard = asyncio.Event()
         self._stopping = False
         self._task = asyncio.get_running_loop().create_task(
             self._run(), name=f"asyncplane-twin-wakes[{name}]"
         )
         self._task.add_done_callback(_log_failure)
-        #: Looks that found a content's hand-off under way, wake-ups sent, and contents
-        #: let go with none needed (a twin ran): read by tests.
+        #: Contents found busy, NOTIFYs sent, and contents let go with none needed (a
+        #: twin ran): read by tests.
         self.busy = 0
         self.sent = 0
         self.left_to_settles = 0
@@ -147,7 +148,7 @@ class TwinWakes:
             project, content = json.loads(str(payload))
         except (ValueError, TypeError):
             return  # not a trigger's: nothing to pass on
-        self._contents.setdefault((str(project), str(content)), time.monotonic())
+        self._contents[(str(project), str(content))] = time.monotonic()
         self._heard.set()
 
     async def _run(self) -> None:
@@ -156,35 +157,39 @@ class TwinWakes:
             if not self._contents:
                 if self._stopping:
                     return
-                self._heard.clear()
                 await self._heard.wait()
                 delay = _WAKE_RETRY_FIRST
-                continue
-            for key in list(self._contents):
-                if await self._passed_on(key):
-                    del self._contents[key]
+            self._heard.clear()
+            keys = list(self._contents)
+            for start in range(0, len(keys), _WAKES_A_STATEMENT):
+                await self._pass_on(keys[start : start + _WAKES_A_STATEMENT])
             if self._contents:  # a settle of some content is under way: soon again
-                await asyncio.sleep(delay)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._heard.wait(), delay)
                 delay = min(2 * delay, _WAKE_RETRY_MOST)
 
-    async def _passed_on(self, key: tuple[str, str]) -> bool:
-        """Whether ``key``'s wake-up is done with: sent, not needed, or let go."""
+    async def _pass_on(self, keys: list[tuple[str, str]]) -> None:
+        """One statement's worth: what it passed on, or let go, leaves the set."""
         try:
-            answer = await self._pool.fetchval(sql.TWIN_WAITED, *key)
-        except _DRIVER_ERRORS as exc:
-            _log.warning("asyncplane: a twin's wake-up was not sent: %r", exc)
-            return True
-        if answer is None:
-            self.busy += 1
-            if time.monotonic() - self._contents[key] < _SAFETY_POLL_SECONDS:
-                return False
-            _log.warning("asyncplane: a twin's wake-up was let go: its content stayed busy")
-            return True
-        if answer:
-            self.sent += 1
+            row = await self._pool.fetchrow(
+                sql.TWINS_WAITED, [key[0] for key in keys], [key[1] for key in keys]
+            )
+        except Exception as exc:  # a lost connection, the pool closing: let go
+            _log.warning("asyncplane: twins' wake-ups were not sent: %r", exc)
+            busy: set[int] = set()
         else:
-            self.left_to_settles += 1
-        return True
+            assert row is not None
+            busy = {index - 1 for index in row["busy"]}
+            self.busy += len(busy)
+            self.sent += row["woken"] > 0
+            self.left_to_settles += row["running"]
+        now = time.monotonic()
+        for index, key in enumerate(keys):
+            if index not in busy:
+                del self._contents[key]
+            elif now - self._contents[key] >= _SAFETY_POLL_SECONDS:
+                del self._contents[key]
+                _log.warning("asyncplane: a twin's wake-up was let go: its content stayed busy")
 
     async def stop(self, graceful: bool) -> None:
         """End: gracefully, once what was heard is passed on (for at most a few
@@ -310,9 +315,12 @@ class PostgresBackend(_backend.Writes):
                 self._schema = await conn.fetchval(sql.CURRENT_SCHEMA)
                 if self._server_clock is not None:
                     self._server_clock.observe(await conn.fetchval(sql.SERVER_NOW))
+                # (Read committed too: a statement of several looks, TwinWakes', relies on
+                # each look's own snapshot; reads of several statements ask for more.)
                 pool = await asyncpg.create_pool(
                     self._url, min_size=1, max_size=self._sizing.read_connections,
                     timeout=self._connect_timeout,
+                    server_settings={"default_transaction_isolation": "read committed"},
                 )  # fmt: skip
             except _DRIVER_ERRORS as exc:
                 raise _writer.translate(exc) from exc
@@ -398,6 +406,11 @@ class PostgresBackend(_backend.Writes):
         if self._wakes is wakes:
             self._wakes = None
         if wakes is not None:
+            if graceful and listener is not None:
+                # The tells of this store's last commits, on their way to the listener,
+                # come before the answer to a round trip made after them.
+                with contextlib.suppress(Exception):
+                    await listener.fetchval(sql.BACKEND_PID)
             await wakes.stop(graceful)
         if listener is not None:
             with contextlib.suppress(Exception):
@@ -711,6 +724,8 @@ _SAFETY_POLL_SECONDS = 5.0
 _WAKES_STOP_SECONDS = 5.0
 _WAKE_RETRY_FIRST = 0.002
 _WAKE_RETRY_MOST = 0.1
+#: Contents a statement of `TwinWakes` looks at, at most (each a lock held to its end).
+_WAKES_A_STATEMENT = 100
 
 #: What the driver may raise: every one becomes an asyncplane error, here or in the writer.
 _DRIVER_ERRORS = (
