@@ -119,7 +119,8 @@ class TwinWakes:
     (`asyncplane._postgres_sql.twin_channel`), heard once the twin has committed. Each
     pass takes every content heard of (in statements of `_WAKES_A_STATEMENT`) to a pooled
     connection, which holds nothing and waits for nothing: it tries each content's
-    hand-off lock shared, and sends one NOTIFY for all those it had with no twin running.
+    hand-off lock shared, and then sends one NOTIFY for all those it had with no twin
+    running.
     Those whose hand-off is under way (a settle has the lock) are looked at again a
     little later, the connection back in the pool meanwhile, or at once when more is
     heard. A task of its own, so the writer never waits for another host's settle. A
@@ -161,15 +162,24 @@ class TwinWakes:
                 delay = _WAKE_RETRY_FIRST
             self._heard.clear()
             keys = list(self._contents)
+            woken = 0
             for start in range(0, len(keys), _WAKES_A_STATEMENT):
-                await self._pass_on(keys[start : start + _WAKES_A_STATEMENT])
+                woken += await self._pass_on(keys[start : start + _WAKES_A_STATEMENT])
+            if woken:
+                try:
+                    await self._pool.execute(sql.WAKE_DRAINERS)
+                except Exception as exc:  # a lost connection, the pool closing: let go
+                    _log.warning("asyncplane: twins' wake-ups were not sent: %r", exc)
+                else:
+                    self.sent += 1
             if self._contents:  # a settle of some content is under way: soon again
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._heard.wait(), delay)
                 delay = min(2 * delay, _WAKE_RETRY_MOST)
 
-    async def _pass_on(self, keys: list[tuple[str, str]]) -> None:
-        """One statement's worth: what it passed on, or let go, leaves the set."""
+    async def _pass_on(self, keys: list[tuple[str, str]]) -> int:
+        """One statement's worth: what it looked at, or let go, leaves the set; how many
+        of them to wake the drainers for."""
         try:
             row = await self._pool.fetchrow(
                 sql.TWINS_WAITED, [key[0] for key in keys], [key[1] for key in keys]
@@ -177,11 +187,12 @@ class TwinWakes:
         except Exception as exc:  # a lost connection, the pool closing: let go
             _log.warning("asyncplane: twins' wake-ups were not sent: %r", exc)
             busy: set[int] = set()
+            woken = 0
         else:
             assert row is not None
             busy = {index - 1 for index in row["busy"]}
+            woken = row["woken"]
             self.busy += len(busy)
-            self.sent += row["woken"] > 0
             self.left_to_settles += row["running"]
         now = time.monotonic()
         for index, key in enumerate(keys):
@@ -190,6 +201,7 @@ class TwinWakes:
             elif now - self._contents[key] >= _SAFETY_POLL_SECONDS:
                 del self._contents[key]
                 _log.warning("asyncplane: a twin's wake-up was let go: its content stayed busy")
+        return int(woken)
 
     async def stop(self, graceful: bool) -> None:
         """End: gracefully, once what was heard is passed on (for at most a few

@@ -946,10 +946,10 @@ MIGRATIONS: Final[tuple[str, ...]] = (
                            AND (OLD.state IS DISTINCT FROM NEW.state
                                 OR OLD.fingerprint IS DISTINCT FROM NEW.fingerprint))
         EXECUTE FUNCTION asyncplane_twin_deferred();
-    -- Contents (as many as a pass has, in arrays): for each, the hand-off lock tried
+    -- Contents (a hundred of a pass's, in arrays): for each, the hand-off lock tried
     -- shared (busy: the indexes of those another transaction has; looked again later);
-    -- for each had, whether a twin runs (its settle will look, and see what committed
-    -- before); one NOTIFY for all those with none.
+    -- for each had, whether a twin runs (running: its settle will look, and see what
+    -- committed before) or not (woken: the pass notifies once, after all its looks).
     CREATE FUNCTION asyncplane_twins_waited(projects text[], contents text[],
                                             OUT busy int[], OUT woken int, OUT running int)
     LANGUAGE plpgsql VOLATILE SET enable_seqscan = off AS $$
@@ -971,9 +971,6 @@ MIGRATIONS: Final[tuple[str, ...]] = (
                 woken := woken + 1;
             END IF;
         END LOOP;
-        IF woken > 0 THEN
-            {_WAKE}
-        END IF;
     END $$;
     """,
 )
@@ -1230,6 +1227,8 @@ def _claim_set(source: str, now: str) -> str:
 
 
 _NOTIFY_WORK = "pg_notify('asyncplane', current_schema())"
+# The wake-up `TwinWakes` sends once a pass's looks are done (see TWINS_WAITED).
+WAKE_DRAINERS: Final = f"SELECT {_NOTIFY_WORK}"
 # The common claim in one statement, which commits by itself: when the reach is one
 # open project without limits, with no lapsed claim and nothing fallen due, no two of the
 # first ready items in claim order are twins, and no set_limits is under way (its lock is
