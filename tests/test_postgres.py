@@ -993,7 +993,7 @@ async def test_a_twin_that_arrives_while_its_running_twin_settles_is_claimed_at_
         finally:
             await conn.close()
         assert got is not None and got.item_id == twin
-        assert wakes.sent == 1
+        await until(lambda: wakes.sent == 1, what="the wake-up counted")  # (after its NOTIFY)
         assert await verify_ledger(here) == []
 
 
@@ -1053,7 +1053,7 @@ async def test_a_twin_unheld_while_its_twin_is_claimed_and_settled_is_claimed(
         finally:
             await conn.close()
         assert got is not None and got.item_id == twin
-        assert wakes.sent == 1
+        await until(lambda: wakes.sent == 1, what="the wake-up counted")  # (after its NOTIFY)
         assert await verify_ledger(here) == []
 
 
@@ -1123,8 +1123,55 @@ async def test_a_twin_behind_one_a_claimer_is_taking_is_claimed_after_that_ones_
             await claimer.close()
             await settler.close()
         assert got is not None and got.item_id == twin
-        assert wakes.sent == 1
+        await until(lambda: wakes.sent == 1, what="the wake-up counted")  # (after its NOTIFY)
         assert await verify_ledger(here) == []
+
+
+async def test_a_twin_told_of_while_its_contents_look_is_under_way_is_looked_at_again(
+    url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A look answers for the twins committed before it had the content's lock; one told
+    # of while it ran (a settle may have looked before that one committed, and after the
+    # look) is looked at again, not forgotten with the answer.
+    async with ControlStore(url) as store:
+        await store.create_project("p", "P")
+        running = await store.enqueue("p", {"n": "R"}, fingerprint="x", dedup=False)
+        claim = await store.claim("w")
+        assert claim is not None and claim.item_id == running
+        wakes = (await store._engine.ready()).twin_wakes
+        assert wakes is not None
+        # The look, held after it has looked until the test lets it answer.
+        await sql(
+            url,
+            "CREATE FUNCTION test_gated(projects text[], contents text[], OUT busy int[],"
+            " OUT woken int, OUT running int) LANGUAGE plpgsql AS $$ BEGIN"
+            " SELECT w.busy, w.woken, w.running INTO busy, woken, running"
+            " FROM asyncplane_twins_waited(projects, contents) AS w;"
+            " PERFORM pg_advisory_xact_lock_shared(4242); END $$",
+        )
+        monkeypatch.setattr(
+            pg_sql, "TWINS_WAITED", "SELECT busy, woken, running FROM test_gated($1, $2)"
+        )
+        later = (await sql(url, SERVER_NOW))[0][0] + 3600
+        gate = await asyncpg.connect(url)
+        try:
+            await gate.execute("SELECT pg_advisory_lock(4242)")
+            await store.enqueue("p", {"n": 1}, fingerprint="x", dedup=False, not_before=later)
+
+            async def look_waits() -> bool:
+                return bool(await gate.fetchval(
+                    "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory'"
+                    " AND objid = 4242 AND NOT granted"
+                ))  # fmt: skip
+
+            await until(look_waits, what="the look under way")
+            await store.enqueue("p", {"n": 2}, fingerprint="x", dedup=False, not_before=later)
+            await until(lambda: wakes.told == 2, what="the second twin told of")
+            await gate.execute("SELECT pg_advisory_unlock(4242)")
+            await until(lambda: wakes.left_to_settles == 2, what="the second look")
+        finally:
+            await gate.close()
+        assert (wakes.sent, wakes.busy) == (0, 0)
 
 
 async def test_a_deferred_item_given_a_settling_twins_fingerprint_is_claimed_when_due(
@@ -1166,7 +1213,7 @@ async def test_a_deferred_item_given_a_settling_twins_fingerprint_is_claimed_whe
         finally:
             await conn.close()
         assert got is not None and got.item_id == item
-        assert wakes.sent == 1
+        await until(lambda: wakes.sent == 1, what="the wake-up counted")  # (after its NOTIFY)
 
 
 async def test_the_write_statements_plans_are_led_by_the_primary_key(url: str) -> None:

@@ -25,6 +25,7 @@ import asyncio
 import collections
 import contextlib
 import functools
+import itertools
 import json
 import logging
 import time
@@ -130,15 +131,19 @@ class TwinWakes:
 
     def __init__(self, pool: asyncpg.Pool, name: str) -> None:
         self._pool = pool
-        self._contents: dict[tuple[str, str], float] = {}  # when last heard
+        # When each content was last told of, and that tell's number: a look made before
+        # a later tell of its content committed does not answer for that one.
+        self._contents: dict[tuple[str, str], tuple[float, int]] = {}
+        self._tells = itertools.count()
         self._heard = asyncio.Event()
         self._stopping = False
         self._task = asyncio.get_running_loop().create_task(
             self._run(), name=f"asyncplane-twin-wakes[{name}]"
         )
         self._task.add_done_callback(_log_failure)
-        #: Contents found busy, NOTIFYs sent, and contents let go with none needed (a
-        #: twin ran): read by tests.
+        #: Tells heard, contents found busy, NOTIFYs sent, and contents let go with none
+        #: needed (a twin ran): read by tests.
+        self.told = 0
         self.busy = 0
         self.sent = 0
         self.left_to_settles = 0
@@ -149,7 +154,10 @@ class TwinWakes:
             project, content = json.loads(str(payload))
         except (ValueError, TypeError):
             return  # not a trigger's: nothing to pass on
-        self._contents[(str(project), str(content))] = time.monotonic()
+        if self._task.done():
+            return  # (it failed, and said so: nobody would pass it on)
+        self._contents[(str(project), str(content))] = (time.monotonic(), next(self._tells))
+        self.told += 1
         self._heard.set()
 
     async def _run(self) -> None:
@@ -168,23 +176,24 @@ class TwinWakes:
             if woken:
                 try:
                     await self._pool.execute(sql.WAKE_DRAINERS)
-                except Exception as exc:  # a lost connection, the pool closing: let go
+                except _DRIVER_ERRORS as exc:  # a lost connection, the pool closing: let go
                     _log.warning("asyncplane: twins' wake-ups were not sent: %r", exc)
                 else:
                     self.sent += 1
             if self._contents:  # a settle of some content is under way: soon again
-                with contextlib.suppress(TimeoutError):
+                with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(self._heard.wait(), delay)
                 delay = min(2 * delay, _WAKE_RETRY_MOST)
 
     async def _pass_on(self, keys: list[tuple[str, str]]) -> int:
         """One statement's worth: what it looked at, or let go, leaves the set; how many
         of them to wake the drainers for."""
+        told = [self._contents[key][1] for key in keys]
         try:
             row = await self._pool.fetchrow(
                 sql.TWINS_WAITED, [key[0] for key in keys], [key[1] for key in keys]
             )
-        except Exception as exc:  # a lost connection, the pool closing: let go
+        except _DRIVER_ERRORS as exc:  # a lost connection, the pool closing: let go
             _log.warning("asyncplane: twins' wake-ups were not sent: %r", exc)
             busy: set[int] = set()
             woken = 0
@@ -196,9 +205,12 @@ class TwinWakes:
             self.left_to_settles += row["running"]
         now = time.monotonic()
         for index, key in enumerate(keys):
+            heard_at, tell = self._contents[key]
+            if tell != told[index]:
+                continue  # told of again meanwhile: looked at again
             if index not in busy:
                 del self._contents[key]
-            elif now - self._contents[key] >= _SAFETY_POLL_SECONDS:
+            elif now - heard_at >= _SAFETY_POLL_SECONDS:
                 del self._contents[key]
                 _log.warning("asyncplane: a twin's wake-up was let go: its content stayed busy")
         return int(woken)
@@ -212,7 +224,7 @@ class TwinWakes:
             await asyncio.wait([self._task], timeout=_WAKES_STOP_SECONDS)
         if not self._task.done():
             self._task.cancel()  # the drainers' safety poll covers what is left
-            await asyncio.wait([self._task])
+            await asyncio.wait([self._task], timeout=_WAKES_STOP_SECONDS)
 
     def forget(self) -> None:
         """Let the task go with an event loop that has ended."""
@@ -422,7 +434,7 @@ class PostgresBackend(_backend.Writes):
                 # The tells of this store's last commits, on their way to the listener,
                 # come before the answer to a round trip made after them.
                 with contextlib.suppress(Exception):
-                    await listener.fetchval(sql.BACKEND_PID)
+                    await listener.fetchval(sql.BACKEND_PID, timeout=_WAKES_STOP_SECONDS)
             await wakes.stop(graceful)
         if listener is not None:
             with contextlib.suppress(Exception):

@@ -898,8 +898,9 @@ MIGRATIONS: Final[tuple[str, ...]] = (
     # A twin that arrives while another moves can miss that look. One held back is safe:
     # it holds the row it waits behind (the running twin, or the claimable one ahead) for
     # share, so that row's move waits for its commit, and its look sees it. One left
-    # unheld is not: it found that row locked (a settle under way has it), or went first
-    # while a claimer had the twin it would have held, or is deferred (a deferred twin
+    # unheld is not: it found that row locked (a settle has the running twin's, a claimer
+    # the claimable one's), or went first while a claimer had the twin it would have
+    # held, or is deferred (a deferred twin
     # holds nothing back). If it commits before a settle whose look came before it, its
     # own NOTIFY wakes drainers that still see a twin running, and the settle sends none.
     # So a twin that arrives pending and unheld beside a live twin (enqueued, requeued,
@@ -916,7 +917,7 @@ MIGRATIONS: Final[tuple[str, ...]] = (
     # whose settle looks before this one commits (neither saw the other); this one then
     # waits for the drainers' safety poll. (Looking at the commit instead, in a deferred
     # trigger, narrows that to the commit's instant, but cost every fingerprinted enqueue
-    # a trigger call: 5 µs, a tenth of it.)
+    # a trigger call: 3.5 µs, 6%.)
     f"""
     DROP TRIGGER items_moved ON items;
     CREATE TRIGGER items_moved AFTER UPDATE OF state ON items
@@ -1011,7 +1012,8 @@ ON CONFLICT (key) DO UPDATE SET value = excluded.value
 SERVER_NOW: Final = "SELECT extract(epoch FROM clock_timestamp())::float8"
 BACKEND_PID: Final = "SELECT pg_backend_pid()"
 # After the commits of twins told of on `twin_channel` ($1 project ids, $2 fingerprints):
-# once no hand-off of a content is under way, wake the drainers (see migration 13).
+# each content's hand-off lock tried, and whether a twin runs; WAKE_DRAINERS follows
+# (see migration 13).
 TWINS_WAITED: Final = "SELECT busy, woken, running FROM asyncplane_twins_waited($1, $2)"
 
 # --- projects and scope ----------------------------------------------------------------

@@ -280,10 +280,10 @@ class ControlStore:
         Writes queued before the close are served; reads still waiting for a read
         connection when it begins are refused with StoreClosed. Calls made once the close
         has begun wait for it to finish, then open the store again. A closed store may be
-        opened again, on any event loop. On PostgreSQL it first sends the wake-ups this
-        store owes other processes for twins it added while another host settled their
-        twin, waiting up to a few seconds for that settle (docs/architecture.md, "What a
-        fingerprint costs the fleet").
+        opened again, on any event loop. On PostgreSQL, once the queued writes are served,
+        it sends the wake-ups this store owes other processes for twins it added while
+        another store settled their twin, waiting up to a few seconds for that settle
+        (docs/architecture.md, "What a fingerprint costs the fleet").
         """
         await self._engine.close()
 
