@@ -17,7 +17,7 @@ import sys
 import tempfile
 import types
 import urllib.parse
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any
 
 import asyncpg
@@ -953,6 +953,58 @@ async def _settling(conn: asyncpg.Connection, claim: Any) -> Any:
     return settle
 
 
+async def _claimed_elsewhere_once_settled(
+    there: ControlStore, wakes: Any, settle: Any, arrive: Callable[[], Awaitable[int]]
+) -> tuple[int, Any]:
+    """With a claim waiting in ``there``: ``arrive`` commits a twin whose settle under way
+    missed it; the claim wakes on its NOTIFY, looks, and sleeps again; the twin's wake-up
+    finds the settle under way; the settle commits. The twin, and what the claim got."""
+    waiting = asyncio.create_task(there.claim("v", wait=120, poll_interval=0.01))
+    await until(waiting_on("local"), what="the claim elsewhere waiting")
+    asleep = _asleep()
+    twin = await arrive()
+    await until(lambda: bool(_asleep() - asleep), what="the claim elsewhere looking")
+    await until(lambda: wakes.busy > 0, what="the twin's wake-up finding the settle")
+    assert wakes.sent == 0
+    await settle.commit()
+    return twin, await asyncio.wait_for(waiting, 60)
+
+
+class _HeldArrival:
+    """A ready twin of content x in project p, enqueued (row and event, as the store
+    writes them) by a round of ``backend``'s writer whose transaction stays open until
+    `commit`."""
+
+    def __init__(self, backend: Any) -> None:
+        self._backend = backend
+        self._inserted, self._release = asyncio.Event(), asyncio.Event()
+        self._arriving: asyncio.Future[int] | None = None
+
+    async def _arrive(self, conn: asyncpg.Connection, now: float) -> int:
+        twin: int = await conn.fetchval(
+            "INSERT INTO items (project_id, state, payload, created_at, updated_at,"
+            " fingerprint, dedup) VALUES ('p', 'ready', '{}', $1, $1, 'x', false)"
+            " RETURNING item_id",
+            now,
+        )
+        await conn.execute(
+            "INSERT INTO events (item_id, event_type, fence, at) VALUES ($1, 'queued', 0, $2)",
+            twin, now,
+        )  # fmt: skip
+        self._inserted.set()
+        await self._release.wait()
+        return twin
+
+    async def start(self) -> None:
+        self._arriving = asyncio.ensure_future(self._backend.writer.submit(self._arrive))
+        await self._inserted.wait()
+
+    async def commit(self) -> int:
+        assert self._arriving is not None
+        self._release.set()
+        return await self._arriving
+
+
 @pytest.mark.parametrize("arrives", ["ready", "deferred"])
 async def test_a_twin_that_arrives_while_its_running_twin_settles_is_claimed_at_once(
     url: str, arrives: str, monkeypatch: pytest.MonkeyPatch
@@ -970,12 +1022,9 @@ async def test_a_twin_that_arrives_while_its_running_twin_settles_is_claimed_at_
         claim = await here.claim("w")
         assert claim is not None and claim.item_id == running
         wakes = (await here._engine.ready()).twin_wakes
-        conn = await asyncpg.connect(url)
-        try:
-            settle = await _settling(conn, claim)
-            waiting = asyncio.create_task(there.claim("v", wait=120, poll_interval=0.01))
-            await until(waiting_on("local"), what="the claim elsewhere waiting")
-            asleep = _asleep()
+        assert wakes is not None
+
+        async def arrive() -> int:
             not_before = None
             if arrives == "deferred":
                 not_before = (await sql(url, SERVER_NOW))[0][0] + 0.5
@@ -983,13 +1032,12 @@ async def test_a_twin_that_arrives_while_its_running_twin_settles_is_claimed_at_
                 "p", {"n": "T"}, fingerprint="x", dedup=False, not_before=not_before
             )
             assert (await here.item(twin))["state"] == arrives
-            # The claim elsewhere heard the twin, looked, and found it behind a running one.
-            await until(lambda: bool(_asleep() - asleep), what="the claim elsewhere looking")
-            assert wakes is not None
-            await until(lambda: wakes.busy > 0, what="the twin's wake-up finding the settle")
-            assert wakes.sent == 0
-            await settle.commit()
-            got = await asyncio.wait_for(waiting, 60)
+            return twin
+
+        conn = await asyncpg.connect(url)
+        try:
+            settle = await _settling(conn, claim)
+            twin, got = await _claimed_elsewhere_once_settled(there, wakes, settle, arrive)
         finally:
             await conn.close()
         assert got is not None and got.item_id == twin
@@ -1016,40 +1064,15 @@ async def test_a_twin_unheld_while_its_twin_is_claimed_and_settled_is_claimed(
         backend = await here._engine.ready()
         wakes = backend.twin_wakes
         assert wakes is not None
-        inserted, release = asyncio.Event(), asyncio.Event()
+        arrival = _HeldArrival(backend)
 
-        async def arrive(conn: asyncpg.Connection, now: float) -> int:
-            twin: int = await conn.fetchval(
-                "INSERT INTO items (project_id, state, payload, created_at, updated_at,"
-                " fingerprint, dedup) VALUES ('p', 'ready', '{}', $1, $1, 'x', false)"
-                " RETURNING item_id",
-                now,
-            )
-            await conn.execute(
-                "INSERT INTO events (item_id, event_type, fence, at) VALUES ($1, 'queued', 0, $2)",
-                twin, now,
-            )  # fmt: skip
-            inserted.set()
-            await release.wait()  # the round's transaction stays open
-            return twin
-
-        arriving = asyncio.ensure_future(backend.writer.submit(arrive))
-        await inserted.wait()
+        await arrival.start()
         claim = await there.claim("w")
         assert claim is not None and claim.item_id == due
         conn = await asyncpg.connect(url)
         try:
             settle = await _settling(conn, claim)
-            waiting = asyncio.create_task(there.claim("v", wait=120, poll_interval=0.01))
-            await until(waiting_on("local"), what="the claim elsewhere waiting")
-            asleep = _asleep()
-            release.set()
-            twin = await arriving
-            assert (await here.item(twin))["state"] == "ready"
-            await until(lambda: bool(_asleep() - asleep), what="the claim elsewhere looking")
-            await until(lambda: wakes.busy > 0, what="the twin's wake-up finding the settle")
-            await settle.commit()
-            got = await asyncio.wait_for(waiting, 60)
+            twin, got = await _claimed_elsewhere_once_settled(there, wakes, settle, arrival.commit)
         finally:
             await conn.close()
         assert got is not None and got.item_id == twin
@@ -1073,22 +1096,7 @@ async def test_a_twin_behind_one_a_claimer_is_taking_is_claimed_after_that_ones_
         backend = await here._engine.ready()
         wakes = backend.twin_wakes
         assert wakes is not None
-        inserted, release = asyncio.Event(), asyncio.Event()
-
-        async def arrive(conn: asyncpg.Connection, now: float) -> int:
-            twin: int = await conn.fetchval(
-                "INSERT INTO items (project_id, state, payload, created_at, updated_at,"
-                " fingerprint, dedup) VALUES ('p', 'ready', '{}', $1, $1, 'x', false)"
-                " RETURNING item_id",
-                now,
-            )
-            await conn.execute(
-                "INSERT INTO events (item_id, event_type, fence, at) VALUES ($1, 'queued', 0, $2)",
-                twin, now,
-            )  # fmt: skip
-            inserted.set()
-            await release.wait()  # the round's transaction stays open
-            return twin
+        arrival = _HeldArrival(backend)
 
         claimer, settler = await asyncpg.connect(url), await asyncpg.connect(url)
         try:
@@ -1104,21 +1112,11 @@ async def test_a_twin_behind_one_a_claimer_is_taking_is_claimed_after_that_ones_
                 " VALUES ($1, 'claimed', 1, 'k', 0)",
                 ahead,
             )
-            arriving = asyncio.ensure_future(backend.writer.submit(arrive))
-            await inserted.wait()
+            await arrival.start()
             await claiming.commit()
             claim = types.SimpleNamespace(item_id=ahead, fence=1, owner="k")
             settle = await _settling(settler, claim)
-            waiting = asyncio.create_task(there.claim("v", wait=120, poll_interval=0.01))
-            await until(waiting_on("local"), what="the claim elsewhere waiting")
-            asleep = _asleep()
-            release.set()
-            twin = await arriving
-            assert (await here.item(twin))["state"] == "ready"
-            await until(lambda: bool(_asleep() - asleep), what="the claim elsewhere looking")
-            await until(lambda: wakes.busy > 0, what="the twin's wake-up finding the settle")
-            await settle.commit()
-            got = await asyncio.wait_for(waiting, 60)
+            twin, got = await _claimed_elsewhere_once_settled(there, wakes, settle, arrival.commit)
         finally:
             await claimer.close()
             await settler.close()
