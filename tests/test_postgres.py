@@ -953,21 +953,44 @@ async def _settling(conn: asyncpg.Connection, claim: Any) -> Any:
     return settle
 
 
+@pytest.fixture
+def notify_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sleeping claims wake on a NOTIFY alone: their safety poll is an hour."""
+    from asyncplane import _postgres
+
+    monkeypatch.setattr(_postgres, "_SAFETY_POLL_SECONDS", 3600.0)
+
+
 async def _claimed_elsewhere_once_settled(
-    there: ControlStore, wakes: Any, settle: Any, arrive: Callable[[], Awaitable[int]]
-) -> tuple[int, Any]:
-    """With a claim waiting in ``there``: ``arrive`` commits a twin whose settle under way
-    missed it; the claim wakes on its NOTIFY, looks, and sleeps again; the twin's wake-up
-    finds the settle under way; the settle commits. The twin, and what the claim got."""
-    waiting = asyncio.create_task(there.claim("v", wait=120, poll_interval=0.01))
-    await until(waiting_on("local"), what="the claim elsewhere waiting")
-    asleep = _asleep()
-    twin = await arrive()
-    await until(lambda: bool(_asleep() - asleep), what="the claim elsewhere looking")
-    await until(lambda: wakes.busy > 0, what="the twin's wake-up finding the settle")
-    assert wakes.sent == 0
-    await settle.commit()
-    return twin, await asyncio.wait_for(waiting, 60)
+    url: str,
+    here: ControlStore,
+    there: ControlStore,
+    claim: Any,
+    arrive: Callable[[], Awaitable[int]],
+) -> None:
+    """With ``claim``'s settle held open and a claim waiting in ``there``: ``arrive``
+    commits a twin (of ``here``) the settle missed; the claim wakes on its NOTIFY, looks,
+    and sleeps again; the twin's wake-up finds the settle under way; the settle commits,
+    and the waiting claim gets the twin, woken by ``here``'s wake-up."""
+    wakes = (await here._engine.ready()).twin_wakes
+    assert wakes is not None
+    conn = await asyncpg.connect(url)
+    try:
+        settle = await _settling(conn, claim)
+        waiting = asyncio.create_task(there.claim("v", wait=120, poll_interval=0.01))
+        await until(waiting_on("local"), what="the claim elsewhere waiting")
+        asleep = _asleep()
+        twin = await arrive()
+        await until(lambda: bool(_asleep() - asleep), what="the claim elsewhere looking")
+        await until(lambda: wakes.busy > 0, what="the twin's wake-up finding the settle")
+        assert wakes.sent == 0
+        await settle.commit()
+        got = await asyncio.wait_for(waiting, 60)
+    finally:
+        await conn.close()
+    assert got is not None and got.item_id == twin
+    await until(lambda: wakes.sent == 1, what="the wake-up counted")  # (after its NOTIFY)
+    assert await verify_ledger(here) == []
 
 
 class _HeldArrival:
@@ -1005,24 +1028,20 @@ class _HeldArrival:
         return await self._arriving
 
 
+@pytest.mark.usefixtures("notify_alone")
 @pytest.mark.parametrize("arrives", ["ready", "deferred"])
 async def test_a_twin_that_arrives_while_its_running_twin_settles_is_claimed_at_once(
-    url: str, arrives: str, monkeypatch: pytest.MonkeyPatch
+    url: str, arrives: str
 ) -> None:
     # The settle's look missed the twin (it was not there yet), and the twin could not wait
     # behind the running one (the settle had its row), so it committed first: its NOTIFY
     # woke drainers that still saw its twin running, and the settle sends none. The
     # twin's process wakes them again once the settle has committed (migration 13).
-    from asyncplane import _postgres
-
-    monkeypatch.setattr(_postgres, "_SAFETY_POLL_SECONDS", 3600.0)  # NOTIFY alone
     async with ControlStore(url) as here, ControlStore(url) as there:
         await here.create_project("p", "P")
         running = await here.enqueue("p", {"n": "R"}, fingerprint="x", dedup=False)
         claim = await here.claim("w")
         assert claim is not None and claim.item_id == running
-        wakes = (await here._engine.ready()).twin_wakes
-        assert wakes is not None
 
         async def arrive() -> int:
             not_before = None
@@ -1034,71 +1053,41 @@ async def test_a_twin_that_arrives_while_its_running_twin_settles_is_claimed_at_
             assert (await here.item(twin))["state"] == arrives
             return twin
 
-        conn = await asyncpg.connect(url)
-        try:
-            settle = await _settling(conn, claim)
-            twin, got = await _claimed_elsewhere_once_settled(there, wakes, settle, arrive)
-        finally:
-            await conn.close()
-        assert got is not None and got.item_id == twin
-        await until(lambda: wakes.sent == 1, what="the wake-up counted")  # (after its NOTIFY)
-        assert await verify_ledger(here) == []
+        await _claimed_elsewhere_once_settled(url, here, there, claim, arrive)
 
 
-async def test_a_twin_unheld_while_its_twin_is_claimed_and_settled_is_claimed(
-    url: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
+@pytest.mark.usefixtures("notify_alone")
+async def test_a_twin_unheld_while_its_twin_is_claimed_and_settled_is_claimed(url: str) -> None:
     # The twin arrives while no twin of it runs: its twin is deferred and due, so nothing
     # holds it back. Before it commits, that twin is claimed elsewhere and its settle
     # begins: the claim and the settle's look both came before the arrival committed.
     # Unheld beside a live twin, it tells its process, which wakes the drainers once the
     # settle has committed (migration 13).
-    from asyncplane import _postgres
-
-    monkeypatch.setattr(_postgres, "_SAFETY_POLL_SECONDS", 3600.0)  # NOTIFY alone
     async with ControlStore(url) as here, ControlStore(url) as there:
         await here.create_project("p", "P")
         later = (await sql(url, SERVER_NOW))[0][0] + 3600
         due = await here.enqueue("p", {"n": "R"}, fingerprint="x", dedup=False, not_before=later)
         await sql(url, "UPDATE items SET due_at = 0 WHERE item_id = $1", due)
-        backend = await here._engine.ready()
-        wakes = backend.twin_wakes
-        assert wakes is not None
-        arrival = _HeldArrival(backend)
-
+        arrival = _HeldArrival(await here._engine.ready())
         await arrival.start()
         claim = await there.claim("w")
         assert claim is not None and claim.item_id == due
-        conn = await asyncpg.connect(url)
-        try:
-            settle = await _settling(conn, claim)
-            twin, got = await _claimed_elsewhere_once_settled(there, wakes, settle, arrival.commit)
-        finally:
-            await conn.close()
-        assert got is not None and got.item_id == twin
-        await until(lambda: wakes.sent == 1, what="the wake-up counted")  # (after its NOTIFY)
-        assert await verify_ledger(here) == []
+        await _claimed_elsewhere_once_settled(url, here, there, claim, arrival.commit)
 
 
+@pytest.mark.usefixtures("notify_alone")
 async def test_a_twin_behind_one_a_claimer_is_taking_is_claimed_after_that_ones_settle(
-    url: str, monkeypatch: pytest.MonkeyPatch
+    url: str,
 ) -> None:
     # The twin arrives behind a claimable twin whose row a claimer has locked, so it
     # cannot wait behind it and stays claimable beside it. Before it commits, that claim
     # commits and the claimed twin's settle begins, looking before the arrival committed.
     # Unheld beside a live twin, it tells its process (migration 13).
-    from asyncplane import _postgres
-
-    monkeypatch.setattr(_postgres, "_SAFETY_POLL_SECONDS", 3600.0)  # NOTIFY alone
     async with ControlStore(url) as here, ControlStore(url) as there:
         await here.create_project("p", "P")
         ahead = await here.enqueue("p", {"n": "A"}, fingerprint="x", dedup=False, priority=1)
-        backend = await here._engine.ready()
-        wakes = backend.twin_wakes
-        assert wakes is not None
-        arrival = _HeldArrival(backend)
-
-        claimer, settler = await asyncpg.connect(url), await asyncpg.connect(url)
+        arrival = _HeldArrival(await here._engine.ready())
+        claimer = await asyncpg.connect(url)
         try:
             claiming = claimer.transaction()
             await claiming.start()
@@ -1114,15 +1103,10 @@ async def test_a_twin_behind_one_a_claimer_is_taking_is_claimed_after_that_ones_
             )
             await arrival.start()
             await claiming.commit()
-            claim = types.SimpleNamespace(item_id=ahead, fence=1, owner="k")
-            settle = await _settling(settler, claim)
-            twin, got = await _claimed_elsewhere_once_settled(there, wakes, settle, arrival.commit)
         finally:
             await claimer.close()
-            await settler.close()
-        assert got is not None and got.item_id == twin
-        await until(lambda: wakes.sent == 1, what="the wake-up counted")  # (after its NOTIFY)
-        assert await verify_ledger(here) == []
+        claim = types.SimpleNamespace(item_id=ahead, fence=1, owner="k")
+        await _claimed_elsewhere_once_settled(url, here, there, claim, arrival.commit)
 
 
 async def test_a_twin_told_of_while_its_contents_look_is_under_way_is_looked_at_again(
@@ -1172,16 +1156,14 @@ async def test_a_twin_told_of_while_its_contents_look_is_under_way_is_looked_at_
         assert (wakes.sent, wakes.busy) == (0, 0)
 
 
+@pytest.mark.usefixtures("notify_alone")
 async def test_a_deferred_item_given_a_settling_twins_fingerprint_is_claimed_when_due(
-    url: str, monkeypatch: pytest.MonkeyPatch
+    url: str,
 ) -> None:
     # A deferred item without a fingerprint is given one (the preflight's backfill) while
     # the running twin of that content settles: the drainers' alarms leave it out from
     # then on, and the settle's look came before it was a twin. Its process wakes them
     # once the settle has committed (migration 13).
-    from asyncplane import _postgres
-
-    monkeypatch.setattr(_postgres, "_SAFETY_POLL_SECONDS", 3600.0)  # NOTIFY alone
     async with ControlStore(url) as here, ControlStore(url) as there:
         await here.create_project("p", "P")
         later = (await sql(url, SERVER_NOW))[0][0] + 3600
