@@ -34,6 +34,8 @@ import tempfile
 import time
 from typing import Any
 
+import pg_probe_vs_raw as pg
+
 from asyncplane import ControlStore
 
 CASES: tuple[tuple[str, str], ...] = (
@@ -110,13 +112,7 @@ async def _store(case: str, base: bool, small: int, backlog: int, tmp: pathlib.P
             await _projects(store, None if base else case)
         _insert_sqlite(pathlib.Path(where), rows)
         return where
-    from asyncplane import testing
-
-    schema = f"bench_cliff_{name}"
-    await testing.execute_sql(
-        url, f"DROP SCHEMA IF EXISTS {schema} CASCADE; CREATE SCHEMA {schema}"
-    )
-    where = testing.with_schema(url, schema)
+    where = await pg.fresh_schema(url, f"bench_cliff_{name}")
     async with ControlStore(where) as store:
         await _projects(store, None if base else case)
     await _insert_postgres(where, rows)
@@ -175,4 +171,4 @@ async def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(asyncio.run(main(sys.argv[1:])))
+    sys.exit(asyncio.run(pg.dropping_made_schemas(main(sys.argv[1:]))))

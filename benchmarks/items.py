@@ -37,6 +37,8 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import pg_probe_vs_raw as pg
+
 from asyncplane import ControlStore
 
 PROJECTS = [f"p{n}" for n in range(10)]
@@ -96,13 +98,7 @@ async def _sqlite_store(directory: pathlib.Path, count: int) -> ControlStore:
 async def _postgres_store(url: str, count: int) -> ControlStore:
     import asyncpg
 
-    from asyncplane import testing
-
-    schema = f"bench_items_{count}"
-    await testing.execute_sql(
-        url, f"DROP SCHEMA IF EXISTS {schema} CASCADE; CREATE SCHEMA {schema}"
-    )
-    where = testing.with_schema(url, schema)
+    where = await pg.fresh_schema(url, f"bench_items_{count}")
     store = ControlStore(where)
     for project in PROJECTS:
         await store.create_project(project, project)
@@ -214,4 +210,4 @@ async def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(asyncio.run(main(sys.argv[1:])))
+    sys.exit(asyncio.run(pg.dropping_made_schemas(main(sys.argv[1:]))))

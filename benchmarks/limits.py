@@ -35,16 +35,15 @@ import tempfile
 import time
 from typing import Any
 
-from asyncplane import ControlStore, testing
+import pg_probe_vs_raw as pg
+
+from asyncplane import ControlStore
 
 
 async def _location(tmp: pathlib.Path, url: str | None, name: str) -> str:
     if url is None:
         return str(tmp / f"{name}.db")
-    schema = f"bench_limits_{name}"
-    drop = f"DROP SCHEMA IF EXISTS {schema} CASCADE; CREATE SCHEMA {schema}"
-    await testing.execute_sql(url, drop)
-    return testing.with_schema(url, schema)
+    return await pg.fresh_schema(url, f"bench_limits_{name}")
 
 
 async def _claim_cost(where: str, claims: int, running: int, repeats: int) -> dict[str, Any]:
@@ -165,4 +164,4 @@ async def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(asyncio.run(main(sys.argv[1:])))
+    sys.exit(asyncio.run(pg.dropping_made_schemas(main(sys.argv[1:]))))

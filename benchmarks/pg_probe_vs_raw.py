@@ -30,6 +30,7 @@ import datetime
 import json
 import os
 import pathlib
+import secrets
 import statistics
 import subprocess
 import sys
@@ -40,6 +41,8 @@ from typing import Any, TypeVar
 import _raw
 
 from asyncplane import ControlStore, _loops, testing
+
+T = TypeVar("T")
 
 CLAIM = """
 SELECT item_id, fence FROM items WHERE state = 'ready'
@@ -99,15 +102,43 @@ def p99(values: list[float]) -> float:
     return ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))]
 
 
-async def fresh_schema(url: str, name: str) -> str:
-    import asyncpg
+#: This run's mark, put on every schema it makes (`marked`): two runs sharing a server
+#: never empty or drop each other's schemas.
+RUN = f"{os.getpid()}_{secrets.token_hex(3)}"
 
-    conn = await asyncpg.connect(url)
+#: The schemas this run has made, each with its server's URL, to drop when it ends
+#: (`drop_made_schemas`).
+_made: dict[str, str] = {}
+
+
+def marked(name: str) -> str:
+    """``name`` with this run's mark: the schema `fresh_schema` makes for it."""
+    return f"{name}_{RUN}"
+
+
+async def fresh_schema(url: str, name: str) -> str:
+    """The URL of schema ``name`` (with this run's mark) on the server at ``url``, made
+    empty; `drop_made_schemas` drops it again."""
+    schema = marked(name)
+    _made[schema] = url
+    fresh = f"DROP SCHEMA IF EXISTS {schema} CASCADE; CREATE SCHEMA {schema}"
+    await testing.execute_sql(url, fresh)
+    return testing.with_schema(url, schema)
+
+
+async def drop_made_schemas() -> None:
+    """Drop every schema this run made (a server the user named keeps nothing of a run)."""
+    while _made:
+        schema, url = _made.popitem()
+        await testing.execute_sql(url, f"DROP SCHEMA IF EXISTS {schema} CASCADE")
+
+
+async def dropping_made_schemas(main: Awaitable[T]) -> T:
+    """``main`` run to its end, then every schema this run made dropped."""
     try:
-        await conn.execute(f"DROP SCHEMA IF EXISTS {name} CASCADE; CREATE SCHEMA {name}")
+        return await main
     finally:
-        await conn.close()
-    return testing.with_schema(url, name)
+        await drop_made_schemas()
 
 
 async def fresh_store(url: str | None, folder: str, name: str) -> str:
@@ -137,7 +168,7 @@ def start_workers(
 
 
 def run_raw(url: str, workers: int, items: int) -> dict[str, float]:
-    schema = asyncio.run(fresh_schema(url, f"raw_{time.monotonic_ns()}"))
+    schema = asyncio.run(fresh_schema(url, "raw"))
     asyncio.run(seed(schema, items))
     procs = start_workers(
         [[sys.executable, __file__, "--raw-worker", schema, f"raw{n}"] for n in range(workers)]
@@ -146,7 +177,7 @@ def run_raw(url: str, workers: int, items: int) -> dict[str, float]:
 
 
 def run_probe(url: str, workers: int, items: int, concurrency: int) -> dict[str, float]:
-    schema = asyncio.run(fresh_schema(url, f"probe_{time.monotonic_ns()}"))
+    schema = asyncio.run(fresh_schema(url, "probe"))
     done = subprocess.run(
         [sys.executable, "-m", "asyncplane.probe", "--store", schema, "--json",
          "--scenario", "concurrent-queue", "--workers", str(workers), "--items", str(items),
@@ -222,8 +253,8 @@ async def pgqueuer_drain(url: str, owner: str) -> None:
 
 
 def run_pgqueuer(url: str, workers: int, items: int) -> dict[str, float] | None:
-    schema_name = f"pgq_{time.monotonic_ns()}"
-    schema = asyncio.run(fresh_schema(url, schema_name))
+    schema_name = marked("pgq")
+    schema = asyncio.run(fresh_schema(url, "pgq"))
     env = {**os.environ, "PGQUEUER_SCHEMA": schema_name}
     installed = subprocess.run(
         [sys.executable, "-m", "pgqueuer", "--pg-dsn", url, "--schema", schema_name, "install"],
@@ -268,9 +299,6 @@ def postgres_wanted(args: argparse.Namespace) -> bool:
     return bool(args.postgres or args.url is not None)
 
 
-T = TypeVar("T")
-
-
 def measured_on(args: argparse.Namespace, measure: Callable[[str | None], Awaitable[T]]) -> T:
     """``measure(url)`` run to its end, with the server `add_postgres_arguments`' choice
     asks for (a throwaway cluster stopped after), or ``None`` for SQLite."""
@@ -304,7 +332,10 @@ def run_benchmark(
 @contextlib.contextmanager
 def server(url: str | None) -> Iterator[str]:
     if url:
-        yield url
+        try:
+            yield url
+        finally:
+            asyncio.run(drop_made_schemas())
         return
     with testing.PostgresCluster(fsync=True) as cluster:
         yield cluster.url()

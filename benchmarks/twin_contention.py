@@ -25,7 +25,9 @@ import sys
 import time
 from typing import Any
 
-from asyncplane import AsyncplaneError, ControlStore, Job, testing, verify_ledger
+import pg_probe_vs_raw as pg
+
+from asyncplane import AsyncplaneError, ControlStore, Job, verify_ledger
 
 #: Refusals that random operations on other coroutines' items meet by design.
 EXPECTED = ("FenceRejected", "ItemCancelled", "UnknownItem", "NotRequeueable", "InvalidInput")
@@ -109,11 +111,8 @@ SELECT count(*) FROM (
 
 
 async def _main(args: argparse.Namespace) -> dict[str, Any]:
-    schema = f"bench_twins_{args.seed}"
-    await testing.execute_sql(
-        args.url, f"DROP SCHEMA IF EXISTS {schema} CASCADE; CREATE SCHEMA {schema}"
-    )
-    where = testing.with_schema(args.url, schema)
+    where = await pg.fresh_schema(args.url, f"bench_twins_{args.seed}")
+    schema = pg.marked(f"bench_twins_{args.seed}")
     async with ControlStore(where) as store:
         for project in ("p", "q"):
             await store.create_project(project, project)
@@ -147,7 +146,7 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
         doubled = await conn.fetchval(LINE_CHECK) if lined else None  # (a release before)
     finally:
         await conn.close()
-    await testing.execute_sql(args.url, f"DROP SCHEMA IF EXISTS {schema} CASCADE")
+    await pg.drop_made_schemas()
     return {"operations": ops, "per_second": ops / args.seconds, "errors": errors,
             "ledger_problems": sorted({p.kind for p in problems}),
             "contents_with_two_claimable": doubled}  # fmt: skip

@@ -55,6 +55,21 @@ async def _idle(location: str) -> None:
         print(f"{cpu:.6f}", flush=True)
 
 
+#: How long an idle process may take to answer (start, or give its CPU figure): far above
+#: what one takes, so that a stuck one ends the run with an error instead of hanging it.
+ANSWER_SECONDS = 120.0
+
+
+async def _answer(process: subprocess.Popen[str]) -> str:
+    """The next line ``process`` prints, read off the event loop, within ANSWER_SECONDS."""
+    assert process.stdout is not None
+    read = asyncio.get_running_loop().run_in_executor(None, process.stdout.readline)
+    try:
+        return (await asyncio.wait_for(read, ANSWER_SECONDS)).strip()
+    except asyncio.TimeoutError:  # not the builtin before Python 3.11
+        raise RuntimeError(f"an idle process said nothing for {ANSWER_SECONDS:.0f} s") from None
+
+
 def _tell(processes: list[subprocess.Popen[str]], line: str) -> None:
     for process in processes:
         assert process.stdin is not None
@@ -74,8 +89,7 @@ async def _run(
         listener: Any = None
         try:
             for process in processes:
-                assert process.stdout is not None
-                if process.stdout.readline().strip() != "ready":
+                if await _answer(process) != "ready":
                     raise RuntimeError("an idle process did not start")
             if url is not None:
                 import asyncpg
@@ -100,15 +114,18 @@ async def _run(
             _tell(processes, "stop")
             cpu = 0.0
             for process in processes:
-                assert process.stdout is not None
-                cpu += float(process.stdout.readline())
+                cpu += float(await _answer(process))
         finally:
             if listener is not None:
                 await listener.close()
             for process in processes:
                 if process.stdin is not None:
                     process.stdin.close()
-                process.wait()
+                try:
+                    process.wait(ANSWER_SECONDS)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    process.wait()
     return {
         "pairs_per_second": items / elapsed,
         "notifies_per_pair": heard / items,

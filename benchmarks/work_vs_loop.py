@@ -35,7 +35,7 @@ import time
 
 import pg_probe_vs_raw as pg
 
-from asyncplane import ClaimedItem, ControlStore, Done, _loops, testing, work
+from asyncplane import ClaimedItem, ControlStore, Done, _loops, work
 
 CONCURRENCIES = (1, 16)
 
@@ -69,13 +69,6 @@ async def _measure(path: str, items: int, concurrency: int, runtime: str) -> dic
     return {"items_per_s": items / seconds, "cpu_per_item_us": cpu / items * 1e6}
 
 
-async def _schema(url: str, schema: str) -> str:
-    """A fresh, empty schema on the server at ``url``: where a store goes."""
-    fresh = f"DROP SCHEMA IF EXISTS {schema} CASCADE; CREATE SCHEMA {schema}"
-    await testing.execute_sql(url, fresh)
-    return testing.with_schema(url, schema)
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--items", type=int, default=3_000)
@@ -96,7 +89,7 @@ def main() -> int:
             for runtime, c in sides:  # in turns, so the machine's noise hits every side alike
                 name = f"{runtime[:4]}_{c}_{repeat}"
                 if postgres:
-                    path = _loops.run(_schema(url, f"bench_work_{name}"))
+                    path = _loops.run(pg.fresh_schema(url, f"bench_work_{name}"))
                 else:
                     path = str(pathlib.Path(tmp) / f"{name}.db")
                 runs[f"{runtime}, C={c}"].append(_loops.run(_measure(path, args.items, c, runtime)))

@@ -3,22 +3,40 @@ here: speed is measured by running them, never by a timed test)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import pathlib
 import subprocess
 import sys
 from typing import Any
 
+import asyncpg
 import pytest
 
 from _fleet import COMMAND_LOOP
+from asyncplane import testing
 
 BENCHMARKS = pathlib.Path(__file__).parent.parent / "benchmarks"
 
 
+def _schemas(url: str) -> set[str]:
+    """The schemas on the PostgreSQL server at ``url``."""
+
+    async def names() -> set[str]:
+        conn = await asyncpg.connect(url)
+        try:
+            return {row[0] for row in await conn.fetch("SELECT nspname FROM pg_namespace")}
+        finally:
+            await conn.close()
+
+    return asyncio.run(names())
+
+
 def benchmark_report(script: str, *args: str, timeout: float = 300) -> Any:
     """Run ``benchmarks/<script>`` with ``args`` and ``--json``: its report, once it has
-    exited cleanly."""
+    exited cleanly. On a server it was given (``--url``), it leaves no schema behind."""
+    url = args[args.index("--url") + 1] if "--url" in args else None
+    before = _schemas(url) if url else set()
     done = subprocess.run(
         [sys.executable, str(BENCHMARKS / script), *args, "--json"],
         capture_output=True,
@@ -26,6 +44,8 @@ def benchmark_report(script: str, *args: str, timeout: float = 300) -> Any:
         timeout=timeout,
     )
     assert done.returncode == 0, done.stderr
+    if url:
+        assert _schemas(url) <= before, "the benchmark left schemas on the server"
     return json.loads(done.stdout)
 
 
@@ -269,6 +289,23 @@ def test_the_limits_benchmark_reports_both_figures_on_both_backends(
     assert [row["running"] for row in report["claim_cost"]] == [0, 3]
     assert all(row["ratio"] > 0 for row in report["claim_cost"])
     assert report["other_rate"]["ratio"] > 0
+
+
+def test_a_benchmark_leaves_another_runs_schemas_alone(asyncplane_postgres_url: str) -> None:
+    # Another run's schema of the name this run's first store would have had without a
+    # mark of its own: emptied and dropped by this run, before the mark.
+    url = asyncplane_postgres_url
+    made = "CREATE SCHEMA bench_limits_cost0; CREATE TABLE bench_limits_cost0.kept (n int)"
+    asyncio.run(testing.execute_sql(url, made))
+    try:
+        report = benchmark_report(
+            "limits.py", "--claims", "5", "--running", "0", "--seconds", "0.1",
+            "--backlog", "50", "--repeats", "1", "--url", url,
+        )  # fmt: skip
+        assert report["backend"] == "postgresql"
+        assert "bench_limits_cost0" in _schemas(url)
+    finally:
+        asyncio.run(testing.execute_sql(url, "DROP SCHEMA IF EXISTS bench_limits_cost0 CASCADE"))
 
 
 def test_the_telemetry_benchmark_measures_each_kind_of_process() -> None:
