@@ -181,7 +181,61 @@ async def test_a_destination_with_items_of_its_own_is_refused(
     with pytest.raises(InvalidInput, match="item 1 of its own"):
         await copy_store(asyncplane_store, destination)
     assert (await destination.counts())["ready"] == 1  # nothing of the source arrived
+    assert [p["project_id"] for p in await destination.projects()] == ["mine"]  # not even these
     assert await verify_ledger(destination) == []
+
+
+async def own_item_at(
+    store: ControlStore, item_id: int, tmp_path: pathlib.Path, clock: ManualClock
+) -> None:
+    """Give ``store`` (empty) one item of its own, under ``item_id`` (those below it are
+    enqueued, cancelled and purged)."""
+    await store.create_project("mine", "Mine")
+    own = await store.enqueue_many("mine", [{"n": n} for n in range(item_id)])
+    for earlier in own[:-1]:
+        await store.cancel(earlier)
+    clock.advance(1)
+    await store.purge(0, archive_path=tmp_path / "archive.jsonl")
+    assert [item["item_id"] for item in await store.items()] == [item_id]
+
+
+async def test_a_destination_whose_own_item_a_later_chunk_would_meet_is_refused_first(
+    asyncplane_store: ControlStore,
+    other_store: Any,
+    asyncplane_clock: ManualClock,
+    tmp_path: pathlib.Path,
+) -> None:
+    # Refused before the first chunk, not at the third, with two chunks written.
+    await busy_store(asyncplane_store, asyncplane_clock)
+    destination: ControlStore = await other_store()
+    await own_item_at(destination, 5, tmp_path, asyncplane_clock)
+    with pytest.raises(InvalidInput, match="item 5 of its own"):
+        await copy_store(asyncplane_store, destination, chunk=2)
+    assert sum((await destination.counts()).values()) == 1
+    assert [p["project_id"] for p in await destination.projects()] == ["mine"]
+
+
+async def test_a_destination_whose_own_items_take_no_id_of_the_source_is_copied_into(
+    asyncplane_store: ControlStore,
+    other_store: Any,
+    asyncplane_clock: ManualClock,
+    tmp_path: pathlib.Path,
+) -> None:
+    ids = await busy_store(asyncplane_store, asyncplane_clock)
+    sources = [item["item_id"] for item in await asyncplane_store.items()]
+    destination: ControlStore = await other_store()
+    await own_item_at(destination, max(sources) + 1, tmp_path, asyncplane_clock)
+    summary = await copy_store(asyncplane_store, destination)
+    assert summary.copied == len(sources)
+    assert (await destination.item(max(sources) + 1))["project_id"] == "mine"
+    assert await verify_ledger(destination) == []
+    # Its settled items left behind, a pending-only copy does not count them as met.
+    again: ControlStore = await other_store("again")
+    first_done = ids["first"]  # settled in the source: a pending-only copy leaves it
+    await own_item_at(again, first_done, tmp_path, asyncplane_clock)
+    assert (await asyncplane_store.item(first_done))["state"] == "done"
+    await copy_store(asyncplane_store, again, pending_only=True)
+    assert (await again.item(first_done))["project_id"] == "mine"
 
 
 @pytest.mark.postgresql_only  # one run covers both directions

@@ -368,7 +368,10 @@ def test_the_docs_give_this_releases_schema_versions() -> None:
         in architecture
     )
     for page in ("operating.md", "cli.md"):
-        samples = re.findall(r'"schema_version": (\d+)', (docs / page).read_text())
+        text = (docs / page).read_text()
+        samples = re.findall(r'"schema_version": (\d+)', text) + re.findall(
+            r"\(schema (\d+)\)", text
+        )
         assert samples and all(int(n) == versions[0] for n in samples), (page, samples)
     # and the refusal of a store from a newer release, one version ahead
     newer = re.findall(
@@ -394,6 +397,24 @@ def test_the_verbs_that_run_until_stopped_refuse_json(tmp_path: pathlib.Path, ve
     done = cli(verb, str(tmp_path / "none.db"), *args, "--json")
     assert done.returncode == 2
     assert "unrecognized arguments: --json" in done.stderr
+
+
+@pytest.mark.parametrize("before", [["--json"], ["--bogus"]])
+def test_an_option_before_the_verb_is_a_usage_error(
+    tmp_path: pathlib.Path, before: list[str]
+) -> None:
+    # Read by no one there, so refused rather than dropped.
+    path = tmp_path / "cli.db"
+
+    async def made() -> None:
+        async with ControlStore(path) as store:
+            await store.create_project("p", "P")
+
+    asyncio.run(made())
+    done = cli(*before, "stats", str(path))
+    assert done.returncode == 2
+    assert f"options go after the verb: stats {before[0]}" in done.stderr
+    assert done.stdout == ""
 
 
 def test_cli_verbs_with_json(tmp_path: pathlib.Path) -> None:

@@ -1045,6 +1045,16 @@ class Backend(Protocol):
         return (copied, copied before). An id taken by an item from elsewhere refuses."""
         ...
 
+    async def foreign_items(self, source: str, after_item_id: int, limit: int) -> list[int]:
+        """Ids of items here that no copy from ``source`` brought, after an id, in id
+        order, at most ``limit``: what a copy into this store looks at before it writes."""
+        ...
+
+    async def exported_ids(self, item_ids: Sequence[int], pending_only: bool) -> list[int]:
+        """Which of these ids an export (`export_items`, with ``pending_only``) would
+        carry, in id order."""
+        ...
+
     async def sizes(self) -> tuple[int, int]:
         """Bytes the store takes on disk: (database, write-ahead log not yet folded in)."""
         ...

@@ -321,6 +321,14 @@ class SQLiteBackend(_backend.Writes):
     async def copy_items(self, op: _backend.CopyOp) -> tuple[int, int]:
         return await self._write(functools.partial(_copy_items, op))
 
+    async def foreign_items(self, source: str, after_item_id: int, limit: int) -> list[int]:
+        rows = await self._read(_fetch, sql.FOREIGN_ITEMS, (after_item_id, source, limit))
+        return [int(row[0]) for row in rows]
+
+    async def exported_ids(self, item_ids: Sequence[int], pending_only: bool) -> list[int]:
+        params = (json.dumps(list(item_ids)), pending_only)
+        return [int(row[0]) for row in await self._read(_fetch, sql.EXPORTED_IDS, params)]
+
     @contextlib.asynccontextmanager
     async def drain_guard(self) -> AsyncIterator[_lock.Guard]:
         """A `DrainLock` on ``<database>.drain.lock``, beside the database."""

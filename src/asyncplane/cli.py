@@ -196,7 +196,7 @@ def _parser() -> argparse.ArgumentParser:
         )  # fmt: skip
     copied = verb("copy", "copy a store, items and histories, into another; idempotent")
     copied.add_argument("db", metavar="SRC", help="the store to copy (only read)")
-    copied.add_argument("destination", metavar="DST", help="an empty store, or a new file")
+    copied.add_argument("destination", metavar="DST", help="an empty store, a new file, or one copied into before")
     copied.add_argument("--chunk", type=int, default=500, help="items per transaction")
     copied.add_argument(
         "--pending-only",
@@ -250,8 +250,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = _negative_durations(args_list)
     args, _ = parser.parse_known_args(argv)
     # The verb's own parser reads its arguments, options and ids in any order (a mistyped
-    # flag prints that verb's usage, not the command's).
-    rest = argv[argv.index(args.verb) + 1 :]
+    # flag prints that verb's usage, not the command's). Nothing may come before the verb:
+    # an option there would be read by no one.
+    at = argv.index(args.verb)
+    if at:
+        parser.error(f"options go after the verb: {args.verb} {' '.join(argv[:at])} ...")
+    rest = argv[at + 1 :]
     args = _VERB_PARSERS[args.verb].parse_intermixed_args(rest, argparse.Namespace(verb=args.verb))
     try:
         try:
