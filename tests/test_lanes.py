@@ -921,6 +921,35 @@ async def test_empty_enqueue_many_still_checks_scope(lanes: ControlStore) -> Non
         await lanes.enqueue("alpha", {}, sla=dt.datetime(1960, 1, 1, tzinfo=dt.timezone.utc))
 
 
+class _NoOffset(dt.tzinfo):
+    """A tzinfo that knows no offset: Python counts its datetimes as naive."""
+
+    def utcoffset(self, when: dt.datetime | None) -> dt.timedelta | None:
+        return None
+
+
+class _BrokenOffset(dt.tzinfo):
+    """A tzinfo whose offset cannot be had."""
+
+    def utcoffset(self, when: dt.datetime | None) -> dt.timedelta | None:
+        raise RuntimeError("no offset here")
+
+
+@pytest.mark.parametrize(
+    ("tz", "words"), [(_NoOffset(), "naive one is ambiguous"), (_BrokenOffset(), "no offset here")]
+)
+async def test_a_time_whose_tzinfo_gives_no_offset_is_refused_before_writing(
+    lanes: ControlStore, tz: dt.tzinfo, words: str
+) -> None:
+    when = dt.datetime(2026, 12, 5, 9, 0, tzinfo=tz)
+    for keywords in ({"sla": when}, {"not_before": when}):
+        with pytest.raises(InvalidInput, match=words):
+            await lanes.enqueue("alpha", {}, **keywords)
+    with pytest.raises(InvalidInput, match=words):
+        await lanes.items(updated_after=when)
+    assert sum((await lanes.counts()).values()) == 0
+
+
 async def test_claims_after_retry_and_park_are_not_counted_as_duplicates(
     lanes: ControlStore,
 ) -> None:

@@ -24,6 +24,8 @@ from asyncplane import (
     InvalidInput,
     InvalidType,
     UnknownProject,
+    _validate,
+    testing,
     verify_ledger,
 )
 from asyncplane import _postgres_sql as pg_sql
@@ -180,6 +182,8 @@ async def test_set_limits_keeps_what_it_is_not_given_and_none_clears(store: Cont
         ({"per_minute": 0}, InvalidInput),
         ({"per_minute": float("nan")}, InvalidInput),
         ({"per_minute": float("inf")}, InvalidInput),
+        ({"per_minute": 1e-300}, InvalidInput),  # its next token: no datetime
+        ({"per_minute": 60e6 * 2}, InvalidInput),
         ({"per_minute": "600"}, InvalidType),
         ({"burst": 0}, InvalidInput),
         ({}, InvalidInput),
@@ -192,6 +196,20 @@ async def test_bad_limits_are_refused_before_anything_is_written(
     with pytest.raises(error):
         await store.set_limits("alpha", **kwargs)
     assert (await store.limits("alpha"))["max_running"] == 3
+
+
+async def test_the_slowest_rate_still_tells_when_its_next_token_comes(
+    store: ControlStore, asyncplane_clock: testing.ManualClock
+) -> None:
+    await store.set_limits("alpha", per_minute=_validate.MIN_PER_MINUTE, burst=1)
+    await store.enqueue_many("alpha", [{"n": 1}, {"n": 2}])
+    assert await store.claim("w", project_id="alpha") is not None  # the one token
+    assert await store.claim("w", project_id="alpha") is None
+    limits = await store.limits("alpha")
+    years = (limits["next_token_at"].timestamp() - asyncplane_clock.now()) / (366 * 24 * 3600)
+    assert 99 < years <= 100.01  # a century, by the store's clock
+    assert (await store.project_limits())[0]["next_token_at"] == limits["next_token_at"]
+    assert await store.next_due() is not None
 
 
 async def test_limits_of_a_missing_project_are_refused(store: ControlStore) -> None:

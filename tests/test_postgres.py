@@ -2121,3 +2121,43 @@ async def test_counts_and_the_next_due_time_read_a_project_by_its_own_items(url:
             assert rows[0][0] is None, seen
         else:  # small's lease lapses before any other lease or deferred item
             assert rows[0][0] == lease, seen
+
+
+async def test_listings_keep_the_ids_byte_order_whatever_the_databases_collation(
+    asyncplane_postgres_url: str, asyncplane_clock: testing.ManualClock
+) -> None:
+    # Sorted by a database's own collation (here ICU's en-US: "_x", "a", "A", "b", "B"),
+    # a listing would differ from SQLite's, which compares bytes.
+    server = urllib.parse.urlsplit(asyncplane_postgres_url)
+    database = "asyncplane_collated"
+    await sql(asyncplane_postgres_url, f"DROP DATABASE IF EXISTS {database}")
+    await sql(
+        asyncplane_postgres_url,
+        f"CREATE DATABASE {database} TEMPLATE template0 LOCALE_PROVIDER icu "
+        "ICU_LOCALE 'en-US' LOCALE 'C.UTF-8'",
+    )
+    ids = ["b", "B", "_x", "a", "A"]
+    try:
+        where = urllib.parse.urlunsplit(server._replace(path=f"/{database}"))
+        assert sorted(
+            r[0] for r in await sql(where, "SELECT unnest($1::text[]) ORDER BY 1", ids)
+        ) != [
+            r[0] for r in await sql(where, "SELECT unnest($1::text[]) ORDER BY 1", ids)
+        ]  # this database does not sort by bytes
+        async with ControlStore(where, clock=asyncplane_clock) as store:
+            for project in ids:
+                await store.create_project(project, project)
+                await store.set_limits(project, max_running=1)
+                await store.set_schedule(project, project_id=project, payload={}, every=60)
+                await store.enqueue(project, {"n": 1})
+            while (claim := await store.claim("w")) is not None:
+                await store.finish(claim.item_id, fence=claim.fence)
+            asyncplane_clock.advance(60)
+            assert await store.run_schedules() == len(ids)
+            due = [c.project_id for c in await store.claim_batch("w", 10)]
+            assert [p["project_id"] for p in await store.project_limits()] == sorted(ids)
+            assert [s["name"] for s in await store.schedules()] == sorted(ids)
+            assert [r["project_id"] for r in await store.settled_per_minute()] == sorted(ids)
+            assert due == sorted(ids)  # the ticks enqueued in name order, claimed in id order
+    finally:
+        await sql(asyncplane_postgres_url, f"DROP DATABASE IF EXISTS {database}")

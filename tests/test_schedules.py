@@ -224,6 +224,9 @@ async def test_pause_resume_and_delete(store: ControlStore, clock: ManualClock) 
         ({"cron": "@daily", "every": 60}, InvalidInput, "exactly one of cron= and every="),
         ({}, InvalidInput, "exactly one of cron= and every="),
         ({"every": 0.5}, InvalidInput, "at least 1 second"),
+        ({"every": 1e12}, InvalidInput, "at most a century"),  # its next tick: no datetime
+        ({"every": dt.timedelta(days=999_999_999)}, InvalidInput, "at most a century"),
+        ({"every": 1e300}, InvalidInput, "at most a century"),
         ({"every": "60"}, InvalidType, "timedelta or seconds"),
         ({"every": 60, "catch_up": "some"}, InvalidInput, "unknown catch_up"),
         ({"every": 60, "priority": 2**40}, InvalidInput, "priority"),

@@ -1379,7 +1379,7 @@ WHERE p.project_id = $1
 ALL_LIMITS: Final = f"""
 SELECT {_LIMITS_COLUMNS}
 FROM project_limits AS l JOIN projects AS p ON p.project_id = l.project_id
-ORDER BY p.project_id
+ORDER BY p.project_id COLLATE "C"
 """
 # set_limits changes one project's limits at a time on every host: it holds the project's
 # row (not so strongly that an enqueue's key check of it waits) while it reads and writes.
@@ -1986,7 +1986,7 @@ WHERE state IN {_SETTLED_STATES} AND updated_at >= $1
   AND ($2::text IS NULL
        OR project_id IN (SELECT project_id FROM assignments WHERE actor_id = $2::text))
 GROUP BY minute, project_id, state
-ORDER BY minute, project_id, state
+ORDER BY minute, project_id COLLATE "C", state COLLATE "C"
 """
 
 LEDGER_CHECKS: Final[tuple[tuple[str, str], ...]] = (
@@ -2177,7 +2177,7 @@ _SCHEDULE_COLUMNS = (
 )
 GET_SCHEDULE: Final = f"SELECT {_SCHEDULE_COLUMNS} FROM schedules WHERE name = $1"
 LOCK_SCHEDULE: Final = GET_SCHEDULE + " FOR UPDATE"
-LIST_SCHEDULES: Final = f"SELECT {_SCHEDULE_COLUMNS} FROM schedules ORDER BY name"
+LIST_SCHEDULES: Final = f'SELECT {_SCHEDULE_COLUMNS} FROM schedules ORDER BY name COLLATE "C"'
 PUT_SCHEDULE: Final = f"""
 INSERT INTO schedules ({_SCHEDULE_COLUMNS})
 VALUES ({", ".join(f"${n}" for n in range(1, 19))})
@@ -2197,7 +2197,7 @@ DELETE_TICKS: Final = "DELETE FROM schedule_ticks WHERE name = $1"
 DUE_SCHEDULES: Final = f"""
 SELECT {_SCHEDULE_COLUMNS} FROM schedules
 WHERE NOT paused AND next_at <= $1
-ORDER BY next_at, name LIMIT $2
+ORDER BY next_at, name COLLATE "C" LIMIT $2
 FOR UPDATE SKIP LOCKED
 """
 RESERVE_TICK: Final = """

@@ -31,7 +31,7 @@ import datetime as dt
 import math
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from asyncplane import _errors
+from asyncplane import _errors, _validate
 
 if TYPE_CHECKING:
     import cronsim
@@ -195,9 +195,9 @@ def timetable(cron: object, every: object, timezone: object, anchor: float) -> T
             raise _errors.InvalidType(
                 f"every must be a timedelta or seconds, not {type(every).__name__}"
             )
-        if not math.isfinite(every) or every < MIN_EVERY:
+        if not math.isfinite(every) or not MIN_EVERY <= every <= _validate.MAX_DURATION_SECONDS:
             raise _errors.InvalidInput(
-                f"every must be at least {MIN_EVERY:g} second, and finite, got {every!r}"
+                f"every must be at least {MIN_EVERY:g} second and at most a century, got {every!r}"
             )
         return Timetable(None, float(every), timezone, anchor)
     if not isinstance(cron, str):

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 
 __all__ = (
     "MAX_BUSY_TIMEOUT",
+    "MAX_DURATION_SECONDS",
     "MAX_EPOCH_SECONDS",
     "MAX_ERROR_LENGTH",
     "MAX_ID_LENGTH",
@@ -80,6 +81,9 @@ MAX_INT = 2**63 - 1
 MAX_LEASE_SECONDS = 366 * 24 * 3600.0
 #: Longest wait for the write lock, in seconds.
 MAX_BUSY_TIMEOUT = 24 * 3600.0
+#: Longest duration taken anywhere else (a retention, a delay, a schedule's period): a
+#: century, so that now plus it stays a representable time.
+MAX_DURATION_SECONDS = 100 * 366 * 24 * 3600.0
 #: Times beyond this (year 9999) are refused: they could not be shown as datetimes.
 MAX_EPOCH_SECONDS = 253402300799.0
 #: Longest error description kept with an item, in characters.
@@ -355,11 +359,15 @@ def instant(value: object, what: str) -> float | None:
     if value is None:
         return None
     if isinstance(value, dt.datetime):
-        if value.tzinfo is None:
+        try:  # Python's own test of awareness: a tzinfo whose offset is None is naive too
+            seconds = None if value.utcoffset() is None else value.timestamp()
+        except Exception as exc:  # the caller's tzinfo failed, or the time is out of range
+            raise _errors.InvalidInput(f"{what} is not a representable time: {exc}") from exc
+        if seconds is None:
             raise _errors.InvalidInput(
                 f"{what} must be an aware datetime (with tzinfo); a naive one is ambiguous"
             )
-        value = value.timestamp()
+        value = seconds
     number = _number(value, what, "an aware datetime or epoch seconds")
     if not math.isfinite(number) or not 0 <= number < MAX_EPOCH_SECONDS:
         raise _errors.InvalidInput(f"{what} is not a representable time: {shown(value)}")
@@ -371,12 +379,19 @@ def optional_positive_int(value: object, what: str) -> int | None:
     return None if value is None else positive_int(value, what)
 
 
+#: The slowest rate a limit takes, in claims a minute: one a century, so that the time
+#: the next token comes stays a representable time.
+MIN_PER_MINUTE = 60.0 / MAX_DURATION_SECONDS
+
+
 def per_minute(value: object) -> float:
-    """A rate: a positive, finite number of claims a minute (at most a million a second)."""
+    """A rate: a finite number of claims a minute, from one a century to a million a
+    second."""
     number = _number(value, "per_minute", "an int or float")
-    if not math.isfinite(number) or number <= 0 or number > 60e6:
+    if not math.isfinite(number) or not MIN_PER_MINUTE <= number <= 60e6:
         raise _errors.InvalidInput(
-            f"per_minute must be positive and at most 60000000, got {shown(value)}"
+            "per_minute must be at least one a century "
+            f"({MIN_PER_MINUTE:.3g}) and at most 60000000, got {shown(value)}"
         )
     return number
 
@@ -456,7 +471,7 @@ def duration(value: object, what: str) -> float:
     if isinstance(value, dt.timedelta):
         value = value.total_seconds()
     number = _number(value, what, "a timedelta or seconds")
-    if not math.isfinite(number) or not 0 <= number <= 100 * 366 * 24 * 3600.0:
+    if not math.isfinite(number) or not 0 <= number <= MAX_DURATION_SECONDS:
         raise _errors.InvalidInput(f"{what} must be zero or more, and finite, got {shown(value)}")
     return number
 

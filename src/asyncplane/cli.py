@@ -196,7 +196,9 @@ def _parser() -> argparse.ArgumentParser:
         )  # fmt: skip
     copied = verb("copy", "copy a store, items and histories, into another; idempotent")
     copied.add_argument("db", metavar="SRC", help="the store to copy (only read)")
-    copied.add_argument("destination", metavar="DST", help="an empty store, a new file, or one copied into before")
+    copied.add_argument(
+        "destination", metavar="DST", help="an empty store, a new file, or one copied into before"
+    )
     copied.add_argument("--chunk", type=int, default=500, help="items per transaction")
     copied.add_argument(
         "--pending-only",
