@@ -146,7 +146,6 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
         doubled = await conn.fetchval(LINE_CHECK) if lined else None  # (a release before)
     finally:
         await conn.close()
-    await pg.drop_made_schemas()
     return {"operations": ops, "per_second": ops / args.seconds, "errors": errors,
             "ledger_problems": sorted({p.kind for p in problems}),
             "contents_with_two_claimable": doubled}  # fmt: skip
@@ -169,7 +168,7 @@ def main(argv: list[str]) -> int:
         return 0
     if not args.url:
         parser.error("--url postgresql://... is required (this measures a server's contention)")
-    report = asyncio.run(_main(args))
+    report = asyncio.run(pg.dropping_made_schemas(_main(args)))
     if args.json:
         print(json.dumps(report))
         return 0

@@ -215,27 +215,21 @@ async def test_a_destination_whose_own_item_a_later_chunk_would_meet_is_refused_
     assert [p["project_id"] for p in await destination.projects()] == ["mine"]
 
 
-async def test_a_destination_whose_own_items_take_no_id_of_the_source_is_copied_into(
+async def test_a_destination_whose_own_items_take_no_id_of_the_source_is_refused_too(
     asyncplane_store: ControlStore,
     other_store: Any,
     asyncplane_clock: ManualClock,
     tmp_path: pathlib.Path,
 ) -> None:
-    ids = await busy_store(asyncplane_store, asyncplane_clock)
-    sources = [item["item_id"] for item in await asyncplane_store.items()]
+    # It has taken work of its own, so the ids it hands out next are the source's too.
+    await busy_store(asyncplane_store, asyncplane_clock)
+    top = max(item["item_id"] for item in await asyncplane_store.items())
     destination: ControlStore = await other_store()
-    await own_item_at(destination, max(sources) + 1, tmp_path, asyncplane_clock)
-    summary = await copy_store(asyncplane_store, destination)
-    assert summary.copied == len(sources)
-    assert (await destination.item(max(sources) + 1))["project_id"] == "mine"
-    assert await verify_ledger(destination) == []
-    # Its settled items left behind, a pending-only copy does not count them as met.
-    again: ControlStore = await other_store("again")
-    first_done = ids["first"]  # settled in the source: a pending-only copy leaves it
-    await own_item_at(again, first_done, tmp_path, asyncplane_clock)
-    assert (await asyncplane_store.item(first_done))["state"] == "done"
-    await copy_store(asyncplane_store, again, pending_only=True)
-    assert (await again.item(first_done))["project_id"] == "mine"
+    await own_item_at(destination, top + 1, tmp_path, asyncplane_clock)
+    with pytest.raises(InvalidInput, match=f"item {top + 1} of its own"):
+        await copy_store(asyncplane_store, destination)
+    assert sum((await destination.counts()).values()) == 1
+    assert [p["project_id"] for p in await destination.projects()] == ["mine"]
 
 
 @pytest.mark.postgresql_only  # one run covers both directions
@@ -319,9 +313,15 @@ async def test_a_copy_carries_limits_and_schedules_which_keep_their_place(
     assert await destination.schedules() == await source.schedules()
     assert await destination.project_limits() == await source.project_limits()
     assert await destination.run_schedules() == 0  # the tick taken there is not taken again
+    # What was changed there stands through a second copy.
+    await destination.set_limits("p", max_running=7)
+    await destination.pause_schedule("beat")
+    await copy_store(source, destination)
+    assert (await destination.limits("p"))["max_running"] == 7
+    assert (await destination.schedule("beat"))["paused"] is True
+    # Once it has taken work of its own (a tick's item), a copy into it is refused.
+    await destination.resume_schedule("beat")
     asyncplane_clock.advance(60)
     assert await destination.run_schedules() == 1
-    await copy_store(source, destination)  # again: the destination's own stand
-    assert (await destination.schedule("beat"))["last_at"] != (await source.schedule("beat"))[
-        "last_at"
-    ]
+    with pytest.raises(InvalidInput, match="of its own"):
+        await copy_store(source, destination)

@@ -301,6 +301,15 @@ numbers = st.one_of(
     st.builds(MyFloat, st.floats()),
     st.sampled_from(list(Level)),
 )
+
+
+class NoOffset(dt.tzinfo):
+    """A tzinfo without an offset (Python counts its datetimes as naive)."""
+
+    def utcoffset(self, when: dt.datetime | None) -> dt.timedelta | None:
+        return None
+
+
 TIMEZONES = (
     dt.timezone.utc,
     dt.timezone(dt.timedelta(hours=14)),
@@ -319,6 +328,7 @@ datetimes = st.one_of(
             dt.datetime(1970, 1, 1, tzinfo=dt.timezone.utc),
             dt.datetime(1969, 12, 31, 23, 59, 59, tzinfo=dt.timezone.utc),
             dt.datetime(9999, 12, 31, 23, 59, 58, tzinfo=dt.timezone.utc),
+            dt.datetime(2026, 12, 5, tzinfo=NoOffset()),
         ]
     ),
 )

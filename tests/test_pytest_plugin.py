@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import datetime as dt
+
 import pytest
+
+from asyncplane.testing import ManualClock
 
 pytest_plugins = ["pytester"]
 
@@ -94,3 +98,18 @@ def test_closed_after():
     )
     result = pytester.runpytest_subprocess("-q")
     result.assert_outcomes(passed=2)
+
+
+class _NoOffset(dt.tzinfo):
+    """A tzinfo without an offset: Python counts its datetimes as naive."""
+
+    def utcoffset(self, when: dt.datetime | None) -> dt.timedelta | None:
+        return None
+
+
+def test_manual_clock_refuses_a_naive_datetime_however_it_is_made() -> None:
+    for naive in (dt.datetime(2026, 12, 5), dt.datetime(2026, 12, 5, tzinfo=_NoOffset())):
+        with pytest.raises(ValueError, match="aware datetime"):
+            ManualClock(naive)
+        with pytest.raises(ValueError, match="aware datetime"):
+            ManualClock().set(naive)

@@ -1045,14 +1045,9 @@ class Backend(Protocol):
         return (copied, copied before). An id taken by an item from elsewhere refuses."""
         ...
 
-    async def foreign_items(self, source: str, after_item_id: int, limit: int) -> list[int]:
-        """Ids of items here that no copy from ``source`` brought, after an id, in id
-        order, at most ``limit``: what a copy into this store looks at before it writes."""
-        ...
-
-    async def exported_ids(self, item_ids: Sequence[int], pending_only: bool) -> list[int]:
-        """Which of these ids an export (`export_items`, with ``pending_only``) would
-        carry, in id order."""
+    async def first_foreign_item(self, source: str) -> int | None:
+        """The lowest id of an item here that no copy from ``source`` brought (None: every
+        item came from it): what a copy into this store looks for before it writes."""
         ...
 
     async def sizes(self) -> tuple[int, int]:

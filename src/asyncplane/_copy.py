@@ -10,11 +10,12 @@ copied (keyed by the source), so a second run, or a run after a crash half-way, 
 nothing twice and finishes the job.
 
 A copy keeps item ids, so the destination must hold no item of its own (one no copy from
-this source brought) under an id of an item it would copy: a fresh store, one this source
-was copied into before, or one whose own items take none of the source's ids. The copy
-looks before it writes anything, and refuses such a destination whole. Stop the workers on
-the source first (or let them drain): a report sent to the source after its item was
-copied is not carried over.
+this source brought): a fresh store, or one this source was copied into before, taking
+no work meanwhile. The copy looks before it writes anything, and refuses any other
+destination whole. A project, its limits or a schedule the destination already has under
+the same id stays as it is there, so that a second copy never undoes what was changed
+there. Stop the workers on the source first (or let them drain): a report sent to the
+source after its item was copied is not carried over.
 """
 
 from __future__ import annotations
@@ -51,16 +52,17 @@ async def copy_store(
 
     Args:
         source: The store to copy from (any backend); it is only read.
-        destination: The store to copy into (any backend): empty, filled by an earlier
-            copy from the same source, or holding items of its own under other ids.
+        destination: The store to copy into (any backend): empty, or filled by an earlier
+            copy from the same source.
         chunk: Items per destination transaction.
         pending_only: Leave settled (done, failed, cancelled) items behind. By default they come
             too: their results serve dedup, and their histories are the ledger.
         progress: Called with the running count of items looked at, after each chunk.
 
     Raises InvalidInput, before anything is written, when the destination holds an item
-    of its own (one no copy from this source brought) under an id of an item it would
-    copy; and, for a chunk, when such an item has taken one of its ids meanwhile.
+    of its own (one no copy from this source brought); and, for a chunk, when such an
+    item has taken one of its ids meanwhile (a destination that took work during the
+    copy: the chunks before stay, and a run once it is still finishes the job).
     """
     size = _validate.positive_int(chunk, "chunk")
     progress = _validate.callback(progress, "progress")
@@ -68,9 +70,9 @@ async def copy_store(
     src = await _store.engine_of(source).ready()
     dst = await _store.engine_of(destination).ready()
     label = f"copy:{source.location}"
-    clash = await _first_clash(src, dst, label, pending)
-    if clash is not None:  # before anything is written, even the projects
-        raise _rules.copy_id_taken(clash)
+    foreign = await dst.first_foreign_item(label)
+    if foreign is not None:  # before anything is written, even the projects
+        raise _rules.copy_id_taken(foreign)
     summary = CopySummary()
     projects = tuple(await src.list_projects())
     assignments = tuple(await src.list_assignments())
@@ -95,22 +97,3 @@ async def copy_store(
         if len(found) < size:
             break
     return summary
-
-
-#: How many of the destination's own items a copy's first look takes at a time.
-_CLASH_PAGE = 1000
-
-
-async def _first_clash(
-    src: _backend.Backend, dst: _backend.Backend, label: str, pending_only: bool
-) -> int | None:
-    """The first id of an item of the destination's own that the copy would bring from
-    the source too (None: none), so that such a copy is refused before it writes, not
-    at the chunk that meets it."""
-    after = 0
-    while own := await dst.foreign_items(label, after, _CLASH_PAGE):
-        taken = await src.exported_ids(own, pending_only)
-        if taken:
-            return taken[0]
-        after = own[-1]
-    return None

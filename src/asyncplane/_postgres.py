@@ -630,13 +630,9 @@ class PostgresBackend(_backend.Writes):
     async def copy_items(self, op: _backend.CopyOp) -> tuple[int, int]:
         return await self._write(_bind(_copy_items, op))
 
-    async def foreign_items(self, source: str, after_item_id: int, limit: int) -> list[int]:
-        rows = await self._fetch(sql.FOREIGN_ITEMS, after_item_id, source, limit)
-        return [int(row[0]) for row in rows]
-
-    async def exported_ids(self, item_ids: Sequence[int], pending_only: bool) -> list[int]:
-        rows = await self._fetch(sql.EXPORTED_IDS, list(item_ids), pending_only)
-        return [int(row[0]) for row in rows]
+    async def first_foreign_item(self, source: str) -> int | None:
+        rows = await self._fetch(sql.FIRST_FOREIGN_ITEM, source)
+        return None if not rows else int(rows[0][0])
 
     async def sizes(self) -> tuple[int, int]:
         rows = await self._fetch(sql.SCHEMA_BYTES)

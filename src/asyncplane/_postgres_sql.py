@@ -1872,18 +1872,13 @@ INSERT INTO assignments (actor_id, project_id, assigned_at) VALUES ($1, $2, $3)
 ON CONFLICT (actor_id, project_id) DO NOTHING
 """
 ITEM_EXISTS: Final = "SELECT 1 FROM items WHERE item_id = $1"
-# Items no copy from a source brought (a copy records each under its id's text), and
-# which of some ids an export would carry: the look a copy takes before it writes.
-FOREIGN_ITEMS: Final = """
+# The first item no copy from a source brought (a copy records each under its id's text,
+# `_copy_items`): the look a copy takes before it writes.
+FIRST_FOREIGN_ITEM: Final = """
 SELECT item_id FROM items
-WHERE item_id > $1 AND NOT EXISTS (SELECT 1 FROM imports
-                                   WHERE source = $2 AND source_key = items.item_id::text)
-ORDER BY item_id LIMIT $3
-"""
-EXPORTED_IDS: Final = f"""
-SELECT item_id FROM items
-WHERE item_id = ANY($1::bigint[]) AND (NOT $2::boolean OR state NOT IN {_SETTLED_STATES})
-ORDER BY item_id
+WHERE NOT EXISTS (SELECT 1 FROM imports
+                  WHERE source = $1 AND source_key = items.item_id::text)
+ORDER BY item_id LIMIT 1
 """
 COPY_ITEM: Final = f"""
 INSERT INTO items ({_ITEM_COLUMNS})

@@ -191,9 +191,8 @@ def copy_id_taken(item_id: int) -> _errors.InvalidInput:
     """A copy found an item of the destination's own: before it wrote, or under a source
     item's id."""
     return _errors.InvalidInput(
-        f"the destination holds an item {item_id} of its own, and the source an item "
-        f"{item_id} to copy: a copy keeps item ids, so it goes into an empty store, one "
-        "it copied into before, or one whose own items take none of the source's ids"
+        f"the destination holds an item {item_id} of its own: a copy keeps item ids, so "
+        "it goes into an empty store (or one it copied into before)"
     )
 
 

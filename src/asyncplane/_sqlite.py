@@ -321,13 +321,9 @@ class SQLiteBackend(_backend.Writes):
     async def copy_items(self, op: _backend.CopyOp) -> tuple[int, int]:
         return await self._write(functools.partial(_copy_items, op))
 
-    async def foreign_items(self, source: str, after_item_id: int, limit: int) -> list[int]:
-        rows = await self._read(_fetch, sql.FOREIGN_ITEMS, (after_item_id, source, limit))
-        return [int(row[0]) for row in rows]
-
-    async def exported_ids(self, item_ids: Sequence[int], pending_only: bool) -> list[int]:
-        params = (json.dumps(list(item_ids)), pending_only)
-        return [int(row[0]) for row in await self._read(_fetch, sql.EXPORTED_IDS, params)]
+    async def first_foreign_item(self, source: str) -> int | None:
+        rows = await self._read(_fetch, sql.FIRST_FOREIGN_ITEM, (source,))
+        return None if not rows else int(rows[0][0])
 
     @contextlib.asynccontextmanager
     async def drain_guard(self) -> AsyncIterator[_lock.Guard]:

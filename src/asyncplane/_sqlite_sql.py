@@ -1153,18 +1153,13 @@ COPY_ASSIGNMENT: Final = (
     "ON CONFLICT (actor_id, project_id) DO NOTHING"
 )
 ITEM_EXISTS: Final = "SELECT 1 FROM items WHERE item_id = ?"
-# Items no copy from a source brought (a copy records each under its id's text), and
-# which of some ids an export would carry: the look a copy takes before it writes.
-FOREIGN_ITEMS: Final = """
+# The first item no copy from a source brought (a copy records each under its id's text,
+# `_copy_items`): the look a copy takes before it writes.
+FIRST_FOREIGN_ITEM: Final = """
 SELECT item_id FROM items
-WHERE item_id > ? AND NOT EXISTS (SELECT 1 FROM imports
-                                  WHERE source = ? AND source_key = CAST(items.item_id AS TEXT))
-ORDER BY item_id LIMIT ?
-"""
-EXPORTED_IDS: Final = f"""
-SELECT item_id FROM items
-WHERE item_id IN (SELECT value FROM json_each(?)) AND (? = 0 OR state NOT IN {_SETTLED_STATES})
-ORDER BY item_id
+WHERE NOT EXISTS (SELECT 1 FROM imports
+                  WHERE source = ? AND source_key = CAST(items.item_id AS TEXT))
+ORDER BY item_id LIMIT 1
 """
 COPY_ITEM: Final = f"""
 INSERT INTO items ({_ITEM_COLUMNS}) VALUES ({", ".join("?" * 21)})

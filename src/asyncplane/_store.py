@@ -1574,8 +1574,8 @@ class ControlStore:
         given (as `enqueue` takes them; the fingerprint also from the store's
         ``identity``), its "queued" event recording ``{"schedule": name, "tick": ...}``.
         Ticks fall by ``cron`` (five fields, or a nickname such as ``@daily``, read in
-        ``timezone``; the ``cron`` extra) or ``every`` (a timedelta or seconds, at least
-        one, counted from now). Declared again with the same timetable, a schedule keeps
+        ``timezone``; the ``cron`` extra) or ``every`` (a timedelta or seconds, from one to
+        a century, counted from now). Declared again with the same timetable, a schedule keeps
         its place, so a process may declare its schedules each time it starts.
 
         ``catch_up`` says what a run does with ticks missed while nothing ran: "latest"

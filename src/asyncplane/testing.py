@@ -113,7 +113,7 @@ class ManualClock:
 
 def _seconds(value: float | dt.datetime) -> float:
     if isinstance(value, dt.datetime):
-        if value.tzinfo is None:
+        if value.utcoffset() is None:  # Python's own test of a naive datetime
             raise ValueError("use an aware datetime (with tzinfo) for a ManualClock")
         return value.timestamp()
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
