@@ -257,6 +257,21 @@ async def test_orphan_events(store: ControlStore, raw: sqlite3.Connection) -> No
     assert [(p.kind, p.item_id) for p in problems] == [("orphan_events", claim.item_id)]
 
 
+@pytest.mark.sqlite_only  # a PostgreSQL column holds only integers
+async def test_orphan_events_under_an_id_that_is_no_integer_are_named(
+    store: ControlStore, raw: sqlite3.Connection
+) -> None:
+    raw.execute(
+        "INSERT INTO events (item_id, event_type, fence, at) VALUES ('abc', 'queued', 0, 0)"
+    )
+    raw.execute("INSERT INTO events (item_id, event_type, fence, at) VALUES (999, 'queued', 0, 0)")
+    problems = await verify_ledger(store)
+    assert [(p.kind, p.item_id) for p in problems] == [("orphan_events", 0), ("orphan_events", 999)]
+    assert problems[0].detail == (
+        "1 event(s) for an item that does not exist (stored under 'abc', not an item id)"
+    )
+
+
 async def test_problems_name_the_item_and_respect_the_limit(
     store: ControlStore, raw: sqlite3.Connection
 ) -> None:

@@ -23,6 +23,8 @@ from asyncplane import (
     InvalidInput,
     InvalidPayload,
     Outcome,
+    ReadOnlyStore,
+    _retention,
     drain,
     verify_ledger,
 )
@@ -100,6 +102,55 @@ async def test_purge_keeps_items_younger_than_the_retention(
     with pytest.raises(InvalidInput):
         await store.purge()  # no retention given, none configured
     assert ids
+
+
+async def test_an_item_settled_again_while_its_chunk_is_archived_is_not_purged(
+    store: ControlStore, clock: ManualClock
+) -> None:
+    # Archived as failed, then requeued and done before the delete: deleted, its result
+    # and newer history would be in neither the store nor the archive.
+    failed = await settle(store, "alpha", 2, status="failed")
+    clock.advance(10)
+    engine = await store._engine.ready()
+    assert store.archive_path is not None
+
+    async def settled_again() -> None:
+        await store.requeue(failed[0])
+        claim = await store.claim("w")
+        assert claim is not None and claim.item_id == failed[0]
+        await store.finish(claim.item_id, fence=claim.fence, result={"second": True})
+
+    summary = await _retention.purge(
+        engine, store.clock, 0.0, chunk=10, archive_path=store.archive_path,
+        archive_max_bytes=1 << 20, _after_archive=settled_again,
+    )  # fmt: skip
+    assert summary.purged == 1  # the other one, unchanged since archived
+    item = await store.item(failed[0])
+    assert (item["state"], item["result"]) == ("done", {"second": True})
+    assert [e["event_type"] for e in await store.events(failed[0])][-2:] == ["claimed", "done"]
+    with pytest.raises(LookupError):
+        await store.item(failed[1])
+    assert await verify_ledger(store) == []
+    clock.advance(10)
+    assert (await store.purge(0)).purged == 1  # archived as it stands now, then deleted
+    last = json.loads(store.archive_path.read_text().splitlines()[-1])
+    assert (last["item"]["state"], last["item"]["result"]) == ("done", {"second": True})
+
+
+async def test_a_read_only_store_refuses_a_purge_before_it_touches_the_archive(
+    asyncplane_store_factory: Any, clock: ManualClock, tmp_path: pathlib.Path
+) -> None:
+    store: ControlStore = await asyncplane_store_factory("ro.db")
+    await store.create_project("alpha", "Alpha")
+    await settle(store, "alpha", 3)
+    clock.advance(10)
+    reader: ControlStore = await asyncplane_store_factory("ro.db", read_only=True)
+    archive = tmp_path / "refused.jsonl"
+    for _ in range(2):
+        with pytest.raises(ReadOnlyStore):
+            await reader.purge(0, archive_path=archive)
+    assert not archive.exists() and not archive.with_name(archive.name + ".lock").exists()
+    assert (await reader.counts())["done"] == 3
 
 
 async def test_purge_works_in_bounded_chunks(store: ControlStore, clock: ManualClock) -> None:
@@ -498,6 +549,9 @@ def test_cli_refuses_files_it_must_not_touch(tmp_path: pathlib.Path) -> None:
     assert unknown.returncode == 2
     bad_usage = cli("purge", str(newer), "--retention", "soon")
     assert bad_usage.returncode == 2 and "not a duration" in bad_usage.stderr
+    for endless in ("99999999999999w", "100000000000000000000"):  # past timedelta's range
+        too_long = cli("purge", str(newer), "--retention", endless)
+        assert too_long.returncode == 2 and "a duration too long" in too_long.stderr
 
 
 # --- hardening -----------------------------------------------------------------------------

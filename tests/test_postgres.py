@@ -1819,10 +1819,17 @@ async def test_a_purge_reads_only_the_items_and_events_of_its_chunk(url: str) ->
                 try:
                     if statement is not None:
                         await conn.execute(f"PREPARE late AS {statement}")
+                    chunk = [50, 60, 70]  # each as archived: fence 0, changed at its id - 1
                     if name == "purge events":  # (an item goes first, then its history)
-                        await conn.execute(pg_sql.PURGE_ITEMS, [50, 60, 70])
+                        gone = await conn.fetch(pg_sql.PURGE_ITEMS, chunk, [0] * 3, [49, 59, 69])
+                        assert sorted(row[0] for row in gone) == chunk
+                    args = (
+                        "('{50,60,70}', '{0,0,0}', '{49,59,69}')"
+                        if name == "purge items"
+                        else "('{50,60,70}')"
+                    )
                     explain = "EXPLAIN (ANALYZE, COSTS OFF, TIMING OFF) EXECUTE"
-                    explained = await conn.fetch(f"{explain} {prepared}('{{50,60,70}}')")
+                    explained = await conn.fetch(f"{explain} {prepared}{args}")
                 finally:
                     await tr.rollback()  # (nothing purged: each runs on the same store)
                     if statement is not None:

@@ -33,6 +33,7 @@ from asyncplane import _clock, _errors, _lock, _models, _schedule, _telemetry, _
 __all__ = (
     "FREEING",
     "SETTLES",
+    "Archived",
     "AssignOp",
     "AssignmentRow",
     "Backend",
@@ -497,6 +498,15 @@ class CopyProjectsOp(NamedTuple):
     schedules: tuple[ScheduleRow, ...] = ()
 
 
+class Archived(NamedTuple):
+    """A settled item as a purge archived it: deleted only if it still stands so (a
+    requeue and a new settle since move its fence and its last change)."""
+
+    item_id: int
+    fence: int
+    updated_at: float
+
+
 class ExportOp(NamedTuple):
     """One page of an export: items after an id, in id order."""
 
@@ -635,13 +645,19 @@ class Writes:
         """The writer task's handle (for tests, benchmarks and the probe)."""
         return self._writer
 
-    def _submit(self, op: Any) -> _write_queue.Pending[Any]:
-        """Hand ``op`` to the writer: what to await for its outcome (refused at once on a
-        read-only or closed store)."""
+    def writable(self) -> None:
+        """Refuse a write at once on a read-only or closed store (a purge asks before it
+        appends to its archive)."""
         if self._sizing.read_only:
             raise _errors.ReadOnlyStore("this store was opened with read_only=True: no writes")
         if self._writer is None:
             raise _errors.StoreClosed("the store is closed")
+
+    def _submit(self, op: Any) -> _write_queue.Pending[Any]:
+        """Hand ``op`` to the writer: what to await for its outcome (refused at once on a
+        read-only or closed store)."""
+        self.writable()
+        assert self._writer is not None
         return self._writer.submit(op)
 
     def enqueue(self, op: EnqueueOp) -> _write_queue.Pending[list[int]]:
@@ -784,6 +800,10 @@ class Backend(Protocol):
     @property
     def writer(self) -> _write_queue.WriterBase | None:
         """The writer task's handle, or None before opening (tests, benchmarks, probe)."""
+        ...
+
+    def writable(self) -> None:
+        """Raise ReadOnlyStore (or StoreClosed) if a write would be refused."""
         ...
 
     #: Whether a settle and the claim asked for with it (`ControlStore.finish_and_claim`,
@@ -941,8 +961,9 @@ class Backend(Protocol):
         """Up to ``chunk`` settled items last changed before ``cutoff``, with their events."""
         ...
 
-    async def purge_items(self, item_ids: tuple[int, ...]) -> int:
-        """Delete settled items and then their events; return how many items went."""
+    async def purge_items(self, archived: tuple[Archived, ...]) -> int:
+        """Delete the items still settled as archived, then their events; return how many
+        items went."""
         ...
 
     def import_rows(self, op: ImportOp) -> _write_queue.Pending[tuple[int, int]]:

@@ -581,8 +581,8 @@ class PostgresBackend(_backend.Writes):
     async def purge_candidates(self, cutoff: float, chunk: int) -> _backend.Histories:
         return await self._read(_purge_candidates, cutoff, chunk)
 
-    async def purge_items(self, item_ids: tuple[int, ...]) -> int:
-        return await self._write(_bind(_purge_items, item_ids))
+    async def purge_items(self, archived: tuple[_backend.Archived, ...]) -> int:
+        return await self._write(_bind(_purge_items, archived))
 
     async def stats(self) -> _backend.StoreStats:
         now = None if self._clock is None else self._clock.now()
@@ -1422,8 +1422,13 @@ async def _note_twin_pairs(
     await conn.executemany(sql.NOTE_TWIN_CHECK, contents)
 
 
-async def _purge_items(item_ids: tuple[int, ...], conn: asyncpg.Connection, now: float) -> int:
-    gone = [row[0] for row in await conn.fetch(sql.PURGE_ITEMS, list(item_ids))]
+async def _purge_items(
+    archived: tuple[_backend.Archived, ...], conn: asyncpg.Connection, now: float
+) -> int:
+    ids, fences, changes = zip(*archived, strict=True) if archived else ((), (), ())
+    gone = [
+        row[0] for row in await conn.fetch(sql.PURGE_ITEMS, list(ids), list(fences), list(changes))
+    ]
     if gone:
         await conn.execute(sql.PURGE_EVENTS, gone)  # its history goes with it, never before
         await conn.execute(sql.PURGE_AWAITED, gone)

@@ -75,6 +75,7 @@ async def purge(
     _after_archive: Callable[[], Awaitable[None]] | None = None,
 ) -> PurgeSummary:
     """Archive, then delete, settled items older than ``retention_seconds``."""
+    backend.writable()  # a store that cannot delete must not append to the archive either
     cutoff = clock.now() - retention_seconds
     purged = chunks = 0
     while max_chunks is None or chunks < max_chunks:
@@ -93,7 +94,12 @@ async def purge(
             ) from exc
         if _after_archive is not None:  # a test stands here to kill the process
             await _after_archive()
-        purged += await backend.purge_items(tuple(item.item_id for item, _ in found))
+        # Only as archived: an item requeued and settled again meanwhile stays, its newer
+        # history not in the archive yet.
+        archived = tuple(
+            _backend.Archived(item.item_id, item.fence, item.updated_at) for item, _ in found
+        )
+        purged += await backend.purge_items(archived)
         chunks += 1
         if progress is not None:
             progress(purged)

@@ -269,8 +269,8 @@ class SQLiteBackend(_backend.Writes):
     async def purge_candidates(self, cutoff: float, chunk: int) -> _backend.Histories:
         return await self._read(_purge_candidates, cutoff, chunk)
 
-    async def purge_items(self, item_ids: tuple[int, ...]) -> int:
-        return await self._write(functools.partial(_purge_items, item_ids))
+    async def purge_items(self, archived: tuple[_backend.Archived, ...]) -> int:
+        return await self._write(functools.partial(_purge_items, archived))
 
     async def stats(self) -> _backend.StoreStats:
         return await self._read(_stats, self._clock.now())
@@ -997,11 +997,13 @@ def _note_twin_pairs(contents: list[tuple[str, str]], db: sqlite3.Connection, no
     db.executemany(sql.NOTE_TWIN_CHECK, contents)
 
 
-def _purge_items(item_ids: tuple[int, ...], db: sqlite3.Connection, now: float) -> int:
+def _purge_items(
+    archived: tuple[_backend.Archived, ...], db: sqlite3.Connection, now: float
+) -> int:
     purged = 0
-    for item_id in item_ids:
-        if db.execute(sql.PURGE_ITEM, (item_id,)).rowcount:
-            db.execute(sql.PURGE_EVENTS, (item_id,))  # its history goes with it, never before
+    for item in archived:
+        if db.execute(sql.PURGE_ITEM, item).rowcount:
+            db.execute(sql.PURGE_EVENTS, (item.item_id,))  # its history goes with it, never before
             purged += 1
     return purged
 

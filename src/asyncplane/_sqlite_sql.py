@@ -1115,7 +1115,11 @@ SELECT event_id, item_id, event_type, fence, owner, actor_id, at, detail
 FROM events WHERE item_id = ? ORDER BY event_id
 """
 # An item goes first, then its history (the ledger refuses to drop a live item's events).
-PURGE_ITEM: Final = f"DELETE FROM items WHERE item_id = ? AND state IN {_SETTLED_STATES}"
+# An item still settled as archived (its id, fence and last change).
+PURGE_ITEM: Final = f"""
+DELETE FROM items
+WHERE item_id = ? AND fence = ? AND updated_at = ? AND state IN {_SETTLED_STATES}
+"""
 PURGE_EVENTS: Final = "DELETE FROM events WHERE item_id = ?"
 
 # --- imports --------------------------------------------------------------------------------
@@ -1423,7 +1427,10 @@ LEDGER_CHECKS: Final[tuple[tuple[str, str], ...]] = (
     (
         "orphan_events",
         """
-        SELECT e.item_id, count(*) || ' event(s) for an item that does not exist'
+        SELECT CASE WHEN typeof(e.item_id) = 'integer' THEN e.item_id ELSE 0 END,
+               count(*) || ' event(s) for an item that does not exist'
+               || CASE WHEN typeof(e.item_id) = 'integer' THEN ''
+                       ELSE ' (stored under ' || quote(e.item_id) || ', not an item id)' END
         FROM events AS e
         WHERE NOT EXISTS (SELECT 1 FROM items AS i WHERE i.item_id = e.item_id)
         GROUP BY e.item_id

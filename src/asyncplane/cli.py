@@ -83,9 +83,11 @@ def parse_duration(text: str) -> dt.timedelta:
             f"not a duration: {text!r} (use seconds, or numbers with s, m, h, d or w, "
             "such as 90s, 12h or 1h30m)"
         )
-    if plain:
-        return dt.timedelta(seconds=float(parts[0][1]))
-    return dt.timedelta(seconds=sum(float(p[1]) * _UNITS[p[2]] for p in parts))
+    seconds = float(parts[0][1]) if plain else sum(float(p[1]) * _UNITS[p[2]] for p in parts)
+    try:
+        return dt.timedelta(seconds=seconds)
+    except OverflowError:  # past timedelta's own range (the store's checks come later)
+        raise argparse.ArgumentTypeError(f"a duration too long: {text!r}") from None
 
 
 def _literal(text: str) -> int | float | str:
