@@ -24,6 +24,7 @@ from asyncplane import (
     InvalidPayload,
     Outcome,
     ReadOnlyStore,
+    UnknownProject,
     _retention,
     drain,
     verify_ledger,
@@ -364,6 +365,45 @@ async def test_import_refuses_what_it_cannot_copy_faithfully(
             tmp_path / "missing.db", table="pq", columns={"payload": "data"}, project_id="alpha"
         )
     assert await store.counts() == dict.fromkeys(await store.counts(), 0)
+
+
+async def test_import_keeps_as_text_what_json_reads_but_holds_no_number_for(
+    store: ControlStore, tmp_path: pathlib.Path
+) -> None:
+    # Python's json reads NaN, Infinity and 1e999; a payload holds none of them.
+    source = tmp_path / "odd_numbers.sqlite3"
+    texts = ["hello", "NaN", "-Infinity", "1e999", '{"x": 1e999}', '{"x": 1.5}']
+    conn = sqlite3.connect(source)
+    conn.execute("CREATE TABLE jobs (id INTEGER PRIMARY KEY, data TEXT)")
+    conn.executemany("INSERT INTO jobs (data) VALUES (?)", [(t,) for t in texts])
+    conn.commit()
+    conn.close()
+    done = await store.import_pending(
+        source, table="jobs", columns={"payload": "data"}, project_id="alpha"
+    )
+    assert done.imported == len(texts)
+    assert [row["payload"] for row in await _items(store)] == [
+        *({"data": text} for text in texts[:-1]), {"x": 1.5},
+    ]  # fmt: skip
+
+
+async def test_an_import_row_for_a_missing_project_names_itself_and_writes_nothing_of_its_chunk(
+    store: ControlStore, tmp_path: pathlib.Path
+) -> None:
+    source = tmp_path / "projects.sqlite3"
+    conn = sqlite3.connect(source)
+    conn.execute("CREATE TABLE jobs (id INTEGER PRIMARY KEY, data TEXT, proj TEXT)")
+    conn.executemany(
+        "INSERT INTO jobs (data, proj) VALUES (?, ?)", [("{}", "alpha"), ("{}", "nope")]
+    )
+    conn.commit()
+    conn.close()
+    columns = {"payload": "data", "key": "id", "project_id": "proj"}
+    with pytest.raises(UnknownProject, match="source row 2: no project 'nope'"):
+        await store.import_pending(source, table="jobs", columns=columns)
+    assert sum((await store.counts()).values()) == 0
+    await store.create_project("nope", "Made since")  # looked for again: now it is there
+    assert (await store.import_pending(source, table="jobs", columns=columns)).imported == 2
 
 
 async def _items(store: ControlStore) -> list[dict[str, Any]]:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import pathlib
 import sqlite3
@@ -94,7 +95,8 @@ async def import_pending(
     name = f"{source}::{table}"
     await anyio.to_thread.run_sync(_check_source, source, table, mapping)
     backend = await engine.ready()
-    if project is not None and project not in {p.project_id for p in await backend.list_projects()}:
+    known = {p.project_id for p in await backend.list_projects()}
+    if project is not None and project not in known:
         raise _rules.unknown_project(project)
     after: Any = None
     imported = skipped = left = 0
@@ -115,6 +117,11 @@ async def import_pending(
                     row["project_id"], f"{mapping['project_id']} of source row {row['key']!r}"
                 )
             )
+            if target not in known:  # looked again once: made since the import began?
+                known = {p.project_id for p in await backend.list_projects()}
+                if target not in known:  # before any of the chunk is written
+                    error = _rules.unknown_project(target)
+                    raise type(error)(f"source row {row['key']!r}: {error}")
             wanted.setdefault(target, []).append((str(row["key"]), _new_item(engine, row)))
         for target, items in wanted.items():
             op = _backend.ImportOp(name, target, tuple(items))
@@ -253,7 +260,11 @@ def _new_item(engine: _engine.Engine, row: dict[str, Any]) -> _backend.NewItem:
             "imports JSON or text only: re-encode the source first"
         )
     try:
-        decoded = json.loads(raw) if isinstance(raw, str) else raw
+        decoded = (
+            json.loads(raw, parse_constant=_not_json, parse_float=_finite)
+            if isinstance(raw, str)
+            else raw
+        )
     except (ValueError, RecursionError):  # not JSON (or too deep to be a payload): text
         decoded = raw
     payload = decoded if isinstance(decoded, dict) else {"data": decoded}
@@ -270,6 +281,19 @@ def _new_item(engine: _engine.Engine, row: dict[str, Any]) -> _backend.NewItem:
         return engine.new_item(job, True)
     except _errors.AsyncplaneError as exc:
         raise type(exc)(f"source row {row['key']!r}: {exc}") from None
+
+
+def _not_json(text: str) -> Any:
+    """NaN and the infinities: Python's json reads them, JSON has none (so: text)."""
+    raise ValueError(f"{text} is not JSON")
+
+
+def _finite(text: str) -> float:
+    """A JSON number too large for a float is no payload's value (so: text)."""
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text} is not a finite number")
+    return value
 
 
 def _drop_table(source: pathlib.Path, table: str) -> None:
