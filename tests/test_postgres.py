@@ -59,6 +59,12 @@ def test_a_url_selects_postgresql_and_its_password_stays_out_of_sight() -> None:
     assert store.backend == "postgresql"
     assert "s3cret" not in store.location and "s3cret" not in repr(store)
     assert store.location == "postgresql://app:***@db.example:5432/work?search_path=q"
+    given = ControlStore(
+        "postgresql://app@db.example/work?password=s3cret&search_path=q&sslpassword=k3y"
+    )
+    assert given.location == (
+        "postgresql://app@db.example/work?password=***&search_path=q&sslpassword=***"
+    )
     with pytest.raises(InvalidInput, match="no file"):
         _ = store.path
     assert store.archive_path is None

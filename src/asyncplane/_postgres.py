@@ -28,6 +28,7 @@ import functools
 import itertools
 import json
 import logging
+import re
 import time
 import urllib.parse
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -61,14 +62,22 @@ T = TypeVar("T")
 _log = logging.getLogger("asyncplane.store")
 
 
+#: The parameters of a URL's query that hold a secret (libpq's names), shown as ***.
+_SECRET_PARAMETER = re.compile(r"(^|&)(password|sslpassword)=[^&]*")
+
+
 def redact(url: str) -> str:
-    """The URL without its password, for messages and reprs."""
+    """The URL without its password (given before the host or as a parameter), for
+    messages and reprs; the rest of it as written."""
     parts = urllib.parse.urlsplit(url)
-    if parts.password is None:
+    netloc = parts.netloc
+    if parts.password is not None:
+        head, host = netloc.rsplit("@", 1)
+        netloc = f"{head.split(':', 1)[0]}:***@{host}"
+    query = _SECRET_PARAMETER.sub(r"\1\2=***", parts.query)
+    if (netloc, query) == (parts.netloc, parts.query):
         return url
-    netloc = parts.netloc.rsplit("@", 1)
-    user = netloc[0].split(":", 1)[0]
-    return urllib.parse.urlunsplit(parts._replace(netloc=f"{user}:***@{netloc[1]}"))
+    return urllib.parse.urlunsplit(parts._replace(netloc=netloc, query=query))
 
 
 class ServerClock:
