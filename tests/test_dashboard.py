@@ -563,6 +563,45 @@ async def test_an_error_group_of_any_letters_is_acted_on_whole(store: ControlSto
     assert [(await store.item(i))["state"] for i in ids] == ["ready"] * 3
 
 
+async def test_an_error_group_of_several_lines_is_acted_on_as_a_browser_sends_it(
+    store: ControlStore,
+) -> None:
+    # A form's field comes back with every line break as CR LF.
+    ids = await store.enqueue_many("alpha", [{"n": n} for n in range(3)])
+    for claim in await store.claim_batch("w", 3):
+        await store.finish(
+            claim.item_id, fence=claim.fence, status="failed", error="upstream said:\nrate limited"
+        )
+    async with serving(store, allow_actions=True) as (_, url, session):
+        _, page = await text(session, url + "/failures")
+        status, _, _ = await post(
+            session,
+            url + "/failures/requeue",
+            {"csrf": csrf_of(page), "error": "upstream said:\r\nrate limited"},
+        )
+        assert status == 303
+    assert [(await store.item(i))["state"] for i in ids] == ["ready"] * 3
+
+
+async def test_a_form_that_cannot_be_read_is_a_bad_request_with_the_usual_headers(
+    store: ControlStore,
+) -> None:
+    item_id = await store.enqueue("alpha", {})
+    unknown_charset = {"Content-Type": "application/x-www-form-urlencoded; charset=nosuch"}
+    multipart = {"Content-Type": "multipart/form-data; boundary=b"}
+    nameless_part = b"--b\r\nContent-Disposition: form-data\r\n\r\n1\r\n--b--\r\n"
+    async with serving(store, allow_actions=True) as (_, url, session):
+        for body, headers in ((b"csrf=x", unknown_charset), (nameless_part, multipart)):
+            async with session.post(
+                url + f"/items/{item_id}/cancel", data=body, headers=headers,
+                allow_redirects=False,
+            ) as response:  # fmt: skip
+                assert response.status == 400, await response.text()
+                assert response.headers["X-Frame-Options"] == "DENY"
+                assert "Content-Security-Policy" in response.headers
+    assert (await store.item(item_id))["state"] == "ready"
+
+
 async def test_a_port_in_use_leaves_nothing_behind(store: ControlStore) -> None:
     async with serving(store) as (_, url, _session):
         taken = int(url.rsplit(":", 1)[1])

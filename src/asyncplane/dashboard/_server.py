@@ -260,7 +260,7 @@ class Dashboard:
             if origin is not None and not _same_host(origin, request):
                 return _text(403, "a request from another site is refused")
             if not by_header:
-                form = await request.post()
+                form = await _form(request)
                 sent = request.headers.get("X-CSRF-Token") or form.get("csrf")
                 if not isinstance(sent, str) or not _equal(sent, self._csrf):
                     return _text(403, "missing or wrong CSRF token")
@@ -423,7 +423,7 @@ class Dashboard:
         """After an action: back to the page it came from (a form), or the answer (JSON)."""
         if "application/json" in request.headers.get("Accept", ""):
             return web.json_response(answer)
-        form = await request.post()
+        form = await _form(request)
         back = form.get("next")
         if not isinstance(back, str) or not back.startswith("/") or back[1:2] in ("/", "\\"):
             back = "/"
@@ -478,8 +478,17 @@ def _item_id(request: web.Request) -> int:
     return int(text)
 
 
+async def _form(request: web.Request) -> Any:
+    """The request's form; a 400 for one that cannot be read (an unknown charset, a part
+    without a name), not a server error."""
+    try:
+        return await request.post()
+    except (ValueError, LookupError) as exc:  # (aiohttp's own: UnicodeError is a ValueError)
+        raise web.HTTPBadRequest(text=f"a form that cannot be read: {exc}") from None
+
+
 async def _field(request: web.Request, name: str) -> str:
-    form = await request.post()
+    form = await _form(request)
     value = form.get(name)
     if not isinstance(value, str):
         raise web.HTTPBadRequest(text=f"the form needs a {name} field")

@@ -268,17 +268,25 @@ async def failures(scope: Scope) -> dict[str, Any]:
     }
 
 
+def _lines(text: str) -> str:
+    """``text`` with each line break as one newline: a browser sends every line break of
+    a form's field as CR LF, whatever the page held."""
+    return text.replace("\r\n", "\n").replace("\r", "\n")
+
+
 async def group_members(scope: Scope, error: str, state: str) -> list[int]:
-    """The ids of every item in ``state`` whose error is exactly ``error`` (a group),
-    read page by page (the store matches a piece of the error; this, all of it)."""
+    """The ids of every item in ``state`` whose error is ``error`` (a group), line breaks
+    aside, read page by page (the store matches its longest line; this, all of it)."""
+    wanted = _lines(error)
+    piece = max(wanted.split("\n"), key=len)  # as stored, whatever its line breaks
     members: list[int] = []
     after = None
     while True:
         page = await scope.items(
-            state=state, error_contains=error or None, after=after, limit=PAGE_ROWS,
+            state=state, error_contains=piece or None, after=after, limit=PAGE_ROWS,
             include_payload=False,
         )  # fmt: skip
-        members.extend(item["item_id"] for item in page if (item["error"] or "") == error)
+        members.extend(item["item_id"] for item in page if _lines(item["error"] or "") == wanted)
         if len(page) < PAGE_ROWS:
             return members
         after = page[-1]["item_id"]
