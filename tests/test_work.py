@@ -951,6 +951,52 @@ async def test_a_renewal_refused_cancels_the_item_and_drops_its_outcome(
     assert await verify_ledger(store) == []
 
 
+async def test_a_project_unassigned_under_an_actors_worker_loses_only_its_items(
+    store: ControlStore, clock: ManualClock
+) -> None:
+    # Its items' renewals are refused (ScopeDenied): each is dropped like a lost claim and
+    # left to its lease; the worker goes on with the projects it still has.
+    await store.create_project("beta", "Beta")
+    for project in ("alpha", "beta"):
+        await store.assign(project, "agent")
+    gone = await store.enqueue("alpha", {"n": 1})
+    kept = await store.enqueue("beta", {"n": 2})
+    release = asyncio.Event()
+    stopped: list[int] = []
+    stop = asyncio.Event()
+
+    async def handle(claim: ClaimedItem) -> Done:
+        try:
+            await release.wait()
+        except asyncio.CancelledError:
+            stopped.append(claim.item_id)
+            raise
+        return Done({"by": "agent"})
+
+    worker = asyncio.create_task(
+        work(store, handle, concurrency=2, stop=stop, grace=0, actor_id="agent")
+    )
+    await until(lambda: running_tasks() == 2, what="both run")
+    await store.unassign("alpha", "agent")
+    clock.advance(store.lease_seconds / 3 + 0.1)  # the renewer's turn: alpha's refused
+    await until(lambda: stopped == [gone], what="alpha's handler stopped")
+    assert not worker.done()
+    release.set()
+
+    async def kept_done() -> bool:
+        return (await store.item(kept))["state"] == "done"
+
+    await until(kept_done, what="beta's item done")
+    stop.set()
+    summary = await asyncio.wait_for(worker, 10)
+    assert (summary.scope_lost, summary.done, summary.fence_rejected) == (1, 1, 0)
+    assert (await store.item(gone))["state"] == "claimed"  # left to its lease
+    clock.advance(store.lease_seconds)
+    taken = await store.claim("rival")
+    assert taken is not None and taken.item_id == gone and taken.fence == 2
+    assert await verify_ledger(store) == []
+
+
 async def test_an_exclusive_worker_runs_alone(store: ControlStore) -> None:
     stop = asyncio.Event()
 

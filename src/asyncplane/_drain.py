@@ -77,6 +77,7 @@ from asyncplane._outcomes import (
     Park,
     Retry,
     Settler,
+    count_lost,
     short_error,
 )
 from asyncplane._store import ControlStore
@@ -367,13 +368,10 @@ class _Drain:
                 continue
             try:
                 await self.settler.settle(claim, outcome)
-            except _errors.ItemCancelled:
-                self.summary.cancelled += 1
-            except _errors.FenceRejected:
-                self.summary.fence_rejected += 1
-            except _errors.AsyncplaneError as exc:  # the store failed under this item
-                failure = failure or exc
-                continue  # left unsettled: put back below
+            except _errors.AsyncplaneError as exc:
+                if not count_lost(exc, self.summary):  # the store failed under this item
+                    failure = failure or exc
+                    continue  # left unsettled: put back below
             settled[claim.item_id] = True
         if failure is not None:
             with contextlib.suppress(_errors.AsyncplaneError):
@@ -385,7 +383,7 @@ class _Drain:
         for claim in batch:
             if settled.get(claim.item_id):
                 continue
-            with contextlib.suppress(_errors.FenceRejected):
+            with contextlib.suppress(_errors.FenceRejected, _errors.ScopeDenied):  # not ours
                 await self.store.park(
                     claim.item_id, fence=claim.fence, delay=0, actor_id=self.actor_id
                 )

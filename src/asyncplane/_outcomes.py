@@ -29,6 +29,7 @@ __all__ = (
     "Park",
     "Retry",
     "Settler",
+    "count_lost",
     "short_error",
     "text_of",
 )
@@ -109,6 +110,9 @@ class DrainSummary:
         fence_rejected: Settlements the store refused because the claim was no longer
             current (the item was taken over while it ran); for work(), also items whose
             lease renewal was refused so: their task was cancelled, the outcome dropped.
+        scope_lost: With an ``actor_id``: items whose project left the actor's scope while
+            they ran (`ControlStore.unassign`): their renewal or settlement was refused,
+            their outcome dropped, and the item is left to its lease, to be taken over.
         timed_out: work() only: items whose handler ran past ``timeout`` (retried).
         released: work() only: claims given back unrun at a stop (``grace`` ran out, or
             the stop came before they started).
@@ -132,8 +136,24 @@ class DrainSummary:
     purged: int = 0
     scheduled: int = 0
     fence_rejected: int = 0
+    scope_lost: int = 0
     remaining: int = 0
     elapsed_s: float = 0.0
+
+
+def count_lost(refusal: BaseException, summary: DrainSummary) -> bool:
+    """Whether ``refusal`` says a claim is no longer the worker's, counted in ``summary``
+    if so: cancelled (`ItemCancelled`), taken over (`FenceRejected`), or its project gone
+    from the actor's scope (`ScopeDenied`). Any other error is the store failing."""
+    if isinstance(refusal, _errors.ItemCancelled):
+        summary.cancelled += 1
+    elif isinstance(refusal, _errors.FenceRejected):
+        summary.fence_rejected += 1
+    elif isinstance(refusal, _errors.ScopeDenied):
+        summary.scope_lost += 1
+    else:
+        return False
+    return True
 
 
 def short_error(error: object) -> str:
@@ -186,16 +206,12 @@ class Settler:
                 return_exceptions=True,
             )
             for (item_id, _), answer in zip(turn, answers, strict=True):
-                if isinstance(answer, _errors.ItemCancelled):
-                    self.summary.cancelled += 1
-                    cancelled = True
-                elif isinstance(answer, _errors.FenceRejected):
-                    self.summary.fence_rejected += 1
-                elif isinstance(answer, BaseException):
-                    raise answer
-                else:
+                if not isinstance(answer, BaseException):
                     due[item_id] = self.renewal_due(answer)
                     continue
+                if not count_lost(answer, self.summary):
+                    raise answer
+                cancelled = cancelled or isinstance(answer, _errors.ItemCancelled)
                 del live[item_id]
                 lost.add(item_id)
         return cancelled

@@ -84,6 +84,7 @@ from asyncplane._outcomes import (
     Park,
     Retry,
     Settler,
+    count_lost,
     short_error,
 )
 from asyncplane._store import ControlStore
@@ -505,8 +506,8 @@ class _Worker:
             return
         try:
             await self.store.release(claim.item_id, fence=claim.fence, actor_id=self.actor_id)
-        except _errors.FenceRejected:
-            return  # taken over or cancelled meanwhile: not ours to give back
+        except (_errors.FenceRejected, _errors.ScopeDenied):
+            return  # taken over, cancelled or out of scope meanwhile: not ours to give back
         self.summary.released += 1
 
     def _outcome_of(self, claim: ClaimedItem, handler: asyncio.Task[Any]) -> Any:
@@ -532,10 +533,9 @@ class _Worker:
     async def _settle(self, claim: ClaimedItem, outcome: Any) -> None:
         try:
             await self.settler.settle(claim, outcome)
-        except _errors.ItemCancelled:
-            self.summary.cancelled += 1
-        except _errors.FenceRejected:
-            self.summary.fence_rejected += 1
+        except _errors.AsyncplaneError as exc:
+            if not count_lost(exc, self.summary):
+                raise
         else:
             _log.debug(
                 "settled item %d: %s", claim.item_id, type(outcome).__name__,
@@ -585,14 +585,11 @@ class _Worker:
             expires = await self.store.renew(
                 claim.item_id, fence=claim.fence, actor_id=self.actor_id
             )
-        except (_errors.ItemCancelled, _errors.FenceRejected) as refusal:
+        except (_errors.FenceRejected, _errors.ScopeDenied) as refusal:
             if self.held.get(held.key) is not held:
                 return  # its handler has returned meanwhile: its settle hears the news
             del self.held[held.key]  # never renewed again, nor counted twice
-            if isinstance(refusal, _errors.ItemCancelled):
-                self.summary.cancelled += 1
-            else:
-                self.summary.fence_rejected += 1
+            count_lost(refusal, self.summary)
             held.lost = True
             held.handler.cancel()
         else:
