@@ -1249,6 +1249,15 @@ def test_the_worker_command_refuses_a_bad_handler(tmp_path: Any) -> None:
         child = worker(where, tmp_path, spec)
         _, err = child.communicate(timeout=60)
         assert child.returncode == 2 and words in err, (spec, err)
+    for option, words in (
+        (["--grace", "-1"], "grace must be"),
+        (["--timeout", "0"], "timeout must be"),
+        (["--timeout", "nan"], "timeout must be"),
+        (["--timeout", "1e9"], "timeout must be"),
+    ):  # a usage error (2), not a store that failed (3)
+        child = worker(where, tmp_path, "fleet_handlers:handle", *option)
+        _, err = child.communicate(timeout=60)
+        assert child.returncode == 2 and words in err, (option, err)
 
 
 async def test_a_release_in_this_process_wakes_a_waiting_claim(store: ControlStore) -> None:

@@ -89,7 +89,7 @@ from asyncplane._outcomes import (
 )
 from asyncplane._store import ControlStore
 
-__all__ = ("Handler", "work")
+__all__ = ("Handler", "timing", "work")
 
 #: ``async def handle(claim: ClaimedItem) -> Outcome``: runs one item.
 Handler: TypeAlias = Callable[[ClaimedItem], Awaitable[Any]]
@@ -98,6 +98,15 @@ _log = logging.getLogger("asyncplane.worker")
 _OUTCOMES = (Done, Failed, Retry, Park, Offload)
 #: Seconds between housekeeping steps (preflight dedup, purge) while claiming.
 _HOUSEKEEPING_EVERY = 1.0
+
+
+def timing(timeout: object, grace: object) -> tuple[float | None, float]:
+    """work()'s ``timeout`` and ``grace``, checked (the worker command checks them before
+    it opens the store, so that a bad one is a usage error)."""
+    return (
+        None if timeout is None else _validate.seconds(timeout, "timeout", 10.0**7),
+        _validate.delay(grace, "grace"),
+    )
 
 
 async def work(
@@ -156,6 +165,7 @@ async def work(
         raise _errors.InvalidType(
             f"handle must be an async function taking one ClaimedItem, not {type(handle).__name__}"
         )
+    checked_timeout, checked_grace = timing(timeout, grace)
     run = _Worker(
         store,
         handle,
@@ -163,11 +173,11 @@ async def work(
             owner if owner is not None else _engine.worker_name("work"), "owner"
         ),
         concurrency=_validate.positive_int(concurrency, "concurrency"),
-        timeout=None if timeout is None else _validate.seconds(timeout, "timeout", 10.0**7),
+        timeout=checked_timeout,
         project_id=None if project_id is None else _validate.text_id(project_id, "project_id"),
         actor_id=_validate.optional_actor(actor_id),
         stop=_validate.event(stop, "stop"),
-        grace=_validate.delay(grace, "grace"),
+        grace=checked_grace,
         until_empty=_validate.boolean(until_empty, "until_empty"),
         poll_interval=_validate.seconds(poll_interval, "poll_interval", 3600.0),
         preflight_chunk=_validate.positive_int(preflight_chunk, "preflight_chunk"),

@@ -92,6 +92,10 @@ def run(args: argparse.Namespace) -> int:
     _configure_logging(args.log_level, args.log_format)
     if args.concurrency < 1:
         raise Usage("--concurrency must be at least 1")
+    try:
+        _work.timing(args.timeout, args.grace)
+    except _errors.InvalidInput as exc:  # as work() would say, before the store is opened
+        raise Usage(str(exc)) from exc
     if args.exclusive and args.project and len(args.project) > 1:
         raise Usage("--exclusive runs one worker alone: give it one --project at most")
     return _loops.run(_main(args, handler))
