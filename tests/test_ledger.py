@@ -18,6 +18,7 @@ from asyncplane import (
     ControlStore,
     Job,
     LedgerProblem,
+    StorageError,
     verify_ledger,
 )
 from asyncplane import _sqlite_sql as sql
@@ -270,6 +271,18 @@ async def test_orphan_events_under_an_id_that_is_no_integer_are_named(
     assert problems[0].detail == (
         "1 event(s) for an item that does not exist (stored under 'abc', not an item id)"
     )
+
+
+async def test_an_item_whose_time_no_datetime_holds_is_a_storage_error_to_read(
+    store: ControlStore, raw: Any
+) -> None:
+    item_id = await store.enqueue("alpha", {})
+    unprotect(raw)
+    raw.execute("UPDATE items SET updated_at = 'Infinity' WHERE item_id = ?", (item_id,))
+    with pytest.raises(StorageError, match=f"item {item_id}'s row cannot be read"):
+        await store.item(item_id)
+    with pytest.raises(StorageError, match="cannot be read"):
+        await store.items(project_id="alpha")
 
 
 async def test_problems_name_the_item_and_respect_the_limit(
