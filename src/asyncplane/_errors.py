@@ -205,7 +205,8 @@ class StorageError(AsyncplaneError):
 
 class ArchiveError(StorageError):
     """The purge archive could not be written (a full disk, a missing directory, no
-    permission); nothing was deleted. The `OSError` is the ``__cause__``."""
+    permission); nothing of the chunk it was writing was deleted (chunks before it were,
+    each once archived). The `OSError` is the ``__cause__``."""
 
 
 class CommitOutcomeUnknown(StorageError):

@@ -90,7 +90,8 @@ async def purge(
             await anyio.to_thread.run_sync(_archive, archive_path, found, archive_max_bytes)
         except OSError as exc:
             raise _errors.ArchiveError(
-                f"cannot append to the archive {archive_path}: {exc}; nothing was deleted"
+                f"cannot append to the archive {archive_path}: {exc}; nothing of this chunk "
+                f"was deleted ({purged} items of chunks before were)"
             ) from exc
         if _after_archive is not None:  # a test stands here to kill the process
             await _after_archive()
