@@ -199,35 +199,27 @@ async def own_item_at(
     assert [item["item_id"] for item in await store.items()] == [item_id]
 
 
-async def test_a_destination_whose_own_item_a_later_chunk_would_meet_is_refused_first(
+@pytest.mark.parametrize(
+    "own_id",
+    [
+        5,  # one a later chunk would meet: refused before the first, not at the third
+        None,  # above every id of the source: its next ids would be the source's too
+    ],
+)
+async def test_a_destination_with_an_item_of_its_own_is_refused_before_any_chunk(
     asyncplane_store: ControlStore,
     other_store: Any,
     asyncplane_clock: ManualClock,
     tmp_path: pathlib.Path,
+    own_id: int | None,
 ) -> None:
-    # Refused before the first chunk, not at the third, with two chunks written.
-    await busy_store(asyncplane_store, asyncplane_clock)
-    destination: ControlStore = await other_store()
-    await own_item_at(destination, 5, tmp_path, asyncplane_clock)
-    with pytest.raises(InvalidInput, match="item 5 of its own"):
-        await copy_store(asyncplane_store, destination, chunk=2)
-    assert sum((await destination.counts()).values()) == 1
-    assert [p["project_id"] for p in await destination.projects()] == ["mine"]
-
-
-async def test_a_destination_whose_own_items_take_no_id_of_the_source_is_refused_too(
-    asyncplane_store: ControlStore,
-    other_store: Any,
-    asyncplane_clock: ManualClock,
-    tmp_path: pathlib.Path,
-) -> None:
-    # It has taken work of its own, so the ids it hands out next are the source's too.
     await busy_store(asyncplane_store, asyncplane_clock)
     top = max(item["item_id"] for item in await asyncplane_store.items())
+    own = top + 1 if own_id is None else own_id
     destination: ControlStore = await other_store()
-    await own_item_at(destination, top + 1, tmp_path, asyncplane_clock)
-    with pytest.raises(InvalidInput, match=f"item {top + 1} of its own"):
-        await copy_store(asyncplane_store, destination)
+    await own_item_at(destination, own, tmp_path, asyncplane_clock)
+    with pytest.raises(InvalidInput, match=f"item {own} of its own"):
+        await copy_store(asyncplane_store, destination, chunk=2)
     assert sum((await destination.counts()).values()) == 1
     assert [p["project_id"] for p in await destination.projects()] == ["mine"]
 

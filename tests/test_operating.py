@@ -272,6 +272,17 @@ def litequeue_like(path: pathlib.Path) -> None:
     conn.close()
 
 
+def source_table(path: pathlib.Path, create: str, insert: str, rows: list[Any]) -> pathlib.Path:
+    """A SQLite file at ``path`` with one table, made by ``create`` and filled with ``rows``
+    by ``insert``: an import's source."""
+    conn = sqlite3.connect(path)
+    conn.execute(create)
+    conn.executemany(insert, rows)
+    conn.commit()
+    conn.close()
+    return path
+
+
 async def test_import_copies_pending_rows_once(store: ControlStore, tmp_path: pathlib.Path) -> None:
     source = tmp_path / "litequeue.sqlite3"
     litequeue_like(source)
@@ -297,12 +308,10 @@ async def test_import_copies_pending_rows_once(store: ControlStore, tmp_path: pa
 async def test_an_import_cut_short_resumes_without_duplicates(
     store: ControlStore, tmp_path: pathlib.Path
 ) -> None:
-    source = tmp_path / "big.sqlite3"
-    conn = sqlite3.connect(source)
-    conn.execute("CREATE TABLE jobs (payload TEXT)")
-    conn.executemany("INSERT INTO jobs VALUES (?)", [(json.dumps({"n": n}),) for n in range(10)])
-    conn.commit()
-    conn.close()
+    source = source_table(
+        tmp_path / "big.sqlite3", "CREATE TABLE jobs (payload TEXT)",
+        "INSERT INTO jobs VALUES (?)", [(json.dumps({"n": n}),) for n in range(10)],
+    )  # fmt: skip
 
     def crash_after_the_first_chunk(seen: int) -> None:
         raise KeyboardInterrupt("the importing process dies")
@@ -371,13 +380,11 @@ async def test_import_keeps_as_text_what_json_reads_but_holds_no_number_for(
     store: ControlStore, tmp_path: pathlib.Path
 ) -> None:
     # Python's json reads NaN, Infinity and 1e999; a payload holds none of them.
-    source = tmp_path / "odd_numbers.sqlite3"
     texts = ["hello", "NaN", "-Infinity", "1e999", '{"x": 1e999}', '{"x": 1.5}']
-    conn = sqlite3.connect(source)
-    conn.execute("CREATE TABLE jobs (id INTEGER PRIMARY KEY, data TEXT)")
-    conn.executemany("INSERT INTO jobs (data) VALUES (?)", [(t,) for t in texts])
-    conn.commit()
-    conn.close()
+    source = source_table(
+        tmp_path / "odd_numbers.sqlite3", "CREATE TABLE jobs (id INTEGER PRIMARY KEY, data TEXT)",
+        "INSERT INTO jobs (data) VALUES (?)", [(t,) for t in texts],
+    )  # fmt: skip
     done = await store.import_pending(
         source, table="jobs", columns={"payload": "data"}, project_id="alpha"
     )
@@ -390,14 +397,11 @@ async def test_import_keeps_as_text_what_json_reads_but_holds_no_number_for(
 async def test_an_import_row_for_a_missing_project_names_itself_and_writes_nothing_of_its_chunk(
     store: ControlStore, tmp_path: pathlib.Path
 ) -> None:
-    source = tmp_path / "projects.sqlite3"
-    conn = sqlite3.connect(source)
-    conn.execute("CREATE TABLE jobs (id INTEGER PRIMARY KEY, data TEXT, proj TEXT)")
-    conn.executemany(
-        "INSERT INTO jobs (data, proj) VALUES (?, ?)", [("{}", "alpha"), ("{}", "nope")]
-    )
-    conn.commit()
-    conn.close()
+    source = source_table(
+        tmp_path / "projects.sqlite3",
+        "CREATE TABLE jobs (id INTEGER PRIMARY KEY, data TEXT, proj TEXT)",
+        "INSERT INTO jobs (data, proj) VALUES (?, ?)", [("{}", "alpha"), ("{}", "nope")],
+    )  # fmt: skip
     columns = {"payload": "data", "key": "id", "project_id": "proj"}
     with pytest.raises(UnknownProject, match="source row 2: no project 'nope'"):
         await store.import_pending(source, table="jobs", columns=columns)
