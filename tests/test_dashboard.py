@@ -578,16 +578,21 @@ async def test_a_form_that_cannot_be_read_is_a_bad_request_with_the_usual_header
     unknown_charset = {"Content-Type": "application/x-www-form-urlencoded; charset=nosuch"}
     multipart = {"Content-Type": "multipart/form-data; boundary=b"}
     nameless_part = b"--b\r\nContent-Disposition: form-data\r\n\r\n1\r\n--b--\r\n"
-    async with serving(store, allow_actions=True) as (_, url, session):
-        for body, headers in ((b"csrf=x", unknown_charset), (nameless_part, multipart)):
+    token = "t" * 20
+    bearer = {"Authorization": f"Bearer {token}"}  # no CSRF form to read: read all the same
+    async with serving(store, allow_actions=True, token=token) as (_, url, session):
+        for body, headers in (
+            (b"csrf=x", unknown_charset), (nameless_part, multipart),
+            (b"next=/", {**unknown_charset, **bearer}),
+        ):  # fmt: skip
             async with session.post(
-                url + f"/items/{item_id}/cancel", data=body, headers=headers,
+                url + f"/items/{item_id}/cancel", data=body, headers={**bearer, **headers},
                 allow_redirects=False,
             ) as response:  # fmt: skip
                 assert response.status == 400, await response.text()
                 assert response.headers["X-Frame-Options"] == "DENY"
                 assert "Content-Security-Policy" in response.headers
-    assert (await store.item(item_id))["state"] == "ready"
+    assert (await store.item(item_id))["state"] == "ready"  # refused before acting
 
 
 async def test_a_port_in_use_leaves_nothing_behind(store: ControlStore) -> None:

@@ -228,11 +228,12 @@ async def test_a_batch_is_renewed_together_not_one_round_trip_after_another(
     assert await verify_ledger(store) == []
 
 
+@pytest.mark.parametrize("refused", ["renewal", "settle"])
 async def test_a_project_unassigned_under_an_actors_drain_loses_only_its_items(
-    store: ControlStore, clock: ManualClock
+    store: ControlStore, clock: ManualClock, refused: str
 ) -> None:
-    # Its items' renewals are refused (ScopeDenied): each is dropped like a lost claim,
-    # its outcome not reported, and left to its lease; the drain goes on.
+    # Its item's renewal or settle is refused (ScopeDenied): it is dropped like a lost
+    # claim, its outcome not reported, and left to its lease; the drain goes on.
     for project in ("p", "q"):
         await store.create_project(project, project.upper())
         await store.assign(project, "agent")
@@ -248,13 +249,14 @@ async def test_a_project_unassigned_under_an_actors_drain_loses_only_its_items(
     task = asyncio.create_task(drain(store, slow, batch_size=2, empty_rounds=1, actor_id="agent"))
     await started.wait()
     await store.unassign("p", "agent")
-    before = (await store.item(kept))["lease_expires_at"]
-    clock.advance(store.lease_seconds / 3 + 0.01)  # the renewer's turn: p's refused
+    if refused == "renewal":
+        before = (await store.item(kept))["lease_expires_at"]
+        clock.advance(store.lease_seconds / 3 + 0.01)  # the renewer's turn: p's refused
 
-    async def renewed() -> bool:  # (asked in the same turn as p's)
-        return (await store.item(kept))["lease_expires_at"] > before
+        async def renewed() -> bool:  # (asked in the same turn as p's)
+            return (await store.item(kept))["lease_expires_at"] > before
 
-    await until(renewed, what="the turn's renewals answered")
+        await until(renewed, what="the turn's renewals answered")
     release.set()
     summary = await asyncio.wait_for(task, 10)
     assert (summary.scope_lost, summary.done) == (1, 1)

@@ -7,6 +7,8 @@ connection and checks that exactly the expected kind of problem, and no other, i
 from __future__ import annotations
 
 import asyncio
+import json
+import pathlib
 import sqlite3
 from typing import Any
 
@@ -279,10 +281,29 @@ async def test_an_item_whose_time_no_datetime_holds_is_a_storage_error_to_read(
     item_id = await store.enqueue("alpha", {})
     unprotect(raw)
     raw.execute("UPDATE items SET updated_at = 'Infinity' WHERE item_id = ?", (item_id,))
-    with pytest.raises(StorageError, match=f"item {item_id}'s row cannot be read"):
+    with pytest.raises(StorageError, match="a stored time no datetime can hold"):
         await store.item(item_id)
-    with pytest.raises(StorageError, match="cannot be read"):
+    with pytest.raises(StorageError, match="no datetime can hold"):
         await store.items(project_id="alpha")
+    raw.execute("UPDATE items SET updated_at = 0, created_at = 1e300 WHERE item_id = ?", (item_id,))
+    with pytest.raises(StorageError, match="no datetime can hold"):
+        await store.claim("w")  # (its claim is saved: the lease lapses as any other)
+
+
+async def test_a_purge_archives_a_time_no_datetime_holds_as_it_is_stored(
+    store: ControlStore, raw: Any, tmp_path: pathlib.Path, asyncplane_clock: ManualClock
+) -> None:
+    item_id = await store.enqueue("alpha", {})
+    claim = await store.claim("w")
+    assert claim is not None
+    await store.finish(item_id, fence=claim.fence)
+    unprotect(raw)
+    raw.execute("UPDATE items SET created_at = -1e300 WHERE item_id = ?", (item_id,))
+    archive = tmp_path / "archive.jsonl"
+    asyncplane_clock.advance(1)
+    assert (await store.purge(0, archive_path=archive)).purged == 1
+    line = json.loads(archive.read_text().splitlines()[0])
+    assert line["item"]["created_at"] == -1e300
 
 
 async def test_problems_name_the_item_and_respect_the_limit(

@@ -951,23 +951,25 @@ async def test_a_renewal_refused_cancels_the_item_and_drops_its_outcome(
     assert await verify_ledger(store) == []
 
 
+@pytest.mark.parametrize("refused", ["renewal", "settle", "give back"])
 async def test_a_project_unassigned_under_an_actors_worker_loses_only_its_items(
-    store: ControlStore, clock: ManualClock
+    store: ControlStore, clock: ManualClock, refused: str
 ) -> None:
-    # Its items' renewals are refused (ScopeDenied): each is dropped like a lost claim and
-    # left to its lease; the worker goes on with the projects it still has.
+    # Its item's renewal, settle or give-back is refused (ScopeDenied): the item is dropped
+    # like a lost claim and left to its lease; the worker goes on with the projects it
+    # still has, and stops as asked.
     await store.create_project("beta", "Beta")
     for project in ("alpha", "beta"):
         await store.assign(project, "agent")
     gone = await store.enqueue("alpha", {"n": 1})
     kept = await store.enqueue("beta", {"n": 2})
-    release = asyncio.Event()
+    release = {gone: asyncio.Event(), kept: asyncio.Event()}
     stopped: list[int] = []
     stop = asyncio.Event()
 
     async def handle(claim: ClaimedItem) -> Done:
         try:
-            await release.wait()
+            await release[claim.item_id].wait()
         except asyncio.CancelledError:
             stopped.append(claim.item_id)
             raise
@@ -978,18 +980,23 @@ async def test_a_project_unassigned_under_an_actors_worker_loses_only_its_items(
     )
     await until(lambda: running_tasks() == 2, what="both run")
     await store.unassign("alpha", "agent")
-    clock.advance(store.lease_seconds / 3 + 0.1)  # the renewer's turn: alpha's refused
-    await until(lambda: stopped == [gone], what="alpha's handler stopped")
-    assert not worker.done()
-    release.set()
+    if refused == "renewal":
+        clock.advance(store.lease_seconds / 3 + 0.1)  # the renewer's turn: alpha's refused
+        await until(lambda: stopped == [gone], what="alpha's handler stopped")
+    elif refused == "settle":
+        release[gone].set()  # its Done is refused
+    if refused != "give back":
+        release[kept].set()
 
-    async def kept_done() -> bool:
-        return (await store.item(kept))["state"] == "done"
+        async def kept_done() -> bool:
+            return (await store.item(kept))["state"] == "done"
 
-    await until(kept_done, what="beta's item done")
-    stop.set()
+        await until(kept_done, what="beta's item done")
+        assert not worker.done()
+    stop.set()  # grace 0: a handler still running is stopped, its claim given back
     summary = await asyncio.wait_for(worker, 10)
-    assert (summary.scope_lost, summary.done, summary.fence_rejected) == (1, 1, 0)
+    assert summary.scope_lost == (0 if refused == "give back" else 1)
+    assert (summary.done, summary.released) == ((0, 1) if refused == "give back" else (1, 0))
     assert (await store.item(gone))["state"] == "claimed"  # left to its lease
     clock.advance(store.lease_seconds)
     taken = await store.claim("rival")
@@ -1254,6 +1261,10 @@ def test_the_worker_command_refuses_a_bad_handler(tmp_path: Any) -> None:
         (["--timeout", "0"], "timeout must be"),
         (["--timeout", "nan"], "timeout must be"),
         (["--timeout", "1e9"], "timeout must be"),
+        (["--concurrency", "0"], "concurrency must be"),
+        (["--project="], "project_id must"),
+        (["--owner="], "owner must"),
+        (["--owner", "o" * 300], "owner"),
     ):  # a usage error (2), not a store that failed (3)
         child = worker(where, tmp_path, "fleet_handlers:handle", *option)
         _, err = child.communicate(timeout=60)

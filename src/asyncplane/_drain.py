@@ -69,6 +69,7 @@ from asyncplane import (
 )  # fmt: skip
 from asyncplane._models import ClaimedItem
 from asyncplane._outcomes import (
+    LOST,
     Done,
     DrainSummary,
     Failed,
@@ -383,7 +384,7 @@ class _Drain:
         for claim in batch:
             if settled.get(claim.item_id):
                 continue
-            with contextlib.suppress(_errors.FenceRejected, _errors.ScopeDenied):  # not ours
+            with contextlib.suppress(*LOST):  # not ours any more
                 await self.store.park(
                     claim.item_id, fence=claim.fence, delay=0, actor_id=self.actor_id
                 )

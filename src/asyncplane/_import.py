@@ -117,11 +117,9 @@ async def import_pending(
                     row["project_id"], f"{mapping['project_id']} of source row {row['key']!r}"
                 )
             )
-            if target not in known:  # looked again once: made since the import began?
-                known = {p.project_id for p in await backend.list_projects()}
-                if target not in known:  # before any of the chunk is written
-                    error = _rules.unknown_project(target)
-                    raise type(error)(f"source row {row['key']!r}: {error}")
+            if target not in known:  # before any of the chunk is written
+                error = _rules.unknown_project(target)
+                raise type(error)(f"source row {row['key']!r}: {error}")
             wanted.setdefault(target, []).append((str(row["key"]), _new_item(engine, row)))
         for target, items in wanted.items():
             op = _backend.ImportOp(name, target, tuple(items))

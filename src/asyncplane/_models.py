@@ -8,6 +8,8 @@ import json
 from collections.abc import Callable
 from typing import Any, Final
 
+from asyncplane import _errors
+
 __all__ = (
     "BACK_TO_READY",
     "EVENT_TYPES",
@@ -193,8 +195,14 @@ class LedgerProblem:
 
 
 def from_timestamp(value: float) -> dt.datetime:
-    """Turn stored epoch seconds into an aware UTC datetime."""
-    return _fromtimestamp(value, _UTC)
+    """Turn stored epoch seconds into an aware UTC datetime; a StorageError for a value
+    no datetime can hold (a row written by hand: the store writes none)."""
+    try:
+        return _fromtimestamp(value, _UTC)
+    except (TypeError, ValueError, OverflowError, OSError) as exc:
+        raise _errors.StorageError(
+            f"a stored time no datetime can hold: {str(value)[:40]} ({type(exc).__name__})"
+        ) from exc
 
 
 def loads(text: Any) -> Any:

@@ -21,6 +21,7 @@ from asyncplane._models import ClaimedItem
 from asyncplane._store import ControlStore
 
 __all__ = (
+    "LOST",
     "Done",
     "DrainSummary",
     "Failed",
@@ -141,6 +142,12 @@ class DrainSummary:
     elapsed_s: float = 0.0
 
 
+#: The refusals that say a claim is no longer the worker's: taken over or cancelled
+#: (`FenceRejected`, `ItemCancelled` among them), or its project gone from the actor's
+#: scope (`ScopeDenied`). A runtime drops such an item; any other error is the store's.
+LOST: tuple[type[_errors.AsyncplaneError], ...] = (_errors.FenceRejected, _errors.ScopeDenied)
+
+
 def count_lost(refusal: BaseException, summary: DrainSummary) -> bool:
     """Whether ``refusal`` says a claim is no longer the worker's, counted in ``summary``
     if so: cancelled (`ItemCancelled`), taken over (`FenceRejected`), or its project gone
@@ -188,7 +195,8 @@ class Settler:
     async def keep_leases(self, claims: Sequence[ClaimedItem], lost: set[int]) -> bool:
         """Renew the claims' leases every third of a lease (`renewal_due`) until none is
         left, each dropped when its renewal is refused (taken over: ``fence_rejected``;
-        cancelled: ``cancelled``) and added to ``lost``. Returns, once all are lost,
+        cancelled: ``cancelled``; out of the actor's scope: ``scope_lost``; `count_lost`)
+        and added to ``lost``. Returns, once all are lost,
         whether any was cancelled. Runs until then, or until its task is cancelled.
 
         A turn asks for every live claim's renewal at once, so the writer takes them into

@@ -28,7 +28,6 @@ import functools
 import itertools
 import json
 import logging
-import re
 import time
 import urllib.parse
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -62,8 +61,9 @@ T = TypeVar("T")
 _log = logging.getLogger("asyncplane.store")
 
 
-#: The parameters of a URL's query that hold a secret (libpq's names), shown as ***.
-_SECRET_PARAMETER = re.compile(r"(^|&)(password|sslpassword)=[^&]*")
+#: The parameters of a URL's query that hold a secret (libpq's names, in any case and
+#: however percent-encoded), shown as ***.
+_SECRET_PARAMETERS = frozenset({"password", "sslpassword"})
 
 
 def redact(url: str) -> str:
@@ -74,7 +74,12 @@ def redact(url: str) -> str:
     if parts.password is not None:
         head, host = netloc.rsplit("@", 1)
         netloc = f"{head.split(':', 1)[0]}:***@{host}"
-    query = _SECRET_PARAMETER.sub(r"\1\2=***", parts.query)
+    query = "&".join(
+        f"{part.split('=', 1)[0]}=***"
+        if urllib.parse.unquote_plus(part.split("=", 1)[0]).lower() in _SECRET_PARAMETERS
+        else part
+        for part in parts.query.split("&")
+    )
     if (netloc, query) == (parts.netloc, parts.query):
         return url
     return urllib.parse.urlunsplit(parts._replace(netloc=netloc, query=query))

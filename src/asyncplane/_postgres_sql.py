@@ -1816,14 +1816,15 @@ ORDER BY e.event_id
 # (The settled test written `IS TRUE`, which no index serves: as a plain test, a plan made
 # on a grown table without statistics took items_settled for it, every settled item read
 # for each chunk, beside the ids' own probes.)
-# Each only as archived ($1 ids, $2 their fences, $3 their last changes): the ids lead.
+# Each only as archived ($1 ids, $2 their fences, $3 their last changes): a probe of the
+# primary key for each archived row. (Beside `item_id = ANY($1)`, a generic plan led by
+# that and rescanned the arrays for each item: 3.5 s for a chunk of 5,000, against 14 ms.)
 PURGE_ITEMS: Final = f"""
-DELETE FROM items WHERE item_id = ANY($1::bigint[]) AND (state IN {_SETTLED_STATES}) IS TRUE
-  AND EXISTS (SELECT 1 FROM unnest($1::bigint[], $2::bigint[], $3::float8[])
-                              AS a (item_id, fence, updated_at)
-              WHERE a.item_id = items.item_id AND a.fence = items.fence
-                AND a.updated_at = items.updated_at)
-RETURNING item_id
+DELETE FROM items
+USING unnest($1::bigint[], $2::bigint[], $3::float8[]) AS a (item_id, fence, updated_at)
+WHERE items.item_id = a.item_id AND items.fence = a.fence AND items.updated_at = a.updated_at
+  AND (items.state IN {_SETTLED_STATES}) IS TRUE
+RETURNING items.item_id
 """
 PURGE_EVENTS: Final = "DELETE FROM events WHERE item_id = ANY($1::bigint[])"
 # A waiter marks its item awaited (its settle will notify): the first mark takes the

@@ -109,8 +109,15 @@ async def purge(
     return PurgeSummary(purged, chunks, archive_path)
 
 
-def _iso(value: float | None) -> str | None:
-    return None if value is None else _models.from_timestamp(value).isoformat()
+def _iso(value: float | None) -> str | float | None:
+    """A time as ISO 8601; as stored if no datetime can hold it (the archive takes every
+    settled item, whatever it holds, as `_json` does)."""
+    if value is None:
+        return None
+    try:
+        return _models.from_timestamp(value).isoformat()
+    except _errors.StorageError:
+        return value
 
 
 def _json(text: str) -> Any:

@@ -1912,15 +1912,6 @@ async def _changed_since(backend: _backend.Backend, version: int, poll: float) -
 
 
 def _item_dict(row: _backend.ItemRow, *, payload: bool = True) -> dict[str, Any]:
-    try:
-        return _item_fields(row, payload)
-    except (TypeError, ValueError, OverflowError) as exc:  # a time no datetime can hold
-        raise _errors.StorageError(
-            f"item {row.item_id}'s row cannot be read: {type(exc).__name__}: {str(exc)[:200]}"
-        ) from exc
-
-
-def _item_fields(row: _backend.ItemRow, payload: bool) -> dict[str, Any]:
     found = {
         "item_id": row.item_id,
         "project_id": row.project_id,

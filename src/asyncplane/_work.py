@@ -60,7 +60,7 @@ import logging
 import pathlib
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeAlias
+from typing import Any, NamedTuple, TypeAlias
 
 from asyncplane import (
     _clock,
@@ -77,6 +77,7 @@ from asyncplane import (
 from asyncplane._drain import DrainError
 from asyncplane._models import ClaimedItem
 from asyncplane._outcomes import (
+    LOST,
     Done,
     DrainSummary,
     Failed,
@@ -89,7 +90,7 @@ from asyncplane._outcomes import (
 )
 from asyncplane._store import ControlStore
 
-__all__ = ("Handler", "timing", "work")
+__all__ = ("Handler", "Settings", "settings", "work")
 
 #: ``async def handle(claim: ClaimedItem) -> Outcome``: runs one item.
 Handler: TypeAlias = Callable[[ClaimedItem], Awaitable[Any]]
@@ -100,11 +101,27 @@ _OUTCOMES = (Done, Failed, Retry, Park, Offload)
 _HOUSEKEEPING_EVERY = 1.0
 
 
-def timing(timeout: object, grace: object) -> tuple[float | None, float]:
-    """work()'s ``timeout`` and ``grace``, checked (the worker command checks them before
-    it opens the store, so that a bad one is a usage error)."""
-    return (
+class Settings(NamedTuple):
+    """work()'s settings that a command line gives too, checked (`settings`)."""
+
+    owner: str
+    concurrency: int
+    timeout: float | None
+    project_id: str | None
+    grace: float
+
+
+def settings(
+    owner: object, concurrency: object, timeout: object, project_id: object, grace: object
+) -> Settings:
+    """work()'s ``owner`` (None: a name made for this process), ``concurrency``,
+    ``timeout``, ``project_id`` and ``grace``, checked: the worker command checks them
+    before it opens the store, so that a bad one is a usage error."""
+    return Settings(
+        _validate.text_id(owner if owner is not None else _engine.worker_name("work"), "owner"),
+        _validate.positive_int(concurrency, "concurrency"),
         None if timeout is None else _validate.seconds(timeout, "timeout", 10.0**7),
+        None if project_id is None else _validate.text_id(project_id, "project_id"),
         _validate.delay(grace, "grace"),
     )
 
@@ -165,19 +182,17 @@ async def work(
         raise _errors.InvalidType(
             f"handle must be an async function taking one ClaimedItem, not {type(handle).__name__}"
         )
-    checked_timeout, checked_grace = timing(timeout, grace)
+    given = settings(owner, concurrency, timeout, project_id, grace)
     run = _Worker(
         store,
         handle,
-        owner=_validate.text_id(
-            owner if owner is not None else _engine.worker_name("work"), "owner"
-        ),
-        concurrency=_validate.positive_int(concurrency, "concurrency"),
-        timeout=checked_timeout,
-        project_id=None if project_id is None else _validate.text_id(project_id, "project_id"),
+        owner=given.owner,
+        concurrency=given.concurrency,
+        timeout=given.timeout,
+        project_id=given.project_id,
         actor_id=_validate.optional_actor(actor_id),
         stop=_validate.event(stop, "stop"),
-        grace=checked_grace,
+        grace=given.grace,
         until_empty=_validate.boolean(until_empty, "until_empty"),
         poll_interval=_validate.seconds(poll_interval, "poll_interval", 3600.0),
         preflight_chunk=_validate.positive_int(preflight_chunk, "preflight_chunk"),
@@ -516,7 +531,7 @@ class _Worker:
             return
         try:
             await self.store.release(claim.item_id, fence=claim.fence, actor_id=self.actor_id)
-        except (_errors.FenceRejected, _errors.ScopeDenied):
+        except LOST:
             return  # taken over, cancelled or out of scope meanwhile: not ours to give back
         self.summary.released += 1
 
@@ -595,7 +610,7 @@ class _Worker:
             expires = await self.store.renew(
                 claim.item_id, fence=claim.fence, actor_id=self.actor_id
             )
-        except (_errors.FenceRejected, _errors.ScopeDenied) as refusal:
+        except LOST as refusal:
             if self.held.get(held.key) is not held:
                 return  # its handler has returned meanwhile: its settle hears the news
             del self.held[held.key]  # never renewed again, nor counted twice

@@ -90,11 +90,10 @@ def run(args: argparse.Namespace) -> int:
     """Run the verb; return its exit status."""
     handler = load_handler(args.handler)
     _configure_logging(args.log_level, args.log_format)
-    if args.concurrency < 1:
-        raise Usage("--concurrency must be at least 1")
-    try:
-        _work.timing(args.timeout, args.grace)
-    except _errors.InvalidInput as exc:  # as work() would say, before the store is opened
+    try:  # as work() would say, before the store is opened
+        for project in args.project or [None]:
+            _work.settings(args.owner, args.concurrency, args.timeout, project, args.grace)
+    except (_errors.InvalidInput, _errors.InvalidType) as exc:
         raise Usage(str(exc)) from exc
     if args.exclusive and args.project and len(args.project) > 1:
         raise Usage("--exclusive runs one worker alone: give it one --project at most")

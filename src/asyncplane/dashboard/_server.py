@@ -259,8 +259,8 @@ class Dashboard:
             origin = request.headers.get("Origin")
             if origin is not None and not _same_host(origin, request):
                 return _text(403, "a request from another site is refused")
+            form = await _form(request)  # one that cannot be read: refused before acting
             if not by_header:
-                form = await _form(request)
                 sent = request.headers.get("X-CSRF-Token") or form.get("csrf")
                 if not isinstance(sent, str) or not _equal(sent, self._csrf):
                     return _text(403, "missing or wrong CSRF token")
