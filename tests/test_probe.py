@@ -17,10 +17,11 @@ import sys
 import time
 from typing import Any
 
+import asyncpg
 import pytest
 
 from _fleet import COMMAND_LOOP
-from asyncplane import InvalidInput, probe
+from asyncplane import InvalidInput, probe, testing
 
 REQUIRED_KEYS = {
     "scenario", "workers", "items", "seconds", "items_per_s", "duplicates", "lost",
@@ -160,6 +161,56 @@ def test_an_existing_file_is_not_overwritten_without_asking(tmp_path: pathlib.Pa
     assert code == 2
     assert "exists" in err
     assert (tmp_path / "probe.db").read_bytes() == b"precious"
+    # Nor with it: --overwrite deletes an asyncplane store, never another file.
+    code, _, err = run_probe(tmp_path, "--scenario", "kill-and-reclaim", "--overwrite")
+    assert code == 2 and "not an asyncplane store" in err
+    assert (tmp_path / "probe.db").read_bytes() == b"precious"
+
+
+@pytest.mark.postgresql_only
+def test_overwrite_drops_no_schema_of_another_application(location_of: Any) -> None:
+    # Its tables share a store's names (items), which a drop of the store would take.
+    url = location_of("app")
+    asyncio.run(testing.execute_sql(url, "CREATE TABLE items (id int PRIMARY KEY, name text)"))
+    code, _, err = run_probe(lambda _: url, "--scenario", "kill-and-reclaim", "--overwrite")
+    assert code == 2 and "another application" in err
+
+    async def columns() -> list[str]:
+        conn = await asyncpg.connect(url)
+        try:
+            rows = await conn.fetch(
+                "SELECT column_name FROM information_schema.columns"
+                " WHERE table_schema = current_schema() AND table_name = 'items' ORDER BY 1"
+            )
+            return [row[0] for row in rows]
+        finally:
+            await conn.close()
+
+    assert asyncio.run(columns()) == ["id", "name"]
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (["--wait-seconds", "nan"], "--wait-seconds must be positive"),
+        (["--wait-seconds", "-1"], "--wait-seconds must be positive"),
+        (["--store", ""], "--store names no file"),
+    ],
+)
+def test_a_bad_option_is_a_usage_error(tmp_path: pathlib.Path, args: list[str], words: str) -> None:
+    code, _, err = run_probe(tmp_path, "--scenario", "kill-and-reclaim", *args)
+    assert code == 2 and words in err, err
+
+
+def test_a_store_the_probe_cannot_make_is_an_error_of_its_own_not_a_wrong_count(
+    tmp_path: pathlib.Path,
+) -> None:
+    # Exit 1 means a count was wrong: a directory given, or one that is not there, is not.
+    code, _, err = run_probe(tmp_path / "missing", "--scenario", "kill-and-reclaim")
+    assert code == 2 and "no directory" in err and "Traceback" not in err, err
+    (tmp_path / "probe.db").mkdir()
+    code, _, err = run_probe(tmp_path, "--scenario", "kill-and-reclaim", "--overwrite")
+    assert code == 2 and "is a directory" in err, err
 
 
 MOUNTINFO = """\

@@ -53,6 +53,7 @@ __all__ = (
     "PostgresBackend",
     "ServerClock",
     "TwinWakes",
+    "read_version",
     "redact",
 )
 
@@ -1516,7 +1517,7 @@ async def _copy_items(op: _backend.CopyOp, conn: asyncpg.Connection, now: float)
 # --- schema --------------------------------------------------------------------------------
 
 
-async def _read_version(conn: asyncpg.Connection) -> int:
+async def read_version(conn: asyncpg.Connection) -> int:
     """The schema version found, refusing a schema of another application or a newer one."""
     if await conn.fetchval(sql.CURRENT_SCHEMA) is None:
         raise _errors.NotAnAsyncplaneDatabase(
@@ -1543,7 +1544,7 @@ async def _migrate(conn: asyncpg.Connection) -> None:
     """Create or upgrade the schema, in one transaction, one process at a time."""
     async with conn.transaction():
         await conn.execute(sql.MIGRATION_LOCK)
-        version = await _read_version(conn)
+        version = await read_version(conn)
         for script in sql.MIGRATIONS[version:]:
             await conn.execute(script)
         if version != sql.SCHEMA_VERSION:
@@ -1553,7 +1554,7 @@ async def _migrate(conn: asyncpg.Connection) -> None:
 
 async def _check_current_schema(conn: asyncpg.Connection) -> None:
     """For a read-only opening: the schema must be a store of exactly this version."""
-    _rules.refuse_unreadable_schema(await _read_version(conn), sql.SCHEMA_VERSION, "schema")
+    _rules.refuse_unreadable_schema(await read_version(conn), sql.SCHEMA_VERSION, "schema")
 
 
 # --- reads ---------------------------------------------------------------------------------
@@ -1604,7 +1605,7 @@ async def _stats(conn: asyncpg.Connection, now: float | None) -> _backend.StoreS
         by_project = tuple(tuple(row) for row in await conn.fetch(sql.STATES_BY_PROJECT))
         oldest = await conn.fetchval(sql.OLDEST_READY)
         expired = await conn.fetchval(sql.EXPIRED_LEASES, now)
-        version = await _read_version(conn)
+        version = await read_version(conn)
     return _backend.StoreStats(by_project, oldest, expired, version)
 
 

@@ -74,10 +74,17 @@ async def schema_is_empty(url: str) -> bool:
 
 
 async def drop_store(url: str) -> None:
-    """Drop the store in the URL's schema, every table and function of it."""
+    """Drop the store in the URL's schema, every table and function of it; refused
+    (`NotAnAsyncplaneDatabase`) when the schema holds another application's tables, which
+    share names with a store's (items, projects, events) and would go with it."""
+    from asyncplane import _postgres
     from asyncplane import _postgres_sql as sql
 
-    await _on_server(url, lambda conn: conn.execute(sql.DROP_STORE))
+    async def drop(conn: Any) -> None:
+        await _postgres.read_version(conn)  # an asyncplane store, or refused
+        await conn.execute(sql.DROP_STORE)
+
+    await _on_server(url, drop)
 
 
 async def _on_server(url: str, fn: Callable[[Any], Awaitable[Any]]) -> Any:

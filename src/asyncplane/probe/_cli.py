@@ -18,6 +18,7 @@ from asyncplane import (
     _errors,
     _loops,
     _probe_support,
+    _sqlite,
     _store,
     _validate,
 )
@@ -51,7 +52,12 @@ async def run_probe(args: argparse.Namespace, *, progress: TextIO = sys.stderr) 
         report.workers = 0  # they run elsewhere, with --role worker
     if args.role == "worker":
         await _wait_for_store(args.store, args.wait_seconds)
-    _log.info("probe %s starting on %s (%s)", args.scenario, args.store, report.filesystem)
+    where = args.store
+    if _engine.is_postgres_url(where):
+        from asyncplane import _postgres  # the postgres extra: only for a URL
+
+        where = _postgres.redact(where)
+    _log.info("probe %s starting on %s (%s)", args.scenario, where, report.filesystem)
     async with _store.ControlStore(
         args.store, lease_seconds=args.lease_seconds, synchronous=args.synchronous
     ) as store:
@@ -120,11 +126,23 @@ def _prepare_path(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         if args.role != "worker":
             _loops.run(_prepare_schema(args, parser))
         return
+    if not args.store.strip():
+        parser.error("--store names no file")
     store = pathlib.Path(args.store)
     paths = [store, *(store.with_name(store.name + s) for s in ("-wal", "-shm"))]
+    if store.is_dir():
+        parser.error(f"{store} is a directory: name the store's file in it")
+    if not store.parent.is_dir():
+        parser.error(f"no directory {store.parent} to make the store in")
     if store.exists():
         if not args.overwrite:
             parser.error(f"{store} exists; the probe needs a fresh file (or --overwrite)")
+        try:  # --overwrite deletes a store, never another file given by mistake
+            _sqlite.vet_store_file(store)
+        except _errors.StorageError as exc:
+            parser.error(
+                f"{store} is not an asyncplane store ({exc}): --overwrite deletes a store only"
+            )
         for path in paths:
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
@@ -136,8 +154,8 @@ async def _prepare_schema(args: argparse.Namespace, parser: argparse.ArgumentPar
         if not fresh:
             if not args.overwrite:
                 parser.error(
-                    "the schema holds a store already; the probe needs a fresh one "
-                    "(another search_path, or --overwrite to drop this store's tables)"
+                    "the schema is not empty; the probe needs a fresh one (another "
+                    "search_path, or --overwrite to drop the asyncplane store there)"
                 )
             await _probe_support.drop_store(args.store)
     except _errors.AsyncplaneError as exc:
@@ -215,6 +233,8 @@ def main(argv: Sequence[str] | None = None, *, prog: str = "python -m asyncplane
         parser.error(str(exc))
     if not 0 < args.lease_seconds <= _validate.MAX_LEASE_SECONDS:
         parser.error("--lease-seconds must be positive, and at most 366 days")
+    if not 0 < args.wait_seconds <= _validate.MAX_DURATION_SECONDS:
+        parser.error("--wait-seconds must be positive, and at most a century")
     if args.role != "all" and args.scenario not in SPREADABLE:
         parser.error(f"--role {args.role} is for {' and '.join(SPREADABLE)} only")
     if args.role != "all" and not _engine.is_postgres_url(args.store):
@@ -223,7 +243,17 @@ def main(argv: Sequence[str] | None = None, *, prog: str = "python -m asyncplane
     warning = network_filesystem_warning(args.store, filesystem_of(args.store))
     if warning:
         print(warning, file=sys.stderr)
-    report = _loops.run(run_probe(args))
+    try:
+        report = _loops.run(run_probe(args))
+    except (
+        _errors.InvalidInput,
+        _errors.NotAnAsyncplaneDatabase,
+        _errors.SchemaVersionError,
+    ) as exc:
+        parser.error(str(exc))  # status 2: what was asked cannot be probed
+    except _errors.StorageError as exc:  # the disk or the server failed under the probe
+        print(f"{parser.prog}: the store failed: {exc}", file=sys.stderr)
+        return 3
     if args.json:
         print(json.dumps(report.as_dict()))
     else:
