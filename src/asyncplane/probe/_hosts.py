@@ -83,8 +83,9 @@ async def _coordinate(
         report.seconds = time.monotonic() - started
     finally:
         await _stop(progress, out)
-    report.items_per_s = args.items / report.seconds if report.seconds else 0.0
     await _check(report, store, ids, [])
+    drained = args.items - report.lost  # a drain cut short by the wait: its rate so far
+    report.items_per_s = drained / report.seconds if report.seconds else 0.0
     report.notes.append("counts from the database; each worker host checks its own records")
 
 

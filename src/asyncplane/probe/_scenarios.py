@@ -98,7 +98,9 @@ async def _chaos(
             if worker.process.returncode is None:
                 worker.kill()
                 await worker.wait()
-    report.items_per_s = args.items / report.seconds if report.seconds else 0.0
+    if args.role == "worker":  # this host's share: what its workers finished
+        report.items = sum(len(w.finished) for w in everyone)
+    report.items_per_s = report.items / report.seconds if report.seconds else 0.0
     if args.role == "worker":
         _check_workers(report, everyone)
     else:

@@ -160,13 +160,8 @@ async def _check(
     report.lost = sum(1 for item_id in ids if item_id not in done)
     report.re_executions = tally.takeovers
     report.ledger_problems = len(await _ledger.verify_ledger(store))
-    summaries = [w.summary for w in workers if w.summary is not None]
     _tally_workers(report, workers)
     report.locked_errors += sum(w.stderr.count(b"database is locked") for w in workers)
-    report.max_lock_wait_s = max((s.max_lock_wait for s in summaries), default=0.0)
-    report.worker_cpu_s = sum(s.cpu_s for s in summaries)
-    report.claim_p99_s = max((s.claim_p99 for s in summaries), default=0.0)
-    report.lock_held_s = sum(s.lock_held for s in summaries)
     report.expect("duplicates", report.duplicates, 0)
     report.expect("lost", report.lost, 0)
     report.expect("locked_errors", report.locked_errors, 0)
@@ -187,13 +182,18 @@ def _expect_heard(report: ProbeReport, workers: Sequence[_Worker]) -> None:
 
 
 def _tally_workers(report: ProbeReport, workers: Sequence[_Worker]) -> None:
-    """What the workers said of themselves: locked errors, fence refusals, how evenly
-    the work spread, which of them crashed (a killed one did not crash), and the event
-    loops they ran on."""
+    """What the workers said of themselves: locked errors, fence refusals, their waits,
+    CPU and claim latency, how evenly the work spread, which of them crashed (a killed
+    one did not crash), and the event loops they ran on (a worker host's report has
+    these too)."""
     report.event_loop = ",".join(sorted({w.event_loop for w in workers if w.event_loop}))
     summaries = [w.summary for w in workers if w.summary is not None]
     report.locked_errors = sum(s.locked for s in summaries)
     report.fence_rejections += sum(s.fence_rejected for s in summaries)
+    report.max_lock_wait_s = max((s.max_lock_wait for s in summaries), default=0.0)
+    report.worker_cpu_s = sum(s.cpu_s for s in summaries)
+    report.claim_p99_s = max((s.claim_p99 for s in summaries), default=0.0)
+    report.lock_held_s = sum(s.lock_held for s in summaries)
     counts = [len(w.finished) for w in workers if not w.killed]
     report.per_worker_min = min(counts, default=0)
     report.per_worker_max = max(counts, default=0)
