@@ -1013,12 +1013,9 @@ async def test_a_cancellation_storm_leaves_every_call_whole_or_undone(
             took.append((steps, seconds))
         most = max(steps for steps, _ in took[1:]) * 2 + 1
         longest = max(seconds for _, seconds in took[1:]) * 3
-        for r in range(CALIBRATION, case.rounds):
+
+        async def storm_round(r: int, steps: int, sleep: float | None) -> None:
             ctx = await case.setup(s, r)
-            sleep = rng.uniform(0, longest) if r % 5 == 0 else None
-            steps = (r - CALIBRATION) ** 2 * most // case.rounds**2
-            if r % 2:
-                steps = rng.randrange(most + 1)
             finished, result = await cancelled_after(case.call(s, ctx), steps, sleep)
             outcomes[finished] += 1
             if case.writes:
@@ -1026,6 +1023,20 @@ async def test_a_cancellation_storm_leaves_every_call_whole_or_undone(
             await case.check(s, ctx, finished, result)
             if case.writes and r % 4 == 0:
                 assert await verify_ledger(s.store) == [], f"round {r}"
+
+        for r in range(CALIBRATION, case.rounds):
+            sleep = rng.uniform(0, longest) if r % 5 == 0 else None
+            steps = (r - CALIBRATION) ** 2 * most // case.rounds**2
+            if r % 2:
+                steps = rng.randrange(most + 1)
+            await storm_round(r, steps, sleep)
+        # A loaded machine can stretch every call past the budgets the calibration gave:
+        # then more rounds, each with twice the budget, until one ends (or with none at
+        # all, until one is cut short).
+        for r in range(case.rounds, case.rounds + 16):
+            if outcomes[False] and outcomes[True]:
+                break
+            await storm_round(r, 0 if outcomes[True] else most << (r - case.rounds + 1), None)
         await case.final(s)
         assert await verify_ledger(s.store) == []
         assert await lock_is_free(s.store)
