@@ -7,6 +7,7 @@ store's back exits 1 and names the count that is wrong.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import os
@@ -612,3 +613,23 @@ async def test_a_worker_that_never_said_its_summary_runs_the_window_to_the_last_
     await drained
     assert report.shutdown_s == 0.0  # the window ran to the last exit
     assert report.seconds > workers[0].summary_at - started
+
+
+async def test_a_worker_is_given_its_store_off_the_process_list(tmp_path: pathlib.Path) -> None:
+    # A command line is everyone's to read (ps); an environment is its owner's.
+    from asyncplane.probe import _workers
+
+    store = tmp_path / "s3cret.db"
+    args = argparse.Namespace(
+        store=str(store), concurrency=1, lease_seconds=1.0, synchronous="NORMAL"
+    )
+    worker = await _workers._spawn(args, "w0")
+    try:
+        await worker.ready.wait()  # its store open: it read where from its environment
+        proc = pathlib.Path(f"/proc/{worker.process.pid}")
+        command_line, environment = (proc / "cmdline").read_bytes(), (proc / "environ").read_bytes()
+    finally:
+        worker.kill()
+        await worker.wait()
+    assert b"s3cret" not in command_line and b"s3cret" in environment
+    assert store.exists()

@@ -13,6 +13,7 @@ import json
 from typing import Any, Literal, TypeAlias
 
 __all__ = (
+    "STORE_VARIABLE",
     "Claimed",
     "Finished",
     "FinishedMany",
@@ -23,6 +24,11 @@ __all__ = (
     "decode",
     "encode",
 )
+
+
+#: Where the probe gives a worker its store: a URL's password stays off the process list
+#: (a process's environment is its owner's to read; its command line is everyone's).
+STORE_VARIABLE = "ASYNCPLANE_PROBE_STORE"
 
 
 @dataclasses.dataclass(frozen=True)

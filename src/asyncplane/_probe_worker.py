@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 import time
 
@@ -216,7 +217,11 @@ async def _hold(store: _store.ControlStore, args: argparse.Namespace, tally: _Ta
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m asyncplane._probe_worker")
-    parser.add_argument("--store", required=True)
+    parser.add_argument(
+        "--store", default=os.environ.get(_probe_protocol.STORE_VARIABLE),
+        help=f"the store (default: ${_probe_protocol.STORE_VARIABLE}, which keeps a URL's "
+        "password off the process list)",
+    )  # fmt: skip
     parser.add_argument("--name", required=True)
     parser.add_argument("--mode", choices=("drain", "hold"), default="drain")
     parser.add_argument("--concurrency", type=int, default=1)
@@ -229,7 +234,10 @@ def main(argv: list[str] | None = None) -> int:
         help="say the finished items once the drain is over, not at every turn's end",
     )  # fmt: skip
     parser.add_argument("--fault", choices=_probe_support.FAULTS)
-    return _loops.run(_main(parser.parse_args(argv)))
+    args = parser.parse_args(argv)
+    if not args.store:
+        parser.error(f"--store, or ${_probe_protocol.STORE_VARIABLE}, names the store")
+    return _loops.run(_main(args))
 
 
 if __name__ == "__main__":

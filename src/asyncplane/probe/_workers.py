@@ -7,6 +7,7 @@ import argparse
 import asyncio
 import collections
 import contextlib
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -94,8 +95,7 @@ async def _spawn(
     args: argparse.Namespace, name: str, *extra: str, lease_seconds: float | None = None
 ) -> _Worker:
     command = [
-        sys.executable, "-m", "asyncplane._probe_worker",
-        "--store", str(args.store), "--name", name,
+        sys.executable, "-m", "asyncplane._probe_worker", "--name", name,
         "--concurrency", str(args.concurrency),
         "--lease-seconds", str(lease_seconds or args.lease_seconds),
         "--synchronous", args.synchronous,
@@ -103,6 +103,7 @@ async def _spawn(
     ]  # fmt: skip
     process = await asyncio.create_subprocess_exec(
         *command,
+        env={**os.environ, _probe_protocol.STORE_VARIABLE: str(args.store)},
         stdin=asyncio.subprocess.PIPE,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
