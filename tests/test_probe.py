@@ -395,6 +395,24 @@ async def test_a_worker_host_starts_only_once_the_coordinator_opens_the_project(
     assert await _hosts._seeded_ids(asyncplane_store, 0) == []
 
 
+@pytest.mark.postgresql_only
+def test_a_worker_host_does_not_take_an_earlier_runs_drained_store_for_its_items(
+    location_of: Any,
+) -> None:
+    # It waits for a coordinator seeding this run's items: it does not pass having
+    # drained nothing (nor hold the store open while the coordinator drops it).
+    url = location_of("earlier")
+    code, report, err = run_probe(
+        lambda _: url, "--scenario", "concurrent-queue", "--items", "20", "--workers", "2"
+    )
+    assert code == 0 and report is not None, err
+    code, _, err = run_probe(
+        lambda _: url, "--scenario", "concurrent-queue", "--role", "worker",
+        "--workers", "2", "--wait-seconds", "0.5",
+    )  # fmt: skip
+    assert code == 2 and "no probe items appeared within 0.5 s" in err, err
+
+
 def test_roles_need_a_server_database_and_a_spreadable_scenario(tmp_path: pathlib.Path) -> None:
     code, _, err = run_probe(tmp_path, "--scenario", "concurrent-queue", "--role", "worker")
     assert code == 2 and "PostgreSQL" in err

@@ -2149,6 +2149,13 @@ LEDGER_CHECKS: Final[tuple[tuple[str, str], ...]] = (
 # --- the probe's tools ------------------------------------------------------------------
 # A schema is fresh when it holds none of a store's tables.
 STORE_TABLES: Final = ("asyncplane_meta", "projects", "assignments", "items", "events", "imports")
+# The probe's worker hosts start once its project is being seeded or has items to drain
+# ($1 the project).
+PROBE_ITEMS_COMING: Final = """
+SELECT EXISTS (SELECT 1 FROM projects WHERE project_id = $1 AND status = 'paused')
+    OR EXISTS (SELECT 1 FROM items
+               WHERE project_id = $1 AND state IN ('ready', 'deferred', 'claimed'))
+"""
 COUNT_STORE_TABLES: Final = """
 SELECT count(*) FROM pg_catalog.pg_tables
 WHERE schemaname = current_schema() AND tablename = ANY($1::text[])

@@ -2,9 +2,9 @@
 
 The probe's self-test breaks a run on purpose, behind the store's back, the way a buggy
 writer would (`inject_fault`), to show that its checks catch a double report or a lost
-item; the probe also clears a PostgreSQL schema it ran in (`drop_store`) and waits for a
-coordinator's schema to fill (`schema_is_empty`). None of this is part of a store's
-operations, so none of it lives in the backends.
+item; the probe also clears a PostgreSQL schema it ran in (`drop_store`), looks for a fresh
+one (`schema_is_empty`) and waits for a coordinator's items (`probe_items_coming`). None
+of this is part of a store's operations, so none of it lives in the backends.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import anyio.to_thread
 
 from asyncplane import _connection, _engine, _errors
 
-__all__ = ("FAULTS", "drop_store", "inject_fault", "schema_is_empty")
+__all__ = ("FAULTS", "drop_store", "inject_fault", "probe_items_coming", "schema_is_empty")
 
 Fault = Literal["duplicate-finish", "delete-item"]
 #: The faults the probe's self-test can inject.
@@ -71,6 +71,19 @@ async def schema_is_empty(url: str) -> bool:
         return int(await conn.fetchval(sql.COUNT_STORE_TABLES, list(sql.STORE_TABLES)))
 
     return bool(await _on_server(url, count) == 0)
+
+
+async def probe_items_coming(url: str, project: str) -> bool:
+    """Whether the URL's schema holds a store whose ``project`` is being seeded (paused)
+    or has items to drain: a worker host's sign to start."""
+    from asyncplane import _postgres_sql as sql
+
+    async def look(conn: Any) -> bool:
+        return bool(await conn.fetchval(sql.META_EXISTS)) and bool(
+            await conn.fetchval(sql.PROBE_ITEMS_COMING, project)
+        )
+
+    return bool(await _on_server(url, look))
 
 
 async def drop_store(url: str) -> None:

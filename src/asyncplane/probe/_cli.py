@@ -23,7 +23,7 @@ from asyncplane import (
     _validate,
 )
 from asyncplane.probe._filesystem import filesystem_of, network_filesystem_warning
-from asyncplane.probe._report import ROLES, SCENARIOS, SPREADABLE, ProbeReport
+from asyncplane.probe._report import _PROJECT, ROLES, SCENARIOS, SPREADABLE, ProbeReport
 from asyncplane.probe._scenarios import _RUNNERS
 
 _log = logging.getLogger("asyncplane.probe")
@@ -67,13 +67,14 @@ async def run_probe(args: argparse.Namespace, *, progress: TextIO = sys.stderr) 
 
 
 async def _wait_for_store(url: str, wait_seconds: float) -> None:
-    """A worker host opens nothing before the coordinator has made the store (its opening
-    would make the schema look used, and the coordinator insists on a fresh one)."""
+    """A worker host opens nothing before the coordinator has made the store and is
+    seeding it (its opening would make the schema look used, and the coordinator insists
+    on a fresh one); a store an earlier run left, drained, is not the coordinator's."""
     deadline = time.monotonic() + wait_seconds
-    while await _probe_support.schema_is_empty(url):
+    while not await _probe_support.probe_items_coming(url, _PROJECT):
         if time.monotonic() > deadline:
             raise _errors.InvalidInput(
-                f"no store appeared within {wait_seconds:g} s: start the coordinator "
+                f"no probe items appeared within {wait_seconds:g} s: start the coordinator "
                 "(--role coordinator) on the same store"
             )
         await asyncio.sleep(0.2)
