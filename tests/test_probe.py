@@ -10,12 +10,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import os
 import pathlib
 import re
 import subprocess
 import sys
 import time
+import urllib.parse
 from typing import Any
 
 import asyncpg
@@ -188,6 +190,67 @@ def test_overwrite_drops_no_schema_of_another_application(location_of: Any) -> N
             await conn.close()
 
     assert asyncio.run(columns()) == ["id", "name"]
+
+
+@pytest.mark.postgresql_only
+def test_overwrite_drops_no_store_beside_another_applications_tables(location_of: Any) -> None:
+    # A view of the store's items and a table of its own: a drop would take the view along.
+    url = location_of("beside")
+    code, _, err = run_probe(lambda _: url, "--scenario", "kill-and-reclaim")
+    assert code == 0, err
+    asyncio.run(
+        testing.execute_sql(
+            url, "CREATE VIEW app_view AS SELECT item_id FROM items; CREATE TABLE app (n int)"
+        )
+    )
+    code, _, err = run_probe(lambda _: url, "--scenario", "kill-and-reclaim", "--overwrite")
+    assert code == 2 and "nothing was dropped" in err, err
+
+    async def relations() -> list[str]:
+        conn = await asyncpg.connect(url)
+        try:
+            rows = await conn.fetch(
+                "SELECT relname FROM pg_class JOIN pg_namespace n ON n.oid = relnamespace"
+                " WHERE nspname = current_schema() AND relname IN ('app', 'app_view', 'items')"
+            )
+            return sorted(row[0] for row in rows)
+        finally:
+            await conn.close()
+
+    assert asyncio.run(relations()) == ["app", "app_view", "items"]
+
+
+def test_a_server_that_cannot_be_reached_exits_3_and_shows_no_password(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # 3: the store failed under the probe (not 1, a wrong count; not 2, a usage error).
+    url = "postgresql://app:s3cret@127.0.0.1:1/x?search_path=s"
+    assert probe.main(["--store", url, "--scenario", "stall"]) == 3
+    err = capsys.readouterr().err
+    assert "the store failed" in err and "s3cret" not in err and "app:***@" in err
+
+
+@pytest.mark.postgresql_only
+def test_the_probes_log_shows_no_password(
+    location_of: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    parts = urllib.parse.urlsplit(location_of("logged"))
+    url = urllib.parse.urlunsplit(
+        parts._replace(netloc=f"{parts.username}:s3cret@{parts.hostname or ''}")
+    )
+    with caplog.at_level(logging.INFO, logger="asyncplane.probe"):
+        assert probe.main(["--store", url, "--scenario", "kill-and-reclaim", "--json"]) == 0
+    assert "starting on" in caplog.text
+    assert "s3cret" not in caplog.text and ":***@" in caplog.text
+
+
+def test_the_store_may_come_from_the_environment(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # So that a URL's password stays off the process list of the probe itself too.
+    monkeypatch.setenv("ASYNCPLANE_PROBE_STORE", str(tmp_path / "from_env.db"))
+    assert probe.main(["--scenario", "kill-and-reclaim", "--json"]) == 0
+    assert (tmp_path / "from_env.db").exists()
 
 
 @pytest.mark.parametrize(

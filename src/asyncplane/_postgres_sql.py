@@ -2151,10 +2151,9 @@ LEDGER_CHECKS: Final[tuple[tuple[str, str], ...]] = (
 STORE_TABLES: Final = ("asyncplane_meta", "projects", "assignments", "items", "events", "imports")
 # The probe's worker hosts start once its project is being seeded or has items to drain
 # ($1 the project).
-PROBE_ITEMS_COMING: Final = """
+PROBE_ITEMS_COMING: Final = f"""
 SELECT EXISTS (SELECT 1 FROM projects WHERE project_id = $1 AND status = 'paused')
-    OR EXISTS (SELECT 1 FROM items
-               WHERE project_id = $1 AND state IN ('ready', 'deferred', 'claimed'))
+    OR EXISTS (SELECT 1 FROM items WHERE project_id = $1 AND state IN {_LIVE_STATES})
 """
 COUNT_STORE_TABLES: Final = """
 SELECT count(*) FROM pg_catalog.pg_tables
@@ -2162,17 +2161,29 @@ WHERE schemaname = current_schema() AND tablename = ANY($1::text[])
 """
 # Everything the migrations made, for the probe's --overwrite (a test holds it whole: a
 # store dropped leaves its schema as empty as it found it).
-DROP_STORE: Final = """
-DROP TABLE IF EXISTS asyncplane_meta, assignments, imports, events, items, projects,
-    project_limits, schedules, schedule_ticks, awaited, twin_checks CASCADE;
+_STORE_RELATIONS: Final = (
+    "asyncplane_meta", "assignments", "imports", "events", "items", "projects",
+    "project_limits", "schedules", "schedule_ticks", "awaited", "twin_checks",
+)  # fmt: skip
+# The tables and views of a schema beside a store's own ($1: those): another
+# application's, which a drop of the store would take along (its views, its foreign keys).
+OTHER_RELATIONS: Final = """
+SELECT count(*) FROM pg_catalog.pg_class AS c
+JOIN pg_catalog.pg_namespace AS n ON n.oid = c.relnamespace
+WHERE n.nspname = current_schema() AND c.relkind IN ('r', 'v', 'm', 'p', 'f')
+  AND NOT c.relname = ANY($1::text[])
+"""
+DROP_STORE: Final = f"""
+DROP TABLE IF EXISTS {", ".join(_STORE_RELATIONS)};
 DROP FUNCTION IF EXISTS asyncplane_refuse_event_update(), asyncplane_refuse_event_delete(),
     asyncplane_notify(), asyncplane_notify_settled(), asyncplane_twin_arrives(),
     asyncplane_line_moves_on(), asyncplane_take_limits(text, text, text[]),
     asyncplane_slot_freed(), asyncplane_limited(text), asyncplane_twin_pair(),
     asyncplane_twin_may_start(text, text, bigint),
     asyncplane_settle_twins(text, text, bigint, text, float8, text, text, text, text),
-    asyncplane_twin_deferred(), asyncplane_twins_waited(text[], text[]) CASCADE;
+    asyncplane_twin_deferred(), asyncplane_twins_waited(text[], text[]);
 """
+STORE_RELATIONS: Final = _STORE_RELATIONS
 
 # --- schedules -----------------------------------------------------------------------------
 # As on SQLite (see its SQL). A run takes the due schedules' rows, skipping those another

@@ -76,12 +76,13 @@ async def schema_is_empty(url: str) -> bool:
 async def probe_items_coming(url: str, project: str) -> bool:
     """Whether the URL's schema holds a store whose ``project`` is being seeded (paused)
     or has items to drain: a worker host's sign to start."""
+    from asyncplane import _postgres
     from asyncplane import _postgres_sql as sql
 
     async def look(conn: Any) -> bool:
-        return bool(await conn.fetchval(sql.META_EXISTS)) and bool(
-            await conn.fetchval(sql.PROBE_ITEMS_COMING, project)
-        )
+        if not await _postgres.read_version(conn):  # no store yet (or no such schema: refused)
+            return False
+        return bool(await conn.fetchval(sql.PROBE_ITEMS_COMING, project))
 
     return bool(await _on_server(url, look))
 
@@ -94,8 +95,14 @@ async def drop_store(url: str) -> None:
     from asyncplane import _postgres_sql as sql
 
     async def drop(conn: Any) -> None:
-        await _postgres.read_version(conn)  # an asyncplane store, or refused
-        await conn.execute(sql.DROP_STORE)
+        async with conn.transaction():
+            await _postgres.read_version(conn)  # an asyncplane store, or refused
+            if await conn.fetchval(sql.OTHER_RELATIONS, list(sql.STORE_RELATIONS)):
+                raise _errors.NotAnAsyncplaneDatabase(
+                    "the schema holds another application's tables beside the store, which "
+                    "a drop could take along: nothing was dropped"
+                )
+            await conn.execute(sql.DROP_STORE)
 
     await _on_server(url, drop)
 

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import pathlib
 import sys
 import time
@@ -17,6 +18,7 @@ from asyncplane import (
     _engine,
     _errors,
     _loops,
+    _probe_protocol,
     _probe_support,
     _sqlite,
     _store,
@@ -27,6 +29,9 @@ from asyncplane.probe._report import _PROJECT, ROLES, SCENARIOS, SPREADABLE, Pro
 from asyncplane.probe._scenarios import _RUNNERS
 
 _log = logging.getLogger("asyncplane.probe")
+
+#: What the probe cannot run on as asked: a usage error (status 2), as the verbs say it.
+_UNPROBEABLE = (_errors.InvalidInput, _errors.NotAnAsyncplaneDatabase, _errors.SchemaVersionError)
 
 # --- running and reporting -----------------------------------------------------------------
 
@@ -75,7 +80,7 @@ async def _wait_for_store(url: str, wait_seconds: float) -> None:
         if time.monotonic() > deadline:
             raise _errors.InvalidInput(
                 f"no probe items appeared within {wait_seconds:g} s: start the coordinator "
-                "(--role coordinator) on the same store"
+                "(--role coordinator) on the same store (or this run had drained already)"
             )
         await asyncio.sleep(0.2)
 
@@ -89,9 +94,14 @@ def _parser(prog: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=prog,
         description="Qualify a disk for an asyncplane store: separate worker processes, "
-        "exact counts. Exits 0 when every count is exactly right, 1 otherwise.",
+        "exact counts. Exits 0 when every count is exactly right, 1 when one is not, 2 for "
+        "a usage error, 3 when the store failed under it.",
     )
-    parser.add_argument("--store", required=True, help="the database file, or a postgresql:// URL")
+    parser.add_argument(
+        "--store", default=os.environ.get(_probe_protocol.STORE_VARIABLE),
+        help="the database file, or a postgresql:// URL (default: "
+        f"${_probe_protocol.STORE_VARIABLE}, which keeps a URL's password off the process list)",
+    )  # fmt: skip
     parser.add_argument("--scenario", required=True, choices=SCENARIOS)
     parser.add_argument("--workers", type=int, default=16, help="worker processes")
     parser.add_argument("--items", type=int, default=10_000, help="items to drain")
@@ -102,7 +112,9 @@ def _parser(prog: str) -> argparse.ArgumentParser:
     parser.add_argument("--synchronous", choices=("NORMAL", "FULL"), default="NORMAL")
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     parser.add_argument(
-        "--overwrite", action="store_true", help="delete an existing file at --store first"
+        "--overwrite",
+        action="store_true",
+        help="delete an existing store at --store first (nothing that is not one)",
     )
     parser.add_argument("--seed", type=int, default=None, help="seed for the chaos victims")
     parser.add_argument(
@@ -159,7 +171,7 @@ async def _prepare_schema(args: argparse.Namespace, parser: argparse.ArgumentPar
                     "search_path, or --overwrite to drop the asyncplane store there)"
                 )
             await _probe_support.drop_store(args.store)
-    except _errors.AsyncplaneError as exc:
+    except _UNPROBEABLE as exc:  # a server that fails is the store failing: main says so
         parser.error(str(exc))
 
 
@@ -218,12 +230,13 @@ def _human(report: ProbeReport) -> str:
 
 
 def main(argv: Sequence[str] | None = None, *, prog: str = "python -m asyncplane.probe") -> int:
-    """Run the probe from the command line; return the exit status (0 passed, 1 failed).
-
-    Usage errors exit with status 2 through argparse's SystemExit, as any command does.
-    """
+    """Run the probe from the command line; return the exit status: 0 passed, 1 a count
+    was wrong, 3 the store (the disk, the server) failed under it. Usage errors exit with
+    status 2 through argparse's SystemExit, as any command does."""
     parser = _parser(prog)
     args = parser.parse_args(argv)
+    if args.store is None:
+        parser.error(f"--store (or ${_probe_protocol.STORE_VARIABLE}) names the store to probe")
     if args.workers < 1 or args.items < 1 or args.concurrency < 1:
         parser.error("--workers, --items and --concurrency must be at least 1")
     if args.lease_seconds is None:
@@ -240,17 +253,13 @@ def main(argv: Sequence[str] | None = None, *, prog: str = "python -m asyncplane
         parser.error(f"--role {args.role} is for {' and '.join(SPREADABLE)} only")
     if args.role != "all" and not _engine.is_postgres_url(args.store):
         parser.error("--role is for a PostgreSQL store: an SQLite file lives on one host")
-    _prepare_path(args, parser)
-    warning = network_filesystem_warning(args.store, filesystem_of(args.store))
-    if warning:
-        print(warning, file=sys.stderr)
     try:
+        _prepare_path(args, parser)
+        warning = network_filesystem_warning(args.store, filesystem_of(args.store))
+        if warning:
+            print(warning, file=sys.stderr)
         report = _loops.run(run_probe(args))
-    except (
-        _errors.InvalidInput,
-        _errors.NotAnAsyncplaneDatabase,
-        _errors.SchemaVersionError,
-    ) as exc:
+    except _UNPROBEABLE as exc:
         parser.error(str(exc))  # status 2: what was asked cannot be probed
     except _errors.StorageError as exc:  # the disk or the server failed under the probe
         print(f"{parser.prog}: the store failed: {exc}", file=sys.stderr)
