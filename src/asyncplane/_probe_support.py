@@ -12,14 +12,16 @@ from __future__ import annotations
 import asyncio
 import sqlite3
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Final, Literal
 
 import anyio.to_thread
 
-from asyncplane import _connection, _engine, _errors
+from asyncplane import _connection, _engine, _errors, _models
 
-__all__ = ("FAULTS", "drop_store", "inject_fault", "probe_items_coming", "schema_is_empty")
+__all__ = (
+    "FAULTS", "drained", "drop_store", "inject_fault", "probe_items_coming", "schema_is_empty",
+)  # fmt: skip
 
 Fault = Literal["duplicate-finish", "delete-item"]
 #: The faults the probe's self-test can inject.
@@ -61,6 +63,12 @@ def _inject_sqlite(path: str, fault: Fault) -> None:
         raise _connection.translate(exc) from exc
     finally:
         conn.close()
+
+
+def drained(counts: Mapping[str, int]) -> bool:
+    """Whether a store's counts (`ControlStore.counts`) leave nothing to drain: no item in
+    a live state (a claimed one's lapsed lease is taken over in time)."""
+    return not any(counts[state] for state in _models.LIVE_STATES)
 
 
 async def schema_is_empty(url: str) -> bool:

@@ -143,7 +143,7 @@ async def _drain_one(
             if not until_drained:
                 return
             counts = await store.counts()
-            if counts["ready"] == 0 and counts["claimed"] == 0:
+            if _probe_support.drained(counts):
                 return
             await asyncio.sleep(_IDLE_POLL_SECONDS)  # a lapsed lease is a matter of time
             continue

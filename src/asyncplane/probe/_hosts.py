@@ -13,6 +13,7 @@ from typing import TextIO
 
 from asyncplane import (
     _errors,
+    _probe_support,
     _store,
 )
 from asyncplane.probe._report import _PROJECT, ProbeReport
@@ -71,7 +72,7 @@ async def _coordinate(
     try:
         while True:
             counts = await store.counts()
-            if counts["ready"] == 0 and counts["claimed"] == 0 and counts["deferred"] == 0:
+            if _probe_support.drained(counts):
                 break
             if time.monotonic() > deadline:
                 report.failures.append(

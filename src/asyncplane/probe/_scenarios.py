@@ -13,6 +13,7 @@ from asyncplane import (
     _clock,
     _errors,
     _probe_protocol,
+    _probe_support,
     _store,
 )
 from asyncplane.probe._hosts import _check_workers, _coordinate, _seeded_ids, _work_here
@@ -80,7 +81,7 @@ async def _chaos(
     try:
         while True:
             counts = await store.counts()
-            if counts["ready"] == 0 and counts["claimed"] == 0:
+            if _probe_support.drained(counts):
                 break
             await asyncio.sleep(_KILL_EVERY_SECONDS)
             victim = rng.choice(live)
