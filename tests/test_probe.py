@@ -170,6 +170,19 @@ def test_an_existing_file_is_not_overwritten_without_asking(tmp_path: pathlib.Pa
     assert (tmp_path / "probe.db").read_bytes() == b"precious"
 
 
+def first_column(url: str, query: str) -> list[Any]:
+    """The first column of ``query``'s rows on the server at ``url``, sorted."""
+
+    async def fetch() -> list[Any]:
+        conn = await asyncpg.connect(url)
+        try:
+            return sorted(row[0] for row in await conn.fetch(query))
+        finally:
+            await conn.close()
+
+    return asyncio.run(fetch())
+
+
 @pytest.mark.postgresql_only
 def test_overwrite_drops_no_schema_of_another_application(location_of: Any) -> None:
     # Its tables share a store's names (items), which a drop of the store would take.
@@ -178,18 +191,12 @@ def test_overwrite_drops_no_schema_of_another_application(location_of: Any) -> N
     code, _, err = run_probe(lambda _: url, "--scenario", "kill-and-reclaim", "--overwrite")
     assert code == 2 and "another application" in err
 
-    async def columns() -> list[str]:
-        conn = await asyncpg.connect(url)
-        try:
-            rows = await conn.fetch(
-                "SELECT column_name FROM information_schema.columns"
-                " WHERE table_schema = current_schema() AND table_name = 'items' ORDER BY 1"
-            )
-            return [row[0] for row in rows]
-        finally:
-            await conn.close()
-
-    assert asyncio.run(columns()) == ["id", "name"]
+    columns = first_column(
+        url,
+        "SELECT column_name FROM information_schema.columns"
+        " WHERE table_schema = current_schema() AND table_name = 'items'",
+    )
+    assert columns == ["id", "name"]
 
 
 @pytest.mark.postgresql_only
@@ -206,18 +213,12 @@ def test_overwrite_drops_no_store_beside_another_applications_tables(location_of
     code, _, err = run_probe(lambda _: url, "--scenario", "kill-and-reclaim", "--overwrite")
     assert code == 2 and "nothing was dropped" in err, err
 
-    async def relations() -> list[str]:
-        conn = await asyncpg.connect(url)
-        try:
-            rows = await conn.fetch(
-                "SELECT relname FROM pg_class JOIN pg_namespace n ON n.oid = relnamespace"
-                " WHERE nspname = current_schema() AND relname IN ('app', 'app_view', 'items')"
-            )
-            return sorted(row[0] for row in rows)
-        finally:
-            await conn.close()
-
-    assert asyncio.run(relations()) == ["app", "app_view", "items"]
+    relations = first_column(
+        url,
+        "SELECT relname FROM pg_class JOIN pg_namespace n ON n.oid = relnamespace"
+        " WHERE nspname = current_schema() AND relname IN ('app', 'app_view', 'items')",
+    )
+    assert relations == ["app", "app_view", "items"]
 
 
 def test_a_server_that_cannot_be_reached_exits_3_and_shows_no_password(
