@@ -1001,6 +1001,20 @@ async def _claimed_elsewhere_once_settled(
     assert await verify_ledger(here) == []
 
 
+@contextlib.asynccontextmanager
+async def _two_stores(url: str) -> AsyncIterator[tuple[ControlStore, ControlStore]]:
+    """Two stores on the schema at ``url`` (here, and a process elsewhere), project "p"
+    made: where a twin arrives and where it is claimed."""
+    async with ControlStore(url) as here, ControlStore(url) as there:
+        await here.create_project("p", "P")
+        yield here, there
+
+
+async def _an_hour_on(url: str) -> float:
+    """The server's time an hour from now: when a deferred item falls due in no test."""
+    return float((await sql(url, SERVER_NOW))[0][0]) + 3600
+
+
 class _HeldArrival:
     """A ready twin of content x in project p, enqueued (row and event, as the store
     writes them) by a round of ``backend``'s writer whose transaction stays open until
@@ -1045,8 +1059,7 @@ async def test_a_twin_that_arrives_while_its_running_twin_settles_is_claimed_at_
     # behind the running one (the settle had its row), so it committed first: its NOTIFY
     # woke drainers that still saw its twin running, and the settle sends none. The
     # twin's process wakes them again once the settle has committed (migration 13).
-    async with ControlStore(url) as here, ControlStore(url) as there:
-        await here.create_project("p", "P")
+    async with _two_stores(url) as (here, there):
         running = await here.enqueue("p", {"n": "R"}, fingerprint="x", dedup=False)
         claim = await here.claim("w")
         assert claim is not None and claim.item_id == running
@@ -1071,9 +1084,8 @@ async def test_a_twin_unheld_while_its_twin_is_claimed_and_settled_is_claimed(ur
     # begins: the claim and the settle's look both came before the arrival committed.
     # Unheld beside a live twin, it tells its process, which wakes the drainers once the
     # settle has committed (migration 13).
-    async with ControlStore(url) as here, ControlStore(url) as there:
-        await here.create_project("p", "P")
-        later = (await sql(url, SERVER_NOW))[0][0] + 3600
+    async with _two_stores(url) as (here, there):
+        later = await _an_hour_on(url)
         due = await here.enqueue("p", {"n": "R"}, fingerprint="x", dedup=False, not_before=later)
         await sql(url, "UPDATE items SET due_at = 0 WHERE item_id = $1", due)
         arrival = _HeldArrival(await here._engine.ready())
@@ -1091,8 +1103,7 @@ async def test_a_twin_behind_one_a_claimer_is_taking_is_claimed_after_that_ones_
     # cannot wait behind it and stays claimable beside it. Before it commits, that claim
     # commits and the claimed twin's settle begins, looking before the arrival committed.
     # Unheld beside a live twin, it tells its process (migration 13).
-    async with ControlStore(url) as here, ControlStore(url) as there:
-        await here.create_project("p", "P")
+    async with _two_stores(url) as (here, there):
         ahead = await here.enqueue("p", {"n": "A"}, fingerprint="x", dedup=False, priority=1)
         arrival = _HeldArrival(await here._engine.ready())
         claimer = await asyncpg.connect(url)
@@ -1142,7 +1153,7 @@ async def test_a_twin_told_of_while_its_contents_look_is_under_way_is_looked_at_
         monkeypatch.setattr(
             pg_sql, "TWINS_WAITED", "SELECT busy, woken, running FROM test_gated($1, $2)"
         )
-        later = (await sql(url, SERVER_NOW))[0][0] + 3600
+        later = await _an_hour_on(url)
         gate = await asyncpg.connect(url)
         try:
             await gate.execute("SELECT pg_advisory_lock(4242)")
@@ -1172,9 +1183,8 @@ async def test_a_deferred_item_given_a_settling_twins_fingerprint_is_claimed_whe
     # the running twin of that content settles: the drainers' alarms leave it out from
     # then on, and the settle's look came before it was a twin. Its process wakes them
     # once the settle has committed (migration 13).
-    async with ControlStore(url) as here, ControlStore(url) as there:
-        await here.create_project("p", "P")
-        later = (await sql(url, SERVER_NOW))[0][0] + 3600
+    async with _two_stores(url) as (here, there):
+        later = await _an_hour_on(url)
         item = await here.enqueue("p", {"n": "D"}, not_before=later)
         running = await here.enqueue("p", {"n": "R"}, fingerprint="x", dedup=False)
         claim = await here.claim("w")
