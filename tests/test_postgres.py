@@ -749,6 +749,15 @@ async def _settle_during_a_cancel(
     await settling
 
 
+async def _a_running_twin(store: ControlStore) -> Any:
+    """The claim of an item of content "x" in project "p" (made here): a running twin."""
+    await store.create_project("p", "P")
+    running = await store.enqueue("p", {"n": "R"}, fingerprint="x", dedup=False)
+    claim = await store.claim("w")
+    assert claim is not None and claim.item_id == running
+    return claim
+
+
 async def test_a_held_twin_cancelled_while_its_running_twin_settles_hands_the_place_on(
     url: str,
 ) -> None:
@@ -756,10 +765,8 @@ async def test_a_held_twin_cancelled_while_its_running_twin_settles_hands_the_pl
     # transaction is cancelling that very twin: it must look again, not free a cancelled
     # row and leave the rest of the line held behind nothing.
     async with ControlStore(url) as store:
-        await store.create_project("p", "P")
-        running = await store.enqueue("p", {"n": "R"}, fingerprint="x", dedup=False)
-        claim = await store.claim("w")
-        assert claim is not None and claim.item_id == running
+        claim = await _a_running_twin(store)
+        running = claim.item_id
         first, second = [
             await store.enqueue("p", {"n": n}, fingerprint="x", dedup=False) for n in (1, 2)
         ]
@@ -779,10 +786,8 @@ async def test_two_moves_of_one_line_at_once_hand_the_place_on_once(url: str) ->
     # Each move's trigger, alone, would leave the handing-on to the other: one at a time,
     # the second sees the first's, and the held twin gets the place.
     async with ControlStore(url) as store:
-        await store.create_project("p", "P")
-        running = await store.enqueue("p", {"n": "R"}, fingerprint="x", dedup=False)
-        claim = await store.claim("w")
-        assert claim is not None and claim.item_id == running
+        claim = await _a_running_twin(store)
+        running = claim.item_id
         conn = await asyncpg.connect(url)
         try:
             renewal = conn.transaction()
@@ -1135,10 +1140,7 @@ async def test_a_twin_told_of_while_its_contents_look_is_under_way_is_looked_at_
     # of while it ran (a settle may have looked before that one committed, and after the
     # look) is looked at again, not forgotten with the answer.
     async with ControlStore(url) as store:
-        await store.create_project("p", "P")
-        running = await store.enqueue("p", {"n": "R"}, fingerprint="x", dedup=False)
-        claim = await store.claim("w")
-        assert claim is not None and claim.item_id == running
+        await _a_running_twin(store)
         wakes = (await store._engine.ready()).twin_wakes
         assert wakes is not None
         # The look, held after it has looked until the test lets it answer.
