@@ -512,7 +512,9 @@ async def test_malformed_requests_get_plain_refusals(store: ControlStore) -> Non
     async with serving(store, allow_actions=True) as (dashboard, url, session):
         port = url.rsplit(":", 1)[1]
         assert (await text(session, url + "/", headers={"Host": "[::1"}))[0] == 421
-        assert (await text(session, url + "/items/%C2%B2"))[0] == 404
+        for no_item in ("%C2%B2", "0", "-1", "00", str(2**63), "9" * 19, "9" * 20):
+            assert (await text(session, url + f"/items/{no_item}"))[0] == 404, no_item
+            assert (await text(session, url + f"/api/items/{no_item}"))[0] == 404, no_item
         _, page = await text(session, url + "/")
         token = csrf_of(page)
         long_name = {"csrf": token, "name": "x" * 1000}

@@ -455,6 +455,9 @@ async def test_a_worker_host_starts_only_once_the_coordinator_opens_the_project(
     await asyncplane_store.create_project("probe", "asyncplane probe", status="paused")
     with pytest.raises(InvalidInput, match="still being seeded"):
         await _hosts._seeded_ids(asyncplane_store, 0)  # paused: the coordinator is seeding
+    with pytest.raises(InvalidInput, match="still being seeded"):
+        # The wait for the store spent the time given: this one does not start it anew.
+        await _hosts._seeded_ids(asyncplane_store, 600, deadline=time.monotonic() - 1)
     await asyncplane_store.set_project_status("probe", "open")
     assert await _hosts._seeded_ids(asyncplane_store, 0) == []
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
+import math
 
 import pytest
 
@@ -113,3 +115,22 @@ def test_manual_clock_refuses_a_naive_datetime_however_it_is_made() -> None:
             ManualClock(naive)
         with pytest.raises(ValueError, match="aware datetime"):
             ManualClock().set(naive)
+
+
+async def test_manual_clock_wait_until_refuses_a_moment_no_move_can_reach() -> None:
+    clock = ManualClock()
+    for bad in (math.nan, math.inf, "soon"):
+        with pytest.raises(TypeError, match="epoch seconds"):
+            await clock.wait_until(bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="aware datetime"):
+        await clock.wait_until(dt.datetime(2026, 12, 5))
+
+
+async def test_manual_clock_wait_until_takes_an_aware_datetime() -> None:
+    clock = ManualClock()
+    later = clock.datetime() + dt.timedelta(seconds=5)
+    waiter = asyncio.create_task(clock.wait_until(later), name="wait-for-later")
+    await asyncio.sleep(0)
+    assert not waiter.done()
+    clock.advance(5)
+    await asyncio.wait_for(waiter, timeout=5)

@@ -1148,9 +1148,12 @@ async def test_retry_outcome_from_a_handler(store: ControlStore) -> None:
 HANDLERS = textwrap.dedent(
     """
     import asyncio
+    import logging
     from asyncplane import Done
 
     async def handle(claim):
+        if claim.payload.get("log"):
+            logging.getLogger("fleet.agents").info("working on %s", claim.payload["log"])
         if claim.payload.get("hang"):
             await asyncio.Event().wait()
         if claim.payload.get("raise"):
@@ -1187,14 +1190,15 @@ async def test_the_worker_command_works_until_sigterm(
         await store.create_project("p", "P")
         await store.enqueue_many("p", [{"n": n} for n in range(20)])
         await store.enqueue("p", {"n": 99, "raise": True})
+        logs = await store.enqueue("p", {"n": 98, "log": "a prompt"})
         child = worker(where, tmp_path, "fleet_handlers:handle", "--concurrency", "4",
                        "--log-format", "json")  # fmt: skip
 
-        async def twenty_done() -> bool:
-            return (await store.counts())["done"] == 20
+        async def all_done() -> bool:
+            return (await store.counts())["done"] == 21
 
         deadline = time.monotonic() + 60
-        while not await twenty_done():
+        while not await all_done():
             assert time.monotonic() < deadline and child.poll() is None, child.stderr
             await asyncio.sleep(0.05)
         child.send_signal(signal.SIGTERM)
@@ -1204,6 +1208,11 @@ async def test_the_worker_command_works_until_sigterm(
         raised = [line for line in lines if "KeyError" in line["message"]]
         assert raised and "Traceback" in raised[0]["traceback"]
         assert raised[0]["item_id"] == 21 and raised[0]["project_id"] == "p"
+        # The handler's own logger is in the same form, with the item it handled.
+        (own,) = [line for line in lines if line["logger"] == "fleet.agents"]
+        assert own["message"] == "working on a prompt" and own["level"] == "info"
+        assert own["item_id"] == logs and own["attempt"] == 1 and own["fence"] == 1
+        assert not any("item_id" in line for line in lines if "stopped" in line["message"])
         # The command runs on uvloop, installed with the suite (asyncplane._loops).
         started = f"starting (concurrency 4, on {COMMAND_LOOP})"
         assert any(started in line["message"] for line in lines)

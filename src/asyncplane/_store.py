@@ -55,7 +55,7 @@ if TYPE_CHECKING:
 
     from asyncplane._import import ImportSummary
 
-__all__ = ("ControlStore", "engine_of")
+__all__ = ("ControlStore", "engine_of", "log_fields")
 
 _T = TypeVar("_T")
 
@@ -695,11 +695,11 @@ class ControlStore:
         except _errors.AsyncplaneError as failure:  # its lease lapses; a later claim tries again
             _log.warning(
                 "asyncplane: item %d could not be set aside: %s", row.item_id, failure,
-                extra=_row_extra(row),
+                extra=log_fields(row),
             )  # fmt: skip
         else:
             _log.warning(
-                "asyncplane: item %d retried: %s", row.item_id, reason, extra=_row_extra(row)
+                "asyncplane: item %d retried: %s", row.item_id, reason, extra=log_fields(row)
             )
             self._tally(op, state)  # counted as any retry, no caller waiting
 
@@ -899,7 +899,7 @@ class ControlStore:
         else:
             _log.warning(
                 "asyncplane: item %d, claimed for a call that was cancelled, could not be "
-                "given back: %s", row.item_id, error, extra=_row_extra(row),
+                "given back: %s", row.item_id, error, extra=log_fields(row),
             )  # fmt: skip
 
     async def _release_rows(
@@ -918,7 +918,7 @@ class ControlStore:
             except _errors.AsyncplaneError as exc:  # its lease lapses; a later claim takes it
                 _log.warning(
                     "asyncplane: item %d, claimed for a call that did not take it, could "
-                    "not be given back: %s", row.item_id, exc, extra=_row_extra(row),
+                    "not be given back: %s", row.item_id, exc, extra=log_fields(row),
                 )  # fmt: skip
         _telemetry.taken_unseen(rows, backend.clock.now)  # claimed, though no caller saw them
 
@@ -1798,8 +1798,9 @@ def _count(op: Any, answer: Any) -> int:
     return int(answer[0]) if isinstance(op, _backend.CancelWhereOp) else 1
 
 
-def _row_extra(row: _backend.ClaimRow | ClaimedItem) -> dict[str, Any]:
-    """The ``extra`` fields of a log record about one claimed item."""
+def log_fields(row: _backend.ClaimRow | ClaimedItem) -> dict[str, Any]:
+    """The ``extra`` fields of a log record about one claimed item (``asyncplane worker
+    --log-format json`` writes them)."""
     return {"item_id": row.item_id, "project_id": row.project_id, "attempt": row.attempts,
             "fence": row.fence, "owner": row.owner}  # fmt: skip
 

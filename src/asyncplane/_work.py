@@ -55,6 +55,7 @@ The rules it keeps:
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import dataclasses
 import logging
 import pathlib
@@ -88,9 +89,9 @@ from asyncplane._outcomes import (
     count_lost,
     short_error,
 )
-from asyncplane._store import ControlStore
+from asyncplane._store import ControlStore, log_fields
 
-__all__ = ("Handler", "Settings", "settings", "work")
+__all__ = ("Handler", "Settings", "handling", "settings", "work")
 
 #: ``async def handle(claim: ClaimedItem) -> Outcome``: runs one item.
 Handler: TypeAlias = Callable[[ClaimedItem], Awaitable[Any]]
@@ -443,7 +444,7 @@ class _Worker:
         self.summary.claimed += len(batch)
         for claim in batch:
             _log.debug(
-                "claimed item %d at fence %d", claim.item_id, claim.fence, extra=_extra(claim)
+                "claimed item %d at fence %d", claim.item_id, claim.fence, extra=log_fields(claim)
             )
             task = asyncio.create_task(
                 self._run_item(claim), name=f"asyncplane-work-item[{claim.item_id}]"
@@ -548,7 +549,7 @@ class _Worker:
         if isinstance(result, BaseException):
             _log.warning(
                 "the handler raised on item %d: %s", claim.item_id, short_error(result),
-                exc_info=result, extra=_extra(claim),
+                exc_info=result, extra=log_fields(claim),
             )  # fmt: skip
             return Retry(short_error(f"the handler raised {short_error(result)}"))
         if not isinstance(result, _OUTCOMES):
@@ -564,7 +565,7 @@ class _Worker:
         else:
             _log.debug(
                 "settled item %d: %s", claim.item_id, type(outcome).__name__,
-                extra=_extra(claim),
+                extra=log_fields(claim),
             )  # fmt: skip
         if self.progress is not None:
             self.progress(self.summary)
@@ -650,9 +651,23 @@ class _Held:
         self.lost = False
 
 
+#: The item whose handler the current task runs: set in the handler's own task (and so
+#: seen by whatever it starts), never outside it.
+_handling: contextvars.ContextVar[ClaimedItem | None] = contextvars.ContextVar(
+    "asyncplane_handling", default=None
+)
+
+
+def handling() -> ClaimedItem | None:
+    """The item whose handler is running in the calling task, or None (what the worker
+    command's logs add to every record a handler logs)."""
+    return _handling.get()
+
+
 async def _call(handle: Handler, claim: ClaimedItem) -> Any:
     """The handler's outcome, or the exception it raised, as a value; run in the item's
     execution span (ended by a cancellation too: a timeout, a stop)."""
+    _handling.set(claim)  # this task's own context: nothing outside it sees the value
     with _telemetry.execution_span(claim) as run:
         try:
             result = await handle(claim)
@@ -664,15 +679,5 @@ async def _call(handle: Handler, claim: ClaimedItem) -> Any:
 
 def _retry(claim: ClaimedItem, error: str) -> Retry:
     """Retry ``claim`` with ``error``, logged as a warning with the item's fields."""
-    _log.warning("%s (item %d)", error, claim.item_id, extra=_extra(claim))
+    _log.warning("%s (item %d)", error, claim.item_id, extra=log_fields(claim))
     return Retry(error)
-
-
-def _extra(claim: ClaimedItem) -> dict[str, Any]:
-    return {
-        "item_id": claim.item_id,
-        "project_id": claim.project_id,
-        "attempt": claim.attempts,
-        "fence": claim.fence,
-        "owner": claim.owner,
-    }

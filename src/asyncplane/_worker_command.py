@@ -11,7 +11,8 @@ first SIGTERM or SIGINT stops the worker gracefully (no more claims; running ite
 losing nothing (the claims are given back, or lapse). It logs, and on a terminal a
 status line shows what it does beside the log: one INFO line at start and stop, the
 handler's failures as WARNING with their traceback (``--log-format json`` writes one
-JSON object a line, with the item's id, project, attempt and fence).
+JSON object a line, with the item's id, project, attempt and fence). It sets up the
+root logger, so the handler's own logs come in the same form, with the item's fields.
 """
 
 from __future__ import annotations
@@ -34,8 +35,9 @@ from asyncplane._outcomes import DrainSummary
 
 __all__ = ("add_arguments", "load_handler", "run")
 
-#: The fields a log record may carry beyond the standard ones (see `_work._extra`).
-_EXTRA_FIELDS = ("item_id", "project_id", "attempt", "fence", "owner")
+#: The fields a log record may carry beyond the standard ones (`_store.log_fields`, and
+#: drain's batch of ``item_ids``).
+_EXTRA_FIELDS = ("item_id", "project_id", "attempt", "fence", "owner", "item_ids")
 
 
 class Usage(Exception):
@@ -211,12 +213,28 @@ class _JsonFormatter(logging.Formatter):
         return json.dumps(data)
 
 
+class _ItemFields(logging.Filter):
+    """Gives a record logged while a handler runs (by any logger: the handler's own, a
+    library's) the fields of the item it handles, unless the record has them already."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        claim = _work.handling()
+        if claim is not None:
+            for field, value in _store.log_fields(claim).items():
+                if not hasattr(record, field):
+                    setattr(record, field, value)
+        return True
+
+
 def _configure_logging(level: str, form: str) -> None:
+    """The command owns its process, so it sets up the root logger: the handler's own
+    loggers and its libraries' log in the same form, at the same level, as asyncplane's."""
     handler = logging.StreamHandler(sys.stderr)
     if form == "json":
         handler.setFormatter(_JsonFormatter())
     else:
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    root = logging.getLogger("asyncplane")
+    handler.addFilter(_ItemFields())
+    root = logging.getLogger()
     root.addHandler(handler)
     root.setLevel(level.upper())

@@ -82,13 +82,14 @@ class ManualClock:
             self._now = target
         self._wake()
 
-    async def wait_until(self, when: float) -> None:
+    async def wait_until(self, when: float | dt.datetime) -> None:
         """Wait until the clock is moved to ``when`` or later (no real time passes)."""
+        target = _seconds(when)  # NaN would wait forever: no move ever reaches it
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         with self._lock:
-            if self._now >= when:
+            if self._now >= target:
                 return
-            self._waiters.append((when, future))
+            self._waiters.append((target, future))
         try:
             await future
         finally:

@@ -472,10 +472,15 @@ def _same_host(origin: str, request: web.Request) -> bool:
 
 
 def _item_id(request: web.Request) -> int:
+    """The path's item id; any text no item could have (``0``, ``-1``, past the id range,
+    not digits) is a 404, as an absent item is."""
     text = request.match_info["item_id"]
     if not (text.isascii() and text.isdigit()) or len(text) > 19:
         raise web.HTTPNotFound(text="not found")
-    return int(text)
+    item_id = int(text)
+    if not 1 <= item_id <= _validate.MAX_INT:
+        raise web.HTTPNotFound(text="not found")
+    return item_id
 
 
 async def _form(request: web.Request) -> Any:

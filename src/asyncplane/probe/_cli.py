@@ -56,7 +56,9 @@ async def run_probe(args: argparse.Namespace, *, progress: TextIO = sys.stderr) 
     if args.role == "coordinator":
         report.workers = 0  # they run elsewhere, with --role worker
     if args.role == "worker":
-        await _wait_for_store(args.store, args.wait_seconds)
+        # One wait in all, for the store and then for the seeding to end (`_seeded_ids`).
+        args.wait_deadline = time.monotonic() + args.wait_seconds
+        await _wait_for_store(args.store, args.wait_seconds, args.wait_deadline)
     where = args.store
     if _engine.is_postgres_url(where):
         from asyncplane import _postgres  # the postgres extra: only for a URL
@@ -71,11 +73,10 @@ async def run_probe(args: argparse.Namespace, *, progress: TextIO = sys.stderr) 
     return report
 
 
-async def _wait_for_store(url: str, wait_seconds: float) -> None:
+async def _wait_for_store(url: str, wait_seconds: float, deadline: float) -> None:
     """A worker host opens nothing before the coordinator has made the store and is
     seeding it (its opening would make the schema look used, and the coordinator insists
     on a fresh one); a store an earlier run left, drained, is not the coordinator's."""
-    deadline = time.monotonic() + wait_seconds
     while not await _probe_support.probe_items_coming(url, _PROJECT):
         if time.monotonic() > deadline:
             raise _errors.InvalidInput(

@@ -33,10 +33,14 @@ from asyncplane.probe._workers import (
 # --- several hosts (--role) ------------------------------------------------------------------
 
 
-async def _seeded_ids(store: _store.ControlStore, wait_seconds: float) -> list[int]:
+async def _seeded_ids(
+    store: _store.ControlStore, wait_seconds: float, deadline: float | None = None
+) -> list[int]:
     """A worker host's wait for the coordinator's items: the probe project must be open,
-    which the coordinator makes it once every item is enqueued."""
-    deadline = time.monotonic() + wait_seconds
+    which the coordinator makes it once every item is enqueued. ``deadline`` (monotonic)
+    ends a wait begun earlier; without it the wait is ``wait_seconds`` from now."""
+    if deadline is None:
+        deadline = time.monotonic() + wait_seconds
     status = None
     while True:
         with contextlib.suppress(_errors.UnknownProject):
@@ -94,7 +98,7 @@ async def _work_here(
     args: argparse.Namespace, store: _store.ControlStore, report: ProbeReport, out: TextIO
 ) -> None:
     """Run this host's workers on a store a coordinator seeded; check their records."""
-    await _seeded_ids(store, args.wait_seconds)
+    await _seeded_ids(store, args.wait_seconds, args.wait_deadline)
     workers = [await _spawn(args, f"{_host()}-w{n}", "--until-drained", "--report-at-end")
                for n in range(args.workers)]  # fmt: skip
     started = await _go(workers, report)

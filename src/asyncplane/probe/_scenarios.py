@@ -69,7 +69,7 @@ async def _chaos(
         await _coordinate(args, store, report, out)
         return
     ids = (
-        await _seeded_ids(store, args.wait_seconds)
+        await _seeded_ids(store, args.wait_seconds, args.wait_deadline)
         if args.role == "worker"
         else await _seed(store, args.items)
     )
