@@ -606,3 +606,107 @@ async def test_a_port_in_use_leaves_nothing_behind(store: ControlStore) -> None:
         url_again = await second.start("127.0.0.1", 0)  # stopped cleanly: it starts again
         await second.stop()
         assert url_again != url
+
+
+async def test_a_body_the_transfer_cannot_decode_is_a_bad_request(store: ControlStore) -> None:
+    item_id = await store.enqueue("alpha", {})
+    token = "t" * 20
+    headers = {"Authorization": f"Bearer {token}", "Content-Encoding": "gzip",
+               "Content-Type": "application/x-www-form-urlencoded"}  # fmt: skip
+    async with (
+        serving(store, allow_actions=True, token=token) as (_, url, session),
+        session.post(
+            url + f"/items/{item_id}/cancel", data=b"csrf=x&next=/", headers=headers,
+            allow_redirects=False,
+        ) as response,
+    ):  # fmt: skip
+        assert response.status == 400, await response.text()
+        assert "Content-Security-Policy" in response.headers
+    assert (await store.item(item_id))["state"] == "ready"
+
+
+async def test_an_empty_error_group_is_no_deferred_item_without_an_error(
+    store: ControlStore, clock: ManualClock
+) -> None:
+    later = await store.enqueue("alpha", {"n": 1}, not_before=clock.now() + 600)
+    await store.enqueue("alpha", {"n": 2})
+    (claim,) = await store.claim_batch("w", 1)
+    await store.finish(claim.item_id, fence=claim.fence, status="failed")  # no error text
+    async with serving(store, allow_actions=True) as (_, url, session):
+        _, page = await text(session, url + "/failures")
+        fields = {"csrf": csrf_of(page), "error": ""}
+        assert (await post(session, url + "/failures/cancel", fields))[0] == 303
+        assert (await post(session, url + "/failures/requeue", fields))[0] == 303
+    assert (await store.item(later))["state"] == "deferred"  # deferred, never failed
+    assert (await store.item(claim.item_id))["state"] == "ready"  # the "" failed group
+
+
+async def test_the_next_page_after_an_action_stays_on_the_dashboard(store: ControlStore) -> None:
+    await store.enqueue("alpha", {})
+    async with serving(store, allow_actions=True) as (_, url, session):
+        _, page = await text(session, url + "/")
+        for back, target in (("/\t/evil.example/", "/"), ("/\r\n/evil.example/", "/"),
+                             ("/\\evil.example/", "/"), ("https://evil.example/", "/"),
+                             ("/running\t", "/running")):  # fmt: skip
+            fields = {"csrf": csrf_of(page), "project_id": "alpha", "next": back}
+            status, _, location = await post(session, url + "/projects/pause", fields)
+            assert (status, location) == (303, target), back
+
+
+async def test_the_running_page_shows_lapsed_leases_first_beyond_one_page(
+    store: ControlStore, clock: ManualClock
+) -> None:
+    await store.enqueue_many("alpha", [{"n": n} for n in range(510)])
+    await store.claim_batch("long", 500, lease_seconds=3600)
+    lapsing = await store.claim_batch("short", 10, lease_seconds=30)
+    clock.advance(60)
+    async with serving(store) as (_, url, session):
+        _, page = await text(session, url + "/running")
+        assert "510 (showing 500" in page and ">10 stuck<" in page
+        shown = [int(i) for i in re.findall(r'<tr class="stuck" data-item="(\d+)"', page)]
+        assert sorted(shown) == sorted(c.item_id for c in lapsing)
+        async with session.get(url + "/api/stats") as response:
+            assert (await response.json())["expired_leases"] == 10
+
+
+async def test_the_settled_figures_follow_a_requeue(
+    store: ControlStore, clock: ManualClock
+) -> None:
+    await store.enqueue_many("alpha", [{"n": n} for n in range(4)])
+    batch = await store.claim_batch("w", 4)
+    for claim, error in zip(batch, ("quota", "quota", "other"), strict=False):
+        await store.finish(claim.item_id, fence=claim.fence, status="failed", error=error)
+    await store.finish(batch[3].item_id, fence=batch[3].fence)
+    async with serving(store, allow_actions=True) as (dashboard, url, session):
+        await dashboard.history.sample()
+        _, page = await text(session, url + "/")
+        assert re.search(r'id="failure-rate">75\.0%<', page)
+        clock.advance(300)  # minutes later: the failures' minute is long past
+        await dashboard.history.sample()
+        fields = {"csrf": csrf_of(page), "error": "quota"}
+        assert (await post(session, url + "/failures/requeue", fields))[0] == 303
+        await dashboard.history.sample()
+        _, page = await text(session, url + "/")
+        assert "(1 of 2)" in page, "the dashboard's own requeue shows at once"
+        await store.requeue(batch[2].item_id)  # elsewhere: shown from the next minute on
+        clock.advance(60)
+        await dashboard.history.sample()
+        _, page = await text(session, url + "/")
+        assert "(0 of 1)" in page
+
+
+async def test_the_oldest_ready_age_is_the_stores_own(
+    store: ControlStore, clock: ManualClock, asyncplane_store_factory: Any
+) -> None:
+    first = await store.enqueue("alpha", {})
+    ahead = ManualClock(clock.now() + 600)  # a writer whose clock runs ten minutes ahead
+    other = await asyncplane_store_factory(clock=ahead)
+    await other.enqueue("alpha", {})
+    clock.advance(30)
+    async with serving(store) as (_, url, session), session.get(url + "/api/stats") as response:
+        shown = (await response.json())["oldest_ready_age_s"]
+    assert shown == (await store.stats())["oldest_ready_age_s"] == 30.0
+    await store.cancel(first)
+    async with serving(store) as (_, url, session), session.get(url + "/api/stats") as response:
+        assert (await response.json())["oldest_ready_age_s"] == 0.0  # never below
+    assert (await store.stats())["oldest_ready_age_s"] == 0.0

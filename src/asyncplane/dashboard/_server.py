@@ -43,7 +43,7 @@ from asyncplane.dashboard import _views
 
 try:
     import jinja2
-    from aiohttp import web
+    from aiohttp import http_exceptions, web, web_protocol
 except ImportError:  # pragma: no cover - the import is checked in asyncplane.dashboard
     raise _errors.MissingExtra(
         "the dashboard needs the dashboard extra: pip install 'asyncplane[dashboard]'"
@@ -226,6 +226,9 @@ class Dashboard:
             else:
                 _log.warning("dashboard: %s %s failed: %s", request.method, request.path, exc)
                 response = _text(503, f"the store failed: {type(exc).__name__}")
+        except Exception:  # a bug of ours: still a plain answer, with the headers below
+            _log.exception("dashboard: %s %s failed", request.method, request.path)
+            response = _text(500, "the dashboard failed: see its log")
         response.headers["Content-Security-Policy"] = _CSP
         response.headers["X-Content-Type-Options"] = "nosniff"
         response.headers["Referrer-Policy"] = "same-origin"  # "no-referrer" would send Origin: null
@@ -421,13 +424,10 @@ class Dashboard:
 
     async def _done(self, request: web.Request, answer: dict[str, Any]) -> web.StreamResponse:
         """After an action: back to the page it came from (a form), or the answer (JSON)."""
+        self.history.forget()  # a requeue or a cancel may change a minute long past
         if "application/json" in request.headers.get("Accept", ""):
             return web.json_response(answer)
-        form = await _form(request)
-        back = form.get("next")
-        if not isinstance(back, str) or not back.startswith("/") or back[1:2] in ("/", "\\"):
-            back = "/"
-        raise web.HTTPSeeOther(back)
+        raise web.HTTPSeeOther(_back_here((await _form(request)).get("next")))
 
 
 class _Families:
@@ -438,6 +438,22 @@ class _Families:
 
     def collect(self) -> list[Any]:
         return self._families
+
+
+def _back_here(back: object) -> str:
+    """A form's ``next`` when it is a path on this dashboard, else ``/``: checked as a
+    browser reads it (tabs and line breaks dropped first), so that no spelling of
+    ``//host`` leads off it."""
+    if not isinstance(back, str):
+        return "/"
+    back = back.translate(_URL_IGNORED)
+    if not back.startswith("/") or back[1:2] in ("/", "\\"):
+        return "/"
+    return back
+
+
+#: What a browser removes from a URL before reading it (the WHATWG URL standard).
+_URL_IGNORED = dict.fromkeys(map(ord, "\t\n\r"))
 
 
 def _equal(given: str, secret: str) -> bool:
@@ -488,8 +504,19 @@ async def _form(request: web.Request) -> Any:
     without a name), not a server error."""
     try:
         return await request.post()
-    except (ValueError, LookupError) as exc:  # (aiohttp's own: UnicodeError is a ValueError)
+    except _UNREADABLE as exc:
         raise web.HTTPBadRequest(text=f"a form that cannot be read: {exc}") from None
+
+
+#: A body that cannot be read as a form: a charset (UnicodeError is a ValueError) or a
+#: part it cannot decode, or a payload the transfer cannot (a gzip that is not gzip, a
+#: broken chunk).
+_UNREADABLE = (
+    ValueError,
+    LookupError,
+    web_protocol.RequestPayloadError,
+    http_exceptions.HttpProcessingError,
+)
 
 
 async def _field(request: web.Request, name: str) -> str:

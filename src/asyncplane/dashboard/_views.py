@@ -6,9 +6,11 @@ scopes the API (a project, item or schedule outside the actor's projects is "not
 never "forbidden": a denial does not reveal that the target exists).
 
 `History` keeps what the overview's charts need and the store cannot give in one read:
-the settled items per minute over the last hour (read once, then only the last two
-minutes again at each sample) and the queue depth, sampled here since the dashboard
-started (a store keeps no history of its depth).
+the settled items per minute over the last hour (the whole hour read at the first sample
+of each minute and after each of the dashboard's own actions, only the last two minutes
+at the samples between: an item requeued or purged leaves its minute within a minute)
+and the queue depth, sampled here since the dashboard started (a store keeps no history
+of its depth).
 """
 
 from __future__ import annotations
@@ -28,6 +30,9 @@ __all__ = ("Glance", "History", "Scope", "Verdicts")
 
 #: The most rows a list page shows (the newest first).
 PAGE_ROWS = 500
+#: The most claimed items the running page looks through for lapsed leases, to show
+#: those first (the most one listing reads).
+LOOK_ROWS = 10_000
 #: The window of the overview's charts, in seconds.
 WINDOW = 3600.0
 _SETTLED = ("done", "failed", "cancelled")
@@ -94,13 +99,28 @@ class Scope:
         first = await self.items(state="ready", order="oldest", limit=1, include_payload=False)
         oldest = first[0] if first else None
         lapsed = None
-        if expired and stats is not None:
-            lapsed = int(stats["expired_leases"])
-        elif expired:
-            claimed = await self.items(state="claimed", limit=10_000, include_payload=False)
-            lapsed = sum(1 for item in claimed if item["lease_expires_at"].timestamp() <= now)
-        oldest_age = None if oldest is None else now - oldest["created_at"].timestamp()
+        if expired:
+            lapsed = await self._lapsed(stats, now)
+        if stats is not None:  # the store's own figure: its oldest by time, not by id
+            oldest_age = stats["oldest_ready_age_s"]
+        else:
+            oldest_age = None if oldest is None else now - oldest["created_at"].timestamp()
+        if oldest_age is not None:
+            oldest_age = max(0.0, oldest_age)  # a writer whose clock ran ahead, as stats()
         return Glance(counts, totals, oldest, oldest_age, lapsed, now)
+
+    async def _lapsed(self, stats: dict[str, Any] | None, now: float) -> int:
+        """Claims whose lease has lapsed: the store's count (``stats``), or, for an actor,
+        those among the first `LOOK_ROWS` of its claimed items."""
+        if stats is not None:
+            return int(stats["expired_leases"])
+        claimed = await self.items(state="claimed", limit=LOOK_ROWS, include_payload=False)
+        return sum(1 for item in claimed if item["lease_expires_at"].timestamp() <= now)
+
+    async def lapsed(self) -> int:
+        """Claims whose lease has lapsed (see `_lapsed`)."""
+        stats = None if self.actor_id is not None else await self.store.stats()
+        return await self._lapsed(stats, self.now())
 
     async def _actor_counts(self) -> dict[str, dict[str, int]]:
         return {
@@ -128,15 +148,22 @@ class History:
         self.minutes: dict[float, collections.Counter[str]] = {}
         #: (time, ready, deferred) samples, oldest first.
         self.depth: collections.deque[tuple[float, int, int]] = collections.deque()
-        self._read_once = False
+        #: The minute whose first sample read the whole hour (None: read it next).
+        self._hour_read_in: float | None = None
         #: Set after every sample (tests and the first page wait for it).
         self.sampled = asyncio.Event()
+
+    def forget(self) -> None:
+        """Read the whole hour again at the next sample (an action may have moved an
+        item out of a minute long past: a requeue, a purge)."""
+        self._hour_read_in = None
 
     async def sample(self) -> None:
         """Read the settled counts of the last minutes and the queue depth now."""
         now = self._scope.now()
         minute = math.floor(now / 60) * 60
-        since = now - WINDOW if not self._read_once else minute - 60
+        whole = self._hour_read_in != minute
+        since = now - WINDOW if whole else minute - 60
         rows = await self._scope.store.settled_per_minute(
             since=since, actor_id=self._scope.actor_id
         )
@@ -149,7 +176,8 @@ class History:
         self.minutes.update(fresh)
         for at in [at for at in self.minutes if at < now - WINDOW - 60]:
             del self.minutes[at]
-        self._read_once = True
+        if whole:
+            self._hour_read_in = minute
         counts = await self._scope.counts()
         ready = sum(c["ready"] for c in counts.values())
         deferred = sum(c["deferred"] for c in counts.values())
@@ -225,11 +253,14 @@ async def stats(scope: Scope) -> dict[str, Any]:
 
 
 async def running(scope: Scope) -> dict[str, Any]:
-    """Every claimed item: owner, fence, time running, lease left; lapsed ones stuck."""
+    """Claimed items, lapsed leases (stuck) first, then the longest running: the first
+    `PAGE_ROWS` of them, looked for among `LOOK_ROWS` (a lapsed lease is rarely the
+    oldest claim, so the oldest 500 would hide it); ``stuck`` and ``claimed`` count them
+    all."""
     now = scope.now()
     rows = []
     for item in await scope.items(
-        state="claimed", order="oldest", limit=PAGE_ROWS, include_payload=False
+        state="claimed", order="oldest", limit=LOOK_ROWS, include_payload=False
     ):
         lease_left = item["lease_expires_at"].timestamp() - now
         started = item["claimed_at"] or item["updated_at"]
@@ -238,7 +269,12 @@ async def running(scope: Scope) -> dict[str, Any]:
              "stuck": lease_left <= 0}
         )  # fmt: skip
     rows.sort(key=lambda row: (not row["stuck"], -row["running_s"]))
-    return {"rows": rows, "stuck": sum(row["stuck"] for row in rows), "limit": PAGE_ROWS}
+    if len(rows) < LOOK_ROWS:
+        stuck, claimed = sum(row["stuck"] for row in rows), len(rows)
+    else:  # more than one look: count from the store
+        stuck = await scope.lapsed()
+        claimed = sum(c["claimed"] for c in (await scope.counts()).values())
+    return {"rows": rows[:PAGE_ROWS], "stuck": stuck, "claimed": max(claimed, len(rows))}
 
 
 async def failures(scope: Scope) -> dict[str, Any]:
@@ -251,7 +287,7 @@ async def failures(scope: Scope) -> dict[str, Any]:
             item
         )
     for item in waiting:
-        if item["error"]:
+        if _retrying(item):
             groups.setdefault(item["error"], {"failed": [], "retrying": []})["retrying"].append(
                 item
             )
@@ -266,6 +302,12 @@ async def failures(scope: Scope) -> dict[str, Any]:
         "failed": len(failed),
         "limit": PAGE_ROWS,
     }
+
+
+def _retrying(item: dict[str, Any]) -> bool:
+    """Whether a deferred item waits to retry after an error (one deferred by
+    ``not_before``, or parked without an error, is in no error's group)."""
+    return bool(item["error"])
 
 
 def _lines(text: str) -> str:
@@ -286,7 +328,11 @@ async def group_members(scope: Scope, error: str, state: str) -> list[int]:
             state=state, error_contains=piece or None, after=after, limit=PAGE_ROWS,
             include_payload=False,
         )  # fmt: skip
-        members.extend(item["item_id"] for item in page if _lines(item["error"] or "") == wanted)
+        members.extend(
+            item["item_id"]
+            for item in page
+            if _lines(item["error"] or "") == wanted and (state != "deferred" or _retrying(item))
+        )
         if len(page) < PAGE_ROWS:
             return members
         after = page[-1]["item_id"]
