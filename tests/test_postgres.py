@@ -417,6 +417,50 @@ async def test_a_lost_connection_is_replaced_on_next_use(url: str) -> None:
         assert await verify_ledger(store) == []
 
 
+async def test_a_deadlocked_rounds_requests_are_answered_as_each_commits(url: str) -> None:
+    # A round that deadlocks runs each request again in a transaction of its own. Those
+    # already committed when the connection is lost under a later one have their answers:
+    # told "not saved", a caller would write them again.
+    async with ControlStore(url) as store:
+        await store.create_project("p", "P")
+        backend: Any = await store._engine.ready()
+        writer = backend.writer
+        release, running, calls, rounds = asyncio.Event(), asyncio.Event(), [0], [0]
+
+        async def hold(conn: Any, now: float) -> None:
+            rounds[0] = writer.rounds  # this round's number
+            await release.wait()  # the three below queue up meanwhile: one round
+
+        async def deadlocks_once(conn: Any, now: float) -> str:
+            calls[0] += 1
+            if calls[0] == 1:
+                raise asyncpg.exceptions.DeadlockDetectedError("deadlock detected")
+            await conn.execute("INSERT INTO projects (project_id, name, status, created_at) "
+                               "VALUES ('q', 'Q', 'open', $1)", now)  # fmt: skip
+            return "saved"
+
+        async def saved(conn: Any, now: float) -> str:
+            return "also saved"
+
+        async def lost(conn: Any, now: float) -> None:
+            running.set()
+            await conn.execute("SELECT pg_sleep(600)")
+
+        held = asyncio.ensure_future(writer.submit(hold))
+        await until(lambda: rounds[0] > 0, what="the held round")
+        answers = [asyncio.ensure_future(writer.submit(op)) for op in (deadlocks_once, saved, lost)]
+        await until(lambda: writer.requests_waiting == 3, what="three queued")
+        release.set()
+        await held
+        await running.wait()
+        await sql(url, "SELECT pg_terminate_backend($1)", writer._conn.get_server_pid())
+        done = await asyncio.gather(*answers, return_exceptions=True)
+        assert writer.rounds == rounds[0] + 1 and writer.retried_rounds == 1  # one round
+        assert done[:2] == ["saved", "also saved"]
+        assert type(done[2]) is StorageError, done[2]  # never run to its COMMIT: not saved
+        assert (await store.project("q"))["status"] == "open"  # the first one's write stands
+
+
 async def test_a_cancelled_writer_lets_its_round_finish(url: str) -> None:
     async with ControlStore(url) as store:
         await store.create_project("p", "P")

@@ -248,12 +248,12 @@ class Writer(_write_queue.WriterBase):
                 outcomes = await self._transact(ops) if ops else []
             except _Retry:
                 # A deadlock or serialisation failure: each request again, on its own, in
-                # the order the round ran them (finishes ahead of their claims).
+                # the order the round ran them (finishes ahead of their claims), each
+                # answered once committed: a connection lost later fails only the rest.
                 self.retried_rounds += 1
-                outcomes = [None] * len(ops)
-                for unit in _write_queue.units(ops, range(len(ops))):
-                    for index in unit:
-                        outcomes[index] = (await self._alone(ops[index]))[0]
+                await self._each_alone(batch, ops)
+                _telemetry.write_round("postgresql", size, time.perf_counter() - started)
+                return
         except asyncio.CancelledError:
             raise
         except _CommitLost as lost:
@@ -272,6 +272,19 @@ class Writer(_write_queue.WriterBase):
         # Measured before the callers wake, so a caller's next look sees its round.
         _telemetry.write_round("postgresql", size, time.perf_counter() - started)
         _write_queue.deliver(batch, outcomes, self.orphaned)
+
+    async def _each_alone(self, batch: list[_Request], ops: list[Write[Any]]) -> None:
+        """Run each request of a round that deadlocked in a transaction of its own, and
+        hand its caller the outcome as soon as it has committed. A COMMIT lost on the
+        way makes that one request's outcome unknown; those not run yet were not saved."""
+        for unit in _write_queue.units(ops, range(len(ops))):
+            for index in unit:
+                try:
+                    (outcome,) = await self._alone(ops[index])
+                except _CommitLost as lost:
+                    self._broke([batch[index]], lost.error, unknown=True)
+                    raise lost.error from None
+                _write_queue.deliver([batch[index]], [outcome], self.orphaned)
 
     async def _check_plans(self) -> None:
         """Drop the connection's plans once `items` has doubled since they were made (and
