@@ -25,6 +25,7 @@ from asyncplane import (
     ItemCancelled,
     NotRequeueable,
     ScopeDenied,
+    StoreClosed,
     UnknownItem,
     WaitTimeout,
     copy_store,
@@ -341,6 +342,20 @@ async def test_wait_returns_the_settled_item(store: ControlStore) -> None:
     other = asyncio.create_task(store.wait(cancelled))
     await store.cancel(cancelled)
     assert (await other)["state"] == "cancelled"
+
+
+async def test_a_wait_ends_when_its_store_closes_and_leaves_it_closed(
+    store: ControlStore,
+) -> None:
+    item_id = await store.enqueue("alpha", {})
+    for poll in (0.01, 3600.0):  # its look for other processes' settles comes, or not
+        waiting = asyncio.create_task(store.wait(item_id, timeout=60, poll_interval=poll))
+        await until(parked, what="the waiter has read the item and waits")
+        await store.close()
+        with pytest.raises(StoreClosed, match=f"closed while waiting for item {item_id}"):
+            await waiting
+        assert not store._engine.is_open  # the wait did not open it again
+        assert (await store.item(item_id))["state"] == "ready"  # the next call does
 
 
 async def test_a_wait_cancelled_as_its_item_settles_is_cancelled(store: ControlStore) -> None:

@@ -397,6 +397,58 @@ async def test_reopening_a_project_elsewhere_wakes_a_listener(url: str) -> None:
         assert await here._engine.data_version() != before
 
 
+@contextlib.asynccontextmanager
+async def a_database_of_its_own(server_url: str, name: str) -> AsyncIterator[str]:
+    """A database made for one test (an outage of it touches no other), dropped after."""
+    await sql(server_url, f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+    await sql(server_url, f"CREATE DATABASE {name}")
+    try:
+        yield urllib.parse.urlunsplit(urllib.parse.urlsplit(server_url)._replace(path=f"/{name}"))
+    finally:
+        await sql(server_url, f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+
+
+async def outage(server_url: str, name: str, *, down: bool) -> None:
+    """The database refuses new sessions (and its open ones end), or takes them again."""
+    await sql(server_url, f"ALTER DATABASE {name} ALLOW_CONNECTIONS {'false' if down else 'true'}")
+    if down:
+        await sql(server_url, "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                              "WHERE datname = $1 AND pid <> pg_backend_pid()", name)  # fmt: skip
+
+
+async def test_a_wait_through_an_outage_fails_as_storage_then_goes_on_once_back(
+    asyncplane_postgres_url: str,
+) -> None:
+    server, name = asyncplane_postgres_url, "asyncplane_outage"
+    async with a_database_of_its_own(server, name) as where, ControlStore(where) as store:
+        await store.create_project("p", "P")
+        first, second = await store.enqueue_many("p", [{"n": 1}, {"n": 2}])
+        waiter = asyncio.ensure_future(store.wait(first, poll_interval=0.01))
+        await until(lambda: any(t.get_name() == f"asyncplane-wait[{first}]"
+                                for t in asyncio.all_tasks()), what="the waiter waits")  # fmt: skip
+        await outage(server, name, down=True)
+        try:
+            with pytest.raises(StorageError, match="cannot connect"):
+                await store.counts()  # the store meets the outage first, and is left shut
+            with pytest.raises(StorageError) as raised:
+                await waiter
+            assert type(raised.value) is StorageError, raised.value  # not StoreClosed
+        finally:
+            await outage(server, name, down=False)
+        # Once the server takes sessions again, a wait goes on (here one begun before).
+        waiter = asyncio.ensure_future(store.wait(second, poll_interval=3600))
+        await until(lambda: any(t.get_name() == f"asyncplane-wait[{second}]"
+                                for t in asyncio.all_tasks()), what="the waiter waits")  # fmt: skip
+        claim = await store.claim("w")
+        assert claim is not None and claim.item_id == first
+        await store.finish(first, fence=claim.fence)
+        claim = await store.claim("w")
+        assert claim is not None and claim.item_id == second
+        async with ControlStore(where) as elsewhere:  # another host settles it
+            await elsewhere.finish(second, fence=claim.fence, result={"ok": 1})
+        assert (await asyncio.wait_for(waiter, 60))["result"] == {"ok": 1}
+
+
 async def test_a_lost_connection_is_replaced_on_next_use(url: str) -> None:
     async with ControlStore(url) as store:
         await store.create_project("p", "P")

@@ -131,6 +131,8 @@ class Engine:
         self._watchers: set[asyncio.Event] = set()
         #: How many times the store was closed: a waiter that saw it change stops waiting.
         self.closes = 0
+        #: How many times the backend was opened (again after a lost connection, too).
+        self.opens = 0
         self._settle_watchers: set[asyncio.Event] = set()
         self._close_watchers: set[asyncio.Event] = set()
         self.backend = backend_for(location, options, self.notify, self.notify_settled)
@@ -173,6 +175,7 @@ class Engine:
                     self._loop = None
                     raise
                 self.is_open = True
+                self.opens += 1
                 if self.gauges is not None:  # left by a loop that ended
                     self.gauges.forget()
                 self.gauges = _telemetry.Gauges(
@@ -283,6 +286,13 @@ class Engine:
     async def data_version(self) -> int:
         """A number that changes whenever another connection commits to the store."""
         return await (await self.ready()).data_version()
+
+    async def settled_mark(self) -> tuple[int, int]:
+        """A mark that changes when an item settles (`Backend.settled_version`) or when
+        the backend was opened again (after a lost connection, when a settle elsewhere
+        may have gone unheard)."""
+        backend = await self.ready()
+        return self.opens, await backend.settled_version()
 
     def drain_guard(self) -> contextlib.AbstractAsyncContextManager[_lock.Guard]:
         """The backend's single-drainer guard (a lock file, or an advisory lock)."""

@@ -1470,6 +1470,8 @@ class ControlStore:
             WaitTimeout: Not settled within ``timeout`` seconds (a `TimeoutError` too).
             UnknownItem: No such item (at once, control plane only).
             ScopeDenied: The actor may not see the item (or it does not exist).
+            StoreClosed: The store was closed while the call waited (a wait never opens
+                it again).
         """
         target = _validate.item_id(item_id)
         actor = _validate.optional_actor(actor_id)
@@ -1483,7 +1485,7 @@ class ControlStore:
             backend, _, row = await self._look(target, actor, local)
             if row.state in _models.SETTLED_STATES:
                 return _item_dict(row)
-            settled = self._settled(target, actor, local, poll, backend)
+            settled = self._settled(target, actor, local, poll, backend, engine.closes)
             return await _tasks.within(settled, limit, f"asyncplane-wait-settled[{target}]")
         except asyncio.TimeoutError:
             raise _errors.WaitTimeout(
@@ -1494,26 +1496,29 @@ class ControlStore:
 
     async def _look(
         self, item_id: int, actor: str | None, local: asyncio.Event
-    ) -> tuple[_backend.Backend, int, _backend.ItemRow]:
-        """The item now, and the settle count read just before it (nothing slips by)."""
+    ) -> tuple[_backend.Backend, tuple[int, int], _backend.ItemRow]:
+        """The item now, and the settle mark read just before it (nothing slips by)."""
+        mark = await self._engine.settled_mark()
         backend = await self._engine.ready()
-        version = await backend.settled_version()
         local.clear()
-        return backend, version, await backend.get_item(item_id, actor)
+        return backend, mark, await backend.get_item(item_id, actor)
 
     async def _settled(
         self, item_id: int, actor: str | None, local: asyncio.Event, poll: float,
-        backend: _backend.Backend,
+        backend: _backend.Backend, closes: int,
     ) -> dict[str, Any]:  # fmt: skip
         # Other processes' settles of it wake this store from the mark on; it may have
         # settled since the first look, so the loop looks before it waits.
         await backend.mark_awaited(item_id)
         while True:
-            backend, version, row = await self._look(item_id, actor, local)
+            if self._engine.closes != closes:  # a look now would open it again
+                raise _errors.StoreClosed(f"the store was closed while waiting for item {item_id}")
+            backend, mark, row = await self._look(item_id, actor, local)
             if row.state in _models.SETTLED_STATES:
                 return _item_dict(row)
             changed = asyncio.create_task(
-                _changed_since(backend, version, poll), name=f"asyncplane-wait[{item_id}]"
+                _changed_since(self._engine, mark, poll, closes),
+                name=f"asyncplane-wait[{item_id}]",
             )
             woken = asyncio.create_task(local.wait(), name=f"asyncplane-wait-local[{item_id}]")
             try:
@@ -1903,13 +1908,18 @@ def _answer_of(call: Awaitable[_T]) -> _T | None:
     return call.result() if _write_queue.has_answer(call) else None
 
 
-async def _changed_since(backend: _backend.Backend, version: int, poll: float) -> None:
-    """Return once the backend's settled version moves past ``version``, looking every
+async def _changed_since(
+    engine: _engine.Engine, mark: tuple[int, int], poll: float, closes: int
+) -> None:
+    """Return once the store's settle mark moves past ``mark``, looking every
     ``poll`` seconds (and never sooner: a version that moves on every look, a PostgreSQL
-    listener gone deaf, must not turn the wait into a busy loop)."""
+    listener gone deaf, must not turn the wait into a busy loop). Each look goes through
+    the engine: a backend lost meanwhile is opened again (the mark then moves, and the
+    waiter looks at the item again), or the look fails with the StorageError why. A
+    store closed since ``closes`` ends it without a look (that would open it again)."""
     while True:
         await asyncio.sleep(poll)
-        if await backend.settled_version() != version:
+        if engine.closes != closes or await engine.settled_mark() != mark:
             return
 
 
