@@ -601,18 +601,48 @@ def test_cli_refuses_files_it_must_not_touch(tmp_path: pathlib.Path) -> None:
 # --- hardening -----------------------------------------------------------------------------
 
 
-async def test_a_torn_archive_line_does_not_swallow_the_next(
+async def test_a_torn_archive_end_is_cut_off_before_the_next_append(
     store: ControlStore, clock: ManualClock
 ) -> None:
     await settle(store, "alpha", 2)
     clock.advance(10)
     archive = store.archive_path
     assert archive is not None
-    archive.write_text('{"archived_at": "2026-01-01", "item": {"item_id": 99')  # torn, no \n
+    whole = '{"archived_at": "2026-01-01", "item": {"item_id": 98}}\n'
+    torn = '{"archived_at": "2026-01-01", "item": {"error": "caf\u00e9'.encode()[:-1]
+    archive.write_bytes(whole.encode() + torn)  # killed inside a character, no newline
     await store.purge(0)
-    lines = archive.read_text().splitlines()
-    assert lines[0].endswith('"item_id": 99')  # the torn line stays a line of its own ...
-    assert [json.loads(line)["item"]["item_id"] for line in lines[1:]] == [1, 2]  # ... apart
+    lines = archive.read_bytes().decode("utf-8").splitlines()  # every byte decodes
+    assert lines[0] == whole.strip()  # what came before the tear stays
+    assert [json.loads(line)["item"]["item_id"] for line in lines[1:]] == [1, 2]
+    archive.write_bytes(torn)  # a file that is all tear
+    clock.advance(10)
+    await settle(store, "alpha", 1)
+    clock.advance(10)
+    await store.purge(0)
+    assert archived_ids(archive) == [3]
+
+
+async def test_a_purge_leaves_out_what_another_purge_archived_since_it_read(
+    store: ControlStore, clock: ManualClock
+) -> None:
+    # Two purges read the same item; it changes, and the second archives and deletes it.
+    # The first's record, older, must not come after the newer one ("the last line of an
+    # item wins"), nor claim the item as archived by it.
+    (item_id,) = await settle(store, "alpha", 1, status="failed")
+    clock.advance(10)
+    backend = await store._engine.ready()
+    archive = store.archive_path
+    assert archive is not None
+    first_read = await backend.purge_candidates(clock.now(), 10)  # it reads it failed
+    await store.requeue(item_id)
+    await store.cancel(item_id)
+    clock.advance(10)
+    assert (await store.purge(0)).purged == 1  # the other purge: archived cancelled, deleted
+    assert await _retention._archived(backend, archive, first_read, 1 << 20) == ()
+    records = [json.loads(line) for line in archive.read_text().splitlines()]
+    assert [r["item"]["state"] for r in records] == ["cancelled"]
+    assert [e["event_type"] for e in records[-1]["events"]][-2:] == ["requeued", "cancelled"]
 
 
 async def test_an_unwritable_archive_does_not_stop_the_drain(

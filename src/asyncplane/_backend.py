@@ -961,6 +961,11 @@ class Backend(Protocol):
         """Up to ``chunk`` settled items last changed before ``cutoff``, with their events."""
         ...
 
+    async def standing_as_archived(self, archived: tuple[Archived, ...]) -> set[int]:
+        """The ids of the items that still stand settled as read (a read: what a purge
+        may append to its archive; `purge_items` deletes by the same test)."""
+        ...
+
     async def purge_items(self, archived: tuple[Archived, ...]) -> int:
         """Delete the items still settled as archived, then their events; return how many
         items went."""

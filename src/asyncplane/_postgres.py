@@ -596,6 +596,9 @@ class PostgresBackend(_backend.Writes):
     async def purge_candidates(self, cutoff: float, chunk: int) -> _backend.Histories:
         return await self._read(_purge_candidates, cutoff, chunk)
 
+    async def standing_as_archived(self, archived: tuple[_backend.Archived, ...]) -> set[int]:
+        return await self._read(_standing_as_archived, archived)
+
     async def purge_items(self, archived: tuple[_backend.Archived, ...]) -> int:
         return await self._write(_bind(_purge_items, archived))
 
@@ -1437,13 +1440,24 @@ async def _note_twin_pairs(
     await conn.executemany(sql.NOTE_TWIN_CHECK, contents)
 
 
+def _archived_arrays(archived: tuple[_backend.Archived, ...]) -> tuple[list[Any], ...]:
+    """The ids, fences and last changes of ``archived``, as the statements' arrays."""
+    ids, fences, changes = zip(*archived, strict=True) if archived else ((), (), ())
+    return list(ids), list(fences), list(changes)
+
+
+async def _standing_as_archived(
+    conn: asyncpg.Connection, archived: tuple[_backend.Archived, ...]
+) -> set[int]:
+    return {
+        row[0] for row in await conn.fetch(sql.STANDING_AS_ARCHIVED, *_archived_arrays(archived))
+    }
+
+
 async def _purge_items(
     archived: tuple[_backend.Archived, ...], conn: asyncpg.Connection, now: float
 ) -> int:
-    ids, fences, changes = zip(*archived, strict=True) if archived else ((), (), ())
-    gone = [
-        row[0] for row in await conn.fetch(sql.PURGE_ITEMS, list(ids), list(fences), list(changes))
-    ]
+    gone = [row[0] for row in await conn.fetch(sql.PURGE_ITEMS, *_archived_arrays(archived))]
     if gone:
         await conn.execute(sql.PURGE_EVENTS, gone)  # its history goes with it, never before
         await conn.execute(sql.PURGE_AWAITED, gone)

@@ -1819,11 +1819,26 @@ ORDER BY e.event_id
 # Each only as archived ($1 ids, $2 their fences, $3 their last changes): a probe of the
 # primary key for each archived row. (Beside `item_id = ANY($1)`, a generic plan led by
 # that and rescanned the arrays for each item: 3.5 s for a chunk of 5,000, against 14 ms.)
+_ARCHIVED: Final = (
+    "unnest($1::bigint[], $2::bigint[], $3::float8[]) AS a (item_id, fence, updated_at)"
+)
+_AS_ARCHIVED: Final = f"""items.item_id = a.item_id AND items.fence = a.fence
+      AND items.updated_at = a.updated_at AND (items.state IN {_SETTLED_STATES}) IS TRUE"""
+# The items ($1 ids, $2 fences, $3 last changes) that still stand settled as archived: a
+# probe of the primary key for each (LATERAL, LIMIT 1: never a walk of the table).
+STANDING_AS_ARCHIVED: Final = f"""
+SELECT a.item_id FROM {_ARCHIVED}
+CROSS JOIN LATERAL (SELECT 1 FROM items WHERE {_AS_ARCHIVED} LIMIT 1) AS standing
+"""
+# Deleted as archived: only rows no one else holds (SKIP LOCKED). A delete that waited
+# for a row being requeued would, its check failing on the new row, still hold that row's
+# lock to its commit, and a claim meanwhile (SKIP LOCKED) would pass the item by.
 PURGE_ITEMS: Final = f"""
-DELETE FROM items
-USING unnest($1::bigint[], $2::bigint[], $3::float8[]) AS a (item_id, fence, updated_at)
-WHERE items.item_id = a.item_id AND items.fence = a.fence AND items.updated_at = a.updated_at
-  AND (items.state IN {_SETTLED_STATES}) IS TRUE
+WITH doomed AS (
+    SELECT locked.item_id FROM {_ARCHIVED}
+    CROSS JOIN LATERAL (SELECT item_id FROM items WHERE {_AS_ARCHIVED}
+                        FOR UPDATE SKIP LOCKED) AS locked)
+DELETE FROM items USING doomed WHERE items.item_id = doomed.item_id
 RETURNING items.item_id
 """
 PURGE_EVENTS: Final = "DELETE FROM events WHERE item_id = ANY($1::bigint[])"

@@ -19,8 +19,13 @@ Each archive line is one JSON object: ``{"archived_at": ..., "item": {...},
 `ControlStore.events` give them: times as ISO 8601 strings, and without the fields that
 are always empty on a settled item (lease_expires_at, due_at, offload_handle) or that the
 line already says (each event's item_id). A purge killed while writing can leave a torn
-line; the next append ends it with a newline first, so a reader may skip lines that do not
-parse: the item on a torn line is still in the store, and is archived again later.
+last line; the next append, under the lock, cuts it off first (its chunk was never deleted:
+its items are archived again), so every line but a torn last one parses.
+
+Two purges may read the same items. Under the archive's lock, before it appends, a purge
+looks again at the items it read and leaves out those that no longer stand as it read them
+(another purge archived and deleted them, or they were requeued): an older record never
+follows a newer one of the same item, so "the last line of an item wins" holds.
 """
 
 from __future__ import annotations
@@ -82,12 +87,8 @@ async def purge(
         found = await backend.purge_candidates(cutoff, chunk)
         if not found:
             break
-        # Building the lines (JSON of whole items and histories) happens on the worker
-        # thread too: a large chunk must not hold up the event loop.
-        import anyio.to_thread  # on first use, as a store's connections do
-
         try:
-            await anyio.to_thread.run_sync(_archive, archive_path, found, archive_max_bytes)
+            archived = await _archived(backend, archive_path, found, archive_max_bytes)
         except OSError as exc:
             raise _errors.ArchiveError(
                 f"cannot append to the archive {archive_path}: {exc}; nothing of this chunk "
@@ -97,16 +98,43 @@ async def purge(
             await _after_archive()
         # Only as archived: an item requeued and settled again meanwhile stays, its newer
         # history not in the archive yet.
-        archived = tuple(
-            _backend.Archived(item.item_id, item.fence, item.updated_at) for item, _ in found
-        )
-        purged += await backend.purge_items(archived)
+        if archived:
+            purged += await backend.purge_items(archived)
         chunks += 1
         if progress is not None:
             progress(purged)
         if len(found) < chunk:
             break
     return PurgeSummary(purged, chunks, archive_path)
+
+
+async def _archived(
+    backend: _backend.Backend,
+    path: pathlib.Path,
+    found: _backend.Histories,
+    max_bytes: int,
+) -> tuple[_backend.Archived, ...]:
+    """Append the items of ``found`` that still stand as read to the archive, under its
+    lock; return them as archived (what the purge may delete)."""
+    import anyio.to_thread  # on first use, as a store's connections do
+
+    # The descriptor is opened here, so that a cancellation while a worker thread waits
+    # for the lock still closes it (and so lets the lock go) on the way out.
+    fd = os.open(path.with_name(path.name + ".lock"), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        await anyio.to_thread.run_sync(_lock, fd)
+        read = tuple(
+            _backend.Archived(item.item_id, item.fence, item.updated_at) for item, _ in found
+        )
+        standing = await backend.standing_as_archived(read)
+        kept = [history for history in found if history[0].item_id in standing]
+        if kept:
+            # Building the lines (JSON of whole items and histories) happens on the worker
+            # thread too: a large chunk must not hold up the event loop.
+            await anyio.to_thread.run_sync(_archive, path, kept, max_bytes)
+        return tuple(item for item in read if item.item_id in standing)
+    finally:
+        os.close(fd)  # closing the descriptor releases the lock
 
 
 def _iso(value: float | None) -> str | float | None:
@@ -171,47 +199,61 @@ def _archive(
     found: list[tuple[_backend.ItemRow, list[_backend.EventRow]]],
     max_bytes: int,
 ) -> None:
-    _append(path, [_archive_line(item, events) for item, events in found], max_bytes)
+    """On a worker thread, under the archive's lock: rotate if due, cut off a torn last
+    line, append the lines of ``found`` and fsync."""
+    lines = [_archive_line(item, events) for item, events in found]
+    created = False
+    with contextlib.suppress(FileNotFoundError):
+        _cut_torn_end(path)
+        if path.stat().st_size >= max_bytes:
+            os.replace(path, path.with_name(path.name + ".1"))
+            created = True
+    created = created or not path.exists()
+    with open(path, "ab") as archive:
+        archive.write("".join(lines).encode("utf-8"))
+        archive.flush()
+        os.fsync(archive.fileno())
+    if created:
+        _fsync_directory(path.parent)  # the new name must survive a crash too
 
 
-def _append(path: pathlib.Path, lines: list[str], max_bytes: int) -> None:
-    """On a worker thread: rotate if due, append, and fsync, under the archive's lock."""
-    with _exclusive(path.with_name(path.name + ".lock")):
-        created = False
-        with contextlib.suppress(FileNotFoundError):
-            if path.stat().st_size >= max_bytes:
-                os.replace(path, path.with_name(path.name + ".1"))
-                created = True
-        created = created or not path.exists()
-        with open(path, "a+b") as archive:
-            # A purge killed mid-write leaves a torn last line: end it first, so the lines
-            # written now (which may repeat that item) each parse on their own.
-            if archive.tell() > 0:
-                archive.seek(-1, os.SEEK_END)
-                if archive.read(1) != b"\n":
-                    archive.write(b"\n")
-            archive.write("".join(lines).encode("utf-8"))
-            archive.flush()
-            os.fsync(archive.fileno())
-        if created:
-            _fsync_directory(path.parent)  # the new name must survive a crash too
+def _cut_torn_end(path: pathlib.Path) -> None:
+    """Cut the archive back to its last newline: what follows it is the torn line of a
+    purge killed while writing (the lock is held: no purge writes now), whose chunk was
+    never deleted. Cut, it can neither end inside a character nor join the next line."""
+    with open(path, "r+b") as archive:
+        end = archive.seek(0, os.SEEK_END)
+        at = end
+        while at > 0:
+            step = min(at, _TAIL_STEP)
+            archive.seek(at - step)
+            block = archive.read(step)
+            newline = block.rfind(b"\n")
+            if newline != -1:
+                at = at - step + newline + 1
+                break
+            at -= step
+        if at == end:
+            return
+        archive.truncate(at)
+        archive.flush()
+        os.fsync(archive.fileno())
 
 
-@contextlib.contextmanager
-def _exclusive(lock_path: pathlib.Path) -> Any:
-    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        if sys.platform == "win32":  # pragma: no cover - Windows only
-            import msvcrt
+#: How much of the archive's end `_cut_torn_end` reads at a time, looking for a newline.
+_TAIL_STEP = 1 << 16
 
-            msvcrt.locking(fd, msvcrt.LK_LOCK, 1)
-        else:
-            import fcntl
 
-            fcntl.flock(fd, fcntl.LOCK_EX)  # a worker thread may wait; the loop does not
-        yield
-    finally:
-        os.close(fd)  # closing the descriptor releases the lock
+def _lock(fd: int) -> None:
+    """Take the archive's lock on ``fd`` (a worker thread may wait; the loop does not)."""
+    if sys.platform == "win32":  # pragma: no cover - Windows only
+        import msvcrt
+
+        msvcrt.locking(fd, msvcrt.LK_LOCK, 1)
+    else:
+        import fcntl
+
+        fcntl.flock(fd, fcntl.LOCK_EX)
 
 
 def _fsync_directory(directory: pathlib.Path) -> None:

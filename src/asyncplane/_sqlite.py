@@ -269,6 +269,9 @@ class SQLiteBackend(_backend.Writes):
     async def purge_candidates(self, cutoff: float, chunk: int) -> _backend.Histories:
         return await self._read(_purge_candidates, cutoff, chunk)
 
+    async def standing_as_archived(self, archived: tuple[_backend.Archived, ...]) -> set[int]:
+        return await self._read(_standing_as_archived, archived)
+
     async def purge_items(self, archived: tuple[_backend.Archived, ...]) -> int:
         return await self._write(functools.partial(_purge_items, archived))
 
@@ -995,6 +998,13 @@ def _settle_pending_twins(
 
 def _note_twin_pairs(contents: list[tuple[str, str]], db: sqlite3.Connection, now: float) -> None:
     db.executemany(sql.NOTE_TWIN_CHECK, contents)
+
+
+def _standing_as_archived(
+    db: sqlite3.Connection, archived: tuple[_backend.Archived, ...]
+) -> set[int]:
+    return {item.item_id for item in archived
+            if db.execute(sql.STANDING_AS_ARCHIVED, item).fetchone() is not None}  # fmt: skip
 
 
 def _purge_items(

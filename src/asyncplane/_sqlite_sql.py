@@ -1114,12 +1114,11 @@ EVENTS_OF_ITEM: Final = """
 SELECT event_id, item_id, event_type, fence, owner, actor_id, at, detail
 FROM events WHERE item_id = ? ORDER BY event_id
 """
-# An item goes first, then its history (the ledger refuses to drop a live item's events).
 # An item still settled as archived (its id, fence and last change).
-PURGE_ITEM: Final = f"""
-DELETE FROM items
-WHERE item_id = ? AND fence = ? AND updated_at = ? AND state IN {_SETTLED_STATES}
-"""
+_AS_ARCHIVED: Final = f"item_id = ? AND fence = ? AND updated_at = ? AND state IN {_SETTLED_STATES}"
+STANDING_AS_ARCHIVED: Final = f"SELECT 1 FROM items WHERE {_AS_ARCHIVED}"
+# An item goes first, then its history (the ledger refuses to drop a live item's events).
+PURGE_ITEM: Final = f"DELETE FROM items WHERE {_AS_ARCHIVED}"
 PURGE_EVENTS: Final = "DELETE FROM events WHERE item_id = ?"
 
 # --- imports --------------------------------------------------------------------------------
