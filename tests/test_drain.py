@@ -110,6 +110,20 @@ async def test_an_executor_that_raises_retries_its_batch(store: ControlStore) ->
         assert row["error"] == "the executor raised RuntimeError: model endpoint down"
 
 
+@pytest.mark.parametrize("raised", [SystemExit(3), KeyboardInterrupt(), GeneratorExit()])
+async def test_an_executor_that_raises_past_exception_retries_its_batch_too(
+    store: ControlStore, raised: BaseException
+) -> None:
+    ids = await store.enqueue_many("alpha", [{"n": n} for n in range(2)])
+
+    async def exits(batch: list[ClaimedItem]) -> list[Outcome]:
+        raise raised
+
+    summary = await drain(store, exits, empty_rounds=1)  # the drain itself goes on
+    assert (summary.retried, summary.done) == (2, 0)
+    assert {(await store.item(i))["state"] for i in ids} == {"deferred"}
+
+
 @pytest.mark.parametrize(
     "returned",
     [[], [Done()], [Done(), Done(), Done()], ["done", Done()]],

@@ -1020,9 +1020,61 @@ async def test_an_exclusive_worker_runs_alone(store: ControlStore) -> None:
     assert not (await first).skipped
 
 
-async def test_work_refuses_a_handler_that_is_not_callable(store: ControlStore) -> None:
-    with pytest.raises(InvalidType, match="handle must be an async function"):
-        await work(store, "module:handle")  # type: ignore[arg-type]
+async def test_work_refuses_what_is_not_a_handler_before_running_anything(
+    store: ControlStore,
+) -> None:
+    item_id = await store.enqueue("alpha", {})
+    ran: list[str] = []
+
+    def sync(claim: ClaimedItem) -> Done:
+        ran.append("sync")  # its work would be done, then refused, on every attempt
+        return Done()
+
+    async def two(claim: ClaimedItem, extra: int) -> Done:
+        return Done()
+
+    async def none() -> Done:
+        return Done()
+
+    async def keyword_only(*, claim: ClaimedItem) -> Done:
+        return Done()
+
+    class Handler:
+        async def __call__(self, claim: ClaimedItem) -> Done:
+            ran.append("instance")
+            return Done()
+
+    for bad in ("module:handle", sync, two, none, keyword_only, Handler):
+        with pytest.raises(InvalidType, match="handle must be an async function"):
+            await work(store, bad, until_empty=True)  # type: ignore[arg-type]
+    assert ran == [] and (await store.item(item_id))["state"] == "ready"
+
+    async def with_default(claim: ClaimedItem, extra: int = 1) -> Done:
+        ran.append("default")
+        return Done()
+
+    assert (await work(store, Handler(), until_empty=True)).done == 1  # an instance will do
+    await store.enqueue("alpha", {})
+    assert (await work(store, with_default, until_empty=True)).done == 1
+    assert ran == ["instance", "default"]
+
+
+@pytest.mark.parametrize("raised", [SystemExit(3), KeyboardInterrupt(), GeneratorExit()])
+async def test_a_handler_raising_past_exception_has_its_item_retried_and_work_goes_on(
+    store: ControlStore, raised: BaseException
+) -> None:
+    ids = await store.enqueue_many("alpha", [{"n": n} for n in range(4)])
+
+    async def handle(claim: ClaimedItem) -> Done:
+        if claim.payload["n"] == 0:
+            raise raised  # a sys.exit() deep in one item's code, say
+        return Done()
+
+    summary = await work(store, handle, concurrency=2, until_empty=True)
+    assert (summary.done, summary.retried) == (3, 1)
+    failed = await store.item(ids[0])
+    assert failed["state"] == "deferred" and type(raised).__name__ in failed["error"]
+    assert await verify_ledger(store) == []
 
 
 # --- processes --------------------------------------------------------------------------------
@@ -1161,6 +1213,13 @@ HANDLERS = textwrap.dedent(
         return Done({"n": claim.payload["n"]})
 
     not_async = lambda claim: None
+
+    async def two_arguments(claim, extra):
+        return Done()
+
+    class AClass:
+        async def __call__(self, claim):
+            return Done()
     """
 )
 
@@ -1258,6 +1317,8 @@ def test_the_worker_command_refuses_a_bad_handler(tmp_path: Any) -> None:
     asyncio.run(make())
     for spec, words in (
         ("fleet_handlers:not_async", "not an async function"),
+        ("fleet_handlers:two_arguments", "cannot be called with one argument"),
+        ("fleet_handlers:AClass", "got type"),
         ("fleet_handlers:missing", "has no 'missing'"),
         ("no_such_module:handle", "cannot import 'no_such_module'"),
         ("fleet_handlers", "MODULE:ATTRIBUTE"),

@@ -79,6 +79,7 @@ from asyncplane._outcomes import (
     Retry,
     Settler,
     count_lost,
+    returned_or_raised,
     short_error,
 )
 from asyncplane._store import ControlStore
@@ -408,9 +409,8 @@ async def _call(
     with _telemetry.round_span(owner, len(batch)):
         runs = _telemetry.executions(batch)
         try:
-            result = list(await execute(batch))
-        except Exception as exc:
-            result = exc
+            returned = await returned_or_raised(execute(batch))
+            result = returned if isinstance(returned, BaseException) else list(returned)
         finally:
             for position, run in enumerate(runs):
                 if isinstance(result, BaseException):

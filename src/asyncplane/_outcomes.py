@@ -13,8 +13,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import datetime
-from collections.abc import Sequence
-from typing import Any, TypeAlias
+from collections.abc import Awaitable, Sequence
+from typing import Any, TypeAlias, TypeVar
 
 from asyncplane import _clock, _errors, _validate
 from asyncplane._models import ClaimedItem
@@ -31,9 +31,27 @@ __all__ = (
     "Retry",
     "Settler",
     "count_lost",
+    "returned_or_raised",
     "short_error",
     "text_of",
 )
+
+_T = TypeVar("_T")
+
+
+async def returned_or_raised(call: Awaitable[_T]) -> _T | BaseException:
+    """What the user's code (a handler, an executor) returned, or what it raised, as a
+    value: its items' failure, retried as their attempts allow. Anything but a cancellation
+    (which is the runtime's own, or the caller's): a ``sys.exit()`` or a stray
+    ``GeneratorExit`` in one item's code must not end the runtime with every item it holds
+    left claimed to its lease."""
+    try:
+        return await call
+    except asyncio.CancelledError:
+        raise
+    except BaseException as exc:  # the rule above
+        return exc
+
 
 #: Errors longer than this are cut before they are recorded (the store keeps 16 KiB).
 _ERROR_CHARS = 4000

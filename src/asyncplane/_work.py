@@ -57,6 +57,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import dataclasses
+import inspect
 import logging
 import pathlib
 import time
@@ -87,11 +88,12 @@ from asyncplane._outcomes import (
     Retry,
     Settler,
     count_lost,
+    returned_or_raised,
     short_error,
 )
 from asyncplane._store import ControlStore, log_fields
 
-__all__ = ("Handler", "Settings", "handling", "settings", "work")
+__all__ = ("Handler", "Settings", "handler_problem", "handling", "settings", "work")
 
 #: ``async def handle(claim: ClaimedItem) -> Outcome``: runs one item.
 Handler: TypeAlias = Callable[[ClaimedItem], Awaitable[Any]]
@@ -179,9 +181,10 @@ async def work(
     """
     _engine.require_asyncio()
     started = time.monotonic()
-    if not callable(handle):
+    problem = handler_problem(handle)
+    if problem is not None:
         raise _errors.InvalidType(
-            f"handle must be an async function taking one ClaimedItem, not {type(handle).__name__}"
+            f"handle must be an async function taking one ClaimedItem: {problem}"
         )
     given = settings(owner, concurrency, timeout, project_id, grace)
     run = _Worker(
@@ -651,6 +654,25 @@ class _Held:
         self.lost = False
 
 
+def handler_problem(handle: object) -> str | None:
+    """Why ``handle`` cannot be a handler (None: it can): it must be an ``async def``, or
+    an object whose ``__call__`` is one (not a class: calling that makes an instance), that
+    takes one positional argument, the claim. Checked before anything runs, as a sync
+    function would run its work and only then fail to be awaited, on every attempt."""
+    if inspect.isclass(handle) or not callable(handle):
+        return f"got {type(handle).__name__} {handle!r}"[:200]
+    call = getattr(handle, "__call__", None)  # noqa: B004 - an async __call__ counts too
+    if not (inspect.iscoroutinefunction(handle) or inspect.iscoroutinefunction(call)):
+        return f"{handle!r} is not an async function (async def handle(claim) -> Outcome)"[:200]
+    try:
+        inspect.signature(handle).bind(None)
+    except TypeError:
+        return f"{handle!r} cannot be called with one argument, the claim"[:200]
+    except ValueError:  # no signature to read (a builtin): it is called and answers then
+        pass
+    return None
+
+
 #: The item whose handler the current task runs: set in the handler's own task (and so
 #: seen by whatever it starts), never outside it.
 _handling: contextvars.ContextVar[ClaimedItem | None] = contextvars.ContextVar(
@@ -669,10 +691,7 @@ async def _call(handle: Handler, claim: ClaimedItem) -> Any:
     execution span (ended by a cancellation too: a timeout, a stop)."""
     _handling.set(claim)  # this task's own context: nothing outside it sees the value
     with _telemetry.execution_span(claim) as run:
-        try:
-            result = await handle(claim)
-        except Exception as exc:
-            result = exc
+        result = await returned_or_raised(handle(claim))
         run.finish(result)
         return result
 

@@ -21,7 +21,6 @@ import argparse
 import asyncio
 import contextlib
 import importlib
-import inspect
 import json
 import logging
 import os
@@ -78,12 +77,9 @@ def load_handler(spec: str) -> _work.Handler:
             target = getattr(target, part)
         except AttributeError as exc:
             raise Usage(f"{module_name!r} has no {attribute!r}") from exc
-    call = getattr(target, "__call__", None)  # noqa: B004 - an async __call__ counts too
-    if not (inspect.iscoroutinefunction(target) or inspect.iscoroutinefunction(call)):
-        raise Usage(
-            f"{spec} is {type(target).__name__}, not an async function: a handler is "
-            "`async def handle(claim) -> Outcome`"
-        )
+    problem = _work.handler_problem(target)
+    if problem is not None:
+        raise Usage(f"{spec} is not a handler (`async def handle(claim) -> Outcome`): {problem}")
     handler: _work.Handler = target
     return handler
 
