@@ -530,6 +530,16 @@ def test_cli_cancel_and_requeue_by_id_and_by_filter(location_of: Any) -> None:
         ids["limited"]: "ready", ids["bad"]: "ready", ids["ready0"]: "cancelled",
         ids["ready1"]: "ready", ids["ready2"]: "cancelled",
     }  # fmt: skip
+    def history() -> list[Any]:
+        return json.loads(cli("events", where, str(ids["limited"]), "--json").stdout)["events"]
+
+    before = history()
+    for bad in ("0", "-3", str(2**63)):  # no item has it: refused before any is touched
+        for verb in ("cancel", "requeue"):
+            mixed = cli(verb, where, str(ids["limited"]), bad)
+            assert mixed.returncode == 2 and "an item id must" in mixed.stderr, mixed
+            assert mixed.stdout == ""
+    assert history() == before  # neither cancelled nor requeued
     both = cli("cancel", where, "1", "--state", "ready")
     assert both.returncode == 2 and "not both" in both.stderr
     nothing = cli("cancel", where)

@@ -575,10 +575,16 @@ async def _items(store: _store.ControlStore, args: argparse.Namespace) -> int:
 
 
 async def _by_id(args: argparse.Namespace, act: Callable[[int], Any], done: str) -> int:
-    """Apply ``act`` to each id; report each; exit 2 if any could not be acted on."""
+    """Apply ``act`` to each id; report each; exit 2 if any could not be acted on. Every
+    id is checked first: one no item could have (0, past the id range) is a usage error
+    before any item is touched."""
+    try:
+        ids = [_validate.item_id(item_id) for item_id in args.ids]
+    except _errors.InvalidInput as exc:
+        raise _Usage(_in_flags(str(exc))) from exc
     results: list[dict[str, Any]] = []
     refused = 0
-    for item_id in args.ids:
+    for item_id in ids:
         try:
             state = await act(item_id)
         except (_errors.UnknownItem, _errors.NotRequeueable) as exc:
