@@ -9,6 +9,7 @@ import logging
 import os
 import random
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -1289,7 +1290,8 @@ async def test_a_second_signal_stops_the_worker_at_once_and_gives_claims_back(
     async with ControlStore(where) as store:
         await store.create_project("p", "P")
         ids = await store.enqueue_many("p", [{"n": n, "hang": True} for n in range(3)])
-        child = worker(where, tmp_path, "fleet_handlers:handle", "--grace", "600")
+        child = worker(where, tmp_path, "fleet_handlers:handle", "--grace", "600",
+                       "--log-format", "json")  # fmt: skip
         deadline = time.monotonic() + 60
         while (await store.counts())["claimed"] < 3:
             assert time.monotonic() < deadline and child.poll() is None
@@ -1299,11 +1301,28 @@ async def test_a_second_signal_stops_the_worker_at_once_and_gives_claims_back(
         assert child.poll() is None
         child.send_signal(signal.SIGINT)  # the second: at once
         _, err = await asyncio.to_thread(child.communicate, timeout=60)
-        assert child.returncode == 1 and "stopped at once" in err
+        lines = [json.loads(line) for line in err.splitlines()]  # every one, this one too
+        assert child.returncode == 1 and "stopped at once" in lines[-1]["message"]
         for item_id in ids:
             row = await store.item(item_id)
             assert (row["state"], row["attempts"]) == ("ready", 0)  # given back, unspent
         assert await verify_ledger(store) == []
+
+
+def test_a_signal_while_the_store_opens_stops_the_command_cleanly(tmp_path: Any) -> None:
+    (tmp_path / "fleet_handlers.py").write_text(HANDLERS)
+    with socket.socket() as server:  # a "server" that takes the connection, never answers
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        server.settimeout(60)
+        url = f"postgresql://nobody@127.0.0.1:{server.getsockname()[1]}/none"
+        child = worker(url, tmp_path, "fleet_handlers:handle", "--log-format", "json")
+        held, _ = server.accept()  # the store is opening
+        with held:
+            child.send_signal(signal.SIGTERM)
+            _, err = child.communicate(timeout=60)
+    assert child.returncode == 0, err
+    assert "stopped before it started" in json.loads(err.splitlines()[-1])["message"]
 
 
 def test_the_worker_command_refuses_a_bad_handler(tmp_path: Any) -> None:

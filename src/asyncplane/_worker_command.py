@@ -34,6 +34,8 @@ from asyncplane._outcomes import DrainSummary
 
 __all__ = ("add_arguments", "load_handler", "run")
 
+_log = logging.getLogger("asyncplane.worker")
+
 #: The fields a log record may carry beyond the standard ones (`_store.log_fields`, and
 #: drain's batch of ``item_ids``).
 _EXTRA_FIELDS = ("item_id", "project_id", "attempt", "fence", "owner", "item_ids")
@@ -95,16 +97,38 @@ def run(args: argparse.Namespace) -> int:
         raise Usage(str(exc)) from exc
     if args.exclusive and args.project and len(args.project) > 1:
         raise Usage("--exclusive runs one worker alone: give it one --project at most")
-    return _loops.run(_main(args, handler))
+    try:
+        return _loops.run(_main(args, handler))
+    except (_errors.AsyncplaneError, OSError) as exc:
+        if isinstance(exc, (_errors.NotAnAsyncplaneDatabase, _errors.SchemaVersionError)):
+            raise Usage(str(exc)) from exc
+        # In the log's own form (one JSON object a line with --log-format json); exit 3.
+        _log.error("failed: %s", exc)
+        return 3
 
 
 async def _main(args: argparse.Namespace, handler: _work.Handler) -> int:
     store = _store.ControlStore(args.db)
-    try:
-        await store.open()
-    except (_errors.NotAnAsyncplaneDatabase, _errors.SchemaVersionError) as exc:
-        raise Usage(str(exc)) from exc
     stop = asyncio.Event()
+    # Heard from the start: a signal while the store opens (a server slow to answer)
+    # stops the command cleanly, having claimed nothing.
+    signals = _Signals(stop, [])
+    opening = asyncio.create_task(store.open(), name="asyncplane-worker-open")
+    signals.opening = opening
+    try:
+        await opening
+    except asyncio.CancelledError:
+        signals.remove()
+        await store.close()
+        if signals.count and opening.cancelled():
+            _log.info("stopped before it started")
+            return 0
+        raise
+    except BaseException:
+        signals.remove()
+        await store.close()
+        raise
+    signals.opening = None
     projects = args.project or [None]
     share = max(1, args.concurrency // len(projects))
     status = _Status(len(projects) * share) if sys.stderr.isatty() else None
@@ -119,7 +143,7 @@ async def _main(args: argparse.Namespace, handler: _work.Handler) -> int:
         )
         for project in projects
     ]  # fmt: skip
-    signals = _Signals(stop, workers)
+    signals.workers = workers
     try:
         # One project's worker failing stops the others too (gracefully).
         _, pending = await asyncio.wait(workers, return_when=asyncio.FIRST_EXCEPTION)
@@ -135,8 +159,7 @@ async def _main(args: argparse.Namespace, handler: _work.Handler) -> int:
         if isinstance(result, BaseException) and not isinstance(result, asyncio.CancelledError):
             raise result
     if signals.count > 1:
-        print("asyncplane worker: stopped at once; unfinished items were given back",
-              file=sys.stderr)  # fmt: skip
+        _log.warning("stopped at once; unfinished items were given back")
         return 1
     return 0
 
@@ -146,14 +169,19 @@ class _Signals:
 
     def __init__(self, stop: asyncio.Event, workers: list[asyncio.Task[Any]]) -> None:
         self.stop, self.workers, self.count = stop, workers, 0
+        #: The store's opening, while it runs: a signal then cancels it (nothing to finish).
+        self.opening: asyncio.Task[Any] | None = None
         self.loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             self.loop.add_signal_handler(sig, self.heard)
 
     def heard(self) -> None:
         self.count += 1
+        if self.opening is not None:
+            self.opening.cancel()
+            return
         if self.count == 1:
-            logging.getLogger("asyncplane.worker").info("stopping: finishing running items")
+            _log.info("stopping: finishing running items")
             self.stop.set()
         else:
             for worker in self.workers:
