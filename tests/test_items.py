@@ -530,6 +530,7 @@ def test_cli_cancel_and_requeue_by_id_and_by_filter(location_of: Any) -> None:
         ids["limited"]: "ready", ids["bad"]: "ready", ids["ready0"]: "cancelled",
         ids["ready1"]: "ready", ids["ready2"]: "cancelled",
     }  # fmt: skip
+
     def history() -> list[Any]:
         return json.loads(cli("events", where, str(ids["limited"]), "--json").stdout)["events"]
 

@@ -23,6 +23,7 @@ from asyncplane import (
     InvalidType,
     UnknownProject,
     UnknownSchedule,
+    _schedule,
     drain,
     verify_ledger,
     work,
@@ -227,6 +228,10 @@ async def test_pause_resume_and_delete(store: ControlStore, clock: ManualClock) 
         ({"every": 1e12}, InvalidInput, "at most a century"),  # its next tick: no datetime
         ({"every": dt.timedelta(days=999_999_999)}, InvalidInput, "at most a century"),
         ({"every": 1e300}, InvalidInput, "at most a century"),
+        ({"every": 10**400}, InvalidInput, "at most a century"),  # no float holds it
+        ({"every": -(10**400)}, InvalidInput, "at least 1 second"),
+        ({"every": 60, "timezone": "America"}, InvalidInput, "unknown timezone"),  # a folder
+        ({"every": 60, "timezone": "x" * 300}, InvalidInput, "unknown timezone"),
         ({"every": "60"}, InvalidType, "timedelta or seconds"),
         ({"every": 60, "catch_up": "some"}, InvalidInput, "unknown catch_up"),
         ({"every": 60, "priority": 2**40}, InvalidInput, "priority"),
@@ -242,6 +247,44 @@ async def test_a_bad_schedule_is_refused_before_anything_is_written(
     with pytest.raises(error, match=words):
         await store.set_schedule("bad", **fields)
     assert await store.schedules() == []
+
+
+async def test_a_process_without_the_cron_extra_leaves_cron_schedules_to_one_with_it(
+    store: ControlStore,
+    clock: ManualClock,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # A cron schedule declared from elsewhere must not stop this process's workers, nor
+    # the every= schedules it can run.
+    clock.set(at(2026, 12, 1, 0, 0))
+    await store.set_schedule("cron", project_id="alpha", payload={"k": "cron"}, cron="* * * * *")
+    await store.set_schedule("every", project_id="alpha", payload={"k": "every"}, every=60)
+    clock.advance(120)
+    untouched = await store.schedule("cron")
+    monkeypatch.setitem(sys.modules, "cronsim", None)  # an import of it fails, as uninstalled
+    _schedule.crons_here.cache_clear()
+    try:
+        assert await store.run_schedules() == 1
+        assert await store.run_schedules() == 0  # said once a process
+        said = [
+            r for r in caplog.records if "leaves them to one that has the cron extra" in r.message
+        ]
+        assert len(said) == 1 and said[0].levelname == "WARNING"
+
+        async def handle(claim: Any) -> Done:
+            return Done(claim.payload)
+
+        clock.advance(60)
+        summary = await work(store, handle, until_empty=True)  # it schedules, and goes on
+        assert summary.done == 2
+        assert await store.schedule("cron") == untouched
+    finally:
+        monkeypatch.undo()
+        _schedule.crons_here.cache_clear()
+    assert await store.run_schedules() == 1  # a process with the extra: the cron's latest
+    kinds = [item["payload"]["k"] for item in await store.items(order="oldest")]
+    assert kinds == ["every", "every", "cron"]
 
 
 async def test_a_schedule_for_a_missing_project_is_refused(store: ControlStore) -> None:

@@ -319,9 +319,11 @@ class ScheduleOp(NamedTuple):
 
 
 class RunSchedulesOp(NamedTuple):
-    """Parameters of one transaction of run_schedules: how many due schedules it takes."""
+    """Parameters of one transaction of run_schedules: how many due schedules it takes,
+    and whether cron ones among them (`asyncplane._schedule.crons_here`)."""
 
     limit: int
+    crons: bool
 
 
 class ScheduleRow(NamedTuple):
@@ -1015,8 +1017,9 @@ class Backend(Protocol):
         pending twin's adds none, schedules run)."""
         ...
 
-    async def next_tick(self) -> float | None:
-        """When the earliest unpaused schedule's next tick falls, if any."""
+    async def next_tick(self, crons: bool) -> float | None:
+        """When the earliest unpaused schedule's next tick falls, if any (a cron one
+        only with ``crons``)."""
         ...
 
     async def schedule_ticks(self, name: str, limit: int) -> list[TickRow]:

@@ -40,6 +40,7 @@ from asyncplane import (
     _lock,
     _models,
     _retention,
+    _schedule,
     _telemetry,
     _validate,
     _write_queue,
@@ -140,6 +141,7 @@ class Engine:
         self._backfill_after: dict[tuple[str | None, str | None], int] = {}
         self._last_purge: float | None = None
         self._last_schedules: float | None = None
+        self._crons_left_said = False
         #: When the next tick of any schedule falls, as the last run here found it.
         self.next_tick: float | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -361,7 +363,10 @@ class Engine:
         backend = await self.ready()
         self._last_schedules = time.monotonic()
         enqueued = 0
-        op = _backend.RunSchedulesOp(_SCHEDULES_PER_ROUND)
+        crons = _schedule.crons_here()
+        if not crons:
+            await self._say_crons_are_left(backend)
+        op = _backend.RunSchedulesOp(_SCHEDULES_PER_ROUND, crons)
         while True:
             call = backend.run_schedules(op)
             try:
@@ -380,8 +385,21 @@ class Engine:
                 break
         if enqueued:
             _schedules_log.debug("schedules enqueued %d item(s)", enqueued)
-        self.next_tick = await backend.next_tick()
+        self.next_tick = await backend.next_tick(crons)
         return enqueued
+
+    async def _say_crons_are_left(self, backend: _backend.Backend) -> None:
+        """Warn, once a process, that cron schedules fall due that this process leaves to
+        another (it lacks the cron extra)."""
+        if self._crons_left_said:
+            return
+        due = await backend.next_tick(True)
+        if due is not None and due <= self.clock.now() and due != await backend.next_tick(False):
+            self._crons_left_said = True
+            _schedules_log.warning(
+                "cron schedules are due, and this process leaves them to one that has the "
+                "cron extra (pip install 'asyncplane[cron]'); it runs the every= ones"
+            )
 
     def recheck_schedules(self) -> None:
         """Look at the schedules again in the next round, however recent the last look: a
@@ -398,7 +416,7 @@ class Engine:
             if tick is None or self.clock.now() < tick:
                 return 0
         self._last_schedules = time.monotonic()
-        tick = self.next_tick = await (await self.ready()).next_tick()
+        tick = self.next_tick = await (await self.ready()).next_tick(_schedule.crons_here())
         if tick is None or self.clock.now() < tick:
             return 0
         return await self.run_schedules()

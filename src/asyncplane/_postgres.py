@@ -627,8 +627,8 @@ class PostgresBackend(_backend.Writes):
     async def delete_schedule(self, name: str) -> None:
         await self._write(_bind(_delete_schedule, name))
 
-    async def next_tick(self) -> float | None:
-        rows = await self._fetch(sql.NEXT_TICK)
+    async def next_tick(self, crons: bool) -> float | None:
+        rows = await self._fetch(sql.NEXT_TICK, crons)
         value: float | None = rows[0][0]
         return value
 
@@ -874,7 +874,7 @@ async def _run_schedules(
     """As SQLite's: the due schedules (those another host runs now skipped), each due
     tick's key reserved, then its item enqueued; a key another transaction reserved is
     waited for, and if it commits, this one enqueues nothing for that tick."""
-    due = await conn.fetch(sql.DUE_SCHEDULES, now, op.limit)
+    due = await conn.fetch(sql.DUE_SCHEDULES, now, op.limit, op.crons)
     rows = [_backend.ScheduleRow._make(r) for r in due]
     enqueued = 0
     for row in rows:

@@ -2230,7 +2230,7 @@ DELETE_SCHEDULE: Final = "DELETE FROM schedules WHERE name = $1"
 DELETE_TICKS: Final = "DELETE FROM schedule_ticks WHERE name = $1"
 DUE_SCHEDULES: Final = f"""
 SELECT {_SCHEDULE_COLUMNS} FROM schedules
-WHERE NOT paused AND next_at <= $1
+WHERE NOT paused AND next_at <= $1 AND (cron IS NULL OR $3)
 ORDER BY next_at, name COLLATE "C" LIMIT $2
 FOR UPDATE SKIP LOCKED
 """
@@ -2245,7 +2245,7 @@ UPDATE schedules SET next_at = $1, last_at = coalesce($2, last_at), updated_at =
 WHERE name = $4
 """
 FORGET_TICKS: Final = "DELETE FROM schedule_ticks WHERE name = $1 AND tick_at < $2"
-NEXT_TICK: Final = "SELECT min(next_at) FROM schedules WHERE NOT paused"
+NEXT_TICK: Final = "SELECT min(next_at) FROM schedules WHERE NOT paused AND (cron IS NULL OR $1)"
 SCHEDULE_TICKS: Final = """
 SELECT name, tick_at, item_id, at FROM schedule_ticks WHERE name = $1
 ORDER BY tick_at DESC LIMIT $2

@@ -22,12 +22,16 @@ set of rules:
 * **Redeclaring** a schedule (`placed`) with the same timetable keeps its place: a
   process that declares its schedules each time it starts never skips, nor repeats, a
   tick. A new timetable starts afresh from now.
+* **A process without the cron extra** (`crons_here`) runs the ``every=`` schedules and
+  leaves the cron ones, untouched, to a process that has it: one cron schedule declared
+  from elsewhere must not stop a fleet's workers, nor the other schedules.
 """
 
 from __future__ import annotations
 
 import collections
 import datetime as dt
+import functools
 import math
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -43,6 +47,7 @@ __all__ = (
     "TICKS_KEPT",
     "TickPlan",
     "Timetable",
+    "crons_here",
     "paused_next_at",
     "placed",
     "plan",
@@ -74,6 +79,17 @@ _NICKNAMES = {
     "@midnight": "0 0 * * *",
     "@hourly": "0 * * * *",
 }
+
+
+@functools.cache
+def crons_here() -> bool:
+    """Whether this process can walk cron schedules (the cron extra is installed; looked
+    up once: a failed import is not cheap, and schedules are looked at every second)."""
+    try:
+        _cronsim()
+    except _errors.MissingExtra:
+        return False
+    return True
 
 
 def _cronsim() -> Any:
@@ -182,7 +198,7 @@ def timetable(cron: object, every: object, timezone: object, anchor: float) -> T
 
     try:
         zoneinfo.ZoneInfo(timezone)
-    except (zoneinfo.ZoneInfoNotFoundError, ValueError):
+    except (zoneinfo.ZoneInfoNotFoundError, ValueError, OSError):  # "America": a folder
         raise _errors.InvalidInput(
             f"unknown timezone {timezone!r}: give an IANA name such as 'Europe/Paris' or 'UTC'"
         ) from None
@@ -195,6 +211,8 @@ def timetable(cron: object, every: object, timezone: object, anchor: float) -> T
             raise _errors.InvalidType(
                 f"every must be a timedelta or seconds, not {type(every).__name__}"
             )
+        if isinstance(every, int) and not -_validate.MAX_INT <= every <= _validate.MAX_INT:
+            every = math.inf  # no float holds it: refused below, as any other too long
         if not math.isfinite(every) or not MIN_EVERY <= every <= _validate.MAX_DURATION_SECONDS:
             raise _errors.InvalidInput(
                 f"every must be at least {MIN_EVERY:g} second and at most a century, got {every!r}"

@@ -302,8 +302,8 @@ class SQLiteBackend(_backend.Writes):
     async def delete_schedule(self, name: str) -> None:
         await self._write(functools.partial(_delete_schedule, name))
 
-    async def next_tick(self) -> float | None:
-        rows = await self._read(_fetch, sql.NEXT_TICK, ())
+    async def next_tick(self, crons: bool) -> float | None:
+        rows = await self._read(_fetch, sql.NEXT_TICK, (crons,))
         value: float | None = rows[0][0]
         return value
 
@@ -474,7 +474,7 @@ def _delete_schedule(name: str, db: sqlite3.Connection, now: float) -> None:
 def _run_schedules(
     op: _backend.RunSchedulesOp, db: sqlite3.Connection, now: float
 ) -> tuple[int, int]:
-    due = db.execute(sql.DUE_SCHEDULES, (now, op.limit))
+    due = db.execute(sql.DUE_SCHEDULES, (now, op.crons, op.limit))
     rows = [_backend.ScheduleRow._make(r) for r in due]
     enqueued = 0
     for row in rows:

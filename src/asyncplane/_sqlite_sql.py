@@ -1468,7 +1468,7 @@ DELETE_TICKS: Final = "DELETE FROM schedule_ticks WHERE name = ?"
 # The schedules with a tick due, the earliest first. (now, limit)
 DUE_SCHEDULES: Final = f"""
 SELECT {_SCHEDULE_COLUMNS} FROM schedules INDEXED BY schedules_due
-WHERE paused = 0 AND next_at <= ?
+WHERE paused = 0 AND next_at <= ? AND (cron IS NULL OR ?)
 ORDER BY next_at, name LIMIT ?
 """
 RESERVE_TICK: Final = """
@@ -1480,7 +1480,10 @@ MOVE_SCHEDULE: Final = """
 UPDATE schedules SET next_at = ?, last_at = coalesce(?, last_at), updated_at = ? WHERE name = ?
 """
 FORGET_TICKS: Final = "DELETE FROM schedule_ticks WHERE name = ? AND tick_at < ?"
-NEXT_TICK: Final = "SELECT min(next_at) FROM schedules INDEXED BY schedules_due WHERE paused = 0"
+NEXT_TICK: Final = """
+SELECT min(next_at) FROM schedules INDEXED BY schedules_due
+WHERE paused = 0 AND (cron IS NULL OR ?)
+"""
 SCHEDULE_TICKS: Final = """
 SELECT name, tick_at, item_id, at FROM schedule_ticks WHERE name = ?
 ORDER BY tick_at DESC LIMIT ?
