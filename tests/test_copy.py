@@ -260,6 +260,22 @@ def test_the_copy_verb_moves_a_file_to_postgresql_and_back(
     (tmp_path / "junk.db").write_bytes(b"not a store")
     code, out = cli("copy", str(source), str(tmp_path / "junk.db"))
     assert code == 2
+    # A copy killed as it made its destination leaves an empty file, or an SQLite file
+    # with nothing in it (switched to WAL): a rerun finishes the job.
+    import sqlite3
+
+    (tmp_path / "cut0.db").write_bytes(b"")
+    begun = sqlite3.connect(tmp_path / "cut1.db")
+    begun.execute("PRAGMA journal_mode=wal")
+    begun.close()
+    for cut in ("cut0.db", "cut1.db"):
+        code, out = cli("copy", str(source), str(tmp_path / cut))
+        assert code == 0 and out["copied"] == 25, out
+    foreign = sqlite3.connect(tmp_path / "other.db")
+    foreign.execute("CREATE TABLE t (x)")  # another application's: still refused
+    foreign.close()
+    code, out = cli("copy", str(source), str(tmp_path / "other.db"))
+    assert code == 2 and "not an asyncplane store" in out
     table = subprocess.run(
         [sys.executable, "-m", "asyncplane.cli", "copy", str(source), str(tmp_path / "t.db")],
         capture_output=True, text=True, timeout=120,
@@ -317,3 +333,49 @@ async def test_a_copy_carries_limits_and_schedules_which_keep_their_place(
     assert await destination.run_schedules() == 1
     with pytest.raises(InvalidInput, match="of its own"):
         await copy_store(source, destination)
+
+
+async def test_a_destination_never_hands_out_an_id_the_source_did(
+    asyncplane_store: ControlStore, other_store: Any, asyncplane_clock: ManualClock
+) -> None:
+    # Left behind (pending_only) or purged in the source, an item's id may be named in an
+    # archive: the destination's next item must not take it.
+    source = asyncplane_store
+    await busy_store(source, asyncplane_clock)
+    await source.create_project("r", "R")
+    highest = await source.enqueue("r", {"last": True})
+    claim = await source.claim("w", project_id="r")
+    assert claim is not None and claim.item_id == highest
+    await source.finish(highest, fence=claim.fence)
+    asyncplane_clock.advance(7200)
+    await source.purge(0)
+    assert max(i["item_id"] for i in await source.items(limit=100)) < highest
+    for pending_only in (True, False):
+        destination: ControlStore = await other_store(f"ids{pending_only}")
+        await copy_store(source, destination, pending_only=pending_only)
+        assert await destination.enqueue("p", {"new": True}) > highest
+    assert await source.enqueue("p", {"new": True}) > highest
+
+
+async def test_a_copy_carries_what_the_source_imported(
+    asyncplane_store: ControlStore, other_store: Any, tmp_path: pathlib.Path
+) -> None:
+    # An import run again on the destination skips the rows the source took in, as it
+    # would on a backup of the source restored.
+    import sqlite3
+
+    table = tmp_path / "queue.sqlite3"
+    conn = sqlite3.connect(table)
+    conn.execute("CREATE TABLE q (id TEXT PRIMARY KEY, body TEXT)")
+    conn.executemany("INSERT INTO q VALUES (?, ?)", [(f"k{n}", '{"n": 1}') for n in range(7)])
+    conn.commit()
+    conn.close()
+    await asyncplane_store.create_project("p", "P")
+    columns = {"key": "id", "payload": "body"}
+    first = await asyncplane_store.import_pending(table, table="q", columns=columns, project_id="p")
+    assert first.imported == 7
+    destination: ControlStore = await other_store()
+    await copy_store(asyncplane_store, destination, chunk=3)  # the records, a page at a time
+    again = await destination.import_pending(table, table="q", columns=columns, project_id="p")
+    assert (again.imported, again.already_imported) == (0, 7)
+    assert (await destination.counts())["ready"] == 7

@@ -360,7 +360,7 @@ def test_drains_own_purge_on_a_full_disk_is_logged_and_the_drain_goes_on(
     [refusal] = report.refusals()
     assert refusal["error"] == "asyncplane.StorageError", report
     [warning] = report.fact("purge_warnings")["warnings"]
-    assert "purge skipped" in warning and "No space left" in warning
+    assert "purge cut short" in warning and "No space left" in warning
     recovery = report.fact("recovery_drain")
     assert (recovery["purged"], recovery["done"], recovery["missing"]) == (20, 6, [])
 

@@ -543,6 +543,21 @@ def test_cli_verbs_with_json(tmp_path: pathlib.Path) -> None:
         "--column", "state=status", "--pending", "0", "--project", "p", "--json",
     )  # fmt: skip
     assert imported.returncode == 0, imported.stderr
+    # A source row of a type the store refuses (a text priority), or a source that is
+    # not SQLite: the user's to fix (2), not a store that failed (3).
+    typed = source_table(
+        tmp_path / "typed.sqlite3", "CREATE TABLE t (k TEXT PRIMARY KEY, p TEXT, d TEXT)",
+        "INSERT INTO t VALUES (?, ?, ?)", [("a", "high", '{"n": 1}')],
+    )  # fmt: skip
+    for source_args in (
+        ["--from", str(typed), "--table", "t", "--column", "key=k", "--column", "priority=p",
+         "--column", "payload=d"],
+        ["--from", str(tmp_path / "not.sqlite3"), "--table", "t", "--column", "payload=d"],
+    ):  # fmt: skip
+        (tmp_path / "not.sqlite3").write_bytes(b"plain text, not a database" * 10)
+        refused = cli("import", str(path), *source_args, "--project", "p")
+        assert refused.returncode == 2, refused.stderr
+    assert "--from" in refused.stderr
     assert json.loads(imported.stdout)["imported"] == 2
 
 
@@ -665,7 +680,28 @@ async def test_an_unwritable_archive_does_not_stop_the_drain(
     summary = await drain(store, done, empty_rounds=1)
     assert (summary.done, summary.purged) == (1, 0)
     assert (await store.counts())["done"] == 3  # nothing deleted without its archive
-    assert "purge skipped" in caplog.text
+    assert "purge cut short" in caplog.text
+
+
+async def test_a_drain_counts_the_chunks_purged_before_the_archive_failed(
+    asyncplane_store_factory: Any, tmp_path: pathlib.Path, clock: ManualClock
+) -> None:
+    archive = tmp_path / "archive.jsonl"
+    (tmp_path / "archive.jsonl.1").mkdir()  # the second chunk's rotation cannot rename
+    (tmp_path / "archive.jsonl.1" / "keep").write_text("x")
+    store: ControlStore = await asyncplane_store_factory(
+        retention=0, archive_path=archive, purge_chunk=2, archive_max_mb=1e-6
+    )
+    await store.create_project("p", "P")
+    await settle(store, "p", 4)
+    clock.advance(1)
+
+    async def done(batch: list[ClaimedItem]) -> list[Outcome]:
+        return [Done() for _ in batch]
+
+    summary = await drain(store, done, empty_rounds=1)
+    assert summary.purged == 2  # the first chunk: archived, then deleted
+    assert archived_ids(archive) == [1, 2] and (await store.counts())["done"] == 2
 
 
 def test_cli_looking_writes_nothing_and_failures_exit_3(tmp_path: pathlib.Path) -> None:

@@ -490,6 +490,16 @@ class CopyOp(NamedTuple):
     items: tuple[tuple[ItemRow, tuple[EventRow, ...]], ...]
 
 
+class ImportRecord(NamedTuple):
+    """One row an import brought in, as the store remembers it (so that an import run
+    again skips it): a copy carries these over with the items."""
+
+    source: str
+    source_key: str
+    item_id: int
+    imported_at: float
+
+
 class CopyProjectsOp(NamedTuple):
     """The projects, assignments, limits and schedules of another store, to add where not
     here yet (a schedule keeps its place: its next tick, its last)."""
@@ -1072,6 +1082,22 @@ class Backend(Protocol):
     async def copy_items(self, op: CopyOp) -> tuple[int, int]:
         """Add items (keeping their ids) with their histories, each once per source;
         return (copied, copied before). An id taken by an item from elsewhere refuses."""
+        ...
+
+    async def export_imports(self, after: tuple[str, str] | None, limit: int) -> list[ImportRecord]:
+        """The store's import records after ``(source, source_key)``, in that order."""
+        ...
+
+    async def copy_imports(self, records: tuple[ImportRecord, ...]) -> None:
+        """Remember these import records too (those already here stay as they are)."""
+        ...
+
+    async def last_item_id(self) -> int:
+        """The highest item id ever handed out here (purged items' ids included)."""
+        ...
+
+    async def advance_item_ids(self, last: int) -> None:
+        """Hand out no item id up to ``last`` from now on (never moves back)."""
         ...
 
     async def first_foreign_item(self, source: str) -> int | None:

@@ -9,6 +9,10 @@ is one transaction in the destination, and the destination remembers every item 
 copied (keyed by the source), so a second run, or a run after a crash half-way, copies
 nothing twice and finishes the job.
 
+The source's import records come too (an import run again on the destination skips the
+rows the source took in), and the destination never hands out an item id the source ever
+did (a purged item's included: an archive may name it).
+
 A copy keeps item ids, so the destination must hold no item of its own (one no copy from
 this source brought): a fresh store, or one this source was copied into before, taking
 no work meanwhile. The copy looks before it writes anything, and refuses any other
@@ -81,9 +85,9 @@ async def copy_store(
     summary.projects = await dst.copy_projects(
         _backend.CopyProjectsOp(projects, assignments, limits, schedules)
     )
-    after = 0
+    after_id = 0
     while True:
-        found = await src.export_items(_backend.ExportOp(after, size, pending))
+        found = await src.export_items(_backend.ExportOp(after_id, size, pending))
         if not found:
             break
         items = tuple((item, tuple(events)) for item, events in found)
@@ -91,9 +95,18 @@ async def copy_store(
         summary.copied += copied
         summary.skipped += skipped
         summary.chunks += 1
-        after = found[-1][0].item_id
+        after_id = found[-1][0].item_id
         if progress is not None:
             progress(summary.copied + summary.skipped)
         if len(found) < size:
             break
+    # What the source remembers of its imports, so that an import run again on the
+    # destination skips what the source took in (as a backup's restore would).
+    after: tuple[str, str] | None = None
+    while records := await src.export_imports(after, size):
+        await dst.copy_imports(tuple(records))
+        after = records[-1][:2]
+    # Ids are never reused: the destination hands out none the source ever did (an item
+    # purged there, or left behind by pending_only, could still be named in an archive).
+    await dst.advance_item_ids(await src.last_item_id())
     return summary

@@ -430,6 +430,7 @@ class Engine:
         if self._last_purge is not None and now - self._last_purge < options.purge_min_interval:
             return 0
         self._last_purge = now
+        purged = [0]  # the chunks' count so far: an archive failing later keeps theirs
         try:
             done = await _retention.purge(
                 await self.ready(),
@@ -439,12 +440,13 @@ class Engine:
                 archive_path=options.archive_path,
                 archive_max_bytes=options.archive_max_bytes,
                 max_chunks=max_chunks,
+                progress=lambda count: purged.__setitem__(0, count),
             )
         except _errors.ArchiveError as exc:
-            # The archive cannot be written (a missing directory, a full disk): nothing was
-            # deleted, the work goes on, and the next interval tries again.
-            _retention_log.warning("asyncplane: purge skipped, the archive failed: %s", exc)
-            return 0
+            # The archive cannot be written (a missing directory, a full disk): nothing of
+            # that chunk was deleted, the work goes on, and the next interval tries again.
+            _retention_log.warning("asyncplane: purge cut short, the archive failed: %s", exc)
+            return purged[0]
         if done.purged:
             _retention_log.info("purged %d settled item(s) into the archive", done.purged)
         return done.purged

@@ -652,6 +652,22 @@ class PostgresBackend(_backend.Writes):
         rows = await self._fetch(sql.FIRST_FOREIGN_ITEM, source)
         return None if not rows else int(rows[0][0])
 
+    async def export_imports(
+        self, after: tuple[str, str] | None, limit: int
+    ) -> list[_backend.ImportRecord]:
+        rows = await self._fetch(sql.EXPORT_IMPORTS, *(after or ("", "")), limit)
+        return [_backend.ImportRecord._make(tuple(row)) for row in rows]
+
+    async def copy_imports(self, records: tuple[_backend.ImportRecord, ...]) -> None:
+        await self._write(_bind(_copy_imports, records))
+
+    async def last_item_id(self) -> int:
+        rows = await self._fetch(sql.LAST_ITEM_ID)
+        return int(rows[0][0])
+
+    async def advance_item_ids(self, last: int) -> None:
+        await self._write(_bind(_advance_item_ids, last))
+
     async def sizes(self) -> tuple[int, int]:
         rows = await self._fetch(sql.SCHEMA_BYTES)
         return int(rows[0][0]), 0
@@ -1526,6 +1542,17 @@ async def _copy_items(op: _backend.CopyOp, conn: asyncpg.Connection, now: float)
     if op.items:
         await conn.execute(sql.ADVANCE_ITEM_IDS, max(item.item_id for item, _ in op.items))
     return copied, skipped
+
+
+async def _copy_imports(
+    records: tuple[_backend.ImportRecord, ...], conn: asyncpg.Connection, now: float
+) -> None:
+    columns = list(zip(*records, strict=True)) if records else [(), (), (), ()]
+    await conn.execute(sql.COPY_IMPORTS, *(list(column) for column in columns))
+
+
+async def _advance_item_ids(last: int, conn: asyncpg.Connection, now: float) -> None:
+    await conn.execute(sql.ADVANCE_ITEM_IDS, last)
 
 
 # --- schema --------------------------------------------------------------------------------

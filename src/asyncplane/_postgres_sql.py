@@ -1911,6 +1911,19 @@ ADVANCE_ITEM_IDS: Final = """
 SELECT setval(seq, greatest(coalesce(pg_sequence_last_value(seq), 0), $1::bigint))
 FROM (SELECT pg_get_serial_sequence('items', 'item_id')::regclass AS seq) AS s
 """
+LAST_ITEM_ID: Final = """
+SELECT coalesce(pg_sequence_last_value(pg_get_serial_sequence('items', 'item_id')::regclass), 0)
+"""
+# The import records, in key order, a page after a key (a copy carries them over).
+EXPORT_IMPORTS: Final = """
+SELECT source, source_key, item_id, imported_at FROM imports
+WHERE (source, source_key) > ($1, $2) ORDER BY source, source_key LIMIT $3
+"""
+COPY_IMPORTS: Final = """
+INSERT INTO imports (source, source_key, item_id, imported_at)
+SELECT * FROM unnest($1::text[], $2::text[], $3::bigint[], $4::float8[])
+ON CONFLICT (source, source_key) DO NOTHING
+"""
 
 # --- stats ----------------------------------------------------------------------------------
 

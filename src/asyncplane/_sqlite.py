@@ -328,6 +328,22 @@ class SQLiteBackend(_backend.Writes):
         rows = await self._read(_fetch, sql.FIRST_FOREIGN_ITEM, (source,))
         return None if not rows else int(rows[0][0])
 
+    async def export_imports(
+        self, after: tuple[str, str] | None, limit: int
+    ) -> list[_backend.ImportRecord]:
+        rows = await self._read(_fetch, sql.EXPORT_IMPORTS, (*(after or ("", "")), limit))
+        return [_backend.ImportRecord._make(row) for row in rows]
+
+    async def copy_imports(self, records: tuple[_backend.ImportRecord, ...]) -> None:
+        await self._write(functools.partial(_copy_imports, records))
+
+    async def last_item_id(self) -> int:
+        rows = await self._read(_fetch, sql.LAST_ITEM_ID, ())
+        return int(rows[0][0])
+
+    async def advance_item_ids(self, last: int) -> None:
+        await self._write(functools.partial(_advance_item_ids, last))
+
     @contextlib.asynccontextmanager
     async def drain_guard(self) -> AsyncIterator[_lock.Guard]:
         """A `DrainLock` on ``<database>.drain.lock``, beside the database."""
@@ -1065,6 +1081,17 @@ def _copy_items(op: _backend.CopyOp, db: sqlite3.Connection, now: float) -> tupl
     return copied, skipped
 
 
+def _copy_imports(
+    records: tuple[_backend.ImportRecord, ...], db: sqlite3.Connection, now: float
+) -> None:
+    db.executemany(sql.COPY_IMPORT, records)
+
+
+def _advance_item_ids(last: int, db: sqlite3.Connection, now: float) -> None:
+    db.execute(sql.ADVANCE_ITEM_IDS, (last,))
+    db.execute(sql.START_ITEM_IDS, (last,))
+
+
 # --- schema --------------------------------------------------------------------------------
 
 
@@ -1100,14 +1127,20 @@ def _check_header(db: sqlite3.Connection) -> tuple[int, int]:
     return application_id, version
 
 
-def vet_store_file(path: pathlib.Path) -> None:
+def vet_store_file(path: pathlib.Path, *, unfinished: bool = False) -> None:
     """Refuse, without writing anything, a file that is not an asyncplane store: not
     SQLite, another application's database, or an empty file (a store would create its
     schema in it). The header on disk may be stale (a store that is open, or was not
     closed cleanly, can hold its first pages in the WAL), so when it does not say, SQLite
-    is asked, reading through the WAL. Blocking: for the command line, or a thread."""
+    is asked, reading through the WAL. Blocking: for the command line, or a thread.
+
+    With ``unfinished``, a store whose making was cut short (an empty file, or an SQLite
+    database with nothing in it yet: a copy killed as it created its destination) passes
+    too: opening it makes the schema, as it would have."""
     with path.open("rb") as file:
         header = file.read(72)
+    if unfinished and not header:
+        return
     if len(header) < 72 or not header.startswith(b"SQLite format 3\x00"):
         raise _errors.NotAnAsyncplaneDatabase("not an SQLite database")
     if int.from_bytes(header[68:72], "big") == sql.APPLICATION_ID:
@@ -1116,10 +1149,13 @@ def vet_store_file(path: pathlib.Path) -> None:
         conn = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True, timeout=30)
         try:
             (application_id,) = conn.execute("PRAGMA application_id").fetchone()
+            objects = conn.execute("SELECT count(*) FROM sqlite_master").fetchone()[0]
         finally:
             conn.close()
     except sqlite3.Error as exc:
         raise _connection.translate(exc) from exc
+    if unfinished and application_id == 0 and objects == 0:
+        return
     if application_id != sql.APPLICATION_ID:
         raise _errors.NotAnAsyncplaneDatabase("another application's database")
 

@@ -1167,6 +1167,24 @@ ORDER BY item_id LIMIT 1
 COPY_ITEM: Final = f"""
 INSERT INTO items ({_ITEM_COLUMNS}) VALUES ({", ".join("?" * 21)})
 """
+# The import records, in key order, a page after a key (a copy carries them over).
+EXPORT_IMPORTS: Final = """
+SELECT source, source_key, item_id, imported_at FROM imports
+WHERE (source, source_key) > (?, ?) ORDER BY source, source_key LIMIT ?
+"""
+COPY_IMPORT: Final = """
+INSERT INTO imports (source, source_key, item_id, imported_at) VALUES (?, ?, ?, ?)
+ON CONFLICT (source, source_key) DO NOTHING
+"""
+# Ids up to a copy's source's last are never handed out here: AUTOINCREMENT's counter
+# moves past them (and never back).
+ADVANCE_ITEM_IDS: Final = """
+UPDATE sqlite_sequence SET seq = max(seq, ?1) WHERE name = 'items'
+"""
+START_ITEM_IDS: Final = """
+INSERT INTO sqlite_sequence (name, seq)
+SELECT 'items', ?1 WHERE NOT EXISTS (SELECT 1 FROM sqlite_sequence WHERE name = 'items')
+"""
 
 # --- stats ----------------------------------------------------------------------------------
 

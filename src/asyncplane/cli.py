@@ -276,7 +276,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             return _command.run(args)
         if args.verb == "copy" and pathlib.Path(args.destination).exists():
-            _check_is_a_store(args.destination)  # an existing file must be a store too
+            # An existing file must be a store too, or one a copy cut short began.
+            _check_is_a_store(args.destination, unfinished=True)
         return _loops.run(_run(args))
     except (_Usage, _worker_command.Usage, _errors.MissingExtra) as problem:
         print(f"asyncplane {args.verb}: {problem}", file=sys.stderr)
@@ -307,9 +308,10 @@ class _Usage(Exception):
     """Something the user has to fix: exit status 2."""
 
 
-def _check_is_a_store(location: str) -> None:
+def _check_is_a_store(location: str, *, unfinished: bool = False) -> None:
     """Refuse, before opening anything, a file that is not an asyncplane store (an empty
-    file included: the store would create its schema in it). A PostgreSQL schema is
+    file included: the store would create its schema in it; with ``unfinished``, a store
+    whose making was cut short passes, see `vet_store_file`). A PostgreSQL schema is
     checked by the store itself, when it opens it read-only."""
     if _engine.is_postgres_url(location):
         return
@@ -319,7 +321,7 @@ def _check_is_a_store(location: str) -> None:
     if not path.is_file():
         raise _Usage(f"no such file: {path}")
     try:
-        _sqlite.vet_store_file(path)
+        _sqlite.vet_store_file(path, unfinished=unfinished)
     except _errors.StorageError as exc:
         raise _Usage(f"{path} is not an asyncplane store ({exc})") from exc
 
@@ -337,7 +339,7 @@ async def _run(args: argparse.Namespace) -> int:
         except (_errors.NotAnAsyncplaneDatabase, _errors.SchemaVersionError) as exc:
             raise _Usage(str(exc)) from exc
         return int(await _VERBS[args.verb](store, args))
-    except _errors.InvalidInput as exc:
+    except (_errors.InvalidInput, _errors.InvalidType) as exc:
         raise _Usage(_in_flags(str(exc))) from exc
     finally:
         await store.close()
@@ -450,7 +452,9 @@ async def _import(store: _store.ControlStore, args: argparse.Namespace) -> int:
         )  # fmt: skip
     except _errors.UnknownProject as exc:
         raise _Usage(str(exc)) from exc
-    except _errors.InvalidInput as exc:  # the library's words, with this command's flags
+    except _errors.NotAnAsyncplaneDatabase as exc:  # the source's, not the store's
+        raise _Usage(f"--from {args.source}: {exc}") from exc
+    except (_errors.InvalidInput, _errors.InvalidType) as exc:  # a source row it refuses
         raise _Usage(_in_flags(str(exc))) from exc
     finally:
         _end_progress()
