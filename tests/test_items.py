@@ -547,6 +547,37 @@ def test_cli_cancel_and_requeue_by_id_and_by_filter(location_of: Any) -> None:
     assert nothing.returncode == 2 and "--project" in nothing.stderr
 
 
+def test_cli_output_cut_short_by_its_reader_is_no_failure(tmp_path: pathlib.Path) -> None:
+    # `asyncplane items work.db | head -1`: the pipe closes under the command.
+    where = str(tmp_path / "many.db")
+
+    async def seed() -> None:
+        async with ControlStore(where) as store:
+            await store.create_project("alpha", "Alpha")
+            await store.enqueue_many("alpha", [{"n": n} for n in range(3000)])
+
+    asyncio.run(seed())
+    child = subprocess.Popen(
+        [sys.executable, "-m", "asyncplane.cli", "items", where, "--limit", "3000"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    assert child.stdout is not None and child.stderr is not None
+    with child.stdout, child.stderr:
+        assert b"ID" in child.stdout.readline()
+        child.stdout.close()  # as head does, having its line
+        err = child.stderr.read()
+    assert child.wait(timeout=60) == 0 and err == b"", err
+
+
+def test_cli_usage_errors_never_show_a_password(tmp_path: pathlib.Path) -> None:
+    url = "postgresql://app:s3cret@db.example/work?sslpassword=k3y"
+    for args in (("stats", url, url), ("events", "13", url), (url, "stats"), ("cancel", "5", url)):
+        done = cli(*args)
+        assert done.returncode == 2, (args, done.stderr)
+        assert "s3cret" not in done.stderr and "k3y" not in done.stderr, done.stderr
+        assert "app:***@db.example" in done.stderr or "usage" in done.stderr
+
+
 def test_cli_frictions_a_new_user_met(tmp_path: pathlib.Path) -> None:
     folder = cli("stats", str(tmp_path))
     assert folder.returncode == 2 and "is a directory" in folder.stderr

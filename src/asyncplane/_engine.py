@@ -27,8 +27,10 @@ import asyncio
 import contextlib
 import logging
 import os
+import re
 import socket
 import time
+import urllib.parse
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Literal, NamedTuple
 
@@ -49,7 +51,15 @@ from asyncplane import (
 if TYPE_CHECKING:
     import pathlib
 
-__all__ = ("Engine", "Options", "backend_for", "is_postgres_url", "require_asyncio")
+__all__ = (
+    "Engine",
+    "Options",
+    "backend_for",
+    "is_postgres_url",
+    "redact",
+    "redact_urls",
+    "require_asyncio",
+)
 
 _log = logging.getLogger("asyncplane.store")
 _retention_log = logging.getLogger("asyncplane.retention")
@@ -59,6 +69,36 @@ _schedules_log = logging.getLogger("asyncplane.schedules")
 def is_postgres_url(location: str | os.PathLike[str]) -> bool:
     """Whether a store location names a PostgreSQL schema (a URL) rather than a file."""
     return os.fspath(location).startswith(("postgresql://", "postgres://"))
+
+
+#: The URL parameters that carry a secret (as a libpq connection string takes them).
+_SECRET_PARAMETERS = frozenset({"password", "sslpassword"})
+#: A PostgreSQL URL within a text (a message quoting what the user typed).
+_URL_IN_TEXT = re.compile(r"postgres(?:ql)?://[^\s'\"]+")
+
+
+def redact(url: str) -> str:
+    """The URL without its password (given before the host or as a parameter), for
+    messages and reprs; the rest of it as written."""
+    parts = urllib.parse.urlsplit(url)
+    netloc = parts.netloc
+    if parts.password is not None:
+        head, host = netloc.rsplit("@", 1)
+        netloc = f"{head.split(':', 1)[0]}:***@{host}"
+    query = "&".join(
+        f"{part.split('=', 1)[0]}=***"
+        if urllib.parse.unquote_plus(part.split("=", 1)[0]).lower() in _SECRET_PARAMETERS
+        else part
+        for part in parts.query.split("&")
+    )
+    if (netloc, query) == (parts.netloc, parts.query):
+        return url
+    return urllib.parse.urlunsplit(parts._replace(netloc=netloc, query=query))
+
+
+def redact_urls(text: str) -> str:
+    """``text`` with every PostgreSQL URL in it redacted (see `redact`)."""
+    return _URL_IN_TEXT.sub(lambda found: redact(found.group()), text)
 
 
 class Options(NamedTuple):

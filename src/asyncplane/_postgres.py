@@ -29,7 +29,6 @@ import itertools
 import json
 import logging
 import time
-import urllib.parse
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, NoReturn, TypeVar, cast
 
@@ -48,6 +47,7 @@ from asyncplane import (
 )
 from asyncplane import _postgres_sql as sql
 from asyncplane import _postgres_writer as _writer
+from asyncplane._engine import redact
 
 __all__ = (
     "PostgresBackend",
@@ -64,28 +64,6 @@ _log = logging.getLogger("asyncplane.store")
 
 #: The parameters of a URL's query that hold a secret (libpq's names, in any case and
 #: however percent-encoded), shown as ***.
-_SECRET_PARAMETERS = frozenset({"password", "sslpassword"})
-
-
-def redact(url: str) -> str:
-    """The URL without its password (given before the host or as a parameter), for
-    messages and reprs; the rest of it as written."""
-    parts = urllib.parse.urlsplit(url)
-    netloc = parts.netloc
-    if parts.password is not None:
-        head, host = netloc.rsplit("@", 1)
-        netloc = f"{head.split(':', 1)[0]}:***@{host}"
-    query = "&".join(
-        f"{part.split('=', 1)[0]}=***"
-        if urllib.parse.unquote_plus(part.split("=", 1)[0]).lower() in _SECRET_PARAMETERS
-        else part
-        for part in parts.query.split("&")
-    )
-    if (netloc, query) == (parts.netloc, parts.query):
-        return url
-    return urllib.parse.urlunsplit(parts._replace(netloc=netloc, query=query))
-
-
 class ServerClock:
     """The database server's clock, as this process sees it: the local wall clock plus
     the offset measured at every write round (and at opening).

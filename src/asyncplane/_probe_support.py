@@ -119,12 +119,12 @@ async def _on_server(url: str, fn: Callable[[Any], Awaitable[Any]]) -> Any:
     """``fn(conn)`` on a connection of its own to the PostgreSQL server, closed after."""
     import asyncpg
 
-    from asyncplane import _postgres, _postgres_writer
+    from asyncplane import _postgres_writer
 
     try:
         conn = await asyncpg.connect(url)
     except (OSError, asyncio.TimeoutError, asyncpg.PostgresError) as exc:
-        raise _errors.StorageError(f"cannot connect to {_postgres.redact(url)}: {exc}") from exc
+        raise _errors.StorageError(f"cannot connect to {_engine.redact(url)}: {exc}") from exc
     try:
         return await fn(conn)
     except asyncpg.PostgresError as exc:

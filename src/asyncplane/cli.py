@@ -36,13 +36,15 @@ requeued, 3 when the store or the disk fails under the command.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import json
+import os
 import pathlib
 import re
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 from asyncplane import (
     __version__,
@@ -122,8 +124,16 @@ def _or_none(kind: type[int] | type[float]) -> Callable[[str], int | float | Non
     return parse
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, whose usage errors (which quote what was typed: a store's URL
+    given in the wrong place, say) never show a password."""
+
+    def error(self, message: str) -> NoReturn:
+        super().error(_engine.redact_urls(message))
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="asyncplane", description="Look at, check and maintain asyncplane stores."
     )
     parser.add_argument("--version", action="version", version=f"asyncplane {__version__}")
@@ -280,16 +290,30 @@ def main(argv: Sequence[str] | None = None) -> int:
             _check_is_a_store(args.destination, unfinished=True)
         return _loops.run(_run(args))
     except (_Usage, _worker_command.Usage, _errors.MissingExtra) as problem:
-        print(f"asyncplane {args.verb}: {problem}", file=sys.stderr)
+        _say(f"asyncplane {args.verb}: {problem}")
         return 2
+    except BrokenPipeError:  # output piped into `head`, say, and cut short: not a failure
+        _quiet_stdout()
+        return 0
     except (_errors.AsyncplaneError, OSError) as problem:
         # The store or the file system failed under the command (a lock held too long, a
         # read-only disk): say so plainly; 1 is verify's "problems found", so use 3.
-        print(f"asyncplane {args.verb}: failed: {problem}", file=sys.stderr)
+        _say(f"asyncplane {args.verb}: failed: {problem}")
         return 3
-    except BrokenPipeError:  # pragma: no cover - output piped into `head` and cut short
-        sys.stderr.close()
-        return 0
+
+
+def _say(message: str) -> None:
+    """A line on stderr, passwords redacted; a stderr that is gone (a closed pipe) is
+    let be: the exit status still says it."""
+    with contextlib.suppress(BrokenPipeError):
+        print(_engine.redact_urls(message), file=sys.stderr, flush=True)
+
+
+def _quiet_stdout() -> None:
+    """Point stdout at /dev/null, so that the interpreter's last flush of what the closed
+    pipe did not take cannot fail once more on the way out."""
+    with contextlib.suppress(OSError, ValueError):
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 def _negative_durations(argv: list[str]) -> list[str]:

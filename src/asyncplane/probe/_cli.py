@@ -59,11 +59,7 @@ async def run_probe(args: argparse.Namespace, *, progress: TextIO = sys.stderr) 
         # One wait in all, for the store and then for the seeding to end (`_seeded_ids`).
         args.wait_deadline = time.monotonic() + args.wait_seconds
         await _wait_for_store(args.store, args.wait_seconds, args.wait_deadline)
-    where = args.store
-    if _engine.is_postgres_url(where):
-        from asyncplane import _postgres  # the postgres extra: only for a URL
-
-        where = _postgres.redact(where)
+    where = _engine.redact(args.store) if _engine.is_postgres_url(args.store) else args.store
     _log.info("probe %s starting on %s (%s)", args.scenario, where, report.filesystem)
     async with _store.ControlStore(
         args.store, lease_seconds=args.lease_seconds, synchronous=args.synchronous
