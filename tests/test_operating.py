@@ -704,6 +704,34 @@ async def test_a_drain_counts_the_chunks_purged_before_the_archive_failed(
     assert archived_ids(archive) == [1, 2] and (await store.counts())["done"] == 2
 
 
+def test_cli_usage_errors_write_nothing_not_even_a_migration(tmp_path: pathlib.Path) -> None:
+    # Argument mistakes a writing verb finds on its own arguments are refused before the
+    # store opens: an older store stays at its schema, and in its journal mode.
+    path = tmp_path / "old.db"
+
+    async def seed() -> None:
+        async with ControlStore(path) as store:
+            await store.create_project("p", "P")
+
+    asyncio.run(seed())
+    raw = sqlite3.connect(path)
+    raw.execute("PRAGMA journal_mode=delete")
+    raw.execute("PRAGMA user_version = 11")  # as if an older build had left it
+    raw.close()
+    mistakes = (
+        ["cancel"], ["requeue"], ["cancel", "1", "--state", "ready"], ["cancel", "0"],
+        ["schedule", "s", "--project", "p"], ["schedule", "s", "--every", "5m", "--pause"],
+        ["limits", "--max-running", "3"],
+    )  # fmt: skip
+    for args in mistakes:
+        refused = cli(args[0], str(path), *args[1:])
+        assert refused.returncode == 2, (args, refused.stderr)
+        raw = sqlite3.connect(path)
+        assert raw.execute("PRAGMA user_version").fetchone()[0] == 11, args
+        assert raw.execute("PRAGMA journal_mode").fetchone()[0] == "delete", args
+        raw.close()
+
+
 def test_cli_looking_writes_nothing_and_failures_exit_3(tmp_path: pathlib.Path) -> None:
     path = tmp_path / "look.db"
 

@@ -484,6 +484,9 @@ def test_cli_adds_lists_pauses_and_deletes_schedules(location_of: Any) -> None:
     listed = json.loads(cli("schedules", where, "--json").stdout)["schedules"]
     expected = [("beat", 300.0), ("nightly-sweep", None)]
     assert [(row["name"], row["every"]) for row in listed] == expected
+    mixed = cli("schedule", where, "beat", "--every", "1h", "--payload", '{"v": 2}', "--pause")
+    assert mixed.returncode == 2 and "give --payload, --every without it" in mixed.stderr
+    assert "(paused)" not in cli("schedules", where).stdout  # neither changed nor paused
     assert cli("schedule", where, "beat", "--pause").returncode == 0
     assert "(paused)" in cli("schedules", where).stdout
     assert cli("schedule", where, "beat", "--delete").returncode == 0

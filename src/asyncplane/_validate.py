@@ -472,7 +472,9 @@ def duration(value: object, what: str) -> float:
         value = value.total_seconds()
     number = _number(value, what, "a timedelta or seconds")
     if not math.isfinite(number) or not 0 <= number <= MAX_DURATION_SECONDS:
-        raise _errors.InvalidInput(f"{what} must be zero or more, and finite, got {shown(value)}")
+        raise _errors.InvalidInput(
+            f"{what} must be zero or more, and at most a century, got {shown(value)}"
+        )
     return number
 
 

@@ -225,10 +225,10 @@ def _parser() -> argparse.ArgumentParser:
     timetable = schedule.add_mutually_exclusive_group()
     timetable.add_argument("--cron", help="a cron expression, e.g. '0 3 * * *' or @daily")
     timetable.add_argument("--every", type=parse_duration, help="a period, e.g. 5m")
-    schedule.add_argument("--timezone", default="UTC", help="the cron's timezone (IANA)")
+    schedule.add_argument("--timezone", help="the cron's timezone (IANA; default UTC)")
     schedule.add_argument("--payload", type=_json_object, help="each tick's item, as JSON")
-    schedule.add_argument("--catch-up", default="latest", choices=("latest", "all", "none"))
-    schedule.add_argument("--priority", type=int, default=0)
+    schedule.add_argument("--catch-up", choices=("latest", "all", "none"), help="default latest")
+    schedule.add_argument("--priority", type=int, help="default 0")
     schedule.add_argument("--max-attempts", type=int, default=None)
     change = schedule.add_mutually_exclusive_group()
     for flag in ("--pause", "--resume", "--delete"):
@@ -276,6 +276,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             _loops.chosen()  # a wrong ASYNCPLANE_LOOP is the user's to fix, before anything
         except _errors.InvalidInput as exc:
             raise _Usage(str(exc)) from exc
+        _check_args(args)  # what the arguments alone must satisfy: before anything opens
         _check_is_a_store(args.db)  # before any event loop: a plain, quick file read
         if args.verb == "worker":
             return _worker_command.run(args)
@@ -317,19 +318,64 @@ def _quiet_stdout() -> None:
 
 
 def _negative_durations(argv: list[str]) -> list[str]:
-    """``--retention -1d`` as ``--retention=-1d``: argparse would take ``-1d`` for a flag
-    and say only that a value is missing; this way the duration says what is wrong."""
+    """``--retention -1d`` as ``--retention=-1d`` (and ``--every``): argparse would take
+    ``-1d`` for a flag and say only that a value is missing; this way the duration says
+    what is wrong."""
     merged: list[str] = []
     for arg in argv:
-        if merged and merged[-1] == "--retention" and re.match(r"-\d", arg):
-            merged[-1] = f"--retention={arg}"
+        if merged and merged[-1] in _DURATION_FLAGS and re.match(r"-\d", arg):
+            merged[-1] = f"{merged[-1]}={arg}"
         else:
             merged.append(arg)
     return merged
 
 
+#: The options that take a duration (a negative one is read as a value, not a flag).
+_DURATION_FLAGS = ("--retention", "--every")
+
+
 class _Usage(Exception):
     """Something the user has to fix: exit status 2."""
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    """The rules a verb's arguments must keep among themselves, checked before the store
+    is opened: a usage error writes nothing (not even the migration a writing verb's
+    opening makes)."""
+    if args.verb in ("cancel", "requeue"):
+        if args.ids and _where(args):
+            raise _Usage("name items by id or by filter, not both")
+        if not args.ids and not _where(args):
+            raise _Usage(
+                "name items by id, or say which with --project, --state, --owner or --error"
+            )
+        try:  # an id no item could have (0, past the id range): before any is touched
+            for item_id in args.ids:
+                _validate.item_id(item_id)
+        except _errors.InvalidInput as exc:
+            raise _Usage(_in_flags(str(exc))) from exc
+    elif args.verb == "schedule":
+        act = next(
+            (f"--{flag}" for flag in ("pause", "resume", "delete") if getattr(args, flag)), None
+        )
+        given = [
+            flag for flag, value in (
+                ("--project", args.project), ("--payload", args.payload), ("--cron", args.cron),
+                ("--every", args.every), ("--timezone", args.timezone),
+                ("--catch-up", args.catch_up), ("--priority", args.priority),
+                ("--max-attempts", args.max_attempts),
+            ) if value is not None
+        ]  # fmt: skip
+        if act is not None and given:
+            raise _Usage(f"{act} changes nothing else: give {', '.join(given)} without it")
+        if act is None and (
+            args.project is None
+            or args.payload is None
+            or (args.cron is None) == (args.every is None)
+        ):
+            raise _Usage("a schedule needs --project, --payload, and --cron or --every")
+    elif args.verb == "limits" and _limit_changes(args) and args.project is None:
+        raise _Usage("name the project whose limits change")
 
 
 def _check_is_a_store(location: str, *, unfinished: bool = False) -> None:
@@ -554,6 +600,11 @@ _FLAG_WORDS = (
     ("limit must", "--limit must"),
     ("item_id must", "an item id must"),
     ("chunk must", "--chunk must"),
+    ("pass archive_path", "give --archive"),
+    ("the per_minute bucket: give per_minute", "the --per-minute bucket: give --per-minute"),
+    ("project_id must", "--project must"),
+    ("open it once without read_only", "run a verb that writes (cancel, purge, limits with a "
+     "change, ...) on it once"),
 )  # fmt: skip
 
 
@@ -603,13 +654,9 @@ async def _items(store: _store.ControlStore, args: argparse.Namespace) -> int:
 
 
 async def _by_id(args: argparse.Namespace, act: Callable[[int], Any], done: str) -> int:
-    """Apply ``act`` to each id; report each; exit 2 if any could not be acted on. Every
-    id is checked first: one no item could have (0, past the id range) is a usage error
-    before any item is touched."""
-    try:
-        ids = [_validate.item_id(item_id) for item_id in args.ids]
-    except _errors.InvalidInput as exc:
-        raise _Usage(_in_flags(str(exc))) from exc
+    """Apply ``act`` to each id (checked by `_check_args`); report each; exit 2 if any
+    could not be acted on."""
+    ids = [_validate.item_id(item_id) for item_id in args.ids]
     results: list[dict[str, Any]] = []
     refused = 0
     for item_id in ids:
@@ -644,8 +691,6 @@ async def _where_verb(
     store: _store.ControlStore, args: argparse.Namespace, states: tuple[str, ...],
     change: Callable[..., Any], verb: str,
 ) -> int:  # fmt: skip
-    if not _where(args):
-        raise _Usage("name items by id, or say which with --project, --state, --owner or --error")
     await _known_project(store, args)
     if not args.yes:
         count = await _matching(store, args, states)
@@ -659,8 +704,6 @@ async def _where_verb(
 
 async def _cancel(store: _store.ControlStore, args: argparse.Namespace) -> int:
     if args.ids:
-        if _where(args):
-            raise _Usage("name items by id or by filter, not both")
         return await _by_id(args, lambda i: store.cancel(i, reason=args.reason), "cancelled")
     states = _rules.cancel_states(_validate.states(args.state))
 
@@ -672,8 +715,6 @@ async def _cancel(store: _store.ControlStore, args: argparse.Namespace) -> int:
 
 async def _requeue(store: _store.ControlStore, args: argparse.Namespace) -> int:
     if args.ids:
-        if _where(args):
-            raise _Usage("name items by id or by filter, not both")
         return await _by_id(args, store.requeue, "ready")
     states = _rules.requeue_states(_validate.states(args.state))
     return await _where_verb(store, args, states, store.requeue_where, "requeued")
@@ -707,13 +748,12 @@ async def _schedule(store: _store.ControlStore, args: argparse.Namespace) -> int
                 raise _Usage(str(exc)) from exc
             _out(args, {"name": args.name, flag: True}, f"{args.name}: {done}")
             return 0
-    if args.project is None or args.payload is None or (args.cron is None) == (args.every is None):
-        raise _Usage("a schedule needs --project, --payload, and --cron or --every")
     try:
         row = await store.set_schedule(
             args.name, project_id=args.project, payload=args.payload, cron=args.cron,
-            every=args.every, timezone=args.timezone, catch_up=args.catch_up,
-            priority=args.priority, max_attempts=args.max_attempts,
+            every=args.every, timezone=args.timezone or "UTC",
+            catch_up=args.catch_up or "latest", priority=args.priority or 0,
+            max_attempts=args.max_attempts,
         )  # fmt: skip
     except (_errors.UnknownProject, _errors.MissingExtra) as exc:
         raise _Usage(str(exc)) from exc
@@ -730,8 +770,8 @@ def _limit_changes(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _show_limits(row: dict[str, Any]) -> str:
-    def shown(value: Any) -> str:
-        return "-" if value is None else f"{value:g}"
+    def shown(value: Any) -> str:  # as given: 1234567, never 1.23457e+06
+        return "-" if value is None else f"{value:.15g}"
 
     tokens = "" if row["tokens"] is None else f", tokens {row['tokens']:.2f}"
     return (
@@ -744,8 +784,6 @@ def _show_limits(row: dict[str, Any]) -> str:
 async def _limits(store: _store.ControlStore, args: argparse.Namespace) -> int:
     changes = _limit_changes(args)
     try:
-        if changes and args.project is None:
-            raise _Usage("name the project whose limits change")
         if changes:
             rows = [await store.set_limits(args.project, **changes)]
         elif args.project is not None:
