@@ -73,9 +73,7 @@ def parse_duration(text: str) -> dt.timedelta:
     """'90s', '15m', '12h', '7d', '2w', compounds such as '1h30m', or plain seconds."""
     body = text.strip()
     if body.startswith("-"):
-        raise argparse.ArgumentTypeError(
-            f"a duration cannot be negative: {text!r} (0s keeps nothing settled)"
-        )
+        raise argparse.ArgumentTypeError(f"a duration cannot be negative: {text!r}")
     parts = list(_PART.finditer(body))
     plain = len(parts) == 1 and not parts[0][2]
     if not body or "".join(p[0] for p in parts) != body or (len(parts) > 1 and not all(
