@@ -42,6 +42,7 @@ from asyncplane import (
     work,
 )
 from asyncplane._store import engine_of
+from asyncplane._telemetry import SECONDS_BUCKETS
 from asyncplane.testing import ManualClock
 
 HERE = pathlib.Path(__file__).parent
@@ -614,3 +615,96 @@ async def test_bulk_cancels_and_refused_renewals_are_counted(
     # A chunk is not one settle call's latency: it stays out of the histogram.
     assert otel.total("asyncplane.settle.duration", outcome="cancelled") == timed
     assert otel.total("asyncplane.fence.refusals", reason="cancelled") - refusals == 1
+
+
+async def test_an_unreadable_trace_context_never_fails_a_claim(
+    store: ControlStore, raw: Any
+) -> None:
+    # A trace context is a hint for tracing: one that cannot be read (tampered, or from a
+    # buggy writer) is dropped, and the claim, and its neighbours in the batch, go on.
+    ids = await store.enqueue_many("alpha", [{"n": n} for n in range(4)])
+    for item_id, text in zip(
+        ids, ("[" * 100_000, '{"traceparent": "' + "x" * 20_000 + '"}', "[1, 2]"), strict=False
+    ):
+        raw.execute("UPDATE items SET trace_context = ? WHERE item_id = ?", (text, item_id))
+    raw.execute(
+        "UPDATE items SET trace_context = ? WHERE item_id = ?",
+        ('{"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",'
+         ' "baggage": "user=alice"}', ids[3]),
+    )  # fmt: skip
+    batch = await store.claim_batch("w", 4)
+    assert [c.item_id for c in batch] == ids
+    assert [c.trace_context for c in batch[:3]] == [None, None, None]
+    assert batch[3].trace_context == {
+        "traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    }  # the W3C headers only
+
+
+async def test_an_enqueue_saves_the_span_not_the_baggage(store: ControlStore, otel: Otel) -> None:
+    from opentelemetry import baggage, context
+
+    token = context.attach(baggage.set_baggage("user.email", "alice@example.com"))
+    try:
+        with trace.get_tracer("test").start_as_current_span("request"):
+            item_id = await store.enqueue("alpha", {})
+    finally:
+        context.detach(token)
+    claim = await store.claim("w")
+    assert claim is not None and claim.item_id == item_id
+    assert claim.trace_context is not None and set(claim.trace_context) == {"traceparent"}
+
+
+async def test_the_items_gauge_says_zero_and_stops_with_its_loop(
+    store: ControlStore, otel: Otel
+) -> None:
+    await store.enqueue_many("alpha", [{"n": n} for n in range(2)])
+    gauges = engine_of(store).gauges
+    assert gauges is not None
+
+    async def seen() -> dict[str, float]:
+        gauges.refreshed.clear()
+        otel.points("asyncplane.items")
+        await gauges.refreshed.wait()
+        return {
+            p.attributes["asyncplane.state"]: p.value
+            for p in otel.points("asyncplane.items")
+            if p.attributes.get("asyncplane.store") == store.location
+        }
+
+    assert (await seen())["ready"] == 2
+    for claim in await store.claim_batch("w", 2):
+        await store.finish(claim.item_id, fence=claim.fence)
+    counts = await seen()
+    assert (counts["ready"], counts["done"], counts["claimed"]) == (0, 2, 0)  # 0, not gone
+
+
+async def test_durations_fall_in_buckets_made_for_seconds(store: ControlStore, otel: Otel) -> None:
+    await store.enqueue("alpha", {})
+    assert await store.claim("w") is not None
+    bounds = {tuple(p.explicit_bounds) for p in otel.points("asyncplane.claim.duration")}
+    assert bounds == {SECONDS_BUCKETS}  # 0.5 ms up: not the SDK's, made for milliseconds
+    assert SECONDS_BUCKETS[0] == 0.0005 and SECONDS_BUCKETS[-1] == 3600.0
+
+
+def test_the_gauges_of_a_store_whose_loop_ended_say_nothing(
+    tmp_path: pathlib.Path, otel: Otel
+) -> None:
+    store = ControlStore(tmp_path / "ended.db")
+
+    async def main() -> None:
+        await store.create_project("alpha", "Alpha")
+        await store.enqueue("alpha", {})
+        gauges = engine_of(store).gauges
+        assert gauges is not None
+        gauges.refreshed.clear()
+        otel.points("asyncplane.items")
+        await gauges.refreshed.wait()
+
+    asyncio.run(main())  # ended without a close: nothing can refresh its gauges now
+
+    def mine(name: str) -> list[Any]:
+        return [
+            p for p in otel.points(name) if p.attributes.get("asyncplane.store") == store.location
+        ]
+
+    assert not mine("asyncplane.items") and not mine("asyncplane.queue.oldest_ready_age")

@@ -44,6 +44,8 @@ import weakref
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Final
 
+from asyncplane import _models
+
 if TYPE_CHECKING:
     from asyncplane._backend import ClaimRow, StoreStats
     from asyncplane._models import ClaimedItem
@@ -70,10 +72,20 @@ __all__ = (
 
 _log = logging.getLogger("asyncplane.store")
 
+
+def _installed(module: str) -> bool:
+    """Whether ``module`` can be imported (an ``opentelemetry`` namespace alone, from a
+    package that is not the API, does not count)."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ImportError:  # its parent is not a package
+        return False
+
+
 #: Whether the OpenTelemetry API is importable here (the ``otel`` extra). It is imported
 #: when the first store opens, not with asyncplane: a program that never opens a store
 #: (a command's ``--help``, say) does not pay for it.
-ENABLED: Final = importlib.util.find_spec("opentelemetry") is not None
+ENABLED: Final = all(_installed(name) for name in ("opentelemetry.metrics", "opentelemetry.trace"))
 
 #: Counters: name -> (unit, description).
 COUNTERS: Final = {
@@ -95,6 +107,16 @@ COUNTERS: Final = {
     ),
     "asyncplane.leases.takeovers": ("{item}", "Claims that took an item over from a lapsed lease"),
 }
+#: Bucket boundaries for durations in seconds: from half a millisecond (a claim in one
+#: process) to an hour (a wait in the queue, a long run), about three to a decade. The
+#: SDK's default boundaries (0 to 10,000) were made for milliseconds: every claim and
+#: settle fell into the first bucket.
+SECONDS_BUCKETS: Final = (
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+    1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0, 3600.0,
+)  # fmt: skip
+#: Bucket boundaries for the requests one write round carries.
+REQUEST_BUCKETS: Final = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0)
 #: Histograms: name -> (unit, description).
 HISTOGRAMS: Final = {
     "asyncplane.queue.wait": ("s", "From enqueue to the first claim"),
@@ -138,8 +160,14 @@ class _Instruments:
         meter = metrics.get_meter("asyncplane", __version__)
         counters = {name: meter.create_counter(name, u, d) for name, (u, d) in COUNTERS.items()}
         histograms = {
-            name: meter.create_histogram(name, u, d) for name, (u, d) in HISTOGRAMS.items()
-        }
+            name: meter.create_histogram(
+                name, u, d,
+                explicit_bucket_boundaries_advisory=list(
+                    SECONDS_BUCKETS if u == "s" else REQUEST_BUCKETS
+                ),
+            )
+            for name, (u, d) in HISTOGRAMS.items()
+        }  # fmt: skip
         self.enqueued = counters["asyncplane.items.enqueued"]
         self.claimed = counters["asyncplane.items.claimed"]
         self.settled = counters["asyncplane.items.settled"]
@@ -301,7 +329,14 @@ def _current_context() -> str | None:
         return None
     carrier: dict[str, str] = {}
     otel.propagate.inject(carrier)
-    return json.dumps(carrier, separators=(",", ":"), sort_keys=True) if carrier else None
+    # The span's place only (W3C traceparent and tracestate): baggage, which a program
+    # may fill with user or tenant data, is not written into every item.
+    saved = {key: value for key, value in carrier.items() if key in _SAVED_HEADERS}
+    return json.dumps(saved, separators=(",", ":"), sort_keys=True) if saved else None
+
+
+#: The trace context headers saved with an item.
+_SAVED_HEADERS: Final = frozenset({"traceparent", "tracestate"})
 
 
 @contextlib.contextmanager
@@ -401,16 +436,21 @@ def _links(trace_context: dict[str, str] | None) -> list[Any]:
 
 
 def saved_context(text: str | None) -> dict[str, str] | None:
-    """A trace context as saved with an item, decoded (None if absent or unreadable)."""
-    if text is None:
+    """A trace context as saved with an item, decoded (None if absent or unreadable,
+    however it is unreadable: a claim must never fail on its item's trace context)."""
+    if text is None or len(text) > _MOST_CONTEXT_CHARS:
         return None
     try:
         found = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
     if not isinstance(found, dict):
         return None
-    return {str(k): str(v) for k, v in found.items()}
+    return {str(k): str(v) for k, v in found.items() if k in _SAVED_HEADERS}
+
+
+#: Longer than this, a saved trace context is not read (the W3C headers are short).
+_MOST_CONTEXT_CHARS: Final = 8192
 
 
 # --- gauges --------------------------------------------------------------------------------
@@ -432,6 +472,8 @@ class Gauges:
         self._now = now
         self._loop = loop
         self._refreshing: asyncio.Task[None] | None = None
+        #: Every project whose items were counted: a project emptied (purged) reports 0s.
+        self._seen_projects: set[str] = set()
         #: The last snapshot: (states by project, oldest ready age), or None before one.
         self.snapshot: tuple[tuple[tuple[str, str, int], ...], float | None] | None = None
         #: Set each time a refresh lands (tests and the dashboard await it).
@@ -441,10 +483,16 @@ class Gauges:
             with _GUARD:
                 _LIVE.add(self)
 
-    def request(self) -> None:
-        """From any thread: refresh soon, on the store's loop (one refresh at a time)."""
-        with contextlib.suppress(RuntimeError):  # the loop is closed: nothing to refresh
+    def request(self) -> bool:
+        """From any thread: refresh soon, on the store's loop (one refresh at a time);
+        False when its loop has closed: the store can say nothing more, and its gauges
+        stop giving values (the last would stand for ever)."""
+        try:
             self._loop.call_soon_threadsafe(self._start)
+        except RuntimeError:  # the loop is closed
+            self.forget()
+            return False
+        return True
 
     def _start(self) -> None:
         if self._refreshing is None or self._refreshing.done():
@@ -458,9 +506,24 @@ class Gauges:
         except Exception as exc:  # a closed or failing store: the last snapshot stays
             _log.debug("asyncplane: gauges of %s not refreshed: %s", self.name, exc)
             return
-        age = None if stats.oldest_ready_at is None else self._now() - stats.oldest_ready_at
-        self.snapshot = (stats.states_by_project, age)
+        now = self._now()
+        # Never below 0, as stats() says it: a writer whose clock ran ahead.
+        age = None if stats.oldest_ready_at is None else max(0.0, now - stats.oldest_ready_at)
+        # Every state of every project seen, a zero too: a series that stopped when its
+        # count reached 0 would show its last count wherever the last value is kept.
+        found = {(project, state): count for project, state, count in stats.states_by_project}
+        self._seen_projects.update(project for project, _ in found)
+        counts = tuple(
+            (project, state, found.get((project, state), 0))
+            for project in sorted(self._seen_projects)
+            for state in _models.ITEM_STATES
+        )
+        self.snapshot = (counts, age)
         self.refreshed.set()
+
+    def alive(self) -> bool:
+        """Whether the store's loop still runs its refreshes."""
+        return not self._loop.is_closed()
 
     def forget(self) -> None:
         """Stop giving values (the store's loop is gone)."""
@@ -488,8 +551,7 @@ def _live() -> list[Gauges]:
 def _observe_items(options: Any) -> list[Any]:
     found = []
     for gauges in _live():
-        gauges.request()
-        if gauges.snapshot is not None:
+        if gauges.request() and gauges.snapshot is not None:
             for project, state, count in gauges.snapshot[0]:
                 labels = {
                     "asyncplane.store": gauges.name,
@@ -503,7 +565,7 @@ def _observe_items(options: Any) -> list[Any]:
 def _observe_oldest(options: Any) -> list[Any]:
     found = []
     for gauges in _live():
-        if gauges.snapshot is not None and gauges.snapshot[1] is not None:
+        if gauges.snapshot is not None and gauges.snapshot[1] is not None and gauges.alive():
             labels = {"asyncplane.store": gauges.name}
             found.append(_instruments().metrics.Observation(gauges.snapshot[1], labels))
     return found
