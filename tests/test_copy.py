@@ -379,3 +379,13 @@ async def test_a_copy_carries_what_the_source_imported(
     again = await destination.import_pending(table, table="q", columns=columns, project_id="p")
     assert (again.imported, again.already_imported) == (0, 7)
     assert (await destination.counts())["ready"] == 7
+
+
+async def test_a_store_that_never_held_an_item_copies(
+    asyncplane_store: ControlStore, other_store: Any
+) -> None:
+    await asyncplane_store.create_project("p", "P")
+    destination: ControlStore = await other_store()
+    summary = await copy_store(asyncplane_store, destination)
+    assert (summary.projects, summary.copied) == (1, 0)
+    assert await destination.enqueue("p", {}) == 1

@@ -428,7 +428,7 @@ async def test_a_wait_through_an_outage_fails_as_storage_then_goes_on_once_back(
                                 for t in asyncio.all_tasks()), what="the waiter waits")  # fmt: skip
         await outage(server, name, down=True)
         try:
-            with pytest.raises(StorageError, match="cannot connect"):
+            with pytest.raises(StorageError):  # (cannot connect, or not accepting sessions)
                 await store.counts()  # the store meets the outage first, and is left shut
             with pytest.raises(StorageError) as raised:
                 await waiter

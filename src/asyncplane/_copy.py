@@ -108,5 +108,7 @@ async def copy_store(
         after = records[-1][:2]
     # Ids are never reused: the destination hands out none the source ever did (an item
     # purged there, or left behind by pending_only, could still be named in an archive).
-    await dst.advance_item_ids(await src.last_item_id())
+    last = await src.last_item_id()
+    if last:  # a source that never handed out an id has none to keep clear
+        await dst.advance_item_ids(last)
     return summary
