@@ -35,6 +35,7 @@ from asyncplane import (
     SchemaVersionError,
     StorageError,
     _clock,
+    _engine,
     testing,
     verify_ledger,
 )
@@ -73,6 +74,19 @@ def test_a_url_selects_postgresql_and_its_password_stays_out_of_sight() -> None:
     with pytest.raises(InvalidInput, match="archive_path"):
         ControlStore("postgres://db.example/work", retention=60)
     assert ControlStore("plain.db").backend == "sqlite"
+    # A password holding '/', '?', '#' unencoded moves the rest of it out of the user info,
+    # where nothing knows it for a password: such a URL is refused, without being shown.
+    for unreadable in (
+        "postgresql://app:S3cret/xyz@127.0.0.1:5432/app", "postgresql://app:S3c?ret@h/db",
+        "postgresql://app:S3c#ret@h/db", "postgresql://app:S3cret@h:port/db",
+        "postgresql://app:S3cret@[::1/db", "postgresql://app:S3cret@h:99999/db",
+    ):  # fmt: skip
+        with pytest.raises(InvalidInput, match="cannot be read") as refused:
+            ControlStore(unreadable)
+        assert "S3c" not in str(refused.value)
+        assert _engine.redact(unreadable) == "postgresql://***"
+    fine = "postgresql://app:S3cret@h/db?application_name=a@b"  # an '@' past a whole user info
+    assert ControlStore(fine).location == "postgresql://app:***@h/db?application_name=a@b"
 
 
 async def test_an_unreachable_server_is_a_storage_error(tmp_path: Any) -> None:

@@ -77,9 +77,35 @@ _SECRET_PARAMETERS = frozenset({"password", "sslpassword"})
 _URL_IN_TEXT = re.compile(r"postgres(?:ql)?://[^\s'\"]+")
 
 
+def _unreadable(url: str) -> bool:
+    """Whether a URL's parts cannot be told apart: a port that is no number, or an ``@``
+    past the host (a password holding ``/``, ``?`` or ``#`` unencoded, which moves the
+    rest of it into the path, the query or the fragment)."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+        parts.port  # noqa: B018 - it raises for a port that is not a number
+    except ValueError:
+        return True
+    return "@" in parts.path + parts.fragment or ("@" in parts.query and "@" not in parts.netloc)
+
+
+def checked_url(url: str) -> str:
+    """A PostgreSQL URL whose parts can be read (see `_unreadable`); InvalidInput, which
+    never shows the URL, otherwise."""
+    if _unreadable(url):
+        raise _errors.InvalidInput(
+            "the PostgreSQL URL cannot be read: its port is not a number, or its user or "
+            "password holds a '/', '?', '#' or '@' (write them %2F, %3F, %23, %40)"
+        )
+    return url
+
+
 def redact(url: str) -> str:
     """The URL without its password (given before the host or as a parameter), for
-    messages and reprs; the rest of it as written."""
+    messages and reprs; the rest of it as written. One whose parts cannot be told apart
+    shows its scheme only: where its password ends cannot be known."""
+    if _unreadable(url):
+        return url.partition("://")[0] + "://***"
     parts = urllib.parse.urlsplit(url)
     netloc = parts.netloc
     if parts.password is not None:

@@ -302,6 +302,10 @@ class PostgresBackend(_backend.Writes):
             raise _errors.StorageError(
                 f"cannot connect to {redact(self._url)}: {type(exc).__name__}: {exc}"
             ) from exc
+        except ValueError:  # the driver could not read the URL (its text may hold the password)
+            raise _errors.StorageError(
+                f"cannot connect to {redact(self._url)}: the driver cannot read this URL"
+            ) from None
         return conn
 
     async def open(self) -> None:

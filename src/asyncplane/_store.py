@@ -147,6 +147,8 @@ class ControlStore:
         if clock is not None and not isinstance(clock, _clock.Clock):
             raise _errors.InvalidType("clock must have a now() method returning epoch seconds")
         is_url = _engine.is_postgres_url(location)
+        if is_url:
+            _engine.checked_url(str(location))
         # Absolute from the start, so a later chdir cannot move the store.
         self._path = None if is_url else _validate.absolute_path(location, "path")
         self._lease_seconds = _validate.lease_seconds(lease_seconds)

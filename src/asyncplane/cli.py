@@ -284,7 +284,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             from asyncplane.dashboard import _command  # the dashboard extra
 
             return _command.run(args)
-        if args.verb == "copy" and pathlib.Path(args.destination).exists():
+        if args.verb == "copy" and (
+            _engine.is_postgres_url(args.destination) or pathlib.Path(args.destination).exists()
+        ):
             # An existing file must be a store too, or one a copy cut short began.
             _check_is_a_store(args.destination, unfinished=True)
         return _loops.run(_run(args))
@@ -382,6 +384,10 @@ def _check_is_a_store(location: str, *, unfinished: bool = False) -> None:
     whose making was cut short passes, see `vet_store_file`). A PostgreSQL schema is
     checked by the store itself, when it opens it read-only."""
     if _engine.is_postgres_url(location):
+        try:
+            _engine.checked_url(location)
+        except _errors.InvalidInput as exc:
+            raise _Usage(str(exc)) from exc
         return
     path = pathlib.Path(location)
     if path.is_dir():
