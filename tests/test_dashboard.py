@@ -710,3 +710,21 @@ async def test_the_oldest_ready_age_is_the_stores_own(
     async with serving(store) as (_, url, session), session.get(url + "/api/stats") as response:
         assert (await response.json())["oldest_ready_age_s"] == 0.0  # never below
     assert (await store.stats())["oldest_ready_age_s"] == 0.0
+
+
+async def test_metrics_give_the_last_minute_as_the_store_has_it_now(
+    store: ControlStore, clock: ManualClock
+) -> None:
+    # Settled after the dashboard's last sample: a scrape early in the next minute still
+    # counts them (the history is only as fresh as its sample).
+    clock.set(clock.now() - clock.now() % 60 + 30)  # half a minute into a minute
+    await store.enqueue_many("alpha", [{"n": n} for n in range(3)])
+    async with serving(store) as (dashboard, url, session):
+        await dashboard.history.sample()
+        clock.advance(10)
+        for claim in await store.claim_batch("w", 3):
+            await store.finish(claim.item_id, fence=claim.fence)
+        clock.advance(25)  # the next minute, before the next sample
+        async with session.get(url + "/metrics") as response:
+            body = await response.text()
+    assert 'asyncplane_settled_per_minute{state="done"} 3.0' in body

@@ -325,7 +325,8 @@ class Dashboard:
         from prometheus_client.exposition import generate_latest
 
         stats = await _views.stats(self.scope)
-        families = list(_views.prometheus_families(stats, self.history))
+        settled = await _views.last_minute_settled(self.scope, stats["at"])
+        families = list(_views.prometheus_families(stats, settled))
         registry = CollectorRegistry(auto_describe=False)
         registry.register(_Families(families))
         return web.Response(

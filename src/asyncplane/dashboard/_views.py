@@ -408,8 +408,21 @@ async def projects(scope: Scope) -> dict[str, Any]:
     }
 
 
-def prometheus_families(stats: dict[str, Any], history: History) -> Iterable[Any]:
-    """The store's gauges for ``GET /metrics``, as prometheus_client metric families."""
+async def last_minute_settled(scope: Scope, at: float) -> collections.Counter[str]:
+    """Items settled in the last whole minute before ``at``, by state, read from the store
+    now (the history's minutes are as old as its last sample: a scrape early in a minute
+    would undercount the one before)."""
+    last = math.floor(at / 60) * 60 - 60
+    counts: collections.Counter[str] = collections.Counter()
+    for row in await scope.store.settled_per_minute(since=last, actor_id=scope.actor_id):
+        if row["minute"].timestamp() == last:
+            counts[row["state"]] += row["count"]
+    return counts
+
+
+def prometheus_families(stats: dict[str, Any], settled: collections.Counter[str]) -> Iterable[Any]:
+    """The store's gauges for ``GET /metrics``, as prometheus_client metric families
+    (``settled``: `last_minute_settled`)."""
     from prometheus_client.core import GaugeMetricFamily
 
     items = GaugeMetricFamily(
@@ -434,10 +447,8 @@ def prometheus_families(stats: dict[str, Any], history: History) -> Iterable[Any
         "Items settled in the last whole minute, by state.",
         labels=["state"],
     )
-    last = math.floor(stats["at"] / 60) * 60 - 60
-    counts = history.minutes.get(last, collections.Counter())
     for state in _SETTLED:
-        rate.add_metric([state], counts[state])
+        rate.add_metric([state], settled[state])
     yield rate
 
 
