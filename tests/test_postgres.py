@@ -463,6 +463,22 @@ async def test_a_wait_through_an_outage_fails_as_storage_then_goes_on_once_back(
         assert (await asyncio.wait_for(waiter, 60))["result"] == {"ok": 1}
 
 
+async def test_an_idle_session_ended_by_the_server_is_no_error(
+    url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A restart, or idle_session_timeout, ends the idle write session: no round broke, so
+    # nothing says one did (at ERROR, with a traceback); the next call opens afresh.
+    async with ControlStore(url) as store:
+        await store.create_project("p", "P")
+        backend: Any = await store._engine.ready()
+        writer = backend.writer
+        await sql(url, "SELECT pg_terminate_backend($1)", writer._conn.get_server_pid())
+        await until(lambda: not writer.running and writer._task.done(), what="the writer ends")
+        assert await store.enqueue("p", {}) == 1
+    assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text
+    assert "lost its connection; opening again" in caplog.text
+
+
 async def test_a_lost_connection_is_replaced_on_next_use(url: str) -> None:
     async with ControlStore(url) as store:
         await store.create_project("p", "P")

@@ -358,6 +358,9 @@ class WriterBase:
         self._wakeup = asyncio.Event()
         self._stopping = False
         self._failure: BaseException | None = None
+        #: True when ``_failure`` is no round's: the connection was lost while idle (the
+        #: store opens afresh on its next call, and says so then).
+        self._failed_idle = False
         self._task: asyncio.Task[None] | None = None
         #: Rounds run and requests served; read by tests and benchmarks.
         self.rounds = 0
@@ -534,7 +537,7 @@ class WriterBase:
                     await asyncio.shield(self._on_exit(graceful))
             finally:
                 await asyncio.shield(self._close())
-            if graceful and self._failure is not None:
+            if graceful and self._failure is not None and not self._failed_idle:
                 # A round broke after its callers had their answers, while the writer
                 # was stopping (the connection's thread tells the loop before it closes,
                 # so it is known by now): the task ends quietly, so it is said here.

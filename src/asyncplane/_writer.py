@@ -201,13 +201,21 @@ class Writer(_write_queue.WriterBase):
             self._round_over()  # taken back from the board: nothing of it waits any more
         else:
             self._moving.clear()  # the thread still waits for the lock, to let it go unused
-        while self._pending:  # queued behind the round: they would wait longer still
-            waiting.append(self._pending.popleft()[1])
         for future in waiting:
             if not future.done():
                 future.set_exception(_errors.DatabaseLocked(self._stuck_message()))
+        self.refuse_queued()
         if ended:
             self._next(asyncio.get_running_loop())  # a stop waiting for the queue hears it
+
+    def refuse_queued(self) -> None:
+        """Refuse, with DatabaseLocked, every write queued behind a round that waited its
+        busy_timeout for the lock in vain: each would wait as long again (up to twice the
+        timeout in all), for a lock that has shown it does not move."""
+        while self._pending:
+            _, future = self._pending.popleft()
+            if not future.done():
+                future.set_exception(_errors.DatabaseLocked(self._stuck_message()))
 
     def _drop(self) -> None:
         self._conn.stop()  # the connection's thread ends; no loop is left to close it
@@ -543,6 +551,11 @@ def _deliver(
     caller runs, so a caller's next look sees its round), then see to the next round
     whatever happens."""
     writer._round_over()
+    if outcomes and all(
+        isinstance(o, _write_queue.Raised) and isinstance(o.error, _errors.DatabaseLocked)
+        for o in outcomes
+    ):  # the lock never came (another program's transaction): so for those behind it
+        writer.refuse_queued()
     writer.total_lock_wait += lock_wait
     writer.total_lock_held += held
     writer.max_lock_wait = max(writer.max_lock_wait, lock_wait)
