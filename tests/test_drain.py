@@ -110,18 +110,33 @@ async def test_an_executor_that_raises_retries_its_batch(store: ControlStore) ->
         assert row["error"] == "the executor raised RuntimeError: model endpoint down"
 
 
-@pytest.mark.parametrize("raised", [SystemExit(3), KeyboardInterrupt(), GeneratorExit()])
-async def test_an_executor_that_raises_past_exception_retries_its_batch_too(
-    store: ControlStore, raised: BaseException
+async def test_an_executor_raising_generator_exit_retries_its_batch_too(
+    store: ControlStore,
 ) -> None:
     ids = await store.enqueue_many("alpha", [{"n": n} for n in range(2)])
 
     async def exits(batch: list[ClaimedItem]) -> list[Outcome]:
-        raise raised
+        raise GeneratorExit
 
     summary = await drain(store, exits, empty_rounds=1)  # the drain itself goes on
     assert (summary.retried, summary.done) == (2, 0)
     assert {(await store.item(i))["state"] for i in ids} == {"deferred"}
+
+
+@pytest.mark.parametrize("raised", [SystemExit(3), KeyboardInterrupt()])
+async def test_an_executor_asking_to_exit_retries_its_batch_then_the_drain_stops(
+    store: ControlStore, raised: BaseException
+) -> None:
+    ids = await store.enqueue_many("alpha", [{"n": n} for n in range(4)])
+
+    async def exits(batch: list[ClaimedItem]) -> list[Outcome]:
+        raise raised
+
+    with pytest.raises(type(raised)):
+        await drain(store, exits, batch_size=2, empty_rounds=1)
+    states = [(await store.item(i))["state"] for i in ids]
+    assert states == ["deferred", "deferred", "ready", "ready"]  # one batch, then stopped
+    assert await verify_ledger(store) == []
 
 
 @pytest.mark.parametrize(

@@ -1060,21 +1060,44 @@ async def test_work_refuses_what_is_not_a_handler_before_running_anything(
     assert ran == ["instance", "default"]
 
 
-@pytest.mark.parametrize("raised", [SystemExit(3), KeyboardInterrupt(), GeneratorExit()])
-async def test_a_handler_raising_past_exception_has_its_item_retried_and_work_goes_on(
-    store: ControlStore, raised: BaseException
+async def test_a_handler_raising_generator_exit_has_its_item_retried_and_work_goes_on(
+    store: ControlStore,
 ) -> None:
     ids = await store.enqueue_many("alpha", [{"n": n} for n in range(4)])
 
     async def handle(claim: ClaimedItem) -> Done:
         if claim.payload["n"] == 0:
-            raise raised  # a sys.exit() deep in one item's code, say
+            raise GeneratorExit  # a stray one, from a generator's cleanup
         return Done()
 
     summary = await work(store, handle, concurrency=2, until_empty=True)
     assert (summary.done, summary.retried) == (3, 1)
     failed = await store.item(ids[0])
+    assert failed["state"] == "deferred" and "GeneratorExit" in failed["error"]
+    assert await verify_ledger(store) == []
+
+
+@pytest.mark.parametrize("raised", [SystemExit(3), KeyboardInterrupt()])
+async def test_a_handler_asking_to_exit_has_its_item_retried_then_work_stops_and_says_so(
+    store: ControlStore, raised: BaseException
+) -> None:
+    # sys.exit() in one item's code (or Ctrl-C as Python 3.10 raises it in the code that
+    # runs): that item is retried, the worker stops as if stop were set, the others finish
+    # or go back, and the exception reaches work()'s caller, nothing left claimed.
+    ids = await store.enqueue_many("alpha", [{"n": n} for n in range(6)])
+    stop = asyncio.Event()
+
+    async def handle(claim: ClaimedItem) -> Done:
+        if claim.payload["n"] == 0:
+            raise raised
+        return Done()
+
+    with pytest.raises(type(raised)):
+        await work(store, handle, concurrency=1, stop=stop)
+    assert stop.is_set()
+    failed = await store.item(ids[0])
     assert failed["state"] == "deferred" and type(raised).__name__ in failed["error"]
+    assert (await store.counts())["claimed"] == 0
     assert await verify_ledger(store) == []
 
 

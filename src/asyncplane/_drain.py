@@ -78,6 +78,7 @@ from asyncplane._outcomes import (
     Park,
     Retry,
     Settler,
+    asks_to_exit,
     count_lost,
     returned_or_raised,
     short_error,
@@ -181,6 +182,8 @@ async def drain(
         run.summary.remaining = await run.remaining()
         run.summary.elapsed_s = time.monotonic() - started
         _log.info("drain %s stopped: %s", run.owner, run.summary)
+        if run.exiting is not None:
+            raise run.exiting
         return run.summary
 
 
@@ -212,6 +215,8 @@ class _Drain:
     preflight_chunk: int
     summary: DrainSummary = dataclasses.field(default_factory=DrainSummary)
     guard: _lock.Guard = dataclasses.field(default_factory=lambda: _lock.Guard(True))
+    #: An executor's SystemExit or KeyboardInterrupt: raised once the drain has wound up.
+    exiting: BaseException | None = None
 
     def __post_init__(self) -> None:
         self.settler = Settler(self.store, self.actor_id, self.summary)
@@ -308,7 +313,11 @@ class _Drain:
                     raise asyncio.CancelledError
                 return
             else:
-                outcomes = _checked(batch, await executor)
+                result = await executor
+                if isinstance(result, BaseException) and asks_to_exit(result):
+                    self.exiting = self.exiting or result  # its batch retried, then it stops
+                    self.stop.set()
+                outcomes = _checked(batch, result)
         except BaseException:
             await _tasks.stop(renewer)
             if not all(settled.get(claim.item_id) for claim in batch):

@@ -87,6 +87,7 @@ from asyncplane._outcomes import (
     Park,
     Retry,
     Settler,
+    asks_to_exit,
     count_lost,
     returned_or_raised,
     short_error,
@@ -259,6 +260,8 @@ class _Worker:
         #: Running items that are settling: a stop leaves them to finish (`_settle_to_end`).
         self.settling: set[asyncio.Task[Any]] = set()
         self.failure: BaseException | None = None
+        #: A handler's SystemExit or KeyboardInterrupt: raised once the worker has wound up.
+        self.exiting: BaseException | None = None
         self.wake = asyncio.Event()  # set whenever a running item ends
         #: The loop waits for a free slot (`_until_a_slot_frees`): a settle wakes it (on
         #: PostgreSQL the item's end, once the settle is done).
@@ -308,6 +311,8 @@ class _Worker:
             ) from self.failure
         if cancelled:
             raise asyncio.CancelledError
+        if self.exiting is not None:
+            raise self.exiting
 
     async def _grace(self) -> None:
         """After a stop: until every running item has ended, ``grace`` runs out, or a
@@ -549,6 +554,9 @@ class _Worker:
             # itself from running for ever.
             return _retry(claim, "the handler was cancelled, not by the worker")
         result = handler.result()
+        if isinstance(result, BaseException) and asks_to_exit(result):
+            self.exiting = self.exiting or result
+            self.stop.set()  # a graceful stop: the other running items finish or go back
         if isinstance(result, BaseException):
             _log.warning(
                 "the handler raised on item %d: %s", claim.item_id, short_error(result),
