@@ -1225,9 +1225,12 @@ HANDLERS = textwrap.dedent(
     """
     import asyncio
     import logging
+    import sys
     from asyncplane import Done
 
     async def handle(claim):
+        if claim.payload.get("exit"):
+            sys.exit(claim.payload["exit"])
         if claim.payload.get("log"):
             logging.getLogger("fleet.agents").info("working on %s", claim.payload["log"])
         if claim.payload.get("hang"):
@@ -1329,6 +1332,26 @@ async def test_a_second_signal_stops_the_worker_at_once_and_gives_claims_back(
         for item_id in ids:
             row = await store.item(item_id)
             assert (row["state"], row["attempts"]) == ("ready", 0)  # given back, unspent
+        assert await verify_ledger(store) == []
+
+
+@_COMMAND_TEST
+async def test_a_handlers_sys_exit_ends_the_command_with_its_status_nothing_left_claimed(
+    store: ControlStore, location_of: Any, tmp_path: Any
+) -> None:
+    del store
+    (tmp_path / "fleet_handlers.py").write_text(HANDLERS)
+    where = location_of("exit.db")
+    async with ControlStore(where) as store:
+        await store.create_project("p", "P")
+        (asked,) = await store.enqueue_many("p", [{"n": 0, "exit": 5}])
+        child = worker(where, tmp_path, "fleet_handlers:handle", "--log-format", "json")
+        _, err = await asyncio.to_thread(child.communicate, timeout=60)
+        assert child.returncode == 5, err
+        assert "a handler asked to exit" in json.loads(err.splitlines()[-1])["message"]
+        row = await store.item(asked)
+        assert row["state"] == "deferred" and "SystemExit" in row["error"]
+        assert (await store.counts())["claimed"] == 0
         assert await verify_ledger(store) == []
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import importlib
 import json
 import logging
@@ -27,6 +28,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Awaitable
 from typing import Any
 
 from asyncplane import _errors, _loops, _store, _work
@@ -134,11 +136,11 @@ async def _main(args: argparse.Namespace, handler: _work.Handler) -> int:
     status = _Status(len(projects) * share) if sys.stderr.isatty() else None
     workers = [
         asyncio.create_task(
-            _work.work(
+            _exit_as_value(_work.work(
                 store, handler, concurrency=share, timeout=args.timeout, project_id=project,
                 owner=args.owner, exclusive=args.exclusive, stop=stop, grace=args.grace,
                 progress=None if status is None else status.update,
-            ),
+            )),
             name=f"asyncplane-worker[{project or '*'}]",
         )
         for project in projects
@@ -156,12 +158,39 @@ async def _main(args: argparse.Namespace, handler: _work.Handler) -> int:
             status.end()
         await store.close()
     for result in results:
+        if isinstance(result, _Exit):  # a handler's sys.exit(): the command exits so
+            _log.warning("stopped: a handler asked to exit (%r)", result.asked)
+            return result.status()
+    for result in results:
         if isinstance(result, BaseException) and not isinstance(result, asyncio.CancelledError):
             raise result
     if signals.count > 1:
         _log.warning("stopped at once; unfinished items were given back")
         return 1
     return 0
+
+
+@dataclasses.dataclass(frozen=True)
+class _Exit:
+    """A worker's end by a handler's SystemExit or KeyboardInterrupt (work() wound up
+    first), carried as a value: raised out of a task, it would stop the event loop before
+    the store is closed."""
+
+    asked: SystemExit | KeyboardInterrupt
+
+    def status(self) -> int:
+        """The exit status it asks for (as Python gives it: 130 for an interrupt)."""
+        if isinstance(self.asked, KeyboardInterrupt):
+            return 130
+        code = self.asked.code
+        return code if isinstance(code, int) else (0 if code is None else 1)
+
+
+async def _exit_as_value(call: Awaitable[Any]) -> Any:
+    try:
+        return await call
+    except (SystemExit, KeyboardInterrupt) as asked:
+        return _Exit(asked)
 
 
 class _Signals:
