@@ -708,3 +708,23 @@ def test_the_gauges_of_a_store_whose_loop_ended_say_nothing(
         ]
 
     assert not mine("asyncplane.items") and not mine("asyncplane.queue.oldest_ready_age")
+
+
+def test_an_opentelemetry_namespace_without_the_api_is_no_api(tmp_path: pathlib.Path) -> None:
+    # Another distribution's modules in the namespace (the protocol buffers, say) do not
+    # make the API: asyncplane must not count on opentelemetry.metrics being there.
+    (tmp_path / "opentelemetry" / "proto").mkdir(parents=True)
+    (tmp_path / "opentelemetry" / "proto" / "__init__.py").write_text("")
+    source = pathlib.Path(_telemetry.__file__).parent.parent
+    script = (
+        "import sys\n"
+        f"sys.path = [{str(tmp_path)!r}, {str(source)!r}]"
+        " + [p for p in sys.path if 'site-packages' not in p]\n"
+        "from asyncplane import _telemetry\n"
+        "assert not _telemetry.ENABLED and 'opentelemetry' not in sys.modules\n"
+        "print('ok')\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr

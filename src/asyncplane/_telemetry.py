@@ -38,6 +38,7 @@ import contextlib
 import importlib.util
 import json
 import logging
+import os
 import threading
 import time
 import weakref
@@ -73,19 +74,23 @@ __all__ = (
 _log = logging.getLogger("asyncplane.store")
 
 
-def _installed(module: str) -> bool:
-    """Whether ``module`` can be imported (an ``opentelemetry`` namespace alone, from a
-    package that is not the API, does not count)."""
-    try:
-        return importlib.util.find_spec(module) is not None
-    except ImportError:  # its parent is not a package
-        return False
+def _api_installed() -> bool:
+    """Whether the OpenTelemetry API is here: its ``metrics`` and ``trace`` packages in the
+    ``opentelemetry`` namespace (one that holds only another distribution's modules, the
+    protocol buffers, say, does not count). Looked up on disk, importing nothing: a look
+    for ``opentelemetry.metrics`` would import ``opentelemetry`` with asyncplane."""
+    spec = importlib.util.find_spec("opentelemetry")
+    places = [] if spec is None else list(spec.submodule_search_locations or ())
+    return all(
+        any(os.path.isdir(os.path.join(place, package)) for place in places)
+        for package in ("metrics", "trace")
+    )
 
 
 #: Whether the OpenTelemetry API is importable here (the ``otel`` extra). It is imported
 #: when the first store opens, not with asyncplane: a program that never opens a store
 #: (a command's ``--help``, say) does not pay for it.
-ENABLED: Final = all(_installed(name) for name in ("opentelemetry.metrics", "opentelemetry.trace"))
+ENABLED: Final = _api_installed()
 
 #: Counters: name -> (unit, description).
 COUNTERS: Final = {
