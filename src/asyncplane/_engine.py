@@ -27,10 +27,8 @@ import asyncio
 import contextlib
 import logging
 import os
-import re
 import socket
 import time
-import urllib.parse
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Literal, NamedTuple
 
@@ -74,13 +72,15 @@ def is_postgres_url(location: str | os.PathLike[str]) -> bool:
 #: The URL parameters that carry a secret (as a libpq connection string takes them).
 _SECRET_PARAMETERS = frozenset({"password", "sslpassword"})
 #: A PostgreSQL URL within a text (a message quoting what the user typed).
-_URL_IN_TEXT = re.compile(r"postgres(?:ql)?://[^\s'\"]+")
+_URL_IN_TEXT = r"postgres(?:ql)?://[^\s'\"]+"
 
 
 def _unreadable(url: str) -> bool:
     """Whether a URL's parts cannot be told apart: a port that is no number, or an ``@``
     past the host (a password holding ``/``, ``?`` or ``#`` unencoded, which moves the
     rest of it into the path, the query or the fragment)."""
+    import urllib.parse  # with a URL's first look: a program on SQLite never needs it
+
     try:
         parts = urllib.parse.urlsplit(url)
         parts.port  # noqa: B018 - it raises for a port that is not a number
@@ -106,6 +106,8 @@ def redact(url: str) -> str:
     shows its scheme only: where its password ends cannot be known."""
     if _unreadable(url):
         return url.partition("://")[0] + "://***"
+    import urllib.parse
+
     parts = urllib.parse.urlsplit(url)
     netloc = parts.netloc
     if parts.password is not None:
@@ -124,7 +126,9 @@ def redact(url: str) -> str:
 
 def redact_urls(text: str) -> str:
     """``text`` with every PostgreSQL URL in it redacted (see `redact`)."""
-    return _URL_IN_TEXT.sub(lambda found: redact(found.group()), text)
+    import re  # for the command line's messages only
+
+    return re.sub(_URL_IN_TEXT, lambda found: redact(found.group()), text)
 
 
 class Options(NamedTuple):
