@@ -110,6 +110,27 @@ async def test_an_executor_that_raises_retries_its_batch(store: ControlStore) ->
         assert row["error"] == "the executor raised RuntimeError: model endpoint down"
 
 
+async def test_an_executor_that_returns_no_list_or_is_no_coroutine_retries_its_batch(
+    store: ControlStore,
+) -> None:
+    ids = await store.enqueue_many("alpha", [{"n": n} for n in range(2)])
+
+    async def nothing(batch: list[ClaimedItem]) -> Any:
+        return None
+
+    def plain(batch: list[ClaimedItem]) -> Any:
+        raise RuntimeError("not even async")
+
+    for executor in (nothing, plain):
+        summary = await drain(store, executor, empty_rounds=1)
+        assert summary.retried == 2, executor
+        assert {(await store.item(i))["state"] for i in ids} == {"deferred"}
+        for item_id in ids:  # due again at once, for the next executor
+            await store.cancel(item_id)
+            await store.requeue(item_id)
+    assert await verify_ledger(store) == []
+
+
 async def test_an_executor_raising_generator_exit_retries_its_batch_too(
     store: ControlStore,
 ) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import functools
 import json
 import logging
 import os
@@ -1054,10 +1055,34 @@ async def test_work_refuses_what_is_not_a_handler_before_running_anything(
         ran.append("default")
         return Done()
 
-    assert (await work(store, Handler(), until_empty=True)).done == 1  # an instance will do
-    await store.enqueue("alpha", {})
-    assert (await work(store, with_default, until_empty=True)).done == 1
-    assert ran == ["instance", "default"]
+    def logged(handler: Any) -> Any:
+        @functools.wraps(handler)
+        def wrapper(claim: ClaimedItem) -> Any:
+            ran.append("logged")
+            return handler(claim)  # a coroutine: the wrapper is a handler as much
+
+        return wrapper
+
+    async def handle(claim: ClaimedItem) -> Done:
+        return Done()
+
+    shapes = (Handler(), with_default, logged(handle), lambda claim: handle(claim),
+              functools.partial(with_default, extra=2))  # fmt: skip
+    for n, shape in enumerate(shapes):
+        if n:  # (the first runs the item enqueued above)
+            await store.enqueue("alpha", {})
+        assert (await work(store, shape, until_empty=True)).done == 1, shape
+    assert ran == ["instance", "default", "logged", "default"]
+
+
+async def test_a_handler_call_that_gives_no_awaitable_retries_its_item(
+    store: ControlStore,
+) -> None:
+    item_id = await store.enqueue("alpha", {})
+    summary = await work(store, lambda claim: Done(), until_empty=True)  # (no coroutine)
+    assert summary.retried == 1
+    row = await store.item(item_id)
+    assert row["state"] == "deferred" and "not an awaitable" in row["error"]
 
 
 async def test_a_handler_raising_generator_exit_has_its_item_retried_and_work_goes_on(
@@ -1239,7 +1264,8 @@ HANDLERS = textwrap.dedent(
             raise KeyError("prompt")
         return Done({"n": claim.payload["n"]})
 
-    not_async = lambda claim: None
+    def not_async(claim):
+        return None
 
     async def two_arguments(claim, extra):
         return Done()
@@ -1381,7 +1407,7 @@ def test_the_worker_command_refuses_a_bad_handler(tmp_path: Any) -> None:
 
     asyncio.run(make())
     for spec, words in (
-        ("fleet_handlers:not_async", "not an async function"),
+        ("fleet_handlers:not_async", "a plain def, not an async def"),
         ("fleet_handlers:two_arguments", "cannot be called with one argument"),
         ("fleet_handlers:AClass", "got type"),
         ("fleet_handlers:missing", "has no 'missing'"),

@@ -418,8 +418,7 @@ async def _call(
     with _telemetry.round_span(owner, len(batch)):
         runs = _telemetry.executions(batch)
         try:
-            returned = await returned_or_raised(execute(batch))
-            result = returned if isinstance(returned, BaseException) else list(returned)
+            result = await returned_or_raised(_listed(execute, batch))
         finally:
             for position, run in enumerate(runs):
                 if isinstance(result, BaseException):
@@ -427,6 +426,12 @@ async def _call(
                 else:  # a short list of outcomes is retried whole; its span says None
                     run.finish(result[position] if position < len(result) else None)
     return result
+
+
+async def _listed(execute: Executor, batch: list[_models.ClaimedItem]) -> list[Any]:
+    """The executor called and awaited, its answer as a list: what it raises, calling or
+    running, or an answer that is no list of anything, is the batch's failure."""
+    return list(await execute(batch))
 
 
 def _checked(batch: list[_models.ClaimedItem], result: list[Any] | BaseException) -> list[Outcome]:

@@ -663,15 +663,21 @@ class _Held:
 
 
 def handler_problem(handle: object) -> str | None:
-    """Why ``handle`` cannot be a handler (None: it can): it must be an ``async def``, or
-    an object whose ``__call__`` is one (not a class: calling that makes an instance), that
-    takes one positional argument, the claim. Checked before anything runs, as a sync
-    function would run its work and only then fail to be awaited, on every attempt."""
+    """Why ``handle`` cannot be a handler (None: it can), checked before anything runs: it
+    must be callable with one argument, the claim, and not a class (calling that makes an
+    instance). A plain ``def`` (seen through `functools.wraps`) that is not ``async`` is
+    refused too: it would do its work, then fail to be awaited, on every attempt. Other
+    callables (a lambda or a partial, a compiled coroutine function) show what they return
+    only when called: one that gives no awaitable retries its item (`_call`)."""
     if inspect.isclass(handle) or not callable(handle):
         return f"got {type(handle).__name__} {handle!r}"[:200]
-    call = getattr(handle, "__call__", None)  # noqa: B004 - an async __call__ counts too
-    if not (inspect.iscoroutinefunction(handle) or inspect.iscoroutinefunction(call)):
-        return f"{handle!r} is not an async function (async def handle(claim) -> Outcome)"[:200]
+    inner = inspect.unwrap(getattr(handle, "__func__", handle))  # a bound method's own
+    plain = inspect.isfunction(inner) and not inspect.iscoroutinefunction(inner)
+    if plain and inner.__name__ != "<lambda>":  # (a lambda may well return a coroutine)
+        return (
+            f"{handle!r} is a plain def, not an async def (a decorator around an async "
+            "handler keeps it one with functools.wraps)"
+        )[:200]
     try:
         inspect.signature(handle).bind(None)
     except TypeError:
@@ -699,9 +705,21 @@ async def _call(handle: Handler, claim: ClaimedItem) -> Any:
     execution span (ended by a cancellation too: a timeout, a stop)."""
     _handling.set(claim)  # this task's own context: nothing outside it sees the value
     with _telemetry.execution_span(claim) as run:
-        result = await returned_or_raised(handle(claim))
+        result = await returned_or_raised(_handled(handle, claim))
         run.finish(result)
         return result
+
+
+async def _handled(handle: Handler, claim: ClaimedItem) -> Any:
+    """The handler called and awaited: what it raises, calling or running, is its item's
+    (`returned_or_raised`), and a call that gives no awaitable too."""
+    running = handle(claim)
+    if not inspect.isawaitable(running):
+        raise _errors.InvalidType(
+            f"the handler returned {type(running).__name__}, not an awaitable: a handler is "
+            "an async function"
+        )
+    return await running
 
 
 def _retry(claim: ClaimedItem, error: str) -> Retry:
