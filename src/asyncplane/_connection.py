@@ -29,7 +29,7 @@ from typing import Any, Literal, TypeVar
 import aiosqlite
 import anyio.to_thread
 
-from asyncplane import _errors
+from asyncplane import _errors, _tasks
 
 __all__ = (
     "ReaderPool",
@@ -163,8 +163,10 @@ async def open_writer(
     """
     _check_sqlite_version()
     try:
-        conn = await aiosqlite.connect(
-            str(path), isolation_level=None, timeout=busy_timeout, cached_statements=256
+        conn = await _opened(
+            aiosqlite.connect(
+                str(path), isolation_level=None, timeout=busy_timeout, cached_statements=256
+            )
         )
     except sqlite3.Error as exc:
         raise translate(exc) from exc
@@ -176,12 +178,26 @@ async def open_writer(
     return conn
 
 
+async def _opened(connecting: aiosqlite.Connection) -> aiosqlite.Connection:
+    """``connecting`` awaited to its end, even when a cancellation comes meanwhile: then
+    closed, and the cancellation goes on. Cut short, aiosqlite would leave its thread to
+    open the file anyway and post the connection to a loop that may have closed."""
+    conn: aiosqlite.Connection
+    conn, cancelled = await _tasks.to_the_end(connecting, "asyncplane-sqlite-connect")
+    if cancelled:
+        await _tasks.to_the_end(conn.close(), "asyncplane-sqlite-close")
+        raise asyncio.CancelledError
+    return conn
+
+
 async def open_reader(path: pathlib.Path, *, busy_timeout: float) -> aiosqlite.Connection:
     """Open a read-only connection (``mode=ro``): reads never queue behind the writer."""
     uri = path.as_uri() + "?mode=ro"  # the store keeps its path absolute
     try:
-        conn = await aiosqlite.connect(
-            uri, uri=True, isolation_level=None, timeout=busy_timeout, cached_statements=64
+        conn = await _opened(
+            aiosqlite.connect(
+                uri, uri=True, isolation_level=None, timeout=busy_timeout, cached_statements=64
+            )
         )
     except sqlite3.Error as exc:
         raise translate(exc) from exc

@@ -90,8 +90,10 @@ def load_handler(spec: str) -> _work.Handler:
 
 def run(args: argparse.Namespace) -> int:
     """Run the verb; return its exit status."""
-    handler = load_handler(args.handler)
+    # Logging first: a handler's module that sets logging up as it is imported (a
+    # basicConfig, say) then finds it set, and does nothing twice.
     _configure_logging(args.log_level, args.log_format)
+    handler = load_handler(args.handler)
     try:  # as work() would say, before the store is opened
         for project in args.project or [None]:
             _work.settings(args.owner, args.concurrency, args.timeout, project, args.grace)
@@ -206,8 +208,8 @@ class _Signals:
 
     def heard(self) -> None:
         self.count += 1
-        if self.opening is not None:
-            self.opening.cancel()
+        if self.opening is not None and not self.opening.done():
+            self.opening.cancel()  # still opening: nothing to finish (once open, below)
             return
         if self.count == 1:
             _log.info("stopping: finishing running items")
@@ -291,3 +293,6 @@ def _configure_logging(level: str, form: str) -> None:
     root = logging.getLogger()
     root.addHandler(handler)
     root.setLevel(level.upper())
+    # aiosqlite says every call on its connections at DEBUG: dozens of lines a second
+    # from an idle worker, which would drown the handler's own at --log-level debug.
+    logging.getLogger("aiosqlite").setLevel(max(root.level, logging.INFO))
