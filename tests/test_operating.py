@@ -616,6 +616,39 @@ def test_cli_refuses_files_it_must_not_touch(tmp_path: pathlib.Path) -> None:
 # --- hardening -----------------------------------------------------------------------------
 
 
+async def test_a_purge_cancelled_in_its_locked_section_lets_the_lock_go_only_after_it(
+    store: ControlStore, clock: ManualClock
+) -> None:
+    # The section's worker thread cannot be stopped: a lock let go under it would let
+    # another purge append (or cut a "torn" end) beside a write still going on.
+    await settle(store, "alpha", 2)
+    clock.advance(10)
+    backend = await store._engine.ready()
+    archive = store.archive_path
+    assert archive is not None
+    found = await backend.purge_candidates(clock.now(), 10)
+    inside, go_on = asyncio.Event(), asyncio.Event()
+
+    async def held_there() -> None:
+        inside.set()
+        await go_on.wait()
+
+    archiving = asyncio.create_task(
+        _retention._archived(backend, archive, found, 1 << 20, held_there)
+    )
+    await inside.wait()
+    archiving.cancel()
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert not archiving.done()  # the section goes on, the lock still its own
+    go_on.set()
+    with pytest.raises(asyncio.CancelledError):
+        await archiving
+    assert archived_ids(archive) == [1, 2]  # archived to the end, not deleted
+    assert (await store.purge(0)).purged == 2  # the lock is free again
+    assert await verify_ledger(store) == []
+
+
 async def test_a_torn_archive_end_is_cut_off_before_the_next_append(
     store: ControlStore, clock: ManualClock
 ) -> None:

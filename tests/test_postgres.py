@@ -1950,6 +1950,26 @@ async def test_a_purge_passes_over_a_row_another_transaction_holds(
             await other.close()
         assert (await store.purge(0)).purged == 1  # archived again (a duplicate), gone now
         assert await store.items(limit=10) == [] and free
+        # Held, in a chunk of its own: the purge stops there (the next one does it), not
+        # reading and archiving the same chunk again and again.
+        asyncplane_clock.advance(10)
+        held = await store.enqueue("p", {"n": 3})
+        claim = await store.claim("w")
+        assert claim is not None
+        await store.finish(held, fence=claim.fence)
+        asyncplane_clock.advance(10)
+        lines = len(archive.read_text().splitlines())
+        other = await asyncpg.connect(url)
+        try:
+            holding = other.transaction()
+            await holding.start()
+            await other.execute("SELECT 1 FROM items WHERE item_id = $1 FOR KEY SHARE", held)
+            summary = await asyncio.wait_for(store.purge(0, chunk=1), 30)
+            assert (summary.purged, summary.chunks) == (0, 1)
+            assert len(archive.read_text().splitlines()) == lines + 1
+            await holding.rollback()
+        finally:
+            await other.close()
 
 
 async def test_a_purge_reads_only_the_items_and_events_of_its_chunk(url: str) -> None:

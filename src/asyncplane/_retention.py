@@ -30,6 +30,7 @@ follows a newer one of the same item, so "the last line of an item wins" holds.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import datetime as dt
@@ -39,7 +40,7 @@ import sys
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
-from asyncplane import _backend, _clock, _errors, _models
+from asyncplane import _backend, _clock, _errors, _models, _tasks
 
 if TYPE_CHECKING:
     import pathlib
@@ -98,12 +99,15 @@ async def purge(
             await _after_archive()
         # Only as archived: an item requeued and settled again meanwhile stays, its newer
         # history not in the archive yet.
-        if archived:
-            purged += await backend.purge_items(archived)
+        deleted = await backend.purge_items(archived) if archived else 0
+        purged += deleted
         chunks += 1
         if progress is not None:
             progress(purged)
-        if len(found) < chunk:
+        if len(found) < chunk or deleted < len(archived):
+            # A short chunk is the last. Items archived but not deleted (held by another
+            # transaction, which PostgreSQL's delete passes over, or changed at that very
+            # moment) would be read, and archived, again and again: the next purge does it.
             break
     return PurgeSummary(purged, chunks, archive_path)
 
@@ -113,13 +117,33 @@ async def _archived(
     path: pathlib.Path,
     found: _backend.Histories,
     max_bytes: int,
+    while_locked: Callable[[], Awaitable[None]] | None = None,
 ) -> tuple[_backend.Archived, ...]:
     """Append the items of ``found`` that still stand as read to the archive, under its
-    lock; return them as archived (what the purge may delete)."""
+    lock; return them as archived (what the purge may delete).
+
+    The locked section runs to its end whatever cancellation comes (`to_the_end`), and
+    only then is the lock let go: its worker thread cannot be stopped, and a lock let go
+    under a thread still appending would let another purge write, or cut a "torn" end,
+    beside it. (``while_locked``: a test's stop inside the section.)"""
+    archived, cancelled = await _tasks.to_the_end(
+        _locked_section(backend, path, found, max_bytes, while_locked),
+        "asyncplane-purge-archive",
+    )
+    if cancelled:
+        raise asyncio.CancelledError  # archived, not deleted: the next purge does it
+    return archived
+
+
+async def _locked_section(
+    backend: _backend.Backend,
+    path: pathlib.Path,
+    found: _backend.Histories,
+    max_bytes: int,
+    while_locked: Callable[[], Awaitable[None]] | None,
+) -> tuple[_backend.Archived, ...]:
     import anyio.to_thread  # on first use, as a store's connections do
 
-    # The descriptor is opened here, so that a cancellation while a worker thread waits
-    # for the lock still closes it (and so lets the lock go) on the way out.
     fd = os.open(path.with_name(path.name + ".lock"), os.O_RDWR | os.O_CREAT, 0o644)
     try:
         await anyio.to_thread.run_sync(_lock, fd)
@@ -127,6 +151,8 @@ async def _archived(
             _backend.Archived(item.item_id, item.fence, item.updated_at) for item, _ in found
         )
         standing = await backend.standing_as_archived(read)
+        if while_locked is not None:
+            await while_locked()
         kept = [history for history in found if history[0].item_id in standing]
         if kept:
             # Building the lines (JSON of whole items and histories) happens on the worker
