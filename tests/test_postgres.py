@@ -80,6 +80,7 @@ def test_a_url_selects_postgresql_and_its_password_stays_out_of_sight() -> None:
         "postgresql://app:S3cret/xyz@127.0.0.1:5432/app", "postgresql://app:S3c?ret@h/db",
         "postgresql://app:S3c#ret@h/db", "postgresql://app:S3cret@h:port/db",
         "postgresql://app:S3cret@[::1/db", "postgresql://app:S3cret@h:99999/db",
+        "postgresql://app:S3cret:/x@h/db", "postgresql://app:S3c/1@h/db",
     ):  # fmt: skip
         with pytest.raises(InvalidInput, match="cannot be read") as refused:
             ControlStore(unreadable)
@@ -87,6 +88,12 @@ def test_a_url_selects_postgresql_and_its_password_stays_out_of_sight() -> None:
         assert _engine.redact(unreadable) == "postgresql://***"
     fine = "postgresql://app:S3cret@h/db?application_name=a@b"  # an '@' past a whole user info
     assert ControlStore(fine).location == "postgresql://app:***@h/db?application_name=a@b"
+    for readable in (  # as libpq reads them: several hosts, an '@' in a parameter's value
+        "postgresql://pg1:5432,pg2/app?target_session_attrs=read-write",
+        "postgresql://db.example.com:5432/app?user=alice@myserver",
+        "postgresql:///app?host=/var/run/postgresql&application_name=worker@host1",
+    ):
+        assert ControlStore(readable).location == readable
 
 
 async def test_an_unreachable_server_is_a_storage_error(tmp_path: Any) -> None:

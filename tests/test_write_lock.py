@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import pathlib
-import sqlite3
 import sys
 from collections.abc import Callable
 
@@ -122,36 +121,6 @@ async def test_writes_queued_behind_a_refused_round_are_refused_too(
         finally:
             await holder.let_go()
         await store.enqueue("alpha", {"n": 4})  # waits for the round to come back, then goes
-        assert (await store.counts())["ready"] == 1
-
-
-async def test_writes_queued_behind_a_round_another_programs_lock_refused_go_with_it(
-    tmp_path: pathlib.Path,
-) -> None:
-    # Not asyncplane's queue but SQLite's own lock, held by another program: the round
-    # waits busy_timeout in BEGIN IMMEDIATE and is refused; a write queued behind it is
-    # refused with it, not after a busy_timeout of its own (twice the timeout in all).
-    path = tmp_path / "store.db"
-    async with ControlStore(path, busy_timeout=1.0) as store:
-        await store.create_project("alpha", "Alpha")
-        writer = await writer_of(store)
-        other = sqlite3.connect(path, isolation_level=None)
-        other.execute("BEGIN IMMEDIATE")
-        try:
-            first = asyncio.create_task(store.enqueue("alpha", {"n": 1}))
-            await until(lambda: writer.in_flight == 1)  # its round is on the thread
-            queued = asyncio.create_task(store.enqueue("alpha", {"n": 2}))
-            await until(lambda: writer.requests_waiting == 1)  # behind that round
-            with pytest.raises(DatabaseLocked):
-                await first
-            await asyncio.sleep(0)
-            assert queued.done()  # refused in the same turn
-            with pytest.raises(DatabaseLocked, match="busy_timeout"):
-                await queued
-        finally:
-            other.execute("ROLLBACK")
-            other.close()
-        await store.enqueue("alpha", {"n": 3})
         assert (await store.counts())["ready"] == 1
 
 

@@ -76,17 +76,28 @@ _URL_IN_TEXT = r"postgres(?:ql)?://[^\s'\"]+"
 
 
 def _unreadable(url: str) -> bool:
-    """Whether a URL's parts cannot be told apart: a port that is no number, or an ``@``
-    past the host (a password holding ``/``, ``?`` or ``#`` unencoded, which moves the
-    rest of it into the path, the query or the fragment)."""
+    """Whether a URL's parts cannot be told apart: a host's port that is no number, or a
+    user and password cut short (a ``user:pass`` before any ``@``, its password holding a
+    ``/``, ``?`` or ``#`` unencoded, which moves the rest of it past the host). Several
+    hosts (``h1:5432,h2``) and an ``@`` in a parameter's value are read as libpq reads
+    them."""
     import urllib.parse  # with a URL's first look: a program on SQLite never needs it
 
     try:
         parts = urllib.parse.urlsplit(url)
-        parts.port  # noqa: B018 - it raises for a port that is not a number
-    except ValueError:
+    except ValueError:  # an unclosed [ of an IPv6 address, say
         return True
-    return "@" in parts.path + parts.fragment or ("@" in parts.query and "@" not in parts.netloc)
+    if "@" in parts.path + parts.fragment:  # a database name has none: a password's rest
+        return True
+    netloc = parts.netloc
+    _, at, hosts = netloc.rpartition("@")
+    for host in hosts.split(","):
+        port = host.rpartition("]")[2] if host.startswith("[") else host
+        _, colon, digits = port.rpartition(":")
+        if colon and digits and not (digits.isascii() and digits.isdigit() and int(digits) < 65536):
+            return True  # no port: a password's start, its end cut off, or a typo
+    # "user:" and a password that begins with "/": its rest, with the "@", past the host.
+    return not at and netloc.endswith(":") and "@" in url.partition("://")[2][len(netloc) :]
 
 
 def checked_url(url: str) -> str:
@@ -359,12 +370,13 @@ class Engine:
         """A number that changes whenever another connection commits to the store."""
         return await (await self.ready()).data_version()
 
-    async def settled_mark(self) -> tuple[int, int]:
-        """A mark that changes when an item settles (`Backend.settled_version`) or when
-        the backend was opened again (after a lost connection, when a settle elsewhere
-        may have gone unheard)."""
+    async def settled_mark(self) -> tuple[_backend.Backend, tuple[int, int]]:
+        """The backend, and a mark that changes when an item settles
+        (`Backend.settled_version`) or when the backend was opened again (after a lost
+        connection, when a settle elsewhere may have gone unheard)."""
         backend = await self.ready()
-        return self.opens, await backend.settled_version()
+        opens = self.opens
+        return backend, (opens, await backend.settled_version())
 
     def drain_guard(self) -> contextlib.AbstractAsyncContextManager[_lock.Guard]:
         """The backend's single-drainer guard (a lock file, or an advisory lock)."""

@@ -1499,9 +1499,9 @@ class ControlStore:
     async def _look(
         self, item_id: int, actor: str | None, local: asyncio.Event
     ) -> tuple[_backend.Backend, tuple[int, int], _backend.ItemRow]:
-        """The item now, and the settle mark read just before it (nothing slips by)."""
-        mark = await self._engine.settled_mark()
-        backend = await self._engine.ready()
+        """The item now, and the settle mark read just before it (nothing slips by). One
+        look at the engine: a store closed while the mark is read is not opened again."""
+        backend, mark = await self._engine.settled_mark()
         local.clear()
         return backend, mark, await backend.get_item(item_id, actor)
 
@@ -1921,7 +1921,7 @@ async def _changed_since(
     store closed since ``closes`` ends it without a look (that would open it again)."""
     while True:
         await asyncio.sleep(poll)
-        if engine.closes != closes or await engine.settled_mark() != mark:
+        if engine.closes != closes or (await engine.settled_mark())[1] != mark:
             return
 
 

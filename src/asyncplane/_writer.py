@@ -209,9 +209,9 @@ class Writer(_write_queue.WriterBase):
             self._next(asyncio.get_running_loop())  # a stop waiting for the queue hears it
 
     def refuse_queued(self) -> None:
-        """Refuse, with DatabaseLocked, every write queued behind a round that waited its
-        busy_timeout for the lock in vain: each would wait as long again (up to twice the
-        timeout in all), for a lock that has shown it does not move."""
+        """Refuse, with DatabaseLocked, every write queued behind a round given up (its
+        turn in the writers' queue never came): each would wait as long again, for a
+        queue that has shown it does not move."""
         while self._pending:
             _, future = self._pending.popleft()
             if not future.done():
@@ -551,11 +551,6 @@ def _deliver(
     caller runs, so a caller's next look sees its round), then see to the next round
     whatever happens."""
     writer._round_over()
-    if outcomes and all(
-        isinstance(o, _write_queue.Raised) and isinstance(o.error, _errors.DatabaseLocked)
-        for o in outcomes
-    ):  # the lock never came (another program's transaction): so for those behind it
-        writer.refuse_queued()
     writer.total_lock_wait += lock_wait
     writer.total_lock_held += held
     writer.max_lock_wait = max(writer.max_lock_wait, lock_wait)
