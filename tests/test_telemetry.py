@@ -630,14 +630,16 @@ async def test_an_unreadable_trace_context_never_fails_a_claim(
     raw.execute(
         "UPDATE items SET trace_context = ? WHERE item_id = ?",
         ('{"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",'
-         ' "baggage": "user=alice"}', ids[3]),
+         ' "baggage": "user=alice", "uberctx-user": "alice", "b3": "80f198ee56343ba8-e457b5a2e4d86bd1-1"}',
+         ids[3]),
     )  # fmt: skip
     batch = await store.claim_batch("w", 4)
     assert [c.item_id for c in batch] == ids
     assert [c.trace_context for c in batch[:3]] == [None, None, None]
     assert batch[3].trace_context == {
-        "traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
-    }  # the W3C headers only
+        "traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+        "b3": "80f198ee56343ba8-e457b5a2e4d86bd1-1",
+    }  # the span's place, in any propagator's words; never baggage
 
 
 async def test_an_enqueue_saves_the_span_not_the_baggage(store: ControlStore, otel: Otel) -> None:

@@ -334,14 +334,18 @@ def _current_context() -> str | None:
         return None
     carrier: dict[str, str] = {}
     otel.propagate.inject(carrier)
-    # The span's place only (W3C traceparent and tracestate): baggage, which a program
-    # may fill with user or tenant data, is not written into every item.
-    saved = {key: value for key, value in carrier.items() if key in _SAVED_HEADERS}
+    # The span's place only (traceparent and tracestate, or a B3 or Jaeger propagator's
+    # own): baggage, which a program may fill with user or tenant data, is not written
+    # into every item.
+    saved = {key: value for key, value in carrier.items() if _kept(key)}
     return json.dumps(saved, separators=(",", ":"), sort_keys=True) if saved else None
 
 
-#: The trace context headers saved with an item.
-_SAVED_HEADERS: Final = frozenset({"traceparent", "tracestate"})
+def _kept(header: str) -> bool:
+    """Whether a propagator's header is saved with an item: not baggage (W3C's
+    ``baggage``, or the Jaeger propagator's ``uberctx-<key>``)."""
+    name = header.lower()
+    return name != "baggage" and not name.startswith("uberctx-")
 
 
 @contextlib.contextmanager
@@ -451,7 +455,7 @@ def saved_context(text: str | None) -> dict[str, str] | None:
         return None
     if not isinstance(found, dict):
         return None
-    return {str(k): str(v) for k, v in found.items() if k in _SAVED_HEADERS}
+    return {str(k): str(v) for k, v in found.items() if _kept(str(k))}
 
 
 #: Longer than this, a saved trace context is not read (the W3C headers are short).
