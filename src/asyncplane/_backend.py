@@ -1032,6 +1032,10 @@ class Backend(Protocol):
         only with ``crons``)."""
         ...
 
+    async def next_cron_tick(self) -> float | None:
+        """When the earliest unpaused cron schedule's next tick falls, if any."""
+        ...
+
     async def schedule_ticks(self, name: str, limit: int) -> list[TickRow]:
         """The newest ``limit`` ticks of a schedule whose keys are kept, newest first."""
         ...

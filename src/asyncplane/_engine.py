@@ -475,8 +475,8 @@ class Engine:
         another (it lacks the cron extra)."""
         if self._crons_left_said:
             return
-        due = await backend.next_tick(True)
-        if due is not None and due <= self.clock.now() and due != await backend.next_tick(False):
+        due = await backend.next_cron_tick()
+        if due is not None and due <= self.clock.now():
             self._crons_left_said = True
             _schedules_log.warning(
                 "cron schedules are due, and this process leaves them to one that has the "

@@ -614,6 +614,11 @@ class PostgresBackend(_backend.Writes):
         value: float | None = rows[0][0]
         return value
 
+    async def next_cron_tick(self) -> float | None:
+        rows = await self._fetch(sql.NEXT_CRON_TICK)
+        value: float | None = rows[0][0]
+        return value
+
     async def schedule_ticks(self, name: str, limit: int) -> list[_backend.TickRow]:
         rows = await self._fetch(sql.SCHEDULE_TICKS, name, limit)
         return [_backend.TickRow._make(row) for row in rows]

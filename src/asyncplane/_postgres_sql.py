@@ -2259,6 +2259,7 @@ WHERE name = $4
 """
 FORGET_TICKS: Final = "DELETE FROM schedule_ticks WHERE name = $1 AND tick_at < $2"
 NEXT_TICK: Final = "SELECT min(next_at) FROM schedules WHERE NOT paused AND (cron IS NULL OR $1)"
+NEXT_CRON_TICK: Final = "SELECT min(next_at) FROM schedules WHERE NOT paused AND cron IS NOT NULL"
 SCHEDULE_TICKS: Final = """
 SELECT name, tick_at, item_id, at FROM schedule_ticks WHERE name = $1
 ORDER BY tick_at DESC LIMIT $2

@@ -1502,6 +1502,10 @@ NEXT_TICK: Final = """
 SELECT min(next_at) FROM schedules INDEXED BY schedules_due
 WHERE paused = 0 AND (cron IS NULL OR ?)
 """
+NEXT_CRON_TICK: Final = """
+SELECT min(next_at) FROM schedules INDEXED BY schedules_due
+WHERE paused = 0 AND cron IS NOT NULL
+"""
 SCHEDULE_TICKS: Final = """
 SELECT name, tick_at, item_id, at FROM schedule_ticks WHERE name = ?
 ORDER BY tick_at DESC LIMIT ?

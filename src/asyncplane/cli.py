@@ -606,7 +606,10 @@ _FLAG_WORDS = (
     ("chunk must", "--chunk must"),
     ("pass archive_path", "give --archive"),
     ("the per_minute bucket: give per_minute", "the --per-minute bucket: give --per-minute"),
-    ("project_id must", "--project must"),
+    ("project_id must", "a project id must"),
+    ("max_running must", "--max-running must"),
+    ("per_minute must", "--per-minute must"),
+    ("burst must", "--burst must"),
     ("open it once without read_only", "run a verb that writes (cancel, purge, limits with a "
      "change, ...) on it once"),
 )  # fmt: skip
