@@ -267,6 +267,7 @@ async def test_a_process_without_the_cron_extra_leaves_cron_schedules_to_one_wit
     _schedule.crons_here.cache_clear()
     try:
         assert await store.run_schedules() == 1
+        assert "leaves them to one that has the cron extra" in caplog.text  # at once
         assert await store.run_schedules() == 0  # said once a process
         said = [
             r for r in caplog.records if "leaves them to one that has the cron extra" in r.message
