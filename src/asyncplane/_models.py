@@ -31,6 +31,7 @@ __all__ = (
     "replay_case",
     "since_last",
     "sql_list",
+    "waited",
 )
 
 #: Every state an item row can be in. ``ready`` is the first state, and the state a
@@ -192,6 +193,12 @@ class LedgerProblem:
     kind: str
     item_id: int
     detail: str
+
+
+def waited(now: float, since: float) -> float:
+    """Seconds from ``since`` to ``now``, never below 0: a writer whose clock ran ahead of
+    this one's can have stamped a time "later" than now (an age, a wait in the queue)."""
+    return max(0.0, now - since)
 
 
 def from_timestamp(value: float) -> dt.datetime:

@@ -1206,10 +1206,9 @@ class ControlStore:
             "items": sum(states.values()),
             "states": states,
             "projects": projects,
-            # Never below 0: a writer whose clock ran ahead made the item "later" than now.
             "oldest_ready_age_s": None
             if raw.oldest_ready_at is None
-            else max(0.0, now - raw.oldest_ready_at),
+            else _models.waited(now, raw.oldest_ready_at),
             "expired_leases": raw.expired_leases,
             "offloaded": states["offloaded"],
             "database_bytes": sizes[0],

@@ -262,7 +262,7 @@ def taken(rows: Sequence[ClaimRow], now: float) -> None:
         if row.taken_over:
             found.takeovers.add(1, project)
         elif row.fence == 1:  # its first claim ever: the wait from enqueue is a queue wait
-            found.queue_wait.record(max(0.0, now - row.created_at), project)
+            found.queue_wait.record(_models.waited(now, row.created_at), project)
 
 
 def settled(outcome: str, seconds: float | None, backend: str, *, count: int = 1) -> None:
@@ -516,8 +516,7 @@ class Gauges:
             _log.debug("asyncplane: gauges of %s not refreshed: %s", self.name, exc)
             return
         now = self._now()
-        # Never below 0, as stats() says it: a writer whose clock ran ahead.
-        age = None if stats.oldest_ready_at is None else max(0.0, now - stats.oldest_ready_at)
+        age = None if stats.oldest_ready_at is None else _models.waited(now, stats.oldest_ready_at)
         # Every state of every project seen, a zero too: a series that stopped when its
         # count reached 0 would show its last count wherever the last value is kept.
         found = {(project, state): count for project, state, count in stats.states_by_project}

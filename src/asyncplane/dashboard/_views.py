@@ -103,10 +103,10 @@ class Scope:
             lapsed = await self._lapsed(stats, now)
         if stats is not None:  # the store's own figure: its oldest by time, not by id
             oldest_age = stats["oldest_ready_age_s"]
+        elif oldest is not None:
+            oldest_age = _models.waited(now, oldest["created_at"].timestamp())
         else:
-            oldest_age = None if oldest is None else now - oldest["created_at"].timestamp()
-        if oldest_age is not None:
-            oldest_age = max(0.0, oldest_age)  # a writer whose clock ran ahead, as stats()
+            oldest_age = None
         return Glance(counts, totals, oldest, oldest_age, lapsed, now)
 
     async def _lapsed(self, stats: dict[str, Any] | None, now: float) -> int:
