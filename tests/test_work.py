@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime
 import functools
 import json
@@ -15,6 +16,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -1291,15 +1293,24 @@ def worker(where: str, cwd: Any, *args: str) -> subprocess.Popen[str]:
 _COMMAND_TEST = pytest.mark.asyncio(loop_factories=["asyncio"])
 
 
+@contextlib.asynccontextmanager
+async def a_command_store(
+    location_of: Any, tmp_path: Any, name: str
+) -> AsyncIterator[tuple[str, ControlStore]]:
+    """A store with project ``p`` for the worker command, and its handlers' module."""
+    (tmp_path / "fleet_handlers.py").write_text(HANDLERS)
+    where = location_of(name)
+    async with ControlStore(where) as store:
+        await store.create_project("p", "P")
+        yield where, store
+
+
 @_COMMAND_TEST
 async def test_the_worker_command_works_until_sigterm(
     store: ControlStore, location_of: Any, tmp_path: Any
 ) -> None:
     del store
-    (tmp_path / "fleet_handlers.py").write_text(HANDLERS)
-    where = location_of("cmd.db")
-    async with ControlStore(where) as store:
-        await store.create_project("p", "P")
+    async with a_command_store(location_of, tmp_path, "cmd.db") as (where, store):
         await store.enqueue_many("p", [{"n": n} for n in range(20)])
         await store.enqueue("p", {"n": 99, "raise": True})
         logs = await store.enqueue("p", {"n": 98, "log": "a prompt"})
@@ -1337,10 +1348,7 @@ async def test_a_second_signal_stops_the_worker_at_once_and_gives_claims_back(
     store: ControlStore, location_of: Any, tmp_path: Any
 ) -> None:
     del store
-    (tmp_path / "fleet_handlers.py").write_text(HANDLERS)
-    where = location_of("cmd2.db")
-    async with ControlStore(where) as store:
-        await store.create_project("p", "P")
+    async with a_command_store(location_of, tmp_path, "cmd2.db") as (where, store):
         ids = await store.enqueue_many("p", [{"n": n, "hang": True} for n in range(3)])
         child = worker(where, tmp_path, "fleet_handlers:handle", "--grace", "600",
                        "--log-format", "json")  # fmt: skip
@@ -1366,10 +1374,7 @@ async def test_a_handlers_sys_exit_ends_the_command_with_its_status_nothing_left
     store: ControlStore, location_of: Any, tmp_path: Any
 ) -> None:
     del store
-    (tmp_path / "fleet_handlers.py").write_text(HANDLERS)
-    where = location_of("exit.db")
-    async with ControlStore(where) as store:
-        await store.create_project("p", "P")
+    async with a_command_store(location_of, tmp_path, "exit.db") as (where, store):
         (asked,) = await store.enqueue_many("p", [{"n": 0, "exit": 5}])
         child = worker(where, tmp_path, "fleet_handlers:handle", "--log-format", "json")
         _, err = await asyncio.to_thread(child.communicate, timeout=60)
