@@ -81,6 +81,7 @@ def test_a_url_selects_postgresql_and_its_password_stays_out_of_sight() -> None:
         "postgresql://app:S3c#ret@h/db", "postgresql://app:S3cret@h:port/db",
         "postgresql://app:S3cret@[::1/db", "postgresql://app:S3cret@h:99999/db",
         "postgresql://app:S3cret:/x@h/db", "postgresql://app:S3c/1@h/db",
+        "postgresql://app:2024?S3c@db.example.com/app",
     ):  # fmt: skip
         with pytest.raises(InvalidInput, match="cannot be read") as refused:
             ControlStore(unreadable)

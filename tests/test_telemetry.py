@@ -630,7 +630,7 @@ async def test_an_unreadable_trace_context_never_fails_a_claim(
     raw.execute(
         "UPDATE items SET trace_context = ? WHERE item_id = ?",
         ('{"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",'
-         ' "baggage": "user=alice", "uberctx-user": "alice",'
+         ' "baggage": "user=alice", "uberctx-user": "alice", "ot-baggage-user": "alice",'
          ' "b3": "80f198ee56343ba8-e457b5a2e4d86bd1-1"}',
          ids[3]),
     )  # fmt: skip

@@ -1048,7 +1048,14 @@ async def test_work_refuses_what_is_not_a_handler_before_running_anything(
             ran.append("instance")
             return Done()
 
-    for bad in ("module:handle", sync, two, none, keyword_only, Handler):
+    class Plain:
+        def __call__(self, claim: ClaimedItem) -> Done:
+            ran.append("plain instance")
+            return Done()
+
+    bad_ones = ("module:handle", sync, two, none, keyword_only, Handler, Plain(),
+                functools.partial(sync))  # fmt: skip
+    for bad in bad_ones:
         with pytest.raises(InvalidType, match="handle must be an async function"):
             await work(store, bad, until_empty=True)  # type: ignore[arg-type]
     assert ran == [] and (await store.item(item_id))["state"] == "ready"
@@ -1068,13 +1075,21 @@ async def test_work_refuses_what_is_not_a_handler_before_running_anything(
     async def handle(claim: ClaimedItem) -> Done:
         return Done()
 
+    def in_a_thread(plain: Any) -> Any:
+        @functools.wraps(plain)
+        async def wrapper(claim: ClaimedItem) -> Any:
+            return await asyncio.to_thread(plain, claim)  # async, around a plain def
+
+        return wrapper
+
     shapes = (Handler(), with_default, logged(handle), lambda claim: handle(claim),
-              functools.partial(with_default, extra=2))  # fmt: skip
+              functools.partial(with_default, extra=2), in_a_thread(lambda claim: Done()),
+              functools.partial(Handler()))  # fmt: skip
     for n, shape in enumerate(shapes):
         if n:  # (the first runs the item enqueued above)
             await store.enqueue("alpha", {})
         assert (await work(store, shape, until_empty=True)).done == 1, shape
-    assert ran == ["instance", "default", "logged", "default"]
+    assert ran == ["instance", "default", "logged", "default", "instance"]
 
 
 async def test_a_handler_call_that_gives_no_awaitable_retries_its_item(

@@ -96,8 +96,15 @@ def _unreadable(url: str) -> bool:
         _, colon, digits = port.rpartition(":")
         if colon and digits and not (digits.isascii() and digits.isdigit() and int(digits) < 65536):
             return True  # no port: a password's start, its end cut off, or a typo
+    if at:
+        return False
     # "user:" and a password that begins with "/": its rest, with the "@", past the host.
-    return not at and netloc.endswith(":") and "@" in url.partition("://")[2][len(netloc) :]
+    if netloc.endswith(":") and "@" in url.partition("://")[2][len(netloc) :]:
+        return True
+    # "user:2024?pass@host": read as host "user", port 2024, and a query whose first words
+    # (before its "@") are no parameter, which no query of libpq's holds.
+    before, _, _ = parts.query.partition("@")
+    return "@" in parts.query and any("=" not in field for field in before.split("&"))
 
 
 def checked_url(url: str) -> str:

@@ -337,15 +337,18 @@ def _current_context() -> str | None:
     # The span's place only (traceparent and tracestate, or a B3 or Jaeger propagator's
     # own): baggage, which a program may fill with user or tenant data, is not written
     # into every item.
-    saved = {key: value for key, value in carrier.items() if _kept(key)}
+    fields = otel.propagate.get_global_textmap().fields  # the propagators' own headers
+    saved = {key: value for key, value in carrier.items() if key in fields and _kept(key)}
     return json.dumps(saved, separators=(",", ":"), sort_keys=True) if saved else None
 
 
 def _kept(header: str) -> bool:
     """Whether a propagator's header is saved with an item: not baggage (W3C's
-    ``baggage``, or the Jaeger propagator's ``uberctx-<key>``)."""
+    ``baggage``, Jaeger's ``uberctx-<key>``, OT Trace's ``ot-baggage-<key>``). At enqueue
+    only the headers a propagator names as its own (its ``fields``) are saved too, which
+    leaves out any baggage spelt per key."""
     name = header.lower()
-    return name != "baggage" and not name.startswith("uberctx-")
+    return name != "baggage" and not name.startswith(("uberctx-", "ot-baggage-"))
 
 
 @contextlib.contextmanager

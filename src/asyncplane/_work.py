@@ -57,6 +57,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import dataclasses
+import functools
 import inspect
 import logging
 import pathlib
@@ -665,19 +666,18 @@ class _Held:
 def handler_problem(handle: object) -> str | None:
     """Why ``handle`` cannot be a handler (None: it can), checked before anything runs: it
     must be callable with one argument, the claim, and not a class (calling that makes an
-    instance). A plain ``def`` (seen through `functools.wraps`) that is not ``async`` is
-    refused too: it would do its work, then fail to be awaited, on every attempt. Other
-    callables (a lambda or a partial, a compiled coroutine function) show what they return
-    only when called: one that gives no awaitable retries its item (`_call`)."""
+    instance). One that is plainly not async is refused too (it would do its work, then
+    fail to be awaited, on every attempt): a plain ``def``, an object whose ``__call__``
+    is one, a partial of one, with no coroutine function anywhere along its wrappers. A
+    lambda, or a compiled callable, shows what it returns only when called: a call that
+    gives no awaitable retries its item (`_handled`)."""
     if inspect.isclass(handle) or not callable(handle):
         return f"got {type(handle).__name__} {handle!r}"[:200]
-    inner = inspect.unwrap(getattr(handle, "__func__", handle))  # a bound method's own
-    plain = inspect.isfunction(inner) and not inspect.iscoroutinefunction(inner)
-    if plain and inner.__name__ != "<lambda>":  # (a lambda may well return a coroutine)
-        return (
-            f"{handle!r} is a plain def, not an async def (a decorator around an async "
-            "handler keeps it one with functools.wraps)"
-        )[:200]
+    layers = _layers(handle)
+    if not any(inspect.iscoroutinefunction(layer) for layer in layers):
+        plain = [layer for layer in layers if inspect.isfunction(layer)]
+        if plain and plain[-1].__name__ != "<lambda>":  # (a lambda may return a coroutine)
+            return f"{handle!r} is a plain def, not an async def"[:200]
     try:
         inspect.signature(handle).bind(None)
     except TypeError:
@@ -685,6 +685,24 @@ def handler_problem(handle: object) -> str | None:
     except ValueError:  # no signature to read (a builtin): it is called and answers then
         pass
     return None
+
+
+def _layers(handle: object) -> list[object]:
+    """``handle`` and what it wraps: a partial's function, a bound method's, an object's
+    ``__call__``, each ``__wrapped__`` (functools.wraps) in turn."""
+    layers: list[object] = []
+    found: object = handle
+    while found is not None and len(layers) < 32 and not any(found is x for x in layers):
+        layers.append(found)
+        if isinstance(found, functools.partial):
+            found = found.func
+        elif inspect.ismethod(found):
+            found = found.__func__
+        elif not inspect.isroutine(found) and callable(found):
+            found = getattr(type(found), "__call__", None)  # noqa: B004 - its own, not callable()
+        else:
+            found = getattr(found, "__wrapped__", None)
+    return layers
 
 
 #: The item whose handler the current task runs: set in the handler's own task (and so
