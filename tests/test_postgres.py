@@ -1958,13 +1958,15 @@ async def test_a_purge_passes_over_a_row_another_transaction_holds(
             await other.close()
         assert (await store.purge(0)).purged == 1  # archived again (a duplicate), gone now
         assert await store.items(limit=10) == [] and free
-        # Held, in a chunk of its own: the purge stops there (the next one does it), not
-        # reading and archiving the same chunk again and again.
+        # Held, first of all, in chunks of one: the purge goes on past it (the next one
+        # tries it again), not reading and archiving the same chunk again and again.
         asyncplane_clock.advance(10)
-        held = await store.enqueue("p", {"n": 3})
-        claim = await store.claim("w")
-        assert claim is not None
-        await store.finish(held, fence=claim.fence)
+        held, *_ = await store.enqueue_many("p", [{"n": n} for n in range(3, 6)])
+        for _ in range(3):
+            claim = await store.claim("w")
+            assert claim is not None
+            await store.finish(claim.item_id, fence=claim.fence)
+            asyncplane_clock.advance(1)
         asyncplane_clock.advance(10)
         lines = len(archive.read_text().splitlines())
         other = await asyncpg.connect(url)
@@ -1973,8 +1975,9 @@ async def test_a_purge_passes_over_a_row_another_transaction_holds(
             await holding.start()
             await other.execute("SELECT 1 FROM items WHERE item_id = $1 FOR KEY SHARE", held)
             summary = await asyncio.wait_for(store.purge(0, chunk=1), 30)
-            assert (summary.purged, summary.chunks) == (0, 1)
-            assert len(archive.read_text().splitlines()) == lines + 1
+            assert (summary.purged, summary.chunks) == (2, 3)  # the two behind it too
+            assert len(archive.read_text().splitlines()) == lines + 3  # each once
+            assert [i["item_id"] for i in await store.items(limit=10)] == [held]
             await holding.rollback()
         finally:
             await other.close()

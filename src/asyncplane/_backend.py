@@ -26,12 +26,13 @@ import asyncio
 import contextlib
 import functools
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple, Protocol
+from typing import Any, Final, NamedTuple, Protocol
 
 from asyncplane import _clock, _errors, _lock, _models, _schedule, _telemetry, _write_queue
 
 __all__ = (
     "FREEING",
+    "PURGE_START",
     "SETTLES",
     "Archived",
     "AssignOp",
@@ -510,6 +511,10 @@ class CopyProjectsOp(NamedTuple):
     schedules: tuple[ScheduleRow, ...] = ()
 
 
+#: Where a purge's first chunk starts: before every (last change, id).
+PURGE_START: Final = (float("-inf"), 0)
+
+
 class Archived(NamedTuple):
     """A settled item as a purge archived it: deleted only if it still stands so (a
     requeue and a new settle since move its fence and its last change)."""
@@ -969,8 +974,11 @@ class Backend(Protocol):
         """When the earliest claimable deferred item falls due or lease lapses, if any."""
         ...
 
-    async def purge_candidates(self, cutoff: float, chunk: int) -> Histories:
-        """Up to ``chunk`` settled items last changed before ``cutoff``, with their events."""
+    async def purge_candidates(
+        self, cutoff: float, chunk: int, after: tuple[float, int] = PURGE_START
+    ) -> Histories:
+        """Up to ``chunk`` settled items last changed before ``cutoff``, with their events,
+        in (last change, id) order after ``after`` (the last one of the chunk before)."""
         ...
 
     async def standing_as_archived(self, archived: tuple[Archived, ...]) -> set[int]:

@@ -575,8 +575,10 @@ class PostgresBackend(_backend.Writes):
     async def note_twin_pairs(self, contents: list[tuple[str, str]]) -> None:
         await self._write(_bind(_note_twin_pairs, contents))
 
-    async def purge_candidates(self, cutoff: float, chunk: int) -> _backend.Histories:
-        return await self._read(_purge_candidates, cutoff, chunk)
+    async def purge_candidates(
+        self, cutoff: float, chunk: int, after: tuple[float, int] = _backend.PURGE_START
+    ) -> _backend.Histories:
+        return await self._read(_purge_candidates, cutoff, chunk, after)
 
     async def standing_as_archived(self, archived: tuple[_backend.Archived, ...]) -> set[int]:
         return await self._read(_standing_as_archived, archived)
@@ -1607,10 +1609,10 @@ async def _tally(conn: asyncpg.Connection) -> _backend.LedgerTally:
 
 
 async def _purge_candidates(
-    conn: asyncpg.Connection, cutoff: float, chunk: int
+    conn: asyncpg.Connection, cutoff: float, chunk: int, after: tuple[float, int]
 ) -> _backend.Histories:
     async with _snapshot(conn):
-        rows = await conn.fetch(sql.PURGE_CANDIDATES, cutoff, chunk)
+        rows = await conn.fetch(sql.PURGE_CANDIDATES, cutoff, chunk, *after)
         events = await conn.fetch(sql.EVENTS_OF_ITEMS, [row[0] for row in rows])
     history: dict[int, list[_backend.EventRow]] = {}
     for event in events:

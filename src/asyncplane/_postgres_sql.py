@@ -1796,9 +1796,12 @@ ORDER BY e.event_id
 
 # --- retention -----------------------------------------------------------------------------
 
+# A purge's next chunk ($1 cutoff, $2 chunk), after the last one the chunk before read
+# ($3 its last change, $4 its id), so rows it passed over are not read again this purge.
 PURGE_CANDIDATES: Final = f"""
 SELECT {_ITEM_COLUMNS} FROM items
 WHERE state IN {_SETTLED_STATES} AND updated_at < $1
+  AND (updated_at > $3 OR (updated_at = $3 AND item_id > $4))
 ORDER BY updated_at, item_id
 LIMIT $2
 """

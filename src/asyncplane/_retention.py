@@ -84,8 +84,9 @@ async def purge(
     backend.writable()  # a store that cannot delete must not append to the archive either
     cutoff = clock.now() - retention_seconds
     purged = chunks = 0
+    after = _backend.PURGE_START
     while max_chunks is None or chunks < max_chunks:
-        found = await backend.purge_candidates(cutoff, chunk)
+        found = await backend.purge_candidates(cutoff, chunk, after)
         if not found:
             break
         try:
@@ -104,11 +105,13 @@ async def purge(
         chunks += 1
         if progress is not None:
             progress(purged)
-        if len(found) < chunk or deleted < len(archived):
-            # A short chunk is the last. Items archived but not deleted (held by another
-            # transaction, which PostgreSQL's delete passes over, or changed at that very
-            # moment) would be read, and archived, again and again: the next purge does it.
+        if len(found) < chunk:
             break
+        # The next chunk starts past this one: items it archived but could not delete
+        # (held by another transaction, which PostgreSQL's delete passes over) are left to
+        # the next purge, not read and archived again and again by this one.
+        last = found[-1][0]
+        after = (last.updated_at, last.item_id)
     return PurgeSummary(purged, chunks, archive_path)
 
 

@@ -266,8 +266,10 @@ class SQLiteBackend(_backend.Writes):
     async def note_twin_pairs(self, contents: list[tuple[str, str]]) -> None:
         await self._write(functools.partial(_note_twin_pairs, contents))
 
-    async def purge_candidates(self, cutoff: float, chunk: int) -> _backend.Histories:
-        return await self._read(_purge_candidates, cutoff, chunk)
+    async def purge_candidates(
+        self, cutoff: float, chunk: int, after: tuple[float, int] = _backend.PURGE_START
+    ) -> _backend.Histories:
+        return await self._read(_purge_candidates, cutoff, chunk, after)
 
     async def standing_as_archived(self, archived: tuple[_backend.Archived, ...]) -> set[int]:
         return await self._read(_standing_as_archived, archived)
@@ -1262,9 +1264,12 @@ def _tally(db: sqlite3.Connection) -> _backend.LedgerTally:
     return _backend.LedgerTally(items, claims, takeovers, terminal, settled_twice, unexplained)
 
 
-def _purge_candidates(db: sqlite3.Connection, cutoff: float, chunk: int) -> _backend.Histories:
+def _purge_candidates(
+    db: sqlite3.Connection, cutoff: float, chunk: int, after: tuple[float, int]
+) -> _backend.Histories:
     db.execute("BEGIN")  # the items and their histories from one snapshot
-    rows = db.execute(sql.PURGE_CANDIDATES, {"cutoff": cutoff, "chunk": chunk}).fetchall()
+    given = {"cutoff": cutoff, "chunk": chunk, "after_at": after[0], "after_id": after[1]}
+    rows = db.execute(sql.PURGE_CANDIDATES, given).fetchall()
     found = [
         (
             _item(row),

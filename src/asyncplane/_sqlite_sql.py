@@ -1104,9 +1104,12 @@ def list_items(states: tuple[str, ...], project: bool, newest: bool, payload: bo
 # claimed and offloaded items never match: only done, failed and cancelled ones are ever
 # purged.
 
+# A purge's next chunk: settled before the cutoff, after the last one the chunk before
+# read (its last change, its id), so rows it passed over are not read again this purge.
 PURGE_CANDIDATES: Final = f"""
 SELECT {_ITEM_COLUMNS} FROM items INDEXED BY items_settled
 WHERE state IN {_SETTLED_STATES} AND updated_at < :cutoff
+  AND (updated_at > :after_at OR (updated_at = :after_at AND item_id > :after_id))
 ORDER BY updated_at, item_id
 LIMIT :chunk
 """
