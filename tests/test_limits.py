@@ -417,7 +417,7 @@ def test_cli_shows_and_changes_limits(location_of: Any) -> None:
     assert "burst -" in cli().stdout
     assert cli("alpha", "--max-running", "1234567", "--per-minute", "2500000.5").returncode == 0
     assert "max_running 1234567 (running 1), per_minute 2500000.5" in cli("alpha").stdout
-    for args, words in ((["alpha", "--max-running", "0"], "max_running must be positive"),
+    for args, words in ((["alpha", "--max-running", "0"], "--max-running must be positive"),
                         (["zeta"], "no project 'zeta'"),
                         (["--burst", "3"], "name the project")):  # fmt: skip
         refused = cli(*args)
