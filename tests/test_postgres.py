@@ -288,6 +288,11 @@ def test_a_cluster_left_by_a_killed_process_is_reaped_by_the_next_start() -> Non
         assert cluster.socket_dir != root
         assert not root.exists()
         assert not _running(postmaster)
+        # Started again while it runs: the same server, not a second one stop would leave.
+        own = cluster.socket_dir
+        assert cluster.start() == cluster.url() and cluster.socket_dir == own
+        alive = int((own / "data" / "postmaster.pid").read_text().split()[0])
+    assert not own.exists() and not _running(alive)
 
 
 def _running(pid: int) -> bool:

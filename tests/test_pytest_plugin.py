@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import math
+from typing import Any
 
 import pytest
 
@@ -134,3 +135,13 @@ async def test_manual_clock_wait_until_takes_an_aware_datetime() -> None:
     assert not waiter.done()
     clock.advance(5)
     await asyncio.wait_for(waiter, timeout=5)
+
+
+async def test_stores_of_one_name_opened_at_once_share_it(asyncplane_store_factory: Any) -> None:
+    # As several processes would open one store: on PostgreSQL each must wait for the
+    # one schema the name is given, not open before it is made.
+    stores = await asyncio.gather(*(asyncplane_store_factory("shared.db") for _ in range(4)))
+    await stores[0].create_project("p", "P")
+    item_id = await stores[1].enqueue("p", {})
+    for store in stores:
+        assert (await store.item(item_id))["state"] == "ready"

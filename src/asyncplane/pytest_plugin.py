@@ -32,6 +32,7 @@ A test lapses a lease without sleeping:
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import os
 import pathlib
@@ -100,6 +101,9 @@ async def asyncplane_store_factory(
     manual clock; close them after."""
     opened: list[_store.ControlStore] = []
     schemas: dict[str, str] = {}
+    #: Each schema's making, awaited by every store of that name (several opened at once,
+    #: as several processes would, all wait for the one schema).
+    made: dict[str, asyncio.Task[None]] = {}
     server = (
         request.getfixturevalue("asyncplane_postgres_url")
         if asyncplane_backend == "postgresql"
@@ -114,9 +118,12 @@ async def asyncplane_store_factory(
             schemas[name] = f"t_{digest}_{os.getpid()}"
             # The schema name is made here from a digest: letters, digits and underscores.
             schema = schemas[name]
-            await testing.execute_sql(
-                server, f"DROP SCHEMA IF EXISTS {schema} CASCADE; CREATE SCHEMA {schema}"
+            made[name] = asyncio.ensure_future(
+                testing.execute_sql(
+                    server, f"DROP SCHEMA IF EXISTS {schema} CASCADE; CREATE SCHEMA {schema}"
+                )
             )
+        await asyncio.shield(made[name])
         return testing.with_schema(server, schemas[name])
 
     async def open_store(name: str = "asyncplane.db", **options: Any) -> _store.ControlStore:

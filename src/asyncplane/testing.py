@@ -162,8 +162,12 @@ class PostgresCluster:
 
         First it stops and removes the clusters that processes now dead left behind (a
         test run killed by the OOM killer, say): each cluster's directory names the
-        process that made it, and the time that process started.
+        process that made it, and the time that process started. A cluster already
+        started is left running, and its URL returned (a second server would be left
+        behind by `stop`).
         """
+        if self._root is not None:
+            return self.url()
         _reap_orphans()
         root = pathlib.Path(tempfile.mkdtemp(prefix=_PREFIX))
         self._root = root
