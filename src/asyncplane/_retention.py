@@ -37,7 +37,7 @@ import datetime as dt
 import json
 import os
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
 from asyncplane import _backend, _clock, _errors, _models, _tasks
@@ -120,15 +120,16 @@ async def _archived(
     path: pathlib.Path,
     found: _backend.Histories,
     max_bytes: int,
-    while_locked: Callable[[], Awaitable[None]] | None = None,
+    while_locked: Callable[[], Coroutine[Any, Any, None]] | None = None,
 ) -> tuple[_backend.Archived, ...]:
     """Append the items of ``found`` that still stand as read to the archive, under its
     lock; return them as archived (what the purge may delete).
 
     The locked section runs to its end whatever cancellation comes (`to_the_end`), and
-    only then is the lock let go: its worker thread cannot be stopped, and a lock let go
-    under a thread still appending would let another purge write, or cut a "torn" end,
-    beside it. (``while_locked``: a test's stop inside the section.)"""
+    only then is the lock let go (`_locked_section`): its worker thread cannot be
+    stopped, and a lock let go under a thread still appending would let another purge
+    write, or cut a "torn" end, beside it. (``while_locked``: a test's stop inside the
+    section.)"""
     archived, cancelled = await _tasks.to_the_end(
         _locked_section(backend, path, found, max_bytes, while_locked),
         "asyncplane-purge-archive",
@@ -143,27 +144,32 @@ async def _locked_section(
     path: pathlib.Path,
     found: _backend.Histories,
     max_bytes: int,
-    while_locked: Callable[[], Awaitable[None]] | None,
+    while_locked: Callable[[], Coroutine[Any, Any, None]] | None,
 ) -> tuple[_backend.Archived, ...]:
-    import anyio.to_thread  # on first use, as a store's connections do
+    """The lock, the look again and the append, all held by one worker thread, which
+    alone opens and closes the lock's descriptor: however the awaiting task ends (a
+    cancellation, the event loop's own shutdown), the lock goes only once that thread is
+    done with the archive. The look is the store's, called back on the event loop."""
+    import anyio.from_thread  # on first use, as a store's connections do
+    import anyio.to_thread
 
-    fd = os.open(path.with_name(path.name + ".lock"), os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        await anyio.to_thread.run_sync(_lock, fd)
-        read = tuple(
-            _backend.Archived(item.item_id, item.fence, item.updated_at) for item, _ in found
-        )
-        standing = await backend.standing_as_archived(read)
-        if while_locked is not None:
-            await while_locked()
-        kept = [history for history in found if history[0].item_id in standing]
-        if kept:
-            # Building the lines (JSON of whole items and histories) happens on the worker
-            # thread too: a large chunk must not hold up the event loop.
-            await anyio.to_thread.run_sync(_archive, path, kept, max_bytes)
-        return tuple(item for item in read if item.item_id in standing)
-    finally:
-        os.close(fd)  # closing the descriptor releases the lock
+    read = tuple(_backend.Archived(item.item_id, item.fence, item.updated_at) for item, _ in found)
+
+    def section() -> tuple[_backend.Archived, ...]:
+        fd = os.open(path.with_name(path.name + ".lock"), os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            _lock(fd)
+            standing = anyio.from_thread.run(backend.standing_as_archived, read)
+            if while_locked is not None:
+                anyio.from_thread.run(while_locked)
+            kept = [history for history in found if history[0].item_id in standing]
+            if kept:  # the lines (JSON of whole histories) are built here too, off the loop
+                _archive(path, kept, max_bytes)
+            return tuple(item for item in read if item.item_id in standing)
+        finally:
+            os.close(fd)  # closing the descriptor releases the lock
+
+    return await anyio.to_thread.run_sync(section)
 
 
 def _iso(value: float | None) -> str | float | None:
