@@ -78,8 +78,8 @@ from asyncplane._outcomes import (
     Park,
     Retry,
     Settler,
-    asks_to_exit,
     count_lost,
+    exit_asked,
     returned_or_raised,
     short_error,
 )
@@ -314,9 +314,7 @@ class _Drain:
                 return
             else:
                 result = await executor
-                if isinstance(result, BaseException) and asks_to_exit(result):
-                    self.exiting = self.exiting or result  # its batch retried, then it stops
-                    self.stop.set()
+                self.exiting = exit_asked(result, self.exiting, self.stop)  # batch retried
                 outcomes = _checked(batch, result)
         except BaseException:
             await _tasks.stop(renewer)

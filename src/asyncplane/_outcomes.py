@@ -30,8 +30,8 @@ __all__ = (
     "Park",
     "Retry",
     "Settler",
-    "asks_to_exit",
     "count_lost",
+    "exit_asked",
     "returned_or_raised",
     "short_error",
     "text_of",
@@ -45,7 +45,7 @@ async def returned_or_raised(call: Awaitable[_T]) -> _T | BaseException:
     value: its items' failure, retried as their attempts allow. Anything but a cancellation
     (which is the runtime's own, or the caller's): a ``sys.exit()`` or a stray
     ``GeneratorExit`` in one item's code must not end the runtime with every item it holds
-    left claimed to its lease. (One that asks the program to exit, `asks_to_exit`, then
+    left claimed to its lease. (One that asks the program to exit, `exit_asked`, then
     stops the runtime, which raises it once it has wound up.)"""
     try:
         return await call
@@ -55,11 +55,17 @@ async def returned_or_raised(call: Awaitable[_T]) -> _T | BaseException:
         return exc
 
 
-def asks_to_exit(result: object) -> bool:
-    """Whether what a handler or executor raised asks the program to exit (``sys.exit()``,
-    Ctrl-C as Python 3.10 delivers it): its items are retried, the runtime stops as if its
-    ``stop`` were set (it sets it), and, wound up, raises it to its caller."""
-    return isinstance(result, (SystemExit, KeyboardInterrupt))
+def exit_asked(
+    result: object, exiting: BaseException | None, stop: asyncio.Event
+) -> BaseException | None:
+    """The exit a runtime raises once wound up: ``exiting``, or ``result`` when what a
+    handler or executor raised asks the program to exit (``sys.exit()``, Ctrl-C as Python
+    3.10 delivers it). Its items are retried as any failure's; the runtime stops as if its
+    ``stop`` were set (this sets it)."""
+    if isinstance(result, (SystemExit, KeyboardInterrupt)):
+        stop.set()
+        return exiting or result
+    return exiting
 
 
 #: Errors longer than this are cut before they are recorded (the store keeps 16 KiB).

@@ -88,8 +88,8 @@ from asyncplane._outcomes import (
     Park,
     Retry,
     Settler,
-    asks_to_exit,
     count_lost,
+    exit_asked,
     returned_or_raised,
     short_error,
 )
@@ -555,9 +555,7 @@ class _Worker:
             # itself from running for ever.
             return _retry(claim, "the handler was cancelled, not by the worker")
         result = handler.result()
-        if isinstance(result, BaseException) and asks_to_exit(result):
-            self.exiting = self.exiting or result
-            self.stop.set()  # a graceful stop: the other running items finish or go back
+        self.exiting = exit_asked(result, self.exiting, self.stop)  # the others finish
         if isinstance(result, BaseException):
             _log.warning(
                 "the handler raised on item %d: %s", claim.item_id, short_error(result),
