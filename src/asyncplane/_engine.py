@@ -53,6 +53,7 @@ __all__ = (
     "Engine",
     "Options",
     "backend_for",
+    "checked_url",
     "is_postgres_url",
     "redact",
     "redact_urls",
