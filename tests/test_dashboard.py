@@ -22,7 +22,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from asyncplane import ControlStore, InvalidInput, verify_ledger
+from asyncplane import ControlStore, InvalidInput, cli, verify_ledger
 from asyncplane.dashboard import Dashboard
 from asyncplane.testing import ManualClock
 
@@ -728,3 +728,20 @@ async def test_metrics_give_the_last_minute_as_the_store_has_it_now(
         async with session.get(url + "/metrics") as response:
             body = await response.text()
     assert 'asyncplane_settled_per_minute{state="done"} 3.0' in body
+
+
+@pytest.mark.parametrize(
+    ("option", "said"),
+    [
+        (["--token", "short"], "--token must be at least 16 characters"),
+        (["--actor", ""], "--actor must not be empty"),
+        (["--host", ""], "--host must not be empty"),
+        (["--port", "70000"], "--port must be 0 to 65535, not 70000"),
+    ],
+)
+def test_a_bad_option_is_a_usage_error(
+    tmp_path: Any, capsys: pytest.CaptureFixture[str], option: list[str], said: str
+) -> None:
+    asyncio.run(_make_store(str(tmp_path / "s.db")))
+    assert cli.main(["dashboard", str(tmp_path / "s.db"), *option]) == 2
+    assert capsys.readouterr().err == f"asyncplane dashboard: {said}\n"

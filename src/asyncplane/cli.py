@@ -279,8 +279,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.verb == "worker":
             return _worker_command.run(args)
         if args.verb == "dashboard":
-            if not 0 <= args.port <= 65535:
-                raise _Usage(f"--port must be 0 to 65535, not {args.port}")
             from asyncplane.dashboard import _command  # the dashboard extra
 
             return _command.run(args)
@@ -376,6 +374,13 @@ def _check_args(args: argparse.Namespace) -> None:
             raise _Usage("a schedule needs --project, --payload, and --cron or --every")
     elif args.verb == "limits" and _limit_changes(args) and args.project is None:
         raise _Usage("name the project whose limits change")
+    elif args.verb == "dashboard":
+        from asyncplane.dashboard import _command  # the dashboard extra
+
+        try:
+            _command.check(args)
+        except (_errors.InvalidInput, _errors.InvalidType) as exc:
+            raise _Usage(_in_flags(str(exc))) from exc
 
 
 def _check_is_a_store(location: str, *, unfinished: bool = False) -> None:
@@ -610,6 +615,10 @@ _FLAG_WORDS = (
     ("max_running must", "--max-running must"),
     ("per_minute must", "--per-minute must"),
     ("burst must", "--burst must"),
+    ("token must be a str of at least", "--token must be at least"),
+    ("actor_id must", "--actor must"),
+    ("host must be a non-empty str", "--host must not be empty"),
+    ("port must be an int from 0 to 65535", "--port must be 0 to 65535"),
     ("open it once without read_only", "run a verb that writes (cancel, purge, limits with a "
      "change, ...) on it once"),
 )  # fmt: skip

@@ -17,11 +17,19 @@ import logging
 import signal
 import sys
 
-from asyncplane import _loops
+from asyncplane import _loops, _validate
 from asyncplane._store import ControlStore
-from asyncplane.dashboard._server import Dashboard
+from asyncplane.dashboard._server import Dashboard, check_address, checked_token
 
-__all__ = ("run",)
+__all__ = ("check", "run")
+
+
+def check(args: argparse.Namespace) -> None:
+    """`InvalidInput` for an option no dashboard could take (a short token, an empty
+    actor or host, a port out of range): a usage error, found before the store opens."""
+    checked_token(args.token)
+    _validate.optional_actor(args.actor)
+    check_address(args.host, args.port)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -49,7 +49,7 @@ except ImportError:  # pragma: no cover - the import is checked in asyncplane.da
         "the dashboard needs the dashboard extra: pip install 'asyncplane[dashboard]'"
     ) from None
 
-__all__ = ("Dashboard",)
+__all__ = ("Dashboard", "check_address", "checked_token")
 
 _log = logging.getLogger("asyncplane.dashboard")
 
@@ -93,9 +93,7 @@ class Dashboard:
         self.store = store
         self.scope = _views.Scope(store, _validate.optional_actor(actor_id))
         self.allow_actions = _validate.boolean(allow_actions, "allow_actions")
-        if token is not None and (not isinstance(token, str) or len(token) < 16):
-            raise _errors.InvalidInput("token must be a str of at least 16 characters")
-        self.token = token
+        self.token = checked_token(token)
         self.sample_every = _validate.seconds(sample_every, "sample_every", 3600.0)
         self.history = _views.History(self.scope)
         self.verdicts = _views.Verdicts(self.scope)
@@ -149,10 +147,7 @@ class Dashboard:
 
     async def start(self, host: str = "127.0.0.1", port: int = 8080) -> str:
         """Serve on ``host``:``port`` (0: a free port); return the URL it serves at."""
-        if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
-            raise _errors.InvalidInput(f"port must be an int from 0 to 65535, not {port!r}")
-        if not isinstance(host, str) or not host:
-            raise _errors.InvalidInput("host must be a non-empty str")
+        check_address(host, port)
         if self._runner is not None:
             raise _errors.InvalidInput("this dashboard is serving already: stop() it first")
         if not _loopback(host) and self.token is None:
@@ -439,6 +434,21 @@ class _Families:
 
     def collect(self) -> list[Any]:
         return self._families
+
+
+def checked_token(token: object) -> str | None:
+    """A dashboard's token as given, or `InvalidInput` (a short one is guessable)."""
+    if token is not None and (not isinstance(token, str) or len(token) < 16):
+        raise _errors.InvalidInput("token must be a str of at least 16 characters")
+    return token
+
+
+def check_address(host: object, port: object) -> None:
+    """`InvalidInput` unless ``host``:``port`` is one a dashboard could serve on."""
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+        raise _errors.InvalidInput(f"port must be an int from 0 to 65535, not {port!r}")
+    if not isinstance(host, str) or not host:
+        raise _errors.InvalidInput("host must be a non-empty str")
 
 
 def _back_here(back: object) -> str:
