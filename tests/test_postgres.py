@@ -74,14 +74,15 @@ def test_a_url_selects_postgresql_and_its_password_stays_out_of_sight() -> None:
     with pytest.raises(InvalidInput, match="archive_path"):
         ControlStore("postgres://db.example/work", retention=60)
     assert ControlStore("plain.db").backend == "sqlite"
-    # A password holding '/', '?', '#' unencoded moves the rest of it out of the user info,
+    # A password holding '/', '?', '#' or '@' unencoded moves the rest of it out of the user info,
     # where nothing knows it for a password: such a URL is refused, without being shown.
     for unreadable in (
         "postgresql://app:S3cret/xyz@127.0.0.1:5432/app", "postgresql://app:S3c?ret@h/db",
         "postgresql://app:S3c#ret@h/db", "postgresql://app:S3cret@h:port/db",
         "postgresql://app:S3cret@[::1/db", "postgresql://app:S3cret@h:99999/db",
         "postgresql://app:S3cret:/x@h/db", "postgresql://app:S3c/1@h/db",
-        "postgresql://app:2024?S3c@db.example.com/app",
+        "postgresql://app:2024?S3c@db.example.com/app", "postgresql://app:S3c@ret@h/db",
+        "postgresql://app@x:S3cret@h:5432/db",
     ):  # fmt: skip
         with pytest.raises(InvalidInput, match="cannot be read") as refused:
             ControlStore(unreadable)

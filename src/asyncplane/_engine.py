@@ -79,7 +79,8 @@ _URL_IN_TEXT = r"postgres(?:ql)?://[^\s'\"]+"
 def _unreadable(url: str) -> bool:
     """Whether a URL's parts cannot be told apart: a host's port that is no number, or a
     user and password cut short (a ``user:pass`` before any ``@``, its password holding a
-    ``/``, ``?`` or ``#`` unencoded, which moves the rest of it past the host). Several
+    ``/``, ``?`` or ``#`` unencoded, which moves the rest of it past the host), or one
+    holding an ``@`` unencoded (the drivers end them at the first ``@``). Several
     hosts (``h1:5432,h2``) and an ``@`` in a parameter's value are read as libpq reads
     them."""
     import urllib.parse  # with a URL's first look: a program on SQLite never needs it
@@ -91,6 +92,8 @@ def _unreadable(url: str) -> bool:
     if "@" in parts.path + parts.fragment:  # a database name has none: a password's rest
         return True
     netloc = parts.netloc
+    if netloc.count("@") > 1:  # libpq and asyncpg end the user info at the first "@"
+        return True
     _, at, hosts = netloc.rpartition("@")
     for host in hosts.split(","):
         port = host.rpartition("]")[2] if host.startswith("[") else host
