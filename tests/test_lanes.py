@@ -921,6 +921,21 @@ async def test_empty_enqueue_many_still_checks_scope(lanes: ControlStore) -> Non
         await lanes.enqueue("alpha", {}, sla=dt.datetime(1960, 1, 1, tzinfo=dt.timezone.utc))
 
 
+async def test_the_last_instant_of_9999_is_a_time_and_the_first_of_10000_is_not(
+    lanes: ControlStore,
+) -> None:
+    last = dt.datetime(9999, 12, 31, 23, 59, 59, 999000, tzinfo=dt.timezone.utc)
+    item_id = await lanes.enqueue("alpha", {}, sla=last, not_before=last)
+    item = await lanes.item(item_id)
+    # A float of epoch seconds keeps about 30 µs there.
+    assert abs(item["sla"] - last) < dt.timedelta(milliseconds=1)
+    assert item["due_at"] == item["sla"]
+    await lanes.enqueue("alpha", {}, sla=253402300799)  # its last whole second, as seconds
+    with pytest.raises(InvalidInput, match="representable"):
+        await lanes.enqueue("alpha", {}, sla=253402300800)
+    assert (await lanes.counts())["ready"] == 1
+
+
 class _NoOffset(dt.tzinfo):
     """A tzinfo that knows no offset: Python counts its datetimes as naive."""
 

@@ -84,8 +84,9 @@ MAX_BUSY_TIMEOUT = 24 * 3600.0
 #: Longest duration taken anywhere else (a retention, a delay, a schedule's period): a
 #: century, so that now plus it stays a representable time.
 MAX_DURATION_SECONDS = 100 * 366 * 24 * 3600.0
-#: Times beyond this (year 9999) are refused: they could not be shown as datetimes.
-MAX_EPOCH_SECONDS = 253402300799.0
+#: Times at or past this (the year 10000) are refused: they could not be shown as
+#: datetimes. The last microsecond of 9999 is accepted.
+MAX_EPOCH_SECONDS = 253402300800.0
 #: Longest error description kept with an item, in characters.
 MAX_ERROR_LENGTH = 16 * 1024
 #: Deepest nesting of a payload or result: the object itself is level 1, each list or
