@@ -691,7 +691,7 @@ async def test_work_runs_an_item_with_its_handler_task_alone(store: ControlStore
 async def test_work_settles_each_outcome_and_retries_a_raising_handler(
     store: ControlStore, caplog: pytest.LogCaptureFixture, clock: ManualClock
 ) -> None:
-    ids = [await store.enqueue("alpha", {"n": n}) for n in range(4)]
+    ids = [await store.enqueue("alpha", {"n": n}) for n in range(5)]
 
     async def handle(claim: ClaimedItem) -> Any:
         n = claim.payload["n"]
@@ -701,11 +701,17 @@ async def test_work_settles_each_outcome_and_retries_a_raising_handler(
             return Park(delay=3600)
         if n == 3:
             return "not an outcome"
+        if n == 4:
+            return Done({"at": clock.datetime()})  # no JSON value: the item fails, said so
         return Done({"ok": n})
 
-    with caplog.at_level(logging.WARNING, logger="asyncplane.worker"):
+    with caplog.at_level(logging.WARNING, logger="asyncplane"):
         summary = await work(store, handle, concurrency=4, until_empty=True)
-    assert (summary.done, summary.retried, summary.parked) == (1, 2, 1)
+    assert (summary.done, summary.retried, summary.parked, summary.failed) == (1, 2, 1, 1)
+    refused = await store.item(ids[4])
+    assert refused["state"] == "failed"
+    assert refused["error"].startswith("the handler's result was refused: result['at'] is a")
+    assert any(refused["error"] in r.getMessage() for r in caplog.records)
     assert (await store.item(ids[0]))["result"] == {"ok": 0}
     raised = await store.item(ids[1])
     assert raised["state"] == "deferred"

@@ -219,7 +219,7 @@ class _Drain:
     exiting: BaseException | None = None
 
     def __post_init__(self) -> None:
-        self.settler = Settler(self.store, self.actor_id, self.summary)
+        self.settler = Settler(self.store, self.actor_id, self.summary, "executor")
         #: Items of the running batch a renewal found lost (taken over, cancelled).
         self.lost: set[int] = set()
 

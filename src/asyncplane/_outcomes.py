@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import datetime
+import logging
 from collections.abc import Awaitable, Sequence
 from typing import Any, TypeAlias, TypeVar
 
@@ -67,6 +68,8 @@ def exit_asked(
         return exiting or result
     return exiting
 
+
+_log = logging.getLogger("asyncplane.outcomes")
 
 #: Errors longer than this are cut before they are recorded (the store keeps 16 KiB).
 _ERROR_CHARS = 4000
@@ -219,11 +222,13 @@ def text_of(value: object) -> str:
 
 @dataclasses.dataclass
 class Settler:
-    """Renews and settles the claims of one runtime, counting what happens in ``summary``."""
+    """Renews and settles the claims of one runtime, counting what happens in ``summary``;
+    ``source`` names what gives its outcomes (``"executor"``, ``"handler"``) in errors."""
 
     store: ControlStore
     actor_id: str | None
     summary: DrainSummary
+    source: str
 
     async def keep_leases(self, claims: Sequence[ClaimedItem], lost: set[int]) -> bool:
         """Renew the claims' leases every third of a lease (`renewal_due`) until none is
@@ -279,7 +284,8 @@ class Settler:
             await self._apply(claim, outcome)
         except (_errors.InvalidInput, _errors.InvalidType) as exc:
             what = "result" if isinstance(outcome, Done) else type(outcome).__name__
-            error = short_error(f"the executor's {what} was refused: {exc}")
+            error = short_error(f"the {self.source}'s {what} was refused: {exc}")
+            _log.warning("item %d failed: %s", claim.item_id, error)
             await self.store.finish(
                 claim.item_id, fence=claim.fence, status="failed", error=error,
                 actor_id=self.actor_id,

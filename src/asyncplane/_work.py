@@ -85,6 +85,7 @@ from asyncplane._outcomes import (
     DrainSummary,
     Failed,
     Offload,
+    Outcome,
     Park,
     Retry,
     Settler,
@@ -98,7 +99,7 @@ from asyncplane._store import ControlStore, log_fields
 __all__ = ("Handler", "Settings", "handler_problem", "handling", "settings", "work")
 
 #: ``async def handle(claim: ClaimedItem) -> Outcome``: runs one item.
-Handler: TypeAlias = Callable[[ClaimedItem], Awaitable[Any]]
+Handler: TypeAlias = Callable[[ClaimedItem], Awaitable[Outcome]]
 
 _log = logging.getLogger("asyncplane.worker")
 _OUTCOMES = (Done, Failed, Retry, Park, Offload)
@@ -256,7 +257,7 @@ class _Worker:
         self.held_again = asyncio.Event()  # set when ``held`` is no longer empty
         self.third = self.store.lease_seconds / 3
         self.renewer_stopping = False  # the renewer's end is the worker's own doing
-        self.settler = Settler(self.store, self.actor_id, self.summary)
+        self.settler = Settler(self.store, self.actor_id, self.summary, "handler")
         self.running: dict[asyncio.Task[None], ClaimedItem] = {}
         #: Running items that are settling: a stop leaves them to finish (`_settle_to_end`).
         self.settling: set[asyncio.Task[Any]] = set()
