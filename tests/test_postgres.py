@@ -98,6 +98,30 @@ def test_a_url_selects_postgresql_and_its_password_stays_out_of_sight() -> None:
         assert ControlStore(readable).location == readable
 
 
+def test_without_the_extra_a_url_names_the_extra() -> None:
+    script = (
+        "import asyncio, sys\n"
+        "sys.modules['asyncpg'] = None\n"
+        "from asyncplane import ControlStore, MissingExtra, cli, testing\n"
+        "url = 'postgresql://app:s3cret@127.0.0.1:1/db'\n"
+        "try:\n"
+        "    ControlStore(url)\n"
+        "except MissingExtra as exc:\n"
+        "    print(exc)\n"
+        "try:\n"
+        "    asyncio.run(testing.execute_sql(url, 'SELECT 1'))\n"
+        "except MissingExtra as exc:\n"
+        "    print(exc)\n"
+        "raise SystemExit(cli.main(['stats', url]))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60
+    )
+    said = "a postgresql:// store needs the postgres extra: pip install 'asyncplane[postgres]'"
+    assert (done.returncode, done.stdout) == (2, f"{said}\n{said}\n")
+    assert done.stderr == f"asyncplane stats: {said}\n"
+
+
 async def test_an_unreachable_server_is_a_storage_error(tmp_path: Any) -> None:
     store = ControlStore(f"postgresql://nobody@/none?host={tmp_path}", busy_timeout=2)
     with pytest.raises(StorageError, match="cannot connect"):

@@ -235,8 +235,13 @@ class PostgresCluster:
 async def execute_sql(url: str, statement: str) -> None:
     """Run ``statement`` (one or several, ``;``-separated) on the PostgreSQL server at
     ``url``, on a connection of its own, closed after: for fixtures that make and drop
-    schemas. Needs the ``postgres`` extra."""
-    import asyncpg
+    schemas. Needs the ``postgres`` extra (`MissingExtra` without it)."""
+    try:
+        import asyncpg
+    except ImportError:
+        from asyncplane import _postgres  # noqa: F401  (raises MissingExtra, naming it)
+
+        raise
 
     conn = await asyncpg.connect(url)
     try:
