@@ -37,6 +37,7 @@ from asyncplane import (
     Done,
     Failed,
     FenceRejected,
+    Retry,
     _telemetry,
     drain,
     work,
@@ -412,7 +413,7 @@ async def test_work_links_each_execution_to_the_span_that_enqueued_it(
     assert linked.attributes["asyncplane.project"] == "alpha"
     assert linked.attributes["asyncplane.attempt"] == 1
     assert linked.attributes["asyncplane.fence"] == 1
-    assert linked.attributes["asyncplane.outcome"] == "Done"
+    assert linked.attributes["asyncplane.outcome"] == "done"  # the settle counter's word
     assert seen[item_id].span_id == linked.context.span_id  # the handler ran inside it
     failed = executions[plain]
     (link,) = failed.links  # to its enqueue span, the root of a trace of its own
@@ -449,7 +450,8 @@ async def test_a_drain_round_holds_one_execution_span_per_item(
     await store.enqueue_many("alpha", [{"n": n} for n in range(3)])
 
     async def execute(batch: list[ClaimedItem]) -> list[Any]:
-        return [Done() if c.payload["n"] else Failed("zero") for c in batch]
+        given = [Failed("zero"), Done(), Retry("later", delay=60)]
+        return [given[c.payload["n"]] for c in batch]
 
     await drain(store, execute, batch_size=3)
     (round_span,) = [
@@ -458,9 +460,9 @@ async def test_a_drain_round_holds_one_execution_span_per_item(
     children = [s for s in otel.spans("asyncplane.execute") if s.parent is not None
                 and s.parent.span_id == round_span.context.span_id]  # fmt: skip
     assert sorted(s.attributes["asyncplane.outcome"] for s in children) == [
-        "Done",
-        "Done",
-        "Failed",
+        "done",
+        "failed",
+        "retried",
     ]
 
 

@@ -406,8 +406,20 @@ class Execution:
             status = otel.trace.Status(otel.trace.StatusCode.ERROR, type(outcome).__name__)
             span.set_status(status)
         else:
-            span.set_attribute("asyncplane.outcome", type(outcome).__name__)
+            span.set_attribute("asyncplane.outcome", _GIVEN.get(type(outcome).__name__, "invalid"))
         span.end()
+
+
+#: An execution span's ``asyncplane.outcome``: the outcome given, in the words the
+#: settle counter uses (a Retry the store fails for want of attempts still says
+#: "retried": the span tells what the code gave); "invalid" for anything else.
+_GIVEN: Final = {
+    "Done": "done",
+    "Failed": "failed",
+    "Retry": "retried",
+    "Park": "parked",
+    "Offload": "offloaded",
+}
 
 
 @contextlib.contextmanager
