@@ -51,6 +51,10 @@ async def hang(claim: ClaimedItem) -> Done:
     return Done()
 
 
+async def done(claim: ClaimedItem) -> Done:
+    return Done()
+
+
 def running_tasks(prefix: str = "asyncplane-work-handle") -> int:
     return sum(t.get_name().startswith(prefix) for t in asyncio.all_tasks())
 
@@ -1523,3 +1527,13 @@ async def test_a_release_in_another_process_wakes_a_waiting_claim(
         assert child.returncode == 0, err
         claim = await waiting
         assert claim is not None and claim.item_id == item_id and claim.fence == first.fence + 1
+
+
+async def test_a_worker_on_a_project_that_does_not_exist_says_so(
+    store: ControlStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.WARNING, logger="asyncplane.worker"):
+        await work(store, done, project_id="alpah", until_empty=True, owner="w1")
+        await work(store, done, project_id="alpha", until_empty=True, owner="w2")
+    said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert said == ["asyncplane worker w1: there is no project 'alpah' (yet); it waits for one"]

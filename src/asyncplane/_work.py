@@ -210,6 +210,8 @@ async def work(
         "asyncplane worker %s starting (concurrency %d, on %s)",
         run.owner, run.concurrency, _loops.running(),
     )  # fmt: skip
+    if run.project_id is not None:
+        await _look_for(store, run.project_id, run.owner)
     try:
         if _validate.boolean(exclusive, "exclusive"):
             async with _store.engine_of(store).single_runner(lock) as guard:
@@ -229,6 +231,18 @@ async def work(
         run.summary.elapsed_s = time.monotonic() - started
         _log.info("asyncplane worker %s stopped: %s", run.owner, run.summary)
     return run.summary
+
+
+async def _look_for(store: ControlStore, project_id: str, owner: str) -> None:
+    """Warn when a worker is started on a project that does not exist (a typo, often):
+    it waits for the project's work all the same, as a project can be made later."""
+    try:
+        await store.project(project_id)
+    except _errors.UnknownProject:
+        _log.warning(
+            "asyncplane worker %s: there is no project %r (yet); it waits for one",
+            owner, project_id,
+        )  # fmt: skip
 
 
 @dataclasses.dataclass

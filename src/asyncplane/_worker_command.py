@@ -48,16 +48,21 @@ class Usage(Exception):
 
 
 def add_arguments(sub: argparse.ArgumentParser) -> None:
-    """The worker verb's own options."""
-    sub.add_argument("db")
+    """The worker verb's own options (after the store, ``db``)."""
     sub.add_argument("handler", metavar="MODULE:HANDLER", help="e.g. myfleet.agents:handle")
-    sub.add_argument("--concurrency", type=int, default=16, help="items running at once")
+    sub.add_argument(
+        "--concurrency", type=int, default=16, help="items running at once (default 16)"
+    )
     sub.add_argument(
         "--project", action="append", default=None, metavar="P",
         help="work only this project; repeatable (each gets an equal part of the slots)",
     )  # fmt: skip
-    sub.add_argument("--timeout", type=float, default=None, help="seconds an item may run")
-    sub.add_argument("--grace", type=float, default=30.0, help="seconds to finish at a stop")
+    sub.add_argument(
+        "--timeout", type=float, default=None, help="seconds an item may run (default: no limit)"
+    )
+    sub.add_argument(
+        "--grace", type=float, default=30.0, help="seconds to finish at a stop (default 30)"
+    )
     sub.add_argument("--owner", default=None, help="the name claims are made under")
     sub.add_argument("--exclusive", action="store_true", help="run alone (single-drainer)")
     sub.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))

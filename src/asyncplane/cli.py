@@ -130,6 +130,10 @@ class _Parser(argparse.ArgumentParser):
         super().error(_engine.redact_urls(message))
 
 
+#: Every verb's first argument.
+_DB_HELP = "the store: an SQLite file, or a postgresql:// URL"
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="asyncplane", description="Look at, check and maintain asyncplane stores."
@@ -156,20 +160,20 @@ def _parser() -> argparse.ArgumentParser:
         sub.add_argument("--error", help="a piece of the error text (ignoring case)")
 
     stats = verb("stats", "counts by state and project, oldest ready item, sizes")
-    stats.add_argument("db")
+    stats.add_argument("db", help=_DB_HELP)
     verify = verb("verify", "check every row against its history; exit 1 on problems")
-    verify.add_argument("db")
+    verify.add_argument("db", help=_DB_HELP)
     verify.add_argument("--limit", type=int, default=None, help="stop after this many")
     events = verb("events", "one item's history, oldest first")
-    events.add_argument("db")
+    events.add_argument("db", help=_DB_HELP)
     events.add_argument("item", type=int)
     purge = verb("purge", "archive, then delete, settled items older than the retention")
-    purge.add_argument("db")
+    purge.add_argument("db", help=_DB_HELP)
     purge.add_argument("--retention", type=parse_duration, required=True, help="e.g. 7d")
     purge.add_argument("--chunk", type=int, default=500, help="items per transaction")
     purge.add_argument("--archive", type=pathlib.Path, default=None, help="the JSONL archive")
     imported = verb("import", "copy another SQLite queue's pending rows in, once")
-    imported.add_argument("db")
+    imported.add_argument("db", help=_DB_HELP)
     imported.add_argument("--from", dest="source", type=pathlib.Path, required=True)
     imported.add_argument("--table", required=True)
     imported.add_argument(
@@ -185,7 +189,7 @@ def _parser() -> argparse.ArgumentParser:
     imported.add_argument("--drop-source", action="store_true", help="drop the table after")
     imported.add_argument("--chunk", type=int, default=1000)
     items = verb("items", "find items: newest first, filtered, a page at a time")
-    items.add_argument("db")
+    items.add_argument("db", help=_DB_HELP)
     filters(items)
     items.add_argument("--limit", type=int, default=50, help="rows (at most 10,000)")
     items.add_argument("--after", type=int, default=None, help="the last id of the page before")
@@ -195,7 +199,7 @@ def _parser() -> argparse.ArgumentParser:
         ("requeue", "put failed or cancelled items back in the queue, by id or by filter", False),
     ):
         sub = verb(name, help_text)
-        sub.add_argument("db")
+        sub.add_argument("db", help=_DB_HELP)
         sub.add_argument("ids", nargs="*", type=int, metavar="ID")
         filters(sub)
         if extra:
@@ -215,9 +219,11 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="leave settled (done, failed, cancelled) items behind",
     )
-    verb("schedules", "every schedule: its timetable, next tick, last tick").add_argument("db")
+    verb("schedules", "every schedule: its timetable, next tick, last tick").add_argument(
+        "db", help=_DB_HELP
+    )
     schedule = verb("schedule", "add or change a schedule; or pause, resume, delete one")
-    schedule.add_argument("db")
+    schedule.add_argument("db", help=_DB_HELP)
     schedule.add_argument("name")
     schedule.add_argument("--project", help="the project its ticks enqueue in")
     timetable = schedule.add_mutually_exclusive_group()
@@ -232,17 +238,19 @@ def _parser() -> argparse.ArgumentParser:
     for flag in ("--pause", "--resume", "--delete"):
         change.add_argument(flag, action="store_true")
     limits = verb("limits", "a project's limits and what is in use; or change them")
-    limits.add_argument("db")
+    limits.add_argument("db", help=_DB_HELP)
     limits.add_argument("project", nargs="?", help="one project (without: every limited one)")
     for flag, kind in (("--max-running", int), ("--per-minute", float), ("--burst", int)):
         limits.add_argument(
             flag, type=_or_none(kind), default=..., metavar="N|none", help="none clears it"
         )
-    _worker_command.add_arguments(
-        verb("worker", "run a per-item handler over the store's work until SIGTERM", prints=False)
+    worker = verb(
+        "worker", "run a per-item handler over the store's work until SIGTERM", prints=False
     )
+    worker.add_argument("db", help=_DB_HELP)
+    _worker_command.add_arguments(worker)
     board = verb("dashboard", "serve the operator dashboard (the dashboard extra)", prints=False)
-    board.add_argument("db")
+    board.add_argument("db", help=_DB_HELP)
     board.add_argument("--host", default="127.0.0.1", help="default: loopback only")
     board.add_argument("--port", type=int, default=8080, help="0: a free port")
     board.add_argument("--allow-actions", action="store_true", help="requeue, cancel, pause")
