@@ -7,6 +7,7 @@ import datetime as dt
 import json
 import random
 import sqlite3
+from types import MappingProxyType
 from typing import Any
 
 import pytest
@@ -1317,3 +1318,22 @@ async def test_a_twin_finished_while_a_twin_is_inserted_elsewhere_waits_and_sett
     row = await store.item(pending)
     assert (row["state"], row["result"]) == ("done", {"answer": 8})
     assert await verify_ledger(store) == []
+
+
+async def test_a_payload_may_be_any_mapping_at_its_top(
+    asyncplane_store_factory: Any,
+) -> None:
+    # A TypedDict's value is a dict; a read-only view is a Mapping: both are JSON objects.
+    store: ControlStore = await asyncplane_store_factory(identity=("url",))
+    await store.create_project("alpha", "Alpha")
+    view = MappingProxyType({"url": "https://a.example", "n": [1, {"k": 2}]})
+    first = await store.enqueue("alpha", view)
+    twin = await store.enqueue("alpha", {"url": "https://a.example", "n": 0})
+    assert twin == first  # the same fingerprint, from the view's identity field
+    (second,) = await store.enqueue_many("alpha", [Job(MappingProxyType({"url": "b"}))])
+    assert (await store.item(first))["payload"] == {"url": "https://a.example", "n": [1, {"k": 2}]}
+    assert (await store.item(second))["payload"] == {"url": "b"}
+    with pytest.raises(InvalidPayload, match="JSON object"):
+        await store.enqueue("alpha", [("url", "c")])  # type: ignore[arg-type]
+    with pytest.raises(InvalidPayload, match="not a JSON value"):  # only its top
+        await store.enqueue("alpha", {"inner": MappingProxyType({})})

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Final
 
 from asyncplane import _errors
@@ -159,7 +159,7 @@ class Job:
     """One item for enqueue_many(), with its own lane settings.
 
     Attributes:
-        payload: A JSON object (a dict of plain JSON values).
+        payload: A JSON object (a dict, or any mapping, of plain JSON values).
         priority: Higher is claimed first (a 32-bit int; default 0).
         service_class: "realtime" items are claimed before "standard" ones of the same
             priority.
@@ -171,7 +171,7 @@ class Job:
         not_before: Not claimable before this time.
     """
 
-    payload: dict[str, Any]
+    payload: Mapping[str, Any]
     priority: int = 0
     service_class: str = "standard"
     sla: dt.datetime | float | None = None

@@ -356,7 +356,7 @@ class ControlStore:
     async def enqueue(
         self,
         project_id: str,
-        payload: dict[str, Any],
+        payload: Mapping[str, Any],
         *,
         priority: int = 0,
         service_class: str = "standard",
@@ -375,7 +375,7 @@ class ControlStore:
 
         Args:
             project_id: The project; without ``actor_id`` any existing project.
-            payload: A JSON object (dict of plain JSON values), at most
+            payload: A JSON object (a dict, or any mapping, of plain JSON values), at most
                 ``max_payload_bytes`` of compact JSON.
             priority: Higher is claimed first (a 32-bit int).
             service_class: "realtime" is claimed before "standard" at equal priority.
@@ -1564,7 +1564,7 @@ class ControlStore:
         name: str,
         *,
         project_id: str,
-        payload: dict[str, Any],
+        payload: Mapping[str, Any],
         cron: str | None = None,
         every: timedelta | float | None = None,
         timezone: str = "UTC",

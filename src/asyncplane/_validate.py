@@ -24,6 +24,7 @@ import json
 import math
 import os
 import string
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Final
 
 from asyncplane import _errors, _models, _schedule
@@ -249,16 +250,19 @@ def search_text(value: object, what: str) -> str | None:
 def encode_payload(payload: object, max_bytes: int) -> str:
     """Serialise a payload to compact JSON, refusing anything that would not round-trip.
 
-    A payload is a JSON object: a dict with str keys whose values are None, bool, int,
-    finite float, str, list or dict, nested the same way. Anything else (a datetime, a
-    set, a tuple that would come back as a list, an int key that would come back as a str,
-    NaN, a lone surrogate, nesting past `MAX_JSON_DEPTH`) is refused rather than silently
-    changed or left to fail later.
+    A payload is a JSON object: a dict (or, at its top, any mapping: a TypedDict's, a
+    ``MappingProxyType``) with str keys whose values are None, bool, int, finite float,
+    str, list or dict, nested the same way. Anything else (a datetime, a set, a tuple that
+    would come back as a list, an int key that would come back as a str, NaN, a lone
+    surrogate, nesting past `MAX_JSON_DEPTH`) is refused rather than silently changed or
+    left to fail later.
     """
     if not isinstance(payload, dict):
-        raise _errors.InvalidPayload(
-            f"payload must be a JSON object (a dict), not {type(payload).__name__}"
-        )
+        if not isinstance(payload, Mapping):
+            raise _errors.InvalidPayload(
+                f"payload must be a JSON object (a dict), not {type(payload).__name__}"
+            )
+        payload = dict(payload)
     return _encode_json(payload, "payload", max_bytes)
 
 
