@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import aiohttp
+import aiohttp.web
 import pytest
 
 from asyncplane import ControlStore, InvalidInput, cli, verify_ledger
@@ -745,3 +746,43 @@ def test_a_bad_option_is_a_usage_error(
     asyncio.run(_make_store(str(tmp_path / "s.db")))
     assert cli.main(["dashboard", str(tmp_path / "s.db"), *option]) == 2
     assert capsys.readouterr().err == f"asyncplane dashboard: {said}\n"
+
+
+async def test_mounted_under_a_prefix_every_link_and_redirect_stays_under_it(
+    store: ControlStore,
+) -> None:
+    ids = await seeded(store)
+    dashboard = Dashboard(store, allow_actions=True)
+    site = aiohttp.web.Application()
+
+    async def own_page(request: aiohttp.web.Request) -> aiohttp.web.Response:
+        return aiohttp.web.Response(text="the host's own page")
+
+    site.router.add_get("/", own_page)
+    site.add_subapp("/ops", dashboard.app())
+    runner = aiohttp.web.AppRunner(site)
+    await runner.setup()
+    await aiohttp.web.TCPSite(runner, "127.0.0.1", 0).start()
+    base = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    try:
+        async with aiohttp.ClientSession() as session:
+            status, page = await text(session, base + "/ops/failures")
+            assert status == 200
+            links = re.findall(r'(?:href|src|action)="([^"#]*)"', page)
+            assert links and all(link.startswith("/ops/") for link in links), links
+            for link in {link for link in links if not link.endswith(("/requeue", "/cancel"))}:
+                assert (await text(session, base + link))[0] == 200, link
+            assert await text(session, base + "/") == (200, "the host's own page")
+            form = {"csrf": csrf_of(page), "next": "/elsewhere"}
+            status, _, where = await post(
+                session, base + f"/ops/items/{ids['failed']}/requeue", form
+            )
+            assert (status, where) == (303, "/ops/")  # not a page of the host's
+            form["next"] = "/ops/failures"
+            status, _, where = await post(
+                session, base + f"/ops/items/{ids['hostile']}/cancel", form
+            )
+            assert (status, where) == (303, "/ops/failures")
+    finally:
+        await runner.cleanup()
+    assert (await store.item(ids["failed"]))["state"] == "ready"

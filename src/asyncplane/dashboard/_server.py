@@ -123,7 +123,7 @@ class Dashboard:
         app = web.Application(middlewares=[self._guard])
         app.add_routes(
             [
-                web.get("/", self._overview),
+                web.get("/", self._overview, name="overview"),
                 web.get("/running", self._running),
                 web.get("/failures", self._failures),
                 web.get("/items/{item_id}", self._item),
@@ -278,6 +278,7 @@ class Dashboard:
             "read_only": self.store.read_only,
             "version": __version__,
             "path": request.path_qs,
+            "root": _root(request),
             "now": self.scope.now(),
             **data,
         }
@@ -423,7 +424,7 @@ class Dashboard:
         self.history.forget()  # a requeue or a cancel may change a minute long past
         if "application/json" in request.headers.get("Accept", ""):
             return web.json_response(answer)
-        raise web.HTTPSeeOther(_back_here((await _form(request)).get("next")))
+        raise web.HTTPSeeOther(_back_here((await _form(request)).get("next"), _root(request)))
 
 
 class _Families:
@@ -451,15 +452,22 @@ def check_address(host: object, port: object) -> None:
         raise _errors.InvalidInput("host must be a non-empty str")
 
 
-def _back_here(back: object) -> str:
-    """A form's ``next`` when it is a path on this dashboard, else ``/``: checked as a
-    browser reads it (tabs and line breaks dropped first), so that no spelling of
-    ``//host`` leads off it."""
+def _root(request: web.Request) -> str:
+    """The path the dashboard is served under: "" at a site's root, "/ops" when its
+    application is mounted with ``add_subapp("/ops", dashboard.app())``; every link and
+    redirect of its pages begins with it."""
+    return str(request.app.router["overview"].url_for()).rstrip("/")
+
+
+def _back_here(back: object, root: str) -> str:
+    """A form's ``next`` when it is a path on this dashboard, else its overview (at
+    ``root``): checked as a browser reads it (tabs and line breaks dropped first), so
+    that no spelling of ``//host`` leads off it."""
     if not isinstance(back, str):
-        return "/"
+        return root + "/"
     back = back.translate(_URL_IGNORED)
-    if not back.startswith("/") or back[1:2] in ("/", "\\"):
-        return "/"
+    if not back.startswith(root + "/") or back[1:2] in ("/", "\\"):
+        return root + "/"
     return back
 
 
