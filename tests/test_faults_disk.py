@@ -29,6 +29,7 @@ import functools
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import tempfile
@@ -438,3 +439,30 @@ def test_a_commit_refused_while_the_wal_index_grows_is_not_there_after_a_crash(
     fact = report.fact("wal_index")
     assert fact["frames_before"] + fact["per_call"] > 4062, report
     assert_recovered(report, size_kib=WAL_INDEX_DISK)
+
+
+@pytest.mark.parametrize("scenario", ["concurrent-queue", "chaos"])
+def test_a_probe_whose_workers_fill_the_disk_says_the_store_failed(
+    tmp_path: pathlib.Path, scenario: str
+) -> None:
+    # The probe's seed fits on the disk; its workers' claims and finishes do not. That is
+    # the disk failing under the probe (status 3), not items lost (1), and chaos must not
+    # go on killing and replacing workers that can only fail.
+    prefix, failures = isolation()
+    assert prefix is not None, failures
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    probe = (
+        'mount -t tmpfs -o size=4m tmpfs "$1" && exec "$2" -m asyncplane.probe '
+        '--store "$1/probe.db" --scenario "$3" --workers 3 --items 6000 --seed 1'
+    )
+    done = subprocess.run(
+        [*prefix, "sh", "-c", probe, "sh", str(disk), sys.executable, scenario],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 3, done.stdout + done.stderr
+    assert re.fullmatch(
+        r"python -m asyncplane.probe: the store failed: worker w\d+: StorageError: "
+        r"OperationalError: database or disk is full\n",
+        done.stderr,
+    ), done.stderr

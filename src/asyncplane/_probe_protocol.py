@@ -13,6 +13,7 @@ import json
 from typing import Any, Literal, TypeAlias
 
 __all__ = (
+    "STORE_FAILED",
     "STORE_VARIABLE",
     "Claimed",
     "Finished",
@@ -29,6 +30,9 @@ __all__ = (
 #: Where the probe gives a worker its store: a URL's password stays off the process list
 #: (a process's environment is its owner's to read; its command line is everyone's).
 STORE_VARIABLE = "ASYNCPLANE_PROBE_STORE"
+#: A worker's exit status when its store failed under it (a full disk, a server gone):
+#: the probe then says the store failed (its own status 3), not that items were lost.
+STORE_FAILED = 3
 
 
 @dataclasses.dataclass(frozen=True)

@@ -237,7 +237,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not args.store:
         parser.error(f"--store, or ${_probe_protocol.STORE_VARIABLE}, names the store")
-    return _loops.run(_main(args))
+    try:
+        return _loops.run(_main(args))
+    except _errors.StorageError as exc:  # its last line on stderr says how
+        print(f"{type(exc).__name__}: {exc}", file=sys.stderr)
+        return _probe_protocol.STORE_FAILED
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ from asyncplane.probe._workers import (
     _check,
     _expect_heard,
     _go,
+    _raise_on_store_failure,
     _seed,
     _spawn,
     _start_progress,
@@ -84,6 +85,8 @@ async def _chaos(
             if _probe_support.drained(counts):
                 break
             await asyncio.sleep(_KILL_EVERY_SECONDS)
+            if any(w.process.returncode not in (0, None) for w in live):
+                break  # one ended of itself, not drained: its store failed, or it crashed
             victim = rng.choice(live)
             victim.kill()
             await victim.wait()
@@ -93,6 +96,7 @@ async def _chaos(
             everyone.append(spawned)
         await asyncio.gather(*(w.wait() for w in live))
         report.seconds = time.monotonic() - started
+        _raise_on_store_failure(everyone)
     finally:
         await _stop(progress, out)
         for worker in live:

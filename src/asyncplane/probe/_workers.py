@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from typing import TextIO
 
 from asyncplane import (
+    _errors,
     _ledger,
     _probe_protocol,
     _store,
@@ -89,6 +90,39 @@ class _Worker:
         code = await self.process.wait()
         await asyncio.gather(*self._readers)
         return code
+
+    async def until_ready(self) -> None:
+        """Wait for its ready line. One that exits first fails the run: `StorageError`
+        if its store failed under it (`_raise_on_store_failure`), else RuntimeError."""
+        ready = asyncio.create_task(self.ready.wait(), name=f"probe-ready[{self.name}]")
+        ended = asyncio.create_task(self.process.wait(), name=f"probe-exit[{self.name}]")
+        try:
+            await asyncio.wait({ready, ended}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            ready.cancel()
+            ended.cancel()
+        if self.ready.is_set():
+            return
+        code = await self.wait()
+        _raise_on_store_failure([self])
+        raise RuntimeError(f"worker {self.name} exited {code} before it was ready: {self.tail()}")
+
+    def tail(self) -> str:
+        """The last line it wrote on stderr (complete once `wait` has returned)."""
+        lines = self.stderr.decode(errors="replace").strip().splitlines()
+        return lines[-1] if lines else ""
+
+    def store_failed(self) -> bool:
+        """Whether it ended because its store failed under it (`STORE_FAILED`)."""
+        return not self.killed and self.process.returncode == _probe_protocol.STORE_FAILED
+
+
+def _raise_on_store_failure(workers: Sequence[_Worker]) -> None:
+    """`StorageError` if a worker's store failed under it (a full disk, a server gone):
+    the probe then says the store failed (status 3); its unfinished items are not lost."""
+    for worker in workers:
+        if worker.store_failed():
+            raise _errors.StorageError(f"worker {worker.name}: {worker.tail()}")
 
 
 async def _spawn(
@@ -203,15 +237,16 @@ def _tally_workers(report: ProbeReport, workers: Sequence[_Worker]) -> None:
     )
     for worker in workers:
         if not worker.killed and worker.process.returncode not in (0, None):
-            tail = worker.stderr.decode(errors="replace").strip().splitlines()[-1:]
-            report.notes.append(f"worker {worker.name} exited {worker.process.returncode}: {tail}")
+            report.notes.append(
+                f"worker {worker.name} exited {worker.process.returncode}: {worker.tail()!r}"
+            )
 
 
 async def _go(workers: Sequence[_Worker], report: ProbeReport | None = None) -> float:
     """Wait until every worker is warm (its store open, its first thread hand-off made),
     then start them all at once; the wait is the run's start-up, outside its timing."""
     waiting = time.monotonic()
-    await asyncio.gather(*(w.ready.wait() for w in workers))
+    await asyncio.gather(*(w.until_ready() for w in workers))
     started = time.monotonic()
     if report is not None:
         report.startup_s += started - waiting
@@ -226,6 +261,7 @@ async def _until_drained(workers: Sequence[_Worker], started: float, report: Pro
     its start-up is not. If any worker never said its summary (it died), the window runs
     to the last exit, as it did before workers said when their drain was over."""
     await asyncio.gather(*(w.wait() for w in workers))
+    _raise_on_store_failure(workers)
     exited = time.monotonic()
     said = [w.summary_at for w in workers]
     drained = exited if None in said else max(t for t in said if t is not None)
