@@ -244,10 +244,24 @@ def _archive(
             os.replace(path, path.with_name(path.name + ".1"))
             created = True
     created = created or not path.exists()
-    with open(path, "ab") as archive:
-        archive.write("".join(lines).encode("utf-8"))
-        archive.flush()
-        os.fsync(archive.fileno())
+    data = memoryview("".join(lines).encode("utf-8"))
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+    try:
+        start = os.lseek(fd, 0, os.SEEK_END)
+        try:
+            while data:
+                data = data[os.write(fd, data) :]
+            os.fsync(fd)
+        except OSError:
+            # A disk filled (or failed) mid-append: take back what went in, as the chunk
+            # is not deleted and its next purge writes it again; else those lines would
+            # be there twice. (Cutting needs no room; a crash here leaves a torn line,
+            # which the next purge cuts off.)
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, start)
+            raise
+    finally:
+        os.close(fd)
     if created:
         _fsync_directory(path.parent)  # the new name must survive a crash too
 
