@@ -19,6 +19,7 @@ import mmap
 import os
 import pathlib
 import signal
+import sqlite3
 import struct
 import sys
 import threading
@@ -784,6 +785,23 @@ def test_a_refusal_crosses_the_board_as_the_same_typed_error(error: Exception) -
     assert type(back.error) is type(error)
     assert str(back.error) == str(error)
     assert vars(back.error) == vars(error)
+
+
+def test_a_storage_error_crosses_the_board_with_the_drivers_error_as_its_cause(
+    tmp_path: pathlib.Path,
+) -> None:
+    try:
+        sqlite3.connect(tmp_path / "x.db").execute("SELECT * FROM nowhere")
+    except sqlite3.OperationalError as exc:
+        driver = exc
+    error = _errors.StorageError(f"OperationalError: {driver}")
+    error.__cause__ = driver
+    encoded = marshal.loads(marshal.dumps(_combine._encode_outcome(_write_queue.Raised(error))))
+    back = _combine._decode_outcome("finish", encoded)
+    assert isinstance(back, _write_queue.Raised) and type(back.error) is _errors.StorageError
+    cause = back.error.__cause__
+    assert type(cause) is sqlite3.OperationalError and str(cause) == "no such table: nowhere"
+    assert (cause.sqlite_errorcode, cause.sqlite_errorname) == (1, "SQLITE_ERROR")
 
 
 def test_an_error_the_board_does_not_know_comes_back_as_a_storage_error() -> None:

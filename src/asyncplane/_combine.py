@@ -70,6 +70,7 @@ import mmap
 import os
 import pathlib
 import platform
+import sqlite3
 import stat
 import struct
 import sys
@@ -681,8 +682,8 @@ def _encode_outcome(outcome: Any) -> tuple[Any, ...]:
             try:
                 marshal.dumps(args)
             except ValueError:  # arguments marshal cannot carry: the message alone
-                return ("e", "StorageError", (str(error),))
-            return ("e", rebuild.__name__, tuple(args))
+                return ("e", "StorageError", (str(error),), _encode_cause(error))
+            return ("e", rebuild.__name__, tuple(args), _encode_cause(error))
         return ("e", "StorageError", (f"the round failed in the process that ran it: {error!r}",))
     if isinstance(outcome, list):  # a claim's rows
         return ("v", [tuple(row) for row in outcome])
@@ -698,12 +699,45 @@ def _decode_outcome(kind: str, answer: tuple[Any, ...]) -> Any:
         )
         if rebuild is None or not known:
             return _write_queue.Raised(_errors.StorageError(f"an unknown error came back: {name}"))
-        return _write_queue.Raised(rebuild(*answer[2]))
+        error = rebuild(*answer[2])
+        error.__cause__ = _decode_cause(answer[3] if len(answer) > 3 else None)
+        return _write_queue.Raised(error)
     if kind == "claim":
         from asyncplane import _backend
 
         return [_backend.ClaimRow(*row) for row in answer[1]]
     return answer[1]
+
+
+def _encode_cause(error: BaseException) -> tuple[str, str, int | None, str | None] | None:
+    """The driver's error under ``error`` (its `__cause__`), to cross to the process that
+    asked: its sqlite3 class's name, its message, its SQLite code and code's name."""
+    cause = error.__cause__
+    if cause is None or type(cause).__module__ != "sqlite3":
+        return None
+    code = getattr(cause, "sqlite_errorcode", None)
+    code_name = getattr(cause, "sqlite_errorname", None)
+    return (
+        type(cause).__name__,
+        str(cause),
+        code if isinstance(code, int) else None,
+        code_name if isinstance(code_name, str) else None,
+    )
+
+
+def _decode_cause(cause: Any) -> BaseException | None:
+    """The driver's error `_encode_cause` sent, as the sqlite3 error it was (so that a
+    refusal served by another process's round carries it as its own would)."""
+    if cause is None:
+        return None
+    kind = getattr(sqlite3, cause[0], None)
+    if not (isinstance(kind, type) and issubclass(kind, sqlite3.Error)):
+        return None
+    rebuilt = kind(cause[1])
+    if cause[2] is not None and cause[3] is not None:  # Python 3.11 on: SQLite's code
+        # (instance attributes, as sqlite3 sets them; typeshed's 3.10 has none)
+        rebuilt.__dict__.update(sqlite_errorcode=cause[2], sqlite_errorname=cause[3])
+    return rebuilt
 
 
 def open_board(
