@@ -468,3 +468,32 @@ def test_a_probe_whose_workers_fill_the_disk_says_the_store_failed(
         r"OperationalError: database or disk is full\n",
         done.stderr,
     ), done.stderr
+
+
+def test_a_probe_told_to_overwrite_a_store_on_a_read_only_disk_says_the_disk_failed(
+    tmp_path: pathlib.Path,
+) -> None:
+    prefix, failures = isolation()
+    assert prefix is not None, failures
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    done = subprocess.run(
+        [sys.executable, "-m", "asyncplane.probe", "--store", str(disk / "probe.db"),
+         "--scenario", "kill-and-reclaim"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr  # a store to overwrite
+    probe = (
+        'mount --bind "$1" "$1" && mount -o remount,bind,ro "$1" && exec "$2" -m '
+        'asyncplane.probe --store "$1/probe.db" --scenario kill-and-reclaim --overwrite'
+    )
+    done = subprocess.run(
+        [*prefix, "sh", "-c", probe, "sh", str(disk), sys.executable],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 3, done.stderr
+    assert done.stderr.startswith(
+        "python -m asyncplane.probe: the store failed: cannot delete the old store: "
+        "[Errno 30] Read-only file system"
+    ), done.stderr
+    assert (disk / "probe.db").exists()

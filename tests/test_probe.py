@@ -85,6 +85,7 @@ def test_kill_and_reclaim_fences_out_the_dead_worker(location_of: Any) -> None:
     assert code == 0, (report, err)
     assert report["fence_rejections"] == 1  # the stand-in's late report, refused
     assert report["re_executions"] == 1  # the lapsed lease was taken over once
+    assert report["startup_s"] > 0  # the two workers' start-ups, counted apart
     assert (report["duplicates"], report["lost"], report["ledger_problems"]) == (0, 0, 0)
 
 
@@ -92,6 +93,17 @@ def test_stall_fences_out_the_stopped_worker(location_of: Any) -> None:
     code, report, err = run_probe(location_of, "--scenario", "stall", "--lease-seconds", "0.5")
     assert code == 0, (report, err)
     assert report["fence_rejections"] == 1
+    assert (report["duplicates"], report["lost"], report["ledger_problems"]) == (0, 0, 0)
+
+
+@pytest.mark.sqlite_only
+def test_chaos_with_one_worker_kills_only_a_worker_at_work(tmp_path: pathlib.Path) -> None:
+    # Each replacement takes longer to start than the time between kills: a lone worker
+    # killed before it was warm would be replaced, and killed again, for ever.
+    code, report, err = run_probe(
+        tmp_path, "--scenario", "chaos", "--workers", "1", "--items", "400", "--seed", "3"
+    )
+    assert code == 0, (report, err)
     assert (report["duplicates"], report["lost"], report["ledger_problems"]) == (0, 0, 0)
 
 
@@ -718,3 +730,76 @@ async def test_a_worker_is_given_its_store_off_the_process_list(tmp_path: pathli
         await worker.wait()
     assert b"s3cret" not in command_line and b"s3cret" in environment
     assert store.exists()
+
+
+def test_a_url_whose_password_cannot_be_told_apart_is_refused_unshown(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    for url in ("postgresql://bob:Pw9Secret/xyz@127.0.0.1:5432/db", "postgresql://b:P@w9@h/db"):
+        with pytest.raises(SystemExit) as ended:
+            probe.main(["--store", url, "--scenario", "stall"])
+        assert ended.value.code == 2
+        err = capsys.readouterr().err
+        assert "cannot be read" in err and "w9" not in err and "Traceback" not in err, err
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid``, from /proc."""
+    found = []
+    for entry in pathlib.Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:  # gone meanwhile
+                continue
+            if int(stat.rpartition(")")[2].split()[1]) == pid:
+                found.append(int(entry.name))
+    return found
+
+
+def _state(pid: int) -> str:
+    """A process's state letter (T: stopped), or "" once it is gone (or a zombie)."""
+    try:
+        state = pathlib.Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except OSError:
+        return ""
+    return "" if state in ("Z", "X") else state
+
+
+@pytest.mark.sqlite_only  # the workers' fate is the point, not the store's kind
+@pytest.mark.parametrize("signal_name", ["SIGTERM", "SIGKILL", "SIGINT"])
+async def test_a_probe_stopped_by_a_signal_leaves_no_worker_behind(
+    tmp_path: pathlib.Path, signal_name: str
+) -> None:
+    # The stall scenario keeps a worker stopped (SIGSTOP) while its long lease runs out:
+    # the probe is signalled then. A worker left behind would hold its claim for ever (or
+    # drain on, competing with the next run).
+    import signal
+
+    from _signals import until
+
+    probe_run = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "asyncplane.probe", "--store", str(tmp_path / "p.db"),
+        "--scenario", "stall", "--lease-seconds", "600",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        await until(
+            lambda: any(_state(pid) == "T" for pid in _children(probe_run.pid)),
+            what="the stalled worker stopped",
+        )
+        workers = _children(probe_run.pid)
+        number = getattr(signal, signal_name)
+        probe_run.send_signal(number)
+        _, said = await asyncio.wait_for(probe_run.communicate(), 60)
+        await until(lambda: not any(_state(pid) for pid in workers), what="every worker gone")
+    finally:
+        if probe_run.returncode is None:
+            probe_run.kill()
+            await probe_run.communicate()
+    err = said.decode()
+    if signal_name == "SIGKILL":  # nothing of the probe's runs: the kernel kills them
+        assert probe_run.returncode == -number
+    else:
+        assert probe_run.returncode == 128 + number, err
+        assert err.endswith("stopped by a signal; its workers were stopped\n"), err

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import sqlite3
 import sys
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -263,3 +265,31 @@ async def test_one_failing_member_of_grouped_finishes_fails_alone(
 async def test_the_write_path_runs_on_the_loop_it_is_given(request: pytest.FixtureRequest) -> None:
     """This module runs on asyncio's loop and on uvloop (tests/conftest.py, BOTH_LOOPS)."""
     assert f"[{_loops.running()}" in request.node.name
+
+
+def test_the_lock_is_held_to_its_release_not_to_when_the_thread_runs_again(
+    tmp_path: Any,
+) -> None:
+    # On a busy machine the connection's thread may not run again for a while after it
+    # lets go: the time held (the probe's "held N% of the drain") must end at the release.
+    from asyncplane import _write_lock, _writer
+
+    released_at: list[float] = []
+
+    class Descheduled(_write_lock.WriteLock):
+        def release(self) -> None:
+            super().release()
+            released_at.append(time.perf_counter())
+            time.sleep(0.05)  # the thread, descheduled right after the unlock
+
+    fd = os.open(tmp_path / "lock", os.O_RDWR | os.O_CREAT)
+    lock = Descheduled(fd)
+    db = sqlite3.connect(tmp_path / "db")
+    try:
+        assert lock.acquire()
+        with _writer._holding(lock, db, None) as held:
+            pass
+        assert held.released <= released_at[0] < time.perf_counter() - 0.05
+    finally:
+        db.close()
+        lock.close()

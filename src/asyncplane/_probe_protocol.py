@@ -13,6 +13,7 @@ import json
 from typing import Any, Literal, TypeAlias
 
 __all__ = (
+    "PARENT_VARIABLE",
     "STORE_FAILED",
     "STORE_VARIABLE",
     "Claimed",
@@ -30,6 +31,8 @@ __all__ = (
 #: Where the probe gives a worker its store: a URL's password stays off the process list
 #: (a process's environment is its owner's to read; its command line is everyone's).
 STORE_VARIABLE = "ASYNCPLANE_PROBE_STORE"
+#: The probe's process id, given to each worker it starts: a worker dies with it.
+PARENT_VARIABLE = "ASYNCPLANE_PROBE_PARENT"
 #: A worker's exit status when its store failed under it (a full disk, a server gone):
 #: the probe then says the store failed (its own status 3), not that items were lost.
 STORE_FAILED = 3

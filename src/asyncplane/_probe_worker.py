@@ -161,8 +161,9 @@ async def _main(args: argparse.Namespace) -> int:
         if args.fault == "delete-item":  # before anyone starts: the item is surely pending
             await _probe_support.inject_fault(args.store, args.fault)
         _say(_probe_protocol.Ready(args.name, _loops.running()))
-        if not args.no_wait:
-            await anyio.to_thread.run_sync(sys.stdin.readline)
+        if not args.no_wait and not await anyio.to_thread.run_sync(sys.stdin.readline):
+            print("the probe that started this worker is gone", file=sys.stderr)
+            return 1  # its stdin closed before "go": it will never say go
         cpu_at_go = _cpu_seconds()
         try:
             if args.mode == "hold":
@@ -215,7 +216,25 @@ async def _hold(store: _store.ControlStore, args: argparse.Namespace, tally: _Ta
         _say(_probe_protocol.Reported("finished", claim.item_id, claim.fence))
 
 
+def _die_with_parent() -> None:
+    """On Linux, have the kernel SIGKILL this worker when the probe that started it dies,
+    however it dies (SIGKILL included): a worker left behind would go on draining, and
+    compete with the next run for the store and the CPUs. (Elsewhere a worker whose
+    probe is gone sees its stdin close, and stops before it starts.)"""
+    parent = os.environ.get(_probe_protocol.PARENT_VARIABLE)
+    if sys.platform != "linux" or parent is None:
+        return
+    import ctypes
+    import signal
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+    if str(os.getppid()) != parent:  # it died before the line above: too late to be told
+        os._exit(1)
+
+
 def main(argv: list[str] | None = None) -> int:
+    _die_with_parent()
     parser = argparse.ArgumentParser(prog="python -m asyncplane._probe_worker")
     parser.add_argument(
         "--store", default=os.environ.get(_probe_protocol.STORE_VARIABLE),

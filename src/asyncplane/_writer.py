@@ -739,25 +739,34 @@ def _transact(
             return _given_up(ops, asked)
         outcomes, waited = _transact_held(ops, db, clock, asked, None)
         return outcomes, waited, time.perf_counter() - asked - waited
-    with _holding(lock, db, board):
+    with _holding(lock, db, board) as held:
         if turn is not None and not turn.begin():  # given up by the loop: write nothing
             return _given_up(ops, asked)
         outcomes, waited = _transact_held(ops, db, clock, asked, board)
-    return outcomes, waited, time.perf_counter() - asked - waited
+    return outcomes, waited, held.released - asked - waited
+
+
+class _Held:
+    """When `_holding` let the write lock go (`time.perf_counter`): the lock was held to
+    there, not to when this thread next ran (on a busy machine, much later)."""
+
+    released = 0.0
 
 
 @contextlib.contextmanager
 def _holding(
     lock: _write_lock.WriteLock, db: sqlite3.Connection, board: _combine.Board | None
-) -> Iterator[None]:
+) -> Iterator[_Held]:
     """The write lock, held: any open transaction (something raised) ends before the lock
     goes; then the board hears it went (`Board.after_round` answers and nudges)."""
+    held = _Held()
     try:
-        yield
+        yield held
     finally:
         try:
             _rollback(db)
         finally:
+            held.released = time.perf_counter()
             lock.release()
             if board is not None:
                 board.let_go()
@@ -798,7 +807,7 @@ def _transact_posted(
         if got is None and (not posted or board.retract()):  # no queue any more
             return None
         if got:
-            with _holding(lock, db, board):
+            with _holding(lock, db, board) as held:
                 if turn is not None and not turn.begin():  # given up (the post taken back)
                     return _given_up(ops, asked)
                 if posted:
@@ -808,7 +817,7 @@ def _transact_posted(
                     if answers is not None:  # a holder that died had served it: it stands
                         return answers, time.perf_counter() - asked, 0.0
                 outcomes, waited = _transact_held(ops, db, clock, asked, board)
-            return outcomes, waited, time.perf_counter() - asked - waited
+            return outcomes, waited, held.released - asked - waited
         if not posted:
             if turn is None:
                 posted = board.post(ops)

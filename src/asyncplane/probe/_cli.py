@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import logging
 import os
 import pathlib
+import signal
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from typing import TextIO
 
 from asyncplane import (
@@ -24,6 +24,7 @@ from asyncplane import (
     _store,
     _validate,
 )
+from asyncplane.probe import _workers
 from asyncplane.probe._filesystem import filesystem_of, network_filesystem_warning
 from asyncplane.probe._report import _PROJECT, ROLES, SCENARIOS, SPREADABLE, ProbeReport
 from asyncplane.probe._scenarios import _RUNNERS
@@ -61,10 +62,13 @@ async def run_probe(args: argparse.Namespace, *, progress: TextIO = sys.stderr) 
         await _wait_for_store(args.store, args.wait_seconds, args.wait_deadline)
     where = _engine.redact(args.store) if _engine.is_postgres_url(args.store) else args.store
     _log.info("probe %s starting on %s (%s)", args.scenario, where, report.filesystem)
-    async with _store.ControlStore(
-        args.store, lease_seconds=args.lease_seconds, synchronous=args.synchronous
-    ) as store:
-        await _RUNNERS[args.scenario](args, store, report, progress)
+    try:
+        async with _store.ControlStore(
+            args.store, lease_seconds=args.lease_seconds, synchronous=args.synchronous
+        ) as store:
+            await _RUNNERS[args.scenario](args, store, report, progress)
+    finally:
+        await _workers.stop_all()  # however the run ends, none of its workers outlives it
     _log.info("probe %s finished: %s", args.scenario, "passed" if report.passed else "FAILED")
     return report
 
@@ -133,6 +137,7 @@ def _parser(prog: str) -> argparse.ArgumentParser:
 
 def _prepare_path(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     if _engine.is_postgres_url(args.store):
+        _engine.checked_url(args.store)  # one whose password cannot be told apart: refused
         if args.role != "worker":
             _loops.run(_prepare_schema(args, parser))
         return
@@ -154,8 +159,12 @@ def _prepare_path(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
                 f"{store} is not an asyncplane store ({exc}): --overwrite deletes a store only"
             )
         for path in paths:
-            with contextlib.suppress(FileNotFoundError):
+            try:
                 path.unlink()
+            except FileNotFoundError:
+                pass
+            except OSError as exc:  # a read-only disk, say: the disk failing the probe
+                raise _errors.StorageError(f"cannot delete the old store: {exc}") from exc
 
 
 async def _prepare_schema(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
@@ -255,14 +264,43 @@ def main(argv: Sequence[str] | None = None, *, prog: str = "python -m asyncplane
         warning = network_filesystem_warning(args.store, filesystem_of(args.store))
         if warning:
             print(warning, file=sys.stderr)
-        report = _loops.run(run_probe(args))
+        report = _loops.run(_until_signalled(run_probe(args)))
     except _UNPROBEABLE as exc:
         parser.error(str(exc))  # status 2: what was asked cannot be probed
     except _errors.StorageError as exc:  # the disk or the server failed under the probe
         print(f"{parser.prog}: the store failed: {exc}", file=sys.stderr)
         return 3
+    if isinstance(report, int):
+        print(f"{parser.prog}: stopped by a signal; its workers were stopped", file=sys.stderr)
+        return report
     if args.json:
         print(json.dumps(report.as_dict()))
     else:
         print(_human(report))
     return 0 if report.passed else 1
+
+
+async def _until_signalled(run: Awaitable[ProbeReport]) -> ProbeReport | int:
+    """The run's report; or, when SIGTERM or SIGINT stops it (its workers are stopped as
+    it unwinds, see `run_probe`), the exit status a signal gives: 128 and its number."""
+    loop = asyncio.get_running_loop()
+    task = asyncio.current_task()
+    assert task is not None
+    heard: list[int] = []
+
+    def stop(signum: int) -> None:
+        heard.append(signum)
+        task.cancel()
+
+    stops = (signal.SIGTERM, signal.SIGINT)
+    for signum in stops:
+        loop.add_signal_handler(signum, stop, signum)
+    try:
+        return await run
+    except asyncio.CancelledError:
+        if not heard:
+            raise
+        return 128 + heard[0]
+    finally:
+        for signum in stops:
+            loop.remove_signal_handler(signum)

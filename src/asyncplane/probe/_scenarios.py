@@ -57,8 +57,9 @@ async def _concurrent_queue(
         await _until_drained(workers, started, report)
     finally:
         await _stop(progress, out)
-    report.items_per_s = args.items / report.seconds if report.seconds else 0.0
     await _check(report, store, ids, workers)
+    done = args.items - report.lost
+    report.items_per_s = done / report.seconds if report.seconds else 0.0
     _expect_heard(report, workers)
     report.expect("fence_rejections", report.fence_rejections, 0)
 
@@ -80,14 +81,16 @@ async def _chaos(
     progress = _start_progress(store, args.items, started, out, report.scenario)
     rng = random.Random(args.seed)
     try:
-        while True:
-            counts = await store.counts()
-            if _probe_support.drained(counts):
-                break
+        while not _probe_support.drained(await store.counts()):
             await asyncio.sleep(_KILL_EVERY_SECONDS)
             if any(w.process.returncode not in (0, None) for w in live):
                 break  # one ended of itself, not drained: its store failed, or it crashed
-            victim = rng.choice(live)
+            # Only a worker that is at work: one killed before it is warm did nothing (a
+            # lone worker would be killed for ever), nor one after the queue drained.
+            warm = [w for w in live if w.ready.is_set()]
+            if not warm or _probe_support.drained(await store.counts()):
+                continue
+            victim = rng.choice(warm)
             victim.kill()
             await victim.wait()
             report.kills += 1
@@ -121,16 +124,17 @@ async def _kill_and_reclaim(
 ) -> None:
     ids = await _seed(store, 1)
     holder = await _spawn(args, "doomed", "--mode", "hold")
-    started = await _go([holder])
+    started = await _go([holder], report)
+    warming = report.startup_s  # the rescuer's start-up is counted apart too, not timed
     await holder.claimed_event.wait()
     assert holder.claimed is not None
     holder.kill()  # mid-work, with no chance to clean up
     await holder.wait()
     await _sleep_until(store, holder.claimed.lease_expires_at)
     rescuer = await _spawn(args, "rescuer")
-    await _go([rescuer])
+    await _go([rescuer], report)
     await rescuer.wait()
-    report.seconds = time.monotonic() - started
+    report.seconds = time.monotonic() - started - (report.startup_s - warming)
     await _stand_in_reports_late(report, store, holder.claimed)
     await _check(report, store, ids, [holder, rescuer])
     _expect_takeover(report, holder.claimed, rescuer)
@@ -143,20 +147,21 @@ async def _stall(
         raise _errors.InvalidInput("the stall scenario needs SIGSTOP/SIGCONT (POSIX)")
     ids = await _seed(store, 1)
     sleeper = await _spawn(args, "stalled", "--mode", "hold")
-    started = await _go([sleeper])
+    started = await _go([sleeper], report)
+    warming = report.startup_s  # the rescuer's start-up is counted apart too, not timed
     await sleeper.claimed_event.wait()
     assert sleeper.claimed is not None
     sleeper.process.send_signal(signal.SIGSTOP)
     try:
         await _sleep_until(store, sleeper.claimed.lease_expires_at)
         rescuer = await _spawn(args, "rescuer")
-        await _go([rescuer])
+        await _go([rescuer], report)
         await rescuer.wait()
     finally:
         sleeper.process.send_signal(signal.SIGCONT)
     await sleeper.say("report")  # the stalled worker wakes and reports with its old fence
     await sleeper.wait()
-    report.seconds = time.monotonic() - started
+    report.seconds = time.monotonic() - started - (report.startup_s - warming)
     report.expected_fence_rejections = 1
     outcome = sleeper.report.outcome if sleeper.report else "no report"
     if outcome != "fence_rejected":

@@ -8,6 +8,7 @@ import asyncio
 import collections
 import contextlib
 import os
+import signal
 import sys
 import time
 from collections.abc import Sequence
@@ -30,6 +31,8 @@ class _Worker:
     def __init__(self, name: str, process: asyncio.subprocess.Process) -> None:
         self.name = name
         self.process = process
+        #: When it was started (`time.monotonic`): its start-up runs from here.
+        self.spawned_at = time.monotonic()
         self.ready = asyncio.Event()
         #: The event loop the worker said it runs on (`Ready.event_loop`); "" until ready.
         self.event_loop = ""
@@ -43,6 +46,7 @@ class _Worker:
         self.finished: list[tuple[int, int]] = []
         self.stderr = b""
         self.killed = False
+        _RUNNING.add(self)
         self._readers = [
             asyncio.create_task(self._read_stdout(), name=f"probe-stdout[{name}]"),
             asyncio.create_task(self._read_stderr(), name=f"probe-stderr[{name}]"),
@@ -89,6 +93,7 @@ class _Worker:
         """Wait for the process and for everything it wrote."""
         code = await self.process.wait()
         await asyncio.gather(*self._readers)
+        _RUNNING.discard(self)
         return code
 
     async def until_ready(self) -> None:
@@ -117,6 +122,23 @@ class _Worker:
         return not self.killed and self.process.returncode == _probe_protocol.STORE_FAILED
 
 
+#: The workers started and not yet waited for (`stop_all` stops them).
+_RUNNING: set[_Worker] = set()
+
+
+async def stop_all() -> None:
+    """Kill every worker still running (one stopped by the stall scenario is let go on
+    first, so that it dies at once): however a run ends, a cancellation, a signal, an
+    error, none outlives it."""
+    for worker in list(_RUNNING):
+        if worker.process.returncode is None:
+            if hasattr(signal, "SIGCONT"):
+                with contextlib.suppress(ProcessLookupError):
+                    worker.process.send_signal(signal.SIGCONT)
+            worker.kill()
+        await worker.wait()
+
+
 def _raise_on_store_failure(workers: Sequence[_Worker]) -> None:
     """`StorageError` if a worker's store failed under it (a full disk, a server gone):
     the probe then says the store failed (status 3); its unfinished items are not lost."""
@@ -137,7 +159,11 @@ async def _spawn(
     ]  # fmt: skip
     process = await asyncio.create_subprocess_exec(
         *command,
-        env={**os.environ, _probe_protocol.STORE_VARIABLE: str(args.store)},
+        env={
+            **os.environ,
+            _probe_protocol.STORE_VARIABLE: str(args.store),
+            _probe_protocol.PARENT_VARIABLE: str(os.getpid()),
+        },
         stdin=asyncio.subprocess.PIPE,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
@@ -245,7 +271,7 @@ def _tally_workers(report: ProbeReport, workers: Sequence[_Worker]) -> None:
 async def _go(workers: Sequence[_Worker], report: ProbeReport | None = None) -> float:
     """Wait until every worker is warm (its store open, its first thread hand-off made),
     then start them all at once; the wait is the run's start-up, outside its timing."""
-    waiting = time.monotonic()
+    waiting = min((w.spawned_at for w in workers), default=time.monotonic())
     await asyncio.gather(*(w.until_ready() for w in workers))
     started = time.monotonic()
     if report is not None:
