@@ -101,7 +101,7 @@ def test_chaos_with_one_worker_kills_only_a_worker_at_work(tmp_path: pathlib.Pat
     # Each replacement takes longer to start than the time between kills: a lone worker
     # killed before it was warm would be replaced, and killed again, for ever.
     code, report, err = run_probe(
-        tmp_path, "--scenario", "chaos", "--workers", "1", "--items", "400", "--seed", "3"
+        tmp_path, "--scenario", "chaos", "--workers", "1", "--items", "5000", "--seed", "3"
     )
     assert code == 0, (report, err)
     assert (report["duplicates"], report["lost"], report["ledger_problems"]) == (0, 0, 0)
