@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import json
+import math
 import random
 import sqlite3
 from types import MappingProxyType
@@ -911,6 +912,19 @@ async def test_next_due_looks_only_at_open_projects(
     assert await lanes.next_due() is None
     await lanes.enqueue("alpha", {}, not_before=clock.now() + 50)
     assert await lanes.next_due() == clock.datetime() + dt.timedelta(seconds=50)
+
+
+@pytest.mark.parametrize(
+    ("bad", "error"),
+    [(math.nan, InvalidInput), (-1, InvalidInput), ("soon", InvalidType)],
+)
+async def test_a_claims_poll_interval_is_checked_even_without_a_wait(
+    lanes: ControlStore, bad: Any, error: type[Exception]
+) -> None:
+    await lanes.enqueue("alpha", {})
+    with pytest.raises(error, match="poll_interval"):
+        await lanes.claim("w", poll_interval=bad)
+    assert (await lanes.counts())["ready"] == 1  # nothing was claimed
 
 
 async def test_empty_enqueue_many_still_checks_scope(lanes: ControlStore) -> None:

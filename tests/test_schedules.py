@@ -499,6 +499,9 @@ def test_cli_adds_lists_pauses_and_deletes_schedules(location_of: Any) -> None:
     assert bad.returncode == 2 and "bad cron expression" in bad.stderr
     missing = cli("schedule", where, "x", "--project", "alpha", "--payload", "{}")
     assert missing.returncode == 2 and "--cron or --every" in missing.stderr
+    nowhere = cli("schedule", where, "x", "--project", "alpha", "--every", "5m",
+                  "--timezone", "", "--payload", "{}")  # fmt: skip
+    assert nowhere.returncode == 2 and "unknown timezone ''" in nowhere.stderr  # not UTC
     assert [row["name"] for row in json.loads(cli("schedules", where, "--json").stdout)[
         "schedules"]] == ["nightly-sweep"]  # fmt: skip
 

@@ -509,12 +509,12 @@ class ControlStore:
                 waiting, on SQLite.
         """
         limit = None if wait is None else _validate.seconds(wait, "wait", 10.0**7)
+        poll = _validate.seconds(poll_interval, "poll_interval", 3600.0)  # used or not
         if limit is None:
             claims = await self.claim_batch(
                 owner, 1, actor_id=actor_id, project_id=project_id, lease_seconds=lease_seconds
             )
             return claims[0] if claims else None
-        poll = _validate.seconds(poll_interval, "poll_interval", 3600.0)
         deadline = asyncio.get_running_loop().time() + limit
         await self._engine.ready()
         closes = self._engine.closes

@@ -775,8 +775,9 @@ async def _schedule(store: _store.ControlStore, args: argparse.Namespace) -> int
     try:
         row = await store.set_schedule(
             args.name, project_id=args.project, payload=args.payload, cron=args.cron,
-            every=args.every, timezone=args.timezone or "UTC",
-            catch_up=args.catch_up or "latest", priority=args.priority or 0,
+            every=args.every, timezone="UTC" if args.timezone is None else args.timezone,
+            catch_up="latest" if args.catch_up is None else args.catch_up,
+            priority=0 if args.priority is None else args.priority,
             max_attempts=args.max_attempts,
         )  # fmt: skip
     except (_errors.UnknownProject, _errors.MissingExtra) as exc:
