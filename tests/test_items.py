@@ -594,6 +594,10 @@ def test_cli_frictions_a_new_user_met(tmp_path: pathlib.Path) -> None:
     assert negative.returncode == 2 and "cannot be negative" in negative.stderr
     mixed = cli("purge", where, "--retention", "1h30")
     assert mixed.returncode == 2 and "not a duration" in mixed.stderr
+    into_folder = cli("purge", where, "--retention", "0", "--archive", str(tmp_path))
+    assert into_folder.returncode == 2 and "is a directory" in into_folder.stderr
+    nowhere = cli("purge", where, "--retention", "0", "--archive", str(tmp_path / "no" / "a"))
+    assert nowhere.returncode == 2 and "--archive: no directory" in nowhere.stderr
     source = tmp_path / "src.sqlite3"
     conn = sqlite3.connect(source)
     conn.execute("CREATE TABLE q (data TEXT)")

@@ -382,6 +382,11 @@ def _check_args(args: argparse.Namespace) -> None:
             raise _Usage("a schedule needs --project, --payload, and --cron or --every")
     elif args.verb == "limits" and _limit_changes(args) and args.project is None:
         raise _Usage("name the project whose limits change")
+    elif args.verb == "purge" and args.archive is not None:
+        if args.archive.is_dir():
+            raise _Usage(f"--archive {args.archive} is a directory: name a file in it")
+        if not args.archive.absolute().parent.is_dir():
+            raise _Usage(f"--archive: no directory {args.archive.absolute().parent}")
     elif args.verb == "dashboard":
         from asyncplane.dashboard import _command  # the dashboard extra
 
