@@ -25,6 +25,7 @@ import pytest
 
 from _fleet import COMMAND_LOOP
 from asyncplane import InvalidInput, probe, testing
+from asyncplane.probe._report import _KILL_EVERY_SECONDS
 
 REQUIRED_KEYS = {
     "scenario", "workers", "items", "seconds", "items_per_s", "duplicates", "lost",
@@ -98,13 +99,26 @@ def test_stall_fences_out_the_stopped_worker(location_of: Any) -> None:
 
 @pytest.mark.sqlite_only
 def test_chaos_with_one_worker_kills_only_a_worker_at_work(tmp_path: pathlib.Path) -> None:
-    # Each replacement takes longer to start than the time between kills: a lone worker
-    # killed before it was warm would be replaced, and killed again, for ever.
-    code, report, err = run_probe(
-        tmp_path, "--scenario", "chaos", "--workers", "1", "--items", "5000", "--seed", "3"
+    # Every worker here takes longer to start than the time between kills (a start-up
+    # slowed by a sitecustomize, as a loaded machine slows it): a lone worker killed
+    # before it was warm would be replaced, and killed again, for ever.
+    slow = tmp_path / "slow"
+    slow.mkdir()
+    (slow / "sitecustomize.py").write_text(
+        "import os, time\n"
+        f"if os.environ.get('ASYNCPLANE_PROBE_STORE'):  # a worker\n"
+        f"    time.sleep({2 * _KILL_EVERY_SECONDS})\n"
     )
-    assert code == 0, (report, err)
+    done = subprocess.run(
+        [sys.executable, "-m", "asyncplane.probe", "--store", str(tmp_path / "p.db"), "--json",
+         "--scenario", "chaos", "--workers", "1", "--items", "1500", "--seed", "3"],
+        capture_output=True, text=True, timeout=300,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(slow), *sys.path])},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
     assert (report["duplicates"], report["lost"], report["ledger_problems"]) == (0, 0, 0)
+    assert report["kills"] >= 1
 
 
 def test_chaos_survives_kills(location_of: Any) -> None:
