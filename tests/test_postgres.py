@@ -517,6 +517,34 @@ async def test_an_idle_session_ended_by_the_server_is_no_error(
     assert "lost its connection; opening again" in caplog.text
 
 
+async def test_a_connection_lost_under_a_round_is_told_as_lost_not_as_a_writer_fault(
+    url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A server restart, or a terminated backend, under a round: its callers have a
+    # StorageError caused by what ended the session (not by the rollback that could no
+    # longer be made), and the writer's stop is a WARNING, not an ERROR traceback.
+    async with ControlStore(url) as store:
+        await store.create_project("p", "P")
+        backend: Any = await store._engine.ready()
+        writer = backend.writer
+        running = asyncio.Event()
+
+        async def lost(conn: Any, now: float) -> None:
+            running.set()
+            await conn.execute("SELECT pg_sleep(600)")
+
+        answer = asyncio.ensure_future(writer.submit(lost))
+        await running.wait()
+        await sql(url, "SELECT pg_terminate_backend($1)", writer._conn.get_server_pid())
+        with pytest.raises(StorageError) as caught:
+            await answer
+        cause = caught.value.__cause__
+        assert type(cause) is asyncpg.exceptions.ConnectionDoesNotExistError, cause
+        assert await store.enqueue("p", {}) == 1  # the store opens afresh
+    assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text
+    assert "stopped: its connection was lost (ConnectionDoesNotExistError" in caplog.text
+
+
 async def test_a_lost_connection_is_replaced_on_next_use(url: str) -> None:
     async with ControlStore(url) as store:
         await store.create_project("p", "P")

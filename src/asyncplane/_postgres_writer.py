@@ -260,10 +260,12 @@ class Writer(_write_queue.WriterBase):
         except asyncio.CancelledError:
             raise
         except _CommitLost as lost:
+            self._connection_lost = self._conn.is_closed()
             self._broke(batch, lost.error, unknown=True)
             raise lost.error from None
         except Exception as exc:
             if self._conn.is_closed():  # the connection broke: the writer stops
+                self._connection_lost = True
                 self._broke(batch, exc)
                 raise
             # Outside any operation (the clock, say): this round fails, the writer goes
@@ -285,6 +287,7 @@ class Writer(_write_queue.WriterBase):
                 try:
                     (outcome,) = await self._alone(ops[index])
                 except _CommitLost as lost:
+                    self._connection_lost = self._conn.is_closed()
                     self._broke([batch[index]], lost.error, unknown=True)
                     raise lost.error from None
                 _write_queue.deliver([batch[index]], [outcome], self.orphaned)
@@ -356,19 +359,23 @@ class Writer(_write_queue.WriterBase):
                     results = await _isolated(ops, unit, conn, now)
                     for index, outcome in zip(unit, results, strict=True):
                         outcomes[index] = outcome
+        # A connection lost under the round: what lost it is raised (the writer stops).
         except _errors.AsyncplaneError as exc:
-            await transaction.rollback()
+            if not await _roll_back(transaction, conn):
+                raise
             return [_write_queue.Raised(exc)] * len(ops)
         except asyncpg.PostgresError as exc:
-            await transaction.rollback()
+            if not await _roll_back(transaction, conn):
+                raise
             if exc.sqlstate in RETRYABLE:
                 raise _Retry() from exc
             return [_write_queue.Raised(_translated(exc))] * len(ops)
         except _Bug as bug:  # in the one operation of the round: its caller hears it
-            await transaction.rollback()
+            if not await _roll_back(transaction, conn):
+                raise
             return [_write_queue.Raised(bug.error)]
         except BaseException:
-            await transaction.rollback()
+            await _roll_back(transaction, conn)
             raise
         try:
             await transaction.commit()
@@ -422,6 +429,21 @@ class Writer(_write_queue.WriterBase):
                 self.orphaned,
             )
         return [request for request, answer in zip(batch, answers, strict=True) if answer is LEFT]
+
+
+async def _roll_back(transaction: Any, conn: asyncpg.Connection) -> bool:
+    """Roll a round's transaction back; False if the connection is lost. Then there is
+    nothing to roll back (the server has): the error that lost it is the one to tell,
+    not the rollback's own ("the underlying connection is closed")."""
+    if conn.is_closed():
+        return False
+    try:
+        await transaction.rollback()
+    except (asyncpg.InterfaceError, asyncpg.PostgresConnectionError, OSError):
+        if not conn.is_closed():
+            raise
+        return False
+    return True
 
 
 def _alone_group(batch: list[_Request]) -> FirstAlone | None:

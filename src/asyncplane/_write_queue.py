@@ -361,6 +361,10 @@ class WriterBase:
         #: True when ``_failure`` is no round's: the connection was lost while idle (the
         #: store opens afresh on its next call, and says so then).
         self._failed_idle = False
+        #: True when a round stopped the writer because its connection was lost (a
+        #: server restarted, a backend terminated): an event the store recovers from, by
+        #: opening afresh on its next call, not a fault of the writer's own.
+        self._connection_lost = False
         self._task: asyncio.Task[None] | None = None
         #: Rounds run and requests served; read by tests and benchmarks.
         self.rounds = 0
@@ -395,8 +399,16 @@ class WriterBase:
     def _supervise(self, task: asyncio.Task[None]) -> None:
         # The writer's failure reaches every caller as StoreClosed (with the failure as its
         # cause); here it is logged once, and marked as seen so asyncio does not complain.
-        if not task.cancelled() and task.exception() is not None:
-            _log.error("asyncplane writer %s stopped", self._name, exc_info=task.exception())
+        if task.cancelled() or (failure := task.exception()) is None:
+            return
+        if self._connection_lost:  # each caller in the round has its StorageError
+            _log.warning(
+                "asyncplane writer %s stopped: its connection was lost (%s: %s); the "
+                "store opens afresh on its next call",
+                self._name, type(failure).__name__, failure,
+            )  # fmt: skip
+        else:
+            _log.error("asyncplane writer %s stopped", self._name, exc_info=failure)
 
     def _broke(
         self,
