@@ -1153,6 +1153,38 @@ async def test_a_handler_asking_to_exit_has_its_item_retried_then_work_stops_and
     assert await verify_ledger(store) == []
 
 
+async def test_an_exit_asked_by_the_handler_of_a_lost_item_still_stops_work(
+    store: ControlStore, clock: ManualClock
+) -> None:
+    # The item is cancelled by an operator; its handler, cancelled for that, asks the
+    # program to exit as it goes: nothing of the item is reported, but the exit stands.
+    item_id = await store.enqueue("alpha", {})
+    stop = asyncio.Event()
+
+    async def handle(claim: ClaimedItem) -> Done:
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            sys.exit(4)
+        return Done()
+
+    async def operator() -> None:
+        await until(lambda: running_tasks() == 1, what="it runs")
+        await store.cancel(item_id, reason="operator")
+        clock.advance(store.lease_seconds / 3 + 0.1)  # the renewal is refused: lost
+        await until(lambda: running_tasks() == 0, what="its handler stopped")
+        stop.set()  # (a worker that let the exit go would stop here, raising nothing)
+
+    # work() is awaited here, not in a task of its own: asyncio lets a task's SystemExit
+    # out of the event loop (see docs/workers.md).
+    side = asyncio.create_task(operator())
+    with pytest.raises(SystemExit) as ended:
+        await work(store, handle, stop=stop)
+    await side
+    assert ended.value.code == 4 and stop.is_set()
+    assert (await store.item(item_id))["state"] == "cancelled"
+
+
 # --- processes --------------------------------------------------------------------------------
 
 WORKER = textwrap.dedent(

@@ -506,8 +506,9 @@ class _Worker:
         self.held.pop(held.key, None)  # no renewal is made for it from here
         if held.lost:
             # Taken over or cancelled: counted by the renewer, which cancelled the handler;
-            # nothing is reported.
+            # nothing is reported (but an exit its handler asked for meanwhile stands).
             await _tasks.stop(handler)
+            self._exit_of_lost(handler)
             return
         if handler not in done:
             if await _tasks.stop(handler):
@@ -549,6 +550,7 @@ class _Worker:
         self.held.pop(held.key, None)  # no renewal is made for it from here
         await _tasks.stop(handler)
         if held.lost:
+            self._exit_of_lost(handler)
             return  # taken over or cancelled: not ours to settle or give back
         if handler.done() and not handler.cancelled():
             # It finished just before the stop: its outcome stands.
@@ -559,6 +561,13 @@ class _Worker:
         except LOST:
             return  # taken over, cancelled or out of scope meanwhile: not ours to give back
         self.summary.released += 1
+
+    def _exit_of_lost(self, handler: asyncio.Task[Any]) -> None:
+        """A lost item's handler that ended asking the program to exit (``sys.exit()``
+        in the same turn, or as it was cancelled): the runtime stops and raises it all
+        the same, as `_outcome_of` does for an item still held."""
+        if handler.done() and not handler.cancelled():
+            self.exiting = exit_asked(handler.result(), self.exiting, self.stop)
 
     def _outcome_of(self, claim: ClaimedItem, handler: asyncio.Task[Any]) -> Any:
         """The outcome of a handler that has ended; an exception it raised, something that
