@@ -730,3 +730,31 @@ def test_an_opentelemetry_namespace_without_the_api_is_no_api(tmp_path: pathlib.
         "print('ok')\n"
     )
     assert_script_passes(script, tmp_path / "unused.db")
+
+
+def test_the_api_is_found_in_a_zipped_install(tmp_path: pathlib.Path) -> None:
+    # A PEX or a zipapp imports from a zip file, where no directory can be looked at:
+    # the API found only there still turns telemetry on (and its absence keeps it off).
+    import zipfile
+
+    import asyncplane
+
+    source = pathlib.Path(asyncplane.__file__).parent.parent
+    for name, packages in (("app.zip", ("metrics", "trace")), ("proto.zip", ("proto",))):
+        with zipfile.ZipFile(tmp_path / name, "w") as bundle:  # as zipapp makes them
+            bundle.writestr("opentelemetry/", "")
+            for package in packages:
+                bundle.writestr(f"opentelemetry/{package}/", "")
+                bundle.writestr(f"opentelemetry/{package}/__init__.py", "")
+    for bundle_name, enabled in (("app.zip", "True"), ("proto.zip", "False")):
+        script = (
+            "import sys\n"
+            f"sys.path[:0] = [{str(source)!r}, {str(tmp_path / bundle_name)!r}]\n"
+            "from asyncplane import _telemetry\n"
+            "print(_telemetry.ENABLED)\n"
+        )
+        # -S: no site-packages, so the API installed for the suite is not seen.
+        done = subprocess.run(
+            [sys.executable, "-S", "-c", script], capture_output=True, text=True, timeout=60
+        )
+        assert (done.stdout.strip(), done.stderr) == (enabled, ""), bundle_name

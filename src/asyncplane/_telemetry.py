@@ -78,13 +78,21 @@ def _api_installed() -> bool:
     """Whether the OpenTelemetry API is here: its ``metrics`` and ``trace`` packages in the
     ``opentelemetry`` namespace (one that holds only another distribution's modules, the
     protocol buffers, say, does not count). Looked up on disk, importing nothing: a look
-    for ``opentelemetry.metrics`` would import ``opentelemetry`` with asyncplane."""
+    for ``opentelemetry.metrics`` would import ``opentelemetry`` with asyncplane. Where a
+    place is no directory (a zipped install: a PEX, a zipapp), the import system is asked
+    after all, at that cost."""
     spec = importlib.util.find_spec("opentelemetry")
     places = [] if spec is None else list(spec.submodule_search_locations or ())
-    return all(
-        any(os.path.isdir(os.path.join(place, package)) for place in places)
-        for package in ("metrics", "trace")
-    )
+    packages = ("metrics", "trace")
+    if all(os.path.isdir(place) for place in places):
+        return all(
+            any(os.path.isdir(os.path.join(place, package)) for place in places)
+            for package in packages
+        )
+    try:
+        return all(importlib.util.find_spec(f"opentelemetry.{package}") for package in packages)
+    except (ImportError, ValueError):  # a namespace that cannot be read: no telemetry
+        return False
 
 
 #: Whether the OpenTelemetry API is importable here (the ``otel`` extra). It is imported
