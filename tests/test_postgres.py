@@ -98,7 +98,7 @@ def test_a_url_selects_postgresql_and_its_password_stays_out_of_sight() -> None:
         assert ControlStore(readable).location == readable
 
 
-def test_without_the_extra_a_url_names_the_extra() -> None:
+def test_without_the_extra_a_url_names_the_extra(tmp_path: pathlib.Path) -> None:
     script = (
         "import asyncio, sys\n"
         "sys.modules['asyncpg'] = None\n"
@@ -112,14 +112,21 @@ def test_without_the_extra_a_url_names_the_extra() -> None:
         "    asyncio.run(testing.execute_sql(url, 'SELECT 1'))\n"
         "except MissingExtra as exc:\n"
         "    print(exc)\n"
-        "raise SystemExit(cli.main(['stats', url]))\n"
+        "raise SystemExit(cli.main([url if a == 'URL' else a for a in sys.argv[1:]]))\n"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60
-    )
+    (tmp_path / "agents.py").write_text("async def handle(claim): ...\n")
     said = "a postgresql:// store needs the postgres extra: pip install 'asyncplane[postgres]'"
-    assert (done.returncode, done.stdout) == (2, f"{said}\n{said}\n")
-    assert done.stderr == f"asyncplane stats: {said}\n"
+    for verb, told in (
+        (["stats", "URL"], f"asyncplane stats: {said}\n"),
+        (["probe", "--scenario", "stall", "--store", "URL"], said),
+        (["worker", "URL", "agents:handle"], f"asyncplane worker: {said}\n"),
+    ):
+        done = subprocess.run(
+            [sys.executable, "-c", script, *verb],
+            capture_output=True, text=True, timeout=60, cwd=tmp_path,
+        )  # fmt: skip
+        assert (done.returncode, done.stdout) == (2, f"{said}\n{said}\n"), done.stderr
+        assert told in done.stderr and "Traceback" not in done.stderr, done.stderr
 
 
 async def test_an_unreachable_server_is_a_storage_error(tmp_path: Any) -> None:

@@ -55,6 +55,7 @@ __all__ = (
     "backend_for",
     "checked_url",
     "is_postgres_url",
+    "postgres_driver",
     "redact",
     "redact_urls",
     "require_asyncio",
@@ -180,6 +181,17 @@ def worker_name(kind: str) -> str:
     return f"{kind}@{socket.gethostname()}:{os.getpid()}:{os.urandom(3).hex()}"
 
 
+def postgres_driver() -> None:
+    """`MissingExtra`, naming the extra, unless asyncpg (the ``postgres`` extra) can be
+    imported: what every use of a ``postgresql://`` URL asks first."""
+    try:
+        import asyncpg  # noqa: F401
+    except ImportError:
+        raise _errors.MissingExtra(
+            "a postgresql:// store needs the postgres extra: pip install 'asyncplane[postgres]'"
+        ) from None
+
+
 def backend_for(
     location: str,
     options: Options,
@@ -193,6 +205,7 @@ def backend_for(
     clock = None if options.clock is None else _clock.Checked(options.clock)
     sizing = _backend.Sizing(options.max_batch, options.read_connections, options.read_only)
     if is_postgres_url(location):
+        postgres_driver()
         from asyncplane import _postgres  # only a PostgreSQL store needs its driver
 
         return _postgres.PostgresBackend(

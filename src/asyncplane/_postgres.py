@@ -32,6 +32,8 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, NoReturn, TypeVar, cast
 
+import asyncpg
+
 from asyncplane import (
     _backend,
     _clock,
@@ -43,14 +45,6 @@ from asyncplane import (
     _schedule,
     _tasks,
 )
-
-try:
-    import asyncpg
-except ImportError:
-    raise _errors.MissingExtra(
-        "a postgresql:// store needs the postgres extra: pip install 'asyncplane[postgres]'"
-    ) from None
-
 from asyncplane import _postgres_sql as sql
 from asyncplane import _postgres_writer as _writer
 from asyncplane._engine import redact

@@ -117,6 +117,7 @@ async def drop_store(url: str) -> None:
 
 async def _on_server(url: str, fn: Callable[[Any], Awaitable[Any]]) -> Any:
     """``fn(conn)`` on a connection of its own to the PostgreSQL server, closed after."""
+    _engine.postgres_driver()
     import asyncpg
 
     from asyncplane import _postgres_writer

@@ -109,7 +109,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         return _loops.run(_main(args, handler))
     except (_errors.AsyncplaneError, OSError) as exc:
-        if isinstance(exc, (_errors.NotAnAsyncplaneDatabase, _errors.SchemaVersionError)):
+        if isinstance(
+            exc,
+            (_errors.NotAnAsyncplaneDatabase, _errors.SchemaVersionError, _errors.MissingExtra),
+        ):
             raise Usage(str(exc)) from exc
         # In the log's own form (one JSON object a line with --log-format json); exit 3.
         _log.error("failed: %s", exc)

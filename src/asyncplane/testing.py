@@ -236,12 +236,10 @@ async def execute_sql(url: str, statement: str) -> None:
     """Run ``statement`` (one or several, ``;``-separated) on the PostgreSQL server at
     ``url``, on a connection of its own, closed after: for fixtures that make and drop
     schemas. Needs the ``postgres`` extra (`MissingExtra` without it)."""
-    try:
-        import asyncpg
-    except ImportError:
-        from asyncplane import _postgres  # noqa: F401  (raises MissingExtra, naming it)
+    from asyncplane import _engine
 
-        raise
+    _engine.postgres_driver()
+    import asyncpg
 
     conn = await asyncpg.connect(url)
     try:

@@ -32,7 +32,12 @@ from asyncplane.probe._scenarios import _RUNNERS
 _log = logging.getLogger("asyncplane.probe")
 
 #: What the probe cannot run on as asked: a usage error (status 2), as the verbs say it.
-_UNPROBEABLE = (_errors.InvalidInput, _errors.NotAnAsyncplaneDatabase, _errors.SchemaVersionError)
+_UNPROBEABLE = (
+    _errors.InvalidInput,
+    _errors.NotAnAsyncplaneDatabase,
+    _errors.SchemaVersionError,
+    _errors.MissingExtra,
+)
 
 # --- running and reporting -----------------------------------------------------------------
 
