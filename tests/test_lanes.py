@@ -939,7 +939,7 @@ async def test_empty_enqueue_many_still_checks_scope(lanes: ControlStore) -> Non
 async def test_the_last_instant_of_9999_is_a_time_and_the_first_of_10000_is_not(
     lanes: ControlStore,
 ) -> None:
-    last = dt.datetime(9999, 12, 31, 23, 59, 59, 999000, tzinfo=dt.timezone.utc)
+    last = dt.datetime(9999, 12, 31, 23, 59, 59, 999999, tzinfo=dt.timezone.utc)
     item_id = await lanes.enqueue("alpha", {}, sla=last, not_before=last)
     item = await lanes.item(item_id)
     # A float of epoch seconds keeps about 30 µs there.
@@ -948,6 +948,9 @@ async def test_the_last_instant_of_9999_is_a_time_and_the_first_of_10000_is_not(
     await lanes.enqueue("alpha", {}, sla=253402300799)  # its last whole second, as seconds
     with pytest.raises(InvalidInput, match="representable"):
         await lanes.enqueue("alpha", {}, sla=253402300800)
+    behind = dt.timezone(-dt.timedelta(hours=1))  # 23:00 here is 10000-01-01 in UTC
+    with pytest.raises(InvalidInput, match="representable"):
+        await lanes.enqueue("alpha", {}, sla=dt.datetime(9999, 12, 31, 23, 0, tzinfo=behind))
     assert (await lanes.counts())["ready"] == 1
 
 

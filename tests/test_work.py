@@ -715,7 +715,8 @@ async def test_work_settles_each_outcome_and_retries_a_raising_handler(
     refused = await store.item(ids[4])
     assert refused["state"] == "failed"
     assert refused["error"].startswith("the handler's result was refused: result['at'] is a")
-    assert any(refused["error"] in r.getMessage() for r in caplog.records)
+    (said,) = [r for r in caplog.records if refused["error"] in r.getMessage()]
+    assert said.name == "asyncplane.worker" and said.item_id == ids[4]  # type: ignore[attr-defined]
     assert (await store.item(ids[0]))["result"] == {"ok": 0}
     raised = await store.item(ids[1])
     assert raised["state"] == "deferred"

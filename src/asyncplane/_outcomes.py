@@ -19,7 +19,7 @@ from typing import Any, TypeAlias, TypeVar
 
 from asyncplane import _clock, _errors, _validate
 from asyncplane._models import ClaimedItem
-from asyncplane._store import ControlStore
+from asyncplane._store import ControlStore, log_fields
 
 __all__ = (
     "LOST",
@@ -69,7 +69,11 @@ def exit_asked(
     return exiting
 
 
-_log = logging.getLogger("asyncplane.outcomes")
+#: Where a runtime's refused outcome is logged: the runtime's own logger.
+_LOGS = {
+    "handler": logging.getLogger("asyncplane.worker"),
+    "executor": logging.getLogger("asyncplane.drain"),
+}
 
 #: Errors longer than this are cut before they are recorded (the store keeps 16 KiB).
 _ERROR_CHARS = 4000
@@ -285,7 +289,9 @@ class Settler:
         except (_errors.InvalidInput, _errors.InvalidType) as exc:
             what = "result" if isinstance(outcome, Done) else type(outcome).__name__
             error = short_error(f"the {self.source}'s {what} was refused: {exc}")
-            _log.warning("item %d failed: %s", claim.item_id, error)
+            _LOGS[self.source].warning(
+                "item %d failed: %s", claim.item_id, error, extra=log_fields(claim)
+            )
             await self.store.finish(
                 claim.item_id, fence=claim.fence, status="failed", error=error,
                 actor_id=self.actor_id,

@@ -363,9 +363,15 @@ def instant(value: object, what: str) -> float | None:
     """None, or an absolute time: an aware datetime, or seconds since the Unix epoch."""
     if value is None:
         return None
+    given = value
     if isinstance(value, dt.datetime):
         try:  # Python's own test of awareness: a tzinfo whose offset is None is naive too
             seconds = None if value.utcoffset() is None else value.timestamp()
+            if seconds is not None and seconds >= MAX_EPOCH_SECONDS:
+                # Its last microseconds round up to the year 10000 as a float (whose
+                # steps are 30 µs there): one still in 9999 in UTC is its last float.
+                value.astimezone(dt.timezone.utc)  # OverflowError past 9999
+                seconds = math.nextafter(MAX_EPOCH_SECONDS, 0.0)
         except Exception as exc:  # the caller's tzinfo failed, or the time is out of range
             raise _errors.InvalidInput(f"{what} is not a representable time: {exc}") from exc
         if seconds is None:
@@ -375,7 +381,7 @@ def instant(value: object, what: str) -> float | None:
         value = seconds
     number = _number(value, what, "an aware datetime or epoch seconds")
     if not math.isfinite(number) or not 0 <= number < MAX_EPOCH_SECONDS:
-        raise _errors.InvalidInput(f"{what} is not a representable time: {shown(value)}")
+        raise _errors.InvalidInput(f"{what} is not a representable time: {shown(given)}")
     return number
 
 
