@@ -758,3 +758,24 @@ def test_the_api_is_found_in_a_zipped_install(tmp_path: pathlib.Path) -> None:
             [sys.executable, "-S", "-c", script], capture_output=True, text=True, timeout=60
         )
         assert (done.stdout.strip(), done.stderr) == (enabled, ""), bundle_name
+
+
+async def test_a_span_says_an_outcome_by_its_kind_not_its_class_name(
+    store: ControlStore, otel: Otel
+) -> None:
+    class Finished(Done):
+        """A handler's own outcome: a Done all the same."""
+
+    class Imposter:
+        """Named Done, but no outcome: the worker retries its item."""
+
+    Imposter.__name__ = "Done"
+    ids = await store.enqueue_many("alpha", [{"n": 0}, {"n": 1}])
+
+    async def handle(claim: ClaimedItem) -> Any:
+        return Finished() if claim.payload["n"] == 0 else Imposter()
+
+    await work(store, handle, until_empty=True)
+    said = {s.attributes["asyncplane.item_id"]: s.attributes["asyncplane.outcome"]
+            for s in otel.spans("asyncplane.execute")}  # fmt: skip
+    assert said == {ids[0]: "done", ids[1]: "invalid"}

@@ -33,6 +33,7 @@ __all__ = (
     "Settler",
     "count_lost",
     "exit_asked",
+    "given",
     "returned_or_raised",
     "short_error",
     "text_of",
@@ -126,6 +127,23 @@ class Offload:
 
 
 Outcome: TypeAlias = Done | Failed | Retry | Park | Offload
+
+#: Each outcome's kind in the words the settle counter uses (`given`).
+_WORDS: tuple[tuple[type, str], ...] = (
+    (Done, "done"),
+    (Failed, "failed"),
+    (Retry, "retried"),
+    (Park, "parked"),
+    (Offload, "offloaded"),
+)
+
+
+def given(outcome: object) -> str:
+    """What a handler or executor gave, as an execution span's ``asyncplane.outcome``
+    says it: the settle counter's word for its kind (a subclass's too; a Retry the store
+    fails for want of attempts still says "retried": the span tells what the code gave),
+    or "invalid" for anything that is no outcome, which the runtimes retry."""
+    return next((word for kind, word in _WORDS if isinstance(outcome, kind)), "invalid")
 
 
 @dataclasses.dataclass

@@ -414,20 +414,10 @@ class Execution:
             status = otel.trace.Status(otel.trace.StatusCode.ERROR, type(outcome).__name__)
             span.set_status(status)
         else:
-            span.set_attribute("asyncplane.outcome", _GIVEN.get(type(outcome).__name__, "invalid"))
+            from asyncplane import _outcomes  # (it imports the store, which imports this)
+
+            span.set_attribute("asyncplane.outcome", _outcomes.given(outcome))
         span.end()
-
-
-#: An execution span's ``asyncplane.outcome``: the outcome given, in the words the
-#: settle counter uses (a Retry the store fails for want of attempts still says
-#: "retried": the span tells what the code gave); "invalid" for anything else.
-_GIVEN: Final = {
-    "Done": "done",
-    "Failed": "failed",
-    "Retry": "retried",
-    "Park": "parked",
-    "Offload": "offloaded",
-}
 
 
 @contextlib.contextmanager
