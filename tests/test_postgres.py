@@ -524,8 +524,9 @@ async def test_an_idle_session_ended_by_the_server_is_no_error(
     assert "lost its connection; opening again" in caplog.text
 
 
+@pytest.mark.parametrize("units", [1, 2])  # 2: each under a savepoint of its own
 async def test_a_connection_lost_under_a_round_is_told_as_lost_not_as_a_writer_fault(
-    url: str, caplog: pytest.LogCaptureFixture
+    url: str, caplog: pytest.LogCaptureFixture, units: int
 ) -> None:
     # A server restart, or a terminated backend, under a round: its callers have a
     # StorageError caused by what ended the session (not by the rollback that could no
@@ -536,17 +537,33 @@ async def test_a_connection_lost_under_a_round_is_told_as_lost_not_as_a_writer_f
         writer = backend.writer
         running = asyncio.Event()
 
+        async def quick(conn: Any, now: float) -> None:
+            await conn.execute("SELECT 1")
+
         async def lost(conn: Any, now: float) -> None:
             running.set()
             await conn.execute("SELECT pg_sleep(600)")
 
-        answer = asyncio.ensure_future(writer.submit(lost))
+        held, holds = asyncio.Event(), asyncio.Event()
+
+        async def hold(conn: Any, now: float) -> None:
+            holds.set()
+            await held.wait()  # the requests below queue up meanwhile: one round
+
+        holding = asyncio.ensure_future(writer.submit(hold))
+        await holds.wait()
+        ops = [quick, lost][-units:]
+        answers = [asyncio.ensure_future(writer.submit(op)) for op in ops]
+        await until(lambda: writer.requests_waiting == units, what="queued")
+        held.set()
+        await holding
         await running.wait()
         await sql(url, "SELECT pg_terminate_backend($1)", writer._conn.get_server_pid())
-        with pytest.raises(StorageError) as caught:
-            await answer
-        cause = caught.value.__cause__
-        assert type(cause) is asyncpg.exceptions.ConnectionDoesNotExistError, cause
+        for answer in answers:
+            with pytest.raises(StorageError) as caught:
+                await answer
+            cause = caught.value.__cause__
+            assert type(cause) is asyncpg.exceptions.ConnectionDoesNotExistError, cause
         assert await store.enqueue("p", {}) == 1  # the store opens afresh
     assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text
     assert "stopped: its connection was lost (ConnectionDoesNotExistError" in caplog.text

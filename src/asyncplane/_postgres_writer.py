@@ -463,9 +463,18 @@ async def _isolated(
     """Run a unit under a savepoint; if it breaks, its members one by one, so a failure
     belongs to the one request that caused it. Deadlocks go up: the round runs again."""
     try:
-        async with conn.transaction():
-            return await _run_unit(ops, unit, conn, now)
+        savepoint = conn.transaction()
+        await savepoint.start()
+        try:
+            outcomes = await _run_unit(ops, unit, conn, now)
+        except BaseException:
+            await _roll_back(savepoint, conn)  # none on a lost connection: see below
+            raise
+        await savepoint.commit()
+        return outcomes
     except (_errors.AsyncplaneError, asyncpg.PostgresError, _Bug) as exc:
+        if conn.is_closed():  # the connection was lost: what lost it goes up, the round's
+            raise
         if isinstance(exc, asyncpg.PostgresError) and exc.sqlstate in RETRYABLE:
             raise _Retry() from exc
         if len(unit) == 1:
