@@ -16,6 +16,7 @@ import pathlib
 import re
 import subprocess
 import sys
+import textwrap
 import time
 import urllib.parse
 from typing import Any
@@ -111,7 +112,7 @@ def test_chaos_with_one_worker_kills_only_a_worker_at_work(tmp_path: pathlib.Pat
     )
     done = subprocess.run(
         [sys.executable, "-m", "asyncplane.probe", "--store", str(tmp_path / "p.db"), "--json",
-         "--scenario", "chaos", "--workers", "1", "--items", "1500", "--seed", "3"],
+         "--scenario", "chaos", "--workers", "1", "--items", "5000", "--seed", "3"],
         capture_output=True, text=True, timeout=300,
         env={**os.environ, "PYTHONPATH": os.pathsep.join([str(slow), *sys.path])},
     )  # fmt: skip
@@ -817,3 +818,84 @@ async def test_a_probe_stopped_by_a_signal_leaves_no_worker_behind(
     else:
         assert probe_run.returncode == 128 + number, err
         assert err.endswith("stopped by a signal; its workers were stopped\n"), err
+
+
+def _with_site(tmp_path: pathlib.Path, code: str) -> dict[str, str]:
+    """An environment whose processes run ``code`` first (a sitecustomize): a fault a
+    probe worker meets (``ASYNCPLANE_PROBE_STORE`` is set in workers only)."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(
+        "import os\nif os.environ.get('ASYNCPLANE_PROBE_STORE'):\n" + textwrap.indent(code, "    ")
+    )
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), *sys.path])}
+
+
+@pytest.mark.sqlite_only
+def test_a_worker_whose_lock_wait_ran_out_is_a_locked_error_not_a_store_failure(
+    tmp_path: pathlib.Path,
+) -> None:
+    # DatabaseLocked is a StorageError, but a lock wait that ran out is what the probe
+    # counts (locked_errors, exit 1), not the disk failing under it (exit 3).
+    env = _with_site(tmp_path, textwrap.dedent("""\
+        from asyncplane import _errors, _store
+        original, calls = _store.ControlStore.counts, [0]
+        async def counts(self, *args, **kwargs):
+            calls[0] += 1
+            if calls[0] == 2:  # the first is the warm-up before it says ready
+                raise _errors.DatabaseLocked("database is locked: busy_timeout ran out")
+            return await original(self, *args, **kwargs)
+        _store.ControlStore.counts = counts
+    """))  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "asyncplane.probe", "--store", str(tmp_path / "p.db"),
+         "--scenario", "chaos", "--workers", "2", "--items", "300", "--seed", "1"],
+        capture_output=True, text=True, timeout=300, env=env,
+    )  # fmt: skip
+    assert done.returncode == 1, done.stderr
+    assert "FAILED: locked_errors is" in done.stdout, done.stdout
+
+
+@pytest.mark.sqlite_only
+@pytest.mark.parametrize("scenario", ["kill-and-reclaim", "stall"])
+def test_a_holder_whose_store_fails_after_it_is_ready_ends_the_run_with_3(
+    tmp_path: pathlib.Path, scenario: str
+) -> None:
+    # Its claim fails as a full disk fails it: the probe must not wait for ever for the
+    # claim it will never report.
+    env = _with_site(tmp_path, textwrap.dedent("""\
+        from asyncplane import _errors, _store
+        async def claim(self, *args, **kwargs):
+            raise _errors.StorageError("OperationalError: database or disk is full")
+        _store.ControlStore.claim = claim
+    """))  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "asyncplane.probe", "--store", str(tmp_path / "p.db"),
+         "--scenario", scenario],
+        capture_output=True, text=True, timeout=120, env=env,
+    )  # fmt: skip
+    assert done.returncode == 3, done.stderr
+    assert "the store failed: worker " in done.stderr and "disk is full" in done.stderr
+
+
+@pytest.mark.sqlite_only
+async def test_two_runs_in_one_process_stop_only_their_own_workers(
+    tmp_path: pathlib.Path,
+) -> None:
+    from _signals import until
+    from asyncplane.probe import _cli
+
+    def args_for(name: str, workers: int, items: int) -> argparse.Namespace:
+        args = _cli._parser("probe").parse_args(
+            ["--store", str(tmp_path / name), "--scenario", "concurrent-queue",
+             "--workers", str(workers), "--items", str(items)]
+        )  # fmt: skip
+        args.lease_seconds = _cli._default_lease(args.scenario)
+        return args
+
+    long = asyncio.ensure_future(probe.run_probe(args_for("long.db", 2, 20_000)))
+    await until(lambda: len(_children(os.getpid())) >= 2, what="the long run's workers")
+    short = await probe.run_probe(args_for("short.db", 1, 10))  # it ends first
+    assert short.passed, short.failures
+    report = await long
+    assert report.passed, report.failures

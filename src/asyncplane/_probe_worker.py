@@ -258,6 +258,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--store, or ${_probe_protocol.STORE_VARIABLE}, names the store")
     try:
         return _loops.run(_main(args))
+    except _errors.DatabaseLocked:
+        raise  # not the store failing: a lock wait ran out, a count the probe makes
     except _errors.StorageError as exc:  # its last line on stderr says how
         print(f"{type(exc).__name__}: {exc}", file=sys.stderr)
         return _probe_protocol.STORE_FAILED

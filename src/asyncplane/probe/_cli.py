@@ -67,13 +67,14 @@ async def run_probe(args: argparse.Namespace, *, progress: TextIO = sys.stderr) 
         await _wait_for_store(args.store, args.wait_seconds, args.wait_deadline)
     where = _engine.redact(args.store) if _engine.is_postgres_url(args.store) else args.store
     _log.info("probe %s starting on %s (%s)", args.scenario, where, report.filesystem)
+    run = _workers.track_workers()
     try:
         async with _store.ControlStore(
             args.store, lease_seconds=args.lease_seconds, synchronous=args.synchronous
         ) as store:
             await _RUNNERS[args.scenario](args, store, report, progress)
     finally:
-        await _workers.stop_all()  # however the run ends, none of its workers outlives it
+        await _workers.stop_all(run)  # however the run ends, none of its workers outlives it
     _log.info("probe %s finished: %s", args.scenario, "passed" if report.passed else "FAILED")
     return report
 

@@ -108,11 +108,12 @@ async def _chaos(
                 await worker.wait()
     if args.role == "worker":  # this host's share: what its workers finished
         report.items = sum(len(w.finished) for w in everyone)
-    report.items_per_s = report.items / report.seconds if report.seconds else 0.0
-    if args.role == "worker":
         _check_workers(report, everyone)
+        done = report.items
     else:
         await _check(report, store, ids, everyone)
+        done = report.items - report.lost
+    report.items_per_s = done / report.seconds if report.seconds else 0.0
     report.notes.append(
         f"{report.kills} workers killed and replaced; {report.re_executions} items taken "
         f"over after a lapsed lease; {report.fence_rejections} late reports fenced out"
@@ -126,7 +127,7 @@ async def _kill_and_reclaim(
     holder = await _spawn(args, "doomed", "--mode", "hold")
     started = await _go([holder], report)
     warming = report.startup_s  # the rescuer's start-up is counted apart too, not timed
-    await holder.claimed_event.wait()
+    await holder.until(holder.claimed_event, "claimed")
     assert holder.claimed is not None
     holder.kill()  # mid-work, with no chance to clean up
     await holder.wait()
@@ -149,7 +150,7 @@ async def _stall(
     sleeper = await _spawn(args, "stalled", "--mode", "hold")
     started = await _go([sleeper], report)
     warming = report.startup_s  # the rescuer's start-up is counted apart too, not timed
-    await sleeper.claimed_event.wait()
+    await sleeper.until(sleeper.claimed_event, "claimed")
     assert sleeper.claimed is not None
     sleeper.process.send_signal(signal.SIGSTOP)
     try:

@@ -7,6 +7,7 @@ import argparse
 import asyncio
 import collections
 import contextlib
+import contextvars
 import os
 import signal
 import sys
@@ -46,7 +47,9 @@ class _Worker:
         self.finished: list[tuple[int, int]] = []
         self.stderr = b""
         self.killed = False
-        _RUNNING.add(self)
+        self._run = _RUNNING.get(None)  # a worker made outside a run is nobody's to stop
+        if self._run is not None:
+            self._run.add(self)
         self._readers = [
             asyncio.create_task(self._read_stdout(), name=f"probe-stdout[{name}]"),
             asyncio.create_task(self._read_stderr(), name=f"probe-stderr[{name}]"),
@@ -93,24 +96,30 @@ class _Worker:
         """Wait for the process and for everything it wrote."""
         code = await self.process.wait()
         await asyncio.gather(*self._readers)
-        _RUNNING.discard(self)
+        if self._run is not None:
+            self._run.discard(self)
         return code
 
     async def until_ready(self) -> None:
-        """Wait for its ready line. One that exits first fails the run: `StorageError`
-        if its store failed under it (`_raise_on_store_failure`), else RuntimeError."""
-        ready = asyncio.create_task(self.ready.wait(), name=f"probe-ready[{self.name}]")
+        """Wait for its ready line (`until`)."""
+        await self.until(self.ready, "was ready")
+
+    async def until(self, said: asyncio.Event, what: str) -> None:
+        """Wait for ``said`` (its ready line, its claim). One that exits first fails the
+        run: `StorageError` if its store failed under it (`_raise_on_store_failure`),
+        else RuntimeError."""
+        heard = asyncio.create_task(said.wait(), name=f"probe-heard[{self.name}]")
         ended = asyncio.create_task(self.process.wait(), name=f"probe-exit[{self.name}]")
         try:
-            await asyncio.wait({ready, ended}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({heard, ended}, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            ready.cancel()
+            heard.cancel()
             ended.cancel()
-        if self.ready.is_set():
+        if said.is_set():
             return
         code = await self.wait()
         _raise_on_store_failure([self])
-        raise RuntimeError(f"worker {self.name} exited {code} before it was ready: {self.tail()}")
+        raise RuntimeError(f"worker {self.name} exited {code} before it {what}: {self.tail()}")
 
     def tail(self) -> str:
         """The last line it wrote on stderr (complete once `wait` has returned)."""
@@ -122,15 +131,23 @@ class _Worker:
         return not self.killed and self.process.returncode == _probe_protocol.STORE_FAILED
 
 
-#: The workers started and not yet waited for (`stop_all` stops them).
-_RUNNING: set[_Worker] = set()
+#: The workers a run (`run_probe`) started and has not waited for yet: `stop_all` stops
+#: them. One set a run (a context variable): runs side by side in one process keep apart.
+_RUNNING: contextvars.ContextVar[set[_Worker]] = contextvars.ContextVar("probe_workers")
 
 
-async def stop_all() -> None:
-    """Kill every worker still running (one stopped by the stall scenario is let go on
-    first, so that it dies at once): however a run ends, a cancellation, a signal, an
-    error, none outlives it."""
-    for worker in list(_RUNNING):
+def track_workers() -> contextvars.Token[set[_Worker]]:
+    """Begin a run's set of workers (in the run's own context, before any is started)."""
+    return _RUNNING.set(set())
+
+
+async def stop_all(token: contextvars.Token[set[_Worker]]) -> None:
+    """Kill every worker of the run that ``token`` began still running (one stopped by
+    the stall scenario is let go on first, so that it dies at once): however a run ends,
+    a cancellation, a signal, an error, none outlives it."""
+    running = _RUNNING.get()
+    _RUNNING.reset(token)
+    for worker in list(running):
         if worker.process.returncode is None:
             if hasattr(signal, "SIGCONT"):
                 with contextlib.suppress(ProcessLookupError):
