@@ -786,8 +786,11 @@ def test_cli_looking_writes_nothing_and_failures_exit_3(tmp_path: pathlib.Path) 
     assert copy.read_bytes() == before  # not switched to WAL, not touched at all
     events = json.loads(cli("events", str(copy), "1", "--json").stdout)["events"]
     assert "T" in events[0]["at"]  # ISO 8601 times in JSON
-    failed = cli("purge", str(path), "--retention", "0s", "--archive", str(tmp_path / "x" / "a"))
-    assert failed.returncode == 3 and "failed" in failed.stderr
+    # An archive the file system refuses (a name past NAME_MAX; a full or read-only disk
+    # alike): the store failed under the command, 3. (A missing directory is a usage error.)
+    refused = str(tmp_path / ("a" * 300))
+    failed = cli("purge", str(path), "--retention", "0s", "--archive", refused)
+    assert failed.returncode == 3 and "failed" in failed.stderr, failed.stderr
 
 
 def test_cli_refuses_an_empty_file_and_leaves_it_empty(tmp_path: pathlib.Path) -> None:
