@@ -892,3 +892,55 @@ async def test_a_post_naming_a_request_out_of_its_range_is_read_as_another_layou
             os.pwrite(mine._fd, body, _combine._HEADERS + mine.slot * _combine._BODY)
             assert mine._read_post(mine.slot, len(body)) is None
         assert mine.retract()
+
+
+async def test_a_file_of_another_kind_named_like_the_board_is_left_alone(
+    tmp_path: pathlib.Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A store named "jobs-combine" beside the store "jobs": the board's name. Taken for a
+    # board, it would be written over, slot words and posts on its pages.
+    async with ControlStore(tmp_path / "jobs-combine") as other:
+        await other.create_project("p", "P")
+        await other.enqueue_many("p", [{"n": n} for n in range(5)])
+    before = (tmp_path / "jobs-combine").read_bytes()
+    async with ControlStore(tmp_path / "jobs") as store:
+        assert (await writer_of(store)).board is None
+        await store.create_project("q", "Q")
+        await store.enqueue("q", {})
+        claim = await store.claim("w")
+        assert claim is not None
+        await store.finish(claim.item_id, fence=claim.fence)
+    assert (tmp_path / "jobs-combine").read_bytes() == before
+    assert "is not a combining board" in caplog.text
+    async with ControlStore(tmp_path / "jobs-combine") as other:
+        assert (await other.counts())["ready"] == 5
+
+
+async def test_two_boards_of_one_database_keep_their_rounds_tokens_apart(
+    tmp_path: pathlib.Path,
+) -> None:
+    # The board deleted while processes use it, and made anew by the next: both number
+    # their slots from 0. A waiter on one must never take a round served on the other's
+    # slot of its number for its own (its requests would be run twice, or refused).
+    async with ControlStore(tmp_path / "s.db") as store:
+        await store.create_project("p", "P")
+        first = (await writer_of(store)).board
+        assert first is not None
+        (tmp_path / f"s.db{_combine.SUFFIX}").unlink()
+        lock = _write_lock.open_write_lock(tmp_path / "s.db")
+        assert lock is not None
+        second = _combine.open_board(tmp_path / "s.db", {}, lock)
+        assert second is not None and second.slot == first.slot
+        try:
+            db = sqlite3.connect(tmp_path / "s.db", isolation_level=None)
+            token = os.urandom(16)
+            db.execute(
+                "INSERT OR REPLACE INTO combined_rounds (slot, token) VALUES (?, ?)",
+                (second.row(second.slot), token),
+            )  # served on the second board's slot
+            assert _writer._committed(db, second, token)
+            assert not _writer._committed(db, first, token)
+            db.close()
+        finally:
+            second.close()
+            lock.close()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import pathlib
 import pickle
 import sqlite3
@@ -583,6 +584,9 @@ def test_cli_usage_errors_never_show_a_password(tmp_path: pathlib.Path) -> None:
 def test_cli_frictions_a_new_user_met(tmp_path: pathlib.Path) -> None:
     folder = cli("stats", str(tmp_path))
     assert folder.returncode == 2 and "is a directory" in folder.stderr
+    os.mkfifo(tmp_path / "pipe.db")
+    pipe = cli("stats", str(tmp_path / "pipe.db"))
+    assert pipe.returncode == 2 and "is not a regular file" in pipe.stderr, pipe.stderr
     where = str(tmp_path / "s.db")
     seeded(where)
     typo = cli("items", where, "--stae", "failed")

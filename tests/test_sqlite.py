@@ -9,6 +9,7 @@ several processes creating one fresh file, and read-only stores on copied files.
 from __future__ import annotations
 
 import asyncio
+import os
 import pathlib
 import sqlite3
 import subprocess
@@ -1054,3 +1055,38 @@ async def test_a_contents_deferred_twins_cost_nothing_to_its_line(
         assert all(n <= was + 2 for n, was in zip(after, before, strict=True)), (before, after)
     finally:
         conn.close()
+
+
+async def test_every_name_of_one_file_opens_one_store_with_one_set_of_companions(
+    tmp_path: pathlib.Path,
+) -> None:
+    # SQLite names the -wal and -shm after the name it opens, asyncplane its write queue,
+    # board and drain lock: through a symbolic link, or a link's "..", the same names.
+    (tmp_path / "data" / "stores").mkdir(parents=True)
+    (tmp_path / "stores").symlink_to(tmp_path / "data" / "stores")
+    (tmp_path / "link.db").symlink_to(tmp_path / "data" / "work.db")
+    real = ControlStore(tmp_path / "data" / "work.db")
+    # The kernel reads stores/../work.db as data/work.db (the link's target's parent).
+    for name in (tmp_path / "link.db", tmp_path / "stores" / ".." / "work.db"):
+        assert ControlStore(name).path == real.path
+    async with ControlStore(tmp_path / "link.db") as through_link:
+        await through_link.create_project("p", "P")
+        await through_link.enqueue("p", {})
+    async with ControlStore(tmp_path / "stores" / ".." / "work.db") as through_dots:
+        assert (await through_dots.counts())["ready"] == 1
+    companions = [name for name in os.listdir(tmp_path / "data") if name != "stores"]
+    assert [name for name in os.listdir(tmp_path) if name.startswith("link")] == ["link.db"]
+    assert all(name.startswith("work.db") for name in companions), companions
+
+
+async def test_a_store_with_a_second_hard_link_is_refused(tmp_path: pathlib.Path) -> None:
+    # Two names, two WALs: writers through each would never see the other's, and the file
+    # would be corrupted. Refused before anything is read or written.
+    async with ControlStore(tmp_path / "a.db") as store:
+        await store.create_project("p", "P")
+    os.link(tmp_path / "a.db", tmp_path / "b.db")
+    before = ((tmp_path / "a.db").read_bytes(), sorted(os.listdir(tmp_path)))
+    for name in ("a.db", "b.db"):
+        with pytest.raises(StorageError, match="has 2 names \\(hard links\\)"):
+            await ControlStore(tmp_path / name).open()
+    assert ((tmp_path / "a.db").read_bytes(), sorted(os.listdir(tmp_path))) == before

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import pathlib
+import subprocess
 import sys
 from collections.abc import Callable
 
@@ -206,3 +207,34 @@ async def test_a_claim_cancelled_as_its_answer_came_after_the_lock_moved_gives_i
         ]  # fmt: skip
         assert queued  # it went through the wait for the lock to move
         assert (await store.counts())["ready"] == 1  # the write given up wrote nothing
+
+
+def test_companions_made_under_a_strict_umask_take_the_databases_mode(
+    tmp_path: pathlib.Path,
+) -> None:
+    # Made 0600 by a process whose umask is 077, the queue and the board would shut out
+    # another user's processes that may write the database: they would run without them.
+    script = (
+        "import asyncio, os, sys\n"
+        "from asyncplane import ControlStore\n"
+        "async def main():\n"
+        "    async with ControlStore(sys.argv[1]) as store:\n"
+        "        await store.create_project('p', 'P')\n"
+        "asyncio.run(main())\n"
+        "os.chmod(sys.argv[1], 0o666)\n"
+        "for suffix in ('-writers', '-combine'):\n"
+        "    os.unlink(sys.argv[1] + suffix)\n"
+        "os.umask(0o077)\n"
+        "async def again():\n"
+        "    async with ControlStore(sys.argv[1]) as store:\n"
+        "        await store.projects()\n"
+        "asyncio.run(again())\n"
+    )
+    store = tmp_path / "s.db"
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(store)], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    for suffix in ("-writers", "-combine"):
+        mode = (tmp_path / f"s.db{suffix}").stat().st_mode & 0o777
+        assert mode == 0o666, (suffix, oct(mode))

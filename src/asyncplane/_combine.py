@@ -77,7 +77,7 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
-from asyncplane import _errors, _write_queue
+from asyncplane import _errors, _write_lock, _write_queue
 
 if TYPE_CHECKING:
     from asyncplane._write_lock import WriteLock
@@ -118,8 +118,10 @@ _SIGNAL = 40  # a slot's signal word: bumped at every change its owner must look
 _VERSION_AT = 44  # the layout of a post: a holder skips posts of another version
 # 2: a holder runs a round's finishes ahead of its claims (`_write_queue.combined_order`),
 # which a finish posted with its caller's next claim counts on. 3: a request names the
-# one it rides on (`_Wire`).
-_VERSION = 3
+# one it rides on (`_Wire`). 4: a round's token is kept under the board's own row for the
+# slot (`Board.row`), so two boards of one database (one made anew after the first was
+# deleted) never read each other's tokens.
+_VERSION = 4
 _QUEUE_AT = 48  # which writers' queue file the poster waits in (see `Board.queue`)
 _WAKE_AT = 56  # the inode of the slot's wake pipe (0: none), as its owner opened it
 #: A slot's wake pipe is the board's name with this and the slot's number added.
@@ -197,6 +199,9 @@ class Board:
         self.slot = slot
         self._kinds = kinds
         self._names = {many: name for name, many in kinds.items()}
+        #: Which board this is, as a number (its file's inode): two boards of one
+        #: database number their slots alike, and keep their tokens apart by it (`row`).
+        self.identity = os.fstat(fd).st_ino % (1 << 50)
         self._mem = mmap.mmap(fd, _HEADERS)
         self._words = [ctypes.c_uint32.from_buffer(self._mem, s * _HEADER) for s in range(SLOTS)]
         self._signals = [
@@ -215,6 +220,10 @@ class Board:
         #: Rounds of others this process's rounds took in, and its own served elsewhere.
         self.served_for_others = 0
         self.served_by_others = 0
+
+    def row(self, slot: int) -> int:
+        """The ``combined_rounds`` row of a slot of this board (its token's key)."""
+        return self.identity * SLOTS + slot
 
     # --- the owner's side ---------------------------------------------------------------
 
@@ -740,6 +749,19 @@ def _decode_cause(cause: Any) -> BaseException | None:
     return rebuilt
 
 
+def _a_board(head: bytes) -> bool:
+    """Whether a file that begins with ``head`` (up to `_HEADERS` bytes) may be used as a
+    board: a new one (empty), or one whose every slot's state word is a state. A file of
+    another kind that happens to have a board's name (a store named ``X-combine`` beside
+    the store ``X``) fails this at its first word, and is never written to."""
+    if not head:
+        return True
+    if len(head) != _HEADERS:
+        return False
+    words = struct.unpack_from(f"={SLOTS * _HEADER // 4}I", head)
+    return all(words[slot * _HEADER // 4] <= ANSWERED for slot in range(SLOTS))
+
+
 def open_board(
     path: pathlib.Path,
     kinds: Mapping[str, Callable[..., Any]],
@@ -752,15 +774,18 @@ def open_board(
         return None
     board_path = path.with_name(path.name + SUFFIX)
     try:
-        mode = os.stat(path).st_mode & 0o666
-    except OSError:
-        mode = 0o644
-    try:
-        fd = os.open(board_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, mode)
+        fd = _write_lock.open_companion(board_path, path)
     except OSError as exc:
         _log.debug("no combining board for %s (%s)", path, exc)
         return None
     try:
+        if not _a_board(os.pread(fd, _HEADERS, 0)):
+            _log.warning(
+                "%s is not a combining board (another store's file?): left alone; this "
+                "process's writers queue for their own rounds", board_path,
+            )  # fmt: skip
+            os.close(fd)
+            return None
         os.posix_fallocate(fd, 0, _HEADERS)  # the mapped page: never a SIGBUS
         board = Board(board_path, fd, -1, kinds)
     except (OSError, AttributeError) as exc:  # no OFD locks, no futex, no mapping

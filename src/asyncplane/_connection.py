@@ -133,11 +133,19 @@ async def check_path(path: pathlib.Path) -> None:
     stat that opens nothing, on a worker thread.
     """
     try:
-        mode = (await anyio.to_thread.run_sync(os.stat, path)).st_mode
+        found = await anyio.to_thread.run_sync(os.stat, path)
     except FileNotFoundError:
         return  # created on first use (or, read-only, refused by SQLite)
     except OSError as exc:
         raise _errors.StorageError(f"cannot look at {path}: {exc}") from exc
+    mode = found.st_mode
+    if stat.S_ISREG(mode) and found.st_nlink > 1:
+        # SQLite names the -wal and -shm after the name it opens: through two names of one
+        # file, two WALs and two lock files, and writers that never see each other.
+        raise _errors.StorageError(
+            f"{path} has {found.st_nlink} names (hard links): SQLite would keep a WAL for "
+            "each and corrupt the store; keep one name (a symbolic link is fine)"
+        )
     if not stat.S_ISREG(mode):
         kind = (
             "a directory" if stat.S_ISDIR(mode)

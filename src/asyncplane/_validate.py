@@ -490,10 +490,14 @@ def duration(value: object, what: str) -> float:
 
 
 def absolute_path(value: object, what: str) -> pathlib.Path:
-    """A str or PathLike, made absolute now (so a later chdir cannot move it)."""
+    """A str or PathLike, made absolute now (so a later chdir cannot move it), with its
+    symbolic links resolved as the kernel resolves them (``link/..`` is the link target's
+    parent, not the link's): every name of one file comes to one path, so its companions
+    named after it (SQLite's -wal and -shm, the write queue, the board, a drain's lock)
+    are one set, whatever name each process was given."""
     import pathlib  # on first use: see "What importing asyncplane loads"
 
-    return pathlib.Path(os.path.abspath(path_text(value, what)))
+    return pathlib.Path(os.path.realpath(path_text(value, what)))
 
 
 def path_text(value: object, what: str) -> str:

@@ -45,7 +45,7 @@ import sys
 import threading
 from collections.abc import Callable
 
-__all__ = ("SUFFIX", "Turn", "WriteLock", "open_write_lock")
+__all__ = ("SUFFIX", "Turn", "WriteLock", "open_companion", "open_write_lock")
 
 if sys.platform != "win32":  # Windows has no flock: no queue, SQLite's busy handler alone
     import fcntl
@@ -207,18 +207,39 @@ class Turn:
             return True
 
 
+def open_companion(path: pathlib.Path, database: pathlib.Path) -> int:
+    """Open, read and write, a file every process of ``database`` shares (the write
+    queue, the combining board), making it if need be. One this process makes gets the
+    database's own mode, as SQLite gives its -wal and -shm, whatever this process's umask:
+    made 0600 under a umask of 077, it would shut out other users' processes that may
+    write the database (they would run without the queue or the board, unsaid)."""
+    try:
+        mode = os.stat(database).st_mode & 0o666
+    except OSError:
+        mode = 0o644
+    flags = os.O_RDWR | getattr(os, "O_CLOEXEC", 0)
+    while True:
+        try:
+            fd = os.open(path, flags | os.O_CREAT | os.O_EXCL, mode)
+        except FileExistsError:
+            try:
+                return os.open(path, flags)
+            except FileNotFoundError:  # removed meanwhile: make it, then
+                continue
+        try:
+            os.fchmod(fd, mode)  # the umask took bits the database has
+        except OSError:
+            pass  # a file system without modes: what it gives
+        return fd
+
+
 def open_write_lock(database: pathlib.Path) -> WriteLock | None:
     """The queue for ``database``'s write lock, or None where there can be none."""
     if sys.platform == "win32":
         return None
     path = database.with_name(database.name + SUFFIX)
     try:
-        mode = os.stat(database).st_mode & 0o666  # as SQLite does for -wal and -shm
-    except OSError:
-        mode = 0o644
-    flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0)
-    try:
-        fd = os.open(path, flags, mode)
+        fd = open_companion(path, database)
     except OSError as exc:
         _log.debug("no write-lock queue for %s (%s): SQLite's busy handler waits", path, exc)
         return None

@@ -888,7 +888,7 @@ def _never(token: bytes) -> bool:
 
 def _committed(db: sqlite3.Connection, board: _combine.Board, token: bytes) -> bool:
     """Whether the round marked by ``token`` that served this slot committed."""
-    return db.execute(sql.COMBINED_ROUND, (board.slot, token)).fetchone() is not None
+    return db.execute(sql.COMBINED_ROUND, (board.row(board.slot), token)).fetchone() is not None
 
 
 def _given_up(ops: list[Write[Any]], asked: float) -> tuple[list[Any], float, float]:
@@ -933,7 +933,7 @@ def _transact_held(
         outcomes = in_place(ordered)
         for one, start, end in spans:
             board.answer(one, outcomes[start:end])
-        db.executemany(sql.INSERT_COMBINED_ROUND, [(one.slot, token) for one in taken])
+        db.executemany(sql.INSERT_COMBINED_ROUND, [(board.row(one.slot), token) for one in taken])
         written[:] = ordered
 
     try:

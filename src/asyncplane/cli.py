@@ -410,8 +410,10 @@ def _check_is_a_store(location: str, *, unfinished: bool = False) -> None:
     path = pathlib.Path(location)
     if path.is_dir():
         raise _Usage(f"{path} is a directory: name the store's file in it")
-    if not path.is_file():
+    if not path.exists():
         raise _Usage(f"no such file: {path}")
+    if not path.is_file():  # a FIFO, a device, a socket: never a store
+        raise _Usage(f"{path} is not a regular file, not an asyncplane store")
     try:
         _sqlite.vet_store_file(path, unfinished=unfinished)
     except _errors.StorageError as exc:
