@@ -524,6 +524,31 @@ async def test_an_idle_session_ended_by_the_server_is_no_error(
     assert "lost its connection; opening again" in caplog.text
 
 
+async def test_the_stores_sessions_outlive_an_idle_session_timeout(
+    asyncplane_postgres_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A server, role or database may end idle sessions; the drain guard's and the
+    # listener's idle by design, and the writer's between rounds.
+    server, name = asyncplane_postgres_url, "asyncplane_idle_out"
+    async with a_database_of_its_own(server, name) as where:
+        await sql(server, f"ALTER DATABASE {name} SET idle_session_timeout = '100ms'")
+        async with ControlStore(where) as store:
+            await store.create_project("p", "P")
+            backend: Any = await store._engine.ready()
+            writer = backend.writer
+            async with backend.drain_guard() as guard:
+                assert guard
+                # A session of nobody's, begun after ours went idle: once the server has
+                # ended it, ours have idled for longer than the timeout.
+                idle = await asyncpg.connect(where)
+                await until(idle.is_closed, what="the server ends an idle session")
+                assert guard.lost is None
+            assert not backend._deaf
+            assert writer.running and await store.enqueue("p", {}) == 1
+            assert backend.writer is writer  # never opened afresh
+    assert "lost its connection" not in caplog.text
+
+
 @pytest.mark.parametrize("units", [1, 2])  # 2: each under a savepoint of its own
 async def test_a_connection_lost_under_a_round_is_told_as_lost_not_as_a_writer_fault(
     url: str, caplog: pytest.LogCaptureFixture, units: int

@@ -294,6 +294,14 @@ class PostgresBackend(_backend.Writes):
     # --- lifecycle ---------------------------------------------------------------------
 
     async def _connect(self, **settings: str) -> asyncpg.Connection:
+        """A session of the store's own, exempt from idle_session_timeout.
+
+        The drain guard's session holds its lock while it idles, and the listener's waits
+        for notifications and sends nothing: a server that ended them for idling would
+        take the guard from a drain that is running, and leave the store deaf. (None sits
+        idle in a transaction: the guard's lock is a session's, taken by a statement that
+        commits at once, so idle_in_transaction_session_timeout never meets them.)
+        """
         try:
             conn: asyncpg.Connection = await asyncpg.connect(
                 self._url, timeout=self._connect_timeout, server_settings=settings or None
@@ -306,6 +314,13 @@ class PostgresBackend(_backend.Writes):
             raise _errors.StorageError(
                 f"cannot connect to {redact(self._url)}: the driver cannot read this URL"
             ) from None
+        try:
+            await _never_idle_out(conn)
+        except BaseException as exc:
+            conn.terminate()
+            if isinstance(exc, _DRIVER_ERRORS):
+                raise _writer.translate(exc) from exc
+            raise
         return conn
 
     async def open(self) -> None:
@@ -340,7 +355,7 @@ class PostgresBackend(_backend.Writes):
                 # each look's own snapshot; reads of several statements ask for more.)
                 pool = await asyncpg.create_pool(
                     self._url, min_size=1, max_size=self._sizing.read_connections,
-                    timeout=self._connect_timeout,
+                    timeout=self._connect_timeout, init=_never_idle_out,
                     server_settings={"default_transaction_isolation": "read committed"},
                 )  # fmt: skip
             except _DRIVER_ERRORS as exc:
@@ -758,6 +773,10 @@ class PostgresBackend(_backend.Writes):
             _, late = await _tasks.to_the_end(_close_quietly(conn), "asyncplane-drain-guard-close")
         if late:
             raise asyncio.CancelledError
+
+
+async def _never_idle_out(conn: asyncpg.Connection) -> None:
+    await conn.execute(sql.NEVER_IDLE_OUT)
 
 
 async def _close_quietly(conn: asyncpg.Connection) -> None:

@@ -1010,6 +1010,14 @@ INSERT INTO asyncplane_meta (key, value) VALUES ($1, $2)
 ON CONFLICT (key) DO UPDATE SET value = excluded.value
 """
 SERVER_NOW: Final = "SELECT extract(epoch FROM clock_timestamp())::float8"
+# Every session of the store's is exempt from idle_session_timeout, which a server, a role
+# or a database may set: the drain guard's and the listener's sessions sit idle by design
+# (see PostgresBackend._connect). The parameter exists from PostgreSQL 14 on, so it is set
+# only where the server knows it (on an older one this sets nothing).
+NEVER_IDLE_OUT: Final = """
+SELECT set_config('idle_session_timeout', '0', false)
+WHERE current_setting('idle_session_timeout', true) IS NOT NULL
+"""
 BACKEND_PID: Final = "SELECT pg_backend_pid()"
 # After the commits of twins told of on `twin_channel` ($1 project ids, $2 fingerprints):
 # each content's hand-off lock tried, and whether a twin runs; WAKE_DRAINERS follows
