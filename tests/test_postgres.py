@@ -247,6 +247,60 @@ async def test_a_read_only_store_reads_and_refuses_writes(url: str) -> None:
             await reader.enqueue("p", {})
 
 
+@contextlib.contextmanager
+def a_hot_standby(primary: testing.PostgresCluster) -> Any:
+    """A hot standby of ``primary`` (streaming from it), on a socket of its own: its URL.
+    (Its max_connections is the primary's, as a standby's must be at least.)"""
+    run_as, bindir = testing._run_as(), testing._postgres_bindir()
+    root = pathlib.Path(tempfile.mkdtemp(prefix="asyncplane-standby-"))
+    if run_as:
+        shutil.chown(root, user="postgres")
+    try:
+        data = root / "data"
+        subprocess.run(
+            [*run_as, str(bindir / "pg_basebackup"), "-h", str(primary.socket_dir),
+             "-U", "postgres", "-D", str(data), "-R", "-X", "stream", "--checkpoint=fast"],
+            check=True, capture_output=True, timeout=120,
+        )  # fmt: skip
+        subprocess.run(
+            [*run_as, str(bindir / "pg_ctl"), "-D", str(data), "-l", str(root / "server.log"),
+             "-o", f"-k {root} -c listen_addresses='' -c max_connections=200", "-w", "start"],
+            check=True, capture_output=True, timeout=120,
+        )  # fmt: skip
+        yield f"postgresql://postgres@/postgres?{urllib.parse.urlencode({'host': str(root)})}"
+    finally:
+        testing._remove_cluster(root, run_as)
+
+
+async def test_a_read_only_store_opens_on_a_hot_standby_and_polls_it() -> None:
+    # A server in recovery refuses LISTEN: a read-only store (every looking command, the
+    # read-only dashboard, a copy's source) reads a replica without notifications.
+    with testing.PostgresCluster() as primary:
+        await testing.execute_sql(primary.url(), "CREATE SCHEMA fleet")
+        async with ControlStore(primary.url(schema="fleet")) as store:
+            await store.create_project("p", "P")
+            await store.enqueue("p", {"n": 1})
+            with a_hot_standby(primary) as standby:
+                async with ControlStore(
+                    testing.with_schema(standby, "fleet"), read_only=True
+                ) as replica:
+                    assert (await replica.counts())["ready"] == 1
+                    assert await verify_ledger(replica) == []
+                    backend: Any = await replica._engine.ready()
+                    assert backend._deaf  # so every poll looks again
+                    assert (
+                        await replica._engine.data_version() != await replica._engine.data_version()
+                    )
+                    await store.enqueue("p", {"n": 2})
+                    await until(lambda: _counted(replica, "ready", 2), what="the standby replays")
+                with pytest.raises(StorageError):  # a store to write needs the primary
+                    await ControlStore(testing.with_schema(standby, "fleet")).open()
+
+
+async def _counted(store: ControlStore, state: str, count: int) -> bool:
+    return (await store.counts())[state] == count
+
+
 async def test_another_hosts_commit_is_heard_through_notify(url: str) -> None:
     async with ControlStore(url) as here, ControlStore(url) as there:
         await here.create_project("p", "P")

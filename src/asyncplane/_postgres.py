@@ -361,14 +361,23 @@ class PostgresBackend(_backend.Writes):
             except _DRIVER_ERRORS as exc:
                 raise _writer.translate(exc) from exc
             undo.push_async_callback(_terminate_pool, pool)
-            listener = await self._connect()
+            listener: asyncpg.Connection | None = await self._connect()
+            assert listener is not None
             undo.push_async_callback(_close_quietly, listener)
             try:
                 await listener.add_listener(sql.CHANNEL, self._heard)
                 await listener.add_listener(sql.SETTLED_CHANNEL, self._heard_settled)
             except _DRIVER_ERRORS as exc:
-                raise _writer.translate(exc) from exc
-            listener.add_termination_listener(self._went_deaf)
+                # A hot standby refuses LISTEN (it is in recovery) and serves reads as the
+                # primary does: a read-only opening goes without notifications there (deaf:
+                # every poll looks again). One to write is refused as its writes would be.
+                in_recovery = isinstance(exc, asyncpg.ReadOnlySQLTransactionError)
+                if not (self._sizing.read_only and in_recovery):
+                    raise _writer.translate(exc) from exc
+                await _close_quietly(listener)
+                listener = None
+            else:
+                listener.add_termination_listener(self._went_deaf)
             wakes = None
             if not self._sizing.read_only:
                 wakes = TwinWakes(pool, self._schema)
@@ -376,11 +385,13 @@ class PostgresBackend(_backend.Writes):
                 try:
                     # (the server's own number: a pooler may hand the driver another)
                     session: int = await conn.fetchval(sql.BACKEND_PID)
+                    assert listener is not None  # (only a read-only opening goes without)
                     await listener.add_listener(sql.twin_channel(session), wakes.heard)
                 except _DRIVER_ERRORS as exc:
                     raise _writer.translate(exc) from exc
             undo.pop_all()  # all made: from here on close() owns them
-        self._pool, self._listener, self._wakes, self._deaf = pool, listener, wakes, False
+        self._pool, self._listener, self._wakes = pool, listener, wakes
+        self._deaf = listener is None
 
         async def close_readers(graceful: bool) -> None:
             # This opening's own pool and listener: a store reopened meanwhile (a close
