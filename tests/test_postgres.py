@@ -511,10 +511,12 @@ async def test_reopening_a_project_elsewhere_wakes_a_listener(url: str) -> None:
 
 
 @contextlib.asynccontextmanager
-async def a_database_of_its_own(server_url: str, name: str) -> AsyncIterator[str]:
+async def a_database_of_its_own(
+    server_url: str, name: str, options: str = ""
+) -> AsyncIterator[str]:
     """A database made for one test (an outage of it touches no other), dropped after."""
     await sql(server_url, f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
-    await sql(server_url, f"CREATE DATABASE {name}")
+    await sql(server_url, f"CREATE DATABASE {name} {options}")
     try:
         yield urllib.parse.urlunsplit(urllib.parse.urlsplit(server_url)._replace(path=f"/{name}"))
     finally:
@@ -576,6 +578,34 @@ async def test_an_idle_session_ended_by_the_server_is_no_error(
         assert await store.enqueue("p", {}) == 1
     assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text
     assert "lost its connection; opening again" in caplog.text
+
+
+async def test_a_database_whose_encoding_cannot_hold_every_text_is_refused_at_open(
+    asyncplane_postgres_url: str,
+) -> None:
+    # In LATIN1, a settle whose text LATIN1 cannot hold failed on every retry: a drain
+    # halted on it. Such a database is refused before anything is written.
+    server, name = asyncplane_postgres_url, "asyncplane_latin1"
+    latin1 = "ENCODING 'LATIN1' LC_COLLATE 'C' LC_CTYPE 'C' TEMPLATE template0"
+    async with a_database_of_its_own(server, name, latin1) as where:
+        for read_only in (False, True):
+            with pytest.raises(NotAnAsyncplaneDatabase, match=r"encoding is LATIN1.*UTF8"):
+                await ControlStore(where, read_only=read_only).open()
+        assert await sql(where, TABLES_HERE) == []
+    # SQL_ASCII keeps the driver's UTF-8 bytes as they come: every text comes back whole.
+    name = "asyncplane_sql_ascii"
+    sql_ascii = "ENCODING 'SQL_ASCII' LC_COLLATE 'C' LC_CTYPE 'C' TEMPLATE template0"
+    async with (
+        a_database_of_its_own(server, name, sql_ascii) as where,
+        ControlStore(where) as store,
+    ):
+        await store.create_project("p", "東京")
+        item = await store.enqueue("p", {"city": "東京"})
+        claim = await store.claim("w")
+        assert claim is not None
+        await store.finish(item, fence=claim.fence, status="failed", error="ошибка")
+        assert (await store.item(item))["error"] == "ошибка"
+        assert (await store.projects())[0]["name"] == "東京"
 
 
 async def test_the_stores_sessions_outlive_an_idle_session_timeout(

@@ -344,6 +344,7 @@ class PostgresBackend(_backend.Writes):
             )
             undo.push_async_callback(_close_quietly, conn)
             try:
+                await _refuse_encoding(conn)
                 if self._sizing.read_only:
                     await _check_current_schema(conn)
                 else:
@@ -1610,6 +1611,23 @@ async def _migrate(conn: asyncpg.Connection) -> None:
         if version != sql.SCHEMA_VERSION:
             await conn.execute(sql.WRITE_META, "application", sql.APPLICATION)
             await conn.execute(sql.WRITE_META, "schema_version", str(sql.SCHEMA_VERSION))
+
+
+#: The databases' encodings a store can live in: every text the store keeps (a project's
+#: name, an error, a payload's JSON) is any Unicode, which UTF8 holds whole and SQL_ASCII
+#: takes as the client's bytes (the driver's UTF-8). In any other, a text the encoding
+#: cannot hold would be refused only when written, an item's settle failing on every retry.
+_ENCODINGS = ("UTF8", "SQL_ASCII")
+
+
+async def _refuse_encoding(conn: asyncpg.Connection) -> None:
+    """Refuse a database whose encoding cannot hold every text, before anything is written."""
+    encoding = await conn.fetchval(sql.SERVER_ENCODING)
+    if encoding not in _ENCODINGS:
+        raise _errors.NotAnAsyncplaneDatabase(
+            f"the database's encoding is {encoding}: an asyncplane store needs a UTF8 "
+            "database (CREATE DATABASE ... ENCODING 'UTF8')"
+        )
 
 
 async def _check_current_schema(conn: asyncpg.Connection) -> None:

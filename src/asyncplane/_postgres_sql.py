@@ -990,6 +990,7 @@ _LIVE_STATES: Final = _models.sql_list(_models.LIVE_STATES)
 # Serialises schema creation between processes opening a fresh database at once.
 MIGRATION_LOCK: Final = "SELECT pg_advisory_xact_lock(hashtextextended('asyncplane-migrate', 0))"
 CURRENT_SCHEMA: Final = "SELECT current_schema()"
+SERVER_ENCODING: Final = "SELECT current_setting('server_encoding')"
 META_EXISTS: Final = (
     "SELECT to_regclass(format('%I.asyncplane_meta', current_schema())) IS NOT NULL"
 )
