@@ -7,6 +7,7 @@ import json
 import pathlib
 import subprocess
 import sys
+import urllib.parse
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -15,6 +16,7 @@ import pytest
 from asyncplane import (
     ControlStore,
     InvalidInput,
+    StorageError,
     copy_store,
     testing,
     verify_ledger,
@@ -355,6 +357,59 @@ async def test_a_destination_never_hands_out_an_id_the_source_did(
         await copy_store(source, destination, pending_only=pending_only)
         assert await destination.enqueue("p", {"new": True}) > highest
     assert await source.enqueue("p", {"new": True}) > highest
+
+
+@pytest.mark.postgresql_only
+async def test_a_source_read_by_a_role_with_only_select_on_its_tables_copies_whole(
+    url: str, other_store: Any, request: pytest.FixtureRequest, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The usual read-only grant reads no sequence: the last id handed out is then the
+    # highest the source still names (one purged above it is not known: the copy says so).
+    async with ControlStore(url) as owner:
+        await owner.create_project("p", "P")
+        await owner.enqueue_many("p", [{"n": n} for n in range(3)])
+        await owner.cancel(3)
+    server = request.getfixturevalue("asyncplane_postgres_url")
+    role = f"reader_{abs(hash(request.node.nodeid)) % 10**8}"
+    schema = dict(urllib.parse.parse_qsl(urllib.parse.urlsplit(url).query))["search_path"]
+    await testing.execute_sql(
+        server,
+        f"DROP ROLE IF EXISTS {role}; CREATE ROLE {role} LOGIN PASSWORD 'r'; "
+        f"GRANT USAGE ON SCHEMA {schema} TO {role}; "
+        f"GRANT SELECT ON ALL TABLES IN SCHEMA {schema} TO {role}",
+    )
+    parts = urllib.parse.urlsplit(url)
+    as_reader = parts._replace(netloc=f"{role}:r@{parts.netloc.rpartition('@')[2]}").geturl()
+    try:
+        async with ControlStore(as_reader, read_only=True) as source:
+            destination: ControlStore = await other_store()
+            summary = await copy_store(source, destination)
+            assert (summary.projects, summary.copied) == (1, 3)
+            assert await verify_ledger(destination) == []
+            assert await destination.enqueue("p", {"new": True}) == 4
+    finally:
+        await testing.execute_sql(server, f"DROP OWNED BY {role}; DROP ROLE {role}")
+    assert "may not read the items' id sequence" in caplog.text
+
+
+async def test_a_source_that_cannot_say_its_last_id_fails_the_copy_before_any_write(
+    asyncplane_store: ControlStore,
+    other_store: Any,
+    asyncplane_clock: ManualClock,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    await busy_store(asyncplane_store, asyncplane_clock)
+    backend = await asyncplane_store._engine.ready()
+
+    async def refused() -> int:
+        raise StorageError("permission denied for sequence items_item_id_seq")
+
+    monkeypatch.setattr(backend, "last_item_id", refused)
+    destination: ControlStore = await other_store()
+    with pytest.raises(StorageError, match="permission denied"):
+        await copy_store(asyncplane_store, destination)
+    assert await destination.projects() == []
+    assert sum((await destination.counts()).values()) == 0
 
 
 async def test_a_copy_carries_what_the_source_imported(

@@ -77,6 +77,10 @@ async def copy_store(
     foreign = await dst.first_foreign_item(label)
     if foreign is not None:  # before anything is written, even the projects
         raise _rules.copy_id_taken(foreign)
+    # Read before anything is written too, so a source that cannot say fails a copy whole.
+    # (An id handed out after this reading is kept clear once its item is copied, now or
+    # by the next run.)
+    last = await src.last_item_id()
     summary = CopySummary()
     projects = tuple(await src.list_projects())
     assignments = tuple(await src.list_assignments())
@@ -108,7 +112,6 @@ async def copy_store(
         after = records[-1][:2]
     # Ids are never reused: the destination hands out none the source ever did (an item
     # purged there, or left behind by pending_only, could still be named in an archive).
-    last = await src.last_item_id()
     if last:  # a source that never handed out an id has none to keep clear
         await dst.advance_item_ids(last)
     return summary

@@ -1923,8 +1923,18 @@ ADVANCE_ITEM_IDS: Final = """
 SELECT setval(seq, greatest(coalesce(pg_sequence_last_value(seq), 0), $1::bigint))
 FROM (SELECT pg_get_serial_sequence('items', 'item_id')::regclass AS seq) AS s
 """
+# The highest id handed out, and whether that is exact: the sequence's last value, which
+# only a role with USAGE or SELECT on the sequence may read (a reader role granted SELECT
+# on the tables has neither); else the highest id the store still names, which misses an
+# item purged above it.
 LAST_ITEM_ID: Final = """
-SELECT coalesce(pg_sequence_last_value(pg_get_serial_sequence('items', 'item_id')::regclass), 0)
+SELECT coalesce(CASE WHEN exact THEN pg_sequence_last_value(seq)
+                     ELSE greatest((SELECT max(item_id) FROM items),
+                                   (SELECT max(item_id) FROM imports),
+                                   (SELECT max(item_id) FROM schedule_ticks)) END, 0),
+       exact
+FROM (SELECT seq, has_sequence_privilege(seq, 'USAGE, SELECT') AS exact
+      FROM (SELECT pg_get_serial_sequence('items', 'item_id')::regclass AS seq) AS s) AS p
 """
 # The import records, in key order, a page after a key (a copy carries them over).
 EXPORT_IMPORTS: Final = """
