@@ -17,6 +17,7 @@ from asyncplane import (
     ControlStore,
     InvalidInput,
     StorageError,
+    _copy,
     copy_store,
     testing,
     verify_ledger,
@@ -410,6 +411,76 @@ async def test_a_source_that_cannot_say_its_last_id_fails_the_copy_before_any_wr
         await copy_store(asyncplane_store, destination)
     assert await destination.projects() == []
     assert sum((await destination.counts()).values()) == 0
+
+
+def test_a_source_is_known_by_the_store_it_is_not_by_how_its_location_is_written(
+    tmp_path: pathlib.Path,
+) -> None:
+    def label(location: str) -> str:
+        return _copy.source_label(ControlStore(location))
+
+    one = label("postgresql://app@db.example/work?search_path=fleet")
+    for same in (
+        "postgres://app@db.example/work?search_path=fleet",
+        "postgresql://app:s3cret@DB.example:5432/work?search_path=fleet",
+        "postgresql://other@db.example/work?sslmode=require&search_path=fleet&password=x",
+        "postgresql://db.example/?application_name=w&search_path=fleet&dbname=work&port=5432",
+        "postgresql:///work?search_path=fleet&host=db.example",
+    ):
+        assert label(same) == one, same
+    for another in (
+        "postgresql://app@db.example/work?search_path=fleet_b",
+        "postgresql://app@db.example/work2?search_path=fleet",
+        "postgresql://app@db.example:5433/work?search_path=fleet",
+        "postgresql://app@db2.example/work?search_path=fleet",
+        "postgresql://app@db.example,db2.example/work?search_path=fleet",
+        "postgresql://app@db.example/work",  # the schema left to the user's name...
+    ):
+        assert label(another) != one, another
+    assert label("postgresql://app@db.example/work") != label("postgresql://bob@db.example/work")
+    assert label("postgresql://app@/work?host=/run/PG&search_path=s") != label(
+        "postgresql://app@/work?host=/run/pg&search_path=s"
+    )  # (a socket's directory is a path: its case is its own)
+    (tmp_path / "store.db").touch()
+    (tmp_path / "link.db").symlink_to(tmp_path / "store.db")
+    assert label(str(tmp_path / "link.db")) == label(str(tmp_path / "store.db"))
+
+
+@pytest.mark.postgresql_only
+async def test_a_copy_resumes_from_its_source_written_another_way(
+    url: str, other_store: Any
+) -> None:
+    async with ControlStore(url) as source:
+        await source.create_project("p", "P")
+        await source.enqueue_many("p", [{"n": n} for n in range(3)])
+    destination: ControlStore = await other_store()
+    async with ControlStore(url) as source:
+        assert (await copy_store(source, destination)).copied == 3
+    parts = urllib.parse.urlsplit(url)
+    query = "&".join(reversed(parts.query.split("&"))) + "&application_name=elsewhere"
+    spellings = (parts._replace(query=query).geturl(), url.replace("postgresql:", "postgres:"))
+    for before, written in enumerate(spellings, start=3):
+        async with ControlStore(written) as source:
+            await source.enqueue("p", {"written": written})
+            later = await copy_store(source, destination)
+            assert (later.copied, later.skipped) == (1, before), written
+    assert await verify_ledger(destination) == []
+
+
+async def test_a_copy_begun_when_the_source_was_known_by_its_location_goes_on(
+    asyncplane_store: ControlStore, other_store: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Copies began keyed by the location as written; such a copy goes on under that key.
+    await asyncplane_store.create_project("p", "P")
+    await asyncplane_store.enqueue_many("p", [{"n": n} for n in range(3)])
+    destination: ControlStore = await other_store()
+    with monkeypatch.context() as before:
+        before.setattr(_copy, "source_label", lambda store: f"copy:{store.location}")
+        assert (await copy_store(asyncplane_store, destination)).copied == 3
+    await asyncplane_store.enqueue("p", {"n": 3})
+    again = await copy_store(asyncplane_store, destination)
+    assert (again.copied, again.skipped) == (1, 3)
+    assert await verify_ledger(destination) == []
 
 
 async def test_a_copy_carries_what_the_source_imported(

@@ -6,8 +6,9 @@ source's did; a claim copied mid-lease keeps its fence, and once its lease lapse
 destination it is taken over with a higher one. A schedule keeps its place (its next
 tick), so the destination does not run again a tick the source ran. Each chunk of items
 is one transaction in the destination, and the destination remembers every item it
-copied (keyed by the source), so a second run, or a run after a crash half-way, copies
-nothing twice and finishes the job.
+copied (keyed by the source store, however its location is written: `source_label`),
+so a second run, or a run after a crash half-way, copies nothing twice and finishes the
+job.
 
 The source's import records come too (an import run again on the destination skips the
 rows the source took in), and the destination never hands out an item id the source ever
@@ -25,6 +26,8 @@ source after its item was copied is not carried over.
 from __future__ import annotations
 
 import dataclasses
+import os
+import urllib.parse
 from collections.abc import Callable
 
 from asyncplane import _backend, _rules, _store, _validate
@@ -41,6 +44,48 @@ class CopySummary:
     copied: int = 0
     skipped: int = 0
     chunks: int = 0
+
+
+#: The parameters of a PostgreSQL URL that select the store beside its servers and its
+#: database: the schema (options may set the search_path too), a service file's entry.
+#: The rest (a password, TLS, timeouts, the application's name) do not.
+_SELECTING = ("options", "search_path", "service")
+
+
+def source_label(source: ControlStore) -> str:
+    """What a destination keys the items copied from ``source`` by: the store itself,
+    however its location is written.
+
+    An SQLite file's real path (links resolved). For PostgreSQL, the URL made canonical:
+    each server as host:port (a host name in lower case, the default port written out),
+    the database, and the parameters that select the store, sorted; never the user or a
+    secret, unless the URL leaves the database or the schema to default to the user.
+    """
+    if source.backend != "postgresql":
+        return f"copy:{os.path.realpath(source.location)}"
+    parts = urllib.parse.urlsplit(source.location)
+    given = {k.lower(): v for k, v in urllib.parse.parse_qsl(parts.query, keep_blank_values=True)}
+    ports = given.get("port", "").split(",")
+    hosts = given.get("host") or urllib.parse.unquote(parts.netloc.rpartition("@")[2])
+    servers = ",".join(
+        _server(host, ports[min(n, len(ports) - 1)]) for n, host in enumerate(hosts.split(","))
+    )
+    database = given.get("dbname") or given.get("database") or urllib.parse.unquote(parts.path[1:])
+    chosen = sorted((k, v) for k, v in given.items() if k in _SELECTING)
+    if not database or "search_path" not in given:  # the user's name may choose either
+        chosen.append(("user", given.get("user") or urllib.parse.unquote(parts.username or "")))
+    query = urllib.parse.urlencode(chosen)
+    return f"copy:postgresql://{servers}/{urllib.parse.quote(database)}?{query}"
+
+
+def _server(host: str, port: str) -> str:
+    """A host (a name, an address, or a unix socket's directory) with its port."""
+    name, colon, written = host.rpartition(":")
+    if not colon or not written.isdigit():  # no port in it ("[::1]", a directory)
+        name, written = host, ""
+    if not name.startswith("/"):
+        name = name.lower()
+    return f"{name}:{written or port or 5432}"
 
 
 async def copy_store(
@@ -73,10 +118,14 @@ async def copy_store(
     pending = _validate.boolean(pending_only, "pending_only")
     src = await _store.engine_of(source).ready()
     dst = await _store.engine_of(destination).ready()
-    label = f"copy:{source.location}"
+    label = source_label(source)
     foreign = await dst.first_foreign_item(label)
-    if foreign is not None:  # before anything is written, even the projects
-        raise _rules.copy_id_taken(foreign)
+    if foreign is not None:
+        # A copy begun when the label was the location as written goes on under that one.
+        legacy = f"copy:{source.location}"
+        if legacy == label or await dst.first_foreign_item(legacy) is not None:
+            raise _rules.copy_id_taken(foreign)  # before anything is written, even projects
+        label = legacy
     # Read before anything is written too, so a source that cannot say fails a copy whole.
     # (An id handed out after this reading is kept clear once its item is copied, now or
     # by the next run.)
