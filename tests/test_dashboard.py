@@ -283,6 +283,29 @@ async def test_everything_shown_is_escaped(store: ControlStore) -> None:
         assert "script-src 'self'" in policy and "unsafe-inline" not in policy
 
 
+async def test_an_item_page_shows_the_first_64_kib_of_a_value(store: ControlStore) -> None:
+    # Nested deep, a payload within the store's limits was 90 MB pretty-printed whole,
+    # made on the store's event loop every 2 seconds while its page was open.
+    deep: Any = [0] * 5_000  # within the 64 KiB a result may be
+    for _ in range(90):
+        deep = [deep]
+    item_id = await store.enqueue("alpha", {"p": deep})
+    small = await store.enqueue("alpha", {"n": 1})
+    (claim,) = await store.claim_batch("w", 1)
+    assert claim.item_id == item_id
+    await store.finish(item_id, fence=claim.fence, result=deep)
+    async with serving(store) as (_, url, session):
+        for live in ({}, {"X-Asyncplane-Live": "1"}):
+            status, page = await text(session, url + f"/items/{item_id}", headers=live)
+            assert status == 200 and len(page) < 2 * 64 * 1024 + 10_000, len(page)
+            cut = f'cut; the whole of it at <a href="/api/items/{item_id}">'
+            assert page.count(cut) == 2  # the payload, the result
+        async with session.get(url + f"/api/items/{item_id}") as response:
+            assert (await response.json())["result"] == deep  # whole there
+        _, page = await text(session, url + f"/items/{small}")
+        assert "cut;" not in page and '"n": 1' in page.replace("&#34;", '"')
+
+
 async def test_live_updates_get_the_changing_part_alone(store: ControlStore) -> None:
     ids = await seeded(store)
     async with serving(store) as (_, url, session):

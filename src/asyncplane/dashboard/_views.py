@@ -26,7 +26,7 @@ from typing import Any
 from asyncplane import _errors, _ledger, _models
 from asyncplane._store import ControlStore
 
-__all__ = ("Glance", "History", "Scope", "Verdicts")
+__all__ = ("Glance", "History", "Scope", "Shown", "Verdicts")
 
 #: The most rows a list page shows (the newest first).
 PAGE_ROWS = 500
@@ -35,6 +35,12 @@ PAGE_ROWS = 500
 LOOK_ROWS = 10_000
 #: The window of the overview's charts, in seconds.
 WINDOW = 3600.0
+#: The most characters of one value an item page shows (its payload, its result, an
+#: event's detail; an error is at most 16 KiB, the store's MAX_ERROR_LENGTH): a page is
+#: made whole on the store's event loop, and asked for again every 2 seconds while it is
+#: open, so it must stay small whatever the store holds (a 1 MiB payload nested 98 levels
+#: deep, pretty-printed whole, was 90 MB).
+SHOWN_CHARS = 64 * 1024
 _SETTLED = ("done", "failed", "cancelled")
 _LIVE = ("ready", "deferred", "claimed", "offloaded")
 
@@ -378,10 +384,10 @@ async def item(scope: Scope, item_id: int, verdicts: Verdicts) -> dict[str, Any]
     problems = await verdicts.of(item_id, row, events)
     return {
         "item": row,
-        "payload": _pretty(row["payload"]),
-        "result": None if row["result"] is None else _pretty(row["result"]),
+        "payload": pretty(row["payload"]),
+        "result": None if row["result"] is None else pretty(row["result"]),
         "events": [
-            {**e, "detail": None if e["detail"] is None else _pretty(e["detail"])} for e in events
+            {**e, "detail": None if e["detail"] is None else pretty(e["detail"])} for e in events
         ],
         "problems": [
             {"kind": p.kind, "detail": p.detail, "meaning": _ledger.LEDGER_PROBLEM_KINDS[p.kind]}
@@ -452,8 +458,35 @@ def prometheus_families(stats: dict[str, Any], settled: collections.Counter[str]
     yield rate
 
 
-def _pretty(value: Any) -> str:
-    return json.dumps(value, indent=2, sort_keys=True, ensure_ascii=False)
+@dataclasses.dataclass(frozen=True)
+class Shown:
+    """A value as a page shows it: its first characters, and whether it was cut there."""
+
+    text: str
+    cut: bool
+
+
+def first(text: str, limit: int = SHOWN_CHARS) -> Shown:
+    """The first ``limit`` characters of ``text``."""
+    return Shown(text[:limit], len(text) > limit)
+
+
+def pretty(value: Any, limit: int = SHOWN_CHARS) -> Shown:
+    """``value`` as indented JSON (keys sorted), its first ``limit`` characters.
+
+    One space a level: a value nested deep is mostly indentation otherwise. Encoded
+    piece by piece, stopping once past the limit, so the work is bounded too, not only
+    the page (with ``indent`` the encoder is Python's generator, which yields as it goes).
+    """
+    encoder = json.JSONEncoder(indent=1, sort_keys=True, ensure_ascii=False)
+    pieces: list[str] = []
+    size = 0
+    for piece in encoder.iterencode(value):
+        pieces.append(piece)
+        size += len(piece)
+        if size > limit:
+            return Shown("".join(pieces)[:limit], True)
+    return Shown("".join(pieces), False)
 
 
 def not_found(exc: BaseException) -> bool:
