@@ -349,10 +349,19 @@ class Dashboard:
         _log.debug("dashboard: cancelled item %d", item_id, extra={"item_id": item_id})
         return await self._done(request, {"item_id": item_id, "state": state})
 
+    async def _group(self, request: web.Request, state: str) -> list[int]:
+        """The items of the error group a form names: by ``group`` (its key, from the
+        failures page) or ``error`` (its exact text, from a script)."""
+        form = await _form(request)
+        key = form.get("group")
+        if isinstance(key, str):
+            error = await _views.group_error(self.scope, state, key)
+            return [] if error is None else await _views.group_members(self.scope, error, state)
+        return await _views.group_members(self.scope, await _field(request, "error"), state)
+
     async def _requeue_group(self, request: web.Request) -> web.StreamResponse:
-        error = await _field(request, "error")
         done = 0
-        for item_id in await _views.group_members(self.scope, error, "failed"):
+        for item_id in await self._group(request, "failed"):
             with contextlib.suppress(_errors.NotRequeueable):  # moved on meanwhile
                 await self.store.requeue(item_id, actor_id=self.scope.actor_id)
                 done += 1
@@ -360,9 +369,8 @@ class Dashboard:
         return await self._done(request, {"requeued": done})
 
     async def _cancel_group(self, request: web.Request) -> web.StreamResponse:
-        error = await _field(request, "error")
         done = 0
-        for item_id in await _views.group_members(self.scope, error, "deferred"):
+        for item_id in await self._group(request, "deferred"):
             state = await self.store.cancel(
                 item_id, reason="cancelled from the dashboard", actor_id=self.scope.actor_id
             )

@@ -18,8 +18,10 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import hashlib
 import json
 import math
+import re
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -41,6 +43,9 @@ WINDOW = 3600.0
 #: open, so it must stay small whatever the store holds (a 1 MiB payload nested 98 levels
 #: deep, pretty-printed whole, was 90 MB).
 SHOWN_CHARS = 64 * 1024
+#: The most characters of a group's error the failures page shows (it lists up to 1,000
+#: groups; the whole error is on its items' pages).
+GROUP_SHOWN_CHARS = 1024
 _SETTLED = ("done", "failed", "cancelled")
 _LIVE = ("ready", "deferred", "claimed", "offloaded")
 
@@ -284,7 +289,9 @@ async def running(scope: Scope) -> dict[str, Any]:
 
 
 async def failures(scope: Scope) -> dict[str, Any]:
-    """Failed items, and items waiting to retry after an error, grouped by error."""
+    """Failed items, and items waiting to retry after an error, grouped by their exact
+    error; each group with its `group_key` (what its actions send) and the first
+    `GROUP_SHOWN_CHARS` of its error."""
     failed = await scope.items(state="failed", limit=PAGE_ROWS, include_payload=False)
     waiting = await scope.items(state="deferred", limit=PAGE_ROWS, include_payload=False)
     groups: dict[str, dict[str, list[dict[str, Any]]]] = {}
@@ -302,12 +309,26 @@ async def failures(scope: Scope) -> dict[str, Any]:
     )
     return {
         "groups": [
-            {"error": error, "failed": found["failed"], "retrying": found["retrying"]}
+            {
+                "error": first(error, GROUP_SHOWN_CHARS),
+                "key": group_key(error),
+                "failed": found["failed"],
+                "retrying": found["retrying"],
+                "first": (found["failed"] + found["retrying"])[0]["item_id"],
+            }
             for error, found in ordered
         ],
         "failed": len(failed),
         "limit": PAGE_ROWS,
     }
+
+
+def group_key(error: str) -> str:
+    """What names an error group in the failures page's forms: a digest of its exact
+    error, not the error itself (up to 16 KiB, escaped, in each of up to 1,000 groups'
+    forms: the page was 80 MB), which a browser would send back with every line break
+    made CR LF, so that "a\r\nb" and "a\rb", two groups, were acted on as one."""
+    return hashlib.sha256(error.encode("utf-8", "surrogatepass")).hexdigest()[:32]
 
 
 def _retrying(item: dict[str, Any]) -> bool:
@@ -316,17 +337,31 @@ def _retrying(item: dict[str, Any]) -> bool:
     return bool(item["error"])
 
 
-def _lines(text: str) -> str:
-    """``text`` with each line break as one newline: a browser sends every line break of
-    a form's field as CR LF, whatever the page held."""
-    return text.replace("\r\n", "\n").replace("\r", "\n")
+def _in_group(item: dict[str, Any], state: str) -> bool:
+    return state != "deferred" or _retrying(item)
+
+
+async def group_error(scope: Scope, state: str, key: str) -> str | None:
+    """The error of the group in ``state`` whose `group_key` is ``key``, or None (no item
+    in ``state`` has that error now): looked for newest first, as the failures page
+    lists them, so found in its first read unless the page is old."""
+    after = None
+    while True:
+        page = await scope.items(state=state, after=after, limit=PAGE_ROWS, include_payload=False)
+        for item in page:
+            error = item["error"] or ""
+            if _in_group(item, state) and group_key(error) == key:
+                return error
+        if len(page) < PAGE_ROWS:
+            return None
+        after = page[-1]["item_id"]
 
 
 async def group_members(scope: Scope, error: str, state: str) -> list[int]:
-    """The ids of every item in ``state`` whose error is ``error`` (a group), line breaks
-    aside, read page by page (the store matches its longest line; this, all of it)."""
-    wanted = _lines(error)
-    piece = max(wanted.split("\n"), key=len)  # as stored, whatever its line breaks
+    """The ids of every item in ``state`` whose error is exactly ``error`` (a group),
+    read page by page (the store finds its longest line, ignoring ASCII case; this
+    keeps the exact ones)."""
+    piece = max(re.split("[\r\n]", error), key=len)
     members: list[int] = []
     after = None
     while True:
@@ -337,7 +372,7 @@ async def group_members(scope: Scope, error: str, state: str) -> list[int]:
         members.extend(
             item["item_id"]
             for item in page
-            if _lines(item["error"] or "") == wanted and (state != "deferred" or _retrying(item))
+            if (item["error"] or "") == error and _in_group(item, state)
         )
         if len(page) < PAGE_ROWS:
             return members
