@@ -864,3 +864,38 @@ async def test_mounted_under_a_prefix_every_link_and_redirect_stays_under_it(
     finally:
         await runner.cleanup()
     assert (await store.item(ids["failed"]))["state"] == "ready"
+
+
+@contextlib.asynccontextmanager
+async def mounted(
+    store: ControlStore, prefix: str = "/ops", host: str = "127.0.0.1", **options: Any
+) -> AsyncIterator[tuple[Dashboard, str]]:
+    """A site of the caller's with a dashboard's application mounted at ``prefix``: the
+    dashboard and the site's URL."""
+    dashboard = Dashboard(store, **options)
+    site = aiohttp.web.Application()
+    site.add_subapp(prefix, dashboard.app())
+    runner = aiohttp.web.AppRunner(site)
+    await runner.setup()
+    try:
+        await aiohttp.web.TCPSite(runner, host, 0).start()
+        yield dashboard, f"http://127.0.0.1:{runner.addresses[0][1]}"
+    finally:
+        await runner.cleanup()
+
+
+def samplers() -> list[asyncio.Task[Any]]:
+    return [t for t in asyncio.all_tasks() if t.get_name() == "asyncplane-dashboard-sampler"]
+
+
+async def test_a_mounted_dashboard_samples_as_a_started_one_does(store: ControlStore) -> None:
+    await store.enqueue("alpha", {})
+    async with mounted(store, sample_every=0.01) as (dashboard, base):
+        async with aiohttp.ClientSession() as session:
+            _, page = await text(session, base + "/ops/")
+        shown = re.search(r"\((\d+) samples\)", page)
+        assert shown is not None and int(shown.group(1)) >= 1  # the first at the startup
+        dashboard.history.sampled.clear()
+        await asyncio.wait_for(dashboard.history.sampled.wait(), 30)  # and on
+        assert len(samplers()) == 1
+    assert samplers() == []  # stopped with the site

@@ -34,7 +34,7 @@ import logging
 import pathlib
 import secrets
 import urllib.parse
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from asyncplane import __version__, _errors, _models, _tasks, _validate
@@ -111,8 +111,6 @@ class Dashboard:
         self._templates.filters["ago"] = _ago
         self._templates.filters["when"] = _when
         self._runner: web.AppRunner | None = None
-        self._sampler: asyncio.Task[None] | None = None
-        self._stopping = asyncio.Event()
         #: The URL the dashboard serves at, once started.
         self.url: str | None = None
 
@@ -121,6 +119,9 @@ class Dashboard:
     def app(self) -> web.Application:
         """The aiohttp application (routes and middlewares), for embedding or testing."""
         app = web.Application(middlewares=[self._guard])
+        # Sampled for as long as the application runs: the same served by start() or
+        # mounted in a site of the caller's (add_subapp), whose startup starts it.
+        app.cleanup_ctx.append(self._sampling)
         app.add_routes(
             [
                 web.get("/", self._overview, name="overview"),
@@ -153,18 +154,13 @@ class Dashboard:
         if not _loopback(host) and self.token is None:
             self.token = secrets.token_urlsafe(24)
         self._allowed_hosts = self._allowed_hosts | {host.lower()}
-        self._stopping.clear()
-        await self.store.open()
-        await self.history.sample()
         self._runner = web.AppRunner(self.app(), access_log=None, handle_signals=False)
         try:
-            await self._runner.setup()
+            await self._runner.setup()  # the application's startup: see _sampling
             await web.TCPSite(self._runner, host, port).start()
         except BaseException:  # a port in use, say: nothing is left behind
             await self.stop()
             raise
-        self._sampler = asyncio.create_task(self._sample(), name="asyncplane-dashboard-sampler")
-        self._sampler.add_done_callback(_report_failure)
         bound = self._runner.addresses[0]
         shown = f"[{bound[0]}]" if ":" in bound[0] else bound[0]
         self.url = f"http://{shown}:{bound[1]}"
@@ -174,16 +170,9 @@ class Dashboard:
 
     async def stop(self) -> None:
         """Stop serving (requests in progress end first) and stop sampling."""
-        self._stopping.set()
-        try:
-            if self._sampler is not None:
-                sampler, self._sampler = self._sampler, None
-                sampler.cancel()  # it only reads: a sample cut short loses nothing
-                await asyncio.gather(sampler, return_exceptions=True)  # reported already
-        finally:
-            if self._runner is not None:
-                runner, self._runner = self._runner, None
-                await runner.cleanup()
+        if self._runner is not None:
+            runner, self._runner = self._runner, None
+            await runner.cleanup()  # the application's cleanup: see _sampling
 
     async def __aenter__(self) -> Dashboard:
         return self
@@ -191,12 +180,27 @@ class Dashboard:
     async def __aexit__(self, *exc: object) -> None:
         await self.stop()
 
-    async def _sample(self) -> None:
+    async def _sampling(self, app: web.Application) -> AsyncIterator[None]:
+        """The application's life (its ``cleanup_ctx``): the store opened and the first
+        sample taken before it serves, then a sample every ``sample_every`` seconds
+        until its cleanup."""
+        del app
+        await self.store.open()
+        await self.history.sample()
+        stopping = asyncio.Event()
+        sampler = asyncio.create_task(self._sample(stopping), name="asyncplane-dashboard-sampler")
+        sampler.add_done_callback(_report_failure)
+        yield
+        stopping.set()
+        sampler.cancel()  # it only reads: a sample cut short loses nothing
+        await asyncio.gather(sampler, return_exceptions=True)  # reported already
+
+    async def _sample(self, stopping: asyncio.Event) -> None:
         """Sample the overview's history every ``sample_every`` seconds until stopped."""
-        while not self._stopping.is_set():
+        while not stopping.is_set():
             with contextlib.suppress(asyncio.TimeoutError):
-                await _tasks.within(self._stopping.wait(), self.sample_every, "dashboard-tick")
-            if self._stopping.is_set():
+                await _tasks.within(stopping.wait(), self.sample_every, "dashboard-tick")
+            if stopping.is_set():
                 return
             try:
                 await self.history.sample()
