@@ -867,21 +867,29 @@ async def test_mounted_under_a_prefix_every_link_and_redirect_stays_under_it(
 
 
 @contextlib.asynccontextmanager
-async def mounted(
-    store: ControlStore, prefix: str = "/ops", host: str = "127.0.0.1", **options: Any
-) -> AsyncIterator[tuple[Dashboard, str]]:
-    """A site of the caller's with a dashboard's application mounted at ``prefix``: the
-    dashboard and the site's URL."""
-    dashboard = Dashboard(store, **options)
+async def site_of(mounts: dict[str, Dashboard], host: str = "127.0.0.1") -> AsyncIterator[str]:
+    """A site of the caller's with each dashboard's application mounted at its prefix:
+    the site's URL."""
     site = aiohttp.web.Application()
-    site.add_subapp(prefix, dashboard.app())
+    for prefix, dashboard in mounts.items():
+        site.add_subapp(prefix, dashboard.app())
     runner = aiohttp.web.AppRunner(site)
     await runner.setup()
     try:
         await aiohttp.web.TCPSite(runner, host, 0).start()
-        yield dashboard, f"http://127.0.0.1:{runner.addresses[0][1]}"
+        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
     finally:
         await runner.cleanup()
+
+
+@contextlib.asynccontextmanager
+async def mounted(
+    store: ControlStore, prefix: str = "/ops", host: str = "127.0.0.1", **options: Any
+) -> AsyncIterator[tuple[Dashboard, str]]:
+    """A dashboard mounted at ``prefix`` in a site of its own: it, and the site's URL."""
+    dashboard = Dashboard(store, **options)
+    async with site_of({prefix: dashboard}, host) as base:
+        yield dashboard, base
 
 
 def samplers() -> list[asyncio.Task[Any]]:
@@ -899,3 +907,25 @@ async def test_a_mounted_dashboard_samples_as_a_started_one_does(store: ControlS
         await asyncio.wait_for(dashboard.history.sampled.wait(), 30)  # and on
         assert len(samplers()) == 1
     assert samplers() == []  # stopped with the site
+
+
+async def test_each_mounted_dashboard_keeps_its_own_token_cookie(store: ControlStore) -> None:
+    # One jar per host name, whatever the port, and a cookie of path / goes to every
+    # path: with one name and path for all, logging in to one logged out of the other.
+    tokens = {"/a": "a" * 20, "/b": "b" * 20}
+    async with (
+        site_of({p: Dashboard(store, token=t) for p, t in tokens.items()}) as one,
+        site_of({"/a": Dashboard(store, token="c" * 20)}) as two,
+        aiohttp.ClientSession(cookie_jar=aiohttp.CookieJar(unsafe=True)) as browser,
+    ):
+        logins = [(one + "/a", "a" * 20), (one + "/b", "b" * 20), (two + "/a", "c" * 20)]
+        for base, token in logins:
+            async with browser.get(f"{base}/?token={token}", allow_redirects=False) as answer:
+                assert answer.status == 303
+                (cookie,) = answer.cookies.values()
+                prefix = "/" + base.rsplit("/", 1)[1]
+                port = base.split(":")[2].split("/")[0]
+                assert cookie.key == f"asyncplane_token_{port}%2F{prefix[1:]}"
+                assert cookie["path"] == prefix + "/"
+        for base, _ in logins:
+            assert (await text(browser, base + "/running"))[0] == 200, base

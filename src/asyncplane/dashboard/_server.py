@@ -7,8 +7,9 @@ as text, never as markup. The rules:
 
 * **Loopback by default.** Binding to anything else needs a token (one is made if none
   is given); every request must then carry it: ``Authorization: Bearer TOKEN``, the
-  ``asyncplane_token_PORT`` cookie, or ``?token=TOKEN`` once (which sets the cookie,
-  HttpOnly and SameSite=Strict, and redirects to the same page without it).
+  cookie (``asyncplane_token_PORT``, the prefix appended when mounted: see
+  `_cookie_name`), or ``?token=TOKEN`` once (which sets the cookie, HttpOnly and
+  SameSite=Strict, and redirects to the same page without it).
 * **No DNS rebinding.** Without a token, a request must name a loopback host in its
   ``Host`` header (or one of ``allowed_hosts``): a hostile page whose name was made to
   point at 127.0.0.1 is refused, so it can neither read a page nor its CSRF token.
@@ -101,7 +102,6 @@ class Dashboard:
         if not isinstance(hosts, tuple) or not all(isinstance(h, str) and h for h in hosts):
             raise _errors.InvalidType("allowed_hosts must be a tuple of host names")
         self._allowed_hosts = _LOOPBACK_NAMES | {h.lower() for h in allowed_hosts}
-        self._cookie = "asyncplane_token"
         self._csrf = secrets.token_urlsafe(32)
         self._templates = jinja2.Environment(
             loader=jinja2.FileSystemLoader(_HERE / "templates"),
@@ -164,7 +164,6 @@ class Dashboard:
         bound = self._runner.addresses[0]
         shown = f"[{bound[0]}]" if ":" in bound[0] else bound[0]
         self.url = f"http://{shown}:{bound[1]}"
-        self._cookie = f"asyncplane_token_{bound[1]}"  # one per dashboard of a host
         _log.info("dashboard of %s listening on %s", self.store.location, self.url)
         return self.url
 
@@ -253,7 +252,10 @@ class Dashboard:
                 if query:
                     target += "?" + urllib.parse.urlencode(query)
                 found = web.Response(status=303, headers={"Location": target})
-                found.set_cookie(self._cookie, self.token, httponly=True, samesite="Strict")
+                found.set_cookie(
+                    _cookie_name(request), self.token, path=_root(request) + "/",
+                    httponly=True, samesite="Strict",
+                )  # fmt: skip
                 return found
         if request.method == "POST":
             if not self.allow_actions:
@@ -425,8 +427,9 @@ class Dashboard:
         header = request.headers.get("Authorization", "")
         if header.startswith("Bearer "):
             found.append((header[len("Bearer ") :].strip(), True))
-        if self._cookie in request.cookies:
-            found.append((request.cookies[self._cookie], False))
+        cookie = _cookie_name(request)
+        if cookie in request.cookies:
+            found.append((request.cookies[cookie], False))
         if "token" in request.query:
             found.append((request.query["token"], False))
         return found
@@ -469,6 +472,16 @@ def _root(request: web.Request) -> str:
     application is mounted with ``add_subapp("/ops", dashboard.app())``; every link and
     redirect of its pages begins with it."""
     return str(request.app.router["overview"].url_for()).rstrip("/")
+
+
+def _cookie_name(request: web.Request) -> str:
+    """The name of the token's cookie: one per dashboard of a host, as a browser keeps
+    one jar per host name, whatever the port, and sends a cookie of path ``/`` to every
+    path. Named by the port the request came in on and, when mounted, the prefix
+    (percent-encoded: a cookie's name cannot hold "/"); its path is the prefix too."""
+    sockname = request.transport.get_extra_info("sockname") if request.transport else None
+    port = sockname[1] if isinstance(sockname, tuple) and len(sockname) > 1 else ""
+    return f"asyncplane_token_{port}{urllib.parse.quote(_root(request), safe='')}"
 
 
 def _back_here(back: object, root: str) -> str:
