@@ -21,6 +21,7 @@ import sys
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
+import aiohttp.web
 import pytest
 from selenium import webdriver
 from selenium.common.exceptions import StaleElementReferenceException
@@ -216,6 +217,34 @@ async def test_nothing_from_the_store_runs_as_script(store: ControlStore, browse
         await browser.get(url + "/running")
         assert hostile in await browser.text("#running")  # the owner, whole
         assert browser.errors() == []
+
+
+async def test_a_token_link_clicked_on_another_site_opens_the_page(
+    store: ControlStore, browser: Browser
+) -> None:
+    # How an `open:` URL is shared: a link on a runbook's page, of another site
+    # (localhost is another site than 127.0.0.1). The redirect that sets the cookie is
+    # part of that navigation, with which a SameSite=Strict cookie is not sent: a 401.
+    token = "r" * 24
+    async with fleet(store, failing=set(), token=token) as (_, url):
+        link = f'<a id="open" href="{url}/running?token={token}">the dashboard</a>'
+
+        async def runbook(request: aiohttp.web.Request) -> aiohttp.web.Response:
+            return aiohttp.web.Response(text=link, content_type="text/html")
+
+        site = aiohttp.web.Application()
+        site.router.add_get("/", runbook)
+        runner = aiohttp.web.AppRunner(site)
+        await runner.setup()
+        try:
+            await aiohttp.web.TCPSite(runner, "localhost", 0).start()
+            await browser.get(f"http://localhost:{runner.addresses[0][1]}/")
+            await browser.until(lambda d: d.find_elements(By.ID, "open"), "the runbook")
+            await browser.click("#open")
+            await browser.until(lambda d: d.find_elements(By.ID, "running"), "the page, not 401")
+            assert await browser.call(lambda: browser.driver.current_url) == url + "/running"
+        finally:
+            await runner.cleanup()
 
 
 def test_the_documentation_screenshots_are_made_by_a_script(tmp_path: pathlib.Path) -> None:

@@ -9,7 +9,7 @@ as text, never as markup. The rules:
   is given); every request must then carry it: ``Authorization: Bearer TOKEN``, the
   cookie (``asyncplane_token_PORT``, the prefix appended when mounted: see
   `_cookie_name`), or ``?token=TOKEN`` once (which sets the cookie, HttpOnly and
-  SameSite=Strict, and redirects to the same page without it).
+  SameSite=Lax, and redirects to the same page without it).
 * **No DNS rebinding.** Without a token, a request must name a loopback host in its
   ``Host`` header (or one of ``allowed_hosts``): a hostile page whose name was made to
   point at 127.0.0.1 is refused, so it can neither read a page nor its CSRF token.
@@ -246,7 +246,11 @@ class Dashboard:
             by_header = any(header and _equal(given, self.token) for given, header in presented)
             if "token" in request.query and request.method == "GET":
                 # Once by URL: keep it in a cookie, and drop it from the address bar (to
-                # a path of this dashboard, never "//elsewhere").
+                # a path of this dashboard, never "//elsewhere"). SameSite=Lax, not
+                # Strict: the link is clicked on another site (a runbook, a chat), and
+                # the redirect is part of that navigation, which a Strict cookie is not
+                # sent with. A GET only reads; every POST still needs the CSRF token and
+                # a same-site Origin.
                 query = [(k, v) for k, v in request.query.items() if k != "token"]
                 target = "/" + request.rel_url.raw_path.lstrip("/\\")
                 if query:
@@ -254,7 +258,7 @@ class Dashboard:
                 found = web.Response(status=303, headers={"Location": target})
                 found.set_cookie(
                     _cookie_name(request), self.token, path=_root(request) + "/",
-                    httponly=True, samesite="Strict",
+                    httponly=True, samesite="Lax",
                 )  # fmt: skip
                 return found
         if request.method == "POST":
