@@ -929,3 +929,42 @@ async def test_each_mounted_dashboard_keeps_its_own_token_cookie(store: ControlS
                 assert cookie["path"] == prefix + "/"
         for base, _ in logins:
             assert (await text(browser, base + "/running"))[0] == 200, base
+
+
+@pytest.mark.parametrize(
+    ("peer", "status"),
+    [("192.0.2.7", 403), ("2001:db8::7", 403), ("::ffff:192.0.2.7", 403),
+     ("::ffff:127.0.0.1", 200), ("::1", 200), ("127.0.0.2", 200)],
+)  # fmt: skip
+async def test_without_a_token_a_mounted_dashboard_answers_this_machine_alone(
+    store: ControlStore, peer: str, status: int
+) -> None:
+    # A site that listens beyond loopback (0.0.0.0, say): start() would have made a
+    # token; a mounted application cannot know the bind. The peer's address is set as a
+    # site's proxy-headers middleware sets it (X-Forwarded-For).
+    @aiohttp.web.middleware
+    async def forwarded(request: aiohttp.web.Request, handler: Any) -> Any:
+        return await handler(request.clone(remote=peer))
+
+    token = "t" * 20
+    for given, expected in ((None, status), (token, 200)):  # with a token, the token decides
+        site = aiohttp.web.Application(middlewares=[forwarded])
+        site.add_subapp("/ops", Dashboard(store, allow_actions=True, token=given).app())
+        runner = aiohttp.web.AppRunner(site)
+        await runner.setup()
+        try:
+            await aiohttp.web.TCPSite(runner, "127.0.0.1", 0).start()
+            base = f"http://127.0.0.1:{runner.addresses[0][1]}/ops"
+            bearer = {"Authorization": f"Bearer {token}"}
+            async with aiohttp.ClientSession(headers=bearer) as session:
+                got, page = await text(session, base + "/projects")
+                assert got == expected, given
+                assert (await text(session, base + "/api/stats"))[0] == expected
+                if expected == 403:
+                    said = "this dashboard has no token: it answers this machine only\n"
+                    assert page == said
+                    fields = {"project_id": "alpha"}
+                    assert (await post(session, base + "/projects/pause", fields))[0] == 403
+        finally:
+            await runner.cleanup()
+    assert (await store.project("alpha"))["status"] == "open"

@@ -10,6 +10,8 @@ as text, never as markup. The rules:
   cookie (``asyncplane_token_PORT``, the prefix appended when mounted: see
   `_cookie_name`), or ``?token=TOKEN`` once (which sets the cookie, HttpOnly and
   SameSite=Lax, and redirects to the same page without it).
+* **This machine alone without a token.** A request from another address is refused
+  (a mounted application cannot know whether its site listens beyond loopback).
 * **No DNS rebinding.** Without a token, a request must name a loopback host in its
   ``Host`` header (or one of ``allowed_hosts``): a hostile page whose name was made to
   point at 127.0.0.1 is refused, so it can neither read a page nor its CSRF token.
@@ -237,6 +239,11 @@ class Dashboard:
     async def _checked(self, request: web.Request, handler: _Handler) -> web.StreamResponse:
         by_header = False
         if self.token is None:
+            if not _loopback_peer(request.remote):
+                # start() makes a token for any bind beyond loopback; an application
+                # mounted in a site of the caller's cannot know the site's bind, so
+                # without a token it answers this machine alone.
+                return _text(403, "this dashboard has no token: it answers this machine only")
             if _host_name(request.host) not in self._allowed_hosts:
                 return _text(421, "this dashboard answers to its own host names only")
         else:
@@ -586,6 +593,20 @@ def _loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def _loopback_peer(remote: str | None) -> bool:
+    """Whether a request came from this machine: a loopback address (IPv4 or IPv6, or
+    IPv4 as IPv6 from a dual-stack socket), or no address at all (a Unix socket's)."""
+    if not remote:
+        return True
+    try:
+        address = ipaddress.ip_address(remote)
+    except ValueError:  # no IP address: a Unix socket's peer, local by its file's rights
+        return True
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    return address.is_loopback
 
 
 def _json(value: Any) -> str:
