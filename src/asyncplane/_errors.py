@@ -221,7 +221,9 @@ class DatabaseLocked(StorageError):
 
 class NotAnAsyncplaneDatabase(StorageError):
     """The location is not an asyncplane store: another application's database or schema,
-    not a database at all, not a regular file, or a PostgreSQL schema that does not exist."""
+    not a database at all, not a regular file, a PostgreSQL schema that does not exist, or
+    a PostgreSQL database whose encoding cannot hold every text (neither UTF8 nor
+    SQL_ASCII)."""
 
 
 class NotRun(StorageError):
