@@ -726,7 +726,10 @@ async def test_the_next_page_after_an_action_stays_on_the_dashboard(store: Contr
         _, page = await text(session, url + "/")
         for back, target in (("/\t/evil.example/", "/"), ("/\r\n/evil.example/", "/"),
                              ("/\\evil.example/", "/"), ("https://evil.example/", "/"),
-                             ("/running\t", "/running")):  # fmt: skip
+                             ("/running\t", "/running"), ("/../admin", "/"),
+                             ("/%2e%2E/admin", "/"), ("/.%2e/admin?x", "/"),
+                             ("/x/..\\admin", "/"), ("/items/1/./", "/"),
+                             ("/items/..1", "/items/..1")):  # fmt: skip
             fields = {"csrf": csrf_of(page), "project_id": "alpha", "next": back}
             status, _, location = await post(session, url + "/projects/pause", fields)
             assert (status, location) == (303, target), back
@@ -856,6 +859,9 @@ async def test_mounted_under_a_prefix_every_link_and_redirect_stays_under_it(
                 session, base + f"/ops/items/{ids['failed']}/requeue", form
             )
             assert (status, where) == (303, "/ops/")  # not a page of the host's
+            dots = {"csrf": form["csrf"], "project_id": "beta", "next": "/ops/../admin"}
+            status, _, where = await post(session, base + "/ops/projects/pause", dots)
+            assert (status, where) == (303, "/ops/")  # nor through a dot segment
             form["next"] = "/ops/failures"
             status, _, where = await post(
                 session, base + f"/ops/items/{ids['hostile']}/cancel", form

@@ -504,6 +504,11 @@ def _back_here(back: object, root: str) -> str:
     back = back.translate(_URL_IGNORED)
     if not back.startswith(root + "/") or back[1:2] in ("/", "\\"):
         return root + "/"
+    # Nor a dot segment ("/ops/../admin" is the host's /admin), however a browser spells
+    # it: "%2e" for a dot, a backslash for a slash.
+    path = back.split("?", 1)[0].split("#", 1)[0].replace("\\", "/")
+    if any(segment.lower().replace("%2e", ".") in (".", "..") for segment in path.split("/")):
+        return root + "/"
     return back
 
 
