@@ -817,6 +817,7 @@ async def test_metrics_give_the_last_minute_as_the_store_has_it_now(
     [
         (["--token", "short"], "--token must be at least 16 characters"),
         (["--actor", ""], "--actor must not be empty"),
+        (["--actor", "a" * 300], "--actor is longer than 256 characters"),
         (["--host", ""], "--host must not be empty"),
         (["--port", "70000"], "--port must be 0 to 65535, not 70000"),
     ],

@@ -1347,7 +1347,12 @@ async def test_a_payload_may_be_any_mapping_at_its_top(
     first = await store.enqueue("alpha", view)
     twin = await store.enqueue("alpha", {"url": "https://a.example", "n": 0})
     assert twin == first  # the same fingerprint, from the view's identity field
-    (second,) = await store.enqueue_many("alpha", [Job(MappingProxyType({"url": "b"}))])
+    second, third = await store.enqueue_many(
+        "alpha", [Job(MappingProxyType({"url": "b"})), MappingProxyType({"url": "c"})]
+    )
+    assert (await store.item(third))["payload"] == {"url": "c"}
+    with pytest.raises(InvalidType, match="jobs must be an iterable"):  # its keys: no jobs
+        await store.enqueue_many("alpha", MappingProxyType({"url": "d"}))  # type: ignore[arg-type]
     assert (await store.item(first))["payload"] == {"url": "https://a.example", "n": [1, {"k": 2}]}
     assert (await store.item(second))["payload"] == {"url": "b"}
     with pytest.raises(InvalidPayload, match="JSON object"):

@@ -411,27 +411,28 @@ class ControlStore:
     async def enqueue_many(
         self,
         project_id: str,
-        jobs: Iterable[dict[str, Any] | Job],
+        jobs: Iterable[Mapping[str, Any] | Job],
         *,
         dedup: bool = True,
         actor_id: str | None = None,
     ) -> list[int]:
         """Add many items in one transaction; return their ids in input order.
 
-        Each job is a payload dict or a `Job` with its own lane settings. Every job is
+        Each job is a payload (a dict, or any mapping) or a `Job` with its own lane
+        settings. Every job is
         checked before anything is written: one bad job refuses the whole call. With
         ``dedup``, jobs with the same fingerprint share one id, and a job whose twin is
         in the store already gets the twin's id (as for `enqueue`).
         """
         project = _validate.text_id(project_id, "project_id")
         same = _validate.boolean(dedup, "dedup")
-        if isinstance(jobs, (str, bytes, dict)) or not isinstance(jobs, Iterable):
+        if isinstance(jobs, (str, bytes, Mapping)) or not isinstance(jobs, Iterable):
             raise _errors.InvalidType("jobs must be an iterable of payload dicts or Jobs")
         items = []
         for position, job in enumerate(jobs):
             if isinstance(job, _models.Job):
                 spec = job
-            elif isinstance(job, dict):
+            elif isinstance(job, Mapping):
                 spec = _models.Job(job)
             else:
                 raise _errors.InvalidType(

@@ -632,6 +632,7 @@ _FLAG_WORDS = (
     ("burst must", "--burst must"),
     ("token must be a str of at least", "--token must be at least"),
     ("actor_id must", "--actor must"),
+    ("actor_id is", "--actor is"),
     ("host must be a non-empty str", "--host must not be empty"),
     ("port must be an int from 0 to 65535", "--port must be 0 to 65535"),
     ("open it once without read_only", "run a verb that writes (cancel, purge, limits with a "
