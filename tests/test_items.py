@@ -853,3 +853,51 @@ async def test_a_settle_saved_for_a_caller_gone_wakes_a_waiting_claim_at_once(
     raw.execute("COMMIT")
     again = await waiting
     assert again is not None and again.item_id == item_id and again.owner == "w2"
+
+
+def test_cli_makes_a_project_and_queues_items(location_of: Callable[[str], str]) -> None:
+    # What a deployment's script does before its workers start, and a smoke test after.
+    where = location_of("made.db")
+
+    async def make() -> None:
+        async with ControlStore(where) as store:
+            await store.projects()
+
+    asyncio.run(make())
+    made = cli("project", where, "alpha", "--name", "Alpha", "--json")
+    assert made.returncode == 0, made.stderr
+    row = json.loads(made.stdout)
+    assert (row["project_id"], row["name"], row["status"], row["created"]) == (
+        "alpha", "Alpha", "open", True,
+    )  # fmt: skip
+    again = cli("project", where, "alpha")  # idempotent: the script runs it each time
+    assert (again.returncode, again.stdout) == (0, "alpha: open (unchanged)\n")
+    paused = cli("project", where, "alpha", "--status", "paused")
+    assert (paused.returncode, paused.stdout) == (0, "alpha: paused (was open)\n")
+    renamed = cli("project", where, "alpha", "--name", "Other")
+    assert renamed.returncode == 2 and "named 'Alpha': a name stays" in renamed.stderr
+    first = cli("enqueue", where, "alpha", "--payload", '{"n": 1}', "--priority", "5")
+    assert first.returncode == 0, first.stderr
+    later = cli("enqueue", where, "alpha", "--payload", '{"n": 2}', "--after", "1h", "--json")
+    assert later.returncode == 0, later.stderr
+    twin = cli("enqueue", where, "alpha", "--payload", '{"n": 1}', "--fingerprint", "f")
+    same = cli("enqueue", where, "alpha", "--payload", '{"n": 1}', "--fingerprint", "f")
+    assert twin.stdout == same.stdout  # the twin's id
+    apart = cli("enqueue", where, "alpha", "--payload", "{}", "--fingerprint", "f", "--no-dedup")
+    assert apart.stdout != twin.stdout
+    unknown = cli("enqueue", where, "nope", "--payload", "{}")
+    assert unknown.returncode == 2 and "no project 'nope'" in unknown.stderr
+    bad = cli("enqueue", where, "alpha", "--payload", "[1]")
+    assert bad.returncode == 2 and "a payload is a JSON object" in bad.stderr
+
+    async def look() -> None:
+        async with ControlStore(where) as store:
+            item = await store.item(int(first.stdout))
+            assert (item["payload"], item["priority"], item["state"]) == ({"n": 1}, 5, "ready")
+            deferred = await store.item(json.loads(later.stdout)["item_id"])
+            assert deferred["state"] == "deferred"
+            assert (await store.project("alpha"))["status"] == "paused"
+            assert (await store.counts())["ready"] + (await store.counts())["deferred"] == 4
+            assert await verify_ledger(store) == []
+
+    asyncio.run(look())

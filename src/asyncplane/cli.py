@@ -11,6 +11,8 @@
     asyncplane purge DB --retention 7d        archive, then delete, old settled items
     asyncplane import DB --from SRC --table T --column payload=data ...
     asyncplane copy SRC DST                   move a store to another (SQLite <-> PostgreSQL)
+    asyncplane project DB PROJECT [--name N] [--status open|paused|closed]   make or set one
+    asyncplane enqueue DB PROJECT --payload JSON [--priority N] [--after 5m] ...   queue one
     asyncplane schedules DB                   every schedule, its next and last tick
     asyncplane schedule DB NAME --project P --cron EXPR --payload JSON   add or change one
     asyncplane schedule DB NAME --pause | --resume | --delete
@@ -221,6 +223,22 @@ def _parser() -> argparse.ArgumentParser:
     )
     verb("schedules", "every schedule: its timetable, next tick, last tick").add_argument(
         "db", help=_DB_HELP
+    )
+    project = verb("project", "make sure a project exists (made if not); or change its status")
+    project.add_argument("db", help=_DB_HELP)
+    project.add_argument("project_id", metavar="PROJECT")
+    project.add_argument("--name", help="its display name, when it is made (default: its id)")
+    project.add_argument("--status", choices=("open", "paused", "closed"), help="set it")
+    queued = verb("enqueue", "add an item to a project's queue; print its id")
+    queued.add_argument("db", help=_DB_HELP)
+    queued.add_argument("project_id", metavar="PROJECT")
+    queued.add_argument("--payload", type=_json_object, required=True, help="the item, as JSON")
+    queued.add_argument("--priority", type=int, default=0, help="higher first (default 0)")
+    queued.add_argument("--max-attempts", type=int, default=None, help="default: the store's")
+    queued.add_argument("--after", type=parse_duration, default=None, help="not before, e.g. 5m")
+    queued.add_argument("--fingerprint", default=None, help="its content identity (dedup)")
+    queued.add_argument(
+        "--no-dedup", dest="dedup", action="store_false", help="queue it even if a twin waits"
     )
     schedule = verb("schedule", "add or change a schedule; or pause, resume, delete one")
     schedule.add_argument("db", help=_DB_HELP)
@@ -769,6 +787,46 @@ async def _schedules(store: _store.ControlStore, args: argparse.Namespace) -> in
     return 0
 
 
+async def _project(store: _store.ControlStore, args: argparse.Namespace) -> int:
+    """Make the project if it does not exist (idempotent: a deployment's script may run it
+    each time), then give it the status asked for."""
+    created = False
+    try:
+        row = await store.project(args.project_id)
+    except _errors.UnknownProject:
+        try:
+            await store.create_project(
+                args.project_id, args.project_id if args.name is None else args.name,
+                status="open" if args.status is None else args.status,
+            )  # fmt: skip
+            created = True
+        except _errors.ProjectExists:
+            pass  # another made it meanwhile: as if it had been there
+        row = await store.project(args.project_id)
+    if not created and args.name is not None and args.name != row["name"]:
+        raise _Usage(f"project {args.project_id!r} exists, named {row['name']!r}: a name stays")
+    was = row["status"]
+    if args.status is not None and args.status != was:
+        await store.set_project_status(args.project_id, args.status)
+        row = await store.project(args.project_id)
+    said = "made" if created else ("was " + was if row["status"] != was else "unchanged")
+    _out(args, {**row, "created": created}, f"{args.project_id}: {row['status']} ({said})")
+    return 0
+
+
+async def _enqueue(store: _store.ControlStore, args: argparse.Namespace) -> int:
+    after = None if args.after is None else store.clock.now() + args.after.total_seconds()
+    try:
+        item_id = await store.enqueue(
+            args.project_id, args.payload, priority=args.priority, fingerprint=args.fingerprint,
+            dedup=args.dedup, max_attempts=args.max_attempts, not_before=after,
+        )  # fmt: skip
+    except _errors.UnknownProject as exc:
+        raise _Usage(str(exc)) from exc
+    _out(args, {"item_id": item_id, "project_id": args.project_id}, str(item_id))
+    return 0
+
+
 async def _schedule(store: _store.ControlStore, args: argparse.Namespace) -> int:
     for flag, act, done in (("pause", store.pause_schedule, "paused"),
                             ("resume", store.resume_schedule, "resumed"),
@@ -847,6 +905,8 @@ _VERBS: dict[str, Callable[[_store.ControlStore, argparse.Namespace], Any]] = {
     "schedules": _schedules,
     "schedule": _schedule,
     "limits": _limits,
+    "project": _project,
+    "enqueue": _enqueue,
 }
 
 
