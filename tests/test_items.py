@@ -855,7 +855,7 @@ async def test_a_settle_saved_for_a_caller_gone_wakes_a_waiting_claim_at_once(
     assert again is not None and again.item_id == item_id and again.owner == "w2"
 
 
-def test_cli_makes_a_project_and_queues_items(location_of: Callable[[str], str]) -> None:
+def test_cli_makes_a_project_and_queues_items(location_of: Any) -> None:
     # What a deployment's script does before its workers start, and a smoke test after.
     where = location_of("made.db")
 
