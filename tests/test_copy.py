@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import pathlib
 import subprocess
 import sys
@@ -413,37 +414,52 @@ async def test_a_source_that_cannot_say_its_last_id_fails_the_copy_before_any_wr
     assert sum((await destination.counts()).values()) == 0
 
 
-def test_a_source_is_known_by_the_store_it_is_not_by_how_its_location_is_written(
+async def test_an_sqlite_source_is_known_by_its_file_not_by_its_name(
     tmp_path: pathlib.Path,
 ) -> None:
-    def label(location: str) -> str:
-        return _copy.source_label(ControlStore(location))
-
-    one = label("postgresql://app@db.example/work?search_path=fleet")
-    for same in (
-        "postgres://app@db.example/work?search_path=fleet",
-        "postgresql://app:s3cret@DB.example:5432/work?search_path=fleet",
-        "postgresql://other@db.example/work?sslmode=require&search_path=fleet&password=x",
-        "postgresql://db.example/?application_name=w&search_path=fleet&dbname=work&port=5432",
-        "postgresql:///work?search_path=fleet&host=db.example",
-    ):
-        assert label(same) == one, same
-    for another in (
-        "postgresql://app@db.example/work?search_path=fleet_b",
-        "postgresql://app@db.example/work2?search_path=fleet",
-        "postgresql://app@db.example:5433/work?search_path=fleet",
-        "postgresql://app@db2.example/work?search_path=fleet",
-        "postgresql://app@db.example,db2.example/work?search_path=fleet",
-        "postgresql://app@db.example/work",  # the schema left to the user's name...
-    ):
-        assert label(another) != one, another
-    assert label("postgresql://app@db.example/work") != label("postgresql://bob@db.example/work")
-    assert label("postgresql://app@/work?host=/run/PG&search_path=s") != label(
-        "postgresql://app@/work?host=/run/pg&search_path=s"
-    )  # (a socket's directory is a path: its case is its own)
-    (tmp_path / "store.db").touch()
     (tmp_path / "link.db").symlink_to(tmp_path / "store.db")
-    assert label(str(tmp_path / "link.db")) == label(str(tmp_path / "store.db"))
+    labels = []
+    for name in ("store.db", "link.db"):
+        async with ControlStore(tmp_path / name) as store:
+            labels.append(await _copy.source_label(store))
+    assert labels[0] == labels[1] == f"copy:sqlite:{tmp_path / 'store.db'}"
+
+
+@pytest.mark.postgresql_only
+async def test_a_postgresql_source_is_known_by_what_the_server_resolves(url: str) -> None:
+    # The server names the store: its database and the schema its search_path resolved
+    # to. Two users whose "$user" schemas differ are two sources under one URL's spelling;
+    # one store written two ways is one.
+    role = f"copier_{os.getpid()}"
+    await testing.execute_sql(
+        url,
+        f"CREATE ROLE {role} LOGIN; CREATE SCHEMA {role} AUTHORIZATION {role}; "
+        f"CREATE SCHEMA {role}_b",
+    )
+    try:
+        parts = urllib.parse.urlsplit(url)
+        as_role = parts._replace(netloc=f"{role}@{parts.netloc.rpartition('@')[2]}")
+        query = [(k, v) for k, v in urllib.parse.parse_qsl(parts.query) if k != "search_path"]
+        spelled = {
+            "own": as_role._replace(
+                query=urllib.parse.urlencode([*query, ("search_path", "$user")])
+            ),
+            "named": as_role._replace(
+                query=urllib.parse.urlencode([("search_path", role), *reversed(query)])
+            ),
+        }
+        labels = {}
+        for name, spelling in spelled.items():
+            async with ControlStore(spelling.geturl()) as store:
+                labels[name] = await _copy.source_label(store)
+        async with ControlStore(testing.with_schema(url, f"{role}_b")) as other:
+            labels["other"] = await _copy.source_label(other)
+        assert labels["own"] == labels["named"] and labels["own"].endswith(f"/{role}")
+        assert labels["other"] != labels["own"] and labels["other"].endswith(f"/{role}_b")
+    finally:
+        await testing.execute_sql(
+            url, f"DROP SCHEMA {role} CASCADE; DROP SCHEMA {role}_b CASCADE; DROP ROLE {role}"
+        )
 
 
 @pytest.mark.postgresql_only
@@ -475,7 +491,11 @@ async def test_a_copy_begun_when_the_source_was_known_by_its_location_goes_on(
     await asyncplane_store.enqueue_many("p", [{"n": n} for n in range(3)])
     destination: ControlStore = await other_store()
     with monkeypatch.context() as before:
-        before.setattr(_copy, "source_label", lambda store: f"copy:{store.location}")
+
+        async def as_written(store: ControlStore) -> str:
+            return f"copy:{store.location}"
+
+        before.setattr(_copy, "source_label", as_written)
         assert (await copy_store(asyncplane_store, destination)).copied == 3
     await asyncplane_store.enqueue("p", {"n": 3})
     again = await copy_store(asyncplane_store, destination)

@@ -1104,6 +1104,12 @@ class Backend(Protocol):
         """Remember these import records too (those already here stay as they are)."""
         ...
 
+    async def store_identity(self) -> str:
+        """What names this store wherever it is reached from, however its location is
+        written: an SQLite file's resolved path; for a PostgreSQL schema, the server as it
+        says it (its address and port, or its socket), the database and the schema."""
+        ...
+
     async def last_item_id(self) -> int:
         """The highest item id ever handed out here (purged items' ids included)."""
         ...

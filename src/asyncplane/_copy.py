@@ -26,8 +26,6 @@ source after its item was copied is not carried over.
 from __future__ import annotations
 
 import dataclasses
-import os
-import urllib.parse
 from collections.abc import Callable
 
 from asyncplane import _backend, _rules, _store, _validate
@@ -46,46 +44,12 @@ class CopySummary:
     chunks: int = 0
 
 
-#: The parameters of a PostgreSQL URL that select the store beside its servers and its
-#: database: the schema (options may set the search_path too), a service file's entry.
-#: The rest (a password, TLS, timeouts, the application's name) do not.
-_SELECTING = ("options", "search_path", "service")
-
-
-def source_label(source: ControlStore) -> str:
-    """What a destination keys the items copied from ``source`` by: the store itself,
-    however its location is written.
-
-    An SQLite file's real path (links resolved). For PostgreSQL, the URL made canonical:
-    each server as host:port (a host name in lower case, the default port written out),
-    the database, and the parameters that select the store, sorted; never the user or a
-    secret, unless the URL leaves the database or the schema to default to the user.
-    """
-    if source.backend != "postgresql":
-        return f"copy:{os.path.realpath(source.location)}"
-    parts = urllib.parse.urlsplit(source.location)
-    given = {k.lower(): v for k, v in urllib.parse.parse_qsl(parts.query, keep_blank_values=True)}
-    ports = given.get("port", "").split(",")
-    hosts = given.get("host") or urllib.parse.unquote(parts.netloc.rpartition("@")[2])
-    servers = ",".join(
-        _server(host, ports[min(n, len(ports) - 1)]) for n, host in enumerate(hosts.split(","))
-    )
-    database = given.get("dbname") or given.get("database") or urllib.parse.unquote(parts.path[1:])
-    chosen = sorted((k, v) for k, v in given.items() if k in _SELECTING)
-    if not database or "search_path" not in given:  # the user's name may choose either
-        chosen.append(("user", given.get("user") or urllib.parse.unquote(parts.username or "")))
-    query = urllib.parse.urlencode(chosen)
-    return f"copy:postgresql://{servers}/{urllib.parse.quote(database)}?{query}"
-
-
-def _server(host: str, port: str) -> str:
-    """A host (a name, an address, or a unix socket's directory) with its port."""
-    name, colon, written = host.rpartition(":")
-    if not colon or not written.isdigit():  # no port in it ("[::1]", a directory)
-        name, written = host, ""
-    if not name.startswith("/"):
-        name = name.lower()
-    return f"{name}:{written or port or 5432}"
+async def source_label(source: ControlStore) -> str:
+    """What a destination keys the items copied from ``source`` by: the store itself, as
+    its backend names it (`asyncplane._backend.Backend.store_identity`), however its
+    location is written: two spellings of one URL are one source, and two stores one URL
+    could name for different users (a search_path of "$user") are two."""
+    return "copy:" + await (await _store.engine_of(source).ready()).store_identity()
 
 
 async def copy_store(
@@ -118,7 +82,7 @@ async def copy_store(
     pending = _validate.boolean(pending_only, "pending_only")
     src = await _store.engine_of(source).ready()
     dst = await _store.engine_of(destination).ready()
-    label = source_label(source)
+    label = await source_label(source)
     foreign = await dst.first_foreign_item(label)
     if foreign is not None:
         # A copy begun when the label was the location as written goes on under that one.

@@ -677,6 +677,9 @@ class PostgresBackend(_backend.Writes):
     async def copy_imports(self, records: tuple[_backend.ImportRecord, ...]) -> None:
         await self._write(_bind(_copy_imports, records))
 
+    async def store_identity(self) -> str:
+        return await self._read(_store_identity)
+
     async def last_item_id(self) -> int:
         ((last, exact),) = await self._fetch(sql.LAST_ITEM_ID)
         if not exact:
@@ -1647,6 +1650,18 @@ async def _check_current_schema(conn: asyncpg.Connection) -> None:
 
 def _snapshot(conn: asyncpg.Connection) -> Any:
     return conn.transaction(isolation="repeatable_read", readonly=True)
+
+
+async def _store_identity(conn: asyncpg.Connection) -> str:
+    """The server as it says it (its address and port over TCP; over a socket, the
+    socket's path this connection reached, which only a superuser could ask the server
+    for), the database and the schema its search_path resolved to ("$user" included)."""
+    ((address, port, database, schema),) = await conn.fetch(sql.STORE_IDENTITY)
+    if address is not None:
+        server = f"{address}:{port}"
+    else:  # a Unix socket: the path the driver connected to
+        server = f"socket:{getattr(conn, '_addr', '')}:{port}"
+    return f"postgresql://{server}/{database}/{schema}"
 
 
 async def _fetch(conn: asyncpg.Connection, statement: str, *args: Any) -> list[Any]:

@@ -344,6 +344,9 @@ class SQLiteBackend(_backend.Writes):
     async def copy_imports(self, records: tuple[_backend.ImportRecord, ...]) -> None:
         await self._write(functools.partial(_copy_imports, records))
 
+    async def store_identity(self) -> str:
+        return f"sqlite:{self._path}"  # resolved as the kernel resolves it, when given
+
     async def last_item_id(self) -> int:
         rows = await self._read(_fetch, sql.LAST_ITEM_ID, ())
         return int(rows[0][0])
