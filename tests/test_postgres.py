@@ -628,6 +628,10 @@ async def test_the_stores_sessions_outlive_an_idle_session_timeout(
                 await until(idle.is_closed, what="the server ends an idle session")
                 assert guard.lost is None
             assert not backend._deaf
+            # And the read pool's, after a release (whose RESET ALL undoes a SET).
+            for _ in range(2):
+                async with backend._pool.acquire() as pooled:
+                    assert await pooled.fetchval("SHOW idle_session_timeout") == "0"
             assert writer.running and await store.enqueue("p", {}) == 1
             assert backend.writer is writer  # never opened afresh
     assert "lost its connection" not in caplog.text

@@ -354,10 +354,14 @@ class PostgresBackend(_backend.Writes):
                     self._server_clock.observe(await conn.fetchval(sql.SERVER_NOW))
                 # (Read committed too: a statement of several looks, TwinWakes', relies on
                 # each look's own snapshot; reads of several statements ask for more.)
+                settings = {"default_transaction_isolation": "read committed"}
+                if conn.get_server_version().major >= 14:
+                    # A startup setting, not a SET: the pool's RESET ALL at each release
+                    # goes back to it (a SET made once would be undone by the first).
+                    settings["idle_session_timeout"] = "0"
                 pool = await asyncpg.create_pool(
                     self._url, min_size=1, max_size=self._sizing.read_connections,
-                    timeout=self._connect_timeout, init=_never_idle_out,
-                    server_settings={"default_transaction_isolation": "read committed"},
+                    timeout=self._connect_timeout, server_settings=settings,
                 )  # fmt: skip
             except _DRIVER_ERRORS as exc:
                 raise _writer.translate(exc) from exc
