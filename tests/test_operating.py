@@ -305,6 +305,28 @@ async def test_import_copies_pending_rows_once(store: ControlStore, tmp_path: pa
     assert await verify_ledger(store) == []
 
 
+async def test_an_import_is_keyed_by_its_source_as_named_not_where_a_link_leads(
+    store: ControlStore, tmp_path: pathlib.Path
+) -> None:
+    # The source named through a link to its directory, whose target moves (a disk
+    # replaced, the link made again): the same name, the same source, nothing twice.
+    (tmp_path / "disk1").mkdir()
+    litequeue_like(tmp_path / "disk1" / "q.sqlite3")
+    (tmp_path / "data").symlink_to(tmp_path / "disk1")
+    source = tmp_path / "data" / "q.sqlite3"
+    columns = {"payload": "data", "key": "message_id", "state": "status"}
+    first = await store.import_pending(
+        source, table="Queue", columns=columns, project_id="alpha", pending=[0, 1]
+    )
+    (tmp_path / "disk1").rename(tmp_path / "disk2")
+    (tmp_path / "data").unlink()
+    (tmp_path / "data").symlink_to(tmp_path / "disk2")
+    again = await store.import_pending(
+        source, table="Queue", columns=columns, project_id="alpha", pending=[0, 1]
+    )
+    assert (first.imported, again.imported, again.already_imported) == (3, 0, 3)
+
+
 async def test_an_import_cut_short_resumes_without_duplicates(
     store: ControlStore, tmp_path: pathlib.Path
 ) -> None:

@@ -119,6 +119,7 @@ def test_without_the_extra_a_url_names_the_extra(tmp_path: pathlib.Path) -> None
     for verb, told in (
         (["stats", "URL"], f"asyncplane stats: {said}\n"),
         (["probe", "--scenario", "stall", "--store", "URL"], said),
+        (["probe", "--scenario", "chaos", "--role", "worker", "--store", "URL"], said),
         (["worker", "URL", "agents:handle"], f"asyncplane worker: {said}\n"),
     ):
         done = subprocess.run(

@@ -5,6 +5,7 @@ with nothing written, and a holder's death lets the next one go."""
 from __future__ import annotations
 
 import asyncio
+import os
 import pathlib
 import subprocess
 import sys
@@ -238,3 +239,19 @@ def test_companions_made_under_a_strict_umask_take_the_databases_mode(
     for suffix in ("-writers", "-combine"):
         mode = (tmp_path / f"s.db{suffix}").stat().st_mode & 0o777
         assert mode == 0o666, (suffix, oct(mode))
+
+
+async def test_a_companion_that_is_a_link_to_nothing_is_made_where_it_leads(
+    tmp_path: pathlib.Path,
+) -> None:
+    # The queue and the board linked into a tmpfs, emptied by a reboot: the links lead
+    # nowhere. Opening makes the files there (it once looked for them for ever).
+    async with ControlStore(tmp_path / "s.db") as store:
+        await store.create_project("p", "P")
+    (tmp_path / "shm").mkdir()
+    for suffix in ("-writers", "-combine"):
+        (tmp_path / f"s.db{suffix}").unlink()
+        (tmp_path / f"s.db{suffix}").symlink_to(tmp_path / "shm" / f"s{suffix}")
+    async with ControlStore(tmp_path / "s.db") as store:
+        assert await store.enqueue("p", {}) == 1
+    assert sorted(os.listdir(tmp_path / "shm")) == ["s-combine", "s-writers"]

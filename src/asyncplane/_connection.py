@@ -125,12 +125,14 @@ class _Dropped:
 _NO_FUTURE: Any = _Dropped()
 
 
-async def check_path(path: pathlib.Path) -> None:
+async def check_path(path: pathlib.Path, *, writable: bool = True) -> None:
     """Refuse a path that names something other than a regular file (or nothing yet).
 
     SQLite would open a FIFO, a device or a socket and then block reading it (a read-only
     opening of a FIFO never returns), so what the path is gets checked first, with a
-    stat that opens nothing, on a worker thread.
+    stat that opens nothing, on a worker thread. A file with a second hard link is
+    refused to a ``writable`` opening (two names, two WALs); a read-only look at one (a
+    hard-linked backup snapshot) writes nothing, and may.
     """
     try:
         found = await anyio.to_thread.run_sync(os.stat, path)
@@ -139,7 +141,7 @@ async def check_path(path: pathlib.Path) -> None:
     except OSError as exc:
         raise _errors.StorageError(f"cannot look at {path}: {exc}") from exc
     mode = found.st_mode
-    if stat.S_ISREG(mode) and found.st_nlink > 1:
+    if writable and stat.S_ISREG(mode) and found.st_nlink > 1:
         # SQLite names the -wal and -shm after the name it opens: through two names of one
         # file, two WALs and two lock files, and writers that never see each other.
         raise _errors.StorageError(

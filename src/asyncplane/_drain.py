@@ -168,7 +168,7 @@ async def drain(
         preflight_chunk=_validate.positive_int(preflight_chunk, "preflight_chunk"),
     )
     _validate.text_id(run.owner, "owner")
-    lock = None if lock_path is None else _validate.absolute_path(lock_path, "lock_path")
+    lock = None if lock_path is None else _validate.resolved_path(lock_path, "lock_path")
     async with _store.engine_of(store).single_runner(lock) as guard:
         if not guard:
             _log.info("drain %s skipped: another drainer holds the guard", run.owner)

@@ -221,7 +221,7 @@ def backend_for(
     from asyncplane import _sqlite
 
     return _sqlite.SQLiteBackend(
-        _validate.absolute_path(location, "path"),
+        _validate.resolved_path(location, "path"),
         sizing,
         clock=clock if clock is not None else _clock.SystemClock(),
         synchronous=options.synchronous,

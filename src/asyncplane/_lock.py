@@ -68,7 +68,7 @@ class DrainLock:
     """
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
-        self._path = _validate.absolute_path(path, "path")
+        self._path = _validate.resolved_path(path, "path")
         self._fd: int | None = None
 
     @property

@@ -95,7 +95,7 @@ class SQLiteBackend(_backend.Writes):
 
         Read-only: open readers only, after checking the file is a store of this schema.
         """
-        await _connection.check_path(self._path)
+        await _connection.check_path(self._path, writable=not self._sizing.read_only)
         if self._sizing.read_only:
             await self._open_read_only()
             return

@@ -150,7 +150,7 @@ class ControlStore:
         if is_url:
             _engine.checked_url(str(location))
         # Absolute from the start, so a later chdir cannot move the store.
-        self._path = None if is_url else _validate.absolute_path(location, "path")
+        self._path = None if is_url else _validate.resolved_path(location, "path")
         self._lease_seconds = _validate.lease_seconds(lease_seconds)
         self._synchronous: Literal["NORMAL", "FULL"] = synchronous
         self._busy_timeout = _validate.seconds(
@@ -173,7 +173,7 @@ class ControlStore:
         self._rng = rng
         self._retention = None if retention is None else _validate.duration(retention, "retention")
         if archive_path is not None:
-            self._archive_path: pathlib.Path | None = _validate.absolute_path(
+            self._archive_path: pathlib.Path | None = _validate.resolved_path(
                 archive_path, "archive_path"
             )
         elif self._path is not None:
@@ -1128,7 +1128,7 @@ class ControlStore:
         target = (
             self._archive_path
             if archive_path is None
-            else _validate.absolute_path(archive_path, "archive_path")
+            else _validate.resolved_path(archive_path, "archive_path")
         )
         if target is None:
             raise _errors.InvalidInput(

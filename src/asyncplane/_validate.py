@@ -66,12 +66,12 @@ __all__ = (
     "priority",
     "project_status",
     "read_connections",
+    "resolved_path",
     "seconds",
     "service_class",
     "shown",
     "storable_text",
-    "text_id",
-)
+    "text_id",)
 
 #: Longest accepted project, owner or actor id, in characters.
 MAX_ID_LENGTH = 256
@@ -490,11 +490,19 @@ def duration(value: object, what: str) -> float:
 
 
 def absolute_path(value: object, what: str) -> pathlib.Path:
-    """A str or PathLike, made absolute now (so a later chdir cannot move it), with its
-    symbolic links resolved as the kernel resolves them (``link/..`` is the link target's
-    parent, not the link's): every name of one file comes to one path, so its companions
-    named after it (SQLite's -wal and -shm, the write queue, the board, a drain's lock)
-    are one set, whatever name each process was given."""
+    """A str or PathLike, made absolute now (so a later chdir cannot move it), as given:
+    a name that stands for itself (an import's source, whose name keys what it imported)."""
+    import pathlib  # on first use: see "What importing asyncplane loads"
+
+    return pathlib.Path(os.path.abspath(path_text(value, what)))
+
+
+def resolved_path(value: object, what: str) -> pathlib.Path:
+    """A str or PathLike, made absolute now, with its symbolic links resolved as the
+    kernel resolves them (``link/..`` is the link target's parent, not the link's): every
+    name of one file comes to one path, so what is named after it (SQLite's -wal and -shm,
+    the write queue, the board, a drain's lock, an archive's lock) is one set, whatever
+    name each process was given."""
     import pathlib  # on first use: see "What importing asyncplane loads"
 
     return pathlib.Path(os.path.realpath(path_text(value, what)))

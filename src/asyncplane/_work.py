@@ -205,7 +205,7 @@ async def work(
         preflight_chunk=_validate.positive_int(preflight_chunk, "preflight_chunk"),
         progress=_validate.callback(progress, "progress"),
     )
-    lock = None if lock_path is None else _validate.absolute_path(lock_path, "lock_path")
+    lock = None if lock_path is None else _validate.resolved_path(lock_path, "lock_path")
     _log.info(
         "asyncplane worker %s starting (concurrency %d, on %s)",
         run.owner, run.concurrency, _loops.running(),

@@ -218,19 +218,22 @@ def open_companion(path: pathlib.Path, database: pathlib.Path) -> int:
     except OSError:
         mode = 0o644
     flags = os.O_RDWR | getattr(os, "O_CLOEXEC", 0)
-    while True:
+    for _ in range(3):
         try:
             fd = os.open(path, flags | os.O_CREAT | os.O_EXCL, mode)
         except FileExistsError:
             try:
                 return os.open(path, flags)
-            except FileNotFoundError:  # removed meanwhile: make it, then
-                continue
+            except FileNotFoundError:
+                if os.path.islink(path):  # a link to nothing (its tmpfs emptied): make it
+                    return os.open(path, flags | os.O_CREAT, mode)
+                continue  # removed meanwhile: make it, then
         try:
             os.fchmod(fd, mode)  # the umask took bits the database has
         except OSError:
             pass  # a file system without modes: what it gives
         return fd
+    raise OSError(f"{path} came and went while it was opened")
 
 
 def open_write_lock(database: pathlib.Path) -> WriteLock | None:

@@ -144,6 +144,7 @@ def _parser(prog: str) -> argparse.ArgumentParser:
 def _prepare_path(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     if _engine.is_postgres_url(args.store):
         _engine.checked_url(args.store)  # one whose password cannot be told apart: refused
+        _engine.postgres_driver()  # whatever the role: MissingExtra names the extra
         if args.role != "worker":
             _loops.run(_prepare_schema(args, parser))
         return
