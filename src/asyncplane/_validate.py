@@ -71,7 +71,8 @@ __all__ = (
     "service_class",
     "shown",
     "storable_text",
-    "text_id",)
+    "text_id",
+)
 
 #: Longest accepted project, owner or actor id, in characters.
 MAX_ID_LENGTH = 256
