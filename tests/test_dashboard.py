@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import json
 import os
+import pathlib
 import re
 import signal
 import subprocess
@@ -938,9 +939,27 @@ async def test_each_mounted_dashboard_keeps_its_own_token_cookie(store: ControlS
             assert (await text(browser, base + "/running"))[0] == 200, base
 
 
+async def test_a_prefix_no_cookie_path_can_hold_gets_the_sites_root(
+    store: ControlStore,
+) -> None:
+    # "Path=/a;b/" would end at the ";": a browser keeps no such cookie, and every page
+    # after the ?token= link would be a 401. The name alone keeps it apart there.
+    token = "t" * 20
+    async with (
+        site_of({"/a;b": Dashboard(store, token=token)}) as site,
+        aiohttp.ClientSession(cookie_jar=aiohttp.CookieJar(unsafe=True)) as browser,
+    ):
+        async with browser.get(f"{site}/a;b/?token={token}", allow_redirects=False) as answer:
+            assert answer.status == 303
+            (cookie,) = answer.cookies.values()
+            assert cookie["path"] == "/" and cookie.key.endswith("%2Fa%3Bb")
+        assert (await text(browser, site + "/a;b/running"))[0] == 200
+
+
 @pytest.mark.parametrize(
     ("peer", "status"),
     [("192.0.2.7", 403), ("2001:db8::7", 403), ("::ffff:192.0.2.7", 403),
+     ("unknown", 403), ("_hidden", 403), ("192.0.2.7:5555", 403), ("[192.0.2.7]", 403),
      ("::ffff:127.0.0.1", 200), ("::1", 200), ("127.0.0.2", 200)],
 )  # fmt: skip
 async def test_without_a_token_a_mounted_dashboard_answers_this_machine_alone(
@@ -975,3 +994,20 @@ async def test_without_a_token_a_mounted_dashboard_answers_this_machine_alone(
         finally:
             await runner.cleanup()
     assert (await store.project("alpha"))["status"] == "open"
+
+
+async def test_without_a_token_a_dashboard_on_a_unix_socket_answers(
+    store: ControlStore, tmp_path: pathlib.Path
+) -> None:
+    # A Unix socket's peer has no address: the socket file's rights decide who reaches it.
+    site = aiohttp.web.Application()
+    site.add_subapp("/ops", Dashboard(store).app())
+    runner = aiohttp.web.AppRunner(site)
+    await runner.setup()
+    try:
+        await aiohttp.web.UnixSite(runner, str(tmp_path / "dash.sock")).start()
+        connector = aiohttp.UnixConnector(path=str(tmp_path / "dash.sock"))
+        async with aiohttp.ClientSession(connector=connector) as session:
+            assert (await text(session, "http://localhost/ops/projects"))[0] == 200
+    finally:
+        await runner.cleanup()

@@ -36,6 +36,7 @@ import ipaddress
 import logging
 import pathlib
 import secrets
+import socket as socket_module
 import urllib.parse
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -239,7 +240,7 @@ class Dashboard:
     async def _checked(self, request: web.Request, handler: _Handler) -> web.StreamResponse:
         by_header = False
         if self.token is None:
-            if not _loopback_peer(request.remote):
+            if not _loopback_peer(request):
                 # start() makes a token for any bind beyond loopback; an application
                 # mounted in a site of the caller's cannot know the site's bind, so
                 # without a token it answers this machine alone.
@@ -264,7 +265,7 @@ class Dashboard:
                     target += "?" + urllib.parse.urlencode(query)
                 found = web.Response(status=303, headers={"Location": target})
                 found.set_cookie(
-                    _cookie_name(request), self.token, path=_root(request) + "/",
+                    _cookie_name(request), self.token, path=_cookie_path(request),
                     httponly=True, samesite="Lax",
                 )  # fmt: skip
                 return found
@@ -600,15 +601,27 @@ def _loopback(host: str) -> bool:
         return False
 
 
-def _loopback_peer(remote: str | None) -> bool:
-    """Whether a request came from this machine: a loopback address (IPv4 or IPv6, or
-    IPv4 as IPv6 from a dual-stack socket), or no address at all (a Unix socket's)."""
-    if not remote:
-        return True
+def _cookie_path(request: web.Request) -> str:
+    """The token cookie's path: the dashboard's own (its mount prefix), or the site's
+    root for a prefix a cookie's path cannot hold (a ";", a control character); the
+    cookie's name, which holds the prefix, keeps it apart all the same."""
+    path = _root(request) + "/"
+    return "/" if any(c == ";" or ord(c) < 32 or ord(c) == 127 for c in path) else path
+
+
+def _loopback_peer(request: web.Request) -> bool:
+    """Whether a request came from this machine: its peer a loopback address (IPv4 or
+    IPv6, or IPv4 as IPv6 from a dual-stack socket), or a Unix socket's, local by its
+    file's rights. A peer named otherwise (a proxy-headers middleware's "unknown",
+    "1.2.3.4:5555", "[::1]") is not taken for this machine."""
+    remote = request.remote
     try:
-        address = ipaddress.ip_address(remote)
-    except ValueError:  # no IP address: a Unix socket's peer, local by its file's rights
-        return True
+        address = ipaddress.ip_address(remote or "")
+    except ValueError:
+        sock = None if request.transport is None else request.transport.get_extra_info("socket")
+        unix = sock is not None and sock.family == getattr(socket_module, "AF_UNIX", None)
+        # The socket's own (empty) name, not one a middleware put in its place.
+        return unix and not remote
     if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
         address = address.ipv4_mapped
     return address.is_loopback
