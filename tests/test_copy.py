@@ -503,6 +503,31 @@ async def test_a_copy_begun_when_the_source_was_known_by_its_location_goes_on(
     assert await verify_ledger(destination) == []
 
 
+async def test_a_copy_begun_through_a_link_to_its_source_goes_on_through_it(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Keyed by the location as written before, a source named through a link was keyed
+    # by the link's name: the copy goes on under it, not under the file it leads to.
+    (tmp_path / "link.db").symlink_to(tmp_path / "real.db")
+    async with (
+        ControlStore(tmp_path / "link.db") as source,
+        ControlStore(tmp_path / "copy.db") as destination,
+    ):
+        assert source.location == str(tmp_path / "link.db") != str(source.path)
+        await source.create_project("p", "P")
+        await source.enqueue_many("p", [{"n": n} for n in range(3)])
+
+        async def as_written(store: ControlStore) -> str:
+            return f"copy:{store.location}"
+
+        with monkeypatch.context() as before:
+            before.setattr(_copy, "source_label", as_written)
+            assert (await copy_store(source, destination)).copied == 3
+        await source.enqueue("p", {"n": 3})
+        again = await copy_store(source, destination)
+        assert (again.copied, again.skipped) == (1, 3)
+
+
 async def test_a_copy_carries_what_the_source_imported(
     asyncplane_store: ControlStore, other_store: Any, tmp_path: pathlib.Path
 ) -> None:

@@ -1011,3 +1011,22 @@ async def test_without_a_token_a_dashboard_on_a_unix_socket_answers(
             assert (await text(session, "http://localhost/ops/projects"))[0] == 200
     finally:
         await runner.cleanup()
+
+
+async def test_a_site_whose_own_startup_fails_leaves_no_sampler_behind(
+    store: ControlStore,
+) -> None:
+    # aiohttp never cleans up a mounted application when its site's startup fails after
+    # the application's own: a sampler started there would run on, and reopen the store.
+    site = aiohttp.web.Application()
+    site.add_subapp("/ops", Dashboard(store, sample_every=0.01).app())
+
+    async def fails(app: aiohttp.web.Application) -> None:
+        raise RuntimeError("the site's own startup")
+
+    site.on_startup.append(fails)
+    runner = aiohttp.web.AppRunner(site)
+    with pytest.raises(RuntimeError, match="the site's own startup"):
+        await runner.setup()
+    await runner.cleanup()
+    assert [t for t in asyncio.all_tasks() if t.get_name() == "asyncplane-dashboard-sampler"] == []

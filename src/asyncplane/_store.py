@@ -149,8 +149,10 @@ class ControlStore:
         is_url = _engine.is_postgres_url(location)
         if is_url:
             _engine.checked_url(str(location))
-        # Absolute from the start, so a later chdir cannot move the store.
+        # Absolute from the start, so a later chdir cannot move the store; the file itself
+        # by its links resolved (`path`), named as given (`location`).
         self._path = None if is_url else _validate.resolved_path(location, "path")
+        self._given = None if is_url else str(_validate.absolute_path(location, "path"))
         self._lease_seconds = _validate.lease_seconds(lease_seconds)
         self._synchronous: Literal["NORMAL", "FULL"] = synchronous
         self._busy_timeout = _validate.seconds(
@@ -224,8 +226,9 @@ class ControlStore:
 
     @property
     def location(self) -> str:
-        """The database file's absolute path, or the PostgreSQL URL without its password."""
-        return self._engine.location
+        """The database file's absolute path as given (`path` is the file it leads to,
+        its links resolved), or the PostgreSQL URL without its password."""
+        return self._engine.location if self._given is None else self._given
 
     @property
     def archive_path(self) -> pathlib.Path | None:

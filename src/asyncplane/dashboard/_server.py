@@ -116,6 +116,10 @@ class Dashboard:
         self._runner: web.AppRunner | None = None
         #: The URL the dashboard serves at, once started.
         self.url: str | None = None
+        #: Between the application's startup and its cleanup (`_sampling`).
+        self._serving = False
+        self._sampler: asyncio.Task[None] | None = None
+        self._stop_sampling = asyncio.Event()
 
     # --- lifecycle -----------------------------------------------------------------------
 
@@ -184,18 +188,32 @@ class Dashboard:
 
     async def _sampling(self, app: web.Application) -> AsyncIterator[None]:
         """The application's life (its ``cleanup_ctx``): the store opened and the first
-        sample taken before it serves, then a sample every ``sample_every`` seconds
-        until its cleanup."""
+        sample taken before it serves; from its first request on (`_sample_on`), a sample
+        every ``sample_every`` seconds, until its cleanup. The sampler is not started
+        here: a site whose own startup fails after this one never cleans a mounted
+        application up (aiohttp's rule), and its sampler would run on, for ever."""
         del app
         await self.store.open()
         await self.history.sample()
-        stopping = asyncio.Event()
-        sampler = asyncio.create_task(self._sample(stopping), name="asyncplane-dashboard-sampler")
-        sampler.add_done_callback(_report_failure)
-        yield
-        stopping.set()
-        sampler.cancel()  # it only reads: a sample cut short loses nothing
-        await asyncio.gather(sampler, return_exceptions=True)  # reported already
+        self._serving = True
+        try:
+            yield
+        finally:
+            self._serving = False
+            sampler, self._sampler = self._sampler, None
+            if sampler is not None:
+                self._stop_sampling.set()
+                sampler.cancel()  # it only reads: a sample cut short loses nothing
+                await asyncio.gather(sampler, return_exceptions=True)  # reported already
+
+    def _sample_on(self) -> None:
+        """Start the sampler, if the application serves and none runs (`_sampling`)."""
+        if self._serving and self._sampler is None:
+            self._stop_sampling = asyncio.Event()
+            self._sampler = asyncio.create_task(
+                self._sample(self._stop_sampling), name="asyncplane-dashboard-sampler"
+            )
+            self._sampler.add_done_callback(_report_failure)
 
     async def _sample(self, stopping: asyncio.Event) -> None:
         """Sample the overview's history every ``sample_every`` seconds until stopped."""
@@ -213,6 +231,7 @@ class Dashboard:
 
     @web.middleware
     async def _guard(self, request: web.Request, handler: _Handler) -> web.StreamResponse:
+        self._sample_on()
         try:
             response = await self._checked(request, handler)
         except web.HTTPException as exc:  # a redirect, a 404: answered as a plain response
