@@ -456,6 +456,17 @@ async def test_a_postgresql_source_is_known_by_what_the_server_resolves(url: str
             labels["other"] = await _copy.source_label(other)
         assert labels["own"] == labels["named"] and labels["own"].endswith(f"/{role}")
         assert labels["other"] != labels["own"] and labels["other"].endswith(f"/{role}_b")
+        # A role that may not read the cluster's identifier: the location as written
+        # (a resume spelled otherwise is refused, never taken for another's).
+        revoke = "REVOKE EXECUTE ON FUNCTION pg_control_system() FROM PUBLIC"
+        await testing.execute_sql(url, revoke)
+        try:
+            async with ControlStore(spelled["own"].geturl()) as store:
+                assert await _copy.source_label(store) == f"copy:{store.location}"
+        finally:
+            await testing.execute_sql(
+                url, "GRANT EXECUTE ON FUNCTION pg_control_system() TO PUBLIC"
+            )
     finally:
         await testing.execute_sql(
             url, f"DROP SCHEMA {role} CASCADE; DROP SCHEMA {role}_b CASCADE; DROP ROLE {role}"

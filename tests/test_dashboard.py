@@ -917,6 +917,19 @@ async def test_a_mounted_dashboard_samples_as_a_started_one_does(store: ControlS
     assert samplers() == []  # stopped with the site
 
 
+async def test_a_started_dashboard_samples_before_anyone_looks(store: ControlStore) -> None:
+    # The depth chart's last hour is there when an operator first opens the page.
+    dashboard = Dashboard(store, sample_every=0.01)
+    await dashboard.start("127.0.0.1", 0)
+    try:
+        dashboard.history.sampled.clear()
+        await asyncio.wait_for(dashboard.history.sampled.wait(), 30)  # no request made
+        assert len(samplers()) == 1
+    finally:
+        await dashboard.stop()
+    assert samplers() == []
+
+
 async def test_each_mounted_dashboard_keeps_its_own_token_cookie(store: ControlStore) -> None:
     # One jar per host name, whatever the port, and a cookie of path / goes to every
     # path: with one name and path for all, logging in to one logged out of the other.

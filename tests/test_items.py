@@ -889,6 +889,13 @@ def test_cli_makes_a_project_and_queues_items(location_of: Any) -> None:
     assert unknown.returncode == 2 and "no project 'nope'" in unknown.stderr
     bad = cli("enqueue", where, "alpha", "--payload", "[1]")
     assert bad.returncode == 2 and "a payload is a JSON object" in bad.stderr
+    for flags, said in (
+        (["--after", "-5m"], "a duration cannot be negative"),
+        (["--max-attempts", "0"], "--max-attempts must be positive"),
+        (["--after", "100000000d"], "--after reaches past the year 9999"),
+    ):
+        refused = cli("enqueue", where, "alpha", "--payload", "{}", *flags)
+        assert refused.returncode == 2 and said in refused.stderr, refused.stderr
 
     async def look() -> None:
         async with ControlStore(where) as store:

@@ -1104,10 +1104,11 @@ class Backend(Protocol):
         """Remember these import records too (those already here stay as they are)."""
         ...
 
-    async def store_identity(self) -> str:
+    async def store_identity(self) -> str | None:
         """What names this store wherever it is reached from, however its location is
-        written: an SQLite file's resolved path; for a PostgreSQL schema, the server as it
-        says it (its address and port, or its socket), the database and the schema."""
+        written: an SQLite file's resolved path; for a PostgreSQL schema, its cluster's
+        system identifier, the database and the schema (None where the role may not
+        read the identifier)."""
         ...
 
     async def last_item_id(self) -> int:

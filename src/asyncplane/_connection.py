@@ -125,14 +125,14 @@ class _Dropped:
 _NO_FUTURE: Any = _Dropped()
 
 
-async def check_path(path: pathlib.Path, *, writable: bool = True) -> None:
+async def check_path(path: pathlib.Path) -> None:
     """Refuse a path that names something other than a regular file (or nothing yet).
 
     SQLite would open a FIFO, a device or a socket and then block reading it (a read-only
     opening of a FIFO never returns), so what the path is gets checked first, with a
     stat that opens nothing, on a worker thread. A file with a second hard link is
-    refused to a ``writable`` opening (two names, two WALs); a read-only look at one (a
-    hard-linked backup snapshot) writes nothing, and may.
+    refused: through two names, two WALs (a writer's corrupt the store; a reader through
+    the other name misses the commits in the first's WAL).
     """
     try:
         found = await anyio.to_thread.run_sync(os.stat, path)
@@ -141,12 +141,13 @@ async def check_path(path: pathlib.Path, *, writable: bool = True) -> None:
     except OSError as exc:
         raise _errors.StorageError(f"cannot look at {path}: {exc}") from exc
     mode = found.st_mode
-    if writable and stat.S_ISREG(mode) and found.st_nlink > 1:
+    if stat.S_ISREG(mode) and found.st_nlink > 1:
         # SQLite names the -wal and -shm after the name it opens: through two names of one
         # file, two WALs and two lock files, and writers that never see each other.
         raise _errors.StorageError(
             f"{path} has {found.st_nlink} names (hard links): SQLite would keep a WAL for "
-            "each and corrupt the store; keep one name (a symbolic link is fine)"
+            "each and corrupt the store, or read one without the other's commits; keep one "
+            "name (a symbolic link is fine), and copy a snapshot (cp) to look at it"
         )
     if not stat.S_ISREG(mode):
         kind = (

@@ -48,8 +48,11 @@ async def source_label(source: ControlStore) -> str:
     """What a destination keys the items copied from ``source`` by: the store itself, as
     its backend names it (`asyncplane._backend.Backend.store_identity`), however its
     location is written: two spellings of one URL are one source, and two stores one URL
-    could name for different users (a search_path of "$user") are two."""
-    return "copy:" + await (await _store.engine_of(source).ready()).store_identity()
+    could name (for different users, a search_path of "$user"; two servers behind one
+    tunnel's address) are two. Where the backend cannot say, the location as written:
+    a resume spelled otherwise is refused then, never taken for another source's."""
+    identity = await (await _store.engine_of(source).ready()).store_identity()
+    return f"copy:{source.location}" if identity is None else f"copy:{identity}"
 
 
 async def copy_store(

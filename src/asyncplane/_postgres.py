@@ -681,7 +681,7 @@ class PostgresBackend(_backend.Writes):
     async def copy_imports(self, records: tuple[_backend.ImportRecord, ...]) -> None:
         await self._write(_bind(_copy_imports, records))
 
-    async def store_identity(self) -> str:
+    async def store_identity(self) -> str | None:
         return await self._read(_store_identity)
 
     async def last_item_id(self) -> int:
@@ -1656,16 +1656,16 @@ def _snapshot(conn: asyncpg.Connection) -> Any:
     return conn.transaction(isolation="repeatable_read", readonly=True)
 
 
-async def _store_identity(conn: asyncpg.Connection) -> str:
-    """The server as it says it (its address and port over TCP; over a socket, the
-    socket's path this connection reached, which only a superuser could ask the server
-    for), the database and the schema its search_path resolved to ("$user" included)."""
-    ((address, port, database, schema),) = await conn.fetch(sql.STORE_IDENTITY)
-    if address is not None:
-        server = f"{address}:{port}"
-    else:  # a Unix socket: the path the driver connected to
-        server = f"socket:{getattr(conn, '_addr', '')}:{port}"
-    return f"postgresql://{server}/{database}/{schema}"
+async def _store_identity(conn: asyncpg.Connection) -> str | None:
+    """The cluster's system identifier (made by initdb, the same however it is reached:
+    through a socket, an address, a tunnel, a pooler), the database and the schema its
+    search_path resolved to ("$user" included); None where the role may not read the
+    identifier (then a copy keys its source by its location as written)."""
+    try:
+        ((cluster, database, schema),) = await conn.fetch(sql.STORE_IDENTITY)
+    except asyncpg.InsufficientPrivilegeError:
+        return None
+    return f"postgresql://{cluster}/{database}/{schema}"
 
 
 async def _fetch(conn: asyncpg.Connection, statement: str, *args: Any) -> list[Any]:

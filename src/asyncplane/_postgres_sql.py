@@ -1927,10 +1927,10 @@ FROM (SELECT pg_get_serial_sequence('items', 'item_id')::regclass AS seq) AS s
 # only a role with USAGE or SELECT on the sequence may read (a reader role granted SELECT
 # on the tables has neither); else the highest id the store still names, which misses an
 # item purged above it.
-# Which store this is, as the server says it (not as a URL spells it): its address (NULL
-# over a Unix socket) and port, the database, the schema the search_path resolved to.
+# Which store this is, as the server says it (not as a URL spells it): its cluster's
+# system identifier, the database, the schema the search_path resolved to.
 STORE_IDENTITY: Final = """
-SELECT host(inet_server_addr()), current_setting('port'), current_database(), current_schema()
+SELECT (SELECT system_identifier FROM pg_control_system()), current_database(), current_schema()
 """
 LAST_ITEM_ID: Final = """
 SELECT coalesce(CASE WHEN exact THEN pg_sequence_last_value(seq)

@@ -95,7 +95,7 @@ class SQLiteBackend(_backend.Writes):
 
         Read-only: open readers only, after checking the file is a store of this schema.
         """
-        await _connection.check_path(self._path, writable=not self._sizing.read_only)
+        await _connection.check_path(self._path)
         if self._sizing.read_only:
             await self._open_read_only()
             return
@@ -344,7 +344,7 @@ class SQLiteBackend(_backend.Writes):
     async def copy_imports(self, records: tuple[_backend.ImportRecord, ...]) -> None:
         await self._write(functools.partial(_copy_imports, records))
 
-    async def store_identity(self) -> str:
+    async def store_identity(self) -> str | None:
         return f"sqlite:{self._path}"  # resolved as the kernel resolves it, when given
 
     async def last_item_id(self) -> int:

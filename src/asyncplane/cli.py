@@ -355,7 +355,7 @@ def _negative_durations(argv: list[str]) -> list[str]:
 
 
 #: The options that take a duration (a negative one is read as a value, not a flag).
-_DURATION_FLAGS = ("--retention", "--every")
+_DURATION_FLAGS = ("--retention", "--every", "--after")
 
 
 class _Usage(Exception):
@@ -651,6 +651,8 @@ _FLAG_WORDS = (
     ("token must be a str of at least", "--token must be at least"),
     ("actor_id must", "--actor must"),
     ("actor_id is", "--actor is"),
+    ("max_attempts must", "--max-attempts must"),
+    ("not_before is not a representable time", "--after reaches past the year 9999"),
     ("host must be a non-empty str", "--host must not be empty"),
     ("port must be an int from 0 to 65535", "--port must be 0 to 65535"),
     ("open it once without read_only", "run a verb that writes (cancel, purge, limits with a "

@@ -165,6 +165,7 @@ class Dashboard:
         try:
             await self._runner.setup()  # the application's startup: see _sampling
             await web.TCPSite(self._runner, host, port).start()
+            self._sample_on()  # its own site, started: sampling from now, visited or not
         except BaseException:  # a port in use, say: nothing is left behind
             await self.stop()
             raise
@@ -188,10 +189,11 @@ class Dashboard:
 
     async def _sampling(self, app: web.Application) -> AsyncIterator[None]:
         """The application's life (its ``cleanup_ctx``): the store opened and the first
-        sample taken before it serves; from its first request on (`_sample_on`), a sample
-        every ``sample_every`` seconds, until its cleanup. The sampler is not started
-        here: a site whose own startup fails after this one never cleans a mounted
-        application up (aiohttp's rule), and its sampler would run on, for ever."""
+        sample taken before it serves; then a sample every ``sample_every`` seconds
+        (`_sample_on`: from `start`, or a mounted application's first request), until its
+        cleanup. A mounted one's sampler is not started here: a site whose own startup
+        fails after this one never cleans a mounted application up (aiohttp's rule), and
+        its sampler would run on, for ever."""
         del app
         await self.store.open()
         await self.history.sample()
