@@ -1043,3 +1043,17 @@ async def test_a_site_whose_own_startup_fails_leaves_no_sampler_behind(
         await runner.setup()
     await runner.cleanup()
     assert [t for t in asyncio.all_tasks() if t.get_name() == "asyncplane-dashboard-sampler"] == []
+
+
+async def test_two_sites_of_one_dashboard_sample_until_the_last_stops(
+    store: ControlStore,
+) -> None:
+    dashboard = Dashboard(store, sample_every=0.01)
+    async with site_of({"/ops": dashboard}) as first, aiohttp.ClientSession() as session:
+        async with site_of({"/ops": dashboard}) as second:
+            assert (await text(session, second + "/ops/"))[0] == 200  # sampling from here
+        # The second site cleaned up: the first still serves, and is still sampled.
+        dashboard.history.sampled.clear()
+        await asyncio.wait_for(dashboard.history.sampled.wait(), 30)
+        assert (await text(session, first + "/ops/"))[0] == 200
+    assert samplers() == []

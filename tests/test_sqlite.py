@@ -1072,6 +1072,9 @@ async def test_every_name_of_one_file_opens_one_store_with_one_set_of_companions
     async with ControlStore(tmp_path / "link.db") as through_link:
         await through_link.create_project("p", "P")
         await through_link.enqueue("p", {})
+        # Named as given; the file (stats, the gauges' store) by its links resolved.
+        assert through_link.location == str(tmp_path / "link.db")
+        assert (await through_link.stats())["path"] == str(real.path)
     async with ControlStore(tmp_path / "stores" / ".." / "work.db") as through_dots:
         assert (await through_dots.counts())["ready"] == 1
     companions = [name for name in os.listdir(tmp_path / "data") if name != "stores"]
@@ -1094,3 +1097,9 @@ async def test_a_store_with_a_second_hard_link_is_refused(tmp_path: pathlib.Path
     # in the first's WAL (a hard-linked snapshot is to be copied to be looked at).
     with pytest.raises(StorageError, match="copy a snapshot"):
         await ControlStore(tmp_path / "b.db", read_only=True).open()
+    said = await asyncio.create_subprocess_exec(  # the command line: a usage error, 2
+        sys.executable, "-m", "asyncplane.cli", "stats", str(tmp_path / "b.db"),
+        stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    _, err = await said.communicate()
+    assert said.returncode == 2 and b"has 2 names (hard links)" in err, err

@@ -38,6 +38,7 @@ __all__ = (
     "open_reader",
     "open_writer",
     "post",
+    "refusal",
     "run",
     "translate",
 )
@@ -125,26 +126,24 @@ class _Dropped:
 _NO_FUTURE: Any = _Dropped()
 
 
-async def check_path(path: pathlib.Path) -> None:
-    """Refuse a path that names something other than a regular file (or nothing yet).
-
-    SQLite would open a FIFO, a device or a socket and then block reading it (a read-only
-    opening of a FIFO never returns), so what the path is gets checked first, with a
-    stat that opens nothing, on a worker thread. A file with a second hard link is
-    refused: through two names, two WALs (a writer's corrupt the store; a reader through
-    the other name misses the commits in the first's WAL).
-    """
+def refusal(path: pathlib.Path) -> _errors.StorageError | None:
+    """Why ``path`` cannot be opened as a store's file, or None (a regular file, or
+    nothing yet: made on first use, or, read-only, refused by SQLite). A stat that opens
+    nothing: SQLite would open a FIFO, a device or a socket and then block reading it (a
+    read-only opening of a FIFO never returns). A file with a second hard link is refused
+    too: through two names, two WALs (a writer's corrupt the store; a reader through the
+    other name misses the commits in the first's WAL)."""
     try:
-        found = await anyio.to_thread.run_sync(os.stat, path)
+        found = os.stat(path)
     except FileNotFoundError:
-        return  # created on first use (or, read-only, refused by SQLite)
+        return None
     except OSError as exc:
-        raise _errors.StorageError(f"cannot look at {path}: {exc}") from exc
+        problem = _errors.StorageError(f"cannot look at {path}: {exc}")
+        problem.__cause__ = exc
+        return problem
     mode = found.st_mode
     if stat.S_ISREG(mode) and found.st_nlink > 1:
-        # SQLite names the -wal and -shm after the name it opens: through two names of one
-        # file, two WALs and two lock files, and writers that never see each other.
-        raise _errors.StorageError(
+        return _errors.StorageError(
             f"{path} has {found.st_nlink} names (hard links): SQLite would keep a WAL for "
             "each and corrupt the store, or read one without the other's commits; keep one "
             "name (a symbolic link is fine), and copy a snapshot (cp) to look at it"
@@ -157,7 +156,15 @@ async def check_path(path: pathlib.Path) -> None:
             else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
             else "not a regular file"
         )  # fmt: skip
-        raise _errors.NotAnAsyncplaneDatabase(f"{path} is {kind}, not an asyncplane store")
+        return _errors.NotAnAsyncplaneDatabase(f"{path} is {kind}, not an asyncplane store")
+    return None
+
+
+async def check_path(path: pathlib.Path) -> None:
+    """Raise the `refusal` of ``path``, looked at on a worker thread, if it has one."""
+    problem = await anyio.to_thread.run_sync(refusal, path)
+    if problem is not None:
+        raise problem
 
 
 async def open_writer(

@@ -69,13 +69,10 @@ from asyncplane import (
 )  # fmt: skip
 from asyncplane._models import ClaimedItem
 from asyncplane._outcomes import (
+    KINDS,
     LOST,
-    Done,
     DrainSummary,
-    Failed,
-    Offload,
     Outcome,
-    Park,
     Retry,
     Settler,
     count_lost,
@@ -445,7 +442,7 @@ def _checked(batch: list[_models.ClaimedItem], result: list[Any] | BaseException
         error = f"the executor returned {len(result)} outcomes for {len(batch)} items"
         return [Retry(error)] * len(batch)
     for outcome in result:
-        if not isinstance(outcome, (Done, Failed, Retry, Park, Offload)):
+        if not isinstance(outcome, KINDS):
             error = f"the executor returned {type(outcome).__name__}, not an outcome"
             return [Retry(short_error(error))] * len(batch)
     return result

@@ -22,6 +22,7 @@ from asyncplane._models import ClaimedItem
 from asyncplane._store import ControlStore, log_fields
 
 __all__ = (
+    "KINDS",
     "LOST",
     "Done",
     "DrainSummary",
@@ -136,6 +137,8 @@ _WORDS: tuple[tuple[type, str], ...] = (
     (Park, "parked"),
     (Offload, "offloaded"),
 )
+#: The outcomes' classes: what a handler or executor may give (anything else retries).
+KINDS: tuple[type, ...] = tuple(kind for kind, _ in _WORDS)
 
 
 def given(outcome: object) -> str:

@@ -191,7 +191,7 @@ class ControlStore:
         self._purge_chunk = _validate.positive_int(purge_chunk, "purge_chunk")
         self._purge_min_interval = _validate.delay(purge_min_interval_s, "purge_min_interval_s")
         self._engine = _engine.Engine(
-            location,
+            location if self._path is None else str(self._path),
             _engine.Options(
                 clock=clock,
                 synchronous=synchronous,
@@ -219,7 +219,8 @@ class ControlStore:
 
     @property
     def path(self) -> pathlib.Path:
-        """The database file (InvalidInput on a PostgreSQL store, which has none)."""
+        """The database file, its links resolved (InvalidInput on a PostgreSQL store,
+        which has none)."""
         if self._path is None:
             raise _errors.InvalidInput("a PostgreSQL store has no file: see location")
         return self._path
@@ -1205,7 +1206,7 @@ class ControlStore:
         sizes = await (await self._engine.ready()).sizes()
         now = self._engine.clock.now()
         return {
-            "path": self.location,
+            "path": self.location if self._path is None else str(self._path),
             "schema_version": raw.schema_version,
             "items": sum(states.values()),
             "states": states,

@@ -80,13 +80,10 @@ from asyncplane import (
 from asyncplane._drain import DrainError
 from asyncplane._models import ClaimedItem
 from asyncplane._outcomes import (
+    KINDS,
     LOST,
-    Done,
     DrainSummary,
-    Failed,
-    Offload,
     Outcome,
-    Park,
     Retry,
     Settler,
     count_lost,
@@ -102,7 +99,6 @@ __all__ = ("Handler", "Settings", "handler_problem", "handling", "settings", "wo
 Handler: TypeAlias = Callable[[ClaimedItem], Awaitable[Outcome]]
 
 _log = logging.getLogger("asyncplane.worker")
-_OUTCOMES = (Done, Failed, Retry, Park, Offload)
 #: Seconds between housekeeping steps (preflight dedup, purge) while claiming.
 _HOUSEKEEPING_EVERY = 1.0
 
@@ -586,7 +582,7 @@ class _Worker:
                 exc_info=result, extra=log_fields(claim),
             )  # fmt: skip
             return Retry(short_error(f"the handler raised {short_error(result)}"))
-        if not isinstance(result, _OUTCOMES):
+        if not isinstance(result, KINDS):
             return _retry(claim, f"the handler returned {type(result).__name__}, not an outcome")
         return result
 

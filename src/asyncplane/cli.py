@@ -50,6 +50,7 @@ from typing import Any, NoReturn
 
 from asyncplane import (
     __version__,
+    _connection,
     _copy,
     _engine,
     _errors,
@@ -432,6 +433,9 @@ def _check_is_a_store(location: str, *, unfinished: bool = False) -> None:
         raise _Usage(f"no such file: {path}")
     if not path.is_file():  # a FIFO, a device, a socket: never a store
         raise _Usage(f"{path} is not a regular file, not an asyncplane store")
+    problem = _connection.refusal(path)  # a second hard link, say
+    if problem is not None:
+        raise _Usage(str(problem))
     try:
         _sqlite.vet_store_file(path, unfinished=unfinished)
     except _errors.StorageError as exc:

@@ -116,8 +116,9 @@ class Dashboard:
         self._runner: web.AppRunner | None = None
         #: The URL the dashboard serves at, once started.
         self.url: str | None = None
-        #: Between the application's startup and its cleanup (`_sampling`).
-        self._serving = False
+        #: Applications of this dashboard between their startup and cleanup (`_sampling`):
+        #: one sampler serves them all, stopped with the last.
+        self._serving = 0
         self._sampler: asyncio.Task[None] | None = None
         self._stop_sampling = asyncio.Event()
 
@@ -197,19 +198,20 @@ class Dashboard:
         del app
         await self.store.open()
         await self.history.sample()
-        self._serving = True
+        self._serving += 1
         try:
             yield
         finally:
-            self._serving = False
-            sampler, self._sampler = self._sampler, None
+            self._serving -= 1
+            sampler = None if self._serving else self._sampler
             if sampler is not None:
+                self._sampler = None
                 self._stop_sampling.set()
                 sampler.cancel()  # it only reads: a sample cut short loses nothing
                 await asyncio.gather(sampler, return_exceptions=True)  # reported already
 
     def _sample_on(self) -> None:
-        """Start the sampler, if the application serves and none runs (`_sampling`)."""
+        """Start the sampler, if an application of this dashboard serves and none runs."""
         if self._serving and self._sampler is None:
             self._stop_sampling = asyncio.Event()
             self._sampler = asyncio.create_task(
