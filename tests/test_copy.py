@@ -539,6 +539,35 @@ async def test_a_copy_begun_through_a_link_to_its_source_goes_on_through_it(
         assert (again.copied, again.skipped) == (1, 3)
 
 
+async def test_a_second_store_known_by_the_same_key_is_refused_not_skipped(
+    asyncplane_store: ControlStore,
+    asyncplane_store_factory: Any,
+    asyncplane_clock: ManualClock,
+    other_store: Any,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Two stores a key cannot tell apart (a clone restored from one base backup, two
+    # servers behind one tunnel's address): the second's items under the first's ids
+    # are not "copied before". Refused, never skipped unsaid.
+    async def one_key(store: ControlStore) -> str:
+        return "copy:the-same"
+
+    monkeypatch.setattr(_copy, "source_label", one_key)
+    await asyncplane_store.create_project("p", "P")
+    await asyncplane_store.enqueue_many("p", [{"n": n} for n in range(3)])
+    clone: ControlStore = await asyncplane_store_factory("clone.db")
+    await clone.create_project("p", "P")
+    asyncplane_clock.advance(60)  # made apart: not the same items
+    await clone.enqueue_many("p", [{"clone": n} for n in range(3)])
+    destination: ControlStore = await other_store()
+    assert (await copy_store(asyncplane_store, destination)).copied == 3
+    with pytest.raises(InvalidInput, match="came from another store than this source"):
+        await copy_store(clone, destination)
+    assert [(await destination.item(i))["payload"] for i in (1, 2, 3)] == [
+        {"n": 0}, {"n": 1}, {"n": 2},
+    ]  # fmt: skip
+
+
 async def test_a_copy_carries_what_the_source_imported(
     asyncplane_store: ControlStore, other_store: Any, tmp_path: pathlib.Path
 ) -> None:

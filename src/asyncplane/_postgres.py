@@ -1561,6 +1561,8 @@ async def _copy_items(op: _backend.CopyOp, conn: asyncpg.Connection, now: float)
     for item, events in op.items:
         key = str(item.item_id)
         if await conn.fetchval(sql.ALREADY_IMPORTED, op.source, key) is not None:
+            stored = await conn.fetchrow(sql.COPIED_ITEM, item.item_id)
+            _rules.copied_here(item, None if stored is None else tuple(stored))
             skipped += 1
             continue
         if await conn.fetchval(sql.ITEM_EXISTS, item.item_id) is not None:
@@ -1663,7 +1665,11 @@ async def _store_identity(conn: asyncpg.Connection) -> str | None:
     identifier (then a copy keys its source by its location as written)."""
     try:
         ((cluster, database, schema),) = await conn.fetch(sql.STORE_IDENTITY)
-    except asyncpg.InsufficientPrivilegeError:
+    except (
+        asyncpg.InsufficientPrivilegeError,  # EXECUTE revoked from the role
+        asyncpg.UndefinedFunctionError,  # a server of PostgreSQL's kind without it
+        asyncpg.FeatureNotSupportedError,
+    ):
         return None
     return f"postgresql://{cluster}/{database}/{schema}"
 

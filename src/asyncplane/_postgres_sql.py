@@ -1905,6 +1905,8 @@ INSERT INTO assignments (actor_id, project_id, assigned_at) VALUES ($1, $2, $3)
 ON CONFLICT (actor_id, project_id) DO NOTHING
 """
 ITEM_EXISTS: Final = "SELECT 1 FROM items WHERE item_id = $1"
+# What a copy compares of an item it copied before with the source's (`_rules.copied_here`).
+COPIED_ITEM: Final = "SELECT project_id, created_at FROM items WHERE item_id = $1"
 # The first item no copy from a source brought (a copy records each under its id's text,
 # `_copy_items`): the look a copy takes before it writes.
 FIRST_FOREIGN_ITEM: Final = """
@@ -1930,7 +1932,8 @@ FROM (SELECT pg_get_serial_sequence('items', 'item_id')::regclass AS seq) AS s
 # Which store this is, as the server says it (not as a URL spells it): its cluster's
 # system identifier, the database, the schema the search_path resolved to.
 STORE_IDENTITY: Final = """
-SELECT (SELECT system_identifier FROM pg_control_system()), current_database(), current_schema()
+SELECT (SELECT system_identifier FROM pg_catalog.pg_control_system()), current_database(),
+       current_schema()
 """
 LAST_ITEM_ID: Final = """
 SELECT coalesce(CASE WHEN exact THEN pg_sequence_last_value(seq)

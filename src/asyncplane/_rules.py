@@ -77,6 +77,7 @@ __all__ = (
     "cancel_states",
     "claim_key",
     "claim_row",
+    "copied_here",
     "copy_id_taken",
     "deal",
     "declared_schedule",
@@ -185,6 +186,20 @@ def history(rows: Sequence[Any], item_id: int, actor_id: str | None) -> list[_ba
     if not rows:
         raise invisible_item(item_id, actor_id)
     return [_backend.EventRow(*row) for row in rows if row[0] is not None]
+
+
+def copied_here(item: Any, stored: Sequence[Any] | None) -> None:
+    """Refuse to take an item as copied before (its source recorded it) when the item the
+    destination holds under its id is not it: not the same project and moment of making.
+    Two stores can share a source's key (a clone restored from one backup, two servers
+    behind one tunnel's address); skipping the second's items would lose them unsaid.
+    ``stored`` is the destination's (project_id, created_at) of the id, None if purged."""
+    if stored is not None and (stored[0], stored[1]) != (item.project_id, item.created_at):
+        raise _errors.InvalidInput(
+            f"the destination's item {item.item_id} came from another store than this "
+            "source (a clone of it, or another server behind the same address): a copy "
+            "keeps item ids, so copy this source into a store of its own"
+        )
 
 
 def copy_id_taken(item_id: int) -> _errors.InvalidInput:

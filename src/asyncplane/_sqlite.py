@@ -1076,6 +1076,7 @@ def _copy_items(op: _backend.CopyOp, db: sqlite3.Connection, now: float) -> tupl
     for item, events in op.items:
         key = str(item.item_id)
         if db.execute(sql.ALREADY_IMPORTED, (op.source, key)).fetchone() is not None:
+            _rules.copied_here(item, db.execute(sql.COPIED_ITEM, (item.item_id,)).fetchone())
             skipped += 1
             continue
         if db.execute(sql.ITEM_EXISTS, (item.item_id,)).fetchone() is not None:

@@ -1159,6 +1159,8 @@ COPY_ASSIGNMENT: Final = (
     "ON CONFLICT (actor_id, project_id) DO NOTHING"
 )
 ITEM_EXISTS: Final = "SELECT 1 FROM items WHERE item_id = ?"
+# What a copy compares of an item it copied before with the source's (`_rules.copied_here`).
+COPIED_ITEM: Final = "SELECT project_id, created_at FROM items WHERE item_id = ?"
 # The first item no copy from a source brought (a copy records each under its id's text,
 # `_copy_items`): the look a copy takes before it writes.
 FIRST_FOREIGN_ITEM: Final = """
