@@ -1057,3 +1057,25 @@ async def test_two_sites_of_one_dashboard_sample_until_the_last_stops(
         await asyncio.wait_for(dashboard.history.sampled.wait(), 30)
         assert (await text(session, first + "/ops/"))[0] == 200
     assert samplers() == []
+
+
+async def test_an_item_page_shows_the_newest_events_of_a_long_ledger(
+    store: ControlStore,
+) -> None:
+    # Retried hundreds of times, each with a long error: the page shows the newest
+    # events, and says how many earlier ones it leaves to `asyncplane events`.
+    from asyncplane.dashboard import _views
+
+    item_id = await store.enqueue("alpha", {})
+    for attempt in range(_views.EVENTS_SHOWN):  # a claim and a retry each: 2 events
+        claim = await store.claim("w")
+        assert claim is not None
+        await store.retry(item_id, fence=claim.fence, error=f"try {attempt}", delay=0)
+    async with serving(store) as (_, url, session):
+        status, page = await text(session, url + f"/items/{item_id}")
+    assert status == 200
+    rows = re.findall(r'<tr><td class="num">(\d+)</td>', page)
+    assert len(rows) == _views.EVENTS_SHOWN
+    total = len(await store.events(item_id))
+    assert f"{total - _views.EVENTS_SHOWN} earlier ones" in page
+    assert int(rows[-1]) == (await store.events(item_id))[-1]["event_id"]  # the newest kept

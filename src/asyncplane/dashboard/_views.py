@@ -409,6 +409,11 @@ class Verdicts:
         return problems
 
 
+#: The newest events an item's page shows: one retried thousands of times, each with an
+#: error of 16 KiB, would make a page of many megabytes, on the store's event loop.
+EVENTS_SHOWN = 200
+
+
 async def item(scope: Scope, item_id: int, verdicts: Verdicts) -> dict[str, Any]:
     """An item's page: its row, its ledger, and the ledger check's verdict on it.
 
@@ -417,13 +422,15 @@ async def item(scope: Scope, item_id: int, verdicts: Verdicts) -> dict[str, Any]
     row = await scope.store.item(item_id, actor_id=scope.actor_id)
     events = await scope.store.events(item_id, actor_id=scope.actor_id)
     problems = await verdicts.of(item_id, row, events)
+    shown = events[-EVENTS_SHOWN:]
     return {
         "item": row,
         "payload": pretty(row["payload"]),
         "result": None if row["result"] is None else pretty(row["result"]),
         "events": [
-            {**e, "detail": None if e["detail"] is None else pretty(e["detail"])} for e in events
+            {**e, "detail": None if e["detail"] is None else pretty(e["detail"])} for e in shown
         ],
+        "events_not_shown": len(events) - len(shown),
         "problems": [
             {"kind": p.kind, "detail": p.detail, "meaning": _ledger.LEDGER_PROBLEM_KINDS[p.kind]}
             for p in problems
