@@ -570,6 +570,69 @@ def test_cli_output_cut_short_by_its_reader_is_no_failure(tmp_path: pathlib.Path
     assert child.wait(timeout=60) == 0 and err == b"", err
 
 
+def test_a_verbs_status_survives_its_reader_going(tmp_path: pathlib.Path) -> None:
+    # `asyncplane verify db | head` under `set -o pipefail`: a damaged ledger is still 1,
+    # and ids refused are still 2, when the reader went before the output ended.
+    where = str(tmp_path / "damaged.db")
+
+    async def seed() -> None:
+        async with ControlStore(where) as store:
+            await store.create_project("alpha", "Alpha")
+            await store.enqueue_many("alpha", [{"n": n} for n in range(3000)])
+
+    asyncio.run(seed())
+    with contextlib.closing(sqlite3.connect(where)) as conn, conn:
+        conn.execute("UPDATE items SET state = 'failed', error = 'x'")  # unlike their history
+    ids = [str(n) for n in range(10_001, 14_001)]  # none of them there
+    for args, status in ((["verify", where], 1), (["verify", where, "--json"], 1),
+                         (["cancel", where, *ids], 2)):  # fmt: skip
+        child = subprocess.Popen(
+            [sys.executable, "-m", "asyncplane.cli", *args],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        )  # fmt: skip
+        assert child.stdout is not None and child.stderr is not None
+        with child.stdout, child.stderr:
+            assert child.stdout.read(1)
+            child.stdout.close()  # as head does, having its line
+            err = child.stderr.read()
+        assert child.wait(timeout=60) == status, (args, err)
+        assert b"Traceback" not in err, err
+
+
+def test_the_command_line_under_an_ascii_locale(tmp_path: pathlib.Path) -> None:
+    # cron's bare `C` locale, with Python's coercion to UTF-8 off: stdout is ASCII, and
+    # the argument `café` comes as its UTF-8 bytes escaped.
+    where = str(tmp_path / "fleet.db")
+
+    async def seed() -> None:
+        async with ControlStore(where) as store:
+            await store.create_project("café", "Café")
+            item_id = await store.enqueue("café", {})
+            claim = await store.claim("w")
+            assert claim is not None
+            await store.finish(item_id, fence=claim.fence, status="failed", error="modèle refusé")
+
+    asyncio.run(seed())
+    env = {**os.environ, "LC_ALL": "C", "PYTHONCOERCECLOCALE": "0", "PYTHONUTF8": "0"}
+    for args in (["stats", where], ["items", where], ["project", where, "café"]):
+        done = subprocess.run(
+            [sys.executable, "-m", "asyncplane.cli", *args],
+            capture_output=True, env=env, timeout=120,
+        )  # fmt: skip
+        assert done.returncode == 0, (args, done.stderr)
+    listed = subprocess.run(
+        [sys.executable, "-m", "asyncplane.cli", "items", where],
+        capture_output=True, env=env, timeout=120,
+    )  # fmt: skip
+    assert b"caf\\xe9" in listed.stdout and b"mod\\xe8le" in listed.stdout, listed.stdout
+
+    async def projects() -> list[str]:
+        async with ControlStore(where) as store:
+            return [project["project_id"] for project in await store.projects()]
+
+    assert asyncio.run(projects()) == ["café"]  # the same project, not a second one
+
+
 def test_cli_usage_errors_never_show_a_password(tmp_path: pathlib.Path) -> None:
     url = "postgresql://app:s3cret@db.example/work?sslpassword=k3y"
     slashed = "postgresql://app:s3cret/x@db.example/work"  # a '/' unencoded in the password
@@ -855,15 +918,38 @@ async def test_a_settle_saved_for_a_caller_gone_wakes_a_waiting_claim_at_once(
     assert again is not None and again.item_id == item_id and again.owner == "w2"
 
 
+def test_init_makes_a_file_only_where_there_is_none(tmp_path: pathlib.Path) -> None:
+    nowhere = tmp_path / "no" / "such" / "dir.db"
+    refused = cli("init", str(nowhere))
+    assert refused.returncode == 2 and "no such directory" in refused.stderr
+    assert not nowhere.parent.exists()
+    other = tmp_path / "notes.db"
+    other.write_text("not a store")
+    refused = cli("init", str(other))
+    assert refused.returncode == 2 and "not an asyncplane store" in refused.stderr
+    assert other.read_text() == "not a store"
+    foreign = tmp_path / "foreign.db"
+    with contextlib.closing(sqlite3.connect(foreign)) as conn:
+        conn.execute("CREATE TABLE t (x)")
+    refused = cli("init", str(foreign))
+    assert refused.returncode == 2 and "another application" in refused.stderr
+    empty = tmp_path / "empty.db"
+    empty.touch()  # a store whose making was cut short: made now
+    assert cli("init", str(empty)).stdout == f"store ready: {empty}\n"
+    assert cli("stats", str(empty)).returncode == 0
+
+
 def test_cli_makes_a_project_and_queues_items(location_of: Any) -> None:
     # What a deployment's script does before its workers start, and a smoke test after.
     where = location_of("made.db")
-
-    async def make() -> None:
-        async with ControlStore(where) as store:
-            await store.projects()
-
-    asyncio.run(make())
+    if "://" not in where:  # a file, which no verb but init makes
+        missing = cli("project", where, "alpha")
+        assert missing.returncode == 2 and "no such file" in missing.stderr
+    for _ in range(2):  # made, then found: the script runs it each time
+        ready = cli("init", where, "--json")
+        assert ready.returncode == 0, ready.stderr
+        assert json.loads(ready.stdout)["location"] == where
+    assert cli("stats", where).returncode == 0  # a store of this release's schema
     made = cli("project", where, "alpha", "--name", "Alpha", "--json")
     assert made.returncode == 0, made.stderr
     row = json.loads(made.stdout)

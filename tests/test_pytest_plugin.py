@@ -79,6 +79,18 @@ def test_registered(request):
     result.assert_outcomes(passed=1)
 
 
+def test_with_autoloading_off_the_plugin_loads_by_its_entry_points_name(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # As docs/testing.md says for CI setups with PYTEST_DISABLE_PLUGIN_AUTOLOAD.
+    monkeypatch.setenv("PYTEST_DISABLE_PLUGIN_AUTOLOAD", "1")
+    pytester.makeini("[pytest]\nasyncio_default_fixture_loop_scope = function\n")
+    pytester.makepyfile(test_user=USER_TESTS)
+    pytester.runpytest_subprocess("-q").assert_outcomes(errors=4)  # no fixtures: not loaded
+    result = pytester.runpytest_subprocess("-q", "-p", "asyncplane", "-p", "asyncio")
+    result.assert_outcomes(passed=4)
+
+
 def test_stores_are_closed_after_each_test(pytester: pytest.Pytester) -> None:
     # A store left open would leak its connection threads; the fixture closes it, so a
     # later test can even delete the file.

@@ -1462,6 +1462,8 @@ def test_a_signal_while_the_store_opens_stops_the_command_cleanly(tmp_path: Any)
 
 def test_the_worker_command_refuses_a_bad_handler(tmp_path: Any) -> None:
     (tmp_path / "fleet_handlers.py").write_text(HANDLERS)
+    (tmp_path / "broken_handlers.py").write_text("async def handle(claim)\n")
+    (tmp_path / "unset_handlers.py").write_text("import os\nKEY = os.environ['NO_SUCH_KEY']\n")
     where = str(tmp_path / "bad.db")
 
     async def make() -> None:
@@ -1476,10 +1478,17 @@ def test_the_worker_command_refuses_a_bad_handler(tmp_path: Any) -> None:
         ("fleet_handlers:missing", "has no 'missing'"),
         ("no_such_module:handle", "cannot import 'no_such_module'"),
         ("fleet_handlers", "MODULE:ATTRIBUTE"),
+        # A module failing as it is imported is a deployment to mend (2), its traceback
+        # logged; not the 1 of a worker stopped at once.
+        ("broken_handlers:handle", "SyntaxError: "),
+        ("unset_handlers:handle", "KeyError: 'NO_SUCH_KEY'"),
+        (".fleet_handlers:handle", "named whole, not relative"),
     ):
         child = worker(where, tmp_path, spec)
         _, err = child.communicate(timeout=60)
         assert child.returncode == 2 and words in err, (spec, err)
+        if spec.startswith(("broken", "unset")):
+            assert "Traceback" in err and "_handlers.py" in err, err
     for option, words in (
         (["--grace", "-1"], "grace must be"),
         (["--timeout", "0"], "timeout must be"),

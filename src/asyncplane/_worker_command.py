@@ -74,12 +74,19 @@ def load_handler(spec: str) -> _work.Handler:
     module_name, sep, attribute = spec.partition(":")
     if not sep or not module_name or not attribute:
         raise Usage(f"the handler is MODULE:ATTRIBUTE, such as myfleet.agents:handle, not {spec!r}")
+    if module_name.startswith("."):
+        raise Usage(f"the handler's module is named whole, not relative: {spec!r}")
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     try:
         module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise Usage(f"cannot import {module_name!r}: {exc}") from exc
+    except Exception as exc:
+        # A module that fails as it is imported (a syntax error, a missing setting) is a
+        # deployment to mend (2), not a stop (1): its traceback goes to the log, in the
+        # chosen format, so the failing line is still shown.
+        if not isinstance(exc, ImportError):
+            _log.error("cannot import %r", module_name, exc_info=True)
+        raise Usage(f"cannot import {module_name!r}: {type(exc).__name__}: {exc}") from exc
     target: Any = module
     for part in attribute.split("."):
         try:

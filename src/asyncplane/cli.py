@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime as dt
+import io
 import json
 import os
 import pathlib
@@ -225,6 +226,11 @@ def _parser() -> argparse.ArgumentParser:
     verb("schedules", "every schedule: its timetable, next tick, last tick").add_argument(
         "db", help=_DB_HELP
     )
+    verb(
+        "init",
+        "make the store if it is not there (an SQLite file, or its tables in a PostgreSQL "
+        "schema that exists), or bring it to this release's schema",
+    ).add_argument("db", help=_DB_HELP)
     project = verb("project", "make sure a project exists (made if not); or change its status")
     project.add_argument("db", help=_DB_HELP)
     project.add_argument("project_id", metavar="PROJECT")
@@ -282,7 +288,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``asyncplane`` command; return its exit status."""
-    args_list = list(sys.argv[1:] if argv is None else argv)
+    args_list = [_as_utf8(arg) for arg in (sys.argv[1:] if argv is None else argv)]
+    _survive_the_locale()
     if args_list and args_list[0] == "probe":
         return probe.main(args_list[1:], prog="asyncplane probe")  # it owns its options
     parser = _parser()
@@ -302,7 +309,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         except _errors.InvalidInput as exc:
             raise _Usage(str(exc)) from exc
         _check_args(args)  # what the arguments alone must satisfy: before anything opens
-        _check_is_a_store(args.db)  # before any event loop: a plain, quick file read
+        if args.verb != "init" or _engine.is_postgres_url(args.db) or os.path.lexists(args.db):
+            # (init makes a missing file; one that is there must be a store, or one whose
+            # making was cut short, as a copy's destination)
+            _check_is_a_store(args.db, unfinished=args.verb == "init")  # a quick file read
+        elif not pathlib.Path(args.db).absolute().parent.is_dir():
+            raise _Usage(f"no such directory for the store: {pathlib.Path(args.db).parent}")
         if args.verb == "worker":
             return _worker_command.run(args)
         if args.verb == "dashboard":
@@ -333,6 +345,27 @@ def _say(message: str) -> None:
     let be: the exit status still says it."""
     with contextlib.suppress(BrokenPipeError):
         print(_engine.redact_urls(message), file=sys.stderr, flush=True)
+
+
+def _as_utf8(arg: str) -> str:
+    """An argument as UTF-8 text: under a locale of another encoding (cron's ``C``, say)
+    Python gives the bytes of ``café`` as escapes, which the store would refuse; a store's
+    names are UTF-8, so bytes that read as UTF-8 are taken as such."""
+    if not any("\udc80" <= char <= "\udcff" for char in arg):
+        return arg
+    try:
+        return os.fsencode(arg).decode("utf-8")
+    except UnicodeDecodeError:
+        return arg  # not UTF-8 either: the store says what it refuses
+
+
+def _survive_the_locale() -> None:
+    """Under a locale whose encoding cannot say every character (ASCII, under ``C``), a
+    name or an error is printed with escapes rather than failing the command."""
+    for stream in (sys.stdout, sys.stderr):
+        encoding = (getattr(stream, "encoding", None) or "").lower().replace("-", "")
+        if encoding != "utf8" and isinstance(stream, io.TextIOWrapper):
+            stream.reconfigure(errors="backslashreplace")
 
 
 def _quiet_stdout() -> None:
@@ -462,7 +495,12 @@ async def _run(args: argparse.Namespace) -> int:
 
 
 def _out(args: argparse.Namespace, data: Any, text: str) -> None:
-    print(json.dumps(data, default=_jsonable) if args.json else text)
+    """Print a verb's output. A reader that has gone (``| head``) takes no more of it,
+    and the verb goes on to its own exit status: verify's problems are still 1."""
+    try:
+        print(json.dumps(data, default=_jsonable) if args.json else text)
+    except BrokenPipeError:
+        _quiet_stdout()
 
 
 def _jsonable(value: Any) -> Any:
@@ -793,6 +831,13 @@ async def _schedules(store: _store.ControlStore, args: argparse.Namespace) -> in
     return 0
 
 
+async def _init(store: _store.ControlStore, args: argparse.Namespace) -> int:
+    """Opening the store for writing made it, or migrated it: nothing more to do."""
+    location = _engine.redact(str(args.db))
+    _out(args, {"location": location}, f"store ready: {location}")
+    return 0
+
+
 async def _project(store: _store.ControlStore, args: argparse.Namespace) -> int:
     """Make the project if it does not exist (idempotent: a deployment's script may run it
     each time), then give it the status asked for."""
@@ -911,6 +956,7 @@ _VERBS: dict[str, Callable[[_store.ControlStore, argparse.Namespace], Any]] = {
     "schedules": _schedules,
     "schedule": _schedule,
     "limits": _limits,
+    "init": _init,
     "project": _project,
     "enqueue": _enqueue,
 }
