@@ -7,6 +7,7 @@ backends; they pin the decisions themselves, so a change to a rule shows up here
 from __future__ import annotations
 
 import json
+import math
 import random
 from typing import Any
 
@@ -359,6 +360,19 @@ def test_a_spent_bucket_and_when_its_next_token_comes() -> None:
     # token_due said finds the token there.
     assert _rules.quota(empty, 11.0 - 1e-12).tokens == 1
     assert _rules.spend(limits(max_running=3), 10.0, 2) is None  # no rate: nothing to write
+
+
+def test_a_clock_behind_the_last_refill_counts_the_token_from_that_refill() -> None:
+    # An NTP step back, or a process whose clock is behind the one that spent the bucket:
+    # the next token is a refill's time after the last refill, said at once (walking up
+    # to it a float at a time took seconds a second of the step, on the event loop).
+    epoch = 1_780_000_000.0
+    empty = limits(per_minute=600.0, burst=1, tokens=0.0, refilled_at=epoch)
+    for behind in (5.0, 3600.0, 86_400.0 * 365):
+        due = _rules.token_due(empty, epoch - behind)
+        assert due == pytest.approx(epoch + 0.1)
+        assert _rules.quota(empty, due).tokens == 1  # woken then, it finds the token
+        assert due is not None and _rules.quota(empty, math.nextafter(due, 0)).tokens == 0
 
 
 def test_limits_merge_keeps_what_is_not_named_and_starts_a_bucket_full() -> None:

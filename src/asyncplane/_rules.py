@@ -614,6 +614,10 @@ def first_page(total: int, projects: int) -> int:
 #: A bucket this close below a whole token holds it (float sums of refills are inexact,
 #: and a claim woken when `token_due` said must find the token there).
 _TOKEN_SLACK = 1e-9
+#: How many floats past the division's answer `token_due` looks for the token (a few
+#: roundings' worth), and how far past its answer it says, should it still not be there.
+_TOKEN_STEPS = 64
+_TOKEN_NUDGE = 1e-3
 
 
 #: A project's limits as stored, with how many of its items are claimed now.
@@ -703,14 +707,21 @@ def token_due(limits: Limits, now: float) -> float | None:
 
     The moment is the first float time at which `bucket` itself says a token is there: the
     division's answer, rounded to a time, can fall a hair short of it, and a claimer woken
-    then would find no token and be told the same moment again."""
+    then would find no token and be told the same moment again. The refill counts from
+    the bucket's last refill when the clock reads earlier (a clock stepped back, or a
+    process whose clock is behind another's): counted from ``now``, the answer fell
+    short by the whole step, and walking up to it a float at a time took seconds a second
+    of the step, on the event loop."""
     tokens = bucket(limits, now)
     if tokens is None or tokens + _TOKEN_SLACK >= 1 or limits.per_minute is None:
         return None
-    due = now + (1.0 - tokens) * 60.0 / limits.per_minute
-    while (bucket(limits, due) or 0.0) + _TOKEN_SLACK < 1:
+    start = now if limits.refilled_at is None else max(now, limits.refilled_at)
+    due = start + (1.0 - tokens) * 60.0 / limits.per_minute
+    for _ in range(_TOKEN_STEPS):
+        if (bucket(limits, due) or 0.0) + _TOKEN_SLACK >= 1:
+            return due
         due = math.nextafter(due, math.inf)
-    return due
+    return due + _TOKEN_NUDGE  # rounding beyond a few floats' worth: past it, surely
 
 
 def limited_due(
