@@ -9,6 +9,7 @@ import json
 import pathlib
 import subprocess
 import sys
+import time
 from typing import Any
 
 import pytest
@@ -21,8 +22,10 @@ from asyncplane import (
     Done,
     InvalidInput,
     InvalidType,
+    SystemClock,
     UnknownProject,
     UnknownSchedule,
+    _clock,
     _schedule,
     drain,
     verify_ledger,
@@ -349,6 +352,45 @@ async def test_a_daemon_drain_enqueues_and_runs_a_tick_when_it_falls(
     stop.set()
     summary = await daemon
     assert summary.scheduled == 1
+
+
+class SteppedClock(SystemClock):
+    """The wall clock, as NTP may step it: ``offset`` seconds ahead of ``time.time()``."""
+
+    __slots__ = ("offset",)
+
+    def __init__(self) -> None:
+        self.offset = 0.0
+
+    def now(self) -> float:
+        return time.time() + self.offset
+
+
+async def test_a_daemon_wakes_for_a_tick_the_wall_clock_stepped_to(
+    asyncplane_store_factory: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The sleep runs on the monotonic clock: it must read the wall clock again (every
+    # WALL_SLICE seconds; shortened here), or a step forward is slept through, the
+    # tick enqueued an hour late (and a renewal made after its lease lapsed).
+    monkeypatch.setattr(_clock, "WALL_SLICE", 0.05)
+    clock = SteppedClock()
+    store = await asyncplane_store_factory(clock=clock)
+    await store.create_project("alpha", "Alpha")
+    await store.set_schedule("s", project_id="alpha", payload={}, every=3600, catch_up="none")
+    ran = asyncio.Event()
+
+    async def execute(batch: list[Any]) -> list[Any]:
+        ran.set()
+        return [Done() for _ in batch]
+
+    stop = asyncio.Event()
+    daemon = asyncio.create_task(drain(store, execute, mode="daemon", stop=stop,
+                                       poll_interval=3600))  # fmt: skip
+    await until(waiting_on("due"), what="the daemon sleeps until the tick")
+    clock.offset = 3600.5  # an hour on, at once
+    await asyncio.wait_for(ran.wait(), 30)
+    stop.set()
+    assert (await daemon).scheduled == 1
 
 
 @pytest.mark.sqlite_only  # on PostgreSQL the server's NOTIFY wakes it whatever this process does

@@ -13,9 +13,16 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from typing import Protocol, runtime_checkable
 
-__all__ = ("Checked", "Clock", "SystemClock", "wait_until")
+__all__ = ("Checked", "Clock", "SystemClock", "sleep_until", "wait_until")
+
+#: The longest a wait for a wall-clock time sleeps before it reads the clock again: the
+#: sleep itself runs on the monotonic clock, so a wall clock stepped forward (NTP, a
+#: resumed virtual machine) is noticed this late at most, not when the old reading said
+#: (a daemon slept through a schedule's tick, a renewer past its lease).
+WALL_SLICE = 5.0
 
 #: Readings at or past this are refused: the year 10000 (no time could be shown for it)
 #: less room for the longest lease and the longest delay a store takes from a reading.
@@ -45,8 +52,8 @@ class SystemClock:
         return time.time()
 
     async def wait_until(self, when: float) -> None:
-        """Sleep until the wall clock reads ``when``."""
-        await asyncio.sleep(max(0.0, when - time.time()))
+        """Sleep until the wall clock reads ``when`` (`sleep_until`)."""
+        await sleep_until(self.now, when)
 
     def __repr__(self) -> str:
         return "SystemClock()"
@@ -92,6 +99,13 @@ class Checked:
 
     def __repr__(self) -> str:
         return f"Checked({self.inner!r})"
+
+
+async def sleep_until(now: Callable[[], float], when: float) -> None:
+    """Sleep until ``now()`` reads ``when`` or later, reading it again at least every
+    `WALL_SLICE` seconds, so that a step of the clock forward or back counts."""
+    while (left := when - now()) > 0:  # noqa: ASYNC110 (a clock, not an event, moves)
+        await asyncio.sleep(min(left, WALL_SLICE))
 
 
 async def wait_until(clock: Clock, when: float) -> None:

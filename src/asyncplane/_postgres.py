@@ -98,8 +98,9 @@ class ServerClock:
         return self._read_at is not None and time.monotonic() - self._read_at < self.FRESH_FOR
 
     async def wait_until(self, when: float) -> None:
-        """Sleep until the server's clock reads ``when`` (as far as this host can tell)."""
-        await asyncio.sleep(max(0.0, when - self.now()))
+        """Sleep until the server's clock reads ``when`` (as far as this host can tell,
+        stepped clocks included: `_clock.sleep_until`)."""
+        await _clock.sleep_until(self.now, when)
 
     def __repr__(self) -> str:
         return f"ServerClock(offset={self._offset:+.3f}s)"
