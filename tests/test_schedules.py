@@ -22,6 +22,7 @@ from asyncplane import (
     Done,
     InvalidInput,
     InvalidType,
+    MissingExtra,
     SystemClock,
     UnknownProject,
     UnknownSchedule,
@@ -183,11 +184,57 @@ async def test_a_schedule_declared_again_keeps_its_place_and_a_new_timetable_sta
     again = await store.set_schedule("s", project_id="alpha", payload={"v": 2}, every=60)
     assert again["next_at"] == dt.datetime.fromtimestamp(start + 60, UTC)  # kept
     assert again["payload"] == {"v": 2}  # the job is the new one
+    # An every= schedule's timezone decides none of its ticks: changing it alone keeps
+    # the place too (it started afresh, and the missed tick was skipped).
+    zoned = await store.set_schedule("s", project_id="alpha", payload={"v": 2}, every=60,
+                                     timezone="Europe/Berlin")  # fmt: skip
+    assert zoned["next_at"] == dt.datetime.fromtimestamp(start + 60, UTC)
     assert await store.run_schedules() == 1  # the newest missed tick (catch_up="latest")
     claim = await store.claim("w")
     assert claim is not None and claim.payload == {"v": 2}
     changed = await store.set_schedule("s", project_id="alpha", payload={"v": 2}, every=30)
     assert changed["next_at"] == dt.datetime.fromtimestamp(start + 180, UTC)  # from now
+
+
+async def test_a_zone_only_this_systems_database_names_is_refused(
+    store: ControlStore, tmp_path: pathlib.Path
+) -> None:
+    # As Debian's posix/Europe/Berlin: a worker in a slim container, with the cron extra's
+    # tzdata and no system database, could not read it, and its drain would stop.
+    import zoneinfo
+    from importlib import resources
+
+    office = tmp_path / "Office"
+    office.mkdir()
+    (office / "Berlin").write_bytes(
+        resources.files("tzdata").joinpath("zoneinfo", "Europe", "Berlin").read_bytes()
+    )
+    zoneinfo.reset_tzpath(to=[str(tmp_path), *zoneinfo.TZPATH])
+    try:
+        with pytest.raises(InvalidInput, match="this system's database alone"):
+            await store.set_schedule("s", project_id="alpha", payload={}, cron="0 3 * * *",
+                                     timezone="Office/Berlin")  # fmt: skip
+    finally:
+        zoneinfo.reset_tzpath()
+        zoneinfo.ZoneInfo.clear_cache(only_keys=["Office/Berlin"])
+    assert await store.schedules() == []
+
+
+def test_a_zone_this_host_lacks_is_a_typed_error_naming_the_extra() -> None:
+    # A schedule an earlier release took by a system-only name, run where it is unknown.
+    table = _schedule.Timetable("0 3 * * *", None, "Office/Nowhere", 0.0)
+    with pytest.raises(MissingExtra, match="asyncplane\\[cron\\]"):
+        table.after(1_780_000_000.0)
+
+
+async def test_a_schedule_whose_next_tick_falls_past_9999_is_refused_unwritten(
+    store: ControlStore, clock: ManualClock
+) -> None:
+    clock.set(dt.datetime(9997, 6, 1, tzinfo=UTC))
+    for timetable in ({"every": dt.timedelta(days=36_000)}, {"cron": "0 0 29 2 *"}):
+        with pytest.raises(InvalidInput, match="past the year 9999"):
+            await store.set_schedule("s", project_id="alpha", payload={}, **timetable)
+    assert await store.schedules() == []  # nothing written: the list still reads
 
 
 async def test_pause_resume_and_delete(store: ControlStore, clock: ManualClock) -> None:

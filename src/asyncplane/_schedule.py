@@ -115,7 +115,16 @@ class Timetable(NamedTuple):
     def _zone(self) -> dt.tzinfo:
         import zoneinfo  # on first use: most programs run no cron schedule
 
-        return zoneinfo.ZoneInfo(self.timezone)
+        try:
+            return zoneinfo.ZoneInfo(self.timezone)
+        except (zoneinfo.ZoneInfoNotFoundError, ValueError, OSError):
+            # Declared where the system's database had it (a store of an earlier release
+            # took any name the declaring host knew), and this host has neither that
+            # name nor the tzdata package, which the cron extra brings.
+            raise _errors.MissingExtra(
+                f"this host's timezone database has no {self.timezone!r}, which a cron "
+                "schedule names: pip install 'asyncplane[cron]' (it brings tzdata)"
+            ) from None
 
     def _walk(self, start: float) -> cronsim.CronSim:
         """cronsim's forward walk: the cron's ticks strictly after ``start``."""
@@ -142,12 +151,19 @@ class Timetable(NamedTuple):
         return index
 
     def after(self, moment: float) -> float:
-        """The first tick after ``moment``."""
+        """The first tick after ``moment``; InvalidInput if it falls past the year 9999,
+        where no time can be stored or shown."""
         if self.every is not None:
-            return self._tick(self._index(moment) + 1)
-        walk = self._walk(moment)
-        while (tick := next(walk).timestamp()) <= moment:
-            pass  # cronsim works in whole minutes; never hand back ``moment`` itself
+            tick = self._tick(self._index(moment) + 1)
+        else:
+            walk = self._walk(moment)
+            try:
+                while (tick := next(walk).timestamp()) <= moment:
+                    pass  # cronsim works in whole minutes; never hand back ``moment`` itself
+            except (OverflowError, ValueError):  # cronsim's walk out of datetime's range
+                tick = math.inf
+        if not tick < _validate.MAX_EPOCH_SECONDS:
+            raise _errors.InvalidInput("the schedule's next tick falls past the year 9999")
         return tick
 
     def newest(self, since: float, now: float, most: int) -> list[float]:
@@ -191,7 +207,9 @@ class Timetable(NamedTuple):
 def timetable(cron: object, every: object, timezone: object, anchor: float) -> Timetable:
     """A checked timetable: exactly one of ``cron`` (a five-field expression or a nickname
     such as ``@daily``) and ``every`` (a timedelta or seconds, at least `MIN_EVERY`), in a
-    timezone the system's IANA database knows."""
+    timezone the IANA database knows (by a name the tzdata package has too, where it is
+    installed: a name only this system's database has, such as Debian's
+    ``posix/Europe/Berlin``, could not be read by a worker in a slim container)."""
     if not isinstance(timezone, str):
         raise _errors.InvalidType(f"timezone must be a str, not {type(timezone).__name__}")
     import zoneinfo  # on first use: most programs declare no schedule
@@ -202,6 +220,11 @@ def timetable(cron: object, every: object, timezone: object, anchor: float) -> T
         raise _errors.InvalidInput(
             f"unknown timezone {timezone!r}: give an IANA name such as 'Europe/Paris' or 'UTC'"
         ) from None
+    if not _portable_zone(timezone):
+        raise _errors.InvalidInput(
+            f"timezone {timezone!r} is a name of this system's database alone: give its "
+            "IANA name, such as 'Europe/Paris' (every host with the cron extra knows those)"
+        )
     if (cron is None) == (every is None):
         raise _errors.InvalidInput("a schedule takes exactly one of cron= and every=")
     if every is not None:
@@ -229,12 +252,28 @@ def timetable(cron: object, every: object, timezone: object, anchor: float) -> T
     return Timetable(expression, None, timezone, anchor)
 
 
+def _portable_zone(name: str) -> bool:
+    """Whether the tzdata package (the cron extra's) has the zone ``name``; True where it
+    is not installed (the system's database, which said yes, is all there is to ask)."""
+    from importlib import resources, util
+
+    if util.find_spec("tzdata") is None:
+        return True
+    return resources.files("tzdata").joinpath("zoneinfo", *name.split("/")).is_file()
+
+
+def _times(table: Timetable) -> Timetable:
+    """What decides a timetable's ticks: an ``every=`` one's timezone decides nothing."""
+    return table._replace(anchor=0.0, timezone="UTC" if table.every is not None else table.timezone)
+
+
 def placed(
     new: Timetable, old: Timetable | None, old_next_at: float | None, now: float
 ) -> tuple[float, float]:
     """Where a declared schedule stands, ``(anchor, next_at)``: as it was, when its
-    timetable is unchanged; otherwise afresh, its first tick after now."""
-    unchanged = old is not None and old._replace(anchor=0.0) == new._replace(anchor=0.0)
+    timetable is unchanged (its timezone changed alone, for an ``every=`` one); otherwise
+    afresh, its first tick after now."""
+    unchanged = old is not None and _times(old) == _times(new)
     if old is not None and old_next_at is not None and unchanged:
         return old.anchor, old_next_at
     fresh = new._replace(anchor=now)
