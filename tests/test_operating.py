@@ -469,6 +469,20 @@ async def test_stats_describe_the_store(store: ControlStore, clock: ManualClock)
         assert stats["schema_version"] == sql.SCHEMA_VERSION
 
 
+async def test_stats_of_a_process_whose_store_a_newer_release_migrated(
+    store: ControlStore, raw: Any
+) -> None:
+    # A rolling upgrade: a process of the release before goes on working, and its
+    # stats() (the dashboard's every look) says the newer version, on both backends.
+    if store.backend == "postgresql":
+        raw.execute("UPDATE asyncplane_meta SET value = '999' WHERE key = 'schema_version'")
+    else:
+        raw.execute("PRAGMA user_version = 999")
+    assert (await store.stats())["schema_version"] == 999
+    await store.enqueue("alpha", {})
+    assert await store.claim("w") is not None
+
+
 def test_the_docs_give_this_releases_schema_versions() -> None:
     # The docs say which schema version this release writes, on each backend, and show
     # it in the stats' sample output.

@@ -1716,7 +1716,11 @@ async def _stats(conn: asyncpg.Connection, now: float | None) -> _backend.StoreS
         by_project = tuple(tuple(row) for row in await conn.fetch(sql.STATES_BY_PROJECT))
         oldest = await conn.fetchval(sql.OLDEST_READY)
         expired = await conn.fetchval(sql.EXPIRED_LEASES, now)
-        version = await read_version(conn)
+        # The version as it stands, not read_version's refusals (those are the opening's):
+        # a process of the release before goes on during a rolling upgrade, and its
+        # stats() says the newer version, as SQLite's user_version does.
+        meta = {row[0]: row[1] for row in await conn.fetch(sql.READ_META)}
+    version = int(meta.get("schema_version", "0"))
     return _backend.StoreStats(by_project, oldest, expired, version)
 
 
