@@ -9,6 +9,8 @@ several processes creating one fresh file, and read-only stores on copied files.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import os
 import pathlib
 import sqlite3
@@ -319,6 +321,73 @@ async def test_schema_version_and_application_id_are_written(tmp_path: pathlib.P
     assert conn.execute("PRAGMA user_version").fetchone()[0] == sql.SCHEMA_VERSION
     assert conn.execute("PRAGMA application_id").fetchone()[0] == sql.APPLICATION_ID
     conn.close()
+
+
+def _derived(path: pathlib.Path) -> set[tuple[str, str, str]]:
+    with contextlib.closing(sqlite3.connect(path)) as conn:
+        return set(conn.execute(sql.SCHEMA_DERIVED).fetchall())
+
+
+async def test_a_store_whose_indexes_and_triggers_drifted_is_mended_at_opening(
+    tmp_path: pathlib.Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A store made by a development build whose migrations were written otherwise before
+    # they were released: an index missing (every finish of a fingerprinted item failed
+    # on it), one of other columns, the ledger's delete guard missing, a trigger left
+    # behind; then a schema version behind the objects it has (a later migration's
+    # CREATE finds its object there).
+    fresh, drifted = tmp_path / "fresh.db", tmp_path / "drifted.db"
+    for path in (fresh, drifted):
+        async with ControlStore(path) as store:
+            await store.create_project("p", "P")
+            await store.enqueue("p", {}, fingerprint="same")
+    made = _derived(fresh)
+    with contextlib.closing(sqlite3.connect(drifted, isolation_level=None)) as conn:
+        conn.executescript(
+            """
+            DROP INDEX items_dedup_twins;
+            DROP TRIGGER events_kept;
+            DROP INDEX items_by_project;
+            CREATE INDEX items_by_project ON items (project_id);
+            CREATE TRIGGER stray AFTER INSERT ON items BEGIN SELECT 1; END;
+            """
+        )
+    with caplog.at_level(logging.WARNING, logger="asyncplane.store"):
+        async with ControlStore(drifted) as store:
+            claim = await store.claim("w")
+            assert claim is not None and claim.fingerprint == "same"
+            await store.finish(claim.item_id, fence=claim.fence)
+            assert await verify_ledger(store) == []
+    said = " ".join(record.getMessage() for record in caplog.records)
+    for name in ("items_dedup_twins", "events_kept", "items_by_project", "stray (dropped)"):
+        assert name in said, said
+    assert _derived(drifted) == made
+    with contextlib.closing(sqlite3.connect(drifted)) as conn:
+        conn.execute("PRAGMA user_version = 10")
+    async with ControlStore(drifted) as store:
+        await store.projects()
+    assert _derived(drifted) == made
+    with contextlib.closing(sqlite3.connect(drifted)) as conn:
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == sql.SCHEMA_VERSION
+        with pytest.raises(sqlite3.IntegrityError, match="append-only"):
+            conn.execute("DELETE FROM events")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="asyncplane.store"):
+        async with ControlStore(fresh) as store:  # a store as made: nothing to say
+            await store.projects()
+    assert caplog.records == [] and _derived(fresh) == made
+
+
+async def test_a_store_lacking_a_column_is_refused_untouched(tmp_path: pathlib.Path) -> None:
+    path = tmp_path / "s.db"
+    async with ControlStore(path) as store:
+        await store.projects()
+    with contextlib.closing(sqlite3.connect(path, isolation_level=None)) as conn:
+        conn.execute("ALTER TABLE imports DROP COLUMN imported_at")
+        conn.execute("DROP INDEX items_due")
+    with pytest.raises(SchemaVersionError, match="'imports' lacks imported_at"):
+        await ControlStore(path).open()
+    assert "items_due" not in {name for _, name, _ in _derived(path)}  # nothing written
 
 
 async def test_newer_schema_is_refused(tmp_path: pathlib.Path) -> None:

@@ -20,7 +20,9 @@ import asyncio
 import contextlib
 import functools
 import json
+import logging
 import pathlib
+import re
 import sqlite3
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any, NoReturn, TypeVar, cast
@@ -46,6 +48,8 @@ from asyncplane import _sqlite_sql as sql
 __all__ = ("SQLiteBackend", "vet_store_file")
 
 T = TypeVar("T")
+
+_log = logging.getLogger("asyncplane.store")
 
 
 class SQLiteBackend(_backend.Writes):
@@ -1186,11 +1190,12 @@ def _migrate(db: sqlite3.Connection) -> None:
             application_id, version = _check_header(db)
             for script in sql.MIGRATIONS[version:]:
                 for statement in _statements(script):
-                    db.execute(statement)
+                    _migration_step(db, statement)
             if version != sql.SCHEMA_VERSION or application_id != sql.APPLICATION_ID:
                 # PRAGMA takes no parameters; both values are integer constants.
                 db.execute(f"PRAGMA application_id = {int(sql.APPLICATION_ID)}")
                 db.execute(f"PRAGMA user_version = {int(sql.SCHEMA_VERSION)}")
+            _reconcile(db)
             _compile_chunks(db)
             db.execute("COMMIT")
         except BaseException:
@@ -1199,6 +1204,81 @@ def _migrate(db: sqlite3.Connection) -> None:
             raise
     except sqlite3.Error as exc:
         raise _connection.translate(exc) from exc
+
+
+#: A migration's statement that makes or drops an index or a trigger: objects made from
+#: the tables alone, which `_reconcile` makes again as this release has them.
+_DERIVED = re.compile(r"\s*(CREATE|DROP)\s+(UNIQUE\s+)?(INDEX|TRIGGER)\b", re.IGNORECASE)
+
+
+def _migration_step(db: sqlite3.Connection, statement: str) -> None:
+    """Run one statement of a migration. A store made by a development build of an
+    earlier schema (whose migrations were written otherwise before they were released)
+    may hold an index or trigger a later migration makes, or lack one it drops: that
+    step is passed over, and `_reconcile` sets every such object right after."""
+    try:
+        db.execute(statement)
+    except sqlite3.OperationalError as exc:
+        message = str(exc)
+        if not (
+            _DERIVED.match(statement)
+            and ("already exists" in message or message.startswith("no such"))
+        ):
+            raise
+
+
+@functools.cache
+def _this_schema() -> tuple[dict[str, frozenset[str]], dict[tuple[str, str], str]]:
+    """This release's schema, as its migrations make it in an empty database: each
+    table's columns, and each index's and trigger's text (made once a process, ~5 ms)."""
+    db = sqlite3.connect(":memory:")
+    try:
+        for script in sql.MIGRATIONS:
+            for statement in _statements(script):
+                db.execute(statement)
+        tables = {
+            name: frozenset(row[1] for row in db.execute(f'PRAGMA table_info("{name}")'))
+            for (name,) in db.execute(sql.SCHEMA_TABLES)
+        }
+        return tables, {(kind, name): text for kind, name, text in db.execute(sql.SCHEMA_DERIVED)}
+    finally:
+        db.close()
+
+
+def _reconcile(db: sqlite3.Connection) -> None:
+    """Make the store's indexes and triggers this release's, in the opening's transaction.
+
+    They hold no data of their own, so one missing, written otherwise, or a trigger left
+    from an earlier build (which would still fire) is made again, or dropped, with a
+    warning naming them; nothing is done on a store that matches, which every store made
+    and migrated by released migrations does. A table that lacks a column this release
+    reads cannot be mended so: the store is refused, whole."""
+    tables, derived = _this_schema()
+    for name, columns in tables.items():
+        have = {row[1] for row in db.execute(f'PRAGMA table_info("{name}")')}
+        if columns - have:
+            raise _errors.SchemaVersionError(
+                f"the store's table {name!r} lacks {', '.join(sorted(columns - have))}, "
+                "which this release's schema has: it was made by a build of asyncplane "
+                "whose schema this release cannot mend"
+            )
+    found = {(kind, name): text for kind, name, text in db.execute(sql.SCHEMA_DERIVED)}
+    remade: list[str] = []
+    for kind, name in found:
+        if kind == "trigger" and (kind, name) not in derived:
+            db.execute(f'DROP TRIGGER "{name}"')
+            remade.append(f"{kind} {name} (dropped)")
+    for (kind, name), text in derived.items():
+        if found.get((kind, name)) != text:
+            db.execute(f'DROP {kind.upper()} IF EXISTS "{name}"')
+            db.execute(text)
+            remade.append(f"{kind} {name}")
+    if remade:
+        _log.warning(
+            "asyncplane: the store's schema differed from this release's (a store made by "
+            "an earlier development build): made again: %s",
+            ", ".join(remade),
+        )
 
 
 def _compile_chunks(db: sqlite3.Connection) -> None:

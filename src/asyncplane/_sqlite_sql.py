@@ -1206,6 +1206,15 @@ SELECT count(*) FROM items INDEXED BY items_lease
 WHERE state = 'claimed' AND lease_expires_at <= ?
 """
 READ_SCHEMA_VERSION: Final = "PRAGMA user_version"
+#: The store's tables, and its indexes and triggers with their text (SQLite's own objects,
+#: and the indexes it makes for a key, which have no text, left out).
+SCHEMA_TABLES: Final = (
+    "SELECT name FROM sqlite_master WHERE type = 'table' AND name NOT LIKE 'sqlite\\_%' ESCAPE '\\'"
+)
+SCHEMA_DERIVED: Final = """
+    SELECT type, name, sql FROM sqlite_master
+    WHERE type IN ('index', 'trigger') AND sql IS NOT NULL
+      AND name NOT LIKE 'sqlite\\_%' ESCAPE '\\'"""
 
 #: Whether a slot's combined round committed; the token of the round serving a slot.
 COMBINED_ROUND: Final = "SELECT 1 FROM combined_rounds WHERE slot = ? AND token = ?"
