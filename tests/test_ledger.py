@@ -44,7 +44,17 @@ async def claimed_item(store: ControlStore) -> ClaimedItem:
 
 
 async def kinds(store: ControlStore) -> set[str]:
-    return {p.kind for p in await verify_ledger(store)}
+    problems = await verify_ledger(store)
+    await found_item_by_item(store, problems)
+    return {p.kind for p in problems}
+
+
+async def found_item_by_item(store: ControlStore, problems: list[LedgerProblem]) -> None:
+    """Each item's own check (its page in the dashboard, which reads that item's rows
+    alone) finds exactly the problems the whole store's names for it."""
+    for item_id in {p.item_id for p in problems if p.item_id > 0}:
+        mine = [p for p in problems if p.item_id == item_id]
+        assert await verify_ledger(store, item_id=item_id) == mine, item_id
 
 
 def test_every_kind_is_checked_and_documented() -> None:
@@ -159,6 +169,7 @@ async def test_no_creation_event(store: ControlStore, raw: sqlite3.Connection) -
     raw.execute("DELETE FROM events WHERE item_id = ? AND event_type = 'queued'", (item_id,))
     problems = await verify_ledger(store)
     assert problems == [LedgerProblem("no_creation_event", item_id, problems[0].detail)]
+    await found_item_by_item(store, problems)
     assert "queued" in problems[0].detail
 
 
@@ -206,6 +217,7 @@ async def test_fence_not_monotonic(
         (claim.item_id, second.fence),
     )
     problems = await verify_ledger(store)
+    await found_item_by_item(store, problems)
     assert {p.kind for p in problems} == {"fence_not_monotonic"}
     assert problems[0].item_id == claim.item_id
 
@@ -239,6 +251,7 @@ async def test_state_disagrees_for_a_claim_never_recorded(
     item_id = await store.enqueue("alpha", {})
     raw.execute("UPDATE items SET state = 'claimed', owner = 'ghost' WHERE item_id = ?", (item_id,))
     problems = await verify_ledger(store)
+    await found_item_by_item(store, problems)
     assert [(p.kind, p.item_id) for p in problems] == [("state_disagrees", item_id)]
     assert problems[0].detail == "row is 'claimed' but its events lead to ready"
 
@@ -249,6 +262,7 @@ async def test_state_disagrees_for_an_unknown_state(
     item_id = await store.enqueue("alpha", {})
     raw.execute("UPDATE items SET state = 'bogus' WHERE item_id = ?", (item_id,))
     problems = await verify_ledger(store)
+    await found_item_by_item(store, problems)
     assert [(p.kind, p.item_id) for p in problems] == [("state_disagrees", item_id)]
     assert problems[0].detail == "row is 'bogus' but its events lead to ready"
 
@@ -257,6 +271,7 @@ async def test_orphan_events(store: ControlStore, raw: sqlite3.Connection) -> No
     claim = await claimed_item(store)
     raw.execute("DELETE FROM items WHERE item_id = ?", (claim.item_id,))
     problems = await verify_ledger(store)
+    await found_item_by_item(store, problems)
     assert [(p.kind, p.item_id) for p in problems] == [("orphan_events", claim.item_id)]
 
 
@@ -269,6 +284,7 @@ async def test_orphan_events_under_an_id_that_is_no_integer_are_named(
     )
     raw.execute("INSERT INTO events (item_id, event_type, fence, at) VALUES (999, 'queued', 0, 0)")
     problems = await verify_ledger(store)
+    await found_item_by_item(store, problems)
     assert [(p.kind, p.item_id) for p in problems] == [("orphan_events", 0), ("orphan_events", 999)]
     assert problems[0].detail == (
         "1 event(s) for an item that does not exist (stored under 'abc', not an item id)"
@@ -335,6 +351,7 @@ async def test_verify_runs_in_sql_over_many_items(
     raw.execute("UPDATE items SET state = 'done' WHERE item_id = 777")
     raw.execute("COMMIT")
     problems = await verify_ledger(store)
+    await found_item_by_item(store, problems)
     assert [(p.kind, p.item_id) for p in problems] == [("terminal_without_event", 777)]
 
 

@@ -35,6 +35,7 @@ from asyncplane import (
     StorageError,
     StoreClosed,
     _connection,
+    _models,
     _rules,
     _sqlite,
     _writer,
@@ -965,6 +966,46 @@ def steps_before_and_after(
     with conn:
         conn.executemany(grow, [()] * rows)
     return before, steps()
+
+
+async def test_one_items_ledger_check_and_the_stats_cost_what_they_read(
+    tmp_path: pathlib.Path,
+) -> None:
+    # The dashboard's item page checks that item's ledger: it reads the item's rows, so
+    # 3,000 other items with their events cost it nothing (filtered after the whole
+    # store's checks, a page took 4 s at a million items). stats() (every dashboard page,
+    # every sample) counts through the indexes, never the rows and their payloads.
+    path = tmp_path / "ledger.db"
+    async with ControlStore(path) as store:
+        await store.create_project("p", "P")
+        item_id = await store.enqueue("p", {})
+        claim = await store.claim("w")
+        assert claim is not None
+        await store.finish(item_id, fence=claim.fence)
+    conn = sqlite3.connect(path)
+    try:
+        one = tuple(statement for kind, statement in sql.ONE_ITEM_CHECKS
+                    if kind not in _models.CHECKS_OF_OTHER_ITEMS)  # fmt: skip
+        before = [vm_steps(conn, statement, (item_id,)) for statement in one]
+        with conn:
+            conn.executemany(
+                "INSERT INTO items (project_id, state, payload, created_at, updated_at)"
+                " VALUES ('p', 'done', '{}', 0, 0)",
+                [()] * 3000,
+            )
+            conn.execute(
+                "INSERT INTO events (item_id, event_type, fence, at)"
+                " SELECT item_id, 'queued', 0, 0 FROM items WHERE item_id > ?",
+                (item_id,),
+            )
+        after = [vm_steps(conn, statement, (item_id,)) for statement in one]
+        for statement, steps, was in zip(one, after, before, strict=True):
+            assert steps <= was + 2, (statement, was, steps)
+        plan = [row[3] for row in conn.execute("EXPLAIN QUERY PLAN " + sql.STATES_BY_PROJECT)]
+        scans = [step for step in plan if step.startswith("SCAN")]
+        assert scans and all("INDEX" in step for step in scans), plan
+    finally:
+        conn.close()
 
 
 async def test_counts_and_the_next_due_time_of_a_project_cost_what_it_holds(

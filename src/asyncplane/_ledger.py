@@ -66,8 +66,9 @@ async def verify_ledger(
     Args:
         store: The store to check (opened on first use, like every other call).
         limit: Stop after this many problems (all of them when None).
-        item_id: Check only this item (the same checks, filtered in the database; an item
-            that does not exist has no problems, unless events of it remain).
+        item_id: Check only this item (the same checks, on that item's rows alone, so it
+            costs what the item holds, not the store; an item that does not exist has no
+            problems, unless events of it remain).
 
     Returns:
         The problems ordered by item id, each with its kind, item id and a detail.

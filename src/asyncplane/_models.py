@@ -78,6 +78,12 @@ BACK_TO_READY: Final = ("requeued", "released")
 SETTLING_EVENTS: Final = ("done", "failed", "cancelled")
 
 
+#: The ledger checks that look at other items than the one they report (a held twin's
+#: line: does any twin of its content run, or wait unheld?): a check of one item cannot
+#: read that item's rows alone for them.
+CHECKS_OF_OTHER_ITEMS: Final = ("twin_stranded",)
+
+
 def since_last(alias: str, events: tuple[str, ...]) -> str:
     """SQL true for an event ``alias`` after the item's last event of ``events`` (all of
     them, if it has none): the ledger checks' "since it was last requeued" and "since it

@@ -1729,12 +1729,11 @@ async def _verify_ledger(
 ) -> list[_models.LedgerProblem]:
     problems: list[_models.LedgerProblem] = []
     async with _snapshot(conn):
-        for kind, statement in sql.LEDGER_CHECKS:
+        checks = sql.LEDGER_CHECKS if item_id is None else sql.ONE_ITEM_CHECKS
+        params = () if item_id is None else (item_id,)
+        for kind, statement in checks:
             if limit is not None and len(problems) >= limit:
                 break
-            params: tuple[int, ...] = ()
-            if item_id is not None:
-                statement, params = sql.ONE_ITEM_CHECK.format(check=statement), (item_id,)
             async for found, detail in conn.cursor(statement, *params, prefetch=500):
                 problems.append(_models.LedgerProblem(kind, found, detail))
                 if limit is not None and len(problems) >= limit:

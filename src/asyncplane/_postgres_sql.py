@@ -1957,8 +1957,17 @@ ON CONFLICT (source, source_key) DO NOTHING
 
 # --- stats ----------------------------------------------------------------------------------
 
+#: As COUNT_STATES counts, a part through each partial index (items_by_project, every
+#: state but claimed; items_running, the claimed): an index-only scan where the table is
+#: vacuumed, never a read of every row's payload.
 STATES_BY_PROJECT: Final = """
-SELECT project_id, state, count(*) FROM items GROUP BY project_id, state
+SELECT project_id, state, n FROM (
+    SELECT project_id, state, count(*) AS n FROM items WHERE state <> 'claimed'
+    GROUP BY project_id, state
+    UNION ALL
+    SELECT project_id, 'claimed', count(*) FROM items WHERE state = 'claimed'
+    GROUP BY project_id
+) AS counted
 ORDER BY project_id COLLATE "C", state
 """
 OLDEST_READY: Final = "SELECT min(created_at) FROM items WHERE state = 'ready'"
@@ -2027,14 +2036,6 @@ def _since_requeue(alias: str) -> str:
 def _since_ready_again(alias: str) -> str:
     return _models.since_last(alias, _models.BACK_TO_READY)
 
-
-#: One check's problems of one item (the item's page in the dashboard): each check selects
-#: (item_id, detail); the filter reaches into the simpler checks, while those that replay
-#: or group the ledger still read their whole index (the dashboard keeps each verdict
-#: until the item's history changes).
-ONE_ITEM_CHECK: Final = (
-    "WITH found (item_id, detail) AS ({check}) SELECT item_id, detail FROM found WHERE item_id = $1"
-)
 
 # Settled items per minute, project and state since a time, through items_settled: the
 # dashboard's throughput (an hour of it once, then only the last minutes again).
@@ -2202,6 +2203,30 @@ LEDGER_CHECKS: Final[tuple[tuple[str, str], ...]] = (
         GROUP BY e.item_id
         """,
     ),
+)
+
+#: The checks of one item (its page in the dashboard), read from that item's rows alone:
+#: each check's statement with ``items`` and ``events`` standing for the item's row and
+#: its events (a CTE of each name, which the statement's unqualified names then mean; in
+#: its body the name is the table: a non-recursive CTE's own name is not seen there).
+#: Filtered after, a check read the whole index (a second and more a page at a million
+#: items). One that looks at other items too
+#: (`_models.CHECKS_OF_OTHER_ITEMS`) is still read whole, then filtered.
+_ONE_ITEM_SCOPED: Final = (
+    "WITH events AS (SELECT * FROM events WHERE item_id = $1), "
+    "items AS (SELECT * FROM items WHERE item_id = $1) {check}"
+)
+_ONE_ITEM_FILTERED: Final = (
+    "WITH found (item_id, detail) AS ({check}) SELECT item_id, detail FROM found WHERE item_id = $1"
+)
+ONE_ITEM_CHECKS: Final[tuple[tuple[str, str], ...]] = tuple(
+    (
+        kind,
+        (_ONE_ITEM_FILTERED if kind in _models.CHECKS_OF_OTHER_ITEMS else _ONE_ITEM_SCOPED).format(
+            check=statement
+        ),
+    )
+    for kind, statement in LEDGER_CHECKS
 )
 
 # --- the probe's tools ------------------------------------------------------------------

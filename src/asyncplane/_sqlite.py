@@ -1400,11 +1400,9 @@ def _verify_ledger(
 ) -> list[_models.LedgerProblem]:
     problems: list[_models.LedgerProblem] = []
     db.execute("BEGIN")  # one snapshot for every check
-    for kind, statement in sql.LEDGER_CHECKS:
-        if item_id is None:
-            cursor = db.execute(statement)
-        else:
-            cursor = db.execute(sql.ONE_ITEM_CHECK.format(check=statement), (item_id,))
+    checks = sql.LEDGER_CHECKS if item_id is None else sql.ONE_ITEM_CHECKS
+    for kind, statement in checks:
+        cursor = db.execute(statement, () if item_id is None else (item_id,))
         while limit is None or len(problems) < limit:
             batch = cursor.fetchmany(500 if limit is None else min(500, limit - len(problems)))
             if not batch:
