@@ -186,6 +186,52 @@ async def test_the_archive_rotates_to_one_older_generation(
     assert len(everything) >= 6
 
 
+async def test_one_purge_never_replaces_the_older_generation_it_made(
+    asyncplane_store_factory: Any, clock: ManualClock
+) -> None:
+    # A backlog purged at once (`asyncplane purge` after months): each chunk past the
+    # limit rotated, and each rotation replaced the .1 the last one had made a moment
+    # before, histories and all (of 200,000 items purged, 56,500 were left in the
+    # archive). One purge rotates once: then it stops, says so, and leaves the rest.
+    store: ControlStore = await asyncplane_store_factory(archive_max_mb=0.001)  # ~1 KiB
+    await store.create_project("p", "P")
+    ids = await settle(store, "p", 40)
+    clock.advance(10)
+    archive = store.archive_path
+    assert archive is not None
+    first = await store.purge(0, chunk=4)
+    assert first.archive_full and 0 < first.purged < 40
+    older = archive.with_name(archive.name + ".1")
+    kept = archived_ids(older) + archived_ids(archive)
+    assert sorted(kept) == sorted(ids[: first.purged])  # every item purged is archived
+    aside = archive.with_name("moved-aside.jsonl")
+    older.rename(aside)  # as the warning asks
+    second = await store.purge(0, chunk=4)
+    assert second.purged > 0
+    everything = archived_ids(aside) + archived_ids(older) + archived_ids(archive)
+    assert sorted(everything) == sorted(ids[: first.purged + second.purged])
+    assert (await store.counts())["done"] == 40 - first.purged - second.purged
+
+
+def test_cli_purge_says_where_it_stopped_for_the_archive(tmp_path: pathlib.Path) -> None:
+    path = tmp_path / "backlog.db"
+
+    async def seed() -> None:  # settled long ago, by a clock of 2000's
+        async with ControlStore(path, clock=ManualClock()) as store:
+            await store.create_project("p", "P")
+            await settle(store, "p", 40)
+
+    asyncio.run(seed())
+    done = cli("purge", str(path), "--retention", "1d", "--chunk", "4",
+               "--archive-max-mb", "0.001", "--json")  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    said = json.loads(done.stdout)
+    assert said["archive_full"] is True and 0 < said["purged"] < 40
+    assert f"move {path}.archive.jsonl.1 aside" in done.stderr
+    bad = cli("purge", str(path), "--retention", "1d", "--archive-max-mb", "0")
+    assert bad.returncode == 2 and "--archive-max-mb must be a positive" in bad.stderr
+
+
 async def test_drain_purges_on_a_throttle(
     asyncplane_store_factory: Any, clock: ManualClock
 ) -> None:
@@ -723,7 +769,7 @@ async def test_a_purge_leaves_out_what_another_purge_archived_since_it_read(
     await store.cancel(item_id)
     clock.advance(10)
     assert (await store.purge(0)).purged == 1  # the other purge: archived cancelled, deleted
-    assert await _retention._archived(backend, archive, first_read, 1 << 20) == ()
+    assert await _retention._archived(backend, archive, first_read, 1 << 20) == ((), False)
     records = [json.loads(line) for line in archive.read_text().splitlines()]
     assert [r["item"]["state"] for r in records] == ["cancelled"]
     assert [e["event_type"] for e in records[-1]["events"]][-2:] == ["requeued", "cancelled"]

@@ -10,7 +10,10 @@ claimed and offloaded items are never purged.
 
 The archive rotates: once it has grown past ``archive_max_bytes`` it is renamed with a
 ``.1`` suffix (replacing an older ``.1``) and a new one is started, so at most two
-generations exist. Appends and rotation happen under an exclusive lock on
+generations exist. One purge rotates once at most: where its next chunk would rotate
+again (replacing the ``.1`` this very purge made, with every history in it, before
+anyone could move it aside), it stops there and says so (``archive_full``); the items
+left stay in the store for the next purge. Appends and rotation happen under an exclusive lock on
 ``<archive>.lock``, on a worker thread, so two purgers never interleave lines and the
 event loop never waits for the disk.
 
@@ -35,6 +38,7 @@ import contextlib
 import dataclasses
 import datetime as dt
 import json
+import logging
 import os
 import sys
 from collections.abc import Awaitable, Callable, Coroutine
@@ -47,6 +51,8 @@ if TYPE_CHECKING:
 
 __all__ = ("PurgeSummary", "default_archive_path", "purge")
 
+_log = logging.getLogger("asyncplane.retention")
+
 
 @dataclasses.dataclass(frozen=True)
 class PurgeSummary:
@@ -56,11 +62,19 @@ class PurgeSummary:
         purged: Items archived and deleted.
         chunks: Transactions it took (each at most ``chunk`` items).
         archive_path: The archive the items were appended to.
+        archive_full: It stopped where its next chunk would have rotated the archive a
+            second time, replacing the ``.1`` it made itself: move that aside (or raise
+            ``archive_max_bytes``) and purge again for the rest.
     """
 
     purged: int
     chunks: int
     archive_path: pathlib.Path
+    archive_full: bool = False
+
+
+class _ArchiveFull(Exception):
+    """The archive is due to rotate again within one purge (nothing was written)."""
 
 
 def default_archive_path(database: pathlib.Path) -> pathlib.Path:
@@ -85,12 +99,24 @@ async def purge(
     cutoff = clock.now() - retention_seconds
     purged = chunks = 0
     after = _backend.PURGE_START
+    rotated = full = False
     while max_chunks is None or chunks < max_chunks:
         found = await backend.purge_candidates(cutoff, chunk, after)
         if not found:
             break
         try:
-            archived = await _archived(backend, archive_path, found, archive_max_bytes)
+            archived, rotation = await _archived(
+                backend, archive_path, found, archive_max_bytes, may_rotate=not rotated
+            )
+        except _ArchiveFull:
+            full = True
+            _log.warning(
+                "asyncplane: the archive %s reached archive_max_bytes a second time in one "
+                "purge: stopped there (%d items purged), so as not to replace the %s.1 it "
+                "made; move that aside, or raise archive_max_bytes, and purge again",
+                archive_path, purged, archive_path.name,
+            )  # fmt: skip
+            break
         except OSError as exc:
             raise _errors.ArchiveError(
                 f"cannot append to the archive {archive_path}: {exc}; nothing of this chunk "
@@ -101,6 +127,7 @@ async def purge(
         # Only as archived: an item requeued and settled again meanwhile stays, its newer
         # history not in the archive yet.
         deleted = await backend.purge_items(archived) if archived else 0
+        rotated = rotated or rotation
         purged += deleted
         chunks += 1
         if progress is not None:
@@ -112,7 +139,7 @@ async def purge(
         # the next purge, not read and archived again and again by this one.
         last = found[-1][0]
         after = (last.updated_at, last.item_id)
-    return PurgeSummary(purged, chunks, archive_path)
+    return PurgeSummary(purged, chunks, archive_path, full)
 
 
 async def _archived(
@@ -121,9 +148,13 @@ async def _archived(
     found: _backend.Histories,
     max_bytes: int,
     while_locked: Callable[[], Coroutine[Any, Any, None]] | None = None,
-) -> tuple[_backend.Archived, ...]:
+    *,
+    may_rotate: bool = True,
+) -> tuple[tuple[_backend.Archived, ...], bool]:
     """Append the items of ``found`` that still stand as read to the archive, under its
-    lock; return them as archived (what the purge may delete).
+    lock; return them as archived (what the purge may delete), and whether the archive
+    rotated first (`_ArchiveFull`, having written nothing, where it was due to and
+    ``may_rotate`` is false).
 
     The locked section runs to its end whatever cancellation comes (`to_the_end`), and
     only then is the lock let go (`_locked_section`): its worker thread cannot be
@@ -131,7 +162,7 @@ async def _archived(
     write, or cut a "torn" end, beside it. (``while_locked``: a test's stop inside the
     section.)"""
     archived, cancelled = await _tasks.to_the_end(
-        _locked_section(backend, path, found, max_bytes, while_locked),
+        _locked_section(backend, path, found, max_bytes, while_locked, may_rotate),
         "asyncplane-purge-archive",
     )
     if cancelled:
@@ -145,7 +176,8 @@ async def _locked_section(
     found: _backend.Histories,
     max_bytes: int,
     while_locked: Callable[[], Coroutine[Any, Any, None]] | None,
-) -> tuple[_backend.Archived, ...]:
+    may_rotate: bool,
+) -> tuple[tuple[_backend.Archived, ...], bool]:
     """The lock, the look again and the append, all held by one worker thread, which
     alone opens and closes the lock's descriptor: however the awaiting task ends (a
     cancellation, the event loop's own shutdown), the lock goes only once that thread is
@@ -155,7 +187,7 @@ async def _locked_section(
 
     read = tuple(_backend.Archived(item.item_id, item.fence, item.updated_at) for item, _ in found)
 
-    def section() -> tuple[_backend.Archived, ...]:
+    def section() -> tuple[tuple[_backend.Archived, ...], bool]:
         fd = os.open(path.with_name(path.name + ".lock"), os.O_RDWR | os.O_CREAT, 0o644)
         try:
             _lock(fd)
@@ -163,9 +195,10 @@ async def _locked_section(
             if while_locked is not None:
                 anyio.from_thread.run(while_locked)
             kept = [history for history in found if history[0].item_id in standing]
+            rotated = False
             if kept:  # the lines (JSON of whole histories) are built here too, off the loop
-                _archive(path, kept, max_bytes)
-            return tuple(item for item in read if item.item_id in standing)
+                rotated = _archive(path, kept, max_bytes, may_rotate)
+            return tuple(item for item in read if item.item_id in standing), rotated
         finally:
             os.close(fd)  # closing the descriptor releases the lock
 
@@ -233,16 +266,21 @@ def _archive(
     path: pathlib.Path,
     found: list[tuple[_backend.ItemRow, list[_backend.EventRow]]],
     max_bytes: int,
-) -> None:
-    """On a worker thread, under the archive's lock: rotate if due, cut off a torn last
-    line, append the lines of ``found`` and fsync."""
+    may_rotate: bool = True,
+) -> bool:
+    """On a worker thread, under the archive's lock: rotate if due (`_ArchiveFull`
+    instead, unless ``may_rotate``), cut off a torn last line, append the lines of
+    ``found`` and fsync; return whether it rotated."""
     lines = [_archive_line(item, events) for item, events in found]
     created = False
     with contextlib.suppress(FileNotFoundError):
         _cut_torn_end(path)
         if path.stat().st_size >= max_bytes:
+            if not may_rotate:
+                raise _ArchiveFull(path)
             os.replace(path, path.with_name(path.name + ".1"))
             created = True
+    rotated = created
     created = created or not path.exists()
     data = memoryview("".join(lines).encode("utf-8"))
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
@@ -264,6 +302,7 @@ def _archive(
         os.close(fd)
     if created:
         _fsync_directory(path.parent)  # the new name must survive a crash too
+    return rotated
 
 
 def _cut_torn_end(path: pathlib.Path) -> None:

@@ -176,6 +176,10 @@ def _parser() -> argparse.ArgumentParser:
     purge.add_argument("--retention", type=parse_duration, required=True, help="e.g. 7d")
     purge.add_argument("--chunk", type=int, default=500, help="items per transaction")
     purge.add_argument("--archive", type=pathlib.Path, default=None, help="the JSONL archive")
+    purge.add_argument(
+        "--archive-max-mb", type=float, default=64.0, metavar="MB",
+        help="the archive rotates to one older generation past this size (default 64)",
+    )  # fmt: skip
     imported = verb("import", "copy another SQLite queue's pending rows in, once")
     imported.add_argument("db", help=_DB_HELP)
     imported.add_argument("--from", dest="source", type=pathlib.Path, required=True)
@@ -434,10 +438,14 @@ def _check_args(args: argparse.Namespace) -> None:
             raise _Usage("a schedule needs --project, --payload, and --cron or --every")
     elif args.verb == "limits" and _limit_changes(args) and args.project is None:
         raise _Usage("name the project whose limits change")
-    elif args.verb == "purge" and args.archive is not None:
-        if args.archive.is_dir():
+    elif args.verb == "purge":
+        try:
+            _validate.megabytes(args.archive_max_mb, "archive_max_mb")
+        except _errors.InvalidInput as exc:
+            raise _Usage(_in_flags(str(exc))) from exc
+        if args.archive is not None and args.archive.is_dir():
             raise _Usage(f"--archive {args.archive} is a directory: name a file in it")
-        if not args.archive.absolute().parent.is_dir():
+        if args.archive is not None and not args.archive.absolute().parent.is_dir():
             raise _Usage(f"--archive: no directory {args.archive.absolute().parent}")
     elif args.verb == "dashboard":
         from asyncplane.dashboard import _command  # the dashboard extra
@@ -481,7 +489,8 @@ async def _run(args: argparse.Namespace) -> int:
     if args.verb == "copy":
         return await _copy_verb(args)
     looking = args.verb in _LOOKING or (args.verb == "limits" and not _limit_changes(args))
-    store = _store.ControlStore(args.db, read_only=looking)
+    sized = {"archive_max_mb": args.archive_max_mb} if args.verb == "purge" else {}
+    store = _store.ControlStore(args.db, read_only=looking, **sized)
     try:
         try:
             await store.open()
@@ -581,9 +590,18 @@ async def _purge(store: _store.ControlStore, args: argparse.Namespace) -> int:
         )  # fmt: skip
     finally:
         _end_progress()
-    data = {"purged": done.purged, "chunks": done.chunks, "archive": str(done.archive_path)}
+    data = {
+        "purged": done.purged, "chunks": done.chunks, "archive": str(done.archive_path),
+        "archive_full": done.archive_full,
+    }  # fmt: skip
     chunks = f"{done.chunks} chunk{'' if done.chunks == 1 else 's'}"
     _out(args, data, f"purged {done.purged:,} items in {chunks} into {done.archive_path}")
+    if done.archive_full:
+        _say(
+            f"asyncplane purge: stopped: the archive reached its size limit a second time "
+            f"in this run; move {done.archive_path}.1 aside (or give --archive-max-mb more) "
+            "and run it again for the rest"
+        )
     return 0
 
 
@@ -685,6 +703,7 @@ _FLAG_WORDS = (
     ("item_id must", "an item id must"),
     ("chunk must", "--chunk must"),
     ("pass archive_path", "give --archive"),
+    ("archive_max_mb", "--archive-max-mb"),
     ("the per_minute bucket: give per_minute", "the --per-minute bucket: give --per-minute"),
     ("project_id must", "a project id must"),
     ("max_running must", "--max-running must"),
