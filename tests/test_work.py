@@ -1529,6 +1529,37 @@ async def test_closing_the_store_ends_waiting_claims_and_workers(store: ControlS
     assert not store._engine.is_open  # neither reopened it
 
 
+@pytest.mark.parametrize("waiter", ["claim", "claims", "work"])
+async def test_a_close_during_a_waiters_read_ends_it_as_a_close_does(
+    store: ControlStore, monkeypatch: pytest.MonkeyPatch, waiter: str
+) -> None:
+    # The read a waiter makes before its claim (the data version it then waits on) is
+    # out when the store closes: the waiter ends as the docs say (None, the iterator
+    # ends, work() stops), not with StoreClosed, and nothing opens the store again.
+    engine = engine_of(store)
+    await engine.ready()
+    reading = engine.data_version
+
+    async def closed_meanwhile() -> int:
+        read = asyncio.ensure_future(reading())
+        await asyncio.sleep(0)  # the read under way (its engine open), then the close
+        await store.close()
+        return await read
+
+    monkeypatch.setattr(engine, "data_version", closed_meanwhile)
+
+    async def handle(claim: ClaimedItem) -> Done:
+        return Done()
+
+    if waiter == "claim":
+        assert await asyncio.wait_for(store.claim("w", wait=600), 30) is None
+    elif waiter == "claims":
+        assert [claim async for claim in store.claims("w")] == []
+    else:
+        assert (await asyncio.wait_for(work(store, handle), 30)).claimed == 0
+    assert not engine.is_open
+
+
 def test_the_worker_command_refuses_a_store_that_is_not_there(tmp_path: Any) -> None:
     (tmp_path / "fleet_handlers.py").write_text(HANDLERS)
     child = worker(str(tmp_path / "typo.db"), tmp_path, "fleet_handlers:handle")

@@ -583,6 +583,8 @@ class ControlStore:
         local = engine.watch()
         try:
             version = await engine.data_version()  # before the claim: nothing slips by
+            if closes is not None and engine.closes != closes:
+                return [], True  # closed during the read: a claim now would open it again
             # Cancelled, claim_batch gives back what its round took, not leaving it to
             # its lease.
             found = await self.claim_batch(
@@ -591,19 +593,19 @@ class ControlStore:
             )  # fmt: skip
             if found or (timeout is not None and timeout <= 0):
                 return found, False
-            try:
-                await _wakeups.until_work(
-                    engine, local, version, poll_interval=poll, project_id=project_id,
-                    actor_id=actor_id, stop=stop, timeout=timeout,
-                )  # fmt: skip
-            except _errors.StoreClosed:
-                # Closed while the wait read when work falls due (`closes` rises before
-                # the connections go): the waiter ends, as it would have on waking.
-                if closes is None or engine.closes == closes:
-                    raise
-            return [], closes is not None and engine.closes != closes
+            await _wakeups.until_work(
+                engine, local, version, poll_interval=poll, project_id=project_id,
+                actor_id=actor_id, stop=stop, timeout=timeout,
+            )  # fmt: skip
+        except _errors.StoreClosed:
+            # Closed under any of its reads, its claim or its wait (`closes` rises before
+            # the connections go): the waiter ends, as it would have on waking. (A claim
+            # the close refused took nothing: its round never ran.)
+            if closes is None or engine.closes == closes:
+                raise
         finally:
             engine.unwatch(local)
+        return [], closes is not None and engine.closes != closes
 
     async def claim_batch(
         self,

@@ -370,6 +370,15 @@ class _Worker:
         self.wake.set()
 
     async def _claims(self) -> None:
+        try:
+            await self._claiming()
+        except _errors.StoreClosed:
+            if not self.store_closed():
+                raise
+            # Closed under one of the loop's reads, its claim or its wait (a claim the
+            # close refused took nothing): the worker stops, as at a stop.
+
+    async def _claiming(self) -> None:
         busy = False  # the last claim took something: more is likely waiting
         while not self.stop.is_set() and self.failure is None:
             if self.store_closed():
