@@ -600,9 +600,9 @@ def test_a_verbs_status_survives_its_reader_going(tmp_path: pathlib.Path) -> Non
 
 
 def test_the_command_line_under_an_ascii_locale(tmp_path: pathlib.Path) -> None:
-    # cron's bare `C` locale, with Python's coercion to UTF-8 off: stdout is ASCII, and
-    # the argument `café` comes as its UTF-8 bytes escaped.
-    where = str(tmp_path / "fleet.db")
+    # A `C` locale with Python's UTF-8 mode and coercion off: stdout is ASCII, and the
+    # argument `café` comes as its UTF-8 bytes escaped. A path so named stays the file's.
+    where = str(tmp_path / "café.db")
 
     async def seed() -> None:
         async with ControlStore(where) as store:
@@ -614,7 +614,8 @@ def test_the_command_line_under_an_ascii_locale(tmp_path: pathlib.Path) -> None:
 
     asyncio.run(seed())
     env = {**os.environ, "LC_ALL": "C", "PYTHONCOERCECLOCALE": "0", "PYTHONUTF8": "0"}
-    for args in (["stats", where], ["items", where], ["project", where, "café"]):
+    for args in (["stats", where], ["items", where], ["project", where, "café"],
+                 ["enqueue", where, "café", "--payload", '{"city": "Zürich"}']):  # fmt: skip
         done = subprocess.run(
             [sys.executable, "-m", "asyncplane.cli", *args],
             capture_output=True, env=env, timeout=120,
@@ -628,6 +629,7 @@ def test_the_command_line_under_an_ascii_locale(tmp_path: pathlib.Path) -> None:
 
     async def projects() -> list[str]:
         async with ControlStore(where) as store:
+            assert (await store.item(2))["payload"] == {"city": "Zürich"}
             return [project["project_id"] for project in await store.projects()]
 
     assert asyncio.run(projects()) == ["café"]  # the same project, not a second one
@@ -923,6 +925,10 @@ def test_init_makes_a_file_only_where_there_is_none(tmp_path: pathlib.Path) -> N
     refused = cli("init", str(nowhere))
     assert refused.returncode == 2 and "no such directory" in refused.stderr
     assert not nowhere.parent.exists()
+    for odd in ("", ":memory:", f"{tmp_path}/newdir/"):
+        refused = cli("init", odd)
+        assert refused.returncode == 2 and "name one" in refused.stderr, odd
+    assert not (tmp_path / "newdir").exists()
     other = tmp_path / "notes.db"
     other.write_text("not a store")
     refused = cli("init", str(other))

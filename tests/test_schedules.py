@@ -225,6 +225,10 @@ def test_a_zone_this_host_lacks_is_a_typed_error_naming_the_extra() -> None:
     table = _schedule.Timetable("0 3 * * *", None, "Office/Nowhere", 0.0)
     with pytest.raises(MissingExtra, match="asyncplane\\[cron\\]"):
         table.after(1_780_000_000.0)
+    # An every= schedule's tick is the same moment in any zone: a process without the
+    # extra (which runs those) records it in UTC rather than stopping on it.
+    every = _schedule.Timetable(None, 60.0, "Office/Nowhere", 0.0)
+    assert every.iso(every.after(0.0)) == "1970-01-01T00:01:00+00:00"
 
 
 async def test_a_schedule_whose_next_tick_falls_past_9999_is_refused_unwritten(

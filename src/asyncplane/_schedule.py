@@ -120,7 +120,11 @@ class Timetable(NamedTuple):
         except (zoneinfo.ZoneInfoNotFoundError, ValueError, OSError):
             # Declared where the system's database had it (a store of an earlier release
             # took any name the declaring host knew), and this host has neither that
-            # name nor the tzdata package, which the cron extra brings.
+            # name nor the tzdata package, which the cron extra brings. An every= tick is
+            # the same moment in any zone: it is said in UTC here (a process without the
+            # extra runs those, and must not stop on one).
+            if self.every is not None:
+                return dt.timezone.utc
             raise _errors.MissingExtra(
                 f"this host's timezone database has no {self.timezone!r}, which a cron "
                 "schedule names: pip install 'asyncplane[cron]' (it brings tzdata)"

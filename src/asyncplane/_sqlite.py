@@ -1208,7 +1208,9 @@ def _migrate(db: sqlite3.Connection) -> None:
 
 #: A migration's statement that makes or drops an index or a trigger: objects made from
 #: the tables alone, which `_reconcile` makes again as this release has them.
-_DERIVED = re.compile(r"\s*(CREATE|DROP)\s+(UNIQUE\s+)?(INDEX|TRIGGER)\b", re.IGNORECASE)
+_DERIVED = re.compile(
+    r"(\s*--[^\n]*\n)*\s*(CREATE|DROP)\s+(UNIQUE\s+)?(INDEX|TRIGGER)\b", re.IGNORECASE
+)
 
 
 def _migration_step(db: sqlite3.Connection, statement: str) -> None:
@@ -1248,11 +1250,12 @@ def _this_schema() -> tuple[dict[str, frozenset[str]], dict[tuple[str, str], str
 def _reconcile(db: sqlite3.Connection) -> None:
     """Make the store's indexes and triggers this release's, in the opening's transaction.
 
-    They hold no data of their own, so one missing, written otherwise, or a trigger left
-    from an earlier build (which would still fire) is made again, or dropped, with a
-    warning naming them; nothing is done on a store that matches, which every store made
-    and migrated by released migrations does. A table that lacks a column this release
-    reads cannot be mended so: the store is refused, whole."""
+    They hold no data of their own, so one missing or written otherwise is made again,
+    with a warning naming them; nothing is done on a store that matches, which every
+    store made and migrated by released migrations does. Indexes and triggers of other
+    names are left as they are: an application's own (an audit trigger, an index for its
+    queries) are its business. A table that lacks a column this release reads cannot be
+    mended so: the store is refused, whole."""
     tables, derived = _this_schema()
     for name, columns in tables.items():
         have = {row[1] for row in db.execute(f'PRAGMA table_info("{name}")')}
@@ -1264,10 +1267,6 @@ def _reconcile(db: sqlite3.Connection) -> None:
             )
     found = {(kind, name): text for kind, name, text in db.execute(sql.SCHEMA_DERIVED)}
     remade: list[str] = []
-    for kind, name in found:
-        if kind == "trigger" and (kind, name) not in derived:
-            db.execute(f'DROP TRIGGER "{name}"')
-            remade.append(f"{kind} {name} (dropped)")
     for (kind, name), text in derived.items():
         if found.get((kind, name)) != text:
             db.execute(f'DROP {kind.upper()} IF EXISTS "{name}"')

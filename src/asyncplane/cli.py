@@ -106,7 +106,7 @@ def _literal(text: str) -> int | float | str:
 
 def _json_object(text: str) -> dict[str, Any]:
     try:
-        value = json.loads(text)
+        value = json.loads(_as_utf8(text))
     except ValueError as exc:
         raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
     if not isinstance(value, dict):
@@ -292,7 +292,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``asyncplane`` command; return its exit status."""
-    args_list = [_as_utf8(arg) for arg in (sys.argv[1:] if argv is None else argv)]
+    args_list = list(sys.argv[1:] if argv is None else argv)
     _survive_the_locale()
     if args_list and args_list[0] == "probe":
         return probe.main(args_list[1:], prog="asyncplane probe")  # it owns its options
@@ -307,6 +307,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"options go after the verb: {args.verb} {' '.join(argv[:at])} ...")
     rest = argv[at + 1 :]
     args = _VERB_PARSERS[args.verb].parse_intermixed_args(rest, argparse.Namespace(verb=args.verb))
+    _names_as_utf8(args)
     try:
         try:
             _loops.chosen()  # a wrong ASYNCPLANE_LOOP is the user's to fix, before anything
@@ -317,6 +318,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             # (init makes a missing file; one that is there must be a store, or one whose
             # making was cut short, as a copy's destination)
             _check_is_a_store(args.db, unfinished=args.verb == "init")  # a quick file read
+        elif not args.db or args.db == ":memory:" or args.db.endswith(("/", os.sep)):
+            raise _Usage(f"init makes a store's file: name one, not {args.db!r}")
         elif not pathlib.Path(args.db).absolute().parent.is_dir():
             raise _Usage(f"no such directory for the store: {pathlib.Path(args.db).parent}")
         if args.verb == "worker":
@@ -351,10 +354,28 @@ def _say(message: str) -> None:
         print(_engine.redact_urls(message), file=sys.stderr, flush=True)
 
 
+#: The arguments that name files (or a URL): kept as the system gave them, since a name
+#: re-read as UTF-8 may no longer be the file's under an ASCII file system encoding.
+_PATHS = ("db", "destination", "handler")
+
+
+def _names_as_utf8(args: argparse.Namespace) -> None:
+    """The text arguments (ids, names, payloads) as UTF-8: under a locale of another
+    encoding (``C`` with Python's UTF-8 mode off, say) Python gives the bytes of ``café``
+    as escapes, which the store would refuse; a store's names are UTF-8, so bytes that
+    read as UTF-8 are taken as such. Paths are left as they came (`_PATHS`, and those
+    parsed to `pathlib.Path`)."""
+    for key, value in vars(args).items():
+        if key in _PATHS:
+            continue
+        if isinstance(value, str):
+            setattr(args, key, _as_utf8(value))
+        elif isinstance(value, list) and all(isinstance(each, str) for each in value):
+            setattr(args, key, [_as_utf8(each) for each in value])
+
+
 def _as_utf8(arg: str) -> str:
-    """An argument as UTF-8 text: under a locale of another encoding (cron's ``C``, say)
-    Python gives the bytes of ``café`` as escapes, which the store would refuse; a store's
-    names are UTF-8, so bytes that read as UTF-8 are taken as such."""
+    """``arg`` as UTF-8 text, if its escaped bytes read as UTF-8 (`_names_as_utf8`)."""
     if not any("\udc80" <= char <= "\udcff" for char in arg):
         return arg
     try:
