@@ -17,7 +17,6 @@ import sqlite3
 import subprocess
 import sys
 import threading
-import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -261,70 +260,6 @@ async def test_a_round_that_breaks_on_its_thread_stops_the_writer_loudly(
             await store.create_project("y", "y")
     async with ControlStore(tmp_path / "s.db") as store:
         assert [p["project_id"] for p in await store.projects()] == []  # nothing saved
-
-
-def test_a_child_forked_during_a_write_can_write_the_file(tmp_path: pathlib.Path) -> None:
-    # A prefork server (gunicorn --preload, a multiprocessing "fork" pool) forking while a
-    # store of the process is inside a transaction: SQLite's in-process record of the
-    # locks came along, and every store the child opened on that file was refused the
-    # write lock for its whole life. The fork now waits for the transaction to end.
-    path = tmp_path / "forked.db"
-    holding, release = threading.Event(), threading.Event()
-    armed = [True]
-
-    def forking() -> None:  # registered after the gate's own: it runs first
-        if armed[0]:
-            release.set()
-
-    os.register_at_fork(before=forking)
-
-    async def parent() -> None:
-        async with ControlStore(path) as store:
-            await store.create_project("p", "P")
-        conn = await _connection.open_writer(path, synchronous="NORMAL", busy_timeout=30.0)
-
-        def hold(db: sqlite3.Connection) -> None:
-            db.execute("BEGIN IMMEDIATE")
-            db.execute("UPDATE projects SET name = name")
-            holding.set()
-            release.wait(30)
-            db.execute("COMMIT")
-
-        try:
-            await _connection.run(conn, hold)
-        finally:
-            await conn.close()
-
-    async def child() -> None:
-        async with ControlStore(path, busy_timeout=3) as store:
-            await store.enqueue("p", {"from": "child"})
-
-    writer = threading.Thread(target=asyncio.run, args=(parent(),))
-    writer.start()
-    try:
-        assert holding.wait(30)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", DeprecationWarning)  # 3.12+: fork with threads
-            pid = os.fork()
-        if pid == 0:  # pragma: no cover (the child reports by its exit status)
-            code = 1
-            try:
-                asyncio.run(child())
-                code = 0
-            finally:
-                os._exit(code)
-        _, status = os.waitpid(pid, 0)
-        assert os.waitstatus_to_exitcode(status) == 0
-    finally:
-        armed[0] = False
-        release.set()
-        writer.join(60)
-
-    async def look() -> list[dict[str, Any]]:
-        async with ControlStore(path) as store:
-            return await store.items()
-
-    assert [item["payload"] for item in asyncio.run(look())] == [{"from": "child"}]
 
 
 @pytest.mark.parametrize(("level", "code"), [("NORMAL", 1), ("FULL", 2)])

@@ -12,25 +12,16 @@ these private names are kept here alone so that an aiosqlite change shows up in 
 Connections run in autocommit mode (``isolation_level=None``): the sqlite3 module never
 opens a transaction behind our back, and asyncplane issues ``BEGIN IMMEDIATE`` and
 ``COMMIT`` itself where a reader can see them.
-
-Every call on a connection's thread begins and ends its transactions (a round, a read);
-and a process never forks inside one (`_ForkGate`). SQLite records in each process's
-memory which of its connections hold a file's locks: a child forked while one of them
-was inside a transaction inherits that record, with no thread there to end it, and every
-connection the child opens to that file is refused the write lock for as long as it
-lives. So a fork waits for the calls under way to end, and new ones wait for the fork.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
-import logging
 import os
 import pathlib
 import sqlite3
 import stat
-import threading
 import time
 from collections.abc import Callable
 from typing import Any, Literal, TypeVar
@@ -94,67 +85,10 @@ def _check_json_functions() -> None:
         probe.close()
 
 
-class _ForkGate:
-    """Holds a fork back while any call runs on a connection's thread, and new calls back
-    while a fork is under way (see the module). A fork waits at most `WAIT` seconds (a
-    call waiting for another process's write lock), then goes ahead with a warning."""
-
-    WAIT = 60.0
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition(threading.Lock())
-        self._inside = 0
-        self._forking = False
-
-    def call(self, fn: Callable[..., T], db: sqlite3.Connection, *args: Any) -> T:
-        """``fn(db, *args)`` with no fork under way (on the connection's thread)."""
-        with self._cond:
-            while self._forking:
-                self._cond.wait()
-            self._inside += 1
-        try:
-            return fn(db, *args)
-        finally:
-            with self._cond:
-                self._inside -= 1
-                if not self._inside:
-                    self._cond.notify_all()
-
-    def before_fork(self) -> None:
-        with self._cond:
-            self._forking = True
-            if not self._cond.wait_for(lambda: not self._inside, self.WAIT):
-                logging.getLogger("asyncplane.store").warning(
-                    "asyncplane: a fork went ahead after %.0f s with an SQLite call still "
-                    "under way: the child may be refused that file's write lock",
-                    self.WAIT,
-                )
-
-    def after_fork_in_parent(self) -> None:
-        with self._cond:
-            self._forking = False
-            self._cond.notify_all()
-
-    def after_fork_in_child(self) -> None:
-        # The parent's threads are not here: no call is under way, none waits.
-        self._cond = threading.Condition(threading.Lock())
-        self._inside = 0
-        self._forking = False
-
-
-_GATE = _ForkGate()
-if hasattr(os, "register_at_fork"):  # not on Windows, which does not fork
-    os.register_at_fork(
-        before=_GATE.before_fork,
-        after_in_parent=_GATE.after_fork_in_parent,
-        after_in_child=_GATE.after_fork_in_child,
-    )
-
-
 async def run(conn: aiosqlite.Connection, fn: Callable[..., T], *args: Any) -> T:
     """Run ``fn(sqlite3_connection, *args)`` on the connection's own thread, in one round trip."""
     raw = conn._conn  # the sqlite3.Connection, to be used only on that thread
-    result: T = await conn._execute(_GATE.call, fn, raw, *args)  # type: ignore[no-untyped-call]
+    result: T = await conn._execute(fn, raw, *args)  # type: ignore[no-untyped-call]
     return result
 
 
@@ -170,7 +104,7 @@ def post(conn: aiosqlite.Connection, fn: Callable[..., None], *args: Any) -> Non
     """
     if not conn._running or conn._connection is None:
         raise ValueError("Connection closed")
-    conn._tx.put_nowait((_NO_FUTURE, functools.partial(_GATE.call, fn, conn._conn, *args)))
+    conn._tx.put_nowait((_NO_FUTURE, functools.partial(fn, conn._conn, *args)))
 
 
 class _Dropped:
