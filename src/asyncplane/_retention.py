@@ -113,7 +113,7 @@ async def purge(
             _log.warning(
                 "asyncplane: the archive %s reached archive_max_bytes a second time in one "
                 "purge: stopped there (%d items purged), so as not to replace the %s.1 it "
-                "made; move that aside, or raise archive_max_bytes, and purge again",
+                "made; move that aside, or give a larger archive_max_mb, and purge again",
                 archive_path, purged, archive_path.name,
             )  # fmt: skip
             break
