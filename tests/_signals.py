@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import sys
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -80,3 +81,12 @@ async def renewed_a_third_after_each_grant(
             return bool((await store.item(item_id))["lease_expires_at"] > before)
 
         await until(renewed, what="the lease renewed a third of a lease after its grant")
+
+
+def cancelled_cause(error: BaseException) -> BaseException | None:
+    """The failure a cancellation carries as its cause. Before Python 3.11, awaiting a
+    task that ended cancelled gives a new CancelledError, the task's own (whose cause it
+    is) as its context."""
+    if error.__cause__ is None and sys.version_info < (3, 11) and error.__context__ is not None:
+        return error.__context__.__cause__
+    return error.__cause__

@@ -790,10 +790,11 @@ def test_a_refusal_crosses_the_board_as_the_same_typed_error(error: Exception) -
 def test_a_storage_error_crosses_the_board_with_the_drivers_error_as_its_cause(
     tmp_path: pathlib.Path,
 ) -> None:
-    try:
-        sqlite3.connect(tmp_path / "x.db").execute("SELECT * FROM nowhere")
-    except sqlite3.OperationalError as exc:
-        driver = exc
+    with contextlib.closing(sqlite3.connect(tmp_path / "x.db")) as conn:
+        try:
+            conn.execute("SELECT * FROM nowhere")
+        except sqlite3.OperationalError as exc:
+            driver = exc
     error = _errors.StorageError(f"OperationalError: {driver}")
     error.__cause__ = driver
     encoded = marshal.loads(marshal.dumps(_combine._encode_outcome(_write_queue.Raised(error))))
@@ -801,7 +802,8 @@ def test_a_storage_error_crosses_the_board_with_the_drivers_error_as_its_cause(
     assert isinstance(back, _write_queue.Raised) and type(back.error) is _errors.StorageError
     cause = back.error.__cause__
     assert type(cause) is sqlite3.OperationalError and str(cause) == "no such table: nowhere"
-    assert (cause.sqlite_errorcode, cause.sqlite_errorname) == (1, "SQLITE_ERROR")
+    if sys.version_info >= (3, 11):  # the driver says the code from 3.11 on
+        assert (cause.sqlite_errorcode, cause.sqlite_errorname) == (1, "SQLITE_ERROR")
 
 
 def test_an_error_the_board_does_not_know_comes_back_as_a_storage_error() -> None:

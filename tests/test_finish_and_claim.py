@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 from tests.test_writer import update_fault
 
+from _signals import cancelled_cause
 from asyncplane import (
     ClaimAfterSettleFailed,
     ClaimedItem,
@@ -455,7 +456,7 @@ async def test_a_cancellation_is_never_lost_to_work_that_fails_after_it() -> Non
     work.set_exception(StorageError("the claim failed"))
     with pytest.raises(asyncio.CancelledError) as caught:
         await waiter
-    assert isinstance(caught.value.__cause__, StorageError)
+    assert isinstance(cancelled_cause(caught.value), StorageError)
 
 
 def test_a_finish_posted_for_combining_keeps_its_place_ahead() -> None:

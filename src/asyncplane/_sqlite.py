@@ -542,7 +542,9 @@ def _enqueue(
     # or earlier in this same call) takes that one's id and adds no row.
     found: dict[str, int] = {}
     for fp in _rules.dedup_fingerprints(op.items):
-        [twin] = db.execute(sql.FIND_TWIN, (op.project_id, fp)).fetchone()
+        [twin] = db.execute(
+            sql.FIND_TWIN, {"project_id": op.project_id, "fingerprint": fp}
+        ).fetchone()
         if twin is not None:
             found[fp] = twin
     plan = _rules.EnqueuePlan(op.items, found)
@@ -729,7 +731,9 @@ def _claim_items(
     if len(dealt) == 1:
         candidate, op = dealt[0]
         expires = now + op.lease_seconds
-        return db.execute(sql.CLAIM_ITEM, (op.owner, expires, now, candidate.item_id)).fetchall()
+        row = {"owner": op.owner, "lease_expires_at": expires, "now": now,
+               "item_id": candidate.item_id}  # fmt: skip
+        return db.execute(sql.CLAIM_ITEM, row).fetchall()
     claims = [(c.item_id, op.owner, now + op.lease_seconds) for c, op in dealt]
     claiming = (sql.CLAIM_ITEMS, sql.CLAIM_ITEM_ROWS)
     got = {row[0]: row for row in _returned(db, claiming, claims, now)}
@@ -747,7 +751,8 @@ def _returned(
     """What a round's chunk statements (in JSON, in bound rows: `sql.CLAIM_ITEMS` and
     `sql.CLAIM_ITEM_ROWS`, say) return for ``rows``: chunks of `sql.VALUES_ROWS` bound
     rows while at least `sql.VALUES_FROM` are left (the last padded with rows of NULLs,
-    which match nothing), then the rest as one JSON array. ``now`` is every one's ?1."""
+    which match nothing), then the rest as one JSON array. ``now`` is every one's first
+    parameter."""
     in_json, in_rows = statements
     start, size = 0, sql.VALUES_ROWS
     while len(rows) - start >= sql.VALUES_FROM:
@@ -1401,7 +1406,7 @@ def _verify_ledger(
     db.execute("BEGIN")  # one snapshot for every check
     checks = sql.LEDGER_CHECKS if item_id is None else sql.ONE_ITEM_CHECKS
     for kind, statement in checks:
-        cursor = db.execute(statement, () if item_id is None else (item_id,))
+        cursor = db.execute(statement, {} if item_id is None else {"item_id": item_id})
         while limit is None or len(problems) < limit:
             batch = cursor.fetchmany(500 if limit is None else min(500, limit - len(problems)))
             if not batch:

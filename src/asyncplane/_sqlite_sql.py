@@ -504,11 +504,12 @@ INSERT_EVENT_ROWS: Final = tuple(
 # not one a state.
 FIND_TWIN: Final = f"""
 SELECT CASE WHEN EXISTS (SELECT 1 FROM items INDEXED BY items_fingerprint
-                         WHERE project_id = ?1 AND fingerprint = ?2) THEN coalesce(
+                         WHERE project_id = :project_id AND fingerprint = :fingerprint)
+    THEN coalesce(
     (SELECT min(item_id) FROM items INDEXED BY items_fingerprint
-     WHERE project_id = ?1 AND fingerprint = ?2 AND state = 'done'),
+     WHERE project_id = :project_id AND fingerprint = :fingerprint AND state = 'done'),
     (SELECT min(item_id) FROM items INDEXED BY items_fingerprint
-     WHERE project_id = ?1 AND fingerprint = ?2 AND state IN {_LIVE_STATES})) END
+     WHERE project_id = :project_id AND fingerprint = :fingerprint AND state IN {_LIVE_STATES})) END
 """
 
 # --- claims ----------------------------------------------------------------------------
@@ -684,14 +685,18 @@ ORDER BY {CLAIM_ORDER} LIMIT :limit
 CLAIM_ITEM: Final = """
 UPDATE items
 SET state = 'claimed', fence = fence + 1, attempts = attempts + 1,
-    owner = ?1, lease_expires_at = ?2, due_at = NULL, updated_at = ?3, claimed_at = ?3
-WHERE item_id = ?4
+    owner = :owner, lease_expires_at = :lease_expires_at, due_at = NULL, updated_at = :now,
+    claimed_at = :now
+WHERE item_id = :item_id
 RETURNING item_id, project_id, payload, fence, attempts, created_at, trace_context
 """
 # A round's claims and finishes go several to a statement, their rows in one of two forms,
-# each statement written once for both (?1 is now):
-# - a JSON array, ?2, read through ``json_each``: any number of rows, one statement;
-# - VALUES_ROWS rows of bound parameters (?2 on), for a round with at least VALUES_FROM
+# each statement written once for both (the first parameter is now, bound in a CTE ``t``
+# that the statement reads it from; plain ``?`` throughout, as numbered ones, ``?1``, made
+# Python 3.12.0 to 3.12.3 warn on every binding, a CPython bug fixed in 3.12.4):
+# - a JSON array, the second parameter, read through ``json_each``: any number of rows,
+#   one statement;
+# - VALUES_ROWS rows of bound parameters (the rest), for a round with at least VALUES_FROM
 #   rows left, padded with rows of NULLs, which match no item. Bound, no ``json_each``
 #   row is made and no ``json_extract`` looks its row up in SQLite's small cache of parsed
 #   JSON (comparing the row's text, which holds a settle's result) and walks its path: a
@@ -711,27 +716,29 @@ SETTLE_ROW_WIDTH: Final = 4
 
 
 def _values(rows: int, width: int) -> str:
-    """``rows`` rows of ``width`` numbered parameters, from ?2 on."""
-    return ",\n".join(
-        "(" + ", ".join(f"?{2 + row * width + column}" for column in range(width)) + ")"
-        for row in range(rows)
-    )
+    """``rows`` rows of ``width`` parameters, after now's."""
+    return ",\n".join("(" + ", ".join("?" * width) + ")" for _ in range(rows))
+
+
+#: The round's time, the first parameter of a chunk statement, read as ``(SELECT now FROM t)``.
+_NOW_FIRST = "WITH t (now) AS (SELECT ?)"
+_NOW = "(SELECT now FROM t)"
 
 
 def _claim_items(rows: int | None) -> str:
     """CLAIM_ITEMS (``rows`` None: the JSON array) or CLAIM_ITEM_ROWS."""
     if rows is None:
-        given, source = "", "json_each(?2) AS c"
+        given, source = f"{_NOW_FIRST}\n", "json_each(?) AS c"
         item, owner, lease = (f"json_extract(c.value, '$[{n}]')" for n in range(CLAIM_ROW_WIDTH))
     else:
         rows_given = _values(rows, CLAIM_ROW_WIDTH)
-        given = f"WITH c (item_id, owner, lease_expires_at) AS (VALUES {rows_given})\n"
+        given = f"{_NOW_FIRST},\nc (item_id, owner, lease_expires_at) AS (VALUES {rows_given})\n"
         source, item, owner, lease = "c", "c.item_id", "c.owner", "c.lease_expires_at"
     return f"""
 {given}UPDATE items
 SET state = 'claimed', fence = fence + 1, attempts = attempts + 1,
     owner = {owner}, lease_expires_at = {lease},
-    due_at = NULL, updated_at = ?1, claimed_at = ?1
+    due_at = NULL, updated_at = {_NOW}, claimed_at = {_NOW}
 FROM {source}
 WHERE items.item_id = {item}
 RETURNING items.item_id, items.project_id, items.payload, items.fence, items.attempts,
@@ -787,18 +794,18 @@ UPDATE items SET state = 'failed', error = :error, lease_expires_at = NULL, due_
 def _settle_done_many(rows: int | None) -> str:
     """SETTLE_DONE_MANY (``rows`` None: the JSON array) or SETTLE_DONE_ROWS."""
     if rows is None:
-        given, source = "", "json_each(?2) AS f"
+        given, source = f"{_NOW_FIRST}\n", "json_each(?) AS f"
         item, fence, result, actor = (
             f"json_extract(f.value, '$[{n}]')" for n in range(SETTLE_ROW_WIDTH)
         )
     else:
         rows_given = _values(rows, SETTLE_ROW_WIDTH)
-        given = f"WITH f (item_id, fence, result, actor_id) AS (VALUES {rows_given})\n"
+        given = f"{_NOW_FIRST},\nf (item_id, fence, result, actor_id) AS (VALUES {rows_given})\n"
         source, item, fence, result, actor = "f", "f.item_id", "f.fence", "f.result", "f.actor_id"
     return f"""
 {given}UPDATE items SET state = 'done', result = {result}, error = NULL,
                  lease_expires_at = NULL, due_at = NULL, offload_handle = NULL,
-                 updated_at = ?1
+                 updated_at = {_NOW}
 FROM {source}
 WHERE items.item_id = {item} AND items.fence = {fence}
   AND items.state IN ('claimed', 'offloaded')
@@ -1184,11 +1191,11 @@ ON CONFLICT (source, source_key) DO NOTHING
 # Ids up to a copy's source's last are never handed out here: AUTOINCREMENT's counter
 # moves past them (and never back).
 ADVANCE_ITEM_IDS: Final = """
-UPDATE sqlite_sequence SET seq = max(seq, ?1) WHERE name = 'items'
+UPDATE sqlite_sequence SET seq = max(seq, ?) WHERE name = 'items'
 """
 START_ITEM_IDS: Final = """
 INSERT INTO sqlite_sequence (name, seq)
-SELECT 'items', ?1 WHERE NOT EXISTS (SELECT 1 FROM sqlite_sequence WHERE name = 'items')
+SELECT 'items', ? WHERE NOT EXISTS (SELECT 1 FROM sqlite_sequence WHERE name = 'items')
 """
 
 # --- stats ----------------------------------------------------------------------------------
@@ -1475,11 +1482,12 @@ LEDGER_CHECKS: Final[tuple[tuple[str, str], ...]] = (
 #: (4 s a page at a million items). One that looks at other items too
 #: (`_models.CHECKS_OF_OTHER_ITEMS`) is still read whole, then filtered.
 _ONE_ITEM_SCOPED: Final = (
-    "WITH events AS (SELECT * FROM main.events WHERE item_id = ?1), "
-    "items AS (SELECT * FROM main.items WHERE item_id = ?1) {check}"
+    "WITH events AS (SELECT * FROM main.events WHERE item_id = :item_id), "
+    "items AS (SELECT * FROM main.items WHERE item_id = :item_id) {check}"
 )
 _ONE_ITEM_FILTERED: Final = (
-    "WITH found (item_id, detail) AS ({check}) SELECT item_id, detail FROM found WHERE item_id = ?1"
+    "WITH found (item_id, detail) AS ({check}) "
+    "SELECT item_id, detail FROM found WHERE item_id = :item_id"
 )
 ONE_ITEM_CHECKS: Final[tuple[tuple[str, str], ...]] = tuple(
     (
