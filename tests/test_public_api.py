@@ -121,3 +121,17 @@ def test_the_extras_name_what_each_optional_feature_imports() -> None:
             extras.setdefault(extra, set()).add(name)
     assert extras["otel"] == {"opentelemetry-api"}
     assert extras["dashboard"] == {"aiohttp", "jinja2", "prometheus-client"}
+
+
+def test_no_bounded_wait_can_swallow_a_cancellation() -> None:
+    # asyncio.wait_for before Python 3.12 returns the result when a cancellation comes as
+    # the work ends, and the caller never hears of it: asyncplane's bounded waits go
+    # through _tasks.within instead (a stop cancelling a task as it sets its event did).
+    package = pathlib.Path(asyncplane.__file__).parent
+    calls = [
+        f"{path.relative_to(package)}:{number}"
+        for path in sorted(package.rglob("*.py"))
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if "asyncio.wait_for(" in line and not line.lstrip().startswith("#")
+    ]
+    assert calls == []

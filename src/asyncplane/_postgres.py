@@ -176,7 +176,9 @@ class TwinWakes:
                     self.sent += 1
             if self._contents:  # a settle of some content is under way: soon again
                 with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(self._heard.wait(), delay)
+                    # (Not asyncio.wait_for: before Python 3.12 it swallows a stop's
+                    # cancellation that comes as the event is set, which stop() does.)
+                    await _tasks.within(self._heard.wait(), delay, "asyncplane-twin-wakes-wait")
                 delay = min(2 * delay, _WAKE_RETRY_MOST)
 
     async def _pass_on(self, keys: list[tuple[str, str]]) -> int:
