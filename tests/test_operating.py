@@ -213,6 +213,36 @@ async def test_one_purge_never_replaces_the_older_generation_it_made(
     assert (await store.counts())["done"] == 40 - first.purged - second.purged
 
 
+async def test_a_purge_never_replaces_the_older_generation_another_made_beside_it(
+    asyncplane_store_factory: Any, clock: ManualClock
+) -> None:
+    # The command from cron beside a drain's own purge: the other rotates while this one
+    # runs; this one must not rotate again over the .1 the other just made.
+    store: ControlStore = await asyncplane_store_factory(archive_max_mb=0.001)  # ~1 KiB
+    await store.create_project("p", "P")
+    ids = await settle(store, "p", 40)
+    clock.advance(10)
+    archive = store.archive_path
+    assert archive is not None
+    engine = await store._engine.ready()
+    beside: list[Any] = []
+
+    async def the_other_purge() -> None:
+        if not beside:  # once, after this purge's first chunk
+            beside.append(await store.purge(0, chunk=4))
+
+    this = await _retention.purge(
+        engine, store.clock, 0.0, chunk=4, archive_path=archive,
+        archive_max_bytes=1024, _after_archive=the_other_purge,
+    )  # fmt: skip
+    (other,) = beside
+    assert other.purged > 0 and this.archive_full
+    older = archive.with_name(archive.name + ".1")
+    kept = archived_ids(older) + archived_ids(archive)
+    gone = set(ids) - {item["item_id"] for item in await store.items(limit=100)}
+    assert gone <= set(kept), sorted(gone - set(kept))  # every item deleted is archived
+
+
 def test_cli_purge_says_where_it_stopped_for_the_archive(tmp_path: pathlib.Path) -> None:
     path = tmp_path / "backlog.db"
 
@@ -769,7 +799,7 @@ async def test_a_purge_leaves_out_what_another_purge_archived_since_it_read(
     await store.cancel(item_id)
     clock.advance(10)
     assert (await store.purge(0)).purged == 1  # the other purge: archived cancelled, deleted
-    assert await _retention._archived(backend, archive, first_read, 1 << 20) == ((), False)
+    assert await _retention._archived(backend, archive, first_read, 1 << 20) == ()
     records = [json.loads(line) for line in archive.read_text().splitlines()]
     assert [r["item"]["state"] for r in records] == ["cancelled"]
     assert [e["event_type"] for e in records[-1]["events"]][-2:] == ["requeued", "cancelled"]

@@ -10,10 +10,11 @@ claimed and offloaded items are never purged.
 
 The archive rotates: once it has grown past ``archive_max_bytes`` it is renamed with a
 ``.1`` suffix (replacing an older ``.1``) and a new one is started, so at most two
-generations exist. One purge rotates once at most: where its next chunk would rotate
-again (replacing the ``.1`` this very purge made, with every history in it, before
-anyone could move it aside), it stops there and says so (``archive_full``); the items
-left stay in the store for the next purge. Appends and rotation happen under an exclusive lock on
+generations exist. A purge never replaces a ``.1`` made since it began (by itself, or by
+another purge running beside it), which no one could have moved aside yet: where its
+next chunk would, it stops there and says so (``archive_full``); the items left stay in
+the store for the next purge. A rotation stamps the ``.1`` with its time (its
+modification time) for this. Appends and rotation happen under an exclusive lock on
 ``<archive>.lock``, on a worker thread, so two purgers never interleave lines and the
 event loop never waits for the disk.
 
@@ -41,6 +42,7 @@ import json
 import logging
 import os
 import sys
+import time
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
@@ -62,9 +64,9 @@ class PurgeSummary:
         purged: Items archived and deleted.
         chunks: Transactions it took (each at most ``chunk`` items).
         archive_path: The archive the items were appended to.
-        archive_full: It stopped where its next chunk would have rotated the archive a
-            second time, replacing the ``.1`` it made itself: move that aside (or raise
-            ``archive_max_bytes``) and purge again for the rest.
+        archive_full: It stopped where its next chunk would have rotated the archive
+            over a ``.1`` made since it began (by itself, or a purge beside it): move
+            that aside (or give a larger ``archive_max_mb``) and purge again for the rest.
     """
 
     purged: int
@@ -97,24 +99,23 @@ async def purge(
     """Archive, then delete, settled items older than ``retention_seconds``."""
     backend.writable()  # a store that cannot delete must not append to the archive either
     cutoff = clock.now() - retention_seconds
+    began = time.time()  # the archive's times are the file system's: wall-clock
     purged = chunks = 0
     after = _backend.PURGE_START
-    rotated = full = False
+    full = False
     while max_chunks is None or chunks < max_chunks:
         found = await backend.purge_candidates(cutoff, chunk, after)
         if not found:
             break
         try:
-            archived, rotation = await _archived(
-                backend, archive_path, found, archive_max_bytes, may_rotate=not rotated
-            )
+            archived = await _archived(backend, archive_path, found, archive_max_bytes, began=began)
         except _ArchiveFull:
             full = True
             _log.warning(
-                "asyncplane: the archive %s reached archive_max_bytes a second time in one "
-                "purge: stopped there (%d items purged), so as not to replace the %s.1 it "
-                "made; move that aside, or give a larger archive_max_mb, and purge again",
-                archive_path, purged, archive_path.name,
+                "asyncplane: the archive %s is due to rotate again, and its %s.1 was made "
+                "since this purge began: stopped there (%d items purged), so as not to "
+                "replace it; move it aside, or give a larger archive_max_mb, and purge again",
+                archive_path, archive_path.name, purged,
             )  # fmt: skip
             break
         except OSError as exc:
@@ -127,7 +128,6 @@ async def purge(
         # Only as archived: an item requeued and settled again meanwhile stays, its newer
         # history not in the archive yet.
         deleted = await backend.purge_items(archived) if archived else 0
-        rotated = rotated or rotation
         purged += deleted
         chunks += 1
         if progress is not None:
@@ -149,12 +149,12 @@ async def _archived(
     max_bytes: int,
     while_locked: Callable[[], Coroutine[Any, Any, None]] | None = None,
     *,
-    may_rotate: bool = True,
-) -> tuple[tuple[_backend.Archived, ...], bool]:
+    began: float | None = None,
+) -> tuple[_backend.Archived, ...]:
     """Append the items of ``found`` that still stand as read to the archive, under its
-    lock; return them as archived (what the purge may delete), and whether the archive
-    rotated first (`_ArchiveFull`, having written nothing, where it was due to and
-    ``may_rotate`` is false).
+    lock; return them as archived (what the purge may delete). `_ArchiveFull`, having
+    written nothing, where the archive is due to rotate and its ``.1`` was made at or
+    after ``began``.
 
     The locked section runs to its end whatever cancellation comes (`to_the_end`), and
     only then is the lock let go (`_locked_section`): its worker thread cannot be
@@ -162,7 +162,7 @@ async def _archived(
     write, or cut a "torn" end, beside it. (``while_locked``: a test's stop inside the
     section.)"""
     archived, cancelled = await _tasks.to_the_end(
-        _locked_section(backend, path, found, max_bytes, while_locked, may_rotate),
+        _locked_section(backend, path, found, max_bytes, while_locked, began),
         "asyncplane-purge-archive",
     )
     if cancelled:
@@ -176,8 +176,8 @@ async def _locked_section(
     found: _backend.Histories,
     max_bytes: int,
     while_locked: Callable[[], Coroutine[Any, Any, None]] | None,
-    may_rotate: bool,
-) -> tuple[tuple[_backend.Archived, ...], bool]:
+    began: float | None,
+) -> tuple[_backend.Archived, ...]:
     """The lock, the look again and the append, all held by one worker thread, which
     alone opens and closes the lock's descriptor: however the awaiting task ends (a
     cancellation, the event loop's own shutdown), the lock goes only once that thread is
@@ -187,7 +187,7 @@ async def _locked_section(
 
     read = tuple(_backend.Archived(item.item_id, item.fence, item.updated_at) for item, _ in found)
 
-    def section() -> tuple[tuple[_backend.Archived, ...], bool]:
+    def section() -> tuple[_backend.Archived, ...]:
         fd = os.open(path.with_name(path.name + ".lock"), os.O_RDWR | os.O_CREAT, 0o644)
         try:
             _lock(fd)
@@ -195,10 +195,9 @@ async def _locked_section(
             if while_locked is not None:
                 anyio.from_thread.run(while_locked)
             kept = [history for history in found if history[0].item_id in standing]
-            rotated = False
             if kept:  # the lines (JSON of whole histories) are built here too, off the loop
-                rotated = _archive(path, kept, max_bytes, may_rotate)
-            return tuple(item for item in read if item.item_id in standing), rotated
+                _archive(path, kept, max_bytes, began)
+            return tuple(item for item in read if item.item_id in standing)
         finally:
             os.close(fd)  # closing the descriptor releases the lock
 
@@ -266,21 +265,22 @@ def _archive(
     path: pathlib.Path,
     found: list[tuple[_backend.ItemRow, list[_backend.EventRow]]],
     max_bytes: int,
-    may_rotate: bool = True,
-) -> bool:
+    began: float | None = None,
+) -> None:
     """On a worker thread, under the archive's lock: rotate if due (`_ArchiveFull`
-    instead, unless ``may_rotate``), cut off a torn last line, append the lines of
-    ``found`` and fsync; return whether it rotated."""
+    instead, if the ``.1`` it would replace was made at or after ``began``), cut off a
+    torn last line, append the lines of ``found`` and fsync."""
     lines = [_archive_line(item, events) for item, events in found]
     created = False
     with contextlib.suppress(FileNotFoundError):
         _cut_torn_end(path)
         if path.stat().st_size >= max_bytes:
-            if not may_rotate:
+            older = path.with_name(path.name + ".1")
+            if began is not None and _made_since(older, began):
                 raise _ArchiveFull(path)
-            os.replace(path, path.with_name(path.name + ".1"))
+            os.replace(path, older)
+            os.utime(older)  # stamped with its rotation (`_made_since`)
             created = True
-    rotated = created
     created = created or not path.exists()
     data = memoryview("".join(lines).encode("utf-8"))
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
@@ -302,7 +302,20 @@ def _archive(
         os.close(fd)
     if created:
         _fsync_directory(path.parent)  # the new name must survive a crash too
-    return rotated
+
+
+#: How much earlier than a purge's beginning a ``.1`` may be stamped and still count as
+#: made since: the file system stamps times from a coarse clock, a few milliseconds
+#: behind ``time.time()``, and a purge's first chunk may rotate within them.
+_STAMP_SLACK = 1.0
+
+
+def _made_since(older: pathlib.Path, began: float) -> bool:
+    """Whether the ``.1`` there was made (rotated to) since ``began``."""
+    try:
+        return older.stat().st_mtime >= began - _STAMP_SLACK
+    except FileNotFoundError:
+        return False  # none, or moved aside: nothing to lose
 
 
 def _cut_torn_end(path: pathlib.Path) -> None:

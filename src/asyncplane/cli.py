@@ -619,9 +619,9 @@ async def _purge(store: _store.ControlStore, args: argparse.Namespace) -> int:
     _out(args, data, f"purged {done.purged:,} items in {chunks} into {done.archive_path}")
     if done.archive_full:
         _say(
-            f"asyncplane purge: stopped: the archive reached its size limit a second time "
-            f"in this run; move {done.archive_path}.1 aside (or give --archive-max-mb more) "
-            "and run it again for the rest"
+            f"asyncplane purge: stopped: the archive is due to rotate again, over a "
+            f"{done.archive_path.name}.1 made during this run; move {done.archive_path}.1 "
+            "aside (or give --archive-max-mb more) and run it again for the rest"
         )
     return 0
 
