@@ -615,6 +615,60 @@ async def test_a_store_closed_under_running_items_keeps_their_leases(
     assert (await store.item(item_id))["state"] == "done"
 
 
+@pytest.mark.parametrize("ends", ["timeout", "stop"])
+async def test_a_handler_that_ignores_its_cancellation_keeps_its_lease_until_it_returns(
+    store: ControlStore, clock: ManualClock, ends: str
+) -> None:
+    # Past its timeout, or at a stop with no grace left, the handler is cancelled and
+    # waited for; one that ignores it runs on. Its lease was let go at once: the item
+    # lapsed and another worker ran it beside the first. It is renewed until the handler
+    # returns; then it is retried (timed out), or its outcome stands (stopped: what it
+    # returned is the item's, as for any handler that ends as the stop comes).
+    item_id = await store.enqueue("alpha", {})
+    cancelled, release, stop = asyncio.Event(), asyncio.Event(), asyncio.Event()
+
+    async def stubborn(claim: ClaimedItem) -> Done:
+        try:
+            await release.wait()
+        except asyncio.CancelledError:
+            cancelled.set()
+            await release.wait()  # and runs on
+        return Done()
+
+    timeout = 0.05 if ends == "timeout" else None
+    worker = asyncio.create_task(
+        work(store, stubborn, concurrency=1, stop=stop, timeout=timeout, grace=0)
+    )
+    await until(lambda: running_tasks() == 1, what="the item runs")
+    if ends == "stop":
+        stop.set()
+    await cancelled.wait()
+    for _ in range(6):  # two leases' time, a third at a time
+        was = (await store.item(item_id))["lease_expires_at"]
+        clock.advance(store.lease_seconds / 3)
+
+        async def renewed(was: Any = was) -> bool:
+            return bool((await store.item(item_id))["lease_expires_at"] > was)
+
+        await until(renewed, what="the lease is renewed")
+        assert await store.claim("another") is None  # not taken over
+    release.set()
+
+    async def settled() -> bool:
+        return bool((await store.item(item_id))["state"] != "claimed")
+
+    await until(settled, what="the item is settled or given back")
+    stop.set()
+    summary = await asyncio.wait_for(worker, 30)
+    item = await store.item(item_id)
+    if ends == "timeout":
+        assert summary.timed_out == 1 and summary.fence_rejected == 0
+        assert item["state"] in ("ready", "deferred") and "timed out" in item["error"]
+    else:
+        assert summary.done == 1 and item["state"] == "done"
+    assert summary.fence_rejected == 0 and await verify_ledger(store) == []
+
+
 async def test_a_lease_is_renewed_a_third_of_a_lease_after_the_store_granted_it(
     store: ControlStore, clock: ManualClock, monkeypatch: pytest.MonkeyPatch
 ) -> None:

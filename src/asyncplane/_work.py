@@ -508,6 +508,17 @@ class _Worker:
         except asyncio.CancelledError:
             await _tasks.to_the_end(self._give_back(held), "asyncplane-work-give-back")
             raise
+        if handler not in done and not held.lost:
+            # Past its time: cancelled, and waited for. Its lease is renewed until it has
+            # really ended: a handler that ignores the cancellation still runs, and the
+            # item must not be taken over and run beside it meanwhile.
+            stopped = await _tasks.stop(handler)
+            self.held.pop(held.key, None)  # no renewal is made for it from here
+            if stopped:
+                # A stop came meanwhile: the item goes back unspent, not retried (unless
+                # it was lost meanwhile, which the give-back sees).
+                await _tasks.to_the_end(self._give_back(held), "asyncplane-work-give-back")
+                raise asyncio.CancelledError
         self.held.pop(held.key, None)  # no renewal is made for it from here
         if held.lost:
             # Taken over or cancelled: counted by the renewer, which cancelled the handler;
@@ -516,10 +527,6 @@ class _Worker:
             self._exit_of_lost(handler)
             return
         if handler not in done:
-            if await _tasks.stop(handler):
-                # A stop came meanwhile: the item goes back unspent, not retried.
-                await _tasks.to_the_end(self._give_back(held), "asyncplane-work-give-back")
-                raise asyncio.CancelledError
             self.summary.timed_out += 1
             outcome: Any = Retry(f"timed out after {self.timeout:g} s")
         else:
@@ -552,8 +559,8 @@ class _Worker:
 
     async def _give_back(self, held: _Held) -> None:
         claim, handler = held.claim, held.handler
+        await _tasks.stop(handler)  # its lease renewed until its handler has ended
         self.held.pop(held.key, None)  # no renewal is made for it from here
-        await _tasks.stop(handler)
         if held.lost:
             self._exit_of_lost(handler)
             return  # taken over or cancelled: not ours to settle or give back
