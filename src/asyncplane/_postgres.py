@@ -1137,7 +1137,7 @@ async def _claim_many(
             *(list(column) for column in zip(*spent, strict=True)),
         ):  # fmt: skip
             claimed_rows[claimed_row[0]] = claimed_row
-    if merge.fetched > len(claimed_rows):
+    if merge.others_to_tell(len(claimed_rows)):
         # Rows locked here and not taken were skipped by any claimer that came meanwhile;
         # their state does not change, so nothing else would tell a drainer that slept.
         await conn.execute(sql.NOTIFY)

@@ -485,6 +485,7 @@ class ClaimMerge:
         self._heads: list[tuple[tuple[Any, ...], int]] = []
         self._twins: set[tuple[str, str]] = set()
         self._seen: set[int] = set()
+        self._refused = 0  # rows a project's quota refused
         #: The items chosen so far, in claim order.
         self.chosen: list[Candidate] = []
 
@@ -514,6 +515,15 @@ class ClaimMerge:
     def fetched(self) -> int:
         """How many rows all arms have read so far (on PostgreSQL: locked)."""
         return sum(self._offset)
+
+    def others_to_tell(self, claimed: int) -> bool:
+        """Whether rows read (on PostgreSQL: locked, so any claimer that came meanwhile
+        passed over them) are left that another claimer may want: more than the
+        ``claimed`` taken, leaving out those a project's quota refused, which it refuses
+        every claimer alike. (Telling of those woke every claimer of the fleet to be
+        refused them again, and tell again: a storm, while a rate-limited project's
+        bucket was empty under a lapsed claim.)"""
+        return self.fetched - self._refused > claimed
 
     def hungry(self) -> int | None:
         """Merge as far as the rows at hand allow; return the arm whose next page the
@@ -547,6 +557,7 @@ class ClaimMerge:
                     continue
             quota = self._quotas.get(candidate.project_id)
             if quota is not None and not self._allowed(quota, candidate):
+                self._refused += 1
                 continue
             self._seen.add(candidate.item_id)
             if twin is not None:
@@ -563,6 +574,7 @@ class ClaimMerge:
             quota.take(takeover=takeover)
         if quota.room == 0:
             for arm in self._arms_of.pop(candidate.project_id, ()):
+                self._refused += len(self._rows[arm])  # read, and refused by the quota
                 self._rows[arm].clear()
                 self._more[arm] = False
                 self._starving[arm] = False
