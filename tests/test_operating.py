@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import json
+import logging
 import os
 import pathlib
 import re
@@ -90,6 +91,19 @@ async def test_purge_archives_then_deletes_old_settled_items_only(
     for item_id in (ready, deferred, claimed.item_id, offload.item_id):
         await store.item(item_id)  # still there
     assert await verify_ledger(store) == []  # no orphan events left behind
+
+
+async def test_every_purge_says_what_it_purged_in_the_retention_log(
+    store: ControlStore, clock: ManualClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    # As docs/observability.md lists: a call's (a cron job's), not the drain loop's alone.
+    await settle(store, "alpha", 3)
+    clock.advance(10)
+    with caplog.at_level(logging.INFO, logger="asyncplane.retention"):
+        assert (await store.purge(0)).purged == 3
+        assert (await store.purge(0)).purged == 0  # nothing purged: nothing said
+    said = [r.getMessage() for r in caplog.records if r.name == "asyncplane.retention"]
+    assert said == ["purged 3 settled item(s) into the archive"]
 
 
 async def test_purge_keeps_items_younger_than_the_retention(

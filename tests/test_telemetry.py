@@ -383,6 +383,13 @@ async def test_gauges_give_items_by_state_and_project_once_read(
     assert items[("beta", "ready")] == 1
     (age,) = mine("asyncplane.queue.oldest_ready_age").values()
     assert age == pytest.approx(30.0, abs=1.0)
+    # No item ready any more: the age is 0, not gone (a backend keeping last values
+    # would show 30 s for ever).
+    await store.cancel_where(state="ready")
+    gauges.refreshed.clear()
+    otel.points("asyncplane.items")
+    await gauges.refreshed.wait()
+    assert list(mine("asyncplane.queue.oldest_ready_age").values()) == [0.0]
     await store.close()  # a closed store gives no more values
     assert not mine("asyncplane.items")
 

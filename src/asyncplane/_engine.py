@@ -553,8 +553,6 @@ class Engine:
             # that chunk was deleted, the work goes on, and the next interval tries again.
             _retention_log.warning("asyncplane: purge cut short, the archive failed: %s", exc)
             return purged[0]
-        if done.purged:
-            _retention_log.info("purged %d settled item(s) into the archive", done.purged)
         return done.purged
 
 

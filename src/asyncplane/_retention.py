@@ -139,6 +139,8 @@ async def purge(
         # the next purge, not read and archived again and again by this one.
         last = found[-1][0]
         after = (last.updated_at, last.item_id)
+    if purged:  # every purge's, the drain loop's and a call's (a cron job's) alike
+        _log.info("purged %d settled item(s) into the archive", purged)
     return PurgeSummary(purged, chunks, archive_path, full)
 
 

@@ -586,7 +586,10 @@ def _observe_items(options: Any) -> list[Any]:
 def _observe_oldest(options: Any) -> list[Any]:
     found = []
     for gauges in _live():
-        if gauges.snapshot is not None and gauges.snapshot[1] is not None and gauges.alive():
+        if gauges.snapshot is not None and gauges.alive():
+            # No item ready: 0 (as the dashboard's /metrics says), not no value, which a
+            # backend keeping last values would show as the last age for ever.
+            age = 0.0 if gauges.snapshot[1] is None else gauges.snapshot[1]
             labels = {"asyncplane.store": gauges.name}
-            found.append(_instruments().metrics.Observation(gauges.snapshot[1], labels))
+            found.append(_instruments().metrics.Observation(age, labels))
     return found
