@@ -13,6 +13,7 @@ import signal
 import sqlite3
 import subprocess
 import sys
+import time
 from typing import Any
 
 import pytest
@@ -255,6 +256,26 @@ async def test_a_purge_never_replaces_the_older_generation_another_made_beside_i
     kept = archived_ids(older) + archived_ids(archive)
     gone = set(ids) - {item["item_id"] for item in await store.items(limit=100)}
     assert gone <= set(kept), sorted(gone - set(kept))  # every item deleted is archived
+
+
+async def test_a_purge_that_rotated_never_rotates_again_whatever_the_clocks_say(
+    store: ControlStore, clock: ManualClock, tmp_path: pathlib.Path
+) -> None:
+    # Its own rotation a purge remembers; only another's is told by the stamps, which a
+    # clock stepped back, or a file system keeping times to 2 s, could make look older.
+    await settle(store, "alpha", 2)
+    clock.advance(10)
+    engine = await store._engine.ready()
+    found = list(await engine.purge_candidates(clock.now(), 10))
+    archive = tmp_path / "a.jsonl"
+    archive.write_text("x" * 100 + "\n")
+    later = time.time() + 3600  # the purge "began" an hour after the .1's stamp
+    rotation = _retention._Rotation(began=later)
+    _retention._archive(archive, found, 10, rotation)  # due, and nothing made since: rotates
+    assert rotation.rotated and archive.with_name("a.jsonl.1").read_text().startswith("x")
+    with pytest.raises(_retention._ArchiveFull):
+        _retention._archive(archive, found, 10, rotation)  # its own .1: never again
+    assert archive.with_name("a.jsonl.1").read_text().startswith("x")
 
 
 def test_cli_purge_says_where_it_stopped_for_the_archive(tmp_path: pathlib.Path) -> None:

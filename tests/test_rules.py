@@ -50,6 +50,25 @@ def run_merge(arms: list[list[Candidate]], limit: int) -> tuple[list[int], list[
     return [c.item_id for c in merge.chosen], reads
 
 
+def test_rows_a_quota_refuses_every_claimer_are_no_news_for_other_claimers() -> None:
+    # A lapsed claim of a project whose bucket is empty: no claimer may take it, so a
+    # claim that locked and refused it tells no one (telling set the fleet claiming and
+    # telling in a loop). A project whose limits another claimer holds refuses this
+    # claim alone: that one could take the row this claim held locked, so it is told.
+    lapsed = candidate(1, state="claimed", fence=1, attempts=1, owner="gone")
+    for blocked, told in (((), False), (("p",), True)):
+        merge = ClaimMerge(1, 1, quotas={"p": _rules.Quota(slots=0, tokens=0)},
+                           arm_projects=[None], blocked=blocked)  # fmt: skip
+        pages = iter([[lapsed], []])
+        while (arm := merge.hungry()) is not None:
+            merge.feed(arm, next(pages))
+        assert merge.chosen == [] and merge.fetched == 1
+        assert merge.others_to_tell(0) is told
+    unlimited = ClaimMerge(1, 1)
+    unlimited.feed(0, [candidate(1), candidate(2)])
+    assert unlimited.hungry() is None and unlimited.others_to_tell(1)  # one passed over
+
+
 def test_claim_order_is_priority_then_realtime_then_sla_then_age() -> None:
     rows = [
         candidate(1),

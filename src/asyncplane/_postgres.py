@@ -1091,7 +1091,11 @@ async def _claim_many(
     # claims of them all; an arm the first statement found nothing in has nothing more.
     keys = list(pages)
     merge = _rules.ClaimMerge(
-        len(keys), total, quotas=limited.quotas, arm_projects=[key[1] for key in keys]
+        len(keys),
+        total,
+        quotas=limited.quotas,
+        arm_projects=[key[1] for key in keys],
+        blocked=limited.blocked,
     )
     for position, key in enumerate(keys):
         size, candidates = pages[key]

@@ -13,10 +13,14 @@ The archive rotates: once it has grown past ``archive_max_bytes`` it is renamed 
 generations exist. A purge never replaces a ``.1`` made since it began (by itself, or by
 another purge running beside it), which no one could have moved aside yet: where its
 next chunk would, it stops there and says so (``archive_full``); the items left stay in
-the store for the next purge. A rotation stamps the ``.1`` with its time (its
-modification time) for this. Appends and rotation happen under an exclusive lock on
-``<archive>.lock``, on a worker thread, so two purgers never interleave lines and the
-event loop never waits for the disk.
+the store for the next purge. Its own rotation it remembers; another's it tells by the
+``.1``'s modification time, which a rotation stamps, against the moment the purge began
+as the same file system stamped it (on the archive's lock file, under the lock), so
+neither clock steps here nor a file server's clock matter.
+
+Appends and rotation happen under an exclusive lock on ``<archive>.lock``, on a worker
+thread, so two purgers never interleave lines and the event loop never waits for the
+disk.
 
 Each archive line is one JSON object: ``{"archived_at": ..., "item": {...},
 "events": [...]}``, with the item and its events much as `ControlStore.item` and
@@ -76,7 +80,18 @@ class PurgeSummary:
 
 
 class _ArchiveFull(Exception):
-    """The archive is due to rotate again within one purge (nothing was written)."""
+    """The archive is due to rotate over a ``.1`` made since the purge began (nothing
+    was written)."""
+
+
+@dataclasses.dataclass
+class _Rotation:
+    """One purge's record of the archive's rotations, kept by its locked sections."""
+
+    #: When the purge began, as the archive's file system stamps times (None: not yet).
+    began: float | None = None
+    #: Whether this purge has rotated the archive.
+    rotated: bool = False
 
 
 def default_archive_path(database: pathlib.Path) -> pathlib.Path:
@@ -99,7 +114,7 @@ async def purge(
     """Archive, then delete, settled items older than ``retention_seconds``."""
     backend.writable()  # a store that cannot delete must not append to the archive either
     cutoff = clock.now() - retention_seconds
-    began = time.time()  # the archive's times are the file system's: wall-clock
+    rotation = _Rotation()
     purged = chunks = 0
     after = _backend.PURGE_START
     full = False
@@ -108,7 +123,9 @@ async def purge(
         if not found:
             break
         try:
-            archived = await _archived(backend, archive_path, found, archive_max_bytes, began=began)
+            archived = await _archived(
+                backend, archive_path, found, archive_max_bytes, rotation=rotation
+            )
         except _ArchiveFull:
             full = True
             _log.warning(
@@ -151,12 +168,12 @@ async def _archived(
     max_bytes: int,
     while_locked: Callable[[], Coroutine[Any, Any, None]] | None = None,
     *,
-    began: float | None = None,
+    rotation: _Rotation | None = None,
 ) -> tuple[_backend.Archived, ...]:
     """Append the items of ``found`` that still stand as read to the archive, under its
     lock; return them as archived (what the purge may delete). `_ArchiveFull`, having
-    written nothing, where the archive is due to rotate and its ``.1`` was made at or
-    after ``began``.
+    written nothing, where the archive is due to rotate over a ``.1`` made since the
+    purge of ``rotation`` began.
 
     The locked section runs to its end whatever cancellation comes (`to_the_end`), and
     only then is the lock let go (`_locked_section`): its worker thread cannot be
@@ -164,7 +181,7 @@ async def _archived(
     write, or cut a "torn" end, beside it. (``while_locked``: a test's stop inside the
     section.)"""
     archived, cancelled = await _tasks.to_the_end(
-        _locked_section(backend, path, found, max_bytes, while_locked, began),
+        _locked_section(backend, path, found, max_bytes, while_locked, rotation),
         "asyncplane-purge-archive",
     )
     if cancelled:
@@ -178,7 +195,7 @@ async def _locked_section(
     found: _backend.Histories,
     max_bytes: int,
     while_locked: Callable[[], Coroutine[Any, Any, None]] | None,
-    began: float | None,
+    rotation: _Rotation | None,
 ) -> tuple[_backend.Archived, ...]:
     """The lock, the look again and the append, all held by one worker thread, which
     alone opens and closes the lock's descriptor: however the awaiting task ends (a
@@ -193,12 +210,14 @@ async def _locked_section(
         fd = os.open(path.with_name(path.name + ".lock"), os.O_RDWR | os.O_CREAT, 0o644)
         try:
             _lock(fd)
+            if rotation is not None and rotation.began is None:
+                rotation.began = _stamped_now(fd)
             standing = anyio.from_thread.run(backend.standing_as_archived, read)
             if while_locked is not None:
                 anyio.from_thread.run(while_locked)
             kept = [history for history in found if history[0].item_id in standing]
             if kept:  # the lines (JSON of whole histories) are built here too, off the loop
-                _archive(path, kept, max_bytes, began)
+                _archive(path, kept, max_bytes, rotation)
             return tuple(item for item in read if item.item_id in standing)
         finally:
             os.close(fd)  # closing the descriptor releases the lock
@@ -267,21 +286,23 @@ def _archive(
     path: pathlib.Path,
     found: list[tuple[_backend.ItemRow, list[_backend.EventRow]]],
     max_bytes: int,
-    began: float | None = None,
+    rotation: _Rotation | None = None,
 ) -> None:
     """On a worker thread, under the archive's lock: rotate if due (`_ArchiveFull`
-    instead, if the ``.1`` it would replace was made at or after ``began``), cut off a
-    torn last line, append the lines of ``found`` and fsync."""
+    instead, if the ``.1`` it would replace was made since the purge of ``rotation``
+    began), cut off a torn last line, append the lines of ``found`` and fsync."""
     lines = [_archive_line(item, events) for item, events in found]
     created = False
     with contextlib.suppress(FileNotFoundError):
         _cut_torn_end(path)
         if path.stat().st_size >= max_bytes:
             older = path.with_name(path.name + ".1")
-            if began is not None and _made_since(older, began):
+            if rotation is not None and (rotation.rotated or _made_since(older, rotation)):
                 raise _ArchiveFull(path)
             os.replace(path, older)
             os.utime(older)  # stamped with its rotation (`_made_since`)
+            if rotation is not None:
+                rotation.rotated = True
             created = True
     created = created or not path.exists()
     data = memoryview("".join(lines).encode("utf-8"))
@@ -306,16 +327,21 @@ def _archive(
         _fsync_directory(path.parent)  # the new name must survive a crash too
 
 
-#: How much earlier than a purge's beginning a ``.1`` may be stamped and still count as
-#: made since: the file system stamps times from a coarse clock, a few milliseconds
-#: behind ``time.time()``, and a purge's first chunk may rotate within them.
-_STAMP_SLACK = 1.0
-
-
-def _made_since(older: pathlib.Path, began: float) -> bool:
-    """Whether the ``.1`` there was made (rotated to) since ``began``."""
+def _stamped_now(fd: int) -> float:
+    """The time now as the file system stamps it: the lock file's, touched (a file
+    server's clock may not be this host's, and this host's may step)."""
     try:
-        return older.stat().st_mtime >= began - _STAMP_SLACK
+        os.utime(fd)
+        return os.fstat(fd).st_mtime
+    except (OSError, NotImplementedError):  # no times on descriptors here: this clock
+        return time.time()
+
+
+def _made_since(older: pathlib.Path, rotation: _Rotation) -> bool:
+    """Whether the ``.1`` there was made (rotated to, and so stamped) since the purge
+    began; one stamped in the same tick of the file system's coarse clock counts."""
+    try:
+        return rotation.began is not None and older.stat().st_mtime >= rotation.began
     except FileNotFoundError:
         return False  # none, or moved aside: nothing to lose
 

@@ -50,7 +50,7 @@ import collections
 import heapq
 import json
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Container, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 from asyncplane import _backend, _errors, _models, _schedule
@@ -461,8 +461,12 @@ class ClaimMerge:
         first_page: int | None = None,
         quotas: Mapping[str, Quota] | None = None,
         arm_projects: Sequence[str | None] = (),
+        blocked: Container[str] = (),
     ) -> None:
         self._limit = limit
+        # Projects whose quota refuses this claim alone (another claimer holds their
+        # limits): their rows are not refused every claimer alike (`others_to_tell`).
+        self._blocked = blocked
         # Limited projects: what each may still give, and (to stop reading a project that
         # has given all it may) which arms hold its ready and fallen-due items.
         self._quotas = quotas or {}
@@ -557,7 +561,7 @@ class ClaimMerge:
                     continue
             quota = self._quotas.get(candidate.project_id)
             if quota is not None and not self._allowed(quota, candidate):
-                self._refused += 1
+                self._refused += candidate.project_id not in self._blocked
                 continue
             self._seen.add(candidate.item_id)
             if twin is not None:
@@ -574,7 +578,8 @@ class ClaimMerge:
             quota.take(takeover=takeover)
         if quota.room == 0:
             for arm in self._arms_of.pop(candidate.project_id, ()):
-                self._refused += len(self._rows[arm])  # read, and refused by the quota
+                if candidate.project_id not in self._blocked:  # read, refused by the quota
+                    self._refused += len(self._rows[arm])
                 self._rows[arm].clear()
                 self._more[arm] = False
                 self._starving[arm] = False
@@ -770,6 +775,8 @@ class LimitedReach:
     def __init__(self) -> None:
         self.limits: dict[str, Limits] = {}
         self.quotas: dict[str, Quota] = {}
+        #: Projects whose limits another claimer holds: refused to this claim alone.
+        self.blocked: set[str] = set()
 
     def take(self, rows: Iterable[Iterable[Any]], now: float) -> list[str]:
         """Add the limits read (with their claimed counts); return the projects with room."""
@@ -786,6 +793,7 @@ class LimitedReach:
         """Projects this claim may take nothing of (their limits are not its)."""
         for project in projects:
             self.quotas[project] = Quota(slots=0, tokens=0)
+        self.blocked |= projects
 
     def stopped(self, runs: Mapping[str, int], now: float) -> None:
         """Count out runs this claim ended (exhausted lapsed claims) since the limits were
