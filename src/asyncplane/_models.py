@@ -84,6 +84,19 @@ SETTLING_EVENTS: Final = ("done", "failed", "cancelled")
 CHECKS_OF_OTHER_ITEMS: Final = ("twin_stranded",)
 
 
+def one_item_checks(
+    checks: tuple[tuple[str, str], ...], scoped: str, filtered: str
+) -> tuple[tuple[str, str], ...]:
+    """Each ledger check of one item, as a backend writes them: its statement ``scoped``
+    to the item's rows alone, or, for a check that looks at other items too
+    (`CHECKS_OF_OTHER_ITEMS`), the whole check ``filtered`` after (each a template with
+    ``{check}``)."""
+    return tuple(
+        (kind, (filtered if kind in CHECKS_OF_OTHER_ITEMS else scoped).format(check=statement))
+        for kind, statement in checks
+    )
+
+
 def since_last(alias: str, events: tuple[str, ...]) -> str:
     """SQL true for an event ``alias`` after the item's last event of ``events`` (all of
     them, if it has none): the ledger checks' "since it was last requeued" and "since it

@@ -1489,14 +1489,8 @@ _ONE_ITEM_FILTERED: Final = (
     "WITH found (item_id, detail) AS ({check}) "
     "SELECT item_id, detail FROM found WHERE item_id = :item_id"
 )
-ONE_ITEM_CHECKS: Final[tuple[tuple[str, str], ...]] = tuple(
-    (
-        kind,
-        (_ONE_ITEM_FILTERED if kind in _models.CHECKS_OF_OTHER_ITEMS else _ONE_ITEM_SCOPED).format(
-            check=statement
-        ),
-    )
-    for kind, statement in LEDGER_CHECKS
+ONE_ITEM_CHECKS: Final = _models.one_item_checks(
+    LEDGER_CHECKS, _ONE_ITEM_SCOPED, _ONE_ITEM_FILTERED
 )
 
 # --- schedules -----------------------------------------------------------------------------
