@@ -7,9 +7,11 @@ the fastest honest way to do by hand what the store does.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sqlite3
 import subprocess
+import sys
 import time
 from typing import Any
 
@@ -53,13 +55,27 @@ def go_and_wait(
     """`start_together`, then each one's line of JSON, said as its drain ends (``missing``
     for one that said nothing): the results, and the seconds from the start until the last
     of them was said. What a worker does after it (closing, its interpreter's teardown)
-    is not timed, as the probe does not time its workers' shut-down (``shutdown_s``)."""
+    is not timed, as the probe does not time its workers' shut-down (``shutdown_s``), and
+    it waits for an "exit" line (`hold_until_told`), said once every result is in, so
+    that it never takes the CPU from a worker still draining, as the probe's workers
+    wait for theirs."""
     started = start_together(procs)
     said = [_said(proc) for proc in procs]
     drained = time.perf_counter()
     for proc in procs:
+        assert proc.stdin is not None
+        with contextlib.suppress(BrokenPipeError):  # one that ended without its line
+            proc.stdin.write("exit\n")
+            proc.stdin.flush()
+    for proc in procs:
         proc.communicate()
     return [json.loads(line or missing or "") for line in said], drained - started
+
+
+def hold_until_told() -> None:
+    """A worker's wait, its result line said, for `go_and_wait`'s "exit" line, before it
+    closes anything or exits (asynchronous workers read the line in a thread)."""
+    sys.stdin.readline()
 
 
 def _said(proc: subprocess.Popen[str]) -> str:

@@ -79,6 +79,7 @@ async def _store_drain(path: str, name: str, together: str = "") -> None:
         cpu = _raw.cpu_seconds() - cpu
         # Said before the store closes: closing is not the drain (`_raw.go_and_wait`).
         print(json.dumps({"done": done, "longest": longest, "cpu": cpu}), flush=True)
+        await asyncio.to_thread(_raw.hold_until_told)
 
 
 def _seeded(tmp: pathlib.Path, label: str, files: int, items: int) -> list[pathlib.Path]:

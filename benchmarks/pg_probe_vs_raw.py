@@ -91,6 +91,7 @@ async def raw_drain(url: str, owner: str) -> None:
     cpu = _raw.cpu_seconds() - cpu
     # Said before the connection closes: closing is not the drain (`_raw.go_and_wait`).
     print(json.dumps({"done": done, "cpu": cpu, "claim_p99": p99(claims)}), flush=True)
+    await asyncio.to_thread(_raw.hold_until_told)
     await conn.close()
 
 
@@ -249,6 +250,7 @@ async def pgqueuer_drain(url: str, owner: str) -> None:
     await watcher
     cpu = _raw.cpu_seconds() - cpu
     print(json.dumps({"done": done, "cpu": cpu}), flush=True)  # before closing, as raw's
+    await asyncio.to_thread(_raw.hold_until_told)
     await conn.close()
 
 

@@ -41,6 +41,7 @@ def raw_worker(path: str, synchronous: str, name: str) -> None:
     done, longest = _raw.drain(conn, name)
     cpu = _raw.cpu_seconds() - cpu
     print(json.dumps({"done": done, "longest": longest, "cpu": cpu}), flush=True)
+    _raw.hold_until_told()
 
 
 async def seed(path: pathlib.Path, items: int, synchronous: str) -> None:

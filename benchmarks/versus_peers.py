@@ -114,6 +114,7 @@ def huey_worker(path: str, synchronous: str) -> None:
         done += 1
     cpu = _raw.cpu_seconds() - cpu
     print(json.dumps({"done": done, "longest": longest, "cpu": cpu}), flush=True)
+    _raw.hold_until_told()
 
 
 def huey_seed(path: str, items: int) -> None:

@@ -668,18 +668,25 @@ def test_the_worker_protocol_reads_back_what_it_writes() -> None:
     assert protocol.decode('{"kind": "unheard-of"}') is None
 
 
-async def _stand_in_worker(name: str, *, summary: bool) -> Any:
-    """A real process standing in for a probe worker: it says its summary (or nothing, as
-    a worker that died would) and exits once told to on stdin, so the test decides how
-    long its shut-down lasts."""
+async def _stand_in_worker(name: str, *, summary: bool, told_first: bool = False) -> Any:
+    """A real process standing in for a probe worker: it says its summary (once told to
+    on stdin, with ``told_first``) and exits when its stdin ends, saying on stderr when
+    that was (`time.monotonic`, one clock for every process here). Without ``summary``
+    it says nothing and exits at once, as a worker that died would."""
     from asyncplane import _probe_protocol as protocol
     from asyncplane.probe import _workers
 
     line = protocol.encode(
         protocol.Summary(name=name, claimed=0, finished=0, locked=0, fence_rejected=0,
                          max_lock_wait=0.0)
-    ) if summary else ""  # fmt: skip
-    script = f"import sys; print({line!r}, flush=True); sys.stdin.readline()"
+    )  # fmt: skip
+    script = (
+        "import sys, time\n"
+        + ("sys.stdin.readline()\n" if told_first else "")
+        + f"print({line!r}, flush=True)\n"
+        + "sys.stdin.read()\n"
+        + "print(time.monotonic(), file=sys.stderr)\n"
+    ) if summary else "pass"  # fmt: skip
     process = await asyncio.create_subprocess_exec(
         sys.executable, "-c", script,
         stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
@@ -688,26 +695,29 @@ async def _stand_in_worker(name: str, *, summary: bool) -> Any:
     return _workers._Worker(name, process)
 
 
-async def test_the_timed_window_ends_with_the_last_summary_and_the_exit_is_shut_down() -> None:
+async def test_the_timed_window_ends_with_the_last_summary_and_no_worker_leaves_before_it() -> None:
     # A worker's summary comes right after its drain; closing its store and its
-    # interpreter's teardown (sixteen of them at once on two CPUs: most of a second) are
-    # its shut-down, reported apart and not timed, as its start-up is not.
+    # interpreter's teardown (sixteen of them on two CPUs: most of a second) are its
+    # shut-down, reported apart and not timed, as its start-up is not. A worker done
+    # early is held until the last summary: its shut-down would take the CPU from the
+    # workers still draining (a seventh of the rate at 10,000 items, 16 workers at C=8).
     from asyncplane.probe import _workers
     from asyncplane.probe._report import ProbeReport
 
     started = time.monotonic()
-    workers = [await _stand_in_worker(f"w{n}", summary=True) for n in range(2)]
+    early = await _stand_in_worker("early", summary=True)
+    late = await _stand_in_worker("late", summary=True, told_first=True)
     report = ProbeReport("concurrent-queue", 2, 0, 1, "NORMAL", 60.0)
-    drained = asyncio.create_task(_workers._until_drained(workers, started, report))
-    summaries = asyncio.gather(*(worker.summarised.wait() for worker in workers))
-    await asyncio.wait_for(summaries, timeout=60)
-    said = max(worker.summary_at for worker in workers)
-    lingering = 0.3  # the shut-down this test makes, measured below
-    await asyncio.sleep(lingering)
-    await asyncio.gather(*(worker.say("exit") for worker in workers))
-    await drained
-    assert report.seconds == said - started
-    assert report.shutdown_s >= lingering
+    drained = asyncio.create_task(_workers._until_drained([early, late], started, report))
+    await asyncio.wait_for(early.summarised.wait(), timeout=60)
+    await late.say("summary")
+    await asyncio.wait_for(drained, timeout=60)
+    assert late.summary_at is not None and early.summary_at is not None
+    assert early.summary_at < late.summary_at
+    assert report.seconds == late.summary_at - started
+    let_go = [float(worker.stderr.decode()) for worker in (early, late)]
+    assert min(let_go) >= late.summary_at  # neither left before the last summary
+    assert report.shutdown_s > 0
 
 
 async def test_a_worker_that_never_said_its_summary_runs_the_window_to_the_last_exit() -> None:
@@ -720,11 +730,40 @@ async def test_a_worker_that_never_said_its_summary_runs_the_window_to_the_last_
         await _stand_in_worker("died", summary=False),
     ]
     report = ProbeReport("concurrent-queue", 2, 0, 1, "NORMAL", 60.0)
-    drained = asyncio.create_task(_workers._until_drained(workers, started, report))
-    await asyncio.gather(*(worker.say("exit") for worker in workers))
-    await drained
+    await asyncio.wait_for(_workers._until_drained(workers, started, report), timeout=60)
     assert report.shutdown_s == 0.0  # the window ran to the last exit
+    assert workers[0].summary_at is not None
     assert report.seconds > workers[0].summary_at - started
+
+
+async def test_a_worker_reporting_at_end_keeps_its_store_open_until_let_go(
+    tmp_path: pathlib.Path,
+) -> None:
+    # Its summary said, a --report-at-end worker waits for its stdin to end before it
+    # closes its store and exits: the probe ends them all once the last has said its
+    # summary (`_until_drained`), so no worker's shut-down runs beside another's drain.
+    from asyncplane import ControlStore
+    from asyncplane.probe import _workers
+
+    store = tmp_path / "held.db"
+    async with ControlStore(store) as seeding:
+        await seeding.counts()  # the store made: the worker finds nothing to drain
+    args = argparse.Namespace(
+        store=str(store), concurrency=2, lease_seconds=60.0, synchronous="NORMAL"
+    )
+    worker = await _workers._spawn(args, "w0", "--report-at-end")
+    try:
+        await worker.until_ready()
+        await worker.say("go")
+        await worker.until(worker.summarised, "said its summary")
+        with pytest.raises(asyncio.TimeoutError):  # a second: it would be gone long before
+            await asyncio.wait_for(asyncio.shield(worker.process.wait()), timeout=1.0)
+        assert await asyncio.to_thread(os.path.exists, f"{store}-wal")  # still open
+        worker.let_go()
+        assert await asyncio.wait_for(worker.wait(), timeout=60) == 0
+    finally:
+        worker.kill()
+        await worker.wait()
 
 
 async def test_a_worker_is_given_its_store_off_the_process_list(tmp_path: pathlib.Path) -> None:

@@ -14,8 +14,11 @@ JSON per message:
   kills) the finished items are said once the drain is over (or fails), before the
   summary, in lines of at most `LINE_ITEMS`: a line per turn cost a one-coroutine fleet
   about a tenth of its workers' CPU, the probe's own messages and not the store's work;
-* on stdin: one line to start (so every worker starts at once), and in hold mode one line
-  telling it to report its held item.
+  such a worker then closes its store and exits only when its stdin ends;
+* on stdin: one line to start (so every worker starts at once), in hold mode one line
+  telling it to report its held item, and with ``--report-at-end`` its end, which the
+  probe gives once every worker has said its summary: a worker's shut-down (its store
+  closed, its interpreter torn down) never takes the CPU from one still draining.
 
 Modes:
 
@@ -194,6 +197,11 @@ async def _main(args: argparse.Namespace) -> int:
                 lock_held=getattr(writer, "total_lock_held", 0.0),
             )
         )
+        if args.report_at_end:
+            # Its store stays open, and its interpreter up, until the probe lets it go
+            # (its stdin closed once every worker has said its summary): a worker's
+            # shut-down never falls in the drain of one still at work.
+            await anyio.to_thread.run_sync(sys.stdin.readline)
     return 0
 
 
@@ -250,7 +258,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-wait", action="store_true", help="start without a go line")
     parser.add_argument(
         "--report-at-end", action="store_true",
-        help="say the finished items once the drain is over, not at every turn's end",
+        help="say the finished items once the drain is over, not at every turn's end, "
+        "and exit only once stdin ends",
     )  # fmt: skip
     parser.add_argument("--fault", choices=_probe_support.FAULTS)
     args = parser.parse_args(argv)

@@ -86,6 +86,16 @@ class _Worker:
         self.process.stdin.write(line.encode() + b"\n")
         await self.process.stdin.drain()
 
+    async def until_over(self) -> None:
+        """Wait until it has said its summary, or exited without one."""
+        await self._said_or_exited(self.summarised)
+
+    def let_go(self) -> None:
+        """End its stdin: a ``--report-at-end`` worker held after its summary exits."""
+        assert self.process.stdin is not None
+        with contextlib.suppress(OSError):  # it has exited already (a broken pipe)
+            self.process.stdin.close()
+
     def kill(self) -> None:
         """SIGKILL (TerminateProcess on Windows): no cleanup, as in a crash."""
         self.killed = True
@@ -108,6 +118,15 @@ class _Worker:
         """Wait for ``said`` (its ready line, its claim). One that exits first fails the
         run: `StorageError` if its store failed under it (`_raise_on_store_failure`),
         else RuntimeError."""
+        if await self._said_or_exited(said):
+            return
+        code = await self.wait()
+        _raise_on_store_failure([self])
+        raise RuntimeError(f"worker {self.name} exited {code} before it {what}: {self.tail()}")
+
+    async def _said_or_exited(self, said: asyncio.Event) -> bool:
+        """Wait for ``said`` or the process's exit, whichever comes first: whether it was
+        said."""
         heard = asyncio.create_task(said.wait(), name=f"probe-heard[{self.name}]")
         ended = asyncio.create_task(self.process.wait(), name=f"probe-exit[{self.name}]")
         try:
@@ -115,11 +134,7 @@ class _Worker:
         finally:
             heard.cancel()
             ended.cancel()
-        if said.is_set():
-            return
-        code = await self.wait()
-        _raise_on_store_failure([self])
-        raise RuntimeError(f"worker {self.name} exited {code} before it {what}: {self.tail()}")
+        return said.is_set()
 
     def tail(self) -> str:
         """The last line it wrote on stderr (complete once `wait` has returned)."""
@@ -298,11 +313,16 @@ async def _go(workers: Sequence[_Worker], report: ProbeReport | None = None) -> 
 
 
 async def _until_drained(workers: Sequence[_Worker], started: float, report: ProbeReport) -> None:
-    """Wait for every worker to exit; the timed window (``report.seconds``) ends when the
-    last one said its summary, right after its drain, and the rest (closing its store,
-    its interpreter's teardown) is its shut-down (``report.shutdown_s``), not timed, as
-    its start-up is not. If any worker never said its summary (it died), the window runs
-    to the last exit, as it did before workers said when their drain was over."""
+    """Wait for every worker (``--report-at-end``) to say its summary or exit, then let
+    them all go (`_Worker.let_go`) and wait for their exits. The timed window
+    (``report.seconds``) ends when the last one said its summary, right after its drain;
+    the rest (closing its store, its interpreter's teardown) is the shut-down
+    (``report.shutdown_s``), not timed, as the start-up is not. Held until the last
+    summary, no worker's shut-down takes the CPU from one still draining. If any worker
+    never said its summary (it died), the window runs to the last exit."""
+    await asyncio.gather(*(w.until_over() for w in workers))
+    for worker in workers:
+        worker.let_go()
     await asyncio.gather(*(w.wait() for w in workers))
     _raise_on_store_failure(workers)
     exited = time.monotonic()
