@@ -487,3 +487,21 @@ def test_the_wake_ups_benchmark_reports_what_idle_processes_pay_for_each_kind(
     # what the benchmark is for: neither kind's pairs notify anybody (a fingerprinted
     # settle notified every listener before migration 13; SQLite has no notifications)
     assert heard == {"plain": 0, "fingerprinted": 0}
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
+def test_the_waiters_benchmark_reports_what_waiting_callers_cost_a_worker(
+    backend: str, request: pytest.FixtureRequest
+) -> None:
+    url = (
+        [] if backend == "sqlite" else ["--url", request.getfixturevalue("asyncplane_postgres_url")]
+    )
+    report = benchmark_report(
+        "waiters.py", "--items", "60", "--waiters", "30", "--repeats", "1", *url
+    )
+    assert report["backend"] == backend
+    assert set(report["figures"]) == {"0", "3", "30"}
+    for figures in report["figures"].values():
+        assert figures["pairs_per_second"] > 0 and figures["ratio_to_alone"] > 0
+        # what the benchmark is for: the worker's writes make no waiting caller read again
+        assert figures["reads_while_working"] == 0

@@ -325,8 +325,9 @@ async def test_requeue_where_matches_the_error(store: ControlStore) -> None:
 
 
 def parked() -> bool:
-    """A wait() has read its item, found it unsettled, and waits for a wake-up."""
-    return any(t.get_name().startswith("asyncplane-wait-local") for t in asyncio.all_tasks())
+    """A wait() has read its item, found it unsettled, and waits for a wake-up: the
+    store's watch of items waited for has read them since, and sleeps."""
+    return any(t.get_name() == "asyncplane-settles-local" for t in asyncio.all_tasks())
 
 
 async def test_wait_returns_the_settled_item(store: ControlStore) -> None:
@@ -431,6 +432,81 @@ async def test_a_settle_in_another_process_wakes_the_waiter(
         _, err = await child.communicate()
         assert child.returncode == 0, err
         assert (await waiting)["result"] == "there"
+
+
+def counted_looks(backend: Any, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Count every read of one item (the backend's own `get_item`, called through)."""
+    looks = [0]
+    real = backend.get_item
+
+    async def get_item(item_id: int, actor_id: str | None) -> Any:
+        looks[0] += 1
+        return await real(item_id, actor_id)
+
+    monkeypatch.setattr(backend, "get_item", get_item)
+    return looks
+
+
+async def waiting_on_many(store: ControlStore, count: int, looks: list[int]) -> tuple[
+    list[int], list[asyncio.Task[dict[str, Any]]]
+]:  # fmt: skip
+    """``count`` callers waiting, each for an item of a paused project (nobody claims it),
+    once each has looked at its item twice (before and after its mark) and the store's
+    watch of them sleeps."""
+    await store.create_project("held", "Held", status="paused")
+    items = await store.enqueue_many("held", [{"n": n} for n in range(count)])
+    waiters = [
+        asyncio.create_task(store.wait(item_id, timeout=60, poll_interval=3600))
+        for item_id in items
+    ]
+    await until(lambda: looks[0] == 2 * count and parked(), what="every caller waits")
+    return items, waiters
+
+
+async def test_writes_of_this_process_make_no_waiting_caller_look_again(
+    store: ControlStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Forty callers waiting beside a worker: every write of the process used to wake every
+    # caller, each to read its item again (a hundred halved the worker's rate). One watch
+    # reads them all in one statement now, and wakes only the caller whose item settled.
+    looks = counted_looks(await store._engine.ready(), monkeypatch)
+    items, waiters = await waiting_on_many(store, 40, looks)
+    for n in range(20):  # a worker's writes: enqueues, claims and finishes of other items
+        await store.enqueue("alpha", {"k": n})
+        claim = await store.claim("w", project_id="alpha")
+        assert claim is not None
+        await store.finish(claim.item_id, fence=claim.fence)
+    await until(parked, what="the watch sleeps again")
+    assert looks[0] == 80  # nobody looked again
+    await store.cancel(items[0])
+    assert (await waiters[0])["state"] == "cancelled"
+    await until(parked, what="the watch sleeps again")
+    assert looks[0] == 81  # the one caller whose item settled, alone
+    assert not any(waiter.done() for waiter in waiters[1:])
+    for waiter in waiters[1:]:
+        waiter.cancel()
+    await asyncio.gather(*waiters[1:], return_exceptions=True)
+
+
+async def test_a_settle_elsewhere_makes_only_its_own_caller_look_again(
+    store: ControlStore, location_of: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Another connection's commits (on SQLite, seen by one data_version look every poll
+    # interval; on PostgreSQL a settle's NOTIFY) used to wake every caller to read its item.
+    del store
+    where = location_of("many.db")
+    async with ControlStore(where) as store, ControlStore(where) as elsewhere:
+        looks = counted_looks(await store._engine.ready(), monkeypatch)
+        items, waiters = await waiting_on_many(store, 30, looks)
+        poll_quickly = asyncio.create_task(store.wait(items[1], timeout=60, poll_interval=0.01))
+        await until(lambda: looks[0] == 62 and parked(), what="a quick poller waits too")
+        await elsewhere.enqueue("held", {"unrelated": True})  # a commit that settles none
+        await elsewhere.cancel(items[0])
+        assert (await waiters[0])["state"] == "cancelled"
+        assert looks[0] == 63  # its caller's look, and no other
+        for waiter in (*waiters[1:], poll_quickly):
+            waiter.cancel()
+        await asyncio.gather(*waiters[1:], poll_quickly, return_exceptions=True)
 
 
 # --- drain ------------------------------------------------------------------------------------

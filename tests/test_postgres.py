@@ -540,7 +540,7 @@ async def test_a_wait_through_an_outage_fails_as_storage_then_goes_on_once_back(
         await store.create_project("p", "P")
         first, second = await store.enqueue_many("p", [{"n": 1}, {"n": 2}])
         waiter = asyncio.ensure_future(store.wait(first, poll_interval=0.01))
-        await until(lambda: any(t.get_name() == f"asyncplane-wait[{first}]"
+        await until(lambda: any(t.get_name() == "asyncplane-settles-local"
                                 for t in asyncio.all_tasks()), what="the waiter waits")  # fmt: skip
         await outage(server, name, down=True)
         try:
@@ -553,7 +553,7 @@ async def test_a_wait_through_an_outage_fails_as_storage_then_goes_on_once_back(
             await outage(server, name, down=False)
         # Once the server takes sessions again, a wait goes on (here one begun before).
         waiter = asyncio.ensure_future(store.wait(second, poll_interval=3600))
-        await until(lambda: any(t.get_name() == f"asyncplane-wait[{second}]"
+        await until(lambda: any(t.get_name() == "asyncplane-settles-local"
                                 for t in asyncio.all_tasks()), what="the waiter waits")  # fmt: skip
         claim = await store.claim("w")
         assert claim is not None and claim.item_id == first

@@ -1136,6 +1136,11 @@ class Backend(Protocol):
         """Read an item's row."""
         ...
 
+    async def item_states(self, item_ids: list[int]) -> dict[int, str]:
+        """The state of each of these items that exists, in one read, unscoped: for the
+        store's own watch of items waited for (`asyncplane._settles`), never a caller's."""
+        ...
+
     async def get_events(self, item_id: int, actor_id: str | None) -> list[EventRow]:
         """Read an item's events, oldest first."""
         ...

@@ -13,6 +13,8 @@ store's private attributes:
 * **Change notification** (`watch`, `notify`): events set whenever this store writes
   something that may be claimable (and, on PostgreSQL, whenever another host does), so a
   waiting drainer wakes at once.
+* **The watch of items waited for** (`settles`, `asyncplane._settles`): one task that
+  wakes every `wait()` caller whose item has settled.
 * **Housekeeping the drain loop runs a step of each round**: the preflight's fingerprint
   backfill and twin settlement (`preflight_step`) and the throttled purge (`maybe_purge`).
 
@@ -41,6 +43,7 @@ from asyncplane import (
     _models,
     _retention,
     _schedule,
+    _settles,
     _telemetry,
     _validate,
     _write_queue,
@@ -242,6 +245,8 @@ class Engine:
         self._settle_watchers: set[asyncio.Event] = set()
         self._close_watchers: set[asyncio.Event] = set()
         self.backend = backend_for(location, options, self.notify, self.notify_settled)
+        #: The items `wait()` callers wait for, and the one task that watches them.
+        self.settles = _settles.SettleWatch(self)
         # Where the preflight's fingerprint backfill has got to, per scope it ran in.
         self._backfill_after: dict[tuple[str | None, str | None], int] = {}
         self._last_purge: float | None = None

@@ -727,6 +727,9 @@ class PostgresBackend(_backend.Writes):
             raise _rules.invisible_item(item_id, actor_id)
         return _backend.ItemRow(*rows[0])
 
+    async def item_states(self, item_ids: list[int]) -> dict[int, str]:
+        return dict(await self._fetch(sql.ITEM_STATES, item_ids))
+
     async def get_events(self, item_id: int, actor_id: str | None) -> list[_backend.EventRow]:
         if actor_id is None:
             rows = await self._fetch(sql.GET_EVENTS, item_id)

@@ -377,6 +377,10 @@ class SQLiteBackend(_backend.Writes):
             raise _rules.invisible_item(item_id, actor_id)
         return _item(rows[0])
 
+    async def item_states(self, item_ids: list[int]) -> dict[int, str]:
+        rows = await self._read(_fetch, sql.ITEM_STATES, (json.dumps(item_ids),))
+        return dict(rows)
+
     async def get_events(self, item_id: int, actor_id: str | None) -> list[_backend.EventRow]:
         if actor_id is None:
             rows = await self._read(_fetch, sql.GET_EVENTS, (item_id,))

@@ -1486,57 +1486,37 @@ class ControlStore:
         limit = None if timeout is None else _validate.seconds(timeout, "timeout", 10.0**7)
         poll = _validate.seconds(poll_interval, "poll_interval", 3600.0)
         engine = self._engine
-        local = engine.watch(settles=True)
         try:
             # The first look comes before the timeout runs: a refusal (absent, not the
             # actor's) is given as such, however short the timeout.
-            backend, _, row = await self._look(target, actor, local)
+            backend = await engine.ready()
+            row = await backend.get_item(target, actor)
             if row.state in _models.SETTLED_STATES:
                 return _item_dict(row)
-            settled = self._settled(target, actor, local, poll, backend, engine.closes)
+            settled = self._settled(target, actor, poll, backend, engine.closes)
             return await _tasks.within(settled, limit, f"asyncplane-wait-settled[{target}]")
         except asyncio.TimeoutError:
             raise _errors.WaitTimeout(
                 f"item {target} had not settled after {limit} seconds"
             ) from None
-        finally:
-            engine.unwatch(local)
-
-    async def _look(
-        self, item_id: int, actor: str | None, local: asyncio.Event
-    ) -> tuple[_backend.Backend, tuple[int, int], _backend.ItemRow]:
-        """The item now, and the settle mark read just before it (nothing slips by). One
-        look at the engine: a store closed while the mark is read is not opened again."""
-        backend, mark = await self._engine.settled_mark()
-        local.clear()
-        return backend, mark, await backend.get_item(item_id, actor)
 
     async def _settled(
-        self, item_id: int, actor: str | None, local: asyncio.Event, poll: float,
-        backend: _backend.Backend, closes: int,
+        self, item_id: int, actor: str | None, poll: float, backend: _backend.Backend,
+        closes: int,
     ) -> dict[str, Any]:  # fmt: skip
         # Other processes' settles of it wake this store from the mark on; it may have
-        # settled since the first look, so the loop looks before it waits.
+        # settled since the first look, so the loop looks before it waits. Between looks
+        # it waits on the store's one watch of items waited for (`asyncplane._settles`),
+        # which reads again (at once) after the look: nothing slips between the two.
+        engine = self._engine
         await backend.mark_awaited(item_id)
         while True:
-            if self._engine.closes != closes:  # a look now would open it again
+            if engine.closes != closes:  # a look now would open it again
                 raise _errors.StoreClosed(f"the store was closed while waiting for item {item_id}")
-            backend, mark, row = await self._look(item_id, actor, local)
+            row = await (await engine.ready()).get_item(item_id, actor)
             if row.state in _models.SETTLED_STATES:
                 return _item_dict(row)
-            changed = asyncio.create_task(
-                _changed_since(self._engine, mark, poll, closes),
-                name=f"asyncplane-wait[{item_id}]",
-            )
-            woken = asyncio.create_task(local.wait(), name=f"asyncplane-wait-local[{item_id}]")
-            try:
-                done, _ = await asyncio.wait({changed, woken}, return_when=asyncio.FIRST_COMPLETED)
-                for task in done:
-                    task.result()  # a store that failed says so
-            finally:
-                for task in (changed, woken):
-                    task.cancel()
-                await asyncio.gather(changed, woken, return_exceptions=True)
+            await engine.settles.until_may_have_settled(item_id, poll)
 
     def _item_filter(
         self,
@@ -1914,21 +1894,6 @@ def _answer_of(call: Awaitable[_T]) -> _T | None:
     """The value ``call`` holds, if it is a future that has one (not a refusal, not
     cancelled); else None."""
     return call.result() if _write_queue.has_answer(call) else None
-
-
-async def _changed_since(
-    engine: _engine.Engine, mark: tuple[int, int], poll: float, closes: int
-) -> None:
-    """Return once the store's settle mark moves past ``mark``, looking every
-    ``poll`` seconds (and never sooner: a version that moves on every look, a PostgreSQL
-    listener gone deaf, must not turn the wait into a busy loop). Each look goes through
-    the engine: a backend lost meanwhile is opened again (the mark then moves, and the
-    waiter looks at the item again), or the look fails with the StorageError why. A
-    store closed since ``closes`` ends it without a look (that would open it again)."""
-    while True:
-        await asyncio.sleep(poll)
-        if engine.closes != closes or (await engine.settled_mark())[1] != mark:
-            return
 
 
 def _item_dict(row: _backend.ItemRow, *, payload: bool = True) -> dict[str, Any]:
