@@ -226,6 +226,45 @@ def test_a_loop_closed_without_cleanup_leaves_no_threads(location_of: Any) -> No
     assert done.stdout.strip() == "1"
 
 
+def test_waiters_of_a_loop_closed_without_cleanup_stand_in_no_later_write(
+    location_of: Any,
+) -> None:
+    location = location_of("s.db")  # a file, or a fresh PostgreSQL schema
+    # A wait() and a claim(wait=) left waiting when their loop was closed unfinished: the
+    # store, used again on a new loop, forgets them. Their events were still set by every
+    # write, each a call onto the dead loop: the write's caller got "Event loop is closed".
+    script = (
+        "import asyncio\n"
+        "from asyncplane import ControlStore\n"
+        f"store = ControlStore({location!r})\n"
+        "loop = asyncio.new_event_loop()\n"
+        "async def first():\n"
+        "    await store.create_project('p', 'P')\n"
+        "    item = await store.enqueue('p', {})\n"
+        "    asyncio.ensure_future(store.wait(item))\n"
+        "    asyncio.ensure_future(store.claim('w', project_id='q', wait=60))\n"
+        "    while not any(t.get_name() == 'asyncplane-settles-local'\n"
+        "                  for t in asyncio.all_tasks()):\n"
+        "        await asyncio.sleep(0)\n"
+        "    return item\n"
+        "item = loop.run_until_complete(first())\n"
+        "loop.close()\n"
+        "async def again():\n"
+        "    other = await store.enqueue('p', {'n': 2})\n"
+        "    waiting = asyncio.create_task(store.wait(item, timeout=60))\n"
+        "    await store.cancel(item)\n"
+        "    print((await waiting)['state'], other)\n"
+        "    await store.close()\n"
+        "asyncio.run(again())\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-W", "ignore", "-c", script], capture_output=True, text=True,
+        timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "cancelled 2"
+
+
 async def test_a_failing_clock_fails_one_round_not_the_store(location_of: Any) -> None:
     where = location_of("s.db")  # a file, or a fresh PostgreSQL schema
 

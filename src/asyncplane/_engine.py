@@ -338,6 +338,12 @@ class Engine:
                 self.backend.forget()
                 self.is_open = False
                 self._loop = None
+                # Its waiters will never run again: a write setting their events would
+                # schedule on the dead loop (RuntimeError, and the write's caller hears it).
+                self._watchers.clear()
+                self._settle_watchers.clear()
+                self._close_watchers.clear()
+                self.settles = _settles.SettleWatch(self)
                 return
             raise _errors.StoreClosed(
                 "this ControlStore was opened on another event loop; "
