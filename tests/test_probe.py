@@ -530,8 +530,12 @@ async def test_a_worker_says_its_finishes_each_turn_or_after_the_drain(
         ids = await seeding.enqueue_many("probe", [{"n": n} for n in range(5)])
     command = [sys.executable, "-m", "asyncplane._probe_worker", "--store", store,
                "--name", "w", "--no-wait", *(["--report-at-end"] if at_end else [])]  # fmt: skip
+    # Its stdin ended at once: a --report-at-end worker leaves once its summary is said.
     worker = await asyncio.create_subprocess_exec(
-        *command, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+        *command,
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
     )
     out, err = await worker.communicate()
     assert worker.returncode == 0, err.decode()
@@ -668,11 +672,16 @@ def test_the_worker_protocol_reads_back_what_it_writes() -> None:
     assert protocol.decode('{"kind": "unheard-of"}') is None
 
 
+#: How long a stand-in worker takes to shut down, once let go (a measured shut-down).
+LINGERING = 0.3
+
+
 async def _stand_in_worker(name: str, *, summary: bool, told_first: bool = False) -> Any:
     """A real process standing in for a probe worker: it says its summary (once told to
-    on stdin, with ``told_first``) and exits when its stdin ends, saying on stderr when
-    that was (`time.monotonic`, one clock for every process here). Without ``summary``
-    it says nothing and exits at once, as a worker that died would."""
+    on stdin, with ``told_first``) and, when its stdin ends, says on stderr when that was
+    (`time.monotonic`, one clock for every process here) and lingers `LINGERING` seconds
+    before it exits: its shut-down. Without ``summary`` it says nothing and exits at once,
+    as a worker that died would."""
     from asyncplane import _probe_protocol as protocol
     from asyncplane.probe import _workers
 
@@ -685,7 +694,8 @@ async def _stand_in_worker(name: str, *, summary: bool, told_first: bool = False
         + ("sys.stdin.readline()\n" if told_first else "")
         + f"print({line!r}, flush=True)\n"
         + "sys.stdin.read()\n"
-        + "print(time.monotonic(), file=sys.stderr)\n"
+        + "print(time.monotonic(), file=sys.stderr, flush=True)\n"
+        + f"time.sleep({LINGERING})\n"
     ) if summary else "pass"  # fmt: skip
     process = await asyncio.create_subprocess_exec(
         sys.executable, "-c", script,
@@ -717,7 +727,7 @@ async def test_the_timed_window_ends_with_the_last_summary_and_no_worker_leaves_
     assert report.seconds == late.summary_at - started
     let_go = [float(worker.stderr.decode()) for worker in (early, late)]
     assert min(let_go) >= late.summary_at  # neither left before the last summary
-    assert report.shutdown_s > 0
+    assert report.shutdown_s >= LINGERING  # from the last summary to the last exit
 
 
 async def test_a_worker_that_never_said_its_summary_runs_the_window_to_the_last_exit() -> None:
@@ -732,8 +742,8 @@ async def test_a_worker_that_never_said_its_summary_runs_the_window_to_the_last_
     report = ProbeReport("concurrent-queue", 2, 0, 1, "NORMAL", 60.0)
     await asyncio.wait_for(_workers._until_drained(workers, started, report), timeout=60)
     assert report.shutdown_s == 0.0  # the window ran to the last exit
-    assert workers[0].summary_at is not None
-    assert report.seconds > workers[0].summary_at - started
+    let_go = float(workers[0].stderr.decode())  # then it lingered before its exit
+    assert report.seconds >= let_go + LINGERING - started
 
 
 async def test_a_worker_reporting_at_end_keeps_its_store_open_until_let_go(

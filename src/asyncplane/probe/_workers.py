@@ -91,7 +91,8 @@ class _Worker:
         await self._said_or_exited(self.summarised)
 
     def let_go(self) -> None:
-        """End its stdin: a ``--report-at-end`` worker held after its summary exits."""
+        """End its stdin: a ``--report-at-end`` worker held after its summary exits. Say
+        nothing to it after this (`say` would fail)."""
         assert self.process.stdin is not None
         with contextlib.suppress(OSError):  # it has exited already (a broken pipe)
             self.process.stdin.close()
