@@ -1136,9 +1136,10 @@ class Backend(Protocol):
         """Read an item's row."""
         ...
 
-    async def item_states(self, item_ids: list[int]) -> dict[int, str]:
-        """The state of each of these items that exists, in one read, unscoped: for the
-        store's own watch of items waited for (`asyncplane._settles`), never a caller's."""
+    async def ended_among(self, item_ids: list[int], states: tuple[str, ...]) -> list[int]:
+        """Those of these items that are in one of ``states`` or no longer exist, in one
+        read, unscoped: for the store's own watch of items waited for
+        (`asyncplane._settles`), never a caller's."""
         ...
 
     async def get_events(self, item_id: int, actor_id: str | None) -> list[EventRow]:

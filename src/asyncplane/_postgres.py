@@ -727,8 +727,8 @@ class PostgresBackend(_backend.Writes):
             raise _rules.invisible_item(item_id, actor_id)
         return _backend.ItemRow(*rows[0])
 
-    async def item_states(self, item_ids: list[int]) -> dict[int, str]:
-        return dict(await self._fetch(sql.ITEM_STATES, item_ids))
+    async def ended_among(self, item_ids: list[int], states: tuple[str, ...]) -> list[int]:
+        return [row[0] for row in await self._fetch(sql.ENDED_AMONG, item_ids, list(states))]
 
     async def get_events(self, item_id: int, actor_id: str | None) -> list[_backend.EventRow]:
         if actor_id is None:

@@ -1778,8 +1778,12 @@ _ITEM_COLUMNS = (
     "due_at, result, error, offload_handle, dedup, claimed_at"
 )
 GET_ITEM: Final = f"SELECT {_ITEM_COLUMNS} FROM items WHERE item_id = $1"
-#: The states of the items `wait()` callers wait for.
-ITEM_STATES: Final = "SELECT item_id, state FROM items WHERE item_id = ANY($1::bigint[])"
+#: Of the items `wait()` callers wait for, those in one of the states given, or gone.
+ENDED_AMONG: Final = """
+SELECT waited.id FROM unnest($1::bigint[]) AS waited (id)
+LEFT JOIN items ON items.item_id = waited.id
+WHERE items.item_id IS NULL OR items.state = ANY($2::text[])
+"""
 GET_ITEM_SCOPED: Final = (
     f"SELECT {_ITEM_COLUMNS} FROM items WHERE item_id = $1 "
     "AND project_id IN (SELECT project_id FROM assignments WHERE actor_id = $2)"

@@ -3,9 +3,9 @@
 `ControlStore.wait` looks at its item itself, in its caller's scope (so that a refusal
 comes at once, and the answer is the caller's to see); until the item has settled it then
 waits here. The watcher keeps the items waited for, and whenever one of them may have
-settled it reads the state of all of them in one statement (`Backend.item_states`) and
-wakes the callers whose item is settled (`_models.SETTLED_STATES`) or gone; each then
-looks again itself. One of them may have settled when:
+settled it asks, in one statement for all of them, which are settled
+(`_models.SETTLED_STATES`) or gone (`Backend.ended_among`), and wakes their callers alone;
+each then looks again itself. One of them may have settled when:
 
 * this process wrote (the engine's settle watchers: a finish, a cancel, any write that
   may settle an item, a NOTIFY of a settle on PostgreSQL, the store closing);
@@ -95,8 +95,7 @@ class SettleWatch:
                 changed.clear()
                 backend, mark = await engine.settled_mark()
                 ids = list(self._waiting)
-                states = await backend.item_states(ids)
-                self._wake([i for i in ids if states.get(i, "") in _SETTLED_OR_GONE], None)
+                self._wake(await backend.ended_among(ids, _models.SETTLED_STATES), None)
                 if self._waiting:
                     await self._until_changed(changed, mark, closes)
         except Exception as exc:  # a failed read: every caller hears it
@@ -129,7 +128,3 @@ class SettleWatch:
                     future.set_result(None)
                 else:
                     future.set_exception(failure)
-
-
-#: States whose callers are woken: settled, or "" for an item no longer there (purged).
-_SETTLED_OR_GONE = frozenset({*_models.SETTLED_STATES, ""})

@@ -377,9 +377,9 @@ class SQLiteBackend(_backend.Writes):
             raise _rules.invisible_item(item_id, actor_id)
         return _item(rows[0])
 
-    async def item_states(self, item_ids: list[int]) -> dict[int, str]:
-        rows = await self._read(_fetch, sql.ITEM_STATES, (json.dumps(item_ids),))
-        return dict(rows)
+    async def ended_among(self, item_ids: list[int], states: tuple[str, ...]) -> list[int]:
+        params = (json.dumps(item_ids), json.dumps(states))
+        return [row[0] for row in await self._read(_fetch, sql.ENDED_AMONG, params)]
 
     async def get_events(self, item_id: int, actor_id: str | None) -> list[_backend.EventRow]:
         if actor_id is None:

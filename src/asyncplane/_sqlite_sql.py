@@ -1002,10 +1002,13 @@ _ITEM_COLUMNS = (
     "due_at, result, error, offload_handle, dedup, claimed_at"
 )
 GET_ITEM: Final = f"SELECT {_ITEM_COLUMNS} FROM items WHERE item_id = ?"
-#: The states of the items `wait()` callers wait for, given as one JSON array of ids.
-ITEM_STATES: Final = (
-    "SELECT item_id, state FROM items WHERE item_id IN (SELECT value FROM json_each(?))"
-)
+#: Of the items `wait()` callers wait for (a JSON array of ids), those in one of the
+#: states given (a JSON array) or gone.
+ENDED_AMONG: Final = """
+SELECT waited.value FROM json_each(?) AS waited
+LEFT JOIN items ON items.item_id = waited.value
+WHERE items.item_id IS NULL OR items.state IN (SELECT value FROM json_each(?))
+"""
 GET_ITEM_SCOPED: Final = (
     f"SELECT {_ITEM_COLUMNS} FROM items WHERE item_id = ? "
     "AND project_id IN (SELECT project_id FROM assignments WHERE actor_id = ?)"
