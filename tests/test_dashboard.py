@@ -18,13 +18,14 @@ import subprocess
 import sys
 import urllib.request
 from collections.abc import AsyncIterator, Callable
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
 import aiohttp
 import aiohttp.web
 import pytest
 
-from asyncplane import ControlStore, InvalidInput, cli, verify_ledger
+from asyncplane import ControlStore, InvalidInput, Job, cli, verify_ledger
 from asyncplane.dashboard import Dashboard
 from asyncplane.testing import ManualClock
 
@@ -240,6 +241,39 @@ async def test_a_given_token_holds_on_loopback_too(store: ControlStore) -> None:
         assert (await text(session, url + "/"))[0] == 401
         headers = {"Authorization": "Bearer " + "t" * 20}
         assert (await text(session, url + "/", headers=headers))[0] == 200
+
+
+async def test_the_token_by_header_by_any_case_and_its_cookie_secure_over_tls(
+    store: ControlStore,
+) -> None:
+    token = "t" * 20
+    async with serving(store, token=token) as (_, url, session):
+        async with session.get(url + "/api/stats") as refused:
+            assert refused.status == 401 and refused.headers["WWW-Authenticate"] == "Bearer"
+        for scheme in ("Bearer", "bearer", "BEARER"):  # a scheme's name has no case
+            headers = {"Authorization": f"{scheme} {token}"}
+            assert (await text(session, url + "/api/stats", headers=headers))[0] == 200, scheme
+        for forwarded, secure in (({}, False), ({"X-Forwarded-Proto": "https"}, True)):
+            async with session.get(
+                url + f"/?token={token}", headers=forwarded, allow_redirects=False
+            ) as answer:
+                cookie = answer.cookies[f"asyncplane_token_{url.rsplit(':', 1)[1]}"]
+                assert bool(cookie["secure"]) is secure, forwarded
+    with pytest.raises(InvalidInput, match="space"):  # no header could carry it whole
+        Dashboard(store, token=" " + token + " ")
+
+
+async def test_a_long_query_is_not_copied_into_every_form(store: ControlStore) -> None:
+    await store.enqueue("alpha", {})
+    # Every form's "next" carried the page's query: a link with 7,000 characters of it
+    # made the failures page 4 MB, fetched again every 2 seconds by the live updates.
+    for claim in await store.claim_batch("w", 1) or []:
+        await store.finish(claim.item_id, fence=claim.fence, status="failed", error="boom")
+    async with serving(store, allow_actions=True) as (_, url, session):
+        _, short = await text(session, url + "/failures?x=1")
+        _, long = await text(session, url + "/failures?x=" + "a" * 7000)
+    assert 'value="/failures?x=1"' in short
+    assert "a" * 7000 not in long and 'value="/failures"' in long
 
 
 async def test_an_actor_sees_and_touches_only_its_projects(store: ControlStore) -> None:
@@ -651,6 +685,23 @@ async def test_the_failures_page_shows_a_bounded_piece_of_each_error(
         fields = {"csrf": csrf_of(page), "group": keys[0]}
         assert (await post(session, url + "/failures/requeue", fields))[0] == 303
     assert [(await store.item(i))["state"] for i in ids].count("ready") == 1
+
+
+async def test_the_failures_page_finds_items_retrying_behind_many_deferred_without_error(
+    store: ControlStore,
+) -> None:
+    # The page read the newest 500 deferred items and kept those with an error: 500 items
+    # deferred without one (not_before, a park, a rate limit) hid every retrying item.
+    item_id = await store.enqueue("alpha", {})
+    claim = await store.claim("w")
+    assert claim is not None
+    await store.retry(item_id, fence=claim.fence, error="DB connection refused", delay=3600)
+    later = datetime.now(timezone.utc) + timedelta(days=1)
+    await store.enqueue_many("alpha", [Job({"n": n}, not_before=later) for n in range(501)])
+    async with serving(store) as (_, url, session):
+        _, page = await text(session, url + "/failures")
+    assert "DB connection refused" in page
+    assert f'href="/items/{item_id}"' in page
 
 
 async def test_a_form_that_cannot_be_read_is_a_bad_request_with_the_usual_headers(

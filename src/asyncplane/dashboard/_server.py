@@ -60,6 +60,9 @@ _log = logging.getLogger("asyncplane.dashboard")
 _HERE = pathlib.Path(__file__).parent
 _LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
 _LIVE_HEADER = "X-Asyncplane-Live"
+#: The longest query a page's forms send back to it (a page reads none; a link with a
+#: long one made every form of the page carry it, megabytes every live update).
+_KEPT_QUERY = 1024
 _CSP = (
     "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; "
     "connect-src 'self'; form-action 'self'; frame-ancestors 'none'; base-uri 'none'"
@@ -273,7 +276,9 @@ class Dashboard:
         else:
             presented = self._presented(request)
             if not any(_equal(given, self.token) for given, _ in presented):
-                return _text(401, "this dashboard needs its token (Authorization: Bearer ...)")
+                refused = _text(401, "this dashboard needs its token (Authorization: Bearer ...)")
+                refused.headers["WWW-Authenticate"] = "Bearer"
+                return refused
             by_header = any(header and _equal(given, self.token) for given, header in presented)
             if "token" in request.query and request.method == "GET":
                 # Once by URL: keep it in a cookie, and drop it from the address bar (to
@@ -287,9 +292,11 @@ class Dashboard:
                 if query:
                     target += "?" + urllib.parse.urlencode(query)
                 found = web.Response(status=303, headers={"Location": target})
+                # Secure when the link came over TLS (or a proxy that ends TLS says so):
+                # the token is never sent back over plain HTTP to this host's other ports.
                 found.set_cookie(
                     _cookie_name(request), self.token, path=_cookie_path(request),
-                    httponly=True, samesite="Lax",
+                    httponly=True, samesite="Lax", secure=_over_tls(request),
                 )  # fmt: skip
                 return found
         if request.method == "POST":
@@ -318,7 +325,9 @@ class Dashboard:
             "backend": self.store.backend,
             "read_only": self.store.read_only,
             "version": __version__,
-            "path": request.path_qs,
+            # Where a form's action comes back to; a query no page reads, however long,
+            # is not copied into every form of it.
+            "path": request.path_qs if len(request.query_string) <= _KEPT_QUERY else request.path,
             "root": _root(request),
             "now": self.scope.now(),
             **data,
@@ -459,9 +468,9 @@ class Dashboard:
         whether it came in an Authorization header: any one that is right lets it in, so
         a stale cookie never hides a fresh ``?token=``."""
         found = []
-        header = request.headers.get("Authorization", "")
-        if header.startswith("Bearer "):
-            found.append((header[len("Bearer ") :].strip(), True))
+        scheme, _, credentials = request.headers.get("Authorization", "").partition(" ")
+        if scheme.lower() == "bearer":  # a scheme's name has no case (RFC 9110, 11.1)
+            found.append((credentials.strip(" \t"), True))
         cookie = _cookie_name(request)
         if cookie in request.cookies:
             found.append((request.cookies[cookie], False))
@@ -488,10 +497,20 @@ class _Families:
 
 
 def checked_token(token: object) -> str | None:
-    """A dashboard's token as given, or `InvalidInput` (a short one is guessable)."""
+    """A dashboard's token as given, or `InvalidInput` (a short one is guessable; one
+    with spaces at its ends could not be sent in an Authorization header)."""
     if token is not None and (not isinstance(token, str) or len(token) < 16):
         raise _errors.InvalidInput("token must be a str of at least 16 characters")
+    if token is not None and token != token.strip():
+        raise _errors.InvalidInput("token must not begin or end with a space")
     return token
+
+
+def _over_tls(request: web.Request) -> bool:
+    """Whether the request came over TLS: to this server, or to a proxy in front that
+    says so (``X-Forwarded-Proto: https``)."""
+    forwarded = request.headers.get("X-Forwarded-Proto", "").split(",")[0].strip().lower()
+    return request.secure or forwarded == "https"
 
 
 def check_address(host: object, port: object) -> None:

@@ -293,17 +293,13 @@ async def failures(scope: Scope) -> dict[str, Any]:
     error; each group with its `group_key` (what its actions send) and the first
     `GROUP_SHOWN_CHARS` of its error."""
     failed = await scope.items(state="failed", limit=PAGE_ROWS, include_payload=False)
-    waiting = await scope.items(state="deferred", limit=PAGE_ROWS, include_payload=False)
     groups: dict[str, dict[str, list[dict[str, Any]]]] = {}
     for item in failed:
         groups.setdefault(item["error"] or "", {"failed": [], "retrying": []})["failed"].append(
             item
         )
-    for item in waiting:
-        if _retrying(item):
-            groups.setdefault(item["error"], {"failed": [], "retrying": []})["retrying"].append(
-                item
-            )
+    for item in await _retrying_items(scope):
+        groups.setdefault(item["error"], {"failed": [], "retrying": []})["retrying"].append(item)
     ordered = sorted(
         groups.items(), key=lambda g: (-(len(g[1]["failed"]) + len(g[1]["retrying"])), g[0])
     )
@@ -329,6 +325,23 @@ def group_key(error: str) -> str:
     forms: the page was 80 MB), which a browser would send back with every line break
     made CR LF, so that "a\r\nb" and "a\rb", two groups, were acted on as one."""
     return hashlib.sha256(error.encode("utf-8", "surrogatepass")).hexdigest()[:32]
+
+
+async def _retrying_items(scope: Scope) -> list[dict[str, Any]]:
+    """The newest `PAGE_ROWS` deferred items that wait to retry after an error, looked for
+    page by page among the newest `LOOK_ROWS` deferred ones: a project that parks or
+    defers hundreds of items without an error (a rate limit, ``not_before``) would
+    otherwise hide every retrying one behind them."""
+    found: list[dict[str, Any]] = []
+    after: int | None = None
+    for _ in range(LOOK_ROWS // PAGE_ROWS):
+        page = await scope.items(state="deferred", after=after, limit=PAGE_ROWS,
+                                 include_payload=False)  # fmt: skip
+        found += [item for item in page if _retrying(item)]
+        if len(found) >= PAGE_ROWS or len(page) < PAGE_ROWS:
+            break
+        after = page[-1]["item_id"]
+    return found[:PAGE_ROWS]
 
 
 def _retrying(item: dict[str, Any]) -> bool:
