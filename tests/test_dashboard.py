@@ -16,6 +16,7 @@ import re
 import signal
 import subprocess
 import sys
+import urllib.error
 import urllib.request
 from collections.abc import AsyncIterator, Callable
 from datetime import datetime, timedelta, timezone
@@ -405,11 +406,15 @@ def test_the_command_serves_until_a_signal(
             await store.enqueue("alpha", {"n": 1})
 
     asyncio.run(seed())
-    for extra, needs_token in (([], False), (["--host", "0.0.0.0"], True)):
+    given = "g" * 20  # from the environment: off the process list, which --token is on
+    for extra, needs_token, env in (
+        ([], False, {}), (["--host", "0.0.0.0"], True, {}),
+        (["--host", "0.0.0.0"], given, {"ASYNCPLANE_DASHBOARD_TOKEN": given}),
+    ):  # fmt: skip
         with subprocess.Popen(
             [sys.executable, "-m", "asyncplane.cli", "dashboard", location, "--port", "0", *extra],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), **env},
         ) as served:  # fmt: skip
             try:
                 _look_at(served, needs_token)
@@ -421,8 +426,9 @@ def test_the_command_serves_until_a_signal(
                     served.wait()
 
 
-def _look_at(served: subprocess.Popen[str], needs_token: bool) -> None:
-    """Read the command's first lines, then ask it for its stats (with its token)."""
+def _look_at(served: subprocess.Popen[str], needs_token: bool | str) -> None:
+    """Read the command's first lines, then ask it for its stats (with its token: the one
+    it printed, or the one given, ``needs_token``, which it must not print)."""
     assert served.stdout is not None and served.stderr is not None
     lines = []
     while not (line := served.stdout.readline()).startswith("listening on "):
@@ -432,7 +438,14 @@ def _look_at(served: subprocess.Popen[str], needs_token: bool) -> None:
     assert found is not None, line
     port = int(found.group(2))
     tokens = [x.split(": ", 1)[1].strip() for x in lines if x.startswith("token: ")]
-    assert bool(tokens) == needs_token
+    if isinstance(needs_token, str):
+        assert not tokens and needs_token not in "".join(lines)  # given, so not printed
+        tokens = [needs_token]
+        refused = urllib.request.Request(f"http://127.0.0.1:{port}/api/stats")
+        with pytest.raises(urllib.error.HTTPError, match="401"):
+            urllib.request.urlopen(refused, timeout=30)
+    else:
+        assert bool(tokens) == needs_token
     headers = {"Authorization": f"Bearer {tokens[0]}"} if tokens else {}
     stats = urllib.request.Request(f"http://127.0.0.1:{port}/api/stats", headers=headers)
     with urllib.request.urlopen(stats, timeout=30) as response:

@@ -284,7 +284,10 @@ def _parser() -> argparse.ArgumentParser:
     board.add_argument("--port", type=int, default=8080, help="0: a free port")
     board.add_argument("--allow-actions", action="store_true", help="requeue, cancel, pause")
     board.add_argument("--actor", default=None, help="show and act only as this actor")
-    board.add_argument("--token", default=None, help="required off loopback (else made)")
+    board.add_argument(
+        "--token", default=None,
+        help="required off loopback (else made); default: $ASYNCPLANE_DASHBOARD_TOKEN",
+    )  # fmt: skip
     board.add_argument("--log-level", default="info", choices=("debug", "info", "warning"))
     verbs.add_parser("probe", help="qualify a disk: separate processes, exact counts")
     return parser

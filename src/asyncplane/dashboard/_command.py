@@ -5,8 +5,9 @@
 
 Without ``--allow-actions`` the store is opened read-only (nothing can be written through
 the dashboard, whatever it is sent). Off loopback a token is required: ``--token``, or
-one is made and printed. Once it serves, it prints ``listening on http://HOST:PORT`` on
-stdout (``--port 0`` picks a free port); SIGINT or SIGTERM stops it.
+``$ASYNCPLANE_DASHBOARD_TOKEN`` (off the process list), or one is made and printed. Once
+it serves, it prints ``listening on http://HOST:PORT`` on stdout (``--port 0`` picks a
+free port); SIGINT or SIGTERM stops it.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
 
@@ -21,12 +23,19 @@ from asyncplane import _loops, _validate
 from asyncplane._store import ControlStore
 from asyncplane.dashboard._server import Dashboard, check_address, checked_token
 
-__all__ = ("check", "run")
+__all__ = ("TOKEN_VARIABLE", "check", "run")
+
+#: Where the command finds its token when ``--token`` does not give one: an environment
+#: is its process's owner's to read, a command line everyone's (``ps``).
+TOKEN_VARIABLE = "ASYNCPLANE_DASHBOARD_TOKEN"
 
 
 def check(args: argparse.Namespace) -> None:
     """`InvalidInput` for an option no dashboard could take (a short token, an empty
-    actor or host, a port out of range): a usage error, found before the store opens."""
+    actor or host, a port out of range): a usage error, found before the store opens.
+    A token not given by ``--token`` is taken from `TOKEN_VARIABLE` here."""
+    if args.token is None:
+        args.token = os.environ.get(TOKEN_VARIABLE) or None
     checked_token(args.token)
     _validate.optional_actor(args.actor)
     check_address(args.host, args.port)
