@@ -8,9 +8,10 @@ cluster, with ``--url`` on that server): W/10, then W, coroutines each wait
 (`ControlStore.wait`) for an item of a paused project, one that never settles, while 8
 coroutines claim and finish ``--items`` other items as fast as they can. For each count
 (0 first, the baseline), in turns and repeated, it prints the worker's pairs per second
-(the median), its ratio to the rate with nobody waiting, and how many times the waiting
+(the median), its ratio to the rate with nobody waiting, how many times the waiting
 callers read their items while it ran (each reads its item twice before it waits; the
-rest is what the worker's writes made them read).
+rest is what the worker's writes made them read), and how many reads the store's watch
+of them made meanwhile (one statement each, for every item waited for).
 
 A store keeps one watch of the items its callers wait for (`asyncplane._settles`): a
 write of the process wakes that watch, which reads every item waited for in one
@@ -36,8 +37,9 @@ from asyncplane import ControlStore
 WORKERS = 8
 
 
-async def _run(location: str, waiters: int, items: int) -> tuple[float, int]:
-    """The worker's pairs per second beside ``waiters`` callers, and their extra reads."""
+async def _run(location: str, waiters: int, items: int) -> tuple[float, int, int]:
+    """The worker's pairs per second beside ``waiters`` callers, their extra reads, and
+    the reads the store's watch of them made meanwhile."""
     async with ControlStore(location) as store:
         await store.create_project("work", "Work")
         await store.create_project("held", "Held", status="paused")
@@ -55,10 +57,18 @@ async def _run(location: str, waiters: int, items: int) -> tuple[float, int]:
             return await real(item_id, actor_id)
 
         backend.get_item = get_item
+        watched = [0]
+        ended_among = backend.ended_among
+
+        async def counted(item_ids: list[int], states: tuple[str, ...]) -> list[int]:
+            watched[0] += 1
+            return await ended_among(item_ids, states)
+
+        backend.ended_among = counted
         calls = [asyncio.create_task(store.wait(item_id, poll_interval=3600)) for item_id in held]
         if waiters:
             await waiting.wait()  # every caller waits before the clock starts
-        first = reads[0]
+        first, watched_first = reads[0], watched[0]
 
         async def worker(n: int) -> None:
             claim = await store.claim(f"w{n}", project_id="work")
@@ -69,24 +79,26 @@ async def _run(location: str, waiters: int, items: int) -> tuple[float, int]:
         started = time.perf_counter()
         await asyncio.gather(*(worker(n) for n in range(WORKERS)))
         elapsed = time.perf_counter() - started
-        extra = reads[0] - first
+        extra, watch_reads = reads[0] - first, watched[0] - watched_first
         for call in calls:
             call.cancel()
         await asyncio.gather(*calls, return_exceptions=True)
-    return items / elapsed, extra
+    return items / elapsed, extra, watch_reads
 
 
 async def measure(args: argparse.Namespace, url: str | None) -> dict[str, Any]:
     counts = [0, args.waiters // 10, args.waiters]
     rates: dict[int, list[float]] = {w: [] for w in counts}
     reads: dict[int, list[int]] = {w: [] for w in counts}
+    watch: dict[int, list[int]] = {w: [] for w in counts}
     with tempfile.TemporaryDirectory() as folder:
         for repeat in range(args.repeats):
             for waiters in counts:  # in turns: the machine's noise weighs on all alike
                 location = await pg.fresh_store(url, folder, f"waiters-{repeat}-{waiters}")
-                rate, extra = await _run(location, waiters, args.items)
+                rate, extra, watch_reads = await _run(location, waiters, args.items)
                 rates[waiters].append(rate)
                 reads[waiters].append(extra)
+                watch[waiters].append(watch_reads)
     alone = statistics.median(rates[0])
     return {
         "backend": "sqlite" if url is None else "postgresql",
@@ -95,6 +107,7 @@ async def measure(args: argparse.Namespace, url: str | None) -> dict[str, Any]:
                 "pairs_per_second": statistics.median(rates[w]),
                 "ratio_to_alone": statistics.median(rates[w]) / alone,
                 "reads_while_working": statistics.median(reads[w]),
+                "watch_reads": statistics.median(watch[w]),
             }
             for w in counts
         },
@@ -113,7 +126,8 @@ def main() -> None:
     for w, f in report["figures"].items():
         print(
             f"  {int(w):>5} waiting  {f['pairs_per_second']:>9,.0f} pairs/s  "
-            f"{f['ratio_to_alone']:.2f}x alone  reads while working {f['reads_while_working']:,}"
+            f"{f['ratio_to_alone']:.2f}x alone  the callers' reads {f['reads_while_working']:,}, "
+            f"the watch's {f['watch_reads']:,}"
         )
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import json
 import os
 import pathlib
@@ -507,6 +508,74 @@ async def test_a_settle_elsewhere_makes_only_its_own_caller_look_again(
         for waiter in (*waiters[1:], poll_quickly):
             waiter.cancel()
         await asyncio.gather(*waiters[1:], poll_quickly, return_exceptions=True)
+
+
+async def test_a_wait_whose_store_closes_as_it_begins_to_wait_ends_and_leaves_it_closed(
+    store: ControlStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The store's one watch of items waited for took the store's close count at its first
+    # step: a close between a caller's look and that step went unseen, the watch opened
+    # the closed store again, and the wait never ended.
+    await store.create_project("held", "Held", status="paused")
+    item_id = await store.enqueue("held", {})
+    waiting = asyncio.create_task(store.wait(item_id))
+    await until(lambda: store._engine.settles.waited == 1, what="the caller is watched")
+    await store.close()
+    with pytest.raises(StoreClosed):
+        await asyncio.wait_for(waiting, 60)
+    assert not store._engine.is_open
+    # And a close during the caller's look after its mark, before it joins the watch.
+    backend = await store._engine.ready()
+    real, looks = backend.get_item, [0]
+    looking, go_on = asyncio.Event(), asyncio.Event()
+
+    async def get_item(item_id: int, actor_id: str | None) -> Any:
+        looks[0] += 1
+        row = await real(item_id, actor_id)
+        if looks[0] == 2:  # the look after its mark
+            looking.set()
+            await go_on.wait()
+        return row
+
+    monkeypatch.setattr(backend, "get_item", get_item)
+    waiting = asyncio.create_task(store.wait(item_id))
+    await looking.wait()
+    closing = asyncio.create_task(store.close())
+    await until(lambda: not store._engine.is_open, what="the store closes")
+    go_on.set()
+    await closing
+    with pytest.raises(StoreClosed):
+        await asyncio.wait_for(waiting, 60)
+    assert not store._engine.is_open
+
+
+async def test_the_watch_of_items_waited_for_runs_in_no_callers_context(
+    store: ControlStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Started by the first caller, it ran in that caller's context for as long as it ran
+    # (a work() handler's span, its item): every read of the watch was that handler's.
+    backend = await store._engine.ready()
+    real, seen = backend.ended_among, []
+
+    async def ended_among(item_ids: list[int], states: tuple[str, ...]) -> list[int]:
+        seen.append(_CALLER.get())
+        return await real(item_ids, states)
+
+    monkeypatch.setattr(backend, "ended_among", ended_among)
+    item_id = await store.enqueue("alpha", {})
+
+    async def caller() -> dict[str, Any]:
+        _CALLER.set("a handler's")
+        return await store.wait(item_id, timeout=60)
+
+    waiting = asyncio.create_task(caller())
+    await until(lambda: bool(seen), what="the watch reads")
+    await store.cancel(item_id)
+    await waiting
+    assert set(seen) == {"nobody's"}
+
+
+_CALLER: contextvars.ContextVar[str] = contextvars.ContextVar("caller", default="nobody's")
 
 
 # --- drain ------------------------------------------------------------------------------------

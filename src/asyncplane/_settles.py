@@ -9,9 +9,10 @@ each then looks again itself. One of them may have settled when:
 
 * this process wrote (the engine's settle watchers: a finish, a cancel, any write that
   may settle an item, a NOTIFY of a settle on PostgreSQL, the store closing);
-* the store's settle mark moved (`Engine.settled_mark`: on SQLite another connection's
-  commit, seen by a look every poll interval, the shortest any caller asked for; on
-  PostgreSQL the settle of a marked item, or the backend opened again);
+* the store's settle mark moved (`Engine.settled_mark`, looked at every poll interval,
+  the shortest any caller asked for: on SQLite another connection's commit; on
+  PostgreSQL the settle of a marked item, its safety look every few seconds, every look
+  while its listener is lost, or the backend opened again);
 * an item was added to the watch (it may have settled between its caller's look and
   now).
 
@@ -19,14 +20,15 @@ So a thousand callers waiting cost one read a wake-up, not a thousand, and a pro
 writes fast wakes one task a write, not every caller: before, each wait slept on its own
 and every write of the process woke them all, each to read its item (a hundred waiters
 halved the rate of a worker in the same process), and on SQLite each looked at the
-store's data version every poll interval on its own. A read that fails wakes every caller
-with its error, as each one's own look would have failed; the watcher ends when nobody
-waits, and the next wait starts another.
+store's data version every poll interval on its own. A read that fails fails every wait
+with its error (the store cannot be read: docs/items.md says a wait then fails); the
+watcher ends when nobody waits, or the store closes, and the next wait starts another.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 from typing import TYPE_CHECKING
 
 from asyncplane import _models, _tasks
@@ -54,9 +56,12 @@ class SettleWatch:
         """How many items are waited for now (read by tests)."""
         return len(self._waiting)
 
-    async def until_may_have_settled(self, item_id: int, poll: float) -> None:
+    async def until_may_have_settled(self, item_id: int, poll: float, closes: int) -> None:
         """Return once ``item_id`` may have settled: it read as settled or gone, or the
-        store closed. Raises what the watcher's read raised (a `StorageError`)."""
+        store closed (since ``closes``, the caller's count: at once if it has already).
+        Raises what the watcher's read raised (a `StorageError`, `StoreClosed`)."""
+        if self._engine.closes != closes:
+            return  # closed since the caller's look: the caller says so itself
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         entry = (future, poll)
         self._waiting.setdefault(item_id, []).append(entry)
@@ -78,15 +83,17 @@ class SettleWatch:
         """The watcher, started if none runs, told to read at once (a new item)."""
         if self._task is None or self._task.done():
             self._changed = self._engine.watch(settles=True)
-            self._task = asyncio.get_running_loop().create_task(
-                self._watch(self._changed), name="asyncplane-settles"
+            # The store's close count now, not at its first step: a close in between is
+            # seen. In a context of its own, not its first caller's (a handler's span).
+            watching = self._watch(self._changed, self._engine.closes)
+            self._task = contextvars.Context().run(
+                asyncio.get_running_loop().create_task, watching, name="asyncplane-settles"
             )
         assert self._changed is not None
         self._changed.set()
 
-    async def _watch(self, changed: asyncio.Event) -> None:
+    async def _watch(self, changed: asyncio.Event, closes: int) -> None:
         engine = self._engine
-        closes = engine.closes
         try:
             while self._waiting:
                 if engine.closes != closes:

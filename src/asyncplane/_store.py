@@ -1516,7 +1516,7 @@ class ControlStore:
             row = await (await engine.ready()).get_item(item_id, actor)
             if row.state in _models.SETTLED_STATES:
                 return _item_dict(row)
-            await engine.settles.until_may_have_settled(item_id, poll)
+            await engine.settles.until_may_have_settled(item_id, poll, closes)
 
     def _item_filter(
         self,
