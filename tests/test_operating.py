@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from asyncplane import (
+    ArchiveError,
     ClaimedItem,
     ControlStore,
     Done,
@@ -816,6 +817,34 @@ async def test_a_torn_archive_end_is_cut_off_before_the_next_append(
     clock.advance(10)
     await store.purge(0)
     assert archived_ids(archive) == [3]
+
+
+async def test_a_purge_refuses_an_archive_that_is_not_one(
+    store: ControlStore, clock: ManualClock
+) -> None:
+    # `purge --archive` naming the store's own file (or an operator's notes): the purge
+    # cut the file back to its last newline and appended to it, and would have rotated
+    # it away: the database was damaged, and verify still said "clean".
+    await settle(store, "alpha", 2)
+    clock.advance(10)
+    archive = store.archive_path
+    assert archive is not None
+    notes = archive.with_name("notes.txt")
+    notes.write_bytes(b"a\nlast line")
+    targets = [notes]
+    if store.backend == "sqlite":
+        targets.append(pathlib.Path(store.location))
+    for target in targets:
+        before = target.read_bytes()
+        with pytest.raises(ArchiveError, match="not an asyncplane archive"):
+            await store.purge(0, archive_path=target)
+        assert target.read_bytes() == before, target
+        assert not target.with_name(target.name + ".1").exists()
+    assert (await store.counts())["done"] == 2  # nothing purged
+    torn = b'{"archi'  # a first line torn short: an archive all the same
+    archive.write_bytes(torn)
+    assert (await store.purge(0)).purged == 2
+    assert archived_ids(archive) == [1, 2]
 
 
 async def test_a_purge_leaves_out_what_another_purge_archived_since_it_read(

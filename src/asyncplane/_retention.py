@@ -294,6 +294,7 @@ def _archive(
     lines = [_archive_line(item, events) for item, events in found]
     created = False
     with contextlib.suppress(FileNotFoundError):
+        _check_is_archive(path)
         _cut_torn_end(path)
         if path.stat().st_size >= max_bytes:
             older = path.with_name(path.name + ".1")
@@ -344,6 +345,28 @@ def _made_since(older: pathlib.Path, rotation: _Rotation) -> bool:
         return rotation.began is not None and older.stat().st_mtime >= rotation.began
     except FileNotFoundError:
         return False  # none, or moved aside: nothing to lose
+
+
+class _NotAnArchive(OSError):
+    """The archive's path names a file that is not an archive (the store itself, say)."""
+
+
+#: How every archive line begins (`_archive_line`): a file that does not is no archive.
+_LINE_START = b'{"archived_at"'
+
+
+def _check_is_archive(path: pathlib.Path) -> None:
+    """`_NotAnArchive` unless the file there is empty or begins as an archive does (or
+    as its first line torn short would): the purge cuts a file's tail, and rotates it
+    away, and neither may happen to a file that is not its own (the store's database,
+    given by mistake, would be damaged)."""
+    with open(path, "rb") as archive:
+        head = archive.read(len(_LINE_START))
+    if head != _LINE_START[: len(head)]:
+        raise _NotAnArchive(
+            f"{path} is not an asyncplane archive (it does not begin with an archived "
+            "item): nothing is cut from it, appended to it or rotated; name another file"
+        )
 
 
 def _cut_torn_end(path: pathlib.Path) -> None:
