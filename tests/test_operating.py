@@ -478,6 +478,52 @@ async def test_import_can_drop_the_source_table(
     conn.close()
 
 
+async def test_a_pending_number_matches_a_state_column_of_text(
+    store: ControlStore, tmp_path: pathlib.Path
+) -> None:
+    # The command reads `--pending 0` as the number 0; a state column of text holds "0":
+    # no row matched, nothing was imported, and --drop-source then dropped every row.
+    source = source_table(
+        tmp_path / "texts.sqlite3", "CREATE TABLE q (data TEXT, status TEXT)",
+        "INSERT INTO q VALUES (?, ?)", [("{}", "0"), ("{}", "1"), ("{}", "2")],
+    )  # fmt: skip
+    done = await store.import_pending(
+        source, table="q", columns={"payload": "data", "state": "status"},
+        project_id="alpha", pending=[0, 1], drop_source=True,
+    )  # fmt: skip
+    assert (done.imported, done.not_pending, done.dropped) == (2, 1, True)
+
+
+async def test_a_source_written_to_while_it_is_imported_is_not_dropped(
+    store: ControlStore, tmp_path: pathlib.Path
+) -> None:
+    # A row written after the import's last read went with the table, never imported.
+    source = source_table(
+        tmp_path / "busy.sqlite3", "CREATE TABLE jobs (payload TEXT)",
+        "INSERT INTO jobs VALUES (?)", [(json.dumps({"n": n}),) for n in range(5)],
+    )  # fmt: skip
+
+    def a_producer_writes(seen: int) -> None:
+        conn = sqlite3.connect(source)
+        conn.execute("INSERT INTO jobs VALUES ('{\"n\": 99}')")
+        conn.commit()
+        conn.close()
+
+    with pytest.raises(InvalidInput, match="was not dropped"):
+        await store.import_pending(
+            source, table="jobs", columns={"payload": "payload"}, project_id="alpha",
+            drop_source=True, progress=a_producer_writes,
+        )  # fmt: skip
+    conn = sqlite3.connect(source)
+    assert conn.execute("SELECT count(*) FROM jobs").fetchone() == (6,)  # nothing lost
+    conn.close()
+    again = await store.import_pending(
+        source, table="jobs", columns={"payload": "payload"}, project_id="alpha",
+        drop_source=True,
+    )  # fmt: skip
+    assert (again.imported, again.already_imported, again.dropped) == (1, 5, True)
+
+
 async def test_import_refuses_what_it_cannot_copy_faithfully(
     store: ControlStore, tmp_path: pathlib.Path
 ) -> None:

@@ -99,15 +99,17 @@ async def import_pending(
     if project is not None and project not in known:
         raise _rules.unknown_project(project)
     after: Any = None
-    imported = skipped = left = 0
+    imported = skipped = left = read = 0
+    pending_as_text = None if pending is None else {str(value) for value in pending}
     while True:
         rows = await anyio.to_thread.run_sync(_read_chunk, source, table, mapping, after, chunk)
         if not rows:
             break
         after = rows[-1]["key"]
+        read += len(rows)
         wanted: dict[str, list[tuple[str, _backend.NewItem]]] = {}
         for row in rows:
-            if "state" in mapping and row["state"] not in pending:  # type: ignore[operator]
+            if "state" in mapping and not _is_pending(row["state"], pending, pending_as_text):
                 left += 1
                 continue
             target = (
@@ -132,7 +134,7 @@ async def import_pending(
             break
     dropped = False
     if drop_source:
-        await anyio.to_thread.run_sync(_drop_table, source, table)
+        await anyio.to_thread.run_sync(_drop_table, source, table, read)
         dropped = True
     return ImportSummary(name, imported, skipped, left, dropped)
 
@@ -294,10 +296,34 @@ def _finite(text: str) -> float:
     return value
 
 
-def _drop_table(source: pathlib.Path, table: str) -> None:
+def _is_pending(state: Any, pending: Any, pending_as_text: set[str] | None) -> bool:
+    """Whether a source row's state is one of ``pending``: equal to one, or written the
+    same (a state column of text holding "0", and the command line's ``--pending 0``,
+    which it reads as a number, as an integer column would hold it)."""
+    return state in pending or (pending_as_text is not None and str(state) in pending_as_text)
+
+
+def _drop_table(source: pathlib.Path, table: str, read: int) -> None:
+    """Drop the source table, in a transaction that first counts its rows: one written
+    since the import read the table (``read`` rows) would go with it, never imported, so
+    then it is left, and `InvalidInput` says so."""
     conn = _connect(source, write=True)
     try:
-        conn.execute(f"DROP TABLE {_quote(table)}")  # checked against the schema before
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            (now,) = conn.execute(f"SELECT count(*) FROM {_quote(table)}").fetchone()
+            if now != read:
+                raise _errors.InvalidInput(
+                    f"{table} holds {now} rows, and the import read {read}: rows came or went "
+                    "while it ran; it was not dropped. Stop what writes to it, import again "
+                    "(the rows imported before are passed over), then drop it"
+                )
+            conn.execute(f"DROP TABLE {_quote(table)}")  # checked against the schema before
+            conn.execute("COMMIT")
+        except BaseException:
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
+            raise
     except sqlite3.Error as exc:
         raise _connection.translate(exc) from exc
     finally:
