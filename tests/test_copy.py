@@ -306,6 +306,30 @@ async def test_a_copied_running_twin_holds_its_copied_twins_back(
     assert await verify_ledger(destination) == []
 
 
+async def test_a_running_twin_of_one_running_in_the_destination_is_refused_typed(
+    asyncplane_store: ControlStore, other_store: Any
+) -> None:
+    # A second copy after the source's workers went on: on PostgreSQL, where one content
+    # runs at a time (a unique index), the copy failed with the index's own error, exit 3.
+    source = asyncplane_store
+    await source.create_project("p", "P")
+    first = await source.enqueue("p", {"n": 1}, fingerprint="x")
+    claim = await source.claim("w")
+    assert claim is not None and claim.item_id == first
+    destination: ControlStore = await other_store()
+    await copy_store(source, destination)  # the first, claimed, comes across claimed
+    await source.finish(first, fence=claim.fence)
+    second = await source.enqueue("p", {"n": 2}, fingerprint="x", dedup=False)
+    assert (await source.claim("w")) is not None
+    if destination.backend == "postgresql":
+        with pytest.raises(InvalidInput, match=f"item {second} runs .* item {first}, its"):
+            await copy_store(source, destination)
+        assert (await destination.item(first))["state"] == "claimed"  # left as it was
+    else:  # SQLite keeps no such index: it holds running twins (claimed before a
+        await copy_store(source, destination)  # fingerprint was known) and serves them
+        assert (await destination.item(second))["state"] == "claimed"
+
+
 async def test_a_copy_carries_limits_and_schedules_which_keep_their_place(
     asyncplane_store: ControlStore, other_store: Any, asyncplane_clock: ManualClock
 ) -> None:

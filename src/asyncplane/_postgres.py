@@ -1577,6 +1577,10 @@ async def _copy_items(op: _backend.CopyOp, conn: asyncpg.Connection, now: float)
             continue
         if await conn.fetchval(sql.ITEM_EXISTS, item.item_id) is not None:
             raise _rules.copy_id_taken(item.item_id)
+        if item.state in _models.RUNNING_STATES and item.fingerprint is not None:
+            twin = await conn.fetchval(sql.RUNNING_TWIN, item.project_id, item.fingerprint)
+            if twin is not None:  # the unique index would refuse it, untold
+                raise _rules.copy_running_twin(item.item_id, twin)
         await conn.execute(sql.COPY_ITEM, *item._replace(dedup=bool(item.dedup)))
         await _insert_events(
             conn,

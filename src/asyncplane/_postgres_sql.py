@@ -1911,6 +1911,11 @@ INSERT INTO assignments (actor_id, project_id, assigned_at) VALUES ($1, $2, $3)
 ON CONFLICT (actor_id, project_id) DO NOTHING
 """
 ITEM_EXISTS: Final = "SELECT 1 FROM items WHERE item_id = $1"
+# A running content twin of an item a copy brings (`items_running_fingerprint` holds one).
+RUNNING_TWIN: Final = """
+SELECT item_id FROM items
+WHERE project_id = $1 AND fingerprint = $2 AND state IN ('claimed', 'offloaded')
+"""
 # What a copy compares of an item it copied before with the source's (`_rules.copied_here`).
 COPIED_ITEM: Final = "SELECT project_id, created_at FROM items WHERE item_id = $1"
 # The first item no copy from a source brought (a copy records each under its id's text,

@@ -211,6 +211,18 @@ def copy_id_taken(item_id: int) -> _errors.InvalidInput:
     )
 
 
+def copy_running_twin(item_id: int, twin_id: int) -> _errors.InvalidInput:
+    """A copy met a running item whose content twin already runs in the destination (on
+    PostgreSQL, where one content runs at once across hosts: a unique index)."""
+    return _errors.InvalidInput(
+        f"item {item_id} runs (claimed or offloaded) and so does item {twin_id}, its content "
+        "twin, in the destination, where one content runs at a time: the source's workers "
+        "went on between two copies, or the source holds running twins from before their "
+        "fingerprint was known. Stop the source's workers, let the running items settle, "
+        "and copy again (what was copied is kept)"
+    )
+
+
 def declared_schedule(
     op: _backend.ScheduleOp, old: _backend.ScheduleRow | None, now: float
 ) -> _backend.ScheduleRow:
