@@ -273,8 +273,11 @@ async def test_a_long_query_is_not_copied_into_every_form(store: ControlStore) -
     async with serving(store, allow_actions=True) as (_, url, session):
         _, short = await text(session, url + "/failures?x=1")
         _, long = await text(session, url + "/failures?x=" + "a" * 7000)
+        _, encoded = await text(session, url + "/failures?x=" + "%F4%8F%BF%BF" * 600)
     assert 'value="/failures?x=1"' in short
     assert "a" * 7000 not in long and 'value="/failures"' in long
+    # 600 characters once read, 7,200 as sent, and so as every form would carry them
+    assert "%F4%8F%BF%BF" * 10 not in encoded and 'value="/failures"' in encoded
 
 
 async def test_an_actor_sees_and_touches_only_its_projects(store: ControlStore) -> None:
@@ -875,6 +878,26 @@ async def test_metrics_give_the_last_minute_as_the_store_has_it_now(
         async with session.get(url + "/metrics") as response:
             body = await response.text()
     assert 'asyncplane_settled_per_minute{state="done"} 3.0' in body
+
+
+@pytest.mark.parametrize(
+    ("given", "said"),
+    [
+        ("short", "holds 5 characters: a dashboard's token is at least 16"),
+        ("", "holds 0 characters"),  # set, but empty: a secret not filled in, not "none"
+        ("t" * 20 + "\n", "holds 21 characters, with a space or a newline at an end"),
+    ],
+)
+def test_a_bad_token_from_the_environment_is_a_usage_error_naming_it(
+    tmp_path: Any, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+    given: str, said: str,
+) -> None:  # fmt: skip
+    asyncio.run(_make_store(str(tmp_path / "s.db")))
+    monkeypatch.setenv("ASYNCPLANE_DASHBOARD_TOKEN", given)
+    assert cli.main(["dashboard", str(tmp_path / "s.db")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("asyncplane dashboard: $ASYNCPLANE_DASHBOARD_TOKEN ") and said in err
+    assert "--token" not in err
 
 
 @pytest.mark.parametrize(

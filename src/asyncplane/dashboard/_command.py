@@ -19,7 +19,7 @@ import os
 import signal
 import sys
 
-from asyncplane import _loops, _validate
+from asyncplane import _errors, _loops, _validate
 from asyncplane._store import ControlStore
 from asyncplane.dashboard._server import Dashboard, check_address, checked_token
 
@@ -34,8 +34,15 @@ def check(args: argparse.Namespace) -> None:
     """`InvalidInput` for an option no dashboard could take (a short token, an empty
     actor or host, a port out of range): a usage error, found before the store opens.
     A token not given by ``--token`` is taken from `TOKEN_VARIABLE` here."""
-    if args.token is None:
-        args.token = os.environ.get(TOKEN_VARIABLE) or None
+    if args.token is None and TOKEN_VARIABLE in os.environ:
+        given = os.environ[TOKEN_VARIABLE]
+        if given != given.strip() or len(given) < 16:  # empty too: a secret not filled in
+            raise _errors.InvalidInput(
+                f"${TOKEN_VARIABLE} holds {len(given)} characters"
+                f"{', with a space or a newline at an end' if given != given.strip() else ''}"
+                ": a dashboard's token is at least 16, with none at either end"
+            )
+        args.token = given
     checked_token(args.token)
     _validate.optional_actor(args.actor)
     check_address(args.host, args.port)

@@ -327,7 +327,10 @@ class Dashboard:
             "version": __version__,
             # Where a form's action comes back to; a query no page reads, however long,
             # is not copied into every form of it.
-            "path": request.path_qs if len(request.query_string) <= _KEPT_QUERY else request.path,
+            # (measured as sent, percent-encoded: the form carries it so)
+            "path": request.path_qs
+            if len(request.rel_url.raw_query_string) <= _KEPT_QUERY
+            else request.path,
             "root": _root(request),
             "now": self.scope.now(),
             **data,
