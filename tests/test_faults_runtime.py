@@ -23,12 +23,14 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import contextvars
 import dataclasses
 import gc
 import json
 import pathlib
 import random
 import subprocess
+import sys
 import threading
 import time
 import urllib.parse
@@ -768,6 +770,29 @@ class Purge(Case):
         await s.store.purge(60, archive_path=self.archive)
         await self.kept_or_archived(s, self.made, purged=True)
         assert await total(s.store) == 0
+
+
+_OPENER: contextvars.ContextVar[str] = contextvars.ContextVar("opener", default="nobody's")
+
+
+async def test_the_stores_own_tasks_run_in_no_callers_context(location_of: Any) -> None:
+    # Whichever call opens a store starts its writer, its readers' keeper, its gauges:
+    # made in that caller's context, they kept its variables as long as they ran (a
+    # work() handler's item, which the worker command's log lines then named for ever).
+    _OPENER.set("a handler's")
+
+    async def seen() -> str:
+        return _OPENER.get()
+
+    assert await _tasks.detached(seen(), "asyncplane-test-context") == "nobody's"
+    async with ControlStore(location_of("ctx.db")) as store:
+        await store.create_project("p", "P")
+        await store.enqueue("p", {})
+        own = [t for t in asyncio.all_tasks() if t.get_name().startswith("asyncplane-writer")]
+        assert own
+        if sys.version_info >= (3, 12):  # a task's context can be read from 3.12 on
+            for task in own:
+                assert task.get_context().get(_OPENER, "nobody's") == "nobody's", task
 
 
 def writer_tasks() -> list[asyncio.Task[Any]]:

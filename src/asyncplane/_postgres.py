@@ -131,9 +131,7 @@ class TwinWakes:
         self._tells = itertools.count()
         self._heard = asyncio.Event()
         self._stopping = False
-        self._task = asyncio.get_running_loop().create_task(
-            self._run(), name=f"asyncplane-twin-wakes[{name}]"
-        )
+        self._task = _tasks.detached(self._run(), f"asyncplane-twin-wakes[{name}]")
         self._task.add_done_callback(_log_failure)
         #: Tells heard, contents found busy, NOTIFYs sent, and contents let go with none
         #: needed (a twin ran): read by tests.

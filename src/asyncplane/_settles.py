@@ -28,7 +28,6 @@ watcher ends when nobody waits, or the store closes, and the next wait starts an
 from __future__ import annotations
 
 import asyncio
-import contextvars
 from typing import TYPE_CHECKING
 
 from asyncplane import _models, _tasks
@@ -86,9 +85,7 @@ class SettleWatch:
             # The store's close count now, not at its first step: a close in between is
             # seen. In a context of its own, not its first caller's (a handler's span).
             watching = self._watch(self._changed, self._engine.closes)
-            self._task = contextvars.Context().run(
-                asyncio.get_running_loop().create_task, watching, name="asyncplane-settles"
-            )
+            self._task = _tasks.detached(watching, "asyncplane-settles")
         assert self._changed is not None
         self._changed.set()
 

@@ -40,6 +40,7 @@ from asyncplane import (
     _models,
     _rules,
     _schedule,
+    _tasks,
     _write_lock,
     _writer,
 )
@@ -160,9 +161,7 @@ class SQLiteBackend(_backend.Writes):
                 await asyncio.shield(readers.close(wait=False))
 
         self._readers = readers
-        self._keeper = asyncio.get_running_loop().create_task(
-            keep(), name=f"asyncplane-readers[{self._path.name}]"
-        )
+        self._keeper = _tasks.detached(keep(), f"asyncplane-readers[{self._path.name}]")
 
     async def close(self) -> None:
         """Serve queued writes, then close the writer and every reader."""

@@ -14,12 +14,25 @@ whether a cancellation arrived, so the caller can undo or keep what was done and
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable
+import contextvars
+from collections.abc import Awaitable, Coroutine
 from typing import Any, TypeVar
 
-__all__ = ("stop", "to_the_end", "within")
+__all__ = ("detached", "stop", "to_the_end", "within")
 
 T = TypeVar("T")
+
+
+def detached(
+    work: Coroutine[Any, Any, T], name: str, loop: asyncio.AbstractEventLoop | None = None
+) -> asyncio.Task[T]:
+    """A long-lived task of the store's (its writer, its readers' keeper, a watch), run in
+    a context of its own rather than its creator's. Whichever call first opens a store
+    starts them, a `work()` handler's say: a task copies its creator's context variables
+    and keeps them as long as it runs, so every log line and span of the store's would
+    name that handler's item for ever after."""
+    loop = loop or asyncio.get_running_loop()
+    return contextvars.Context().run(loop.create_task, work, name=name)
 
 
 async def to_the_end(work: Awaitable[T], name: str) -> tuple[T, bool]:

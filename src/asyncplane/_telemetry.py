@@ -45,7 +45,7 @@ import weakref
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Final
 
-from asyncplane import _models
+from asyncplane import _models, _tasks
 
 if TYPE_CHECKING:
     from asyncplane._backend import ClaimRow, StoreStats
@@ -518,8 +518,8 @@ class Gauges:
 
     def _start(self) -> None:
         if self._refreshing is None or self._refreshing.done():
-            self._refreshing = self._loop.create_task(
-                self._refresh(), name=f"asyncplane-gauges[{self.name}]"
+            self._refreshing = _tasks.detached(
+                self._refresh(), f"asyncplane-gauges[{self.name}]", self._loop
             )
 
     async def _refresh(self) -> None:

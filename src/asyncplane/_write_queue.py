@@ -46,7 +46,7 @@ import logging
 from collections.abc import Awaitable, Callable, Container, Coroutine, Iterable, Mapping, Sequence
 from typing import Any, Generic, TypeGuard, TypeVar
 
-from asyncplane import _clock, _errors
+from asyncplane import _clock, _errors, _tasks
 
 __all__ = (
     "Grouped",
@@ -391,9 +391,7 @@ class WriterBase:
 
     def start(self) -> None:
         """Start the writer task on the running loop."""
-        self._task = asyncio.get_running_loop().create_task(
-            self._run(), name=f"asyncplane-writer[{self._name}]"
-        )
+        self._task = _tasks.detached(self._run(), f"asyncplane-writer[{self._name}]")
         self._task.add_done_callback(self._supervise)
 
     def _supervise(self, task: asyncio.Task[None]) -> None:
