@@ -204,6 +204,42 @@ async def test_a_failure_group_is_requeued_whole(store: ControlStore) -> None:
     assert states == ["ready", "ready", "ready", "failed"]  # the exact error, not a prefix
 
 
+def form_fields(page: str, action: str) -> dict[str, str]:
+    """The hidden fields of the page's form posting to ``action`` (its path)."""
+    found = re.search(r'<form method="post" action="' + re.escape(action) + r'".*?</form>', page,
+                      re.S)  # fmt: skip
+    assert found is not None, action
+    return dict(re.findall(r'<input type="hidden" name="([^"]+)" value="([^"]*)">', found[0]))
+
+
+async def test_an_action_from_a_page_shown_a_while_ago_leaves_what_moved_on(
+    store: ControlStore, clock: ManualClock
+) -> None:
+    # A form named the item only: an old page's requeue put back an item requeued and
+    # cancelled on purpose since, and a group's cancel cancelled an item a worker had
+    # claimed since.
+    failed, retrying = await store.enqueue_many("alpha", [{"n": 1}, {"n": 2}])
+    first, second = await store.claim_batch("w", 2)
+    await store.finish(first.item_id, fence=first.fence, status="failed", error="quota")
+    await store.retry(second.item_id, fence=second.fence, error="quota", delay=60)
+    async with serving(store, allow_actions=True) as (_, url, session):
+        _, page = await text(session, url + "/failures")
+        requeue = form_fields(page, f"/items/{failed}/requeue")
+        assert requeue["state"] == "failed"
+        group_cancel = form_fields(page, "/failures/cancel")
+        await store.requeue(failed)  # someone else put it back, and then thought better
+        assert await store.cancel(failed) == "cancelled"
+        clock.advance(61)
+        taken = await store.claim("w2")  # the retrying one, claimed by a worker
+        assert taken is not None and taken.item_id == retrying
+        status, said, _ = await post(session, url + f"/items/{failed}/requeue", requeue)
+        assert status == 409 and "cancelled" in said
+        assert (await post(session, url + "/failures/cancel", group_cancel))[0] == 303
+    assert (await store.item(failed))["state"] == "cancelled"
+    assert (await store.item(retrying))["state"] == "claimed"  # its worker goes on
+    await store.finish(retrying, fence=taken.fence)
+
+
 async def test_a_token_guards_every_request_off_loopback(store: ControlStore) -> None:
     ids = await seeded(store)
     async with serving(store, host="0.0.0.0", allow_actions=True) as (dashboard, url, session):

@@ -208,6 +208,30 @@ async def test_a_cancelled_twin_stops_holding_its_twins_back(store: ControlStore
     assert await verify_ledger(store) == []
 
 
+async def test_cancel_and_requeue_if_state_act_only_on_an_item_still_as_expected(
+    store: ControlStore,
+) -> None:
+    # An operator's page shows an item retrying, or failed; meanwhile a worker claims it,
+    # or someone cancels it on purpose: the action taken from the old page must not land.
+    item_id = await store.enqueue("alpha", {})
+    claim = await store.claim("w")
+    assert claim is not None
+    assert await store.cancel(item_id, if_state="deferred") == "claimed"  # left claimed
+    assert (await store.item(item_id))["fence"] == claim.fence  # untouched
+    await store.finish(item_id, fence=claim.fence, status="failed", error="no")
+    assert await store.cancel(item_id, if_state=("ready", "deferred")) == "failed"
+    other = await store.enqueue("alpha", {})
+    assert await store.cancel(other, if_state="ready") == "cancelled"
+    with pytest.raises(NotRequeueable, match="cancelled"):
+        await store.requeue(other, if_state="failed")  # cancelled on purpose: stays
+    assert (await store.item(other))["state"] == "cancelled"
+    await store.requeue(item_id, if_state="failed")
+    assert (await store.item(item_id))["state"] == "ready"
+    with pytest.raises(InvalidInput):
+        await store.cancel(item_id, if_state="nonsense")
+    assert await verify_ledger(store) == []
+
+
 async def test_cancel_and_requeue_are_scoped(store: ControlStore) -> None:
     await store.create_project("beta", "Beta")
     await store.assign("beta", "ann")

@@ -233,18 +233,22 @@ class ListOp(NamedTuple):
 
 
 class CancelOp(NamedTuple):
-    """Cancel one item (see `asyncplane._rules.cancel_plan`)."""
+    """Cancel one item (see `asyncplane._rules.cancel_plan`), if it is in one of
+    ``expected`` (empty: whatever its state)."""
 
     item_id: int
     reason: str | None
     actor_id: str | None
+    expected: tuple[str, ...] = ()
 
 
 class RequeueOp(NamedTuple):
-    """Take one failed or cancelled item back to ready."""
+    """Take one failed or cancelled item back to ready, if it is in one of ``expected``
+    (empty: either)."""
 
     item_id: int
     actor_id: str | None
+    expected: tuple[str, ...] = ()
 
 
 class ProjectStatusOp(NamedTuple):

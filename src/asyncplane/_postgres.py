@@ -1340,9 +1340,9 @@ def _list_params(
 
 async def _cancel_one(
     conn: asyncpg.Connection, item_id: int, state: str, fence: int, reason: str | None,
-    actor_id: str | None, now: float,
+    actor_id: str | None, now: float, expected: tuple[str, ...] = (),
 ) -> str:  # fmt: skip
-    plan = _rules.cancel_plan(item_id, state, fence, reason, actor_id, now)
+    plan = _rules.cancel_plan(item_id, state, fence, reason, actor_id, now, expected)
     if plan is None:
         return state
     await conn.execute(sql.CANCEL_ITEM, plan.fence, reason, now, item_id)
@@ -1353,22 +1353,25 @@ async def _cancel_one(
 async def _cancel(op: _backend.CancelOp, conn: asyncpg.Connection, now: float) -> tuple[str, bool]:
     found = await conn.fetchrow(sql.TARGET_ITEM, op.actor_id, op.item_id)
     state, fence = _rules.target(op.item_id, op.actor_id, found)
-    after = await _cancel_one(conn, op.item_id, state, fence, op.reason, op.actor_id, now)
+    after = await _cancel_one(
+        conn, op.item_id, state, fence, op.reason, op.actor_id, now, op.expected
+    )
     return after, after != state
 
 
 async def _requeue_one(
     conn: asyncpg.Connection, item_id: int, state: str, fence: int, actor_id: str | None,
-    now: float,
+    now: float, expected: tuple[str, ...] = (),
 ) -> None:  # fmt: skip
-    await _insert_events(conn, [_rules.requeue_event(item_id, state, fence, actor_id, now)])
+    requeued = _rules.requeue_event(item_id, state, fence, actor_id, now, expected)
+    await _insert_events(conn, [requeued])
     await conn.execute(sql.REQUEUE_ITEM, now, item_id)
 
 
 async def _requeue(op: _backend.RequeueOp, conn: asyncpg.Connection, now: float) -> None:
     found = await conn.fetchrow(sql.TARGET_ITEM, op.actor_id, op.item_id)
     state, fence = _rules.target(op.item_id, op.actor_id, found)
-    await _requeue_one(conn, op.item_id, state, fence, op.actor_id, now)
+    await _requeue_one(conn, op.item_id, state, fence, op.actor_id, now, op.expected)
 
 
 async def _chunk_of(

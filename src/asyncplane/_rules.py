@@ -1069,17 +1069,24 @@ class CancelPlan(NamedTuple):
 
 
 def cancel_plan(
-    item_id: int, state: str, fence: int, reason: str | None, actor_id: str | None, now: float
+    item_id: int,
+    state: str,
+    fence: int,
+    reason: str | None,
+    actor_id: str | None,
+    now: float,
+    expected: tuple[str, ...] = (),
 ) -> CancelPlan | None:
     """What cancelling an item in ``state`` writes; None for one settled already (done,
-    failed or cancelled), which stays as it is.
+    failed or cancelled), or in none of the states its caller ``expected`` it in (a page
+    shown a while ago), which stays as it is.
 
     The fence rises as on a takeover, whatever the state: a claimed or offloaded item's
     holder is refused (`ItemCancelled`) at its next renew or settle, and should the item
     be requeued, its next claim's fence is above every earlier one. Twins are not
     settled: a cancel only stops holding them back.
     """
-    if state in _models.SETTLED_STATES:
+    if state in _models.SETTLED_STATES or (expected and state not in expected):
         return None
     raised = fence + 1
     detail: dict[str, Any] = {"from": state}
@@ -1088,10 +1095,14 @@ def cancel_plan(
     return CancelPlan(raised, event(item_id, "cancelled", raised, None, actor_id, now, detail))
 
 
-def requeue_event(item_id: int, state: str, fence: int, actor_id: str | None, now: float) -> Event:
+def requeue_event(
+    item_id: int, state: str, fence: int, actor_id: str | None, now: float,
+    expected: tuple[str, ...] = (),
+) -> Event:  # fmt: skip
     """The "requeued" event that takes a failed or cancelled item back to ready (who,
-    when, from which state); any other state is refused, naming it."""
-    if state not in REQUEUEABLE:
+    when, from which state); any other state, or one its caller did not expect it in
+    (``expected``: a page shown a while ago), is refused, naming it."""
+    if state not in REQUEUEABLE or (expected and state not in expected):
         raise _errors.NotRequeueable(item_id, state)
     return event(item_id, "requeued", fence, None, actor_id, now, {"from": state})
 

@@ -943,9 +943,9 @@ def _list_items(db: sqlite3.Connection, op: _backend.ListOp) -> list[_backend.It
 
 def _cancel_one(
     db: sqlite3.Connection, item_id: int, state: str, fence: int, reason: str | None,
-    actor_id: str | None, now: float,
+    actor_id: str | None, now: float, expected: tuple[str, ...] = (),
 ) -> str:  # fmt: skip
-    plan = _rules.cancel_plan(item_id, state, fence, reason, actor_id, now)
+    plan = _rules.cancel_plan(item_id, state, fence, reason, actor_id, now, expected)
     if plan is None:
         return state
     db.execute(sql.CANCEL_ITEM, (plan.fence, reason, now, item_id))
@@ -956,22 +956,23 @@ def _cancel_one(
 def _cancel(op: _backend.CancelOp, db: sqlite3.Connection, now: float) -> tuple[str, bool]:
     found = db.execute(sql.DIAGNOSE_ITEM, (op.actor_id, op.item_id)).fetchone()
     state, fence = _rules.target(op.item_id, op.actor_id, found)
-    after = _cancel_one(db, op.item_id, state, fence, op.reason, op.actor_id, now)
+    after = _cancel_one(db, op.item_id, state, fence, op.reason, op.actor_id, now, op.expected)
     return after, after != state
 
 
 def _requeue_one(
     db: sqlite3.Connection, item_id: int, state: str, fence: int, actor_id: str | None,
-    now: float,
+    now: float, expected: tuple[str, ...] = (),
 ) -> None:  # fmt: skip
-    db.execute(sql.INSERT_EVENT, _rules.requeue_event(item_id, state, fence, actor_id, now))
+    requeued = _rules.requeue_event(item_id, state, fence, actor_id, now, expected)
+    db.execute(sql.INSERT_EVENT, requeued)
     db.execute(sql.REQUEUE_ITEM, (now, item_id))
 
 
 def _requeue(op: _backend.RequeueOp, db: sqlite3.Connection, now: float) -> None:
     found = db.execute(sql.DIAGNOSE_ITEM, (op.actor_id, op.item_id)).fetchone()
     state, fence = _rules.target(op.item_id, op.actor_id, found)
-    _requeue_one(db, op.item_id, state, fence, op.actor_id, now)
+    _requeue_one(db, op.item_id, state, fence, op.actor_id, now, op.expected)
 
 
 def _chunk_of(db: sqlite3.Connection, op: _backend.WhereOp, states: tuple[str, ...]) -> list[Any]:

@@ -1337,7 +1337,12 @@ class ControlStore:
         return [_item_dict(row, payload=False) for row in rows]
 
     async def cancel(
-        self, item_id: int, *, reason: str | None = None, actor_id: str | None = None
+        self,
+        item_id: int,
+        *,
+        reason: str | None = None,
+        actor_id: str | None = None,
+        if_state: str | Collection[str] | None = None,
     ) -> str:
         """Cancel an item; return its state afterwards.
 
@@ -1346,7 +1351,10 @@ class ControlStore:
         refused with `ItemCancelled` at their next renew, finish, retry, park or offload
         (`drain` stops the executor on that refusal). Its twins are not settled: they stop
         being held back. An item settled already (done, failed, cancelled) is left as it
-        is, and its state returned: not an error.
+        is, and its state returned: not an error. With ``if_state`` (a state, or several)
+        an item in none of them is left as it is too, and its state returned: an operator
+        acting on what a page showed a while ago cancels nothing that has moved on since
+        (a retrying item a worker has claimed meanwhile, say).
 
         Raises:
             UnknownItem: No such item (control plane only).
@@ -1356,25 +1364,39 @@ class ControlStore:
             _validate.item_id(item_id),
             _validate.error_text(reason),
             _validate.optional_actor(actor_id),
+            _validate.states(if_state),
         )
         state, _ = await self._settle(op, (await self._engine.ready()).cancel(op))
         self._engine.notify()  # its twins may be claimable, a waiter may be waiting
         return state
 
-    async def requeue(self, item_id: int, *, actor_id: str | None = None) -> None:
+    async def requeue(
+        self,
+        item_id: int,
+        *,
+        actor_id: str | None = None,
+        if_state: str | Collection[str] | None = None,
+    ) -> None:
         """Put a failed or cancelled item back in the ready queue with a fresh attempt
         budget.
 
         It keeps its id, payload and fingerprint; a "requeued" event records who, when and
         from which state; its attempts count starts again (the ledger keeps every earlier
-        attempt), and its next claim's fence is above every earlier one.
+        attempt), and its next claim's fence is above every earlier one. With
+        ``if_state`` ("failed", say) an item in another state is refused as any other
+        would be: one cancelled on purpose since a page showed it failed stays cancelled.
 
         Raises:
-            NotRequeueable: The item is neither failed nor cancelled; nothing changed.
+            NotRequeueable: The item is neither failed nor cancelled (nor in ``if_state``,
+                given); nothing changed.
             UnknownItem: No such item (control plane only).
             ScopeDenied: The actor may not see the item (or it does not exist).
         """
-        op = _backend.RequeueOp(_validate.item_id(item_id), _validate.optional_actor(actor_id))
+        op = _backend.RequeueOp(
+            _validate.item_id(item_id),
+            _validate.optional_actor(actor_id),
+            _validate.states(if_state),
+        )
         await self._freeing(op, (await self._engine.ready()).requeue(op))
 
     async def cancel_where(

@@ -387,8 +387,9 @@ class Dashboard:
 
     async def _requeue(self, request: web.Request) -> web.StreamResponse:
         item_id = _item_id(request)
+        expected = await _shown_state(request)
         try:
-            await self.store.requeue(item_id, actor_id=self.scope.actor_id)
+            await self.store.requeue(item_id, actor_id=self.scope.actor_id, if_state=expected)
         except _errors.NotRequeueable as exc:
             return _text(409, str(exc))
         _log.debug("dashboard: requeued item %d", item_id, extra={"item_id": item_id})
@@ -397,8 +398,9 @@ class Dashboard:
     async def _cancel(self, request: web.Request) -> web.StreamResponse:
         item_id = _item_id(request)
         state = await self.store.cancel(
-            item_id, reason="cancelled from the dashboard", actor_id=self.scope.actor_id
-        )
+            item_id, reason="cancelled from the dashboard", actor_id=self.scope.actor_id,
+            if_state=await _shown_state(request),
+        )  # fmt: skip
         _log.debug("dashboard: cancelled item %d", item_id, extra={"item_id": item_id})
         return await self._done(request, {"item_id": item_id, "state": state})
 
@@ -416,7 +418,7 @@ class Dashboard:
         done = 0
         for item_id in await self._group(request, "failed"):
             with contextlib.suppress(_errors.NotRequeueable):  # moved on meanwhile
-                await self.store.requeue(item_id, actor_id=self.scope.actor_id)
+                await self.store.requeue(item_id, actor_id=self.scope.actor_id, if_state="failed")
                 done += 1
         _log.info("dashboard: requeued %d failed item(s) of one error group", done)
         return await self._done(request, {"requeued": done})
@@ -424,9 +426,10 @@ class Dashboard:
     async def _cancel_group(self, request: web.Request) -> web.StreamResponse:
         done = 0
         for item_id in await self._group(request, "deferred"):
-            state = await self.store.cancel(
-                item_id, reason="cancelled from the dashboard", actor_id=self.scope.actor_id
-            )
+            state = await self.store.cancel(  # one claimed since the group was read stays
+                item_id, reason="cancelled from the dashboard", actor_id=self.scope.actor_id,
+                if_state="deferred",
+            )  # fmt: skip
             done += state == "cancelled"
         _log.info("dashboard: cancelled %d retrying item(s) of one error group", done)
         return await self._done(request, {"cancelled": done})
@@ -623,6 +626,13 @@ _UNREADABLE = (
     web_protocol.RequestPayloadError,
     http_exceptions.HttpProcessingError,
 )
+
+
+async def _shown_state(request: web.Request) -> str | None:
+    """The state the page showed the item in, which its form sends (``state``): the
+    action is taken only if the item is still in it. None from a script that sends none."""
+    state = (await _form(request)).get("state")
+    return state if isinstance(state, str) else None
 
 
 async def _field(request: web.Request, name: str) -> str:
