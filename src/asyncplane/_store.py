@@ -1502,6 +1502,8 @@ class ControlStore:
             ScopeDenied: The actor may not see the item (or it does not exist).
             StoreClosed: The store was closed while the call waited (a wait never opens
                 it again).
+            StorageError: The store could not be read meanwhile (a server unreachable):
+                every call waiting hears it.
         """
         target = _validate.item_id(item_id)
         actor = _validate.optional_actor(actor_id)
