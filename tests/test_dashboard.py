@@ -233,7 +233,7 @@ async def test_an_action_from_a_page_shown_a_while_ago_leaves_what_moved_on(
         taken = await store.claim("w2")  # the retrying one, claimed by a worker
         assert taken is not None and taken.item_id == retrying
         status, said, _ = await post(session, url + f"/items/{failed}/requeue", requeue)
-        assert status == 409 and "cancelled" in said
+        assert status == 409 and "is cancelled, not failed as expected" in said
         assert (await post(session, url + "/failures/cancel", group_cancel))[0] == 303
     assert (await store.item(failed))["state"] == "cancelled"
     assert (await store.item(retrying))["state"] == "claimed"  # its worker goes on

@@ -222,12 +222,14 @@ async def test_cancel_and_requeue_if_state_act_only_on_an_item_still_as_expected
     assert await store.cancel(item_id, if_state=("ready", "deferred")) == "failed"
     other = await store.enqueue("alpha", {})
     assert await store.cancel(other, if_state="ready") == "cancelled"
-    with pytest.raises(NotRequeueable, match="cancelled"):
+    with pytest.raises(NotRequeueable, match="is cancelled, not failed as expected") as raised:
         await store.requeue(other, if_state="failed")  # cancelled on purpose: stays
+    assert raised.value.expected == ("failed",)
+    assert pickle.loads(pickle.dumps(raised.value)).expected == ("failed",)
     assert (await store.item(other))["state"] == "cancelled"
     await store.requeue(item_id, if_state="failed")
     assert (await store.item(item_id))["state"] == "ready"
-    with pytest.raises(InvalidInput):
+    with pytest.raises(InvalidInput, match="unknown if_state 'nonsense'"):
         await store.cancel(item_id, if_state="nonsense")
     assert await verify_ledger(store) == []
 

@@ -108,22 +108,29 @@ class ItemCancelled(FenceRejected):
 
 
 class NotRequeueable(AsyncplaneError):
-    """requeue() was asked of an item that is neither failed nor cancelled; nothing changed.
+    """requeue() was asked of an item that is neither failed nor cancelled, or in none of
+    the states its ``if_state`` named; nothing changed.
 
     Attributes:
         item_id: The item named.
         state: Its state now.
+        expected: The states ``if_state`` named (empty: none were).
     """
 
-    def __init__(self, item_id: int, state: str) -> None:
-        super().__init__(
-            f"item {item_id} is {state}: only a failed or cancelled item can be requeued"
-        )
+    def __init__(self, item_id: int, state: str, expected: tuple[str, ...] = ()) -> None:
+        if expected and state in ("failed", "cancelled"):
+            said = (
+                f"item {item_id} is {state}, not {' or '.join(expected)} as expected: left as it is"
+            )
+        else:
+            said = f"item {item_id} is {state}: only a failed or cancelled item can be requeued"
+        super().__init__(said)
         self.item_id = item_id
         self.state = state
+        self.expected = expected
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (NotRequeueable, (self.item_id, self.state))
+        return (NotRequeueable, (self.item_id, self.state, self.expected))
 
 
 class WaitTimeout(AsyncplaneError, TimeoutError):

@@ -1103,7 +1103,7 @@ def requeue_event(
     when, from which state); any other state, or one its caller did not expect it in
     (``expected``: a page shown a while ago), is refused, naming it."""
     if state not in REQUEUEABLE or (expected and state not in expected):
-        raise _errors.NotRequeueable(item_id, state)
+        raise _errors.NotRequeueable(item_id, state, expected)
     return event(item_id, "requeued", fence, None, actor_id, now, {"from": state})
 
 

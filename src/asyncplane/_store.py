@@ -1364,7 +1364,7 @@ class ControlStore:
             _validate.item_id(item_id),
             _validate.error_text(reason),
             _validate.optional_actor(actor_id),
-            _validate.states(if_state),
+            _validate.states(if_state, "if_state"),
         )
         state, _ = await self._settle(op, (await self._engine.ready()).cancel(op))
         self._engine.notify()  # its twins may be claimable, a waiter may be waiting
@@ -1395,7 +1395,7 @@ class ControlStore:
         op = _backend.RequeueOp(
             _validate.item_id(item_id),
             _validate.optional_actor(actor_id),
-            _validate.states(if_state),
+            _validate.states(if_state, "if_state"),
         )
         await self._freeing(op, (await self._engine.ready()).requeue(op))
 

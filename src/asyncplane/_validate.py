@@ -207,19 +207,19 @@ def event(value: object, what: str) -> asyncio.Event:
     return value
 
 
-def states(value: object) -> tuple[str, ...]:
+def states(value: object, what: str = "state") -> tuple[str, ...]:
     """None (any state), one item state, or several (a tuple or list of them)."""
     if value is None:
         return ()
     if isinstance(value, str):
-        return (_one_of(value, "state", _models.ITEM_STATES),)
+        return (_one_of(value, what, _models.ITEM_STATES),)
     if not isinstance(value, (tuple, list, set, frozenset)):
         raise _errors.InvalidType(
-            f"state must be a str or a tuple of them, not {type(value).__name__}"
+            f"{what} must be a str or a tuple of them, not {type(value).__name__}"
         )
-    chosen = {_one_of(state, "state", _models.ITEM_STATES) for state in value}
+    chosen = {_one_of(state, what, _models.ITEM_STATES) for state in value}
     if not chosen:
-        raise _errors.InvalidInput("state names no state: pass None for any")
+        raise _errors.InvalidInput(f"{what} names no state: pass None for any")
     return tuple(state for state in _models.ITEM_STATES if state in chosen)
 
 

@@ -401,7 +401,8 @@ class Dashboard:
             item_id, reason="cancelled from the dashboard", actor_id=self.scope.actor_id,
             if_state=await _shown_state(request),
         )  # fmt: skip
-        _log.debug("dashboard: cancelled item %d", item_id, extra={"item_id": item_id})
+        if state == "cancelled":
+            _log.debug("dashboard: cancelled item %d", item_id, extra={"item_id": item_id})
         return await self._done(request, {"item_id": item_id, "state": state})
 
     async def _group(self, request: web.Request, state: str) -> list[int]:
@@ -631,8 +632,13 @@ _UNREADABLE = (
 async def _shown_state(request: web.Request) -> str | None:
     """The state the page showed the item in, which its form sends (``state``): the
     action is taken only if the item is still in it. None from a script that sends none."""
-    state = (await _form(request)).get("state")
-    return state if isinstance(state, str) else None
+    form = await _form(request)
+    if "state" not in form:
+        return None
+    state = form.get("state")
+    if not isinstance(state, str):  # a file part: no state a page sends
+        raise web.HTTPBadRequest(text="the form's state must be a text field")
+    return state
 
 
 async def _field(request: web.Request, name: str) -> str:
