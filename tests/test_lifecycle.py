@@ -230,9 +230,10 @@ def test_waiters_of_a_loop_closed_without_cleanup_stand_in_no_later_write(
     location_of: Any,
 ) -> None:
     location = location_of("s.db")  # a file, or a fresh PostgreSQL schema
-    # A wait() and a claim(wait=) left waiting when their loop was closed unfinished: the
-    # store, used again on a new loop, forgets them. Their events were still set by every
-    # write, each a call onto the dead loop: the write's caller got "Event loop is closed".
+    # A wait() left waiting when its loop was closed unfinished (the store's watch idle,
+    # no round in flight): the store, used again on a new loop, forgets it. Its events
+    # were still set by every write, each a call onto the dead loop: the write's caller
+    # got "Event loop is closed".
     script = (
         "import asyncio\n"
         "from asyncplane import ControlStore\n"
@@ -241,8 +242,7 @@ def test_waiters_of_a_loop_closed_without_cleanup_stand_in_no_later_write(
         "async def first():\n"
         "    await store.create_project('p', 'P')\n"
         "    item = await store.enqueue('p', {})\n"
-        "    asyncio.ensure_future(store.wait(item))\n"
-        "    asyncio.ensure_future(store.claim('w', project_id='q', wait=60))\n"
+        "    asyncio.ensure_future(store.wait(item, poll_interval=3600))\n"
         "    while not any(t.get_name() == 'asyncplane-settles-local'\n"
         "                  for t in asyncio.all_tasks()):\n"
         "        await asyncio.sleep(0)\n"
