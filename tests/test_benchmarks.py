@@ -386,6 +386,22 @@ def test_round_python_reports_a_rounds_statements_and_the_rest() -> None:
     assert len(report["repeats"]) == 2
 
 
+def test_round_gaps_reports_each_moment_of_a_round_free_and_pinned() -> None:
+    report = benchmark_report(
+        "round_gaps.py", "--coroutines", "8", "--items", "400", "--repeats", "1"
+    )
+    assert set(report) == {"free", "pinned"}
+    for kind in report.values():
+        assert kind["pairs_per_s"] > 0
+        assert set(kind["gaps_us"]) == {
+            "post->start",
+            "start->end",
+            "end->deliver",
+            "deliver->post",
+        }
+        assert kind["gaps_us"]["start->end"] > 0  # a round's statements take time
+
+
 def test_the_preflight_benchmark_times_the_steps_and_drain_beside_a_backlog() -> None:
     report = benchmark_report("preflight.py", "--items", "500", "--repeats", "1")
     assert report["items"] == 500
