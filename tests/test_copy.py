@@ -363,6 +363,28 @@ async def test_a_copy_carries_limits_and_schedules_which_keep_their_place(
         await copy_store(source, destination)
 
 
+async def test_a_copied_item_keeps_the_trace_context_its_producer_saved(
+    asyncplane_store: ControlStore, other_store: Any
+) -> None:
+    from opentelemetry import context, propagate
+
+    incoming = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    source = asyncplane_store
+    await source.create_project("p", "P")
+    token = context.attach(propagate.extract({"traceparent": incoming}))
+    try:
+        await source.enqueue("p", {"traced": True})
+    finally:
+        context.detach(token)
+    await source.enqueue("p", {"traced": False})
+    destination: ControlStore = await other_store()
+    await copy_store(source, destination)
+    # The worker on the destination links its span to the producer's, as on the source.
+    first, second = await destination.claim_batch("w", 2)
+    assert first.trace_context == {"traceparent": incoming}
+    assert second.trace_context is None
+
+
 async def test_a_destination_never_hands_out_an_id_the_source_did(
     asyncplane_store: ControlStore, other_store: Any, asyncplane_clock: ManualClock
 ) -> None:

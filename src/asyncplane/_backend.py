@@ -464,6 +464,9 @@ class ItemRow(NamedTuple):
     dedup: bool = True
     #: When its current (or last) claim began; renewals leave it be.
     claimed_at: float | None = None
+    #: The producer's trace context saved at enqueue (compact JSON), for the worker's
+    #: span to link to; a copy carries it over.
+    trace_context: str | None = None
 
 
 class AssignmentRow(NamedTuple):

@@ -1715,7 +1715,7 @@ WHERE item_id = $2
 _LISTED = (
     "item_id, project_id, state, {payload}, fence, attempts, owner, lease_expires_at, "
     "created_at, updated_at, priority, service_class, sla, fingerprint, max_attempts, "
-    "due_at, {result}, error, offload_handle, dedup, claimed_at"
+    "due_at, {result}, error, offload_handle, dedup, claimed_at, trace_context"
 )
 # A search folds the case of ASCII letters only, whatever the server's locale: lower()
 # would fold more under a UTF-8 ctype, and nothing but ASCII under C (see _validate).
@@ -1775,7 +1775,7 @@ ORDER BY item_id FOR UPDATE
 _ITEM_COLUMNS = (
     "item_id, project_id, state, payload, fence, attempts, owner, lease_expires_at, "
     "created_at, updated_at, priority, service_class, sla, fingerprint, max_attempts, "
-    "due_at, result, error, offload_handle, dedup, claimed_at"
+    "due_at, result, error, offload_handle, dedup, claimed_at, trace_context"
 )
 GET_ITEM: Final = f"SELECT {_ITEM_COLUMNS} FROM items WHERE item_id = $1"
 #: Of the items `wait()` callers wait for, those in one of the states given, or gone.
@@ -1928,7 +1928,7 @@ ORDER BY item_id LIMIT 1
 """
 COPY_ITEM: Final = f"""
 INSERT INTO items ({_ITEM_COLUMNS})
-VALUES ({", ".join(f"${n}" for n in range(1, 22))})
+VALUES ({", ".join(f"${n}" for n in range(1, 23))})
 """
 # Ids a copy brought in are never handed out again: the sequence moves past them (and
 # never back, so the ids of purged items stay unused too).

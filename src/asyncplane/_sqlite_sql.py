@@ -999,7 +999,7 @@ FROM items WHERE item_id = ?
 _ITEM_COLUMNS = (
     "item_id, project_id, state, payload, fence, attempts, owner, lease_expires_at, "
     "created_at, updated_at, priority, service_class, sla, fingerprint, max_attempts, "
-    "due_at, result, error, offload_handle, dedup, claimed_at"
+    "due_at, result, error, offload_handle, dedup, claimed_at, trace_context"
 )
 GET_ITEM: Final = f"SELECT {_ITEM_COLUMNS} FROM items WHERE item_id = ?"
 #: Of the items `wait()` callers wait for (a JSON array of ids), those in one of the
@@ -1064,7 +1064,7 @@ WHERE item_id = ?
 _LISTED = (
     "item_id, project_id, state, {payload}, fence, attempts, owner, lease_expires_at, "
     "created_at, updated_at, priority, service_class, sla, fingerprint, max_attempts, "
-    "due_at, {result}, error, offload_handle, dedup, claimed_at"
+    "due_at, {result}, error, offload_handle, dedup, claimed_at, trace_context"
 )
 # lower() folds ASCII letters only (SQLite without ICU), as a search's text is folded
 # (see _validate.search_text): other letters match as written.
@@ -1184,7 +1184,7 @@ WHERE NOT EXISTS (SELECT 1 FROM imports
 ORDER BY item_id LIMIT 1
 """
 COPY_ITEM: Final = f"""
-INSERT INTO items ({_ITEM_COLUMNS}) VALUES ({", ".join("?" * 21)})
+INSERT INTO items ({_ITEM_COLUMNS}) VALUES ({", ".join("?" * 22)})
 """
 # The import records, in key order, a page after a key (a copy carries them over).
 EXPORT_IMPORTS: Final = """
