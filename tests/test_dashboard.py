@@ -240,6 +240,35 @@ async def test_an_action_from_a_page_shown_a_while_ago_leaves_what_moved_on(
     await store.finish(retrying, fence=taken.fence)
 
 
+async def test_a_cancel_from_the_running_page_leaves_a_later_run_of_its_item(
+    store: ControlStore, clock: ManualClock
+) -> None:
+    # The page shows the item claimed at fence 1; its lease lapses and a worker takes it
+    # over, still claimed, at fence 2: the state alone cannot tell the two runs apart.
+    item_id = await store.enqueue("alpha", {"n": 1})
+    first = await store.claim("w1", lease_seconds=10)
+    assert first is not None
+    async with serving(store, allow_actions=True) as (_, url, session):
+        _, page = await text(session, url + "/running")
+        cancel = form_fields(page, f"/items/{item_id}/cancel")
+        assert (cancel["state"], cancel["fence"]) == ("claimed", "1")
+        clock.advance(11)
+        second = await store.claim("w2")
+        assert second is not None and second.fence == 2
+        assert (await post(session, url + f"/items/{item_id}/cancel", cancel))[0] == 303
+        assert (await store.item(item_id))["state"] == "claimed"  # w2's run goes on
+        _, page = await text(session, url + f"/items/{item_id}")
+        shown = form_fields(page, f"/items/{item_id}/cancel")
+        assert shown["fence"] == "2"
+        for bad in ("x", "-1", "1.5", "\u0661"):  # not a whole number of ASCII digits
+            status, said, _ = await post(
+                session, url + f"/items/{item_id}/cancel", {**shown, "fence": bad}
+            )
+            assert status == 400 and "fence" in said, (bad, status, said)
+        assert (await post(session, url + f"/items/{item_id}/cancel", shown))[0] == 303
+    assert (await store.item(item_id))["state"] == "cancelled"
+
+
 async def test_a_token_guards_every_request_off_loopback(store: ControlStore) -> None:
     ids = await seeded(store)
     async with serving(store, host="0.0.0.0", allow_actions=True) as (dashboard, url, session):

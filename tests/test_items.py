@@ -24,6 +24,7 @@ from asyncplane import (
     Done,
     FenceRejected,
     InvalidInput,
+    InvalidType,
     ItemCancelled,
     NotRequeueable,
     ScopeDenied,
@@ -231,6 +232,44 @@ async def test_cancel_and_requeue_if_state_act_only_on_an_item_still_as_expected
     assert (await store.item(item_id))["state"] == "ready"
     with pytest.raises(InvalidInput, match="unknown if_state 'nonsense'"):
         await store.cancel(item_id, if_state="nonsense")
+    assert await verify_ledger(store) == []
+
+
+async def test_cancel_and_requeue_if_fence_act_only_on_the_run_a_page_showed(
+    store: ControlStore, clock: ManualClock
+) -> None:
+    # A page shows an item claimed at fence 1; its lease lapses and another worker takes
+    # it over: still claimed, at fence 2. The cancel made from the old page leaves it.
+    item_id = await store.enqueue("alpha", {})
+    first = await store.claim("w1", lease_seconds=10)
+    assert first is not None and first.fence == 1
+    clock.advance(11)
+    second = await store.claim("w2")
+    assert second is not None and (second.item_id, second.fence) == (item_id, 2)
+    assert await store.cancel(item_id, if_state="claimed", if_fence=1) == "claimed"
+    assert (await store.item(item_id))["fence"] == 2  # untouched
+    # A page shows it failed at fence 2; it is requeued, runs and fails again, at 3.
+    await store.finish(item_id, fence=2, status="failed", error="no")
+    await store.requeue(item_id, if_state="failed", if_fence=2)
+    third = await store.claim("w3")
+    assert third is not None and third.fence == 3
+    await store.finish(item_id, fence=3, status="failed", error="no again")
+    with pytest.raises(NotRequeueable, match="is failed at fence 3, not at fence 2") as raised:
+        await store.requeue(item_id, if_fence=2)
+    assert (raised.value.fence, raised.value.expected_fence) == (3, 2)
+    again = pickle.loads(pickle.dumps(raised.value))
+    assert (again.fence, again.expected_fence, str(again)) == (3, 2, str(raised.value))
+    assert (await store.item(item_id))["state"] == "failed"
+    # The fence the page showed: the action is taken.
+    await store.requeue(item_id, if_fence=3)
+    assert await store.cancel(item_id, if_state="ready", if_fence=3) == "cancelled"
+    # Fence 0 is a never-claimed item's: a cancel at it takes one.
+    untouched = await store.enqueue("alpha", {})
+    assert await store.cancel(untouched, if_fence=0) == "cancelled"
+    with pytest.raises(InvalidInput, match="if_fence must be from 0"):
+        await store.cancel(item_id, if_fence=-1)
+    with pytest.raises(InvalidType, match="if_fence must be an int or None, not bool"):
+        await store.requeue(item_id, if_fence=True)
     assert await verify_ledger(store) == []
 
 

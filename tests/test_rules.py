@@ -315,6 +315,23 @@ def test_only_a_failed_or_cancelled_item_requeues() -> None:
         _rules.requeue_event(7, "claimed", 3, None, 10.0)
 
 
+def test_an_action_expecting_a_state_or_a_fence_leaves_an_item_standing_otherwise() -> None:
+    cancel = _rules.cancel_plan
+    assert cancel(7, "claimed", 3, None, None, 10.0, ("claimed",), 3) is not None
+    assert cancel(7, "claimed", 3, None, None, 10.0, ("claimed",), 2) is None  # a later run
+    assert cancel(7, "claimed", 3, None, None, 10.0, ("deferred",), 3) is None
+    assert cancel(7, "ready", 0, None, None, 10.0, (), 0) is not None  # never claimed
+    assert _rules.requeue_event(7, "failed", 3, None, 10.0, (), 3).fence == 3
+    with pytest.raises(NotRequeueable, match="is failed at fence 3, not at fence 2") as raised:
+        _rules.requeue_event(7, "failed", 3, None, 10.0, ("failed",), 2)
+    assert (raised.value.fence, raised.value.expected_fence) == (3, 2)
+    # Of the three reasons, the first that holds is the one named.
+    with pytest.raises(NotRequeueable, match="is claimed: only a failed"):
+        _rules.requeue_event(7, "claimed", 3, None, 10.0, ("failed",), 2)
+    with pytest.raises(NotRequeueable, match="is cancelled, not failed as expected"):
+        _rules.requeue_event(7, "cancelled", 3, None, 10.0, ("failed",), 2)
+
+
 def test_listing_arms_and_the_states_where_calls_take() -> None:
     assert _rules.listing_arms(("failed",), project=False) == ("failed",)
     assert _rules.listing_arms((), project=True) == ITEM_STATES  # the project index is by state

@@ -234,21 +234,23 @@ class ListOp(NamedTuple):
 
 class CancelOp(NamedTuple):
     """Cancel one item (see `asyncplane._rules.cancel_plan`), if it is in one of
-    ``expected`` (empty: whatever its state)."""
+    ``expected`` (empty: whatever its state) and at ``expected_fence`` (None: any)."""
 
     item_id: int
     reason: str | None
     actor_id: str | None
     expected: tuple[str, ...] = ()
+    expected_fence: int | None = None
 
 
 class RequeueOp(NamedTuple):
     """Take one failed or cancelled item back to ready, if it is in one of ``expected``
-    (empty: either)."""
+    (empty: either) and at ``expected_fence`` (None: any)."""
 
     item_id: int
     actor_id: str | None
     expected: tuple[str, ...] = ()
+    expected_fence: int | None = None
 
 
 class ProjectStatusOp(NamedTuple):

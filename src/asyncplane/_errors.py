@@ -109,28 +109,48 @@ class ItemCancelled(FenceRejected):
 
 class NotRequeueable(AsyncplaneError):
     """requeue() was asked of an item that is neither failed nor cancelled, or in none of
-    the states its ``if_state`` named; nothing changed.
+    the states its ``if_state`` named, or at another fence than its ``if_fence``; nothing
+    changed.
 
     Attributes:
         item_id: The item named.
         state: Its state now.
         expected: The states ``if_state`` named (empty: none were).
+        fence: Its fence now (None where not read).
+        expected_fence: The fence ``if_fence`` named (None: none was).
     """
 
-    def __init__(self, item_id: int, state: str, expected: tuple[str, ...] = ()) -> None:
-        if expected and state in ("failed", "cancelled"):
+    def __init__(
+        self,
+        item_id: int,
+        state: str,
+        expected: tuple[str, ...] = (),
+        fence: int | None = None,
+        expected_fence: int | None = None,
+    ) -> None:
+        if state not in ("failed", "cancelled"):
+            said = f"item {item_id} is {state}: only a failed or cancelled item can be requeued"
+        elif expected and state not in expected:
             said = (
                 f"item {item_id} is {state}, not {' or '.join(expected)} as expected: left as it is"
             )
         else:
-            said = f"item {item_id} is {state}: only a failed or cancelled item can be requeued"
+            said = (
+                f"item {item_id} is {state} at fence {fence}, not at fence {expected_fence} as "
+                "expected (it ran again since): left as it is"
+            )
         super().__init__(said)
         self.item_id = item_id
         self.state = state
         self.expected = expected
+        self.fence = fence
+        self.expected_fence = expected_fence
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (NotRequeueable, (self.item_id, self.state, self.expected))
+        return (
+            NotRequeueable,
+            (self.item_id, self.state, self.expected, self.fence, self.expected_fence),
+        )
 
 
 class WaitTimeout(AsyncplaneError, TimeoutError):

@@ -1341,8 +1341,11 @@ def _list_params(
 async def _cancel_one(
     conn: asyncpg.Connection, item_id: int, state: str, fence: int, reason: str | None,
     actor_id: str | None, now: float, expected: tuple[str, ...] = (),
+    expected_fence: int | None = None,
 ) -> str:  # fmt: skip
-    plan = _rules.cancel_plan(item_id, state, fence, reason, actor_id, now, expected)
+    plan = _rules.cancel_plan(
+        item_id, state, fence, reason, actor_id, now, expected, expected_fence
+    )
     if plan is None:
         return state
     await conn.execute(sql.CANCEL_ITEM, plan.fence, reason, now, item_id)
@@ -1354,16 +1357,17 @@ async def _cancel(op: _backend.CancelOp, conn: asyncpg.Connection, now: float) -
     found = await conn.fetchrow(sql.TARGET_ITEM, op.actor_id, op.item_id)
     state, fence = _rules.target(op.item_id, op.actor_id, found)
     after = await _cancel_one(
-        conn, op.item_id, state, fence, op.reason, op.actor_id, now, op.expected
-    )
+        conn, op.item_id, state, fence, op.reason, op.actor_id, now, op.expected,
+        op.expected_fence,
+    )  # fmt: skip
     return after, after != state
 
 
 async def _requeue_one(
     conn: asyncpg.Connection, item_id: int, state: str, fence: int, actor_id: str | None,
-    now: float, expected: tuple[str, ...] = (),
+    now: float, expected: tuple[str, ...] = (), expected_fence: int | None = None,
 ) -> None:  # fmt: skip
-    requeued = _rules.requeue_event(item_id, state, fence, actor_id, now, expected)
+    requeued = _rules.requeue_event(item_id, state, fence, actor_id, now, expected, expected_fence)
     await _insert_events(conn, [requeued])
     await conn.execute(sql.REQUEUE_ITEM, now, item_id)
 
@@ -1371,7 +1375,9 @@ async def _requeue_one(
 async def _requeue(op: _backend.RequeueOp, conn: asyncpg.Connection, now: float) -> None:
     found = await conn.fetchrow(sql.TARGET_ITEM, op.actor_id, op.item_id)
     state, fence = _rules.target(op.item_id, op.actor_id, found)
-    await _requeue_one(conn, op.item_id, state, fence, op.actor_id, now, op.expected)
+    await _requeue_one(
+        conn, op.item_id, state, fence, op.actor_id, now, op.expected, op.expected_fence
+    )
 
 
 async def _chunk_of(

@@ -1076,17 +1076,19 @@ def cancel_plan(
     actor_id: str | None,
     now: float,
     expected: tuple[str, ...] = (),
+    expected_fence: int | None = None,
 ) -> CancelPlan | None:
-    """What cancelling an item in ``state`` writes; None for one settled already (done,
-    failed or cancelled), or in none of the states its caller ``expected`` it in (a page
-    shown a while ago), which stays as it is.
+    """What cancelling an item in ``state`` at ``fence`` writes; None for one settled
+    already (done, failed or cancelled), or in none of the states its caller ``expected``
+    it in, or at another fence than ``expected_fence`` (a page shown a while ago: a claim,
+    a takeover or a cancel since raised it), which stays as it is.
 
     The fence rises as on a takeover, whatever the state: a claimed or offloaded item's
     holder is refused (`ItemCancelled`) at its next renew or settle, and should the item
     be requeued, its next claim's fence is above every earlier one. Twins are not
     settled: a cancel only stops holding them back.
     """
-    if state in _models.SETTLED_STATES or (expected and state not in expected):
+    if state in _models.SETTLED_STATES or not _as_expected(state, fence, expected, expected_fence):
         return None
     raised = fence + 1
     detail: dict[str, Any] = {"from": state}
@@ -1097,14 +1099,25 @@ def cancel_plan(
 
 def requeue_event(
     item_id: int, state: str, fence: int, actor_id: str | None, now: float,
-    expected: tuple[str, ...] = (),
+    expected: tuple[str, ...] = (), expected_fence: int | None = None,
 ) -> Event:  # fmt: skip
     """The "requeued" event that takes a failed or cancelled item back to ready (who,
-    when, from which state); any other state, or one its caller did not expect it in
-    (``expected``: a page shown a while ago), is refused, naming it."""
-    if state not in REQUEUEABLE or (expected and state not in expected):
-        raise _errors.NotRequeueable(item_id, state, expected)
+    when, from which state); any other state, or one its caller did not expect it in, or
+    another fence (``expected``, ``expected_fence``: a page shown a while ago, since which
+    the item was requeued and ran again, say), is refused, naming it."""
+    if state not in REQUEUEABLE or not _as_expected(state, fence, expected, expected_fence):
+        raise _errors.NotRequeueable(item_id, state, expected, fence, expected_fence)
     return event(item_id, "requeued", fence, None, actor_id, now, {"from": state})
+
+
+def _as_expected(
+    state: str, fence: int, expected: tuple[str, ...], expected_fence: int | None
+) -> bool:
+    """Whether an item stands as an operator's action expects it to (``if_state``,
+    ``if_fence``: none given, however it stands)."""
+    if expected and state not in expected:
+        return False
+    return expected_fence is None or fence == expected_fence
 
 
 def listing_arms(states: tuple[str, ...], project: bool) -> tuple[str, ...]:

@@ -944,8 +944,11 @@ def _list_items(db: sqlite3.Connection, op: _backend.ListOp) -> list[_backend.It
 def _cancel_one(
     db: sqlite3.Connection, item_id: int, state: str, fence: int, reason: str | None,
     actor_id: str | None, now: float, expected: tuple[str, ...] = (),
+    expected_fence: int | None = None,
 ) -> str:  # fmt: skip
-    plan = _rules.cancel_plan(item_id, state, fence, reason, actor_id, now, expected)
+    plan = _rules.cancel_plan(
+        item_id, state, fence, reason, actor_id, now, expected, expected_fence
+    )
     if plan is None:
         return state
     db.execute(sql.CANCEL_ITEM, (plan.fence, reason, now, item_id))
@@ -956,15 +959,18 @@ def _cancel_one(
 def _cancel(op: _backend.CancelOp, db: sqlite3.Connection, now: float) -> tuple[str, bool]:
     found = db.execute(sql.DIAGNOSE_ITEM, (op.actor_id, op.item_id)).fetchone()
     state, fence = _rules.target(op.item_id, op.actor_id, found)
-    after = _cancel_one(db, op.item_id, state, fence, op.reason, op.actor_id, now, op.expected)
+    after = _cancel_one(
+        db, op.item_id, state, fence, op.reason, op.actor_id, now, op.expected,
+        op.expected_fence,
+    )  # fmt: skip
     return after, after != state
 
 
 def _requeue_one(
     db: sqlite3.Connection, item_id: int, state: str, fence: int, actor_id: str | None,
-    now: float, expected: tuple[str, ...] = (),
+    now: float, expected: tuple[str, ...] = (), expected_fence: int | None = None,
 ) -> None:  # fmt: skip
-    requeued = _rules.requeue_event(item_id, state, fence, actor_id, now, expected)
+    requeued = _rules.requeue_event(item_id, state, fence, actor_id, now, expected, expected_fence)
     db.execute(sql.INSERT_EVENT, requeued)
     db.execute(sql.REQUEUE_ITEM, (now, item_id))
 
@@ -972,7 +978,7 @@ def _requeue_one(
 def _requeue(op: _backend.RequeueOp, db: sqlite3.Connection, now: float) -> None:
     found = db.execute(sql.DIAGNOSE_ITEM, (op.actor_id, op.item_id)).fetchone()
     state, fence = _rules.target(op.item_id, op.actor_id, found)
-    _requeue_one(db, op.item_id, state, fence, op.actor_id, now, op.expected)
+    _requeue_one(db, op.item_id, state, fence, op.actor_id, now, op.expected, op.expected_fence)
 
 
 def _chunk_of(db: sqlite3.Connection, op: _backend.WhereOp, states: tuple[str, ...]) -> list[Any]:

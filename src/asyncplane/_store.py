@@ -1343,6 +1343,7 @@ class ControlStore:
         reason: str | None = None,
         actor_id: str | None = None,
         if_state: str | Collection[str] | None = None,
+        if_fence: int | None = None,
     ) -> str:
         """Cancel an item; return its state afterwards.
 
@@ -1354,7 +1355,10 @@ class ControlStore:
         is, and its state returned: not an error. With ``if_state`` (a state, or several)
         an item in none of them is left as it is too, and its state returned: an operator
         acting on what a page showed a while ago cancels nothing that has moved on since
-        (a retrying item a worker has claimed meanwhile, say).
+        (a retrying item a worker has claimed meanwhile, say). With ``if_fence`` an item
+        at another fence is left as it is too: a claim, a takeover or a cancel raises the
+        fence, so "claimed at fence 3" names one run, and a later run of the same item
+        (taken over once the lease shown lapsed, say), still ``claimed``, is not it.
 
         Raises:
             UnknownItem: No such item (control plane only).
@@ -1365,6 +1369,7 @@ class ControlStore:
             _validate.error_text(reason),
             _validate.optional_actor(actor_id),
             _validate.states(if_state, "if_state"),
+            _validate.optional_fence(if_fence, "if_fence"),
         )
         state, _ = await self._settle(op, (await self._engine.ready()).cancel(op))
         self._engine.notify()  # its twins may be claimable, a waiter may be waiting
@@ -1376,6 +1381,7 @@ class ControlStore:
         *,
         actor_id: str | None = None,
         if_state: str | Collection[str] | None = None,
+        if_fence: int | None = None,
     ) -> None:
         """Put a failed or cancelled item back in the ready queue with a fresh attempt
         budget.
@@ -1385,10 +1391,12 @@ class ControlStore:
         attempt), and its next claim's fence is above every earlier one. With
         ``if_state`` ("failed", say) an item in another state is refused as any other
         would be: one cancelled on purpose since a page showed it failed stays cancelled.
+        With ``if_fence`` an item at another fence is refused too: one requeued since, run
+        and failed again, is failed at a higher fence.
 
         Raises:
             NotRequeueable: The item is neither failed nor cancelled (nor in ``if_state``,
-                given); nothing changed.
+                nor at ``if_fence``, given); nothing changed.
             UnknownItem: No such item (control plane only).
             ScopeDenied: The actor may not see the item (or it does not exist).
         """
@@ -1396,6 +1404,7 @@ class ControlStore:
             _validate.item_id(item_id),
             _validate.optional_actor(actor_id),
             _validate.states(if_state, "if_state"),
+            _validate.optional_fence(if_fence, "if_fence"),
         )
         await self._freeing(op, (await self._engine.ready()).requeue(op))
 

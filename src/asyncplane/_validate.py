@@ -60,6 +60,7 @@ __all__ = (
     "megabytes",
     "name",
     "optional_actor",
+    "optional_fence",
     "optional_positive_int",
     "path_text",
     "positive_int",
@@ -161,6 +162,18 @@ def positive_int(value: object, what: str) -> int:
         raise _errors.InvalidInput(f"{what} must be positive, got {shown(value)}")
     if value > MAX_INT:
         raise _errors.InvalidInput(f"{what} must be at most {MAX_INT}, got {shown(value)}")
+    return value
+
+
+def optional_fence(value: object, what: str) -> int | None:
+    """None, or a fence as an item may hold it: an int from 0 (never claimed) up, bool
+    excluded."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _errors.InvalidType(f"{what} must be an int or None, not {type(value).__name__}")
+    if not 0 <= value <= MAX_INT:
+        raise _errors.InvalidInput(f"{what} must be from 0 to {MAX_INT}, got {shown(value)}")
     return value
 
 

@@ -387,9 +387,11 @@ class Dashboard:
 
     async def _requeue(self, request: web.Request) -> web.StreamResponse:
         item_id = _item_id(request)
-        expected = await _shown_state(request)
+        expected, fence = await _shown_state(request), await _shown_fence(request)
         try:
-            await self.store.requeue(item_id, actor_id=self.scope.actor_id, if_state=expected)
+            await self.store.requeue(
+                item_id, actor_id=self.scope.actor_id, if_state=expected, if_fence=fence
+            )
         except _errors.NotRequeueable as exc:
             return _text(409, str(exc))
         _log.debug("dashboard: requeued item %d", item_id, extra={"item_id": item_id})
@@ -399,7 +401,7 @@ class Dashboard:
         item_id = _item_id(request)
         state = await self.store.cancel(
             item_id, reason="cancelled from the dashboard", actor_id=self.scope.actor_id,
-            if_state=await _shown_state(request),
+            if_state=await _shown_state(request), if_fence=await _shown_fence(request),
         )  # fmt: skip
         if state == "cancelled":
             _log.debug("dashboard: cancelled item %d", item_id, extra={"item_id": item_id})
@@ -639,6 +641,22 @@ async def _shown_state(request: web.Request) -> str | None:
     if not isinstance(state, str):  # a file part: no state a page sends
         raise web.HTTPBadRequest(text="the form's state must be a text field")
     return state
+
+
+async def _shown_fence(request: web.Request) -> int | None:
+    """The fence the page showed the item at, which its form sends (``fence``): the action
+    is taken only if the item is still at it, the same run (`cancel`'s ``if_fence``).
+    None from a script that sends none."""
+    form = await _form(request)
+    if "fence" not in form:
+        return None
+    fence = form.get("fence")
+    if not isinstance(fence, str) or not fence.isascii() or not fence.isdigit():
+        raise web.HTTPBadRequest(text="the form's fence must be a whole number")
+    try:
+        return _validate.optional_fence(int(fence), "fence")
+    except _errors.InvalidInput as exc:
+        raise web.HTTPBadRequest(text=f"the form's {exc}") from None
 
 
 async def _field(request: web.Request, name: str) -> str:
