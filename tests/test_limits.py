@@ -235,6 +235,42 @@ async def test_a_waiting_claim_sleeps_until_a_token_is_back(
     assert got is not None
 
 
+async def test_an_offload_wakes_a_claim_waiting_for_the_slot_it_frees(
+    store: ControlStore,
+) -> None:
+    # An offloaded item runs elsewhere (an external batch): its max_running slot is free,
+    # and a claim waiting in this process for it is woken then, not at its next look
+    # for other processes' commits (an hour here).
+    await fill(store, "alpha", 2)
+    await store.set_limits("alpha", max_running=1)
+    first = await store.claim("w")
+    assert first is not None
+    waiter = asyncio.create_task(
+        store.claim("w2", project_id="alpha", wait=3600, poll_interval=3600)
+    )
+    await until(waiting_on("local"), what="the claim waits for a slot")
+    await store.offload(first.item_id, fence=first.fence, handle="batch-1")
+    got = await asyncio.wait_for(waiter, 30)
+    assert got is not None and got.item_id != first.item_id
+
+
+async def test_set_limits_from_a_clock_behind_the_buckets_last_refill_gives_no_token(
+    store: ControlStore, clock: ManualClock, asyncplane_store_factory: Any
+) -> None:
+    # The bucket was last refilled at t0 (a claim spent its one token). A change made by
+    # a host whose clock is ten minutes behind must not count those ten minutes again
+    # once the clock reads t0.
+    await fill(store, "alpha", 4)
+    await store.set_limits("alpha", per_minute=1, burst=1)
+    assert await store.claim("w") is not None
+    lagging = await asyncplane_store_factory(clock=ManualClock(clock.now() - 600))
+    await lagging.set_limits("alpha", max_running=100)
+    assert (await store.limits("alpha"))["tokens"] == 0
+    assert await store.claim("w") is None
+    clock.advance(60)
+    assert await store.claim("w") is not None  # the next minute's token, as ever
+
+
 async def test_a_waiting_claim_wakes_when_a_slot_frees_on_another_host(
     store: ControlStore, asyncplane_store_factory: Any
 ) -> None:

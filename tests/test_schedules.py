@@ -272,6 +272,8 @@ async def test_pause_resume_and_delete(store: ControlStore, clock: ManualClock) 
     [
         ({"cron": "61 * * * *"}, InvalidInput, "bad cron expression"),
         ({"cron": "* * *"}, InvalidInput, "bad cron expression"),
+        # cronsim reads a sixth field, of seconds: the schedules take five.
+        ({"cron": "*/7 * * * * *"}, InvalidInput, "needs five fields .* not 6"),
         ({"cron": "0 0 30 2 *"}, InvalidInput, "day-of-month"),  # a date that never comes
         ({"cron": 5}, InvalidType, "cron must be a str"),
         ({"cron": "@daily", "timezone": "Mars/Olympus"}, InvalidInput, "unknown timezone"),
@@ -491,6 +493,114 @@ async def test_work_runs_schedules_too(store: ControlStore, clock: ManualClock) 
     await until(lambda: ran == [{"task": "w"}], what="the tick's item ran")
     stop.set()
     assert (await worker).scheduled == 1
+
+
+def busy_schedules() -> Any:
+    """A condition: a worker whose every slot is taken (or a daemon whose batch runs)
+    waits for its schedules' next tick."""
+
+    async def check() -> bool:
+        name = "asyncplane-busy-schedules-tick"  # _engine.BUSY_SCHEDULES
+        return any(task.get_name() == name for task in asyncio.all_tasks())
+
+    return check
+
+
+async def test_a_worker_whose_every_slot_is_taken_enqueues_each_tick_as_it_falls(
+    store: ControlStore, clock: ManualClock
+) -> None:
+    # One slot, and the item in it runs for hours (an agent's long call): a tick that
+    # falls meanwhile is enqueued then, not once the slot frees (a catch_up="none" tick
+    # more than a minute late would be skipped, and "latest" would merge them).
+    clock.set(at(2026, 12, 1, 0, 0))
+    await store.enqueue("alpha", {"task": "long"})
+    await store.set_schedule(
+        "s", project_id="alpha", payload={"task": "tick"}, every=60, catch_up="none"
+    )
+    release = asyncio.Event()
+    ran: list[Any] = []
+
+    async def handle(claim: Any) -> Any:
+        ran.append(claim.payload)
+        if claim.payload == {"task": "long"}:
+            await release.wait()
+        return Done()
+
+    stop = asyncio.Event()
+    worker = asyncio.create_task(work(store, handle, concurrency=1, stop=stop))
+    await until(busy_schedules(), what="the busy worker waits for the next tick")
+    for minute in (1, 2, 3):
+        clock.advance(60)
+        await until(
+            lambda minute=minute: counted(store, minute),
+            what=f"tick {minute} enqueued while the slot is taken",
+        )
+    assert ran == [{"task": "long"}]
+    release.set()
+    await until(lambda: len(ran) == 4, what="the three ticks ran once the slot freed")
+    stop.set()
+    assert (await worker).scheduled == 3
+
+
+async def counted(store: ControlStore, ticks: int) -> bool:
+    """Whether the schedule "s" has enqueued ``ticks`` items."""
+    return len(await tick_items(store, "s")) == ticks
+
+
+async def test_a_daemon_enqueues_each_tick_as_it_falls_while_its_batch_runs(
+    store: ControlStore, clock: ManualClock
+) -> None:
+    clock.set(at(2026, 12, 1, 0, 0))
+    await store.enqueue("alpha", {"task": "long"})
+    await store.set_schedule(
+        "s", project_id="alpha", payload={"task": "tick"}, every=60, catch_up="none"
+    )
+    release = asyncio.Event()
+    ran: list[Any] = []
+
+    async def execute(batch: list[Any]) -> list[Any]:
+        ran.extend(claim.payload for claim in batch)
+        if {"task": "long"} in [claim.payload for claim in batch]:
+            await release.wait()
+        return [Done() for _ in batch]
+
+    stop = asyncio.Event()
+    daemon = asyncio.create_task(drain(store, execute, mode="daemon", stop=stop))
+    await until(busy_schedules(), what="the daemon's batch runs, its schedules wait")
+    for minute in (1, 2):
+        clock.advance(60)
+        await until(lambda minute=minute: counted(store, minute), what=f"tick {minute}")
+    assert ran == [{"task": "long"}]
+    release.set()
+    await until(lambda: len(ran) == 3, what="the ticks ran after the batch")
+    stop.set()
+    assert (await daemon).scheduled == 2
+
+
+@pytest.mark.postgresql_only
+async def test_a_run_that_leaves_a_tick_due_looks_again_in_a_second_not_at_once(
+    url: str,
+) -> None:
+    # Another host's run holds the due schedule's row (SKIP LOCKED passes it by): the tick
+    # is still due here, and a waiter woken for it at once would run the schedules again
+    # and again, a write transaction each, until that host let go.
+    import asyncpg
+
+    clock = ManualClock(at(2026, 12, 1, 0, 0))
+    async with ControlStore(url, clock=clock) as store:
+        await store.create_project("alpha", "Alpha")
+        await store.set_schedule("s", project_id="alpha", payload={}, every=60)
+        clock.advance(61)
+        other = await asyncpg.connect(url)
+        try:
+            async with other.transaction():
+                await other.execute("SELECT 1 FROM schedules WHERE name = 's' FOR UPDATE")
+                assert await store.run_schedules() == 0
+                tick = engine_of(store).next_tick
+                assert tick is not None and tick > clock.now()
+        finally:
+            await other.close()
+        assert await store.run_schedules() == 1  # let go: the tick is enqueued here
 
 
 # --- a fleet of processes -------------------------------------------------------------------

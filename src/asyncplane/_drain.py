@@ -252,7 +252,7 @@ class _Drain:
                 batch = await self._claim()
                 if batch:
                     empty = 0
-                    await self._run(batch)
+                    await (self._run_scheduling(batch) if local is not None else self._run(batch))
                     continue
                 empty += 1
                 if local is None:
@@ -281,6 +281,30 @@ class _Drain:
             raise asyncio.CancelledError
         self.summary.claimed += len(batch)
         return batch
+
+    async def _run_scheduling(self, batch: list[_models.ClaimedItem]) -> None:
+        """A daemon's `_run`: the schedules keep their pace while the batch runs
+        (`Engine.schedules_until`), so that a tick falling meanwhile is enqueued when it
+        falls, not once the batch is over (a ``catch_up="none"`` tick a minute late would
+        be skipped). A schedule run that fails is raised once the batch is settled, as
+        the loop's own would be."""
+        over = asyncio.Event()
+        ticking = asyncio.create_task(
+            self.engine.schedules_until(over), name=f"asyncplane-drain-schedules[{self.owner}]"
+        )
+        try:
+            await self._run(batch)
+        except BaseException:
+            over.set()
+            await _tasks.stop(ticking)
+            raise
+        over.set()
+        scheduled, cut = await _tasks.to_the_end(
+            ticking, f"asyncplane-drain-schedules[{self.owner}]"
+        )
+        self.summary.scheduled += scheduled
+        if cut:
+            raise asyncio.CancelledError
 
     async def _run(self, batch: list[_models.ClaimedItem]) -> None:
         """Execute one batch under lease renewal, then settle every outcome."""

@@ -32,7 +32,7 @@ import os
 import socket
 import time
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Literal, NamedTuple
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 from asyncplane import (
     _backend,
@@ -44,6 +44,7 @@ from asyncplane import (
     _retention,
     _schedule,
     _settles,
+    _tasks,
     _telemetry,
     _validate,
     _write_queue,
@@ -502,8 +503,49 @@ class Engine:
                 break
         if enqueued:
             _schedules_log.debug("schedules enqueued %d item(s)", enqueued)
-        self.next_tick = await backend.next_tick(crons)
+        tick = await backend.next_tick(crons)
+        now = self.clock.now()
+        if tick is not None and tick <= now:
+            # Due still: its row was another process's this instant (PostgreSQL skips a
+            # locked one), which enqueues it. Looked at again in a while, not at once: a
+            # waiter woken for it would run the schedules again and again meanwhile.
+            tick = now + _SCHEDULES_EVERY
+        self.next_tick = tick
         return enqueued
+
+    async def schedules_until(self, done: asyncio.Event) -> int:
+        """Run the schedules at their pace (`maybe_run_schedules`) until ``done`` is set,
+        sleeping between runs as `until_tick_or_look` does: what a drain whose batch runs
+        does meanwhile, so that no tick falls late while its items run. How many items
+        the schedules enqueued."""
+        enqueued = 0
+        while not done.is_set():
+            enqueued += await self.maybe_run_schedules()
+            sleeps: list[asyncio.Task[Any]] = [
+                asyncio.create_task(done.wait(), name="asyncplane-busy-schedules-done"),
+                asyncio.create_task(self.until_tick_or_look(), name=BUSY_SCHEDULES),
+            ]
+            try:
+                await asyncio.wait(sleeps, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for sleep in sleeps:
+                    sleep.cancel()
+                await asyncio.gather(*sleeps, return_exceptions=True)
+        return enqueued
+
+    async def until_tick_or_look(self) -> None:
+        """Sleep until the next tick known here falls (on the store's clock), or
+        `_BUSY_LOOK` seconds at most: a busy worker's or drain's pause between two runs of
+        the schedules (a schedule added or changed elsewhere meanwhile is learnt of at
+        the next run)."""
+        tick = self.next_tick
+        if tick is None:
+            await asyncio.sleep(_BUSY_LOOK)
+            return
+        with contextlib.suppress(asyncio.TimeoutError):
+            await _tasks.within(
+                _clock.wait_until(self.clock, tick), _BUSY_LOOK, "asyncplane-busy-schedules-clock"
+            )
 
     async def _say_crons_are_left(self, backend: _backend.Backend) -> None:
         """Warn, once a process, that cron schedules fall due that this process leaves to
@@ -572,6 +614,12 @@ _SCHEDULES_PER_ROUND = 50
 #: The least time between two runs of the schedules a drain loop makes (unless a tick
 #: it knows of falls due sooner), in seconds.
 _SCHEDULES_EVERY = 1.0
+#: The name of a busy worker's or drain's wait for its schedules' next run (tests look for it).
+BUSY_SCHEDULES = "asyncplane-busy-schedules-tick"
+#: The longest a busy worker's schedules sleep without a tick known to fall (`schedules_until`):
+#: a schedule added elsewhere meanwhile runs its first tick at most this late, well inside
+#: the minute a ``catch_up="none"`` tick may be late and still run.
+_BUSY_LOOK = 10.0
 
 
 def require_asyncio() -> asyncio.AbstractEventLoop:

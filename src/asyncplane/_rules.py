@@ -862,7 +862,11 @@ def merged_limits(
         return new
     held = None if old is None else bucket(old, now)
     tokens = _capacity(new) if held is None else min(_capacity(new), held)
-    return new._replace(tokens=tokens, refilled_at=now)
+    # Counted from now, or from the bucket's last refill if that is later (a clock behind
+    # the process that last spent, or stepped back): the time between was refilled once
+    # already, and a change of max_running alone must not refill it again.
+    since = now if old is None or old.refilled_at is None else max(now, old.refilled_at)
+    return new._replace(tokens=tokens, refilled_at=since)
 
 
 def deal(

@@ -248,6 +248,14 @@ def timetable(cron: object, every: object, timezone: object, anchor: float) -> T
     if not isinstance(cron, str):
         raise _errors.InvalidType(f"cron must be a str, not {type(cron).__name__}")
     expression = " ".join(cron.split())
+    if expression not in _NICKNAMES and len(expression.split(" ")) != 5:
+        # cronsim reads a sixth, leading field of seconds too; the schedules promise
+        # five (and their DST rules were written for those).
+        raise _errors.InvalidInput(
+            f"bad cron expression {cron!r}: it needs five fields (minute, hour, day of "
+            f"month, month, day of week) or a nickname ({', '.join(_NICKNAMES)}), "
+            f"not {len(expression.split())}"
+        )
     module = _cronsim()
     try:
         module.CronSim(_NICKNAMES.get(expression, expression), dt.datetime.now(dt.timezone.utc))

@@ -1022,6 +1022,7 @@ class ControlStore:
             _validate.text_id(handle, "handle"),
         )
         await self._settle(op, (await self._engine.ready()).offload(op))
+        self._engine.notify()  # it frees its project's max_running slot for a waiter
 
     async def _settle(self, op: Any, call: Awaitable[_T], *, timed: bool = True) -> _T:
         """Await one settle, renew, bulk-chunk or `_freeing` call, counted under the outcome

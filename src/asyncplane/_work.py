@@ -437,15 +437,30 @@ class _Worker:
     async def _until_a_slot_frees(self) -> None:
         """Until a handler returns (`_settle_to_end`, where the backend shares a settle's
         round with a claim), a running item ends (`_ended`), a stop (`_wake_at_stop`) or
-        a close of the store (`Engine.watch_closes`): each sets ``wake``."""
+        a close of the store (`Engine.watch_closes`): each sets ``wake``. Meanwhile the
+        schedules keep their pace (`Engine.schedules_until`): a tick that falls while
+        every slot is taken is enqueued when it falls, for another worker, or this one
+        once a slot is free."""
         self.wake.clear()
         if self.handling() < self.concurrency or self.stop.is_set() or self.store_closed():
             return
+        self.summary.scheduled += await self.engine.maybe_run_schedules()
+        if self.wake.is_set():
+            return  # a slot freed, or a stop came, while the schedules ran
         self.waiting_for_slot = True
+        # The alarm wakes this loop for the schedules' next run, which comes round here.
+        alarm = asyncio.create_task(self._alarm(), name=_engine.BUSY_SCHEDULES)
         try:
             await self.wake.wait()
         finally:
             self.waiting_for_slot = False
+            # Not waited for: the claim that follows a settle must be queued at once, to
+            # share its round (`_settle_to_end`); a cancelled sleep ends by itself.
+            alarm.cancel()
+
+    async def _alarm(self) -> None:
+        await self.engine.until_tick_or_look()
+        self.wake.set()
 
     async def _housekeeping(self) -> None:
         # Schedules keep their own pace: at most once a second, and at each tick. Each
