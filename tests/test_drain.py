@@ -486,6 +486,23 @@ def test_a_killed_drainer_leaves_no_lock_behind(location_of: Any) -> None:
     assert json.loads(next_drain.stdout)["skipped"] is False
 
 
+async def test_a_daemon_ends_when_its_store_is_closed_and_leaves_it_closed(
+    store: ControlStore,
+) -> None:
+    # A program that closes its store to end its drainer: the daemon, woken by the close,
+    # ends as at a stop, and no read of its opens the store again.
+    async def execute(batch: list[Any]) -> list[Any]:
+        return [Done() for _ in batch]
+
+    daemon = asyncio.create_task(drain(store, execute, mode="daemon"))
+    await store.enqueue("alpha", {"n": 1})
+    await until(waiting_on("local"), what="the daemon ran the item and waits for more")
+    await store.close()
+    summary = await asyncio.wait_for(daemon, 30)
+    assert summary.done == 1
+    assert not engine_of(store).is_open
+
+
 async def test_the_lock_survives_the_file_being_opened_and_closed_elsewhere(
     tmp_path: pathlib.Path,
 ) -> None:

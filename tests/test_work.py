@@ -353,6 +353,48 @@ async def test_a_store_closed_during_the_version_read_stops_the_worker_unopened(
     assert not engine.is_open  # the claim did not reopen it
 
 
+@pytest.mark.parametrize("during", ["version read", "housekeeping"])
+async def test_a_stop_while_the_loop_reads_before_its_claim_makes_no_claim(
+    store: ControlStore, monkeypatch: pytest.MonkeyPatch, during: str
+) -> None:
+    # A SIGTERM's handler runs while the claim loop awaits one of its reads: no claim
+    # follows it ("once stop is set, no new claims are made").
+    await store.enqueue_many("alpha", [{"n": n} for n in range(4)])
+    engine = engine_of(store)
+    stop = asyncio.Event()
+    name = "data_version" if during == "version read" else "maybe_run_schedules"
+    real = getattr(engine, name)
+
+    async def stopping(*args: Any) -> Any:
+        answer = await real(*args)
+        stop.set()  # as the signal's handler would, while the read is out
+        return answer
+
+    monkeypatch.setattr(engine, name, stopping)
+
+    async def handle(claim: ClaimedItem) -> Done:
+        return Done()
+
+    summary = await asyncio.wait_for(work(store, handle, concurrency=4, stop=stop), 30)
+    assert summary.claimed == 0
+    assert (await store.counts())["ready"] == 4
+
+
+async def test_an_item_cancelled_before_its_renewal_and_given_back_at_a_stop_is_counted(
+    store: ControlStore,
+) -> None:
+    # An operator cancels a running item; the worker stops before its next renewal told
+    # it: the give-back is refused (ItemCancelled), and the summary says cancelled.
+    item_id = await store.enqueue("alpha", {})
+    stop = asyncio.Event()
+    worker = asyncio.create_task(work(store, hang, stop=stop, grace=0))
+    await until(lambda: running_tasks() == 1, what="the item runs")
+    assert await store.cancel(item_id, reason="not needed") == "cancelled"
+    stop.set()
+    summary = await asyncio.wait_for(worker, 30)
+    assert (summary.claimed, summary.cancelled, summary.released) == (1, 1, 0)
+
+
 async def test_a_renewer_cancelled_by_someone_else_stops_the_worker_and_gives_back(
     store: ControlStore,
 ) -> None:
@@ -1064,7 +1106,7 @@ async def test_a_project_unassigned_under_an_actors_worker_loses_only_its_items(
         assert not worker.done()
     stop.set()  # grace 0: a handler still running is stopped, its claim given back
     summary = await asyncio.wait_for(worker, 10)
-    assert summary.scope_lost == (0 if refused == "give back" else 1)
+    assert summary.scope_lost == 1  # a give-back refused for it too: counted as what it is
     assert (summary.done, summary.released) == ((0, 1) if refused == "give back" else (1, 0))
     assert (await store.item(gone))["state"] == "claimed"  # left to its lease
     clock.advance(store.lease_seconds)

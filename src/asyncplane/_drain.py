@@ -176,7 +176,8 @@ async def drain(
             await run.loop()
         finally:
             run.summary.elapsed_s = time.monotonic() - started
-        run.summary.remaining = await run.remaining()
+        if not run.store_closed():  # counting would open a closed store again
+            run.summary.remaining = await run.remaining()
         run.summary.elapsed_s = time.monotonic() - started
         _log.info("drain %s stopped: %s", run.owner, run.summary)
         if run.exiting is not None:
@@ -219,14 +220,30 @@ class _Drain:
         self.settler = Settler(self.store, self.actor_id, self.summary, "executor")
         #: Items of the running batch a renewal found lost (taken over, cancelled).
         self.lost: set[int] = set()
+        self.closes = self.engine.closes  # the store closed since: stop
+
+    def store_closed(self) -> bool:
+        """Whether the store was closed since the drain began: it stops, as at a stop,
+        and no read or claim of its may open the store again (the batch running at the
+        close still settles, as `work()`'s running items do)."""
+        return self.engine.closes != self.closes
 
     @property
     def engine(self) -> _engine.Engine:
         return _store.engine_of(self.store)
 
     async def loop(self) -> None:
+        try:
+            await self._rounds()
+        except _errors.StoreClosed:
+            if not self.store_closed():
+                raise
+            # Closed under one of the round's reads or its claim (a claim the close
+            # refused took nothing): the drain stops, as at a stop.
+
+    async def _rounds(self) -> None:
         empty = 0
-        while not self.stop.is_set():
+        while not self.stop.is_set() and not self.store_closed():
             if self.max_iters is not None and self.summary.rounds >= self.max_iters:
                 return
             if self.guard.lost is not None:
@@ -242,13 +259,23 @@ class _Drain:
             # commit elsewhere moves data_version past the value read now).
             local = self.engine.watch() if self.mode == "daemon" else None
             try:
+                # Each step looks first whether the store was closed meanwhile (a close
+                # wakes a waiting daemon): a step would open it again.
                 version = await self.engine.data_version() if local is not None else 0
+                if self.store_closed():
+                    return
                 settled, _ = await self.engine.preflight_step(
                     self.preflight_chunk, project_id=self.project_id, actor_id=self.actor_id
                 )
                 self.summary.deduplicated += settled
+                if self.store_closed():
+                    return
                 self.summary.purged += await self.engine.maybe_purge()
+                if self.store_closed():
+                    return
                 self.summary.scheduled += await self.engine.maybe_run_schedules()
+                if self.store_closed() or self.stop.is_set():
+                    return  # a stop or a close while the round's steps ran: no claim
                 batch = await self._claim()
                 if batch:
                     empty = 0
@@ -289,8 +316,9 @@ class _Drain:
         be skipped). A schedule run that fails is raised once the batch is settled, as
         the loop's own would be."""
         over = asyncio.Event()
+        self.engine.watch_closes(over)  # a close ends them: a run would open the store again
         ticking = asyncio.create_task(
-            self.engine.schedules_until(over), name=f"asyncplane-drain-schedules[{self.owner}]"
+            self._schedules_until(over), name=f"asyncplane-drain-schedules[{self.owner}]"
         )
         try:
             await self._run(batch)
@@ -298,6 +326,8 @@ class _Drain:
             over.set()
             await _tasks.stop(ticking)
             raise
+        finally:
+            self.engine.unwatch(over)
         over.set()
         scheduled, cut = await _tasks.to_the_end(
             ticking, f"asyncplane-drain-schedules[{self.owner}]"
@@ -305,6 +335,15 @@ class _Drain:
         self.summary.scheduled += scheduled
         if cut:
             raise asyncio.CancelledError
+
+    async def _schedules_until(self, over: asyncio.Event) -> int:
+        """`Engine.schedules_until`; a close under one of its runs ends it quietly."""
+        try:
+            return await self.engine.schedules_until(over)
+        except _errors.StoreClosed:
+            if not self.store_closed():
+                raise
+            return 0
 
     async def _run(self, batch: list[_models.ClaimedItem]) -> None:
         """Execute one batch under lease renewal, then settle every outcome."""

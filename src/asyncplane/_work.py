@@ -281,6 +281,11 @@ class _Worker:
         self.next_housekeeping = 0.0
         self.closes = self.engine.closes  # the store closed since: stop
 
+    def interrupted(self) -> bool:
+        """Whether the claim loop must make no new claim: a stop, a failure (the
+        renewer's, say), or a close of the store (a claim would open it again)."""
+        return self.stop.is_set() or self.failure is not None or self.store_closed()
+
     def store_closed(self) -> bool:
         """Whether the store was closed since the worker began: it stops, and no read or
         claim of its may open the store again."""
@@ -394,8 +399,8 @@ class _Worker:
                 await self._until_a_slot_frees()
                 continue
             await self._housekeeping()
-            if self.store_closed():
-                continue  # closed meanwhile: a read or claim now would open it again
+            if self.interrupted():
+                continue  # a stop, a failure or a close meanwhile: the loop's top ends it
             if busy:
                 # Straight after a claim that took something, claim without first reading
                 # the store's data version (a read on another thread): only a claim that
@@ -407,8 +412,8 @@ class _Worker:
             local = self.engine.watch()
             try:
                 version = await self.engine.data_version()  # before the claim
-                if self.store_closed():
-                    continue  # closed during the read: the claim would open it again
+                if self.interrupted():
+                    continue  # a stop (a signal's), a failure or a close during the read
                 self.wake.clear()
                 busy = bool(await self._claim(free))
                 if busy:
@@ -585,8 +590,11 @@ class _Worker:
             return
         try:
             await self.store.release(claim.item_id, fence=claim.fence, actor_id=self.actor_id)
-        except LOST:
-            return  # taken over, cancelled or out of scope meanwhile: not ours to give back
+        except LOST as refusal:
+            # Taken over, cancelled or out of scope meanwhile (before a renewal told):
+            # not ours to give back, and counted as what happened to it.
+            count_lost(refusal, self.summary)
+            return
         self.summary.released += 1
 
     def _exit_of_lost(self, handler: asyncio.Task[Any]) -> None:
