@@ -27,7 +27,7 @@ import aiohttp.web
 import pytest
 
 from asyncplane import ControlStore, InvalidInput, Job, cli, verify_ledger
-from asyncplane.dashboard import Dashboard
+from asyncplane.dashboard import Dashboard, _views
 from asyncplane.testing import ManualClock
 
 HOSTILE_PAYLOAD = {"x": "<script>window.__pwned = 1</script>"}
@@ -260,13 +260,61 @@ async def test_a_cancel_from_the_running_page_leaves_a_later_run_of_its_item(
         _, page = await text(session, url + f"/items/{item_id}")
         shown = form_fields(page, f"/items/{item_id}/cancel")
         assert shown["fence"] == "2"
-        for bad in ("x", "-1", "1.5", "\u0661"):  # not a whole number of ASCII digits
+        # Not a whole number of ASCII digits, or past any fence (int() reads 4,300 digits).
+        for bad in ("x", "-1", "1.5", "\u0661", "9" * 20, "9" * 5000):
             status, said, _ = await post(
                 session, url + f"/items/{item_id}/cancel", {**shown, "fence": bad}
             )
             assert status == 400 and "fence" in said, (bad, status, said)
         assert (await post(session, url + f"/items/{item_id}/cancel", shown))[0] == 303
     assert (await store.item(item_id))["state"] == "cancelled"
+
+
+@pytest.mark.parametrize("action", ["requeue", "cancel"])
+async def test_a_group_action_leaves_a_member_that_ran_again_since_the_group_was_read(
+    store: ControlStore, clock: ManualClock, monkeypatch: pytest.MonkeyPatch, action: str
+) -> None:
+    # Between the group's read and the action on its member, the item runs again and
+    # ends with another error, in the same state: it is no longer of the group, and the
+    # action, which takes each member at the fence it was read at, leaves it.
+    item_id = await store.enqueue("alpha", {"n": 1})
+    first = await store.claim("w1")
+    assert first is not None
+    if action == "requeue":
+        await store.finish(item_id, fence=first.fence, status="failed", error="disk full")
+    else:
+        await store.retry(item_id, fence=first.fence, error="disk full", delay=5)
+    read = _views.group_members
+
+    async def read_then_it_runs_again(*args: Any) -> Any:
+        members = await read(*args)
+        if action == "requeue":
+            await store.requeue(item_id)
+        clock.advance(6)
+        again = await store.claim("w2")
+        assert again is not None
+        if action == "requeue":
+            await store.finish(item_id, fence=again.fence, status="failed", error="bad input")
+        else:
+            await store.retry(item_id, fence=again.fence, error="bad input", delay=600)
+        return members
+
+    monkeypatch.setattr(_views, "group_members", read_then_it_runs_again)
+    async with serving(store, allow_actions=True) as (_, url, session):
+        _, page = await text(session, url + "/failures")
+        status, said, _ = await post(
+            session,
+            url + f"/failures/{action}",
+            {"csrf": csrf_of(page), "error": "disk full"},
+            headers={"Accept": "application/json"},
+        )
+    assert status == 200, said
+    assert json.loads(said) == {"requeued" if action == "requeue" else "cancelled": 0}
+    item = await store.item(item_id)
+    assert (item["state"], item["error"]) == (
+        "failed" if action == "requeue" else "deferred",
+        "bad input",
+    )
 
 
 async def test_a_token_guards_every_request_off_loopback(store: ControlStore) -> None:

@@ -128,17 +128,19 @@ class NotRequeueable(AsyncplaneError):
         fence: int | None = None,
         expected_fence: int | None = None,
     ) -> None:
-        if state not in ("failed", "cancelled"):
-            said = f"item {item_id} is {state}: only a failed or cancelled item can be requeued"
-        elif expected and state not in expected:
+        if expected and state in ("failed", "cancelled") and state not in expected:
             said = (
                 f"item {item_id} is {state}, not {' or '.join(expected)} as expected: left as it is"
             )
-        else:
+        elif state in ("failed", "cancelled") and expected_fence not in (None, fence):
             said = (
                 f"item {item_id} is {state} at fence {fence}, not at fence {expected_fence} as "
-                "expected (it ran again since): left as it is"
+                "expected (a claim or a cancel raised it since): left as it is"
             )
+        elif state in ("failed", "cancelled"):  # refused for no reason it was given
+            said = f"item {item_id} is {state}: left as it is"
+        else:
+            said = f"item {item_id} is {state}: only a failed or cancelled item can be requeued"
         super().__init__(said)
         self.item_id = item_id
         self.state = state

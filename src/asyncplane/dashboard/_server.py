@@ -407,7 +407,7 @@ class Dashboard:
             _log.debug("dashboard: cancelled item %d", item_id, extra={"item_id": item_id})
         return await self._done(request, {"item_id": item_id, "state": state})
 
-    async def _group(self, request: web.Request, state: str) -> list[int]:
+    async def _group(self, request: web.Request, state: str) -> list[tuple[int, int]]:
         """The items of the error group a form names: by ``group`` (its key, from the
         failures page) or ``error`` (its exact text, from a script)."""
         form = await _form(request)
@@ -419,19 +419,21 @@ class Dashboard:
 
     async def _requeue_group(self, request: web.Request) -> web.StreamResponse:
         done = 0
-        for item_id in await self._group(request, "failed"):
+        for item_id, fence in await self._group(request, "failed"):
             with contextlib.suppress(_errors.NotRequeueable):  # moved on meanwhile
-                await self.store.requeue(item_id, actor_id=self.scope.actor_id, if_state="failed")
+                await self.store.requeue(
+                    item_id, actor_id=self.scope.actor_id, if_state="failed", if_fence=fence
+                )
                 done += 1
         _log.info("dashboard: requeued %d failed item(s) of one error group", done)
         return await self._done(request, {"requeued": done})
 
     async def _cancel_group(self, request: web.Request) -> web.StreamResponse:
         done = 0
-        for item_id in await self._group(request, "deferred"):
+        for item_id, fence in await self._group(request, "deferred"):
             state = await self.store.cancel(  # one claimed since the group was read stays
                 item_id, reason="cancelled from the dashboard", actor_id=self.scope.actor_id,
-                if_state="deferred",
+                if_state="deferred", if_fence=fence,
             )  # fmt: skip
             done += state == "cancelled"
         _log.info("dashboard: cancelled %d retrying item(s) of one error group", done)
@@ -653,6 +655,8 @@ async def _shown_fence(request: web.Request) -> int | None:
     fence = form.get("fence")
     if not isinstance(fence, str) or not fence.isascii() or not fence.isdigit():
         raise web.HTTPBadRequest(text="the form's fence must be a whole number")
+    if len(fence) > 19:  # past any 64-bit fence (and past what int() reads, at 4,300)
+        raise web.HTTPBadRequest(text="the form's fence is past any fence an item can have")
     try:
         return _validate.optional_fence(int(fence), "fence")
     except _errors.InvalidInput as exc:

@@ -370,12 +370,13 @@ async def group_error(scope: Scope, state: str, key: str) -> str | None:
         after = page[-1]["item_id"]
 
 
-async def group_members(scope: Scope, error: str, state: str) -> list[int]:
-    """The ids of every item in ``state`` whose error is exactly ``error`` (a group),
-    read page by page (the store finds its longest line, ignoring ASCII case; this
-    keeps the exact ones)."""
+async def group_members(scope: Scope, error: str, state: str) -> list[tuple[int, int]]:
+    """The ids, with their fences, of every item in ``state`` whose error is exactly
+    ``error`` (a group), read page by page (the store finds its longest line, ignoring
+    ASCII case; this keeps the exact ones). An action on them takes each only at the
+    fence read here: one that ran again since is no longer of the group."""
     piece = max(re.split("[\r\n]", error), key=len)
-    members: list[int] = []
+    members: list[tuple[int, int]] = []
     after = None
     while True:
         page = await scope.items(
@@ -383,7 +384,7 @@ async def group_members(scope: Scope, error: str, state: str) -> list[int]:
             include_payload=False,
         )  # fmt: skip
         members.extend(
-            item["item_id"]
+            (item["item_id"], item["fence"])
             for item in page
             if (item["error"] or "") == error and _in_group(item, state)
         )
