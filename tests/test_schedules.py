@@ -577,6 +577,118 @@ async def test_a_daemon_enqueues_each_tick_as_it_falls_while_its_batch_runs(
     assert (await daemon).scheduled == 2
 
 
+def no_busy_schedules() -> Any:
+    """A condition: no busy worker's or daemon's schedules wait for a tick any more."""
+    ticking = busy_schedules()
+
+    async def check() -> bool:
+        return not await ticking()
+
+    return check
+
+
+async def test_a_stopped_daemon_runs_no_schedules_while_its_last_batch_finishes(
+    store: ControlStore, clock: ManualClock
+) -> None:
+    clock.set(at(2026, 12, 1, 0, 0))
+    await store.enqueue("alpha", {"task": "long"})
+    await store.set_schedule("s", project_id="alpha", payload={"task": "tick"}, every=60)
+    release = asyncio.Event()
+
+    async def execute(batch: list[Any]) -> list[Any]:
+        await release.wait()
+        return [Done() for _ in batch]
+
+    stop = asyncio.Event()
+    daemon = asyncio.create_task(drain(store, execute, mode="daemon", stop=stop))
+    await until(busy_schedules(), what="the batch runs, its schedules wait")
+    stop.set()
+    await until(no_busy_schedules(), what="the stop ends the schedules, not the batch")
+    clock.advance(180)  # three ticks fall: nothing of the stopped daemon's runs them
+    release.set()
+    summary = await asyncio.wait_for(daemon, 30)
+    assert (summary.done, summary.scheduled) == (1, 0)
+    assert await tick_items(store, "s") == []
+
+
+@pytest.mark.parametrize("runtime", ["work", "drain"])
+async def test_a_close_while_a_busy_runtimes_look_at_the_schedules_is_out_leaves_it_closed(
+    store: ControlStore, clock: ManualClock, monkeypatch: pytest.MonkeyPatch, runtime: str
+) -> None:
+    # The look's answer comes in after the close (a graceful close lets reads in flight
+    # end): the tick it finds due is not run, which would open the store again.
+    clock.set(at(2026, 12, 1, 0, 0))
+    await store.enqueue("alpha", {"task": "long"})
+    await store.set_schedule("s", project_id="alpha", payload={"task": "tick"}, every=60)
+    engine = engine_of(store)
+    backend = await engine.ready()
+    look = backend.next_tick
+    armed, looking, answered, gate = [False], asyncio.Event(), [False], asyncio.Event()
+
+    async def held_look(crons: bool) -> Any:
+        answer = await look(crons)
+        if armed[0]:
+            armed[0] = False
+            looking.set()
+            await gate.wait()
+            answered[0] = True
+        return answer
+
+    monkeypatch.setattr(backend, "next_tick", held_look)
+    runs = []
+    run = engine.run_schedules
+
+    async def counted_run() -> int:
+        runs.append(engine.is_open)
+        return await run()
+
+    monkeypatch.setattr(engine, "run_schedules", counted_run)
+    release = asyncio.Event()
+
+    async def handle(claim: Any) -> Any:
+        await release.wait()
+        return Done()
+
+    async def execute(batch: list[Any]) -> list[Any]:
+        await release.wait()
+        return [Done() for _ in batch]
+
+    task = asyncio.create_task(
+        work(store, handle, concurrency=1, grace=60)
+        if runtime == "work"
+        else drain(store, execute, mode="daemon")
+    )
+    await until(busy_schedules(), what="every slot is taken, the schedules wait")
+    armed[0] = True
+    clock.advance(60)  # the tick falls: the busy runtime looks at the schedules
+    await asyncio.wait_for(looking.wait(), 30)
+    await store.close()
+    gate.set()
+    await until(lambda: answered[0], what="the look's answer came in")
+    assert runs == [] and not engine.is_open
+    release.set()
+    await asyncio.wait_for(task, 30)
+
+
+async def test_a_tick_that_falls_during_a_run_is_run_at_once_not_a_second_later(
+    store: ControlStore, clock: ManualClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    clock.set(at(2026, 12, 1, 0, 0))
+    await store.set_schedule("s", project_id="alpha", payload={}, every=60)
+    clock.advance(60)
+    engine = engine_of(store)
+    backend = await engine.ready()
+    look = backend.next_tick
+
+    async def late_look(crons: bool) -> Any:
+        clock.advance(60)  # the next tick falls while the run reads when it falls
+        return await look(crons)
+
+    monkeypatch.setattr(backend, "next_tick", late_look)
+    assert await store.run_schedules() == 1
+    assert engine.next_tick == at(2026, 12, 1, 0, 2)  # due now: the next look runs it
+
+
 @pytest.mark.postgresql_only
 async def test_a_run_that_leaves_a_tick_due_looks_again_in_a_second_not_at_once(
     url: str,

@@ -317,7 +317,7 @@ async def test_a_store_closed_during_housekeeping_stops_the_worker_unopened(
     await store.enqueue("alpha", {})
     engine = engine_of(store)
 
-    async def closing_schedules() -> int:
+    async def closing_schedules(closes: int | None = None) -> int:
         await store.close()  # closed before the worker's first read or claim
         return 0
 

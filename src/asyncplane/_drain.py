@@ -273,7 +273,7 @@ class _Drain:
                 self.summary.purged += await self.engine.maybe_purge()
                 if self.store_closed():
                     return
-                self.summary.scheduled += await self.engine.maybe_run_schedules()
+                self.summary.scheduled += await self.engine.maybe_run_schedules(self.closes)
                 if self.store_closed() or self.stop.is_set():
                     return  # a stop or a close while the round's steps ran: no claim
                 batch = await self._claim()
@@ -339,7 +339,7 @@ class _Drain:
     async def _schedules_until(self, over: asyncio.Event) -> int:
         """`Engine.schedules_until`; a close under one of its runs ends it quietly."""
         try:
-            return await self.engine.schedules_until(over)
+            return await self.engine.schedules_until(over, self.stop, self.closes)
         except _errors.StoreClosed:
             if not self.store_closed():
                 raise

@@ -480,6 +480,7 @@ class Engine:
         the next one falls; return how many items were enqueued."""
         backend = await self.ready()
         self._last_schedules = time.monotonic()
+        started = self.clock.now()
         enqueued = 0
         crons = _schedule.crons_here()
         if not crons:
@@ -504,25 +505,26 @@ class Engine:
         if enqueued:
             _schedules_log.debug("schedules enqueued %d item(s)", enqueued)
         tick = await backend.next_tick(crons)
-        now = self.clock.now()
-        if tick is not None and tick <= now:
-            # Due still: its row was another process's this instant (PostgreSQL skips a
-            # locked one), which enqueues it. Looked at again in a while, not at once: a
-            # waiter woken for it would run the schedules again and again meanwhile.
-            tick = now + _SCHEDULES_EVERY
+        if tick is not None and tick <= started:
+            # Due when the run began, and due still: its row was another process's this
+            # instant (PostgreSQL skips a locked one), which enqueues it. Looked at again
+            # in a while, not at once: a waiter woken for it would run the schedules again
+            # and again meanwhile. (A tick that fell during the run is run at once.)
+            tick = self.clock.now() + _SCHEDULES_EVERY
         self.next_tick = tick
         return enqueued
 
-    async def schedules_until(self, done: asyncio.Event) -> int:
-        """Run the schedules at their pace (`maybe_run_schedules`) until ``done`` is set,
-        sleeping between runs as `until_tick_or_look` does: what a drain whose batch runs
-        does meanwhile, so that no tick falls late while its items run. How many items
-        the schedules enqueued."""
+    async def schedules_until(self, done: asyncio.Event, stop: asyncio.Event, closes: int) -> int:
+        """Run the schedules at their pace (`maybe_run_schedules`) until ``done`` or
+        ``stop`` is set, or the store closes after ``closes`` closes, sleeping between runs
+        as `until_tick_or_look` does: what a drain whose batch runs does meanwhile, so that
+        no tick falls late while its items run. How many items the schedules enqueued."""
         enqueued = 0
-        while not done.is_set():
-            enqueued += await self.maybe_run_schedules()
+        while not (done.is_set() or stop.is_set() or self.closes != closes):
+            enqueued += await self.maybe_run_schedules(closes)
             sleeps: list[asyncio.Task[Any]] = [
                 asyncio.create_task(done.wait(), name="asyncplane-busy-schedules-done"),
+                asyncio.create_task(stop.wait(), name="asyncplane-busy-schedules-stop"),
                 asyncio.create_task(self.until_tick_or_look(), name=BUSY_SCHEDULES),
             ]
             try:
@@ -565,19 +567,25 @@ class Engine:
         waiter woke (a schedule may have been added, changed or resumed)."""
         self._last_schedules = None
 
-    async def maybe_run_schedules(self) -> int:
+    async def maybe_run_schedules(self, closes: int | None = None) -> int:
         """The drain loop's and work()'s schedules: at most once a second, and as soon as
         the next tick known here falls; a look first (a read), so that a store with no
-        tick due takes no write lock for them."""
+        tick due takes no write lock for them. With ``closes`` (the store's close count
+        when the caller began), nothing is run once the store has closed since, not even
+        after a look that was out at the close: a run would open it again."""
         last = self._last_schedules
         if last is not None and time.monotonic() - last < _SCHEDULES_EVERY:
             tick = self.next_tick
             if tick is None or self.clock.now() < tick:
                 return 0
+        if closes is not None and self.closes != closes:
+            return 0
         self._last_schedules = time.monotonic()
         tick = self.next_tick = await (await self.ready()).next_tick(_schedule.crons_here())
         if tick is None or self.clock.now() < tick:
             return 0
+        if closes is not None and self.closes != closes:
+            return 0  # closed while the look was out
         return await self.run_schedules()
 
     async def maybe_purge(self, max_chunks: int = 20) -> int:

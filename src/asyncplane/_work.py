@@ -449,7 +449,7 @@ class _Worker:
         self.wake.clear()
         if self.handling() < self.concurrency or self.stop.is_set() or self.store_closed():
             return
-        self.summary.scheduled += await self.engine.maybe_run_schedules()
+        self.summary.scheduled += await self.engine.maybe_run_schedules(self.closes)
         if self.wake.is_set():
             return  # a slot freed, or a stop came, while the schedules ran
         self.waiting_for_slot = True
@@ -470,7 +470,7 @@ class _Worker:
     async def _housekeeping(self) -> None:
         # Schedules keep their own pace: at most once a second, and at each tick. Each
         # step first looks whether the store was closed meanwhile: a step would open it.
-        self.summary.scheduled += await self.engine.maybe_run_schedules()
+        self.summary.scheduled += await self.engine.maybe_run_schedules(self.closes)
         now = time.monotonic()
         if now < self.next_housekeeping or self.store_closed():
             return
