@@ -46,6 +46,8 @@ class SystemClock:
     """The real wall clock, ``time.time()``."""
 
     __slots__ = ()
+    #: It moves with real time: a wait on it can be a timer of the event loop (`real_time`).
+    REAL_TIME = True
 
     def now(self) -> float:
         """Return ``time.time()``."""
@@ -99,6 +101,15 @@ class Checked:
 
     def __repr__(self) -> str:
         return f"Checked({self.inner!r})"
+
+
+def real_time(clock: Clock) -> bool:
+    """Whether ``clock`` moves with real time (the system's wall clock, or a server's
+    seen through it), so that a wait on it can be a timer of the event loop, re-armed
+    within `WALL_SLICE` so that a step of the clock counts; a test's manual clock does
+    not (it moves when it is moved)."""
+    inner = clock.inner if isinstance(clock, Checked) else clock
+    return bool(getattr(inner, "REAL_TIME", False))
 
 
 async def sleep_until(now: Callable[[], float], when: float) -> None:

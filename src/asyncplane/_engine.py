@@ -31,7 +31,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 from asyncplane import (
@@ -534,6 +534,26 @@ class Engine:
                     sleep.cancel()
                 await asyncio.gather(*sleeps, return_exceptions=True)
         return enqueued
+
+    def busy_alarm(self, ring: Callable[[], object]) -> Callable[[], object]:
+        """Arrange ``ring()`` for the schedules' next run, as `until_tick_or_look` would
+        end; return what cancels it. A busy worker arms one for each wait for a slot, so
+        where the store's clock moves with real time it is a timer of the event loop
+        (re-armed each wait, within `asyncplane._clock.WALL_SLICE` of a tick, so that a
+        step of the clock counts): a task each wait cost `work()` at concurrency 1 about
+        a tenth more CPU per item. On a test's manual clock it is a task that waits on
+        the clock (named `BUSY_SCHEDULES`)."""
+        tick = self.next_tick
+        if tick is None or _clock.real_time(self.clock):
+            delay = _BUSY_LOOK
+            if tick is not None:
+                delay = min(max(tick - self.clock.now(), 0.0), _clock.WALL_SLICE)
+            return asyncio.get_running_loop().call_later(delay, ring).cancel
+        return asyncio.create_task(self._ring_at_tick(ring), name=BUSY_SCHEDULES).cancel
+
+    async def _ring_at_tick(self, ring: Callable[[], object]) -> None:
+        await self.until_tick_or_look()
+        ring()
 
     async def until_tick_or_look(self) -> None:
         """Sleep until the next tick known here falls (on the store's clock), or

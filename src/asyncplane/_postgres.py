@@ -78,6 +78,8 @@ class ServerClock:
 
     #: Seconds a reading is trusted for: the writer reads the server's clock again after.
     FRESH_FOR = 2.0
+    #: It moves with real time (`asyncplane._clock.real_time`).
+    REAL_TIME = True
 
     def __init__(self) -> None:
         self._offset = 0.0

@@ -454,18 +454,14 @@ class _Worker:
             return  # a slot freed, or a stop came, while the schedules ran
         self.waiting_for_slot = True
         # The alarm wakes this loop for the schedules' next run, which comes round here.
-        alarm = asyncio.create_task(self._alarm(), name=_engine.BUSY_SCHEDULES)
+        cancel_alarm = self.engine.busy_alarm(self.wake.set)
         try:
             await self.wake.wait()
         finally:
             self.waiting_for_slot = False
             # Not waited for: the claim that follows a settle must be queued at once, to
-            # share its round (`_settle_to_end`); a cancelled sleep ends by itself.
-            alarm.cancel()
-
-    async def _alarm(self) -> None:
-        await self.engine.until_tick_or_look()
-        self.wake.set()
+            # share its round (`_settle_to_end`); a cancelled alarm's task ends by itself.
+            cancel_alarm()
 
     async def _housekeeping(self) -> None:
         # Schedules keep their own pace: at most once a second, and at each tick. Each
