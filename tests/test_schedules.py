@@ -446,6 +446,38 @@ async def test_a_daemon_wakes_for_a_tick_the_wall_clock_stepped_to(
     assert (await daemon).scheduled == 1
 
 
+async def test_a_busy_worker_on_the_wall_clock_enqueues_a_tick_it_was_stepped_to(
+    asyncplane_store_factory: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # On a clock that moves with real time the busy worker's alarm is a timer of the
+    # event loop, re-armed within WALL_SLICE (shortened here), so a step counts too.
+    monkeypatch.setattr(_clock, "WALL_SLICE", 0.05)
+    clock = SteppedClock()
+    store = await asyncplane_store_factory(clock=clock)
+    await store.create_project("alpha", "Alpha")
+    await store.enqueue("alpha", {"task": "long"})
+    await store.set_schedule("s", project_id="alpha", payload={}, every=3600, catch_up="none")
+    release = asyncio.Event()
+
+    async def handle(claim: Any) -> Any:
+        await release.wait()
+        return Done()
+
+    stop = asyncio.Event()
+    worker = asyncio.create_task(work(store, handle, concurrency=1, stop=stop))
+    await until(lambda: counted_claims(store), what="the long item runs")
+    clock.offset = 3600.5  # an hour on, at once, while the only slot is taken
+    await until(lambda: counted(store, 1), what="the tick enqueued while busy")
+    release.set()
+    stop.set()
+    assert (await asyncio.wait_for(worker, 30)).scheduled == 1
+
+
+async def counted_claims(store: ControlStore) -> bool:
+    """Whether an item is claimed."""
+    return (await store.counts())["claimed"] == 1
+
+
 @pytest.mark.sqlite_only  # on PostgreSQL the server's NOTIFY wakes it whatever this process does
 @pytest.mark.parametrize("how", ["in its round", "as answered"])
 async def test_a_schedule_set_for_a_caller_gone_wakes_a_sleeping_daemon(
