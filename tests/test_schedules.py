@@ -453,7 +453,8 @@ async def test_a_busy_worker_on_the_wall_clock_enqueues_a_tick_it_was_stepped_to
     # event loop, re-armed within WALL_SLICE (shortened here), so a step counts too.
     monkeypatch.setattr(_clock, "WALL_SLICE", 0.05)
     clock = SteppedClock()
-    store = await asyncplane_store_factory(clock=clock)
+    # A lease that outlasts the step: no renewal falls due to wake the worker instead.
+    store = await asyncplane_store_factory(clock=clock, lease_seconds=10**6)
     await store.create_project("alpha", "Alpha")
     await store.enqueue("alpha", {"task": "long"})
     await store.set_schedule("s", project_id="alpha", payload={}, every=3600, catch_up="none")
