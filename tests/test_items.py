@@ -614,6 +614,35 @@ async def test_a_wait_whose_store_closes_as_it_begins_to_wait_ends_and_leaves_it
     assert not store._engine.is_open
 
 
+async def test_a_wait_whose_store_closes_during_its_first_look_ends_and_leaves_it_closed(
+    store: ControlStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The close count was taken after the first look: a close that came while the look
+    # was out (a graceful close lets reads in flight end) went unseen, and the wait
+    # opened the store again and waited on.
+    item_id = await store.enqueue("alpha", {})
+    backend = await store._engine.ready()
+    real = backend.get_item
+    looking, go_on = asyncio.Event(), asyncio.Event()
+
+    async def get_item(item_id: int, actor_id: str | None) -> Any:
+        row = await real(item_id, actor_id)
+        looking.set()
+        await go_on.wait()
+        return row
+
+    monkeypatch.setattr(backend, "get_item", get_item)
+    waiting = asyncio.create_task(store.wait(item_id))
+    await looking.wait()
+    closing = asyncio.create_task(store.close())
+    await until(lambda: not store._engine.is_open, what="the store closes")
+    go_on.set()
+    await closing
+    with pytest.raises(StoreClosed):
+        await asyncio.wait_for(waiting, 60)
+    assert not store._engine.is_open
+
+
 async def test_the_watch_of_items_waited_for_runs_in_no_callers_context(
     store: ControlStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -1524,10 +1524,11 @@ class ControlStore:
             # The first look comes before the timeout runs: a refusal (absent, not the
             # actor's) is given as such, however short the timeout.
             backend = await engine.ready()
+            closes = engine.closes  # before the first look: a close during it is seen
             row = await backend.get_item(target, actor)
             if row.state in _models.SETTLED_STATES:
                 return _item_dict(row)
-            settled = self._settled(target, actor, poll, backend, engine.closes)
+            settled = self._settled(target, actor, poll, backend, closes)
             return await _tasks.within(settled, limit, f"asyncplane-wait-settled[{target}]")
         except asyncio.TimeoutError:
             raise _errors.WaitTimeout(
