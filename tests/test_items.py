@@ -744,6 +744,36 @@ def test_cli_items_finds_and_pages(location_of: Any) -> None:
     assert [r["item_id"] for r in rest["items"]] == [ids["ready0"], ids["bad"], ids["limited"]]
 
 
+def test_cli_items_shows_an_errors_control_characters_escaped(tmp_path: pathlib.Path) -> None:
+    # A worker's error (a model's output, a library's) may hold a carriage return, which
+    # would overwrite the table's line, or an escape sequence, which the terminal obeys.
+    where = str(tmp_path / "shown.db")
+
+    async def seed() -> None:
+        async with ControlStore(where) as store:
+            await store.create_project("alpha", "Alpha")
+            await store.enqueue("alpha", {})
+            claim = await store.claim("w")
+            assert claim is not None
+            error = "boom\r  9 a done\x1b[2J\x1b]0;title\x07 and\nmore"
+            await store.finish(claim.item_id, fence=claim.fence, status="failed", error=error)
+
+    asyncio.run(seed())
+    table = cli("items", where)
+    assert table.returncode == 0, table.stderr
+    assert "\x1b" not in table.stdout and "\r" not in table.stdout and "\x07" not in table.stdout
+    assert "boom\\r  9 a done\\x1b[2J\\x1b]0;title\\x07 and more" in table.stdout
+
+
+async def test_a_bad_after_or_reason_is_named_as_such(store: ControlStore) -> None:
+    with pytest.raises(InvalidInput, match="after must be positive"):
+        await store.items(after=0)
+    with pytest.raises(InvalidInput, match="reason is 17000 characters"):
+        await store.cancel(1, reason="x" * 17_000)
+    with pytest.raises(InvalidType, match="reason must be a str, not int"):
+        await store.cancel_where(state="ready", reason=7)  # type: ignore[arg-type]
+
+
 def test_cli_cancel_and_requeue_by_id_and_by_filter(location_of: Any) -> None:
     where = location_of("cli.db")
     ids = seeded(where)

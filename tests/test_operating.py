@@ -977,10 +977,26 @@ def test_cli_usage_errors_write_nothing_not_even_a_migration(tmp_path: pathlib.P
         ["cancel"], ["requeue"], ["cancel", "1", "--state", "ready"], ["cancel", "0"],
         ["schedule", "s", "--project", "p"], ["schedule", "s", "--every", "5m", "--pause"],
         ["limits", "--max-running", "3"],
+        # Values the store would refuse, refused before it opens too, in the flags' words.
+        ["cancel", "--state", "bogus"], ["requeue", "--state", "bogus", "--yes"],
+        ["cancel", "--owner", ""], ["requeue", "--error", ""], ["cancel", "--project", ""],
+        ["cancel", "1", "--reason", "x" * 17_000],
+        ["limits", "p", "--max-running", "0"],
+        ["schedule", "s", "--project", "p", "--payload", "{}", "--cron", "61 * * * *"],
+        ["schedule", "s", "--project", "p", "--payload", "{}", "--every", "5m", "--priority",
+         str(2**40)],
     )  # fmt: skip
+    said = {
+        "--owner": "--owner must not be empty",
+        "--reason": "--reason is 17000 characters",
+        "--priority": "--priority must",
+    }
     for args in mistakes:
         refused = cli(args[0], str(path), *args[1:])
         assert refused.returncode == 2, (args, refused.stderr)
+        for flag, words in said.items():
+            if flag in args:
+                assert words in refused.stderr, (args, refused.stderr)
         raw = sqlite3.connect(path)
         assert raw.execute("PRAGMA user_version").fetchone()[0] == 11, args
         assert raw.execute("PRAGMA journal_mode").fetchone()[0] == "delete", args

@@ -1328,7 +1328,7 @@ class ControlStore:
         op = _backend.ListOp(
             where,
             _validate.listing_order(order),
-            None if after is None else _validate.item_id(after),
+            None if after is None else _validate.positive_int(after, "after"),
             size,
             _validate.boolean(include_payload, "include_payload"),
         )
@@ -1367,7 +1367,7 @@ class ControlStore:
         """
         op = _backend.CancelOp(
             _validate.item_id(item_id),
-            _validate.error_text(reason),
+            _validate.error_text(reason, "reason"),
             _validate.optional_actor(actor_id),
             _validate.states(if_state, "if_state"),
             _validate.optional_fence(if_fence, "if_fence"),
@@ -1437,7 +1437,7 @@ class ControlStore:
             project_id, state, owner, fingerprint, created_after, created_before,
             updated_after, updated_before, error_contains, actor_id,
         )  # fmt: skip
-        why = _validate.error_text(reason)
+        why = _validate.error_text(reason, "reason")
         size = _validate.positive_int(chunk, "chunk")
         backend = await self._engine.ready()
         return await self._in_chunks(backend.cancel_where, where, size, why, _backend.CancelWhereOp)

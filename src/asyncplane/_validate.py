@@ -459,17 +459,18 @@ def delay(value: object, what: str) -> float:
     return number
 
 
-def error_text(value: object) -> str | None:
-    """None, or an error description of at most MAX_ERROR_LENGTH characters."""
+def error_text(value: object, what: str = "error") -> str | None:
+    """None, or an error description (``what``: a cancel's reason, say) of at most
+    MAX_ERROR_LENGTH characters."""
     if value is None:
         return None
     if not isinstance(value, str):
-        raise _errors.InvalidType(f"error must be a str, not {type(value).__name__}")
+        raise _errors.InvalidType(f"{what} must be a str, not {type(value).__name__}")
     if len(value) > MAX_ERROR_LENGTH:
         raise _errors.InvalidInput(
-            f"error is {len(value)} characters, more than {MAX_ERROR_LENGTH}; shorten it"
+            f"{what} is {len(value)} characters, more than {MAX_ERROR_LENGTH}; shorten it"
         )
-    return storable_text(value, "error")
+    return storable_text(value, what)
 
 
 def boolean(value: object, what: str) -> bool:

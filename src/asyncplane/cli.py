@@ -64,6 +64,7 @@ from asyncplane import (
     _worker_command,
     probe,
 )  # fmt: skip
+from asyncplane._schedule import timetable as _timetable
 
 __all__ = ("main", "parse_duration")
 
@@ -424,6 +425,31 @@ class _Usage(Exception):
     """Something the user has to fix: exit status 2."""
 
 
+def _check_values(args: argparse.Namespace) -> None:
+    """The values of a cancel's, a requeue's or a schedule's flags, checked as the store
+    will check them, before it is opened (InvalidInput, InvalidType, MissingExtra)."""
+    if args.verb == "schedule":
+        _validate.text_id(args.name, "name")
+        _validate.text_id(args.project, "project_id")
+        timezone = "UTC" if args.timezone is None else args.timezone
+        _timetable(args.cron, args.every, timezone, 0.0)
+        if args.catch_up is not None:
+            _validate.catch_up(args.catch_up)
+        if args.priority is not None:
+            _validate.priority(args.priority)
+        _validate.optional_positive_int(args.max_attempts, "max_attempts")
+        return
+    if args.state is not None:
+        _validate.states(args.state)
+    if args.owner is not None:
+        _validate.text_id(args.owner, "owner")
+    if args.project is not None:
+        _validate.text_id(args.project, "project_id")
+    _validate.search_text(args.error, "error_contains")
+    if args.verb == "cancel":
+        _validate.error_text(args.reason, "reason")
+
+
 def _check_args(args: argparse.Namespace) -> None:
     """The rules a verb's arguments must keep among themselves, checked before the store
     is opened: a usage error writes nothing (not even the migration a writing verb's
@@ -438,7 +464,8 @@ def _check_args(args: argparse.Namespace) -> None:
         try:  # an id no item could have (0, past the id range): before any is touched
             for item_id in args.ids:
                 _validate.item_id(item_id)
-        except _errors.InvalidInput as exc:
+            _check_values(args)
+        except (_errors.InvalidInput, _errors.InvalidType) as exc:
             raise _Usage(_in_flags(str(exc))) from exc
     elif args.verb == "schedule":
         act = next(
@@ -460,8 +487,23 @@ def _check_args(args: argparse.Namespace) -> None:
             or (args.cron is None) == (args.every is None)
         ):
             raise _Usage("a schedule needs --project, --payload, and --cron or --every")
+        if act is None:
+            try:
+                _check_values(args)
+            except (_errors.InvalidInput, _errors.InvalidType, _errors.MissingExtra) as exc:
+                raise _Usage(_in_flags(str(exc))) from exc
     elif args.verb == "limits" and _limit_changes(args) and args.project is None:
         raise _Usage("name the project whose limits change")
+    elif args.verb == "limits" and _limit_changes(args):
+        try:
+            changes = _limit_changes(args)
+            _validate.limit_changes(
+                changes.get("max_running", ...),
+                changes.get("per_minute", ...),
+                changes.get("burst", ...),
+            )
+        except (_errors.InvalidInput, _errors.InvalidType) as exc:
+            raise _Usage(_in_flags(str(exc))) from exc
     elif args.verb == "purge":
         try:
             _validate.megabytes(args.archive_max_mb, "archive_max_mb")
@@ -725,6 +767,11 @@ _FLAG_WORDS = (
     ("limit is", "--limit is"),
     ("limit must", "--limit must"),
     ("item_id must", "an item id must"),
+    ("after must", "--after must"),
+    ("reason is", "--reason is"),
+    ("reason must", "--reason must"),
+    ("owner must", "--owner must"),
+    ("priority must", "--priority must"),
     ("chunk must", "--chunk must"),
     ("pass archive_path", "give --archive"),
     ("archive_max_mb", "--archive-max-mb"),
@@ -777,7 +824,7 @@ async def _items(store: _store.ControlStore, args: argparse.Namespace) -> int:
     )  # fmt: skip
     lines = [f"{'ID':>8}  {'PROJECT':<12} {'STATE':<10} {'ATT':>3}  {'UPDATED':<29} ERROR"]
     for row in rows:
-        error = (row["error"] or "").replace("\n", " ")
+        error = _printable(row["error"] or "")
         lines.append(
             f"{row['item_id']:>8}  {row['project_id']:<12} {row['state']:<10} "
             f"{row['attempts']:>3}  {_when(row['updated_at']):<29} "
@@ -788,6 +835,15 @@ async def _items(store: _store.ControlStore, args: argparse.Namespace) -> int:
     _out(args, {"items": rows, "next_after": rows[-1]["item_id"] if rows else None},
          "\n".join(lines) if rows else "no items")  # fmt: skip
     return 0
+
+
+def _printable(text: str) -> str:
+    """Stored text as one line a terminal shows as it is: a newline as a space, any other
+    character that is not printable escaped (a worker's error may hold a carriage return
+    that overwrites the line, or an escape sequence that clears the screen)."""
+    return "".join(
+        char if char.isprintable() else " " if char == "\n" else repr(char)[1:-1] for char in text
+    )
 
 
 async def _by_id(args: argparse.Namespace, act: Callable[[int], Any], done: str) -> int:
