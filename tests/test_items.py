@@ -765,6 +765,26 @@ def test_cli_items_shows_an_errors_control_characters_escaped(tmp_path: pathlib.
     assert "boom\\r  9 a done\\x1b[2J\\x1b]0;title\\x07 and more" in table.stdout
 
 
+async def test_a_rows_own_time_given_back_as_a_bound_excludes_it(
+    store: ControlStore, clock: ManualClock
+) -> None:
+    # Stored times are finer than the microsecond a datetime holds: a row listed with
+    # created_at rounded down was still "created after" its own created_at. A datetime
+    # bound names its whole microsecond; epoch seconds are taken as they are.
+    for step in range(10):
+        clock.advance(1 + (step + 1) * 0.9e-7)  # the same fraction of a microsecond, never
+        await store.enqueue("alpha", {"n": step})
+    rows = await store.items(limit=100)
+    assert len(rows) == 10
+    for row in rows:
+        after = {r["item_id"] for r in await store.items(created_after=row["created_at"])}
+        before = {r["item_id"] for r in await store.items(created_before=row["created_at"])}
+        assert row["item_id"] not in after | before
+        assert len(after) + len(before) == 9
+    newest = rows[0]
+    assert await store.items(updated_after=newest["updated_at"]) == []
+
+
 async def test_a_bad_after_or_reason_is_named_as_such(store: ControlStore) -> None:
     with pytest.raises(InvalidInput, match="after must be positive"):
         await store.items(after=0)

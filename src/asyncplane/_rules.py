@@ -47,6 +47,7 @@ LAST, item_id``: `claim_key` here, and the ``ORDER BY`` of each dialect's claim 
 from __future__ import annotations
 
 import collections
+import datetime
 import heapq
 import json
 import math
@@ -1122,6 +1123,22 @@ def _as_expected(
     if expected and state not in expected:
         return False
     return expected_fence is None or fence == expected_fence
+
+
+#: Half a microsecond: a datetime, which holds microseconds, names every stored time that
+#: rounds to it (times are kept to the float's precision, finer than that).
+_HALF_A_MICROSECOND = 0.5e-6
+
+
+def beyond_its_microsecond(bound: float | None, given: object, *, later: bool) -> float | None:
+    """An exclusive time bound of a listing (``created_after=`` and the like), as its
+    filter compares stored times with it: where the caller gave a datetime (one a listing
+    handed out, say: a row's own ``created_at``), every stored time shown as that datetime
+    is excluded too, so the bound moves half a microsecond away from it, ``later`` for an
+    "after", earlier for a "before". Epoch seconds are taken as they are."""
+    if bound is None or not isinstance(given, datetime.datetime):
+        return bound
+    return bound + _HALF_A_MICROSECOND if later else bound - _HALF_A_MICROSECOND
 
 
 def listing_arms(states: tuple[str, ...], project: bool) -> tuple[str, ...]:

@@ -1571,10 +1571,18 @@ class ControlStore:
             _validate.states(state),
             None if owner is None else _validate.text_id(owner, "owner"),
             _validate.fingerprint(fingerprint),
-            _validate.instant(created_after, "created_after"),
-            _validate.instant(created_before, "created_before"),
-            _validate.instant(updated_after, "updated_after"),
-            _validate.instant(updated_before, "updated_before"),
+            _rules.beyond_its_microsecond(
+                _validate.instant(created_after, "created_after"), created_after, later=True
+            ),
+            _rules.beyond_its_microsecond(
+                _validate.instant(created_before, "created_before"), created_before, later=False
+            ),
+            _rules.beyond_its_microsecond(
+                _validate.instant(updated_after, "updated_after"), updated_after, later=True
+            ),
+            _rules.beyond_its_microsecond(
+                _validate.instant(updated_before, "updated_before"), updated_before, later=False
+            ),
             _validate.search_text(error_contains, "error_contains"),
             _validate.optional_actor(actor_id),
         )
