@@ -40,6 +40,8 @@ from asyncplane import (
     verify_ledger,
 )
 from asyncplane import _postgres_sql as pg_sql
+from asyncplane._store import engine_of
+from asyncplane.testing import ManualClock
 
 pytestmark = pytest.mark.postgresql_only
 
@@ -2574,3 +2576,32 @@ async def test_listings_keep_the_ids_byte_order_whatever_the_databases_collation
             assert due == sorted(ids)  # the ticks enqueued in name order, claimed in id order
     finally:
         await sql(asyncplane_postgres_url, f"DROP DATABASE IF EXISTS {database}")
+
+
+async def test_a_lapsed_item_whose_row_another_session_holds_makes_no_waiter_spin(
+    url: str,
+) -> None:
+    # A host frozen inside a transaction holds a lapsed item's row: claims pass it by
+    # (SKIP LOCKED), yet next_due still names its lapsed lease, in the past. A waiter told
+    # a past time goes again at once, once; told the same past time again, it looks a
+    # second later, not at once (it claimed some 850 times a second while the row was held).
+    clock = ManualClock()
+    async with ControlStore(url, clock=clock) as store:
+        await store.create_project("alpha", "Alpha")
+        item_id = await store.enqueue("alpha", {})
+        assert await store.claim("frozen") is not None
+        holder = await asyncpg.connect(url)
+        try:
+            async with holder.transaction():
+                await holder.execute("SELECT 1 FROM items WHERE item_id = $1 FOR UPDATE", item_id)
+                clock.advance(store.lease_seconds + 1)  # the lease lapses
+                rounds = engine_of(store).backend.writer
+                assert rounds is not None
+                before = rounds.rounds
+                got = await store.claim("w", wait=0.5, poll_interval=3600)
+                assert got is None
+                assert rounds.rounds - before <= 3, rounds.rounds - before
+        finally:
+            await holder.close()
+        taken = await store.claim("w")  # let go: taken over, with a higher fence
+        assert taken is not None and (taken.item_id, taken.fence) == (item_id, 2)

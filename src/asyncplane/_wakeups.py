@@ -59,7 +59,12 @@ async def until_work(
         names.append("stop")
     if due is not None:
         # next_due only counts work a claim with these filters could take, so a time
-        # already past means work fell due since the empty claim: go again at once.
+        # already past means work fell due since the empty claim: go again at once. The
+        # same past time again, after a claim that found nothing, means the claim cannot
+        # take it (on PostgreSQL, a lapsed item whose row another session holds, a host
+        # frozen in a transaction, say: SKIP LOCKED passes it by): look again a while
+        # later, not at once, or every waiter claims in a loop as long as it is held.
+        due = engine.past_due_seen(due)
         sleeps.append(_clock.wait_until(engine.clock, due))
         names.append("due")
     waits: list[asyncio.Future[Any]] = [
