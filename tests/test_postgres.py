@@ -2605,3 +2605,48 @@ async def test_a_lapsed_item_whose_row_another_session_holds_makes_no_waiter_spi
             await holder.close()
         taken = await store.claim("w")  # let go: taken over, with a higher fence
         assert taken is not None and (taken.item_id, taken.fence) == (item_id, 2)
+
+
+async def test_writes_queued_behind_a_round_whose_connection_is_lost_hear_storage_error(
+    url: str,
+) -> None:
+    # Nobody closed the store: a write refused because its writer's connection was lost
+    # hears StorageError, as the round's own callers do (StoreClosed is a close's; code
+    # that retries on StorageError died on it), and the next call opens the store afresh.
+    async with ControlStore(url) as store:
+        await store.create_project("alpha", "Alpha")
+        item_id = await store.enqueue("alpha", {})
+        claim = await store.claim("w")
+        assert claim is not None
+        holder = await asyncpg.connect(url)
+        try:
+            async with holder.transaction():
+                await holder.execute("SELECT 1 FROM items WHERE item_id = $1 FOR UPDATE", item_id)
+                settling = asyncio.create_task(store.finish(item_id, fence=claim.fence))
+                watcher = await asyncpg.connect(url)
+                try:
+
+                    async def the_round_waits() -> bool:
+                        query = (
+                            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+                        )
+                        return bool(await watcher.fetchval(query))
+
+                    await until(the_round_waits, what="the settle's round waits for the row")
+                    queued = [
+                        asyncio.create_task(store.enqueue("alpha", {"n": n})) for n in range(3)
+                    ]
+                    await until(
+                        lambda: engine_of(store).backend.writer.requests_waiting == 3,  # type: ignore[union-attr]
+                        what="the enqueues are queued behind it",
+                    )
+                    writer_pid = engine_of(store).backend.writer._conn.get_server_pid()  # type: ignore[union-attr]
+                    await watcher.execute("SELECT pg_terminate_backend($1)", writer_pid)
+                finally:
+                    await watcher.close()
+                outcomes = await asyncio.gather(settling, *queued, return_exceptions=True)
+        finally:
+            await holder.close()
+        assert all(type(outcome) is StorageError for outcome in outcomes[1:]), outcomes
+        assert isinstance(outcomes[0], StorageError), outcomes[0]
+        assert await store.enqueue("alpha", {"after": True}) > item_id  # opened afresh

@@ -201,6 +201,7 @@ class Writer(_write_queue.WriterBase):
         if self._stopping:
             return  # closed by this writer itself
         self._failure = ConnectionError("the server ended the write connection's session")
+        self._connection_lost = True  # what a request refused from here on hears
         # No round's failure (a round that met it says so to its callers): an idle session
         # ended, by a restart or idle_session_timeout, is the reopening's to say.
         self._failed_idle = self._round_task is None

@@ -499,7 +499,20 @@ class WriterBase:
             # (asyncio.wait neither cancels the task nor raises what ended it.)
             await asyncio.wait([self._task])
 
-    def _closed_error(self) -> _errors.StoreClosed:
+    def _closed_error(self) -> _errors.AsyncplaneError:
+        """Why a request is refused unserved: the writer's connection was lost (a
+        StorageError, as its round's callers heard: nobody closed the store, and its next
+        call opens it afresh), it stopped for another failure, or the store was closed
+        (StoreClosed)."""
+        if self._failure is not None and self._connection_lost:
+            return caused(
+                _errors.StorageError(
+                    "the store's write connection was lost before this write was made "
+                    f"(nothing of it was saved; the store opens afresh on its next call): "
+                    f"{self._failure!r}"
+                ),
+                self._failure,
+            )
         if self._failure is not None:
             err = _errors.StoreClosed(f"the store's writer stopped: {self._failure!r}")
             err.__cause__ = self._failure
