@@ -27,6 +27,7 @@ from _signals import until, waiting_on
 from asyncplane import (
     CommitOutcomeUnknown,
     ControlStore,
+    Done,
     FenceRejected,
     InvalidInput,
     Job,
@@ -36,6 +37,7 @@ from asyncplane import (
     StorageError,
     _clock,
     _engine,
+    drain,
     testing,
     verify_ledger,
 )
@@ -2650,3 +2652,19 @@ async def test_writes_queued_behind_a_round_whose_connection_is_lost_hear_storag
         assert all(type(outcome) is StorageError for outcome in outcomes[1:]), outcomes
         assert isinstance(outcomes[0], StorageError), outcomes[0]
         assert await store.enqueue("alpha", {"after": True}) > item_id  # opened afresh
+
+
+async def test_a_drain_on_a_schema_that_does_not_exist_fails_named_not_skipped(url: str) -> None:
+    # The guard's key is the schema's name: with none, the try-lock answered NULL, read as
+    # "another drainer holds it", and every drain quietly skipped.
+    missing = testing.with_schema(url, "no_such_schema_here")
+
+    async def execute(batch: list[Any]) -> list[Any]:
+        return [Done() for _ in batch]
+
+    store = ControlStore(missing)
+    try:
+        with pytest.raises(NotAnAsyncplaneDatabase, match="no schema to drain"):
+            await drain(store, execute, mode="foreground")
+    finally:
+        await store.close()

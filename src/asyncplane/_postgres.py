@@ -791,12 +791,19 @@ class PostgresBackend(_backend.Writes):
                 raise _writer.translate(exc) from exc
             if cancelled:
                 raise asyncio.CancelledError
+            if answer is None:  # the lock's key is the schema's name: there is none
+                raise _errors.NotAnAsyncplaneDatabase(
+                    "no schema to drain: the search_path names none that exists (a typo in "
+                    "the URL, or a schema dropped)"
+                )
             guard = _lock.Guard(bool(answer))
 
             def ended(_: object) -> None:
                 guard.lost = "the server ended the session that held the drain lock"
 
             conn.add_termination_listener(ended)
+            if conn.is_closed():  # ended before the listener was there to hear it
+                ended(conn)
             try:
                 yield guard
             finally:
