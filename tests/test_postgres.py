@@ -28,6 +28,7 @@ from asyncplane import (
     CommitOutcomeUnknown,
     ControlStore,
     Done,
+    DrainError,
     FenceRejected,
     InvalidInput,
     Job,
@@ -40,6 +41,7 @@ from asyncplane import (
     drain,
     testing,
     verify_ledger,
+    work,
 )
 from asyncplane import _postgres_sql as pg_sql
 from asyncplane._store import engine_of
@@ -2668,3 +2670,49 @@ async def test_a_drain_on_a_schema_that_does_not_exist_fails_named_not_skipped(u
             await drain(store, execute, mode="foreground")
     finally:
         await store.close()
+
+
+@pytest.mark.parametrize("runtime", ["drain", "work"])
+async def test_a_guard_lost_under_a_running_batch_stops_it_at_once(url: str, runtime: str) -> None:
+    # The guard's session ends while an item runs (a failover, pg_terminate_backend):
+    # another drainer may take the guard and run at once, so this one cancels its running
+    # work and gives it back now, rather than when its batch is done (its executor ran on
+    # for the batch's whole length beside the other's).
+    async with ControlStore(url) as store:
+        await store.create_project("alpha", "Alpha")
+        item_id = await store.enqueue("alpha", {})
+        started, stopped = asyncio.Event(), asyncio.Event()
+
+        async def execute(batch: list[Any]) -> list[Any]:
+            started.set()
+            try:
+                await asyncio.Event().wait()
+            finally:
+                stopped.set()
+            return []
+
+        async def handle(claim: Any) -> Any:
+            return (await execute([claim]))[0]
+
+        running = asyncio.create_task(
+            drain(store, execute, mode="daemon")
+            if runtime == "drain"
+            else work(store, handle, exclusive=True)
+        )
+        await asyncio.wait_for(started.wait(), 30)
+        watcher = await asyncpg.connect(url)
+        try:
+            (pid,) = [
+                row[0]
+                for row in await watcher.fetch(
+                    "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND granted"
+                )
+            ]
+            await watcher.execute("SELECT pg_terminate_backend($1)", pid)
+        finally:
+            await watcher.close()
+        with pytest.raises(DrainError, match="guard was lost"):
+            await asyncio.wait_for(running, 30)
+        assert stopped.is_set()
+        again = await store.claim("other")
+        assert again is not None and again.item_id == item_id  # back for the next drainer

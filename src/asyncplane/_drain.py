@@ -86,6 +86,10 @@ __all__ = ("DrainError", "Executor", "drain")
 
 _log = logging.getLogger("asyncplane.drain")
 
+#: Seconds between the tries of a put-back the store failed under (about 4 s in all).
+_PUT_BACK_PAUSES = (0.05, 0.1, 0.2, 0.4, 0.8, 1.0, 1.0)
+
+
 Executor: TypeAlias = Callable[[list[ClaimedItem]], Awaitable[Sequence[Outcome]]]
 
 
@@ -357,9 +361,26 @@ class _Drain:
             name=f"asyncplane-drain-execute[{self.owner}]",
         )
         failure: BaseException | None = None
+        why = "the lease renewer failed"
+        # The guard lost mid-batch (its session ended): another drainer may run now, so
+        # this batch stops at once, as at a renewer's failure, not when it is done.
+        lost: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+
+        def losing() -> None:
+            if not lost.done():
+                lost.set_result(None)
+
+        forget = self.guard.when_lost(losing)
+        watched: set[asyncio.Future[Any]] = {renewer, executor, lost}
         try:
-            done, _ = await asyncio.wait({renewer, executor}, return_when=asyncio.FIRST_COMPLETED)
-            if renewer in done and not renewer.cancelled() and renewer.exception() is not None:
+            done, _ = await asyncio.wait(watched, return_when=asyncio.FIRST_COMPLETED)
+            if lost in done and executor not in done:
+                why = "the single-drainer guard was lost under a running batch"
+                failure = _errors.StorageError(
+                    f"the single-drainer guard was lost ({self.guard.lost}): another "
+                    "drainer may run now"
+                )
+            elif renewer in done and not renewer.cancelled() and renewer.exception() is not None:
                 failure = renewer.exception()
             elif renewer in done and not renewer.cancelled() and renewer.result():
                 # No item of the batch is this drain's any more, and an operator cancelled
@@ -381,13 +402,16 @@ class _Drain:
             if not all(settled.get(claim.item_id) for claim in batch):
                 await self._interrupted(batch, settled, executor)
             raise
+        finally:
+            forget()
         if failure is not None:
             # Put back what can be put back, once; a store that cannot take even that (the
             # server down, say) leaves the rest claimed until the leases lapse. Either way
-            # the renewer's failure is what the caller hears, as DrainError.
+            # the failure is what the caller hears, as DrainError.
+            await _tasks.stop(renewer)
             with contextlib.suppress(_errors.AsyncplaneError):
                 await self._interrupted(batch, settled, executor)
-            raise DrainError(f"the lease renewer failed: {failure!r}", self.summary) from failure
+            raise DrainError(f"{why}: {failure!r}", self.summary) from failure
         # From here on the work is done: stopping the renewer and settling run to their end
         # even if the task is cancelled meanwhile, and the cancellation goes on after.
         cancelled = await _tasks.stop(renewer)
@@ -448,14 +472,26 @@ class _Drain:
             raise DrainError(f"settling an outcome failed: {failure!r}", self.summary) from failure
 
     async def _put_back(self, batch: list[_models.ClaimedItem], settled: dict[int, bool]) -> None:
-        """Return every unsettled item of an interrupted batch, without spending an attempt."""
+        """Return every unsettled item of an interrupted batch, without spending an attempt.
+        A store failing under it (a server restarting: what ended a guard's session, say)
+        is tried again a few times, a few seconds in all, before the item is left to its
+        lease."""
         for claim in batch:
             if settled.get(claim.item_id):
                 continue
-            with contextlib.suppress(*LOST):  # not ours any more
-                await self.store.park(
-                    claim.item_id, fence=claim.fence, delay=0, actor_id=self.actor_id
-                )
+            for pause in (*_PUT_BACK_PAUSES, None):
+                try:
+                    await self.store.park(
+                        claim.item_id, fence=claim.fence, delay=0, actor_id=self.actor_id
+                    )
+                except LOST:  # not ours any more
+                    break
+                except _errors.StorageError:
+                    if pause is None:
+                        raise
+                    await asyncio.sleep(pause)
+                    continue
+                break
             settled[claim.item_id] = True
 
     async def _wait_for_work(self, local: asyncio.Event, version: int) -> None:

@@ -30,6 +30,7 @@ import socket
 import sys
 import threading
 import types
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from asyncplane import _errors, _tasks, _validate
@@ -46,14 +47,28 @@ class Guard:
     PostgreSQL session ended by a server restart, say). A drain whose guard is lost stops,
     since another drainer may now have it."""
 
-    __slots__ = ("acquired", "lost")
+    __slots__ = ("_listeners", "acquired", "lost")
 
     def __init__(self, acquired: bool) -> None:
         self.acquired = acquired
         self.lost: str | None = None
+        self._listeners: list[Callable[[], object]] = []
 
     def __bool__(self) -> bool:
         return self.acquired
+
+    def lose(self, why: str) -> None:
+        """The guard no longer holds (``why``): say so to whoever listens, once."""
+        if self.lost is None:
+            self.lost = why
+            for listener in list(self._listeners):
+                listener()
+
+    def when_lost(self, listener: Callable[[], object]) -> Callable[[], None]:
+        """Call ``listener()`` when the guard is lost (a runtime stops its running items
+        then, not only its next claim); return what stops that."""
+        self._listeners.append(listener)
+        return lambda: self._listeners.remove(listener) if listener in self._listeners else None
 
     def __repr__(self) -> str:
         return f"Guard(acquired={self.acquired}, lost={self.lost!r})"

@@ -799,7 +799,7 @@ class PostgresBackend(_backend.Writes):
             guard = _lock.Guard(bool(answer))
 
             def ended(_: object) -> None:
-                guard.lost = "the server ended the session that held the drain lock"
+                guard.lose("the server ended the session that held the drain lock")
 
             conn.add_termination_listener(ended)
             if conn.is_closed():  # ended before the listener was there to hear it

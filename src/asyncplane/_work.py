@@ -298,9 +298,11 @@ class _Worker:
             self._keep_leases(), name=f"asyncplane-work-renew[{self.owner}]"
         )
         renewer.add_done_callback(self._renewer_ended)
+        forget = self.guard.when_lost(self._guard_lost)
         try:
             await self._run()
         finally:
+            forget()
             self.renewer_stopping = True  # every item has ended: nothing is left to renew
             cut = await _tasks.stop(renewer)
         if cut:
@@ -685,6 +687,15 @@ class _Worker:
             held.handler.cancel()
         else:
             held.renew_at = self.settler.renewal_due(expires)
+
+    def _guard_lost(self) -> None:
+        """The single-runner guard was lost (its PostgreSQL session ended): another runner
+        may run now, so the worker stops at once and gives its running items back, as
+        when its renewer fails, rather than let them run beside the other's."""
+        self.failure = self.failure or _errors.StorageError(
+            f"the single-drainer guard was lost ({self.guard.lost}): another runner may run now"
+        )
+        self.wake.set()
 
     def _renewer_ended(self, task: asyncio.Task[None]) -> None:
         """The renewer ended before the worker did: no lease is kept any more, so the
