@@ -2716,3 +2716,28 @@ async def test_a_guard_lost_under_a_running_batch_stops_it_at_once(url: str, run
         assert stopped.is_set()
         again = await store.claim("other")
         assert again is not None and again.item_id == item_id  # back for the next drainer
+
+
+async def test_a_listener_the_server_ended_is_replaced_on_the_next_call(url: str) -> None:
+    # Without its listener every idle drainer polled for ever (a claim round each poll),
+    # and the twins' wake-ups heard on it were lost: the store opens afresh instead.
+    async with ControlStore(url) as store, ControlStore(url) as other:
+        await store.create_project("alpha", "Alpha")
+        engine = engine_of(store)
+        backend: Any = await engine.ready()
+        opens = engine.opens
+        watcher = await asyncpg.connect(url)
+        try:
+            await watcher.execute(
+                "SELECT pg_terminate_backend($1)", backend._listener.get_server_pid()
+            )
+        finally:
+            await watcher.close()
+        await until(lambda: backend.broken, what="the store saw its listener's session end")
+        assert await store.counts() is not None  # the next call opens it afresh
+        assert engine.opens == opens + 1 and not backend.broken
+        # And a waiting claim hears another host's enqueue again (no poll for an hour).
+        waiting = asyncio.create_task(store.claim("w", wait=3600, poll_interval=3600))
+        await until(waiting_on("commit"), what="the claim waits")
+        await other.enqueue("alpha", {})
+        assert (await asyncio.wait_for(waiting, 30)) is not None

@@ -280,6 +280,9 @@ class PostgresBackend(_backend.Writes):
         self._schema = ""
         self._version = 0
         self._deaf = False  # the listener is gone: every poll must look again
+        #: The server ended the listener's session (not a read-only opening's going
+        #: without one): the store opens afresh on its next call, listener and all.
+        self._listener_lost = False
         self._settled = 0  # settles heard of (NOTIFY asyncplane_settled)
 
     @property
@@ -400,6 +403,7 @@ class PostgresBackend(_backend.Writes):
             undo.pop_all()  # all made: from here on close() owns them
         self._pool, self._listener, self._wakes = pool, listener, wakes
         self._deaf = listener is None
+        self._listener_lost = False
 
         async def close_readers(graceful: bool) -> None:
             # This opening's own pool and listener: a store reopened meanwhile (a close
@@ -423,9 +427,11 @@ class PostgresBackend(_backend.Writes):
 
     @property
     def broken(self) -> bool:
-        """True when the write connection was lost: the store opens afresh on next use."""
+        """True when the write connection, or the listener's, was lost: the store opens
+        afresh on next use (without a listener every idle drainer would poll for ever,
+        and the twins' wake-ups, heard on it, would be lost)."""
         writer = self._writer
-        return writer is not None and writer.failed
+        return writer is not None and (writer.failed or self._listener_lost)
 
     def _heard(self, conn: Any, pid: int, channel: str, payload: object) -> None:
         # Called on the event loop by the listener's connection: a commit (here or on
@@ -444,6 +450,8 @@ class PostgresBackend(_backend.Writes):
 
     def _went_deaf(self, conn: Any) -> None:
         self._deaf = True
+        if conn is self._listener:  # its session ended, not closed by this store
+            self._listener_lost = True
 
     async def _close_side_connections(
         self,
