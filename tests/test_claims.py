@@ -461,3 +461,31 @@ async def test_a_store_closed_after_a_cancelled_claim_gives_its_item_back_first(
     assert [e["event_type"] for e in await store.events(item_id)] == [
         "queued", "claimed", "released",
     ]  # fmt: skip
+
+
+async def test_a_due_time_past_when_told_wakes_each_waiter_at_once(
+    store: ControlStore, clock: ManualClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Two waiters on two projects, each with an item due at the same moment, which falls
+    # as they look for when: each is told the same past time, and each goes at once (a
+    # memory of past due times shared by the store held the second back a second).
+    await store.create_project("beta", "Beta")
+    due = clock.now() + 10
+    for project in ("alpha", "beta"):
+        await store.enqueue(project, {"p": project}, not_before=due)
+    backend = await engine_of(store).ready()
+    look = backend.next_due
+
+    async def falling(project_id: str | None, actor_id: str | None) -> float | None:
+        answer = await look(project_id, actor_id)
+        if clock.now() < due + 0.5:
+            clock.set(due + 0.5)  # the moment falls while the waiters look
+        return answer
+
+    monkeypatch.setattr(backend, "next_due", falling)
+    waiting = [
+        asyncio.create_task(store.claim("w", project_id=project, wait=3600, poll_interval=3600))
+        for project in ("alpha", "beta")
+    ]
+    alpha, beta = await asyncio.wait_for(asyncio.gather(*waiting), 30)
+    assert alpha is not None and beta is not None

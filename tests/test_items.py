@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import datetime as dt
 import json
 import os
 import pathlib
@@ -776,11 +777,18 @@ async def test_a_rows_own_time_given_back_as_a_bound_excludes_it(
         await store.enqueue("alpha", {"n": step})
     rows = await store.items(limit=100)
     assert len(rows) == 10
+    micro = dt.timedelta(microseconds=1)
     for row in rows:
         after = {r["item_id"] for r in await store.items(created_after=row["created_at"])}
         before = {r["item_id"] for r in await store.items(created_before=row["created_at"])}
         assert row["item_id"] not in after | before
         assert len(after) + len(before) == 9
+        # A microsecond away, the row is inside the bound again.
+        earlier = await store.items(created_after=row["created_at"] - micro, limit=100)
+        later = await store.items(created_before=row["created_at"] + micro, limit=100)
+        assert row["item_id"] in {r["item_id"] for r in earlier + later}
+        assert row["item_id"] in {r["item_id"] for r in earlier}
+        assert row["item_id"] in {r["item_id"] for r in later}
     newest = rows[0]
     assert await store.items(updated_after=newest["updated_at"]) == []
 

@@ -50,6 +50,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 import os
 import time
@@ -77,6 +78,7 @@ from asyncplane._outcomes import (
     Settler,
     count_lost,
     exit_asked,
+    give_back,
     returned_or_raised,
     short_error,
 )
@@ -85,9 +87,6 @@ from asyncplane._store import ControlStore
 __all__ = ("DrainError", "Executor", "drain")
 
 _log = logging.getLogger("asyncplane.drain")
-
-#: Seconds between the tries of a put-back the store failed under (about 4 s in all).
-_PUT_BACK_PAUSES = (0.05, 0.1, 0.2, 0.4, 0.8, 1.0, 1.0)
 
 
 Executor: TypeAlias = Callable[[list[ClaimedItem]], Awaitable[Sequence[Outcome]]]
@@ -225,6 +224,7 @@ class _Drain:
         #: Items of the running batch a renewal found lost (taken over, cancelled).
         self.lost: set[int] = set()
         self.closes = self.engine.closes  # the store closed since: stop
+        self.past_due = _wakeups.PastDue()  # this drain's, as it waits for work
 
     def store_closed(self) -> bool:
         """Whether the store was closed since the drain began: it stops, as at a stop,
@@ -472,26 +472,18 @@ class _Drain:
             raise DrainError(f"settling an outcome failed: {failure!r}", self.summary) from failure
 
     async def _put_back(self, batch: list[_models.ClaimedItem], settled: dict[int, bool]) -> None:
-        """Return every unsettled item of an interrupted batch, without spending an attempt.
-        A store failing under it (a server restarting: what ended a guard's session, say)
-        is tried again a few times, a few seconds in all, before the item is left to its
-        lease."""
+        """Return every unsettled item of an interrupted batch, without spending an attempt
+        (`give_back`: a store failing under it is tried again for a few seconds)."""
         for claim in batch:
             if settled.get(claim.item_id):
                 continue
-            for pause in (*_PUT_BACK_PAUSES, None):
-                try:
-                    await self.store.park(
-                        claim.item_id, fence=claim.fence, delay=0, actor_id=self.actor_id
+            with contextlib.suppress(*LOST):  # not ours any more
+                await give_back(
+                    functools.partial(
+                        self.store.park, claim.item_id, fence=claim.fence, delay=0,
+                        actor_id=self.actor_id,
                     )
-                except LOST:  # not ours any more
-                    break
-                except _errors.StorageError:
-                    if pause is None:
-                        raise
-                    await asyncio.sleep(pause)
-                    continue
-                break
+                )  # fmt: skip
             settled[claim.item_id] = True
 
     async def _wait_for_work(self, local: asyncio.Event, version: int) -> None:
@@ -499,7 +491,7 @@ class _Drain:
         await _wakeups.until_work(
             self.engine, local, version, poll_interval=self.poll_interval,
             project_id=self.project_id, actor_id=self.actor_id, stop=self.stop,
-            schedules=True,
+            schedules=True, past=self.past_due,
         )  # fmt: skip
 
 

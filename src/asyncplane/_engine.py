@@ -255,8 +255,6 @@ class Engine:
         self._crons_left_said = False
         #: When the next tick of any schedule falls, as the last run here found it.
         self.next_tick: float | None = None
-        #: The last due time a waiter was told that was past already (`past_due_seen`).
-        self._past_due: float | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._open_lock: asyncio.Lock | None = None
         self._lock_loop: asyncio.AbstractEventLoop | None = None
@@ -537,18 +535,6 @@ class Engine:
                 await asyncio.gather(*sleeps, return_exceptions=True)
         return enqueued
 
-    def past_due_seen(self, due: float) -> float:
-        """When a waiter told ``due`` by `next_due` should wake: then, unless it is past and
-        was past already at the last such look (a claim between them took nothing of it),
-        when it is `_STUCK_LOOK` seconds from now (see `asyncplane._wakeups`)."""
-        now = self.clock.now()
-        if due > now:
-            return due
-        if self._past_due == due:
-            return now + _STUCK_LOOK
-        self._past_due = due
-        return due
-
     def busy_alarm(self, ring: Callable[[], object]) -> Callable[[], object]:
         """Arrange ``ring()`` for the schedules' next run, as `until_tick_or_look` would
         end; return what cancels it. A busy worker arms one for each wait for a slot, so
@@ -662,9 +648,6 @@ BUSY_SCHEDULES = "asyncplane-busy-schedules-tick"
 #: a schedule added elsewhere meanwhile runs its first tick at most this late, well inside
 #: the minute a ``catch_up="none"`` tick may be late and still run.
 _BUSY_LOOK = 10.0
-#: Seconds a waiter sleeps when the due time it is told was past at its last look too:
-#: work it cannot claim now (a row held by another session), looked at again this often.
-_STUCK_LOOK = 1.0
 
 
 def require_asyncio() -> asyncio.AbstractEventLoop:

@@ -66,7 +66,10 @@ class Guard:
 
     def when_lost(self, listener: Callable[[], object]) -> Callable[[], None]:
         """Call ``listener()`` when the guard is lost (a runtime stops its running items
-        then, not only its next claim); return what stops that."""
+        then, not only its next claim), at once if it is lost already; return what stops
+        that."""
+        if self.lost is not None:
+            listener()
         self._listeners.append(listener)
         return lambda: self._listeners.remove(listener) if listener in self._listeners else None
 

@@ -14,7 +14,7 @@ import asyncio
 import dataclasses
 import datetime
 import logging
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeAlias, TypeVar
 
 from asyncplane import _clock, _errors, _validate
@@ -34,6 +34,7 @@ __all__ = (
     "Settler",
     "count_lost",
     "exit_asked",
+    "give_back",
     "given",
     "returned_or_raised",
     "short_error",
@@ -207,6 +208,34 @@ class DrainSummary:
 #: (`FenceRejected`, `ItemCancelled` among them), or its project gone from the actor's
 #: scope (`ScopeDenied`). A runtime drops such an item; any other error is the store's.
 LOST: tuple[type[_errors.AsyncplaneError], ...] = (_errors.FenceRejected, _errors.ScopeDenied)
+
+
+#: Seconds between the tries of a give-back the store failed under (about 4 s in all).
+_GIVE_BACK_PAUSES = (0.05, 0.1, 0.2, 0.4, 0.8, 1.0, 1.0)
+#: The store's failures a give-back is not tried again for: none passes in seconds (a
+#: lock held past busy_timeout, each try waiting that long again; a store not there).
+_LASTING: tuple[type[_errors.StorageError], ...] = (
+    _errors.DatabaseLocked,
+    _errors.NotAnAsyncplaneDatabase,
+    _errors.SchemaVersionError,
+    _errors.ArchiveError,
+)
+
+
+async def give_back(give: Callable[[], Awaitable[object]]) -> None:
+    """``give()``, a release or a park handing a runtime's item back, tried again for a few
+    seconds while the store fails under it (a connection lost: a server restarting, which
+    is also what ends a guard's session), so that such a hiccup strands no item until its
+    lease lapses. A refusal (`LOST`: not the runtime's any more) and a lasting failure
+    are raised at once."""
+    for pause in (*_GIVE_BACK_PAUSES, None):
+        try:
+            await give()
+            return
+        except _errors.StorageError as exc:
+            if pause is None or isinstance(exc, _LASTING):
+                raise
+        await asyncio.sleep(pause)
 
 
 def count_lost(refusal: BaseException, summary: DrainSummary) -> bool:

@@ -1125,20 +1125,20 @@ def _as_expected(
     return expected_fence is None or fence == expected_fence
 
 
-#: Half a microsecond: a datetime, which holds microseconds, names every stored time that
-#: rounds to it (times are kept to the float's precision, finer than that).
-_HALF_A_MICROSECOND = 0.5e-6
-
-
 def beyond_its_microsecond(bound: float | None, given: object, *, later: bool) -> float | None:
     """An exclusive time bound of a listing (``created_after=`` and the like), as its
     filter compares stored times with it: where the caller gave a datetime (one a listing
     handed out, say: a row's own ``created_at``), every stored time shown as that datetime
-    is excluded too, so the bound moves half a microsecond away from it, ``later`` for an
-    "after", earlier for a "before". Epoch seconds are taken as they are."""
+    (times are kept to the float's precision, finer than its microsecond) is excluded too,
+    and none shown as another: the bound is the last float shown as it, ``later`` for an
+    "after", the first for a "before". Epoch seconds are taken as they are."""
     if bound is None or not isinstance(given, datetime.datetime):
         return bound
-    return bound + _HALF_A_MICROSECOND if later else bound - _HALF_A_MICROSECOND
+    shown = _models.from_timestamp(bound)
+    toward = math.inf if later else -math.inf
+    while _models.from_timestamp(step := math.nextafter(bound, toward)) == shown:
+        bound = step  # a few steps: floats near today are a quarter of a microsecond apart
+    return bound
 
 
 def listing_arms(states: tuple[str, ...], project: bool) -> tuple[str, ...]:

@@ -523,10 +523,11 @@ class ControlStore:
         deadline = asyncio.get_running_loop().time() + limit
         await self._engine.ready()
         closes = self._engine.closes
+        past = _wakeups.PastDue()
         while True:
             claims, closed = await self._claim_or_wait(
                 owner, 1, actor_id, project_id, lease_seconds, poll,
-                deadline - asyncio.get_running_loop().time(), None, closes,
+                deadline - asyncio.get_running_loop().time(), None, closes, past,
             )  # fmt: skip
             if claims:
                 return claims[0]
@@ -555,9 +556,10 @@ class ControlStore:
             raise _errors.InvalidType(f"stop must be an asyncio.Event, not {type(stop).__name__}")
         await self._engine.ready()
         closes = self._engine.closes
+        past = _wakeups.PastDue()
         while (stop is None or not stop.is_set()) and self._engine.closes == closes:
             found, closed = await self._claim_or_wait(
-                owner, 1, actor_id, project_id, lease_seconds, poll, None, stop, closes
+                owner, 1, actor_id, project_id, lease_seconds, poll, None, stop, closes, past
             )
             if closed:
                 return
@@ -575,10 +577,12 @@ class ControlStore:
         timeout: float | None,
         stop: asyncio.Event | None = None,
         closes: int | None = None,
+        past: _wakeups.PastDue | None = None,
     ) -> tuple[list[ClaimedItem], bool]:
         """One claim of up to ``limit`` items; if it found none, one sleep until work may
-        be claimable (or ``timeout``, or ``stop``). Returns the claims, and whether the
-        store was closed since ``closes`` (the waiter should end)."""
+        be claimable (or ``timeout``, or ``stop``; ``past``: the waiting loop's memory of
+        a past due time, see `asyncplane._wakeups.PastDue`). Returns the claims, and
+        whether the store was closed since ``closes`` (the waiter should end)."""
         engine = self._engine
         local = engine.watch()
         try:
@@ -595,7 +599,7 @@ class ControlStore:
                 return found, False
             await _wakeups.until_work(
                 engine, local, version, poll_interval=poll, project_id=project_id,
-                actor_id=actor_id, stop=stop, timeout=timeout,
+                actor_id=actor_id, stop=stop, timeout=timeout, past=past,
             )  # fmt: skip
         except _errors.StoreClosed:
             # Closed under any of its reads, its claim or its wait (`closes` rises before

@@ -29,7 +29,33 @@ from typing import Any
 
 from asyncplane import _clock, _engine
 
-__all__ = ("until_work",)
+__all__ = ("PastDue", "until_work")
+
+#: Seconds a waiter sleeps when the due time it is told was past at its last look too:
+#: work it cannot claim now (a row held by another session), looked at again this often.
+STUCK_LOOK = 1.0
+
+
+class PastDue:
+    """One waiting loop's memory (a drain's, a worker's, a ``claim(wait=)``'s) of the
+    last due time it was told that was past already: told it again after a claim that
+    took nothing, it is work this waiter cannot claim now, looked at again `STUCK_LOOK`
+    seconds later, not at once. Each loop has its own: another waiter, whose claim may
+    well take that work, is not held back by it."""
+
+    __slots__ = ("due",)
+
+    def __init__(self) -> None:
+        self.due: float | None = None
+
+    def wake_at(self, due: float, now: float) -> float:
+        """When to wake for ``due``, told at ``now``."""
+        if due > now:
+            return due
+        if self.due == due:
+            return now + STUCK_LOOK
+        self.due = due
+        return due
 
 
 async def until_work(
@@ -44,6 +70,7 @@ async def until_work(
     timeout: float | None = None,
     also: asyncio.Future[Any] | None = None,
     schedules: bool = False,
+    past: PastDue | None = None,
 ) -> None:
     """Sleep until work may be claimable (see the module); a failed watcher raises."""
     due = await (await engine.ready()).next_due(project_id, actor_id)
@@ -64,7 +91,8 @@ async def until_work(
         # take it (on PostgreSQL, a lapsed item whose row another session holds, a host
         # frozen in a transaction, say: SKIP LOCKED passes it by): look again a while
         # later, not at once, or every waiter claims in a loop as long as it is held.
-        due = engine.past_due_seen(due)
+        if past is not None:
+            due = past.wake_at(due, engine.clock.now())
         sleeps.append(_clock.wait_until(engine.clock, due))
         names.append("due")
     waits: list[asyncio.Future[Any]] = [

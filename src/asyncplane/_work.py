@@ -88,6 +88,7 @@ from asyncplane._outcomes import (
     Settler,
     count_lost,
     exit_asked,
+    give_back,
     returned_or_raised,
     short_error,
 )
@@ -280,6 +281,7 @@ class _Worker:
         self.waiting_for_slot = False
         self.next_housekeeping = 0.0
         self.closes = self.engine.closes  # the store closed since: stop
+        self.past_due = _wakeups.PastDue()  # this worker's, as it waits for work
 
     def interrupted(self) -> bool:
         """Whether the claim loop must make no new claim: a stop, a failure (the
@@ -429,7 +431,7 @@ class _Worker:
                     await _wakeups.until_work(
                         self.engine, local, version, poll_interval=self.poll_interval,
                         project_id=self.project_id, actor_id=self.actor_id, stop=self.stop,
-                        also=waiting, schedules=True,
+                        also=waiting, schedules=True, past=self.past_due,
                     )  # fmt: skip
                 finally:
                     waiting.cancel()
@@ -587,7 +589,11 @@ class _Worker:
             await self._settle(claim, self._outcome_of(claim, handler))
             return
         try:
-            await self.store.release(claim.item_id, fence=claim.fence, actor_id=self.actor_id)
+            await give_back(
+                functools.partial(
+                    self.store.release, claim.item_id, fence=claim.fence, actor_id=self.actor_id
+                )
+            )
         except LOST as refusal:
             # Taken over, cancelled or out of scope meanwhile (before a renewal told):
             # not ours to give back, and counted as what happened to it.

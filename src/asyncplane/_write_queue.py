@@ -34,8 +34,9 @@ is made of is shared:
 Stopping is never a cancellation of a round. `stop` lets the writer serve what is queued
 and leave; if the writer task is cancelled instead (the event loop shutting down), the
 round in progress still ends, requests not yet started are refused with StoreClosed, and
-the connection closes last. A writer that fails (its connection broke) refuses every
-later request with StoreClosed, the failure as its cause, and logs it once.
+the connection closes last. A writer that fails refuses every later request, the
+failure as its cause, and logs it once: with StorageError where its connection was lost
+(nobody closed the store, and its next call opens it afresh), else with StoreClosed.
 """
 
 from __future__ import annotations
@@ -395,7 +396,7 @@ class WriterBase:
         self._task.add_done_callback(self._supervise)
 
     def _supervise(self, task: asyncio.Task[None]) -> None:
-        # The writer's failure reaches every caller as StoreClosed (with the failure as its
+        # The writer's failure reaches every caller (`_closed_error`, with the failure as its
         # cause); here it is logged once, and marked as seen so asyncio does not complain.
         if task.cancelled() or (failure := task.exception()) is None:
             return
