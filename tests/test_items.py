@@ -591,6 +591,15 @@ async def test_a_wait_whose_store_closes_as_it_begins_to_wait_ends_and_leaves_it
         await asyncio.wait_for(waiting, 60)
     assert not store._engine.is_open
     # And a close during the caller's look after its mark, before it joins the watch.
+    await closed_during_a_look(store, monkeypatch, item_id, look=2)
+
+
+async def closed_during_a_look(
+    store: ControlStore, monkeypatch: pytest.MonkeyPatch, item_id: int, look: int
+) -> None:
+    """Close the store while a `wait()` for ``item_id`` has its ``look``-th read of the
+    item out (a graceful close lets it end): the wait ends with StoreClosed, the store
+    left closed."""
     backend = await store._engine.ready()
     real, looks = backend.get_item, [0]
     looking, go_on = asyncio.Event(), asyncio.Event()
@@ -598,7 +607,7 @@ async def test_a_wait_whose_store_closes_as_it_begins_to_wait_ends_and_leaves_it
     async def get_item(item_id: int, actor_id: str | None) -> Any:
         looks[0] += 1
         row = await real(item_id, actor_id)
-        if looks[0] == 2:  # the look after its mark
+        if looks[0] == look:
             looking.set()
             await go_on.wait()
         return row
@@ -622,26 +631,7 @@ async def test_a_wait_whose_store_closes_during_its_first_look_ends_and_leaves_i
     # was out (a graceful close lets reads in flight end) went unseen, and the wait
     # opened the store again and waited on.
     item_id = await store.enqueue("alpha", {})
-    backend = await store._engine.ready()
-    real = backend.get_item
-    looking, go_on = asyncio.Event(), asyncio.Event()
-
-    async def get_item(item_id: int, actor_id: str | None) -> Any:
-        row = await real(item_id, actor_id)
-        looking.set()
-        await go_on.wait()
-        return row
-
-    monkeypatch.setattr(backend, "get_item", get_item)
-    waiting = asyncio.create_task(store.wait(item_id))
-    await looking.wait()
-    closing = asyncio.create_task(store.close())
-    await until(lambda: not store._engine.is_open, what="the store closes")
-    go_on.set()
-    await closing
-    with pytest.raises(StoreClosed):
-        await asyncio.wait_for(waiting, 60)
-    assert not store._engine.is_open
+    await closed_during_a_look(store, monkeypatch, item_id, look=1)
 
 
 async def test_the_watch_of_items_waited_for_runs_in_no_callers_context(

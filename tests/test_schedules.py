@@ -27,6 +27,7 @@ from asyncplane import (
     UnknownProject,
     UnknownSchedule,
     _clock,
+    _engine,
     _schedule,
     drain,
     verify_ledger,
@@ -533,10 +534,19 @@ def busy_schedules() -> Any:
     waits for its schedules' next tick."""
 
     async def check() -> bool:
-        name = "asyncplane-busy-schedules-tick"  # _engine.BUSY_SCHEDULES
-        return any(task.get_name() == name for task in asyncio.all_tasks())
+        return any(task.get_name() == _engine.BUSY_SCHEDULES for task in asyncio.all_tasks())
 
     return check
+
+
+async def a_long_item_and_a_tick_a_minute(store: ControlStore, clock: ManualClock) -> None:
+    """An item that runs long (the test holds it), and a schedule "s" ticking every
+    minute from midnight, its late ticks skipped (``catch_up="none"``)."""
+    clock.set(at(2026, 12, 1, 0, 0))
+    await store.enqueue("alpha", {"task": "long"})
+    await store.set_schedule(
+        "s", project_id="alpha", payload={"task": "tick"}, every=60, catch_up="none"
+    )
 
 
 async def test_a_worker_whose_every_slot_is_taken_enqueues_each_tick_as_it_falls(
@@ -545,11 +555,7 @@ async def test_a_worker_whose_every_slot_is_taken_enqueues_each_tick_as_it_falls
     # One slot, and the item in it runs for hours (an agent's long call): a tick that
     # falls meanwhile is enqueued then, not once the slot frees (a catch_up="none" tick
     # more than a minute late would be skipped, and "latest" would merge them).
-    clock.set(at(2026, 12, 1, 0, 0))
-    await store.enqueue("alpha", {"task": "long"})
-    await store.set_schedule(
-        "s", project_id="alpha", payload={"task": "tick"}, every=60, catch_up="none"
-    )
+    await a_long_item_and_a_tick_a_minute(store, clock)
     release = asyncio.Event()
     ran: list[Any] = []
 
@@ -583,11 +589,7 @@ async def counted(store: ControlStore, ticks: int) -> bool:
 async def test_a_daemon_enqueues_each_tick_as_it_falls_while_its_batch_runs(
     store: ControlStore, clock: ManualClock
 ) -> None:
-    clock.set(at(2026, 12, 1, 0, 0))
-    await store.enqueue("alpha", {"task": "long"})
-    await store.set_schedule(
-        "s", project_id="alpha", payload={"task": "tick"}, every=60, catch_up="none"
-    )
+    await a_long_item_and_a_tick_a_minute(store, clock)
     release = asyncio.Event()
     ran: list[Any] = []
 
