@@ -65,6 +65,24 @@ async def test_items_lists_newest_first_and_pages_by_keyset(store: ControlStore)
     assert [r["item_id"] for r in await store.items(order="oldest", after=ids[4])] == ids[5:]
 
 
+async def test_the_largest_id_a_store_hands_out_is_listed_newest_first(
+    store: ControlStore, raw: Any
+) -> None:
+    # 2**63 - 1 is the last id either backend gives; one past it is not a 64-bit number.
+    low = await store.enqueue("alpha", {"n": 0})
+    high = await store.enqueue("alpha", {"n": 1})
+    largest = 2**63 - 1
+    raw.execute("UPDATE items SET item_id = ? WHERE item_id = ?", (largest, high))
+    listed = [row["item_id"] for row in await store.items()]
+    assert listed == [largest, low]
+    assert [row["item_id"] for row in await store.items(after=largest)] == [low]
+    assert [row["item_id"] for row in await store.items(order="oldest")] == [low, largest]
+    assert await store.items(order="oldest", after=largest) == []
+    for state in ("ready", None):  # a state's arm and the project's
+        chosen = await store.items(project_id="alpha", state=state, limit=1)
+        assert [row["item_id"] for row in chosen] == [largest]
+
+
 async def test_an_error_search_folds_the_case_of_ascii_letters_only(
     store: ControlStore,
 ) -> None:

@@ -36,6 +36,7 @@ from asyncplane import (
     ReadOnlyStore,
     SchemaVersionError,
     StorageError,
+    StoreClosed,
     _clock,
     _engine,
     drain,
@@ -2741,3 +2742,66 @@ async def test_a_listener_the_server_ended_is_replaced_on_the_next_call(url: str
         await until(waiting_on("commit"), what="the claim waits")
         await other.enqueue("alpha", {})
         assert (await asyncio.wait_for(waiting, 30)) is not None
+
+
+@contextlib.asynccontextmanager
+async def _reads_queued_behind_a_lock(
+    store: ControlStore, url: str, item_id: int
+) -> AsyncIterator[tuple[asyncpg.Connection, list[asyncio.Task[Any]]]]:
+    """Five reads of a store with one read connection: one waits for a table lock held by
+    the connection given, the others for the pool. Closed (the lock let go) at the end."""
+    holder = await asyncpg.connect(url)
+    try:
+        await holder.execute("BEGIN; LOCK TABLE items IN ACCESS EXCLUSIVE MODE")
+        reads = [asyncio.create_task(store.item(item_id)) for _ in range(5)]
+        await until(
+            lambda: _sessions_waiting_for_a_lock(holder),
+            what="a read waits for the lock, the others for the pool",
+        )
+        yield holder, reads
+    finally:
+        await holder.close()
+
+
+async def _sessions_waiting_for_a_lock(conn: asyncpg.Connection) -> bool:
+    return bool(await conn.fetchval("SELECT count(*) FROM pg_locks WHERE NOT granted"))
+
+
+async def test_reads_queued_while_a_lost_listener_reopens_the_store(url: str) -> None:
+    # Reads waiting for a connection of the pool the reopen closes hear a lost
+    # connection's StorageError, as writes do, never StoreClosed: nobody closed the store.
+    async with ControlStore(url, read_connections=1) as store:
+        await store.create_project("alpha", "Alpha")
+        item_id = await store.enqueue("alpha", {})
+        engine = engine_of(store)
+        backend: Any = await engine.ready()
+        async with _reads_queued_behind_a_lock(store, url, item_id) as (holder, reads):
+            await holder.execute(
+                "SELECT pg_terminate_backend($1)", backend._listener.get_server_pid()
+            )
+            await until(lambda: backend.broken, what="the store saw its listener's session end")
+            pool = backend._pool
+            reopen = asyncio.create_task(store.counts())
+            await until(pool.is_closing, what="the reopen closes the pool")
+            await holder.execute("COMMIT")
+            results = await asyncio.gather(*reads, reopen, return_exceptions=True)
+        failed = [r for r in results if isinstance(r, BaseException)]
+        assert failed, "every read was served: the test no longer queues one"
+        assert all(type(r) is StorageError for r in failed), failed
+        assert "opened afresh" in str(failed[0])
+        assert await store.item(item_id) is not None  # and the next call is served
+
+
+async def test_reads_queued_while_the_store_closes_hear_it_closed(url: str) -> None:
+    async with ControlStore(url, read_connections=1) as store:
+        await store.create_project("alpha", "Alpha")
+        item_id = await store.enqueue("alpha", {})
+        pool = (await engine_of(store).ready())._pool  # type: ignore[attr-defined]
+        async with _reads_queued_behind_a_lock(store, url, item_id) as (holder, reads):
+            closing = asyncio.create_task(store.close())
+            await until(pool.is_closing, what="the close closes the pool")
+            await holder.execute("COMMIT")
+            results = await asyncio.gather(*reads, closing, return_exceptions=True)
+        failed = [r for r in results if isinstance(r, BaseException)]
+        assert failed, "every read was served: the test no longer queues one"
+        assert all(type(r) is StoreClosed for r in failed), failed

@@ -345,7 +345,8 @@ def test_listing_arms_and_the_states_where_calls_take() -> None:
 def test_keyset_paging_and_chunks() -> None:
     assert _rules.keyset_start(True, None) == _rules.MAX_ITEM_ID
     assert _rules.keyset_start(False, None) == 0
-    assert _rules.keyset_start(True, 42) == 42
+    assert _rules.keyset_start(True, 42) == 41  # the page holds ids up to 41
+    assert _rules.keyset_start(False, 42) == 42
     assert _rules.next_chunk([1, 2, 3], 3) == 3
     assert _rules.next_chunk([1, 2], 3) is None
 

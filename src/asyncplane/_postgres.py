@@ -283,6 +283,9 @@ class PostgresBackend(_backend.Writes):
         #: The server ended the listener's session (not a read-only opening's going
         #: without one): the store opens afresh on its next call, listener and all.
         self._listener_lost = False
+        #: The pool of an opening closed because it was broken (a reopen, not a close):
+        #: reads it fails are a lost connection's StorageError, never StoreClosed.
+        self._lost_pool: asyncpg.Pool | None = None
         self._settled = 0  # settles heard of (NOTIFY asyncplane_settled)
 
     @property
@@ -491,6 +494,8 @@ class PostgresBackend(_backend.Writes):
     async def close(self) -> None:
         """Serve queued writes, then close the writer, the pool and the listener."""
         writer, pool, listener, wakes = self._writer, self._pool, self._listener, self._wakes
+        if self.broken:
+            self._lost_pool = pool
         if writer is not None:
             await writer.stop()  # its on_exit closes the pool and the listener
             if self._writer is writer:
@@ -527,9 +532,15 @@ class PostgresBackend(_backend.Writes):
             async with pool.acquire() as conn:
                 return await fn(conn, *args)
         except _DRIVER_ERRORS as exc:
-            if self._pool is not pool and not (writer is not None and writer.failed):
+            lost = pool is self._lost_pool or (writer is not None and writer.failed)
+            if self._pool is not pool and not lost:
                 # closed under this read on purpose (a lost connection is a StorageError)
                 raise _errors.StoreClosed("the store was closed during this read") from exc
+            if self._pool is not pool:
+                raise _errors.StorageError(
+                    "a connection of the store was lost, and it opened afresh, before this "
+                    f"read was served (nothing was read; try it again): {exc!r}"
+                ) from exc
             raise _writer.translate(exc) from exc
 
     async def _fetch(self, statement: str, *args: Any) -> list[Any]:

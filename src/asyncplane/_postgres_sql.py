@@ -1740,14 +1740,15 @@ _NOT_CLAIMED: Final = "AND state <> 'claimed'"
 @functools.lru_cache(maxsize=256)
 def list_items(states: tuple[str, ...], project: bool, newest: bool, payload: bool) -> str:
     """The listing for ``states`` (none: any state; $12 is their array, for the chunk
-    lock), of one project ($1) or of all, after the keyset bound $10, at most $11 rows.
+    lock), of one project ($1) or of all, within the keyset bound $10
+    (`_rules.keyset_start`), at most $11 rows.
     The states are written into the SQL, as on SQLite, so the partial indexes serve it."""
     assert all(state in _models.ITEM_STATES for state in states)
     columns = _LISTED.format(
         payload="payload" if payload else "NULL::text", result="result" if payload else "NULL::text"
     )
     order = "item_id DESC" if newest else "item_id"
-    keyset = "item_id < $10" if newest else "item_id > $10"
+    keyset = "item_id <= $10" if newest else "item_id > $10"
     scope = "AND project_id = $1::text" if project else "AND $1::text IS NULL"
     where = f"{keyset} {scope} AND $12::text[] IS NOT NULL {_LIST_FILTERS}"
     if not states:

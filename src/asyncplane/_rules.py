@@ -1155,10 +1155,15 @@ MAX_ITEM_ID = 2**63 - 1
 
 
 def keyset_start(newest: bool, after: int | None) -> int:
-    """Where a listing starts: after ``after``, or from the newest (or oldest) end."""
-    if after is not None:
-        return after
-    return MAX_ITEM_ID if newest else 0
+    """Where a listing starts: after ``after``, or from the newest (or oldest) end.
+
+    Newest first, the bound is the highest id the page may hold (``item_id <=``), not one
+    past it: one past the largest id a store hands out, 2**63 - 1, is not a 64-bit number.
+    Oldest first, it is the id the page starts after (``item_id >``), 0 from the start.
+    """
+    if newest:
+        return MAX_ITEM_ID if after is None else after - 1
+    return 0 if after is None else after
 
 
 def next_chunk(ids: Sequence[int], chunk: int) -> int | None:

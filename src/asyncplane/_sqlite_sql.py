@@ -1084,7 +1084,7 @@ _LIST_FILTERS = """
 @functools.lru_cache(maxsize=256)
 def list_items(states: tuple[str, ...], project: bool, newest: bool, payload: bool) -> str:
     """The listing for ``states`` (none: any state), of one project (:project_id) or of
-    all, after the keyset bound :after, at most :limit rows.
+    all, within the keyset bound :after (`_rules.keyset_start`), at most :limit rows.
 
     The states are written into the SQL, not bound: a partial index serves a query only
     when its WHERE proves the index's, which a parameter cannot (they are names from
@@ -1095,7 +1095,7 @@ def list_items(states: tuple[str, ...], project: bool, newest: bool, payload: bo
         payload="payload" if payload else "NULL", result="result" if payload else "NULL"
     )
     order = "item_id DESC" if newest else "item_id"
-    keyset = "item_id < :after" if newest else "item_id > :after"
+    keyset = "item_id <= :after" if newest else "item_id > :after"
     where = f"{keyset} {'AND project_id = :project_id' if project else ''} {_LIST_FILTERS}"
     if not states:
         return f"SELECT {columns} FROM items WHERE {where} ORDER BY {order} LIMIT :limit"
