@@ -841,8 +841,9 @@ class Backend(Protocol):
         """Connect, create or migrate the schema; idempotent."""
         ...
 
-    async def close(self) -> None:
-        """Finish queued writes, then release every connection."""
+    async def close(self, *, lost: bool = False) -> None:
+        """Finish queued writes, then release every connection. ``lost``: closed because
+        the backend broke (the engine opens it afresh next), not by the program."""
         ...
 
     @property

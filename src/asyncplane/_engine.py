@@ -279,7 +279,7 @@ class Engine:
                 # The write connection was lost (a server restart, say): start afresh.
                 _log.warning("asyncplane: %s lost its connection; opening again", self.location)
                 self.is_open = False
-                await self.backend.close()
+                await self.backend.close(lost=True)
             if not self.is_open:
                 self._loop = asyncio.get_running_loop()
                 try:

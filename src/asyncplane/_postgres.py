@@ -232,6 +232,16 @@ def _log_failure(task: asyncio.Task[None]) -> None:
         _log.error("asyncplane: %s failed", task.get_name(), exc_info=task.exception())
 
 
+class _Opening:
+    """One opening of a PostgreSQL store, as its reads see it."""
+
+    __slots__ = ("lost",)
+
+    def __init__(self) -> None:
+        #: Closed because it broke (the engine opens the store afresh), not by the program.
+        self.lost = False
+
+
 class PostgresBackend(_backend.Writes):
     """Implements `asyncplane._backend.Backend` on one schema of a PostgreSQL database."""
 
@@ -283,9 +293,9 @@ class PostgresBackend(_backend.Writes):
         #: The server ended the listener's session (not a read-only opening's going
         #: without one): the store opens afresh on its next call, listener and all.
         self._listener_lost = False
-        #: The pool of an opening closed because it was broken (a reopen, not a close):
-        #: reads it fails are a lost connection's StorageError, never StoreClosed.
-        self._lost_pool: asyncpg.Pool | None = None
+        #: This opening's: closed because it broke (a reopen, not the program's close),
+        #: reads its pool fails then are a lost connection's StorageError, not StoreClosed.
+        self._opening = _Opening()
         self._settled = 0  # settles heard of (NOTIFY asyncplane_settled)
 
     @property
@@ -405,6 +415,7 @@ class PostgresBackend(_backend.Writes):
                     raise _writer.translate(exc) from exc
             undo.pop_all()  # all made: from here on close() owns them
         self._pool, self._listener, self._wakes = pool, listener, wakes
+        self._opening = _Opening()
         self._deaf = listener is None
         self._listener_lost = False
 
@@ -491,11 +502,11 @@ class PostgresBackend(_backend.Writes):
             finally:
                 pool.terminate()
 
-    async def close(self) -> None:
+    async def close(self, *, lost: bool = False) -> None:
         """Serve queued writes, then close the writer, the pool and the listener."""
         writer, pool, listener, wakes = self._writer, self._pool, self._listener, self._wakes
-        if self.broken:
-            self._lost_pool = pool
+        if lost:
+            self._opening.lost = True
         if writer is not None:
             await writer.stop()  # its on_exit closes the pool and the listener
             if self._writer is writer:
@@ -527,21 +538,21 @@ class PostgresBackend(_backend.Writes):
         """Run ``fn(conn, *args)`` on a pooled connection."""
         if self._pool is None:
             raise _errors.StoreClosed("the store is closed")
-        pool, writer = self._pool, self._writer
+        pool, writer, opening = self._pool, self._writer, self._opening
         try:
             async with pool.acquire() as conn:
                 return await fn(conn, *args)
         except _DRIVER_ERRORS as exc:
-            lost = pool is self._lost_pool or (writer is not None and writer.failed)
-            if self._pool is not pool and not lost:
+            if self._pool is pool:
+                raise _writer.translate(exc) from exc
+            if not (opening.lost or (writer is not None and writer.failed)):
                 # closed under this read on purpose (a lost connection is a StorageError)
                 raise _errors.StoreClosed("the store was closed during this read") from exc
-            if self._pool is not pool:
-                raise _errors.StorageError(
-                    "a connection of the store was lost, and it opened afresh, before this "
-                    f"read was served (nothing was read; try it again): {exc!r}"
-                ) from exc
-            raise _writer.translate(exc) from exc
+            raise _errors.StorageError(
+                "a connection of the store was lost, and the pool this read waited for "
+                "was closed before it was served (nothing was read; the store opens "
+                f"afresh on its next call): {exc!r}"
+            ) from exc
 
     async def _fetch(self, statement: str, *args: Any) -> list[Any]:
         return await self._read(_fetch, statement, *args)

@@ -163,8 +163,9 @@ class SQLiteBackend(_backend.Writes):
         self._readers = readers
         self._keeper = _tasks.detached(keep(), f"asyncplane-readers[{self._path.name}]")
 
-    async def close(self) -> None:
-        """Serve queued writes, then close the writer and every reader."""
+    async def close(self, *, lost: bool = False) -> None:
+        """Serve queued writes, then close the writer and every reader (SQLite's
+        backend never breaks: ``lost`` changes nothing)."""
         writer, readers, keeper = self._writer, self._readers, self._keeper
         if writer is not None:
             await writer.stop()  # its on_exit closes the readers before its connection
