@@ -25,6 +25,7 @@ from asyncplane import (
     DrainLock,
     Failed,
     InvalidInput,
+    InvalidType,
     Offload,
     Outcome,
     Park,
@@ -118,10 +119,9 @@ async def test_an_executor_that_returns_no_list_or_is_no_coroutine_retries_its_b
     async def nothing(batch: list[ClaimedItem]) -> Any:
         return None
 
-    def plain(batch: list[ClaimedItem]) -> Any:
-        raise RuntimeError("not even async")
-
-    for executor in (nothing, plain):
+    # A lambda shows what it returns only when called (a plain def is refused up front:
+    # test_an_executor_that_is_not_async_is_refused_before_any_claim).
+    for executor in (nothing, lambda batch: None):
         summary = await drain(store, executor, empty_rounds=1)
         assert summary.retried == 2, executor
         assert {(await store.item(i))["state"] for i in ids} == {"deferred"}
@@ -208,6 +208,31 @@ async def test_bad_arguments_are_refused(store: ControlStore) -> None:
         await drain(store, all_done, mode="sometimes")  # type: ignore[arg-type]
     with pytest.raises(InvalidInput):
         await drain(store, all_done, batch_size=0)
+    assert await lock_is_free(store)
+
+
+async def test_an_executor_that_is_not_async_is_refused_before_any_claim(
+    store: ControlStore,
+) -> None:
+    # A plain def would run each batch, then fail to be awaited: every attempt spent.
+    await store.create_project("p", "P")
+    item_id = await store.enqueue("p", {})
+
+    def forgot_async(batch: list[ClaimedItem]) -> list[Outcome]:
+        return [Done() for _ in batch]
+
+    async def takes_two(batch: list[ClaimedItem], extra: int) -> list[Outcome]:
+        return [Done() for _ in batch]
+
+    for bad, said in (
+        (forgot_async, "a plain def"),
+        (None, "got NoneType"),
+        (takes_two, "one argument, the batch"),
+    ):
+        with pytest.raises(InvalidType, match=f"execute must be an async function.*{said}"):
+            await drain(store, bad)  # type: ignore[arg-type]
+    item = await store.item(item_id)
+    assert (item["state"], item["attempts"]) == ("ready", 0)  # never claimed
     assert await lock_is_free(store)
 
 

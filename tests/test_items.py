@@ -751,6 +751,9 @@ def test_cli_items_finds_and_pages(location_of: Any) -> None:
     assert f"(more: --after {ids['ready1']})" in page.stdout
     rest = json.loads(cli("items", where, "--after", str(ids["ready1"]), "--json").stdout)
     assert [r["item_id"] for r in rest["items"]] == [ids["ready0"], ids["bad"], ids["limited"]]
+    assert rest["next_after"] is None  # a page that was not full: none comes after it
+    full = json.loads(cli("items", where, "--limit", "2", "--json").stdout)
+    assert full["next_after"] == ids["ready1"]
 
 
 def test_cli_items_shows_an_errors_control_characters_escaped(tmp_path: pathlib.Path) -> None:
@@ -979,8 +982,9 @@ def test_cli_frictions_a_new_user_met(tmp_path: pathlib.Path) -> None:
     conn.close()
     no_project = cli("import", where, "--from", str(source), "--table", "q",
                      "--column", "payload=data")  # fmt: skip
-    assert no_project.returncode == 2 and "--project" in no_project.stderr
-    assert "project_id=" not in no_project.stderr
+    assert no_project.returncode == 2
+    said = "give --project, or map a project column with --column project_id=COLUMN, exactly"
+    assert said in no_project.stderr  # each word put in flags once (no "--projectCOLUMN")
     events = cli("events", where, "1").stdout.splitlines()
     assert len({len(line.split()[0]) for line in events}) == 1  # one time format
     assert all(line.split()[0].endswith("+00:00") for line in events)

@@ -9,6 +9,7 @@ import logging
 import os
 import pathlib
 import re
+import shutil
 import signal
 import sqlite3
 import subprocess
@@ -798,6 +799,22 @@ def test_cli_refuses_files_it_must_not_touch(tmp_path: pathlib.Path) -> None:
     conn.close()
     too_new = cli("stats", str(newer), "--json")
     assert too_new.returncode == 2 and "upgrade asyncplane" in too_new.stderr
+    # The dashboard too: a version to upgrade to is the user's to fix (2), not a failing
+    # disk or server (3).
+    served = cli("dashboard", str(newer), "--port", "0")
+    assert served.returncode == 2 and "upgrade asyncplane" in served.stderr, served.stderr
+    older = tmp_path / "older.db"
+    shutil.copyfile(newer, older)
+    conn = sqlite3.connect(older)
+    conn.execute(f"PRAGMA user_version = {sql.SCHEMA_VERSION - 1}")
+    conn.commit()
+    conn.close()
+    for verb in (("stats",), ("items",), ("dashboard", "--port", "0")):
+        looked = cli(verb[0], str(older), *verb[1:])
+        assert looked.returncode == 2, (verb, looked.stderr)
+        # in the command's words, not the library's (read_only is a keyword, not a flag)
+        assert "needs migrating" in looked.stderr and "run a verb that writes" in looked.stderr
+        assert "read_only" not in looked.stderr
     unknown = cli("events", str(newer.with_name("missing2.db")), "3")
     assert unknown.returncode == 2
     bad_usage = cli("purge", str(newer), "--retention", "soon")

@@ -494,6 +494,35 @@ async def test_a_store_closed_while_every_slot_is_busy_stops_the_worker_at_once(
     assert (row["state"], row["attempts"]) == ("ready", 0)
 
 
+async def test_a_worker_cut_short_logs_that_it_did_not_count_what_remains(
+    store: ControlStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Its summary's remaining=0 would say the queue was empty: one item is still there.
+    await store.create_project("p", "P")
+    await store.enqueue("p", {})
+    started = asyncio.Event()
+
+    async def hangs(claim: ClaimedItem) -> Done:
+        started.set()
+        await asyncio.Event().wait()
+        raise AssertionError("never")
+
+    with caplog.at_level(logging.INFO, logger="asyncplane.worker"):
+        running = asyncio.create_task(work(store, hangs, project_id="p"))
+        await started.wait()
+        running.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await running
+        summary = await work(store, lambda claim: _done(), project_id="p", until_empty=True)
+    stopped = [r.getMessage() for r in caplog.records if " stopped: " in r.getMessage()]
+    assert stopped[0].endswith("(remaining not counted)"), stopped
+    assert summary.remaining == 0 and not stopped[1].endswith("(remaining not counted)")
+
+
+async def _done() -> Done:
+    return Done()
+
+
 async def test_a_handler_cancelled_by_someone_else_retries_its_item(
     store: ControlStore, caplog: pytest.LogCaptureFixture, clock: ManualClock
 ) -> None:

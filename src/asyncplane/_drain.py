@@ -153,6 +153,11 @@ async def drain(
     """
     _engine.require_asyncio()  # before the lock, whose take is asyncio's
     started = time.monotonic()
+    problem = _validate.callable_problem(execute, "the batch")
+    if problem is not None:
+        raise _errors.InvalidType(
+            f"execute must be an async function taking one batch (a list of ClaimedItem): {problem}"
+        )
     run = _Drain(
         store,
         execute,

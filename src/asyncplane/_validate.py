@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import functools
+import inspect
 import json
 import math
 import os
@@ -596,3 +598,46 @@ def shown(value: object) -> str:
     except Exception:  # a hostile __repr__: the message must not fail
         return f"a {type(value).__name__} that cannot be shown"
     return text if len(text) <= 80 else text[:77] + "..."
+
+
+def callable_problem(handle: object, takes: str) -> str | None:
+    """Why ``handle`` cannot be a handler or an executor (None: it can), checked before
+    anything runs: it must be callable with one argument (``takes``: the claim, the
+    batch), and not a class (calling that makes an
+    instance). One that is plainly not async is refused too (it would do its work, then
+    fail to be awaited, on every attempt): a plain ``def``, an object whose ``__call__``
+    is one, a partial of one, with no coroutine function anywhere along its wrappers. A
+    lambda, or a compiled callable, shows what it returns only when called: a call that
+    gives no awaitable retries its item (`_work._handled`, `_drain`)."""
+    if inspect.isclass(handle) or not callable(handle):
+        return f"got {type(handle).__name__} {handle!r}"[:200]
+    layers = _layers(handle)
+    if not any(inspect.iscoroutinefunction(layer) for layer in layers):
+        plain = [layer for layer in layers if inspect.isfunction(layer)]
+        if plain and plain[-1].__name__ != "<lambda>":  # (a lambda may return a coroutine)
+            return f"{handle!r} is a plain def, not an async def"[:200]
+    try:
+        inspect.signature(handle).bind(None)
+    except TypeError:
+        return f"{handle!r} cannot be called with one argument, {takes}"[:200]
+    except ValueError:  # no signature to read (a builtin): it is called and answers then
+        pass
+    return None
+
+
+def _layers(handle: object) -> list[object]:
+    """``handle`` and what it wraps: a partial's function, a bound method's, an object's
+    ``__call__``, each ``__wrapped__`` (functools.wraps) in turn."""
+    layers: list[object] = []
+    found: object = handle
+    while found is not None and len(layers) < 32 and not any(found is x for x in layers):
+        layers.append(found)
+        if isinstance(found, functools.partial):
+            found = found.func
+        elif inspect.ismethod(found):
+            found = found.__func__
+        elif not inspect.isroutine(found) and callable(found):
+            found = getattr(type(found), "__call__", None)  # noqa: B004 - its own, not callable()
+        else:
+            found = getattr(found, "__wrapped__", None)
+    return layers

@@ -94,7 +94,7 @@ from asyncplane._outcomes import (
 )
 from asyncplane._store import ControlStore, log_fields
 
-__all__ = ("Handler", "Settings", "handler_problem", "handling", "settings", "work")
+__all__ = ("Handler", "Settings", "handling", "settings", "work")
 
 #: ``async def handle(claim: ClaimedItem) -> Outcome``: runs one item.
 Handler: TypeAlias = Callable[[ClaimedItem], Awaitable[Outcome]]
@@ -181,7 +181,7 @@ async def work(
     """
     _engine.require_asyncio()
     started = time.monotonic()
-    problem = handler_problem(handle)
+    problem = _validate.callable_problem(handle, "the claim")
     if problem is not None:
         raise _errors.InvalidType(
             f"handle must be an async function taking one ClaimedItem: {problem}"
@@ -209,6 +209,7 @@ async def work(
     )  # fmt: skip
     if run.project_id is not None:
         await _look_for(store, run.project_id, run.owner)
+    counted = False
     try:
         if _validate.boolean(exclusive, "exclusive"):
             async with _store.engine_of(store).single_runner(lock) as guard:
@@ -224,9 +225,12 @@ async def work(
             run.summary.remaining = sum(
                 counts[state] for state in ("ready", "deferred", "claimed", "offloaded")
             )
+            counted = True
     finally:
         run.summary.elapsed_s = time.monotonic() - started
-        _log.info("asyncplane worker %s stopped: %s", run.owner, run.summary)
+        # (remaining=0 from a worker cut short, or on a closed store, would say all is done)
+        left = "" if counted or run.summary.skipped else " (remaining not counted)"
+        _log.info("asyncplane worker %s stopped: %s%s", run.owner, run.summary, left)
     return run.summary
 
 
@@ -731,48 +735,6 @@ class _Held:
         self.handler = handler
         self.renew_at = renew_at
         self.lost = False
-
-
-def handler_problem(handle: object) -> str | None:
-    """Why ``handle`` cannot be a handler (None: it can), checked before anything runs: it
-    must be callable with one argument, the claim, and not a class (calling that makes an
-    instance). One that is plainly not async is refused too (it would do its work, then
-    fail to be awaited, on every attempt): a plain ``def``, an object whose ``__call__``
-    is one, a partial of one, with no coroutine function anywhere along its wrappers. A
-    lambda, or a compiled callable, shows what it returns only when called: a call that
-    gives no awaitable retries its item (`_handled`)."""
-    if inspect.isclass(handle) or not callable(handle):
-        return f"got {type(handle).__name__} {handle!r}"[:200]
-    layers = _layers(handle)
-    if not any(inspect.iscoroutinefunction(layer) for layer in layers):
-        plain = [layer for layer in layers if inspect.isfunction(layer)]
-        if plain and plain[-1].__name__ != "<lambda>":  # (a lambda may return a coroutine)
-            return f"{handle!r} is a plain def, not an async def"[:200]
-    try:
-        inspect.signature(handle).bind(None)
-    except TypeError:
-        return f"{handle!r} cannot be called with one argument, the claim"[:200]
-    except ValueError:  # no signature to read (a builtin): it is called and answers then
-        pass
-    return None
-
-
-def _layers(handle: object) -> list[object]:
-    """``handle`` and what it wraps: a partial's function, a bound method's, an object's
-    ``__call__``, each ``__wrapped__`` (functools.wraps) in turn."""
-    layers: list[object] = []
-    found: object = handle
-    while found is not None and len(layers) < 32 and not any(found is x for x in layers):
-        layers.append(found)
-        if isinstance(found, functools.partial):
-            found = found.func
-        elif inspect.ismethod(found):
-            found = found.__func__
-        elif not inspect.isroutine(found) and callable(found):
-            found = getattr(type(found), "__call__", None)  # noqa: B004 - its own, not callable()
-        else:
-            found = getattr(found, "__wrapped__", None)
-    return layers
 
 
 #: The item whose handler the current task runs: set in the handler's own task (and so

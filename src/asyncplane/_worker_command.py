@@ -31,7 +31,7 @@ import time
 from collections.abc import Awaitable
 from typing import Any
 
-from asyncplane import _errors, _loops, _store, _work
+from asyncplane import _errors, _loops, _store, _validate, _work
 from asyncplane._outcomes import DrainSummary
 
 __all__ = ("add_arguments", "load_handler", "run")
@@ -93,7 +93,7 @@ def load_handler(spec: str) -> _work.Handler:
             target = getattr(target, part)
         except AttributeError as exc:
             raise Usage(f"{module_name!r} has no {attribute!r}") from exc
-    problem = _work.handler_problem(target)
+    problem = _validate.callable_problem(target, "the claim")
     if problem is not None:
         raise Usage(f"{spec} is not a handler (`async def handle(claim) -> Outcome`): {problem}")
     handler: _work.Handler = target

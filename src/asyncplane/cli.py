@@ -331,7 +331,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.verb == "dashboard":
             from asyncplane.dashboard import _command  # the dashboard extra
 
-            return _command.run(args)
+            try:
+                return _command.run(args)
+            except (_errors.NotAnAsyncplaneDatabase, _errors.SchemaVersionError) as exc:
+                raise _Usage(_in_flags(str(exc))) from exc
         if args.verb == "copy" and (
             _engine.is_postgres_url(args.destination) or pathlib.Path(args.destination).exists()
         ):
@@ -561,7 +564,7 @@ async def _run(args: argparse.Namespace) -> int:
         try:
             await store.open()
         except (_errors.NotAnAsyncplaneDatabase, _errors.SchemaVersionError) as exc:
-            raise _Usage(str(exc)) from exc
+            raise _Usage(_in_flags(str(exc))) from exc
         return int(await _VERBS[args.verb](store, args))
     except (_errors.InvalidInput, _errors.InvalidType) as exc:
         raise _Usage(_in_flags(str(exc))) from exc
@@ -718,7 +721,7 @@ async def _copy_verb(args: argparse.Namespace) -> int:
             await source.open()
             await destination.open()
         except (_errors.NotAnAsyncplaneDatabase, _errors.SchemaVersionError) as exc:
-            raise _Usage(str(exc)) from exc
+            raise _Usage(_in_flags(str(exc))) from exc
         try:
             done = await _copy.copy_store(
                 source, destination, chunk=args.chunk, pending_only=args.pending_only,
@@ -793,9 +796,12 @@ _FLAG_WORDS = (
 
 
 def _in_flags(message: str) -> str:
-    for word, flag in _FLAG_WORDS:
-        message = message.replace(word, flag)
-    return message
+    """A library message in this command's words, each word replaced once, in one pass
+    (a flag put in is never rewritten again), the longest first where two start alike."""
+    flags = dict(_FLAG_WORDS)
+    words = sorted(flags, key=len, reverse=True)
+    pattern = re.compile("|".join(map(re.escape, words)))
+    return pattern.sub(lambda found: flags[found.group(0)], message)
 
 
 async def _known_project(store: _store.ControlStore, args: argparse.Namespace) -> None:
@@ -830,9 +836,10 @@ async def _items(store: _store.ControlStore, args: argparse.Namespace) -> int:
             f"{row['attempts']:>3}  {_when(row['updated_at']):<29} "
             f"{error[:60] + ('...' if len(error) > 60 else '')}".rstrip()
         )
-    if len(rows) == args.limit:
-        lines.append(f"(more: --after {rows[-1]['item_id']})")
-    _out(args, {"items": rows, "next_after": rows[-1]["item_id"] if rows else None},
+    more = rows[-1]["item_id"] if len(rows) == args.limit else None  # a full page: maybe
+    if more is not None:
+        lines.append(f"(more: --after {more})")
+    _out(args, {"items": rows, "next_after": more},
          "\n".join(lines) if rows else "no items")  # fmt: skip
     return 0
 

@@ -19,8 +19,10 @@ Fixtures (the async ones need pytest-asyncio):
   (`asyncplane.testing.PostgresCluster`) started for the session. If it cannot start,
   the tests that need it fail; they are never skipped.
 
-A test lapses a lease without sleeping:
+A test lapses a lease without sleeping (with pytest-asyncio; in its strict mode, the
+default, mark it ``@pytest.mark.asyncio``):
 
+    @pytest.mark.asyncio
     async def test_takeover(asyncplane_store, asyncplane_clock):
         await asyncplane_store.create_project("p", "P")
         await asyncplane_store.enqueue("p", {})

@@ -16,6 +16,7 @@ installed) offers the same as fixtures: ``asyncplane_clock``, ``asyncplane_store
 ``pg_ctl stop`` and the directory removed at the end:
 
     with PostgresCluster() as cluster:
+        await execute_sql(cluster.url(), "CREATE SCHEMA t1")  # a store opens in one
         store = ControlStore(cluster.url(schema="t1"))
 """
 
@@ -152,7 +153,8 @@ class PostgresCluster:
         return self._root
 
     def url(self, *, schema: str | None = None, database: str = "postgres") -> str:
-        """A connection URL; with ``schema``, the store's tables live in that schema."""
+        """A connection URL; with ``schema``, the store's tables live in that schema (which
+        must exist: see `execute_sql`)."""
         host = urllib.parse.urlencode({"host": str(self.socket_dir)})
         url = f"postgresql://postgres@/{database}?{host}"
         return url if schema is None else with_schema(url, schema)
