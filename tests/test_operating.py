@@ -525,6 +525,73 @@ async def test_a_source_written_to_while_it_is_imported_is_not_dropped(
     assert (again.imported, again.already_imported, again.dropped) == (1, 5, True)
 
 
+async def test_a_row_swapped_in_while_it_is_imported_keeps_the_source_table(
+    store: ControlStore, tmp_path: pathlib.Path
+) -> None:
+    # The old queue's consumer takes a row while its producer adds one: the count is as it
+    # was, and a drop that counted rows dropped the new one, never imported.
+    source = source_table(
+        tmp_path / "swap.sqlite3", "CREATE TABLE jobs (payload TEXT)",
+        "INSERT INTO jobs VALUES (?)", [(json.dumps({"n": n}),) for n in range(4)],
+    )  # fmt: skip
+
+    def consumer_and_producer(seen: int) -> None:
+        conn = sqlite3.connect(source)
+        conn.execute("DELETE FROM jobs WHERE rowid = 1")
+        conn.execute('INSERT INTO jobs VALUES (\'{"n": "new"}\')')
+        conn.commit()
+        conn.close()
+
+    with pytest.raises(InvalidInput, match="no import took in"):
+        await store.import_pending(
+            source, table="jobs", columns={"payload": "payload"}, project_id="alpha",
+            drop_source=True, progress=consumer_and_producer,
+        )  # fmt: skip
+    conn = sqlite3.connect(source)
+    assert conn.execute("SELECT payload FROM jobs ORDER BY rowid DESC").fetchone() == (
+        '{"n": "new"}',
+    )
+    conn.close()
+    again = await store.import_pending(
+        source, table="jobs", columns={"payload": "payload"}, project_id="alpha",
+        drop_source=True,
+    )  # fmt: skip
+    assert (again.imported, again.dropped) == (1, True)
+    payloads = sorted(str(row["payload"]["n"]) for row in await _items(store))
+    assert payloads == ["0", "1", "2", "3", "new"]
+
+
+async def test_a_source_written_between_the_look_and_the_drop_is_not_dropped(
+    store: ControlStore, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from asyncplane import _import
+
+    source = source_table(
+        tmp_path / "late.sqlite3", "CREATE TABLE jobs (payload TEXT, status INTEGER)",
+        "INSERT INTO jobs VALUES (?, ?)", [("{}", 0), ("{}", 1)],
+    )  # fmt: skip
+    looked = _import._key_states
+
+    def a_row_made_pending_after_the_look(*args: Any) -> list[tuple[Any, Any]]:
+        rows = looked(*args)
+        if rows:  # the look is over: the old system retries its done row
+            conn = sqlite3.connect(source)
+            conn.execute("UPDATE jobs SET status = 0 WHERE status = 1")
+            conn.commit()
+            conn.close()
+        return rows
+
+    monkeypatch.setattr(_import, "_key_states", a_row_made_pending_after_the_look)
+    with pytest.raises(InvalidInput, match="written to while the import looked"):
+        await store.import_pending(
+            source, table="jobs", columns={"payload": "payload", "state": "status"},
+            project_id="alpha", pending=[0], drop_source=True,
+        )  # fmt: skip
+    conn = sqlite3.connect(source)
+    assert conn.execute("SELECT count(*) FROM jobs WHERE status = 0").fetchone() == (2,)
+    conn.close()
+
+
 async def test_import_refuses_what_it_cannot_copy_faithfully(
     store: ControlStore, tmp_path: pathlib.Path
 ) -> None:
@@ -754,6 +821,20 @@ def test_cli_verbs_with_json(tmp_path: pathlib.Path) -> None:
         assert refused.returncode == 2, refused.stderr
     assert "--from" in refused.stderr
     assert json.loads(imported.stdout)["imported"] == 2
+    # --pending as typed too: a state column of text holding "01" (the number 1 would
+    # match none, and --drop-source then dropped the pending rows unimported).
+    padded = source_table(
+        tmp_path / "padded.sqlite3", "CREATE TABLE q (d TEXT, s TEXT)",
+        "INSERT INTO q VALUES (?, ?)", [("{}", "01"), ("{}", "01"), ("{}", "09")],
+    )  # fmt: skip
+    taken = cli(
+        "import", str(path), "--from", str(padded), "--table", "q", "--column", "payload=d",
+        "--column", "state=s", "--pending", "01", "--project", "p", "--drop-source", "--json",
+    )  # fmt: skip
+    assert taken.returncode == 0, taken.stderr
+    assert (json.loads(taken.stdout)["imported"], json.loads(taken.stdout)["not_pending"]) == (
+        2, 1,
+    )  # fmt: skip
 
 
 def test_cli_verify_fails_on_a_tampered_ledger(tmp_path: pathlib.Path) -> None:

@@ -17,6 +17,7 @@ quoted; values always travel as parameters.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -99,14 +100,13 @@ async def import_pending(
     if project is not None and project not in known:
         raise _rules.unknown_project(project)
     after: Any = None
-    imported = skipped = left = read = 0
+    imported = skipped = left = 0
     pending_as_text = None if pending is None else {str(value) for value in pending}
     while True:
         rows = await anyio.to_thread.run_sync(_read_chunk, source, table, mapping, after, chunk)
         if not rows:
             break
         after = rows[-1]["key"]
-        read += len(rows)
         wanted: dict[str, list[tuple[str, _backend.NewItem]]] = {}
         for row in rows:
             if "state" in mapping and not _is_pending(row["state"], pending, pending_as_text):
@@ -134,7 +134,7 @@ async def import_pending(
             break
     dropped = False
     if drop_source:
-        await anyio.to_thread.run_sync(_drop_table, source, table, read)
+        await _drop_source(backend, name, source, table, mapping, pending, pending_as_text)
         dropped = True
     return ImportSummary(name, imported, skipped, left, dropped)
 
@@ -176,7 +176,9 @@ def _check_mapping(
     return mapping
 
 
-def _connect(source: pathlib.Path, *, write: bool = False) -> sqlite3.Connection:
+def _connect(
+    source: pathlib.Path, *, write: bool = False, any_thread: bool = False
+) -> sqlite3.Connection:
     try:
         found = source.is_file()
     except OSError as exc:  # a name too long, say
@@ -185,7 +187,9 @@ def _connect(source: pathlib.Path, *, write: bool = False) -> sqlite3.Connection
         raise _errors.InvalidInput(f"no source database at {source}")
     uri = source.as_uri() + ("" if write else "?mode=ro")
     try:
-        return sqlite3.connect(uri, uri=True, isolation_level=None, timeout=30)
+        return sqlite3.connect(
+            uri, uri=True, isolation_level=None, timeout=30, check_same_thread=not any_thread
+        )
     except sqlite3.Error as exc:
         raise _connection.translate(exc) from exc
 
@@ -303,20 +307,90 @@ def _is_pending(state: Any, pending: Any, pending_as_text: set[str] | None) -> b
     return state in pending or (pending_as_text is not None and str(state) in pending_as_text)
 
 
-def _drop_table(source: pathlib.Path, table: str, read: int) -> None:
-    """Drop the source table, in a transaction that first counts its rows: one written
-    since the import read the table (``read`` rows) would go with it, never imported, so
-    then it is left, and `InvalidInput` says so."""
-    conn = _connect(source, write=True)
+#: Source rows a drop looks at a time.
+_DROP_CHUNK = 1000
+
+
+async def _drop_source(
+    backend: _backend.Backend, name: str, source: pathlib.Path, table: str,
+    mapping: dict[str, str], pending: Any, pending_as_text: set[str] | None,
+) -> None:  # fmt: skip
+    """Drop the source table, but only when every row still to be done in it (every row,
+    without a state column) is one an import recorded, and nothing was written to the
+    file between that look and the drop. A count of rows would not do: the old queue's
+    consumer deleting a row while its producer adds one leaves the count as it was, and
+    the new row would go unimported. The look reads the table a chunk at a time, outside
+    any transaction (the store is asked between chunks); the drop then happens in one
+    transaction that first checks the file's ``data_version``, so the source's write lock
+    is never held across an await."""
+    conn = await anyio.to_thread.run_sync(
+        functools.partial(_connect, source, write=True, any_thread=True)
+    )
+    try:
+        seen = await anyio.to_thread.run_sync(_data_version, conn)
+        after: Any = None
+        while rows := await anyio.to_thread.run_sync(
+            _key_states, conn, table, mapping, after, _DROP_CHUNK
+        ):
+            after = rows[-1][0]
+            keys = [
+                str(key)
+                for key, state in rows
+                if "state" not in mapping or _is_pending(state, pending, pending_as_text)
+            ]
+            missing = await backend.unrecorded_imports(name, keys) if keys else []
+            if missing:
+                raise _errors.InvalidInput(
+                    f"{table} holds {len(missing)}{'+' if len(rows) == _DROP_CHUNK else ''} "
+                    f"row(s) still to be done that no import took in (key {missing[0]!r} "
+                    "first): written while it ran, or made pending again; it was not dropped. "
+                    "Stop what writes to it, import again (the rows imported before are "
+                    "passed over), then drop it"
+                )
+            if len(rows) < _DROP_CHUNK:
+                break
+        await anyio.to_thread.run_sync(_drop_unless_written, conn, table, seen)
+    finally:
+        with anyio.CancelScope(shield=True):
+            await anyio.to_thread.run_sync(conn.close)
+
+
+def _data_version(conn: sqlite3.Connection) -> int:
+    """A number that moves whenever another connection commits to the file."""
+    try:
+        return int(conn.execute("PRAGMA data_version").fetchone()[0])
+    except sqlite3.Error as exc:
+        raise _connection.translate(exc) from exc
+
+
+def _key_states(
+    conn: sqlite3.Connection, table: str, mapping: dict[str, str], after: Any, chunk: int
+) -> list[tuple[Any, Any]]:
+    """The source's keys after ``after``, in order, each with its state (None without a
+    state column)."""
+    key = _quote(mapping["key"])
+    state = _quote(mapping["state"]) if "state" in mapping else "NULL"
+    # Both names were checked against the table's own columns in _check_source.
+    statement = (
+        f"SELECT {key}, {state} FROM {_quote(table)} "
+        f"WHERE ? IS NULL OR {key} > ? ORDER BY {key} LIMIT ?"
+    )
+    try:
+        return [(row[0], row[1]) for row in conn.execute(statement, (after, after, chunk))]
+    except sqlite3.Error as exc:
+        raise _connection.translate(exc) from exc
+
+
+def _drop_unless_written(conn: sqlite3.Connection, table: str, seen: int) -> None:
+    """Drop the table in a transaction, unless the file changed since ``seen``."""
     try:
         conn.execute("BEGIN IMMEDIATE")
         try:
-            (now,) = conn.execute(f"SELECT count(*) FROM {_quote(table)}").fetchone()
-            if now != read:
+            if _data_version(conn) != seen:
                 raise _errors.InvalidInput(
-                    f"{table} holds {now} rows, and the import read {read}: rows came or went "
-                    "while it ran; it was not dropped. Stop what writes to it, import again "
-                    "(the rows imported before are passed over), then drop it"
+                    f"the source was written to while the import looked at {table}; it was "
+                    "not dropped. Stop what writes to it, import again (the rows imported "
+                    "before are passed over), then drop it"
                 )
             conn.execute(f"DROP TABLE {_quote(table)}")  # checked against the schema before
             conn.execute("COMMIT")
@@ -326,5 +400,3 @@ def _drop_table(source: pathlib.Path, table: str, read: int) -> None:
             raise
     except sqlite3.Error as exc:
         raise _connection.translate(exc) from exc
-    finally:
-        conn.close()

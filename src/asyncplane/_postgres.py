@@ -705,6 +705,9 @@ class PostgresBackend(_backend.Writes):
         rows = await self._fetch(sql.FIRST_FOREIGN_ITEM, source)
         return None if not rows else int(rows[0][0])
 
+    async def unrecorded_imports(self, source: str, keys: list[str]) -> list[str]:
+        return [row[0] for row in await self._fetch(sql.UNRECORDED_IMPORTS, source, keys)]
+
     async def export_imports(
         self, after: tuple[str, str] | None, limit: int
     ) -> list[_backend.ImportRecord]:

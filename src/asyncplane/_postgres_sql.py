@@ -1882,6 +1882,11 @@ LOCK_SOURCE: Final = (
     "hashtextextended('import:' || current_schema() || chr(1) || $1::text, 0))"
 )
 ALREADY_IMPORTED: Final = "SELECT 1 FROM imports WHERE source = $1 AND source_key = $2"
+#: Of the keys given, those no import from the source ($1) recorded.
+UNRECORDED_IMPORTS: Final = """
+SELECT keys.key FROM unnest($2::text[]) AS keys (key)
+WHERE NOT EXISTS (SELECT 1 FROM imports WHERE source = $1 AND source_key = keys.key)
+"""
 RECORD_IMPORT: Final = (
     "INSERT INTO imports (source, source_key, item_id, imported_at) VALUES ($1, $2, $3, $4)"
 )

@@ -339,6 +339,10 @@ class SQLiteBackend(_backend.Writes):
         rows = await self._read(_fetch, sql.FIRST_FOREIGN_ITEM, (source,))
         return None if not rows else int(rows[0][0])
 
+    async def unrecorded_imports(self, source: str, keys: list[str]) -> list[str]:
+        rows = await self._read(_fetch, sql.UNRECORDED_IMPORTS, (json.dumps(keys), source))
+        return [row[0] for row in rows]
+
     async def export_imports(
         self, after: tuple[str, str] | None, limit: int
     ) -> list[_backend.ImportRecord]:

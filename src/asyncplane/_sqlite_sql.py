@@ -1141,6 +1141,11 @@ PURGE_EVENTS: Final = "DELETE FROM events WHERE item_id = ?"
 # --- imports --------------------------------------------------------------------------------
 
 ALREADY_IMPORTED: Final = "SELECT 1 FROM imports WHERE source = ? AND source_key = ?"
+#: Of the keys given (a JSON array of text), those no import from the source recorded.
+UNRECORDED_IMPORTS: Final = """
+SELECT keys.value FROM json_each(?) AS keys
+WHERE NOT EXISTS (SELECT 1 FROM imports WHERE source = ? AND source_key = keys.value)
+"""
 RECORD_IMPORT: Final = (
     "INSERT INTO imports (source, source_key, item_id, imported_at) VALUES (?, ?, ?, ?)"
 )

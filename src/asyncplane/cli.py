@@ -95,14 +95,21 @@ def parse_duration(text: str) -> dt.timedelta:
         raise argparse.ArgumentTypeError(f"a duration too long: {text!r}") from None
 
 
-def _literal(text: str) -> int | float | str:
-    """A command-line value as the source column most likely holds it."""
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            continue
-    return text
+def _as_written_and_read(values: list[str] | None) -> list[Any] | None:
+    """``--pending`` values as typed (a state column of text holding "01" matches "01"),
+    and each that reads as a number as that number too (a column of integers holds 1)."""
+    if values is None:
+        return None
+    found: list[Any] = []
+    for text in values:
+        found.append(text)
+        for kind in (int, float):
+            try:
+                found.append(kind(text))
+                break
+            except ValueError:
+                continue
+    return found
 
 
 def _json_object(text: str) -> dict[str, Any]:
@@ -191,9 +198,9 @@ def _parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     imported.add_argument("--project", help="the project every row goes to")
     imported.add_argument(
-        "--pending", action="append", default=None, metavar="VALUE", type=_literal,
-        help="a value of the state column that means still to be done (numbers are read "
-        "as numbers); repeatable",
+        "--pending", action="append", default=None, metavar="VALUE",
+        help="a value of the state column that means still to be done (as written, and as "
+        "a number if it reads as one); repeatable",
     )  # fmt: skip
     imported.add_argument("--drop-source", action="store_true", help="drop the table after")
     imported.add_argument("--chunk", type=int, default=1000)
@@ -688,7 +695,8 @@ async def _import(store: _store.ControlStore, args: argparse.Namespace) -> int:
     try:
         done = await store.import_pending(
             args.source, table=args.table, columns=columns, project_id=args.project,
-            pending=args.pending, drop_source=args.drop_source, chunk=args.chunk,
+            pending=_as_written_and_read(args.pending), drop_source=args.drop_source,
+            chunk=args.chunk,
             progress=_progress("source rows seen"),
         )  # fmt: skip
     except _errors.UnknownProject as exc:
