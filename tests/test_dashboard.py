@@ -317,6 +317,56 @@ async def test_a_group_action_leaves_a_member_that_ran_again_since_the_group_was
     )
 
 
+@pytest.mark.parametrize("action", ["requeue", "cancel"])
+async def test_a_group_action_goes_past_a_member_purged_since_the_group_was_read(
+    store: ControlStore, monkeypatch: pytest.MonkeyPatch, action: str
+) -> None:
+    # A retention purge goes by age, not by id: a member read with the group can be gone
+    # when its turn comes. The action answered 404 there, and left the rest untouched.
+    ids = []
+    for n in range(2):
+        item_id = await store.enqueue("alpha", {"n": n})
+        claim = await store.claim("w")
+        assert claim is not None
+        if action == "requeue":
+            await store.finish(item_id, fence=claim.fence, status="failed", error="db down")
+        else:
+            await store.retry(item_id, fence=claim.fence, error="db down", delay=600)
+        ids.append(item_id)
+    read = _views.group_members
+
+    async def one_purged_meanwhile(*args: Any) -> Any:
+        return [(2**62, 1), *await read(*args)]  # (no item has that id any more)
+
+    monkeypatch.setattr(_views, "group_members", one_purged_meanwhile)
+    async with serving(store, allow_actions=True) as (_, url, session):
+        _, page = await text(session, url + "/failures")
+        status, said, _ = await post(
+            session,
+            url + f"/failures/{action}",
+            {"csrf": csrf_of(page), "error": "db down"},
+            headers={"Accept": "application/json"},
+        )
+    assert status == 200, said
+    assert json.loads(said) == {"requeued" if action == "requeue" else "cancelled": 2}
+    states = {(await store.item(item_id))["state"] for item_id in ids}
+    assert states == {"ready" if action == "requeue" else "cancelled"}
+
+
+async def test_the_dashboard_leaves_a_closed_project_closed(store: ControlStore) -> None:
+    await store.create_project("legacy", "Legacy")
+    await store.set_project_status("legacy", "closed")
+    async with serving(store, allow_actions=True) as (_, url, session):
+        _, page = await text(session, url + "/projects")
+        row = page.split('data-project="legacy"', 1)[1].split("</tr>", 1)[0]
+        assert "resume" not in row and "pause" not in row  # no button for it
+        for action in ("resume", "pause"):  # nor a form posted from an older page
+            fields = {"csrf": csrf_of(page), "project_id": "legacy"}
+            status, said, _ = await post(session, url + f"/projects/{action}", fields)
+            assert (status, "is closed" in said) == (409, True), (action, status, said)
+    assert (await store.project("legacy"))["status"] == "closed"
+
+
 async def test_a_token_guards_every_request_off_loopback(store: ControlStore) -> None:
     ids = await seeded(store)
     async with serving(store, host="0.0.0.0", allow_actions=True) as (dashboard, url, session):

@@ -198,6 +198,29 @@ async def test_a_failed_item_is_requeued_from_the_page_and_runs(
         assert browser.errors() == []
 
 
+async def test_the_live_refresh_leaves_selected_text_alone(
+    store: ControlStore, browser: Browser
+) -> None:
+    # An operator selecting an error to copy lost the selection at the next refresh.
+    (item_id,) = await store.enqueue_many("alpha", [{"task": "flaky"}])
+    async with fleet(store, failing={item_id}) as (_, url):
+        await browser.get(url + "/failures")
+        row = f'tr[data-item="{item_id}"]'
+        await browser.until(lambda d: d.find_elements(By.CSS_SELECTOR, row), "the failure shows")
+        marked = f"document.querySelector('{row}').dataset.mark"
+        await browser.script(
+            f"document.querySelector('{row}').dataset.mark = 'here';"
+            f"window.getSelection().selectAllChildren(document.querySelector('{row} td'));"
+        )
+        await browser.script("return window.asyncplaneRefresh()")
+        assert await browser.script(f"return {marked}") == "here"  # not swapped away
+        assert await browser.script("return window.getSelection().toString()") != ""
+        await browser.script("window.getSelection().removeAllRanges()")
+        await browser.script("return window.asyncplaneRefresh()")
+        assert await browser.script(f"return {marked} === undefined")  # swapped: live again
+        assert browser.errors() == []
+
+
 async def test_nothing_from_the_store_runs_as_script(store: ControlStore, browser: Browser) -> None:
     hostile = '<script>window.__pwned = 1</script>"><img src=x onerror="window.__pwned=1">'
     await store.create_project("evil", hostile)

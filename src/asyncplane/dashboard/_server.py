@@ -420,7 +420,11 @@ class Dashboard:
     async def _requeue_group(self, request: web.Request) -> web.StreamResponse:
         done = 0
         for item_id, fence in await self._group(request, "failed"):
-            with contextlib.suppress(_errors.NotRequeueable):  # moved on meanwhile
+            # moved on meanwhile; purged since (a retention run by updated_at, not by id),
+            # or out of scope since: the rest of the group is still taken
+            with contextlib.suppress(
+                _errors.NotRequeueable, _errors.UnknownItem, _errors.ScopeDenied
+            ):
                 await self.store.requeue(
                     item_id, actor_id=self.scope.actor_id, if_state="failed", if_fence=fence
                 )
@@ -431,11 +435,12 @@ class Dashboard:
     async def _cancel_group(self, request: web.Request) -> web.StreamResponse:
         done = 0
         for item_id, fence in await self._group(request, "deferred"):
-            state = await self.store.cancel(  # one claimed since the group was read stays
-                item_id, reason="cancelled from the dashboard", actor_id=self.scope.actor_id,
-                if_state="deferred", if_fence=fence,
-            )  # fmt: skip
-            done += state == "cancelled"
+            with contextlib.suppress(_errors.UnknownItem, _errors.ScopeDenied):  # as above
+                state = await self.store.cancel(  # one claimed since the group was read stays
+                    item_id, reason="cancelled from the dashboard",
+                    actor_id=self.scope.actor_id, if_state="deferred", if_fence=fence,
+                )  # fmt: skip
+                done += state == "cancelled"
         _log.info("dashboard: cancelled %d retrying item(s) of one error group", done)
         return await self._done(request, {"cancelled": done})
 
@@ -449,6 +454,10 @@ class Dashboard:
         project_id = await _field(request, "project_id")
         if not await self.scope.visible(project_id):
             return _text(404, "not found")
+        # A closed project was closed on purpose, elsewhere: a resume (or a stale page's
+        # pause) would set its workers claiming from it again. The dashboard leaves it be.
+        if (await self.store.project(project_id))["status"] == "closed":
+            return _text(409, f"project {project_id!r} is closed: the dashboard leaves it so")
         await self.store.set_project_status(project_id, status)
         _log.info("dashboard: project %s is now %s", project_id, status)
         return await self._done(request, {"project_id": project_id, "status": status})

@@ -20,6 +20,9 @@
     // A form being used (a focused button) is not swapped away under the user's hand.
     if (document.activeElement && live.contains(document.activeElement) &&
         document.activeElement.tagName !== "BODY") return;
+    // Nor is text the user has selected (an error to copy, say).
+    const selection = window.getSelection();
+    if (selection && !selection.isCollapsed && live.contains(selection.anchorNode)) return;
     busy = true;
     try {
       const response = await fetch(window.location.pathname + window.location.search, {
@@ -41,4 +44,6 @@
   }
 
   window.setInterval(refresh, EVERY_MS);
+  // One refresh now, awaited: for the browser tests, which cannot wait on a timer.
+  window.asyncplaneRefresh = refresh;
 })();
