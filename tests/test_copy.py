@@ -363,6 +363,59 @@ async def test_a_copy_carries_limits_and_schedules_which_keep_their_place(
         await copy_store(source, destination)
 
 
+async def test_a_second_copy_adds_back_nothing_the_destination_took_away(
+    asyncplane_store: ControlStore, other_store: Any
+) -> None:
+    # A revoked assignment came back with the next copy (access granted again), a deleted
+    # schedule began enqueuing again, cleared limits were set again.
+    source = asyncplane_store
+    await source.create_project("p", "P")
+    await source.assign("p", "alice")
+    await source.set_limits("p", max_running=1)
+    await source.set_schedule("beat", project_id="p", payload={}, every=60)
+    destination: ControlStore = await other_store()
+    await copy_store(source, destination)
+    assert await destination.visible_projects("alice") == ["p"]
+    await destination.unassign("p", "alice")
+    await destination.set_limits("p", max_running=None)
+    await destination.delete_schedule("beat")
+    await copy_store(source, destination)
+    assert await destination.visible_projects("alice") == []
+    assert (await destination.limits("p"))["max_running"] is None
+    assert await destination.schedules() == []
+    # What the source gained since still comes.
+    await source.create_project("q", "Q")
+    await source.assign("q", "bob")
+    await source.set_schedule("sweep", project_id="q", payload={}, every=3600)
+    await copy_store(source, destination)
+    assert await destination.visible_projects("bob") == ["q"]
+    assert [s["name"] for s in await destination.schedules()] == ["sweep"]
+    assert await verify_ledger(destination) == []
+
+
+async def test_a_second_copy_moves_a_copied_schedule_on_to_its_sources_place(
+    asyncplane_store: ControlStore, other_store: Any, asyncplane_clock: ManualClock
+) -> None:
+    # Ticks the source ran after the first copy ran again in the destination.
+    source = asyncplane_store
+    await source.create_project("p", "P")
+    await source.set_schedule("beat", project_id="p", payload={}, every=60, catch_up="all")
+    await source.set_schedule("own", project_id="p", payload={}, every=60, catch_up="all")
+    destination: ControlStore = await other_store()
+    await copy_store(source, destination)
+    await destination.set_schedule("own", project_id="p", payload={}, every=90)  # its own now
+    own_place = (await destination.schedule("own"))["next_at"]
+    asyncplane_clock.advance(180)
+    assert await source.run_schedules() == 6  # three ticks of each
+    await copy_store(source, destination)
+    beat = await destination.schedule("beat")
+    assert beat["next_at"] == (await source.schedule("beat"))["next_at"]
+    assert beat["last_at"] == (await source.schedule("beat"))["last_at"]
+    assert (await destination.schedule("own"))["next_at"] == own_place  # not the source's
+    ticks = await destination.run_schedules()
+    assert ticks == 1  # "own"'s latest, on its own timetable; none of "beat"'s again
+
+
 async def test_a_copied_item_keeps_the_trace_context_its_producer_saved(
     asyncplane_store: ControlStore, other_store: Any
 ) -> None:

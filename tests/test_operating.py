@@ -903,6 +903,21 @@ def test_cli_refuses_files_it_must_not_touch(tmp_path: pathlib.Path) -> None:
     for endless in ("99999999999999w", "100000000000000000000"):  # past timedelta's range
         too_long = cli("purge", str(newer), "--retention", endless)
         assert too_long.returncode == 2 and "a duration too long" in too_long.stderr
+    # Refused before the store is opened: nothing made, nothing migrated.
+    fresh = tmp_path / "fresh.db"
+    for verb in (
+        ("copy", str(older), str(fresh), "--chunk", "0"),
+        ("purge", str(older), "--retention", "1d", "--chunk", "0"),
+        ("import", str(older), "--from", str(tmp_path / "gone.db"), "--table", "t",
+         "--column", "payload=d", "--project", "p"),
+    ):  # fmt: skip
+        refused = cli(*verb)
+        assert refused.returncode == 2, (verb, refused.stderr)
+        assert "--chunk must" in refused.stderr or "no such file" in refused.stderr
+    assert not fresh.exists()
+    conn = sqlite3.connect(older)
+    assert conn.execute("PRAGMA user_version").fetchone() == (sql.SCHEMA_VERSION - 1,)
+    conn.close()
 
 
 # --- hardening -----------------------------------------------------------------------------

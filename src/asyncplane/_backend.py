@@ -512,8 +512,10 @@ class ImportRecord(NamedTuple):
 
 class CopyProjectsOp(NamedTuple):
     """The projects, assignments, limits and schedules of another store, to add where not
-    here yet (a schedule keeps its place: its next tick, its last)."""
+    here yet (a schedule keeps its place: its next tick, its last), each once from one
+    source (`asyncplane._rules.copy_settings_plan`)."""
 
+    source: str  # the copy's label (`asyncplane._copy.source_label`)
     projects: tuple[ProjectRow, ...]
     assignments: tuple[AssignmentRow, ...]
     limits: tuple[LimitsRow, ...] = ()

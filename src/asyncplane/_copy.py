@@ -1,9 +1,10 @@
 """Copying a store to another: how a fleet moves from SQLite to PostgreSQL (or back).
 
 Every project, assignment, limit, schedule and item goes across with its id, its row as
-it stands and its whole history, so the destination's ledger verifies exactly as the
-source's did; a claim copied mid-lease keeps its fence, and once its lease lapses in the
-destination it is taken over with a higher one. A schedule keeps its place (its next
+it stands and its whole history, so each item's ledger verifies in the destination as it
+did in the source (a source's own problems, events whose item is gone, are not carried);
+a claim copied mid-lease keeps its fence, and once its lease lapses in the destination it
+is taken over with a higher one. A schedule keeps its place (its next
 tick), so the destination does not run again a tick the source ran. Each chunk of items
 is one transaction in the destination, and the destination remembers every item it
 copied (keyed by the source store, however its location is written: `source_label`),
@@ -17,9 +18,12 @@ did (a purged item's included: an archive may name it).
 A copy keeps item ids, so the destination must hold no item of its own (one no copy from
 this source brought): a fresh store, or one this source was copied into before, taking
 no work meanwhile. The copy looks before it writes anything, and refuses any other
-destination whole. A project, its limits or a schedule the destination already has under
-the same id stays as it is there, so that a second copy never undoes what was changed
-there. Stop the workers on the source first (or let them drain): a report sent to the
+destination whole. Each project, assignment, project's limits and schedule is added once
+from one source (the destination records it, `_rules.copy_settings_plan`), and one the
+destination already has under the same id stays as it is there, so that a second copy
+never undoes what was changed there: nothing revoked, cleared or deleted comes back. A
+schedule added before moves on to the source's next tick, so no tick the source ran runs
+again. Stop the workers on the source first (or let them drain): a report sent to the
 source after its item was copied is not carried over.
 """
 
@@ -103,7 +107,7 @@ async def copy_store(
     limits = tuple(await src.get_limits(None))
     schedules = tuple(await src.list_schedules(None))
     summary.projects = await dst.copy_projects(
-        _backend.CopyProjectsOp(projects, assignments, limits, schedules)
+        _backend.CopyProjectsOp(label, projects, assignments, limits, schedules)
     )
     after_id = 0
     while True:

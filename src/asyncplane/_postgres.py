@@ -1598,19 +1598,32 @@ async def _import_rows(
 
 
 async def _copy_projects(op: _backend.CopyProjectsOp, conn: asyncpg.Connection, now: float) -> int:
+    source = op.source + _rules.COPIED_SETTINGS
+    await conn.execute(sql.LOCK_SOURCE, source)  # two copies from one source: one at a time
+    recorded = {row[0] for row in await conn.fetch(sql.RECORDED_SETTINGS, source)}
+    plan = _rules.copy_settings_plan(op, recorded)
     added = 0
-    for project in op.projects:
+    for project in plan.add.projects:
         if await conn.fetchval(sql.COPY_PROJECT, *project) is not None:
             added += 1
-    if op.assignments:
-        await conn.executemany(sql.COPY_ASSIGNMENT, [tuple(a) for a in op.assignments])
-    if op.limits:
-        await conn.executemany(sql.COPY_LIMITS, [row[:6] for row in op.limits])
-    if op.schedules:
+    if plan.add.assignments:
+        await conn.executemany(sql.COPY_ASSIGNMENT, [tuple(a) for a in plan.add.assignments])
+    if plan.add.limits:
+        await conn.executemany(sql.COPY_LIMITS, [row[:6] for row in plan.add.limits])
+    if plan.add.schedules:
         rows = [
-            row._replace(dedup=bool(row.dedup), paused=bool(row.paused)) for row in op.schedules
+            row._replace(dedup=bool(row.dedup), paused=bool(row.paused))
+            for row in plan.add.schedules
         ]
         await conn.executemany(sql.COPY_SCHEDULE, [tuple(row) for row in rows])
+    if plan.records:
+        await conn.executemany(sql.RECORD_SETTING, [(source, key, now) for key in plan.records])
+    if plan.moved:
+        await conn.executemany(
+            sql.MOVE_COPIED_SCHEDULE,
+            [(s.name, s.next_at, s.last_at, now, s.cron, s.every, s.timezone, s.anchor)
+             for s in plan.moved],
+        )  # fmt: skip
     return added
 
 

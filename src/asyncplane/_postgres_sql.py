@@ -1916,6 +1916,19 @@ COPY_ASSIGNMENT: Final = """
 INSERT INTO assignments (actor_id, project_id, assigned_at) VALUES ($1, $2, $3)
 ON CONFLICT (actor_id, project_id) DO NOTHING
 """
+# The settings a copy added, recorded as on SQLite (see `_sqlite_sql.RECORDED_SETTINGS`).
+RECORDED_SETTINGS: Final = "SELECT source_key FROM imports WHERE source = $1"
+RECORD_SETTING: Final = """
+INSERT INTO imports (source, source_key, item_id, imported_at) VALUES ($1, $2, 0, $3)
+ON CONFLICT (source, source_key) DO NOTHING
+"""
+# A schedule copied before moves on to the source's place: only forward, and only while
+# its timetable is still the source's.
+MOVE_COPIED_SCHEDULE: Final = """
+UPDATE schedules SET next_at = $2, last_at = $3, updated_at = $4
+WHERE name = $1 AND next_at < $2 AND cron IS NOT DISTINCT FROM $5::text
+  AND every IS NOT DISTINCT FROM $6::float8 AND timezone = $7 AND anchor = $8
+"""
 ITEM_EXISTS: Final = "SELECT 1 FROM items WHERE item_id = $1"
 # A running content twin of an item a copy brings (`items_running_fingerprint` holds one).
 RUNNING_TWIN: Final = """

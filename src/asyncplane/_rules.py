@@ -58,6 +58,7 @@ from asyncplane import _backend, _errors, _models, _schedule
 
 __all__ = (
     "CANCELLABLE",
+    "COPIED_SETTINGS",
     "MAX_ITEM_ID",
     "MAX_PAGE",
     "REQUEUEABLE",
@@ -71,6 +72,7 @@ __all__ = (
     "NewRow",
     "Quota",
     "RetryPlan",
+    "SettingsPlan",
     "arrival_events",
     "backoff",
     "bucket",
@@ -79,7 +81,9 @@ __all__ = (
     "claim_key",
     "claim_row",
     "copied_here",
+    "copied_setting",
     "copy_id_taken",
+    "copy_settings_plan",
     "deal",
     "declared_schedule",
     "dedup_fingerprints",
@@ -201,6 +205,58 @@ def copied_here(item: Any, stored: Sequence[Any] | None) -> None:
             "source (a clone of it, or another server behind the same address): a copy "
             "keeps item ids, so copy this source into a store of its own"
         )
+
+
+class SettingsPlan(NamedTuple):
+    """What a copy does with a source's settings (`copy_settings_plan`)."""
+
+    #: To add where the destination has none under the same id.
+    add: _backend.CopyProjectsOp
+    #: The keys to record them under, as copied from this source (`copied_setting`).
+    records: tuple[str, ...]
+    #: The schedules copied before that are still there: each moves on to the source's
+    #: place if that is later and its timetable is the source's (the source ran its ticks).
+    moved: tuple[_backend.ScheduleRow, ...]
+
+
+#: A copy records the settings it added under its source's label with this appended.
+COPIED_SETTINGS = "#settings"
+
+
+def copied_setting(kind: str, *ids: str) -> str:
+    """The key a copied setting is recorded under (one text, whatever its ids hold)."""
+    return json.dumps([kind, *ids], ensure_ascii=False)
+
+
+def copy_settings_plan(op: _backend.CopyProjectsOp, recorded: Container[str]) -> SettingsPlan:
+    """Which of a source's projects, assignments, limits and schedules a copy adds: each
+    that no copy from this source added before. One it added stays as the destination has
+    it since: a project's status, limits cleared, an assignment revoked, a schedule
+    deleted are never undone by a second copy. A schedule it added and the destination
+    still has moves on to the source's next tick, so that no tick the source ran runs
+    again here."""
+
+    def fresh(key: str) -> bool:
+        return key not in recorded
+
+    projects = [p for p in op.projects if fresh(copied_setting("project", p.project_id))]
+    assignments = [
+        a for a in op.assignments
+        if fresh(copied_setting("assignment", a.project_id, a.actor_id))
+    ]  # fmt: skip
+    limits = [row for row in op.limits if fresh(copied_setting("limits", row.project_id))]
+    schedules = [s for s in op.schedules if fresh(copied_setting("schedule", s.name))]
+    moved = [s for s in op.schedules if not fresh(copied_setting("schedule", s.name))]
+    records = (
+        [copied_setting("project", p.project_id) for p in projects]
+        + [copied_setting("assignment", a.project_id, a.actor_id) for a in assignments]
+        + [copied_setting("limits", row.project_id) for row in limits]
+        + [copied_setting("schedule", s.name) for s in schedules]
+    )
+    add = _backend.CopyProjectsOp(
+        op.source, tuple(projects), tuple(assignments), tuple(limits), tuple(schedules)
+    )
+    return SettingsPlan(add, tuple(records), tuple(moved))
 
 
 def copy_id_taken(item_id: int) -> _errors.InvalidInput:

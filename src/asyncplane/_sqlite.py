@@ -1086,13 +1086,24 @@ def _import_rows(op: _backend.ImportOp, db: sqlite3.Connection, now: float) -> t
 
 
 def _copy_projects(op: _backend.CopyProjectsOp, db: sqlite3.Connection, now: float) -> int:
+    source = op.source + _rules.COPIED_SETTINGS
+    recorded = {row[0] for row in db.execute(sql.RECORDED_SETTINGS, (source,))}
+    plan = _rules.copy_settings_plan(op, recorded)
     added = 0
-    for project in op.projects:
+    for project in plan.add.projects:
         added += db.execute(sql.COPY_PROJECT, tuple(project)).rowcount
-    db.executemany(sql.COPY_ASSIGNMENT, [tuple(a) for a in op.assignments])
-    db.executemany(sql.COPY_LIMITS, [row[:6] for row in op.limits])
-    db.executemany(sql.COPY_SCHEDULE, [tuple(row) for row in op.schedules])
+    db.executemany(sql.COPY_ASSIGNMENT, [tuple(a) for a in plan.add.assignments])
+    db.executemany(sql.COPY_LIMITS, [row[:6] for row in plan.add.limits])
+    db.executemany(sql.COPY_SCHEDULE, [tuple(row) for row in plan.add.schedules])
+    db.executemany(sql.RECORD_SETTING, [(source, key, now) for key in plan.records])
+    db.executemany(sql.MOVE_COPIED_SCHEDULE, [_moved(row, now) for row in plan.moved])
     return added
+
+
+def _moved(row: _backend.ScheduleRow, now: float) -> dict[str, Any]:
+    return {"name": row.name, "next_at": row.next_at, "last_at": row.last_at, "now": now,
+            "cron": row.cron, "every": row.every, "timezone": row.timezone,
+            "anchor": row.anchor}  # fmt: skip
 
 
 def _copy_items(op: _backend.CopyOp, db: sqlite3.Connection, now: float) -> tuple[int, int]:

@@ -1177,6 +1177,20 @@ COPY_ASSIGNMENT: Final = (
     "INSERT INTO assignments (actor_id, project_id, assigned_at) VALUES (?, ?, ?) "
     "ON CONFLICT (actor_id, project_id) DO NOTHING"
 )
+# The settings a copy added, recorded under its source's label with `_rules.COPIED_SETTINGS`
+# appended, in the import records (`item_id` 0: no item): never added again from it.
+RECORDED_SETTINGS: Final = "SELECT source_key FROM imports WHERE source = ?"
+RECORD_SETTING: Final = (
+    "INSERT INTO imports (source, source_key, item_id, imported_at) VALUES (?, ?, 0, ?) "
+    "ON CONFLICT (source, source_key) DO NOTHING"
+)
+# A schedule copied before moves on to the source's place: only forward, and only while
+# its timetable is still the source's (one changed here keeps its own place).
+MOVE_COPIED_SCHEDULE: Final = """
+UPDATE schedules SET next_at = :next_at, last_at = :last_at, updated_at = :now
+WHERE name = :name AND next_at < :next_at AND cron IS :cron AND every IS :every
+  AND timezone = :timezone AND anchor = :anchor
+"""
 ITEM_EXISTS: Final = "SELECT 1 FROM items WHERE item_id = ?"
 # What a copy compares of an item it copied before with the source's (`_rules.copied_here`).
 COPIED_ITEM: Final = "SELECT project_id, created_at FROM items WHERE item_id = ?"

@@ -530,6 +530,16 @@ def _check_args(args: argparse.Namespace) -> None:
             _command.check(args)
         except (_errors.InvalidInput, _errors.InvalidType) as exc:
             raise _Usage(_in_flags(str(exc))) from exc
+    if args.verb in ("purge", "import", "copy"):
+        try:
+            _validate.positive_int(args.chunk, "chunk")
+        except (_errors.InvalidInput, _errors.InvalidType) as exc:
+            raise _Usage(_in_flags(str(exc))) from exc
+    if args.verb == "import":
+        if args.source.is_dir():
+            raise _Usage(f"--from {args.source} is a directory: name the source's file")
+        if not args.source.is_file():
+            raise _Usage(f"no such file: {args.source}")
 
 
 def _check_is_a_store(location: str, *, unfinished: bool = False) -> None:
@@ -688,10 +698,6 @@ async def _import(store: _store.ControlStore, args: argparse.Namespace) -> int:
         if not sep:
             raise _Usage(f"--column takes FIELD=COLUMN, not {pair!r}")
         columns[field] = column
-    if args.source.is_dir():
-        raise _Usage(f"--from {args.source} is a directory: name the source's file")
-    if not args.source.is_file():
-        raise _Usage(f"no such file: {args.source}")
     try:
         done = await store.import_pending(
             args.source, table=args.table, columns=columns, project_id=args.project,
@@ -736,7 +742,7 @@ async def _copy_verb(args: argparse.Namespace) -> int:
                 progress=_progress("items"),
             )  # fmt: skip
         except _errors.InvalidInput as exc:
-            raise _Usage(str(exc)) from exc
+            raise _Usage(_in_flags(str(exc))) from exc
         finally:
             _end_progress()
         problems = await _ledger.verify_ledger(destination, limit=10)
