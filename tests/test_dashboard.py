@@ -353,6 +353,27 @@ async def test_a_group_action_goes_past_a_member_purged_since_the_group_was_read
     assert states == {"ready" if action == "requeue" else "cancelled"}
 
 
+async def test_resuming_a_cron_schedule_without_cronsim_says_what_to_install(
+    store: ControlStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # It answered 503, "the store failed": nothing had failed but a missing package.
+    from asyncplane import MissingExtra, _schedule
+
+    await store.set_schedule("nightly", project_id="alpha", payload={}, cron="0 3 * * *")
+    await store.pause_schedule("nightly")
+
+    def no_cronsim() -> Any:
+        raise MissingExtra("cron schedules need the cron extra: pip install 'asyncplane[cron]'")
+
+    monkeypatch.setattr(_schedule, "_cronsim", no_cronsim)
+    async with serving(store, allow_actions=True) as (_, url, session):
+        _, page = await text(session, url + "/projects")
+        fields = {"csrf": csrf_of(page), "name": "nightly"}
+        status, said, _ = await post(session, url + "/schedules/resume", fields)
+    assert (status, "asyncplane[cron]" in said) == (501, True), (status, said)
+    assert (await store.schedule("nightly"))["paused"] is True
+
+
 async def test_the_dashboard_leaves_a_closed_project_closed(store: ControlStore) -> None:
     await store.create_project("legacy", "Legacy")
     await store.set_project_status("legacy", "closed")

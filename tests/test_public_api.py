@@ -120,7 +120,7 @@ def test_the_extras_name_what_each_optional_feature_imports() -> None:
             extra = requirement.split("extra ==")[1].strip().strip("\"'")
             extras.setdefault(extra, set()).add(name)
     assert extras["otel"] == {"opentelemetry-api"}
-    assert extras["dashboard"] == {"aiohttp", "jinja2", "prometheus-client"}
+    assert extras["dashboard"] == {"aiohttp", "jinja2", "prometheus-client", "cronsim", "tzdata"}
 
 
 def test_no_bounded_wait_can_swallow_a_cancellation() -> None:

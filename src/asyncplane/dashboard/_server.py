@@ -247,6 +247,8 @@ class Dashboard:
             response = _text(403, "the store is open read-only: actions are off")
         except (_errors.InvalidInput, _errors.InvalidType) as exc:  # a name too long, say
             response = _text(400, str(exc))
+        except _errors.MissingExtra as exc:  # (resuming a cron schedule without cronsim)
+            response = _text(501, str(exc))
         except _errors.AsyncplaneError as exc:
             if _views.not_found(exc):
                 response = _text(404, "not found")
