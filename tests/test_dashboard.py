@@ -739,6 +739,7 @@ async def test_group_actions_reach_past_one_page(
     async with serving(store, allow_actions=True) as (_, url, session):
         _, page = await text(session, url + "/failures")
         (key,) = group_keys(page)
+        assert "5 failed (the newest 2 shown)" in page  # the heading counts them all
         # Newer failures push the group past the page's rows: its key is still found.
         newer = await store.enqueue_many("alpha", [{"n": n} for n in range(3)])
         for claim in await store.claim_batch("w", 3):
@@ -753,6 +754,35 @@ async def test_group_actions_reach_past_one_page(
             for claim in await store.claim_batch("w", 5):  # failed again, for the next
                 await store.finish(claim.item_id, fence=claim.fence, status="failed", error="quota")
     assert [(await store.item(i))["state"] for i in newer] == ["failed"] * 3
+
+
+async def test_a_group_key_is_looked_for_among_the_newest_rows_only(
+    store: ControlStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A stale key (a second click) walked every item in the state: seconds on a big store.
+    from asyncplane.dashboard import _views
+
+    monkeypatch.setattr(_views, "PAGE_ROWS", 2)
+    monkeypatch.setattr(_views, "LOOK_ROWS", 4)
+    (old,) = await store.enqueue_many("alpha", [{"n": 0}])
+    claim = await store.claim("w")
+    assert claim is not None
+    await store.finish(old, fence=claim.fence, status="failed", error="ancient")
+    key = _views.group_key("ancient")
+    newer = await store.enqueue_many("alpha", [{"n": n} for n in range(4)])
+    for claim in await store.claim_batch("w", 4):
+        await store.finish(claim.item_id, fence=claim.fence, status="failed", error="recent")
+    read: list[int] = []
+    items = store.items
+
+    async def counted(**kwargs: Any) -> Any:
+        read.append(1)
+        return await items(**kwargs)
+
+    monkeypatch.setattr(store, "items", counted)
+    assert await _views.group_error(_views.Scope(store, None), "failed", key) is None
+    assert len(read) == 2  # LOOK_ROWS / PAGE_ROWS pages, not the whole state
+    assert (await store.item(old))["state"] == "failed" and len(newer) == 4
 
 
 async def test_a_project_or_schedule_of_any_name_is_acted_on_by_name(

@@ -314,8 +314,9 @@ async def failures(scope: Scope) -> dict[str, Any]:
             }
             for error, found in ordered
         ],
-        "failed": len(failed),
-        "limit": PAGE_ROWS,
+        # every failed item the dashboard may see, as the Running page counts its rows
+        "failed": sum(c.get("failed", 0) for c in (await scope.counts()).values()),
+        "shown": len(failed),
     }
 
 
@@ -357,9 +358,11 @@ def _in_group(item: dict[str, Any], state: str) -> bool:
 async def group_error(scope: Scope, state: str, key: str) -> str | None:
     """The error of the group in ``state`` whose `group_key` is ``key``, or None (no item
     in ``state`` has that error now): looked for newest first, as the failures page
-    lists them, so found in its first read unless the page is old."""
+    lists them, so found in its first read unless the page is old; among the newest
+    `LOOK_ROWS` at most (a stale key, from a second click, say, walked every item in the
+    state: seconds a click on a store of millions)."""
     after = None
-    while True:
+    for _ in range(LOOK_ROWS // PAGE_ROWS):
         page = await scope.items(state=state, after=after, limit=PAGE_ROWS, include_payload=False)
         for item in page:
             error = item["error"] or ""
@@ -368,6 +371,7 @@ async def group_error(scope: Scope, state: str, key: str) -> str | None:
         if len(page) < PAGE_ROWS:
             return None
         after = page[-1]["item_id"]
+    return None
 
 
 async def group_members(scope: Scope, error: str, state: str) -> list[tuple[int, int]]:
