@@ -393,6 +393,31 @@ async def test_a_second_copy_adds_back_nothing_the_destination_took_away(
     assert await verify_ledger(destination) == []
 
 
+async def test_a_destination_copied_into_before_settings_were_recorded_gets_none_back(
+    asyncplane_store: ControlStore, other_store: Any, raw_of: Any
+) -> None:
+    # An earlier release recorded the items a copy brought, not its settings: what the
+    # destination lacks now may have been taken away there, so nothing but projects comes.
+    source = asyncplane_store
+    await source.create_project("p", "P")
+    await source.assign("p", "alice")
+    await source.set_schedule("beat", project_id="p", payload={}, every=60)
+    await source.enqueue("p", {})
+    destination: ControlStore = await other_store()
+    await copy_store(source, destination)
+    raw = raw_of(destination)
+    raw.execute("DELETE FROM imports WHERE source LIKE ?", ("%#settings",))  # as then
+    if raw.backend == "sqlite":
+        raw.commit()
+    await destination.unassign("p", "alice")
+    await destination.delete_schedule("beat")
+    await source.create_project("q", "Q")
+    await copy_store(source, destination)
+    assert await destination.visible_projects("alice") == []
+    assert await destination.schedules() == []
+    assert [p["project_id"] for p in await destination.projects()] == ["p", "q"]
+
+
 async def test_a_second_copy_moves_a_copied_schedule_on_to_its_sources_place(
     asyncplane_store: ControlStore, other_store: Any, asyncplane_clock: ManualClock
 ) -> None:

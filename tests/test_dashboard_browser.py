@@ -215,6 +215,15 @@ async def test_the_live_refresh_leaves_selected_text_alone(
         await browser.script("return window.asyncplaneRefresh()")
         assert await browser.script(f"return {marked}") == "here"  # not swapped away
         assert await browser.script("return window.getSelection().toString()") != ""
+        # A selection that begins before the live part and ends in it counts too.
+        await browser.script(
+            "const range = document.createRange();"
+            "range.setStartBefore(document.querySelector('header') || document.body.firstChild);"
+            f"range.setEndAfter(document.querySelector('{row} td'));"
+            "window.getSelection().removeAllRanges(); window.getSelection().addRange(range);"
+        )
+        await browser.script("return window.asyncplaneRefresh()")
+        assert await browser.script(f"return {marked}") == "here"
         await browser.script("window.getSelection().removeAllRanges()")
         await browser.script("return window.asyncplaneRefresh()")
         assert await browser.script(f"return {marked} === undefined")  # swapped: live again

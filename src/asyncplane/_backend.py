@@ -1136,11 +1136,6 @@ class Backend(Protocol):
         item came from it): what a copy into this store looks for before it writes."""
         ...
 
-    async def unrecorded_imports(self, source: str, keys: list[str]) -> list[str]:
-        """Those of ``keys`` no import from ``source`` recorded (what an import looks for
-        before it drops its source table)."""
-        ...
-
     async def sizes(self) -> tuple[int, int]:
         """Bytes the store takes on disk: (database, write-ahead log not yet folded in)."""
         ...

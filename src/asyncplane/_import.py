@@ -6,8 +6,10 @@ source table read-only, in chunks ordered by a key column, copies only the rows 
 not terminal into the store with fresh ids and a "queued" event that names the source,
 and leaves terminal history behind. Every copied row is recorded in the store (its source
 and key), in the same transaction as the item itself, so a second run, or a run after a
-crash half-way, imports nothing twice. Only once everything is copied may it drop the
-source table (``drop_source=True``).
+crash half-way, imports nothing twice (a key recorded for another row, reused as SQLite
+reuses a deleted last row's rowid, is refused: `_rules.imported_before`). Only once
+everything is copied, and nothing was written to the source file since the import began,
+may it drop the source table (``drop_source=True``, `_Watch`).
 
 Table and column names cannot be bound as SQL parameters. They are accepted only if they
 are names of the source table's own columns (read through ``pragma_table_info``), and are
@@ -17,12 +19,12 @@ quoted; values always travel as parameters.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import math
 import os
 import pathlib
 import sqlite3
+import threading
 from collections.abc import Awaitable, Callable, Collection, Mapping
 from typing import Any
 
@@ -93,8 +95,24 @@ async def import_pending(
     mapping = _check_mapping(columns, project_id, pending)
     chunk = _validate.positive_int(chunk, "chunk")
     project = None if project_id is None else _validate.text_id(project_id, "project_id")
-    name = f"{source}::{table}"
     await anyio.to_thread.run_sync(_check_source, source, table, mapping)
+    # Before the first read: a drop happens only if nothing was written to the file since.
+    watch = await anyio.to_thread.run_sync(_Watch, source) if drop_source else None
+    try:
+        return await _import(
+            engine, freeing, source, table, mapping, project, pending, watch, chunk, progress
+        )
+    finally:
+        if watch is not None:
+            watch.close()  # (the drop closes it on its own thread: nothing else uses it)
+
+
+async def _import(
+    engine: _engine.Engine, freeing: Freeing, source: pathlib.Path, table: str,
+    mapping: dict[str, str], project: str | None, pending: Collection[Any] | None,
+    watch: _Watch | None, chunk: int, progress: Callable[[int], None] | None,
+) -> ImportSummary:  # fmt: skip
+    name = f"{source}::{table}"
     backend = await engine.ready()
     known = {p.project_id for p in await backend.list_projects()}
     if project is not None and project not in known:
@@ -132,11 +150,9 @@ async def import_pending(
             progress(imported + skipped + left)
         if len(rows) < chunk:
             break
-    dropped = False
-    if drop_source:
-        await _drop_source(backend, name, source, table, mapping, pending, pending_as_text)
-        dropped = True
-    return ImportSummary(name, imported, skipped, left, dropped)
+    if watch is not None:
+        await anyio.to_thread.run_sync(watch.drop, table)
+    return ImportSummary(name, imported, skipped, left, watch is not None)
 
 
 def _check_mapping(
@@ -307,96 +323,74 @@ def _is_pending(state: Any, pending: Any, pending_as_text: set[str] | None) -> b
     return state in pending or (pending_as_text is not None and str(state) in pending_as_text)
 
 
-#: Source rows a drop looks at a time.
-_DROP_CHUNK = 1000
+class _Watch:
+    """A connection to the source, opened before an import that drops it reads anything,
+    for the drop at its end: which happens in one transaction, only if SQLite's
+    ``data_version`` for it has not moved since, that is, if no other connection committed
+    to the file while the import ran. Then every row the import read is as it is at the
+    drop, each still to be done is in the store, and a row added, changed or swapped in
+    meanwhile (a deleted row's rowid given to a new one, say) is never dropped unimported.
 
+    Only one thread uses the connection at a time: it is opened on one, its drop runs on
+    another once every read is done, and a drop closes it itself, so a cancelled import
+    never closes it under a drop still running on its thread."""
 
-async def _drop_source(
-    backend: _backend.Backend, name: str, source: pathlib.Path, table: str,
-    mapping: dict[str, str], pending: Any, pending_as_text: set[str] | None,
-) -> None:  # fmt: skip
-    """Drop the source table, but only when every row still to be done in it (every row,
-    without a state column) is one an import recorded, and nothing was written to the
-    file between that look and the drop. A count of rows would not do: the old queue's
-    consumer deleting a row while its producer adds one leaves the count as it was, and
-    the new row would go unimported. The look reads the table a chunk at a time, outside
-    any transaction (the store is asked between chunks); the drop then happens in one
-    transaction that first checks the file's ``data_version``, so the source's write lock
-    is never held across an await."""
-    conn = await anyio.to_thread.run_sync(
-        functools.partial(_connect, source, write=True, any_thread=True)
-    )
-    try:
-        seen = await anyio.to_thread.run_sync(_data_version, conn)
-        after: Any = None
-        while rows := await anyio.to_thread.run_sync(
-            _key_states, conn, table, mapping, after, _DROP_CHUNK
-        ):
-            after = rows[-1][0]
-            keys = [
-                str(key)
-                for key, state in rows
-                if "state" not in mapping or _is_pending(state, pending, pending_as_text)
-            ]
-            missing = await backend.unrecorded_imports(name, keys) if keys else []
-            if missing:
-                raise _errors.InvalidInput(
-                    f"{table} holds {len(missing)}{'+' if len(rows) == _DROP_CHUNK else ''} "
-                    f"row(s) still to be done that no import took in (key {missing[0]!r} "
-                    "first): written while it ran, or made pending again; it was not dropped. "
-                    "Stop what writes to it, import again (the rows imported before are "
-                    "passed over), then drop it"
-                )
-            if len(rows) < _DROP_CHUNK:
-                break
-        await anyio.to_thread.run_sync(_drop_unless_written, conn, table, seen)
-    finally:
-        with anyio.CancelScope(shield=True):
-            await anyio.to_thread.run_sync(conn.close)
+    def __init__(self, source: pathlib.Path) -> None:
+        self._conn = _connect(source, write=True, any_thread=True)
+        self._lock = threading.Lock()  # the drop, or the close: never both at once
+        self._closed = False
+        try:
+            self._seen = _data_version(self._conn)
+        except BaseException:
+            self._conn.close()
+            raise
+
+    def drop(self, table: str) -> None:
+        """Drop the table in a transaction, unless the file changed since the watch began;
+        then close."""
+        with self._lock:
+            if self._closed:
+                raise _errors.StoreClosed("the import was cut short before its drop")
+            try:
+                self._drop(table)
+            finally:
+                self._closed = True
+                self._conn.close()
+
+    def _drop(self, table: str) -> None:
+        conn = self._conn
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                if _data_version(conn) != self._seen:
+                    raise _errors.InvalidInput(
+                        f"the source file changed while the import ran (a write, or a "
+                        f"checkpoint): {table} was not dropped. Stop what uses the file, "
+                        "import again (the rows imported before are passed over), then drop"
+                    )
+                conn.execute(f"DROP TABLE {_quote(table)}")  # checked against the schema
+                conn.execute("COMMIT")
+            except BaseException:
+                if conn.in_transaction:
+                    conn.execute("ROLLBACK")
+                raise
+        except sqlite3.Error as exc:
+            raise _connection.translate(exc) from exc
+
+    def close(self) -> None:
+        """Close it, unless a drop has it (that drop closes it when done)."""
+        if self._lock.acquire(blocking=False):
+            try:
+                if not self._closed:
+                    self._closed = True
+                    self._conn.close()
+            finally:
+                self._lock.release()
 
 
 def _data_version(conn: sqlite3.Connection) -> int:
     """A number that moves whenever another connection commits to the file."""
     try:
         return int(conn.execute("PRAGMA data_version").fetchone()[0])
-    except sqlite3.Error as exc:
-        raise _connection.translate(exc) from exc
-
-
-def _key_states(
-    conn: sqlite3.Connection, table: str, mapping: dict[str, str], after: Any, chunk: int
-) -> list[tuple[Any, Any]]:
-    """The source's keys after ``after``, in order, each with its state (None without a
-    state column)."""
-    key = _quote(mapping["key"])
-    state = _quote(mapping["state"]) if "state" in mapping else "NULL"
-    # Both names were checked against the table's own columns in _check_source.
-    statement = (
-        f"SELECT {key}, {state} FROM {_quote(table)} "
-        f"WHERE ? IS NULL OR {key} > ? ORDER BY {key} LIMIT ?"
-    )
-    try:
-        return [(row[0], row[1]) for row in conn.execute(statement, (after, after, chunk))]
-    except sqlite3.Error as exc:
-        raise _connection.translate(exc) from exc
-
-
-def _drop_unless_written(conn: sqlite3.Connection, table: str, seen: int) -> None:
-    """Drop the table in a transaction, unless the file changed since ``seen``."""
-    try:
-        conn.execute("BEGIN IMMEDIATE")
-        try:
-            if _data_version(conn) != seen:
-                raise _errors.InvalidInput(
-                    f"the source was written to while the import looked at {table}; it was "
-                    "not dropped. Stop what writes to it, import again (the rows imported "
-                    "before are passed over), then drop it"
-                )
-            conn.execute(f"DROP TABLE {_quote(table)}")  # checked against the schema before
-            conn.execute("COMMIT")
-        except BaseException:
-            if conn.in_transaction:
-                conn.execute("ROLLBACK")
-            raise
     except sqlite3.Error as exc:
         raise _connection.translate(exc) from exc

@@ -705,9 +705,6 @@ class PostgresBackend(_backend.Writes):
         rows = await self._fetch(sql.FIRST_FOREIGN_ITEM, source)
         return None if not rows else int(rows[0][0])
 
-    async def unrecorded_imports(self, source: str, keys: list[str]) -> list[str]:
-        return [row[0] for row in await self._fetch(sql.UNRECORDED_IMPORTS, source, keys)]
-
     async def export_imports(
         self, after: tuple[str, str] | None, limit: int
     ) -> list[_backend.ImportRecord]:
@@ -1585,7 +1582,8 @@ async def _import_rows(
     await conn.execute(sql.LOCK_SOURCE, op.source)
     imported = skipped = 0
     for key, item in op.rows:
-        if await conn.fetchval(sql.ALREADY_IMPORTED, op.source, key) is not None:
+        record = await conn.fetchrow(sql.IMPORTED_PAYLOAD, op.source, key)
+        if _rules.imported_before(key, item, None if record is None else tuple(record)):
             skipped += 1
             continue
         row = _rules.new_row(op.project_id, item, now)
@@ -1601,7 +1599,9 @@ async def _copy_projects(op: _backend.CopyProjectsOp, conn: asyncpg.Connection, 
     source = op.source + _rules.COPIED_SETTINGS
     await conn.execute(sql.LOCK_SOURCE, source)  # two copies from one source: one at a time
     recorded = {row[0] for row in await conn.fetch(sql.RECORDED_SETTINGS, source)}
-    plan = _rules.copy_settings_plan(op, recorded)
+    here = [_backend.ScheduleRow(*row) for row in await conn.fetch(sql.LIST_SCHEDULES)]
+    unrecorded = not recorded and await conn.fetchval(sql.ANY_RECORD, op.source) is not None
+    plan = _rules.copy_settings_plan(op, recorded, here, unrecorded_before=unrecorded)
     added = 0
     for project in plan.add.projects:
         if await conn.fetchval(sql.COPY_PROJECT, *project) is not None:
@@ -1619,11 +1619,7 @@ async def _copy_projects(op: _backend.CopyProjectsOp, conn: asyncpg.Connection, 
     if plan.records:
         await conn.executemany(sql.RECORD_SETTING, [(source, key, now) for key in plan.records])
     if plan.moved:
-        await conn.executemany(
-            sql.MOVE_COPIED_SCHEDULE,
-            [(s.name, s.next_at, s.last_at, now, s.cron, s.every, s.timezone, s.anchor)
-             for s in plan.moved],
-        )  # fmt: skip
+        await conn.executemany(sql.MOVE_COPIED_SCHEDULE, [(*m, now) for m in plan.moved])
     return added
 
 

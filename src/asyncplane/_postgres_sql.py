@@ -1882,11 +1882,12 @@ LOCK_SOURCE: Final = (
     "hashtextextended('import:' || current_schema() || chr(1) || $1::text, 0))"
 )
 ALREADY_IMPORTED: Final = "SELECT 1 FROM imports WHERE source = $1 AND source_key = $2"
-#: Of the keys given, those no import from the source ($1) recorded.
-UNRECORDED_IMPORTS: Final = """
-SELECT keys.key FROM unnest($2::text[]) AS keys (key)
-WHERE NOT EXISTS (SELECT 1 FROM imports WHERE source = $1 AND source_key = keys.key)
+# A row imported before under this key: the payload of the item it made (NULL: purged).
+IMPORTED_PAYLOAD: Final = """
+SELECT items.payload FROM imports LEFT JOIN items ON items.item_id = imports.item_id
+WHERE imports.source = $1 AND imports.source_key = $2
 """
+
 RECORD_IMPORT: Final = (
     "INSERT INTO imports (source, source_key, item_id, imported_at) VALUES ($1, $2, $3, $4)"
 )
@@ -1922,13 +1923,12 @@ RECORD_SETTING: Final = """
 INSERT INTO imports (source, source_key, item_id, imported_at) VALUES ($1, $2, 0, $3)
 ON CONFLICT (source, source_key) DO NOTHING
 """
-# A schedule copied before moves on to the source's place: only forward, and only while
-# its timetable is still the source's.
-MOVE_COPIED_SCHEDULE: Final = """
-UPDATE schedules SET next_at = $2, last_at = $3, updated_at = $4
-WHERE name = $1 AND next_at < $2 AND cron IS NOT DISTINCT FROM $5::text
-  AND every IS NOT DISTINCT FROM $6::float8 AND timezone = $7 AND anchor = $8
-"""
+# Whether a copy from this source brought anything here (its items' records).
+ANY_RECORD: Final = "SELECT 1 FROM imports WHERE source = $1 LIMIT 1"
+# A schedule copied before moves on to the source's place (`_rules.copy_settings_plan`).
+MOVE_COPIED_SCHEDULE: Final = (
+    "UPDATE schedules SET next_at = $2, last_at = $3, updated_at = $4 WHERE name = $1"
+)
 ITEM_EXISTS: Final = "SELECT 1 FROM items WHERE item_id = $1"
 # A running content twin of an item a copy brings (`items_running_fingerprint` holds one).
 RUNNING_TWIN: Final = """

@@ -95,6 +95,7 @@ __all__ = (
     "first_page",
     "first_pages",
     "history",
+    "imported_before",
     "invisible_item",
     "keyset_start",
     "limited_due",
@@ -214,9 +215,8 @@ class SettingsPlan(NamedTuple):
     add: _backend.CopyProjectsOp
     #: The keys to record them under, as copied from this source (`copied_setting`).
     records: tuple[str, ...]
-    #: The schedules copied before that are still there: each moves on to the source's
-    #: place if that is later and its timetable is the source's (the source ran its ticks).
-    moved: tuple[_backend.ScheduleRow, ...]
+    #: Schedules copied before that move on to the source's place: (name, next, last).
+    moved: tuple[tuple[str, float, float | None], ...]
 
 
 #: A copy records the settings it added under its source's label with this appended.
@@ -228,16 +228,25 @@ def copied_setting(kind: str, *ids: str) -> str:
     return json.dumps([kind, *ids], ensure_ascii=False)
 
 
-def copy_settings_plan(op: _backend.CopyProjectsOp, recorded: Container[str]) -> SettingsPlan:
+def copy_settings_plan(
+    op: _backend.CopyProjectsOp, recorded: Container[str], here: Sequence[_backend.ScheduleRow],
+    *, unrecorded_before: bool = False,
+) -> SettingsPlan:  # fmt: skip
     """Which of a source's projects, assignments, limits and schedules a copy adds: each
-    that no copy from this source added before. One it added stays as the destination has
-    it since: a project's status, limits cleared, an assignment revoked, a schedule
-    deleted are never undone by a second copy. A schedule it added and the destination
-    still has moves on to the source's next tick, so that no tick the source ran runs
-    again here."""
+    that no copy from this source added before (``recorded``). One it added stays as the
+    destination has it since: a project's status, limits cleared, an assignment revoked,
+    a schedule deleted are never undone by a second copy. A schedule it added that the
+    destination still has (``here``) moves on to the source's next tick when that is later
+    and its timetable is still the source's (one changed here keeps its own place), so no
+    tick the source ran runs again here.
+
+    ``unrecorded_before``: this source's items were copied here by a release that kept no
+    record of the settings: every setting is taken as copied then (recorded, not added,
+    but for projects, which are never removed and which items need), since what is
+    missing now may have been taken away on purpose."""
 
     def fresh(key: str) -> bool:
-        return key not in recorded
+        return key not in recorded and not unrecorded_before
 
     projects = [p for p in op.projects if fresh(copied_setting("project", p.project_id))]
     assignments = [
@@ -246,17 +255,48 @@ def copy_settings_plan(op: _backend.CopyProjectsOp, recorded: Container[str]) ->
     ]  # fmt: skip
     limits = [row for row in op.limits if fresh(copied_setting("limits", row.project_id))]
     schedules = [s for s in op.schedules if fresh(copied_setting("schedule", s.name))]
-    moved = [s for s in op.schedules if not fresh(copied_setting("schedule", s.name))]
-    records = (
-        [copied_setting("project", p.project_id) for p in projects]
-        + [copied_setting("assignment", a.project_id, a.actor_id) for a in assignments]
-        + [copied_setting("limits", row.project_id) for row in limits]
-        + [copied_setting("schedule", s.name) for s in schedules]
-    )
+    if unrecorded_before:
+        projects = list(op.projects)  # (added where absent; never taken away)
+    records = [
+        key
+        for key in (
+            [copied_setting("project", p.project_id) for p in op.projects]
+            + [copied_setting("assignment", a.project_id, a.actor_id) for a in op.assignments]
+            + [copied_setting("limits", row.project_id) for row in op.limits]
+            + [copied_setting("schedule", s.name) for s in op.schedules]
+        )
+        if key not in recorded
+    ]
+    by_name = {s.name: s for s in here}
+    moved = [
+        (s.name, s.next_at, s.last_at)
+        for s in op.schedules
+        if not fresh(copied_setting("schedule", s.name))
+        and (mine := by_name.get(s.name)) is not None
+        and mine.timetable() == s.timetable()
+        and mine.next_at < s.next_at
+    ]
     add = _backend.CopyProjectsOp(
         op.source, tuple(projects), tuple(assignments), tuple(limits), tuple(schedules)
     )
     return SettingsPlan(add, tuple(records), tuple(moved))
+
+
+def imported_before(key: str, item: _backend.NewItem, record: Sequence[Any] | None) -> bool:
+    """Whether a source row was imported before, by its key's record (``record``: the
+    payload of the item it made, None inside it once that item was purged; no record: not
+    imported). A key recorded for another row is refused: SQLite gives a deleted last
+    row's rowid to the next row, and passing that row over as imported, then dropping the
+    source, would lose it."""
+    if record is None:
+        return False
+    if record[0] is not None and record[0] != item.payload_json:
+        raise _errors.InvalidInput(
+            f"source row {key!r} is not the row imported before under that key (its key "
+            "was used again, as SQLite does with a deleted last row's rowid): map a key "
+            "column whose values are never reused (an AUTOINCREMENT id, a message id)"
+        )
+    return True
 
 
 def copy_id_taken(item_id: int) -> _errors.InvalidInput:

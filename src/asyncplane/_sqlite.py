@@ -339,10 +339,6 @@ class SQLiteBackend(_backend.Writes):
         rows = await self._read(_fetch, sql.FIRST_FOREIGN_ITEM, (source,))
         return None if not rows else int(rows[0][0])
 
-    async def unrecorded_imports(self, source: str, keys: list[str]) -> list[str]:
-        rows = await self._read(_fetch, sql.UNRECORDED_IMPORTS, (json.dumps(keys), source))
-        return [row[0] for row in rows]
-
     async def export_imports(
         self, after: tuple[str, str] | None, limit: int
     ) -> list[_backend.ImportRecord]:
@@ -1073,7 +1069,8 @@ def _import_rows(op: _backend.ImportOp, db: sqlite3.Connection, now: float) -> t
         raise _rules.unknown_project(op.project_id)
     imported = skipped = 0
     for key, item in op.rows:
-        if db.execute(sql.ALREADY_IMPORTED, (op.source, key)).fetchone() is not None:
+        record = db.execute(sql.IMPORTED_PAYLOAD, (op.source, key)).fetchone()
+        if _rules.imported_before(key, item, record):
             skipped += 1
             continue
         row = _rules.new_row(op.project_id, item, now)
@@ -1088,7 +1085,9 @@ def _import_rows(op: _backend.ImportOp, db: sqlite3.Connection, now: float) -> t
 def _copy_projects(op: _backend.CopyProjectsOp, db: sqlite3.Connection, now: float) -> int:
     source = op.source + _rules.COPIED_SETTINGS
     recorded = {row[0] for row in db.execute(sql.RECORDED_SETTINGS, (source,))}
-    plan = _rules.copy_settings_plan(op, recorded)
+    here = [_backend.ScheduleRow(*row) for row in db.execute(sql.LIST_SCHEDULES)]
+    unrecorded = not recorded and db.execute(sql.ANY_RECORD, (op.source,)).fetchone() is not None
+    plan = _rules.copy_settings_plan(op, recorded, here, unrecorded_before=unrecorded)
     added = 0
     for project in plan.add.projects:
         added += db.execute(sql.COPY_PROJECT, tuple(project)).rowcount
@@ -1096,14 +1095,8 @@ def _copy_projects(op: _backend.CopyProjectsOp, db: sqlite3.Connection, now: flo
     db.executemany(sql.COPY_LIMITS, [row[:6] for row in plan.add.limits])
     db.executemany(sql.COPY_SCHEDULE, [tuple(row) for row in plan.add.schedules])
     db.executemany(sql.RECORD_SETTING, [(source, key, now) for key in plan.records])
-    db.executemany(sql.MOVE_COPIED_SCHEDULE, [_moved(row, now) for row in plan.moved])
+    db.executemany(sql.MOVE_COPIED_SCHEDULE, [(*moved, now) for moved in plan.moved])
     return added
-
-
-def _moved(row: _backend.ScheduleRow, now: float) -> dict[str, Any]:
-    return {"name": row.name, "next_at": row.next_at, "last_at": row.last_at, "now": now,
-            "cron": row.cron, "every": row.every, "timezone": row.timezone,
-            "anchor": row.anchor}  # fmt: skip
 
 
 def _copy_items(op: _backend.CopyOp, db: sqlite3.Connection, now: float) -> tuple[int, int]:

@@ -1141,11 +1141,12 @@ PURGE_EVENTS: Final = "DELETE FROM events WHERE item_id = ?"
 # --- imports --------------------------------------------------------------------------------
 
 ALREADY_IMPORTED: Final = "SELECT 1 FROM imports WHERE source = ? AND source_key = ?"
-#: Of the keys given (a JSON array of text), those no import from the source recorded.
-UNRECORDED_IMPORTS: Final = """
-SELECT keys.value FROM json_each(?) AS keys
-WHERE NOT EXISTS (SELECT 1 FROM imports WHERE source = ? AND source_key = keys.value)
+# A row imported before under this key: the payload of the item it made (NULL: purged).
+IMPORTED_PAYLOAD: Final = """
+SELECT items.payload FROM imports LEFT JOIN items ON items.item_id = imports.item_id
+WHERE imports.source = ? AND imports.source_key = ?
 """
+
 RECORD_IMPORT: Final = (
     "INSERT INTO imports (source, source_key, item_id, imported_at) VALUES (?, ?, ?, ?)"
 )
@@ -1184,13 +1185,12 @@ RECORD_SETTING: Final = (
     "INSERT INTO imports (source, source_key, item_id, imported_at) VALUES (?, ?, 0, ?) "
     "ON CONFLICT (source, source_key) DO NOTHING"
 )
-# A schedule copied before moves on to the source's place: only forward, and only while
-# its timetable is still the source's (one changed here keeps its own place).
-MOVE_COPIED_SCHEDULE: Final = """
-UPDATE schedules SET next_at = :next_at, last_at = :last_at, updated_at = :now
-WHERE name = :name AND next_at < :next_at AND cron IS :cron AND every IS :every
-  AND timezone = :timezone AND anchor = :anchor
-"""
+# Whether a copy from this source brought anything here (its items' records).
+ANY_RECORD: Final = "SELECT 1 FROM imports WHERE source = ? LIMIT 1"
+# A schedule copied before moves on to the source's place (`_rules.copy_settings_plan`).
+MOVE_COPIED_SCHEDULE: Final = (
+    "UPDATE schedules SET next_at = ?2, last_at = ?3, updated_at = ?4 WHERE name = ?1"
+)
 ITEM_EXISTS: Final = "SELECT 1 FROM items WHERE item_id = ?"
 # What a copy compares of an item it copied before with the source's (`_rules.copied_here`).
 COPIED_ITEM: Final = "SELECT project_id, created_at FROM items WHERE item_id = ?"

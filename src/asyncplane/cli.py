@@ -97,7 +97,9 @@ def parse_duration(text: str) -> dt.timedelta:
 
 def _as_written_and_read(values: list[str] | None) -> list[Any] | None:
     """``--pending`` values as typed (a state column of text holding "01" matches "01"),
-    and each that reads as a number as that number too (a column of integers holds 1)."""
+    and each that is a number written plainly as that number too (a column of integers
+    holds 1): "01", "1e3" or "1_0" stay text, or they would match the text "1", "1000.0"
+    or "10" too, a row another value names."""
     if values is None:
         return None
     found: list[Any] = []
@@ -105,10 +107,12 @@ def _as_written_and_read(values: list[str] | None) -> list[Any] | None:
         found.append(text)
         for kind in (int, float):
             try:
-                found.append(kind(text))
-                break
+                number = kind(text)
             except ValueError:
                 continue
+            if str(number) == text:
+                found.append(number)
+            break
     return found
 
 
@@ -200,7 +204,7 @@ def _parser() -> argparse.ArgumentParser:
     imported.add_argument(
         "--pending", action="append", default=None, metavar="VALUE",
         help="a value of the state column that means still to be done (as written, and as "
-        "a number if it reads as one); repeatable",
+        "a number if it is one written plainly: 0, 2.5); repeatable",
     )  # fmt: skip
     imported.add_argument("--drop-source", action="store_true", help="drop the table after")
     imported.add_argument("--chunk", type=int, default=1000)
@@ -536,10 +540,13 @@ def _check_args(args: argparse.Namespace) -> None:
         except (_errors.InvalidInput, _errors.InvalidType) as exc:
             raise _Usage(_in_flags(str(exc))) from exc
     if args.verb == "import":
-        if args.source.is_dir():
-            raise _Usage(f"--from {args.source} is a directory: name the source's file")
-        if not args.source.is_file():
-            raise _Usage(f"no such file: {args.source}")
+        try:
+            if args.source.is_dir():
+                raise _Usage(f"--from {args.source} is a directory: name the source's file")
+            if not args.source.is_file():
+                raise _Usage(f"no such file: {args.source}")
+        except OSError as exc:  # a name too long, say
+            raise _Usage(f"--from {args.source}: {exc.strerror or exc}") from exc
 
 
 def _check_is_a_store(location: str, *, unfinished: bool = False) -> None:

@@ -15,14 +15,17 @@
     status.hidden = !text;
   }
 
-  async function refresh() {
-    if (busy || document.hidden) return;
-    // A form being used (a focused button) is not swapped away under the user's hand.
+  // A form being used (a focused button) is not swapped away under the user's hand, nor
+  // text the user has selected in it (an error to copy, say).
+  function inUse() {
     if (document.activeElement && live.contains(document.activeElement) &&
-        document.activeElement.tagName !== "BODY") return;
-    // Nor is text the user has selected (an error to copy, say).
+        document.activeElement.tagName !== "BODY") return true;
     const selection = window.getSelection();
-    if (selection && !selection.isCollapsed && live.contains(selection.anchorNode)) return;
+    return Boolean(selection && !selection.isCollapsed && selection.containsNode(live, true));
+  }
+
+  async function refresh() {
+    if (busy || document.hidden || inUse()) return;
     busy = true;
     try {
       const response = await fetch(window.location.pathname + window.location.search, {
@@ -34,7 +37,9 @@
         say("live updates paused: the dashboard answered " + response.status);
         return;
       }
-      live.innerHTML = await response.text();
+      const fresh = await response.text();
+      if (inUse()) return;  // (taken up while the answer was on its way)
+      live.innerHTML = fresh;
       say("");
     } catch (error) {
       say("live updates paused: the dashboard cannot be reached");
@@ -44,6 +49,6 @@
   }
 
   window.setInterval(refresh, EVERY_MS);
-  // One refresh now, awaited: for the browser tests, which cannot wait on a timer.
+  // The refresh itself, for the browser tests to run and await (they wait on no timer).
   window.asyncplaneRefresh = refresh;
 })();
