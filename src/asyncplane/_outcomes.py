@@ -179,6 +179,10 @@ class DrainSummary:
         timed_out: work() only: items whose handler ran past ``timeout`` (retried).
         released: work() only: claims given back unrun at a stop (``grace`` ran out, or
             the stop came before they started).
+        unsaved: work() only: items whose outcome (or give-back) the store failed under,
+            tried again for a few seconds: left claimed, taken over once their leases
+            lapse (and run again), or whose lease could not be renewed before it ran out
+            (their handlers cancelled).
         remaining: Items not yet settled when the drain ended (ready, deferred, claimed
             or offloaded; of ``project_id`` if one was given).
         elapsed_s: Seconds the drain took.
@@ -200,6 +204,7 @@ class DrainSummary:
     scheduled: int = 0
     fence_rejected: int = 0
     scope_lost: int = 0
+    unsaved: int = 0
     remaining: int = 0
     elapsed_s: float = 0.0
 
@@ -220,6 +225,11 @@ _LASTING: tuple[type[_errors.StorageError], ...] = (
     _errors.SchemaVersionError,
     _errors.ArchiveError,
 )
+
+
+def lasting(exc: BaseException) -> bool:
+    """Whether a store failure is one that does not pass in seconds (`_LASTING`)."""
+    return isinstance(exc, _LASTING)
 
 
 async def give_back(give: Callable[[], Awaitable[object]]) -> None:

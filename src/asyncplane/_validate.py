@@ -612,6 +612,8 @@ def callable_problem(handle: object, takes: str) -> str | None:
     if inspect.isclass(handle) or not callable(handle):
         return f"got {type(handle).__name__} {handle!r}"[:200]
     layers = _layers(handle)
+    if any(inspect.isasyncgenfunction(layer) for layer in layers):
+        return f"{handle!r} is an async generator (it yields), not an async def"[:200]
     if not any(inspect.iscoroutinefunction(layer) for layer in layers):
         plain = [layer for layer in layers if inspect.isfunction(layer)]
         if plain and plain[-1].__name__ != "<lambda>":  # (a lambda may return a coroutine)

@@ -55,6 +55,7 @@ The rules it keeps:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import dataclasses
 import functools
@@ -89,6 +90,7 @@ from asyncplane._outcomes import (
     count_lost,
     exit_asked,
     give_back,
+    lasting,
     returned_or_raised,
     short_error,
 )
@@ -102,6 +104,10 @@ Handler: TypeAlias = Callable[[ClaimedItem], Awaitable[Outcome]]
 _log = logging.getLogger("asyncplane.worker")
 #: Seconds between housekeeping steps (preflight dedup, purge) while claiming.
 _HOUSEKEEPING_EVERY = 1.0
+#: How long the claim loop rides out a store that fails every try (a server restarting,
+#: a failover), looking again after each pause, before the worker stops with the failure.
+OUTAGE_SECONDS = 60.0
+_OUTAGE_PAUSES = (0.1, 0.25, 0.5, 1.0, 2.0, 5.0)
 
 
 class Settings(NamedTuple):
@@ -392,7 +398,24 @@ class _Worker:
             # close refused took nothing): the worker stops, as at a stop.
 
     async def _claiming(self) -> None:
+        outage: _Outage | None = None  # the store has failed every try since
+        while not self.stop.is_set() and self.failure is None:
+            try:
+                await self._claiming_until_a_failure(outage is not None)
+                return
+            except _errors.StorageError as exc:
+                if lasting(exc) and not isinstance(exc, _errors.DatabaseLocked):
+                    raise  # (not a store of asyncplane's, or of another version)
+                outage = outage or _Outage(self.owner, exc)
+                if outage.over():
+                    raise
+                await outage.pause(self.wake)
+
+    async def _claiming_until_a_failure(self, after_an_outage: bool) -> None:
         busy = False  # the last claim took something: more is likely waiting
+        if after_an_outage:
+            await self.engine.data_version()  # raises while the store still fails
+            _log.warning("asyncplane worker %s: the store answers again", self.owner)
         while not self.stop.is_set() and self.failure is None:
             if self.store_closed():
                 return  # the store was closed under the worker: it stops, as at a stop
@@ -603,7 +626,22 @@ class _Worker:
             # not ours to give back, and counted as what happened to it.
             count_lost(refusal, self.summary)
             return
+        except _errors.StorageError as exc:
+            self._unsaved(claim, "its give-back", exc)
+            return
         self.summary.released += 1
+
+    def _unsaved(self, claim: ClaimedItem, what: str, failure: BaseException) -> None:
+        """The store failed under an item's settle or give-back, tried again for seconds:
+        the item stays claimed until its lease lapses, then is taken over and runs again.
+        Said loudly, counted, and the worker goes on (the claim loop rides out an outage
+        itself, and stops if it lasts)."""
+        self.summary.unsaved += 1
+        _log.error(
+            "asyncplane worker %s: the store failed under item %d's %s (%s): it stays "
+            "claimed until its lease lapses, then runs again", self.owner, claim.item_id,
+            what, short_error(failure), extra=log_fields(claim),
+        )  # fmt: skip
 
     def _exit_of_lost(self, handler: asyncio.Task[Any]) -> None:
         """A lost item's handler that ended asking the program to exit (``sys.exit()``
@@ -635,10 +673,15 @@ class _Worker:
 
     async def _settle(self, claim: ClaimedItem, outcome: Any) -> None:
         try:
-            await self.settler.settle(claim, outcome)
+            # Tried again while the store fails (a server restarting): a settle is fenced,
+            # so a try after one whose answer was lost but which was saved is refused
+            # (counted as taken over), never saved twice.
+            await give_back(functools.partial(self.settler.settle, claim, outcome))
         except _errors.AsyncplaneError as exc:
             if not count_lost(exc, self.summary):
-                raise
+                if not isinstance(exc, _errors.StorageError):
+                    raise
+                self._unsaved(claim, f"its outcome ({type(outcome).__name__})", exc)
         else:
             _log.debug(
                 "settled item %d: %s", claim.item_id, type(outcome).__name__,
@@ -682,12 +725,16 @@ class _Worker:
                 raise failures[0]
 
     async def _renew(self, held: _Held) -> None:
-        """Renew one lease; a refusal marks the item lost and cancels its handler."""
+        """Renew one lease; a refusal marks the item lost and cancels its handler. A
+        renewal the store fails under (or that has no answer within a sixth of a lease) is
+        tried again a moment later, until the lease is about to end: then the item is
+        given up here, its handler cancelled, since another worker may take it over."""
         claim = held.claim
         try:
-            expires = await self.store.renew(
-                claim.item_id, fence=claim.fence, actor_id=self.actor_id
-            )
+            expires = await _tasks.within(
+                self.store.renew(claim.item_id, fence=claim.fence, actor_id=self.actor_id),
+                self.third / 2, "asyncplane-work-renew-one",
+            )  # fmt: skip
         except LOST as refusal:
             if self.held.get(held.key) is not held:
                 return  # its handler has returned meanwhile: its settle hears the news
@@ -695,7 +742,19 @@ class _Worker:
             count_lost(refusal, self.summary)
             held.lost = True
             held.handler.cancel()
+        except (_errors.StorageError, asyncio.TimeoutError) as exc:
+            if self.held.get(held.key) is not held:
+                return
+            now, again = self.store.clock.now(), min(1.0, self.third / 4)
+            if now + again + self.third / 2 < held.expires:
+                held.renew_at = now + again  # the lease still has time: again soon
+                return
+            del self.held[held.key]
+            self._unsaved(claim, "lease renewal", exc)
+            held.lost = True
+            held.handler.cancel()
         else:
+            held.expires = expires.timestamp()
             held.renew_at = self.settler.renewal_due(expires)
 
     def _guard_lost(self) -> None:
@@ -727,14 +786,40 @@ class _Held:
     """An item whose handler runs: its claim, its handler's task, when its lease is next
     to be renewed (by the store's clock) and whether a renewal was refused."""
 
-    __slots__ = ("claim", "handler", "key", "lost", "renew_at")
+    __slots__ = ("claim", "expires", "handler", "key", "lost", "renew_at")
 
     def __init__(self, claim: ClaimedItem, handler: asyncio.Task[Any], renew_at: float) -> None:
         self.key = (claim.item_id, claim.fence)
         self.claim = claim
         self.handler = handler
         self.renew_at = renew_at
+        self.expires = claim.lease_expires_at.timestamp()  # the last lease granted
         self.lost = False
+
+
+class _Outage:
+    """A run of store failures under the claim loop, ridden out for `OUTAGE_SECONDS`."""
+
+    def __init__(self, owner: str, first: BaseException) -> None:
+        self.owner = owner
+        self.began = time.monotonic()
+        self.tries = 0
+        _log.warning(
+            "asyncplane worker %s: the store failed (%s); it looks again every few seconds "
+            "for up to %g s", owner, short_error(first), OUTAGE_SECONDS,
+        )  # fmt: skip
+
+    def over(self) -> bool:
+        """Whether the store has failed for longer than the worker waits."""
+        return time.monotonic() - self.began > OUTAGE_SECONDS
+
+    async def pause(self, wake: asyncio.Event) -> None:
+        """The next pause, cut short by ``wake`` (a stop, a close)."""
+        pause = _OUTAGE_PAUSES[min(self.tries, len(_OUTAGE_PAUSES) - 1)]
+        self.tries += 1
+        wake.clear()
+        with contextlib.suppress(asyncio.TimeoutError):
+            await _tasks.within(wake.wait(), pause, "asyncplane-work-outage")
 
 
 #: The item whose handler the current task runs: set in the handler's own task (and so

@@ -109,6 +109,12 @@ class ManualClock:
         """The current manual time as an aware UTC datetime."""
         return dt.datetime.fromtimestamp(self.now(), tz=dt.timezone.utc)
 
+    def waits(self) -> list[float]:
+        """The times tasks wait for on this clock (`wait_until`), soonest first: a test
+        sees a timer set before it moves the clock past it."""
+        with self._lock:
+            return sorted(w for w, f in self._waiters if not f.done())
+
     def __repr__(self) -> str:
         return f"ManualClock({self.datetime().isoformat()})"
 
