@@ -411,11 +411,15 @@ async def test_a_destination_copied_into_before_settings_were_recorded_gets_none
         raw.commit()
     await destination.unassign("p", "alice")
     await destination.delete_schedule("beat")
-    await source.create_project("q", "Q")
+    await source.create_project("q", "Q")  # new since: it comes whole, settings and all
+    await source.assign("q", "bob")
+    await source.set_limits("q", max_running=1)
     await copy_store(source, destination)
     assert await destination.visible_projects("alice") == []
     assert await destination.schedules() == []
     assert [p["project_id"] for p in await destination.projects()] == ["p", "q"]
+    assert await destination.visible_projects("bob") == ["q"]
+    assert (await destination.limits("q"))["max_running"] == 1
 
 
 async def test_a_second_copy_moves_a_copied_schedule_on_to_its_sources_place(

@@ -46,6 +46,13 @@ FIELDS = frozenset(
 # The source is another application's SQLite file: its own few statements, not the store's.
 _SOURCE_COLUMNS = "SELECT name FROM pragma_table_info(?)"
 _SOURCE_TABLE_EXISTS = "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?"
+_SOURCE_TABLE_SQL = "SELECT sql FROM sqlite_master WHERE type = 'table' AND name = ?"
+# The table's rowid alias: its one primary key column, declared INTEGER.
+_SOURCE_ROWID_ALIAS = """
+SELECT name FROM pragma_table_info(?)
+WHERE pk = 1 AND upper(type) = 'INTEGER'
+  AND (SELECT count(*) FROM pragma_table_info(?) WHERE pk > 0) = 1
+"""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,10 +102,13 @@ async def import_pending(
     mapping = _check_mapping(columns, project_id, pending)
     chunk = _validate.positive_int(chunk, "chunk")
     project = None if project_id is None else _validate.text_id(project_id, "project_id")
-    await anyio.to_thread.run_sync(_check_source, source, table, mapping)
-    # Before the first read: a drop happens only if nothing was written to the file since.
+    # Before the first read, the check's included: a drop happens only if nothing was
+    # written to the file since.
     watch = await anyio.to_thread.run_sync(_Watch, source) if drop_source else None
     try:
+        if watch is not None:
+            watch.reused_keys = await anyio.to_thread.run_sync(_keys_reused, source, table, mapping)
+        await anyio.to_thread.run_sync(_check_source, source, table, mapping)
         return await _import(
             engine, freeing, source, table, mapping, project, pending, watch, chunk, progress
         )
@@ -119,7 +129,11 @@ async def _import(
         raise _rules.unknown_project(project)
     after: Any = None
     imported = skipped = left = 0
-    pending_as_text = None if pending is None else {str(value) for value in pending}
+    pending_as_text = (
+        None
+        if pending is None
+        else {str(value) for value in pending if isinstance(value, (int, float))}
+    )
     while True:
         rows = await anyio.to_thread.run_sync(_read_chunk, source, table, mapping, after, chunk)
         if not rows:
@@ -151,6 +165,13 @@ async def _import(
         if len(rows) < chunk:
             break
     if watch is not None:
+        if skipped and watch.reused_keys:
+            raise _errors.InvalidInput(
+                f"{skipped} row(s) of {table} were passed over as imported before, by keys "
+                "SQLite may have given again to new rows (a rowid, without AUTOINCREMENT: a "
+                f"taken row's rowid goes to the next one): {table} was not dropped. Look "
+                "at it, and drop it yourself"
+            )
         await anyio.to_thread.run_sync(watch.drop, table)
     return ImportSummary(name, imported, skipped, left, watch is not None)
 
@@ -246,6 +267,24 @@ def _check_source(source: pathlib.Path, table: str, mapping: dict[str, str]) -> 
         conn.close()
 
 
+def _keys_reused(source: pathlib.Path, table: str, mapping: dict[str, str]) -> bool:
+    """Whether the import's key is the table's rowid (by name, or its INTEGER PRIMARY KEY
+    alias) on a table without AUTOINCREMENT: SQLite then gives a deleted last row's rowid
+    to the next row, and a row recorded as imported may be another by now."""
+    conn = _connect(source)
+    try:
+        key = mapping["key"]
+        alias = conn.execute(_SOURCE_ROWID_ALIAS, (table, table)).fetchone()
+        if key.lower() not in ("rowid", "_rowid_", "oid") and (alias is None or alias[0] != key):
+            return False
+        found = conn.execute(_SOURCE_TABLE_SQL, (table,)).fetchone()
+        return found is None or "AUTOINCREMENT" not in (found[0] or "").upper()
+    except sqlite3.Error as exc:
+        raise _connection.translate(exc) from exc
+    finally:
+        conn.close()
+
+
 def _quote(identifier: str) -> str:
     """An identifier already checked against the source's schema, quoted for SQL."""
     return '"' + identifier.replace('"', '""') + '"'
@@ -317,10 +356,28 @@ def _finite(text: str) -> float:
 
 
 def _is_pending(state: Any, pending: Any, pending_as_text: set[str] | None) -> bool:
-    """Whether a source row's state is one of ``pending``: equal to one, or written the
-    same (a state column of text holding "0", and the command line's ``--pending 0``,
-    which it reads as a number, as an integer column would hold it)."""
-    return state in pending or (pending_as_text is not None and str(state) in pending_as_text)
+    """Whether a source row's state is one of ``pending``: equal to one; or, a state of
+    text, written as a number of ``pending`` is (``pending=[0]`` and a text column's "0");
+    or, a state that is a number, the number a text of ``pending`` reads as (the command
+    line's ``--pending 0``, or ``+1``, and an integer column's 0 or 1). Text is never
+    matched with text as numbers: "01" is not "1"."""
+    if state in pending:
+        return True
+    if isinstance(state, str):
+        return pending_as_text is not None and state in pending_as_text
+    if isinstance(state, (int, float)):
+        return any(_reads_as(value, state) for value in pending if isinstance(value, str))
+    return False
+
+
+def _reads_as(text: str, number: float) -> bool:
+    """Whether ``text`` is a number equal to ``number`` ("1", "+1", "1.0", "01")."""
+    for kind in (int, float):
+        try:
+            return bool(kind(text) == number)
+        except ValueError:
+            continue
+    return False
 
 
 class _Watch:
@@ -336,6 +393,8 @@ class _Watch:
     never closes it under a drop still running on its thread."""
 
     def __init__(self, source: pathlib.Path) -> None:
+        #: Whether the key is one SQLite gives again to a new row (see `_keys_reused`).
+        self.reused_keys = False
         self._conn = _connect(source, write=True, any_thread=True)
         self._lock = threading.Lock()  # the drop, or the close: never both at once
         self._closed = False

@@ -1582,8 +1582,7 @@ async def _import_rows(
     await conn.execute(sql.LOCK_SOURCE, op.source)
     imported = skipped = 0
     for key, item in op.rows:
-        record = await conn.fetchrow(sql.IMPORTED_PAYLOAD, op.source, key)
-        if _rules.imported_before(key, item, None if record is None else tuple(record)):
+        if await conn.fetchval(sql.ALREADY_IMPORTED, op.source, key) is not None:
             skipped += 1
             continue
         row = _rules.new_row(op.project_id, item, now)
@@ -1601,7 +1600,10 @@ async def _copy_projects(op: _backend.CopyProjectsOp, conn: asyncpg.Connection, 
     recorded = {row[0] for row in await conn.fetch(sql.RECORDED_SETTINGS, source)}
     here = [_backend.ScheduleRow(*row) for row in await conn.fetch(sql.LIST_SCHEDULES)]
     unrecorded = not recorded and await conn.fetchval(sql.ANY_RECORD, op.source) is not None
-    plan = _rules.copy_settings_plan(op, recorded, here, unrecorded_before=unrecorded)
+    projects_here = {row[0] for row in await conn.fetch(sql.LIST_PROJECTS)}
+    plan = _rules.copy_settings_plan(
+        op, recorded, here, projects_here, unrecorded_before=unrecorded
+    )
     added = 0
     for project in plan.add.projects:
         if await conn.fetchval(sql.COPY_PROJECT, *project) is not None:

@@ -1882,11 +1882,7 @@ LOCK_SOURCE: Final = (
     "hashtextextended('import:' || current_schema() || chr(1) || $1::text, 0))"
 )
 ALREADY_IMPORTED: Final = "SELECT 1 FROM imports WHERE source = $1 AND source_key = $2"
-# A row imported before under this key: the payload of the item it made (NULL: purged).
-IMPORTED_PAYLOAD: Final = """
-SELECT items.payload FROM imports LEFT JOIN items ON items.item_id = imports.item_id
-WHERE imports.source = $1 AND imports.source_key = $2
-"""
+
 
 RECORD_IMPORT: Final = (
     "INSERT INTO imports (source, source_key, item_id, imported_at) VALUES ($1, $2, $3, $4)"

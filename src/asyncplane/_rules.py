@@ -95,7 +95,6 @@ __all__ = (
     "first_page",
     "first_pages",
     "history",
-    "imported_before",
     "invisible_item",
     "keyset_start",
     "limited_due",
@@ -230,7 +229,7 @@ def copied_setting(kind: str, *ids: str) -> str:
 
 def copy_settings_plan(
     op: _backend.CopyProjectsOp, recorded: Container[str], here: Sequence[_backend.ScheduleRow],
-    *, unrecorded_before: bool = False,
+    projects_here: Container[str], *, unrecorded_before: bool = False,
 ) -> SettingsPlan:  # fmt: skip
     """Which of a source's projects, assignments, limits and schedules a copy adds: each
     that no copy from this source added before (``recorded``). One it added stays as the
@@ -241,22 +240,29 @@ def copy_settings_plan(
     tick the source ran runs again here.
 
     ``unrecorded_before``: this source's items were copied here by a release that kept no
-    record of the settings: every setting is taken as copied then (recorded, not added,
-    but for projects, which are never removed and which items need), since what is
-    missing now may have been taken away on purpose."""
+    record of the settings: a setting of a project the destination has (``projects_here``,
+    before this copy) is taken as copied then (recorded, not added), since what is missing
+    now may have been taken away on purpose; a project it lacks comes whole."""
 
-    def fresh(key: str) -> bool:
-        return key not in recorded and not unrecorded_before
+    def fresh(key: str, project_id: str) -> bool:
+        if key in recorded:
+            return False
+        return not unrecorded_before or project_id not in projects_here
 
-    projects = [p for p in op.projects if fresh(copied_setting("project", p.project_id))]
+    projects = [
+        p
+        for p in op.projects
+        if fresh(copied_setting("project", p.project_id), p.project_id) or unrecorded_before
+    ]  # fmt: skip  (a project is never taken away: one absent here is added)
     assignments = [
         a for a in op.assignments
-        if fresh(copied_setting("assignment", a.project_id, a.actor_id))
+        if fresh(copied_setting("assignment", a.project_id, a.actor_id), a.project_id)
     ]  # fmt: skip
-    limits = [row for row in op.limits if fresh(copied_setting("limits", row.project_id))]
-    schedules = [s for s in op.schedules if fresh(copied_setting("schedule", s.name))]
-    if unrecorded_before:
-        projects = list(op.projects)  # (added where absent; never taken away)
+    limits = [
+        row for row in op.limits
+        if fresh(copied_setting("limits", row.project_id), row.project_id)
+    ]  # fmt: skip
+    schedules = [s for s in op.schedules if fresh(copied_setting("schedule", s.name), s.project_id)]
     records = [
         key
         for key in (
@@ -271,7 +277,7 @@ def copy_settings_plan(
     moved = [
         (s.name, s.next_at, s.last_at)
         for s in op.schedules
-        if not fresh(copied_setting("schedule", s.name))
+        if not fresh(copied_setting("schedule", s.name), s.project_id)
         and (mine := by_name.get(s.name)) is not None
         and mine.timetable() == s.timetable()
         and mine.next_at < s.next_at
@@ -280,23 +286,6 @@ def copy_settings_plan(
         op.source, tuple(projects), tuple(assignments), tuple(limits), tuple(schedules)
     )
     return SettingsPlan(add, tuple(records), tuple(moved))
-
-
-def imported_before(key: str, item: _backend.NewItem, record: Sequence[Any] | None) -> bool:
-    """Whether a source row was imported before, by its key's record (``record``: the
-    payload of the item it made, None inside it once that item was purged; no record: not
-    imported). A key recorded for another row is refused: SQLite gives a deleted last
-    row's rowid to the next row, and passing that row over as imported, then dropping the
-    source, would lose it."""
-    if record is None:
-        return False
-    if record[0] is not None and record[0] != item.payload_json:
-        raise _errors.InvalidInput(
-            f"source row {key!r} is not the row imported before under that key (its key "
-            "was used again, as SQLite does with a deleted last row's rowid): map a key "
-            "column whose values are never reused (an AUTOINCREMENT id, a message id)"
-        )
-    return True
 
 
 def copy_id_taken(item_id: int) -> _errors.InvalidInput:

@@ -1069,8 +1069,7 @@ def _import_rows(op: _backend.ImportOp, db: sqlite3.Connection, now: float) -> t
         raise _rules.unknown_project(op.project_id)
     imported = skipped = 0
     for key, item in op.rows:
-        record = db.execute(sql.IMPORTED_PAYLOAD, (op.source, key)).fetchone()
-        if _rules.imported_before(key, item, record):
+        if db.execute(sql.ALREADY_IMPORTED, (op.source, key)).fetchone() is not None:
             skipped += 1
             continue
         row = _rules.new_row(op.project_id, item, now)
@@ -1087,7 +1086,10 @@ def _copy_projects(op: _backend.CopyProjectsOp, db: sqlite3.Connection, now: flo
     recorded = {row[0] for row in db.execute(sql.RECORDED_SETTINGS, (source,))}
     here = [_backend.ScheduleRow(*row) for row in db.execute(sql.LIST_SCHEDULES)]
     unrecorded = not recorded and db.execute(sql.ANY_RECORD, (op.source,)).fetchone() is not None
-    plan = _rules.copy_settings_plan(op, recorded, here, unrecorded_before=unrecorded)
+    projects_here = {row[0] for row in db.execute(sql.LIST_PROJECTS)}
+    plan = _rules.copy_settings_plan(
+        op, recorded, here, projects_here, unrecorded_before=unrecorded
+    )
     added = 0
     for project in plan.add.projects:
         added += db.execute(sql.COPY_PROJECT, tuple(project)).rowcount

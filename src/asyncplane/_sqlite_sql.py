@@ -1141,11 +1141,7 @@ PURGE_EVENTS: Final = "DELETE FROM events WHERE item_id = ?"
 # --- imports --------------------------------------------------------------------------------
 
 ALREADY_IMPORTED: Final = "SELECT 1 FROM imports WHERE source = ? AND source_key = ?"
-# A row imported before under this key: the payload of the item it made (NULL: purged).
-IMPORTED_PAYLOAD: Final = """
-SELECT items.payload FROM imports LEFT JOIN items ON items.item_id = imports.item_id
-WHERE imports.source = ? AND imports.source_key = ?
-"""
+
 
 RECORD_IMPORT: Final = (
     "INSERT INTO imports (source, source_key, item_id, imported_at) VALUES (?, ?, ?, ?)"

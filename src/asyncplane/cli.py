@@ -95,27 +95,6 @@ def parse_duration(text: str) -> dt.timedelta:
         raise argparse.ArgumentTypeError(f"a duration too long: {text!r}") from None
 
 
-def _as_written_and_read(values: list[str] | None) -> list[Any] | None:
-    """``--pending`` values as typed (a state column of text holding "01" matches "01"),
-    and each that is a number written plainly as that number too (a column of integers
-    holds 1): "01", "1e3" or "1_0" stay text, or they would match the text "1", "1000.0"
-    or "10" too, a row another value names."""
-    if values is None:
-        return None
-    found: list[Any] = []
-    for text in values:
-        found.append(text)
-        for kind in (int, float):
-            try:
-                number = kind(text)
-            except ValueError:
-                continue
-            if str(number) == text:
-                found.append(number)
-            break
-    return found
-
-
 def _json_object(text: str) -> dict[str, Any]:
     try:
         value = json.loads(_as_utf8(text))
@@ -203,8 +182,8 @@ def _parser() -> argparse.ArgumentParser:
     imported.add_argument("--project", help="the project every row goes to")
     imported.add_argument(
         "--pending", action="append", default=None, metavar="VALUE",
-        help="a value of the state column that means still to be done (as written, and as "
-        "a number if it is one written plainly: 0, 2.5); repeatable",
+        help="a value of the state column that means still to be done (as written; a "
+        "column of numbers matches the number it reads as); repeatable",
     )  # fmt: skip
     imported.add_argument("--drop-source", action="store_true", help="drop the table after")
     imported.add_argument("--chunk", type=int, default=1000)
@@ -708,7 +687,7 @@ async def _import(store: _store.ControlStore, args: argparse.Namespace) -> int:
     try:
         done = await store.import_pending(
             args.source, table=args.table, columns=columns, project_id=args.project,
-            pending=_as_written_and_read(args.pending), drop_source=args.drop_source,
+            pending=args.pending, drop_source=args.drop_source,
             chunk=args.chunk,
             progress=_progress("source rows seen"),
         )  # fmt: skip
