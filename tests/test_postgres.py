@@ -95,6 +95,9 @@ def test_a_url_selects_postgresql_and_its_password_stays_out_of_sight() -> None:
             ControlStore(unreadable)
         assert "S3c" not in str(refused.value)
         assert _engine.redact(unreadable) == "postgresql://***"
+    # An empty host (a socket directory given as ?host=) keeps its "//".
+    socket = "postgresql:///db?host=/run/postgresql&password=S3cret"
+    assert _engine.redact(socket) == "postgresql:///db?host=/run/postgresql&password=***"
     fine = "postgresql://app:S3cret@h/db?application_name=a@b"  # an '@' past a whole user info
     assert ControlStore(fine).location == "postgresql://app:***@h/db?application_name=a@b"
     for readable in (  # as libpq reads them: several hosts, an '@' in a parameter's value

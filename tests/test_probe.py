@@ -60,6 +60,27 @@ def run_probe(
     return done.returncode, report, done.stderr
 
 
+def test_a_worker_that_dies_before_it_is_ready_fails_the_run_without_a_traceback(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # (As the system's OOM killer would, or a crash on a bad file system.) It ended in a
+    # RuntimeError's traceback, and --json printed nothing.
+    dies = tmp_path / "dies"
+    dies.mkdir()
+    (dies / "sitecustomize.py").write_text(
+        "import os, sys\nif '--name' in sys.argv:\n    os._exit(9)\n"  # workers only
+    )
+    paths = [str(dies), *os.environ.get("PYTHONPATH", "").split(os.pathsep)]
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in paths if p))
+    code, report, err = run_probe(
+        tmp_path, "--scenario", "concurrent-queue", "--workers", "2", "--items", "20"
+    )
+    assert code == 1, err
+    assert "Traceback" not in err and "exited 9 before it was ready" in err
+    assert report["passed"] is False
+    assert report["failures"][0].startswith("worker w0 exited 9 before it was ready")
+
+
 def test_concurrent_queue_counts_are_exact(location_of: Any) -> None:
     code, report, err = run_probe(
         location_of, "--scenario", "concurrent-queue", "--workers", "4", "--items", "300",

@@ -666,6 +666,26 @@ async def test_an_enqueue_saves_the_span_not_the_baggage(store: ControlStore, ot
     assert claim.trace_context is not None and set(claim.trace_context) == {"traceparent"}
 
 
+async def test_an_enqueue_under_a_huge_tracestate_saves_the_span_without_it(
+    store: ControlStore, otel: Otel
+) -> None:
+    # A caller's headers fill tracestate (kilobytes, past what a claim reads back): it
+    # was saved in every item, and the claim then read no context at all.
+    from opentelemetry import context, propagate
+
+    incoming = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    state = ",".join(f"v{n}=" + "x" * 250 for n in range(32))  # W3C's most: 32, 256 chars
+    token = context.attach(propagate.extract({"traceparent": incoming, "tracestate": state}))
+    try:
+        item_id = await store.enqueue("alpha", {})
+    finally:
+        context.detach(token)
+    claim = await store.claim("w")
+    assert claim is not None and claim.item_id == item_id
+    assert claim.trace_context is not None and set(claim.trace_context) == {"traceparent"}
+    assert claim.trace_context["traceparent"].split("-")[1] == incoming.split("-")[1]
+
+
 async def test_the_items_gauge_says_zero_and_stops_with_its_loop(
     store: ControlStore, otel: Otel
 ) -> None:

@@ -148,7 +148,12 @@ def redact(url: str) -> str:
     )
     if (netloc, query) == (parts.netloc, parts.query):
         return url
-    return urllib.parse.urlunsplit(parts._replace(netloc=netloc, query=query))
+    # Written out, not urlunsplit: that drops the "//" of an empty host (a socket path
+    # given as ?host=), and the result would read as no URL at all.
+    return (
+        f"{parts.scheme}://{netloc}{parts.path}{'?' + query if query else ''}"
+        f"{'#' + parts.fragment if parts.fragment else ''}"
+    )
 
 
 def redact_urls(text: str) -> str:

@@ -347,7 +347,15 @@ def _current_context() -> str | None:
     # into every item.
     fields = otel.propagate.get_global_textmap().fields  # the propagators' own headers
     saved = {key: value for key, value in carrier.items() if key in fields and _kept(key)}
-    return json.dumps(saved, separators=(",", ":"), sort_keys=True) if saved else None
+    text = json.dumps(saved, separators=(",", ":"), sort_keys=True) if saved else None
+    if text is not None and len(text) > _MOST_CONTEXT_CHARS:
+        # A tracestate the caller's headers filled (it may be kilobytes): without it,
+        # rather than a context no claim would read (`saved_context`), saved in every item.
+        saved = {key: value for key, value in saved.items() if key != "tracestate"}
+        text = json.dumps(saved, separators=(",", ":"), sort_keys=True) if saved else None
+        if text is not None and len(text) > _MOST_CONTEXT_CHARS:
+            return None
+    return text
 
 
 def _kept(header: str) -> bool:

@@ -277,6 +277,11 @@ def main(argv: Sequence[str] | None = None, *, prog: str = "python -m asyncplane
     except _errors.StorageError as exc:  # the disk or the server failed under the probe
         print(f"{parser.prog}: the store failed: {exc}", file=sys.stderr)
         return 3
+    except _workers.WorkerDied as exc:  # (killed by the system, a crash at start-up)
+        print(f"{parser.prog}: FAILED: {exc}", file=sys.stderr)
+        if args.json:
+            print(json.dumps({"passed": False, "failures": [str(exc)]}))
+        return 1
     if isinstance(report, int):
         print(f"{parser.prog}: stopped by a signal; its workers were stopped", file=sys.stderr)
         return report

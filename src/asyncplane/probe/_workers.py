@@ -26,6 +26,11 @@ from asyncplane.probe._report import _PROJECT, ProbeReport
 # --- worker processes ----------------------------------------------------------------------
 
 
+class WorkerDied(_errors.AsyncplaneError):
+    """A probe worker ended before it could take part (killed by the system, say, or
+    crashed starting up): the run fails, saying which and how, with status 1."""
+
+
 class _Worker:
     """One worker process and what it has said."""
 
@@ -118,12 +123,12 @@ class _Worker:
     async def until(self, said: asyncio.Event, what: str) -> None:
         """Wait for ``said`` (its ready line, its claim). One that exits first fails the
         run: `StorageError` if its store failed under it (`_raise_on_store_failure`),
-        else RuntimeError."""
+        else `WorkerDied`."""
         if await self._said_or_exited(said):
             return
         code = await self.wait()
         _raise_on_store_failure([self])
-        raise RuntimeError(f"worker {self.name} exited {code} before it {what}: {self.tail()}")
+        raise WorkerDied(f"worker {self.name} exited {code} before it {what}: {self.tail()}")
 
     async def _said_or_exited(self, said: asyncio.Event) -> bool:
         """Wait for ``said`` or the process's exit, whichever comes first: whether it was
