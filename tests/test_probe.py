@@ -169,6 +169,17 @@ def test_a_corrupted_run_fails_and_names_the_count(
     assert any(failure.startswith(f"{count} is ") for failure in report["failures"])
 
 
+def test_an_item_done_by_no_worker_of_the_run_fails_it(location_of: Any) -> None:
+    # Every count was right, and the run passed, though the fleet never did that item.
+    code, report, _ = run_probe(
+        location_of, "--scenario", "concurrent-queue", "--workers", "2", "--items", "50",
+        "--fault", "ghost-finish",
+    )  # fmt: skip
+    assert code == 1
+    assert (report["duplicates"], report["lost"]) == (0, 0)
+    assert "done_by_no_worker is 1, must be 0" in report["failures"]
+
+
 def test_human_report_names_the_wrong_count(tmp_path: pathlib.Path) -> None:
     done = subprocess.run(
         [sys.executable, "-m", "asyncplane.probe", "--store", str(tmp_path / "p.db"),

@@ -23,9 +23,10 @@ __all__ = (
     "FAULTS", "drained", "drop_store", "inject_fault", "probe_items_coming", "schema_is_empty",
 )  # fmt: skip
 
-Fault = Literal["duplicate-finish", "delete-item"]
-#: The faults the probe's self-test can inject.
-FAULTS: Final = ("duplicate-finish", "delete-item")
+Fault = Literal["duplicate-finish", "delete-item", "ghost-finish"]
+#: The faults the probe's self-test can inject (``ghost-finish``, an item done by no worker
+#: of the run, through the store's own API: see `_probe_worker`).
+FAULTS: Final = ("duplicate-finish", "delete-item", "ghost-finish")
 
 # A second terminal event for the first done item: what a double report would leave. The
 # time is a parameter on SQLite and the server's clock on PostgreSQL.

@@ -30,9 +30,10 @@ Modes:
     Claim one item, say so, and hold it without renewing until told to report; then
     try to finish it and say whether the store accepted or fenced out the report.
 
-``--fault`` makes one worker misbehave through raw SQL, so that a test can show the probe
-failing with the right count named: ``duplicate-finish`` settles an item a second time,
-``delete-item`` deletes a queued item.
+``--fault`` makes one worker misbehave, so that a test can show the probe failing with
+the right count named: ``duplicate-finish`` settles an item a second time and
+``delete-item`` deletes a queued item (both through raw SQL), ``ghost-finish`` claims and
+finishes an item under another name before the run starts (an item no worker did).
 """
 
 from __future__ import annotations
@@ -163,6 +164,10 @@ async def _main(args: argparse.Namespace) -> int:
         await anyio.to_thread.run_sync(_nothing)  # anyio's thread machinery, warm too
         if args.fault == "delete-item":  # before anyone starts: the item is surely pending
             await _probe_support.inject_fault(args.store, args.fault)
+        if args.fault == "ghost-finish":  # done by something that is no worker of the run
+            ghost = await store.claim(owner="ghost")
+            if ghost is not None:
+                await store.finish(ghost.item_id, fence=ghost.fence, status="done")
         _say(_probe_protocol.Ready(args.name, _loops.running()))
         if not args.no_wait and not await anyio.to_thread.run_sync(sys.stdin.readline):
             print("the probe that started this worker is gone", file=sys.stderr)

@@ -21,6 +21,7 @@ from asyncplane.probe._report import _KILL_EVERY_SECONDS, ProbeReport
 from asyncplane.probe._workers import (
     _check,
     _expect_heard,
+    _expect_named,
     _go,
     _raise_on_store_failure,
     _seed,
@@ -58,6 +59,7 @@ async def _concurrent_queue(
     finally:
         await _stop(progress, out)
     await _check(report, store, ids, workers)
+    await _expect_named(report, store, ids, workers)
     done = args.items - report.lost
     report.items_per_s = done / report.seconds if report.seconds else 0.0
     _expect_heard(report, workers)

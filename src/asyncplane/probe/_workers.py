@@ -268,6 +268,18 @@ async def _check(
     report.expect("worker_crashes", report.worker_crashes, 0)
 
 
+async def _expect_named(
+    report: ProbeReport, store: _store.ControlStore, ids: list[int], workers: Sequence[_Worker]
+) -> None:
+    """Where nothing kills a worker, every item done was finished by one of them, as it
+    said: an item settled by no worker of the run (by something else that writes to the
+    store, or the store itself) is work the fleet never did."""
+    named = {item_id for worker in workers for item_id, _ in worker.finished}
+    backend = await _store.engine_of(store).ready()
+    done = set(await backend.item_ids("done"))
+    report.expect("done_by_no_worker", sum(1 for i in ids if i in done and i not in named), 0)
+
+
 def _expect_heard(report: ProbeReport, workers: Sequence[_Worker]) -> None:
     """Every finish a worker counted reached the probe: a worker that ended on its own
     says in its summary how many items it finished, and its lines must name each one
