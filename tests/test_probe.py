@@ -288,6 +288,22 @@ def test_a_server_that_cannot_be_reached_exits_3_and_shows_no_password(
     assert probe.main(["--store", url, "--scenario", "stall"]) == 3
     err = capsys.readouterr().err
     assert "the store failed" in err and "s3cret" not in err and "app:***@" in err
+    # A parameter the driver cannot use is the user's to mend (2), not a traceback.
+    for bad in ("sslmode=bogus", "target_session_attrs=zz"):
+        with pytest.raises(SystemExit) as usage:
+            probe.main(["--store", f"postgresql://app:s3cret@127.0.0.1:1/x?{bad}",
+                        "--scenario", "stall"])  # fmt: skip
+        assert usage.value.code == 2
+        err = capsys.readouterr().err
+        assert "the driver cannot use" in err and "s3cret" not in err, err
+
+
+def test_overwrite_names_what_is_not_a_store_file(tmp_path: pathlib.Path) -> None:
+    # A FIFO held the probe in open() for ever; an unreadable file ended in a traceback.
+    fifo = tmp_path / "pipe.db"
+    os.mkfifo(fifo)
+    code, _, err = run_probe(lambda _: str(fifo), "--scenario", "stall", "--overwrite")
+    assert code == 2 and "not a regular file" in err, err
 
 
 @pytest.mark.postgresql_only

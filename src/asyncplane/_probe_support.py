@@ -127,6 +127,10 @@ async def _on_server(url: str, fn: Callable[[Any], Awaitable[Any]]) -> Any:
         conn = await asyncpg.connect(url)
     except (OSError, asyncio.TimeoutError, asyncpg.PostgresError) as exc:
         raise _errors.StorageError(f"cannot connect to {_engine.redact(url)}: {exc}") from exc
+    except (asyncpg.InterfaceError, ValueError) as exc:  # a parameter the driver cannot use
+        raise _errors.InvalidInput(
+            f"the driver cannot use {_engine.redact(url)}: {_engine.redact_urls(str(exc))}"
+        ) from exc
     try:
         return await fn(conn)
     except asyncpg.PostgresError as exc:

@@ -159,9 +159,11 @@ def _prepare_path(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     if store.exists():
         if not args.overwrite:
             parser.error(f"{store} exists; the probe needs a fresh file (or --overwrite)")
+        if not store.is_file():  # a FIFO would hold the probe in open() for ever
+            parser.error(f"{store} is not a regular file: --overwrite deletes a store only")
         try:  # --overwrite deletes a store, never another file given by mistake
             _sqlite.vet_store_file(store)
-        except _errors.StorageError as exc:
+        except (_errors.StorageError, OSError) as exc:
             parser.error(
                 f"{store} is not an asyncplane store ({exc}): --overwrite deletes a store only"
             )
