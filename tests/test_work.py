@@ -1534,6 +1534,13 @@ HANDLERS = textwrap.dedent(
     async def yields(claim):
         yield Done()
 
+    async def stubborn(claim):
+        while True:
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                continue
+
     async def two_arguments(claim, extra):
         return Done()
 
@@ -1631,6 +1638,42 @@ async def test_a_second_signal_stops_the_worker_at_once_and_gives_claims_back(
         for item_id in ids:
             row = await store.item(item_id)
             assert (row["state"], row["attempts"]) == ("ready", 0)  # given back, unspent
+        assert await verify_ledger(store) == []
+
+
+@_COMMAND_TEST
+async def test_a_third_signal_ends_a_worker_whose_handler_ignores_its_cancellation(
+    store: ControlStore, location_of: Any, tmp_path: Any
+) -> None:
+    # A handler that swallows its cancellation (or a store that never answers) held the
+    # worker after a second signal for as long as it liked: a third ends the process.
+    del store
+    async with a_command_store(location_of, tmp_path, "stubborn.db") as (where, store):
+        (item_id,) = await store.enqueue_many("p", [{"n": 0}])
+        child = worker(where, tmp_path, "fleet_handlers:stubborn", "--log-format", "json")
+        assert child.stderr is not None
+
+        def said(words: str) -> None:
+            assert child.stderr is not None
+            for line in child.stderr:
+                if words in line:
+                    return
+            raise AssertionError(f"the worker ended before it said {words!r}")
+
+        await asyncio.to_thread(said, "starting")
+        deadline = time.monotonic() + 60
+        while (await store.counts())["claimed"] < 1:
+            assert time.monotonic() < deadline and child.poll() is None
+            await asyncio.sleep(0.05)
+        child.send_signal(signal.SIGTERM)
+        await asyncio.to_thread(said, "stopping")
+        child.send_signal(signal.SIGINT)  # the second: the handler ignores its cancel
+        child.send_signal(signal.SIGTERM)  # (may merge with the second: then the bound)
+        _, err = await asyncio.to_thread(child.communicate, timeout=60)
+        assert child.returncode == 1, err
+        assert "stopped without winding up" in err
+        row = await store.item(item_id)
+        assert row["state"] == "claimed"  # left to its lease, as after a SIGKILL
         assert await verify_ledger(store) == []
 
 

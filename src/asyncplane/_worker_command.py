@@ -210,8 +210,15 @@ async def _exit_as_value(call: Awaitable[Any]) -> Any:
         return _Exit(asked)
 
 
+#: Seconds the workers have to wind up after a second signal before the process exits.
+HARD_STOP_SECONDS = 10.0
+
+
 class _Signals:
-    """The first SIGTERM or SIGINT sets ``stop``; the second cancels the workers."""
+    """The first SIGTERM or SIGINT sets ``stop``; the second cancels the workers; a third,
+    or `HARD_STOP_SECONDS` after the second without the workers done (a handler that
+    ignores its cancellation, a store that does not answer), ends the process at once,
+    leaving what it still holds to the leases, as a supervisor's SIGKILL would."""
 
     def __init__(self, stop: asyncio.Event, workers: list[asyncio.Task[Any]]) -> None:
         self.stop, self.workers, self.count = stop, workers, 0
@@ -229,9 +236,23 @@ class _Signals:
         if self.count == 1:
             _log.info("stopping: finishing running items")
             self.stop.set()
-        else:
+        elif self.count == 2:
             for worker in self.workers:
                 worker.cancel()
+            self.loop.call_later(HARD_STOP_SECONDS, self.hard_stop)
+        else:
+            self.hard_stop()
+
+    def hard_stop(self) -> None:
+        """End the process now: what is still held is left to its lease (taken over once
+        it lapses, as after a crash); nothing committed is lost."""
+        _log.error(
+            "stopped without winding up (%s): items still held are left to their leases",
+            "a third signal" if self.count > 2 else f"not done {HARD_STOP_SECONDS:g} s "
+            "after the second signal",
+        )  # fmt: skip
+        logging.shutdown()  # the line above reaches its handler first
+        os._exit(1)
 
     def remove(self) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):
