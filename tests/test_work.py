@@ -1223,7 +1223,9 @@ async def test_a_project_unassigned_under_an_actors_worker_loses_only_its_items(
     assert await verify_ledger(store) == []
 
 
-async def test_an_exclusive_worker_runs_alone(store: ControlStore) -> None:
+async def test_an_exclusive_worker_runs_alone(
+    store: ControlStore, caplog: pytest.LogCaptureFixture
+) -> None:
     stop = asyncio.Event()
 
     async def handle(claim: ClaimedItem) -> Done:
@@ -1231,8 +1233,10 @@ async def test_an_exclusive_worker_runs_alone(store: ControlStore) -> None:
 
     first = asyncio.create_task(work(store, handle, exclusive=True, stop=stop))
     await until(lambda: running_tasks("asyncplane-wait-work-stop") > 0, what="it waits")
-    second = await work(store, handle, exclusive=True, until_empty=True)
+    with caplog.at_level(logging.WARNING, logger="asyncplane.worker"):
+        second = await work(store, handle, exclusive=True, until_empty=True)
     assert second.skipped
+    assert any("holds the single-runner guard" in r.getMessage() for r in caplog.records)
     shared = await work(store, handle, until_empty=True)  # not exclusive: runs beside it
     assert not shared.skipped
     stop.set()

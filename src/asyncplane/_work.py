@@ -220,6 +220,10 @@ async def work(
         if _validate.boolean(exclusive, "exclusive"):
             async with _store.engine_of(store).single_runner(lock) as guard:
                 if not guard:
+                    _log.warning(
+                        "asyncplane worker %s: another runner holds the single-runner "
+                        "guard (exclusive=True): it runs nothing", run.owner,
+                    )  # fmt: skip
                     run.summary.skipped = True
                     return run.summary
                 run.guard = guard
