@@ -1097,7 +1097,10 @@ def _copy_projects(op: _backend.CopyProjectsOp, db: sqlite3.Connection, now: flo
     db.executemany(sql.COPY_LIMITS, [row[:6] for row in plan.add.limits])
     db.executemany(sql.COPY_SCHEDULE, [tuple(row) for row in plan.add.schedules])
     db.executemany(sql.RECORD_SETTING, [(source, key, now) for key in plan.records])
-    db.executemany(sql.MOVE_COPIED_SCHEDULE, [(*moved, now) for moved in plan.moved])
+    db.executemany(
+        sql.MOVE_COPIED_SCHEDULE,
+        [(next_at, last_at, now, name) for name, next_at, last_at in plan.moved],
+    )
     return added
 
 

@@ -1185,7 +1185,7 @@ RECORD_SETTING: Final = (
 ANY_RECORD: Final = "SELECT 1 FROM imports WHERE source = ? LIMIT 1"
 # A schedule copied before moves on to the source's place (`_rules.copy_settings_plan`).
 MOVE_COPIED_SCHEDULE: Final = (
-    "UPDATE schedules SET next_at = ?2, last_at = ?3, updated_at = ?4 WHERE name = ?1"
+    "UPDATE schedules SET next_at = ?, last_at = ?, updated_at = ? WHERE name = ?"
 )
 ITEM_EXISTS: Final = "SELECT 1 FROM items WHERE item_id = ?"
 # What a copy compares of an item it copied before with the source's (`_rules.copied_here`).
