@@ -567,6 +567,44 @@ async def test_a_row_swapped_in_while_it_is_imported_keeps_the_source_table(
     conn.close()
 
 
+async def test_a_rerun_says_when_a_row_it_passes_over_may_be_another(
+    store: ControlStore, tmp_path: pathlib.Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Without a drop nothing is lost (the row stays in the source), but the import said
+    # nothing: the new row, given a taken row's rowid, was passed over as imported.
+    source = source_table(
+        tmp_path / "again.sqlite3", "CREATE TABLE jobs (payload TEXT)",
+        "INSERT INTO jobs VALUES (?)", [(json.dumps({"n": n}),) for n in range(3)],
+    )  # fmt: skip
+    columns = {"payload": "payload"}
+    await store.import_pending(source, table="jobs", columns=columns, project_id="alpha")
+    conn = sqlite3.connect(source)
+    conn.execute("DELETE FROM jobs WHERE rowid = 3")
+    conn.execute('INSERT INTO jobs VALUES (\'{"n": "new"}\')')  # rowid 3 again
+    conn.commit()
+    conn.close()
+    with caplog.at_level(logging.WARNING, logger="asyncplane.import"):
+        again = await store.import_pending(
+            source, table="jobs", columns=columns, project_id="alpha"
+        )
+    assert (again.imported, again.already_imported) == (0, 3)
+    assert any("may be among them" in r.getMessage() for r in caplog.records)
+
+
+async def test_a_column_of_numbers_matches_plain_decimals_only(
+    store: ControlStore, tmp_path: pathlib.Path
+) -> None:
+    source = source_table(
+        tmp_path / "states.sqlite3", "CREATE TABLE q (d TEXT, s INTEGER)",
+        "INSERT INTO q VALUES (?, ?)", [("{}", 10), ("{}", 1), ("{}", 1000)],
+    )  # fmt: skip
+    done = await store.import_pending(
+        source, table="q", columns={"payload": "d", "state": "s"}, project_id="alpha",
+        pending=["1_0", "+1", "1e3"],
+    )  # fmt: skip
+    assert (done.imported, done.not_pending) == (1, 2)  # "+1" only: 1_0 and 1e3 are not
+
+
 async def test_a_second_run_drops_a_table_whose_keys_are_never_given_again(
     store: ControlStore, tmp_path: pathlib.Path
 ) -> None:

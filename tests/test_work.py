@@ -16,7 +16,7 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import pytest
@@ -821,11 +821,51 @@ async def test_a_worker_rides_out_a_store_that_fails_for_a_moment(
         with pytest.raises(StorageError, match="the server restarts"):
             await work(store, done, until_empty=True)
         return
+    stop = asyncio.Event()
     with caplog.at_level(logging.WARNING, logger="asyncplane.worker"):
-        summary = await work(store, done, until_empty=True)
-    assert summary.done == 3
-    said = " ".join(r.getMessage() for r in caplog.records)
-    assert "the store failed" in said and "answers again" in said
+        worker = asyncio.create_task(work(store, done, stop=stop))
+        await until(lambda: store_counts_done(caplog) >= 1, what="the first outage ends")
+        left[0] = 2  # a second outage, later: ridden out as the first (its own window)
+        await store.enqueue("alpha", {"n": 3})
+        await until(lambda: store_counts_done(caplog) >= 2, what="the second outage ends")
+        await until(_all_done(store, 4), what="every item ran")
+        stop.set()
+        summary = await worker
+    assert summary.done == 4
+    said = [r.getMessage() for r in caplog.records]
+    assert sum("the store failed" in line for line in said) == 2, said
+
+
+def store_counts_done(caplog: pytest.LogCaptureFixture) -> int:
+    """How many times a worker said the store answers again."""
+    return sum("answers again" in r.getMessage() for r in caplog.records)
+
+
+def _all_done(store: ControlStore, count: int) -> Callable[[], Awaitable[bool]]:
+    async def check() -> bool:
+        return (await store.counts())["done"] == count
+
+    return check
+
+
+async def test_a_store_closed_during_an_outage_stops_the_worker_and_stays_closed(
+    store: ControlStore, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The ride-out reopened the closed store, or kept the worker going for its whole window.
+    async def failing(*args: Any, **kwargs: Any) -> Any:
+        raise StorageError("cannot connect: the server restarts")
+
+    monkeypatch.setattr(store, "claim_batch", failing)
+    with caplog.at_level(logging.WARNING, logger="asyncplane.worker"):
+        worker = asyncio.create_task(work(store, done))
+        await until(
+            lambda: any("the store failed" in r.getMessage() for r in caplog.records),
+            what="the outage begins",
+        )
+        await store.close()
+        summary = await asyncio.wait_for(worker, 30)
+    assert summary.claimed == 0
+    assert not engine_of(store).is_open  # not opened again by the worker
 
 
 async def test_a_settle_the_store_fails_under_once_is_tried_again(

@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import os
 import pathlib
+import re
 import sqlite3
 import threading
 from collections.abc import Awaitable, Callable, Collection, Mapping
@@ -33,6 +35,8 @@ import anyio.to_thread
 from asyncplane import _backend, _connection, _engine, _errors, _models, _rules, _validate
 
 __all__ = ("FIELDS", "ImportSummary", "import_pending")
+
+_log = logging.getLogger("asyncplane.import")
 
 #: The store fields a source column may fill. "payload" is required; "key" orders and
 #: identifies source rows (default: SQLite's rowid); "state" with ``pending`` says which
@@ -106,12 +110,12 @@ async def import_pending(
     # written to the file since.
     watch = await anyio.to_thread.run_sync(_Watch, source) if drop_source else None
     try:
-        if watch is not None:
-            watch.reused_keys = await anyio.to_thread.run_sync(_keys_reused, source, table, mapping)
         await anyio.to_thread.run_sync(_check_source, source, table, mapping)
+        reused = await anyio.to_thread.run_sync(_keys_reused, source, table, mapping)
         return await _import(
-            engine, freeing, source, table, mapping, project, pending, watch, chunk, progress
-        )
+            engine, freeing, source, table, mapping, project, pending, watch, reused, chunk,
+            progress,
+        )  # fmt: skip
     finally:
         if watch is not None:
             watch.close()  # (the drop closes it on its own thread: nothing else uses it)
@@ -120,7 +124,7 @@ async def import_pending(
 async def _import(
     engine: _engine.Engine, freeing: Freeing, source: pathlib.Path, table: str,
     mapping: dict[str, str], project: str | None, pending: Collection[Any] | None,
-    watch: _Watch | None, chunk: int, progress: Callable[[int], None] | None,
+    watch: _Watch | None, reused: bool, chunk: int, progress: Callable[[int], None] | None,
 ) -> ImportSummary:  # fmt: skip
     name = f"{source}::{table}"
     backend = await engine.ready()
@@ -164,8 +168,14 @@ async def _import(
             progress(imported + skipped + left)
         if len(rows) < chunk:
             break
+    if skipped and reused and watch is None:
+        _log.warning(
+            "%d row(s) of %s were passed over as imported before, by rowids SQLite may have "
+            "given again to new rows (no AUTOINCREMENT): a row written since one was taken "
+            "may be among them, not imported; map a key that is never reused", skipped, name,
+        )  # fmt: skip
     if watch is not None:
-        if skipped and watch.reused_keys:
+        if skipped and reused:
             raise _errors.InvalidInput(
                 f"{skipped} row(s) of {table} were passed over as imported before, by keys "
                 "SQLite may have given again to new rows (a rowid, without AUTOINCREMENT: a "
@@ -371,13 +381,14 @@ def _is_pending(state: Any, pending: Any, pending_as_text: set[str] | None) -> b
 
 
 def _reads_as(text: str, number: float) -> bool:
-    """Whether ``text`` is a number equal to ``number`` ("1", "+1", "1.0", "01")."""
-    for kind in (int, float):
-        try:
-            return bool(kind(text) == number)
-        except ValueError:
-            continue
-    return False
+    """Whether ``text`` is a plain decimal equal to ``number`` ("1", "+1", "1.0", "01"; not
+    "1_0", " 1 " or "1e3", which Python's int() and float() would read too)."""
+    if _PLAIN_DECIMAL.fullmatch(text) is None:
+        return False
+    return float(text) == number
+
+
+_PLAIN_DECIMAL = re.compile(r"[+-]?(?:\d+(?:\.\d*)?|\.\d+)")
 
 
 class _Watch:
@@ -393,8 +404,6 @@ class _Watch:
     never closes it under a drop still running on its thread."""
 
     def __init__(self, source: pathlib.Path) -> None:
-        #: Whether the key is one SQLite gives again to a new row (see `_keys_reused`).
-        self.reused_keys = False
         self._conn = _connect(source, write=True, any_thread=True)
         self._lock = threading.Lock()  # the drop, or the close: never both at once
         self._closed = False

@@ -16,7 +16,7 @@ the settled item gone), and at ``concurrency=1`` an item costs one write round, 
 On PostgreSQL, where a settle or a claim alone is one statement that commits by itself,
 the claim is asked for once the settle is done. Either way the claim commits with the
 settle or after it (unless the settle fails inside the round: the rest commit without
-it, and the worker stops on the failure).
+it, and the settle is tried again).
 
 The rules it keeps:
 
@@ -27,8 +27,14 @@ The rules it keeps:
   for the whole run (`_keep_leases`): the leases due within the next sixth of a lease
   are renewed together, in one write round. A renewal refused because the item was
   taken over or cancelled (`ItemCancelled`) cancels that item's handler; its late
-  outcome is never reported, only counted. A renewer that fails (the store) or is
-  cancelled by someone else stops the worker, as a failed settle does.
+  outcome is never reported, only counted. A renewal the store fails under is tried again
+  while the lease has time; an item whose lease is about to end unrenewed has its handler
+  cancelled and is left to the lease (``unsaved``). A renewer cancelled by someone else
+  stops the worker.
+* **A store that fails for a moment** (a server restarting) is ridden out: the claim loop
+  looks again after growing pauses for up to `OUTAGE_SECONDS`, then raises the failure;
+  a settle or a give-back is tried again for a few seconds, then its item is left to its
+  lease (logged, counted ``unsaved``) and the worker goes on.
 * **Time limits.** Past ``timeout`` seconds an item's task is cancelled and the item is
   retried with ``timed out after N s`` (it spends an attempt; a spent budget fails it).
 * **A handler's exception** retries the item with the exception's type and message as
@@ -42,7 +48,7 @@ The rules it keeps:
   cancelled and their claims given back at once (`ControlStore.release`: ready again,
   the attempt refunded), so another worker takes them now rather than after the lease.
   A cancelled work() does the same without the grace, then re-raises. Nothing claimed
-  is ever left to its lease by a stop.
+  is left to its lease by a stop, unless the store fails under its give-back.
 * **Many workers.** By default (``exclusive=False``) any number of workers run side by
   side, in any number of processes and hosts: claims are atomic. ``exclusive=True``
   takes the single-drainer guard, as drain() does, and returns at once (``skipped``) if
@@ -181,9 +187,12 @@ async def work(
         ``exclusive`` and another runner held the guard.
 
     Raises:
-        DrainError: The store failed under a renewal or a settlement, or the lease
-            renewer was cancelled by someone else (the error is the cause); the running
-            items were given back first where the store allowed.
+        StorageError: The store failed every try of the claim loop for `OUTAGE_SECONDS`
+            (a server gone for good); the running items were given back first where the
+            store allowed.
+        DrainError: The single-runner guard was lost, or the lease renewer was cancelled
+            by someone else (the error is the cause); the running items were given back
+            first where the store allowed.
     """
     _engine.require_asyncio()
     started = time.monotonic()
@@ -296,6 +305,8 @@ class _Worker:
         self.next_housekeeping = 0.0
         self.closes = self.engine.closes  # the store closed since: stop
         self.past_due = _wakeups.PastDue()  # this worker's, as it waits for work
+        #: The store has failed every try of the claim loop since (None: it answers).
+        self.outage: _Outage | None = None
 
     def interrupted(self) -> bool:
         """Whether the claim loop must make no new claim: a stop, a failure (the
@@ -402,24 +413,26 @@ class _Worker:
             # close refused took nothing): the worker stops, as at a stop.
 
     async def _claiming(self) -> None:
-        outage: _Outage | None = None  # the store has failed every try since
-        while not self.stop.is_set() and self.failure is None:
+        while not self.interrupted():
             try:
-                await self._claiming_until_a_failure(outage is not None)
+                await self._claiming_until_a_failure()
                 return
             except _errors.StorageError as exc:
                 if lasting(exc) and not isinstance(exc, _errors.DatabaseLocked):
                     raise  # (not a store of asyncplane's, or of another version)
-                outage = outage or _Outage(self.owner, exc)
-                if outage.over():
+                self.outage = self.outage or _Outage(self.owner, exc)
+                if self.outage.over():
                     raise
-                await outage.pause(self.wake)
+                await self.outage.pause(self.wake, self.interrupted)
 
-    async def _claiming_until_a_failure(self, after_an_outage: bool) -> None:
-        busy = False  # the last claim took something: more is likely waiting
-        if after_an_outage:
-            await self.engine.data_version()  # raises while the store still fails
+    def _answered(self) -> None:
+        """A claim, or a wait for work, went through: an outage, if one ran, is over."""
+        if self.outage is not None:
+            self.outage = None
             _log.warning("asyncplane worker %s: the store answers again", self.owner)
+
+    async def _claiming_until_a_failure(self) -> None:
+        busy = False  # the last claim took something: more is likely waiting
         while not self.stop.is_set() and self.failure is None:
             if self.store_closed():
                 return  # the store was closed under the worker: it stops, as at a stop
@@ -443,6 +456,7 @@ class _Worker:
                 # round again, through the checks above: a stop, a failure or a close of
                 # the store may have come while this claim was out.
                 busy = bool(await self._claim(free))
+                self._answered()
                 continue
             local = self.engine.watch()
             try:
@@ -451,6 +465,7 @@ class _Worker:
                     continue  # a stop (a signal's), a failure or a close during the read
                 self.wake.clear()
                 busy = bool(await self._claim(free))
+                self._answered()
                 if busy:
                     continue
                 if self.until_empty and not self.running:
@@ -631,7 +646,7 @@ class _Worker:
             count_lost(refusal, self.summary)
             return
         except _errors.StorageError as exc:
-            self._unsaved(claim, "its give-back", exc)
+            self._unsaved(claim, "give-back", exc)
             return
         self.summary.released += 1
 
@@ -685,7 +700,7 @@ class _Worker:
             if not count_lost(exc, self.summary):
                 if not isinstance(exc, _errors.StorageError):
                     raise
-                self._unsaved(claim, f"its outcome ({type(outcome).__name__})", exc)
+                self._unsaved(claim, f"outcome ({type(outcome).__name__})", exc)
         else:
             _log.debug(
                 "settled item %d: %s", claim.item_id, type(outcome).__name__,
@@ -734,10 +749,12 @@ class _Worker:
         tried again a moment later, until the lease is about to end: then the item is
         given up here, its handler cancelled, since another worker may take it over."""
         claim = held.claim
+        margin = self.third / 4  # given up this long before the lease ends, at least
         try:
             expires = await _tasks.within(
                 self.store.renew(claim.item_id, fence=claim.fence, actor_id=self.actor_id),
-                self.third / 2, "asyncplane-work-renew-one",
+                max(0.0, min(self.third / 2, held.expires - self.store.clock.now() - margin)),
+                "asyncplane-work-renew-one",
             )  # fmt: skip
         except LOST as refusal:
             if self.held.get(held.key) is not held:
@@ -750,7 +767,8 @@ class _Worker:
             if self.held.get(held.key) is not held:
                 return
             now, again = self.store.clock.now(), min(1.0, self.third / 4)
-            if now + again + self.third / 2 < held.expires:
+            # (A handler that has returned is left to its settle, which is tried and tells.)
+            if held.handler.done() or now + again + self.third / 2 + margin < held.expires:
                 held.renew_at = now + again  # the lease still has time: again soon
                 return
             del self.held[held.key]
@@ -817,11 +835,14 @@ class _Outage:
         """Whether the store has failed for longer than the worker waits."""
         return time.monotonic() - self.began > OUTAGE_SECONDS
 
-    async def pause(self, wake: asyncio.Event) -> None:
-        """The next pause, cut short by ``wake`` (a stop, a close)."""
+    async def pause(self, wake: asyncio.Event, interrupted: Callable[[], bool]) -> None:
+        """The next pause, cut short by ``wake`` (a stop, a close); none when one came
+        while the failing call was out (``interrupted``)."""
         pause = _OUTAGE_PAUSES[min(self.tries, len(_OUTAGE_PAUSES) - 1)]
         self.tries += 1
         wake.clear()
+        if interrupted():
+            return
         with contextlib.suppress(asyncio.TimeoutError):
             await _tasks.within(wake.wait(), pause, "asyncplane-work-outage")
 
