@@ -500,6 +500,7 @@ class _Worker:
         if self.handling() < self.concurrency or self.stop.is_set() or self.store_closed():
             return
         self.summary.scheduled += await self.engine.maybe_run_schedules(self.closes)
+        self._answered()
         if self.wake.is_set():
             return  # a slot freed, or a stop came, while the schedules ran
         self.waiting_for_slot = True
@@ -657,7 +658,7 @@ class _Worker:
         itself, and stops if it lasts)."""
         self.summary.unsaved += 1
         _log.error(
-            "asyncplane worker %s: the store failed under item %d's %s (%s): it stays "
+            "asyncplane worker %s: item %d's %s did not reach the store (%s): it stays "
             "claimed until its lease lapses, then runs again", self.owner, claim.item_id,
             what, short_error(failure), extra=log_fields(claim),
         )  # fmt: skip
@@ -702,6 +703,7 @@ class _Worker:
                     raise
                 self._unsaved(claim, f"outcome ({type(outcome).__name__})", exc)
         else:
+            self._answered()  # (the store answers: an outage of the claim loop is over)
             _log.debug(
                 "settled item %d: %s", claim.item_id, type(outcome).__name__,
                 extra=log_fields(claim),
@@ -750,10 +752,13 @@ class _Worker:
         given up here, its handler cancelled, since another worker may take it over."""
         claim = held.claim
         margin = self.third / 4  # given up this long before the lease ends, at least
+        left = held.expires - self.store.clock.now()
         try:
+            # Bounded so that a try that hangs ends before the lease does, but always a
+            # real try (a loop held up may come late: the store may renew all the same).
             expires = await _tasks.within(
                 self.store.renew(claim.item_id, fence=claim.fence, actor_id=self.actor_id),
-                max(0.0, min(self.third / 2, held.expires - self.store.clock.now() - margin)),
+                min(self.third / 2, max(left - margin, left / 2, 0.05)),
                 "asyncplane-work-renew-one",
             )  # fmt: skip
         except LOST as refusal:

@@ -248,8 +248,8 @@ class _Signals:
         it lapses, as after a crash); nothing committed is lost."""
         _log.error(
             "stopped without winding up (%s): items still held are left to their leases",
-            "a third signal" if self.count > 2 else f"not done {HARD_STOP_SECONDS:g} s "
-            "after the second signal",
+            "a third signal" if self.count > 2 else f"not wound up, the store closed "
+            f"included, {HARD_STOP_SECONDS:g} s after the second signal",
         )  # fmt: skip
         logging.shutdown()  # the line above reaches its handler first
         os._exit(1)
