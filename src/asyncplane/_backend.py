@@ -1,7 +1,7 @@
 """The backend seam: the operations a storage engine must provide, with typed parameters.
 
-Parameters and rows are NamedTuples: immutable, typed, and cheap to build on the hot path
-(a claim builds one of each).
+Parameters and rows are NamedTuples (`asyncplane._record.Record`, made cheaply at import):
+immutable, typed, and cheap to build on the hot path (a claim builds one of each).
 
 `ControlStore` validates arguments, then calls exactly one operation here per public call.
 A backend owns its SQL, its connections, its migrations and its notion of "now" (the
@@ -18,17 +18,16 @@ Rules every backend keeps, because the store's guarantees rest on them:
   "absent" and "not yours" produce the same ScopeDenied message.
 """
 
-# No ``from __future__ import annotations`` here, unlike the other modules: with it,
-# typing.NamedTuple compiles every field's annotation string into a ForwardRef at import,
-# about a third of this module's import time. So a class comes after those it names.
+from __future__ import annotations
 
 import asyncio
 import contextlib
 import functools
 from collections.abc import Callable, Sequence
-from typing import Any, Final, NamedTuple, Protocol
+from typing import Any, Final, Protocol
 
 from asyncplane import _clock, _errors, _lock, _models, _schedule, _telemetry, _write_queue
+from asyncplane._record import Record
 
 __all__ = (
     "FREEING",
@@ -89,7 +88,7 @@ __all__ = (
 ChangeHook = Callable[[], None]
 
 
-class NewProject(NamedTuple):
+class NewProject(Record):
     """Parameters of create_project."""
 
     project_id: str
@@ -97,7 +96,7 @@ class NewProject(NamedTuple):
     status: str
 
 
-class NewItem(NamedTuple):
+class NewItem(Record):
     """One item to enqueue, its payload already validated compact JSON."""
 
     payload_json: str
@@ -112,7 +111,7 @@ class NewItem(NamedTuple):
     trace_context: str | None = None
 
 
-class EnqueueOp(NamedTuple):
+class EnqueueOp(Record):
     """Parameters of enqueue and enqueue_many: all items in one transaction."""
 
     project_id: str
@@ -120,7 +119,7 @@ class EnqueueOp(NamedTuple):
     actor_id: str | None
 
 
-class ClaimOp(NamedTuple):
+class ClaimOp(Record):
     """Parameters of claim and claim_batch: up to ``limit`` items for ``owner``."""
 
     owner: str
@@ -130,7 +129,7 @@ class ClaimOp(NamedTuple):
     project_id: str | None
 
 
-class RenewOp(NamedTuple):
+class RenewOp(Record):
     """Parameters of renew."""
 
     item_id: int
@@ -139,7 +138,7 @@ class RenewOp(NamedTuple):
     actor_id: str | None
 
 
-class FinishOp(NamedTuple):
+class FinishOp(Record):
     """Parameters of finish: done with a result, or failed with an error."""
 
     item_id: int
@@ -150,7 +149,7 @@ class FinishOp(NamedTuple):
     error: str | None
 
 
-class RetryOp(NamedTuple):
+class RetryOp(Record):
     """Parameters of retry. Without ``delay``, the backoff is
     ``min(backoff_max, backoff_base * 2 ** (attempts - 1) * (0.5 + jitter))``."""
 
@@ -164,7 +163,7 @@ class RetryOp(NamedTuple):
     jitter: float
 
 
-class ParkOp(NamedTuple):
+class ParkOp(Record):
     """Parameters of park: deferred for ``delay`` seconds, the attempt given back."""
 
     item_id: int
@@ -173,7 +172,7 @@ class ParkOp(NamedTuple):
     delay: float
 
 
-class ReleaseOp(NamedTuple):
+class ReleaseOp(Record):
     """Parameters of release: a current claim given back, ready again, its attempt too."""
 
     item_id: int
@@ -181,7 +180,7 @@ class ReleaseOp(NamedTuple):
     actor_id: str | None
 
 
-class OffloadOp(NamedTuple):
+class OffloadOp(Record):
     """Parameters of offload: handed to the external batch ``handle``."""
 
     item_id: int
@@ -190,7 +189,7 @@ class OffloadOp(NamedTuple):
     handle: str
 
 
-class PreflightOp(NamedTuple):
+class PreflightOp(Record):
     """Parameters of a preflight dedup step: how much, and within which scope."""
 
     chunk: int
@@ -198,7 +197,7 @@ class PreflightOp(NamedTuple):
     actor_id: str | None
 
 
-class Backfill(NamedTuple):
+class Backfill(Record):
     """What the fingerprint backfill's look found: the fingerprints to write, as
     ``(fingerprint, item_id)``, where its next look starts, and how many items it saw."""
 
@@ -207,7 +206,7 @@ class Backfill(NamedTuple):
     seen: int
 
 
-class ItemFilter(NamedTuple):
+class ItemFilter(Record):
     """Which items a listing, or a filter-wide cancel or requeue, takes (None: any)."""
 
     project_id: str | None
@@ -222,7 +221,7 @@ class ItemFilter(NamedTuple):
     actor_id: str | None
 
 
-class ListOp(NamedTuple):
+class ListOp(Record):
     """A page of items: newest (or oldest) first, after a keyset bound."""
 
     where: ItemFilter
@@ -232,7 +231,7 @@ class ListOp(NamedTuple):
     include_payload: bool
 
 
-class CancelOp(NamedTuple):
+class CancelOp(Record):
     """Cancel one item (see `asyncplane._rules.cancel_plan`), if it is in one of
     ``expected`` (empty: whatever its state) and at ``expected_fence`` (None: any)."""
 
@@ -243,7 +242,7 @@ class CancelOp(NamedTuple):
     expected_fence: int | None = None
 
 
-class RequeueOp(NamedTuple):
+class RequeueOp(Record):
     """Take one failed or cancelled item back to ready, if it is in one of ``expected``
     (empty: either) and at ``expected_fence`` (None: any)."""
 
@@ -253,28 +252,28 @@ class RequeueOp(NamedTuple):
     expected_fence: int | None = None
 
 
-class ProjectStatusOp(NamedTuple):
+class ProjectStatusOp(Record):
     """Change a project's status (``"open"``, ``"paused"``, ``"closed"``)."""
 
     project_id: str
     status: str
 
 
-class AssignOp(NamedTuple):
+class AssignOp(Record):
     """Give an actor a project (idempotent)."""
 
     project_id: str
     actor_id: str
 
 
-class PauseScheduleOp(NamedTuple):
+class PauseScheduleOp(Record):
     """Pause a schedule, or resume it (``paused`` False)."""
 
     name: str
     paused: bool
 
 
-class WhereOp(NamedTuple):
+class WhereOp(Record):
     """One chunk of a filter-wide cancel or requeue: the items of ``where`` after
     ``after`` in id order, at most ``chunk`` of them, in one transaction."""
 
@@ -296,14 +295,14 @@ class CancelWhereOp(WhereOp):
 SETTLES = (FinishOp, RetryOp, ParkOp, ReleaseOp, OffloadOp, CancelOp, CancelWhereOp)
 
 
-class LimitsOp(NamedTuple):
+class LimitsOp(Record):
     """Parameters of set_limits: the limits to change (None clears one), the rest kept."""
 
     project_id: str
     changes: tuple[tuple[str, int | float | None], ...]
 
 
-class LimitsRow(NamedTuple):
+class LimitsRow(Record):
     """A project's limits as stored, with how many of its items are claimed now."""
 
     project_id: str
@@ -315,7 +314,7 @@ class LimitsRow(NamedTuple):
     running: int = 0
 
 
-class ScheduleOp(NamedTuple):
+class ScheduleOp(Record):
     """Parameters of set_schedule: what each tick enqueues, and when ticks fall."""
 
     name: str
@@ -325,7 +324,7 @@ class ScheduleOp(NamedTuple):
     catch_up: str
 
 
-class RunSchedulesOp(NamedTuple):
+class RunSchedulesOp(Record):
     """Parameters of one transaction of run_schedules: how many due schedules it takes,
     and whether cron ones among them (`asyncplane._schedule.crons_here`)."""
 
@@ -333,7 +332,7 @@ class RunSchedulesOp(NamedTuple):
     crons: bool
 
 
-class ScheduleRow(NamedTuple):
+class ScheduleRow(Record):
     """A schedule as stored (``next_at``: its first tick not enqueued yet)."""
 
     name: str
@@ -367,7 +366,7 @@ class ScheduleRow(NamedTuple):
         )  # fmt: skip
 
 
-class TickRow(NamedTuple):
+class TickRow(Record):
     """One tick enqueued: when it fell, its item, when it was enqueued."""
 
     name: str
@@ -376,7 +375,7 @@ class TickRow(NamedTuple):
     at: float
 
 
-class ImportOp(NamedTuple):
+class ImportOp(Record):
     """Parameters of one chunk of an import: items keyed by their source row."""
 
     source: str
@@ -399,7 +398,7 @@ FREEING = (
 _TOLD = (*SETTLES, EnqueueOp, *FREEING)
 
 
-class StoreStats(NamedTuple):
+class StoreStats(Record):
     """What the database says about itself (the store adds file sizes)."""
 
     states_by_project: tuple[tuple[str, str, int], ...]
@@ -408,7 +407,7 @@ class StoreStats(NamedTuple):
     schema_version: int
 
 
-class ProjectRow(NamedTuple):
+class ProjectRow(Record):
     """A project as stored."""
 
     project_id: str
@@ -417,7 +416,7 @@ class ProjectRow(NamedTuple):
     created_at: float
 
 
-class ClaimRow(NamedTuple):
+class ClaimRow(Record):
     """One item handed out by a claim, as the backend recorded it."""
 
     item_id: int
@@ -440,7 +439,7 @@ class ClaimRow(NamedTuple):
     taken_over: bool = False
 
 
-class ItemRow(NamedTuple):
+class ItemRow(Record):
     """An item's current row."""
 
     item_id: int
@@ -471,7 +470,7 @@ class ItemRow(NamedTuple):
     trace_context: str | None = None
 
 
-class AssignmentRow(NamedTuple):
+class AssignmentRow(Record):
     """One actor's assignment to one project."""
 
     actor_id: str
@@ -479,7 +478,7 @@ class AssignmentRow(NamedTuple):
     assigned_at: float
 
 
-class EventRow(NamedTuple):
+class EventRow(Record):
     """One ledger event."""
 
     event_id: int
@@ -492,7 +491,7 @@ class EventRow(NamedTuple):
     detail_json: str | None
 
 
-class CopyOp(NamedTuple):
+class CopyOp(Record):
     """One chunk of a copy from another store: items with their whole histories, keyed by
     their id in the source (which they keep)."""
 
@@ -500,7 +499,7 @@ class CopyOp(NamedTuple):
     items: tuple[tuple[ItemRow, tuple[EventRow, ...]], ...]
 
 
-class ImportRecord(NamedTuple):
+class ImportRecord(Record):
     """One row an import brought in, as the store remembers it (so that an import run
     again skips it): a copy carries these over with the items."""
 
@@ -510,7 +509,7 @@ class ImportRecord(NamedTuple):
     imported_at: float
 
 
-class CopyProjectsOp(NamedTuple):
+class CopyProjectsOp(Record):
     """The projects, assignments, limits and schedules of another store, to add where not
     here yet (a schedule keeps its place: its next tick, its last), each once from one
     source (`asyncplane._rules.copy_settings_plan`)."""
@@ -526,7 +525,7 @@ class CopyProjectsOp(NamedTuple):
 PURGE_START: Final = (float("-inf"), 0)
 
 
-class Archived(NamedTuple):
+class Archived(Record):
     """A settled item as a purge archived it: deleted only if it still stands so (a
     requeue and a new settle since move its fence and its last change)."""
 
@@ -535,7 +534,7 @@ class Archived(NamedTuple):
     updated_at: float
 
 
-class ExportOp(NamedTuple):
+class ExportOp(Record):
     """One page of an export: items after an id, in id order."""
 
     after_item_id: int
@@ -547,7 +546,7 @@ class ExportOp(NamedTuple):
 Histories = list[tuple[ItemRow, list[EventRow]]]
 
 
-class LedgerTally(NamedTuple):
+class LedgerTally(Record):
     """Whole-store totals of the ledger, for checking a run's counts (the probe)."""
 
     items: int
@@ -560,7 +559,7 @@ class LedgerTally(NamedTuple):
     unexplained_claims: list[int]
 
 
-class Sizing(NamedTuple):
+class Sizing(Record):
     """What every backend is sized by: requests per write round, read connections, and
     whether it may write at all."""
 

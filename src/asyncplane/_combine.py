@@ -75,9 +75,10 @@ import stat
 import struct
 import sys
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from asyncplane import _errors, _write_lock, _write_queue
+from asyncplane._record import Record
 
 if TYPE_CHECKING:
     from asyncplane._write_lock import WriteLock
@@ -145,7 +146,7 @@ _STORES_IN_ORDER = platform.machine() in ("x86_64", "AMD64", "i686")
 _Wire = tuple[str, tuple[Any, ...], tuple[Any, ...], int]
 
 
-class Taken(NamedTuple):
+class Taken(Record):
     """Another process's posted round, taken into this holder's round."""
 
     slot: int

@@ -32,7 +32,7 @@ import os
 import socket
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import TYPE_CHECKING, Any, Literal, NamedTuple
+from typing import TYPE_CHECKING, Any, Literal
 
 from asyncplane import (
     _backend,
@@ -49,6 +49,7 @@ from asyncplane import (
     _validate,
     _write_queue,
 )
+from asyncplane._record import Record
 
 if TYPE_CHECKING:
     import pathlib
@@ -163,7 +164,7 @@ def redact_urls(text: str) -> str:
     return re.sub(_URL_IN_TEXT, lambda found: redact(found.group()), text)
 
 
-class Options(NamedTuple):
+class Options(Record):
     """A store's settings, checked already, as the engine and its backend need them.
 
     A NamedTuple rather than a frozen dataclass: as immutable, and about 2 ms less to

@@ -84,14 +84,17 @@ class _ArchiveFull(Exception):
     was written)."""
 
 
-@dataclasses.dataclass
 class _Rotation:
-    """One purge's record of the archive's rotations, kept by its locked sections."""
+    """One purge's record of the archive's rotations, kept by its locked sections. (A
+    plain class: a dataclass compiles its methods as `import asyncplane` makes it.)"""
 
-    #: When the purge began, as the archive's file system stamps times (None: not yet).
-    began: float | None = None
-    #: Whether this purge has rotated the archive.
-    rotated: bool = False
+    __slots__ = ("began", "rotated")
+
+    def __init__(self) -> None:
+        #: When the purge began, as the archive's file system stamps times (None: not yet).
+        self.began: float | None = None
+        #: Whether this purge has rotated the archive.
+        self.rotated = False
 
 
 def default_archive_path(database: pathlib.Path) -> pathlib.Path:

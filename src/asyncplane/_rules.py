@@ -52,9 +52,10 @@ import heapq
 import json
 import math
 from collections.abc import Container, Iterable, Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 from asyncplane import _backend, _errors, _models, _schedule
+from asyncplane._record import Record
 
 __all__ = (
     "CANCELLABLE",
@@ -365,7 +366,7 @@ def refuse_unreadable_schema(version: int, known: int, where: str) -> None:
 # --- events --------------------------------------------------------------------------------
 
 
-class Event(NamedTuple):
+class Event(Record):
     """One ledger event to write, in the column order of both dialects' events table."""
 
     item_id: int
@@ -401,7 +402,7 @@ def event(
 # --- enqueue -------------------------------------------------------------------------------
 
 
-class NewRow(NamedTuple):
+class NewRow(Record):
     """A new item's row, in the column order of both dialects' INSERT."""
 
     project_id: str
@@ -508,7 +509,7 @@ class EnqueuePlan:
 MAX_PAGE = 1024
 
 
-class Candidate(NamedTuple):
+class Candidate(Record):
     """An item a claim may take, as both dialects' claim statements select it."""
 
     item_id: int
@@ -1029,7 +1030,7 @@ def claim_row(
 # --- settlements ---------------------------------------------------------------------------
 
 
-class RetryPlan(NamedTuple):
+class RetryPlan(Record):
     """What a retry does: defer the item until ``due_at`` or fail it, with ``error``."""
 
     state: str
@@ -1158,7 +1159,7 @@ REQUEUEABLE: tuple[str, ...] = ("failed", "cancelled")
 CANCELLABLE: tuple[str, ...] = _models.LIVE_STATES
 
 
-class CancelPlan(NamedTuple):
+class CancelPlan(Record):
     """A cancel's write: the fence it raises the item to, and its event."""
 
     fence: int

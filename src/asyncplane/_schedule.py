@@ -33,9 +33,10 @@ import collections
 import datetime as dt
 import functools
 import math
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 from asyncplane import _errors, _validate
+from asyncplane._record import Record
 
 if TYPE_CHECKING:
     import cronsim
@@ -103,7 +104,7 @@ def _cronsim() -> Any:
     return cronsim
 
 
-class Timetable(NamedTuple):
+class Timetable(Record):
     """When a schedule's ticks fall: ``cron`` in ``timezone``, or every ``every`` seconds
     from ``anchor`` (epoch seconds)."""
 
@@ -302,7 +303,7 @@ def paused_next_at(
     return next_at
 
 
-class TickPlan(NamedTuple):
+class TickPlan(Record):
     """What one run does for one schedule: enqueue ``ticks`` (oldest first), then wait for
     ``next_at``, the first tick after now."""
 

@@ -70,7 +70,7 @@ import logging
 import pathlib
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any, NamedTuple, TypeAlias
+from typing import Any, TypeAlias
 
 from asyncplane import (
     _clock,
@@ -100,6 +100,7 @@ from asyncplane._outcomes import (
     returned_or_raised,
     short_error,
 )
+from asyncplane._record import Record
 from asyncplane._store import ControlStore, log_fields
 
 __all__ = ("Handler", "Settings", "handling", "settings", "work")
@@ -116,7 +117,7 @@ OUTAGE_SECONDS = 60.0
 _OUTAGE_PAUSES = (0.1, 0.25, 0.5, 1.0, 2.0, 5.0)
 
 
-class Settings(NamedTuple):
+class Settings(Record):
     """work()'s settings that a command line gives too, checked (`settings`)."""
 
     owner: str

@@ -71,7 +71,7 @@ import os
 import sqlite3
 import time
 from collections.abc import Callable, Iterator
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, TypeVar
 
 import aiosqlite
 
@@ -87,6 +87,7 @@ from asyncplane import (
 )
 from asyncplane import _sqlite_sql as sql
 from asyncplane._clock import Clock
+from asyncplane._record import Record
 
 __all__ = ("Operation", "Write", "Writer")
 
@@ -582,7 +583,7 @@ def _rollback(db: sqlite3.Connection) -> None:
             pass
 
 
-class Posting(NamedTuple):
+class Posting(Record):
     """How far the event loop got with a round on the board before the thread took it:
     when the round asked for the lock, whether it is posted, whether the loop holds the
     lock for it, and how often the post was looked at unserved."""
