@@ -11,7 +11,15 @@ from typing import Any
 
 import pytest
 
-from asyncplane import ControlStore, FenceRejected, _telemetry, verify_ledger
+from asyncplane import (
+    ControlStore,
+    FenceRejected,
+    InvalidInput,
+    InvalidType,
+    UnknownProject,
+    _telemetry,
+    verify_ledger,
+)
 from asyncplane._store import engine_of
 from asyncplane.testing import ManualClock
 
@@ -305,6 +313,29 @@ async def test_paused_and_closed_projects_hand_out_no_claims(
 
     await store.set_project_status("paused", "open")
     assert await store.claim(owner="w3") is not None
+
+
+async def test_a_status_change_if_status_leaves_a_project_found_in_another(
+    store: ControlStore,
+) -> None:
+    assert await store.set_project_status("alpha", "paused") == "paused"
+    assert await store.set_project_status("alpha", "open", if_status="paused") == "open"
+    assert await store.set_project_status("alpha", "closed", if_status=["open"]) == "closed"
+    # Found closed, not as expected: left closed, and its status said.
+    assert await store.set_project_status("alpha", "open", if_status=("open", "paused")) == (
+        "closed"
+    )
+    assert (await store.project("alpha"))["status"] == "closed"
+    assert await store.claim(owner="w") is None
+    with pytest.raises(InvalidInput, match="unknown if_status 'opened'"):
+        await store.set_project_status("alpha", "open", if_status="opened")
+    with pytest.raises(InvalidInput, match="if_status names no status"):
+        await store.set_project_status("alpha", "open", if_status=())
+    with pytest.raises(InvalidType, match="if_status must be a str or a tuple"):
+        await store.set_project_status("alpha", "open", if_status=1)  # type: ignore[arg-type]
+    assert (await store.project("alpha"))["status"] == "closed"
+    with pytest.raises(UnknownProject):
+        await store.set_project_status("nowhere", "open", if_status="paused")
 
 
 async def test_concurrent_claims_in_one_store_never_share_an_item(store: ControlStore) -> None:

@@ -388,6 +388,28 @@ async def test_the_dashboard_leaves_a_closed_project_closed(store: ControlStore)
     assert (await store.project("legacy"))["status"] == "closed"
 
 
+async def test_a_close_just_before_a_resume_is_kept(
+    store: ControlStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Another operator closes the project while the dashboard's resume is on its way:
+    # the close lands first, and the resume (asked of the store "if open or paused")
+    # leaves it closed, as it would a project closed before the page was posted.
+    await store.create_project("legacy", "Legacy", status="paused")
+    change = store.set_project_status
+
+    async def closed_first(project_id: str, status: str, **guard: Any) -> str:
+        await change(project_id, "closed")
+        return await change(project_id, status, **guard)
+
+    async with serving(store, allow_actions=True) as (_, url, session):
+        _, page = await text(session, url + "/projects")
+        monkeypatch.setattr(store, "set_project_status", closed_first)
+        fields = {"csrf": csrf_of(page), "project_id": "legacy"}
+        status, said, _ = await post(session, url + "/projects/resume", fields)
+    assert (status, "is closed" in said) == (409, True), (status, said)
+    assert (await store.project("legacy"))["status"] == "closed"
+
+
 async def test_a_token_guards_every_request_off_loopback(store: ControlStore) -> None:
     ids = await seeded(store)
     async with serving(store, host="0.0.0.0", allow_actions=True) as (dashboard, url, session):

@@ -315,6 +315,15 @@ def test_only_a_failed_or_cancelled_item_requeues() -> None:
         _rules.requeue_event(7, "claimed", 3, None, 10.0)
 
 
+def test_a_status_change_expecting_other_statuses_leaves_a_project_as_it_is() -> None:
+    after = _rules.project_status_after
+    assert after("paused", "open", ()) == "open"  # none expected: whatever it is
+    assert after("closed", "open", ()) == "open"
+    assert after("paused", "open", ("open", "paused")) == "open"
+    assert after("closed", "open", ("open", "paused")) == "closed"
+    assert after("closed", "paused", ("open",)) == "closed"
+
+
 def test_an_action_expecting_a_state_or_a_fence_leaves_an_item_standing_otherwise() -> None:
     cancel = _rules.cancel_plan
     assert cancel(7, "claimed", 3, None, None, 10.0, ("claimed",), 3) is not None

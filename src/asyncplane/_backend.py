@@ -253,10 +253,12 @@ class RequeueOp(Record):
 
 
 class ProjectStatusOp(Record):
-    """Change a project's status (``"open"``, ``"paused"``, ``"closed"``)."""
+    """Change a project's status (``"open"``, ``"paused"``, ``"closed"``), if it stands
+    in one of the ``expected`` statuses (none: whatever it is)."""
 
     project_id: str
     status: str
+    expected: tuple[str, ...] = ()
 
 
 class AssignOp(Record):
@@ -732,8 +734,9 @@ class Writes:
         """Take a failed or cancelled item back to ready, or refuse, naming its state."""
         return self._send_named(op)
 
-    def set_project_status(self, op: ProjectStatusOp) -> _write_queue.Pending[None]:
-        """Change a project's status; UnknownProject if absent."""
+    def set_project_status(self, op: ProjectStatusOp) -> _write_queue.Pending[str]:
+        """Change a project's status (`_rules.project_status_after`); its status
+        afterwards; UnknownProject if absent."""
         return self._send_named(op)
 
     def assign(self, op: AssignOp) -> _write_queue.Pending[None]:
@@ -871,8 +874,9 @@ class Backend(Protocol):
         """Create a project; ProjectExists if the id is taken."""
         ...
 
-    def set_project_status(self, op: ProjectStatusOp) -> _write_queue.Pending[None]:
-        """Change a project's status; UnknownProject if absent."""
+    def set_project_status(self, op: ProjectStatusOp) -> _write_queue.Pending[str]:
+        """Change a project's status (`_rules.project_status_after`); its status
+        afterwards; UnknownProject if absent."""
         ...
 
     async def get_project(self, project_id: str) -> ProjectRow:

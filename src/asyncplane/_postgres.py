@@ -991,9 +991,14 @@ async def _run_schedules(
 
 async def _set_project_status(
     op: _backend.ProjectStatusOp, conn: asyncpg.Connection, now: float
-) -> None:
-    if await conn.fetchval(sql.SET_PROJECT_STATUS, op.status, op.project_id) is None:
+) -> str:
+    found = await conn.fetchval(sql.PROJECT_STATUS_LOCKED, op.project_id)
+    if found is None:
         raise _rules.unknown_project(op.project_id)
+    status: str = _rules.project_status_after(found, op.status, op.expected)
+    if status != found:
+        await conn.execute(sql.SET_PROJECT_STATUS, status, op.project_id)
+    return status
 
 
 async def _assign(op: _backend.AssignOp, conn: asyncpg.Connection, now: float) -> None:

@@ -1033,9 +1033,8 @@ INSERT INTO projects (project_id, name, status, created_at) VALUES ($1, $2, $3, 
 ON CONFLICT (project_id) DO NOTHING
 RETURNING project_id
 """
-SET_PROJECT_STATUS: Final = (
-    "UPDATE projects SET status = $1 WHERE project_id = $2 RETURNING project_id"
-)
+PROJECT_STATUS_LOCKED: Final = "SELECT status FROM projects WHERE project_id = $1 FOR UPDATE"
+SET_PROJECT_STATUS: Final = "UPDATE projects SET status = $1 WHERE project_id = $2"
 GET_PROJECT: Final = (
     "SELECT project_id, name, status, created_at FROM projects WHERE project_id = $1"
 )

@@ -110,6 +110,7 @@ __all__ = (
     "park_event",
     "project_denied",
     "project_exists",
+    "project_status_after",
     "quota",
     "refuse_newer_schema",
     "refuse_unreadable_schema",
@@ -1206,6 +1207,13 @@ def requeue_event(
     if state not in REQUEUEABLE or not _as_expected(state, fence, expected, expected_fence):
         raise _errors.NotRequeueable(item_id, state, expected, fence, expected_fence)
     return event(item_id, "requeued", fence, None, actor_id, now, {"from": state})
+
+
+def project_status_after(current: str, status: str, expected: tuple[str, ...]) -> str:
+    """A project's status once asked to become ``status``: as asked, unless its caller
+    ``expected`` it in other statuses than ``current`` (a page shown a while ago: a
+    project closed since stays closed)."""
+    return status if not expected or current in expected else current
 
 
 def _as_expected(

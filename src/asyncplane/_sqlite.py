@@ -445,9 +445,14 @@ def _create_project(op: _backend.NewProject, db: sqlite3.Connection, now: float)
     db.execute(sql.INSERT_PROJECT, (op.project_id, op.name, op.status, now))
 
 
-def _set_project_status(op: _backend.ProjectStatusOp, db: sqlite3.Connection, now: float) -> None:
-    if db.execute(sql.SET_PROJECT_STATUS, (op.status, op.project_id)).rowcount == 0:
+def _set_project_status(op: _backend.ProjectStatusOp, db: sqlite3.Connection, now: float) -> str:
+    found = db.execute(sql.PROJECT_STATUS, (op.project_id,)).fetchone()
+    if found is None:
         raise _rules.unknown_project(op.project_id)
+    status: str = _rules.project_status_after(found[0], op.status, op.expected)
+    if status != found[0]:
+        db.execute(sql.SET_PROJECT_STATUS, (status, op.project_id))
+    return status
 
 
 def _assign(op: _backend.AssignOp, db: sqlite3.Connection, now: float) -> None:

@@ -447,6 +447,7 @@ PROJECT_EXISTS: Final = "SELECT 1 FROM projects WHERE project_id = ?"
 INSERT_PROJECT: Final = (
     "INSERT INTO projects (project_id, name, status, created_at) VALUES (?, ?, ?, ?)"
 )
+PROJECT_STATUS: Final = "SELECT status FROM projects WHERE project_id = ?"
 SET_PROJECT_STATUS: Final = "UPDATE projects SET status = ? WHERE project_id = ?"
 GET_PROJECT: Final = (
     "SELECT project_id, name, status, created_at FROM projects WHERE project_id = ?"

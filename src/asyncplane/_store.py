@@ -319,12 +319,24 @@ class ControlStore:
         )
         await (await self._engine.ready()).create_project(op)
 
-    async def set_project_status(self, project_id: str, status: str) -> None:
-        """Change a project's status; UnknownProject if it does not exist."""
-        project_id = _validate.text_id(project_id, "project_id")
-        status = _validate.project_status(status)
-        op = _backend.ProjectStatusOp(project_id, status)
-        await self._freeing(op, (await self._engine.ready()).set_project_status(op))
+    async def set_project_status(
+        self, project_id: str, status: str, *, if_status: str | Collection[str] | None = None
+    ) -> str:
+        """Change a project's status; return its status afterwards.
+
+        With ``if_status`` (a status, or several) a project in none of them is left as it
+        is, and its status returned: an operator acting on what a page showed a while ago
+        does not resume a project closed since (the read and the change are one write).
+
+        Raises:
+            UnknownProject: No such project.
+        """
+        op = _backend.ProjectStatusOp(
+            _validate.text_id(project_id, "project_id"),
+            _validate.project_status(status),
+            _validate.project_statuses(if_status, "if_status"),
+        )
+        return await self._freeing(op, (await self._engine.ready()).set_project_status(op))
 
     async def project(self, project_id: str) -> dict[str, Any]:
         """A project as a dict: project_id, name, status, created_at."""

@@ -68,6 +68,7 @@ __all__ = (
     "positive_int",
     "priority",
     "project_status",
+    "project_statuses",
     "read_connections",
     "resolved_path",
     "seconds",
@@ -204,6 +205,11 @@ def project_status(value: object) -> str:
     return _one_of(value, "project status", _models.PROJECT_STATUSES)
 
 
+def project_statuses(value: object, what: str) -> tuple[str, ...]:
+    """None (any status), one project status, or several (a tuple or list of them)."""
+    return states(value, what, _models.PROJECT_STATUSES, "status")
+
+
 def _one_of(value: object, what: str, allowed: tuple[str, ...]) -> str:
     if not isinstance(value, str):
         raise _errors.InvalidType(f"{what} must be a str, not {type(value).__name__}")
@@ -222,20 +228,26 @@ def event(value: object, what: str) -> asyncio.Event:
     return value
 
 
-def states(value: object, what: str = "state") -> tuple[str, ...]:
-    """None (any state), one item state, or several (a tuple or list of them)."""
+def states(
+    value: object,
+    what: str = "state",
+    allowed: tuple[str, ...] = _models.ITEM_STATES,
+    noun: str = "state",
+) -> tuple[str, ...]:
+    """None (any state), one item state, or several (a tuple or list of them); or, with
+    ``allowed``, of those (`project_statuses`)."""
     if value is None:
         return ()
     if isinstance(value, str):
-        return (_one_of(value, what, _models.ITEM_STATES),)
+        return (_one_of(value, what, allowed),)
     if not isinstance(value, (tuple, list, set, frozenset)):
         raise _errors.InvalidType(
             f"{what} must be a str or a tuple of them, not {type(value).__name__}"
         )
-    chosen = {_one_of(state, what, _models.ITEM_STATES) for state in value}
+    chosen = {_one_of(state, what, allowed) for state in value}
     if not chosen:
-        raise _errors.InvalidInput(f"{what} names no state: pass None for any")
-    return tuple(state for state in _models.ITEM_STATES if state in chosen)
+        raise _errors.InvalidInput(f"{what} names no {noun}: pass None for any")
+    return tuple(state for state in allowed if state in chosen)
 
 
 def listing_order(value: object) -> bool:

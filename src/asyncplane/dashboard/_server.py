@@ -457,10 +457,11 @@ class Dashboard:
         if not await self.scope.visible(project_id):
             return _text(404, "not found")
         # A closed project was closed on purpose, elsewhere: a resume (or a stale page's
-        # pause) would set its workers claiming from it again. The dashboard leaves it be.
-        if (await self.store.project(project_id))["status"] == "closed":
+        # pause) would set its workers claiming from it again. The dashboard leaves it be,
+        # and says so in the write itself: a close an instant before it is kept too.
+        now = await self.store.set_project_status(project_id, status, if_status=("open", "paused"))
+        if now == "closed":
             return _text(409, f"project {project_id!r} is closed: the dashboard leaves it so")
-        await self.store.set_project_status(project_id, status)
         _log.info("dashboard: project %s is now %s", project_id, status)
         return await self._done(request, {"project_id": project_id, "status": status})
 
