@@ -428,6 +428,32 @@ async def test_cancelling_mid_batch_loses_nothing(store: ControlStore) -> None:
     assert await verify_ledger(store) == []
 
 
+async def test_an_item_cancelled_and_purged_while_it_runs_is_counted_and_the_drain_goes_on(
+    store: ControlStore, clock: ManualClock
+) -> None:
+    # A claimed item is never purged: one whose id the store no longer knows at its
+    # settlement was settled by someone else (a cancel) and purged since. That is a claim
+    # lost, as a takeover is, not the store failing: the rest of the batch is settled.
+    cancelled, kept = await store.enqueue_many("alpha", [{"n": 1}, {"n": 2}])
+    started, go = asyncio.Event(), asyncio.Event()
+
+    async def waits(batch: list[ClaimedItem]) -> list[Outcome]:
+        started.set()
+        await go.wait()
+        return [Done({"n": claim.payload["n"]}) for claim in batch]
+
+    drainer = asyncio.create_task(drain(store, waits, empty_rounds=1))
+    await started.wait()
+    await store.cancel(cancelled, reason="wrong brief")
+    clock.advance(1)
+    assert (await store.purge(0)).purged == 1  # `asyncplane purge --retention 0s`
+    go.set()
+    summary = await asyncio.wait_for(drainer, 30)
+    assert (summary.claimed, summary.done, summary.fence_rejected) == (2, 1, 1)
+    assert (await store.item(kept))["state"] == "done"
+    assert await verify_ledger(store) == []
+
+
 async def test_cancelling_during_settlement_still_saves_the_outcomes(
     store: ControlStore,
 ) -> None:

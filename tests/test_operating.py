@@ -1056,6 +1056,30 @@ async def test_a_torn_archive_end_is_cut_off_before_the_next_append(
     assert archived_ids(archive) == [3]
 
 
+@pytest.mark.sqlite_only
+async def test_a_lone_surrogate_stored_escaped_is_archived_escaped(
+    store: ControlStore, clock: ManualClock
+) -> None:
+    # '"\\ud800"' is valid JSON, but the str it decodes to has no UTF-8 form: written by
+    # another program or an older release, it stopped every purge (oldest first) for good.
+    ids = await settle(store, "alpha", 2)
+    raw = sqlite3.connect(store.path)
+    stored = '{"a":"\\ud800 caf\u00e9"}'
+    raw.execute("UPDATE items SET payload = ? WHERE item_id = ?", (stored, ids[0]))
+    raw.commit()
+    raw.close()
+    clock.advance(10)
+    assert (await store.purge(0)).purged == 2
+    archive = store.archive_path
+    assert archive is not None
+    lines = archive.read_bytes().decode("utf-8").splitlines()
+    assert [json.loads(line)["item"]["payload"] for line in lines] == [
+        {"a": "\ud800 caf\u00e9"},
+        {"n": 1},
+    ]
+    assert await verify_ledger(store) == []
+
+
 async def test_a_purge_refuses_an_archive_that_is_not_one(
     store: ControlStore, clock: ManualClock
 ) -> None:

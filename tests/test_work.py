@@ -395,6 +395,40 @@ async def test_an_item_cancelled_before_its_renewal_and_given_back_at_a_stop_is_
     assert (summary.claimed, summary.cancelled, summary.released) == (1, 1, 0)
 
 
+async def test_an_item_cancelled_and_purged_while_it_runs_is_counted_and_the_worker_goes_on(
+    store: ControlStore, clock: ManualClock
+) -> None:
+    # The cancel is told at the next renewal, a third of a lease away; the store's
+    # retention (the worker's own housekeeping, or a purge beside it) may purge the item
+    # before. Its handler's outcome is then refused with UnknownItem: a claim lost, not
+    # the store failing, and the worker goes on with the next item.
+    first = await store.enqueue("alpha", {"n": 1})
+    started, go, stop = asyncio.Event(), asyncio.Event(), asyncio.Event()
+    seen: list[int] = []
+
+    async def handle(claim: ClaimedItem) -> Done:
+        seen.append(claim.item_id)
+        if claim.item_id == first:
+            started.set()
+            await go.wait()
+        else:
+            stop.set()
+        return Done()
+
+    worker = asyncio.create_task(work(store, handle, stop=stop, grace=5))
+    await started.wait()
+    await store.cancel(first, reason="not needed")
+    clock.advance(1)
+    assert (await store.purge(0)).purged == 1
+    go.set()
+    await until(lambda: len(seen) == 1 and not running_tasks(), what="the outcome refused")
+    second = await store.enqueue("alpha", {"n": 2})
+    summary = await asyncio.wait_for(worker, 30)
+    assert (summary.claimed, summary.done, summary.fence_rejected) == (2, 1, 1)
+    assert seen == [first, second]
+    assert await verify_ledger(store) == []
+
+
 async def test_a_renewer_cancelled_by_someone_else_stops_the_worker_and_gives_back(
     store: ControlStore,
 ) -> None:

@@ -171,11 +171,14 @@ class DrainSummary:
         cancelled: Items cancelled while this drain held them (`ControlStore.cancel`): their
             executor was stopped, or their outcome refused.
         fence_rejected: Settlements the store refused because the claim was no longer
-            current (the item was taken over while it ran); for work(), also items whose
+            current (the item was taken over while it ran, or settled by another, a
+            cancel say, and purged since: `UnknownItem`); for work(), also items whose
             lease renewal was refused so: their task was cancelled, the outcome dropped.
         scope_lost: With an ``actor_id``: items whose project left the actor's scope while
             they ran (`ControlStore.unassign`): their renewal or settlement was refused,
             their outcome dropped, and the item is left to its lease, to be taken over.
+            (To an actor an item purged meanwhile is refused as one out of its scope is,
+            so it is counted here.)
         timed_out: work() only: items whose handler ran past ``timeout`` (retried).
         released: work() only: claims given back unrun at a stop (``grace`` ran out, or
             the stop came before they started).
@@ -210,9 +213,15 @@ class DrainSummary:
 
 
 #: The refusals that say a claim is no longer the worker's: taken over or cancelled
-#: (`FenceRejected`, `ItemCancelled` among them), or its project gone from the actor's
-#: scope (`ScopeDenied`). A runtime drops such an item; any other error is the store's.
-LOST: tuple[type[_errors.AsyncplaneError], ...] = (_errors.FenceRejected, _errors.ScopeDenied)
+#: (`FenceRejected`, `ItemCancelled` among them), its project gone from the actor's
+#: scope (`ScopeDenied`), or the item gone from the store (`UnknownItem`: a claimed item
+#: is never purged, so it was settled by another, a cancel say, and purged since). A
+#: runtime drops such an item; any other error is the store's.
+LOST: tuple[type[_errors.AsyncplaneError], ...] = (
+    _errors.FenceRejected,
+    _errors.ScopeDenied,
+    _errors.UnknownItem,
+)
 
 
 #: Seconds between the tries of a give-back the store failed under (about 4 s in all).
@@ -249,12 +258,13 @@ async def give_back(give: Callable[[], Awaitable[object]]) -> None:
 
 
 def count_lost(refusal: BaseException, summary: DrainSummary) -> bool:
-    """Whether ``refusal`` says a claim is no longer the worker's, counted in ``summary``
-    if so: cancelled (`ItemCancelled`), taken over (`FenceRejected`), or its project gone
-    from the actor's scope (`ScopeDenied`). Any other error is the store failing."""
+    """Whether ``refusal`` says a claim is no longer the worker's (`LOST`), counted in
+    ``summary`` if so: cancelled (`ItemCancelled`), taken over (`FenceRejected`) or
+    settled by another and purged since (`UnknownItem`), or its project gone from the
+    actor's scope (`ScopeDenied`). Any other error is the store failing."""
     if isinstance(refusal, _errors.ItemCancelled):
         summary.cancelled += 1
-    elif isinstance(refusal, _errors.FenceRejected):
+    elif isinstance(refusal, (_errors.FenceRejected, _errors.UnknownItem)):
         summary.fence_rejected += 1
     elif isinstance(refusal, _errors.ScopeDenied):
         summary.scope_lost += 1

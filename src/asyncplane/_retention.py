@@ -90,11 +90,11 @@ class _Rotation:
 
     __slots__ = ("began", "rotated")
 
-    def __init__(self) -> None:
+    def __init__(self, began: float | None = None, rotated: bool = False) -> None:
         #: When the purge began, as the archive's file system stamps times (None: not yet).
-        self.began: float | None = None
+        self.began = began
         #: Whether this purge has rotated the archive.
-        self.rotated = False
+        self.rotated = rotated
 
 
 def default_archive_path(database: pathlib.Path) -> pathlib.Path:
@@ -248,7 +248,7 @@ def _json(text: str) -> Any:
         return {"undecoded_json": text}
 
 
-def _archive_line(item: _backend.ItemRow, events: list[_backend.EventRow]) -> str:
+def _archive_line(item: _backend.ItemRow, events: list[_backend.EventRow]) -> bytes:
     record: dict[str, Any] = {
         "archived_at": dt.datetime.now(dt.timezone.utc).isoformat(),
         "item": {
@@ -282,7 +282,14 @@ def _archive_line(item: _backend.ItemRow, events: list[_backend.EventRow]) -> st
             for event in events
         ],
     }
-    return json.dumps(record, ensure_ascii=False, separators=(",", ":")) + "\n"
+    line = json.dumps(record, ensure_ascii=False, separators=(",", ":")) + "\n"
+    try:
+        return line.encode("utf-8")
+    except UnicodeEncodeError:
+        # A lone surrogate, stored escaped (``"\\ud800"``: valid JSON, not UTF-8 once
+        # decoded; written by another program or an older release). Escaped again, as
+        # the store held it, so that one such item stops no purge.
+        return (json.dumps(record, separators=(",", ":")) + "\n").encode("ascii")
 
 
 def _archive(
@@ -309,7 +316,7 @@ def _archive(
                 rotation.rotated = True
             created = True
     created = created or not path.exists()
-    data = memoryview("".join(lines).encode("utf-8"))
+    data = memoryview(b"".join(lines))
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
     try:
         start = os.lseek(fd, 0, os.SEEK_END)
