@@ -172,6 +172,18 @@ async def test_set_limits_keeps_what_it_is_not_given_and_none_clears(store: Cont
     assert (limits["max_running"], limits["per_minute"], limits["burst"]) == (None, None, None)
 
 
+async def test_the_largest_burst_gives_claims_on_both_backends(
+    store: ControlStore,
+) -> None:
+    # A burst near 2**63 came back from the rules core's float tokens as 2**63, past a
+    # PostgreSQL bigint: every claim that could reach the project failed.
+    await store.set_limits("alpha", per_minute=600, burst=2**53)
+    await store.enqueue_many("alpha", [{"n": n} for n in range(3)])
+    for _ in range(3):
+        assert await store.claim("w") is not None
+    assert (await store.limits("alpha"))["burst"] == 2**53
+
+
 @pytest.mark.parametrize(
     ("kwargs", "error"),
     [
@@ -186,6 +198,8 @@ async def test_set_limits_keeps_what_it_is_not_given_and_none_clears(store: Cont
         ({"per_minute": 60e6 * 2}, InvalidInput),
         ({"per_minute": "600"}, InvalidType),
         ({"burst": 0}, InvalidInput),
+        ({"per_minute": 600, "burst": 2**53 + 1}, InvalidInput),  # past a float's exact ints
+        ({"per_minute": 600, "burst": 2**63 - 1}, InvalidInput),
         ({}, InvalidInput),
     ],
 )

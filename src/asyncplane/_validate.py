@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     import pathlib
 
 __all__ = (
+    "MAX_BURST",
     "MAX_BUSY_TIMEOUT",
     "MAX_DURATION_SECONDS",
     "MAX_EPOCH_SECONDS",
@@ -47,6 +48,7 @@ __all__ = (
     "MAX_READ_CONNECTIONS",
     "absolute_path",
     "boolean",
+    "burst_value",
     "callback",
     "delay",
     "duration",
@@ -423,6 +425,21 @@ def optional_positive_int(value: object, what: str) -> int | None:
 MIN_PER_MINUTE = 60.0 / MAX_DURATION_SECONDS
 
 
+#: The largest burst: the rules core counts a bucket's tokens in floats, exact to 2**53
+#: (a larger one came back as 2**63 on PostgreSQL, past a bigint, and failed claims).
+MAX_BURST = 2**53
+
+
+def burst_value(value: object) -> int | None:
+    """None, or a positive int of at most `MAX_BURST` claims at once."""
+    if value is None:
+        return None
+    number = positive_int(value, "burst")
+    if number > MAX_BURST:
+        raise _errors.InvalidInput(f"burst must be at most {MAX_BURST} (2**53), got {number}")
+    return number
+
+
 def per_minute(value: object) -> float:
     """A rate: a finite number of claims a minute, from one a century to a million a
     second."""
@@ -447,7 +464,7 @@ def limit_changes(
         rate = None if per_minute_value is None else per_minute(per_minute_value)
         changes.append(("per_minute", rate))
     if burst is not ...:
-        changes.append(("burst", optional_positive_int(burst, "burst")))
+        changes.append(("burst", burst_value(burst)))
     if not changes:
         raise _errors.InvalidInput("set_limits needs max_running=, per_minute= or burst=")
     return tuple(changes)
