@@ -315,6 +315,19 @@ def test_only_a_failed_or_cancelled_item_requeues() -> None:
         _rules.requeue_event(7, "claimed", 3, None, 10.0)
 
 
+def test_a_tick_takes_only_a_pending_twin_and_adds_an_item_no_done_twin_answers() -> None:
+    row = _backend.ScheduleRow(
+        "s", "alpha", "{}", None, 60.0, "UTC", "latest", 0, "standard", "fp", True, None,
+        False, 0.0, 60.0, None, 0.0, 0.0,
+    )  # fmt: skip
+    item, pending_twin = _rules.tick_item(row)
+    assert (item.fingerprint, item.dedup, pending_twin) == ("fp", False, "fp")
+    item, pending_twin = _rules.tick_item(row._replace(dedup=False))
+    assert (item.fingerprint, item.dedup, pending_twin) == ("fp", False, None)
+    item, pending_twin = _rules.tick_item(row._replace(fingerprint=None))
+    assert (item.fingerprint, pending_twin) == (None, None)
+
+
 def test_a_status_change_expecting_other_statuses_leaves_a_project_as_it_is() -> None:
     after = _rules.project_status_after
     assert after("paused", "open", ()) == "open"  # none expected: whatever it is

@@ -371,6 +371,57 @@ async def test_a_ticks_item_takes_the_job_options_and_dedups_against_a_pending_o
     assert [t["item_id"] for t in ticks] == [item["item_id"]] * 2
 
 
+async def test_a_fingerprinted_schedule_runs_again_once_its_last_item_runs_or_is_done(
+    store: ControlStore, clock: ManualClock
+) -> None:
+    # A fingerprint keeps ticks from piling up while one waits, never later ticks from
+    # running: a done item does not answer the next tick, nor does a running one (the
+    # tick's item waits in line behind it, then runs).
+    clock.set(at(2026, 12, 1, 0, 0))
+    await store.set_schedule(
+        "report", project_id="alpha", payload={"task": "report"}, every=60,
+        fingerprint="the-report",
+    )  # fmt: skip
+    clock.advance(60)
+    assert await store.run_schedules() == 1
+    first = await store.claim("w")
+    assert first is not None
+    clock.advance(60)
+    assert await store.run_schedules() == 1  # the first runs: a second waits behind it
+    assert await store.claim("w2") is None  # in line while its twin runs
+    await store.finish(first.item_id, fence=first.fence, result={"n": 1})
+    await store.dedup_pending_against_done()  # a drain's preflight: it settles nothing
+    second = await store.claim("w")
+    assert second is not None and second.item_id != first.item_id
+    await store.finish(second.item_id, fence=second.fence, result={"n": 2})
+    clock.advance(60)
+    assert await store.run_schedules() == 1  # both done: the next tick runs again
+    ticks = await store.schedule_ticks("report")
+    assert len({t["item_id"] for t in ticks}) == 3
+    assert (await store.counts())["ready"] == 1
+    assert await verify_ledger(store) == []
+
+
+async def test_a_schedule_runs_each_tick_in_a_store_with_an_identity(
+    asyncplane_store_factory: Any, clock: ManualClock
+) -> None:
+    # The identity gives every tick's item the same fingerprint: the sweep ran once in
+    # the store's lifetime, each later tick answered with the first's id.
+    store = await asyncplane_store_factory(identity=("task",))
+    await store.create_project("alpha", "A")
+    clock.set(at(2026, 12, 1, 0, 0))
+    await store.set_schedule("sweep", project_id="alpha", payload={"task": "sweep"}, every=60)
+    ran = []
+    for _ in range(3):
+        clock.advance(60)
+        assert await store.run_schedules() == 1
+        claim = await store.claim("w")
+        assert claim is not None
+        await store.finish(claim.item_id, fence=claim.fence)
+        ran.append(claim.item_id)
+    assert len(set(ran)) == 3
+
+
 async def test_runs_at_once_enqueue_each_tick_once(
     store: ControlStore, clock: ManualClock, asyncplane_store_factory: Any
 ) -> None:

@@ -977,12 +977,16 @@ async def _run_schedules(
         for tick in plan.ticks:
             if await conn.fetchval(sql.RESERVE_TICK, row.name, tick, now) is None:
                 continue  # enqueued before: never again
-            queued = _schedule.tick_detail(row.name, table, tick)
-            adding = _backend.EnqueueOp(row.project_id, (row.item(),), None)
-            created: list[int] = []  # none, when it is a pending twin's
-            (item_id,) = await _enqueue(adding, conn, now, queued, created)
-            await conn.execute(sql.FILL_TICK, item_id, row.name, tick)
-            enqueued += len(created)
+            item, fingerprint = _rules.tick_item(row)
+            twin = None
+            if fingerprint is not None:
+                twin = await conn.fetchval(sql.PENDING_TWIN, row.project_id, fingerprint)
+            if twin is None:
+                queued = _schedule.tick_detail(row.name, table, tick)
+                adding = _backend.EnqueueOp(row.project_id, (item,), None)
+                (twin,) = await _enqueue(adding, conn, now, queued)
+                enqueued += 1
+            await conn.execute(sql.FILL_TICK, twin, row.name, tick)
             last = tick
         await conn.execute(sql.MOVE_SCHEDULE, plan.next_at, last, now, row.name)
         await conn.execute(sql.FORGET_TICKS, row.name, now - _schedule.TICKS_KEPT)
@@ -1034,7 +1038,6 @@ async def _enqueue(
     conn: asyncpg.Connection,
     now: float,
     queued: dict[str, Any] | None = None,
-    created: list[int] | None = None,
 ) -> list[int]:
     if op.actor_id is None:
         if await conn.fetchval(sql.PROJECT_EXISTS, op.project_id) is None:
@@ -1054,8 +1057,6 @@ async def _enqueue(
     if plan.new:
         rows = [_rules.new_row(op.project_id, op.items[p], now) for p in plan.new]
         inserted = await _insert_items(conn, rows, op.actor_id, now, queued)
-    if created is not None:
-        created.extend(inserted)
     return plan.ids(inserted)
 
 

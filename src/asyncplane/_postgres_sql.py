@@ -1109,6 +1109,13 @@ SELECT fingerprint, item_id FROM (
 WHERE item_id IS NOT NULL
 """
 
+# A schedule's tick takes the id of a pending twin only (`_rules.tick_item`), whatever
+# that twin's dedup: the oldest.
+PENDING_TWIN: Final = f"""
+SELECT min(item_id) FROM items
+WHERE project_id = $1 AND fingerprint = $2 AND state IN {_models.sql_list(_models.PENDING_STATES)}
+"""
+
 # --- claims ----------------------------------------------------------------------------
 # Rows another transaction is claiming are skipped, never waited for. A claim visits the
 # projects in its reach only (open, the one asked for, the actor's), each through its

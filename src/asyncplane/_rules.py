@@ -123,6 +123,7 @@ __all__ = (
     "spend",
     "takeover_event",
     "target",
+    "tick_item",
     "token_due",
     "twin_event",
     "twin_events",
@@ -1207,6 +1208,21 @@ def requeue_event(
     if state not in REQUEUEABLE or not _as_expected(state, fence, expected, expected_fence):
         raise _errors.NotRequeueable(item_id, state, expected, fence, expected_fence)
     return event(item_id, "requeued", fence, None, actor_id, now, {"from": state})
+
+
+def tick_item(row: _backend.ScheduleRow) -> tuple[_backend.NewItem, str | None]:
+    """What a schedule's tick enqueues: its item, and the fingerprint of a pending twin
+    (ready or deferred, `_models.PENDING_STATES`) whose id the tick takes instead, adding
+    none (None: it always adds one).
+
+    A schedule's work runs each tick: its fingerprint (given, or the store's identity's)
+    and ``dedup`` keep ticks from piling up while one waits, not later ticks from running.
+    So a tick never takes a running or a done twin's id, and its item is stored with dedup
+    off: no done twin settles it before it runs (the preflight, a twin's finish), while
+    the twins-in-line rule still holds it back until a running twin has finished."""
+    item = row.item()
+    pending_twin = item.fingerprint if item.dedup else None
+    return item._replace(dedup=False), pending_twin
 
 
 def project_status_after(current: str, status: str, expected: tuple[str, ...]) -> str:

@@ -523,12 +523,16 @@ def _run_schedules(
         for tick in plan.ticks:
             if db.execute(sql.RESERVE_TICK, (row.name, tick, now)).rowcount == 0:
                 continue  # enqueued before: never again
-            queued = _schedule.tick_detail(row.name, table, tick)
-            adding = _backend.EnqueueOp(row.project_id, (row.item(),), None)
-            created: list[int] = []  # none, when it is a pending twin's
-            (item_id,) = _enqueue(adding, db, now, queued, created)
-            db.execute(sql.FILL_TICK, (item_id, row.name, tick))
-            enqueued += len(created)
+            item, fingerprint = _rules.tick_item(row)
+            twin = None
+            if fingerprint is not None:
+                [twin] = db.execute(sql.PENDING_TWIN, (row.project_id, fingerprint)).fetchone()
+            if twin is None:
+                queued = _schedule.tick_detail(row.name, table, tick)
+                adding = _backend.EnqueueOp(row.project_id, (item,), None)
+                (twin,) = _enqueue(adding, db, now, queued)
+                enqueued += 1
+            db.execute(sql.FILL_TICK, (twin, row.name, tick))
             last = tick
         db.execute(sql.MOVE_SCHEDULE, (plan.next_at, last, now, row.name))
         db.execute(sql.FORGET_TICKS, (row.name, now - _schedule.TICKS_KEPT))
@@ -540,7 +544,6 @@ def _enqueue(
     db: sqlite3.Connection,
     now: float,
     queued: dict[str, Any] | None = None,
-    created: list[int] | None = None,
 ) -> list[int]:
     if op.actor_id is None:
         if db.execute(sql.PROJECT_EXISTS, (op.project_id,)).fetchone() is None:
@@ -573,8 +576,6 @@ def _enqueue(
     for item_id, row in zip(inserted, rows, strict=True):
         events.extend(_rules.arrival_events(item_id, row, op.actor_id, now, queued))
     _insert_events(db, events)
-    if created is not None:
-        created.extend(inserted)
     return plan.ids(inserted)
 
 
