@@ -68,6 +68,8 @@ def test_a_record_builds_compares_and_shows_as_a_namedtuple() -> None:
 def test_a_record_has_namedtuples_methods() -> None:
     lease = Lease("w1", 3, "n")
     assert lease._replace(fence=5) == Lease("w1", 5, "n")
+    assert lease.__replace__(fence=5) == Lease("w1", 5, "n")  # copy.replace() (3.13)
+    assert list(typing.get_type_hints(Lease)) == list(typing.get_type_hints(Twin))
     assert type(lease._replace(fence=5)) is Lease
     assert lease._asdict() == {"owner": "w1", "fence": 3, "note": "n", "tags": ()}
     assert Lease._make(["w1", 3, "n", ()]) == lease
@@ -75,6 +77,14 @@ def test_a_record_has_namedtuples_methods() -> None:
     assert pickle.loads(pickle.dumps(lease)) == lease
     assert type(pickle.loads(pickle.dumps(lease))) is Lease
     assert copy.copy(lease) == lease and copy.deepcopy(lease) == lease
+
+
+def error_of(call: Any) -> BaseException:
+    try:
+        call()
+    except Exception as exc:
+        return exc
+    raise AssertionError("no error")
 
 
 def test_a_record_refuses_what_a_namedtuple_refuses() -> None:
@@ -86,8 +96,9 @@ def test_a_record_refuses_what_a_namedtuple_refuses() -> None:
         Lease("w1", 3, owner="w2")  # type: ignore[misc]
     with pytest.raises(TypeError, match="Expected 4 arguments, got 2"):
         Lease._make(["w1", 3])
-    with pytest.raises(TypeError, match="unexpected field names: \\['fences'\\]"):
+    with pytest.raises(type(error_of(lambda: Twin("w1", 3)._replace(fences=4)))) as raised:
         Lease("w1", 3)._replace(fences=4)
+    assert str(raised.value) == "Got unexpected field names: ['fences']"
 
 
 def test_a_subclass_is_a_plain_subclass_built_by_its_records_new() -> None:

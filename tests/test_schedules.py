@@ -26,6 +26,7 @@ from asyncplane import (
     SystemClock,
     UnknownProject,
     UnknownSchedule,
+    _backend,
     _clock,
     _engine,
     _schedule,
@@ -400,6 +401,76 @@ async def test_a_fingerprinted_schedule_runs_again_once_its_last_item_runs_or_is
     assert len({t["item_id"] for t in ticks}) == 3
     assert (await store.counts())["ready"] == 1
     assert await verify_ledger(store) == []
+
+
+async def test_a_tick_never_takes_a_pending_twin_a_done_one_may_settle_unrun(
+    store: ControlStore, clock: ManualClock
+) -> None:
+    # A failed item of the same content, requeued: pending, with dedup on. A tick that
+    # took its id would be answered by the done tick before it (the preflight, or that
+    # tick's finish), its work never run.
+    clock.set(at(2026, 12, 1, 0, 0))
+    failed = await store.enqueue("alpha", {"task": "report"}, fingerprint="fp")
+    claim = await store.claim("w")
+    assert claim is not None
+    await store.finish(claim.item_id, fence=claim.fence, status="failed", error="x")
+    await store.set_schedule(
+        "report", project_id="alpha", payload={"task": "report"}, every=60, fingerprint="fp"
+    )
+    clock.advance(60)
+    assert await store.run_schedules() == 1
+    first = await store.claim("w")
+    assert first is not None
+    await store.finish(first.item_id, fence=first.fence, result={"n": 1})
+    await store.requeue(failed)
+    clock.advance(60)
+    assert await store.run_schedules() == 1  # beside the requeued twin, not its id
+    await store.dedup_pending_against_done()  # settles the requeued one, not the tick's
+    (tick, _) = await store.schedule_ticks("report")
+    assert tick["item_id"] not in (failed, first.item_id)
+    second = await store.claim("w")
+    assert second is not None and second.item_id == tick["item_id"]
+
+
+@pytest.mark.postgresql_only
+async def test_ticks_of_two_schedules_of_one_content_on_two_hosts_add_one_item(
+    store: ControlStore, clock: ManualClock
+) -> None:
+    # Two schedules of the same content, run by two hosts at once (each passes the row the
+    # other holds): the second waits on the content's lock for the first to commit, then
+    # takes its pending item's id, as one host running both would.
+    import asyncpg
+
+    from asyncplane import _postgres
+
+    clock.set(at(2026, 12, 1, 0, 0))
+    for name in ("a-report", "b-report"):
+        await store.set_schedule(
+            name, project_id="alpha", payload={"task": "report"}, every=60, fingerprint="fp"
+        )
+    clock.advance(60)
+    other = await asyncpg.connect(store.location)
+    try:
+        transaction = other.transaction()
+        await transaction.start()
+        # The other host's run of its first due schedule, a-report, still uncommitted.
+        op = _backend.RunSchedulesOp(1, False)
+        assert await _postgres._run_schedules(op, other, clock.now()) == (1, 1)
+        running = asyncio.create_task(store.run_schedules())  # takes b-report
+        waiting = "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
+
+        async def waits_for_the_content() -> bool:
+            return bool(await other.fetchval(waiting))
+
+        await until(waits_for_the_content, what="b-report's tick waits for the content lock")
+        await transaction.commit()
+        assert await running == 0
+    finally:
+        await other.close()
+    (a_tick,) = await store.schedule_ticks("a-report")
+    (b_tick,) = await store.schedule_ticks("b-report")
+    assert a_tick["item_id"] == b_tick["item_id"]
+    assert (await store.counts())["ready"] == 1
 
 
 async def test_a_schedule_runs_each_tick_in_a_store_with_an_identity(

@@ -980,6 +980,7 @@ async def _run_schedules(
             item, fingerprint = _rules.tick_item(row)
             twin = None
             if fingerprint is not None:
+                await conn.execute(sql.LOCK_CONTENTS, [row.project_id], [fingerprint])
                 twin = await conn.fetchval(sql.PENDING_TWIN, row.project_id, fingerprint)
             if twin is None:
                 queued = _schedule.tick_detail(row.name, table, tick)

@@ -1109,11 +1109,13 @@ SELECT fingerprint, item_id FROM (
 WHERE item_id IS NOT NULL
 """
 
-# A schedule's tick takes the id of a pending twin only (`_rules.tick_item`), whatever
-# that twin's dedup: the oldest.
+# A schedule's tick takes the id of a pending twin with dedup off only (`_rules.tick_item`:
+# one nothing settles unrun), the oldest; under the content's lock (LOCK_CONTENTS), so
+# that a tick of another schedule of the same content, committing now, is seen.
 PENDING_TWIN: Final = f"""
 SELECT min(item_id) FROM items
 WHERE project_id = $1 AND fingerprint = $2 AND state IN {_models.sql_list(_models.PENDING_STATES)}
+    AND NOT dedup
 """
 
 # --- claims ----------------------------------------------------------------------------

@@ -22,6 +22,7 @@ adding no fields, as with ``typing.NamedTuple``.
 from __future__ import annotations
 
 import collections
+import sys
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -31,14 +32,17 @@ __all__ = ("Record",)
 _tuplegetter: Callable[[int, str], Any] = vars(collections)["_tuplegetter"]
 
 _tuple_new = tuple.__new__
+#: What namedtuple's _replace raises for a field it does not have (ValueError until 3.13).
+_REPLACE_ERROR = TypeError if sys.version_info >= (3, 13) else ValueError
 
 
 class _Fields(tuple):  # type: ignore[type-arg]
     """The methods every record class shares; the fields are each class's own."""
 
     __slots__ = ()
-    _fields: tuple[str, ...]
-    _field_defaults: dict[str, Any]
+    if TYPE_CHECKING:  # (no annotations at run time: typing.get_type_hints shows fields only)
+        _fields: tuple[str, ...]
+        _field_defaults: dict[str, Any]
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
         # The first construction of a record class: compile its __new__ (a function with
@@ -58,8 +62,10 @@ class _Fields(tuple):  # type: ignore[type-arg]
     def _replace(self, /, **changes: Any) -> Any:
         made = self._make(map(changes.pop, self._fields, self))
         if changes:
-            raise TypeError(f"Got unexpected field names: {list(changes)!r}")
+            raise _REPLACE_ERROR(f"Got unexpected field names: {list(changes)!r}")
         return made
+
+    __replace__ = _replace  # copy.replace(), Python 3.13
 
     def _asdict(self) -> dict[str, Any]:
         return dict(zip(self._fields, self, strict=True))

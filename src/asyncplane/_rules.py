@@ -1212,14 +1212,15 @@ def requeue_event(
 
 def tick_item(row: _backend.ScheduleRow) -> tuple[_backend.NewItem, str | None]:
     """What a schedule's tick enqueues: its item, and the fingerprint of a pending twin
-    (ready or deferred, `_models.PENDING_STATES`) whose id the tick takes instead, adding
-    none (None: it always adds one).
+    (ready or deferred, `_models.PENDING_STATES`) stored with dedup off whose id the tick
+    takes instead, adding none (None: it always adds one).
 
     A schedule's work runs each tick: its fingerprint (given, or the store's identity's)
     and ``dedup`` keep ticks from piling up while one waits, not later ticks from running.
     So a tick never takes a running or a done twin's id, and its item is stored with dedup
     off: no done twin settles it before it runs (the preflight, a twin's finish), while
-    the twins-in-line rule still holds it back until a running twin has finished."""
+    the twins-in-line rule still holds it back until a running twin has finished. Nor does
+    it take a pending twin with dedup on (one requeued, say): that one may be so settled."""
     item = row.item()
     pending_twin = item.fingerprint if item.dedup else None
     return item._replace(dedup=False), pending_twin

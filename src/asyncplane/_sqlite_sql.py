@@ -513,11 +513,12 @@ SELECT CASE WHEN EXISTS (SELECT 1 FROM items INDEXED BY items_fingerprint
      WHERE project_id = :project_id AND fingerprint = :fingerprint AND state IN {_LIVE_STATES})) END
 """
 
-# A schedule's tick takes the id of a pending twin only (`_rules.tick_item`), whatever
-# that twin's dedup: the oldest.
+# A schedule's tick takes the id of a pending twin with dedup off only (`_rules.tick_item`:
+# one nothing settles unrun), the oldest.
 PENDING_TWIN: Final = f"""
 SELECT min(item_id) FROM items INDEXED BY items_fingerprint
 WHERE project_id = ? AND fingerprint = ? AND state IN {_models.sql_list(_models.PENDING_STATES)}
+    AND dedup = 0
 """
 
 # --- claims ----------------------------------------------------------------------------
