@@ -437,8 +437,9 @@ async def test_ticks_of_two_schedules_of_one_content_on_two_hosts_add_one_item(
     store: ControlStore, clock: ManualClock
 ) -> None:
     # Two schedules of the same content, run by two hosts at once (each passes the row the
-    # other holds): the second waits on the content's lock for the first to commit, then
-    # takes its pending item's id, as one host running both would.
+    # other holds). The second finds the content's lock taken: it leaves its schedule due,
+    # never waiting (its transaction holds schedule rows, which a round holding that lock
+    # may wait for: a deadlock), and at its next look takes the first's pending item's id.
     import asyncpg
 
     from asyncplane import _postgres
@@ -451,22 +452,16 @@ async def test_ticks_of_two_schedules_of_one_content_on_two_hosts_add_one_item(
     clock.advance(60)
     other = await asyncpg.connect(store.location)
     try:
-        transaction = other.transaction()
-        await transaction.start()
-        # The other host's run of its first due schedule, a-report, still uncommitted.
-        op = _backend.RunSchedulesOp(1, False)
-        assert await _postgres._run_schedules(op, other, clock.now()) == (1, 1)
-        running = asyncio.create_task(store.run_schedules())  # takes b-report
-        waiting = "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
-
-        async def waits_for_the_content() -> bool:
-            return bool(await other.fetchval(waiting))
-
-        await until(waits_for_the_content, what="b-report's tick waits for the content lock")
-        await transaction.commit()
-        assert await running == 0
+        async with other.transaction():
+            # The other host's run of its first due schedule, a-report, uncommitted.
+            op = _backend.RunSchedulesOp(1, False)
+            assert await _postgres._run_schedules(op, other, clock.now()) == (1, 1)
+            assert await store.run_schedules() == 0  # b-report left due, not waited for
+            assert await store.schedule_ticks("b-report") == []
+            assert (await store.schedule("b-report"))["next_at"].timestamp() <= clock.now()
     finally:
         await other.close()
+    assert await store.run_schedules() == 0  # b-report's tick: a-report's pending item
     (a_tick,) = await store.schedule_ticks("a-report")
     (b_tick,) = await store.schedule_ticks("b-report")
     assert a_tick["item_id"] == b_tick["item_id"]

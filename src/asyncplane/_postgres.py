@@ -966,21 +966,31 @@ async def _run_schedules(
 ) -> tuple[int, int]:
     """As SQLite's: the due schedules (those another host runs now skipped), each due
     tick's key reserved, then its item enqueued; a key another transaction reserved is
-    waited for, and if it commits, this one enqueues nothing for that tick."""
+    waited for, and if it commits, this one enqueues nothing for that tick. A schedule
+    whose content's lock another transaction holds is left due, for the next look."""
     due = await conn.fetch(sql.DUE_SCHEDULES, now, op.limit, op.crons)
     rows = [_backend.ScheduleRow._make(r) for r in due]
     enqueued = 0
+    looked = 0
     for row in rows:
+        item, fingerprint = _rules.tick_item(row)
+        if fingerprint is not None and not await conn.fetchval(
+            sql.TRY_LOCK_CONTENT, row.project_id, fingerprint
+        ):
+            # Its content is being written elsewhere (an enqueue, another host's tick) and
+            # its pending twin may be about to commit: the schedule stays due, for the
+            # next look, in a second. Never waited for: this transaction holds schedule
+            # rows, which a round holding that content's lock may wait for.
+            continue
+        looked += 1
         table = row.timetable()
         plan = _schedule.plan(table, row.catch_up, row.next_at, now)
         last = None
         for tick in plan.ticks:
             if await conn.fetchval(sql.RESERVE_TICK, row.name, tick, now) is None:
                 continue  # enqueued before: never again
-            item, fingerprint = _rules.tick_item(row)
             twin = None
             if fingerprint is not None:
-                await conn.execute(sql.LOCK_CONTENTS, [row.project_id], [fingerprint])
                 twin = await conn.fetchval(sql.PENDING_TWIN, row.project_id, fingerprint)
             if twin is None:
                 queued = _schedule.tick_detail(row.name, table, tick)
@@ -991,7 +1001,7 @@ async def _run_schedules(
             last = tick
         await conn.execute(sql.MOVE_SCHEDULE, plan.next_at, last, now, row.name)
         await conn.execute(sql.FORGET_TICKS, row.name, now - _schedule.TICKS_KEPT)
-    return enqueued, len(rows)
+    return enqueued, looked
 
 
 async def _set_project_status(

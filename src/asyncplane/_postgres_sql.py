@@ -1110,8 +1110,13 @@ WHERE item_id IS NOT NULL
 """
 
 # A schedule's tick takes the id of a pending twin with dedup off only (`_rules.tick_item`:
-# one nothing settles unrun), the oldest; under the content's lock (LOCK_CONTENTS), so
-# that a tick of another schedule of the same content, committing now, is seen.
+# one nothing settles unrun), the oldest; under the content's lock (LOCK_CONTENTS' key,
+# tried: TRY_LOCK_CONTENT), so that a tick of another schedule of the same content,
+# committing now, is seen.
+TRY_LOCK_CONTENT: Final = """
+SELECT pg_try_advisory_xact_lock(
+    hashtextextended(current_schema() || chr(1) || $1 || chr(1) || $2, 0))
+"""
 PENDING_TWIN: Final = f"""
 SELECT min(item_id) FROM items
 WHERE project_id = $1 AND fingerprint = $2 AND state IN {_models.sql_list(_models.PENDING_STATES)}

@@ -65,7 +65,8 @@ class _Fields(tuple):  # type: ignore[type-arg]
             raise _REPLACE_ERROR(f"Got unexpected field names: {list(changes)!r}")
         return made
 
-    __replace__ = _replace  # copy.replace(), Python 3.13
+    if sys.version_info >= (3, 13):
+        __replace__ = _replace  # copy.replace(), as a NamedTuple has from 3.13
 
     def _asdict(self) -> dict[str, Any]:
         return dict(zip(self._fields, self, strict=True))
