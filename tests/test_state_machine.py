@@ -558,13 +558,26 @@ class StoreMachine(RuleBasedStateMachine):
             if schedule["catch_up"] == "none" and ticks and now - ticks[-1] > 60.0:
                 ticks = []
             for tick in ticks:
-                job = Job(schedule["payload"], fingerprint=schedule["fingerprint"])
-                detail = {"schedule": name, "tick": as_datetime(tick).isoformat()}
-                _, new = self.model_enqueue(
-                    schedule["project_id"], None, [job], True, False, queued=detail
-                )
-                created += new
-                enqueued += len(new)
+                # A tick takes the oldest pending twin stored with dedup off, else adds an
+                # item with dedup off (one no done twin answers: it runs each tick).
+                fp = schedule["fingerprint"]
+                pending = [
+                    item
+                    for item in self.model_items.values()
+                    if fp is not None
+                    and item.project_id == schedule["project_id"]
+                    and item.fingerprint == fp
+                    and item.state in ("ready", "deferred")
+                    and not item.dedup
+                ]
+                if not pending:
+                    job = Job(schedule["payload"], fingerprint=fp)
+                    detail = {"schedule": name, "tick": as_datetime(tick).isoformat()}
+                    _, new = self.model_enqueue(
+                        schedule["project_id"], None, [job], False, False, queued=detail
+                    )
+                    created += new
+                    enqueued += len(new)
                 schedule["last_at"] = tick
             schedule["next_at"] = self.after(schedule, now)
         assert got == enqueued, f"run_schedules: {got} ticks, the model expected {enqueued}"
