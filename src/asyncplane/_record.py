@@ -3,14 +3,14 @@
 The seam's parameters and rows, the rules core's and a few others are NamedTuples:
 immutable, typed, and cheap to build on the hot path. But making a NamedTuple class
 compiles its ``__new__`` and type-checks each field's annotation, about 90 µs a class;
-the fifty that ``import asyncplane`` makes cost it about 4.5 ms, a tenth of what
+the 48 that ``import asyncplane`` makes cost it about 4.5 ms, a tenth of what
 ``import asyncio`` costs (issue 17's target is at most 1.5x ``import asyncio``).
 
 A class written ``class ClaimOp(Record)`` is, to mypy, exactly a NamedTuple (``Record``
 *is* ``typing.NamedTuple`` when type checking). At run time it is a tuple subclass with
 the same fields, defaults, field properties and methods (``_make``, ``_replace``,
 ``_asdict``, ``_fields``, ``_field_defaults``, ``__match_args__``, the same ``repr``,
-pickling and equality), made in about 10 µs: the methods that take no field list are
+pickling and equality), made in about 20 µs: the methods that take no field list are
 shared, and ``__new__`` is compiled, as `collections.namedtuple` compiles it, on the
 class's first construction (a class a program never builds never pays for it). After
 that, building one costs what building a NamedTuple costs.

@@ -517,13 +517,13 @@ def _run_schedules(
     rows = [_backend.ScheduleRow._make(r) for r in due]
     enqueued = 0
     for row in rows:
+        item, fingerprint = _rules.tick_item(row)
         table = row.timetable()
         plan = _schedule.plan(table, row.catch_up, row.next_at, now)
         last = None
         for tick in plan.ticks:
             if db.execute(sql.RESERVE_TICK, (row.name, tick, now)).rowcount == 0:
                 continue  # enqueued before: never again
-            item, fingerprint = _rules.tick_item(row)
             twin = None
             if fingerprint is not None:
                 [twin] = db.execute(sql.PENDING_TWIN, (row.project_id, fingerprint)).fetchone()
