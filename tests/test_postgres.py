@@ -926,12 +926,16 @@ def _server_socket(directory: str) -> pathlib.Path:
 
 @contextlib.asynccontextmanager
 async def cut_on_commit(
-    url: str, marker: bytes = b"COMMIT"
+    url: str, marker: bytes = b"COMMIT", *, deliver: bool = False
 ) -> AsyncIterator[tuple[str, asyncio.Event, asyncio.Event]]:
     """A proxy between a store and the server, as a network would be: ``(its url, arm,
     cut)``. Once ``arm`` is set, the next COMMIT (or ``marker``) a client sends is never
     delivered: the proxy drops both sides of that connection, so no answer ever comes, and
-    sets ``cut``."""
+    sets ``cut``. ``deliver``: the message is delivered, and the connection dropped once
+    the server says it is idle again (a ReadyForQuery outside a transaction: what it
+    carried is committed), that answer never passed on: saved, with no answer; ``arm``
+    is then cleared, so that the next tries go through."""
+    idle = b"Z\x00\x00\x00\x05I"  # ReadyForQuery, status idle
     parts = urllib.parse.urlsplit(url)
     query = urllib.parse.parse_qs(parts.query)
     socket = _server_socket(query["host"][0])
@@ -939,9 +943,17 @@ async def cut_on_commit(
     here = pathlib.Path(tempfile.mkdtemp(prefix="ap-proxy-"))
     arm, cut = asyncio.Event(), asyncio.Event()
 
-    async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, up: bool) -> None:
+    async def pipe(
+        reader: asyncio.StreamReader, writer: asyncio.StreamWriter, up: bool, sent: asyncio.Event
+    ) -> None:
         while data := await reader.read(65536):
             if up and arm.is_set() and marker in data:
+                if not deliver:
+                    cut.set()
+                    return
+                sent.set()
+            if not up and sent.is_set() and idle in data:
+                arm.clear()  # once: the tries after it go through
                 cut.set()
                 return
             writer.write(data)
@@ -949,10 +961,11 @@ async def cut_on_commit(
 
     async def serve(client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
         server_r, server_w = await asyncio.open_unix_connection(str(socket))
+        sent = asyncio.Event()  # (deliver) the marker went to the server on this connection
         try:
             ends = [
-                asyncio.create_task(pipe(client_r, server_w, True), name="proxy-up"),
-                asyncio.create_task(pipe(server_r, client_w, False), name="proxy-down"),
+                asyncio.create_task(pipe(client_r, server_w, True, sent), name="proxy-up"),
+                asyncio.create_task(pipe(server_r, client_w, False, sent), name="proxy-down"),
             ]
             await asyncio.wait(ends, return_when=asyncio.FIRST_COMPLETED)
             for end in ends:
@@ -1879,6 +1892,57 @@ async def test_a_connection_lost_under_a_finish_alone_says_the_outcome_is_unknow
         assert (await store.item(item))["state"] == "claimed"  # never delivered
         await store.finish(item, fence=claim.fence, result=1)
         assert (await store.item(item))["state"] == "done"
+        assert await verify_ledger(store) == []
+
+
+async def test_work_counts_a_settle_saved_with_its_answer_lost_as_settled(url: str) -> None:
+    # The finish reaches the server and is committed, but the connection goes before its
+    # answer comes: the worker hears CommitOutcomeUnknown and tries again, and the fence
+    # refuses the second try. The ledger shows the first one stood: counted done, not as
+    # taken over.
+    async with (
+        cut_on_commit(url, marker=b"saved-unanswered", deliver=True) as (through, arm, cut),
+        ControlStore(through, lease_seconds=60) as store,
+    ):
+        await store.create_project("p", "P")
+        item = await store.enqueue("p", {})
+
+        async def handle(claim: Job) -> Done:
+            arm.set()  # the claim is in: the next message carrying the marker is the finish's
+            return Done({"mark": "saved-unanswered"})
+
+        summary = await work(store, handle, concurrency=1, until_empty=True)
+        assert cut.is_set()
+        assert (summary.done, summary.fence_rejected, summary.unsaved) == (1, 0, 0)
+        assert (await store.item(item))["result"] == {"mark": "saved-unanswered"}
+        assert [e["event_type"] for e in await store.events(item)] == ["queued", "claimed", "done"]
+        assert await verify_ledger(store) == []
+
+
+async def test_work_counts_a_give_back_saved_with_its_answer_lost_as_released(url: str) -> None:
+    # The same for the release a stop makes: saved, its answer lost, tried again and
+    # refused; counted released, not as taken over.
+    actor = "saved-unanswered"
+    async with (
+        cut_on_commit(url, marker=actor.encode(), deliver=True) as (through, arm, cut),
+        ControlStore(through, lease_seconds=60) as store,
+    ):
+        await store.create_project("p", "P")
+        await store.assign("p", actor)
+        item = await store.enqueue("p", {})
+        stop = asyncio.Event()
+
+        async def handle(claim: Job) -> Done:
+            arm.set()  # the next message carrying the actor is the release
+            stop.set()
+            await asyncio.Event().wait()  # until the stop cancels it
+            raise AssertionError("unreachable")
+
+        summary = await work(store, handle, concurrency=1, actor_id=actor, stop=stop, grace=0)
+        assert cut.is_set()
+        assert (summary.released, summary.fence_rejected, summary.unsaved) == (1, 0, 0)
+        row = await store.item(item)
+        assert (row["state"], row["attempts"]) == ("ready", 0)
         assert await verify_ledger(store) == []
 
 

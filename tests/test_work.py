@@ -33,6 +33,7 @@ from asyncplane import (
     Park,
     Retry,
     StorageError,
+    _outcomes,
     _work,
     verify_ledger,
     work,
@@ -168,6 +169,32 @@ async def test_release_gives_a_claim_back_without_spending_an_attempt(
         await store.finish(item_id, fence=claim.fence)  # the old holder's late report
     await store.finish(item_id, fence=again.fence)
     assert await verify_ledger(store) == []
+
+
+async def test_the_ledger_tells_a_runtime_whether_its_own_write_at_a_fence_stood(
+    store: ControlStore, clock: ManualClock
+) -> None:
+    # What a worker asks when a try whose outcome was unknown is followed by a refusal
+    # (the tests of a lost answer are PostgreSQL's: tests/test_postgres.py).
+    done, lapsed, cancelled, released = await store.enqueue_many("alpha", [{}, {}, {}, {}])
+    claims = {claim.item_id: claim for claim in await store.claim_batch("w", 4)}
+    await store.finish(done, fence=claims[done].fence)
+    await store.release(released, fence=claims[released].fence)
+    await store.cancel(cancelled)
+    clock.advance(store.lease_seconds + 1)
+    taken = await store.claim("v")  # takes the lapsed one over
+    assert taken is not None and taken.item_id == lapsed
+    assert await _outcomes.saved_as(store, claims[done], None) == "done"
+    assert await _outcomes.saved_as(store, claims[released], None) == "released"
+    assert await _outcomes.saved_as(store, claims[cancelled], None) is None
+    assert await _outcomes.saved_as(store, claims[lapsed], None) is None
+    assert await _outcomes.saved_as(store, taken, None) is None  # nothing after it yet
+    await store.finish(lapsed, fence=taken.fence, status="failed", error="boom")
+    assert await _outcomes.saved_as(store, taken, None) == "failed"
+    assert await _outcomes.saved_as(store, claims[lapsed], None) is None
+    await store.create_project("beta", "Beta")
+    await store.assign("beta", "a")
+    assert await _outcomes.saved_as(store, claims[done], "a") is None  # out of its scope
 
 
 # --- work() ---------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ import dataclasses
 import datetime
 import logging
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, TypeAlias, TypeVar
+from typing import Any, Final, TypeAlias, TypeVar
 
 from asyncplane import _clock, _errors, _validate
 from asyncplane._models import ClaimedItem
@@ -37,6 +37,7 @@ __all__ = (
     "give_back",
     "given",
     "returned_or_raised",
+    "saved_as",
     "short_error",
     "text_of",
 )
@@ -241,12 +242,20 @@ def lasting(exc: BaseException) -> bool:
     return isinstance(exc, _LASTING)
 
 
-async def give_back(give: Callable[[], Awaitable[object]]) -> None:
-    """``give()``, a release or a park handing a runtime's item back, tried again for a few
-    seconds while the store fails under it (a connection lost: a server restarting, which
-    is also what ends a guard's session), so that such a hiccup strands no item until its
-    lease lapses. A refusal (`LOST`: not the runtime's any more) and a lasting failure
-    are raised at once."""
+async def give_back(
+    give: Callable[[], Awaitable[object]],
+    saved: Callable[[], Awaitable[bool]] | None = None,
+) -> None:
+    """``give()``, a release or a park handing a runtime's item back (or work()'s settle),
+    tried again for a few seconds while the store fails under it (a connection lost: a
+    server restarting, which is also what ends a guard's session), so that such a hiccup
+    strands no item until its lease lapses. A refusal (`LOST`: not the runtime's any more)
+    and a lasting failure are raised at once.
+
+    A refusal that follows a try whose outcome was unknown (`CommitOutcomeUnknown`) may be
+    the fence refusing a second time what the first try saved: then ``saved()`` is asked
+    (`Settler.saved_before`), and if it says so the write stands and nothing is raised."""
+    unknown = False
     for pause in (*_GIVE_BACK_PAUSES, None):
         try:
             await give()
@@ -254,7 +263,46 @@ async def give_back(give: Callable[[], Awaitable[object]]) -> None:
         except _errors.StorageError as exc:
             if pause is None or isinstance(exc, _LASTING):
                 raise
+            unknown = unknown or isinstance(exc, _errors.CommitOutcomeUnknown)
+        except LOST:
+            if unknown and saved is not None and await saved():
+                return
+            raise
         await asyncio.sleep(pause)
+
+
+#: The count of a runtime's summary that each event its settle or give-back writes at
+#: the claim's fence goes to.
+_COUNTED_AS: Final = {
+    "done": "done",
+    "failed": "failed",
+    "retried": "retried",
+    "parked": "parked",
+    "offloaded": "offloaded",
+    "released": "released",
+}
+
+
+async def saved_as(store: ControlStore, claim: ClaimedItem, actor_id: str | None) -> str | None:
+    """The summary count of the runtime's own write that followed ``claim`` in the
+    item's ledger at its fence (a settle or a release), or None if something else came
+    next (a takeover's ``lease_expired``, a ``cancelled``) or the ledger cannot be read.
+
+    Asked only when a try whose outcome was unknown is followed by a refusal: the fence
+    refuses a second try of a write the first one saved, and the ledger tells that apart
+    from a claim lost to another (a settle writes its event at the claim's fence, and
+    nothing but the claim's holder settles at it; a takeover or a cancel raises it)."""
+    try:
+        events = await store.events(claim.item_id, actor_id=actor_id)
+    except _errors.AsyncplaneError:
+        return None  # (purged, out of scope, the store failing: as refused)
+    following = None
+    for event, after in zip(events, [*events[1:], None], strict=True):
+        if event["event_type"] == "claimed" and event["fence"] == claim.fence:
+            following = after
+    if following is None or following["fence"] != claim.fence:
+        return None
+    return _COUNTED_AS.get(following["event_type"])
 
 
 def count_lost(refusal: BaseException, summary: DrainSummary) -> bool:
@@ -350,6 +398,20 @@ class Settler:
         the lease on a store that slow. Not a floor from now: that would bring back the
         slide this avoids."""
         return expires.timestamp() - self.store.lease_seconds * 2 / 3 - 1e-6
+
+    async def saved_before(self, claim: ClaimedItem) -> bool:
+        """Whether the runtime's own settle or release of ``claim`` stands in the ledger
+        (`saved_as`), counted as that write if so: asked when a try whose outcome was
+        unknown was followed by a refusal (`give_back`)."""
+        kind = await saved_as(self.store, claim, self.actor_id)
+        if kind is None:
+            return False
+        setattr(self.summary, kind, getattr(self.summary, kind) + 1)
+        _LOGS[self.source].info(
+            "item %d: a try whose outcome was unknown had been saved (%s)", claim.item_id,
+            kind, extra=log_fields(claim),
+        )  # fmt: skip
+        return True
 
     async def settle(self, claim: ClaimedItem, outcome: Outcome) -> None:
         """Settle one outcome; one the store refuses as bad input (a result it cannot keep)

@@ -636,12 +636,15 @@ class _Worker:
             # It finished just before the stop: its outcome stands.
             await self._settle(claim, self._outcome_of(claim, handler))
             return
+
+        async def release() -> None:
+            await self.store.release(claim.item_id, fence=claim.fence, actor_id=self.actor_id)
+            self.summary.released += 1
+
         try:
-            await give_back(
-                functools.partial(
-                    self.store.release, claim.item_id, fence=claim.fence, actor_id=self.actor_id
-                )
-            )
+            # A try refused after one whose outcome was unknown: the ledger says whether
+            # that one was saved (and counts it), as for a settle.
+            await give_back(release, functools.partial(self.settler.saved_before, claim))
         except LOST as refusal:
             # Taken over, cancelled or out of scope meanwhile (before a renewal told):
             # not ours to give back, and counted as what happened to it.
@@ -649,8 +652,6 @@ class _Worker:
             return
         except _errors.StorageError as exc:
             self._unsaved(claim, "give-back", exc)
-            return
-        self.summary.released += 1
 
     def _unsaved(self, claim: ClaimedItem, what: str, failure: BaseException) -> None:
         """The store failed under an item's settle or give-back, tried again for seconds:
@@ -695,9 +696,13 @@ class _Worker:
     async def _settle(self, claim: ClaimedItem, outcome: Any) -> None:
         try:
             # Tried again while the store fails (a server restarting): a settle is fenced,
-            # so a try after one whose answer was lost but which was saved is refused
-            # (counted as taken over), never saved twice.
-            await give_back(functools.partial(self.settler.settle, claim, outcome))
+            # so a try after one whose answer was lost but which was saved is refused,
+            # never saved twice; the ledger then says the first stands (`saved_before`),
+            # and it is counted as what it was, not as taken over.
+            await give_back(
+                functools.partial(self.settler.settle, claim, outcome),
+                functools.partial(self.settler.saved_before, claim),
+            )
         except _errors.AsyncplaneError as exc:
             if not count_lost(exc, self.summary):
                 if not isinstance(exc, _errors.StorageError):
