@@ -1080,6 +1080,42 @@ async def test_a_lone_surrogate_stored_escaped_is_archived_escaped(
     assert await verify_ledger(store) == []
 
 
+async def test_a_result_too_deep_to_encode_again_is_archived_as_its_text(
+    store: ControlStore, clock: ManualClock, raw: Any
+) -> None:
+    # Nested nearly as deep as Python decodes (written behind the store's back: it refuses
+    # past MAX_JSON_DEPTH), a result decoded but could not be encoded again under the
+    # archive line's own levels: RecursionError out of every purge, and out of a drain or
+    # worker with it. Which depths do that depends on the purge's call stack, so results
+    # of every depth near the limit are stored, and all must be archived.
+    limit = sys.getrecursionlimit()
+    depths = range(limit - 60, limit + 1)
+    ids = await settle(store, "alpha", len(depths))
+    for item_id, depth in zip(ids, depths, strict=True):
+        stored = "[" * depth + "]" * depth
+        raw.execute("UPDATE items SET result = ? WHERE item_id = ?", (stored, item_id))
+    clock.advance(10)
+    assert (await store.purge(0)).purged == len(ids)
+    archive = store.archive_path
+    assert archive is not None
+    # Read on a thread of its own, whose stack is as shallow as the purge's (this one's,
+    # under pytest, is deeper: the deepest lines written would not decode here).
+    lines = await asyncio.to_thread(
+        lambda: [json.loads(line)["item"] for line in archive.read_bytes().splitlines()]
+    )
+    assert [item["item_id"] for item in lines] == ids
+    for n, (item, depth) in enumerate(zip(lines, depths, strict=True)):
+        if isinstance(item["result"], dict):  # too deep to decode, or to encode again
+            assert item["result"] == {"undecoded_json": "[" * depth + "]" * depth}
+        # Where only encoding it failed, the whole line's JSON is kept as its text.
+        assert item["payload"] in (
+            {"n": n},
+            {"undecoded_json": json.dumps({"n": n}, separators=(",", ":"))},
+        )
+    assert isinstance(lines[-1]["result"], dict)  # the deepest at least
+    assert await verify_ledger(store) == []
+
+
 async def test_a_purge_refuses_an_archive_that_is_not_one(
     store: ControlStore, clock: ManualClock
 ) -> None:

@@ -245,17 +245,34 @@ def _json(text: str) -> Any:
     try:
         return json.loads(text)
     except (ValueError, RecursionError):
-        return {"undecoded_json": text}
+        return _undecoded(text)
+
+
+def _undecoded(text: str) -> Any:
+    """Stored JSON kept as its text (`_json`'s fallback)."""
+    return {"undecoded_json": text}
 
 
 def _archive_line(item: _backend.ItemRow, events: list[_backend.EventRow]) -> bytes:
+    try:
+        return _archive_line_of(item, events, _json)
+    except RecursionError:
+        # Nested nearly as deep as this process can decode (written by another program:
+        # the store refuses past MAX_JSON_DEPTH): decoded, it is too deep to encode
+        # again under the line's own levels. Kept as its text, as undecodable JSON is.
+        return _archive_line_of(item, events, _undecoded)
+
+
+def _archive_line_of(
+    item: _backend.ItemRow, events: list[_backend.EventRow], decode: Callable[[str], Any]
+) -> bytes:
     record: dict[str, Any] = {
         "archived_at": dt.datetime.now(dt.timezone.utc).isoformat(),
         "item": {
             "item_id": item.item_id,
             "project_id": item.project_id,
             "state": item.state,
-            "payload": _json(item.payload_json),
+            "payload": decode(item.payload_json),
             "fence": item.fence,
             "attempts": item.attempts,
             "owner": item.owner,
@@ -266,7 +283,7 @@ def _archive_line(item: _backend.ItemRow, events: list[_backend.EventRow]) -> by
             "sla": _iso(item.sla),
             "fingerprint": item.fingerprint,
             "max_attempts": item.max_attempts,
-            "result": None if item.result_json is None else _json(item.result_json),
+            "result": None if item.result_json is None else decode(item.result_json),
             "error": item.error,
         },
         "events": [
@@ -277,7 +294,7 @@ def _archive_line(item: _backend.ItemRow, events: list[_backend.EventRow]) -> by
                 "owner": event.owner,
                 "actor_id": event.actor_id,
                 "at": _iso(event.at),
-                "detail": None if event.detail_json is None else _json(event.detail_json),
+                "detail": None if event.detail_json is None else decode(event.detail_json),
             }
             for event in events
         ],
