@@ -804,6 +804,24 @@ async def test_a_rows_own_time_given_back_as_a_bound_excludes_it(
     assert await store.items(updated_after=newest["updated_at"]) == []
 
 
+async def test_a_bound_at_the_epoch_or_the_last_datetime_is_answered_at_once(
+    store: ControlStore,
+) -> None:
+    # A datetime bound's microsecond edge was found float by float: billions of steps
+    # near 1970 (the event loop stopped for good on `created_after=` the epoch), and the
+    # last datetime stepped past what a datetime holds (StorageError for valid input).
+    ids = await store.enqueue_many("alpha", [{}, {}])
+    epoch = dt.datetime.fromtimestamp(0, dt.timezone.utc)
+    last = dt.datetime.max.replace(tzinfo=dt.timezone.utc)
+    listed = [r["item_id"] for r in await store.items(created_after=epoch, limit=10)]
+    assert sorted(listed) == ids
+    assert await store.items(updated_before=epoch) == []
+    assert await store.items(created_after=last) == []
+    assert len(await store.items(created_before=last, limit=10)) == 2
+    assert await store.cancel_where(created_after=last, state="ready") == 0
+    assert await store.cancel_where(created_after=epoch, state="ready") == 2
+
+
 async def test_a_bad_after_or_reason_is_named_as_such(store: ControlStore) -> None:
     with pytest.raises(InvalidInput, match="after must be positive"):
         await store.items(after=0)

@@ -6,6 +6,7 @@ backends; they pin the decisions themselves, so a change to a rule shows up here
 
 from __future__ import annotations
 
+import datetime
 import json
 import math
 import random
@@ -17,9 +18,11 @@ from asyncplane import (
     FenceRejected,
     NotRequeueable,
     ScopeDenied,
+    StorageError,
     UnknownItem,
     _backend,
     _fingerprint,
+    _models,
     _rules,
 )
 from asyncplane._models import ITEM_STATES
@@ -502,3 +505,25 @@ def test_the_backfill_writes_only_what_gets_a_fingerprint_and_marks_where_it_sto
     assert _fingerprint.backfill(rows, 0, 3, identity, 40)[1] == 8
     assert _fingerprint.backfill([], 12, 10, identity, 7)[1] == 12
     assert _fingerprint.backfill([], 12, 10, identity)[1] == 12
+
+
+@pytest.mark.parametrize(
+    "bound",
+    [0.0, 5e-324, 1e-300, 1.0, -5.5, 1e4, 86400.0000004, 1_700_000_000.1234567,
+     253402300799.99997, -62135596800.0],
+)  # fmt: skip
+@pytest.mark.parametrize("later", [True, False])
+def test_a_datetime_bound_reaches_the_edge_of_its_microsecond(bound: float, later: bool) -> None:
+    # The last float shown as the bound's microsecond (an "after"), or the first (a
+    # "before"): bisected, so a bound at the epoch is as quick as one today.
+    edge = _rules.beyond_its_microsecond(bound, datetime.datetime.now(), later=later)
+    assert edge is not None
+    shown = _models.from_timestamp(bound)
+    assert _models.from_timestamp(edge) == shown
+    beyond = math.nextafter(edge, math.inf if later else -math.inf)
+    try:
+        assert _models.from_timestamp(beyond) != shown
+    except StorageError:
+        assert abs(bound) > 6e10  # past the first or the last datetime
+    assert (edge >= bound) if later else (edge <= bound)
+    assert _rules.beyond_its_microsecond(bound, bound, later=later) == bound  # epoch seconds

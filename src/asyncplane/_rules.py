@@ -51,6 +51,7 @@ import datetime
 import heapq
 import json
 import math
+import struct
 from collections.abc import Container, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -1252,11 +1253,42 @@ def beyond_its_microsecond(bound: float | None, given: object, *, later: bool) -
     "after", the first for a "before". Epoch seconds are taken as they are."""
     if bound is None or not isinstance(given, datetime.datetime):
         return bound
-    shown = _models.from_timestamp(bound)
-    toward = math.inf if later else -math.inf
-    while _models.from_timestamp(step := math.nextafter(bound, toward)) == shown:
-        bound = step  # a few steps: floats near today are a quarter of a microsecond apart
-    return bound
+    try:
+        shown = _models.from_timestamp(bound)
+    except _errors.StorageError:  # the float rounded past the last datetime (its own max)
+        return bound
+
+    def shown_so(key: int) -> bool:
+        try:
+            return _models.from_timestamp(_float_of(key)) == shown
+        except _errors.StorageError:  # past the last time a datetime holds: another
+            return False
+
+    # Bisected between the floats as integers in order (`_key_of`): about sixty looks
+    # whatever the bound. Stepping float by float took as many steps as there are floats
+    # in a microsecond there: a few near today, billions near the epoch (1970 itself: the
+    # event loop stopped for good).
+    sign = 1 if later else -1
+    same, other = _key_of(bound), _key_of(bound + sign * 2e-6) + sign  # shown as another
+    while abs(other - same) > 1:
+        middle = (same + other) // 2
+        if shown_so(middle):
+            same = middle
+        else:
+            other = middle
+    return _float_of(same)
+
+
+def _key_of(value: float) -> int:
+    """A finite float as an integer, in the floats' order: neighbours one apart."""
+    bits = int.from_bytes(struct.pack("<d", value), "little", signed=True)
+    return bits if bits >= 0 else -(bits & 0x7FFF_FFFF_FFFF_FFFF)
+
+
+def _float_of(key: int) -> float:
+    """`_key_of` undone."""
+    bits = key if key >= 0 else -key | -0x8000_0000_0000_0000
+    return float(struct.unpack("<d", bits.to_bytes(8, "little", signed=True))[0])
 
 
 def listing_arms(states: tuple[str, ...], project: bool) -> tuple[str, ...]:
