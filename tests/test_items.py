@@ -710,6 +710,42 @@ async def test_drain_stops_an_executor_whose_item_is_cancelled(
     assert await verify_ledger(store) == []
 
 
+@pytest.mark.parametrize("then", ["requeued", "taken over"])
+async def test_drain_stops_an_executor_whose_batch_is_no_longer_its_own(
+    store: ControlStore, clock: ManualClock, then: str
+) -> None:
+    # Cancelled and requeued before the renewer's turn (the renewal then refused as an
+    # item ready again, not cancelled), or taken over: the executor ran on to its end
+    # beside the item's new run, its outcome only to be refused.
+    item_id = await store.enqueue("alpha", {})
+    started, stopped = asyncio.Event(), asyncio.Event()
+
+    async def execute(batch: list[Any]) -> list[Any]:
+        started.set()
+        try:
+            await asyncio.Event().wait()  # an agent that would run forever
+        except asyncio.CancelledError:
+            stopped.set()
+            raise
+        return [Done()]
+
+    running = asyncio.create_task(drain(store, execute, batch_size=1, max_iters=1))
+    await started.wait()
+    if then == "requeued":
+        assert await store.cancel(item_id, reason="restart it") == "cancelled"
+        await store.requeue(item_id)
+        clock.advance(store.lease_seconds / 3 + 1)  # the renewer's next turn
+    else:
+        clock.advance(store.lease_seconds + 1)  # lapsed: the renewer's turn, late
+    again = await store.claim("other")  # before the renewer runs: its renewal is refused
+    assert again is not None and again.item_id == item_id
+    summary = await running
+    assert stopped.is_set()
+    assert (summary.fence_rejected, summary.cancelled, summary.done) == (1, 0, 0)
+    await store.finish(item_id, fence=again.fence)
+    assert await verify_ledger(store) == []
+
+
 # --- the command line -------------------------------------------------------------------------
 
 

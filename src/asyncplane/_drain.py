@@ -387,9 +387,10 @@ class _Drain:
                 )
             elif renewer in done and not renewer.cancelled() and renewer.exception() is not None:
                 failure = renewer.exception()
-            elif renewer in done and not renewer.cancelled() and renewer.result():
-                # No item of the batch is this drain's any more, and an operator cancelled
-                # at least one: stop the executor, settle nothing (see _renew).
+            elif renewer in done and not renewer.cancelled():
+                # No item of the batch is this drain's any more (cancelled, taken over, out
+                # of its scope): nothing the executor returns could be settled, and its
+                # items may run elsewhere already. Stop it, settle nothing (see _renew).
                 executor.cancel()
                 _, cut_short = await _tasks.to_the_end(
                     asyncio.gather(executor, return_exceptions=True),
@@ -447,11 +448,10 @@ class _Drain:
             )
         await _tasks.to_the_end(self._put_back(batch, settled), "asyncplane-drain-put-back")
 
-    async def _renew(self, batch: list[_models.ClaimedItem]) -> bool:
-        """Keep the batch's leases; True once no item of it is the drain's any more and
-        at least one was cancelled (the executor should stop: nothing it returns could
-        be settled)."""
-        return await self.settler.keep_leases(batch, self.lost)
+    async def _renew(self, batch: list[_models.ClaimedItem]) -> None:
+        """Keep the batch's leases; return once no item of it is the drain's any more
+        (the executor should stop: nothing it returns could be settled)."""
+        await self.settler.keep_leases(batch, self.lost)
 
     async def _settle(
         self,

@@ -352,12 +352,13 @@ class Settler:
     summary: DrainSummary
     source: str
 
-    async def keep_leases(self, claims: Sequence[ClaimedItem], lost: set[int]) -> bool:
+    async def keep_leases(self, claims: Sequence[ClaimedItem], lost: set[int]) -> None:
         """Renew the claims' leases every third of a lease (`renewal_due`) until none is
         left, each dropped when its renewal is refused (taken over: ``fence_rejected``;
         cancelled: ``cancelled``; out of the actor's scope: ``scope_lost``; `count_lost`)
-        and added to ``lost``. Returns, once all are lost,
-        whether any was cancelled. Runs until then, or until its task is cancelled.
+        and added to ``lost``. Returns once all are lost (nothing the executor returns
+        could be settled: drain() then stops it); runs until then, or until its task is
+        cancelled.
 
         A turn asks for every live claim's renewal at once, so the writer takes them into
         as few rounds as its batch allows, not one round trip after another (a batch of a
@@ -365,7 +366,6 @@ class Settler:
         clock = self.store.clock
         live = {claim.item_id: claim.fence for claim in claims}
         due = {claim.item_id: self.renewal_due(claim.lease_expires_at) for claim in claims}
-        cancelled = False
         while live:
             await _clock.wait_until(clock, min(due[item_id] for item_id in live))
             turn = list(live.items())
@@ -379,10 +379,8 @@ class Settler:
                     continue
                 if not count_lost(answer, self.summary):
                     raise answer
-                cancelled = cancelled or isinstance(answer, _errors.ItemCancelled)
                 del live[item_id]
                 lost.add(item_id)
-        return cancelled
 
     def renewal_due(self, expires: datetime.datetime) -> float:
         """When a lease ending at ``expires`` is next renewed: a third of a lease after the
