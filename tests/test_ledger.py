@@ -23,6 +23,7 @@ from asyncplane import (
     StorageError,
     verify_ledger,
 )
+from asyncplane import _postgres_sql as pg_sql
 from asyncplane import _sqlite_sql as sql
 from asyncplane.testing import ManualClock
 
@@ -426,3 +427,64 @@ async def test_a_cancel_fence_counts_with_the_claims(
     assert await verify_ledger(store) == []
     raw.execute("UPDATE items SET fence = ? WHERE item_id = ?", (claim.fence, claim.item_id))
     assert await kinds(store) == {"fence_disagrees"}  # the cancel's fence is the last
+
+
+async def test_a_long_history_costs_its_check_in_proportion(store: ControlStore, raw: Any) -> None:
+    # An item claimed and released N times: each claim looked up the item's last release
+    # again, reading every release, so checking it cost N squared (two minutes at 25,000
+    # cycles, each time its dashboard page was shown). Counted, not timed: SQLite's steps,
+    # PostgreSQL's rows through every node of each plan. Four times the history must cost
+    # about four times as much, not sixteen.
+    await store.create_project("p", "P")
+
+    def cost(cycles: int) -> int:
+        raw.execute("BEGIN")
+        raw.execute(
+            "INSERT INTO items (project_id, state, payload, fence, attempts, created_at,"
+            " updated_at) VALUES ('p', 'ready', '{}', ?, 0, 0, 0)",
+            (cycles,),
+        )
+        (item,) = raw.execute("SELECT max(item_id) FROM items").fetchone()
+        events = [(item, "queued", 0)]
+        for fence in range(1, cycles + 1):
+            events += [(item, "claimed", fence), (item, "released", fence)]
+        raw.executemany(
+            "INSERT INTO events (item_id, event_type, fence, at) VALUES (?, ?, ?, 0)", events
+        )
+        raw.execute("COMMIT")
+        if store.backend == "sqlite":
+            return _steps(raw, sql.ONE_ITEM_CHECKS, {"item_id": item})
+        return sum(
+            _rows_through(json.loads(raw.execute(f"EXPLAIN (ANALYZE, FORMAT JSON) {check}",
+                                                 (item,)).fetchone()[0])[0]["Plan"])
+            for _, check in pg_sql.ONE_ITEM_CHECKS
+        )  # fmt: skip
+
+    small, large = cost(1000), cost(4000)
+    assert large < 6 * small, (small, large)
+    assert await verify_ledger(store) == []
+
+
+def _steps(db: Any, statements: Any, params: dict[str, Any]) -> int:
+    """SQLite's virtual-machine steps (in hundreds) to run ``statements``, each finding
+    nothing."""
+    counted = [0]
+
+    def step() -> int:
+        counted[0] += 1
+        return 0
+
+    db.set_progress_handler(step, 100)
+    try:
+        for _, statement in statements:
+            assert db.execute(statement, params).fetchall() == []
+    finally:
+        db.set_progress_handler(None, 0)
+    return counted[0]
+
+
+def _rows_through(plan: dict[str, Any]) -> int:
+    """Rows through a PostgreSQL plan node and those under it, over all its loops."""
+    here = int(plan.get("Actual Rows", 0) + plan.get("Rows Removed by Filter", 0))
+    here *= int(plan.get("Actual Loops", 1))
+    return here + sum(_rows_through(child) for child in plan.get("Plans", ()))

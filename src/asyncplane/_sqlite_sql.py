@@ -1327,10 +1327,6 @@ def _since_requeue(alias: str) -> str:
     return _models.since_last(alias, ("requeued",))
 
 
-def _since_ready_again(alias: str) -> str:
-    return _models.since_last(alias, _models.BACK_TO_READY)
-
-
 # Settled items per minute, project and state since a time, through items_settled: the
 # dashboard's throughput (an hour of it once, then only the last minutes again).
 SETTLED_PER_MINUTE: Final = f"""
@@ -1440,12 +1436,7 @@ LEDGER_CHECKS: Final[tuple[tuple[str, str], ...]] = (
     ),
     (
         "ready_after_claim",
-        f"""
-        SELECT i.item_id, 'row is ready but the item was claimed at fence ' || max(e.fence)
-        FROM items AS i JOIN events AS e ON e.item_id = i.item_id
-        WHERE i.state = 'ready' AND e.event_type = 'claimed' AND {_since_ready_again("e")}
-        GROUP BY i.item_id
-        """,
+        _models.ready_after_claim_check(),
     ),
     (
         # Replay: the state an item's last event leaves it in (see EVENT_TYPES) must be the
@@ -1462,18 +1453,7 @@ LEDGER_CHECKS: Final[tuple[tuple[str, str], ...]] = (
               WHERE e.event_id IN (SELECT max(event_id) FROM events GROUP BY item_id)) AS r
           ON r.item_id = i.item_id
         WHERE i.state IS NOT r.replayed
-          AND NOT (i.state IN {_SETTLED_STATES}
-                   AND (NOT EXISTS (SELECT 1 FROM events AS t WHERE t.item_id = i.item_id
-                                    AND t.event_type IN {_SETTLING} AND {_since_requeue("t")})
-                        OR EXISTS (SELECT 1 FROM events AS t WHERE t.item_id = i.item_id
-                                   AND t.event_type IN {_SETTLING}
-                                   AND t.event_type <> i.state AND {_since_requeue("t")})))
-          AND NOT (i.state NOT IN {_SETTLED_STATES}
-                   AND EXISTS (SELECT 1 FROM events AS t WHERE t.item_id = i.item_id
-                               AND t.event_type IN {_SETTLING} AND {_since_requeue("t")}))
-          AND NOT (i.state = 'ready'
-                   AND EXISTS (SELECT 1 FROM events AS t WHERE t.item_id = i.item_id
-                               AND t.event_type = 'claimed' AND {_since_ready_again("t")}))
+          {_models.left_to_other_checks("i")}
         """,
     ),
     (
