@@ -746,6 +746,42 @@ async def test_drain_stops_an_executor_whose_batch_is_no_longer_its_own(
     assert await verify_ledger(store) == []
 
 
+async def test_events_last_reads_only_the_newest_of_a_long_history(
+    store: ControlStore,
+) -> None:
+    item_id = await store.enqueue("alpha", {})
+    for attempt in range(5):
+        claim = await store.claim("w")
+        assert claim is not None
+        await store.retry(item_id, fence=claim.fence, error=f"try {attempt}", delay=0)
+    whole = await store.events(item_id)
+    assert len(whole) == 11
+    assert await store.events(item_id, last=3) == whole[-3:]  # oldest first
+    assert await store.events(item_id, last=100) == whole
+    assert await store.events(item_id, last=1) == whole[-1:]
+    fresh = await store.enqueue("alpha", {})
+    assert [e["event_type"] for e in await store.events(fresh, last=5)] == ["queued"]
+    await store.create_project("beta", "Beta")
+    await store.assign("beta", "a")
+    with pytest.raises(ScopeDenied):
+        await store.events(item_id, actor_id="a", last=3)
+    with pytest.raises(UnknownItem):
+        await store.events(10**6, last=3)
+    for bad in (0, -1):
+        with pytest.raises(InvalidInput, match="last must be positive"):
+            await store.events(item_id, last=bad)
+    with pytest.raises(InvalidType):
+        await store.events(item_id, last="3")  # type: ignore[arg-type]
+    await store.close()
+    shown = cli("events", store.location, str(item_id), "--last", "2", "--json")
+    assert shown.returncode == 0, shown.stderr
+    assert [e["event_id"] for e in json.loads(shown.stdout)["events"]] == [
+        e["event_id"] for e in whole[-2:]
+    ]
+    bad = cli("events", store.location, str(item_id), "--last", "0")
+    assert bad.returncode == 2 and "--last must be positive" in bad.stderr
+
+
 # --- the command line -------------------------------------------------------------------------
 
 

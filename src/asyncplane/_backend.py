@@ -1157,8 +1157,11 @@ class Backend(Protocol):
         (`asyncplane._settles`), never a caller's."""
         ...
 
-    async def get_events(self, item_id: int, actor_id: str | None) -> list[EventRow]:
-        """Read an item's events, oldest first."""
+    async def get_events(
+        self, item_id: int, actor_id: str | None, last: int | None = None
+    ) -> list[EventRow]:
+        """Read an item's events, oldest first (``last``: only the newest so many, read
+        without the older ones: an item's history may hold thousands)."""
         ...
 
     async def count_states(self, project_id: str | None, actor_id: str | None) -> dict[str, int]:

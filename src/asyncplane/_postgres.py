@@ -760,8 +760,12 @@ class PostgresBackend(_backend.Writes):
     async def ended_among(self, item_ids: list[int], states: tuple[str, ...]) -> list[int]:
         return [row[0] for row in await self._fetch(sql.ENDED_AMONG, item_ids, list(states))]
 
-    async def get_events(self, item_id: int, actor_id: str | None) -> list[_backend.EventRow]:
-        if actor_id is None:
+    async def get_events(
+        self, item_id: int, actor_id: str | None, last: int | None = None
+    ) -> list[_backend.EventRow]:
+        if last is not None:
+            rows = await self._fetch(sql.GET_LAST_EVENTS, item_id, actor_id, last)
+        elif actor_id is None:
             rows = await self._fetch(sql.GET_EVENTS, item_id)
         else:
             rows = await self._fetch(sql.GET_EVENTS_SCOPED, item_id, actor_id)

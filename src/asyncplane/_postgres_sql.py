@@ -1822,6 +1822,20 @@ WHERE i.item_id = $1
   AND i.project_id IN (SELECT project_id FROM assignments WHERE actor_id = $2)
 ORDER BY e.event_id
 """
+# The newest $3 events of an item, oldest first ($2 the actor or NULL), as SQLite's: the
+# item's own ids first (OFFSET 0 keeps the planner from walking the whole ledger's
+# primary key backwards, filtering for the item), then only those rows.
+GET_LAST_EVENTS: Final = """
+SELECT e.event_id, e.item_id, e.event_type, e.fence, e.owner, e.actor_id, e.at, e.detail
+FROM items AS i LEFT JOIN events AS e ON e.item_id = i.item_id
+  AND e.event_id IN (SELECT m.event_id
+                     FROM (SELECT event_id FROM events WHERE item_id = $1 OFFSET 0) AS m
+                     ORDER BY m.event_id DESC LIMIT $3)
+WHERE i.item_id = $1
+  AND ($2::text IS NULL
+       OR i.project_id IN (SELECT project_id FROM assignments WHERE actor_id = $2))
+ORDER BY e.event_id
+"""
 
 # --- retention -----------------------------------------------------------------------------
 

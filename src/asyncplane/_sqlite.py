@@ -381,8 +381,13 @@ class SQLiteBackend(_backend.Writes):
         params = (json.dumps(item_ids), json.dumps(states))
         return [row[0] for row in await self._read(_fetch, sql.ENDED_AMONG, params)]
 
-    async def get_events(self, item_id: int, actor_id: str | None) -> list[_backend.EventRow]:
-        if actor_id is None:
+    async def get_events(
+        self, item_id: int, actor_id: str | None, last: int | None = None
+    ) -> list[_backend.EventRow]:
+        if last is not None:
+            params = {"item_id": item_id, "actor_id": actor_id, "last": last}
+            rows = await self._read(_fetch_named, sql.GET_LAST_EVENTS, params)
+        elif actor_id is None:
             rows = await self._read(_fetch, sql.GET_EVENTS, (item_id,))
         else:
             rows = await self._read(_fetch, sql.GET_EVENTS_SCOPED, (item_id, actor_id))

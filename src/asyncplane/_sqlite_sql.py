@@ -1046,6 +1046,19 @@ WHERE i.item_id = ?
   AND i.project_id IN (SELECT project_id FROM assignments WHERE actor_id = ?)
 ORDER BY e.event_id
 """
+# The newest :last events of an item, oldest first, read by id through the item's index:
+# the older ones (and their details) are never read. A row of nulls for an item with none;
+# no row for an item not there, or not the actor's.
+GET_LAST_EVENTS: Final = """
+SELECT e.event_id, e.item_id, e.event_type, e.fence, e.owner, e.actor_id, e.at, e.detail
+FROM items AS i LEFT JOIN events AS e ON e.item_id = i.item_id
+  AND e.event_id IN (SELECT event_id FROM events INDEXED BY events_by_item
+                     WHERE item_id = :item_id ORDER BY event_id DESC LIMIT :last)
+WHERE i.item_id = :item_id
+  AND (:actor_id IS NULL
+       OR i.project_id IN (SELECT project_id FROM assignments WHERE actor_id = :actor_id))
+ORDER BY e.event_id
+"""
 
 # --- operating single items ---------------------------------------------------------------
 # A cancel settles the item and raises its fence, as a takeover does, so whoever holds it

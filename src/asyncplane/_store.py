@@ -1759,11 +1759,20 @@ class ControlStore:
         now = backend.clock.now()
         return [_limits_dict(row, now) for row in await backend.get_limits(None)]
 
-    async def events(self, item_id: int, *, actor_id: str | None = None) -> list[dict[str, Any]]:
+    async def events(
+        self, item_id: int, *, actor_id: str | None = None, last: int | None = None
+    ) -> list[dict[str, Any]]:
         """The item's ledger, oldest first.
 
         Each event is a dict with event_id, item_id, event_type, fence, owner, actor_id,
         at (an aware UTC datetime) and detail (a dict or None).
+
+        Args:
+            item_id: The item.
+            actor_id: Read as this actor: only an item of its projects.
+            last: Only the newest this many events (still oldest first), read without
+                the older ones: an item retried or released thousands of times has a
+                history of thousands (None: all of them).
 
         Raises:
             UnknownItem: No such item (control plane only).
@@ -1771,7 +1780,8 @@ class ControlStore:
         """
         item_id = _validate.item_id(item_id)
         actor = _validate.optional_actor(actor_id)
-        rows = await (await self._engine.ready()).get_events(item_id, actor)
+        newest = None if last is None else _validate.positive_int(last, "last")
+        rows = await (await self._engine.ready()).get_events(item_id, actor, newest)
         return [
             {
                 "event_id": row.event_id,

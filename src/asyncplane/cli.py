@@ -162,6 +162,7 @@ def _parser() -> argparse.ArgumentParser:
     events = verb("events", "one item's history, oldest first")
     events.add_argument("db", help=_DB_HELP)
     events.add_argument("item", type=int)
+    events.add_argument("--last", type=int, default=None, help="only the newest N events")
     purge = verb("purge", "archive, then delete, settled items older than the retention")
     purge.add_argument("db", help=_DB_HELP)
     purge.add_argument("--retention", type=parse_duration, required=True, help="e.g. 7d")
@@ -642,9 +643,9 @@ async def _verify(store: _store.ControlStore, args: argparse.Namespace) -> int:
 
 async def _events(store: _store.ControlStore, args: argparse.Namespace) -> int:
     try:
-        events = await store.events(args.item)
-    except _errors.UnknownItem as exc:
-        raise _Usage(str(exc)) from exc
+        events = await store.events(args.item, last=args.last)
+    except (_errors.UnknownItem, _errors.InvalidInput) as exc:
+        raise _Usage(_in_flags(str(exc))) from exc
     text = "\n".join(
         f"{_when(e['at'])}  {e['event_type']:<13} fence {e['fence']:<3} "
         f"owner {e['owner'] or '-'}  {json.dumps(e['detail']) if e['detail'] else ''}".rstrip()
@@ -771,6 +772,7 @@ _FLAG_WORDS = (
     ("limit must", "--limit must"),
     ("item_id must", "an item id must"),
     ("after must", "--after must"),
+    ("last must", "--last must"),
     ("reason is", "--reason is"),
     ("reason must", "--reason must"),
     ("owner must", "--owner must"),

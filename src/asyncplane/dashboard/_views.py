@@ -414,7 +414,8 @@ class Verdicts:
         self, item_id: int, row: dict[str, Any], events: list[dict[str, Any]]
     ) -> list[Any]:
         """The problems of the item whose row and events these are."""
-        key = (row["state"], row["fence"], row["updated_at"], len(events),
+        # (Events are only ever appended: the newest one's id says the history changed.)
+        key = (row["state"], row["fence"], row["updated_at"],
                events[-1]["event_id"] if events else None)  # fmt: skip
         kept = self._found.get(item_id)
         if kept is not None and kept[0] == key:
@@ -430,6 +431,9 @@ class Verdicts:
 #: The newest events an item's page shows: one retried thousands of times, each with an
 #: error of 16 KiB, would make a page of many megabytes, on the store's event loop.
 EVENTS_SHOWN = 200
+#: The characters of each event's detail the timeline shows (a retry's error may be 16
+#: KiB: 200 of them made a page of megabytes, fetched again every 2 seconds).
+DETAIL_CHARS = 2048
 
 
 async def item(scope: Scope, item_id: int, verdicts: Verdicts) -> dict[str, Any]:
@@ -438,7 +442,9 @@ async def item(scope: Scope, item_id: int, verdicts: Verdicts) -> dict[str, Any]
     Raises `asyncplane.UnknownItem` or `asyncplane.ScopeDenied` as the store does.
     """
     row = await scope.store.item(item_id, actor_id=scope.actor_id)
-    events = await scope.store.events(item_id, actor_id=scope.actor_id)
+    # One more than shown, to know whether earlier ones are left out; never the whole
+    # history, which may be thousands of events and megabytes of details.
+    events = await scope.store.events(item_id, actor_id=scope.actor_id, last=EVENTS_SHOWN + 1)
     problems = await verdicts.of(item_id, row, events)
     shown = events[-EVENTS_SHOWN:]
     return {
@@ -446,9 +452,10 @@ async def item(scope: Scope, item_id: int, verdicts: Verdicts) -> dict[str, Any]
         "payload": pretty(row["payload"]),
         "result": None if row["result"] is None else pretty(row["result"]),
         "events": [
-            {**e, "detail": None if e["detail"] is None else pretty(e["detail"])} for e in shown
+            {**e, "detail": None if e["detail"] is None else pretty(e["detail"], DETAIL_CHARS)}
+            for e in shown
         ],
-        "events_not_shown": len(events) - len(shown),
+        "earlier_events": len(events) > len(shown),
         "problems": [
             {"kind": p.kind, "detail": p.detail, "meaning": _ledger.LEDGER_PROBLEM_KINDS[p.kind]}
             for p in problems
