@@ -1111,6 +1111,30 @@ async def test_purge_archives_cancelled_items_like_other_settled_ones(
     assert await verify_ledger(store) == []
 
 
+async def test_an_item_cancelled_while_offloaded_is_archived_with_its_handle(
+    store: ControlStore, clock: ManualClock
+) -> None:
+    # The cancel keeps the handle of the external batch that may still be running it; the
+    # archive left the handle out, so purging lost the one pointer to that batch.
+    item_id = await store.enqueue("alpha", {})
+    claim = await store.claim("w")
+    assert claim is not None
+    await store.offload(item_id, fence=claim.fence, handle="batch-7")
+    await store.cancel(item_id, reason="not needed")
+    assert (await store.item(item_id))["offload_handle"] == "batch-7"
+    done = await store.enqueue("alpha", {})
+    again = await store.claim("w")
+    assert again is not None and again.item_id == done
+    await store.finish(done, fence=again.fence)
+    clock.advance(10)
+    summary = await store.purge(5)
+    assert summary.purged == 2
+    lines = [json.loads(line)["item"] for line in summary.archive_path.read_text().splitlines()]
+    handles = {line["item_id"]: line["offload_handle"] for line in lines}
+    assert handles == {item_id: "batch-7", done: None}
+    assert await verify_ledger(store) == []
+
+
 async def test_copy_store_carries_cancelled_and_requeued_histories(
     store: ControlStore, asyncplane_store_factory: Any
 ) -> None:

@@ -25,10 +25,12 @@ disk.
 Each archive line is one JSON object: ``{"archived_at": ..., "item": {...},
 "events": [...]}``, with the item and its events much as `ControlStore.item` and
 `ControlStore.events` give them: times as ISO 8601 strings, and without the fields that
-are always empty on a settled item (lease_expires_at, due_at, offload_handle) or that the
-line already says (each event's item_id). A purge killed while writing can leave a torn
-last line; the next append, under the lock, cuts it off first (its chunk was never deleted:
-its items are archived again), so every line but a torn last one parses.
+are always empty on a settled item (lease_expires_at, due_at) or that the line already
+says (each event's item_id). (offload_handle is there: an item cancelled while offloaded
+keeps its handle, which names an external batch an operator may still have to stop.)
+A purge killed while writing can leave a torn last line; the next append, under the
+lock, cuts it off first (its chunk was never deleted: its items are archived again), so
+every line but a torn last one parses.
 
 Two purges may read the same items. Under the archive's lock, before it appends, a purge
 looks again at the items it read and leaves out those that no longer stand as it read them
@@ -285,6 +287,7 @@ def _archive_line_of(
             "max_attempts": item.max_attempts,
             "result": None if item.result_json is None else decode(item.result_json),
             "error": item.error,
+            "offload_handle": item.offload_handle,
         },
         "events": [
             {
