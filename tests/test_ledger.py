@@ -429,10 +429,14 @@ async def test_a_cancel_fence_counts_with_the_claims(
     assert await kinds(store) == {"fence_disagrees"}  # the cancel's fence is the last
 
 
-async def test_a_long_history_costs_its_check_in_proportion(store: ControlStore, raw: Any) -> None:
+@pytest.mark.parametrize("cycle", [("claimed", "released"), ("claimed", "failed", "requeued")])
+async def test_a_long_history_costs_its_check_in_proportion(
+    store: ControlStore, raw: Any, cycle: tuple[str, ...]
+) -> None:
     # An item claimed and released N times: each claim looked up the item's last release
     # again, reading every release, so checking it cost N squared (two minutes at 25,000
-    # cycles, each time its dashboard page was shown). Counted, not timed: SQLite's steps,
+    # cycles, each time its dashboard page was shown); failed and requeued N times, each
+    # settling event looked up the last requeue. Counted, not timed: SQLite's steps,
     # PostgreSQL's rows through every node of each plan. Four times the history must cost
     # about four times as much, not sixteen.
     await store.create_project("p", "P")
@@ -447,7 +451,7 @@ async def test_a_long_history_costs_its_check_in_proportion(store: ControlStore,
         (item,) = raw.execute("SELECT max(item_id) FROM items").fetchone()
         events = [(item, "queued", 0)]
         for fence in range(1, cycles + 1):
-            events += [(item, "claimed", fence), (item, "released", fence)]
+            events += [(item, event, fence) for event in cycle]
         raw.executemany(
             "INSERT INTO events (item_id, event_type, fence, at) VALUES (?, ?, ?, 0)", events
         )

@@ -29,7 +29,6 @@ __all__ = (
     "from_timestamp",
     "loads",
     "replay_case",
-    "since_last",
     "sql_list",
     "waited",
 )
@@ -97,16 +96,6 @@ def one_item_checks(
     )
 
 
-def since_last(alias: str, events: tuple[str, ...]) -> str:
-    """SQL true for an event ``alias`` after the item's last event of ``events`` (all of
-    them, if it has none): the ledger checks' "since it was last requeued" and "since it
-    was last made ready again", in both dialects (an index seek on events_by_item)."""
-    return (
-        f"{alias}.event_id > coalesce((SELECT max(r.event_id) FROM events AS r "
-        f"WHERE r.item_id = {alias}.item_id AND r.event_type IN {sql_list(events)}), 0)"
-    )
-
-
 def _last(item: str, events: tuple[str, ...], where: str = "") -> str:
     """SQL for the id of item ``item``'s last event of ``events`` (and ``where``), 0 if none."""
     return (
@@ -122,9 +111,65 @@ def any_since_last(
     after its last event of ``since`` (any at all, if it has none): the ledger checks'
     "a settling event since it was last requeued" and the like, asked once an item. As an
     EXISTS of such an event, each candidate event looking up the item's last ``since``
-    event again (`since_last`), an item claimed and released 25,000 times took minutes to
-    check: every claim read every release."""
+    event again, an item claimed and released 25,000 times took minutes to check: every
+    claim read every release."""
     return f"{_last(item, events, where)} > {_last(item, since)}"
+
+
+def settling_checks() -> tuple[tuple[str, str], ...]:
+    """The ledger checks of an item's settling events since its last requeue, the same
+    statements in both dialects, each asked once an item (`any_since_last`): a row
+    settled with no such event (done or failed; cancelled), one whose such event
+    disagrees with it, and a live row with one. Joined to every settling event, each
+    looking up the item's last requeue again, an item failed and requeued 2,000 times
+    took a second to check, four times as long for twice the history."""
+    settling, requeued = SETTLING_EVENTS, ("requeued",)
+    since = f" AND t.event_id > {_last('i', requeued)}"
+
+    def said(where: str = "") -> str:  # the settling event named (the first by name)
+        return (
+            "(SELECT min(t.event_type) FROM events AS t WHERE t.item_id = i.item_id "
+            f"AND t.event_type IN {sql_list(settling)}{since}{where})"
+        )
+
+    disagrees = " AND t.event_type <> i.state"
+    return (
+        (
+            "terminal_without_event",
+            f"""
+        SELECT i.item_id, 'row is ' || i.state || ' but no terminal event was recorded'
+        FROM items AS i
+        WHERE i.state IN {sql_list(FINISH_STATUSES)}
+          AND NOT ({any_since_last("i", settling, requeued)})
+        """,
+        ),
+        (
+            "cancelled_without_event",
+            f"""
+        SELECT i.item_id, 'row is cancelled but no "cancelled" event was recorded'
+        FROM items AS i
+        WHERE i.state = 'cancelled' AND NOT ({any_since_last("i", settling, requeued)})
+        """,
+        ),
+        (
+            "terminal_events_disagree",
+            f"""
+        SELECT i.item_id, 'row is ' || i.state || ' but an event says ' || {said(disagrees)}
+        FROM items AS i
+        WHERE i.state IN {sql_list(SETTLED_STATES)}
+          AND {any_since_last("i", settling, requeued, disagrees)}
+        """,
+        ),
+        (
+            "event_without_terminal",
+            f"""
+        SELECT i.item_id, 'a ' || {said()} || ' event exists but the row is ' || i.state
+        FROM items AS i
+        WHERE i.state NOT IN {sql_list(SETTLED_STATES)}
+          AND {any_since_last("i", settling, requeued)}
+        """,
+        ),
+    )
 
 
 def ready_after_claim_check() -> str:

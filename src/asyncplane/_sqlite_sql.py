@@ -1333,11 +1333,6 @@ ITEM_IDS_IN_STATE: Final = "SELECT item_id FROM items WHERE state = ? ORDER BY i
 _REPLAYED: Final = _models.replay_case("e.event_type", "quote")
 #: Events that settle an item, and the states they leave (from `_models`).
 _SETTLING: Final = _models.sql_list(_models.SETTLING_EVENTS)
-_SETTLED_ROW: Final = _models.sql_list(_models.FINISH_STATUSES)
-
-
-def _since_requeue(alias: str) -> str:
-    return _models.since_last(alias, ("requeued",))
 
 
 # Settled items per minute, project and state since a time, through items_settled: the
@@ -1378,48 +1373,7 @@ LEDGER_CHECKS: Final[tuple[tuple[str, str], ...]] = (
         GROUP BY s.item_id
         """,
     ),
-    (
-        "terminal_without_event",
-        f"""
-        SELECT i.item_id, 'row is ' || i.state || ' but no terminal event was recorded'
-        FROM items AS i
-        WHERE i.state IN {_SETTLED_ROW}
-          AND NOT EXISTS (SELECT 1 FROM events AS e
-                          WHERE e.item_id = i.item_id AND e.event_type IN {_SETTLING}
-                            AND {_since_requeue("e")})
-        """,
-    ),
-    (
-        "cancelled_without_event",
-        f"""
-        SELECT i.item_id, 'row is cancelled but no "cancelled" event was recorded'
-        FROM items AS i
-        WHERE i.state = 'cancelled'
-          AND NOT EXISTS (SELECT 1 FROM events AS e
-                          WHERE e.item_id = i.item_id AND e.event_type IN {_SETTLING}
-                            AND {_since_requeue("e")})
-        """,
-    ),
-    (
-        "terminal_events_disagree",
-        f"""
-        SELECT i.item_id, 'row is ' || i.state || ' but an event says ' || e.event_type
-        FROM items AS i JOIN events AS e ON e.item_id = i.item_id
-        WHERE i.state IN {_SETTLED_STATES}
-          AND e.event_type IN {_SETTLING} AND e.event_type <> i.state AND {_since_requeue("e")}
-        GROUP BY i.item_id
-        """,
-    ),
-    (
-        "event_without_terminal",
-        f"""
-        SELECT i.item_id, 'a ' || e.event_type || ' event exists but the row is ' || i.state
-        FROM items AS i JOIN events AS e ON e.item_id = i.item_id
-        WHERE i.state NOT IN {_SETTLED_STATES} AND e.event_type IN {_SETTLING}
-          AND {_since_requeue("e")}
-        GROUP BY i.item_id
-        """,
-    ),
+    *_models.settling_checks(),
     (
         # A claim raises the fence by one, and so does a cancel: their fences only rise.
         "fence_not_monotonic",
