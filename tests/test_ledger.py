@@ -418,6 +418,23 @@ async def test_ready_after_claim_still_catches_a_reset_behind_a_requeue(
     assert await kinds(store) == {"ready_after_claim"}
 
 
+async def test_ready_after_claim_names_the_claim_since_it_was_ready_again(
+    store: ControlStore, raw: Any
+) -> None:
+    # Fences written out of order behind the store's back: the detail names the claim
+    # since the item was last made ready again, not the highest fence of its history.
+    item = await store.enqueue("alpha", {})
+    for event, fence in (("claimed", 5), ("released", 5), ("claimed", 3)):
+        raw.execute(
+            "INSERT INTO events (item_id, event_type, fence, at) VALUES (?, ?, ?, 0)",
+            (item, event, fence),
+        )
+    raw.execute("UPDATE items SET fence = 3 WHERE item_id = ?", (item,))
+    found = {p.kind: p.detail for p in await verify_ledger(store)}
+    assert found["ready_after_claim"] == "row is ready but the item was claimed at fence 3"
+    assert {p.kind: p.detail for p in await verify_ledger(store, item_id=item)} == found
+
+
 async def test_a_cancel_fence_counts_with_the_claims(
     store: ControlStore, raw: sqlite3.Connection
 ) -> None:

@@ -178,7 +178,8 @@ def ready_after_claim_check() -> str:
     return f"""
         SELECT i.item_id, 'row is ready but the item was claimed at fence '
                || (SELECT max(t.fence) FROM events AS t
-                   WHERE t.item_id = i.item_id AND t.event_type = 'claimed')
+                   WHERE t.item_id = i.item_id AND t.event_type = 'claimed'
+                     AND t.event_id > {_last("i", BACK_TO_READY)})
         FROM items AS i
         WHERE i.state = 'ready' AND {any_since_last("i", ("claimed",), BACK_TO_READY)}
         """

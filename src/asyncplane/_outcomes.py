@@ -271,16 +271,9 @@ async def give_back(
         await asyncio.sleep(pause)
 
 
-#: The count of a runtime's summary that each event its settle or give-back writes at
-#: the claim's fence goes to.
-_COUNTED_AS: Final = {
-    "done": "done",
-    "failed": "failed",
-    "retried": "retried",
-    "parked": "parked",
-    "offloaded": "offloaded",
-    "released": "released",
-}
+#: The events a runtime's settle or give-back writes at the claim's fence, each counted
+#: in the summary's count of the same name.
+_COUNTED_AS: Final = frozenset(("done", "failed", "retried", "parked", "offloaded", "released"))
 
 
 async def saved_as(store: ControlStore, claim: ClaimedItem, actor_id: str | None) -> str | None:
@@ -302,7 +295,8 @@ async def saved_as(store: ControlStore, claim: ClaimedItem, actor_id: str | None
             following = after
     if following is None or following["fence"] != claim.fence:
         return None
-    return _COUNTED_AS.get(following["event_type"])
+    kind: str = following["event_type"]
+    return kind if kind in _COUNTED_AS else None
 
 
 def count_lost(refusal: BaseException, summary: DrainSummary) -> bool:
