@@ -559,6 +559,9 @@ class LedgerTally(Record):
     settled_twice: list[int]
     #: Items claimed again without a recorded takeover (a duplicate claim).
     unexplained_claims: list[int]
+    #: Per claimant (``owner``), how many of its claims were taken over once their lease
+    #: lapsed (the ``lease_expired`` events that name it).
+    taken_from: dict[str, int]
 
 
 class Sizing(Record):

@@ -1780,7 +1780,10 @@ async def _tally(conn: asyncpg.Connection) -> _backend.LedgerTally:
         items, claims, takeovers, terminal = totals
         settled_twice = [row[0] for row in await conn.fetch(sql.SETTLED_TWICE)]
         unexplained = [row[0] for row in await conn.fetch(sql.UNEXPLAINED_CLAIMS)]
-    return _backend.LedgerTally(items, claims, takeovers, terminal, settled_twice, unexplained)
+        taken_from = {row[0]: row[1] for row in await conn.fetch(sql.TAKEN_FROM)}
+    return _backend.LedgerTally(
+        items, claims, takeovers, terminal, settled_twice, unexplained, taken_from
+    )
 
 
 async def _purge_candidates(

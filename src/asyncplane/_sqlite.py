@@ -1383,8 +1383,11 @@ def _tally(db: sqlite3.Connection) -> _backend.LedgerTally:
     items, claims, takeovers, terminal = db.execute(sql.LEDGER_TALLY).fetchone()
     settled_twice = [row[0] for row in db.execute(sql.SETTLED_TWICE)]
     unexplained = [row[0] for row in db.execute(sql.UNEXPLAINED_CLAIMS)]
+    taken_from: dict[str, int] = dict(db.execute(sql.TAKEN_FROM))
     db.execute("COMMIT")
-    return _backend.LedgerTally(items, claims, takeovers, terminal, settled_twice, unexplained)
+    return _backend.LedgerTally(
+        items, claims, takeovers, terminal, settled_twice, unexplained, taken_from
+    )
 
 
 def _purge_candidates(

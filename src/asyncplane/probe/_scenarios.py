@@ -114,11 +114,43 @@ async def _chaos(
         done = report.items
     else:
         await _check(report, store, ids, everyone)
+        await _check_takeovers(report, store, everyone, args.concurrency)
         done = report.items - report.lost
     report.items_per_s = done / report.seconds if report.seconds else 0.0
     report.notes.append(
         f"{report.kills} workers killed and replaced; {report.re_executions} items taken "
         f"over after a lapsed lease; {report.fence_rejections} late reports fenced out"
+    )
+
+
+async def _check_takeovers(
+    report: ProbeReport, store: _store.ControlStore, workers: list[_Worker], concurrency: int
+) -> None:
+    """Each takeover against what happened to the worker it was taken from (its claims
+    are named ``<worker>/<coroutine>``): a killed worker held at most one claim a
+    coroutine when it died, so no more of its claims can be taken over; a worker never
+    killed hears of each of its claims taken over when it reports it (a fence refusal),
+    and hears of none that was not, unless a locked write made it drop a claim unsaid."""
+    taken_from = (await (await _store.engine_of(store).ready()).tally()).taken_from
+    taken = {worker.name: 0 for worker in workers}
+    for owner, count in taken_from.items():
+        name = owner.rpartition("/")[0]
+        if name in taken:
+            taken[name] += count
+    killed = [w for w in workers if w.killed]
+    beyond = sum(max(0, taken[w.name] - concurrency) for w in killed)
+    report.expect("takeovers_beyond_what_killed_workers_held", beyond, 0)
+    live = [w.summary for w in workers if not w.killed]
+    if any(summary is None for summary in live):
+        return  # a worker that crashed: worker_crashes says so
+    live_taken = sum(taken[w.name] for w in workers if not w.killed)
+    refused = sum(s.fence_rejected for s in live if s is not None)
+    dropped = sum(s.locked for s in live if s is not None)
+    report.expect("fence_refusals_without_a_takeover", max(0, refused - live_taken), 0)
+    report.expect("takeovers_never_heard_of", max(0, live_taken - refused - dropped), 0)
+    report.notes.append(
+        f"takeovers: {sum(taken[w.name] for w in killed)} of killed workers' claims, "
+        f"{live_taken} of live workers' (their leases lapsed while they ran)"
     )
 
 
