@@ -1919,6 +1919,30 @@ async def test_work_counts_a_settle_saved_with_its_answer_lost_as_settled(url: s
         assert await verify_ledger(store) == []
 
 
+async def test_work_stopped_while_the_store_fails_returns_its_summary(url: str) -> None:
+    # The run ends as asked, but the count of what is left cannot be read (a server
+    # restarting as the worker stops): work() raised, and its caller lost the summary
+    # of everything the run did (the worker command exited 3 for a graceful stop).
+    async with (
+        cut_on_commit(url, marker=b"SELECT 'claimed', count(*)") as (through, arm, cut),
+        ControlStore(through, lease_seconds=60) as store,
+    ):
+        await store.create_project("p", "P")
+        item = await store.enqueue("p", {})
+        stop = asyncio.Event()
+
+        async def handle(claim: Job) -> Done:
+            arm.set()  # from here the store's counts cannot be read
+            stop.set()
+            return Done({"ok": True})
+
+        summary = await work(store, handle, concurrency=1, stop=stop)
+        assert cut.is_set()
+        assert (summary.done, summary.remaining) == (1, 0)
+        arm.clear()
+        assert (await store.item(item))["state"] == "done"
+
+
 async def test_work_counts_a_give_back_saved_with_its_answer_lost_as_released(url: str) -> None:
     # The same for the release a stop makes: saved, its answer lost, tried again and
     # refused; counted released, not as taken over.

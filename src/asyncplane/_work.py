@@ -241,11 +241,21 @@ async def work(
         else:
             await run.loop()
         if not run.store_closed():  # counting would reopen a closed store
-            counts = await store.counts(project_id=run.project_id, actor_id=run.actor_id)
-            run.summary.remaining = sum(
-                counts[state] for state in ("ready", "deferred", "claimed", "offloaded")
-            )
-            counted = True
+            try:
+                counts = await store.counts(project_id=run.project_id, actor_id=run.actor_id)
+            except _errors.StorageError as exc:
+                # The run itself ended as asked (a stop during an outage, say): what it did
+                # is its summary's, returned all the same; only the count of what is left
+                # could not be read.
+                _log.warning(
+                    "asyncplane worker %s: the items left could not be counted: %s",
+                    run.owner, short_error(exc),
+                )  # fmt: skip
+            else:
+                run.summary.remaining = sum(
+                    counts[state] for state in ("ready", "deferred", "claimed", "offloaded")
+                )
+                counted = True
     finally:
         run.summary.elapsed_s = time.monotonic() - started
         # (remaining=0 from a worker cut short, or on a closed store, would say all is done)
