@@ -1919,6 +1919,52 @@ async def test_work_counts_a_settle_saved_with_its_answer_lost_as_settled(url: s
         assert await verify_ledger(store) == []
 
 
+@pytest.mark.parametrize("then", ["claims again", "stops"])
+async def test_work_gives_back_what_a_claim_saved_with_its_answer_lost_took(
+    url: str, then: str
+) -> None:
+    # The claim reaches the server and is committed, but its answer never comes back: the
+    # worker heard CommitOutcomeUnknown and claimed again, and the item it had taken ran
+    # nowhere, was given back by no stop, and failed unrun at its lease's end where that
+    # was its last attempt. Once the store answers (its next claim, or the stop), the
+    # worker gives back what that claim took, its attempt refunded.
+    owner = "orphan-claimer"  # in the claim's bound parameters: the marker
+    async with (
+        cut_on_commit(url, marker=owner.encode(), deliver=True) as (through, arm, cut),
+        ControlStore(through, lease_seconds=600) as store,
+    ):
+        await store.create_project("p", "P")
+        item = await store.enqueue("p", {}, max_attempts=1)
+        ran: list[int] = []
+        stop = asyncio.Event()
+
+        async def handle(claim: Job) -> Done:
+            ran.append(claim.item_id)
+            return Done()
+
+        arm.set()
+        if then == "claims again":
+            summary = await work(store, handle, concurrency=1, owner=owner, until_empty=True)
+            assert ran == [item] and summary.done == 1
+        else:
+
+            def cut_then_stop() -> None:
+                stop.set()  # the claim's answer is lost: stop before any other claim
+
+            watcher = asyncio.get_running_loop().create_task(cut.wait())
+            watcher.add_done_callback(lambda _: cut_then_stop())
+            summary = await work(store, handle, concurrency=1, owner=owner, stop=stop)
+            assert ran == [] and summary.done == 0
+        assert cut.is_set()
+        assert summary.released == 1
+        row = await store.item(item)
+        assert row["attempts"] == (1 if then == "claims again" else 0)
+        assert row["state"] == ("done" if then == "claims again" else "ready")
+        events = [e["event_type"] for e in await store.events(item)]
+        assert events[:3] == ["queued", "claimed", "released"]
+        assert await verify_ledger(store) == []
+
+
 async def test_work_stopped_while_the_store_fails_returns_its_summary(url: str) -> None:
     # The run ends as asked, but the count of what is left cannot be read (a server
     # restarting as the worker stops): work() raised, and its caller lost the summary

@@ -182,7 +182,8 @@ class DrainSummary:
             so it is counted here.)
         timed_out: work() only: items whose handler ran past ``timeout`` (retried).
         released: work() only: claims given back unrun at a stop (``grace`` ran out, or
-            the stop came before they started).
+            the stop came before they started), and the items a claim whose answer was
+            lost (`CommitOutcomeUnknown`) had taken, given back once the store answered.
         unsaved: work() only: items whose outcome (or give-back) the store failed under,
             tried again for a few seconds: left claimed, taken over once their leases
             lapse (and run again), or whose lease could not be renewed before it ran out

@@ -115,6 +115,10 @@ _HOUSEKEEPING_EVERY = 1.0
 #: a failover), looking again after each pause, before the worker stops with the failure.
 OUTAGE_SECONDS = 60.0
 _OUTAGE_PAUSES = (0.1, 0.25, 0.5, 1.0, 2.0, 5.0)
+#: Seconds before a claim whose outcome was unknown was asked for from which this
+#: worker's claims it does not run are taken for that claim's (`_give_back_unknown`): the
+#: store's clock on PostgreSQL is the server's, read with the round trip's uncertainty.
+_UNKNOWN_CLAIM_MARGIN = 1.0
 
 
 class Settings(Record):
@@ -318,6 +322,10 @@ class _Worker:
         self.past_due = _wakeups.PastDue()  # this worker's, as it waits for work
         #: The store has failed every try of the claim loop since (None: it answers).
         self.outage: _Outage | None = None
+        #: When a claim whose outcome is unknown was asked for (`CommitOutcomeUnknown`),
+        #: by the store's clock: it may have been saved, its items claimed under this
+        #: worker's name with nobody to run them (`_give_back_unknown`). None: none is.
+        self.unknown_claim_at: float | None = None
 
     def interrupted(self) -> bool:
         """Whether the claim loop must make no new claim: a stop, a failure (the
@@ -362,6 +370,21 @@ class _Worker:
             self._shut_down(0.0), f"asyncplane-work-stop[{self.owner}]"
         )
         cancelled = cancelled or again
+        if self.unknown_claim_at is not None and not self.store_closed():
+            # A claim whose outcome was unknown, and no claim since to give its items back
+            # after: a stop leaves nothing claimed that it can give back.
+            try:
+                _, again = await _tasks.to_the_end(
+                    self._give_back_unknown(), f"asyncplane-work-give-back[{self.owner}]"
+                )
+            except _errors.StorageError as exc:
+                _log.error(
+                    "asyncplane worker %s: what a claim whose answer was lost may have "
+                    "taken could not be given back (%s): left to its leases",
+                    self.owner, short_error(exc),
+                )  # fmt: skip
+            else:
+                cancelled = cancelled or again
         if self.failure is not None:
             raise DrainError(
                 f"work() stopped under its running items: {self.failure!r}", self.summary
@@ -466,7 +489,7 @@ class _Worker:
                 # finds nothing needs one before it, to wait on. Either way the loop goes
                 # round again, through the checks above: a stop, a failure or a close of
                 # the store may have come while this claim was out.
-                busy = bool(await self._claim(free))
+                busy = await self._claim(free)
                 self._answered()
                 continue
             local = self.engine.watch()
@@ -475,7 +498,7 @@ class _Worker:
                 if self.interrupted():
                     continue  # a stop (a signal's), a failure or a close during the read
                 self.wake.clear()
-                busy = bool(await self._claim(free))
+                busy = await self._claim(free)
                 self._answered()
                 if busy:
                     continue
@@ -540,13 +563,23 @@ class _Worker:
         if not self.store_closed():
             self.summary.purged += await self.engine.maybe_purge()
 
-    async def _claim(self, free: int) -> list[ClaimedItem]:
+    async def _claim(self, free: int) -> bool:
         """Claim up to ``free`` items and start each; a claim that lands while this task is
-        being cancelled still starts its items, which the shutdown then gives back."""
+        being cancelled still starts its items, which the shutdown then gives back.
+        Whether it took something, or gave back what an unknown claim took (either way
+        more is likely waiting: claim again at once)."""
         claiming = self.store.claim_batch(
             self.owner, free, actor_id=self.actor_id, project_id=self.project_id
         )
-        batch, cancelled = await _tasks.to_the_end(claiming, f"asyncplane-work-claim[{self.owner}]")
+        asked = self.store.clock.now()
+        try:
+            batch, cancelled = await _tasks.to_the_end(
+                claiming, f"asyncplane-work-claim[{self.owner}]"
+            )
+        except _errors.CommitOutcomeUnknown:
+            if self.unknown_claim_at is None:
+                self.unknown_claim_at = asked
+            raise
         self.summary.rounds += 1
         self.summary.claimed += len(batch)
         for claim in batch:
@@ -560,7 +593,48 @@ class _Worker:
             task.add_done_callback(self._ended)
         if cancelled:
             raise asyncio.CancelledError
-        return batch
+        given_back = 0 if self.unknown_claim_at is None else await self._give_back_unknown()
+        return bool(batch) or given_back > 0
+
+    async def _give_back_unknown(self) -> int:
+        """Give back what a claim whose outcome was unknown took, once the store answers
+        again: the items claimed under this worker's name since that claim was asked for
+        (by the store's clock, less `_UNKNOWN_CLAIM_MARGIN`), that no task of this worker
+        runs. Saved with its answer lost (a connection lost during the commit), such a
+        claim's items ran nowhere and were given back by no stop: claimed until their
+        leases lapsed, and failed unrun where that was their last attempt. Released, their
+        attempts are refunded and they are claimable at once (counted in ``released``).
+        How many; a failure of the store is raised (the claim loop rides it out, and this
+        runs again at its next claim). An owner names one running worker (the default
+        does): a claim of another process under the same name would be given back too."""
+        assert self.unknown_claim_at is not None
+        since = self.unknown_claim_at - _UNKNOWN_CLAIM_MARGIN
+        listed = await self.store.items(
+            state="claimed", owner=self.owner, project_id=self.project_id,
+            actor_id=self.actor_id, order="oldest", limit=_store.MAX_LIST_LIMIT,
+            include_payload=False,
+        )  # fmt: skip
+        self.unknown_claim_at = None
+        running = {(claim.item_id, claim.fence) for claim in self.running.values()}
+        given = 0
+        for item in listed:
+            if (item["item_id"], item["fence"]) in running:
+                continue
+            if item["claimed_at"] is None or item["claimed_at"].timestamp() < since:
+                continue
+            try:
+                await self.store.release(item["item_id"], fence=item["fence"],
+                                         actor_id=self.actor_id)  # fmt: skip
+            except LOST:
+                continue  # taken over or cancelled meanwhile: not ours to give back
+            given += 1
+            self.summary.released += 1
+            _log.warning(
+                "asyncplane worker %s: item %d was claimed by a claim whose answer was "
+                "lost (its outcome unknown): given back, to be claimed again",
+                self.owner, item["item_id"],
+            )  # fmt: skip
+        return given
 
     def _ended(self, task: asyncio.Task[None]) -> None:
         self.running.pop(task, None)
