@@ -22,13 +22,19 @@ __all__ = (
     "SERVICE_CLASSES",
     "SETTLED_STATES",
     "SETTLING_EVENTS",
+    "TAKEN_FROM",
     "ClaimedItem",
     "Job",
     "LedgerProblem",
+    "any_since_last",
     "edited",
     "from_timestamp",
+    "left_to_other_checks",
     "loads",
+    "one_item_checks",
+    "ready_after_claim_check",
     "replay_case",
+    "settling_checks",
     "sql_list",
     "waited",
 )
@@ -94,6 +100,14 @@ def one_item_checks(
         (kind, (filtered if kind in CHECKS_OF_OTHER_ITEMS else scoped).format(check=statement))
         for kind, statement in checks
     )
+
+
+#: Per claimant, how many of its claims were taken over (the probe's check of a chaos
+#: run): the same statement in both dialects.
+TAKEN_FROM: Final = """
+SELECT owner, count(*) FROM events WHERE event_type = 'lease_expired'
+GROUP BY owner ORDER BY owner
+"""
 
 
 def _last(item: str, events: tuple[str, ...], where: str = "") -> str:

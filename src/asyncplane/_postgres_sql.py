@@ -2070,10 +2070,7 @@ HAVING count(*) FILTER (WHERE event_type = 'claimed')
                                                    'requeued', 'released'))
 ORDER BY item_id
 """
-TAKEN_FROM: Final = """
-SELECT owner, count(*) FROM events WHERE event_type = 'lease_expired'
-GROUP BY owner ORDER BY owner
-"""
+TAKEN_FROM: Final = _models.TAKEN_FROM
 ITEM_IDS_IN_STATE: Final = "SELECT item_id FROM items WHERE state = $1 ORDER BY item_id"
 
 # --- the ledger verifier ---------------------------------------------------------------

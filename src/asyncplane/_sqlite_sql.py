@@ -1322,10 +1322,7 @@ HAVING sum(event_type = 'claimed')
 ORDER BY item_id
 """
 # ... and, per claimant, how many of its claims were taken over.
-TAKEN_FROM: Final = """
-SELECT owner, count(*) FROM events WHERE event_type = 'lease_expired'
-GROUP BY owner ORDER BY owner
-"""
+TAKEN_FROM: Final = _models.TAKEN_FROM
 # Items in a given state (the probe's check for lost work).
 ITEM_IDS_IN_STATE: Final = "SELECT item_id FROM items WHERE state = ? ORDER BY item_id"
 
