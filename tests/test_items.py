@@ -684,21 +684,27 @@ _CALLER: contextvars.ContextVar[str] = contextvars.ContextVar("caller", default=
 # --- drain ------------------------------------------------------------------------------------
 
 
-async def test_drain_stops_an_executor_whose_item_is_cancelled(
-    store: ControlStore, clock: ManualClock
-) -> None:
-    item_id = await store.enqueue("alpha", {})
+def _agent_running_forever() -> tuple[asyncio.Event, asyncio.Event, Any]:
+    """An executor that runs until it is cancelled: (started, stopped, the executor)."""
     started, stopped = asyncio.Event(), asyncio.Event()
 
     async def execute(batch: list[Any]) -> list[Any]:
         started.set()
         try:
-            await asyncio.Event().wait()  # an agent that would run forever
+            await asyncio.Event().wait()
         except asyncio.CancelledError:
             stopped.set()
             raise
         return [Done()]
 
+    return started, stopped, execute
+
+
+async def test_drain_stops_an_executor_whose_item_is_cancelled(
+    store: ControlStore, clock: ManualClock
+) -> None:
+    item_id = await store.enqueue("alpha", {})
+    started, stopped, execute = _agent_running_forever()
     running = asyncio.create_task(drain(store, execute, batch_size=1, max_iters=1))
     await started.wait()
     assert await store.cancel(item_id, reason="operator") == "cancelled"
@@ -718,17 +724,7 @@ async def test_drain_stops_an_executor_whose_batch_is_no_longer_its_own(
     # item ready again, not cancelled), or taken over: the executor ran on to its end
     # beside the item's new run, its outcome only to be refused.
     item_id = await store.enqueue("alpha", {})
-    started, stopped = asyncio.Event(), asyncio.Event()
-
-    async def execute(batch: list[Any]) -> list[Any]:
-        started.set()
-        try:
-            await asyncio.Event().wait()  # an agent that would run forever
-        except asyncio.CancelledError:
-            stopped.set()
-            raise
-        return [Done()]
-
+    started, stopped, execute = _agent_running_forever()
     running = asyncio.create_task(drain(store, execute, batch_size=1, max_iters=1))
     await started.wait()
     if then == "requeued":
