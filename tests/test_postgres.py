@@ -926,7 +926,7 @@ def _server_socket(directory: str) -> pathlib.Path:
 
 @contextlib.asynccontextmanager
 async def cut_on_commit(
-    url: str, marker: bytes = b"COMMIT", *, deliver: bool = False
+    url: str, marker: bytes = b"COMMIT", *, deliver: bool = False, then: bytes | None = None
 ) -> AsyncIterator[tuple[str, asyncio.Event, asyncio.Event]]:
     """A proxy between a store and the server, as a network would be: ``(its url, arm,
     cut)``. Once ``arm`` is set, the next COMMIT (or ``marker``) a client sends is never
@@ -934,7 +934,8 @@ async def cut_on_commit(
     sets ``cut``. ``deliver``: the message is delivered, and the connection dropped once
     the server says it is idle again (a ReadyForQuery outside a transaction: what it
     carried is committed), that answer never passed on: saved, with no answer; ``arm``
-    is then cleared, so that the next tries go through."""
+    is then cleared, so that the next tries go through. ``then``: after that cut, the
+    first message carrying ``then`` is dropped too, with its connection (once)."""
     idle = b"Z\x00\x00\x00\x05I"  # ReadyForQuery, status idle
     parts = urllib.parse.urlsplit(url)
     query = urllib.parse.parse_qs(parts.query)
@@ -942,11 +943,15 @@ async def cut_on_commit(
     # A socket's path has room for about a hundred bytes: a short directory of its own.
     here = pathlib.Path(tempfile.mkdtemp(prefix="ap-proxy-"))
     arm, cut = asyncio.Event(), asyncio.Event()
+    second = [then]  # the marker still to cut on, after the first cut
 
     async def pipe(
         reader: asyncio.StreamReader, writer: asyncio.StreamWriter, up: bool, sent: asyncio.Event
     ) -> None:
         while data := await reader.read(65536):
+            if up and cut.is_set() and second[0] is not None and second[0] in data:
+                second[0] = None
+                return
             if up and arm.is_set() and marker in data:
                 if not deliver:
                     cut.set()
@@ -1962,6 +1967,33 @@ async def test_work_gives_back_what_a_claim_saved_with_its_answer_lost_took(
         assert row["state"] == ("done" if then == "claims again" else "ready")
         events = [e["event_type"] for e in await store.events(item)]
         assert events[:3] == ["queued", "claimed", "released"]
+        assert await verify_ledger(store) == []
+
+
+async def test_work_tries_again_to_give_back_what_a_lost_claim_took(url: str) -> None:
+    # The first give-back's connection is lost too: it is tried again (the outage passes
+    # in a moment), not dropped with the rest of the lost claim's items left to their
+    # leases, to fail unrun on their last attempt.
+    owner = "orphan-claimer"
+    async with (
+        cut_on_commit(
+            url, marker=owner.encode(), deliver=True, then=b"attempts = attempts - 1"
+        ) as (through, arm, cut),
+        ControlStore(through, lease_seconds=600) as store,
+    ):
+        await store.create_project("p", "P")
+        items = [await store.enqueue("p", {"n": n}, max_attempts=1) for n in range(3)]
+        ran: list[int] = []
+
+        async def handle(claim: Job) -> Done:
+            ran.append(claim.item_id)
+            return Done()
+
+        arm.set()
+        summary = await work(store, handle, concurrency=3, owner=owner, until_empty=True)
+        assert cut.is_set()
+        assert sorted(ran) == items
+        assert (summary.released, summary.done) == (3, 3)
         assert await verify_ledger(store) == []
 
 

@@ -197,6 +197,35 @@ async def test_the_ledger_tells_a_runtime_whether_its_own_write_at_a_fence_stood
     assert await _outcomes.saved_as(store, claims[done], "a") is None  # out of its scope
 
 
+async def test_a_lost_claims_give_back_spares_every_claim_the_worker_received(
+    store: ControlStore,
+) -> None:
+    # After a claim whose answer was lost, the worker gives back what that claim took:
+    # the items claimed under its name since, that it never received. One it received
+    # and no longer runs (its settle left unsaved, say: still claimed) is not such an
+    # item; giving it back ran it again past its attempts. (The lost claim itself, on a
+    # real connection, is tests/test_postgres.py's.)
+    worker = _work._Worker(
+        store=store, handle=lambda claim: _done(), owner="w", concurrency=2, timeout=None,
+        project_id=None, actor_id=None, stop=asyncio.Event(), grace=0.0, until_empty=False,
+        poll_interval=0.1, preflight_chunk=500,
+    )  # fmt: skip
+    received_id = await store.enqueue("alpha", {"n": 1}, max_attempts=1)
+    lost_id = await store.enqueue("alpha", {"n": 2}, max_attempts=1)
+    asked = store.clock.now()
+    received = await store.claim_batch("w", 1)
+    assert [claim.item_id for claim in received] == [received_id]
+    worker._received(asked, received)  # received, run, and no longer running
+    worker.unknown_claim_at = store.clock.now()
+    assert await store.claim_batch("w", 1)  # as if its answer had been lost
+    assert await worker._give_back_unknown() == 1
+    assert worker.unknown_claim_at is None and worker.summary.released == 1
+    assert (await store.item(received_id))["state"] == "claimed"
+    lost = await store.item(lost_id)
+    assert (lost["state"], lost["attempts"]) == ("ready", 0)
+    assert await verify_ledger(store) == []
+
+
 # --- work() ---------------------------------------------------------------------------------
 
 

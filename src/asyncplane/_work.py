@@ -61,6 +61,7 @@ The rules it keeps:
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import contextvars
 import dataclasses
@@ -326,6 +327,11 @@ class _Worker:
         #: by the store's clock: it may have been saved, its items claimed under this
         #: worker's name with nobody to run them (`_give_back_unknown`). None: none is.
         self.unknown_claim_at: float | None = None
+        #: The claims this worker received lately (the store's time each was asked for,
+        #: and its item and fence), oldest first: none of them is a lost claim's, whatever
+        #: became of it since (run and settled, or left unsaved). Kept back to
+        #: `_UNKNOWN_CLAIM_MARGIN` before the oldest claim that could yet prove unknown.
+        self.received: collections.deque[tuple[float, tuple[int, int]]] = collections.deque()
 
     def interrupted(self) -> bool:
         """Whether the claim loop must make no new claim: a stop, a failure (the
@@ -580,6 +586,7 @@ class _Worker:
             if self.unknown_claim_at is None:
                 self.unknown_claim_at = asked
             raise
+        self._received(asked, batch)
         self.summary.rounds += 1
         self.summary.claimed += len(batch)
         for claim in batch:
@@ -596,17 +603,27 @@ class _Worker:
         given_back = 0 if self.unknown_claim_at is None else await self._give_back_unknown()
         return bool(batch) or given_back > 0
 
+    def _received(self, asked: float, batch: list[ClaimedItem]) -> None:
+        """Note the claims of ``batch``, asked for at ``asked`` (the store's time), and
+        forget those too old to be taken for a lost claim's."""
+        self.received.extend((asked, (claim.item_id, claim.fence)) for claim in batch)
+        oldest = asked if self.unknown_claim_at is None else min(asked, self.unknown_claim_at)
+        while self.received and self.received[0][0] < oldest - 2 * _UNKNOWN_CLAIM_MARGIN:
+            self.received.popleft()
+
     async def _give_back_unknown(self) -> int:
         """Give back what a claim whose outcome was unknown took, once the store answers
         again: the items claimed under this worker's name since that claim was asked for
-        (by the store's clock, less `_UNKNOWN_CLAIM_MARGIN`), that no task of this worker
-        runs. Saved with its answer lost (a connection lost during the commit), such a
+        (by the store's clock, less `_UNKNOWN_CLAIM_MARGIN`) that this worker never
+        received. Saved with its answer lost (a connection lost during the commit), such a
         claim's items ran nowhere and were given back by no stop: claimed until their
-        leases lapsed, and failed unrun where that was their last attempt. Released, their
-        attempts are refunded and they are claimable at once (counted in ``released``).
-        How many; a failure of the store is raised (the claim loop rides it out, and this
-        runs again at its next claim). An owner names one running worker (the default
-        does): a claim of another process under the same name would be given back too."""
+        leases lapsed, and failed unrun where that was their last attempt. Released
+        (`give_back`: tried again while the store fails for a moment), their attempts are
+        refunded and they are claimable at once (counted in ``released``). How many. A
+        failure of the store is raised, the claim still to look at again (the claim loop
+        rides the failure out, and this runs again after its next claim, or at the stop).
+        An owner names one running worker (the default does): a claim another process
+        made under the same name in that moment would be given back too."""
         assert self.unknown_claim_at is not None
         since = self.unknown_claim_at - _UNKNOWN_CLAIM_MARGIN
         listed = await self.store.items(
@@ -614,26 +631,30 @@ class _Worker:
             actor_id=self.actor_id, order="oldest", limit=_store.MAX_LIST_LIMIT,
             include_payload=False,
         )  # fmt: skip
-        self.unknown_claim_at = None
-        running = {(claim.item_id, claim.fence) for claim in self.running.values()}
+        received = {key for _, key in self.received}
+        received.update((claim.item_id, claim.fence) for claim in self.running.values())
         given = 0
         for item in listed:
-            if (item["item_id"], item["fence"]) in running:
+            key = (item["item_id"], item["fence"])
+            if key in received:
                 continue
             if item["claimed_at"] is None or item["claimed_at"].timestamp() < since:
                 continue
             try:
-                await self.store.release(item["item_id"], fence=item["fence"],
-                                         actor_id=self.actor_id)  # fmt: skip
+                await give_back(
+                    functools.partial(
+                        self.store.release, key[0], fence=key[1], actor_id=self.actor_id
+                    )
+                )
             except LOST:
                 continue  # taken over or cancelled meanwhile: not ours to give back
             given += 1
             self.summary.released += 1
             _log.warning(
-                "asyncplane worker %s: item %d was claimed by a claim whose answer was "
-                "lost (its outcome unknown): given back, to be claimed again",
-                self.owner, item["item_id"],
+                "asyncplane worker %s: item %d was taken by a claim whose answer was lost "
+                "(its outcome unknown): given back, to be claimed again", self.owner, key[0],
             )  # fmt: skip
+        self.unknown_claim_at = None  # all of them given back: none is to look at again
         return given
 
     def _ended(self, task: asyncio.Task[None]) -> None:
