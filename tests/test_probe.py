@@ -1003,41 +1003,46 @@ async def test_two_runs_in_one_process_stop_only_their_own_workers(
 async def test_chaos_holds_each_takeover_to_what_befell_its_worker(
     store: ControlStore, clock: ManualClock
 ) -> None:
-    # A killed worker held at most one claim a coroutine; a worker never killed hears of
-    # each of its claims taken over (a fence refusal). Checked against the ledger's
-    # takeovers, named by the claimant ("<worker>/<coroutine>"), on a real store.
+    # A killed worker's coroutine held at most one claim when it died; a worker never
+    # killed hears of each of its claims taken over (a fence refusal). Checked against
+    # the ledger's takeovers, named by the claimant ("<worker>/<coroutine>"), on a real
+    # store.
     from asyncplane._probe_protocol import Summary
     from asyncplane.probe._report import ProbeReport
     from asyncplane.probe._scenarios import _check_takeovers
 
-    await store.enqueue_many("alpha", [{} for _ in range(3)])
-    for owner in ("killed/0", "killed/0", "live/0"):  # each claim lapses, then is taken
-        assert await store.claim(owner) is not None
-        clock.advance(store.lease_seconds + 1)
-        taken = await store.claim("rescuer/0")
-        assert taken is not None
-        await store.finish(taken.item_id, fence=taken.fence)
+    await store.enqueue_many("alpha", [{} for _ in range(5)])
 
-    def worker(name: str, killed: bool, refused: int) -> Any:
+    async def lapse_and_take(count: int) -> None:
+        clock.advance(store.lease_seconds + 1)
+        for _ in range(count):  # the lapsed ones: older than any still ready
+            taken = await store.claim("rescuer/0")
+            assert taken is not None and taken.fence > 1
+            await store.finish(taken.item_id, fence=taken.fence)
+
+    # "killed/0" had one claim taken over while it went on, then died holding another;
+    # "broken/0" held two at once (no coroutine does); "live/0" had one taken over.
+    for owners in (["killed/0"], ["killed/0"], ["broken/0", "broken/0"], ["live/0"]):
+        for owner in owners:
+            assert await store.claim(owner) is not None
+        await lapse_and_take(len(owners))
+
+    def worker(name: str, killed: bool, refused: int = 0) -> Any:
         summary = None if killed else Summary(name, 0, 0, 0, refused, 0.0)
         return types.SimpleNamespace(name=name, killed=killed, summary=summary)
 
-    def fresh() -> ProbeReport:
-        return ProbeReport("chaos", 3, 3, 1, "NORMAL", store.lease_seconds)
+    async def failures(*fleet: Any) -> tuple[list[str], ProbeReport]:
+        report = ProbeReport("chaos", len(fleet), 5, 1, "NORMAL", store.lease_seconds)
+        await _check_takeovers(report, store, list(fleet))
+        return report.failures, report
 
-    report = fresh()
-    fleet = [worker("killed", True, 0), worker("live", False, 1), worker("rescuer", False, 0)]
-    await _check_takeovers(report, store, fleet, 2)
-    assert report.failures == []
+    killed, rescuer = worker("killed", True), worker("rescuer", False)
+    found, report = await failures(killed, worker("live", False, 1), rescuer)
+    assert found == []
     assert "takeovers: 2 of killed workers' claims, 1 of live workers'" in report.notes[-1]
-    report = fresh()
-    await _check_takeovers(report, store, fleet, 1)  # one coroutine: two claims cannot lapse
-    assert report.failures == ["takeovers_beyond_what_killed_workers_held is 1, must be 0"]
-    report = fresh()
-    fleet[1] = worker("live", False, 0)  # taken over, and never told
-    await _check_takeovers(report, store, fleet, 2)
-    assert report.failures == ["takeovers_never_heard_of is 1, must be 0"]
-    report = fresh()
-    fleet[1] = worker("live", False, 2)  # told twice, taken once
-    await _check_takeovers(report, store, fleet, 2)
-    assert report.failures == ["fence_refusals_without_a_takeover is 1, must be 0"]
+    found, _ = await failures(killed, worker("broken", True), worker("live", False, 1), rescuer)
+    assert found == ["takeovers_beyond_what_killed_workers_held is 1, must be 0"]
+    found, _ = await failures(killed, worker("live", False, 0), rescuer)  # never told
+    assert found == ["takeovers_never_heard_of is 1, must be 0"]
+    found, _ = await failures(killed, worker("live", False, 2), rescuer)  # told twice
+    assert found == ["fence_refusals_without_a_takeover is 1, must be 0"]

@@ -562,6 +562,8 @@ class LedgerTally(Record):
     #: Per claimant (``owner``), how many of its claims were taken over once their lease
     #: lapsed (the ``lease_expired`` events that name it).
     taken_from: dict[str, int]
+    #: Of those, how many were taken over after the claimant's last claim.
+    taken_at_the_end: dict[str, int]
 
 
 class Sizing(Record):

@@ -22,6 +22,7 @@ __all__ = (
     "SERVICE_CLASSES",
     "SETTLED_STATES",
     "SETTLING_EVENTS",
+    "TAKEN_AFTER_LAST_CLAIM",
     "TAKEN_FROM",
     "ClaimedItem",
     "Job",
@@ -107,6 +108,17 @@ def one_item_checks(
 TAKEN_FROM: Final = """
 SELECT owner, count(*) FROM events WHERE event_type = 'lease_expired'
 GROUP BY owner ORDER BY owner
+"""
+#: Per claimant, how many of its claims were taken over after its last claim: those it
+#: still held when it stopped claiming (at most one a claimant that claims one at a time,
+#: as a probe worker's coroutine does; one taken over earlier, while it went on, it was
+#: told of as a fence refusal).
+TAKEN_AFTER_LAST_CLAIM: Final = """
+WITH last_claim AS (SELECT owner, max(event_id) AS last FROM events
+                    WHERE event_type = 'claimed' GROUP BY owner)
+SELECT e.owner, count(*) FROM events AS e LEFT JOIN last_claim AS l ON l.owner = e.owner
+WHERE e.event_type = 'lease_expired' AND e.event_id > coalesce(l.last, 0)
+GROUP BY e.owner ORDER BY e.owner
 """
 
 

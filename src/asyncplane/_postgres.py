@@ -1781,8 +1781,9 @@ async def _tally(conn: asyncpg.Connection) -> _backend.LedgerTally:
         settled_twice = [row[0] for row in await conn.fetch(sql.SETTLED_TWICE)]
         unexplained = [row[0] for row in await conn.fetch(sql.UNEXPLAINED_CLAIMS)]
         taken_from = {row[0]: row[1] for row in await conn.fetch(sql.TAKEN_FROM)}
+        at_the_end = {row[0]: row[1] for row in await conn.fetch(sql.TAKEN_AFTER_LAST_CLAIM)}
     return _backend.LedgerTally(
-        items, claims, takeovers, terminal, settled_twice, unexplained, taken_from
+        items, claims, takeovers, terminal, settled_twice, unexplained, taken_from, at_the_end
     )
 
 

@@ -2071,6 +2071,7 @@ HAVING count(*) FILTER (WHERE event_type = 'claimed')
 ORDER BY item_id
 """
 TAKEN_FROM: Final = _models.TAKEN_FROM
+TAKEN_AFTER_LAST_CLAIM: Final = _models.TAKEN_AFTER_LAST_CLAIM
 ITEM_IDS_IN_STATE: Final = "SELECT item_id FROM items WHERE state = $1 ORDER BY item_id"
 
 # --- the ledger verifier ---------------------------------------------------------------

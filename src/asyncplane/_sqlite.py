@@ -1384,9 +1384,10 @@ def _tally(db: sqlite3.Connection) -> _backend.LedgerTally:
     settled_twice = [row[0] for row in db.execute(sql.SETTLED_TWICE)]
     unexplained = [row[0] for row in db.execute(sql.UNEXPLAINED_CLAIMS)]
     taken_from: dict[str, int] = dict(db.execute(sql.TAKEN_FROM))
+    at_the_end: dict[str, int] = dict(db.execute(sql.TAKEN_AFTER_LAST_CLAIM))
     db.execute("COMMIT")
     return _backend.LedgerTally(
-        items, claims, takeovers, terminal, settled_twice, unexplained, taken_from
+        items, claims, takeovers, terminal, settled_twice, unexplained, taken_from, at_the_end
     )
 
 

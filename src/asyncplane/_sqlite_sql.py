@@ -1323,6 +1323,7 @@ ORDER BY item_id
 """
 # ... and, per claimant, how many of its claims were taken over.
 TAKEN_FROM: Final = _models.TAKEN_FROM
+TAKEN_AFTER_LAST_CLAIM: Final = _models.TAKEN_AFTER_LAST_CLAIM
 # Items in a given state (the probe's check for lost work).
 ITEM_IDS_IN_STATE: Final = "SELECT item_id FROM items WHERE state = ? ORDER BY item_id"
 

@@ -114,7 +114,7 @@ async def _chaos(
         done = report.items
     else:
         await _check(report, store, ids, everyone)
-        await _check_takeovers(report, store, everyone, args.concurrency)
+        await _check_takeovers(report, store, everyone)
         done = report.items - report.lost
     report.items_per_s = done / report.seconds if report.seconds else 0.0
     report.notes.append(
@@ -124,33 +124,49 @@ async def _chaos(
 
 
 async def _check_takeovers(
-    report: ProbeReport, store: _store.ControlStore, workers: list[_Worker], concurrency: int
+    report: ProbeReport, store: _store.ControlStore, workers: list[_Worker]
 ) -> None:
     """Each takeover against what happened to the worker it was taken from (its claims
-    are named ``<worker>/<coroutine>``): a killed worker held at most one claim a
-    coroutine when it died, so no more of its claims can be taken over; a worker never
-    killed hears of each of its claims taken over when it reports it (a fence refusal),
-    and hears of none that was not, unless a locked write made it drop a claim unsaid."""
-    taken_from = (await (await _store.engine_of(store).ready()).tally()).taken_from
-    taken = {worker.name: 0 for worker in workers}
-    for owner, count in taken_from.items():
+    are named ``<worker>/<coroutine>``, each coroutine holding one claim at a time):
+    a killed worker's coroutine held at most one claim when it died, so at most one of
+    its claims is taken over after its last claim (one taken over before, while it went
+    on, it was told of and cannot be counted: a killed worker says no summary); a
+    worker never killed hears of each of its claims taken over when it reports it (a
+    fence refusal), and of none that was not, unless a locked write made it drop a
+    claim unsaid. Checked worker by worker."""
+    tally = await (await _store.engine_of(store).ready()).tally()
+    names = {worker.name for worker in workers}
+
+    def of(owner: str) -> str | None:
         name = owner.rpartition("/")[0]
-        if name in taken:
+        return name if name in names else None
+
+    taken = dict.fromkeys(names, 0)
+    for owner, count in tally.taken_from.items():
+        if (name := of(owner)) is not None:
             taken[name] += count
-    killed = [w for w in workers if w.killed]
-    beyond = sum(max(0, taken[w.name] - concurrency) for w in killed)
+    killed = {w.name for w in workers if w.killed}
+    beyond = sum(
+        count - 1
+        for owner, count in tally.taken_at_the_end.items()
+        if of(owner) in killed and count > 1
+    )
     report.expect("takeovers_beyond_what_killed_workers_held", beyond, 0)
-    live = [w.summary for w in workers if not w.killed]
-    if any(summary is None for summary in live):
+    live = [w for w in workers if not w.killed]
+    if any(w.summary is None for w in live):
         return  # a worker that crashed: worker_crashes says so
-    live_taken = sum(taken[w.name] for w in workers if not w.killed)
-    refused = sum(s.fence_rejected for s in live if s is not None)
-    dropped = sum(s.locked for s in live if s is not None)
-    report.expect("fence_refusals_without_a_takeover", max(0, refused - live_taken), 0)
-    report.expect("takeovers_never_heard_of", max(0, live_taken - refused - dropped), 0)
+    unheard = refused_untaken = 0
+    for worker in live:
+        assert worker.summary is not None
+        refused, dropped = worker.summary.fence_rejected, worker.summary.locked
+        refused_untaken += max(0, refused - taken[worker.name])
+        unheard += max(0, taken[worker.name] - refused - dropped)
+    report.expect("fence_refusals_without_a_takeover", refused_untaken, 0)
+    report.expect("takeovers_never_heard_of", unheard, 0)
     report.notes.append(
-        f"takeovers: {sum(taken[w.name] for w in killed)} of killed workers' claims, "
-        f"{live_taken} of live workers' (their leases lapsed while they ran)"
+        f"takeovers: {sum(taken[name] for name in killed)} of killed workers' claims, "
+        f"{sum(taken[w.name] for w in live)} of live workers' (their leases lapsed while "
+        "they ran)"
     )
 
 
