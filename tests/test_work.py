@@ -1942,6 +1942,7 @@ def test_the_worker_command_refuses_a_bad_handler(tmp_path: Any) -> None:
         (["--project="], "project_id must"),
         (["--owner="], "owner must"),
         (["--owner", "o" * 300], "owner"),
+        (["--project", "p", "--project", "q", "--project", "p"], "--project p is given more"),
     ):  # a usage error (2), not a store that failed (3)
         child = worker(where, tmp_path, "fleet_handlers:handle", *option)
         _, err = child.communicate(timeout=60)

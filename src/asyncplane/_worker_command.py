@@ -113,6 +113,11 @@ def run(args: argparse.Namespace) -> int:
         raise Usage(str(exc)) from exc
     if args.exclusive and args.project and len(args.project) > 1:
         raise Usage("--exclusive runs one worker alone: give it one --project at most")
+    if args.project and len(set(args.project)) < len(args.project):
+        # Two runs of one project under one name: each would take the other's claims
+        # for a lost claim's (work()'s give-back after CommitOutcomeUnknown).
+        twice = next(p for p in args.project if args.project.count(p) > 1)
+        raise Usage(f"--project {twice} is given more than once")
     try:
         return _loops.run(_main(args, handler))
     except (_errors.AsyncplaneError, OSError) as exc:
