@@ -116,9 +116,10 @@ _HOUSEKEEPING_EVERY = 1.0
 #: a failover), looking again after each pause, before the worker stops with the failure.
 OUTAGE_SECONDS = 60.0
 _OUTAGE_PAUSES = (0.1, 0.25, 0.5, 1.0, 2.0, 5.0)
-#: Seconds before a claim whose outcome was unknown was asked for from which this
-#: worker's claims it does not run are taken for that claim's (`_give_back_unknown`): the
-#: store's clock on PostgreSQL is the server's, read with the round trip's uncertainty.
+#: Seconds before a claim whose outcome was unknown was asked for from which the claims
+#: under this worker's name that it never received are taken for that claim's
+#: (`_give_back_unknown`): the store's clock on PostgreSQL is the server's, read with the
+#: round trip's uncertainty.
 _UNKNOWN_CLAIM_MARGIN = 1.0
 
 
@@ -329,7 +330,7 @@ class _Worker:
         self.unknown_claim_at: float | None = None
         #: The claims this worker received lately (the store's time each was asked for,
         #: and its item and fence), oldest first: none of them is a lost claim's, whatever
-        #: became of it since (run and settled, or left unsaved). Kept back to
+        #: became of it since (run and settled, or left unsaved). Kept back to twice
         #: `_UNKNOWN_CLAIM_MARGIN` before the oldest claim that could yet prove unknown.
         self.received: collections.deque[tuple[float, tuple[int, int]]] = collections.deque()
 
