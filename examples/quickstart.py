@@ -4,7 +4,8 @@ The first is a minimal round trip: a project, an item, one claim, one finish, a 
 ledger. The second shows that scope belongs to the store: an actor sees only the projects
 assigned to it, and the store itself refuses the rest.
 
-Run it with ``python examples/quickstart.py``; it works in a fresh temporary directory.
+Run it with ``python examples/quickstart.py``; it works in a fresh temporary directory,
+removed again when it ends.
 """
 
 import asyncio
@@ -53,5 +54,9 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
-    os.chdir(tempfile.mkdtemp(prefix="asyncplane-quickstart-"))
-    asyncio.run(main())
+    with tempfile.TemporaryDirectory(prefix="asyncplane-quickstart-") as workdir:
+        os.chdir(workdir)
+        try:
+            asyncio.run(main())
+        finally:
+            os.chdir(os.path.dirname(workdir))  # a directory can go only once left

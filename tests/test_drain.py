@@ -489,6 +489,7 @@ async def test_two_drains_in_one_process_run_one_at_a_time(store: ControlStore) 
     await started.wait()
     second = await drain(store, all_done)
     assert second.skipped and second.rounds == 0 and second.claimed == 0
+    assert second.remaining is None  # not counted: 0 would say the queue is empty
     release.set()
     assert not (await first).skipped
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import pathlib
 import re
 import subprocess
@@ -11,13 +12,16 @@ from typing import Any
 EXAMPLES = pathlib.Path(__file__).parent.parent / "examples"
 
 
-def run(script: str, *args: str, cwd: pathlib.Path) -> subprocess.CompletedProcess[str]:
+def run(
+    script: str, *args: str, cwd: pathlib.Path, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-W", "error", str(EXAMPLES / script), *args],
         capture_output=True,
         text=True,
         timeout=120,
         cwd=cwd,
+        env=env,
     )
 
 
@@ -33,10 +37,13 @@ def test_every_example_is_covered() -> None:
 
 
 def test_quickstart_runs_the_seed_examples_as_written(tmp_path: pathlib.Path) -> None:
-    done = run("quickstart.py", cwd=tmp_path)
+    scratch = tmp_path / "tmp"  # where the example's own temporary directory goes
+    scratch.mkdir()
+    done = run("quickstart.py", cwd=tmp_path, env={**os.environ, "TMPDIR": str(scratch)})
     assert done.returncode == 0, done.stderr
     assert "ledger clean" in done.stdout
-    assert list(tmp_path.iterdir()) == []  # it works in a temporary directory of its own
+    assert list(tmp_path.iterdir()) == [scratch]  # it works in a directory of its own ...
+    assert list(scratch.iterdir()) == []  # ... and leaves nothing behind (each run did)
 
 
 def test_fleet_demo_settles_everything_once(tmp_path: pathlib.Path, location_of: Any) -> None:

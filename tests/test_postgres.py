@@ -2016,9 +2016,31 @@ async def test_work_stopped_while_the_store_fails_returns_its_summary(url: str) 
 
         summary = await work(store, handle, concurrency=1, stop=stop)
         assert cut.is_set()
-        assert (summary.done, summary.remaining) == (1, 0)
+        # Not counted: None, where 0 would say the queue is empty.
+        assert (summary.done, summary.remaining) == (1, None)
         arm.clear()
         assert (await store.item(item))["state"] == "done"
+
+
+async def test_drain_ended_while_the_store_fails_returns_its_summary(url: str) -> None:
+    # drain()'s twin of the above: the count of what is left raised, and the summary of
+    # what the drain had done was lost with it.
+    async with (
+        cut_on_commit(url, marker=b"SELECT 'claimed', count(*)") as (through, arm, cut),
+        ControlStore(through, lease_seconds=60) as store,
+    ):
+        await store.create_project("p", "P")
+        items = [await store.enqueue("p", {"n": n}) for n in range(2)]
+
+        async def execute(batch: list[Job]) -> list[Done]:
+            arm.set()  # from here the store's counts cannot be read
+            return [Done() for _ in batch]
+
+        summary = await drain(store, execute, batch_size=2)
+        assert cut.is_set()
+        assert (summary.done, summary.remaining) == (2, None)
+        arm.clear()
+        assert [(await store.item(i))["state"] for i in items] == ["done", "done"]
 
 
 async def test_work_counts_a_give_back_saved_with_its_answer_lost_as_released(url: str) -> None:

@@ -605,8 +605,28 @@ async def test_a_worker_cut_short_logs_that_it_did_not_count_what_remains(
             await running
         summary = await work(store, lambda claim: _done(), project_id="p", until_empty=True)
     stopped = [r.getMessage() for r in caplog.records if " stopped: " in r.getMessage()]
-    assert stopped[0].endswith("(remaining not counted)"), stopped
-    assert summary.remaining == 0 and not stopped[1].endswith("(remaining not counted)")
+    assert "remaining=None" in stopped[0], stopped
+    assert summary.remaining == 0 and "remaining=0" in stopped[1], stopped
+
+
+async def test_a_worker_whose_store_closed_under_it_leaves_remaining_unknown(
+    store: ControlStore,
+) -> None:
+    # Counting would open the closed store again: not counted, so None, never 0.
+    await store.create_project("p", "P")
+    await store.enqueue("p", {})
+    await store.enqueue("p", {})
+    started = asyncio.Event()
+
+    async def closes(claim: ClaimedItem) -> Done:
+        started.set()
+        return Done()
+
+    running = asyncio.create_task(work(store, closes, project_id="p", concurrency=1))
+    await started.wait()
+    await store.close()
+    summary = await asyncio.wait_for(running, 30)
+    assert summary.remaining is None
 
 
 async def _done() -> Done:

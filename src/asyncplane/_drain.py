@@ -79,6 +79,7 @@ from asyncplane._outcomes import (
     count_lost,
     exit_asked,
     give_back,
+    left_unsettled,
     returned_or_raised,
     short_error,
 )
@@ -185,7 +186,9 @@ async def drain(
         finally:
             run.summary.elapsed_s = time.monotonic() - started
         if not run.store_closed():  # counting would open a closed store again
-            run.summary.remaining = await run.remaining()
+            run.summary.remaining = await left_unsettled(
+                store, run.project_id, run.actor_id, f"drain {run.owner}", _log
+            )
         run.summary.elapsed_s = time.monotonic() - started
         _log.info("drain %s stopped: %s", run.owner, run.summary)
         if run.exiting is not None:
@@ -299,10 +302,6 @@ class _Drain:
             finally:
                 if local is not None:
                     self.engine.unwatch(local)
-
-    async def remaining(self) -> int:
-        counts = await self.store.counts(project_id=self.project_id, actor_id=self.actor_id)
-        return sum(counts[state] for state in ("ready", "deferred", "claimed", "offloaded"))
 
     async def _claim(self) -> list[_models.ClaimedItem]:
         """Claim a batch; if cancelled meanwhile, still receive it and put it back."""

@@ -36,6 +36,7 @@ __all__ = (
     "exit_asked",
     "give_back",
     "given",
+    "left_unsettled",
     "returned_or_raised",
     "saved_as",
     "short_error",
@@ -189,7 +190,9 @@ class DrainSummary:
             lapse (and run again), or whose lease could not be renewed before it ran out
             (their handlers cancelled).
         remaining: Items not yet settled when the drain ended (ready, deferred, claimed
-            or offloaded; of ``project_id`` if one was given).
+            or offloaded; of ``project_id`` if one was given), or None when they were not
+            counted: the run was skipped, the store was closed under it, or the count
+            failed (logged). Never 0 for "unknown": 0 says all the work was done.
         elapsed_s: Seconds the drain took.
     """
 
@@ -210,7 +213,7 @@ class DrainSummary:
     fence_rejected: int = 0
     scope_lost: int = 0
     unsaved: int = 0
-    remaining: int = 0
+    remaining: int | None = None
     elapsed_s: float = 0.0
 
 
@@ -314,6 +317,25 @@ def count_lost(refusal: BaseException, summary: DrainSummary) -> bool:
     else:
         return False
     return True
+
+
+#: The states of an item a drain or worker leaves for later (`DrainSummary.remaining`).
+UNSETTLED: Final = ("ready", "deferred", "claimed", "offloaded")
+
+
+async def left_unsettled(
+    store: ControlStore, project_id: str | None, actor_id: str | None, runner: str,
+    log: logging.Logger,
+) -> int | None:  # fmt: skip
+    """How many items a run leaves unsettled (`UNSETTLED`), or None, logged, when the
+    store cannot count them: the run itself ended as asked (a stop during an outage,
+    say), and what it did is its summary's all the same."""
+    try:
+        counts = await store.counts(project_id=project_id, actor_id=actor_id)
+    except _errors.StorageError as exc:
+        log.warning("%s: the items left could not be counted: %s", runner, short_error(exc))
+        return None
+    return sum(counts[state] for state in UNSETTLED)
 
 
 def short_error(error: object) -> str:

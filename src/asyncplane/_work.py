@@ -98,6 +98,7 @@ from asyncplane._outcomes import (
     exit_asked,
     give_back,
     lasting,
+    left_unsettled,
     returned_or_raised,
     short_error,
 )
@@ -231,7 +232,6 @@ async def work(
     )  # fmt: skip
     if run.project_id is not None:
         await _look_for(store, run.project_id, run.owner)
-    counted = False
     try:
         if _validate.boolean(exclusive, "exclusive"):
             async with _store.engine_of(store).single_runner(lock) as guard:
@@ -247,26 +247,12 @@ async def work(
         else:
             await run.loop()
         if not run.store_closed():  # counting would reopen a closed store
-            try:
-                counts = await store.counts(project_id=run.project_id, actor_id=run.actor_id)
-            except _errors.StorageError as exc:
-                # The run itself ended as asked (a stop during an outage, say): what it did
-                # is its summary's, returned all the same; only the count of what is left
-                # could not be read.
-                _log.warning(
-                    "asyncplane worker %s: the items left could not be counted: %s",
-                    run.owner, short_error(exc),
-                )  # fmt: skip
-            else:
-                run.summary.remaining = sum(
-                    counts[state] for state in ("ready", "deferred", "claimed", "offloaded")
-                )
-                counted = True
+            run.summary.remaining = await left_unsettled(
+                store, run.project_id, run.actor_id, f"asyncplane worker {run.owner}", _log
+            )
     finally:
         run.summary.elapsed_s = time.monotonic() - started
-        # (remaining=0 from a worker cut short, or on a closed store, would say all is done)
-        left = "" if counted or run.summary.skipped else " (remaining not counted)"
-        _log.info("asyncplane worker %s stopped: %s%s", run.owner, run.summary, left)
+        _log.info("asyncplane worker %s stopped: %s", run.owner, run.summary)
     return run.summary
 
 
