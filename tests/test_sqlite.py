@@ -574,6 +574,52 @@ async def test_opening_waits_for_a_write_lock_held_on_a_fresh_file(
         await store.close()
 
 
+def _a_thread_runs(function: str) -> bool:
+    """Some thread of this process has ``function`` on its stack (waiting in it, say)."""
+    for frame in sys._current_frames().values():
+        looked: Any = frame
+        while looked is not None:
+            if looked.f_code.co_name == function:
+                return True
+            looked = looked.f_back
+    return False
+
+
+@pytest.mark.parametrize("fresh", [False, True], ids=["store", "fresh-file"])
+async def test_an_opening_cancelled_while_another_holds_the_lock_ends_at_once(
+    tmp_path: pathlib.Path, fresh: bool
+) -> None:
+    # The worker command stops on a signal while its store opens: it cancels the opening.
+    # The connection's thread went on waiting in SQLite's busy handler (or its own pauses,
+    # on a fresh file) for the whole busy timeout, and the close, and the process's exit,
+    # waited for it: 30 s for a stop that has nothing to finish.
+    path = tmp_path / "s.db"
+    if not fresh:
+        async with ControlStore(path):
+            pass
+    holder = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    # Another program's lock, not in the writers' queue (on a file still in rollback
+    # mode, IMMEDIATE: EXCLUSIVE would keep the opening from reading the header).
+    holder.execute("BEGIN IMMEDIATE" if fresh else "BEGIN EXCLUSIVE")
+    try:
+        store = ControlStore(path, busy_timeout=30)
+        opening = asyncio.create_task(store.open())
+        waits_in = "_switch_to_wal" if fresh else "_migrate"
+        await until(lambda: _a_thread_runs(waits_in), what=f"the opening waits in {waits_in}")
+        started = asyncio.get_running_loop().time()
+        opening.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await opening
+        await store.close()
+        assert asyncio.get_running_loop().time() - started < 10  # not the 30 s
+        assert not _a_thread_runs(waits_in)  # the connection's thread is done with it
+    finally:
+        holder.rollback()
+        holder.close()
+    async with ControlStore(path) as again:  # and the file opens as ever afterwards
+        await again.create_project("p", "P")
+
+
 def test_many_processes_create_a_fresh_store_at_once(tmp_path: pathlib.Path) -> None:
     path = tmp_path / "fresh.db"
     script = (
@@ -894,12 +940,12 @@ async def test_the_chunk_statements_in_bound_rows_are_compiled_as_the_store_open
     connections: list[sqlite3.Connection] = []
     migrate = _sqlite._migrate
 
-    def traced(db: sqlite3.Connection) -> None:
+    def traced(db: sqlite3.Connection, *args: Any) -> None:
         connections.append(db)
         before = db.total_changes
         db.set_trace_callback(lambda text: ran.append((text, db.total_changes - before)))
         try:
-            migrate(db)
+            migrate(db, *args)
         finally:
             db.set_trace_callback(None)
 

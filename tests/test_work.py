@@ -9,9 +9,11 @@ import functools
 import json
 import logging
 import os
+import pathlib
 import random
 import signal
 import socket
+import sqlite3
 import subprocess
 import sys
 import textwrap
@@ -1921,6 +1923,43 @@ def test_a_signal_while_the_store_opens_stops_the_command_cleanly(tmp_path: Any)
             _, err = child.communicate(timeout=60)
     assert child.returncode == 0, err
     assert "stopped before it started" in json.loads(err.splitlines()[-1])["message"]
+
+
+def _has_open(pid: int, name: str) -> bool:
+    """The process has a file named ``name`` open (Linux's /proc)."""
+    fds = pathlib.Path(f"/proc/{pid}/fd")
+    with contextlib.suppress(OSError):
+        return any(os.readlink(fd).endswith(name) for fd in fds.iterdir())
+    return False
+
+
+@_COMMAND_TEST
+async def test_a_signal_while_another_program_locks_the_file_stops_the_command_at_once(
+    tmp_path: Any,
+) -> None:
+    # The opening waited for the write lock in SQLite's busy handler, which nothing
+    # stops: the command, asked to stop, went on for the whole busy timeout (30 s), deaf
+    # meanwhile to a second signal's rule (its handlers removed).
+    (tmp_path / "fleet_handlers.py").write_text(HANDLERS)
+    path = tmp_path / "locked.db"
+    async with ControlStore(path) as store:
+        await store.create_project("p", "P")
+    holder = sqlite3.connect(path, isolation_level=None)
+    holder.execute("BEGIN EXCLUSIVE")  # the sqlite3 shell's, say: not one of the writers
+    try:
+        child = worker(str(path), tmp_path, "fleet_handlers:handle", "--log-format", "json")
+        # Its header read done (WAL's shared memory open), the opening waits for the lock.
+        await until(lambda: _has_open(child.pid, "locked.db-shm"), what="the store opens")
+        asked = time.monotonic()
+        child.send_signal(signal.SIGTERM)
+        _, err = await asyncio.to_thread(child.communicate, timeout=60)
+        took = time.monotonic() - asked
+    finally:
+        holder.rollback()
+        holder.close()
+    assert child.returncode == 0, err
+    assert "stopped before it started" in json.loads(err.splitlines()[-1])["message"]
+    assert took < 10, took  # not the busy timeout's 30 s
 
 
 def test_the_worker_command_refuses_a_bad_handler(tmp_path: Any) -> None:

@@ -22,6 +22,7 @@ import os
 import pathlib
 import sqlite3
 import stat
+import threading
 import time
 from collections.abc import Callable
 from typing import Any, Literal, TypeVar
@@ -57,6 +58,10 @@ READER_CACHE_KIB = 8 * 1024
 
 # SQLite 3.35 brought RETURNING, which every write statement here relies on.
 MIN_SQLITE_VERSION = (3, 35, 0)
+
+#: Seconds SQLite's busy handler waits at a time in an opening's wait for the write lock,
+#: between the looks at whether the opening was given up (`begin_opening`).
+OPENING_LOCK_SLICE = 0.1
 
 
 def _check_sqlite_version() -> None:
@@ -172,13 +177,17 @@ async def open_writer(
     *,
     synchronous: Synchronous,
     busy_timeout: float,
+    given_up: threading.Event | None = None,
     vet: Callable[[sqlite3.Connection], object] | None = None,
 ) -> aiosqlite.Connection:
     """Open the store's only write connection: WAL, the chosen synchronous level, FKs on.
 
     ``vet(db)`` runs first, before any setting that writes to the file (WAL mode does),
-    so a file that is not ours can be refused untouched.
+    so a file that is not ours can be refused untouched. Cancelled, it sets ``given_up``
+    (the caller's, to hand on to its own waits for the lock: `begin_opening`), which the
+    thread's wait for a lock looks at.
     """
+    given_up = threading.Event() if given_up is None else given_up
     _check_sqlite_version()
     try:
         conn = await _opened(
@@ -189,8 +198,9 @@ async def open_writer(
     except sqlite3.Error as exc:
         raise translate(exc) from exc
     try:
-        await run(conn, _configure_writer, synchronous, busy_timeout, vet)
+        await run(conn, _configure_writer, synchronous, busy_timeout, given_up, vet)
     except BaseException:
+        given_up.set()  # the thread stops waiting for the lock, and the close comes next
         await conn.close()
         raise
     return conn
@@ -231,13 +241,14 @@ def _configure_writer(
     db: sqlite3.Connection,
     synchronous: Synchronous,
     busy_timeout: float,
+    given_up: threading.Event,
     vet: Callable[[sqlite3.Connection], object] | None,
 ) -> None:
     try:
         db.execute(f"PRAGMA busy_timeout = {int(busy_timeout * 1000)}")
         if vet is not None:
             vet(db)
-        mode = _switch_to_wal(db, busy_timeout)
+        mode = _switch_to_wal(db, busy_timeout, given_up)
         if str(mode).lower() != "wal":
             raise _errors.StorageError(
                 f"could not put the database in WAL mode (it stayed in {mode!r} mode); "
@@ -252,14 +263,14 @@ def _configure_writer(
         raise translate(exc) from exc
 
 
-def _switch_to_wal(db: sqlite3.Connection, busy_timeout: float) -> str:
+def _switch_to_wal(db: sqlite3.Connection, busy_timeout: float, given_up: threading.Event) -> str:
     """``PRAGMA journal_mode = WAL``, retried while another connection holds a lock.
 
     The switch needs the file to itself, and SQLite does not call the busy handler for it
     when another connection holds a write lock (several processes opening a fresh file at
     once, each switching it): it reports "database is locked" at once. So asyncplane
     waits itself, up to the busy timeout, pausing on the connection's thread (never the
-    event loop's) for at most 50 ms at a time.
+    event loop's) for at most 50 ms at a time, until the opening is given up.
     """
     deadline = time.monotonic() + busy_timeout
     pause = 0.001
@@ -270,8 +281,39 @@ def _switch_to_wal(db: sqlite3.Connection, busy_timeout: float) -> str:
             locked = isinstance(translate(exc), _errors.DatabaseLocked)
             if not locked or time.monotonic() + pause > deadline:
                 raise
-        time.sleep(pause)
-        pause = min(pause * 2, 0.05)
+        if given_up.wait(pause):
+            raise _GIVEN_UP
+
+
+def begin_opening(db: sqlite3.Connection, busy_timeout: float, given_up: threading.Event) -> None:
+    """``BEGIN IMMEDIATE`` for an opening's transaction (the schema's), waiting up to the
+    busy timeout for a lock another connection holds, and no longer once ``given_up`` is
+    set: a program stopped while its store opens (a signal to the worker command) must
+    not wait out the busy timeout first. SQLite's busy handler waits in slices of
+    `OPENING_LOCK_SLICE`, between which this looks; nothing else would stop its wait
+    (``sqlite3_interrupt`` does not). A round's wait is the writers' queue's instead
+    (`asyncplane._write_lock`), which the event loop gives up on its side.
+    """
+    deadline = time.monotonic() + busy_timeout
+    db.execute(f"PRAGMA busy_timeout = {int(OPENING_LOCK_SLICE * 1000)}")
+    try:
+        while True:
+            try:
+                db.execute("BEGIN IMMEDIATE")
+                return
+            except sqlite3.OperationalError as exc:
+                locked = isinstance(translate(exc), _errors.DatabaseLocked)
+                if not locked or time.monotonic() >= deadline:
+                    raise
+            if given_up.is_set():
+                raise _GIVEN_UP
+    finally:
+        db.execute(f"PRAGMA busy_timeout = {int(busy_timeout * 1000)}")
+
+
+#: What the connection's thread raises when an opening it waits for a lock for was given
+#: up: nobody hears it (the opening's caller was cancelled), the thread only stops.
+_GIVEN_UP = _errors.StorageError("the store's opening was given up while it waited for a lock")
 
 
 def _configure_reader(db: sqlite3.Connection, busy_timeout: float) -> None:

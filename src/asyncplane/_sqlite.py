@@ -24,6 +24,7 @@ import logging
 import pathlib
 import re
 import sqlite3
+import threading
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any, NoReturn, TypeVar, cast
 
@@ -104,20 +105,25 @@ class SQLiteBackend(_backend.Writes):
         if self._sizing.read_only:
             await self._open_read_only()
             return
+        # Set when this opening is cancelled: the connection's thread then stops waiting
+        # for a lock another connection holds (a stop asked while the store opens).
+        given_up = threading.Event()
         conn = await _connection.open_writer(
             self._path,
             synchronous=self._synchronous,
             busy_timeout=self._busy_timeout,
+            given_up=given_up,
             vet=_check_header,
         )
         locks: list[_write_lock.WriteLock | None] = []
         boards: list[_combine.Board | None] = []
         try:
-            await _connection.run(conn, _migrate)
+            await _connection.run(conn, _migrate, self._busy_timeout, given_up)
             # Opened on the connection's thread, into lists of this frame's: if this call
             # is cancelled meanwhile, the close below runs after it there, and finds them.
             await _connection.run(conn, _open_write_lock, self._path, locks, boards)
         except BaseException:
+            given_up.set()
             await conn.close()
             for lock in locks:
                 if lock is not None:
@@ -1221,11 +1227,12 @@ def _check_current_schema(db: sqlite3.Connection) -> None:
     _rules.refuse_unreadable_schema(version, sql.SCHEMA_VERSION, "file")
 
 
-def _migrate(db: sqlite3.Connection) -> None:
+def _migrate(db: sqlite3.Connection, busy_timeout: float, given_up: threading.Event) -> None:
     """Create or upgrade the schema, all in one write transaction, in which the round's
-    chunk statements are compiled too (`_compile_chunks`)."""
+    chunk statements are compiled too (`_compile_chunks`); its wait for the write lock
+    ends early once the opening is given up (`_connection.begin_opening`)."""
     try:
-        db.execute("BEGIN IMMEDIATE")
+        _connection.begin_opening(db, busy_timeout, given_up)
         try:
             application_id, version = _check_header(db)
             for script in sql.MIGRATIONS[version:]:

@@ -141,16 +141,16 @@ async def _main(args: argparse.Namespace, handler: _work.Handler) -> int:
     signals.opening = opening
     try:
         await opening
-    except asyncio.CancelledError:
-        signals.remove()
-        await store.close()
-        if signals.count and opening.cancelled():
+    except BaseException as exc:
+        # (The signals still heard while the opening winds up: a second one ends the
+        # process at once, there being nothing to finish.)
+        try:
+            await store.close()
+        finally:
+            signals.remove()
+        if isinstance(exc, asyncio.CancelledError) and signals.count and opening.cancelled():
             _log.info("stopped before it started")
             return 0
-        raise
-    except BaseException:
-        signals.remove()
-        await store.close()
         raise
     signals.opening = None
     projects = args.project or [None]
@@ -235,8 +235,12 @@ class _Signals:
 
     def heard(self) -> None:
         self.count += 1
-        if self.opening is not None and not self.opening.done():
-            self.opening.cancel()  # still opening: nothing to finish (once open, below)
+        if self.opening is not None:  # still opening: nothing to finish (once open, below)
+            if self.count == 1:
+                _log.info("stopping: the store was still opening")
+                self.opening.cancel()
+            else:
+                self.hard_stop()
             return
         if self.count == 1:
             _log.info("stopping: finishing running items")
@@ -251,11 +255,18 @@ class _Signals:
     def hard_stop(self) -> None:
         """End the process now: what is still held is left to its lease (taken over once
         it lapses, as after a crash); nothing committed is lost."""
+        if self.opening is not None:
+            why = "a second signal while the store was still opening: nothing was claimed"
+        elif self.count > 2:
+            why = "a third signal"
+        else:
+            why = (
+                f"not wound up, the store closed included, {HARD_STOP_SECONDS:g} s after "
+                "the second signal"
+            )
         _log.error(
-            "stopped without winding up (%s): items still held are left to their leases",
-            "a third signal" if self.count > 2 else f"not wound up, the store closed "
-            f"included, {HARD_STOP_SECONDS:g} s after the second signal",
-        )  # fmt: skip
+            "stopped without winding up (%s): items still held are left to their leases", why
+        )
         logging.shutdown()  # the line above reaches its handler first
         os._exit(1)
 
