@@ -495,6 +495,76 @@ async def test_a_pending_number_matches_a_state_column_of_text(
     assert (done.imported, done.not_pending, done.dropped) == (2, 1, True)
 
 
+async def test_a_pending_value_no_row_holds_keeps_an_import_from_dropping_anything(
+    store: ControlStore, tmp_path: pathlib.Path
+) -> None:
+    # A state given as the wrong kind (text for an integer column) or misspelt matched no
+    # row: nothing was imported, every row counted not pending, and the drop took them all.
+    source = tmp_path / "slip.sqlite3"
+    litequeue_like(source)
+    for pending in (["READY"], [0, 7]):
+        with pytest.raises(InvalidInput, match=r"match no row's 'status' \(the states found: 0, 1"):
+            await store.import_pending(
+                source, table="Queue", columns={"payload": "data", "state": "status"},
+                project_id="alpha", pending=pending, drop_source=True,
+            )  # fmt: skip
+    conn = sqlite3.connect(source)
+    assert conn.execute("SELECT count(*) FROM Queue").fetchone() == (5,)  # all still there
+    conn.close()
+    assert sum((await store.counts()).values()) == 0  # and nothing imported
+    # Without the drop, nothing is at stake: the same values import what they match.
+    kept = await store.import_pending(
+        source, table="Queue", columns={"payload": "data", "state": "status"},
+        project_id="alpha", pending=[0, 7],
+    )  # fmt: skip
+    assert (kept.imported, kept.not_pending, kept.dropped) == (2, 3, False)
+
+
+async def test_an_import_from_the_store_itself_is_refused(tmp_path: pathlib.Path) -> None:
+    # Each chunk read the rows the chunk before it had written: it never ended, and
+    # filled the disk with copies. (A SQLite store's: the source is a SQLite file.)
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "dir")
+    async with ControlStore(tmp_path / "dir" / "s.db") as store:
+        await store.create_project("alpha", "Alpha")
+        await store.enqueue("alpha", {"n": 1})
+        for name in (tmp_path / "dir" / "s.db", tmp_path / "link" / "s.db"):
+            with pytest.raises(InvalidInput, match="this store's own file"):
+                await store.import_pending(
+                    name, table="items", columns={"payload": "payload"},
+                    project_id="alpha", chunk=1,
+                )  # fmt: skip
+        assert (await store.counts())["ready"] == 1
+
+
+async def test_an_import_reads_the_rows_there_at_its_start_and_ends(
+    store: ControlStore, tmp_path: pathlib.Path
+) -> None:
+    # A source another program writes to while the import runs: each chunk may find new
+    # rows beyond it, so a run ends where the table ended when it began.
+    source = source_table(
+        tmp_path / "growing.sqlite3", "CREATE TABLE jobs (payload TEXT)",
+        "INSERT INTO jobs VALUES (?)", [(json.dumps({"n": n}),) for n in range(4)],
+    )  # fmt: skip
+    writer = sqlite3.connect(source, isolation_level=None)
+
+    def another_row_each_chunk(seen: int) -> None:
+        writer.execute("INSERT INTO jobs VALUES (?)", (json.dumps({"n": 100 + seen}),))
+
+    try:
+        first = await store.import_pending(
+            source, table="jobs", columns={"payload": "payload"}, project_id="alpha",
+            chunk=1, progress=another_row_each_chunk,
+        )  # fmt: skip
+    finally:
+        writer.close()
+    assert (first.imported, first.already_imported) == (4, 0)
+    then = await store.import_pending(
+        source, table="jobs", columns={"payload": "payload"}, project_id="alpha", chunk=10
+    )
+    assert (then.imported, then.already_imported) == (4, 4)  # the rows added meanwhile
+
+
 async def test_a_source_written_to_while_it_is_imported_is_not_dropped(
     store: ControlStore, tmp_path: pathlib.Path
 ) -> None:

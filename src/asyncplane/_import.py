@@ -6,10 +6,13 @@ source table read-only, in chunks ordered by a key column, copies only the rows 
 not terminal into the store with fresh ids and a "queued" event that names the source,
 and leaves terminal history behind. Every copied row is recorded in the store (its source
 and key), in the same transaction as the item itself, so a second run, or a run after a
-crash half-way, imports nothing twice (a key recorded for another row, reused as SQLite
-reuses a deleted last row's rowid, is refused: `_rules.imported_before`). Only once
-everything is copied, and nothing was written to the source file since the import began,
-may it drop the source table (``drop_source=True``, `_Watch`).
+crash half-way, imports nothing twice (a row whose key was recorded is passed over; where
+the key is a rowid SQLite may give again, `_keys_reused`, that is said, and the table is
+not dropped). Only once everything is copied, and nothing was written to the source file
+since the import began, may it drop the source table (``drop_source=True``, `_Watch`),
+and only if each ``pending`` value is some row's state (`_check_pending_found`). A run
+reads the rows up to the largest key there at its start (`_last_key`); the store's own
+file is refused as a source.
 
 Table and column names cannot be bound as SQL parameters. They are accepted only if they
 are names of the source table's own columns (read through ``pragma_table_info``), and are
@@ -108,13 +111,21 @@ async def import_pending(
     project = None if project_id is None else _validate.text_id(project_id, "project_id")
     # Before the first read, the check's included: a drop happens only if nothing was
     # written to the file since.
+    if not _engine.is_postgres_url(engine.location) and _same_file(source, engine.location):
+        # Each chunk would read the rows the one before it wrote, without end.
+        raise _errors.InvalidInput(f"the source {source} is this store's own file")
     watch = await anyio.to_thread.run_sync(_Watch, source) if drop_source else None
     try:
         await anyio.to_thread.run_sync(_check_source, source, table, mapping)
+        if watch is not None and pending is not None:
+            await anyio.to_thread.run_sync(_check_pending_found, source, table, mapping, pending)
         reused = await anyio.to_thread.run_sync(_keys_reused, source, table, mapping)
+        # The rows there at the start, and no more: a source written to meanwhile still
+        # ends (what comes later is the next run's; the drop is refused then anyway).
+        last = await anyio.to_thread.run_sync(_last_key, source, table, mapping)
         return await _import(
             engine, freeing, source, table, mapping, project, pending, watch, reused, chunk,
-            progress,
+            progress, last,
         )  # fmt: skip
     finally:
         if watch is not None:
@@ -125,6 +136,7 @@ async def _import(
     engine: _engine.Engine, freeing: Freeing, source: pathlib.Path, table: str,
     mapping: dict[str, str], project: str | None, pending: Collection[Any] | None,
     watch: _Watch | None, reused: bool, chunk: int, progress: Callable[[int], None] | None,
+    last: Any,
 ) -> ImportSummary:  # fmt: skip
     name = f"{source}::{table}"
     backend = await engine.ready()
@@ -133,13 +145,11 @@ async def _import(
         raise _rules.unknown_project(project)
     after: Any = None
     imported = skipped = left = 0
-    pending_as_text = (
-        None
-        if pending is None
-        else {str(value) for value in pending if isinstance(value, (int, float))}
-    )
-    while True:
-        rows = await anyio.to_thread.run_sync(_read_chunk, source, table, mapping, after, chunk)
+    pending_as_text = None if pending is None else _as_text(pending)
+    while last is not None:
+        rows = await anyio.to_thread.run_sync(
+            _read_chunk, source, table, mapping, after, last, chunk
+        )
         if not rows:
             break
         after = rows[-1]["key"]
@@ -277,6 +287,74 @@ def _check_source(source: pathlib.Path, table: str, mapping: dict[str, str]) -> 
         conn.close()
 
 
+def _same_file(source: pathlib.Path, store: str) -> bool:
+    """Whether the source is the store's own database file (by any name)."""
+    try:
+        return os.path.samefile(source, store)
+    except OSError:  # either not there (yet): not one file
+        return False
+
+
+def _last_key(source: pathlib.Path, table: str, mapping: dict[str, str]) -> Any:
+    """The table's largest key now (None for an empty table): where this run's reads end."""
+    conn = _connect(source)
+    try:
+        # Both names were checked against the schema (_check_source).
+        row = conn.execute(f"SELECT max({_quote(mapping['key'])}) FROM {_quote(table)}")
+        return row.fetchone()[0]
+    except sqlite3.Error as exc:
+        raise _connection.translate(exc) from exc
+    finally:
+        conn.close()
+
+
+#: The distinct states an import that drops its source looks at, at most (`_check_pending_found`).
+_STATES_LOOKED_AT = 10_000
+
+
+def _check_pending_found(
+    source: pathlib.Path, table: str, mapping: dict[str, str], pending: Collection[Any]
+) -> None:
+    """Before an import that drops its source writes anything: each value of ``pending``
+    must be the state of some row. One that matches none is a slip (a state written as
+    text for an integer column, a typo) that would leave its rows behind as not pending,
+    and the drop would take them."""
+    conn = _connect(source)
+    try:
+        # Both names were checked against the schema (_check_source).
+        states = [
+            row[0]
+            for row in conn.execute(
+                f"SELECT DISTINCT {_quote(mapping['state'])} FROM {_quote(table)} LIMIT ?",
+                (_STATES_LOOKED_AT + 1,),
+            )
+        ]
+    except sqlite3.Error as exc:
+        raise _connection.translate(exc) from exc
+    finally:
+        conn.close()
+    if not states:
+        return  # an empty table: nothing to leave behind
+    if len(states) > _STATES_LOOKED_AT:
+        raise _errors.InvalidInput(
+            f"the state column {mapping['state']!r} holds more than {_STATES_LOOKED_AT:,} "
+            f"distinct values: not a queue's states; {table} is not dropped"
+        )
+    missing = [
+        value for value in pending
+        if not any(_is_pending(state, [value], _as_text([value])) for state in states)
+    ]  # fmt: skip
+    if missing:
+        found = ", ".join(repr(state) for state in sorted(states, key=repr)[:20])
+        raise _errors.InvalidInput(
+            f"pending value(s) {', '.join(map(repr, missing))} match no row's "
+            f"{mapping['state']!r} (the states found: {found}): "
+            f"with drop_source, every row not pending would be dropped with {table}. Give "
+            "the pending states as they are stored, or import without drop_source; "
+            "nothing was imported"
+        )
+
+
 def _keys_reused(source: pathlib.Path, table: str, mapping: dict[str, str]) -> bool:
     """Whether the import's key is the table's rowid (by name, or its INTEGER PRIMARY KEY
     alias) on a table without AUTOINCREMENT: SQLite then gives a deleted last row's rowid
@@ -301,19 +379,20 @@ def _quote(identifier: str) -> str:
 
 
 def _read_chunk(
-    source: pathlib.Path, table: str, mapping: dict[str, str], after: Any, chunk: int
-) -> list[dict[str, Any]]:
+    source: pathlib.Path, table: str, mapping: dict[str, str], after: Any, last: Any,
+    chunk: int,
+) -> list[dict[str, Any]]:  # fmt: skip
     fields = sorted(mapping)
     selected = ", ".join(_quote(mapping[f]) for f in fields)
     key = _quote(mapping["key"])
     # Every name here was checked against the table's own columns in _check_source.
     statement = (
         f"SELECT {selected} FROM {_quote(table)} "
-        f"WHERE ? IS NULL OR {key} > ? ORDER BY {key} LIMIT ?"
+        f"WHERE (? IS NULL OR {key} > ?) AND {key} <= ? ORDER BY {key} LIMIT ?"
     )
     conn = _connect(source)
     try:
-        rows = conn.execute(statement, (after, after, chunk)).fetchall()
+        rows = conn.execute(statement, (after, after, last, chunk)).fetchall()
     except sqlite3.Error as exc:
         raise _connection.translate(exc) from exc
     finally:
@@ -378,6 +457,11 @@ def _is_pending(state: Any, pending: Any, pending_as_text: set[str] | None) -> b
     if isinstance(state, (int, float)):
         return any(_reads_as(value, state) for value in pending if isinstance(value, str))
     return False
+
+
+def _as_text(pending: Collection[Any]) -> set[str]:
+    """The numbers of ``pending`` written as text, as a text state that matches them is."""
+    return {str(value) for value in pending if isinstance(value, (int, float))}
 
 
 def _reads_as(text: str, number: float) -> bool:
