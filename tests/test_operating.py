@@ -1051,6 +1051,10 @@ def test_cli_refuses_files_it_must_not_touch(tmp_path: pathlib.Path) -> None:
         assert too_long.returncode == 2 and "a duration too long" in too_long.stderr
     # Refused before the store is opened: nothing made, nothing migrated.
     fresh = tmp_path / "fresh.db"
+    source = source_table(
+        tmp_path / "source.db", "CREATE TABLE t (d TEXT, s INTEGER)",
+        "INSERT INTO t VALUES (?, ?)", [("{}", 0)],
+    )  # fmt: skip
     for verb in (
         ("copy", str(older), str(fresh), "--chunk", "0"),
         ("purge", str(older), "--retention", "1d", "--chunk", "0"),
@@ -1058,10 +1062,25 @@ def test_cli_refuses_files_it_must_not_touch(tmp_path: pathlib.Path) -> None:
          "--column", "payload=d", "--project", "p"),
         ("import", str(older), "--from", str(tmp_path / ("x" * 300)), "--table", "t",
          "--column", "payload=d", "--project", "p"),
+        # The mapping and the source's table and columns too (they migrated the store).
+        ("import", str(older), "--from", str(source), "--table", "t", "--column", "payload=d",
+         "--column", "bogus=d", "--project", "p"),
+        ("import", str(older), "--from", str(source), "--table", "t", "--column", "payload",
+         "--project", "p"),
+        ("import", str(older), "--from", str(source), "--table", "t",
+         "--column", "payload=nosuch", "--project", "p"),
+        ("import", str(older), "--from", str(source), "--table", "nosuch",
+         "--column", "payload=d", "--project", "p"),
+        ("import", str(older), "--from", str(source), "--table", "t", "--column", "payload=d",
+         "--column", "state=s", "--project", "p"),
     ):  # fmt: skip
         refused = cli(*verb)
         assert refused.returncode == 2, (verb, refused.stderr)
-        assert any(said in refused.stderr for said in ("--chunk must", "no such file", "--from"))
+        assert any(
+            said in refused.stderr
+            for said in ("--chunk must", "no such file", "--from", "unknown fields",
+                         "FIELD=COLUMN", "has no column", "no table", "go together")
+        ), refused.stderr  # fmt: skip
     assert not fresh.exists()
     conn = sqlite3.connect(older)
     assert conn.execute("PRAGMA user_version").fetchone() == (sql.SCHEMA_VERSION - 1,)

@@ -37,7 +37,7 @@ import anyio.to_thread
 
 from asyncplane import _backend, _connection, _engine, _errors, _models, _rules, _validate
 
-__all__ = ("FIELDS", "ImportSummary", "import_pending")
+__all__ = ("FIELDS", "ImportSummary", "check_request", "import_pending")
 
 _log = logging.getLogger("asyncplane.import")
 
@@ -194,6 +194,16 @@ async def _import(
             )
         await anyio.to_thread.run_sync(watch.drop, table)
     return ImportSummary(name, imported, skipped, left, watch is not None)
+
+
+def check_request(
+    source: pathlib.Path, table: str, columns: Mapping[str, str], project_id: str | None,
+    pending: Collection[Any] | None,
+) -> None:  # fmt: skip
+    """What `import_pending` checks of its request and of the source before it reads a
+    row, here without a store: so the command refuses a mistake before it opens the store,
+    whose opening may write (a migration). Blocking: the source is read."""
+    _check_source(source, table, _check_mapping(columns, project_id, pending))
 
 
 def _check_mapping(

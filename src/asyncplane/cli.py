@@ -55,6 +55,7 @@ from asyncplane import (
     _copy,
     _engine,
     _errors,
+    _import,
     _ledger,
     _loops,
     _rules,
@@ -527,6 +528,14 @@ def _check_args(args: argparse.Namespace) -> None:
                 raise _Usage(f"no such file: {args.source}")
         except OSError as exc:  # a name too long, say
             raise _Usage(f"--from {args.source}: {exc.strerror or exc}") from exc
+        try:  # the mapping, the table and its columns: read-only, the store not opened
+            _import.check_request(
+                args.source.absolute(), args.table, _columns(args), args.project, args.pending
+            )
+        except _errors.NotAnAsyncplaneDatabase as exc:  # the source's, not the store's
+            raise _Usage(f"--from {args.source}: {exc}") from exc
+        except (_errors.InvalidInput, _errors.InvalidType) as exc:
+            raise _Usage(_in_flags(str(exc))) from exc
 
 
 def _check_is_a_store(location: str, *, unfinished: bool = False) -> None:
@@ -678,16 +687,21 @@ async def _purge(store: _store.ControlStore, args: argparse.Namespace) -> int:
     return 0
 
 
-async def _import(store: _store.ControlStore, args: argparse.Namespace) -> int:
+def _columns(args: argparse.Namespace) -> dict[str, str]:
+    """The import's ``--column FIELD=COLUMN`` pairs, as `import_pending` takes them."""
     columns = {}
     for pair in args.column:
         field, sep, column = pair.partition("=")
         if not sep:
             raise _Usage(f"--column takes FIELD=COLUMN, not {pair!r}")
         columns[field] = column
+    return columns
+
+
+async def _import_pending(store: _store.ControlStore, args: argparse.Namespace) -> int:
     try:
         done = await store.import_pending(
-            args.source, table=args.table, columns=columns, project_id=args.project,
+            args.source, table=args.table, columns=_columns(args), project_id=args.project,
             pending=args.pending, drop_source=args.drop_source,
             chunk=args.chunk,
             progress=_progress("source rows seen"),
@@ -1060,7 +1074,7 @@ _VERBS: dict[str, Callable[[_store.ControlStore, argparse.Namespace], Any]] = {
     "cancel": _cancel,
     "requeue": _requeue,
     "purge": _purge,
-    "import": _import,
+    "import": _import_pending,
     "schedules": _schedules,
     "schedule": _schedule,
     "limits": _limits,
