@@ -6,6 +6,7 @@ import asyncio
 import json
 import os
 import pathlib
+import sqlite3
 import subprocess
 import sys
 import urllib.parse
@@ -226,6 +227,65 @@ async def test_a_destination_with_an_item_of_its_own_is_refused_before_any_chunk
         await copy_store(asyncplane_store, destination, chunk=2)
     assert sum((await destination.counts()).values()) == 1
     assert [p["project_id"] for p in await destination.projects()] == ["mine"]
+
+
+async def test_a_destination_whose_own_items_were_all_purged_is_refused(
+    asyncplane_store: ControlStore,
+    other_store: Any,
+    asyncplane_clock: ManualClock,
+    tmp_path: pathlib.Path,
+) -> None:
+    # No item of its own left to see, so it passed for empty: the copy wrote the source's
+    # items under ids the destination had handed out, and its archive names them too.
+    await busy_store(asyncplane_store, asyncplane_clock)
+    destination: ControlStore = await other_store()
+    await destination.create_project("mine", "Mine")
+    for n in range(3):
+        await destination.cancel(await destination.enqueue("mine", {"mine": n}))
+    asyncplane_clock.advance(1)
+    assert (await destination.purge(0, archive_path=tmp_path / "archive.jsonl")).purged == 3
+    with pytest.raises(InvalidInput, match=r"handed out item ids of its own \(up to 3"):
+        await copy_store(asyncplane_store, destination)
+    assert sum((await destination.counts()).values()) == 0  # nothing of the source arrived
+    assert [p["project_id"] for p in await destination.projects()] == ["mine"]
+
+
+async def test_a_copy_into_its_own_source_is_refused(tmp_path: pathlib.Path) -> None:
+    # Named another way (a link), a store with no item yet passed for an empty
+    # destination, and the copy wrote records of copying itself into itself.
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "dir")
+    async with (
+        ControlStore(tmp_path / "dir" / "s.db") as source,
+        ControlStore(tmp_path / "link" / "s.db") as same,
+    ):
+        await source.create_project("p", "P")
+        for destination in (source, same):
+            with pytest.raises(InvalidInput, match="are one store"):
+                await copy_store(source, destination)
+    written = sqlite3.connect(tmp_path / "dir" / "s.db")
+    assert written.execute("SELECT count(*) FROM imports").fetchone() == (0,)  # no record
+    written.close()
+
+
+async def test_a_destination_copied_into_then_purged_takes_the_next_copy(
+    asyncplane_store: ControlStore,
+    other_store: Any,
+    asyncplane_clock: ManualClock,
+    tmp_path: pathlib.Path,
+) -> None:
+    # The ids a copy brought, or kept clear, are the source's, not the destination's own:
+    # a destination that purged them, or never held them (pending_only), is copied into again.
+    source = asyncplane_store
+    await busy_store(source, asyncplane_clock)
+    destination: ControlStore = await other_store()
+    await copy_store(source, destination, pending_only=True)
+    asyncplane_clock.advance(7200)
+    await destination.purge(0, archive_path=tmp_path / "archive.jsonl")
+    await source.enqueue("p", {"later": True})
+    again = await copy_store(source, destination)
+    assert again.copied > 0
+    assert await verify_ledger(destination) == []
 
 
 @pytest.mark.postgresql_only  # one run covers both directions
@@ -677,8 +737,10 @@ async def test_a_second_store_known_by_the_same_key_is_refused_not_skipped(
     # Two stores a key cannot tell apart (a clone restored from one base backup, two
     # servers behind one tunnel's address): the second's items under the first's ids
     # are not "copied before". Refused, never skipped unsaid.
+    sources: list[ControlStore] = []  # (the destination is known as itself)
+
     async def one_key(store: ControlStore) -> str:
-        return "copy:the-same"
+        return "copy:the-same" if store in sources else f"copy:{store.location}"
 
     monkeypatch.setattr(_copy, "source_label", one_key)
     await asyncplane_store.create_project("p", "P")
@@ -687,6 +749,7 @@ async def test_a_second_store_known_by_the_same_key_is_refused_not_skipped(
     await clone.create_project("p", "P")
     asyncplane_clock.advance(60)  # made apart: not the same items
     await clone.enqueue_many("p", [{"clone": n} for n in range(3)])
+    sources.extend((asyncplane_store, clone))
     destination: ControlStore = await other_store()
     assert (await copy_store(asyncplane_store, destination)).copied == 3
     with pytest.raises(InvalidInput, match="came from another store than this source"):

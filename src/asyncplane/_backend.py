@@ -1135,8 +1135,15 @@ class Backend(Protocol):
         """The highest item id ever handed out here (purged items' ids included)."""
         ...
 
-    async def advance_item_ids(self, last: int) -> None:
-        """Hand out no item id up to ``last`` from now on (never moves back)."""
+    async def advance_item_ids(self, last: int, source: str) -> None:
+        """Hand out no item id up to ``last`` from now on (never moves back), and record,
+        in the same transaction, that a copy from ``source`` kept them clear
+        (`copied_up_to`)."""
+        ...
+
+    async def copied_up_to(self, source: str) -> int:
+        """The highest item id that copies from ``source`` brought here or kept clear (0:
+        none): ids handed out here above it are the store's own."""
         ...
 
     async def first_foreign_item(self, source: str) -> int | None:

@@ -80,7 +80,8 @@ async def copy_store(
         progress: Called with the running count of items looked at, after each chunk.
 
     Raises InvalidInput, before anything is written, when the destination holds an item
-    of its own (one no copy from this source brought); and, for a chunk, when such an
+    of its own (one no copy from this source brought), or has handed out ids of its own
+    (items purged since: ids are never reused); and, for a chunk, when such an
     item has taken one of its ids meanwhile (a destination that took work during the
     copy: the chunks before stay, and a run once it is still finishes the job).
     """
@@ -90,6 +91,8 @@ async def copy_store(
     src = await _store.engine_of(source).ready()
     dst = await _store.engine_of(destination).ready()
     label = await source_label(source)
+    if await source_label(destination) == label:
+        raise _rules.copy_into_itself()
     foreign = await dst.first_foreign_item(label)
     if foreign is not None:
         # A copy begun when the label was the location as written goes on under that one.
@@ -97,6 +100,9 @@ async def copy_store(
         if legacy == label or await dst.first_foreign_item(legacy) is not None:
             raise _rules.copy_id_taken(foreign)  # before anything is written, even projects
         label = legacy
+    refused = _rules.copy_ids_handed_out(await dst.last_item_id(), await dst.copied_up_to(label))
+    if refused is not None:
+        raise refused  # before anything is written too
     # Read before anything is written too, so a source that cannot say fails a copy whole.
     # (An id handed out after this reading is kept clear once its item is copied, now or
     # by the next run.)
@@ -133,5 +139,5 @@ async def copy_store(
     # Ids are never reused: the destination hands out none the source ever did (an item
     # purged there, or left behind by pending_only, could still be named in an archive).
     if last:  # a source that never handed out an id has none to keep clear
-        await dst.advance_item_ids(last)
+        await dst.advance_item_ids(last, label)
     return summary

@@ -728,8 +728,12 @@ class PostgresBackend(_backend.Writes):
             )
         return int(last)
 
-    async def advance_item_ids(self, last: int) -> None:
-        await self._write(_bind(_advance_item_ids, last))
+    async def advance_item_ids(self, last: int, source: str) -> None:
+        await self._write(_bind(_advance_item_ids, last, source))
+
+    async def copied_up_to(self, source: str) -> int:
+        rows = await self._fetch(sql.COPIED_UP_TO, source)
+        return int(rows[0][0])
 
     async def sizes(self) -> tuple[int, int]:
         rows = await self._fetch(sql.SCHEMA_BYTES)
@@ -1682,8 +1686,9 @@ async def _copy_imports(
     await conn.execute(sql.COPY_IMPORTS, *(list(column) for column in columns))
 
 
-async def _advance_item_ids(last: int, conn: asyncpg.Connection, now: float) -> None:
+async def _advance_item_ids(last: int, source: str, conn: asyncpg.Connection, now: float) -> None:
     await conn.execute(sql.ADVANCE_ITEM_IDS, last)
+    await conn.execute(sql.RECORD_ITEM_IDS, source, last, now)
 
 
 # --- schema --------------------------------------------------------------------------------

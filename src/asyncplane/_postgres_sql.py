@@ -1974,6 +1974,18 @@ VALUES ({", ".join(f"${n}" for n in range(1, 23))})
 """
 # Ids a copy brought in are never handed out again: the sequence moves past them (and
 # never back, so the ids of purged items stay unused too).
+# A copy's record of the ids it kept clear (`<source>#ids`, key "last"), beside its items'.
+RECORD_ITEM_IDS: Final = """
+INSERT INTO imports (source, source_key, item_id, imported_at)
+VALUES ($1 || '#ids', 'last', $2, $3)
+ON CONFLICT (source, source_key) DO UPDATE SET item_id = greatest(imports.item_id, excluded.item_id)
+"""
+# The highest id copies from a source brought (their items' keys are the ids) or kept clear.
+COPIED_UP_TO: Final = """
+SELECT greatest(coalesce((SELECT max(source_key::bigint) FROM imports WHERE source = $1), 0),
+                coalesce((SELECT item_id FROM imports
+                          WHERE source = $1 || '#ids' AND source_key = 'last'), 0))
+"""
 ADVANCE_ITEM_IDS: Final = """
 SELECT setval(seq, greatest(coalesce(pg_sequence_last_value(seq), 0), $1::bigint))
 FROM (SELECT pg_get_serial_sequence('items', 'item_id')::regclass AS seq) AS s

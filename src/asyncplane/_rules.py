@@ -308,6 +308,25 @@ def copy_id_taken(item_id: int) -> _errors.InvalidInput:
     )
 
 
+def copy_into_itself() -> _errors.InvalidInput:
+    """A copy whose source and destination are one store (by any name)."""
+    return _errors.InvalidInput("the source and the destination are one store")
+
+
+def copy_ids_handed_out(handed_out: int, brought: int) -> _errors.InvalidInput | None:
+    """A destination that handed out item ids past what copies from this source brought
+    or kept clear (``brought``) made items of its own, purged since (one still there is
+    `copy_id_taken`'s): a copy, which keeps ids, would give the source's items ids the
+    destination's archive and ledger already name. None when it handed out none."""
+    if handed_out <= brought:
+        return None
+    return _errors.InvalidInput(
+        f"the destination has handed out item ids of its own (up to {handed_out}; their "
+        "items were purged since): a copy keeps item ids, and ids are never reused, so it "
+        "goes into a new store (or one it copied into before, with no item of its own)"
+    )
+
+
 def copy_running_twin(item_id: int, twin_id: int) -> _errors.InvalidInput:
     """A copy met a running item whose content twin already runs in the destination (on
     PostgreSQL, where one content runs at once across hosts: a unique index)."""

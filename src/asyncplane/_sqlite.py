@@ -361,8 +361,12 @@ class SQLiteBackend(_backend.Writes):
         rows = await self._read(_fetch, sql.LAST_ITEM_ID, ())
         return int(rows[0][0])
 
-    async def advance_item_ids(self, last: int) -> None:
-        await self._write(functools.partial(_advance_item_ids, last))
+    async def advance_item_ids(self, last: int, source: str) -> None:
+        await self._write(functools.partial(_advance_item_ids, last, source))
+
+    async def copied_up_to(self, source: str) -> int:
+        rows = await self._read(_fetch, sql.COPIED_UP_TO, (source,))
+        return int(rows[0][0])
 
     @contextlib.asynccontextmanager
     async def drain_guard(self) -> AsyncIterator[_lock.Guard]:
@@ -1148,9 +1152,10 @@ def _copy_imports(
     db.executemany(sql.COPY_IMPORT, records)
 
 
-def _advance_item_ids(last: int, db: sqlite3.Connection, now: float) -> None:
+def _advance_item_ids(last: int, source: str, db: sqlite3.Connection, now: float) -> None:
     db.execute(sql.ADVANCE_ITEM_IDS, (last,))
     db.execute(sql.START_ITEM_IDS, (last,))
+    db.execute(sql.RECORD_ITEM_IDS, (source, last, now))
 
 
 # --- schema --------------------------------------------------------------------------------

@@ -1241,6 +1241,17 @@ START_ITEM_IDS: Final = """
 INSERT INTO sqlite_sequence (name, seq)
 SELECT 'items', ? WHERE NOT EXISTS (SELECT 1 FROM sqlite_sequence WHERE name = 'items')
 """
+# A copy's record of the ids it kept clear (`<source>#ids`, key "last"), beside its items'.
+RECORD_ITEM_IDS: Final = """
+INSERT INTO imports (source, source_key, item_id, imported_at) VALUES (?1 || '#ids', 'last', ?2, ?3)
+ON CONFLICT (source, source_key) DO UPDATE SET item_id = max(item_id, excluded.item_id)
+"""
+# The highest id copies from a source brought (their items' keys are the ids) or kept clear.
+COPIED_UP_TO: Final = """
+SELECT max(coalesce((SELECT max(CAST(source_key AS INTEGER)) FROM imports WHERE source = ?1), 0),
+           coalesce((SELECT item_id FROM imports
+                     WHERE source = ?1 || '#ids' AND source_key = 'last'), 0))
+"""
 
 # --- stats ----------------------------------------------------------------------------------
 
