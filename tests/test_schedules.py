@@ -225,12 +225,60 @@ async def test_a_zone_only_this_systems_database_names_is_refused(
 def test_a_zone_this_host_lacks_is_a_typed_error_naming_the_extra() -> None:
     # A schedule an earlier release took by a system-only name, run where it is unknown.
     table = _schedule.Timetable("0 3 * * *", None, "Office/Nowhere", 0.0)
-    with pytest.raises(MissingExtra, match="asyncplane\\[cron\\]"):
+    with pytest.raises(MissingExtra, match="has no 'Office/Nowhere'"):
         table.after(1_780_000_000.0)
     # An every= schedule's tick is the same moment in any zone: a process without the
     # extra (which runs those) records it in UTC rather than stopping on it.
     every = _schedule.Timetable(None, 60.0, "Office/Nowhere", 0.0)
     assert every.iso(every.after(0.0)) == "1970-01-01T00:01:00+00:00"
+
+
+async def test_a_schedule_this_host_cannot_read_is_passed_over_not_fatal(
+    store: ControlStore,
+    clock: ManualClock,
+    tmp_path: pathlib.Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Declared where the tzdata knew its zone, run where an older one does not: the run
+    # raised, rolled back, and, that row due first every time, no schedule ran again on
+    # this host, and every work() and drain() here ended on its first look.
+    import zoneinfo
+
+    clock.set(at(2026, 12, 1, 0, 0))
+    await store.set_schedule("beat", project_id="alpha", payload={"n": "beat"}, every=60)
+    await store.set_schedule("far", project_id="alpha", payload={"n": "far"},
+                             cron="0 * * * *", timezone="America/Coyhaique")  # fmt: skip
+    before = (await store.schedule("far"))["next_at"]
+    for name in [m for m in sys.modules if m.split(".")[0] == "tzdata"] + ["tzdata"]:
+        monkeypatch.setitem(sys.modules, name, None)  # this host: no tzdata package ...
+    zoneinfo.reset_tzpath(to=[str(tmp_path)])  # ... and an empty system database
+    zoneinfo.ZoneInfo.clear_cache(only_keys=["America/Coyhaique"])
+    try:
+        clock.advance(3600)
+        with caplog.at_level("WARNING", logger="asyncplane.schedules"):
+            assert await store.run_schedules() == 1  # beat's tick (the newest one)
+            clock.advance(60)
+            assert await store.run_schedules() == 1  # and again: said once, below
+    finally:
+        zoneinfo.reset_tzpath()
+        zoneinfo.ZoneInfo.clear_cache(only_keys=["America/Coyhaique"])
+    assert [item["payload"]["n"] for item in await store.items()] == ["beat", "beat"]
+    assert (await store.schedule("far"))["next_at"] == before  # untouched, still due
+    said = [r.getMessage() for r in caplog.records if "'far'" in r.getMessage()]
+    assert len(said) == 1 and "left to a host that can read it" in said[0], said
+    assert await store.run_schedules() == 1  # a host that reads it runs it
+    assert sorted(item["payload"]["n"] for item in await store.items()) == ["beat"] * 2 + ["far"]
+
+
+def test_a_cron_this_hosts_cronsim_cannot_read_is_said_not_raised() -> None:
+    # Declared where another cronsim ran: cronsim's own error, not an asyncplane one,
+    # escaped the run.
+    table = _schedule.Timetable("0 0 1W * *", None, "UTC", 0.0)
+    why = _schedule.unreadable(table)
+    assert why is not None and "cannot read '0 0 1W * *'" in why
+    assert _schedule.unreadable(_schedule.Timetable("0 3 * * *", None, "UTC", 0.0)) is None
+    assert _schedule.unreadable(_schedule.Timetable(None, 60.0, "Office/Nowhere", 0.0)) is None
 
 
 async def test_a_schedule_whose_next_tick_falls_past_9999_is_refused_unwritten(
@@ -455,7 +503,7 @@ async def test_ticks_of_two_schedules_of_one_content_on_two_hosts_add_one_item(
         async with other.transaction():
             # The other host's run of its first due schedule, a-report, uncommitted.
             op = _backend.RunSchedulesOp(1, False)
-            assert await _postgres._run_schedules(op, other, clock.now()) == (1, 1)
+            assert await _postgres._run_schedules(op, other, clock.now()) == (1, 1, ())
             assert await store.run_schedules() == 0  # b-report left due, not waited for
             assert await store.schedule_ticks("b-report") == []
             assert (await store.schedule("b-report"))["next_at"].timestamp() <= clock.now()

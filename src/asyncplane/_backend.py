@@ -75,6 +75,7 @@ __all__ = (
     "SavedUnseen",
     "ScheduleOp",
     "ScheduleRow",
+    "SchedulesRun",
     "Sizing",
     "StoreStats",
     "TickRow",
@@ -332,6 +333,17 @@ class RunSchedulesOp(Record):
 
     limit: int
     crons: bool
+
+
+class SchedulesRun(Record):
+    """What one transaction of run_schedules did: items ``enqueued`` (a tick whose item
+    is a pending twin's adds none), schedules ``run``, and the schedules ``passed`` over,
+    untouched, as this host cannot read them, each ``(name, why)``
+    (`asyncplane._schedule.unreadable`)."""
+
+    enqueued: int
+    run: int
+    passed: tuple[tuple[str, str], ...]
 
 
 class ScheduleRow(Record):
@@ -772,10 +784,9 @@ class Writes:
         project is absent."""
         return self._send_named(op)
 
-    def run_schedules(self, op: RunSchedulesOp) -> _write_queue.Pending[tuple[int, int]]:
+    def run_schedules(self, op: RunSchedulesOp) -> _write_queue.Pending[SchedulesRun]:
         """Enqueue the due ticks of up to ``op.limit`` schedules, each tick's key with its
-        item (`asyncplane._schedule.plan`); return (items enqueued: a tick whose item is a
-        pending twin's adds none, schedules run)."""
+        item (`asyncplane._schedule.plan`); say what it did (`SchedulesRun`)."""
         return self._send_named(op)
 
     def _send_named(self, op: Any) -> _write_queue.Pending[Any]:
@@ -1049,10 +1060,9 @@ class Backend(Protocol):
         absent."""
         ...
 
-    def run_schedules(self, op: RunSchedulesOp) -> _write_queue.Pending[tuple[int, int]]:
+    def run_schedules(self, op: RunSchedulesOp) -> _write_queue.Pending[SchedulesRun]:
         """Enqueue the due ticks of up to ``op.limit`` schedules, each tick's key with its
-        item (`asyncplane._schedule.plan`); return (items enqueued: a tick whose item is a
-        pending twin's adds none, schedules run)."""
+        item (`asyncplane._schedule.plan`); say what it did (`SchedulesRun`)."""
         ...
 
     async def next_tick(self, crons: bool) -> float | None:

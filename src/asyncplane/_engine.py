@@ -259,6 +259,7 @@ class Engine:
         self._last_purge: float | None = None
         self._last_schedules: float | None = None
         self._crons_left_said = False
+        self._passed_said: set[str] = set()  # schedules passed over, said once each
         #: When the next tick of any schedule falls, as the last run here found it.
         self.next_tick: float | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -495,7 +496,7 @@ class Engine:
         while True:
             call = backend.run_schedules(op)
             try:
-                ticks, looked = await call
+                ticks, looked, passed = await call
             except asyncio.CancelledError:
                 # Cancelled while its round ran, the writer tells (`Writes.orphaned`,
                 # which wakes the waiters, as for any write of FREEING); once its answer
@@ -506,6 +507,7 @@ class Engine:
             enqueued += ticks
             if ticks:  # each transaction's items, as it commits (a later one may be cut)
                 self.notify()
+            self._say_passed_over(passed)
             if looked < _SCHEDULES_PER_ROUND:
                 break
         if enqueued:
@@ -574,6 +576,16 @@ class Engine:
             await _tasks.within(
                 _clock.wait_until(self.clock, tick), _BUSY_LOOK, "asyncplane-busy-schedules-clock"
             )
+
+    def _say_passed_over(self, passed: tuple[tuple[str, str], ...]) -> None:
+        """Warn, once a process for each, of the schedules a run passed over as this host
+        cannot read them: they stay due for a host that can."""
+        for name, why in passed:
+            if name not in self._passed_said:
+                self._passed_said.add(name)
+                _schedules_log.warning(
+                    "schedule %r is left to a host that can read it: %s", name, why
+                )
 
     async def _say_crons_are_left(self, backend: _backend.Backend) -> None:
         """Warn, once a process, that cron schedules fall due that this process leaves to

@@ -971,7 +971,7 @@ async def _delete_schedule(name: str, conn: asyncpg.Connection, now: float) -> N
 
 async def _run_schedules(
     op: _backend.RunSchedulesOp, conn: asyncpg.Connection, now: float
-) -> tuple[int, int]:
+) -> _backend.SchedulesRun:
     """As SQLite's: the due schedules (those another host runs now skipped), each due
     tick's key reserved, then its item enqueued; a key another transaction reserved is
     waited for, and if it commits, this one enqueues nothing for that tick. A schedule
@@ -980,8 +980,14 @@ async def _run_schedules(
     rows = [_backend.ScheduleRow._make(r) for r in due]
     enqueued = 0
     looked = 0
+    passed: list[tuple[str, str]] = []
     for row in rows:
         item, fingerprint = _rules.tick_item(row)
+        table = row.timetable()
+        reason = _schedule.unreadable(table)
+        if reason is not None:  # left, untouched, to a host that can read it
+            passed.append((row.name, reason))
+            continue
         if fingerprint is not None and not await conn.fetchval(
             sql.TRY_LOCK_CONTENT, row.project_id, fingerprint
         ):
@@ -991,7 +997,6 @@ async def _run_schedules(
             # rows, which a round holding that content's lock may wait for.
             continue
         looked += 1
-        table = row.timetable()
         plan = _schedule.plan(table, row.catch_up, row.next_at, now)
         last = None
         for tick in plan.ticks:
@@ -1009,7 +1014,7 @@ async def _run_schedules(
             last = tick
         await conn.execute(sql.MOVE_SCHEDULE, plan.next_at, last, now, row.name)
         await conn.execute(sql.FORGET_TICKS, row.name, now - _schedule.TICKS_KEPT)
-    return enqueued, looked
+    return _backend.SchedulesRun(enqueued, looked, tuple(passed))
 
 
 async def _set_project_status(

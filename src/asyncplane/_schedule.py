@@ -54,6 +54,7 @@ __all__ = (
     "plan",
     "tick_detail",
     "timetable",
+    "unreadable",
 )
 
 #: What a run does with ticks missed while nothing ran the schedules.
@@ -126,9 +127,15 @@ class Timetable(Record):
             # extra runs those, and must not stop on one).
             if self.every is not None:
                 return dt.timezone.utc
+            from importlib import metadata
+
+            try:
+                have = f"its tzdata is {metadata.version('tzdata')}: a zone newer than that?"
+            except metadata.PackageNotFoundError:
+                have = "pip install 'asyncplane[cron]' (it brings tzdata)"
             raise _errors.MissingExtra(
                 f"this host's timezone database has no {self.timezone!r}, which a cron "
-                "schedule names: pip install 'asyncplane[cron]' (it brings tzdata)"
+                f"schedule names ({have})"
             ) from None
 
     def _walk(self, start: float) -> cronsim.CronSim:
@@ -320,6 +327,25 @@ def plan(table: Timetable, catch_up: str, next_at: float, now: float) -> TickPla
     if catch_up == "none" and due and now - due[-1] > ON_TIME:
         due = []
     return TickPlan(tuple(due), table.after(now))
+
+
+def unreadable(table: Timetable) -> str | None:
+    """Why this host cannot walk a cron timetable, or None where it can: its timezone is
+    not in this host's database (a zone newer than the tzdata here), or its expression is
+    not one the cronsim here reads (declared where another version ran). A run passes
+    such a schedule over, untouched, for a host that can read it (and says so once:
+    `asyncplane._engine.Engine.run_schedules`): raised, it would stop every other
+    schedule, and every worker here, with it."""
+    if table.cron is None:
+        return None
+    module = _cronsim()
+    try:
+        table._walk(0.0)
+    except _errors.MissingExtra as exc:
+        return str(exc)
+    except module.CronSimError as exc:
+        return f"the cron here cannot read {table.cron!r}: {exc}"
+    return None
 
 
 def tick_detail(name: str, table: Timetable, tick: float) -> dict[str, str]:

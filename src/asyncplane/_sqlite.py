@@ -527,13 +527,18 @@ def _delete_schedule(name: str, db: sqlite3.Connection, now: float) -> None:
 
 def _run_schedules(
     op: _backend.RunSchedulesOp, db: sqlite3.Connection, now: float
-) -> tuple[int, int]:
+) -> _backend.SchedulesRun:
     due = db.execute(sql.DUE_SCHEDULES, (now, op.crons, op.limit))
     rows = [_backend.ScheduleRow._make(r) for r in due]
     enqueued = 0
+    passed: list[tuple[str, str]] = []
     for row in rows:
         item, fingerprint = _rules.tick_item(row)
         table = row.timetable()
+        reason = _schedule.unreadable(table)
+        if reason is not None:  # left, untouched, to a host that can read it
+            passed.append((row.name, reason))
+            continue
         plan = _schedule.plan(table, row.catch_up, row.next_at, now)
         last = None
         for tick in plan.ticks:
@@ -551,7 +556,7 @@ def _run_schedules(
             last = tick
         db.execute(sql.MOVE_SCHEDULE, (plan.next_at, last, now, row.name))
         db.execute(sql.FORGET_TICKS, (row.name, now - _schedule.TICKS_KEPT))
-    return enqueued, len(rows)
+    return _backend.SchedulesRun(enqueued, len(rows) - len(passed), tuple(passed))
 
 
 def _enqueue(
