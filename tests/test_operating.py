@@ -1082,6 +1082,10 @@ def test_cli_refuses_files_it_must_not_touch(tmp_path: pathlib.Path) -> None:
                          "FIELD=COLUMN", "has no column", "no table", "go together")
         ), refused.stderr  # fmt: skip
     assert not fresh.exists()
+    assert cli("init", str(tmp_path / "ok.db")).returncode == 0
+    nowhere = cli("copy", str(tmp_path / "ok.db"), str(tmp_path / "no" / "such" / "dir.db"))
+    assert nowhere.returncode == 2, nowhere.stderr  # a path mistake, as init's (was 3)
+    assert "no such directory for the destination" in nowhere.stderr
     conn = sqlite3.connect(older)
     assert conn.execute("PRAGMA user_version").fetchone() == (sql.SCHEMA_VERSION - 1,)
     conn.close()

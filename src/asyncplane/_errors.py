@@ -203,9 +203,10 @@ class MissingExtra(AsyncplaneError, ImportError):
 class StoreClosed(AsyncplaneError):
     """The store cannot serve this call where it is.
 
-    Raised when a call waited on a writer that stopped before serving it (the store was
-    closed while the call was queued, or the event loop shut down), or when the store is
-    used from a second event loop while the loop that opened it is still running. A store
+    Raised when a call waited on something that stopped before serving it: a read waiting
+    for a read connection when the store was closed (writes queued at a close are served
+    first), or a writer stopped by the event loop's shutdown; or when the store is used
+    from a second event loop while the loop that opened it is still running. A store
     that was closed normally simply opens again on its next call.
     """
 

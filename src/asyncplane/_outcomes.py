@@ -162,7 +162,8 @@ class DrainSummary:
             made.
         claimed: Items claimed.
         done: Items settled done by an outcome.
-        failed: Items that failed (a Failed outcome, or a Retry with no attempt left).
+        failed: Items that failed (a Failed outcome, a Retry with no attempt left, or an
+            outcome the store refused, a Done whose result it cannot keep, say).
         retried: Items deferred for another attempt.
         parked: Items set aside by a Park outcome.
         offloaded: Items handed to an external batch.
@@ -190,7 +191,8 @@ class DrainSummary:
             lapse (and run again), or whose lease could not be renewed before it ran out
             (their handlers cancelled).
         remaining: Items not yet settled when the drain ended (ready, deferred, claimed
-            or offloaded; of ``project_id`` if one was given), or None when they were not
+            or offloaded; of ``project_id``, and of ``actor_id``'s projects, where given),
+            or None when they were not
             counted: the run was skipped, the store was closed under it, or the count
             failed (logged). Never 0 for "unknown": 0 says all the work was done.
         elapsed_s: Seconds the drain took.

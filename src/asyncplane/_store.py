@@ -1325,11 +1325,13 @@ class ControlStore:
         ``error_contains`` matches a piece of the error, ignoring the case of ASCII
         letters (other letters match as written, on every backend); the times are
         aware datetimes or epoch seconds, and exclusive. For the next page pass the last
-        row's ``item_id`` as ``after`` (keyset paging: rows never repeat or go missing
-        between pages). Each state asked for is read newest first from an index of its own
-        (per project, with ``project_id``), so a page costs the same at a thousand items or
-        a million; the other filters are checked on the rows walked. Without
-        ``include_payload`` the rows have no payload and no result.
+        row's ``item_id`` as ``after`` (keyset paging: rows never repeat between pages, and
+        on SQLite never go missing; on PostgreSQL, whose ids are handed out before their
+        transactions commit, an oldest-first walk can pass an id whose item commits a
+        moment later, and never come back for it). Each state asked for is read newest
+        first from an index of its own (per project, with ``project_id``), so a page costs
+        the same at a thousand items or a million; the other filters are checked on the
+        rows walked. Without ``include_payload`` the rows have no payload and no result.
 
         Raises:
             InvalidInput: An unknown state or order, or a limit outside 1 to 10,000.

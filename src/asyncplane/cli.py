@@ -332,6 +332,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         ):
             # An existing file must be a store too, or one a copy cut short began.
             _check_is_a_store(args.destination, unfinished=True)
+        elif args.verb == "copy" and not pathlib.Path(args.destination).absolute().parent.is_dir():
+            # (as init says it: a mistake to mend, not a store that failed)
+            raise _Usage(
+                f"no such directory for the destination: {pathlib.Path(args.destination).parent}"
+            )
         return _loops.run(_run(args))
     except (_Usage, _worker_command.Usage, _errors.MissingExtra) as problem:
         _say(f"asyncplane {args.verb}: {problem}")
