@@ -1231,6 +1231,14 @@ async def test_a_purge_refuses_an_archive_that_is_not_one(
         assert target.read_bytes() == before, target
         assert not target.with_name(target.name + ".1").exists()
     assert (await store.counts())["done"] == 2  # nothing purged
+    fifo = archive.with_name("wake")  # as a store's -combine-wake-N: opened, it blocked
+    os.mkfifo(fifo)
+    with pytest.raises(ArchiveError, match="not a regular file"):
+        await asyncio.wait_for(store.purge(0, archive_path=fifo), 30)
+    assert (await store.counts())["done"] == 2
+    refused = cli("purge", str(pathlib.Path(store.location)) if store.backend == "sqlite"
+                  else store.location, "--retention", "0", "--archive", str(fifo))  # fmt: skip
+    assert refused.returncode == 2 and "not a regular file" in refused.stderr, refused.stderr
     torn = b'{"archi'  # a first line torn short: an archive all the same
     archive.write_bytes(torn)
     assert (await store.purge(0)).purged == 2

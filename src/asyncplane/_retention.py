@@ -47,6 +47,7 @@ import datetime as dt
 import json
 import logging
 import os
+import stat
 import sys
 import time
 from collections.abc import Awaitable, Callable, Coroutine
@@ -389,7 +390,11 @@ def _check_is_archive(path: pathlib.Path) -> None:
     """`_NotAnArchive` unless the file there is empty or begins as an archive does (or
     as its first line torn short would): the purge cuts a file's tail, and rotates it
     away, and neither may happen to a file that is not its own (the store's database,
-    given by mistake, would be damaged)."""
+    given by mistake, would be damaged). Only a regular file: opened, a FIFO (a
+    store's ``-combine-wake-N`` beside it, say) would block the purge, its lock held,
+    until something wrote to it."""
+    if not stat.S_ISREG(os.stat(path).st_mode):
+        raise _NotAnArchive(f"{path} is not a regular file: an archive is one; name another file")
     with open(path, "rb") as archive:
         head = archive.read(len(_LINE_START))
     if head != _LINE_START[: len(head)]:

@@ -511,6 +511,8 @@ def _check_args(args: argparse.Namespace) -> None:
             raise _Usage(_in_flags(str(exc))) from exc
         if args.archive is not None and args.archive.is_dir():
             raise _Usage(f"--archive {args.archive} is a directory: name a file in it")
+        if args.archive is not None and args.archive.exists() and not args.archive.is_file():
+            raise _Usage(f"--archive {args.archive} is not a regular file: name a file")
         if args.archive is not None and not args.archive.absolute().parent.is_dir():
             raise _Usage(f"--archive: no directory {args.archive.absolute().parent}")
     elif args.verb == "dashboard":
