@@ -27,6 +27,7 @@ from asyncplane import (
     InvalidInput,
     InvalidType,
     ItemCancelled,
+    ItemPurged,
     NotRequeueable,
     ScopeDenied,
     StoreClosed,
@@ -37,6 +38,7 @@ from asyncplane import (
     testing,
     verify_ledger,
 )
+from asyncplane._store import engine_of
 from asyncplane.testing import ManualClock
 
 
@@ -470,6 +472,30 @@ async def test_wait_times_out_and_refuses_unknown_items_at_once(store: ControlSt
     assert isinstance(caught.value, TimeoutError)
     with pytest.raises(UnknownItem):
         await store.wait(10_000, timeout=30)
+
+
+async def test_a_wait_whose_item_settles_and_is_purged_elsewhere_says_so(
+    tmp_path: pathlib.Path,
+) -> None:
+    # Settled and purged by another store (another process) between two of the wait's
+    # looks: it said UnknownItem, "no item has this id", of an item it had seen.
+    path = tmp_path / "s.db"
+    async with ControlStore(path) as waiter, ControlStore(path) as other:
+        await waiter.create_project("alpha", "Alpha")
+        item_id = await waiter.enqueue("alpha", {})
+        waiting = asyncio.create_task(waiter.wait(item_id, poll_interval=3600))
+        engine = engine_of(waiter)
+        await until(lambda: engine.settles.waited == 1, what="the wait watches its item")
+        claim = await other.claim("w")
+        assert claim is not None and claim.item_id == item_id
+        await other.finish(item_id, fence=claim.fence, result={"answer": 42})
+        archive = tmp_path / "archive.jsonl"
+        assert (await other.purge(0, archive_path=archive)).purged == 1
+        # A settle here: the wait looks again (another store's it hears only at its poll).
+        await waiter.cancel(await waiter.enqueue("alpha", {}))
+        with pytest.raises(ItemPurged, match=f"item {item_id} settled and was purged"):
+            await asyncio.wait_for(waiting, 30)
+    assert '"answer":42' in archive.read_text()  # where it says the outcome is
 
 
 async def test_wait_refuses_out_of_scope_however_short_the_timeout(store: ControlStore) -> None:

@@ -29,6 +29,7 @@ def test_the_contract_names_are_exported() -> None:
         "ScopeDenied",
         "UnknownProject",
         "UnknownItem",
+        "ItemPurged",
     }
     assert contract <= set(asyncplane.__all__)
 

@@ -175,6 +175,12 @@ class UnknownItem(AsyncplaneError, LookupError):
     """No item has this id (raised to the control plane, which may know that)."""
 
 
+class ItemPurged(UnknownItem):
+    """The item a `wait()` waited for settled, and retention purged it before the wait
+    read its outcome (another store's purge, on SQLite between two looks): its outcome
+    and history are in that purge's archive."""
+
+
 class ProjectExists(AsyncplaneError, ValueError):
     """create_project() was given an id that is already taken."""
 

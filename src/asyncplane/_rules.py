@@ -308,6 +308,15 @@ def copy_id_taken(item_id: int) -> _errors.InvalidInput:
     )
 
 
+def purged_while_awaited(item_id: int) -> _errors.ItemPurged:
+    """A wait found its item gone after it had seen it live: only retention deletes an
+    item, and only a settled one, so it settled, and was purged before the wait looked."""
+    return _errors.ItemPurged(
+        f"item {item_id} settled and was purged by retention before this wait read its "
+        "outcome: its outcome and history are in that purge's archive"
+    )
+
+
 def copy_into_itself() -> _errors.InvalidInput:
     """A copy whose source and destination are one store (by any name)."""
     return _errors.InvalidInput("the source and the destination are one store")

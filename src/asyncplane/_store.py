@@ -1527,6 +1527,8 @@ class ControlStore:
         Raises:
             WaitTimeout: Not settled within ``timeout`` seconds (a `TimeoutError` too).
             UnknownItem: No such item (at once, control plane only).
+            ItemPurged: It settled, and retention purged it before this wait read its
+                outcome (an `UnknownItem`; its outcome is in the purge's archive).
             ScopeDenied: The actor may not see the item (or it does not exist).
             StoreClosed: The store was closed while the call waited (a wait never opens
                 it again).
@@ -1566,7 +1568,10 @@ class ControlStore:
         while True:
             if engine.closes != closes:  # a look now would open it again
                 raise _errors.StoreClosed(f"the store was closed while waiting for item {item_id}")
-            row = await (await engine.ready()).get_item(item_id, actor)
+            try:
+                row = await (await engine.ready()).get_item(item_id, actor)
+            except _errors.UnknownItem:  # seen live before: settled, then purged
+                raise _rules.purged_while_awaited(item_id) from None
             if row.state in _models.SETTLED_STATES:
                 return _item_dict(row)
             await engine.settles.until_may_have_settled(item_id, poll, closes)
