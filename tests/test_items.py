@@ -485,7 +485,13 @@ async def test_a_wait_whose_item_settles_and_is_purged_elsewhere_says_so(
         item_id = await waiter.enqueue("alpha", {})
         waiting = asyncio.create_task(waiter.wait(item_id, poll_interval=3600))
         engine = engine_of(waiter)
-        await until(lambda: engine.settles.waited == 1, what="the wait watches its item")
+        await until(
+            lambda: (
+                engine.settles.waited == 1
+                and any(t.get_name() == "asyncplane-settles-local" for t in asyncio.all_tasks())
+            ),
+            what="the wait's watcher has looked, and sleeps",
+        )
         claim = await other.claim("w")
         assert claim is not None and claim.item_id == item_id
         await other.finish(item_id, fence=claim.fence, result={"answer": 42})

@@ -365,7 +365,7 @@ class SQLiteBackend(_backend.Writes):
         await self._write(functools.partial(_advance_item_ids, last, source))
 
     async def copied_up_to(self, source: str) -> int:
-        rows = await self._read(_fetch, sql.COPIED_UP_TO, (source,))
+        rows = await self._read(_fetch, sql.COPIED_UP_TO, (source, source))
         return int(rows[0][0])
 
     @contextlib.asynccontextmanager

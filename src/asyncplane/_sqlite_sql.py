@@ -1243,14 +1243,14 @@ SELECT 'items', ? WHERE NOT EXISTS (SELECT 1 FROM sqlite_sequence WHERE name = '
 """
 # A copy's record of the ids it kept clear (`<source>#ids`, key "last"), beside its items'.
 RECORD_ITEM_IDS: Final = """
-INSERT INTO imports (source, source_key, item_id, imported_at) VALUES (?1 || '#ids', 'last', ?2, ?3)
+INSERT INTO imports (source, source_key, item_id, imported_at) VALUES (? || '#ids', 'last', ?, ?)
 ON CONFLICT (source, source_key) DO UPDATE SET item_id = max(item_id, excluded.item_id)
 """
 # The highest id copies from a source brought (their items' keys are the ids) or kept clear.
 COPIED_UP_TO: Final = """
-SELECT max(coalesce((SELECT max(CAST(source_key AS INTEGER)) FROM imports WHERE source = ?1), 0),
+SELECT max(coalesce((SELECT max(CAST(source_key AS INTEGER)) FROM imports WHERE source = ?), 0),
            coalesce((SELECT item_id FROM imports
-                     WHERE source = ?1 || '#ids' AND source_key = 'last'), 0))
+                     WHERE source = ? || '#ids' AND source_key = 'last'), 0))
 """
 
 # --- stats ----------------------------------------------------------------------------------
