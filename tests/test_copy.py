@@ -268,6 +268,27 @@ async def test_a_copy_into_its_own_source_is_refused(tmp_path: pathlib.Path) -> 
     written.close()
 
 
+async def test_a_destination_an_earlier_release_copied_into_takes_the_next_copy(
+    tmp_path: pathlib.Path,
+) -> None:
+    # Its copy kept the source's ids clear without recording it: the ids above the last
+    # item it brought (left behind by pending_only) were taken for its own, and refused.
+    async with (
+        ControlStore(tmp_path / "a.db") as source,
+        ControlStore(tmp_path / "b.db") as destination,
+    ):
+        await source.create_project("p", "P")
+        ids = await source.enqueue_many("p", [{"n": n} for n in range(3)])
+        await source.cancel(ids[-1])
+        assert (await copy_store(source, destination, pending_only=True)).copied == 2
+        written = sqlite3.connect(tmp_path / "b.db")
+        with written:  # as that release left it: no record of the ids kept clear
+            assert written.execute("DELETE FROM imports WHERE source LIKE '%#ids'").rowcount
+        written.close()
+        again = await copy_store(source, destination)
+        assert (again.copied, again.skipped) == (1, 2)
+
+
 async def test_a_destination_copied_into_then_purged_takes_the_next_copy(
     asyncplane_store: ControlStore,
     other_store: Any,

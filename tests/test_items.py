@@ -474,8 +474,9 @@ async def test_wait_times_out_and_refuses_unknown_items_at_once(store: ControlSt
         await store.wait(10_000, timeout=30)
 
 
+@pytest.mark.parametrize("actor", [None, "ann"])
 async def test_a_wait_whose_item_settles_and_is_purged_elsewhere_says_so(
-    tmp_path: pathlib.Path,
+    tmp_path: pathlib.Path, actor: str | None
 ) -> None:
     # Settled and purged by another store (another process) between two of the wait's
     # looks: it said UnknownItem, "no item has this id", of an item it had seen.
@@ -483,7 +484,8 @@ async def test_a_wait_whose_item_settles_and_is_purged_elsewhere_says_so(
     async with ControlStore(path) as waiter, ControlStore(path) as other:
         await waiter.create_project("alpha", "Alpha")
         item_id = await waiter.enqueue("alpha", {})
-        waiting = asyncio.create_task(waiter.wait(item_id, poll_interval=3600))
+        await waiter.assign("alpha", "ann")  # (to an actor, a purged item was ScopeDenied)
+        waiting = asyncio.create_task(waiter.wait(item_id, poll_interval=3600, actor_id=actor))
         engine = engine_of(waiter)
         await until(
             lambda: (

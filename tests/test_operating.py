@@ -502,8 +502,8 @@ async def test_a_pending_value_no_row_holds_keeps_an_import_from_dropping_anythi
     # row: nothing was imported, every row counted not pending, and the drop took them all.
     source = tmp_path / "slip.sqlite3"
     litequeue_like(source)
-    for pending in (["READY"], [0, 7]):
-        with pytest.raises(InvalidInput, match=r"match no row's 'status' \(the states found: 0, 1"):
+    for pending in (["READY"], [0, "ready"]):  # text, where every state is a number
+        with pytest.raises(InvalidInput, match=r"'status' \(the states found: 0, 1, 2, 3"):
             await store.import_pending(
                 source, table="Queue", columns={"payload": "data", "state": "status"},
                 project_id="alpha", pending=pending, drop_source=True,
@@ -515,9 +515,20 @@ async def test_a_pending_value_no_row_holds_keeps_an_import_from_dropping_anythi
     # Without the drop, nothing is at stake: the same values import what they match.
     kept = await store.import_pending(
         source, table="Queue", columns={"payload": "data", "state": "status"},
-        project_id="alpha", pending=[0, 7],
+        project_id="alpha", pending=[0, "ready"],
     )  # fmt: skip
     assert (kept.imported, kept.not_pending, kept.dropped) == (2, 3, False)
+    # A state of the right kind that no row holds now (locked, once the workers are
+    # stopped) is no slip: the documented [0, 1] imports and drops.
+    idle = source_table(
+        tmp_path / "idle.sqlite3", "CREATE TABLE Queue (data TEXT, status INTEGER)",
+        "INSERT INTO Queue VALUES (?, ?)", [("{}", 0), ("{}", 2)],
+    )  # fmt: skip
+    dropped = await store.import_pending(
+        idle, table="Queue", columns={"payload": "data", "state": "status"},
+        project_id="alpha", pending=[0, 1], drop_source=True,
+    )  # fmt: skip
+    assert (dropped.imported, dropped.not_pending, dropped.dropped) == (1, 1, True)
 
 
 async def test_an_import_from_the_store_itself_is_refused(tmp_path: pathlib.Path) -> None:

@@ -271,6 +271,33 @@ async def test_a_schedule_this_host_cannot_read_is_passed_over_not_fatal(
     assert sorted(item["payload"]["n"] for item in await store.items()) == ["beat"] * 2 + ["far"]
 
 
+async def test_schedules_this_host_cannot_read_starve_none_after_them(
+    store: ControlStore, clock: ManualClock, tmp_path: pathlib.Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    # Passed over, they stay due first: a transaction's 50 were all of them, it ran none,
+    # and the run ended there, every time; a schedule due after them never ran.
+    import zoneinfo
+
+    clock.set(at(2026, 12, 1, 0, 0))
+    for n in range(55):
+        await store.set_schedule(f"far{n:02}", project_id="alpha", payload={"n": n},
+                                 cron="0 * * * *", timezone="America/Coyhaique")  # fmt: skip
+    clock.advance(61 * 60)  # past their first tick (01:00), which they wait for still
+    await store.set_schedule("good", project_id="alpha", payload={"n": "good"}, every=60)
+    for name in [m for m in sys.modules if m.split(".")[0] == "tzdata"] + ["tzdata"]:
+        monkeypatch.setitem(sys.modules, name, None)
+    zoneinfo.reset_tzpath(to=[str(tmp_path)])
+    zoneinfo.ZoneInfo.clear_cache(only_keys=["America/Coyhaique"])
+    try:
+        clock.advance(3600)
+        assert await store.run_schedules() == 1
+    finally:
+        zoneinfo.reset_tzpath()
+        zoneinfo.ZoneInfo.clear_cache(only_keys=["America/Coyhaique"])
+    assert [item["payload"]["n"] for item in await store.items()] == ["good"]
+
+
 def test_a_cron_this_hosts_cronsim_cannot_read_is_said_not_raised() -> None:
     # Declared where another cronsim ran: cronsim's own error, not an asyncplane one,
     # escaped the run.

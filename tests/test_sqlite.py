@@ -18,6 +18,7 @@ import sqlite3
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -618,6 +619,28 @@ async def test_an_opening_cancelled_while_another_holds_the_lock_ends_at_once(
         holder.close()
     async with ControlStore(path) as again:  # and the file opens as ever afterwards
         await again.create_project("p", "P")
+
+
+def test_an_opening_under_another_programs_lock_keeps_a_short_busy_timeout(
+    tmp_path: pathlib.Path,
+) -> None:
+    # The opening's wait for the lock goes in slices (to look whether it was given up):
+    # a busy timeout shorter than a slice is still the time it gives up after.
+    path = tmp_path / "s.db"
+    holder = sqlite3.connect(path, isolation_level=None)
+    holder.execute("PRAGMA journal_mode = WAL")
+    holder.execute("BEGIN EXCLUSIVE")
+    opening = sqlite3.connect(path, isolation_level=None)
+    try:
+        started = time.monotonic()
+        with pytest.raises(sqlite3.OperationalError, match="locked"):
+            _connection.begin_opening(opening, 0.01, threading.Event())
+        assert time.monotonic() - started < 0.06  # not a whole slice (0.1 s)
+        assert opening.execute("PRAGMA busy_timeout").fetchone() == (10,)  # as it was
+    finally:
+        opening.close()
+        holder.rollback()
+        holder.close()
 
 
 def test_many_processes_create_a_fresh_store_at_once(tmp_path: pathlib.Path) -> None:

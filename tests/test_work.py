@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import datetime
@@ -37,6 +38,7 @@ from asyncplane import (
     StorageError,
     _outcomes,
     _work,
+    _worker_command,
     verify_ledger,
     work,
 )
@@ -1933,6 +1935,41 @@ def _has_open(pid: int, name: str) -> bool:
     return False
 
 
+def _sleeping(pid: int) -> bool:
+    """A thread of the process sleeps in nanosleep (Linux's /proc wait channel)."""
+    with contextlib.suppress(OSError):
+        return any(
+            "nanosleep" in (task / "wchan").read_text()
+            for task in pathlib.Path(f"/proc/{pid}/task").iterdir()
+        )
+    return False
+
+
+@_COMMAND_TEST  # (the turns counted are asyncio's loop's)
+async def test_a_signal_as_the_opening_ends_stops_the_command_all_the_same(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The signal heard after the opening ended, before the command went on: cancelling a
+    # done opening did nothing, and the workers ran on as if no signal had come.
+    (tmp_path / "fleet_handlers.py").write_text(HANDLERS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    opened = ControlStore.open
+
+    async def open_then_signalled(self: ControlStore) -> None:
+        await opened(self)
+        os.kill(os.getpid(), signal.SIGTERM)
+        for _ in range(2):  # heard as the opening task ends, before the command goes on
+            await asyncio.sleep(0)
+
+    monkeypatch.setattr(ControlStore, "open", open_then_signalled)
+    args = argparse.Namespace(
+        db=str(tmp_path / "s.db"), project=None, concurrency=2, timeout=None, owner=None,
+        exclusive=False, grace=1.0,
+    )  # fmt: skip
+    handler = _worker_command.load_handler("fleet_handlers:handle")
+    assert await asyncio.wait_for(_worker_command._main(args, handler), 30) == 0
+
+
 @_COMMAND_TEST
 async def test_a_signal_while_another_program_locks_the_file_stops_the_command_at_once(
     tmp_path: Any,
@@ -1948,8 +1985,12 @@ async def test_a_signal_while_another_program_locks_the_file_stops_the_command_a
     holder.execute("BEGIN EXCLUSIVE")  # the sqlite3 shell's, say: not one of the writers
     try:
         child = worker(str(path), tmp_path, "fleet_handlers:handle", "--log-format", "json")
-        # Its header read done (WAL's shared memory open), the opening waits for the lock.
-        await until(lambda: _has_open(child.pid, "locked.db-shm"), what="the store opens")
+        # Its header read done (WAL's shared memory open), the opening waits for the lock:
+        # a thread of it asleep in SQLite's busy handler (the kernel's wait channel).
+        await until(
+            lambda: _has_open(child.pid, "locked.db-shm") and _sleeping(child.pid),
+            what="the opening waits for the lock",
+        )
         asked = time.monotonic()
         child.send_signal(signal.SIGTERM)
         _, err = await asyncio.to_thread(child.communicate, timeout=60)

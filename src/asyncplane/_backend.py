@@ -329,10 +329,13 @@ class ScheduleOp(Record):
 
 class RunSchedulesOp(Record):
     """Parameters of one transaction of run_schedules: how many due schedules it takes,
-    and whether cron ones among them (`asyncplane._schedule.crons_here`)."""
+    whether cron ones among them (`asyncplane._schedule.crons_here`), and the names it
+    leaves out (those the run's earlier transactions passed over: `SchedulesRun`), so
+    that the ones after them are reached."""
 
     limit: int
     crons: bool
+    passed: tuple[str, ...] = ()
 
 
 class SchedulesRun(Record):
@@ -1151,9 +1154,10 @@ class Backend(Protocol):
         (`copied_up_to`)."""
         ...
 
-    async def copied_up_to(self, source: str) -> int:
-        """The highest item id that copies from ``source`` brought here or kept clear (0:
-        none): ids handed out here above it are the store's own."""
+    async def copied_up_to(self, source: str) -> tuple[int, int | None]:
+        """The highest item id copies from ``source`` brought here (0: none), and the
+        highest their ends kept clear (`advance_item_ids`; None: none recorded, as by a
+        release before 2026-12-06, or no copy from it ended yet)."""
         ...
 
     async def first_foreign_item(self, source: str) -> int | None:

@@ -282,7 +282,8 @@ def _switch_to_wal(db: sqlite3.Connection, busy_timeout: float, given_up: thread
             if not locked or time.monotonic() + pause > deadline:
                 raise
         if given_up.wait(pause):
-            raise _GIVEN_UP
+            raise _given_up()
+        pause = min(pause * 2, 0.05)
 
 
 def begin_opening(db: sqlite3.Connection, busy_timeout: float, given_up: threading.Event) -> None:
@@ -295,9 +296,11 @@ def begin_opening(db: sqlite3.Connection, busy_timeout: float, given_up: threadi
     (`asyncplane._write_lock`), which the event loop gives up on its side.
     """
     deadline = time.monotonic() + busy_timeout
-    db.execute(f"PRAGMA busy_timeout = {int(OPENING_LOCK_SLICE * 1000)}")
     try:
         while True:
+            # (each slice within what is left of the busy timeout: a short one is kept)
+            left = min(OPENING_LOCK_SLICE, max(deadline - time.monotonic(), 0.0))
+            db.execute(f"PRAGMA busy_timeout = {int(left * 1000)}")
             try:
                 db.execute("BEGIN IMMEDIATE")
                 return
@@ -306,14 +309,15 @@ def begin_opening(db: sqlite3.Connection, busy_timeout: float, given_up: threadi
                 if not locked or time.monotonic() >= deadline:
                     raise
             if given_up.is_set():
-                raise _GIVEN_UP
+                raise _given_up()
     finally:
         db.execute(f"PRAGMA busy_timeout = {int(busy_timeout * 1000)}")
 
 
-#: What the connection's thread raises when an opening it waits for a lock for was given
-#: up: nobody hears it (the opening's caller was cancelled), the thread only stops.
-_GIVEN_UP = _errors.StorageError("the store's opening was given up while it waited for a lock")
+def _given_up() -> _errors.StorageError:
+    """What the connection's thread raises when an opening it waits for a lock for was
+    given up: nobody hears it (the opening's caller was cancelled), the thread only stops."""
+    return _errors.StorageError("the store's opening was given up while it waited for a lock")
 
 
 def _configure_reader(db: sqlite3.Connection, busy_timeout: float) -> None:

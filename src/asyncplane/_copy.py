@@ -100,13 +100,14 @@ async def copy_store(
         if legacy == label or await dst.first_foreign_item(legacy) is not None:
             raise _rules.copy_id_taken(foreign)  # before anything is written, even projects
         label = legacy
-    refused = _rules.copy_ids_handed_out(await dst.last_item_id(), await dst.copied_up_to(label))
-    if refused is not None:
-        raise refused  # before anything is written too
     # Read before anything is written too, so a source that cannot say fails a copy whole.
     # (An id handed out after this reading is kept clear once its item is copied, now or
     # by the next run.)
     last = await src.last_item_id()
+    copied, kept_clear = await dst.copied_up_to(label)
+    refused = _rules.copy_ids_handed_out(await dst.last_item_id(), copied, kept_clear, last)
+    if refused is not None:
+        raise refused  # before anything is written too
     summary = CopySummary()
     projects = tuple(await src.list_projects())
     assignments = tuple(await src.list_assignments())

@@ -492,8 +492,9 @@ class Engine:
         crons = _schedule.crons_here()
         if not crons:
             await self._say_crons_are_left(backend)
-        op = _backend.RunSchedulesOp(_SCHEDULES_PER_ROUND, crons)
+        passed_over: list[str] = []
         while True:
+            op = _backend.RunSchedulesOp(_SCHEDULES_PER_ROUND, crons, tuple(passed_over))
             call = backend.run_schedules(op)
             try:
                 ticks, looked, passed = await call
@@ -508,7 +509,8 @@ class Engine:
             if ticks:  # each transaction's items, as it commits (a later one may be cut)
                 self.notify()
             self._say_passed_over(passed)
-            if looked < _SCHEDULES_PER_ROUND:
+            passed_over.extend(name for name, _ in passed)  # left out of the next one
+            if looked + len(passed) < _SCHEDULES_PER_ROUND:
                 break
         if enqueued:
             _schedules_log.debug("schedules enqueued %d item(s)", enqueued)

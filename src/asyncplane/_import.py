@@ -10,7 +10,8 @@ crash half-way, imports nothing twice (a row whose key was recorded is passed ov
 the key is a rowid SQLite may give again, `_keys_reused`, that is said, and the table is
 not dropped). Only once everything is copied, and nothing was written to the source file
 since the import began, may it drop the source table (``drop_source=True``, `_Watch`),
-and only if each ``pending`` value is some row's state (`_check_pending_found`). A run
+and only if no ``pending`` value is of a kind the state column never holds
+(`_check_pending_kinds`). A run
 reads the rows up to the largest key there at its start (`_last_key`); the store's own
 file is refused as a source.
 
@@ -118,7 +119,7 @@ async def import_pending(
     try:
         await anyio.to_thread.run_sync(_check_source, source, table, mapping)
         if watch is not None and pending is not None:
-            await anyio.to_thread.run_sync(_check_pending_found, source, table, mapping, pending)
+            await anyio.to_thread.run_sync(_check_pending_kinds, source, table, mapping, pending)
         reused = await anyio.to_thread.run_sync(_keys_reused, source, table, mapping)
         # The rows there at the start, and no more: a source written to meanwhile still
         # ends (what comes later is the next run's; the drop is refused then anyway).
@@ -318,24 +319,29 @@ def _last_key(source: pathlib.Path, table: str, mapping: dict[str, str]) -> Any:
         conn.close()
 
 
-#: The distinct states an import that drops its source looks at, at most (`_check_pending_found`).
+#: The distinct states an import that drops its source looks at, at most (`_check_pending_kinds`).
 _STATES_LOOKED_AT = 10_000
 
 
-def _check_pending_found(
+def _check_pending_kinds(
     source: pathlib.Path, table: str, mapping: dict[str, str], pending: Collection[Any]
 ) -> None:
-    """Before an import that drops its source writes anything: each value of ``pending``
-    must be the state of some row. One that matches none is a slip (a state written as
-    text for an integer column, a typo) that would leave its rows behind as not pending,
-    and the drop would take them."""
+    """Before an import that drops its source writes anything: no value of ``pending``
+    may be of a kind the state column never holds, a text that is no number where every
+    state is a number (``--pending READY`` for an integer column), or a number where no
+    state is one or reads as one. Such a value matches no row, ever: a slip that would
+    leave its rows behind as not pending, for the drop to take. (A value of the right
+    kind that no row holds now is a state with no row in it, a worker's "locked" once
+    the workers are stopped, say: taken.)"""
     conn = _connect(source)
     try:
-        # Both names were checked against the schema (_check_source).
+        # Both names were checked against the schema (_check_source); BINARY, as rows
+        # are matched in Python (a NOCASE column's distinct values would hide some).
         states = [
             row[0]
             for row in conn.execute(
-                f"SELECT DISTINCT {_quote(mapping['state'])} FROM {_quote(table)} LIMIT ?",
+                f"SELECT DISTINCT {_quote(mapping['state'])} COLLATE BINARY "
+                f"FROM {_quote(table)} LIMIT ?",
                 (_STATES_LOOKED_AT + 1,),
             )
         ]
@@ -343,25 +349,28 @@ def _check_pending_found(
         raise _connection.translate(exc) from exc
     finally:
         conn.close()
-    if not states:
-        return  # an empty table: nothing to leave behind
     if len(states) > _STATES_LOOKED_AT:
         raise _errors.InvalidInput(
             f"the state column {mapping['state']!r} holds more than {_STATES_LOOKED_AT:,} "
             f"distinct values: not a queue's states; {table} is not dropped"
         )
-    missing = [
+    texts = [state for state in states if isinstance(state, str)]
+    numbers = [state for state in states if isinstance(state, (int, float))]
+    numeric = bool(numbers) or any(_PLAIN_DECIMAL.fullmatch(text) for text in texts)
+    never = [
         value for value in pending
-        if not any(_is_pending(state, [value], _as_text([value])) for state in states)
+        if (isinstance(value, str) and not texts and numbers
+            and _PLAIN_DECIMAL.fullmatch(value) is None)
+        or (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and texts and not numeric)
     ]  # fmt: skip
-    if missing:
+    if never:
         found = ", ".join(repr(state) for state in sorted(states, key=repr)[:20])
         raise _errors.InvalidInput(
-            f"pending value(s) {', '.join(map(repr, missing))} match no row's "
-            f"{mapping['state']!r} (the states found: {found}): "
-            f"with drop_source, every row not pending would be dropped with {table}. Give "
-            "the pending states as they are stored, or import without drop_source; "
-            "nothing was imported"
+            f"pending value(s) {', '.join(map(repr, never))} can match no row's "
+            f"{mapping['state']!r} (the states found: {found}): with drop_source, every "
+            f"row not pending would be dropped with {table}. Give the pending states as "
+            "they are stored, or import without drop_source; nothing was imported"
         )
 
 

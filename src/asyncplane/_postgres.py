@@ -731,9 +731,9 @@ class PostgresBackend(_backend.Writes):
     async def advance_item_ids(self, last: int, source: str) -> None:
         await self._write(_bind(_advance_item_ids, last, source))
 
-    async def copied_up_to(self, source: str) -> int:
+    async def copied_up_to(self, source: str) -> tuple[int, int | None]:
         rows = await self._fetch(sql.COPIED_UP_TO, source)
-        return int(rows[0][0])
+        return int(rows[0][0]), rows[0][1]
 
     async def sizes(self) -> tuple[int, int]:
         rows = await self._fetch(sql.SCHEMA_BYTES)
@@ -976,7 +976,7 @@ async def _run_schedules(
     tick's key reserved, then its item enqueued; a key another transaction reserved is
     waited for, and if it commits, this one enqueues nothing for that tick. A schedule
     whose content's lock another transaction holds is left due, for the next look."""
-    due = await conn.fetch(sql.DUE_SCHEDULES, now, op.limit, op.crons)
+    due = await conn.fetch(sql.DUE_SCHEDULES, now, op.limit, op.crons, list(op.passed))
     rows = [_backend.ScheduleRow._make(r) for r in due]
     enqueued = 0
     looked = 0

@@ -1982,9 +1982,9 @@ ON CONFLICT (source, source_key) DO UPDATE SET item_id = greatest(imports.item_i
 """
 # The highest id copies from a source brought (their items' keys are the ids) or kept clear.
 COPIED_UP_TO: Final = """
-SELECT greatest(coalesce((SELECT max(source_key::bigint) FROM imports WHERE source = $1), 0),
-                coalesce((SELECT item_id FROM imports
-                          WHERE source = $1 || '#ids' AND source_key = 'last'), 0))
+SELECT coalesce((SELECT max(source_key::bigint) FROM imports
+                 WHERE source = $1 AND source_key ~ '^[0-9]+$'), 0),
+       (SELECT item_id FROM imports WHERE source = $1 || '#ids' AND source_key = 'last')
 """
 ADVANCE_ITEM_IDS: Final = """
 SELECT setval(seq, greatest(coalesce(pg_sequence_last_value(seq), 0), $1::bigint))
@@ -2293,7 +2293,7 @@ DELETE_SCHEDULE: Final = "DELETE FROM schedules WHERE name = $1"
 DELETE_TICKS: Final = "DELETE FROM schedule_ticks WHERE name = $1"
 DUE_SCHEDULES: Final = f"""
 SELECT {_SCHEDULE_COLUMNS} FROM schedules
-WHERE NOT paused AND next_at <= $1 AND (cron IS NULL OR $3)
+WHERE NOT paused AND next_at <= $1 AND (cron IS NULL OR $3) AND name <> ALL($4::text[])
 ORDER BY next_at, name COLLATE "C" LIMIT $2
 FOR UPDATE SKIP LOCKED
 """

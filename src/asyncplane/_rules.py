@@ -322,12 +322,19 @@ def copy_into_itself() -> _errors.InvalidInput:
     return _errors.InvalidInput("the source and the destination are one store")
 
 
-def copy_ids_handed_out(handed_out: int, brought: int) -> _errors.InvalidInput | None:
+def copy_ids_handed_out(
+    handed_out: int, copied: int, kept_clear: int | None, source_last: int
+) -> _errors.InvalidInput | None:
     """A destination that handed out item ids past what copies from this source brought
-    or kept clear (``brought``) made items of its own, purged since (one still there is
-    `copy_id_taken`'s): a copy, which keeps ids, would give the source's items ids the
-    destination's archive and ledger already name. None when it handed out none."""
-    if handed_out <= brought:
+    (``copied``) or kept clear (``kept_clear``) made items of its own, purged since (one
+    still there is `copy_id_taken`'s): a copy, which keeps ids, would give the source's
+    items ids the destination's archive and ledger already name. None when it handed out
+    none. Where copies from the source brought items but no end of one was recorded (a
+    release before 2026-12-06 kept ids clear unrecorded), ids up to the source's last
+    are taken for kept clear."""
+    if kept_clear is None and copied:
+        kept_clear = source_last
+    if handed_out <= max(copied, kept_clear or 0):
         return None
     return _errors.InvalidInput(
         f"the destination has handed out item ids of its own (up to {handed_out}; their "

@@ -364,9 +364,9 @@ class SQLiteBackend(_backend.Writes):
     async def advance_item_ids(self, last: int, source: str) -> None:
         await self._write(functools.partial(_advance_item_ids, last, source))
 
-    async def copied_up_to(self, source: str) -> int:
+    async def copied_up_to(self, source: str) -> tuple[int, int | None]:
         rows = await self._read(_fetch, sql.COPIED_UP_TO, (source, source))
-        return int(rows[0][0])
+        return int(rows[0][0]), rows[0][1]
 
     @contextlib.asynccontextmanager
     async def drain_guard(self) -> AsyncIterator[_lock.Guard]:
@@ -528,7 +528,7 @@ def _delete_schedule(name: str, db: sqlite3.Connection, now: float) -> None:
 def _run_schedules(
     op: _backend.RunSchedulesOp, db: sqlite3.Connection, now: float
 ) -> _backend.SchedulesRun:
-    due = db.execute(sql.DUE_SCHEDULES, (now, op.crons, op.limit))
+    due = db.execute(sql.DUE_SCHEDULES, (now, op.crons, json.dumps(op.passed), op.limit))
     rows = [_backend.ScheduleRow._make(r) for r in due]
     enqueued = 0
     passed: list[tuple[str, str]] = []

@@ -1248,9 +1248,8 @@ ON CONFLICT (source, source_key) DO UPDATE SET item_id = max(item_id, excluded.i
 """
 # The highest id copies from a source brought (their items' keys are the ids) or kept clear.
 COPIED_UP_TO: Final = """
-SELECT max(coalesce((SELECT max(CAST(source_key AS INTEGER)) FROM imports WHERE source = ?), 0),
-           coalesce((SELECT item_id FROM imports
-                     WHERE source = ? || '#ids' AND source_key = 'last'), 0))
+SELECT coalesce((SELECT max(CAST(source_key AS INTEGER)) FROM imports WHERE source = ?), 0),
+       (SELECT item_id FROM imports WHERE source = ? || '#ids' AND source_key = 'last')
 """
 
 # --- stats ----------------------------------------------------------------------------------
@@ -1517,6 +1516,7 @@ DELETE_TICKS: Final = "DELETE FROM schedule_ticks WHERE name = ?"
 DUE_SCHEDULES: Final = f"""
 SELECT {_SCHEDULE_COLUMNS} FROM schedules INDEXED BY schedules_due
 WHERE paused = 0 AND next_at <= ? AND (cron IS NULL OR ?)
+  AND name NOT IN (SELECT value FROM json_each(?))
 ORDER BY next_at, name LIMIT ?
 """
 RESERVE_TICK: Final = """

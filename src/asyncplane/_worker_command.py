@@ -235,7 +235,9 @@ class _Signals:
 
     def heard(self) -> None:
         self.count += 1
-        if self.opening is not None:  # still opening: nothing to finish (once open, below)
+        if self.opening is not None and not self.opening.done():
+            # Still opening: nothing to finish (once open, below; an opening done but not
+            # yet heard of goes below too, its stop then seen by the workers at once).
             if self.count == 1:
                 _log.info("stopping: the store was still opening")
                 self.opening.cancel()
@@ -255,7 +257,7 @@ class _Signals:
     def hard_stop(self) -> None:
         """End the process now: what is still held is left to its lease (taken over once
         it lapses, as after a crash); nothing committed is lost."""
-        if self.opening is not None:
+        if self.opening is not None and not self.opening.done():
             why = "a second signal while the store was still opening: nothing was claimed"
         elif self.count > 2:
             why = "a third signal"
