@@ -4,12 +4,14 @@ many at once; on both backends, with the test's manual clock."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime as dt
 import json
 import pathlib
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -233,36 +235,45 @@ def test_a_zone_this_host_lacks_is_a_typed_error_naming_the_extra() -> None:
     assert every.iso(every.after(0.0)) == "1970-01-01T00:01:00+00:00"
 
 
+@contextlib.contextmanager
+def zone_unknown_here(zone: str, empty: pathlib.Path) -> Iterator[None]:
+    """This process, meanwhile, as a host whose timezone database lacks ``zone``: no
+    tzdata package (its modules already imported hidden too) and an empty system
+    database at ``empty``."""
+    import zoneinfo
+
+    with pytest.MonkeyPatch.context() as hidden:
+        for name in [m for m in sys.modules if m.split(".")[0] == "tzdata"] + ["tzdata"]:
+            hidden.setitem(sys.modules, name, None)
+        zoneinfo.reset_tzpath(to=[str(empty)])
+        zoneinfo.ZoneInfo.clear_cache(only_keys=[zone])
+        try:
+            yield
+        finally:
+            zoneinfo.reset_tzpath()
+            zoneinfo.ZoneInfo.clear_cache(only_keys=[zone])
+
+
 async def test_a_schedule_this_host_cannot_read_is_passed_over_not_fatal(
     store: ControlStore,
     clock: ManualClock,
     tmp_path: pathlib.Path,
-    monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     # Declared where the tzdata knew its zone, run where an older one does not: the run
     # raised, rolled back, and, that row due first every time, no schedule ran again on
     # this host, and every work() and drain() here ended on its first look.
-    import zoneinfo
-
     clock.set(at(2026, 12, 1, 0, 0))
     await store.set_schedule("beat", project_id="alpha", payload={"n": "beat"}, every=60)
     await store.set_schedule("far", project_id="alpha", payload={"n": "far"},
                              cron="0 * * * *", timezone="America/Coyhaique")  # fmt: skip
     before = (await store.schedule("far"))["next_at"]
-    for name in [m for m in sys.modules if m.split(".")[0] == "tzdata"] + ["tzdata"]:
-        monkeypatch.setitem(sys.modules, name, None)  # this host: no tzdata package ...
-    zoneinfo.reset_tzpath(to=[str(tmp_path)])  # ... and an empty system database
-    zoneinfo.ZoneInfo.clear_cache(only_keys=["America/Coyhaique"])
-    try:
+    with zone_unknown_here("America/Coyhaique", tmp_path):
         clock.advance(3600)
         with caplog.at_level("WARNING", logger="asyncplane.schedules"):
             assert await store.run_schedules() == 1  # beat's tick (the newest one)
             clock.advance(60)
             assert await store.run_schedules() == 1  # and again: said once, below
-    finally:
-        zoneinfo.reset_tzpath()
-        zoneinfo.ZoneInfo.clear_cache(only_keys=["America/Coyhaique"])
     assert [item["payload"]["n"] for item in await store.items()] == ["beat", "beat"]
     assert (await store.schedule("far"))["next_at"] == before  # untouched, still due
     said = [r.getMessage() for r in caplog.records if "'far'" in r.getMessage()]
@@ -272,29 +283,19 @@ async def test_a_schedule_this_host_cannot_read_is_passed_over_not_fatal(
 
 
 async def test_schedules_this_host_cannot_read_starve_none_after_them(
-    store: ControlStore, clock: ManualClock, tmp_path: pathlib.Path,
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:  # fmt: skip
+    store: ControlStore, clock: ManualClock, tmp_path: pathlib.Path
+) -> None:
     # Passed over, they stay due first: a transaction's 50 were all of them, it ran none,
     # and the run ended there, every time; a schedule due after them never ran.
-    import zoneinfo
-
     clock.set(at(2026, 12, 1, 0, 0))
     for n in range(55):
         await store.set_schedule(f"far{n:02}", project_id="alpha", payload={"n": n},
                                  cron="0 * * * *", timezone="America/Coyhaique")  # fmt: skip
     clock.advance(61 * 60)  # past their first tick (01:00), which they wait for still
     await store.set_schedule("good", project_id="alpha", payload={"n": "good"}, every=60)
-    for name in [m for m in sys.modules if m.split(".")[0] == "tzdata"] + ["tzdata"]:
-        monkeypatch.setitem(sys.modules, name, None)
-    zoneinfo.reset_tzpath(to=[str(tmp_path)])
-    zoneinfo.ZoneInfo.clear_cache(only_keys=["America/Coyhaique"])
-    try:
+    with zone_unknown_here("America/Coyhaique", tmp_path):
         clock.advance(3600)
         assert await store.run_schedules() == 1
-    finally:
-        zoneinfo.reset_tzpath()
-        zoneinfo.ZoneInfo.clear_cache(only_keys=["America/Coyhaique"])
     assert [item["payload"]["n"] for item in await store.items()] == ["good"]
 
 

@@ -1945,6 +1945,30 @@ def _sleeping(pid: int) -> bool:
     return False
 
 
+async def test_a_second_signal_while_a_cancelled_opening_winds_up_ends_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The first signal cancelled the opening; its wind-up (the store's close) still ran
+    # when the second came, which took the workers' path: a hard stop 10 s later, where
+    # nothing was claimed and the rule is "at once".
+    async def opens() -> None:
+        await asyncio.Event().wait()
+
+    opening = asyncio.create_task(opens())
+    signals = _worker_command._Signals(asyncio.Event(), [])
+    try:
+        signals.opening = opening
+        signals.heard()  # the first: the opening is cancelled
+        with pytest.raises(asyncio.CancelledError):
+            await opening
+        ended: list[str] = []
+        monkeypatch.setattr(signals, "hard_stop", lambda: ended.append("now"))
+        signals.heard()  # the second, as the wind-up runs
+        assert ended == ["now"]
+    finally:
+        signals.remove()
+
+
 @_COMMAND_TEST  # (the turns counted are asyncio's loop's)
 async def test_a_signal_as_the_opening_ends_stops_the_command_all_the_same(
     tmp_path: Any, monkeypatch: pytest.MonkeyPatch

@@ -233,13 +233,20 @@ class _Signals:
         for sig in (signal.SIGTERM, signal.SIGINT):
             self.loop.add_signal_handler(sig, self.heard)
 
+    @property
+    def before_start(self) -> bool:
+        """The store is still opening, or its opening was cancelled and winds up: nothing
+        was claimed. (An opening done but not yet heard of is not: its workers start, and
+        see a stop at once.)"""
+        opening = self.opening
+        return opening is not None and (not opening.done() or opening.cancelled())
+
     def heard(self) -> None:
         self.count += 1
-        if self.opening is not None and not self.opening.done():
-            # Still opening: nothing to finish (once open, below; an opening done but not
-            # yet heard of goes below too, its stop then seen by the workers at once).
+        if self.before_start:  # nothing to finish (once open, below)
             if self.count == 1:
                 _log.info("stopping: the store was still opening")
+                assert self.opening is not None
                 self.opening.cancel()
             else:
                 self.hard_stop()
@@ -257,7 +264,7 @@ class _Signals:
     def hard_stop(self) -> None:
         """End the process now: what is still held is left to its lease (taken over once
         it lapses, as after a crash); nothing committed is lost."""
-        if self.opening is not None and not self.opening.done():
+        if self.before_start:
             why = "a second signal while the store was still opening: nothing was claimed"
         elif self.count > 2:
             why = "a third signal"
