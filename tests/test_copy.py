@@ -802,6 +802,13 @@ async def test_a_copy_carries_what_the_source_imported(
     again = await destination.import_pending(table, table="q", columns=columns, project_id="p")
     assert (again.imported, again.already_imported) == (0, 7)
     assert (await destination.counts())["ready"] == 7
+    # With what each row held: a row rewritten since is told from the one copied.
+    conn = sqlite3.connect(table)
+    conn.execute("UPDATE q SET body = '{\"n\": 2}' WHERE id = 'k0'")
+    conn.commit()
+    conn.close()
+    third = await destination.import_pending(table, table="q", columns=columns, project_id="p")
+    assert (third.imported, third.already_imported, third.changed) == (1, 6, 1)
 
 
 async def test_a_store_that_never_held_an_item_copies(

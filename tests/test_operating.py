@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime as dt
 import json
 import logging
@@ -24,12 +25,14 @@ from asyncplane import (
     ClaimedItem,
     ControlStore,
     Done,
+    ImportSummary,
     InvalidInput,
     InvalidPayload,
     Outcome,
     ReadOnlyStore,
     UnknownProject,
     _retention,
+    _sqlite,
     drain,
     verify_ledger,
 )
@@ -651,8 +654,9 @@ async def test_a_row_swapped_in_while_it_is_imported_keeps_the_source_table(
 async def test_a_rerun_says_when_a_row_it_passes_over_may_be_another(
     store: ControlStore, tmp_path: pathlib.Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    # Without a drop nothing is lost (the row stays in the source), but the import said
-    # nothing: the new row, given a taken row's rowid, was passed over as imported.
+    # A taken row's rowid given to a new row: with other content, the new row is
+    # imported (it was passed over as imported before); with the same content, it cannot
+    # be told from the taken one, and the run says so.
     source = source_table(
         tmp_path / "again.sqlite3", "CREATE TABLE jobs (payload TEXT)",
         "INSERT INTO jobs VALUES (?)", [(json.dumps({"n": n}),) for n in range(3)],
@@ -668,8 +672,129 @@ async def test_a_rerun_says_when_a_row_it_passes_over_may_be_another(
         again = await store.import_pending(
             source, table="jobs", columns=columns, project_id="alpha"
         )
-    assert (again.imported, again.already_imported) == (0, 3)
-    assert any("may be among them" in r.getMessage() for r in caplog.records)
+    assert (again.imported, again.already_imported, again.changed) == (1, 2, 1)
+    assert (await store.item(4))["payload"] == {"n": "new"}
+    assert any("other content" in r.getMessage() for r in caplog.records)
+    conn = sqlite3.connect(source)
+    conn.execute("DELETE FROM jobs WHERE rowid = 3")
+    conn.execute('INSERT INTO jobs VALUES (\'{"n": "new"}\')')  # its twin, rowid 3 again
+    conn.commit()
+    conn.close()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="asyncplane.import"):
+        third = await store.import_pending(
+            source, table="jobs", columns=columns, project_id="alpha"
+        )
+    assert (third.imported, third.already_imported, third.changed) == (0, 3, 0)
+    assert any("with the same content, may be among them" in r.getMessage() for r in caplog.records)
+
+
+async def test_a_source_table_made_again_is_imported_again(
+    store: ControlStore, tmp_path: pathlib.Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The import dropped the old queue's table; the old queue, started once more, made it
+    # again, and its AUTOINCREMENT ids began at 1 again. Those rows were passed over as
+    # imported before, and a drop lost them.
+    create = "CREATE TABLE jobs (id INTEGER PRIMARY KEY AUTOINCREMENT, body TEXT)"
+    insert = "INSERT INTO jobs (body) VALUES (?)"
+    source = source_table(
+        tmp_path / "old.sqlite3", create, insert, [(json.dumps({"old": n}),) for n in range(3)]
+    )
+    columns = {"payload": "body", "key": "id"}
+    first = await store.import_pending(
+        source, table="jobs", columns=columns, project_id="alpha", drop_source=True
+    )
+    assert (first.imported, first.dropped) == (3, True)
+    conn = sqlite3.connect(source)
+    conn.execute(create)
+    conn.executemany(insert, [(json.dumps({"new": n}),) for n in range(4)])
+    conn.commit()
+    conn.close()
+    with caplog.at_level(logging.WARNING, logger="asyncplane.import"):
+        second = await store.import_pending(
+            source, table="jobs", columns=columns, project_id="alpha", drop_source=True
+        )
+    assert (second.imported, second.already_imported, second.changed, second.dropped) == (
+        4, 0, 3, True,
+    )  # fmt: skip
+    assert [row["payload"] for row in await _items(store)] == [
+        {"old": 0}, {"old": 1}, {"old": 2}, {"new": 0}, {"new": 1}, {"new": 2}, {"new": 3},
+    ]  # fmt: skip
+    queued = (await store.events(4))[0]["detail"]
+    assert queued == {
+        "imported_from": f"{source}::jobs",
+        "source_key": "1",
+        "replaces_import_of": 1,
+    }
+    assert (await store.events(7))[0]["detail"] == {
+        "imported_from": f"{source}::jobs",
+        "source_key": "4",
+    }
+    said = [r.getMessage() for r in caplog.records]
+    assert any("3 row(s)" in m and "other content" in m for m in said), said
+    # The records name the new items: the same rows once more are passed over.
+    conn = sqlite3.connect(source)
+    conn.execute(create)
+    conn.executemany(insert, [(json.dumps({"new": n}),) for n in range(4)])
+    conn.commit()
+    conn.close()
+    third = await store.import_pending(source, table="jobs", columns=columns, project_id="alpha")
+    assert (third.imported, third.already_imported) == (0, 4)
+    assert await verify_ledger(store) == []
+
+
+async def test_an_import_recorded_before_contents_were_passes_over_by_key(
+    store: ControlStore, tmp_path: pathlib.Path, raw: Any
+) -> None:
+    # A record from before a digest was kept (an earlier release's) says nothing of the
+    # content: its key is passed over, as that release did, and the record stays as it is.
+    source = source_table(
+        tmp_path / "legacy.sqlite3", "CREATE TABLE q (k TEXT PRIMARY KEY, body TEXT)",
+        "INSERT INTO q VALUES (?, ?)", [("a", '{"v": 1}'), ("b", '{"v": 2}')],
+    )  # fmt: skip
+    columns = {"payload": "body", "key": "k"}
+    await store.import_pending(source, table="q", columns=columns, project_id="alpha")
+    raw.execute("UPDATE imports SET digest = NULL WHERE source_key = ?", ("a",))
+    conn = sqlite3.connect(source)
+    conn.execute("UPDATE q SET body = '{\"v\": 10}'")
+    conn.commit()
+    conn.close()
+    again = await store.import_pending(source, table="q", columns=columns, project_id="alpha")
+    assert (again.imported, again.already_imported, again.changed) == (1, 1, 1)
+    assert [row["payload"] for row in await _items(store)] == [{"v": 1}, {"v": 2}, {"v": 10}]
+    assert (await store.events(3))[0]["detail"]["source_key"] == "b"
+
+
+def test_a_store_of_the_previous_version_keeps_its_import_records(
+    tmp_path: pathlib.Path,
+) -> None:
+    # Migration 13 adds the digest to a version-12 store's records, empty: their keys
+    # are passed over as before.
+    path = tmp_path / "v12.db"
+    source = source_table(
+        tmp_path / "q.sqlite3", "CREATE TABLE q (k TEXT PRIMARY KEY, body TEXT)",
+        "INSERT INTO q VALUES (?, ?)", [("a", '{"v": 1}')],
+    )  # fmt: skip
+    with contextlib.closing(sqlite3.connect(path, isolation_level=None)) as conn:
+        for script in sql.MIGRATIONS[:12]:
+            for statement in _sqlite._statements(script):
+                conn.execute(statement)
+        conn.execute(f"PRAGMA application_id = {sql.APPLICATION_ID}")
+        conn.execute("PRAGMA user_version = 12")
+        conn.execute("INSERT INTO projects VALUES ('p', 'P', 'open', 0)")
+        conn.execute("INSERT INTO imports VALUES (?, 'a', 1, 0)", (f"{source}::q",))
+
+    async def run() -> ImportSummary:
+        async with ControlStore(path) as store:
+            return await store.import_pending(
+                source, table="q", columns={"payload": "body", "key": "k"}, project_id="p"
+            )
+
+    done = asyncio.run(run())
+    assert (done.imported, done.already_imported) == (0, 1)
+    with contextlib.closing(sqlite3.connect(path)) as conn:
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == sql.SCHEMA_VERSION
+        assert conn.execute("SELECT source_key, digest FROM imports").fetchall() == [("a", None)]
 
 
 async def test_a_column_of_numbers_matches_plain_decimals_only(
@@ -965,6 +1090,16 @@ def test_cli_verbs_with_json(tmp_path: pathlib.Path) -> None:
         assert refused.returncode == 2, refused.stderr
     assert "--from" in refused.stderr
     assert json.loads(imported.stdout)["imported"] == 2
+    with contextlib.closing(sqlite3.connect(source)) as conn:
+        conn.execute('UPDATE Queue SET data = \'{"task": "rewritten"}\' WHERE status = 0')
+        conn.commit()
+    rewritten = cli(
+        "import", str(path), "--from", str(source), "--table", "Queue", "--column", "payload=data",
+        "--column", "state=status", "--pending", "0", "--project", "p",
+    )  # fmt: skip
+    assert rewritten.returncode == 0, rewritten.stderr
+    assert "imported 2 pending rows from" in rewritten.stdout
+    assert "2 of them changed since an earlier run" in rewritten.stdout
     # --pending as typed too: a state column of text holding "01" (the number 1 would
     # match none, and --drop-source then dropped the pending rows unimported).
     padded = source_table(

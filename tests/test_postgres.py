@@ -12,6 +12,7 @@ import contextlib
 import pathlib
 import re
 import shutil
+import sqlite3
 import subprocess
 import sys
 import tempfile
@@ -1040,6 +1041,41 @@ async def test_a_schema_of_the_previous_release_migrates_to_cancel_and_requeue(
         assert claim is not None and (claim.item_id, claim.fence) == (2, 2)
         assert await verify_ledger(store) == []
         assert (await store.stats())["schema_version"] == pg_sql.SCHEMA_VERSION
+
+
+async def test_a_schema_of_the_previous_version_keeps_its_import_records(
+    url: str, tmp_path: pathlib.Path
+) -> None:
+    # Migration 14 adds the digest to a version-13 schema's records, empty: their keys
+    # are passed over as before.
+    source = tmp_path / "q.sqlite3"
+    with contextlib.closing(sqlite3.connect(source)) as raw:
+        raw.execute("CREATE TABLE q (k TEXT PRIMARY KEY, body TEXT)")
+        raw.execute("INSERT INTO q VALUES ('a', '{\"v\": 1}')")
+        raw.commit()
+    conn = await asyncpg.connect(url)
+    try:
+        async with conn.transaction():
+            for script in pg_sql.MIGRATIONS[:13]:
+                await conn.execute(script)
+            await conn.execute(pg_sql.WRITE_META, "application", pg_sql.APPLICATION)
+            await conn.execute(pg_sql.WRITE_META, "schema_version", "13")
+            await conn.execute("INSERT INTO projects VALUES ('p', 'P', 'open', 0)")
+            await conn.execute("INSERT INTO imports VALUES ($1, 'a', 1, 0)", f"{source}::q")
+    finally:
+        await conn.close()
+    async with ControlStore(url) as store:
+        done = await store.import_pending(
+            source, table="q", columns={"payload": "body", "key": "k"}, project_id="p"
+        )
+        assert (done.imported, done.already_imported) == (0, 1)
+        assert (await store.stats())["schema_version"] == pg_sql.SCHEMA_VERSION
+    conn = await asyncpg.connect(url)
+    try:
+        rows = await conn.fetch("SELECT source_key, digest FROM imports")
+        assert [tuple(row) for row in rows] == [("a", None)]
+    finally:
+        await conn.close()
 
 
 # --- twins in line across hosts (see test_claim_reach.py for the line itself) ----------------

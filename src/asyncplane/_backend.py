@@ -24,7 +24,7 @@ import asyncio
 import contextlib
 import functools
 from collections.abc import Callable, Sequence
-from typing import Any, Final, Protocol
+from typing import Any, Final, Literal, Protocol
 
 from asyncplane import _clock, _errors, _lock, _models, _schedule, _telemetry, _write_queue
 from asyncplane._record import Record
@@ -53,6 +53,7 @@ __all__ = (
     "GroupOp",
     "Histories",
     "ImportOp",
+    "ImportOutcome",
     "ItemFilter",
     "ItemRow",
     "LedgerTally",
@@ -393,11 +394,19 @@ class TickRow(Record):
 
 
 class ImportOp(Record):
-    """Parameters of one chunk of an import: items keyed by their source row."""
+    """Parameters of one chunk of an import: items keyed by their source row, each as
+    (key, digest of the row's content, item)."""
 
     source: str
     project_id: str
-    rows: tuple[tuple[str, NewItem], ...]
+    rows: tuple[tuple[str, str, NewItem], ...]
+
+
+#: What an import did with a source row, by what the store recorded under its key
+#: (`_rules.imported_before`): "new", none recorded (copied); "again", the same content
+#: (passed over); "unverified", a record from before contents were recorded (passed
+#: over, the key being all there is to go by); "changed", other content (copied).
+ImportOutcome = Literal["new", "again", "unverified", "changed"]
 
 
 #: The writes besides settles that can make work claimable, or a tick due, here and now
@@ -524,6 +533,7 @@ class ImportRecord(Record):
     source_key: str
     item_id: int
     imported_at: float
+    digest: str | None
 
 
 class CopyProjectsOp(Record):
@@ -777,9 +787,9 @@ class Writes:
         """Requeue a chunk, as `cancel_where` cancels one."""
         return self._send_named(op)
 
-    def import_rows(self, op: ImportOp) -> _write_queue.Pending[tuple[int, int]]:
+    def import_rows(self, op: ImportOp) -> _write_queue.Pending[tuple[ImportOutcome, ...]]:
         """Add the rows not imported before, each with a "queued" event naming its source,
-        and remember them; return (imported, already imported)."""
+        and remember them with their content's digest; return each row's outcome."""
         return self._send_named(op)
 
     def set_schedule(self, op: ScheduleOp) -> _write_queue.Pending[ScheduleRow]:
@@ -1025,9 +1035,9 @@ class Backend(Protocol):
         items went."""
         ...
 
-    def import_rows(self, op: ImportOp) -> _write_queue.Pending[tuple[int, int]]:
+    def import_rows(self, op: ImportOp) -> _write_queue.Pending[tuple[ImportOutcome, ...]]:
         """Add the rows not imported before, each with a "queued" event naming its source,
-        and remember them; return (imported, already imported)."""
+        and remember them with their content's digest; return each row's outcome."""
         ...
 
     async def stats(self) -> StoreStats:

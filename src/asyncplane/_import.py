@@ -8,7 +8,10 @@ and leaves terminal history behind. Every copied row is recorded in the store (i
 and key), in the same transaction as the item itself, so a second run, or a run after a
 crash half-way, imports nothing twice (a row whose key was recorded is passed over; where
 the key is a rowid SQLite may give again, `_keys_reused`, that is said, and the table is
-not dropped). Only once everything is copied, and nothing was written to the source file
+not dropped). The record keeps a digest of the row's content (`_digest`): a recorded key
+whose row holds other content now is another row (the table dropped and made again gives
+its keys out anew) or the row rewritten, and is copied again (`_rules.imported_before`).
+Only once everything is copied, and nothing was written to the source file
 since the import began, may it drop the source table (``drop_source=True``, `_Watch`),
 and only if no ``pending`` value is of a kind the state column never holds
 (`_check_pending_kinds`). A run
@@ -22,7 +25,9 @@ quoted; values always travel as parameters.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import hashlib
 import json
 import logging
 import math
@@ -74,6 +79,9 @@ class ImportSummary:
         not_pending: Source rows left behind because their state is not in ``pending``
             (terminal history, which is not copied).
         dropped: Whether the source table was dropped afterwards.
+        changed: Rows among ``imported`` whose key an earlier run had recorded with other
+            content: the table was made again (its keys given out anew), or the row was
+            rewritten since. Each became a new item.
     """
 
     source: str
@@ -81,6 +89,7 @@ class ImportSummary:
     already_imported: int
     not_pending: int
     dropped: bool
+    changed: int = 0
 
 
 #: ``freeing(op, call)``: await a write that can free work, then wake this process's
@@ -145,7 +154,8 @@ async def _import(
     if project is not None and project not in known:
         raise _rules.unknown_project(project)
     after: Any = None
-    imported = skipped = left = 0
+    outcomes: collections.Counter[_backend.ImportOutcome] = collections.Counter()
+    left = 0
     pending_as_text = None if pending is None else _as_text(pending)
     while last is not None:
         rows = await anyio.to_thread.run_sync(
@@ -154,7 +164,7 @@ async def _import(
         if not rows:
             break
         after = rows[-1]["key"]
-        wanted: dict[str, list[tuple[str, _backend.NewItem]]] = {}
+        wanted: dict[str, list[tuple[str, str, _backend.NewItem]]] = {}
         for row in rows:
             if "state" in mapping and not _is_pending(row["state"], pending, pending_as_text):
                 left += 1
@@ -169,32 +179,41 @@ async def _import(
             if target not in known:  # before any of the chunk is written
                 error = _rules.unknown_project(target)
                 raise type(error)(f"source row {row['key']!r}: {error}")
-            wanted.setdefault(target, []).append((str(row["key"]), _new_item(engine, row)))
+            item = _new_item(engine, row)
+            wanted.setdefault(target, []).append((str(row["key"]), _digest(row), item))
         for target, items in wanted.items():
             op = _backend.ImportOp(name, target, tuple(items))
-            done, again = await freeing(op, backend.import_rows(op))  # waiters woken
-            imported += done
-            skipped += again
+            outcomes.update(await freeing(op, backend.import_rows(op)))  # waiters woken
         if progress is not None:
-            progress(imported + skipped + left)
+            progress(outcomes.total() + left)
         if len(rows) < chunk:
             break
+    imported = outcomes["new"] + outcomes["changed"]
+    skipped = outcomes["again"] + outcomes["unverified"]
+    if outcomes["changed"]:
+        _log.warning(
+            "%d row(s) of %s were imported before under the same key with other content "
+            "(the table made again, which gives its keys out anew, or the rows rewritten "
+            "since): each was imported again, as a new item", outcomes["changed"], name,
+        )  # fmt: skip
     if skipped and reused and watch is None:
         _log.warning(
             "%d row(s) of %s were passed over as imported before, by rowids SQLite may have "
-            "given again to new rows (no AUTOINCREMENT): a row written since one was taken "
-            "may be among them, not imported; map a key that is never reused", skipped, name,
+            "given again to new rows (no AUTOINCREMENT) and by their content: a row written "
+            "since one was taken, with the same content, may be among them, not imported; "
+            "map a key that is never reused", skipped, name,
         )  # fmt: skip
     if watch is not None:
         if skipped and reused:
             raise _errors.InvalidInput(
                 f"{skipped} row(s) of {table} were passed over as imported before, by keys "
                 "SQLite may have given again to new rows (a rowid, without AUTOINCREMENT: a "
-                f"taken row's rowid goes to the next one): {table} was not dropped. Look "
-                "at it, and drop it yourself"
+                "taken row's rowid goes to the next one), and a new row with a taken one's "
+                f"content cannot be told from it: {table} was not dropped. Look at it, and "
+                "drop it yourself"
             )
         await anyio.to_thread.run_sync(watch.drop, table)
-    return ImportSummary(name, imported, skipped, left, watch is not None)
+    return ImportSummary(name, imported, skipped, left, watch is not None, outcomes["changed"])
 
 
 def check_request(
@@ -448,6 +467,16 @@ def _new_item(engine: _engine.Engine, row: dict[str, Any]) -> _backend.NewItem:
         return engine.new_item(job, True)
     except _errors.AsyncplaneError as exc:
         raise type(exc)(f"source row {row['key']!r}: {exc}") from None
+
+
+def _digest(row: dict[str, Any]) -> str:
+    """A source row's content, as the import copies it: every mapped field but the key
+    (which names the row) and the state (which moves while the row stays the same row)."""
+    content = sorted((field, value) for field, value in row.items() if field not in _NAMING)
+    return hashlib.blake2b(repr(content).encode(), digest_size=16).hexdigest()
+
+
+_NAMING = frozenset({"key", "state"})
 
 
 def _not_json(text: str) -> Any:

@@ -1606,22 +1606,24 @@ async def _mark_awaited(item_id: int, conn: asyncpg.Connection, now: float) -> N
 
 async def _import_rows(
     op: _backend.ImportOp, conn: asyncpg.Connection, now: float
-) -> tuple[int, int]:
+) -> tuple[_backend.ImportOutcome, ...]:
     if await conn.fetchval(sql.PROJECT_EXISTS, op.project_id) is None:
         raise _rules.unknown_project(op.project_id)
     await conn.execute(sql.LOCK_SOURCE, op.source)
-    imported = skipped = 0
-    for key, item in op.rows:
-        if await conn.fetchval(sql.ALREADY_IMPORTED, op.source, key) is not None:
-            skipped += 1
+    outcomes: list[_backend.ImportOutcome] = []
+    for key, digest, item in op.rows:
+        found = await conn.fetchrow(sql.IMPORTED_AS, op.source, key)
+        recorded = None if found is None else (found[0], found[1])
+        outcome = _rules.imported_before(recorded, digest)
+        outcomes.append(outcome)
+        if outcome not in _rules.IMPORT_COPIES:
             continue
         row = _rules.new_row(op.project_id, item, now)
         (item_id,) = await _insert_items(
-            conn, [row], None, now, {"imported_from": op.source, "source_key": key}
+            conn, [row], None, now, _rules.imported_detail(op.source, key, recorded)
         )
-        await conn.execute(sql.RECORD_IMPORT, op.source, key, item_id, now)
-        imported += 1
-    return imported, skipped
+        await conn.execute(sql.RECORD_IMPORTED_ROW, op.source, key, item_id, now, digest)
+    return tuple(outcomes)
 
 
 async def _copy_projects(op: _backend.CopyProjectsOp, conn: asyncpg.Connection, now: float) -> int:
@@ -1687,7 +1689,7 @@ async def _copy_items(op: _backend.CopyOp, conn: asyncpg.Connection, now: float)
 async def _copy_imports(
     records: tuple[_backend.ImportRecord, ...], conn: asyncpg.Connection, now: float
 ) -> None:
-    columns = list(zip(*records, strict=True)) if records else [(), (), (), ()]
+    columns = list(zip(*records, strict=True)) if records else [(), (), (), (), ()]
     await conn.execute(sql.COPY_IMPORTS, *(list(column) for column in columns))
 
 

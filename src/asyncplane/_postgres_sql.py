@@ -974,6 +974,11 @@ MIGRATIONS: Final[tuple[str, ...]] = (
         END LOOP;
     END $$;
     """,
+    # 14: an import knows a source row by its content as well as its key, as SQLite's
+    # migration 13: records from before have no digest (NULL), and are taken as they were.
+    """
+    ALTER TABLE imports ADD COLUMN IF NOT EXISTS digest text;
+    """,
 )
 
 SCHEMA_VERSION: Final = len(MIGRATIONS)
@@ -1911,9 +1916,17 @@ LOCK_SOURCE: Final = (
 ALREADY_IMPORTED: Final = "SELECT 1 FROM imports WHERE source = $1 AND source_key = $2"
 
 
+# A copy's record of an item it brought (no digest: its key is the item's own id).
 RECORD_IMPORT: Final = (
     "INSERT INTO imports (source, source_key, item_id, imported_at) VALUES ($1, $2, $3, $4)"
 )
+# An imported row's record, as on SQLite: a row copied again takes its key's record over.
+IMPORTED_AS: Final = "SELECT digest, item_id FROM imports WHERE source = $1 AND source_key = $2"
+RECORD_IMPORTED_ROW: Final = """
+INSERT INTO imports (source, source_key, item_id, imported_at, digest) VALUES ($1, $2, $3, $4, $5)
+ON CONFLICT (source, source_key) DO UPDATE
+SET item_id = excluded.item_id, imported_at = excluded.imported_at, digest = excluded.digest
+"""
 
 # --- copying between stores -----------------------------------------------------------------
 
@@ -2011,12 +2024,12 @@ FROM (SELECT seq, has_sequence_privilege(seq, 'USAGE, SELECT') AS exact
 """
 # The import records, in key order, a page after a key (a copy carries them over).
 EXPORT_IMPORTS: Final = """
-SELECT source, source_key, item_id, imported_at FROM imports
+SELECT source, source_key, item_id, imported_at, digest FROM imports
 WHERE (source, source_key) > ($1, $2) ORDER BY source, source_key LIMIT $3
 """
 COPY_IMPORTS: Final = """
-INSERT INTO imports (source, source_key, item_id, imported_at)
-SELECT * FROM unnest($1::text[], $2::text[], $3::bigint[], $4::float8[])
+INSERT INTO imports (source, source_key, item_id, imported_at, digest)
+SELECT * FROM unnest($1::text[], $2::text[], $3::bigint[], $4::float8[], $5::text[])
 ON CONFLICT (source, source_key) DO NOTHING
 """
 

@@ -299,6 +299,34 @@ def copy_settings_plan(
     return SettingsPlan(add, tuple(records), tuple(moved))
 
 
+def imported_before(recorded: tuple[str | None, int] | None, digest: str) -> _backend.ImportOutcome:
+    """What an import does with a source row whose content is ``digest``, given the
+    record under its key, ``(digest, item_id)`` or None. Other content under a recorded
+    key is another row (its table dropped and made again, which gives keys out anew; a
+    taken row's rowid given to the next) or the row rewritten since: it is copied, at
+    least once rather than never, and the record names the new item."""
+    if recorded is None:
+        return "new"
+    if recorded[0] is None:
+        return "unverified"
+    return "again" if recorded[0] == digest else "changed"
+
+
+#: The outcomes of `imported_before` that copy the row.
+IMPORT_COPIES: frozenset[_backend.ImportOutcome] = frozenset({"new", "changed"})
+
+
+def imported_detail(
+    source: str, key: str, recorded: tuple[str | None, int] | None
+) -> dict[str, Any]:
+    """The "queued" event's detail of an imported row: its source and key, and for a
+    row copied again under a recorded key, the item that key brought before."""
+    detail: dict[str, Any] = {"imported_from": source, "source_key": key}
+    if recorded is not None:
+        detail["replaces_import_of"] = recorded[1]
+    return detail
+
+
 def copy_id_taken(item_id: int) -> _errors.InvalidInput:
     """A copy found an item of the destination's own: before it wrote, or under a source
     item's id."""

@@ -1090,21 +1090,24 @@ def _purge_items(
     return purged
 
 
-def _import_rows(op: _backend.ImportOp, db: sqlite3.Connection, now: float) -> tuple[int, int]:
+def _import_rows(
+    op: _backend.ImportOp, db: sqlite3.Connection, now: float
+) -> tuple[_backend.ImportOutcome, ...]:
     if db.execute(sql.PROJECT_EXISTS, (op.project_id,)).fetchone() is None:
         raise _rules.unknown_project(op.project_id)
-    imported = skipped = 0
-    for key, item in op.rows:
-        if db.execute(sql.ALREADY_IMPORTED, (op.source, key)).fetchone() is not None:
-            skipped += 1
+    outcomes: list[_backend.ImportOutcome] = []
+    for key, digest, item in op.rows:
+        recorded = db.execute(sql.IMPORTED_AS, (op.source, key)).fetchone()
+        outcome = _rules.imported_before(recorded, digest)
+        outcomes.append(outcome)
+        if outcome not in _rules.IMPORT_COPIES:
             continue
         row = _rules.new_row(op.project_id, item, now)
         (item_id,) = db.execute(sql.INSERT_ITEM_RETURNING, row).fetchall()[0]
-        queued = {"imported_from": op.source, "source_key": key}
+        queued = _rules.imported_detail(op.source, key, recorded)
         db.executemany(sql.INSERT_EVENT, _rules.arrival_events(item_id, row, None, now, queued))
-        db.execute(sql.RECORD_IMPORT, (op.source, key, item_id, now))
-        imported += 1
-    return imported, skipped
+        db.execute(sql.RECORD_IMPORTED_ROW, (op.source, key, item_id, now, digest))
+    return tuple(outcomes)
 
 
 def _copy_projects(op: _backend.CopyProjectsOp, db: sqlite3.Connection, now: float) -> int:
@@ -1270,19 +1273,26 @@ _DERIVED = re.compile(
 )
 
 
+#: A migration's statement that adds a column to a table.
+_ADDS_COLUMN = re.compile(r"(\s*--[^\n]*\n)*\s*ALTER\s+TABLE\s+\S+\s+ADD\b", re.IGNORECASE)
+
+
 def _migration_step(db: sqlite3.Connection, statement: str) -> None:
     """Run one statement of a migration. A store made by a development build of an
     earlier schema (whose migrations were written otherwise before they were released)
     may hold an index or trigger a later migration makes, or lack one it drops: that
-    step is passed over, and `_reconcile` sets every such object right after."""
+    step is passed over, and `_reconcile` sets every such object right after. So is a
+    column it adds that is there already (the opening then checks every table has this
+    release's columns)."""
     try:
         db.execute(statement)
     except sqlite3.OperationalError as exc:
         message = str(exc)
-        if not (
-            _DERIVED.match(statement)
-            and ("already exists" in message or message.startswith("no such"))
-        ):
+        derived = _DERIVED.match(statement) and (
+            "already exists" in message or message.startswith("no such")
+        )
+        added = _ADDS_COLUMN.match(statement) and message.startswith("duplicate column name")
+        if not (derived or added):
             raise
 
 

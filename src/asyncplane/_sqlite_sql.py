@@ -429,6 +429,14 @@ MIGRATIONS: Final[tuple[str, ...]] = (
     DROP TRIGGER items_twin_moves;
 {_TWIN_TRIGGERS_12}
     """,
+    # 13: an import knows a source row by its content as well as its key. A key is given
+    # out anew when the source table is dropped and made again (an import's own drop,
+    # then the old queue started again), so a later import passed the new rows over as
+    # imported before, and dropped them with the table. Each record keeps a digest of
+    # what it copied; records from before have none (NULL), and are taken as they were.
+    """
+    ALTER TABLE imports ADD COLUMN digest TEXT;
+    """,
 )
 
 SCHEMA_VERSION: Final = len(MIGRATIONS)
@@ -1165,9 +1173,18 @@ PURGE_EVENTS: Final = "DELETE FROM events WHERE item_id = ?"
 ALREADY_IMPORTED: Final = "SELECT 1 FROM imports WHERE source = ? AND source_key = ?"
 
 
+# A copy's record of an item it brought (no digest: its key is the item's own id).
 RECORD_IMPORT: Final = (
     "INSERT INTO imports (source, source_key, item_id, imported_at) VALUES (?, ?, ?, ?)"
 )
+# An imported row's record: the digest of its content, and the item it became. A row
+# copied again (other content under its key) takes its key's record over.
+IMPORTED_AS: Final = "SELECT digest, item_id FROM imports WHERE source = ? AND source_key = ?"
+RECORD_IMPORTED_ROW: Final = """
+INSERT INTO imports (source, source_key, item_id, imported_at, digest) VALUES (?, ?, ?, ?, ?)
+ON CONFLICT (source, source_key) DO UPDATE
+SET item_id = excluded.item_id, imported_at = excluded.imported_at, digest = excluded.digest
+"""
 # The source's columns, to check the names an import is told to read (identifiers cannot
 # be bound as parameters, so they are checked against the table and quoted).
 
@@ -1225,11 +1242,11 @@ INSERT INTO items ({_ITEM_COLUMNS}) VALUES ({", ".join("?" * 22)})
 """
 # The import records, in key order, a page after a key (a copy carries them over).
 EXPORT_IMPORTS: Final = """
-SELECT source, source_key, item_id, imported_at FROM imports
+SELECT source, source_key, item_id, imported_at, digest FROM imports
 WHERE (source, source_key) > (?, ?) ORDER BY source, source_key LIMIT ?
 """
 COPY_IMPORT: Final = """
-INSERT INTO imports (source, source_key, item_id, imported_at) VALUES (?, ?, ?, ?)
+INSERT INTO imports (source, source_key, item_id, imported_at, digest) VALUES (?, ?, ?, ?, ?)
 ON CONFLICT (source, source_key) DO NOTHING
 """
 # Ids up to a copy's source's last are never handed out here: AUTOINCREMENT's counter

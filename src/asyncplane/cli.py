@@ -724,11 +724,12 @@ async def _import_pending(store: _store.ControlStore, args: argparse.Namespace) 
     data = {
         "source": done.source, "imported": done.imported,
         "already_imported": done.already_imported, "not_pending": done.not_pending,
-        "dropped": done.dropped,
+        "dropped": done.dropped, "changed": done.changed,
     }  # fmt: skip
+    changed = f", {done.changed:,} of them changed since an earlier run" if done.changed else ""
     _out(
         args, data,
-        f"imported {done.imported:,} pending rows from {done.source} "
+        f"imported {done.imported:,} pending rows from {done.source}{changed} "
         f"({done.already_imported:,} imported before, {done.not_pending:,} not pending"
         f"{'; source table dropped' if done.dropped else ''})",
     )  # fmt: skip
