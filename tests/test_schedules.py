@@ -178,6 +178,27 @@ async def test_missed_ticks_are_caught_up_as_the_schedule_says(
     assert many[-1000] == dt.datetime.fromtimestamp(start + 3600 * 24 + 60 - 999 * 60, UTC)
 
 
+async def test_a_cron_schedule_down_for_a_year_catches_up_its_newest_ticks(
+    store: ControlStore, clock: ManualClock
+) -> None:
+    # Every minute from January to May, down from the first January to December: the
+    # newest ticks are May's last minutes. (A walk from a window's start through the
+    # 200,000 minutes before stopped at its bound, mid-May, and took 1.6 s.)
+    start = at(2026, 1, 1, 0, 0)
+    clock.set(start)
+    for catch_up in ("latest", "all"):
+        await store.set_schedule(
+            catch_up, project_id="alpha", payload={}, cron="* * * 1-5 *", catch_up=catch_up
+        )
+    clock.set(at(2026, 12, 6, 9, 0))
+    assert await store.run_schedules() == 1 + 1000
+    last_minute = dt.datetime(2026, 5, 31, 23, 59, tzinfo=UTC)
+    latest = [dt.datetime.fromisoformat(d["tick"]) for d in await tick_items(store, "latest")]
+    assert latest == [last_minute]
+    every = [dt.datetime.fromisoformat(d["tick"]) for d in await tick_items(store, "all")]
+    assert every == [last_minute - dt.timedelta(minutes=n) for n in range(999, -1, -1)]
+
+
 async def test_a_schedule_declared_again_keeps_its_place_and_a_new_timetable_starts_afresh(
     store: ControlStore, clock: ManualClock
 ) -> None:

@@ -189,15 +189,47 @@ class Timetable(Record):
             first = max(first, last - most + 1)
             return [self._tick(index) for index in range(first, last + 1)]
         # Cron: walked forward only (cronsim's walks back and forth do not always agree
-        # around a DST change, and walking back can fail to end), from a window before
-        # ``now`` that doubles until it holds ``most`` ticks or reaches ``since``.
+        # around a DST change, and walking back can fail to end). The last tick is found
+        # by halving, each look a walk's first step; then a window that ends there
+        # doubles until it holds ``most`` ticks or reaches ``since``. (A window ending at
+        # ``now`` walked a dense stretch long past, after a long downtime, from its start:
+        # a year of ``* * * 1-5 *`` hit the walk's bound mid-May, and took 1.6 s.)
+        final = self._last(since, now)
+        if final is None:
+            return []
         window = 3600.0
         while True:
-            start = max(since, now - window)
-            ticks = self._forward(start, now, most)
+            start = max(since, final - window)
+            ticks = self._forward(start, final, most)
             if len(ticks) >= most or start <= since:
                 return ticks
             window *= 2
+
+    def _last(self, since: float, now: float) -> float | None:
+        """The last cron tick from ``since`` up to ``now``, or None: halving the span
+        while a tick at or after its lower end comes by ``now``, down to a minute (cron's
+        step), then walking the rest."""
+        if self._first_from(since) > now:
+            return None
+        low, high = since, now + 1.0  # a tick from low on comes by now; none from high on
+        while high - low > 60.0:
+            middle = (low + high) / 2
+            if self._first_from(middle) <= now:
+                low = middle
+            else:
+                high = middle
+        ticks = self._forward(low, now, 1)
+        return ticks[-1] if ticks else None
+
+    def _first_from(self, moment: float) -> float:
+        """The first cron tick at or after ``moment`` (inf past datetime's range)."""
+        walk = self._walk(moment - 1.0)  # cronsim looks strictly after
+        try:
+            while (tick := float(next(walk).timestamp())) < moment:
+                pass  # a whole minute within the second before ``moment``
+        except (OverflowError, ValueError):  # cronsim's walk out of datetime's range
+            return math.inf
+        return tick
 
     def _forward(self, start: float, now: float, most: int) -> list[float]:
         """The newest ``most`` cron ticks from ``start`` up to ``now``, oldest first."""
