@@ -14,6 +14,7 @@ import os
 import pathlib
 import re
 import signal
+import socket
 import subprocess
 import sys
 import urllib.error
@@ -579,6 +580,40 @@ async def test_the_item_page_gives_the_ledger_verdict_on_that_item(
         assert "the row agrees with its history" in page
 
 
+async def test_a_held_twins_verdict_is_read_again_when_its_twin_changes(
+    store: ControlStore, raw: Any
+) -> None:
+    # The verdict was kept while the item's own row and history stayed as they were; a
+    # held twin's also reads its running twin's row, which changes without them.
+    await store.enqueue("alpha", {"n": 1}, fingerprint="f")
+    running = await store.claim("w")
+    assert running is not None
+    held = await store.enqueue("alpha", {"n": 2}, fingerprint="f", dedup=False)
+    async with serving(store) as (_, url, session):
+        _, page = await text(session, url + f"/items/{held}")
+        assert "the row agrees with its history" in page
+        raw.execute("UPDATE items SET fingerprint = 'g' WHERE item_id = ?", (running.item_id,))
+        assert [p.kind for p in await verify_ledger(store, item_id=held)] == ["twin_stranded"]
+        _, page = await text(session, url + f"/items/{held}")
+        assert "<b>twin_stranded</b>" in page
+
+
+async def test_the_queue_depth_card_is_read_now(store: ControlStore) -> None:
+    async with serving(store) as (_, url, session):
+        await store.enqueue_many("alpha", [{"n": n} for n in range(5)])
+        _, page = await text(session, url + "/")
+        assert '<span class="n" id="depth-now">5</span>' in page
+
+
+async def test_an_interval_schedule_shows_its_interval_exactly(store: ControlStore) -> None:
+    for name, every in (("a", 150), ("b", 5400), ("c", 1.4), ("d", 86400 * 2 + 60)):
+        await store.set_schedule(name, project_id="alpha", payload={}, every=every)
+    async with serving(store) as (_, url, session):
+        _, page = await text(session, url + "/projects")
+    for shown in ("every 2 min 30 s<", "every 1 h 30 min<", "every 1.4 s<", "every 2 d 1 min<"):
+        assert shown in page, shown
+
+
 async def test_settled_per_minute_counts_by_minute_project_and_state(
     store: ControlStore, clock: ManualClock
 ) -> None:
@@ -682,6 +717,29 @@ async def test_a_read_only_store_refuses_actions_even_when_allowed(
     finally:
         await reader.close()
     assert (await writer.item(item_id))["state"] == "ready"
+
+
+@pytest.mark.sqlite_only
+def test_an_address_the_command_cannot_serve_on_is_a_usage_error(tmp_path: Any) -> None:
+    # A port taken, a host that does not resolve: a setting to change (2), not a store
+    # that failed (3).
+    asyncio.run(_make_store(str(tmp_path / "s.db")))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        for extra, said in (
+            (["--port", port], f"cannot serve on --host 127.0.0.1 --port {port}"),
+            (["--host", "nowhere.invalid", "--port", "0"], "cannot serve on --host nowhere"),
+        ):
+            done = subprocess.run(
+                [sys.executable, "-m", "asyncplane.cli", "dashboard", str(tmp_path / "s.db"),
+                 *extra],
+                capture_output=True, text=True, timeout=60,
+                env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+            )  # fmt: skip
+            assert done.returncode == 2, done.stderr
+            assert said in done.stderr, done.stderr
 
 
 def test_without_the_extra_the_command_names_it(tmp_path: Any) -> None:

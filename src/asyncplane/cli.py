@@ -325,7 +325,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             try:
                 return _command.run(args)
-            except (_errors.NotAnAsyncplaneDatabase, _errors.SchemaVersionError) as exc:
+            except (
+                _errors.NotAnAsyncplaneDatabase,
+                _errors.SchemaVersionError,
+                _errors.InvalidInput,
+            ) as exc:  # (InvalidInput: an address it cannot serve on)
                 raise _Usage(_in_flags(str(exc))) from exc
         if args.verb == "copy" and (
             _engine.is_postgres_url(args.destination) or pathlib.Path(args.destination).exists()

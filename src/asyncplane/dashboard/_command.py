@@ -68,7 +68,12 @@ async def _serve(args: argparse.Namespace) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     try:
-        url = await dashboard.start(args.host, args.port)
+        try:
+            url = await dashboard.start(args.host, args.port)
+        except OSError as exc:  # the port taken, the host unknown: the command line's
+            raise _errors.InvalidInput(
+                f"cannot serve on --host {args.host} --port {args.port}: {exc.strerror or exc}"
+            ) from exc
         if dashboard.token is not None and args.token is None:
             print(f"token: {dashboard.token}", flush=True)
             print(f"open: {url}/?token={dashboard.token}", flush=True)

@@ -116,6 +116,7 @@ class Dashboard:
         )
         self._templates.filters["ago"] = _ago
         self._templates.filters["when"] = _when
+        self._templates.filters["period"] = _period
         self._runner: web.AppRunner | None = None
         #: The URL the dashboard serves at, once started.
         self.url: str | None = None
@@ -741,6 +742,20 @@ def _ago(seconds: float | None) -> str:
     if seconds < 172800:
         return f"{sign}{seconds / 3600:.1f} h"
     return f"{sign}{seconds / 86400:.1f} d"
+
+
+def _period(seconds: float) -> str:
+    """An interval, exact: ``1.4 s``, ``2 min 30 s``, ``1 h 30 min``, ``2 d``."""
+    parts = []
+    whole = int(seconds)
+    for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
+        if whole >= size:
+            parts.append(f"{whole // size} {unit}")
+            whole %= size
+    rest = whole + (seconds - int(seconds))
+    if rest or not parts:
+        parts.append(f"{rest:g} s")
+    return " ".join(parts)
 
 
 def _when(value: Any) -> str:

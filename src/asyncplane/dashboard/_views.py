@@ -238,7 +238,8 @@ async def overview(scope: Scope, history: History) -> dict[str, Any]:
         "throughput": chart([float(s) for _, s, _ in series]),
         "throughput_last": series[-2][1] if len(series) > 1 else 0,
         "depth": chart([float(d) for d in depth]),
-        "depth_now": depth[-1] if depth else seen.totals["ready"] + seen.totals["deferred"],
+        # Read now, as the cards above it are (the chart's last sample may be 10 s old).
+        "depth_now": seen.totals["ready"] + seen.totals["deferred"],
         "depth_samples": len(depth),
         "settled_hour": settled_hour,
         "failed_hour": failed_hour,
@@ -414,6 +415,10 @@ class Verdicts:
         self, item_id: int, row: dict[str, Any], events: list[dict[str, Any]]
     ) -> list[Any]:
         """The problems of the item whose row and events these are."""
+        if row["state"] == "ready" and row["fingerprint"] is not None:
+            # Held in line or not, its verdict reads its twins' rows too, which change
+            # without its history (`_models.CHECKS_OF_OTHER_ITEMS`): checked every time.
+            return await _ledger.verify_ledger(self._scope.store, item_id=item_id)
         # (Events are only ever appended: the newest one's id says the history changed.)
         key = (row["state"], row["fence"], row["updated_at"],
                events[-1]["event_id"] if events else None)  # fmt: skip
