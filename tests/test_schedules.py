@@ -275,6 +275,34 @@ def zone_unknown_here(zone: str, empty: pathlib.Path) -> Iterator[None]:
             zoneinfo.ZoneInfo.clear_cache(only_keys=[zone])
 
 
+async def test_without_tzdata_the_systems_own_names_are_refused(
+    store: ControlStore, tmp_path: pathlib.Path
+) -> None:
+    # A host without the tzdata package has its system's database alone to ask, which
+    # knows posix/Europe/Berlin and localtime (this host's own zone, whatever it is):
+    # names no other host need have, or have alike. They were taken.
+    import zoneinfo
+    from importlib import resources
+
+    berlin = resources.files("tzdata").joinpath("zoneinfo", "Europe", "Berlin").read_bytes()
+    for name in ("posix/Europe/Berlin", "right/Europe/Berlin", "localtime", "Europe/Berlin"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_bytes(berlin)
+    system_only = ("posix/Europe/Berlin", "right/Europe/Berlin", "localtime")
+    with zone_unknown_here("Europe/Berlin", tmp_path):  # (the database here: tmp_path's)
+        try:
+            for name in system_only:
+                zoneinfo.ZoneInfo(name)  # this host knows it
+                with pytest.raises(InvalidInput, match="this system's database alone"):
+                    await store.set_schedule("s", project_id="alpha", payload={},
+                                             cron="0 3 * * *", timezone=name)  # fmt: skip
+            await store.set_schedule("s", project_id="alpha", payload={}, cron="0 3 * * *",
+                                     timezone="Europe/Berlin")  # fmt: skip
+        finally:
+            zoneinfo.ZoneInfo.clear_cache(only_keys=system_only)
+    assert [s["timezone"] for s in await store.schedules()] == ["Europe/Berlin"]
+
+
 async def test_a_schedule_this_host_cannot_read_is_passed_over_not_fatal(
     store: ControlStore,
     clock: ManualClock,

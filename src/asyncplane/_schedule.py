@@ -305,13 +305,20 @@ def timetable(cron: object, every: object, timezone: object, anchor: float) -> T
 
 
 def _portable_zone(name: str) -> bool:
-    """Whether the tzdata package (the cron extra's) has the zone ``name``; True where it
-    is not installed (the system's database, which said yes, is all there is to ask)."""
+    """Whether the tzdata package (the cron extra's) has the zone ``name``. Where it is
+    not installed, the system's database, which said yes, is all there is to ask: only
+    the names it keeps for itself are refused, as ``zoneinfo.available_timezones()``
+    leaves them out (Debian's copies under ``posix/`` and ``right/``; ``localtime``, a
+    link to whatever zone this host is set to; ``posixrules``)."""
     from importlib import resources, util
 
     if util.find_spec("tzdata") is None:
-        return True
+        return not (name.startswith(_SYSTEM_FOLDERS) or name in _SYSTEM_NAMES)
     return resources.files("tzdata").joinpath("zoneinfo", *name.split("/")).is_file()
+
+
+_SYSTEM_FOLDERS = ("posix/", "right/")
+_SYSTEM_NAMES = frozenset({"localtime", "posixrules"})
 
 
 def _times(table: Timetable) -> Timetable:
