@@ -2006,6 +2006,34 @@ async def test_work_gives_back_what_a_claim_saved_with_its_answer_lost_took(
         assert await verify_ledger(store) == []
 
 
+async def test_drain_gives_back_what_a_claim_saved_with_its_answer_lost_took(url: str) -> None:
+    # As work() does: drain() raises the claim's CommitOutcomeUnknown, and the item that
+    # claim took ran nowhere and failed unrun at its lease's end (its last attempt). It
+    # is given back first, its attempt refunded.
+    owner = "orphan-drainer"  # in the claim's bound parameters: the marker
+    async with (
+        cut_on_commit(url, marker=owner.encode(), deliver=True) as (through, arm, cut),
+        ControlStore(through, lease_seconds=600) as store,
+    ):
+        await store.create_project("p", "P")
+        item = await store.enqueue("p", {}, max_attempts=1)
+
+        async def execute(batch: list[Job]) -> list[Done]:
+            return [Done() for _ in batch]
+
+        arm.set()
+        with pytest.raises(CommitOutcomeUnknown):
+            await drain(store, execute, owner=owner)
+        assert cut.is_set()
+        row = await store.item(item)
+        assert (row["state"], row["attempts"]) == ("ready", 0)
+        events = [e["event_type"] for e in await store.events(item)]
+        assert events == ["queued", "claimed", "released"]
+        summary = await drain(store, execute, owner=owner)
+        assert summary.done == 1
+        assert await verify_ledger(store) == []
+
+
 async def test_work_tries_again_to_give_back_what_a_lost_claim_took(url: str) -> None:
     # The first give-back's connection is lost too: it is tried again (the outage passes
     # in a moment), not dropped with the rest of the lost claim's items left to their

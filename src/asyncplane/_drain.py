@@ -79,6 +79,7 @@ from asyncplane._outcomes import (
     count_lost,
     exit_asked,
     give_back,
+    give_back_lost_claim,
     left_unsettled,
     returned_or_raised,
     short_error,
@@ -304,18 +305,47 @@ class _Drain:
                     self.engine.unwatch(local)
 
     async def _claim(self) -> list[_models.ClaimedItem]:
-        """Claim a batch; if cancelled meanwhile, still receive it and put it back."""
+        """Claim a batch; if cancelled meanwhile, still receive it and put it back. A
+        claim whose outcome is unknown may have been saved, its items claimed under this
+        drain's name with nobody to run them: they are given back before it is raised
+        (the drain holds no other claim then)."""
         claiming = self.store.claim_batch(
             self.owner, self.batch_size, actor_id=self.actor_id, project_id=self.project_id
         )
-        batch, cancelled = await _tasks.to_the_end(
-            claiming, f"asyncplane-drain-claim[{self.owner}]"
-        )
+        asked = self.store.clock.now()
+        try:
+            batch, cancelled = await _tasks.to_the_end(
+                claiming, f"asyncplane-drain-claim[{self.owner}]"
+            )
+        except _errors.CommitOutcomeUnknown:
+            await self._give_back_lost(asked)
+            raise
         if cancelled:  # the claim stands: hand its items back unrun, then stop
             await _tasks.to_the_end(self._put_back(batch, {}), "asyncplane-drain-put-back")
             raise asyncio.CancelledError
         self.summary.claimed += len(batch)
         return batch
+
+    async def _give_back_lost(self, asked: float) -> None:
+        """`give_back_lost_claim` for a claim asked for at ``asked``; a store that fails
+        on leaves them to their leases, said."""
+        runner = f"asyncplane drain {self.owner}"
+        try:
+            _, cancelled = await _tasks.to_the_end(
+                give_back_lost_claim(
+                    self.store, self.owner, asked, (), self.project_id, self.actor_id,
+                    self.summary, runner, _log,
+                ),
+                f"asyncplane-drain-give-back[{self.owner}]",
+            )  # fmt: skip
+        except _errors.StorageError as exc:
+            _log.error(
+                "%s: what a claim whose answer was lost may have taken could not be given "
+                "back (%s): left to its leases", runner, short_error(exc),
+            )  # fmt: skip
+            return
+        if cancelled:
+            raise asyncio.CancelledError
 
     async def _run_scheduling(self, batch: list[_models.ClaimedItem]) -> None:
         """A daemon's `_run`: the schedules keep their pace while the batch runs

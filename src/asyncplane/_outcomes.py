@@ -13,17 +13,19 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import datetime
+import functools
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Container, Sequence
 from typing import Any, Final, TypeAlias, TypeVar
 
 from asyncplane import _clock, _errors, _validate
 from asyncplane._models import ClaimedItem
-from asyncplane._store import ControlStore, log_fields
+from asyncplane._store import MAX_LIST_LIMIT, ControlStore, log_fields
 
 __all__ = (
     "KINDS",
     "LOST",
+    "UNKNOWN_CLAIM_MARGIN",
     "Done",
     "DrainSummary",
     "Failed",
@@ -338,6 +340,56 @@ async def left_unsettled(
         log.warning("%s: the items left could not be counted: %s", runner, short_error(exc))
         return None
     return sum(counts[state] for state in UNSETTLED)
+
+
+#: Seconds before a claim whose outcome was unknown was asked for from which the claims
+#: under a runtime's name that it never received are taken for that claim's
+#: (`give_back_lost_claim`): the store's clock on PostgreSQL is the server's, read with
+#: the round trip's uncertainty.
+UNKNOWN_CLAIM_MARGIN: Final = 1.0
+
+
+async def give_back_lost_claim(
+    store: ControlStore, owner: str, asked: float, received: Container[tuple[int, int]],
+    project_id: str | None, actor_id: str | None, summary: DrainSummary, runner: str,
+    log: logging.Logger,
+) -> int:  # fmt: skip
+    """Give back what a claim whose outcome was unknown (`CommitOutcomeUnknown`) took:
+    the items claimed under ``owner`` since it was asked for (``asked``, by the store's
+    clock, less `UNKNOWN_CLAIM_MARGIN`) whose claims, ``(item_id, fence)``, the runtime
+    never ``received``. Saved with its answer lost (a connection lost during the commit),
+    such a claim's items ran nowhere and were given back by no stop: claimed until their
+    leases lapsed, and failed unrun where that was their last attempt. Released
+    (`give_back`: tried again while the store fails for a moment), their attempts are
+    refunded and they are claimable at once (counted in ``released``). How many; a
+    failure of the store is raised. An owner names one running runtime (the default
+    does): a claim another process made under the same name in that moment would be
+    given back too."""
+    since = asked - UNKNOWN_CLAIM_MARGIN
+    listed = await store.items(
+        state="claimed", owner=owner, project_id=project_id, actor_id=actor_id,
+        order="oldest", limit=MAX_LIST_LIMIT, include_payload=False,
+    )  # fmt: skip
+    given = 0
+    for item in listed:
+        key = (item["item_id"], item["fence"])
+        if key in received or item["claimed_at"] is None:
+            continue
+        if item["claimed_at"].timestamp() < since:
+            continue
+        try:
+            await give_back(
+                functools.partial(store.release, key[0], fence=key[1], actor_id=actor_id)
+            )
+        except LOST:
+            continue  # taken over or cancelled meanwhile: not ours to give back
+        given += 1
+        summary.released += 1
+        log.warning(
+            "%s: item %d was taken by a claim whose answer was lost (its outcome "
+            "unknown): given back, to be claimed again", runner, key[0],
+        )  # fmt: skip
+    return given
 
 
 def short_error(error: object) -> str:

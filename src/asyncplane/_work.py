@@ -90,6 +90,7 @@ from asyncplane._models import ClaimedItem
 from asyncplane._outcomes import (
     KINDS,
     LOST,
+    UNKNOWN_CLAIM_MARGIN,
     DrainSummary,
     Outcome,
     Retry,
@@ -97,6 +98,7 @@ from asyncplane._outcomes import (
     count_lost,
     exit_asked,
     give_back,
+    give_back_lost_claim,
     lasting,
     left_unsettled,
     returned_or_raised,
@@ -117,11 +119,6 @@ _HOUSEKEEPING_EVERY = 1.0
 #: a failover), looking again after each pause, before the worker stops with the failure.
 OUTAGE_SECONDS = 60.0
 _OUTAGE_PAUSES = (0.1, 0.25, 0.5, 1.0, 2.0, 5.0)
-#: Seconds before a claim whose outcome was unknown was asked for from which the claims
-#: under this worker's name that it never received are taken for that claim's
-#: (`_give_back_unknown`): the store's clock on PostgreSQL is the server's, read with the
-#: round trip's uncertainty.
-_UNKNOWN_CLAIM_MARGIN = 1.0
 
 
 class Settings(Record):
@@ -317,7 +314,7 @@ class _Worker:
         #: The claims this worker received lately (the store's time each was asked for,
         #: and its item and fence), oldest first: none of them is a lost claim's, whatever
         #: became of it since (run and settled, or left unsaved). Kept back to twice
-        #: `_UNKNOWN_CLAIM_MARGIN` before the oldest claim that could yet prove unknown.
+        #: `UNKNOWN_CLAIM_MARGIN` before the oldest claim that could yet prove unknown.
         self.received: collections.deque[tuple[float, tuple[int, int]]] = collections.deque()
 
     def interrupted(self) -> bool:
@@ -595,52 +592,21 @@ class _Worker:
         forget those too old to be taken for a lost claim's."""
         self.received.extend((asked, (claim.item_id, claim.fence)) for claim in batch)
         oldest = asked if self.unknown_claim_at is None else min(asked, self.unknown_claim_at)
-        while self.received and self.received[0][0] < oldest - 2 * _UNKNOWN_CLAIM_MARGIN:
+        while self.received and self.received[0][0] < oldest - 2 * UNKNOWN_CLAIM_MARGIN:
             self.received.popleft()
 
     async def _give_back_unknown(self) -> int:
         """Give back what a claim whose outcome was unknown took, once the store answers
-        again: the items claimed under this worker's name since that claim was asked for
-        (by the store's clock, less `_UNKNOWN_CLAIM_MARGIN`) that this worker never
-        received. Saved with its answer lost (a connection lost during the commit), such a
-        claim's items ran nowhere and were given back by no stop: claimed until their
-        leases lapsed, and failed unrun where that was their last attempt. Released
-        (`give_back`: tried again while the store fails for a moment), their attempts are
-        refunded and they are claimable at once (counted in ``released``). How many. A
+        again (`give_back_lost_claim`), but for the claims this worker received since. A
         failure of the store is raised, the claim still to look at again (the claim loop
-        rides the failure out, and this runs again after its next claim, or at the stop).
-        An owner names one running worker (the default does): a claim another process
-        made under the same name in that moment would be given back too."""
+        rides the failure out, and this runs again after its next claim, or at the stop)."""
         assert self.unknown_claim_at is not None
-        since = self.unknown_claim_at - _UNKNOWN_CLAIM_MARGIN
-        listed = await self.store.items(
-            state="claimed", owner=self.owner, project_id=self.project_id,
-            actor_id=self.actor_id, order="oldest", limit=_store.MAX_LIST_LIMIT,
-            include_payload=False,
-        )  # fmt: skip
         received = {key for _, key in self.received}
         received.update((claim.item_id, claim.fence) for claim in self.running.values())
-        given = 0
-        for item in listed:
-            key = (item["item_id"], item["fence"])
-            if key in received:
-                continue
-            if item["claimed_at"] is None or item["claimed_at"].timestamp() < since:
-                continue
-            try:
-                await give_back(
-                    functools.partial(
-                        self.store.release, key[0], fence=key[1], actor_id=self.actor_id
-                    )
-                )
-            except LOST:
-                continue  # taken over or cancelled meanwhile: not ours to give back
-            given += 1
-            self.summary.released += 1
-            _log.warning(
-                "asyncplane worker %s: item %d was taken by a claim whose answer was lost "
-                "(its outcome unknown): given back, to be claimed again", self.owner, key[0],
-            )  # fmt: skip
+        given = await give_back_lost_claim(
+            self.store, self.owner, self.unknown_claim_at, received, self.project_id,
+            self.actor_id, self.summary, f"asyncplane worker {self.owner}", _log,
+        )  # fmt: skip
         self.unknown_claim_at = None  # all of them given back: none is to look at again
         return given
 
