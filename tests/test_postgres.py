@@ -1078,6 +1078,55 @@ async def test_a_schema_of_the_previous_version_keeps_its_import_records(
         await conn.close()
 
 
+def _limit_lock(project: str) -> str:
+    """The SQL key of a project's limit lock (asyncplane_take_limits')."""
+    return f"hashtextextended('asyncplane-limit:' || current_schema() || chr(1) || '{project}', 0)"
+
+
+async def test_a_round_claiming_for_several_reaches_takes_their_limit_locks_in_one_order(
+    url: str,
+) -> None:
+    # Each reach's claim took its own limits in turn: a round claiming for b, then for
+    # every project, held b while it waited for a, and another host's round, holding a,
+    # waited for b. PostgreSQL broke the deadlock after a second, again and again: a
+    # fleet's claims ran 70 times slower. Now the round takes a's lock before b's.
+    async with ControlStore(url) as store:
+        for project in ("a", "b"):
+            await store.create_project(project, project.upper())
+            await store.set_limits(project, max_running=100)
+            await store.enqueue_many(project, [{"n": n} for n in range(3)])
+        for reach in ("b", None):  # this process learns both reaches are limited
+            claim = await store.claim("w", project_id=reach)
+            assert claim is not None
+            await store.finish(claim.item_id, fence=claim.fence)
+        other_host = await asyncpg.connect(url)
+        looking = await asyncpg.connect(url)
+        try:
+            held = other_host.transaction()
+            await held.start()
+            await other_host.execute(f"SELECT pg_advisory_xact_lock({_limit_lock('a')})")
+            round_of_two = asyncio.gather(
+                store.claim("w", project_id="b"), store.claim("w")
+            )  # one round: requests queued in one turn
+            waiting = "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
+            await until(lambda: _counted(looking, waiting), what="the round waits for a's lock")
+            free = await looking.fetchval(f"SELECT pg_try_advisory_lock({_limit_lock('b')})")
+            if free:
+                await looking.execute(f"SELECT pg_advisory_unlock({_limit_lock('b')})")
+            await held.rollback()
+            claims = await round_of_two
+        finally:
+            await other_host.close()
+            await looking.close()
+        assert free, "the round held b's limit lock while it waited for a's"
+        assert [c.project_id for c in claims if c is not None] == ["b", "a"]
+        assert await verify_ledger(store) == []
+
+
+async def _counted(conn: asyncpg.Connection, statement: str) -> bool:
+    return bool(await conn.fetchval(statement))
+
+
 # --- twins in line across hosts (see test_claim_reach.py for the line itself) ----------------
 
 

@@ -12,6 +12,7 @@ import logging
 import os
 import pathlib
 import random
+import re
 import signal
 import socket
 import sqlite3
@@ -968,6 +969,32 @@ async def test_an_outage_met_while_every_slot_is_busy_ends_when_the_store_answer
         assert (await worker).done == 1
 
 
+@pytest.mark.parametrize("looked", [True, False])
+async def test_only_a_look_the_store_answered_ends_an_outage_while_every_slot_is_busy(
+    store: ControlStore, looked: bool
+) -> None:
+    # The schedules' look is made at most once a second: a call that made none (0, the
+    # store untouched) said "the store answers again" every 10 s of a server down for
+    # good, and the worker never gave up after its 60 s.
+    worker = _work._Worker(
+        store=store, handle=lambda claim: _done(), owner="w", concurrency=1, timeout=None,
+        project_id=None, actor_id=None, stop=asyncio.Event(), grace=0.0, until_empty=False,
+        poll_interval=0.1, preflight_chunk=500,
+    )  # fmt: skip
+    busy: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    worker.running[busy] = None  # type: ignore[index]  # every slot taken
+    await store.projects()  # (open)
+    engine = engine_of(store)
+    engine._last_schedules = None if looked else time.monotonic()
+    worker.outage = _work._Outage("w", StorageError("cannot connect"))
+    waiting = asyncio.create_task(worker._until_a_slot_frees())
+    await until(lambda: worker.waiting_for_slot or waiting.done(), what="a wait for a slot")
+    worker.wake.set()
+    await waiting
+    assert (worker.outage is None) == looked
+    busy.cancel()
+
+
 @pytest.mark.parametrize("failures", [2, "always"])
 async def test_a_worker_rides_out_a_store_that_fails_for_a_moment(
     store: ControlStore, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
@@ -1187,6 +1214,28 @@ async def test_a_timed_out_item_with_its_budget_spent_fails(
     assert (summary.timed_out, summary.failed) == (1, 1)
     row = await store.item(hung)
     assert row["state"] == "failed" and "timed out after 0.1 s" in row["error"]
+
+
+async def test_a_handler_that_exits_as_its_time_runs_out_stops_the_worker(
+    store: ControlStore,
+) -> None:
+    # Cancelled for its time limit, it asked the program to exit: the item was retried
+    # as timed out, and the exit dropped; the worker ran on.
+    item_id = await store.enqueue("alpha", {})
+
+    async def exits_when_cut(claim: ClaimedItem) -> Done:
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            sys.exit(5)
+        return Done()
+
+    with pytest.raises(SystemExit) as exited:
+        await work(store, exits_when_cut, timeout=0.05, until_empty=True)
+    assert exited.value.code == 5
+    row = await store.item(item_id)
+    assert row["state"] == "deferred" and "timed out after 0.05 s" in row["error"]
+    assert (await store.counts())["claimed"] == 0
 
 
 async def test_a_graceful_stop_lets_items_finish_then_gives_the_rest_back(
@@ -1734,9 +1783,17 @@ HANDLERS = textwrap.dedent(
     import sys
     from asyncplane import Done
 
+    background = []
+
+    async def exits(status):
+        sys.exit(status)
+
     async def handle(claim):
         if claim.payload.get("exit"):
             sys.exit(claim.payload["exit"])
+        if claim.payload.get("exit_in_background"):
+            # A task of the handler's own asks the program to exit, another item running.
+            background.append(asyncio.create_task(exits(claim.payload["exit_in_background"])))
         if claim.payload.get("log"):
             logging.getLogger("fleet.agents").info("working on %s", claim.payload["log"])
         if claim.payload.get("hang"):
@@ -1764,6 +1821,11 @@ HANDLERS = textwrap.dedent(
     class AClass:
         async def __call__(self, claim):
             return Done()
+
+    def __getattr__(name):
+        if name == "unreadable":
+            raise RuntimeError("its settings are missing")
+        raise AttributeError(name)
     """
 )
 
@@ -1911,6 +1973,146 @@ async def test_a_handlers_sys_exit_ends_the_command_with_its_status_nothing_left
         assert await verify_ledger(store) == []
 
 
+@_COMMAND_TEST
+async def test_a_sys_exit_in_a_handlers_own_task_ends_the_command_with_its_status(
+    store: ControlStore, location_of: Any, tmp_path: Any
+) -> None:
+    # Raised out of a task, the exit stops the event loop, whose wind-up cancels every
+    # task: the store was closed while the workers gave their items back, which opened
+    # it again, and its connection's thread kept the process alive for ever.
+    del store
+    async with a_command_store(location_of, tmp_path, "bg-exit.db") as (where, store):
+        running = await store.enqueue("p", {"n": 0, "hang": True})
+        child = worker(where, tmp_path, "fleet_handlers:handle", "--log-format", "json")
+
+        async def claimed() -> bool:
+            return (await store.item(running))["state"] == "claimed"
+
+        await until(claimed, what="the first item claimed")
+        await store.enqueue("p", {"n": 1, "exit_in_background": 9, "hang": True})
+        try:
+            _, err = await asyncio.to_thread(child.communicate, timeout=30)
+        finally:
+            if child.poll() is None:
+                child.kill()
+        assert child.returncode == 9, err
+        # Every task cancelled at once, the store's writer's too: the items are left to
+        # their leases, as documented (a handler's own sys.exit() is caught and wound up).
+        assert (await store.counts())["claimed"] == 2
+        assert await verify_ledger(store) == []
+
+
+SIGNALLED_AS_IT_CLOSES = textwrap.dedent(
+    """
+    import asyncio, os, signal
+    from asyncplane import ControlStore, Done
+
+    closes = ControlStore.close
+
+    async def close(self):
+        os.kill(os.getpid(), signal.SIGTERM)  # the second signal, as the store closes
+        for _ in range(3):
+            await asyncio.sleep(0)
+        await closes(self)
+
+    ControlStore.close = close
+
+    async def handle(claim):
+        return Done()
+    """
+)
+
+
+def test_a_second_signal_while_the_store_closes_still_counts(tmp_path: Any) -> None:
+    # The signal handlers were removed before the store's close: a second signal during
+    # it killed the process (143, nothing said), where the rule is 1, logged.
+    (tmp_path / "closing_handlers.py").write_text(SIGNALLED_AS_IT_CLOSES)
+    where = str(tmp_path / "closing.db")
+    asyncio.run(_make_store_with_project(where))
+    child = worker(where, tmp_path, "closing_handlers:handle", "--log-format", "json")
+    assert child.stderr is not None
+    while "starting" not in (line := child.stderr.readline()):
+        assert line, child.communicate(timeout=60)
+    child.send_signal(signal.SIGTERM)
+    _, err = child.communicate(timeout=60)
+    assert child.returncode == 1, err
+    assert "stopped at once" in err
+
+
+def test_on_a_terminal_log_lines_go_above_the_status_line(tmp_path: Any) -> None:
+    # A record was written on the status line's end ("retried 0\x1b[K2026-12-06 ...").
+    import pty
+
+    (tmp_path / "fleet_handlers.py").write_text(HANDLERS)
+    where = str(tmp_path / "tty.db")
+
+    async def seed() -> None:
+        async with ControlStore(where) as store:
+            await store.create_project("p", "P")
+            await store.enqueue_many("p", [{"n": 0}, {"n": 1, "raise": True}])
+
+    asyncio.run(seed())
+    main, terminal = pty.openpty()
+    child = subprocess.Popen(
+        [sys.executable, "-m", "asyncplane.cli", "worker", where, "fleet_handlers:handle",
+         "--concurrency", "1"],
+        cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=terminal,
+    )  # fmt: skip
+    os.close(terminal)
+    shown = b""
+    try:
+        while b"raised" not in shown:
+            shown += os.read(main, 65536)
+        child.send_signal(signal.SIGTERM)
+        with contextlib.suppress(OSError):  # (EIO once the child has closed its end)
+            while chunk := os.read(main, 65536):
+                shown += chunk
+        assert child.wait(timeout=60) == 0
+    finally:
+        if child.poll() is None:
+            child.kill()
+        os.close(main)
+    text = shown.decode()
+    assert "1 slots: done 1" in text, text
+    for line in re.finditer(r"\d{4}-\d\d-\d\d \d\d:\d\d", text):
+        before = text[: line.start()]
+        assert before == "" or before.endswith(("\r\x1b[K", "\n")), repr(before[-60:])
+
+
+def test_the_commands_slots_are_shared_out_whole_over_its_projects(tmp_path: Any) -> None:
+    # --concurrency 5 over two projects ran 2 and 2: a slot lost; and the start lines did
+    # not say which project each was.
+    (tmp_path / "fleet_handlers.py").write_text(HANDLERS)
+    where = str(tmp_path / "shares.db")
+
+    async def seed() -> None:
+        async with ControlStore(where) as store:
+            await store.create_project("a", "A")
+            await store.create_project("b", "B")
+
+    asyncio.run(seed())
+    child = worker(where, tmp_path, "fleet_handlers:handle", "--concurrency", "5",
+                   "--project", "a", "--project", "b", "--log-format", "json")  # fmt: skip
+    assert child.stderr is not None
+    started = []
+    while len(started) < 2:
+        line = child.stderr.readline()
+        assert line, child.communicate(timeout=60)
+        if "starting" in line:
+            started.append(json.loads(line)["message"])
+    child.send_signal(signal.SIGTERM)
+    _, err = child.communicate(timeout=60)
+    assert child.returncode == 0, err
+    assert sorted(re.sub(r".*starting \((.*), on .*", r"\1", m) for m in started) == [
+        "concurrency 2, project b", "concurrency 3, project a",
+    ]  # fmt: skip
+
+
+async def _make_store_with_project(where: str) -> None:
+    async with ControlStore(where) as store:
+        await store.create_project("p", "P")
+
+
 def test_a_signal_while_the_store_opens_stops_the_command_cleanly(tmp_path: Any) -> None:
     (tmp_path / "fleet_handlers.py").write_text(HANDLERS)
     with socket.socket() as server:  # a "server" that takes the connection, never answers
@@ -2044,6 +2246,7 @@ def test_the_worker_command_refuses_a_bad_handler(tmp_path: Any) -> None:
         ("fleet_handlers:two_arguments", "cannot be called with one argument"),
         ("fleet_handlers:AClass", "got type"),
         ("fleet_handlers:missing", "has no 'missing'"),
+        ("fleet_handlers:unreadable", "cannot read 'unreadable' of 'fleet_handlers': Runtime"),
         ("no_such_module:handle", "cannot import 'no_such_module'"),
         ("fleet_handlers", "MODULE:ATTRIBUTE"),
         # A module failing as it is imported is a deployment to mend (2), its traceback

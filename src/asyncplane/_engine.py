@@ -258,6 +258,9 @@ class Engine:
         self._backfill_after: dict[tuple[str | None, str | None], int] = {}
         self._last_purge: float | None = None
         self._last_schedules: float | None = None
+        #: How many of `maybe_run_schedules`' looks the store answered (work() reads an
+        #: answer as an outage's end; a look not made says nothing).
+        self.schedule_looks = 0
         self._crons_left_said = False
         self._passed_said: set[str] = set()  # schedules passed over, said once each
         #: When the next tick of any schedule falls, as the last run here found it.
@@ -622,6 +625,7 @@ class Engine:
             return 0
         self._last_schedules = time.monotonic()
         tick = self.next_tick = await (await self.ready()).next_tick(_schedule.crons_here())
+        self.schedule_looks += 1
         if tick is None or self.clock.now() < tick:
             return 0
         if closes is not None and self.closes != closes:

@@ -264,6 +264,7 @@ class PostgresBackend(_backend.Writes):
         # The reaches this process has seen limited projects in: a claim of one takes the
         # limits first, before any item lock (see _claim_many).
         limited: set[tuple[str | None, str | None]] = set()
+        self._limited = limited
         # How many more claims of a reach go the general way before they try the one
         # statement again (see _claim_alone).
         detours: dict[tuple[str | None, str | None], int] = {}
@@ -431,6 +432,7 @@ class PostgresBackend(_backend.Writes):
             conn, self._clock, name=self._schema, max_batch=self._sizing.max_batch,
             on_exit=close_readers, orphaned=self.orphaned,
             server_clock=self._server_clock, replanned=pool.expire_connections,
+            claim_reaches=functools.partial(_lock_claim_reaches, self._limited),
         )  # fmt: skip
         self._writer.start()
 
@@ -1097,6 +1099,23 @@ async def _next_page(
     return list(await conn.fetch(sql.CLAIM_LAPSED, *reach, limit, offset, now))
 
 
+async def _lock_claim_reaches(
+    limited_reaches: set[tuple[str | None, str | None]],
+    reaches: set[tuple[str | None, str | None]],
+    conn: asyncpg.Connection,
+) -> None:
+    """A round's claims of several reaches, one of them known to be limited here: every
+    limited project's lock of them all, first, in one order (`LOCK_REACHES_LIMITS`), for
+    each claim's `TAKE_LIMITS` to find held. Where none is known limited, every claim
+    tries its limit locks without waiting (`_claim_many`), and no round waits on them."""
+    if limited_reaches.isdisjoint(reaches):
+        return
+    await conn.execute(sql.CLAIMS_SHARED)
+    await conn.execute(
+        sql.LOCK_REACHES_LIMITS, [reach[0] for reach in reaches], [reach[1] for reach in reaches]
+    )
+
+
 async def _claim_many(
     limited_reaches: set[tuple[str | None, str | None]],
     ops: list[_backend.ClaimOp],
@@ -1115,8 +1134,9 @@ async def _claim_many(
     serialises the claims of those projects alone. A project limited since this process
     last looked is found by the candidates statement; its limits are then taken without
     waiting (one another claimer holds is left to it this time, and it takes nothing of
-    it), and the reach is remembered, so the next claim takes them first. (A round can
-    still meet another in a deadlock: one that claims for two limited reaches, one that
+    it), and the reach is remembered, so the next claim takes them first. A round that
+    claims for several reaches took every reach's locks beforehand, all in one order
+    (`_lock_claim_reaches`). (A round can still meet another in a deadlock: one that
     holds a row or content lock from an earlier request before its claim waits for a
     limit lock, or set_limits waiting for the claims in flight; PostgreSQL breaks it, and
     the writer runs the requests again, each on its own.)

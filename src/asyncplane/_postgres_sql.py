@@ -1392,6 +1392,27 @@ WITH spent AS (
 # The limits of the claim's reach, locked ($1 project_id, $2 actor_id, $3 NULL: wait for
 # them all; or only these projects, skipping those another claimer holds).
 TAKE_LIMITS: Final = "SELECT * FROM asyncplane_take_limits($1::text, $2::text, $3::text[])"
+# A round that claims for several reaches takes every limited project's lock of them all
+# first, in one order, as asyncplane_take_limits takes one reach's (the claims' shared
+# lock first, then each project's, by id; a lock held is taken again at once): each
+# reach's claim took its own in turn, so a round claiming for b, then for every project,
+# held b and waited for a, while another host's round held a and waited for b.
+# ($1 reaches' project ids, $2 their actor ids, NULL for any)
+CLAIMS_SHARED: Final = f"SELECT {_CLAIMING}"
+LOCK_REACHES_LIMITS: Final = """
+SELECT pg_advisory_xact_lock(hashtextextended(
+    'asyncplane-limit:' || current_schema() || chr(1) || limited.project_id, 0))
+FROM (
+    SELECT DISTINCT l.project_id FROM project_limits AS l
+    JOIN projects AS p ON p.project_id = l.project_id
+    JOIN unnest($1::text[], $2::text[]) AS reach (project_id, actor_id)
+      ON (reach.project_id IS NULL OR l.project_id = reach.project_id)
+     AND (reach.actor_id IS NULL OR l.project_id IN (
+          SELECT a.project_id FROM assignments AS a WHERE a.actor_id = reach.actor_id))
+    WHERE p.status = 'open'
+) AS limited
+ORDER BY limited.project_id
+"""
 # One project's limits (all None: it has none), or every limited project's, each with
 # its count of claimed items.
 _LIMITS_COLUMNS = """

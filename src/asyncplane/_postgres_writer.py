@@ -171,11 +171,13 @@ class Writer(_write_queue.WriterBase):
 
     def __init__(
         self, conn: asyncpg.Connection, clock: _clock.Clock | None, *, server_clock: Any = None,
-        replanned: Callable[[], Awaitable[None]] | None = None, **queue: Any,
+        replanned: Callable[[], Awaitable[None]] | None = None,
+        claim_reaches: ReachesHook | None = None, **queue: Any,
     ) -> None:  # fmt: skip
         super().__init__(conn, clock, **queue)
         self._server_clock = server_clock
         self._replanned = replanned
+        self._claim_reaches = claim_reaches
         self._round_task: asyncio.Task[None] | None = None
         #: Rounds that met a deadlock or serialisation failure and ran again.
         self.retried_rounds = 0
@@ -352,6 +354,9 @@ class Writer(_write_queue.WriterBase):
                 await conn.execute(
                     sql.LOCK_CONTENTS, [key[0] for key in keys], [key[1] for key in keys]
                 )
+            reaches = {_reach(op) for op in ops if _is_claim(op)}
+            if len(reaches) > 1 and self._claim_reaches is not None:
+                await self._claim_reaches(reaches, conn)
             if alone:  # the transaction is the unit: its failure is the round's
                 outcomes = await _run_unit(ops, units[0], conn, now)
             else:
@@ -494,6 +499,20 @@ async def _isolated(
 
 def _translated(exc: BaseException) -> _errors.StorageError:
     return _write_queue.caused(translate(exc), exc)
+
+
+#: ``hook(reaches, conn)``: what a round whose claims have several reaches, ``(project_id,
+#: actor_id)`` each, does first (the backend's: `asyncplane._postgres._lock_claim_reaches`).
+ReachesHook = Callable[[set[tuple[str | None, str | None]], asyncpg.Connection], Awaitable[None]]
+
+
+def _is_claim(op: Write[Any]) -> bool:
+    return isinstance(op, _write_queue.Grouped) and op.group_key[0] == "claim"
+
+
+def _reach(op: Write[Any]) -> tuple[str | None, str | None]:
+    claim = op.op  # type: ignore[union-attr]  # (a claim: `_is_claim`)
+    return claim.project_id, claim.actor_id
 
 
 def _lock_keys(op: Write[Any]) -> tuple[tuple[str, str], ...]:

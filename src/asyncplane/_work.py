@@ -224,8 +224,8 @@ async def work(
     )
     lock = None if lock_path is None else _validate.resolved_path(lock_path, "lock_path")
     _log.info(
-        "asyncplane worker %s starting (concurrency %d, on %s)",
-        run.owner, run.concurrency, _loops.running(),
+        "asyncplane worker %s starting (concurrency %d%s, on %s)", run.owner, run.concurrency,
+        "" if run.project_id is None else f", project {run.project_id}", _loops.running(),
     )  # fmt: skip
     if run.project_id is not None:
         await _look_for(store, run.project_id, run.owner)
@@ -523,8 +523,12 @@ class _Worker:
         self.wake.clear()
         if self.handling() < self.concurrency or self.stop.is_set() or self.store_closed():
             return
+        looks = self.engine.schedule_looks
         self.summary.scheduled += await self.engine.maybe_run_schedules(self.closes)
-        self._answered()
+        if self.engine.schedule_looks != looks:
+            # (Only a look the store answered: one not made, at most once a second, says
+            # nothing of an outage, and said it was over every 10 s, which it never was.)
+            self._answered()
         if self.wake.is_set():
             return  # a slot freed, or a stop came, while the schedules ran
         self.waiting_for_slot = True
@@ -655,6 +659,9 @@ class _Worker:
         if handler not in done:
             self.summary.timed_out += 1
             outcome: Any = Retry(f"timed out after {self.timeout:g} s")
+            # (A handler that asked the program to exit as it was cancelled: the item is
+            # retried, and the runtime stops and raises the exit all the same.)
+            self._exit_of_lost(handler)
         else:
             outcome = self._outcome_of(claim, handler)
         await self._settle_to_end(claim, outcome)

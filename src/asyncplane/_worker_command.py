@@ -93,6 +93,11 @@ def load_handler(spec: str) -> _work.Handler:
             target = getattr(target, part)
         except AttributeError as exc:
             raise Usage(f"{module_name!r} has no {attribute!r}") from exc
+        except Exception as exc:  # a module's __getattr__, a property, that fails: as above
+            _log.error("cannot read %r of %r", attribute, module_name, exc_info=True)
+            raise Usage(
+                f"cannot read {attribute!r} of {module_name!r}: {type(exc).__name__}: {exc}"
+            ) from exc
     problem = _validate.callable_problem(target, "the claim")
     if problem is not None:
         raise Usage(f"{spec} is not a handler (`async def handle(claim) -> Outcome`): {problem}")
@@ -154,8 +159,8 @@ async def _main(args: argparse.Namespace, handler: _work.Handler) -> int:
         raise
     signals.opening = None
     projects = args.project or [None]
-    share = max(1, args.concurrency // len(projects))
-    status = _Status(len(projects) * share) if sys.stderr.isatty() else None
+    shares = _shares(args.concurrency, len(projects))
+    status = _Status(sum(shares)) if sys.stderr.isatty() else None
     workers = [
         asyncio.create_task(
             _exit_as_value(_work.work(
@@ -165,7 +170,7 @@ async def _main(args: argparse.Namespace, handler: _work.Handler) -> int:
             )),
             name=f"asyncplane-worker[{project or '*'}]",
         )
-        for project in projects
+        for project, share in zip(projects, shares, strict=True)
     ]  # fmt: skip
     signals.workers = workers
     try:
@@ -175,10 +180,19 @@ async def _main(args: argparse.Namespace, handler: _work.Handler) -> int:
             stop.set()
         results = await asyncio.gather(*workers, return_exceptions=True)
     finally:
-        signals.remove()
-        if status is not None:
-            status.end()
-        await store.close()
+        try:
+            # Left early (cancelled: asyncio.run winding down after a SystemExit raised
+            # in a task a handler started, say), the workers give their items back, then
+            # the store closes: closed first, their give-backs opened it again, and its
+            # connection's thread kept the process alive for ever.
+            for worker in workers:
+                worker.cancel()  # (a worker that has ended: nothing)
+            await asyncio.gather(*workers, return_exceptions=True)
+            if status is not None:
+                status.end()
+            await store.close()
+        finally:
+            signals.remove()  # after the close: a second signal during it still counts
     for result in results:
         if isinstance(result, _Exit):  # a handler's sys.exit(): the command exits so
             _log.warning("stopped: a handler asked to exit (%r)", result.asked)
@@ -190,6 +204,13 @@ async def _main(args: argparse.Namespace, handler: _work.Handler) -> int:
         _log.warning("stopped at once; unfinished items were given back")
         return 1
     return 0
+
+
+def _shares(concurrency: int, projects: int) -> list[int]:
+    """Each project's worker's slots: ``concurrency`` shared out, the rest one more each
+    to the first (5 over 2: 3 and 2), and at least one each."""
+    share, rest = divmod(concurrency, projects)
+    return [max(1, share + (index < rest)) for index in range(projects)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -286,11 +307,18 @@ class _Signals:
 
 
 class _Status:
-    """A status line on stderr: settled items and the rates since the start."""
+    """A status line on stderr: settled items and the rates since the start. A log
+    record written meanwhile (`_StatusAware`) clears it first, and draws it again after:
+    the record went on the status line's end."""
+
+    #: The status line shown now, if any: the log handler's to clear and draw again.
+    shown: _Status | None = None
 
     def __init__(self, slots: int) -> None:
         self.slots, self.started, self.last = slots, time.monotonic(), 0.0
         self.totals: dict[int, DrainSummary] = {}
+        self.line = ""
+        _Status.shown = self
 
     def update(self, summary: DrainSummary) -> None:
         self.totals[id(summary)] = summary
@@ -302,15 +330,33 @@ class _Status:
         done = sum(s.done for s in self.totals.values())
         failed = sum(s.failed for s in self.totals.values())
         retried = sum(s.retried for s in self.totals.values())
-        sys.stderr.write(
-            f"\r{self.slots} slots: done {done:,} ({done / elapsed:,.1f}/s), failed "
-            f"{failed:,}, retried {retried:,}\033[K"
+        self.line = (
+            f"{self.slots} slots: done {done:,} ({done / elapsed:,.1f}/s), failed "
+            f"{failed:,}, retried {retried:,}"
         )
+        self.draw()
+
+    def draw(self) -> None:
+        sys.stderr.write(f"\r{self.line}\033[K")
         sys.stderr.flush()
 
     def end(self) -> None:
+        _Status.shown = None
         sys.stderr.write("\r\033[K")
         sys.stderr.flush()
+
+
+class _StatusAware(logging.StreamHandler):  # type: ignore[type-arg]
+    """stderr's log handler: a record goes on a line of its own, under the status line."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        status = _Status.shown
+        if status is None or not status.line:
+            super().emit(record)
+            return
+        self.stream.write("\r\033[K")
+        super().emit(record)
+        status.draw()
 
 
 class _JsonFormatter(logging.Formatter):
@@ -345,7 +391,7 @@ class _ItemFields(logging.Filter):
 def _configure_logging(level: str, form: str) -> None:
     """The command owns its process, so it sets up the root logger: the handler's own
     loggers and its libraries' log in the same form, at the same level, as asyncplane's."""
-    handler = logging.StreamHandler(sys.stderr)
+    handler = _StatusAware(sys.stderr)
     if form == "json":
         handler.setFormatter(_JsonFormatter())
     else:
