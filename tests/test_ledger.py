@@ -71,6 +71,8 @@ def test_every_kind_is_checked_and_documented() -> None:
         "fence_disagrees",
         "ready_after_claim",
         "state_disagrees",
+        "owner_disagrees",
+        "never_moves_on",
         "twin_stranded",
         "orphan_events",
     }
@@ -144,6 +146,9 @@ async def test_events_are_append_only(store: ControlStore, raw: Any) -> None:
         raw.execute("UPDATE events SET event_type = 'done'")
     with pytest.raises(raw.Refused, match="append-only"):
         raw.execute("DELETE FROM events WHERE item_id = ?", (item_id,))
+    if raw.backend == "postgresql":  # TRUNCATE fires no row's trigger: a statement's
+        with pytest.raises(raw.Refused, match="append-only"):
+            raw.execute("TRUNCATE events")
     # Once the item itself is gone (as retention will do), its history may go too.
     raw.execute("BEGIN")
     raw.execute("DELETE FROM items WHERE item_id = ?", (item_id,))
@@ -266,6 +271,48 @@ async def test_state_disagrees_for_an_unknown_state(
     await found_item_by_item(store, problems)
     assert [(p.kind, p.item_id) for p in problems] == [("state_disagrees", item_id)]
     assert problems[0].detail == "row is 'bogus' but its events lead to ready"
+
+
+async def test_owner_disagrees(store: ControlStore, raw: sqlite3.Connection) -> None:
+    # A running row's owner edited: the worker that holds it is not the one it names
+    # (a lost claim's give-back, which goes by owner, would miss it or take another's).
+    claim = await claimed_item(store)
+    raw.execute("UPDATE items SET owner = 'intruder' WHERE item_id = ?", (claim.item_id,))
+    problems = await verify_ledger(store)
+    await found_item_by_item(store, problems)
+    assert [(p.kind, p.item_id) for p in problems] == [("owner_disagrees", claim.item_id)]
+    assert problems[0].detail == (
+        f"the row names intruder but its claim at fence {claim.fence} was by {claim.owner}"
+    )
+    raw.execute("UPDATE items SET owner = ? WHERE item_id = ?", (claim.owner, claim.item_id))
+    await store.offload(claim.item_id, fence=claim.fence, handle="batch-1")
+    assert await verify_ledger(store) == []  # an offload keeps its claimer
+    raw.execute("UPDATE items SET owner = NULL WHERE item_id = ?", (claim.item_id,))
+    assert await kinds(store) == {"owner_disagrees"}
+
+
+async def test_never_moves_on(
+    store: ControlStore, raw: sqlite3.Connection, clock: ManualClock
+) -> None:
+    # A claimed row with no lease end is never taken over; a deferred one with no due
+    # time never falls due: each sat there for good, and the ledger said nothing.
+    claim = await claimed_item(store)
+    raw.execute("UPDATE items SET lease_expires_at = NULL WHERE item_id = ?", (claim.item_id,))
+    problems = await verify_ledger(store)
+    await found_item_by_item(store, problems)
+    assert [(p.kind, p.item_id) for p in problems] == [("never_moves_on", claim.item_id)]
+    assert "no lease end" in problems[0].detail
+    clock.advance(3600)
+    assert await store.claim("w2") is None  # indeed: never taken over
+    raw.execute("UPDATE items SET lease_expires_at = ? WHERE item_id = ?", (0, claim.item_id))
+    retried = await store.claim("w2")
+    assert retried is not None
+    await store.retry(retried.item_id, fence=retried.fence, error="later", delay=60)
+    assert await verify_ledger(store) == []
+    raw.execute("UPDATE items SET due_at = NULL WHERE item_id = ?", (claim.item_id,))
+    problems = await verify_ledger(store)
+    assert [(p.kind, p.item_id) for p in problems] == [("never_moves_on", claim.item_id)]
+    assert "no due time" in problems[0].detail
 
 
 async def test_orphan_events(store: ControlStore, raw: sqlite3.Connection) -> None:

@@ -1991,7 +1991,7 @@ async def test_a_sys_exit_in_a_handlers_own_task_ends_the_command_with_its_statu
         await until(claimed, what="the first item claimed")
         await store.enqueue("p", {"n": 1, "exit_in_background": 9, "hang": True})
         try:
-            _, err = await asyncio.to_thread(child.communicate, timeout=30)
+            _, err = await asyncio.to_thread(child.communicate, timeout=60)
         finally:
             if child.poll() is None:
                 child.kill()

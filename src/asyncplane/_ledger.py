@@ -47,6 +47,10 @@ LEDGER_PROBLEM_KINDS: Final = {
         "requeued or released"
     ),
     "state_disagrees": "the row's state is not the one its events lead to, replayed in order",
+    "owner_disagrees": "a running row names another owner than its last claim's",
+    "never_moves_on": (
+        "claimed with no lease end, or deferred with no due time: no claim would ever take it"
+    ),
     "twin_stranded": (
         "a ready twin is held in line, but no twin of it runs or is claimable to free it"
     ),

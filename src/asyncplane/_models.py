@@ -211,6 +211,47 @@ def ready_after_claim_check() -> str:
         """
 
 
+#: ``owner_disagrees``, the same in both dialects: a claimed or offloaded row whose owner
+#: made none of the claims at its fence (only a claim sets a running row's owner; a
+#: takeover is a claim, an offload keeps it). Rows with no claim at their fence are left
+#: to ``fence_disagrees``; two claims at one fence are ``fence_not_monotonic``'s.
+_CLAIM_AT_FENCE = """SELECT {what} FROM events AS e
+                  WHERE e.item_id = i.item_id AND e.event_type = 'claimed'
+                    AND e.fence = i.fence"""
+OWNER_DISAGREES: Final = f"""
+        SELECT i.item_id, 'the row names ' || coalesce(i.owner, 'no owner') || ' but its claim at '
+               || 'fence ' || i.fence || ' was by '
+               || ({_CLAIM_AT_FENCE.format(what="min(e.owner)")})
+        FROM items AS i
+        WHERE i.state IN ('claimed', 'offloaded')
+          AND EXISTS ({_CLAIM_AT_FENCE.format(what="1")})
+          AND NOT EXISTS ({_CLAIM_AT_FENCE.format(what="1")} AND e.owner = i.owner)
+        """
+
+
+def never_moves_on() -> str:
+    """``never_moves_on``, the same in both dialects: a row no claim would ever take (a
+    claim takes a claimed row over once its lease ends, a deferred one once it falls
+    due). Only a row whose last event leaves it in its state: others are the replay
+    check's (``state_disagrees``) or a settling check's."""
+    checks = []
+    for state, missing, why in (
+        (
+            "claimed",
+            "lease_expires_at",
+            "claimed with no lease end: no claim would ever take it over",
+        ),
+        ("deferred", "due_at", "deferred with no due time: it would never fall due"),
+    ):
+        leading = sql_list(tuple(e for e, left in EVENT_TYPES.items() if left == state))
+        checks.append(f"""
+        SELECT i.item_id, '{why}'
+        FROM items AS i WHERE i.state = '{state}' AND i.{missing} IS NULL
+          AND (SELECT e.event_type FROM events AS e WHERE e.item_id = i.item_id
+               ORDER BY e.event_id DESC LIMIT 1) IN {leading}""")
+    return "\n        UNION ALL".join(checks) + "\n        "
+
+
 def left_to_other_checks(item: str) -> str:
     """The rows the replay check (``state_disagrees``) leaves to the checks that say more,
     as SQL conditions to AND: a settled row whose settling events since its last requeue

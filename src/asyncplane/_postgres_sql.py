@@ -979,6 +979,18 @@ MIGRATIONS: Final[tuple[str, ...]] = (
     """
     ALTER TABLE imports ADD COLUMN IF NOT EXISTS digest text;
     """,
+    # 15: TRUNCATE fires no row's trigger: it emptied the ledger past the append-only
+    # triggers (the verifier then saw items with no history). A statement's trigger
+    # refuses it as they refuse an UPDATE or a DELETE; asyncplane never truncates.
+    """
+    CREATE FUNCTION asyncplane_refuse_event_truncate() RETURNS trigger
+    LANGUAGE plpgsql AS $$
+    BEGIN
+        RAISE EXCEPTION 'the asyncplane ledger is append-only';
+    END $$;
+    CREATE TRIGGER events_not_truncated BEFORE TRUNCATE ON events
+        FOR EACH STATEMENT EXECUTE FUNCTION asyncplane_refuse_event_truncate();
+    """,
 )
 
 SCHEMA_VERSION: Final = len(MIGRATIONS)
@@ -2213,6 +2225,8 @@ LEDGER_CHECKS: Final[tuple[tuple[str, str], ...]] = (
           {_models.left_to_other_checks("i")}
         """,
     ),
+    ("owner_disagrees", _models.OWNER_DISAGREES),
+    ("never_moves_on", _models.never_moves_on()),
     (
         # A held twin with no running or claimable twin of its content: nothing would
         # ever free it (the line-up triggers of the claim index prevent this).
@@ -2288,6 +2302,7 @@ WHERE n.nspname = current_schema() AND c.relkind IN ('r', 'v', 'm', 'p', 'f')
 DROP_STORE: Final = f"""
 DROP TABLE IF EXISTS {", ".join(_STORE_RELATIONS)};
 DROP FUNCTION IF EXISTS asyncplane_refuse_event_update(), asyncplane_refuse_event_delete(),
+    asyncplane_refuse_event_truncate(),
     asyncplane_notify(), asyncplane_notify_settled(), asyncplane_twin_arrives(),
     asyncplane_line_moves_on(), asyncplane_take_limits(text, text, text[]),
     asyncplane_slot_freed(), asyncplane_limited(text), asyncplane_twin_pair(),

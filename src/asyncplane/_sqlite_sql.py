@@ -1453,6 +1453,8 @@ LEDGER_CHECKS: Final[tuple[tuple[str, str], ...]] = (
           {_models.left_to_other_checks("i")}
         """,
     ),
+    ("owner_disagrees", _models.OWNER_DISAGREES),
+    ("never_moves_on", _models.never_moves_on()),
     (
         # A held twin with no running or claimable twin of its content: nothing would
         # ever free it (the line-up triggers of the claim index prevent this).
