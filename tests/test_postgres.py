@@ -1109,7 +1109,7 @@ async def test_a_round_claiming_for_several_reaches_takes_their_limit_locks_in_o
                 store.claim("w", project_id="b"), store.claim("w")
             )  # one round: requests queued in one turn
             waiting = "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
-            await until(lambda: _counted(looking, waiting), what="the round waits for a's lock")
+            await until(lambda: _any_row(looking, waiting), what="the round waits for a's lock")
             free = await looking.fetchval(f"SELECT pg_try_advisory_lock({_limit_lock('b')})")
             if free:
                 await looking.execute(f"SELECT pg_advisory_unlock({_limit_lock('b')})")
@@ -1123,7 +1123,8 @@ async def test_a_round_claiming_for_several_reaches_takes_their_limit_locks_in_o
         assert await verify_ledger(store) == []
 
 
-async def _counted(conn: asyncpg.Connection, statement: str) -> bool:
+async def _any_row(conn: asyncpg.Connection, statement: str) -> bool:
+    """Whether ``statement``'s one value is true (a count above 0)."""
     return bool(await conn.fetchval(statement))
 
 

@@ -983,11 +983,12 @@ MIGRATIONS: Final[tuple[str, ...]] = (
     # triggers (the verifier then saw items with no history). A statement's trigger
     # refuses it as they refuse an UPDATE or a DELETE; asyncplane never truncates.
     """
-    CREATE FUNCTION asyncplane_refuse_event_truncate() RETURNS trigger
+    CREATE OR REPLACE FUNCTION asyncplane_refuse_event_truncate() RETURNS trigger
     LANGUAGE plpgsql AS $$
     BEGIN
         RAISE EXCEPTION 'the asyncplane ledger is append-only';
     END $$;
+    DROP TRIGGER IF EXISTS events_not_truncated ON events;
     CREATE TRIGGER events_not_truncated BEFORE TRUNCATE ON events
         FOR EACH STATEMENT EXECUTE FUNCTION asyncplane_refuse_event_truncate();
     """,
