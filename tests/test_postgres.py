@@ -1123,6 +1123,53 @@ async def test_a_round_claiming_for_several_reaches_takes_their_limit_locks_in_o
         assert await verify_ledger(store) == []
 
 
+async def test_a_round_takes_its_reaches_limit_locks_after_the_finish_ahead_of_its_claims(
+    url: str,
+) -> None:
+    # Taken at the round's start, the limit locks came before the locks of the finish
+    # that runs ahead of the claims (a twin's hand-off lock, its row): a round of one
+    # reach takes them the other way round, and another host's such round, holding the
+    # hand-off lock and waiting for a's limit lock, deadlocked with this one.
+    async with ControlStore(url) as store:
+        for project in ("a", "b"):
+            await store.create_project(project, project.upper())
+            await store.set_limits(project, max_running=100)
+            await store.enqueue_many(project, [{"n": n} for n in range(3)])
+        for reach in ("b", None):  # this process learns both reaches are limited
+            claim = await store.claim("w", project_id=reach)
+            assert claim is not None
+            await store.finish(claim.item_id, fence=claim.fence)
+        await store.create_project("c", "C")
+        twin = await store.enqueue("c", {"twin": 1}, fingerprint="x")
+        running = await store.claim("w", project_id="c")
+        assert running is not None and running.item_id == twin
+        other_host = await asyncpg.connect(url)
+        looking = await asyncpg.connect(url)
+        try:
+            held = other_host.transaction()
+            await held.start()
+            hand_off = "hashtextextended(current_schema() || chr(1) || 'c' || chr(1) || 'x', 2)"
+            await other_host.execute(f"SELECT pg_advisory_xact_lock({hand_off})")
+            round_of_three = asyncio.gather(
+                store.finish(twin, fence=running.fence),
+                store.claim("w", project_id="b"),
+                store.claim("w"),
+            )  # one round: the finish ahead, then the claims of two reaches
+            waiting = "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
+            await until(lambda: _any_row(looking, waiting), what="the finish waits")
+            free = await looking.fetchval(f"SELECT pg_try_advisory_lock({_limit_lock('a')})")
+            if free:
+                await looking.execute(f"SELECT pg_advisory_unlock({_limit_lock('a')})")
+            await held.rollback()
+            _, for_b, for_any = await round_of_three
+        finally:
+            await other_host.close()
+            await looking.close()
+        assert free, "the round held a's limit lock while its finish waited"
+        assert for_b is not None and for_any is not None
+        assert await verify_ledger(store) == []
+
+
 async def _any_row(conn: asyncpg.Connection, statement: str) -> bool:
     """Whether ``statement``'s one value is true (a count above 0)."""
     return bool(await conn.fetchval(statement))

@@ -1105,8 +1105,8 @@ async def _lock_claim_reaches(
     conn: asyncpg.Connection,
 ) -> None:
     """A round's claims of several reaches, one of them known to be limited here: every
-    limited project's lock of them all, first, in one order (`LOCK_REACHES_LIMITS`), for
-    each claim's `TAKE_LIMITS` to find held. Where none is known limited, every claim
+    limited project's lock of them all, as the first of them runs, in one order
+    (`LOCK_REACHES_LIMITS`), for each claim's `TAKE_LIMITS` to find held. Where none is known limited, every claim
     tries its limit locks without waiting (`_claim_many`), and no round waits on them."""
     if limited_reaches.isdisjoint(reaches):
         return
@@ -1135,8 +1135,8 @@ async def _claim_many(
     last looked is found by the candidates statement; its limits are then taken without
     waiting (one another claimer holds is left to it this time, and it takes nothing of
     it), and the reach is remembered, so the next claim takes them first. A round that
-    claims for several reaches took every reach's locks beforehand, all in one order
-    (`_lock_claim_reaches`). (A round can still meet another in a deadlock: one that
+    claims for several reaches took every reach's locks as its first claim began, all in
+    one order (`_lock_claim_reaches`). (A round can still meet another in a deadlock: one that
     holds a row or content lock from an earlier request before its claim waits for a
     limit lock, or set_limits waiting for the claims in flight; PostgreSQL breaks it, and
     the writer runs the requests again, each on its own.)

@@ -354,14 +354,21 @@ class Writer(_write_queue.WriterBase):
                 await conn.execute(
                     sql.LOCK_CONTENTS, [key[0] for key in keys], [key[1] for key in keys]
                 )
+            # A round claiming for several reaches takes their limit locks all at once,
+            # as its first claim runs (`Writer(claim_reaches=)`): not before the units
+            # ahead of it (a finish takes row and content locks first, as it does in a
+            # round of one reach, whose claim takes its limits after them).
             reaches = {_reach(op) for op in ops if _is_claim(op)}
-            if len(reaches) > 1 and self._claim_reaches is not None:
-                await self._claim_reaches(reaches, conn)
+            lock_reaches = len(reaches) > 1 and self._claim_reaches is not None
             if alone:  # the transaction is the unit: its failure is the round's
                 outcomes = await _run_unit(ops, units[0], conn, now)
             else:
                 outcomes = [None] * len(ops)
                 for unit in units:
+                    if lock_reaches and _is_claim(ops[unit[0]]):
+                        lock_reaches = False
+                        assert self._claim_reaches is not None
+                        await self._claim_reaches(reaches, conn)
                     results = await _isolated(ops, unit, conn, now)
                     for index, outcome in zip(unit, results, strict=True):
                         outcomes[index] = outcome
