@@ -802,13 +802,21 @@ async def test_a_copy_carries_what_the_source_imported(
     again = await destination.import_pending(table, table="q", columns=columns, project_id="p")
     assert (again.imported, again.already_imported) == (0, 7)
     assert (await destination.counts())["ready"] == 7
-    # With what each row held: a row rewritten since is told from the one copied.
+    # With what each row held: a row rewritten since is told from the one copied; and
+    # once the source has imported it again, its record, rewritten, is copied too (a
+    # copy kept the destination's older one, and the row was imported there once more).
     conn = sqlite3.connect(table)
     conn.execute("UPDATE q SET body = '{\"n\": 2}' WHERE id = 'k0'")
     conn.commit()
     conn.close()
-    third = await destination.import_pending(table, table="q", columns=columns, project_id="p")
-    assert (third.imported, third.already_imported, third.changed) == (1, 6, 1)
+    again_there = await asyncplane_store.import_pending(
+        table, table="q", columns=columns, project_id="p"
+    )
+    assert (again_there.imported, again_there.changed) == (1, 1)
+    await copy_store(asyncplane_store, destination, chunk=3)
+    rerun = await destination.import_pending(table, table="q", columns=columns, project_id="p")
+    assert (rerun.imported, rerun.already_imported) == (0, 7)
+    assert (await destination.counts())["ready"] == 8
 
 
 async def test_a_store_that_never_held_an_item_copies(

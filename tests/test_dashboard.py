@@ -598,6 +598,22 @@ async def test_a_held_twins_verdict_is_read_again_when_its_twin_changes(
         assert "<b>twin_stranded</b>" in page
 
 
+async def test_an_items_verdict_is_read_again_when_a_column_a_check_reads_is_edited(
+    store: ControlStore, raw: Any
+) -> None:
+    # Kept by state, fence, updated_at and the last event: an owner edited behind the
+    # store's back moved none of them, and the page said the row agreed.
+    await store.enqueue("alpha", {"n": 1})
+    claim = await store.claim("w")
+    assert claim is not None
+    async with serving(store) as (_, url, session):
+        _, page = await text(session, url + f"/items/{claim.item_id}")
+        assert "the row agrees with its history" in page
+        raw.execute("UPDATE items SET owner = 'intruder' WHERE item_id = ?", (claim.item_id,))
+        _, page = await text(session, url + f"/items/{claim.item_id}")
+        assert "<b>owner_disagrees</b>" in page
+
+
 async def test_the_queue_depth_card_is_read_now(store: ControlStore) -> None:
     async with serving(store) as (_, url, session):
         await store.enqueue_many("alpha", [{"n": n} for n in range(5)])

@@ -674,7 +674,7 @@ async def test_a_rerun_says_when_a_row_it_passes_over_may_be_another(
         )
     assert (again.imported, again.already_imported, again.changed) == (1, 2, 1)
     assert (await store.item(4))["payload"] == {"n": "new"}
-    assert any("other content" in r.getMessage() for r in caplog.records)
+    assert any("with another payload" in r.getMessage() for r in caplog.records)
     conn = sqlite3.connect(source)
     conn.execute("DELETE FROM jobs WHERE rowid = 3")
     conn.execute('INSERT INTO jobs VALUES (\'{"n": "new"}\')')  # its twin, rowid 3 again
@@ -686,7 +686,7 @@ async def test_a_rerun_says_when_a_row_it_passes_over_may_be_another(
             source, table="jobs", columns=columns, project_id="alpha"
         )
     assert (third.imported, third.already_imported, third.changed) == (0, 3, 0)
-    assert any("with the same content, may be among them" in r.getMessage() for r in caplog.records)
+    assert any("with the same payload, may be among them" in r.getMessage() for r in caplog.records)
 
 
 async def test_a_source_table_made_again_is_imported_again(
@@ -731,16 +731,65 @@ async def test_a_source_table_made_again_is_imported_again(
         "source_key": "4",
     }
     said = [r.getMessage() for r in caplog.records]
-    assert any("3 row(s)" in m and "other content" in m for m in said), said
-    # The records name the new items: the same rows once more are passed over.
+    assert any("3 row(s)" in m and "before an import dropped" in m for m in said), said
+    # Made again once more after that drop: every row is a new one, the same payloads
+    # too; and a rerun with no drop between passes over what the records now name.
     conn = sqlite3.connect(source)
     conn.execute(create)
     conn.executemany(insert, [(json.dumps({"new": n}),) for n in range(4)])
     conn.commit()
     conn.close()
     third = await store.import_pending(source, table="jobs", columns=columns, project_id="alpha")
-    assert (third.imported, third.already_imported) == (0, 4)
+    assert (third.imported, third.already_imported, third.changed) == (4, 0, 4)
+    fourth = await store.import_pending(source, table="jobs", columns=columns, project_id="alpha")
+    assert (fourth.imported, fourth.already_imported) == (0, 4)
     assert await verify_ledger(store) == []
+
+
+async def test_a_row_of_a_table_made_again_after_a_drop_is_imported_whatever_it_holds(
+    store: ControlStore, tmp_path: pathlib.Path
+) -> None:
+    # A periodic job's row, the same payload under the same key in the table made again
+    # after the import dropped it: passed over as imported before, and dropped, unrun.
+    create = "CREATE TABLE q (k TEXT PRIMARY KEY, body TEXT)"
+    insert = "INSERT INTO q VALUES (?, ?)"
+    source = source_table(tmp_path / "daily.sqlite3", create, insert, [("1", '{"job": 0}')])
+    columns = {"payload": "body", "key": "k"}
+    first = await store.import_pending(
+        source, table="q", columns=columns, project_id="alpha", drop_source=True
+    )
+    assert (first.imported, first.dropped) == (1, True)
+    source_table(source, create, insert, [("1", '{"job": 0}'), ("2", '{"job": 99}')])
+    second = await store.import_pending(
+        source, table="q", columns=columns, project_id="alpha", drop_source=True
+    )
+    assert (second.imported, second.already_imported, second.changed) == (2, 0, 1)
+    assert [row["payload"] for row in await _items(store)] == [
+        {"job": 0}, {"job": 0}, {"job": 99},
+    ]  # fmt: skip
+    # Once more, not dropped this time: the records since name the new items.
+    source_table(source, create, insert, [("1", '{"job": 0}')])
+    third = await store.import_pending(source, table="q", columns=columns, project_id="alpha")
+    assert (third.imported, third.changed) == (1, 1)
+    fourth = await store.import_pending(source, table="q", columns=columns, project_id="alpha")
+    assert (fourth.imported, fourth.already_imported) == (0, 1)
+
+
+async def test_a_rerun_that_maps_another_column_passes_over_what_it_imported(
+    store: ControlStore, tmp_path: pathlib.Path
+) -> None:
+    # The digest of every mapped column: a priority mapped on the second run made every
+    # row "other content", and each ran twice.
+    source = source_table(
+        tmp_path / "prio.sqlite3", "CREATE TABLE q (k TEXT PRIMARY KEY, body TEXT, p INT)",
+        "INSERT INTO q VALUES (?, ?, ?)", [("a", '{"v": 1}', 5), ("b", '{"v": 2}', 7)],
+    )  # fmt: skip
+    columns = {"payload": "body", "key": "k"}
+    await store.import_pending(source, table="q", columns=columns, project_id="alpha")
+    again = await store.import_pending(
+        source, table="q", columns={**columns, "priority": "p"}, project_id="alpha"
+    )
+    assert (again.imported, again.already_imported, again.changed) == (0, 2, 0)
 
 
 async def test_an_import_recorded_before_contents_were_passes_over_by_key(

@@ -1164,6 +1164,11 @@ class Backend(Protocol):
         (`copied_up_to`)."""
         ...
 
+    async def record_source_dropped(self, source: str) -> None:
+        """Record that an import dropped ``source``'s table: its rows' records up to now
+        are of that table (`_rules.imported_before`)."""
+        ...
+
     async def copied_up_to(self, source: str) -> tuple[int, int | None]:
         """The highest item id copies from ``source`` brought here (0: none), and the
         highest their ends kept clear (`advance_item_ids`; None: none recorded, as by a

@@ -8,9 +8,11 @@ and leaves terminal history behind. Every copied row is recorded in the store (i
 and key), in the same transaction as the item itself, so a second run, or a run after a
 crash half-way, imports nothing twice (a row whose key was recorded is passed over; where
 the key is a rowid SQLite may give again, `_keys_reused`, that is said, and the table is
-not dropped). The record keeps a digest of the row's content (`_digest`): a recorded key
-whose row holds other content now is another row (the table dropped and made again gives
-its keys out anew) or the row rewritten, and is copied again (`_rules.imported_before`).
+not dropped). The record keeps a digest of the row's payload (`_digest`): a recorded key
+whose row holds another payload now is another row (the table dropped and made again gives
+its keys out anew) or the row rewritten, and is copied again; so is every row under a key
+recorded before an import dropped the source table (`record_source_dropped`: the rows
+since are of a table made again), whatever it holds (`_rules.imported_before`).
 Only once everything is copied, and nothing was written to the source file
 since the import began, may it drop the source table (``drop_source=True``, `_Watch`),
 and only if no ``pending`` value is of a kind the state column never holds
@@ -79,9 +81,10 @@ class ImportSummary:
         not_pending: Source rows left behind because their state is not in ``pending``
             (terminal history, which is not copied).
         dropped: Whether the source table was dropped afterwards.
-        changed: Rows among ``imported`` whose key an earlier run had recorded with other
-            content: the table was made again (its keys given out anew), or the row was
-            rewritten since. Each became a new item.
+        changed: Rows among ``imported`` whose key an earlier run had recorded, with
+            another payload or before an import dropped the table: the table was made
+            again (its keys given out anew), or the row was rewritten since. Each became a
+            new item.
     """
 
     source: str
@@ -192,16 +195,19 @@ async def _import(
     skipped = outcomes["again"] + outcomes["unverified"]
     if outcomes["changed"]:
         _log.warning(
-            "%d row(s) of %s were imported before under the same key with other content "
-            "(the table made again, which gives its keys out anew, or the rows rewritten "
-            "since): each was imported again, as a new item", outcomes["changed"], name,
+            "%d row(s) of %s were imported before under the same key, with another payload "
+            "or before an import dropped the table (a table made again gives its keys out "
+            "anew), or the rows were rewritten since: each was imported again, as a new "
+            "item", outcomes["changed"], name,
         )  # fmt: skip
     if skipped and reused and watch is None:
         _log.warning(
             "%d row(s) of %s were passed over as imported before, by rowids SQLite may have "
-            "given again to new rows (no AUTOINCREMENT) and by their content: a row written "
-            "since one was taken, with the same content, may be among them, not imported; "
-            "map a key that is never reused", skipped, name,
+            "given again to new rows (no AUTOINCREMENT)%s: a row written since one was "
+            "taken, %smay be among them, not imported; map a key that is never reused",
+            skipped, name,
+            "" if outcomes["unverified"] else " and by their payload",
+            "" if outcomes["unverified"] else "with the same payload, ",
         )  # fmt: skip
     if watch is not None:
         if skipped and reused:
@@ -209,10 +215,14 @@ async def _import(
                 f"{skipped} row(s) of {table} were passed over as imported before, by keys "
                 "SQLite may have given again to new rows (a rowid, without AUTOINCREMENT: a "
                 "taken row's rowid goes to the next one), and a new row with a taken one's "
-                f"content cannot be told from it: {table} was not dropped. Look at it, and "
+                f"payload cannot be told from it: {table} was not dropped. Look at it, and "
                 "drop it yourself"
             )
         await anyio.to_thread.run_sync(watch.drop, table)
+        # Said once dropped: a row of a table made again since, under a key recorded
+        # now, is another row, whatever it holds (a record before a drop that failed
+        # would have every row of a table still there imported again).
+        await backend.record_source_dropped(name)
     return ImportSummary(name, imported, skipped, left, watch is not None, outcomes["changed"])
 
 
@@ -470,13 +480,10 @@ def _new_item(engine: _engine.Engine, row: dict[str, Any]) -> _backend.NewItem:
 
 
 def _digest(row: dict[str, Any]) -> str:
-    """A source row's content, as the import copies it: every mapped field but the key
-    (which names the row) and the state (which moves while the row stays the same row)."""
-    content = sorted((field, value) for field, value in row.items() if field not in _NAMING)
-    return hashlib.blake2b(repr(content).encode(), digest_size=16).hexdigest()
-
-
-_NAMING = frozenset({"key", "state"})
+    """What tells a source row from another under its key: its payload, as stored (not
+    the other mapped columns, which a rerun may map otherwise, and a queue may rewrite
+    as a row waits: its priority, its due time)."""
+    return hashlib.blake2b(repr(row["payload"]).encode(), digest_size=16).hexdigest()
 
 
 def _not_json(text: str) -> Any:

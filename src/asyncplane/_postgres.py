@@ -733,6 +733,9 @@ class PostgresBackend(_backend.Writes):
     async def advance_item_ids(self, last: int, source: str) -> None:
         await self._write(_bind(_advance_item_ids, last, source))
 
+    async def record_source_dropped(self, source: str) -> None:
+        await self._write(_bind(_record_dropped, source))
+
     async def copied_up_to(self, source: str) -> tuple[int, int | None]:
         rows = await self._fetch(sql.COPIED_UP_TO, source)
         return int(rows[0][0]), rows[0][1]
@@ -1106,8 +1109,9 @@ async def _lock_claim_reaches(
 ) -> None:
     """A round's claims of several reaches, one of them known to be limited here: every
     limited project's lock of them all, as the first of them runs, in one order
-    (`LOCK_REACHES_LIMITS`), for each claim's `TAKE_LIMITS` to find held. Where none is known limited, every claim
-    tries its limit locks without waiting (`_claim_many`), and no round waits on them."""
+    (`LOCK_REACHES_LIMITS`), for each claim's `TAKE_LIMITS` to find held. Where none is
+    known limited, every claim tries its limit locks without waiting (`_claim_many`), and
+    no round waits on them."""
     if limited_reaches.isdisjoint(reaches):
         return
     await conn.execute(sql.CLAIMS_SHARED)
@@ -1631,10 +1635,13 @@ async def _import_rows(
         raise _rules.unknown_project(op.project_id)
     await conn.execute(sql.LOCK_SOURCE, op.source)
     outcomes: list[_backend.ImportOutcome] = []
+    dropped_up_to = await conn.fetchval(
+        sql.DROPPED_UP_TO, _rules.dropped_source(op.source), _rules.SOURCE_DROPPED
+    )
     for key, digest, item in op.rows:
         found = await conn.fetchrow(sql.IMPORTED_AS, op.source, key)
         recorded = None if found is None else (found[0], found[1])
-        outcome = _rules.imported_before(recorded, digest)
+        outcome = _rules.imported_before(recorded, digest, dropped_up_to)
         outcomes.append(outcome)
         if outcome not in _rules.IMPORT_COPIES:
             continue
@@ -1711,6 +1718,12 @@ async def _copy_imports(
 ) -> None:
     columns = list(zip(*records, strict=True)) if records else [(), (), (), (), ()]
     await conn.execute(sql.COPY_IMPORTS, *(list(column) for column in columns))
+
+
+async def _record_dropped(source: str, conn: asyncpg.Connection, now: float) -> None:
+    await conn.execute(
+        sql.RECORD_DROPPED, _rules.dropped_source(source), _rules.SOURCE_DROPPED, source, now
+    )
 
 
 async def _advance_item_ids(last: int, source: str, conn: asyncpg.Connection, now: float) -> None:

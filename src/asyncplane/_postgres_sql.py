@@ -1955,6 +1955,15 @@ RECORD_IMPORT: Final = (
     "INSERT INTO imports (source, source_key, item_id, imported_at) VALUES ($1, $2, $3, $4)"
 )
 # An imported row's record, as on SQLite: a row copied again takes its key's record over.
+# An import's drop of a source table, as on SQLite. ($1 the drop's record name, $2 its
+# key, $3 the source, $4 now)
+DROPPED_UP_TO: Final = "SELECT item_id FROM imports WHERE source = $1 AND source_key = $2"
+RECORD_DROPPED: Final = """
+INSERT INTO imports (source, source_key, item_id, imported_at)
+VALUES ($1, $2, (SELECT coalesce(max(item_id), 0) FROM imports WHERE source = $3), $4)
+ON CONFLICT (source, source_key) DO UPDATE
+SET item_id = excluded.item_id, imported_at = excluded.imported_at
+"""
 IMPORTED_AS: Final = "SELECT digest, item_id FROM imports WHERE source = $1 AND source_key = $2"
 RECORD_IMPORTED_ROW: Final = """
 INSERT INTO imports (source, source_key, item_id, imported_at, digest) VALUES ($1, $2, $3, $4, $5)
@@ -2061,10 +2070,14 @@ EXPORT_IMPORTS: Final = """
 SELECT source, source_key, item_id, imported_at, digest FROM imports
 WHERE (source, source_key) > ($1, $2) ORDER BY source, source_key LIMIT $3
 """
+# A record the destination has already is taken if the source's names a later item (a row
+# imported again since: ids only rise).
 COPY_IMPORTS: Final = """
 INSERT INTO imports (source, source_key, item_id, imported_at, digest)
 SELECT * FROM unnest($1::text[], $2::text[], $3::bigint[], $4::float8[], $5::text[])
-ON CONFLICT (source, source_key) DO NOTHING
+ON CONFLICT (source, source_key) DO UPDATE
+SET item_id = excluded.item_id, imported_at = excluded.imported_at, digest = excluded.digest
+WHERE excluded.item_id > imports.item_id
 """
 
 # --- stats ----------------------------------------------------------------------------------

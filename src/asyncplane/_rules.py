@@ -299,17 +299,34 @@ def copy_settings_plan(
     return SettingsPlan(add, tuple(records), tuple(moved))
 
 
-def imported_before(recorded: tuple[str | None, int] | None, digest: str) -> _backend.ImportOutcome:
-    """What an import does with a source row whose content is ``digest``, given the
-    record under its key, ``(digest, item_id)`` or None. Other content under a recorded
-    key is another row (its table dropped and made again, which gives keys out anew; a
-    taken row's rowid given to the next) or the row rewritten since: it is copied, at
-    least once rather than never, and the record names the new item."""
+def imported_before(
+    recorded: tuple[str | None, int] | None, digest: str, dropped_up_to: int | None
+) -> _backend.ImportOutcome:
+    """What an import does with a source row whose payload's digest is ``digest``, given
+    the record under its key, ``(digest, item_id)`` or None, and the last item an import
+    of the source had made when an import dropped the source table (`SOURCE_DROPPED`'s
+    record; None: never dropped). A record from before that drop is of the table dropped:
+    the row under its key now is of a table made since, whatever it holds. Other content
+    under a recorded key is another row too (a table dropped and made again by hand, a
+    taken row's rowid given to the next) or the row rewritten since. Either is copied, at
+    least once rather than never, and the record then names the new item."""
     if recorded is None:
         return "new"
+    if dropped_up_to is not None and recorded[1] <= dropped_up_to:
+        return "changed"
     if recorded[0] is None:
         return "unverified"
     return "again" if recorded[0] == digest else "changed"
+
+
+#: The key of an import's record of its drop of a source table (`dropped_source`).
+SOURCE_DROPPED = "up_to"
+
+
+def dropped_source(source: str) -> str:
+    """The name an import records its drop of ``source``'s table under, beside the
+    records of its rows: no import's source begins with "#" (each is a path)."""
+    return "#dropped:" + source
 
 
 #: The outcomes of `imported_before` that copy the row.

@@ -364,6 +364,9 @@ class SQLiteBackend(_backend.Writes):
     async def advance_item_ids(self, last: int, source: str) -> None:
         await self._write(functools.partial(_advance_item_ids, last, source))
 
+    async def record_source_dropped(self, source: str) -> None:
+        await self._write(functools.partial(_record_dropped, source))
+
     async def copied_up_to(self, source: str) -> tuple[int, int | None]:
         rows = await self._read(_fetch, sql.COPIED_UP_TO, (source, source))
         return int(rows[0][0]), rows[0][1]
@@ -1096,9 +1099,13 @@ def _import_rows(
     if db.execute(sql.PROJECT_EXISTS, (op.project_id,)).fetchone() is None:
         raise _rules.unknown_project(op.project_id)
     outcomes: list[_backend.ImportOutcome] = []
+    dropped = db.execute(
+        sql.DROPPED_UP_TO, (_rules.dropped_source(op.source), _rules.SOURCE_DROPPED)
+    ).fetchone()
+    dropped_up_to = None if dropped is None else dropped[0]
     for key, digest, item in op.rows:
         recorded = db.execute(sql.IMPORTED_AS, (op.source, key)).fetchone()
-        outcome = _rules.imported_before(recorded, digest)
+        outcome = _rules.imported_before(recorded, digest, dropped_up_to)
         outcomes.append(outcome)
         if outcome not in _rules.IMPORT_COPIES:
             continue
@@ -1108,6 +1115,13 @@ def _import_rows(
         db.executemany(sql.INSERT_EVENT, _rules.arrival_events(item_id, row, None, now, queued))
         db.execute(sql.RECORD_IMPORTED_ROW, (op.source, key, item_id, now, digest))
     return tuple(outcomes)
+
+
+def _record_dropped(source: str, db: sqlite3.Connection, now: float) -> None:
+    db.execute(
+        sql.RECORD_DROPPED,
+        (_rules.dropped_source(source), _rules.SOURCE_DROPPED, source, now),
+    )
 
 
 def _copy_projects(op: _backend.CopyProjectsOp, db: sqlite3.Connection, now: float) -> int:

@@ -1179,6 +1179,16 @@ RECORD_IMPORT: Final = (
 )
 # An imported row's record: the digest of its content, and the item it became. A row
 # copied again (other content under its key) takes its key's record over.
+# An import's drop of a source table: the last item an import of the source had made by
+# then (a record of a row under an item up to it is of the table dropped). ($1 the drop's
+# record name, $2 its key, $3 the source, $4 now)
+DROPPED_UP_TO: Final = "SELECT item_id FROM imports WHERE source = ? AND source_key = ?"
+RECORD_DROPPED: Final = """
+INSERT INTO imports (source, source_key, item_id, imported_at)
+VALUES (?, ?, (SELECT coalesce(max(item_id), 0) FROM imports WHERE source = ?), ?)
+ON CONFLICT (source, source_key) DO UPDATE
+SET item_id = excluded.item_id, imported_at = excluded.imported_at
+"""
 IMPORTED_AS: Final = "SELECT digest, item_id FROM imports WHERE source = ? AND source_key = ?"
 RECORD_IMPORTED_ROW: Final = """
 INSERT INTO imports (source, source_key, item_id, imported_at, digest) VALUES (?, ?, ?, ?, ?)
@@ -1245,9 +1255,13 @@ EXPORT_IMPORTS: Final = """
 SELECT source, source_key, item_id, imported_at, digest FROM imports
 WHERE (source, source_key) > (?, ?) ORDER BY source, source_key LIMIT ?
 """
+# A record the destination has already is taken if the source's names a later item (a row
+# imported again since: ids only rise).
 COPY_IMPORT: Final = """
 INSERT INTO imports (source, source_key, item_id, imported_at, digest) VALUES (?, ?, ?, ?, ?)
-ON CONFLICT (source, source_key) DO NOTHING
+ON CONFLICT (source, source_key) DO UPDATE
+SET item_id = excluded.item_id, imported_at = excluded.imported_at, digest = excluded.digest
+WHERE excluded.item_id > imports.item_id
 """
 # Ids up to a copy's source's last are never handed out here: AUTOINCREMENT's counter
 # moves past them (and never back).

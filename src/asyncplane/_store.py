@@ -1185,8 +1185,9 @@ class ControlStore:
         state is in ``pending``; without, every row), each as a new item with a fresh id
         and a "queued" event naming the source. Every copied row is recorded in the same
         transaction, so running it again, or after a crash half-way, copies nothing twice;
-        a recorded key whose row holds other content now (the table made again, which
-        gives its keys out anew) is copied again, counted in `ImportSummary.changed`.
+        a recorded key whose row holds another payload now, or recorded before an import
+        dropped the table (a table made again gives its keys out anew), is copied again,
+        counted in `ImportSummary.changed`.
 
         Args:
             source_path: The other SQLite database (opened read-only).

@@ -182,9 +182,10 @@ async def _main(args: argparse.Namespace, handler: _work.Handler) -> int:
     finally:
         try:
             # Left early (cancelled: asyncio.run winding down after a SystemExit raised
-            # in a task a handler started, say), the workers give their items back, then
-            # the store closes: closed first, their give-backs opened it again, and its
-            # connection's thread kept the process alive for ever.
+            # in a task a handler started, say), the workers wind up before the store
+            # closes (their writes refused: the store's writer is cancelled too, and the
+            # items are left to their leases): closed first, their give-backs opened it
+            # again, and its connection's thread kept the process alive for ever.
             for worker in workers:
                 worker.cancel()  # (a worker that has ended: nothing)
             await asyncio.gather(*workers, return_exceptions=True)

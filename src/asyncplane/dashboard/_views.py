@@ -420,7 +420,10 @@ class Verdicts:
             # without its history (`_models.CHECKS_OF_OTHER_ITEMS`): checked every time.
             return await _ledger.verify_ledger(self._scope.store, item_id=item_id)
         # (Events are only ever appended: the newest one's id says the history changed.)
-        key = (row["state"], row["fence"], row["updated_at"],
+        # (With every column a check reads: an edit behind the store's back moves no
+        # event, and may leave updated_at as it was.)
+        key = (row["state"], row["fence"], row["updated_at"], row["owner"],
+               row["lease_expires_at"], row["due_at"],
                events[-1]["event_id"] if events else None)  # fmt: skip
         kept = self._found.get(item_id)
         if kept is not None and kept[0] == key:
