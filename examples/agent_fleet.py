@@ -35,6 +35,7 @@ from asyncplane import (
     Offload,
     Outcome,
     Park,
+    ProjectExists,
     Retry,
     verify_ledger,
     work,
@@ -147,9 +148,11 @@ async def main(path: str | pathlib.Path) -> int:
 
 
 if __name__ == "__main__":
-    target = (
-        sys.argv[1]  # a file, or a postgresql:// URL: the same code runs on either
-        if len(sys.argv) > 1
-        else pathlib.Path(tempfile.mkdtemp(prefix="asyncplane-agents-")) / "agents.db"
-    )
-    sys.exit(asyncio.run(main(target)))
+    if len(sys.argv) > 1:  # a file, or a postgresql:// URL: the same code runs on either
+        try:
+            sys.exit(asyncio.run(main(sys.argv[1])))
+        except ProjectExists:
+            print(f"{sys.argv[1]} holds this demo's projects already: give a new file")
+            sys.exit(2)
+    with tempfile.TemporaryDirectory(prefix="asyncplane-agents-") as scratch:  # removed after
+        sys.exit(asyncio.run(main(pathlib.Path(scratch) / "agents.db")))

@@ -19,7 +19,7 @@ import random
 import sys
 import tempfile
 
-from asyncplane import ClaimedItem, ControlStore, FenceRejected, verify_ledger
+from asyncplane import ClaimedItem, ControlStore, FenceRejected, ProjectExists, verify_ledger
 
 LEASE_SECONDS = 0.3  # short, so the stalled agent's lease lapses during the demo
 AGENTS = {
@@ -80,7 +80,9 @@ async def main(path: str | pathlib.Path) -> int:
         await asyncio.gather(*(agent(store, name, tally) for name in AGENTS))
 
         problems = await verify_ledger(store)
-        print(f"store: {path}")
+        print(
+            f"store: {path}" + ("" if len(sys.argv) > 1 else " (temporary: give a path to keep it)")
+        )
         print(f"items settled: {tally['done']} done, {tally['failed']} failed")
         for name in AGENTS:
             print(
@@ -93,9 +95,11 @@ async def main(path: str | pathlib.Path) -> int:
 
 
 if __name__ == "__main__":
-    target = (
-        sys.argv[1]  # a file, or a postgresql:// URL: the same code runs on either
-        if len(sys.argv) > 1
-        else pathlib.Path(tempfile.mkdtemp(prefix="asyncplane-fleet-")) / "fleet.db"
-    )
-    sys.exit(asyncio.run(main(target)))
+    if len(sys.argv) > 1:  # a file, or a postgresql:// URL: the same code runs on either
+        try:
+            sys.exit(asyncio.run(main(sys.argv[1])))
+        except ProjectExists:
+            print(f"{sys.argv[1]} holds this demo's projects already: give a new file")
+            sys.exit(2)
+    with tempfile.TemporaryDirectory(prefix="asyncplane-fleet-") as scratch:  # removed after
+        sys.exit(asyncio.run(main(pathlib.Path(scratch) / "fleet.db")))

@@ -15,6 +15,11 @@ if [ -z "${ASYNCPLANE_TEST_POSTGRES_URL:-}" ] && ! command -v initdb >/dev/null 
   need+=(postgresql)
 fi
 command -v unshare >/dev/null 2>&1 || need+=(util-linux)
+# Debian's python3 makes a virtual environment only with python3-venv (its ensurepip).
+if ! .venv/bin/python -m pip --version >/dev/null 2>&1 \
+    && ! "$PYTHON" -c 'import ensurepip, venv' >/dev/null 2>&1; then
+  need+=(python3-venv)
+fi
 # The dashboard's browser tests drive the system's headless Chromium through its driver
 # (nothing downloads a browser); fonts so that the screenshots they save show text.
 if ! command -v chromium >/dev/null 2>&1 || ! command -v chromedriver >/dev/null 2>&1; then
@@ -31,7 +36,10 @@ if [ "${#need[@]}" -gt 0 ]; then
   fi
 fi
 
-[ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
+# (A venv made before python3-venv was there has a python but no pip: made again.)
+if ! .venv/bin/python -m pip --version >/dev/null 2>&1; then
+  "$PYTHON" -m venv --clear .venv || { rm -rf .venv; exit 1; }
+fi
 .venv/bin/python -m pip install --quiet --disable-pip-version-check -e ".[dev]"
 .venv/bin/python -m pytest "$@"
 .venv/bin/ruff check src tests examples benchmarks

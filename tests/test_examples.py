@@ -57,6 +57,22 @@ def test_fleet_demo_settles_everything_once(tmp_path: pathlib.Path, location_of:
     assert "verify_ledger: clean" in done.stdout
 
 
+def test_the_demos_leave_nothing_behind_and_say_when_a_store_is_not_new(
+    tmp_path: pathlib.Path,
+) -> None:
+    # Each run left a directory in /tmp; a second run on one file ended in a traceback.
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    for script in ("fleet.py", "agent_fleet.py"):
+        done = run(script, cwd=tmp_path, env={**os.environ, "TMPDIR": str(scratch)})
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert list(scratch.iterdir()) == [], script
+        kept = str(tmp_path / f"{script}.db")
+        assert run(script, kept, cwd=tmp_path).returncode == 0
+        again = run(script, kept, cwd=tmp_path)
+        assert again.returncode == 2 and "holds this demo's projects already" in again.stdout
+
+
 def test_agent_fleet_drains_while_producers_enqueue(
     tmp_path: pathlib.Path, location_of: Any
 ) -> None:

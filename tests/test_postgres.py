@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import pathlib
 import re
 import shutil
@@ -391,6 +392,55 @@ def test_a_cluster_left_by_a_killed_process_is_reaped_by_the_next_start() -> Non
         assert cluster.start() == cluster.url() and cluster.socket_dir == own
         alive = int((own / "data" / "postmaster.pid").read_text().split()[0])
     assert not own.exists() and not _running(alive)
+
+
+def test_the_cluster_helper_passes_settings_and_paths_as_they_are(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # pg_ctl gives its -o to a shell: a space in the temporary directory's path, or in a
+    # setting, split it ("invalid argument"); a $(...) in a setting ran.
+    spaced = pathlib.Path(tempfile.mkdtemp(prefix="ap sp ", dir="/tmp"))
+    if os.geteuid() == 0:
+        shutil.chown(spaced, user="postgres")
+    monkeypatch.setattr(tempfile, "tempdir", str(spaced))
+    try:
+        given = "a b [%p] $(id);x"
+        with testing.PostgresCluster(settings={"application_name": given}) as cluster:
+            assert " " in str(cluster.socket_dir)
+
+            async def shown() -> str:
+                conn = await asyncpg.connect(cluster.url())
+                try:
+                    return str(await conn.fetchval("SHOW application_name"))
+                finally:
+                    await conn.close()
+
+            assert asyncio.run(shown()) == given
+    finally:
+        shutil.rmtree(spaced, ignore_errors=True)
+
+
+def test_the_reaper_leaves_what_it_cannot_stop_or_judge(tmp_path: pathlib.Path) -> None:
+    # A cluster whose server the stop could not reach (another user's, another pid
+    # namespace's) lost its directory and ran on headless; one made in another pid
+    # namespace (a container sharing /tmp) was reaped while its maker used it.
+    root = pathlib.Path(tempfile.gettempdir())
+    unstoppable = pathlib.Path(tempfile.mkdtemp(prefix=testing._PREFIX, dir=root))
+    elsewhere = pathlib.Path(tempfile.mkdtemp(prefix=testing._PREFIX, dir=root))
+    try:
+        gone = f"999999999 1 {testing._pid_namespace()}"  # a maker that no longer runs
+        (unstoppable / testing._OWNER).write_text(gone)
+        (unstoppable / "data").mkdir()
+        (unstoppable / "data" / "postmaster.pid").write_text("12345\n")  # no stop reaches it
+        (elsewhere / testing._OWNER).write_text("999999999 1 pid:[1]")
+        testing._reap_orphans()
+        assert (unstoppable / "data" / "postmaster.pid").exists()
+        assert (elsewhere / testing._OWNER).exists()
+    finally:
+        shutil.rmtree(unstoppable, ignore_errors=True)
+        shutil.rmtree(elsewhere, ignore_errors=True)
+    versions = ["/usr/lib/postgresql/9.6/bin/initdb", "/usr/lib/postgresql/15/bin/initdb"]
+    assert sorted(versions, key=testing._version)[-1] == versions[1]  # 15, not 9.6
 
 
 def _running(pid: int) -> bool:

@@ -157,3 +157,28 @@ async def test_stores_of_one_name_opened_at_once_share_it(asyncplane_store_facto
     item_id = await stores[1].enqueue("p", {})
     for store in stores:
         assert (await store.item(item_id))["state"] == "ready"
+
+
+@pytest.mark.postgresql_only
+async def test_a_schema_another_run_made_under_the_same_name_is_left_alone(
+    asyncplane_store_factory: Any, asyncplane_postgres_url: str, request: pytest.FixtureRequest
+) -> None:
+    # Runs in containers sharing a server have the same pid: the schema named after the
+    # test and the pid was the other run's too, and the factory's DROP took its tables.
+    import hashlib
+    import os
+
+    from asyncplane import testing
+
+    digest = hashlib.sha1(f"{request.node.nodeid}/theirs.db".encode()).hexdigest()[:16]
+    theirs = f"t_{digest}_{os.getpid()}"
+    await testing.execute_sql(
+        asyncplane_postgres_url, f"CREATE SCHEMA {theirs}; CREATE TABLE {theirs}.kept (n int)"
+    )
+    try:
+        store = await asyncplane_store_factory("theirs.db")
+        await store.create_project("p", "P")
+        # (execute_sql fails if the table is gone)
+        await testing.execute_sql(asyncplane_postgres_url, f"SELECT * FROM {theirs}.kept")
+    finally:
+        await testing.execute_sql(asyncplane_postgres_url, f"DROP SCHEMA {theirs} CASCADE")

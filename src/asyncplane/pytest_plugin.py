@@ -38,6 +38,7 @@ import asyncio
 import hashlib
 import os
 import pathlib
+import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
@@ -117,13 +118,13 @@ async def asyncplane_store_factory(
             return tmp_path / name
         if name not in schemas:
             digest = hashlib.sha1(f"{request.node.nodeid}/{name}".encode()).hexdigest()[:16]
-            schemas[name] = f"t_{digest}_{os.getpid()}"
-            # The schema name is made here from a digest: letters, digits and underscores.
+            # A random part too: runs in containers that share a server have one pid,
+            # and each run's schema was the other's (its DROP then took the other's
+            # tables). Letters, digits and underscores: nothing to quote.
+            schemas[name] = f"t_{digest}_{os.getpid()}_{secrets.token_hex(4)}"
             schema = schemas[name]
             made[name] = asyncio.ensure_future(
-                testing.execute_sql(
-                    server, f"DROP SCHEMA IF EXISTS {schema} CASCADE; CREATE SCHEMA {schema}"
-                )
+                testing.execute_sql(server, f"CREATE SCHEMA {schema}")
             )
         await asyncio.shield(made[name])
         return testing.with_schema(server, schemas[name])

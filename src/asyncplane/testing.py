@@ -29,6 +29,8 @@ import glob
 import math
 import os
 import pathlib
+import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -191,14 +193,19 @@ class PostgresCluster:
                  "-E", "UTF8", "--locale=C", "--no-sync"],
                 "initdb",
             )  # fmt: skip
-            options = [f"-k {root}", "-c listen_addresses=''", "-c max_connections=200"]
+            # pg_ctl hands -o to a shell: each option quoted (a space in the temporary
+            # directory's path, a % in a setting, were split; a $(...) ran).
+            settings = {"listen_addresses": "", "max_connections": "200"}
             if not self._fsync:
-                options += ["-c fsync=off", "-c synchronous_commit=off",
-                            "-c full_page_writes=off"]  # fmt: skip
-            options += [f"-c {key}={value}" for key, value in self._settings.items()]
+                settings |= {"fsync": "off", "synchronous_commit": "off",
+                             "full_page_writes": "off"}  # fmt: skip
+            settings |= {key: str(value) for key, value in self._settings.items()}
+            options = ["-k", str(root)]
+            for key, value in settings.items():
+                options += ["-c", f"{key}={value}"]
             self._run(
                 [str(bindir / "pg_ctl"), "-D", str(data), "-l", str(root / "server.log"),
-                 "-o", " ".join(options), "-w", "-t", "60", "start"],
+                 "-o", shlex.join(options), "-w", "-t", "60", "start"],
                 "pg_ctl start",
             )  # fmt: skip
         except BaseException:
@@ -217,7 +224,7 @@ class PostgresCluster:
             done = subprocess.run(
                 [*self._as, *command], capture_output=True, text=True, check=False, timeout=120
             )
-        except OSError as exc:
+        except (OSError, subprocess.TimeoutExpired) as exc:
             raise RuntimeError(f"{what} could not run: {exc}") from exc
         if done.returncode != 0:
             log = ""
@@ -283,27 +290,41 @@ def _run_as() -> list[str]:
 
 
 def _remove_cluster(root: pathlib.Path, run_as: list[str]) -> None:
-    """Stop the server in ``root`` (if it runs) at once, then remove the directory."""
-    try:
-        if (root / "data" / "postmaster.pid").exists():
-            subprocess.run(
-                [*run_as, str(_postgres_bindir() / "pg_ctl"), "-D", str(root / "data"),
-                 "-m", "immediate", "-w", "stop"],
-                capture_output=True, check=False, timeout=120,
-            )  # fmt: skip
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
+    """Stop the server in ``root`` (if it runs) at once, then remove the directory; the
+    directory stays if the server could not be stopped (removed under a server still
+    running, which another user's or another namespace's stop cannot reach, it ran on
+    headless)."""
+    data = root / "data"
+    if data.exists() and (data / "postmaster.pid").exists():
+        pg_ctl = [*run_as, str(_postgres_bindir() / "pg_ctl"), "-D", str(data)]
+        subprocess.run(
+            [*pg_ctl, "-m", "immediate", "-w", "stop"],
+            capture_output=True, check=False, timeout=120,
+        )  # fmt: skip
+        still = subprocess.run([*pg_ctl, "status"], capture_output=True, check=False, timeout=60)
+        if still.returncode != 3:  # 3: no server runs there
+            return
+    shutil.rmtree(root, ignore_errors=True)
 
 
 def _process_identity(pid: int) -> str | None:
-    """``pid`` and the time it started (so a reused pid is told apart), or None if no
-    such process runs, or where /proc does not say."""
+    """``pid``, the time it started (so a reused pid is told apart) and this process's
+    pid namespace (a pid means nothing in another: a container sharing the temporary
+    directory), or None if no such process runs, or where /proc does not say."""
     try:
         stat = pathlib.Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
     # Field 22, after the command name in parentheses (which may hold spaces).
-    return f"{pid} {stat.rsplit(')', 1)[1].split()[19]}"
+    return f"{pid} {stat.rsplit(')', 1)[1].split()[19]} {_pid_namespace()}"
+
+
+def _pid_namespace() -> str:
+    """This process's pid namespace ("" where /proc does not say)."""
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return ""
 
 
 def _reap_orphans() -> None:
@@ -314,12 +335,22 @@ def _reap_orphans() -> None:
         try:
             owner = (root / _OWNER).read_text().strip()
             pid = int(owner.split()[0])
+            # (An owner file of an earlier release names no namespace: taken for ours.)
+            namespace = (owner.split()[2:] or [_pid_namespace()])[0]
         except (OSError, ValueError, IndexError):
             continue  # not ours to judge (another user's, or its maker is still writing)
+        if namespace != _pid_namespace():
+            continue  # made in another pid namespace: its pid cannot be looked up here
         if _process_identity(pid) == owner:
             continue  # its maker still runs
         with contextlib.suppress(OSError, subprocess.SubprocessError, RuntimeError):
             _remove_cluster(root, _run_as())
+
+
+def _version(initdb: str) -> tuple[int, ...]:
+    """The version in ``/usr/lib/postgresql/<version>/bin/initdb``, as numbers."""
+    found = re.fullmatch(r"[\d.]+", pathlib.Path(initdb).parent.parent.name)
+    return tuple(int(n) for n in found.group().split(".") if n) if found else ()
 
 
 def _postgres_bindir() -> pathlib.Path:
@@ -334,7 +365,7 @@ def _postgres_bindir() -> pathlib.Path:
         if found and (pathlib.Path(found) / "initdb").exists():
             return pathlib.Path(found)
     if sys.platform != "win32":
-        versions = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"), reverse=True)
+        versions = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"), key=_version)
         if versions:
-            return pathlib.Path(versions[0]).parent
+            return pathlib.Path(versions[-1]).parent  # the newest: 15 before 9.6
     raise RuntimeError("PostgreSQL's initdb was not found (PATH, pg_config, /usr/lib/postgresql)")
