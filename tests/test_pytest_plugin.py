@@ -115,6 +115,49 @@ def test_closed_after():
     result.assert_outcomes(passed=2)
 
 
+def test_a_failed_test_s_running_worker_leaves_no_store_open(pytester: pytest.Pytester) -> None:
+    # The test failed with work() running: the fixture closed its store, then
+    # pytest-asyncio cancelled the worker, whose give-back opened the store again, its
+    # connection's thread and files kept for the rest of the session.
+    pytester.makeini("[pytest]\nasyncio_default_fixture_loop_scope = function\n")
+    pytester.makepyfile(
+        test_leaving="""
+import asyncio
+import threading
+
+import pytest
+
+from asyncplane import Done, work
+
+stores = []
+
+@pytest.mark.asyncio
+async def test_fails_while_working(asyncplane_store):
+    stores.append(asyncplane_store)
+    await asyncplane_store.create_project("p", "P")
+    item = await asyncplane_store.enqueue("p", {})
+    running = asyncio.Event()
+
+    async def slow(claim):
+        running.set()
+        await asyncio.sleep(3600)
+        return Done()
+
+    asyncio.create_task(work(asyncplane_store, slow, concurrency=1))
+    await running.wait()
+    assert False, "the test fails with the worker running"
+
+def test_nothing_left_open():
+    (store,) = stores
+    assert "closed" in repr(store)
+    assert [t.name for t in threading.enumerate() if t is not threading.main_thread()] == []
+"""
+    )
+    # (Before, the session never ended: the store's connection thread kept it alive.)
+    result = pytester.runpytest_subprocess("-q", "-p", "no:randomly", timeout=120)
+    result.assert_outcomes(passed=1, failed=1)
+
+
 class _NoOffset(dt.tzinfo):
     """A tzinfo without an offset: Python counts its datetimes as naive."""
 

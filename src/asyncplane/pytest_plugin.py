@@ -139,9 +139,11 @@ async def asyncplane_store_factory(
         return store
 
     open_store.location = location  # type: ignore[attr-defined]
+    before = asyncio.all_tasks()
     try:
         yield open_store
     finally:
+        await _end_left_tasks(before)
         for store in reversed(opened):
             await store.close()
         if server is not None:
@@ -153,3 +155,19 @@ async def asyncplane_store_factory(
 async def asyncplane_store(asyncplane_store_factory: StoreFactory) -> _store.ControlStore:
     """An open store on ``tmp_path / "asyncplane.db"`` with the manual clock."""
     return await asyncplane_store_factory()
+
+
+async def _end_left_tasks(before: set[asyncio.Task[Any]]) -> None:
+    """Cancel, and wait for, the tasks the test started and left running (a failed assert
+    before its worker's stop), before its stores close: pytest-asyncio cancels them only
+    after this teardown, and their clean-up (a worker giving its items back) opened the
+    closed stores again, each with its connection's thread, for the rest of the session.
+    The stores' own tasks (``asyncplane-...``) end with the close."""
+    mine = asyncio.current_task()
+    left = [
+        task for task in asyncio.all_tasks() - before
+        if task is not mine and not task.get_name().startswith("asyncplane-")
+    ]  # fmt: skip
+    for task in left:
+        task.cancel()
+    await asyncio.gather(*left, return_exceptions=True)
