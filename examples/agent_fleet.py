@@ -152,7 +152,7 @@ if __name__ == "__main__":
         try:
             sys.exit(asyncio.run(main(sys.argv[1])))
         except ProjectExists:
-            print(f"{sys.argv[1]} holds this demo's projects already: give a new file")
+            print(f"{sys.argv[1]} holds this demo's projects already: give a new file (or schema)")
             sys.exit(2)
     with tempfile.TemporaryDirectory(prefix="asyncplane-agents-") as scratch:  # removed after
         sys.exit(asyncio.run(main(pathlib.Path(scratch) / "agents.db")))

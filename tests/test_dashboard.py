@@ -612,6 +612,13 @@ async def test_an_items_verdict_is_read_again_when_a_column_a_check_reads_is_edi
         raw.execute("UPDATE items SET owner = 'intruder' WHERE item_id = ?", (claim.item_id,))
         _, page = await text(session, url + f"/items/{claim.item_id}")
         assert "<b>owner_disagrees</b>" in page
+        # A ready item held in line behind no twin, by an edit no item page shows.
+        ready = await store.enqueue("alpha", {"n": 2})
+        _, page = await text(session, url + f"/items/{ready}")
+        assert "the row agrees with its history" in page
+        raw.execute("UPDATE items SET held = ? WHERE item_id = ?", (True, ready))
+        _, page = await text(session, url + f"/items/{ready}")
+        assert "<b>twin_stranded</b>" in page
 
 
 async def test_the_queue_depth_card_is_read_now(store: ControlStore) -> None:

@@ -775,6 +775,72 @@ async def test_a_row_of_a_table_made_again_after_a_drop_is_imported_whatever_it_
     assert (fourth.imported, fourth.already_imported) == (0, 1)
 
 
+async def test_an_import_whose_source_another_import_dropped_meanwhile_imports_nothing_twice(
+    store: ControlStore, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # B read its chunk; A imported the same rows, dropped the table and recorded it; B's
+    # chunk, written then, was taken for rows of a table made since: imported twice.
+    import threading
+
+    from asyncplane import _import
+
+    source = source_table(
+        tmp_path / "both.sqlite3", "CREATE TABLE q (k TEXT PRIMARY KEY, body TEXT)",
+        "INSERT INTO q VALUES (?, ?)", [(str(n), json.dumps({"n": n})) for n in range(3)],
+    )  # fmt: skip
+    columns = {"payload": "body", "key": "k"}
+    read, go_on = threading.Event(), threading.Event()
+    reads = _import._read_chunk
+
+    def b_waits_after_its_read(*args: Any) -> Any:
+        rows = reads(*args)
+        if not read.is_set():  # B's (the first) read: it waits for A
+            read.set()
+            assert go_on.wait(60)
+        return rows
+
+    monkeypatch.setattr(_import, "_read_chunk", b_waits_after_its_read)
+    b = asyncio.create_task(
+        store.import_pending(source, table="q", columns=columns, project_id="alpha")
+    )
+    await asyncio.to_thread(read.wait, 60)
+    a = await store.import_pending(
+        source, table="q", columns=columns, project_id="alpha", drop_source=True
+    )
+    assert (a.imported, a.dropped) == (3, True)
+    go_on.set()
+    with pytest.raises(InvalidInput, match="another import dropped"):
+        await b
+    assert sum((await store.counts()).values()) == 3
+    assert await verify_ledger(store) == []
+
+
+async def test_a_drop_the_store_fails_to_record_says_the_table_is_gone(
+    store: ControlStore, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The store failed just after the drop: the caller heard the store's error alone, as
+    # if nothing had happened, and a rerun said only "no table".
+    from asyncplane import StorageError
+    from asyncplane._store import engine_of
+
+    source = source_table(
+        tmp_path / "gone.sqlite3", "CREATE TABLE q (k TEXT PRIMARY KEY, body TEXT)",
+        "INSERT INTO q VALUES (?, ?)", [("1", "{}")],
+    )  # fmt: skip
+    backend = await engine_of(store).ready()
+
+    async def fails(source: str) -> None:
+        raise StorageError("disk I/O error")
+
+    monkeypatch.setattr(backend, "record_source_dropped", fails)
+    with pytest.raises(StorageError, match="q was dropped, every row imported, but the store"):
+        await store.import_pending(
+            source, table="q", columns={"payload": "body", "key": "k"}, project_id="alpha",
+            drop_source=True,
+        )  # fmt: skip
+    assert (await store.counts())["ready"] == 1
+
+
 async def test_a_rerun_that_maps_another_column_passes_over_what_it_imported(
     store: ControlStore, tmp_path: pathlib.Path
 ) -> None:

@@ -428,11 +428,11 @@ def test_the_reaper_leaves_what_it_cannot_stop_or_judge(tmp_path: pathlib.Path) 
     unstoppable = pathlib.Path(tempfile.mkdtemp(prefix=testing._PREFIX, dir=root))
     elsewhere = pathlib.Path(tempfile.mkdtemp(prefix=testing._PREFIX, dir=root))
     try:
-        gone = f"999999999 1 {testing._pid_namespace()}"  # a maker that no longer runs
-        (unstoppable / testing._OWNER).write_text(gone)
+        (unstoppable / testing._OWNER).write_text("999999999 1")  # a maker that is gone
         (unstoppable / "data").mkdir()
         (unstoppable / "data" / "postmaster.pid").write_text("12345\n")  # no stop reaches it
-        (elsewhere / testing._OWNER).write_text("999999999 1 pid:[1]")
+        (elsewhere / testing._OWNER).write_text("999999999 1")
+        (elsewhere / testing._NAMESPACE).write_text("pid:[1]")
         testing._reap_orphans()
         assert (unstoppable / "data" / "postmaster.pid").exists()
         assert (elsewhere / testing._OWNER).exists()

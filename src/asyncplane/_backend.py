@@ -395,11 +395,13 @@ class TickRow(Record):
 
 class ImportOp(Record):
     """Parameters of one chunk of an import: items keyed by their source row, each as
-    (key, digest of the row's content, item)."""
+    (key, digest of the row's payload, item), and the source's drop record as the run
+    found it at its start (`source_dropped_up_to`)."""
 
     source: str
     project_id: str
     rows: tuple[tuple[str, str, NewItem], ...]
+    dropped_up_to: int | None
 
 
 #: What an import did with a source row, by what the store recorded under its key
@@ -1162,6 +1164,11 @@ class Backend(Protocol):
         """Hand out no item id up to ``last`` from now on (never moves back), and record,
         in the same transaction, that a copy from ``source`` kept them clear
         (`copied_up_to`)."""
+        ...
+
+    async def source_dropped_up_to(self, source: str) -> int | None:
+        """The last item an import of ``source`` had made when an import last dropped
+        its table (`record_source_dropped`), or None: never dropped."""
         ...
 
     async def record_source_dropped(self, source: str) -> None:

@@ -156,6 +156,8 @@ async def _import(
     known = {p.project_id for p in await backend.list_projects()}
     if project is not None and project not in known:
         raise _rules.unknown_project(project)
+    # As found before any chunk is read: a drop by another import since is refused.
+    dropped_up_to = await backend.source_dropped_up_to(name)
     after: Any = None
     outcomes: collections.Counter[_backend.ImportOutcome] = collections.Counter()
     left = 0
@@ -185,7 +187,7 @@ async def _import(
             item = _new_item(engine, row)
             wanted.setdefault(target, []).append((str(row["key"]), _digest(row), item))
         for target, items in wanted.items():
-            op = _backend.ImportOp(name, target, tuple(items))
+            op = _backend.ImportOp(name, target, tuple(items), dropped_up_to)
             outcomes.update(await freeing(op, backend.import_rows(op)))  # waiters woken
         if progress is not None:
             progress(outcomes.total() + left)
@@ -222,7 +224,14 @@ async def _import(
         # Said once dropped: a row of a table made again since, under a key recorded
         # now, is another row, whatever it holds (a record before a drop that failed
         # would have every row of a table still there imported again).
-        await backend.record_source_dropped(name)
+        try:
+            await backend.record_source_dropped(name)
+        except _errors.StorageError as exc:
+            raise _errors.StorageError(
+                f"{table} was dropped, every row imported, but the store failed as it "
+                f"recorded the drop ({exc}): a table made there again will be told from "
+                "the one dropped by its rows' payloads alone"
+            ) from exc
     return ImportSummary(name, imported, skipped, left, watch is not None, outcomes["changed"])
 
 

@@ -733,6 +733,11 @@ class PostgresBackend(_backend.Writes):
     async def advance_item_ids(self, last: int, source: str) -> None:
         await self._write(_bind(_advance_item_ids, last, source))
 
+    async def source_dropped_up_to(self, source: str) -> int | None:
+        key = (_rules.dropped_source(source), _rules.SOURCE_DROPPED)
+        rows = await self._fetch(sql.DROPPED_UP_TO, *key)
+        return None if not rows else int(rows[0][0])
+
     async def record_source_dropped(self, source: str) -> None:
         await self._write(_bind(_record_dropped, source))
 
@@ -1638,10 +1643,13 @@ async def _import_rows(
     dropped_up_to = await conn.fetchval(
         sql.DROPPED_UP_TO, _rules.dropped_source(op.source), _rules.SOURCE_DROPPED
     )
+    meanwhile = _rules.dropped_meanwhile(op.source, op.dropped_up_to, dropped_up_to)
+    if meanwhile is not None:
+        raise meanwhile
     for key, digest, item in op.rows:
         found = await conn.fetchrow(sql.IMPORTED_AS, op.source, key)
         recorded = None if found is None else (found[0], found[1])
-        outcome = _rules.imported_before(recorded, digest, dropped_up_to)
+        outcome = _rules.imported_before(recorded, digest, op.dropped_up_to)
         outcomes.append(outcome)
         if outcome not in _rules.IMPORT_COPIES:
             continue
@@ -1721,6 +1729,7 @@ async def _copy_imports(
 
 
 async def _record_dropped(source: str, conn: asyncpg.Connection, now: float) -> None:
+    await conn.execute(sql.LOCK_SOURCE, source)  # after a chunk of the source in flight
     await conn.execute(
         sql.RECORD_DROPPED, _rules.dropped_source(source), _rules.SOURCE_DROPPED, source, now
     )

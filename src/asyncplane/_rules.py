@@ -319,6 +319,20 @@ def imported_before(
     return "again" if recorded[0] == digest else "changed"
 
 
+def dropped_meanwhile(
+    source: str, seen: int | None, now: int | None
+) -> _errors.InvalidInput | None:
+    """An import whose source table another import dropped (and recorded) since it began
+    (``seen``, the drop record then; ``now``, in the chunk's transaction): the rows it
+    read before the drop would be taken for a table made since, and imported twice."""
+    if seen == now:
+        return None
+    return _errors.InvalidInput(
+        f"another import dropped {source}'s table while this one ran: nothing of this "
+        "chunk was imported (its rows were imported by that one)"
+    )
+
+
 #: The key of an import's record of its drop of a source table (`dropped_source`).
 SOURCE_DROPPED = "up_to"
 

@@ -364,6 +364,11 @@ class SQLiteBackend(_backend.Writes):
     async def advance_item_ids(self, last: int, source: str) -> None:
         await self._write(functools.partial(_advance_item_ids, last, source))
 
+    async def source_dropped_up_to(self, source: str) -> int | None:
+        key = (_rules.dropped_source(source), _rules.SOURCE_DROPPED)
+        rows = await self._read(_fetch, sql.DROPPED_UP_TO, key)
+        return None if not rows else int(rows[0][0])
+
     async def record_source_dropped(self, source: str) -> None:
         await self._write(functools.partial(_record_dropped, source))
 
@@ -1102,10 +1107,14 @@ def _import_rows(
     dropped = db.execute(
         sql.DROPPED_UP_TO, (_rules.dropped_source(op.source), _rules.SOURCE_DROPPED)
     ).fetchone()
-    dropped_up_to = None if dropped is None else dropped[0]
+    meanwhile = _rules.dropped_meanwhile(
+        op.source, op.dropped_up_to, None if dropped is None else dropped[0]
+    )
+    if meanwhile is not None:
+        raise meanwhile
     for key, digest, item in op.rows:
         recorded = db.execute(sql.IMPORTED_AS, (op.source, key)).fetchone()
-        outcome = _rules.imported_before(recorded, digest, dropped_up_to)
+        outcome = _rules.imported_before(recorded, digest, op.dropped_up_to)
         outcomes.append(outcome)
         if outcome not in _rules.IMPORT_COPIES:
             continue

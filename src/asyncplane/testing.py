@@ -183,6 +183,7 @@ class PostgresCluster:
         self._root = root
         try:
             (root / _OWNER).write_text(_process_identity(os.getpid()) or "")
+            (root / _NAMESPACE).write_text(_pid_namespace())
             bindir = _postgres_bindir()
             self._as = _run_as()
             if self._as:
@@ -276,6 +277,10 @@ def with_schema(url: str, schema: str) -> str:
 #: that names the process that made it.
 _PREFIX = "asyncplane-pg-"
 _OWNER = "owner"
+#: The file that names its maker's pid namespace (a pid means nothing in another: a
+#: container sharing the temporary directory). A file of its own: the owner file is read
+#: by earlier releases' reapers too, which compare it whole.
+_NAMESPACE = "owner-namespace"
 
 
 def _run_as() -> list[str]:
@@ -308,15 +313,15 @@ def _remove_cluster(root: pathlib.Path, run_as: list[str]) -> None:
 
 
 def _process_identity(pid: int) -> str | None:
-    """``pid``, the time it started (so a reused pid is told apart) and this process's
-    pid namespace (a pid means nothing in another: a container sharing the temporary
-    directory), or None if no such process runs, or where /proc does not say."""
+    """``pid`` and the time it started (so a reused pid is told apart), or None if no
+    such process runs, or where /proc does not say. (As every release writes it in a
+    cluster's owner file, which every release's reaper reads.)"""
     try:
         stat = pathlib.Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
     # Field 22, after the command name in parentheses (which may hold spaces).
-    return f"{pid} {stat.rsplit(')', 1)[1].split()[19]} {_pid_namespace()}"
+    return f"{pid} {stat.rsplit(')', 1)[1].split()[19]}"
 
 
 def _pid_namespace() -> str:
@@ -335,12 +340,11 @@ def _reap_orphans() -> None:
         try:
             owner = (root / _OWNER).read_text().strip()
             pid = int(owner.split()[0])
-            # (An owner file of an earlier release names no namespace: taken for ours.)
-            namespace = (owner.split()[2:] or [_pid_namespace()])[0]
         except (OSError, ValueError, IndexError):
             continue  # not ours to judge (another user's, or its maker is still writing)
-        if namespace != _pid_namespace():
-            continue  # made in another pid namespace: its pid cannot be looked up here
+        with contextlib.suppress(OSError):  # (none: an earlier release's, taken for ours)
+            if (root / _NAMESPACE).read_text() != _pid_namespace():
+                continue  # made in another pid namespace: its pid cannot be looked up here
         if _process_identity(pid) == owner:
             continue  # its maker still runs
         with contextlib.suppress(OSError, subprocess.SubprocessError, RuntimeError):

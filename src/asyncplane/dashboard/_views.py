@@ -415,9 +415,10 @@ class Verdicts:
         self, item_id: int, row: dict[str, Any], events: list[dict[str, Any]]
     ) -> list[Any]:
         """The problems of the item whose row and events these are."""
-        if row["state"] == "ready" and row["fingerprint"] is not None:
+        if row["state"] == "ready":
             # Held in line or not, its verdict reads its twins' rows too, which change
-            # without its history (`_models.CHECKS_OF_OTHER_ITEMS`): checked every time.
+            # without its history (`_models.CHECKS_OF_OTHER_ITEMS`), and whether it is
+            # held, which no item page shows: checked every time.
             return await _ledger.verify_ledger(self._scope.store, item_id=item_id)
         # (Events are only ever appended: the newest one's id says the history changed.)
         # (With every column a check reads: an edit behind the store's back moves no
