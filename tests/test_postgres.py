@@ -1128,6 +1128,19 @@ async def test_a_schema_of_the_previous_version_keeps_its_import_records(
         await conn.close()
 
 
+async def _two_limited_reaches_known(store: ControlStore) -> None:
+    """Projects a and b, limited, with work; this process has claimed in project b and
+    in the whole store, so it knows both reaches are limited."""
+    for project in ("a", "b"):
+        await store.create_project(project, project.upper())
+        await store.set_limits(project, max_running=100)
+        await store.enqueue_many(project, [{"n": n} for n in range(3)])
+    for reach in ("b", None):
+        claim = await store.claim("w", project_id=reach)
+        assert claim is not None
+        await store.finish(claim.item_id, fence=claim.fence)
+
+
 def _limit_lock(project: str) -> str:
     """The SQL key of a project's limit lock (asyncplane_take_limits')."""
     return f"hashtextextended('asyncplane-limit:' || current_schema() || chr(1) || '{project}', 0)"
@@ -1141,14 +1154,7 @@ async def test_a_round_claiming_for_several_reaches_takes_their_limit_locks_in_o
     # waited for b. PostgreSQL broke the deadlock after a second, again and again: a
     # fleet's claims ran 70 times slower. Now the round takes a's lock before b's.
     async with ControlStore(url) as store:
-        for project in ("a", "b"):
-            await store.create_project(project, project.upper())
-            await store.set_limits(project, max_running=100)
-            await store.enqueue_many(project, [{"n": n} for n in range(3)])
-        for reach in ("b", None):  # this process learns both reaches are limited
-            claim = await store.claim("w", project_id=reach)
-            assert claim is not None
-            await store.finish(claim.item_id, fence=claim.fence)
+        await _two_limited_reaches_known(store)
         other_host = await asyncpg.connect(url)
         looking = await asyncpg.connect(url)
         try:
@@ -1181,14 +1187,7 @@ async def test_a_round_takes_its_reaches_limit_locks_after_the_finish_ahead_of_i
     # reach takes them the other way round, and another host's such round, holding the
     # hand-off lock and waiting for a's limit lock, deadlocked with this one.
     async with ControlStore(url) as store:
-        for project in ("a", "b"):
-            await store.create_project(project, project.upper())
-            await store.set_limits(project, max_running=100)
-            await store.enqueue_many(project, [{"n": n} for n in range(3)])
-        for reach in ("b", None):  # this process learns both reaches are limited
-            claim = await store.claim("w", project_id=reach)
-            assert claim is not None
-            await store.finish(claim.item_id, fence=claim.fence)
+        await _two_limited_reaches_known(store)
         await store.create_project("c", "C")
         twin = await store.enqueue("c", {"twin": 1}, fingerprint="x")
         running = await store.claim("w", project_id="c")
