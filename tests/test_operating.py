@@ -841,6 +841,43 @@ async def test_a_drop_the_store_fails_to_record_says_the_table_is_gone(
     assert (await store.counts())["ready"] == 1
 
 
+async def test_a_cancel_as_the_drop_runs_still_records_the_drop(
+    store: ControlStore, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The drop runs to its end on its thread, and the cancel came at the record's write,
+    # which was then never made: a table made again there was told apart by payload
+    # alone, and its row with the same payload was passed over.
+    import threading
+
+    from asyncplane import _import
+    from asyncplane._store import engine_of
+
+    source = source_table(
+        tmp_path / "cut.sqlite3", "CREATE TABLE q (k TEXT PRIMARY KEY, body TEXT)",
+        "INSERT INTO q VALUES (?, ?)", [("1", "{}")],
+    )  # fmt: skip
+    dropping, go_on = threading.Event(), threading.Event()
+    drops = _import._Watch.drop
+
+    def held_drop(self: Any, table: str) -> None:
+        dropping.set()
+        assert go_on.wait(60)
+        drops(self, table)
+
+    monkeypatch.setattr(_import._Watch, "drop", held_drop)
+    importing = asyncio.create_task(
+        store.import_pending(source, table="q", columns={"payload": "body", "key": "k"},
+                             project_id="alpha", drop_source=True)
+    )  # fmt: skip
+    await asyncio.to_thread(dropping.wait, 60)
+    importing.cancel()
+    go_on.set()
+    with pytest.raises(asyncio.CancelledError):
+        await importing
+    backend = await engine_of(store).ready()
+    assert await backend.source_dropped_up_to(f"{source}::q") == 1
+
+
 async def test_a_rerun_that_maps_another_column_passes_over_what_it_imported(
     store: ControlStore, tmp_path: pathlib.Path
 ) -> None:

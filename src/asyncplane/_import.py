@@ -27,6 +27,7 @@ quoted; values always travel as parameters.
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import dataclasses
 import hashlib
@@ -43,7 +44,16 @@ from typing import Any
 
 import anyio.to_thread
 
-from asyncplane import _backend, _connection, _engine, _errors, _models, _rules, _validate
+from asyncplane import (
+    _backend,
+    _connection,
+    _engine,
+    _errors,
+    _models,
+    _rules,
+    _tasks,
+    _validate,
+)
 
 __all__ = ("FIELDS", "ImportSummary", "check_request", "import_pending")
 
@@ -220,19 +230,28 @@ async def _import(
                 f"payload cannot be told from it: {table} was not dropped. Look at it, and "
                 "drop it yourself"
             )
-        await anyio.to_thread.run_sync(watch.drop, table)
-        # Said once dropped: a row of a table made again since, under a key recorded
-        # now, is another row, whatever it holds (a record before a drop that failed
-        # would have every row of a table still there imported again).
-        try:
-            await backend.record_source_dropped(name)
-        except _errors.StorageError as exc:
-            raise _errors.StorageError(
-                f"{table} was dropped, every row imported, but the store failed as it "
-                f"recorded the drop ({exc}): a table made there again will be told from "
-                "the one dropped by its rows' payloads alone"
-            ) from exc
+        # The drop, then its record, each to its end: a cancel that comes meanwhile is
+        # raised after (the record said after the drop: a table made again since, under
+        # a key recorded now, is another row, whatever it holds).
+        _, cancelled = await _tasks.to_the_end(
+            _drop(backend, watch, table, name), "asyncplane-import-drop"
+        )
+        if cancelled:
+            raise asyncio.CancelledError
     return ImportSummary(name, imported, skipped, left, watch is not None, outcomes["changed"])
+
+
+async def _drop(backend: _backend.Backend, watch: _Watch, table: str, name: str) -> None:
+    """Drop the source table, then record that an import dropped it."""
+    await anyio.to_thread.run_sync(watch.drop, table)
+    try:
+        await backend.record_source_dropped(name)
+    except _errors.StorageError as exc:
+        raise _errors.StorageError(
+            f"{table} was dropped, every row imported, but the store failed as it "
+            f"recorded the drop ({exc}): a table made there again will be told from the "
+            "one dropped by its rows' payloads alone"
+        ) from exc
 
 
 def check_request(
