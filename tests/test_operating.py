@@ -388,6 +388,15 @@ def litequeue_like(path: pathlib.Path) -> None:
     conn.close()
 
 
+def keyed_source(path: pathlib.Path, rows: list[tuple[str, str]]) -> pathlib.Path:
+    """A source table ``q`` of (key, body) rows at ``path``: import with
+    ``columns={"payload": "body", "key": "k"}``."""
+    return source_table(path, KEYED_TABLE, "INSERT INTO q VALUES (?, ?)", rows)
+
+
+KEYED_TABLE = "CREATE TABLE q (k TEXT PRIMARY KEY, body TEXT)"
+
+
 def source_table(path: pathlib.Path, create: str, insert: str, rows: list[Any]) -> pathlib.Path:
     """A SQLite file at ``path`` with one table, made by ``create`` and filled with ``rows``
     by ``insert``: an import's source."""
@@ -751,7 +760,7 @@ async def test_a_row_of_a_table_made_again_after_a_drop_is_imported_whatever_it_
 ) -> None:
     # A periodic job's row, the same payload under the same key in the table made again
     # after the import dropped it: passed over as imported before, and dropped, unrun.
-    create = "CREATE TABLE q (k TEXT PRIMARY KEY, body TEXT)"
+    create = KEYED_TABLE
     insert = "INSERT INTO q VALUES (?, ?)"
     source = source_table(tmp_path / "daily.sqlite3", create, insert, [("1", '{"job": 0}')])
     columns = {"payload": "body", "key": "k"}
@@ -784,10 +793,9 @@ async def test_an_import_whose_source_another_import_dropped_meanwhile_imports_n
 
     from asyncplane import _import
 
-    source = source_table(
-        tmp_path / "both.sqlite3", "CREATE TABLE q (k TEXT PRIMARY KEY, body TEXT)",
-        "INSERT INTO q VALUES (?, ?)", [(str(n), json.dumps({"n": n})) for n in range(3)],
-    )  # fmt: skip
+    source = keyed_source(
+        tmp_path / "both.sqlite3", [(str(n), json.dumps({"n": n})) for n in range(3)]
+    )
     columns = {"payload": "body", "key": "k"}
     read, go_on = threading.Event(), threading.Event()
     reads = _import._read_chunk
@@ -823,10 +831,7 @@ async def test_a_drop_the_store_fails_to_record_says_the_table_is_gone(
     from asyncplane import StorageError
     from asyncplane._store import engine_of
 
-    source = source_table(
-        tmp_path / "gone.sqlite3", "CREATE TABLE q (k TEXT PRIMARY KEY, body TEXT)",
-        "INSERT INTO q VALUES (?, ?)", [("1", "{}")],
-    )  # fmt: skip
+    source = keyed_source(tmp_path / "gone.sqlite3", [("1", "{}")])
     backend = await engine_of(store).ready()
 
     async def fails(source: str) -> None:
@@ -852,10 +857,7 @@ async def test_a_cancel_as_the_drop_runs_still_records_the_drop(
     from asyncplane import _import
     from asyncplane._store import engine_of
 
-    source = source_table(
-        tmp_path / "cut.sqlite3", "CREATE TABLE q (k TEXT PRIMARY KEY, body TEXT)",
-        "INSERT INTO q VALUES (?, ?)", [("1", "{}")],
-    )  # fmt: skip
+    source = keyed_source(tmp_path / "cut.sqlite3", [("1", "{}")])
     dropping, go_on = threading.Event(), threading.Event()
     drops = _import._Watch.drop
 
@@ -900,10 +902,7 @@ async def test_an_import_recorded_before_contents_were_passes_over_by_key(
 ) -> None:
     # A record from before a digest was kept (an earlier release's) says nothing of the
     # content: its key is passed over, as that release did, and the record stays as it is.
-    source = source_table(
-        tmp_path / "legacy.sqlite3", "CREATE TABLE q (k TEXT PRIMARY KEY, body TEXT)",
-        "INSERT INTO q VALUES (?, ?)", [("a", '{"v": 1}'), ("b", '{"v": 2}')],
-    )  # fmt: skip
+    source = keyed_source(tmp_path / "legacy.sqlite3", [("a", '{"v": 1}'), ("b", '{"v": 2}')])
     columns = {"payload": "body", "key": "k"}
     await store.import_pending(source, table="q", columns=columns, project_id="alpha")
     raw.execute("UPDATE imports SET digest = NULL WHERE source_key = ?", ("a",))
@@ -923,10 +922,7 @@ def test_a_store_of_the_previous_version_keeps_its_import_records(
     # Migration 13 adds the digest to a version-12 store's records, empty: their keys
     # are passed over as before.
     path = tmp_path / "v12.db"
-    source = source_table(
-        tmp_path / "q.sqlite3", "CREATE TABLE q (k TEXT PRIMARY KEY, body TEXT)",
-        "INSERT INTO q VALUES (?, ?)", [("a", '{"v": 1}')],
-    )  # fmt: skip
+    source = keyed_source(tmp_path / "q.sqlite3", [("a", '{"v": 1}')])
     with contextlib.closing(sqlite3.connect(path, isolation_level=None)) as conn:
         for script in sql.MIGRATIONS[:12]:
             for statement in _sqlite._statements(script):
