@@ -13,10 +13,12 @@ import os
 import pathlib
 import re
 import shutil
+import socket
 import sqlite3
 import subprocess
 import sys
 import tempfile
+import time
 import types
 import urllib.parse
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
@@ -441,6 +443,51 @@ def test_the_reaper_leaves_what_it_cannot_stop_or_judge(tmp_path: pathlib.Path) 
         shutil.rmtree(elsewhere, ignore_errors=True)
     versions = ["/usr/lib/postgresql/9.6/bin/initdb", "/usr/lib/postgresql/15/bin/initdb"]
     assert sorted(versions, key=testing._version)[-1] == versions[1]  # 15, not 9.6
+
+
+def test_a_cluster_another_namespace_left_is_reaped_once_no_server_answers() -> None:
+    # A removed container's cluster (another pid namespace, its server gone with it) was
+    # never reaped: about 40 MB of the shared temporary directory each time.
+    root = pathlib.Path(tempfile.gettempdir())
+    long_ago = time.time() - 2 * testing._GRACE_ELSEWHERE
+
+    def made_elsewhere(*, at: float) -> pathlib.Path:
+        made = pathlib.Path(tempfile.mkdtemp(prefix=testing._PREFIX, dir=root))
+        (made / testing._OWNER).write_text("999999999 1")
+        (made / testing._NAMESPACE).write_text("pid:[1]")
+        os.utime(made / testing._NAMESPACE, (at, at))
+        return made
+
+    gone = made_elsewhere(at=long_ago)  # no socket: its server never ran, or ran elsewhere
+    stale = made_elsewhere(at=long_ago)
+    with socket.socket(socket.AF_UNIX) as listener:  # a socket file whose server is gone
+        listener.bind(str(stale / ".s.PGSQL.5432"))
+    young = made_elsewhere(at=time.time())  # its maker may still be in initdb
+    with testing.PostgresCluster() as live:
+        # A server that answers, though its cluster says it was made elsewhere long ago.
+        namespace = live.socket_dir / testing._NAMESPACE
+        own = namespace.read_text()
+        namespace.write_text("pid:[1]")
+        os.utime(namespace, (long_ago, long_ago))
+        try:
+            testing._reap_orphans()
+            assert not gone.exists() and not stale.exists()
+            assert (young / testing._OWNER).exists()
+            assert (live.socket_dir / "data" / "postmaster.pid").exists()
+        finally:
+            namespace.write_text(own)
+            shutil.rmtree(young, ignore_errors=True)
+            shutil.rmtree(gone, ignore_errors=True)
+            shutil.rmtree(stale, ignore_errors=True)
+        assert asyncio.run(_answers(live.url()))
+
+
+async def _answers(url: str) -> bool:
+    conn = await asyncpg.connect(url)
+    try:
+        return bool(await conn.fetchval("SELECT true"))
+    finally:
+        await conn.close()
 
 
 def _running(pid: int) -> bool:

@@ -32,10 +32,12 @@ import pathlib
 import re
 import shlex
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
 import threading
+import time
 import types
 import urllib.parse
 
@@ -344,11 +346,47 @@ def _reap_orphans() -> None:
             continue  # not ours to judge (another user's, or its maker is still writing)
         with contextlib.suppress(OSError):  # (none: an earlier release's, taken for ours)
             if (root / _NAMESPACE).read_text() != _pid_namespace():
-                continue  # made in another pid namespace: its pid cannot be looked up here
+                # Made in another pid namespace: its pid cannot be looked up here, nor its
+                # server stopped (pg_ctl would signal whatever process has that pid here).
+                if _left_elsewhere(root):
+                    shutil.rmtree(root, ignore_errors=True)
+                continue
         if _process_identity(pid) == owner:
             continue  # its maker still runs
         with contextlib.suppress(OSError, subprocess.SubprocessError, RuntimeError):
             _remove_cluster(root, _run_as())
+
+
+#: How long a cluster made in another pid namespace is left alone though no server answers
+#: on its socket: its maker may still be running initdb.
+_GRACE_ELSEWHERE = 3600.0
+
+
+def _left_elsewhere(root: pathlib.Path) -> bool:
+    """Whether a cluster made in another pid namespace was left behind (a removed
+    container's): made over an hour ago, and no server answers on its socket."""
+    try:
+        made = (root / _NAMESPACE).stat().st_mtime
+        sockets = [
+            entry.path
+            for entry in os.scandir(root)
+            if entry.name.startswith(".s.PGSQL.") and not entry.name.endswith(".lock")
+        ]
+    except OSError:
+        return False  # not ours to look into
+    if time.time() - made < _GRACE_ELSEWHERE:
+        return False
+    for path in sockets:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+            probe.settimeout(5.0)
+            try:
+                probe.connect(path)
+            except (ConnectionRefusedError, FileNotFoundError):
+                continue  # a socket file its server, now gone, left
+            except OSError:
+                return False  # cannot tell: leave it
+            return False  # a server answers: in use
+    return True
 
 
 def _version(initdb: str) -> tuple[int, ...]:
