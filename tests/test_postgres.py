@@ -3264,3 +3264,82 @@ async def test_reads_queued_while_the_store_closes_hear_it_closed(
         failed = [r for r in results if isinstance(r, BaseException)]
         assert failed, "every read was served: the test no longer queues one"
         assert all(type(r) is StoreClosed for r in failed), failed
+
+
+# --- found in a hunt: an unassignment racing an actor's write ------------------------------
+
+_BLOCKERS = {
+    # What holds the write up after its scope check: its event (a write of several
+    # statements), or its item's row (one that waits in its UPDATE).
+    "events": "LOCK TABLE events IN SHARE MODE",
+    "item": "SELECT 1 FROM items WHERE item_id = $1 FOR UPDATE",
+}
+
+
+@pytest.mark.parametrize(
+    ("write", "blocker"),
+    [
+        ("enqueue", "events"),
+        ("claim", "events"),
+        ("cancel", "item"),
+        ("cancel_where", "item"),
+        ("finish", "item"),
+        ("renew", "item"),
+    ],
+)
+async def test_unassign_waits_for_an_actor_write_that_passed_its_scope_check(
+    url: str, write: str, blocker: str
+) -> None:
+    # The scope check read the assignment plainly: an actor's write that passed it and then
+    # waited (on a row lock, say) committed after unassign() had returned, in the name of
+    # an actor no longer assigned.
+    async with ControlStore(url) as store, ControlStore(url) as operator:
+        await store.create_project("alpha", "A")
+        await store.create_project("beta", "B")
+        await store.assign("alpha", "a1")
+        await store.assign("beta", "a1")
+        item = await store.enqueue("alpha", {"n": 1})
+        claim = await store.claim("w", actor_id="a1") if write in ("finish", "renew") else None
+        writes: dict[str, Callable[[], Awaitable[Any]]] = {
+            "enqueue": lambda: store.enqueue("alpha", {"n": 2}, actor_id="a1"),
+            # Two reaches in one round: the claim of several statements (one reach alone
+            # is a single statement, held up before it reads anything).
+            "claim": lambda: asyncio.gather(
+                store.claim("w", actor_id="a1", project_id="alpha"),
+                store.claim("w2", actor_id="a1", project_id="beta"),
+            ),
+            "cancel": lambda: store.cancel(item, actor_id="a1"),
+            "cancel_where": lambda: store.cancel_where(state="ready", actor_id="a1"),
+            "finish": lambda: store.finish(item, fence=claim.fence, actor_id="a1"),  # type: ignore[union-attr]
+            "renew": lambda: store.renew(item, fence=claim.fence, actor_id="a1"),  # type: ignore[union-attr]
+        }
+        holder = await asyncpg.connect(url)
+        try:
+            held = holder.transaction()
+            await held.start()
+            await holder.execute(_BLOCKERS[blocker], *((item,) if blocker == "item" else ()))
+
+            async def waiting(count: int) -> bool:
+                return bool(
+                    await holder.fetchval(
+                        "SELECT count(*) >= $1 FROM pg_stat_activity "
+                        "WHERE wait_event_type = 'Lock' AND datname = current_database()",
+                        count,
+                    )
+                )
+
+            writing = asyncio.ensure_future(writes[write]())
+            await until(lambda: waiting(1), what="the write held up after its check")
+            unassigning = asyncio.ensure_future(operator.unassign("alpha", "a1"))
+            await until(
+                lambda: unassigning.done() or waiting(2), what="the unassign done, or waiting"
+            )
+            returned_first = unassigning.done()
+            await held.commit()
+            await writing
+            await unassigning
+        finally:
+            await holder.close()
+        assert not returned_first  # it waited for the write, which committed first
+        assert await operator.visible_projects("a1") == ["beta"]
+        assert await verify_ledger(store) == []

@@ -1069,7 +1069,14 @@ UNASSIGN: Final = "DELETE FROM assignments WHERE actor_id = $1 AND project_id = 
 VISIBLE_PROJECTS: Final = (
     'SELECT project_id FROM assignments WHERE actor_id = $1 ORDER BY project_id COLLATE "C"'
 )
-IS_ASSIGNED: Final = "SELECT 1 FROM assignments WHERE actor_id = $1 AND project_id = $2"
+# A write in an actor's name holds the assignment rows its scope check read (KEY SHARE) to
+# its commit: unassign()'s DELETE then waits for a write that passed the check, and a
+# write that comes after it finds the row gone. (Read plainly, an actor's write that
+# checked before an unassign, then waited on a row lock, committed after it returned.)
+# Reads check plainly: a read-only connection cannot lock.
+IS_ASSIGNED: Final = (
+    "SELECT 1 FROM assignments WHERE actor_id = $1 AND project_id = $2 FOR KEY SHARE"
+)
 
 # --- items -----------------------------------------------------------------------------
 
@@ -1226,8 +1233,8 @@ WITH claiming AS (SELECT {_CLAIMING}),
 open_reach AS (
     SELECT project_id FROM projects CROSS JOIN claiming
     WHERE status = 'open' AND ($1::text IS NULL OR project_id = $1::text)
-      AND ($2::text IS NULL
-           OR project_id IN (SELECT project_id FROM assignments WHERE actor_id = $2::text))),
+      AND ($2::text IS NULL OR project_id IN (
+               SELECT project_id FROM assignments WHERE actor_id = $2::text FOR KEY SHARE))),
 reach AS (
     SELECT project_id,
            ($7::bigint[])[array_position($6::text[], project_id)] AS room
@@ -1288,8 +1295,8 @@ WITH claiming AS (SELECT pg_try_advisory_xact_lock_shared({_LIMITS_KEY}) AS got)
 reach AS (
     SELECT project_id FROM projects CROSS JOIN claiming
     WHERE claiming.got AND status = 'open' AND ($1::text IS NULL OR project_id = $1::text)
-      AND ($2::text IS NULL
-           OR project_id IN (SELECT project_id FROM assignments WHERE actor_id = $2::text))),
+      AND ($2::text IS NULL OR project_id IN (
+               SELECT project_id FROM assignments WHERE actor_id = $2::text FOR KEY SHARE))),
 plain AS (
     SELECT reach.project_id FROM reach
     WHERE (SELECT count(*) FROM reach) = 1
@@ -1470,8 +1477,8 @@ WHERE item_id = $3 AND state = 'claimed' AND fence = $4
 RENEW: Final = """
 UPDATE items SET lease_expires_at = $1, updated_at = $2
 WHERE item_id = $3 AND state = 'claimed' AND fence = $4
-  AND ($5::text IS NULL
-       OR project_id IN (SELECT project_id FROM assignments WHERE actor_id = $5::text))
+  AND ($5::text IS NULL OR project_id IN (
+           SELECT project_id FROM assignments WHERE actor_id = $5::text FOR KEY SHARE))
 RETURNING lease_expires_at
 """
 
@@ -1483,8 +1490,8 @@ RETURNING lease_expires_at
 
 _SETTLE_GUARD = """
 WHERE item_id = $1 AND fence = $2 AND state IN ('claimed', 'offloaded')
-  AND ($3::text IS NULL
-       OR project_id IN (SELECT project_id FROM assignments WHERE actor_id = $3::text))
+  AND ($3::text IS NULL OR project_id IN (
+           SELECT project_id FROM assignments WHERE actor_id = $3::text FOR KEY SHARE))
 """
 _SETTLED = "RETURNING owner, project_id, fingerprint, attempts, max_attempts, state"
 SETTLE_FAILED: Final = f"""
@@ -1535,7 +1542,8 @@ settled AS (
       AND items.fence = a.fence
       AND items.state IN ('claimed', 'offloaded')
       AND (a.actor_id IS NULL OR items.project_id IN (
-               SELECT project_id FROM assignments WHERE actor_id = a.actor_id))
+               SELECT project_id FROM assignments WHERE actor_id = a.actor_id
+               FOR KEY SHARE))
     RETURNING items.item_id, items.owner, items.project_id, items.fingerprint, items.state,
               a.fence, a.actor_id, a.detail, a.result, a.twin_detail),
 logged AS (
@@ -1744,7 +1752,15 @@ FROM items WHERE item_id = $2
 """
 # The same, locking the row for the rest of the transaction: a cancel or a requeue
 # decides on what it read, so nothing may change it in between.
-TARGET_ITEM: Final = DIAGNOSE_ITEM.rstrip() + " FOR UPDATE OF items\n"
+# (Its assignment held, as IS_ASSIGNED's.)
+TARGET_ITEM: Final = """
+SELECT state, fence,
+       EXISTS (SELECT 1 FROM assignments AS a
+               WHERE a.actor_id = $1 AND a.project_id = items.project_id
+               FOR KEY SHARE) AS in_scope,
+       error
+FROM items WHERE item_id = $2 FOR UPDATE OF items
+"""
 
 # --- operating single items ---------------------------------------------------------------
 # As on SQLite (see its SQL): `asyncplane._rules` decides, these write it.
@@ -1817,11 +1833,16 @@ def list_items(states: tuple[str, ...], project: bool, newest: bool, payload: bo
 
 # A chunk's rows, locked, as they are once locked: a row another transaction changed in
 # between is read again, and left out if the filter no longer takes it. ($13: the ids)
+# (The actor's assignments held, as IS_ASSIGNED's.)
+_HELD_FILTERS = _LIST_FILTERS.replace(
+    "WHERE actor_id = $9)", "WHERE actor_id = $9 FOR KEY SHARE)"
+)
+assert _HELD_FILTERS != _LIST_FILTERS
 LOCK_CHUNK: Final = f"""
 SELECT item_id, state, fence FROM items
 WHERE item_id = ANY($13::bigint[]) AND state = ANY($12::text[])
   AND ($1::text IS NULL OR project_id = $1) AND $10::bigint IS NOT NULL
-  AND $11::bigint IS NOT NULL {_LIST_FILTERS}
+  AND $11::bigint IS NOT NULL {_HELD_FILTERS}
 ORDER BY item_id FOR UPDATE
 """
 
