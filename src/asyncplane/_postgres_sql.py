@@ -1834,9 +1834,7 @@ def list_items(states: tuple[str, ...], project: bool, newest: bool, payload: bo
 # A chunk's rows, locked, as they are once locked: a row another transaction changed in
 # between is read again, and left out if the filter no longer takes it. ($13: the ids)
 # (The actor's assignments held, as IS_ASSIGNED's.)
-_HELD_FILTERS = _LIST_FILTERS.replace(
-    "WHERE actor_id = $9)", "WHERE actor_id = $9 FOR KEY SHARE)"
-)
+_HELD_FILTERS = _LIST_FILTERS.replace("WHERE actor_id = $9)", "WHERE actor_id = $9 FOR KEY SHARE)")
 assert _HELD_FILTERS != _LIST_FILTERS
 LOCK_CHUNK: Final = f"""
 SELECT item_id, state, fence FROM items
