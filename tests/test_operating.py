@@ -16,10 +16,12 @@ import sqlite3
 import subprocess
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
 
+from _signals import until
 from asyncplane import (
     ArchiveError,
     ClaimedItem,
@@ -28,6 +30,7 @@ from asyncplane import (
     ImportSummary,
     InvalidInput,
     InvalidPayload,
+    InvalidType,
     Outcome,
     ReadOnlyStore,
     UnknownProject,
@@ -261,6 +264,105 @@ async def test_a_purge_never_replaces_the_older_generation_another_made_beside_i
     kept = archived_ids(older) + archived_ids(archive)
     gone = set(ids) - {item["item_id"] for item in await store.items(limit=100)}
     assert gone <= set(kept), sorted(gone - set(kept))  # every item deleted is archived
+
+
+class _OtherPurgeFirst:
+    """A store's backend whose first read of candidates waits while another purge runs
+    to its end (rotating the archive), as a purge does that waits for the lock."""
+
+    def __init__(self, backend: Any, other: Callable[[], Awaitable[Any]]) -> None:
+        self._backend, self._other, self.ran = backend, other, False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._backend, name)
+
+    async def purge_candidates(self, *args: Any) -> Any:
+        found = await self._backend.purge_candidates(*args)
+        if not self.ran:
+            self.ran = True
+            await self._other()
+        return found
+
+
+async def test_a_purge_never_replaces_a_generation_made_while_it_read_its_first_chunk(
+    asyncplane_store_factory: Any, clock: ManualClock, tmp_path: pathlib.Path
+) -> None:
+    # A purge took the moment it began only in its first locked section: one called
+    # before another purge rotated, reading and waiting meanwhile, took that .1 for one
+    # made before it began, and rotated over it (the generation before both, lost).
+    store: ControlStore = await asyncplane_store_factory(archive_max_mb=0.001)  # ~1 KiB
+    await store.create_project("p", "P")
+    await settle(store, "p", 40)
+    clock.advance(10)
+    archive = store.archive_path
+    assert archive is not None
+    original = '{"archived_at": "ORIGINAL' + "x" * 2000 + '"}\n'
+    archive.write_text(original)  # due to rotate
+    older = archive.with_name(archive.name + ".1")
+    scratch = tmp_path / "tick"
+
+    async def the_other_purge() -> None:
+        assert (await store.purge(0, chunk=4)).purged > 0
+        assert older.read_text() == original  # it rotated: the generation before, now .1
+
+        def file_clock_moved_on() -> bool:  # past the .1's stamp (coarse: a few ms)
+            scratch.touch()
+            return scratch.stat().st_mtime > older.stat().st_mtime
+
+        await until(file_clock_moved_on, what="the file system's clock past the rotation")
+
+    engine = await store._engine.ready()
+    this = await _retention.purge(
+        _OtherPurgeFirst(engine, the_other_purge), store.clock, 0.0, chunk=4,
+        archive_path=archive, archive_max_bytes=1024,
+    )  # fmt: skip
+    assert this.archive_full
+    assert older.read_text() == original  # kept: made since this purge began
+
+
+async def test_a_purge_cancelled_while_it_waits_for_the_archive_lock_stops_waiting(
+    store: ControlStore, clock: ManualClock
+) -> None:
+    # The wait for the lock was inside the section that runs to its end: an operator's
+    # flock (moving the .1 aside), or a child that inherited one, held a purge, and the
+    # drain() round around it, past every cancel until it let go.
+    import fcntl
+
+    await settle(store, "alpha", 2)
+    clock.advance(10)
+    archive = store.archive_path
+    assert archive is not None
+    fd = os.open(archive.with_name(archive.name + ".lock"), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        purging = asyncio.create_task(store.purge(0))
+
+        def in_the_section() -> bool:
+            return any(t.get_name() == "asyncplane-purge-archive" for t in asyncio.all_tasks())
+
+        await until(in_the_section, what="the purge waiting for the archive's lock")
+        purging.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(asyncio.shield(purging), 30)
+    finally:
+        os.close(fd)  # (the purge of the code before waited for this)
+        with contextlib.suppress(asyncio.CancelledError):
+            await purging
+    assert not archive.exists() or archived_ids(archive) == []  # gave up having written nothing
+    assert (await store.counts())["done"] == 2
+    assert (await store.purge(0)).purged == 2  # and the lock is free again
+
+
+async def test_purge_checks_its_arguments_before_the_store_is_made(tmp_path: pathlib.Path) -> None:
+    # The store was opened (made, or migrated) first, then a bad chunk refused.
+    where = tmp_path / "new"
+    where.mkdir()
+    store = ControlStore(where / "w.db")
+    for bad in ({"chunk": 0}, {"chunk": True}, {"progress": "x"}):
+        with pytest.raises((InvalidInput, InvalidType)):
+            await store.purge(1, **bad)
+    assert list(where.iterdir()) == []
+    await store.close()
 
 
 async def test_a_purge_that_rotated_never_rotates_again_whatever_the_clocks_say(

@@ -15,12 +15,16 @@ another purge running beside it), which no one could have moved aside yet: where
 next chunk would, it stops there and says so (``archive_full``); the items left stay in
 the store for the next purge. Its own rotation it remembers; another's it tells by the
 ``.1``'s modification time, which a rotation stamps, against the moment the purge began
-as the same file system stamped it (on the archive's lock file, under the lock), so
-neither clock steps here nor a file server's clock matter.
+as the same file system stamped it (on the archive's lock file, before its first read:
+a purge that stamped only once it had the lock took a ``.1`` another made while it read
+and waited for one made before it began), so neither clock steps here nor a file
+server's clock matter.
 
 Appends and rotation happen under an exclusive lock on ``<archive>.lock``, on a worker
 thread, so two purgers never interleave lines and the event loop never waits for the
-disk.
+disk. A purge cancelled while it waits for the lock (another purge's, or an operator's
+``flock`` while moving the ``.1`` aside) stops waiting, having written nothing; once it
+has the lock, its append runs to its end.
 
 Each archive line is one JSON object: ``{"archived_at": ..., "item": {...},
 "events": [...]}``, with the item and its events much as `ControlStore.item` and
@@ -49,6 +53,7 @@ import logging
 import os
 import stat
 import sys
+import threading
 import time
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import TYPE_CHECKING, Any
@@ -120,7 +125,7 @@ async def purge(
     """Archive, then delete, settled items older than ``retention_seconds``."""
     backend.writable()  # a store that cannot delete must not append to the archive either
     cutoff = clock.now() - retention_seconds
-    rotation = _Rotation()
+    rotation = _Rotation(began=await _began(archive_path))
     purged = chunks = 0
     after = _backend.PURGE_START
     full = False
@@ -186,13 +191,37 @@ async def _archived(
     stopped, and a lock let go under a thread still appending would let another purge
     write, or cut a "torn" end, beside it. (``while_locked``: a test's stop inside the
     section.)"""
+    given_up = threading.Event()  # set by a cancel: a wait for the lock stops
     archived, cancelled = await _tasks.to_the_end(
-        _locked_section(backend, path, found, max_bytes, while_locked, rotation),
+        _locked_section(backend, path, found, max_bytes, while_locked, rotation, given_up),
         "asyncplane-purge-archive",
+        on_cancel=given_up.set,
     )
     if cancelled:
-        raise asyncio.CancelledError  # archived, not deleted: the next purge does it
+        raise asyncio.CancelledError  # archived (or not, if it gave up), never deleted
     return archived
+
+
+async def _began(path: pathlib.Path) -> float | None:
+    """The moment a purge begins, as the archive's file system stamps it (None where the
+    lock file cannot be opened: the first locked section stamps it, or says why not)."""
+    import anyio.to_thread
+
+    def stamp() -> float | None:
+        try:
+            fd = os.open(_lock_path(path), os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError:
+            return None
+        try:
+            return _stamped_now(fd)
+        finally:
+            os.close(fd)
+
+    return await anyio.to_thread.run_sync(stamp)
+
+
+def _lock_path(path: pathlib.Path) -> pathlib.Path:
+    return path.with_name(path.name + ".lock")
 
 
 async def _locked_section(
@@ -202,20 +231,23 @@ async def _locked_section(
     max_bytes: int,
     while_locked: Callable[[], Coroutine[Any, Any, None]] | None,
     rotation: _Rotation | None,
+    given_up: threading.Event,
 ) -> tuple[_backend.Archived, ...]:
     """The lock, the look again and the append, all held by one worker thread, which
     alone opens and closes the lock's descriptor: however the awaiting task ends (a
     cancellation, the event loop's own shutdown), the lock goes only once that thread is
-    done with the archive. The look is the store's, called back on the event loop."""
+    done with the archive. The look is the store's, called back on the event loop.
+    Nothing, once ``given_up`` is set before the lock was had."""
     import anyio.from_thread  # on first use, as a store's connections do
     import anyio.to_thread
 
     read = tuple(_backend.Archived(item.item_id, item.fence, item.updated_at) for item, _ in found)
 
     def section() -> tuple[_backend.Archived, ...]:
-        fd = os.open(path.with_name(path.name + ".lock"), os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(_lock_path(path), os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            _lock(fd)
+            if not _lock(fd, given_up):
+                return ()
             if rotation is not None and rotation.began is None:
                 rotation.began = _stamped_now(fd)
             standing = anyio.from_thread.run(backend.standing_as_archived, read)
@@ -431,16 +463,36 @@ def _cut_torn_end(path: pathlib.Path) -> None:
 _TAIL_STEP = 1 << 16
 
 
-def _lock(fd: int) -> None:
-    """Take the archive's lock on ``fd`` (a worker thread may wait; the loop does not)."""
+#: How often a purge waiting for the archive's lock tries it again (and looks whether it
+#: was given up): a lock waited for in the kernel could not be given up.
+_LOCK_LOOK_SECONDS = 0.02
+
+
+def _lock(fd: int, given_up: threading.Event) -> bool:
+    """Take the archive's lock on ``fd`` (a worker thread may wait; the loop does not);
+    False, without it, once ``given_up`` is set."""
+    while not _try_lock(fd):
+        if given_up.wait(_LOCK_LOOK_SECONDS):
+            return False
+    return True
+
+
+def _try_lock(fd: int) -> bool:
     if sys.platform == "win32":  # pragma: no cover - Windows only
         import msvcrt
 
-        msvcrt.locking(fd, msvcrt.LK_LOCK, 1)
-    else:
-        import fcntl
+        try:
+            msvcrt.locking(fd, msvcrt.LK_NBLCK, 1)
+        except OSError:
+            return False
+        return True
+    import fcntl
 
-        fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
 
 
 def _fsync_directory(directory: pathlib.Path) -> None:

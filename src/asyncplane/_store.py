@@ -1157,14 +1157,16 @@ class ControlStore:
             raise _errors.InvalidInput(
                 "a PostgreSQL store has no file to put its archive beside: pass archive_path"
             )
+        size = self._purge_chunk if chunk is None else _validate.positive_int(chunk, "chunk")
+        told = _validate.callback(progress, "progress")
         return await _retention.purge(
-            await self._engine.ready(),
+            await self._engine.ready(),  # once every argument is checked: it may create
             self._engine.clock,
             seconds,
-            chunk=self._purge_chunk if chunk is None else _validate.positive_int(chunk, "chunk"),
+            chunk=size,
             archive_path=target,
             archive_max_bytes=self._archive_max_bytes,
-            progress=_validate.callback(progress, "progress"),
+            progress=told,
         )
 
     async def import_pending(

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
-from collections.abc import Awaitable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
 __all__ = ("detached", "stop", "to_the_end", "within")
@@ -35,14 +35,18 @@ def detached(
     return contextvars.Context().run(loop.create_task, work, name=name)
 
 
-async def to_the_end(work: Awaitable[T], name: str) -> tuple[T, bool]:
+async def to_the_end(
+    work: Awaitable[T], name: str, *, on_cancel: Callable[[], object] | None = None
+) -> tuple[T, bool]:
     """Await ``work`` to its end whatever cancellations arrive meanwhile.
 
     Returns its result, and whether a cancellation arrived (the caller re-raises it once
     the work is saved). Work that fails after a cancellation arrived raises
     CancelledError, its error as the cause: the cancellation is never lost to it.
     asyncio.shield alone is not enough: a cancel scope (anyio) cancels again at every
-    await, and the shielded work would be left running unattended.
+    await, and the shielded work would be left running unattended. ``on_cancel`` is
+    called as each cancellation arrives (to tell work that may still give up, having
+    written nothing, that it should).
     """
     task = asyncio.ensure_future(work)
     if isinstance(task, asyncio.Task):
@@ -60,6 +64,8 @@ async def to_the_end(work: Awaitable[T], name: str) -> tuple[T, bool]:
                     raise asyncio.CancelledError from failed
                 return task.result(), True
             cancelled = True
+            if on_cancel is not None:
+                on_cancel()
         except BaseException as failed:  # the work's own error
             if cancelled:
                 raise asyncio.CancelledError from failed
