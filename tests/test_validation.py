@@ -197,6 +197,9 @@ def test_constructor_refuses_bad_options(tmp_path: Any) -> None:
         ControlStore(42)  # type: ignore[arg-type]
     with pytest.raises(InvalidInput):
         ControlStore(tmp_path / "x.db", max_payload_bytes=0)
+    with pytest.raises(InvalidInput, match="at least a byte"):  # it came to 0: every append rotated
+        ControlStore(tmp_path / "x.db", archive_max_mb=1e-9)
+    assert ControlStore(tmp_path / "x.db", archive_max_mb=1 / 1024 / 1024) is not None
 
 
 def test_construction_does_no_io(tmp_path: Any) -> None:

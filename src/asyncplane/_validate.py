@@ -597,10 +597,13 @@ def callback(value: object, what: str) -> Any:
 
 
 def megabytes(value: object, what: str) -> int:
-    """A positive size in MiB (int or float), returned in bytes."""
+    """A positive size in MiB (int or float), returned in bytes (at least one: a size
+    that came to none would rotate the archive at every append)."""
     number = _number(value, what, "a number of MiB")
-    if not math.isfinite(number) or not 0 < number <= 1024 * 1024:
-        raise _errors.InvalidInput(f"{what} must be a positive number of MiB, got {shown(value)}")
+    if not math.isfinite(number) or not 1 <= number * 1024 * 1024 <= 1024**4:
+        raise _errors.InvalidInput(
+            f"{what} must be a positive number of MiB (at least a byte), got {shown(value)}"
+        )
     return int(number * 1024 * 1024)
 
 
