@@ -20,6 +20,7 @@ from asyncplane import (
     InvalidInput,
     StorageError,
     _copy,
+    _store,
     copy_store,
     testing,
     verify_ledger,
@@ -130,6 +131,24 @@ async def test_a_copy_carries_every_item_with_its_history(
     assert again is not None and again.item_id == marks["taken"] and again.fence == 3
     # New work gets new ids, above every copied one.
     assert await destination.enqueue("p", {"new": True}) > marks["last"] + 1
+
+
+@pytest.mark.sqlite_only  # (a PostgreSQL store never held such a key)
+async def test_a_store_holding_an_import_key_no_store_takes_now_is_refused_before_copying(
+    asyncplane_store: ControlStore, other_store: Any
+) -> None:
+    # An earlier release's SQLite import remembered any key: its copy to PostgreSQL
+    # failed on the records after every item had gone across, and so did every rerun.
+    source = asyncplane_store
+    await source.create_project("p", "P")
+    await source.enqueue("p", {"n": 1})
+    engine = await _store.engine_of(source).ready()
+    await engine.copy_imports((("old.sqlite3::q", "k" * 3000, 1, 0.0, None),))
+    destination: ControlStore = await other_store()
+    with pytest.raises(InvalidInput, match="nothing was copied: the import record"):
+        await copy_store(source, destination)
+    assert await destination.projects() == []
+    assert sum((await destination.counts()).values()) == 0
 
 
 async def test_a_second_copy_copies_nothing_twice(

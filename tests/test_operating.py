@@ -1808,6 +1808,25 @@ async def test_cli_reads_a_store_another_process_has_open(tmp_path: pathlib.Path
     assert done.returncode == 2 and "another application's database" in done.stderr
 
 
+@pytest.mark.parametrize("key", ["k" * 1025, "é" * 513, "b\x00x"])
+async def test_an_import_refuses_a_key_it_could_not_remember(
+    store: ControlStore, tmp_path: pathlib.Path, key: str
+) -> None:
+    # A key past PostgreSQL's index entry (about 2.7 KB) or holding a NUL failed there
+    # with the driver's error (exit 3), and SQLite took it: a store then never copied.
+    source = keyed_source(tmp_path / "src.sqlite3", [("a", '{"n": 1}'), (key, '{"n": 2}')])
+    with pytest.raises(InvalidInput, match="the key of source row"):
+        await store.import_pending(
+            source, table="q", columns={"payload": "body", "key": "k"}, project_id="alpha"
+        )
+    assert sum((await store.counts()).values()) == 0  # nothing of its chunk written
+    fits = keyed_source(tmp_path / "fits.sqlite3", [("k" * 1024, '{"n": 3}')])
+    summary = await store.import_pending(
+        fits, table="q", columns={"payload": "body", "key": "k"}, project_id="alpha"
+    )
+    assert summary.imported == 1
+
+
 async def test_import_needs_a_unique_key_and_a_real_pending_collection(
     store: ControlStore, tmp_path: pathlib.Path
 ) -> None:

@@ -195,7 +195,10 @@ async def _import(
                 error = _rules.unknown_project(target)
                 raise type(error)(f"source row {row['key']!r}: {error}")
             item = _new_item(engine, row)
-            wanted.setdefault(target, []).append((str(row["key"]), _digest(row), item))
+            key = _validate.import_key(
+                row["key"], f"the key of source row {_validate.shown(row['key'])}"
+            )
+            wanted.setdefault(target, []).append((key, _digest(row), item))
         for target, items in wanted.items():
             op = _backend.ImportOp(name, target, tuple(items), dropped_up_to)
             outcomes.update(await freeing(op, backend.import_rows(op)))  # waiters woken
