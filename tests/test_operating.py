@@ -1469,13 +1469,26 @@ def test_cli_refuses_files_it_must_not_touch(tmp_path: pathlib.Path) -> None:
          "--column", "payload=d", "--project", "p"),
         ("import", str(older), "--from", str(source), "--table", "t", "--column", "payload=d",
          "--column", "state=s", "--project", "p"),
+        # A schedule's payload of NaN, a name given with --pause/--resume/--delete, a
+        # project a limits change names: refused only by the store, once opened (hunt).
+        ("schedule", str(older), "s1", "--project", "p", "--every", "5m",
+         "--payload", '{"a": NaN}'),
+        ("schedule", str(older), "s1", "--project", "p", "--every", "5m",
+         "--payload", '{"a": 1e999}'),
+        ("enqueue", str(older), "p", "--payload", '{"a": Infinity}'),
+        ("schedule", str(older), "", "--pause"),
+        ("schedule", str(older), "a\x01", "--delete"),
+        ("limits", str(older), "", "--max-running", "3"),
+        ("limits", str(older), "p\x07", "--max-running", "3"),
     ):  # fmt: skip
         refused = cli(*verb)
         assert refused.returncode == 2, (verb, refused.stderr)
         assert any(
             said in refused.stderr
             for said in ("--chunk must", "no such file", "--from", "unknown fields",
-                         "FIELD=COLUMN", "has no column", "no table", "go together")
+                         "FIELD=COLUMN", "has no column", "no table", "go together",
+                         "not JSON", "not a finite number", "must not be empty",
+                         "control characters")
         ), refused.stderr  # fmt: skip
     assert not fresh.exists()
     assert cli("init", str(tmp_path / "ok.db")).returncode == 0

@@ -31,9 +31,7 @@ import asyncio
 import collections
 import dataclasses
 import hashlib
-import json
 import logging
-import math
 import os
 import pathlib
 import re
@@ -488,7 +486,7 @@ def _new_item(engine: _engine.Engine, row: dict[str, Any]) -> _backend.NewItem:
         )
     try:
         decoded = (
-            json.loads(raw, parse_constant=_not_json, parse_float=_finite)
+            _validate.strict_json(raw)
             if isinstance(raw, str)
             else raw
         )
@@ -515,19 +513,6 @@ def _digest(row: dict[str, Any]) -> str:
     the other mapped columns, which a rerun may map otherwise, and a queue may rewrite
     as a row waits: its priority, its due time)."""
     return hashlib.blake2b(repr(row["payload"]).encode(), digest_size=16).hexdigest()
-
-
-def _not_json(text: str) -> Any:
-    """NaN and the infinities: Python's json reads them, JSON has none (so: text)."""
-    raise ValueError(f"{text} is not JSON")
-
-
-def _finite(text: str) -> float:
-    """A JSON number too large for a float is no payload's value (so: text)."""
-    value = float(text)
-    if not math.isfinite(value):
-        raise ValueError(f"{text} is not a finite number")
-    return value
 
 
 def _is_pending(state: Any, pending: Any, pending_as_text: set[str] | None) -> bool:

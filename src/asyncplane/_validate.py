@@ -78,6 +78,7 @@ __all__ = (
     "service_class",
     "shown",
     "storable_text",
+    "strict_json",
     "text_id",
 )
 
@@ -294,6 +295,24 @@ def search_text(value: object, what: str) -> str | None:
     if not value or len(value) > MAX_ERROR_LENGTH:
         raise _errors.InvalidInput(f"{what} must be 1 to {MAX_ERROR_LENGTH} characters")
     return storable_text(value, what).translate(_FOLD)
+
+
+def strict_json(text: str) -> Any:
+    """``text`` read as JSON, and JSON alone: ValueError for NaN and the infinities
+    (Python's json reads them; JSON has none, nor has any payload) and for a number too
+    large for a float."""
+    return json.loads(text, parse_constant=_not_json, parse_float=_finite)
+
+
+def _not_json(text: str) -> Any:
+    raise ValueError(f"{text} is not JSON")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text} is not a finite number")
+    return value
 
 
 def encode_payload(payload: object, max_bytes: int) -> str:

@@ -98,7 +98,7 @@ def parse_duration(text: str) -> dt.timedelta:
 
 def _json_object(text: str) -> dict[str, Any]:
     try:
-        value = json.loads(_as_utf8(text))
+        value = _validate.strict_json(_as_utf8(text))  # NaN, say: refused as any enqueue's
     except ValueError as exc:
         raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
     if not isinstance(value, dict):
@@ -491,15 +491,18 @@ def _check_args(args: argparse.Namespace) -> None:
             or (args.cron is None) == (args.every is None)
         ):
             raise _Usage("a schedule needs --project, --payload, and --cron or --every")
-        if act is None:
-            try:
+        try:
+            if act is None:
                 _check_values(args)
-            except (_errors.InvalidInput, _errors.InvalidType, _errors.MissingExtra) as exc:
-                raise _Usage(_in_flags(str(exc))) from exc
+            else:  # the name alone: it was refused only once the store was open (migrated)
+                _validate.text_id(args.name, "name")
+        except (_errors.InvalidInput, _errors.InvalidType, _errors.MissingExtra) as exc:
+            raise _Usage(_in_flags(str(exc))) from exc
     elif args.verb == "limits" and _limit_changes(args) and args.project is None:
         raise _Usage("name the project whose limits change")
     elif args.verb == "limits" and _limit_changes(args):
         try:
+            _validate.text_id(args.project, "project_id")
             changes = _limit_changes(args)
             _validate.limit_changes(
                 changes.get("max_running", ...),
