@@ -485,11 +485,7 @@ def _new_item(engine: _engine.Engine, row: dict[str, Any]) -> _backend.NewItem:
             "imports JSON or text only: re-encode the source first"
         )
     try:
-        decoded = (
-            _validate.strict_json(raw)
-            if isinstance(raw, str)
-            else raw
-        )
+        decoded = _validate.strict_json(raw) if isinstance(raw, str) else raw
     except (ValueError, RecursionError):  # not JSON (or too deep to be a payload): text
         decoded = raw
     payload = decoded if isinstance(decoded, dict) else {"data": decoded}
