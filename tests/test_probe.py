@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import logging
 import os
@@ -27,6 +28,7 @@ import pytest
 
 from _fleet import COMMAND_LOOP
 from asyncplane import ControlStore, InvalidInput, probe, testing
+from asyncplane.probe import _cli as _probe_cli
 from asyncplane.probe._report import _KILL_EVERY_SECONDS
 from asyncplane.testing import ManualClock
 
@@ -110,6 +112,7 @@ def test_kill_and_reclaim_fences_out_the_dead_worker(location_of: Any) -> None:
     assert code == 0, (report, err)
     assert report["fence_rejections"] == 1  # the stand-in's late report, refused
     assert report["re_executions"] == 1  # the lapsed lease was taken over once
+    assert report["kills"] == 1  # the holder's (it said 0)
     assert report["startup_s"] > 0  # the two workers' start-ups, counted apart
     assert (report["duplicates"], report["lost"], report["ledger_problems"]) == (0, 0, 0)
 
@@ -153,6 +156,39 @@ def test_chaos_survives_kills(location_of: Any) -> None:
     assert report["kills"] >= 1
     assert (report["duplicates"], report["lost"], report["ledger_problems"]) == (0, 0, 0)
     assert report["locked_errors"] == 0
+
+
+def test_chaos_that_killed_no_worker_fails(tmp_path: pathlib.Path) -> None:
+    # A queue drained before the first kill (a fast disk, few --items) passed: a
+    # qualified verdict that had tested no crash at all.
+    code, report, err = run_probe(
+        tmp_path, "--scenario", "chaos", "--workers", "1", "--items", "1", "--seed", "1"
+    )
+    assert code == 1, (report, err)
+    assert report["kills"] == 0 and (report["duplicates"], report["lost"]) == (0, 0)
+    assert report["failures"] == [
+        "no worker was killed before the queue drained: give chaos more --items"
+    ]
+
+
+def test_chaos_figures_are_per_the_items_of_the_workers_that_said_them() -> None:
+    # A killed worker says nothing of its CPU or lock time: the sums of the others were
+    # divided by every item and the whole drain ("0.00 s per 1,000 items", "held 0%").
+    report = probe.ProbeReport(
+        scenario="chaos", workers=4, items=3000, concurrency=8, synchronous="NORMAL",
+        lease_seconds=1.0, seconds=2.0, kills=5, summarised_items=1000, worker_cpu_s=2.0,
+        lock_held_s=0.25, filesystem="ext4",
+    )  # fmt: skip
+    text = _probe_cli._human(report)
+    assert "(2.00 s per 1,000 items, the 1,000 items of the workers not killed)" in text
+    assert "held 250 us per item, the 1,000 items of the workers not killed" in text
+    assert "of the drain" not in text
+    calm = dataclasses.replace(report, kills=0, summarised_items=3000)
+    assert "held 12% of the drain, 83 us per item\n" in _probe_cli._human(calm)
+    # A coordinator starts no workers: none of their figures (all nought) is shown.
+    far = dataclasses.replace(report, role="coordinator", kills=0, summarised_items=0)
+    assert "per worker" not in _probe_cli._human(far)
+    assert "start-up" not in _probe_cli._human(far)
 
 
 @pytest.mark.parametrize(
@@ -667,8 +703,32 @@ async def test_only_workers_nothing_kills_keep_their_finishes_for_the_end(
          "--items", "20", "--lease-seconds", "1"]
     )  # fmt: skip
     report = await _cli.run_probe(args, progress=io.StringIO())
-    assert report.passed, report.failures
+    # (Twenty items drain before chaos's first kill, which fails it for that alone.)
+    assert [f for f in report.failures if "no worker was killed" not in f] == []
     assert spawned and all(("--report-at-end" in extra) == at_end for extra in spawned)
+
+
+async def test_a_crashed_workers_items_are_not_called_done_by_no_worker(
+    location_of: Any,
+) -> None:
+    # A worker killed from outside (kill -9) mid-drain dies before it says its finishes:
+    # the run failed, rightly, on worker_crashes, and also on "done_by_no_worker is 465".
+    from asyncplane.probe import _workers
+
+    async with ControlStore(location_of("crashed.db")) as store:
+        await store.create_project("probe", "asyncplane probe")
+        ids = [await store.enqueue("probe", {"n": n}) for n in range(3)]
+        for _ in ids:
+            claim = await store.claim("gone/0")
+            assert claim is not None
+            await store.finish(claim.item_id, fence=claim.fence)
+        for crashes, failures in ((1, []), (0, ["done_by_no_worker is 3, must be 0"])):
+            report = probe.ProbeReport(
+                scenario="concurrent-queue", workers=1, items=3, concurrency=1,
+                synchronous="NORMAL", lease_seconds=30.0, worker_crashes=crashes,
+            )  # fmt: skip
+            await _workers._expect_named(report, store, ids, [])
+            assert report.failures == failures
 
 
 def test_a_finish_a_worker_counted_but_never_said_fails_the_run() -> None:

@@ -200,7 +200,13 @@ def _human(report: ProbeReport) -> str:
         f"synchronous={report.synchronous}"
         + (f", on {report.event_loop}" if report.event_loop else ""),
     ]
-    if report.scenario in ("concurrent-queue", "chaos"):
+    if report.scenario in ("concurrent-queue", "chaos") and report.role == "coordinator":
+        # It starts no workers: their figures are the worker hosts' reports.
+        lines.append(
+            f"  drained in {report.seconds:.2f} s: {report.items_per_s:,.0f} items/s "
+            "(by the worker hosts: their reports give their workers' figures)"
+        )
+    elif report.scenario in ("concurrent-queue", "chaos"):
         lines.append(
             f"  drained in {report.seconds:.2f} s: {report.items_per_s:,.0f} items/s "
             f"(per worker {report.per_worker_min} to {report.per_worker_max} items; "
@@ -215,16 +221,24 @@ def _human(report: ProbeReport) -> str:
                 f"  shut-down (every worker's drain over to its exit, not timed) "
                 f"{report.shutdown_s:.2f} s"
             )
-        if report.items:
-            per_1000 = report.worker_cpu_s / report.items * 1000
+        # Per the items of the workers that said what they spent: in chaos, not the
+        # killed ones' (their CPU and lock time went unsaid), so no share of the drain.
+        some = report.summarised_items
+        whose = "" if report.kills == 0 else f", the {some:,} items of the workers not killed"
+        if some:
             lines.append(
                 f"  workers' CPU while draining {report.worker_cpu_s:.2f} s "
-                f"({per_1000:.2f} s per 1,000 items)"
+                f"({report.worker_cpu_s / some * 1000:.2f} s per 1,000 items{whose})"
             )
-        if report.lock_held_s and report.seconds:
+        if report.lock_held_s and report.seconds and some:
+            held = (
+                f"{report.lock_held_s / report.seconds:.0%} of the drain, "
+                if report.kills == 0
+                else ""
+            )
             lines.append(
-                f"  the write lock was held {report.lock_held_s / report.seconds:.0%} of the "
-                f"drain, {report.lock_held_s / report.items * 1e6:.0f} us per item"
+                f"  the write lock was held {held}"
+                f"{report.lock_held_s / some * 1e6:.0f} us per item{whose}"
             )
     lines.append(
         f"  duplicates {report.duplicates}, lost {report.lost}, "

@@ -52,8 +52,11 @@ class ProbeReport:
     per_worker_max: int = 0
     max_lock_wait_s: float = 0.0
     #: CPU seconds the workers spent from their go line to their summary (start-up not
-    #: counted), all workers together.
+    #: counted), all workers together: those that said a summary (a killed one cannot).
     worker_cpu_s: float = 0.0
+    #: The items the workers that said a summary finished: what ``worker_cpu_s`` and
+    #: ``lock_held_s`` are per (all of them, unless a worker was killed).
+    summarised_items: int = 0
     #: The worst worker's 99th percentile claim latency, in seconds.
     claim_p99_s: float = 0.0
     #: Seconds the workers held SQLite's write lock, all together: over the drain's

@@ -117,6 +117,10 @@ async def _chaos(
         await _check_takeovers(report, store, everyone)
         done = report.items - report.lost
     report.items_per_s = done / report.seconds if report.seconds else 0.0
+    if report.kills == 0 and args.role == "all":  # a drain before any kill proved nothing
+        report.failures.append(
+            "no worker was killed before the queue drained: give chaos more --items"
+        )
     report.notes.append(
         f"{report.kills} workers killed and replaced; {report.re_executions} items taken "
         f"over after a lapsed lease; {report.fence_rejections} late reports fenced out"
@@ -181,6 +185,7 @@ async def _kill_and_reclaim(
     assert holder.claimed is not None
     holder.kill()  # mid-work, with no chance to clean up
     await holder.wait()
+    report.kills += 1
     await _sleep_until(store, holder.claimed.lease_expires_at)
     rescuer = await _spawn(args, "rescuer")
     await _go([rescuer], report)

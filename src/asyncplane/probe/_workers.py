@@ -274,6 +274,8 @@ async def _expect_named(
     """Where nothing kills a worker, every item done was finished by one of them, as it
     said: an item settled by no worker of the run (by something else that writes to the
     store, or the store itself) is work the fleet never did."""
+    if report.worker_crashes:
+        return  # a crashed worker never said what it finished: worker_crashes fails it
     named = {item_id for worker in workers for item_id, _ in worker.finished}
     backend = await _store.engine_of(store).ready()
     done = set(await backend.item_ids("done"))
@@ -305,6 +307,7 @@ def _tally_workers(report: ProbeReport, workers: Sequence[_Worker]) -> None:
     report.worker_cpu_s = sum(s.cpu_s for s in summaries)
     report.claim_p99_s = max((s.claim_p99 for s in summaries), default=0.0)
     report.lock_held_s = sum(s.lock_held for s in summaries)
+    report.summarised_items = sum(len(w.finished) for w in workers if w.summary is not None)
     counts = [len(w.finished) for w in workers if not w.killed]
     report.per_worker_min = min(counts, default=0)
     report.per_worker_max = max(counts, default=0)
