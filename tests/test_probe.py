@@ -267,6 +267,24 @@ def test_an_existing_file_is_not_overwritten_without_asking(tmp_path: pathlib.Pa
     assert (tmp_path / "probe.db").read_bytes() == b"precious"
 
 
+@pytest.mark.sqlite_only
+def test_overwrite_through_a_link_probes_the_store_the_link_leads_to(
+    tmp_path: pathlib.Path, location_of: Any
+) -> None:
+    # The store opens where a link leads; --overwrite deleted the link and probed a new
+    # file in the link's directory: another disk than the fleet's, perhaps.
+    there, here = tmp_path / "there", tmp_path / "here"
+    there.mkdir()
+    here.mkdir()
+    code, _, err = run_probe(there, "--scenario", "kill-and-reclaim")
+    assert code == 0, err
+    (here / "probe.db").symlink_to(there / "probe.db")
+    code, report, err = run_probe(here, "--scenario", "kill-and-reclaim", "--overwrite")
+    assert code == 0 and report["passed"], err
+    assert (here / "probe.db").is_symlink()  # the link kept, the store behind it probed
+    assert sorted(p.name for p in here.iterdir()) == ["probe.db"]
+
+
 def first_column(url: str, query: str) -> list[Any]:
     """The first column of ``query``'s rows on the server at ``url``, sorted."""
 
@@ -396,6 +414,7 @@ MOUNTINFO = """\
 40 22 0:35 / /mnt/shared rw,relatime shared:20 - nfs4 server:/export rw,vers=4.2
 41 40 0:36 / /mnt/shared/local rw,relatime shared:21 - tmpfs tmpfs rw
 42 22 0:37 / /mnt/with\\040space rw - cifs //host/share rw
+43 22 0:38 / /mnt/back\\134slash\\011tab rw - nfs4 server:/other rw
 """
 
 
@@ -408,6 +427,7 @@ MOUNTINFO = """\
         ("/mnt/shared/local/x", "tmpfs"),
         ("/mnt/sharedness", "ext4"),
         ("/mnt/with space/db", "cifs"),
+        ("/mnt/back\\slash\ttab/db", "nfs4"),  # every octal escape (only \\040 was read)
     ],
 )
 def test_filesystem_is_read_from_mountinfo(target: str, expected: str) -> None:

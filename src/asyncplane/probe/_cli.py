@@ -150,6 +150,9 @@ def _prepare_path(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         return
     if not args.store.strip():
         parser.error("--store names no file")
+    # Where a link leads, as the store itself opens it: the disk to qualify (--overwrite
+    # deleted the link, and probed a new file in the link's directory instead).
+    args.store = os.path.realpath(args.store)
     store = pathlib.Path(args.store)
     paths = [store, *(store.with_name(store.name + s) for s in ("-wal", "-shm"))]
     if store.is_dir():

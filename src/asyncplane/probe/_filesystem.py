@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 
 from asyncplane import (
     _engine,
@@ -36,11 +37,17 @@ def filesystem_in_mountinfo(mountinfo: str, target: str) -> str:
         fields = before.split()
         if len(fields) < 5 or not after:
             continue
-        mount_point = fields[4].replace("\\040", " ")
+        mount_point = _unescaped(fields[4])
         inside = target == mount_point or target.startswith(mount_point.rstrip("/") + "/")
         if inside and len(mount_point) >= len(best):
             best, best_type = mount_point, after.split()[0]
     return best_type
+
+
+def _unescaped(field: str) -> str:
+    """A mountinfo path as it is: the kernel writes a space, a tab, a newline and a
+    backslash in it as octal escapes (\\040, \\011, \\012, \\134)."""
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
 
 
 def network_filesystem_warning(path: str | os.PathLike[str], filesystem: str) -> str | None:
