@@ -28,6 +28,7 @@ import asyncio
 import contextlib
 import datetime
 import json
+import math
 import os
 import pathlib
 import secrets
@@ -99,8 +100,8 @@ def p99(values: list[float]) -> float:
     """The 99th percentile of ``values`` (0 for none)."""
     if not values:
         return 0.0
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))]
+    ordered = sorted(values)  # nearest rank: of 100, the 99th
+    return ordered[max(0, math.ceil(len(ordered) * 0.99) - 1)]
 
 
 #: This run's mark, put on every schema it makes (`marked`): two runs sharing a server
@@ -385,7 +386,9 @@ def main() -> int:
         "items": args.items,
         "repeats": args.repeats,
         "rates": {label: median(label) for label in runs},
-        "per_worker_min": {label: min(r["per_worker_min"] for r in runs[label]) for label in runs},
+        "per_worker_min": {
+            label: statistics.median(r["per_worker_min"] for r in runs[label]) for label in runs
+        },
         "ratios": {f"{label} / raw": median(label) / raw for label in runs if label != "raw"},
         "pgqueuer": "pgqueuer" in runs,
     }

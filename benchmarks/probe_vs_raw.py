@@ -75,6 +75,8 @@ def run_probe(
          "--concurrency", str(concurrency), "--synchronous", synchronous],
         capture_output=True, text=True, check=False,
     )  # fmt: skip
+    if not done.stdout.strip():
+        raise SystemExit(f"the probe failed to run: {done.stderr[-2000:]}")
     report = json.loads(done.stdout)
     if not report["passed"]:
         raise SystemExit(f"the probe failed: {report['failures']}")

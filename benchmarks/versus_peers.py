@@ -195,7 +195,6 @@ def summarise(runs: dict[str, list[Run]], sizes: dict[str, int]) -> dict[str, di
         if not got:
             continue
         row = {key: statistics.median(r[key] for r in got if key in r) for key in got[0]}
-        row["per_worker_min"] = min(r["per_worker_min"] for r in got)
         table[label] = _with_cpu_per_1000(row, sizes[label])
     return table
 

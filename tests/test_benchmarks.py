@@ -521,3 +521,30 @@ def test_the_waiters_benchmark_reports_what_waiting_callers_cost_a_worker(
         assert figures["pairs_per_second"] > 0 and figures["ratio_to_alone"] > 0
         # what the benchmark is for: the worker's writes make no waiting caller read again
         assert figures["reads_while_working"] == 0 and figures["watch_reads"] >= 0
+
+
+def test_the_least_busy_worker_is_the_median_repeats_and_p99_the_nearest_rank(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The least busy worker was the least of the repeats (its table said "median of N",
+    # as the README judges each target); a p99 of 100 values was their maximum.
+    from asyncplane import _probe_worker
+
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import pg_probe_vs_raw
+    import versus_peers
+
+    runs = {
+        "probe C=8": [
+            {"items_per_s": float(n), "per_worker_min": float(n), "cpu_s": 1.0}
+            for n in (10, 30, 20)
+        ]
+    }
+    table = versus_peers.summarise(runs, {"probe C=8": 1000})  # type: ignore[arg-type]
+    assert table["probe C=8"]["per_worker_min"] == 20
+    hundred = [float(n) for n in range(100, 0, -1)]
+    assert pg_probe_vs_raw.p99(hundred) == 99.0
+    tally = _probe_worker._Tally()
+    tally.claim_seconds = hundred
+    assert tally.claim_p99() == 99.0
+    assert pg_probe_vs_raw.p99([5.0]) == 5.0 and pg_probe_vs_raw.p99([]) == 0.0
