@@ -189,6 +189,10 @@ def test_chaos_figures_are_per_the_items_of_the_workers_that_said_them() -> None
     far = dataclasses.replace(report, role="coordinator", kills=0, summarised_items=0)
     assert "per worker" not in _probe_cli._human(far)
     assert "start-up" not in _probe_cli._human(far)
+    # A worker host never counts lost items nor checks the ledger: it said "lost 0".
+    host = _probe_cli._human(dataclasses.replace(report, role="worker"))
+    assert "lost" not in host.replace("lost items and the ledger: the coordinator", "")
+    assert "ledger problems" not in host
 
 
 @pytest.mark.parametrize(

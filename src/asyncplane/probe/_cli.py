@@ -243,15 +243,23 @@ def _human(report: ProbeReport) -> str:
                 f"  the write lock was held {held}"
                 f"{report.lock_held_s / some * 1e6:.0f} us per item{whose}"
             )
+    # A worker host counts only what its own workers said: the store's lost items and
+    # its ledger are the coordinator's to check.
+    here = report.role == "worker"
     lines.append(
-        f"  duplicates {report.duplicates}, lost {report.lost}, "
-        f"locked errors {report.locked_errors}, fence rejections {report.fence_rejections}"
+        f"  duplicates {report.duplicates}, "
+        + ("" if here else f"lost {report.lost}, ")
+        + f"locked errors {report.locked_errors}, fence rejections {report.fence_rejections}"
         + (
             f" (expected {report.expected_fence_rejections})"
             if report.expected_fence_rejections
             else ""
         )
-        + f", ledger problems {report.ledger_problems}"
+        + (
+            " (lost items and the ledger: the coordinator checks them)"
+            if here
+            else f", ledger problems {report.ledger_problems}"
+        )
     )
     lines.extend(f"  {note}" for note in report.notes)
     if report.passed:
