@@ -353,6 +353,51 @@ async def test_a_purge_cancelled_while_it_waits_for_the_archive_lock_stops_waiti
     assert (await store.purge(0)).purged == 2  # and the lock is free again
 
 
+async def test_a_purge_that_archives_nothing_leaves_no_file(
+    store: ControlStore, tmp_path: pathlib.Path
+) -> None:
+    # Stamping when it began made the archive's lock file, with the purging user's owner:
+    # a root cron purge on day one (nothing due yet) left one the fleet's user could not
+    # open, and its purges failed once there was something to purge.
+    archive = tmp_path / "archives" / "a.jsonl"
+    archive.parent.mkdir()
+    await settle(store, "alpha", 1)  # settled, but younger than the retention
+    assert (await store.purge(3600, archive_path=archive)).purged == 0
+    assert list(archive.parent.iterdir()) == []
+
+
+@pytest.mark.skipif(not pathlib.Path("/proc/locks").exists(), reason="Linux shows its locks")
+async def test_a_purge_waits_for_the_archive_lock_in_the_kernel(
+    store: ControlStore, clock: ManualClock
+) -> None:
+    # It tried the lock every 20 ms instead, and lost it again and again to a purge that
+    # took it back at once between its chunks (up to 2 s, against 40 ms waiting).
+    import fcntl
+
+    await settle(store, "alpha", 2)
+    clock.advance(10)
+    archive = store.archive_path
+    assert archive is not None
+    lock = archive.with_name(archive.name + ".lock")
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        purging = asyncio.create_task(store.purge(0))
+        device, inode = os.stat(lock).st_dev, os.stat(lock).st_ino
+        where = f"{os.major(device):02x}:{os.minor(device):02x}:{inode} "
+
+        def waiting_in_the_kernel() -> bool:  # a blocked request: "-> FLOCK ..."
+            return any(
+                "->" in line and where in line
+                for line in pathlib.Path("/proc/locks").read_text().splitlines()
+            )
+
+        await until(waiting_in_the_kernel, what="the purge blocked on the lock")
+    finally:
+        os.close(fd)
+    assert (await purging).purged == 2
+
+
 async def test_purge_checks_its_arguments_before_the_store_is_made(tmp_path: pathlib.Path) -> None:
     # The store was opened (made, or migrated) first, then a bad chunk refused.
     where = tmp_path / "new"

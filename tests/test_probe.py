@@ -530,6 +530,33 @@ def test_a_coordinator_and_workers_on_other_hosts_count_exactly(
 
 
 @pytest.mark.postgresql_only
+def test_a_cluster_chaos_run_no_kill_touched_says_it_proved_nothing(location_of: Any) -> None:
+    # A coordinator has no kills of its own to count; with a queue drained before any
+    # host's first kill, the cluster's chaos passed with nothing said.
+    store = location_of("calm")
+    base = [sys.executable, "-m", "asyncplane.probe", "--store", store, "--json",
+            "--scenario", "chaos", "--wait-seconds", "120"]  # fmt: skip
+    coordinator = subprocess.Popen(
+        [*base, "--role", "coordinator", "--items", "3"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        host = subprocess.run(
+            [*base, "--role", "worker", "--workers", "1"],
+            capture_output=True, text=True, timeout=300, check=False,
+        )  # fmt: skip
+        out, err = coordinator.communicate(timeout=300)
+    finally:
+        if coordinator.poll() is None:
+            coordinator.kill()
+            coordinator.wait()
+    assert coordinator.returncode == 0, f"{out}\n{err}\n{host.stderr}"
+    report = json.loads(out)
+    assert report["re_executions"] == 0  # three items: drained before any kill
+    assert any("this run proved no crash safe" in note for note in report["notes"])
+
+
+@pytest.mark.postgresql_only
 def test_a_coordinator_whose_queue_was_not_drained_reports_no_rate(location_of: Any) -> None:
     code, report, _ = run_probe(
         location_of, "--scenario", "concurrent-queue", "--role", "coordinator",

@@ -48,11 +48,13 @@ import asyncio
 import contextlib
 import dataclasses
 import datetime as dt
+import errno
 import json
 import logging
 import os
 import stat
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Awaitable, Callable, Coroutine
@@ -203,19 +205,28 @@ async def _archived(
 
 
 async def _began(path: pathlib.Path) -> float | None:
-    """The moment a purge begins, as the archive's file system stamps it (None where the
-    lock file cannot be opened: the first locked section stamps it, or says why not)."""
+    """The moment a purge begins, as the archive's file system stamps it: on the lock
+    file, or where there is none yet on a file made and removed at once (a purge that
+    archives nothing leaves nothing behind, not a lock file of its user's that the
+    fleet's user may not open). None where neither can be had: the first locked section
+    stamps it then, or says why not."""
     import anyio.to_thread
 
     def stamp() -> float | None:
-        try:
-            fd = os.open(_lock_path(path), os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError:
-            return None
-        try:
-            return _stamped_now(fd)
-        finally:
-            os.close(fd)
+        with contextlib.suppress(OSError):
+            fd = os.open(_lock_path(path), os.O_RDWR)
+            try:
+                return _stamped_now(fd)
+            finally:
+                os.close(fd)
+        with contextlib.suppress(OSError):
+            fd, name = tempfile.mkstemp(prefix=".asyncplane-began-", dir=path.parent)
+            try:
+                return os.fstat(fd).st_mtime  # made just now: stamped now
+            finally:
+                os.close(fd)
+                os.unlink(name)
+        return None
 
     return await anyio.to_thread.run_sync(stamp)
 
@@ -234,20 +245,20 @@ async def _locked_section(
     given_up: threading.Event,
 ) -> tuple[_backend.Archived, ...]:
     """The lock, the look again and the append, all held by one worker thread, which
-    alone opens and closes the lock's descriptor: however the awaiting task ends (a
-    cancellation, the event loop's own shutdown), the lock goes only once that thread is
-    done with the archive. The look is the store's, called back on the event loop.
-    Nothing, once ``given_up`` is set before the lock was had."""
+    alone closes the lock's descriptor once it has it (`_locked`): however the awaiting
+    task ends (a cancellation, the event loop's own shutdown), the lock goes only once
+    that thread is done with the archive. The look is the store's, called back on the
+    event loop. Nothing, once ``given_up`` is set before the lock was had."""
     import anyio.from_thread  # on first use, as a store's connections do
     import anyio.to_thread
 
     read = tuple(_backend.Archived(item.item_id, item.fence, item.updated_at) for item, _ in found)
 
     def section() -> tuple[_backend.Archived, ...]:
-        fd = os.open(_lock_path(path), os.O_RDWR | os.O_CREAT, 0o644)
+        fd = _locked(_lock_path(path), given_up)
+        if fd is None:
+            return ()
         try:
-            if not _lock(fd, given_up):
-                return ()
             if rotation is not None and rotation.began is None:
                 rotation.began = _stamped_now(fd)
             standing = anyio.from_thread.run(backend.standing_as_archived, read)
@@ -463,33 +474,104 @@ def _cut_torn_end(path: pathlib.Path) -> None:
 _TAIL_STEP = 1 << 16
 
 
-#: How often a purge waiting for the archive's lock tries it again (and looks whether it
-#: was given up): a lock waited for in the kernel could not be given up.
-_LOCK_LOOK_SECONDS = 0.02
+#: How often a purge waiting for the archive's lock looks whether it was given up.
+_GIVEN_UP_LOOK_SECONDS = 0.05
 
 
-def _lock(fd: int, given_up: threading.Event) -> bool:
-    """Take the archive's lock on ``fd`` (a worker thread may wait; the loop does not);
-    False, without it, once ``given_up`` is set."""
-    while not _try_lock(fd):
-        if given_up.wait(_LOCK_LOOK_SECONDS):
-            return False
-    return True
+def _locked(path: pathlib.Path, given_up: threading.Event) -> int | None:
+    """A descriptor of the lock file at ``path`` holding its lock (the caller closes it,
+    which lets the lock go); None, without it, once ``given_up`` is set first.
+
+    The lock is tried at once; when another holds it, a daemon thread of its own waits
+    for it in the kernel (woken as it is let go, as a purge waiting its turn must be:
+    tries now and then lost to one taking it again at once), while this one looks
+    whether the wait was given up. A wait given up leaves that thread to let the lock go
+    as soon as it has it; it holds up nothing, not even the interpreter's exit."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        if _take_lock(fd, wait=False):
+            return fd
+    except BaseException:
+        os.close(fd)
+        raise
+    os.close(fd)
+    waiter = _LockWaiter(path)
+    waiter.start()
+    while not waiter.done.wait(_GIVEN_UP_LOOK_SECONDS):
+        if given_up.is_set() and waiter.abandon():
+            return None
+    return waiter.taken()
 
 
-def _try_lock(fd: int) -> bool:
+class _LockWaiter(threading.Thread):
+    """Waits in the kernel for the archive's lock, on a descriptor of its own, and hands
+    it over; or, abandoned first, lets it go as soon as it has it."""
+
+    def __init__(self, path: pathlib.Path) -> None:
+        super().__init__(name="asyncplane-archive-lock", daemon=True)
+        self._path = path
+        self._mutex = threading.Lock()
+        self._fd: int | None = None
+        self._error: OSError | None = None
+        self._abandoned = False
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        try:
+            fd = os.open(self._path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            self._error = exc
+            self.done.set()
+            return
+        try:
+            _take_lock(fd, wait=True)
+        except OSError as exc:
+            os.close(fd)
+            self._error = exc
+            self.done.set()
+            return
+        with self._mutex:
+            if self._abandoned:
+                os.close(fd)
+                return
+            self._fd = fd
+        self.done.set()
+
+    def abandon(self) -> bool:
+        """Give the wait up, unless the lock (or an error) came first; whether it did."""
+        with self._mutex:
+            if self.done.is_set():
+                return False
+            self._abandoned = True
+            return True
+
+    def taken(self) -> int:
+        """The descriptor holding the lock (once ``done``), or the error its wait met."""
+        if self._error is not None:
+            raise self._error
+        assert self._fd is not None
+        return self._fd
+
+
+def _take_lock(fd: int, *, wait: bool) -> bool:
+    """Take the archive's lock on ``fd``: waiting for it, or not (False: another has it)."""
     if sys.platform == "win32":  # pragma: no cover - Windows only
         import msvcrt
 
-        try:
-            msvcrt.locking(fd, msvcrt.LK_NBLCK, 1)
-        except OSError:
-            return False
-        return True
+        while True:
+            try:
+                msvcrt.locking(fd, msvcrt.LK_LOCK if wait else msvcrt.LK_NBLCK, 1)
+            except OSError as exc:  # held by another (LK_LOCK gives up after 10 s)
+                if exc.errno not in (errno.EACCES, errno.EDEADLOCK):
+                    raise
+                if not wait:
+                    return False
+                continue
+            return True
     import fcntl
 
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         return False
     return True

@@ -92,6 +92,13 @@ async def _coordinate(
     drained = args.items - report.lost  # a drain cut short by the wait: its rate so far
     report.items_per_s = drained / report.seconds if report.seconds else 0.0
     report.notes.append("counts from the database; each worker host checks its own records")
+    if report.scenario == "chaos" and report.re_executions == 0:
+        # The worker hosts' kills are theirs to count: the coordinator sees only their
+        # traces, and without a takeover no kill hit a worker at work.
+        report.notes.append(
+            "no claim was taken over after a lapsed lease: no worker host's kill hit a "
+            "worker at work, and this run proved no crash safe (give chaos more --items)"
+        )
 
 
 async def _work_here(
