@@ -3285,6 +3285,8 @@ _BLOCKERS = {
         ("cancel_where", "item"),
         ("finish", "item"),
         ("renew", "item"),
+        ("retry", "item"),
+        ("release", "item"),
     ],
 )
 async def test_unassign_waits_for_an_actor_write_that_passed_its_scope_check(
@@ -3299,7 +3301,8 @@ async def test_unassign_waits_for_an_actor_write_that_passed_its_scope_check(
         await store.assign("alpha", "a1")
         await store.assign("beta", "a1")
         item = await store.enqueue("alpha", {"n": 1})
-        claim = await store.claim("w", actor_id="a1") if write in ("finish", "renew") else None
+        claimed = ("finish", "renew", "retry", "release")
+        claim = await store.claim("w", actor_id="a1") if write in claimed else None
         writes: dict[str, Callable[[], Awaitable[Any]]] = {
             "enqueue": lambda: store.enqueue("alpha", {"n": 2}, actor_id="a1"),
             # Two reaches in one round: the claim of several statements (one reach alone
@@ -3312,6 +3315,8 @@ async def test_unassign_waits_for_an_actor_write_that_passed_its_scope_check(
             "cancel_where": lambda: store.cancel_where(state="ready", actor_id="a1"),
             "finish": lambda: store.finish(item, fence=claim.fence, actor_id="a1"),  # type: ignore[union-attr]
             "renew": lambda: store.renew(item, fence=claim.fence, actor_id="a1"),  # type: ignore[union-attr]
+            "retry": lambda: store.retry(item, fence=claim.fence, actor_id="a1", error="e"),  # type: ignore[union-attr]
+            "release": lambda: store.release(item, fence=claim.fence, actor_id="a1"),  # type: ignore[union-attr]
         }
         holder = await asyncpg.connect(url)
         try:
@@ -3342,4 +3347,49 @@ async def test_unassign_waits_for_an_actor_write_that_passed_its_scope_check(
             await holder.close()
         assert not returned_first  # it waited for the write, which committed first
         assert await operator.visible_projects("a1") == ["beta"]
+        assert await verify_ledger(store) == []
+
+
+async def test_a_claim_takes_no_lapsed_item_of_a_project_unassigned_as_it_waited(
+    url: str,
+) -> None:
+    # The claim's reach waited on the assignment row an unassign was deleting, and left
+    # the project out once that committed; but its lapsed and exhausted arms read the
+    # assignments from the statement's snapshot, from before the unassign, and took the
+    # project's lapsed item in the name of an actor no longer assigned.
+    clock = ManualClock()
+    async with ControlStore(url, clock=clock) as store:
+        await store.create_project("alpha", "A")
+        await store.create_project("beta", "B")
+        await store.assign("alpha", "a1")
+        await store.assign("beta", "a1")
+        await store.enqueue("alpha", {"n": 1})
+        await store.enqueue("alpha", {"n": 2})
+        for owner in ("w0", "w1"):
+            assert await store.claim(owner, lease_seconds=1) is not None
+        clock.advance(5)  # both lapsed
+        taken = await store.claim("w2", actor_id="a1")  # the general claim, as reaches go
+        assert taken is not None and taken.project_id == "alpha"
+        unassigning = await asyncpg.connect(url)
+        try:
+            deleting = unassigning.transaction()
+            await deleting.start()
+            await unassigning.execute(
+                "DELETE FROM assignments WHERE actor_id = 'a1' AND project_id = 'alpha'"
+            )
+            claiming = asyncio.ensure_future(store.claim("w3", actor_id="a1"))
+
+            async def waiting() -> bool:
+                return bool(
+                    await unassigning.fetchval(
+                        "SELECT count(*) FROM pg_stat_activity "
+                        "WHERE wait_event_type = 'Lock' AND datname = current_database()"
+                    )
+                )
+
+            await until(waiting, what="the claim waiting on the assignment row")
+            await deleting.commit()
+            assert await claiming is None  # beta has nothing; alpha is no longer a1's
+        finally:
+            await unassigning.close()
         assert await verify_ledger(store) == []

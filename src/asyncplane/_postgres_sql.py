@@ -1197,11 +1197,11 @@ def _due(project: str, limit: str, offset: str, now: str) -> str:
 
 # A claim whose lease lapsed: no twin can be running beside it (the unique index covers
 # claimed and offloaded items alike), so nothing holds it back but the attempt budget.
-def _lapsed(limit: str, offset: str, now: str) -> str:
+def _lapsed(limit: str, offset: str, now: str, reach: str = _IN_REACH) -> str:
     return f"""
     SELECT {_CLAIM_COLUMNS} FROM items
     WHERE state = 'claimed' AND lease_expires_at <= {now}
-      AND (max_attempts IS NULL OR attempts < max_attempts) {_IN_REACH}
+      AND (max_attempts IS NULL OR attempts < max_attempts) {reach}
     ORDER BY {CLAIM_ORDER} LIMIT {limit} OFFSET {offset}
     FOR UPDATE SKIP LOCKED"""
 
@@ -1228,6 +1228,11 @@ LIMITS_CHANGE: Final = f"SELECT pg_advisory_xact_lock({_LIMITS_KEY})"
 # those were taken is named in a row of its own ('q'), for the claim to take its limits
 # then. ($1 project_id, $2 actor_id, $3 batch, $4 now, $5 how many exhausted claims to
 # fail, $6 limited projects with room, $7 their room, $8 every limited project locked)
+# The lapsed and exhausted arms take the reach as open_reach found it, its assignment
+# rows held: by _IN_REACH's plain read, from the statement's snapshot, they still took
+# an item of a project an unassign had taken from the actor while the statement waited
+# for the row.
+_IN_OPEN_REACH = "AND project_id IN (SELECT project_id FROM open_reach)"
 CLAIM_CANDIDATES: Final = f"""
 WITH claiming AS (SELECT {_CLAIMING}),
 open_reach AS (
@@ -1256,12 +1261,12 @@ SELECT 'q', 0, NULL::bigint, NULL::text, NULL::bigint, NULL::text, NULL::bigint,
 FROM open_reach
 WHERE project_id IN (SELECT project_id FROM project_limits) AND project_id <> ALL ($8::text[])
 UNION ALL
-SELECT 'l', $3::bigint, * FROM ({_lapsed("$3", "0", "$4")}) AS lapsed
+SELECT 'l', $3::bigint, * FROM ({_lapsed("$3", "0", "$4", _IN_OPEN_REACH)}) AS lapsed
 UNION ALL
 SELECT 'x', $5::bigint, * FROM (
     SELECT {_CLAIM_COLUMNS} FROM items
     WHERE state = 'claimed' AND lease_expires_at <= $4
-      AND max_attempts IS NOT NULL AND attempts >= max_attempts {_IN_REACH}
+      AND max_attempts IS NOT NULL AND attempts >= max_attempts {_IN_OPEN_REACH}
     ORDER BY {CLAIM_ORDER} LIMIT $5
     FOR UPDATE SKIP LOCKED) AS exhausted
 """
@@ -1605,8 +1610,8 @@ SELECT EXISTS (
 TWIN_NOTES: Final = """
 SELECT note_id, project_id, fingerprint FROM twin_checks
 WHERE ($2::text IS NULL OR project_id = $2::text)
-  AND ($3::text IS NULL
-       OR project_id IN (SELECT project_id FROM assignments WHERE actor_id = $3::text))
+  AND ($3::text IS NULL OR project_id IN (
+           SELECT project_id FROM assignments WHERE actor_id = $3::text FOR KEY SHARE))
 ORDER BY note_id LIMIT $1
 """
 # Each looked up from its content, for any plan, generic (the write connection's, perhaps
