@@ -135,7 +135,7 @@ async def test_a_copy_carries_every_item_with_its_history(
 
 @pytest.mark.sqlite_only  # (a PostgreSQL store never held such a key)
 async def test_a_store_holding_an_import_key_no_store_takes_now_is_refused_before_copying(
-    asyncplane_store: ControlStore, other_store: Any
+    asyncplane_store: ControlStore, other_store: Any, tmp_path: pathlib.Path
 ) -> None:
     # An earlier release's SQLite import remembered any key: its copy to PostgreSQL
     # failed on the records after every item had gone across, and so did every rerun.
@@ -144,11 +144,14 @@ async def test_a_store_holding_an_import_key_no_store_takes_now_is_refused_befor
     await source.enqueue("p", {"n": 1})
     engine = await _store.engine_of(source).ready()
     await engine.copy_imports((("old.sqlite3::q", "k" * 3000, 1, 0.0, None),))
-    destination: ControlStore = await other_store()
-    with pytest.raises(InvalidInput, match="nothing was copied: the import record"):
+    destination: ControlStore = await other_store()  # PostgreSQL
+    with pytest.raises(InvalidInput, match="nothing was copied: the source's import record"):
         await copy_store(source, destination)
     assert await destination.projects() == []
     assert sum((await destination.counts()).values()) == 0
+    # A SQLite destination keeps any record, as the source did: copied as before.
+    async with ControlStore(tmp_path / "sqlite-copy.db") as another:
+        assert (await copy_store(source, another)).copied == 1
 
 
 async def test_a_second_copy_copies_nothing_twice(

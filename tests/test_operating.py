@@ -1521,6 +1521,7 @@ def test_cli_refuses_files_it_must_not_touch(tmp_path: pathlib.Path) -> None:
         ("schedule", str(older), "s1", "--project", "p", "--every", "5m",
          "--payload", '{"a": 1e999}'),
         ("enqueue", str(older), "p", "--payload", '{"a": Infinity}'),
+        ("enqueue", str(older), "p", "--payload", '{"a": ' + "[" * 30_000 + "]" * 30_000 + "}"),
         ("schedule", str(older), "", "--pause"),
         ("schedule", str(older), "a\x01", "--delete"),
         ("limits", str(older), "", "--max-running", "3"),
@@ -1532,7 +1533,7 @@ def test_cli_refuses_files_it_must_not_touch(tmp_path: pathlib.Path) -> None:
             said in refused.stderr
             for said in ("--chunk must", "no such file", "--from", "unknown fields",
                          "FIELD=COLUMN", "has no column", "no table", "go together",
-                         "not JSON", "not a finite number", "must not be empty",
+                         "not JSON", "not a finite number", "must not be empty", "too deep",
                          "control characters")
         ), refused.stderr  # fmt: skip
     assert not fresh.exists()
@@ -1873,7 +1874,7 @@ async def test_an_import_refuses_a_key_it_could_not_remember(
     # A key past PostgreSQL's index entry (about 2.7 KB) or holding a NUL failed there
     # with the driver's error (exit 3), and SQLite took it: a store then never copied.
     source = keyed_source(tmp_path / "src.sqlite3", [("a", '{"n": 1}'), (key, '{"n": 2}')])
-    with pytest.raises(InvalidInput, match="the key of source row"):
+    with pytest.raises(InvalidInput, match="source row"):
         await store.import_pending(
             source, table="q", columns={"payload": "body", "key": "k"}, project_id="alpha"
         )
@@ -1883,6 +1884,46 @@ async def test_an_import_refuses_a_key_it_could_not_remember(
         fits, table="q", columns={"payload": "body", "key": "k"}, project_id="alpha"
     )
     assert summary.imported == 1
+
+
+async def test_an_import_refuses_a_source_name_it_could_not_remember(
+    store: ControlStore, tmp_path: pathlib.Path
+) -> None:
+    # Its records are keyed by the source's path and table too: a table named by a
+    # thousand CJK characters failed on PostgreSQL with the driver's error (exit 3).
+    table = "表" * 400  # 1,200 bytes of UTF-8
+    source = source_table(
+        tmp_path / "src.sqlite3", f'CREATE TABLE "{table}" (body TEXT)',
+        f'INSERT INTO "{table}" VALUES (?)', [('{"n": 1}',)],
+    )  # fmt: skip
+    with pytest.raises(InvalidInput, match="the source's name"):
+        await store.import_pending(
+            source, table=table, columns={"payload": "body"}, project_id="alpha"
+        )
+    assert sum((await store.counts()).values()) == 0
+
+
+@pytest.mark.sqlite_only
+async def test_a_long_key_an_earlier_release_recorded_is_passed_over_as_ever(
+    store: ControlStore, tmp_path: pathlib.Path
+) -> None:
+    # An earlier release's SQLite import recorded any key: refusing every long key up
+    # front failed each later run of that import on a row it had imported already.
+    long = "L" * 1500
+    source = keyed_source(tmp_path / "src.sqlite3", [("a", '{"n": 1}')])
+    columns = {"payload": "body", "key": "k"}
+    await store.import_pending(source, table="q", columns=columns, project_id="alpha")
+    (queued,) = [e for e in await store.events(1) if e["event_type"] == "queued"]
+    name = queued["detail"]["imported_from"]
+    engine = await store._engine.ready()
+    await engine.copy_imports(((name, long, 1, 0.0, None),))  # as that release left it
+    conn = sqlite3.connect(source)
+    conn.execute("INSERT INTO q VALUES (?, ?)", (long, '{"n": 2}'))
+    conn.execute("INSERT INTO q VALUES ('z', '{\"n\": 3}')")
+    conn.commit()
+    conn.close()
+    summary = await store.import_pending(source, table="q", columns=columns, project_id="alpha")
+    assert (summary.imported, summary.already_imported) == (1, 2)  # z; a and the long one
 
 
 async def test_import_needs_a_unique_key_and_a_real_pending_collection(

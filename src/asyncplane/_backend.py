@@ -871,6 +871,10 @@ class Backend(Protocol):
     #: a freed slot's claim in `work()`) go to the writer together, to share a write
     #: round, or the claim after the settle.
     settle_with_claim: bool
+    #: Whether the store keeps an import record's source and key only up to
+    #: `asyncplane._rules.MAX_IMPORT_RECORD_BYTES` each (PostgreSQL, which indexes them),
+    #: or at any length (SQLite: an earlier release's imports recorded longer ones).
+    import_records_bounded: bool
 
     async def open(self) -> None:
         """Connect, create or migrate the schema; idempotent."""

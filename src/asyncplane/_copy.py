@@ -108,16 +108,14 @@ async def copy_store(
     refused = _rules.copy_ids_handed_out(await dst.last_item_id(), copied, kept_clear, last)
     if refused is not None:
         raise refused  # before anything is written too
-    # An import record whose key no store could take now (an earlier release's SQLite
-    # import took it; PostgreSQL cannot index it): refused before anything is written,
-    # not after the items went across.
+    # An import record the destination cannot keep (an earlier release's SQLite import
+    # recorded a key PostgreSQL cannot index): refused before anything is written, not
+    # after the items went across.
     after: tuple[str, str] | None = None
-    while records := await src.export_imports(after, size):
+    while dst.import_records_bounded and (records := await src.export_imports(after, size)):
         for source_name, key, *_ in records:
-            _validate.import_key(
-                key, f"nothing was copied: the import record of {source_name} keyed "
-                f"{_validate.shown(key)}"
-            )  # fmt: skip
+            if (refused := _rules.copy_unrecordable(source_name, key)) is not None:
+                raise refused
         after = records[-1][:2]
     summary = CopySummary()
     projects = tuple(await src.list_projects())

@@ -193,8 +193,8 @@ async def _import(
                 error = _rules.unknown_project(target)
                 raise type(error)(f"source row {row['key']!r}: {error}")
             item = _new_item(engine, row)
-            key = _validate.import_key(
-                row["key"], f"the key of source row {_validate.shown(row['key'])}"
+            key = _validate.storable_text(
+                str(row["key"]), f"the key of source row {_validate.shown(row['key'])}"
             )
             wanted.setdefault(target, []).append((key, _digest(row), item))
         for target, items in wanted.items():

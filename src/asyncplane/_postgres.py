@@ -250,6 +250,7 @@ class PostgresBackend(_backend.Writes):
     #: a savepoint each, four times the round trips, which measured slower (see
     #: docs/architecture.md, "A settle and the next claim in one round").
     settle_with_claim = False
+    import_records_bounded = True
 
     def __init__(
         self,
@@ -1653,6 +1654,8 @@ async def _import_rows(
         outcomes.append(outcome)
         if outcome not in _rules.IMPORT_COPIES:
             continue
+        if (refused := _rules.unrecordable_import(op.source, key)) is not None:
+            raise refused
         row = _rules.new_row(op.project_id, item, now)
         (item_id,) = await _insert_items(
             conn, [row], None, now, _rules.imported_detail(op.source, key, recorded)

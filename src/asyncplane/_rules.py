@@ -346,6 +346,43 @@ def dropped_source(source: str) -> str:
 #: The outcomes of `imported_before` that copy the row.
 IMPORT_COPIES: frozenset[_backend.ImportOutcome] = frozenset({"new", "changed"})
 
+#: The longest source name (its path and table) and the longest row key an import
+#: records, each in bytes of UTF-8: PostgreSQL indexes the records by both, and an index
+#: entry holds at most about 2.7 KB.
+MAX_IMPORT_RECORD_BYTES = 1024
+
+
+def unrecordable_import(source: str, key: str) -> _errors.InvalidInput | None:
+    """Why an import cannot record a row of ``source`` under ``key`` (too long to go to
+    every backend), or None. Asked only of a row about to be recorded, on every backend:
+    a row recorded before (by an earlier release's SQLite import) is passed over as ever,
+    and a store's new records can be copied anywhere."""
+    for what, text in (("its key", key), ("the source's name (its path and table)", source)):
+        if len(text.encode("utf-8")) > MAX_IMPORT_RECORD_BYTES:
+            return _errors.InvalidInput(
+                f"source row {_shown(key)}: {what} is longer than {MAX_IMPORT_RECORD_BYTES} "
+                "bytes of UTF-8, more than an import records"
+            )
+    return None
+
+
+def copy_unrecordable(source: str, key: str) -> _errors.InvalidInput | None:
+    """Why a copy's destination that bounds its import records cannot take this one of
+    the source's (an earlier release's SQLite import recorded it), or None."""
+    for text in (key, source):
+        if len(text.encode("utf-8")) > MAX_IMPORT_RECORD_BYTES:
+            return _errors.InvalidInput(
+                f"nothing was copied: the source's import record of {_shown(source)} keyed "
+                f"{_shown(key)} is longer than {MAX_IMPORT_RECORD_BYTES} bytes of UTF-8, "
+                "more than this destination keeps (a SQLite destination keeps it)"
+            )
+    return None
+
+
+def _shown(text: str) -> str:
+    shown = repr(text)
+    return shown if len(shown) <= 80 else shown[:77] + "..."
+
 
 def imported_detail(
     source: str, key: str, recorded: tuple[str | None, int] | None

@@ -61,6 +61,7 @@ class SQLiteBackend(_backend.Writes):
     #: FULL, an fsync): a settle and the next claim are cheaper in one (see
     #: docs/architecture.md, "A settle and the next claim in one round").
     settle_with_claim = True
+    import_records_bounded = False
 
     def __init__(
         self,
@@ -1118,6 +1119,8 @@ def _import_rows(
         outcomes.append(outcome)
         if outcome not in _rules.IMPORT_COPIES:
             continue
+        if (refused := _rules.unrecordable_import(op.source, key)) is not None:
+            raise refused
         row = _rules.new_row(op.project_id, item, now)
         (item_id,) = db.execute(sql.INSERT_ITEM_RETURNING, row).fetchall()[0]
         queued = _rules.imported_detail(op.source, key, recorded)

@@ -58,7 +58,6 @@ __all__ = (
     "fingerprint",
     "finish_status",
     "identity",
-    "import_key",
     "instant",
     "item_id",
     "lease_seconds",
@@ -124,24 +123,6 @@ def text_id(value: object, what: str) -> str:
             f"{what} must not contain control characters or lone surrogates: {value!r}"
         )
     return value
-
-
-#: The longest source-row key an import remembers, in UTF-8 bytes: PostgreSQL indexes
-#: the records by source and key, and an index entry holds at most about 2.7 KB.
-MAX_IMPORT_KEY_BYTES = 1024
-
-
-def import_key(value: object, what: str) -> str:
-    """A source row's key as an import remembers it: as text, storable, and at most
-    `MAX_IMPORT_KEY_BYTES` in UTF-8 (on every backend, so that a store's records can be
-    copied to any other)."""
-    key = storable_text(str(value), what)
-    if len(key.encode("utf-8")) > MAX_IMPORT_KEY_BYTES:
-        raise _errors.InvalidInput(
-            f"{what} is longer than {MAX_IMPORT_KEY_BYTES} bytes in UTF-8, more than an "
-            "import remembers"
-        )
-    return key
 
 
 def storable_text(value: str, what: str) -> str:
@@ -299,9 +280,12 @@ def search_text(value: object, what: str) -> str | None:
 
 def strict_json(text: str) -> Any:
     """``text`` read as JSON, and JSON alone: ValueError for NaN and the infinities
-    (Python's json reads them; JSON has none, nor has any payload) and for a number too
-    large for a float."""
-    return json.loads(text, parse_constant=_not_json, parse_float=_finite)
+    (Python's json reads them; JSON has none, nor has any payload), for a number too
+    large for a float, and for nesting too deep to read (no payload either)."""
+    try:
+        return json.loads(text, parse_constant=_not_json, parse_float=_finite)
+    except RecursionError:
+        raise ValueError("nested too deep") from None
 
 
 def _not_json(text: str) -> Any:
