@@ -480,6 +480,23 @@ def test_a_cluster_another_namespace_left_is_reaped_once_no_server_answers() -> 
             shutil.rmtree(gone, ignore_errors=True)
             shutil.rmtree(stale, ignore_errors=True)
         assert asyncio.run(_answers(live.url()))
+        # Its server down a moment (a test's crash and restart), its maker still there
+        # holding the cluster: kept (it was removed, and the restart failed).
+        namespace.write_text("pid:[1]")
+        os.utime(namespace, (long_ago, long_ago))
+        data = live.socket_dir / "data"
+        pg_ctl = [*testing._run_as(), str(testing._postgres_bindir() / "pg_ctl"), "-D", str(data)]
+        subprocess.run([*pg_ctl, "-m", "immediate", "-w", "stop"], check=True, capture_output=True)
+        try:
+            testing._reap_orphans()
+            assert (live.socket_dir / testing._OWNER).exists()
+        finally:
+            namespace.write_text(own)
+            subprocess.run(  # as it ran (restart takes the options it was started with)
+                [*pg_ctl, "-l", str(live.socket_dir / "server.log"), "-w", "restart"],
+                check=True, capture_output=True,
+            )  # fmt: skip
+        assert asyncio.run(_answers(live.url()))
 
 
 async def _answers(url: str) -> bool:

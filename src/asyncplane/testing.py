@@ -154,6 +154,7 @@ class PostgresCluster:
         self._settings = dict(settings or {})
         self._root: pathlib.Path | None = None
         self._as: list[str] = []
+        self._held: int | None = None  # the maker's lock on its cluster (`_IN_USE`)
 
     @property
     def socket_dir(self) -> pathlib.Path:
@@ -186,6 +187,7 @@ class PostgresCluster:
         try:
             (root / _OWNER).write_text(_process_identity(os.getpid()) or "")
             (root / _NAMESPACE).write_text(_pid_namespace())
+            self._held = _hold(root / _IN_USE)
             bindir = _postgres_bindir()
             self._as = _run_as()
             if self._as:
@@ -219,8 +221,13 @@ class PostgresCluster:
     def stop(self) -> None:
         """Stop the server and remove its directory; idempotent."""
         root, self._root = self._root, None
-        if root is not None:
-            _remove_cluster(root, self._as)
+        held, self._held = self._held, None
+        try:
+            if root is not None:
+                _remove_cluster(root, self._as)
+        finally:
+            if held is not None:
+                os.close(held)
 
     def _run(self, command: list[str], what: str) -> None:
         try:
@@ -283,6 +290,42 @@ _OWNER = "owner"
 #: container sharing the temporary directory). A file of its own: the owner file is read
 #: by earlier releases' reapers too, which compare it whole.
 _NAMESPACE = "owner-namespace"
+#: The file its maker holds a lock on for as long as it has the cluster: the kernel lets
+#: the lock go when the maker ends, in whatever pid namespace, so a reaper in another can
+#: tell a cluster in use whose server is down a moment (restarted by its test) from one
+#: a removed container left.
+_IN_USE = "owner-lock"
+
+
+def _hold(path: pathlib.Path) -> int | None:
+    """A descriptor holding a lock on ``path`` (None where this system has no flock)."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - Windows
+        return None
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    return fd
+
+
+def _held_elsewhere(path: pathlib.Path) -> bool | None:
+    """Whether another process holds ``path``'s lock (None: no such file, an earlier
+    release's cluster, or no way to tell)."""
+    try:
+        import fcntl
+
+        fd = os.open(path, os.O_RDONLY)
+    except (ImportError, OSError):
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    return False
 
 
 def _run_as() -> list[str]:
@@ -376,6 +419,8 @@ def _left_elsewhere(root: pathlib.Path) -> bool:
         return False  # not ours to look into
     if time.time() - made < _GRACE_ELSEWHERE:
         return False
+    if _held_elsewhere(root / _IN_USE):
+        return False  # its maker lives: a server it stopped, to start again, say
     for path in sockets:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
             probe.settimeout(5.0)
