@@ -3410,3 +3410,36 @@ async def test_a_claim_takes_no_lapsed_item_of_a_project_unassigned_as_it_waited
         finally:
             await unassigning.close()
         assert await verify_ledger(store) == []
+
+
+def test_a_big_settle_takes_no_lock_table_entry_for_each_item() -> None:
+    # The settle's trigger took an advisory lock for each item it settled, each an entry
+    # of the server's shared lock table to the commit: a cancel_where of 25,000 items (a
+    # finish settling as many twins) failed "out of shared memory", as here with a small
+    # table (a few hundred entries) and 1,000.
+    with testing.PostgresCluster(
+        settings={"max_locks_per_transaction": "10", "max_connections": "20"}
+    ) as cluster:
+
+        async def scenario() -> None:
+            async with ControlStore(cluster.url()) as store:
+                await store.create_project("p", "P")
+                await store.enqueue_many("p", [{"n": n} for n in range(1000)])
+                awaited = await store.enqueue("p", {"awaited": True})
+                waiting = asyncio.ensure_future(store.wait(awaited, poll_interval=3600))
+                marks = "SELECT count(*) FROM awaited"
+                await until(lambda: _first(cluster.url(), marks), what="the waiter's mark")
+                assert await store.cancel_where(project_id="p", chunk=5000) == 1001
+                # Still told by its settle's notification (the poll is an hour away).
+                assert (await asyncio.wait_for(waiting, 60))["state"] == "cancelled"
+                assert await verify_ledger(store) == []
+
+        asyncio.run(scenario())
+
+
+async def _first(url: str, query: str) -> Any:
+    conn = await asyncpg.connect(url)
+    try:
+        return await conn.fetchval(query)
+    finally:
+        await conn.close()

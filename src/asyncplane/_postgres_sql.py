@@ -302,6 +302,13 @@ SETTLE_TWINS_12: Final = """
 
 
 #: Migration n takes the schema from version n-1 to n. Append, never edit.
+#: The lock that orders a settle of an item and a waiter's first mark of it (migration
+#: 16, MARK_AWAITED): one of 64, by the item's id.
+_AWAITED_SHARD = (
+    "hashtextextended('asyncplane-awaited-shard:' || current_schema() || chr(1) || "
+    "({item} % 64)::text, 0)"
+)
+
 MIGRATIONS: Final[tuple[str, ...]] = (
     # 1: the whole store as of SQLite schema 3, in one step.
     """
@@ -991,6 +998,23 @@ MIGRATIONS: Final[tuple[str, ...]] = (
     DROP TRIGGER IF EXISTS events_not_truncated ON events;
     CREATE TRIGGER events_not_truncated BEFORE TRUNCATE ON events
         FOR EACH STATEMENT EXECUTE FUNCTION asyncplane_refuse_event_truncate();
+    """,
+    # 16: migration 6's settle took an advisory lock for each item it settled, and each
+    # lock takes an entry of the server's shared lock table to the commit: a cancel_where
+    # of 25,000 items, or a finish settling as many twins, failed "out of shared memory"
+    # (other sessions' transactions too). The lock is now one of 64 (the item's id modulo
+    # 64), which a first marker takes alone (MARK_AWAITED): the same order between a mark
+    # and a settle of its item, at most 64 entries a transaction.
+    f"""
+    CREATE OR REPLACE FUNCTION asyncplane_notify_settled() RETURNS trigger
+    LANGUAGE plpgsql AS $$
+    BEGIN
+        PERFORM pg_advisory_xact_lock_shared({_AWAITED_SHARD.format(item="NEW.item_id")});
+        IF EXISTS (SELECT 1 FROM awaited WHERE item_id = NEW.item_id) THEN
+            PERFORM pg_notify('asyncplane_settled', current_schema());
+        END IF;
+        RETURN NULL;
+    END $$;
     """,
 )
 
@@ -1952,14 +1976,13 @@ RETURNING items.item_id
 """
 PURGE_EVENTS: Final = "DELETE FROM events WHERE item_id = ANY($1::bigint[])"
 # A waiter marks its item awaited (its settle will notify): the first mark takes the
-# item's lock, which a settle of it holds shared while it looks for marks, so it waits for
-# a settle that looked without seeing it, and holds back one that comes, to its commit.
-# ($1 item id)
-MARK_AWAITED: Final = """
+# item's lock (migration 16: one of 64, by its id), which a settle of it holds shared
+# while it looks for marks, so it waits for a settle that looked without seeing it, and
+# holds back one that comes, to its commit. ($1 item id)
+MARK_AWAITED: Final = f"""
 WITH marked AS (
     INSERT INTO awaited (item_id) VALUES ($1) ON CONFLICT DO NOTHING RETURNING item_id)
-SELECT pg_advisory_xact_lock(hashtextextended(
-           'asyncplane-awaited:' || current_schema() || chr(1) || item_id::text, 0))
+SELECT pg_advisory_xact_lock({_AWAITED_SHARD.format(item="item_id")})
 FROM marked
 """
 PURGE_AWAITED: Final = "DELETE FROM awaited WHERE item_id = ANY($1::bigint[])"
