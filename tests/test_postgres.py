@@ -989,7 +989,7 @@ async def test_stores_in_other_schemas_never_wait_on_each_others_locks(
         holder = await asyncpg.connect(url)  # store a's schema, mid-enqueue of content "f"
         try:
             async with holder.transaction():
-                await holder.execute(_postgres_sql.LOCK_CONTENTS, ["p"], ["f"])
+                await holder.execute(_postgres_sql.LOCK_CONTENTS, ["p"], ["f"], False)
                 item = await asyncio.wait_for(b.enqueue("p", {}, fingerprint="f"), timeout=5)
                 claim = await asyncio.wait_for(b.claim("w"), timeout=5)
                 assert claim is not None and claim.item_id == item
@@ -1000,8 +1000,9 @@ async def test_stores_in_other_schemas_never_wait_on_each_others_locks(
 async def test_a_rounds_enqueues_take_their_content_locks_together_in_order(url: str) -> None:
     # The writer takes every content lock its round's enqueues need at its start, sorted
     # (`_postgres_writer.Locking`, also through the `Named` an enqueue is sent as), so two
-    # rounds never take them in opposite orders. Seen from outside: an enqueue of "y"
-    # queued ahead of one of "x", with "y" held elsewhere, waits holding "x" already.
+    # rounds never take them in opposite orders. Seen from outside: an enqueue of the
+    # content that comes last in that order, held elsewhere, queued ahead of one of the
+    # other, waits holding the other's lock already (and both shards', shared).
     # (Both are queued in one turn of the loop, before the idle writer takes a round, so
     # they share it. The enqueue itself takes its locks again, so this is about the
     # round's, not about dedup.)
@@ -1012,20 +1013,26 @@ async def test_a_rounds_enqueues_take_their_content_locks_together_in_order(url:
         holder = await asyncpg.connect(url)
         watcher = await asyncpg.connect(url)
         locks = "SELECT granted FROM pg_locks WHERE locktype = 'advisory' AND pid = $1"
+        key = "SELECT " + pg_sql._CONTENT_KEY.format(p="'p'", f="$1::text")
+        shard = "SELECT " + pg_sql._SHARD_KEY.format(p="'p'", f="$1::text")
         try:
+            early, late = "x", "y"
+            if await holder.fetchval(key, "x") > await holder.fetchval(key, "y"):
+                early, late = "y", "x"
+            shards = len({await holder.fetchval(shard, f) for f in ("x", "y")})
             async with holder.transaction():
-                await holder.execute(pg_sql.LOCK_CONTENTS, ["p"], ["y"])
+                await holder.execute(pg_sql.LOCK_CONTENTS, ["p"], [late], False)
                 both = asyncio.gather(
-                    store.enqueue("p", {"n": 1}, fingerprint="y"),
-                    store.enqueue("p", {"n": 2}, fingerprint="x"),
+                    store.enqueue("p", {"n": 1}, fingerprint=late),
+                    store.enqueue("p", {"n": 2}, fingerprint=early),
                 )
 
                 async def waiting() -> bool:
                     return any(not granted for (granted,) in await watcher.fetch(locks, pid))
 
-                await until(waiting, what="the round waits for the lock on y")
+                await until(waiting, what="the round waits for the late content's lock")
                 held = [granted for (granted,) in await watcher.fetch(locks, pid)]
-                assert sorted(held) == [False, True]  # waits for y, holding x
+                assert sorted(held) == [False] + [True] * (shards + 1)  # the early one's too
             first, second = await asyncio.wait_for(both, timeout=30)
             assert first != second
         finally:
@@ -3432,6 +3439,32 @@ def test_a_big_settle_takes_no_lock_table_entry_for_each_item() -> None:
                 assert await store.cancel_where(project_id="p", chunk=5000) == 1001
                 # Still told by its settle's notification (the poll is an hour away).
                 assert (await asyncio.wait_for(waiting, 60))["state"] == "cancelled"
+                assert await verify_ledger(store) == []
+
+        asyncio.run(scenario())
+
+
+def test_an_enqueue_of_many_contents_takes_a_bounded_number_of_locks() -> None:
+    # Each content's enqueue lock took an entry of the server's shared lock table: an
+    # enqueue_many of 30,000 fingerprints failed "out of shared memory", as here with a
+    # small table and 2,000; dedup still holds, against itself and a second store.
+    with testing.PostgresCluster(
+        settings={"max_locks_per_transaction": "10", "max_connections": "20"}
+    ) as cluster:
+
+        async def scenario() -> None:
+            async with ControlStore(cluster.url()) as store, ControlStore(cluster.url()) as other:
+                await store.create_project("p", "P")
+                jobs = [Job({"n": n}, fingerprint=f"f{n}") for n in range(2000)]
+                first, again = await asyncio.gather(
+                    store.enqueue_many("p", jobs), other.enqueue_many("p", jobs)
+                )
+                assert first == again  # one item a content: the second found the first's
+                assert len(set(first)) == 2000
+                few = await asyncio.gather(
+                    *(store.enqueue("p", {"n": n}, fingerprint=f"f{n}") for n in range(10))
+                )
+                assert few == first[:10]
                 assert await verify_ledger(store) == []
 
         asyncio.run(scenario())

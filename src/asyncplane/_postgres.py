@@ -1085,7 +1085,10 @@ async def _enqueue(
         # One enqueue of a given content at a time (the writer took these locks for the
         # whole round already, in order; taking them again costs nothing), then one look
         # for earlier twins of them all.
-        await conn.execute(sql.LOCK_CONTENTS, [op.project_id] * len(wanted), wanted)
+        await conn.execute(
+            sql.LOCK_CONTENTS, [op.project_id] * len(wanted), wanted,
+            len(wanted) > sql.CONTENTS_LOCKED_ONE_BY_ONE,
+        )  # fmt: skip
         found = {r[0]: r[1] for r in await conn.fetch(sql.FIND_TWINS, op.project_id, wanted)}
     plan = _rules.EnqueuePlan(op.items, found)
     inserted: list[int] = []

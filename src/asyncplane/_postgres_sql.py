@@ -1131,12 +1131,32 @@ SELECT * FROM unnest($1::bigint[], $2::text[], $3::bigint[], $4::text[], $5::tex
 # Two enqueues of the same content in one project take turns from the dedup check to the
 # commit: held to the end of the transaction. The writer takes every lock a round needs
 # at its start, in one sorted pass, so two rounds never hold them in opposite orders.
-# ($1 project ids, $2 fingerprints, pairwise)
-LOCK_CONTENTS: Final = """
-SELECT pg_advisory_xact_lock(
-    hashtextextended(current_schema() || chr(1) || project_id || chr(1) || fingerprint, 0))
-FROM unnest($1::text[], $2::text[]) AS content (project_id, fingerprint)
-ORDER BY project_id, fingerprint
+# Each content lock takes an entry of the server's shared lock table to the commit, and
+# an enqueue_many of 30,000 contents ran it out ("out of shared memory"): so a content's
+# lock comes with its shard's (one of 64, by the content), shared, and a round of more
+# than CONTENTS_LOCKED_ONE_BY_ONE contents takes its shards alone instead, and no
+# content's (at most 64 entries, and such a round waits for, and holds back, every
+# enqueue of a content in them). Shards first, then contents, each in one order.
+# ($1 project ids, $2 fingerprints, pairwise; $3 whether by shards alone)
+CONTENTS_LOCKED_ONE_BY_ONE: Final = 256
+_CONTENT_KEY = "hashtextextended(current_schema() || chr(1) || {p} || chr(1) || {f}, 0)"
+_SHARD_KEY = (
+    "hashtextextended('asyncplane-content-shard:' || current_schema() || chr(1) || "
+    "(abs(hashtextextended({p} || chr(1) || {f}, 3)) % 64)::text, 0)"
+)
+LOCK_CONTENTS: Final = f"""
+SELECT CASE WHEN kind = 1 THEN pg_advisory_xact_lock(key)
+            WHEN $3::boolean THEN pg_advisory_xact_lock(key)
+            ELSE pg_advisory_xact_lock_shared(key) END
+FROM (
+    SELECT DISTINCT 0 AS kind, {_SHARD_KEY.format(p="project_id", f="fingerprint")} AS key
+    FROM unnest($1::text[], $2::text[]) AS content (project_id, fingerprint)
+    UNION
+    SELECT 1, {_CONTENT_KEY.format(p="project_id", f="fingerprint")}
+    FROM unnest($1::text[], $2::text[]) AS content (project_id, fingerprint)
+    WHERE NOT $3::boolean
+) AS locks
+ORDER BY kind, key
 """
 # Enqueue dedup: for each fingerprint, an earlier item of the project with it that has not
 # failed nor been cancelled, the oldest done one first (its result is there already),
@@ -1162,9 +1182,9 @@ WHERE item_id IS NOT NULL
 # one nothing settles unrun), the oldest; under the content's lock (LOCK_CONTENTS' key,
 # tried: TRY_LOCK_CONTENT), so that a tick of another schedule of the same content,
 # committing now, is seen.
-TRY_LOCK_CONTENT: Final = """
-SELECT pg_try_advisory_xact_lock(
-    hashtextextended(current_schema() || chr(1) || $1 || chr(1) || $2, 0))
+TRY_LOCK_CONTENT: Final = f"""
+SELECT pg_try_advisory_xact_lock_shared({_SHARD_KEY.format(p="$1", f="$2")})
+   AND pg_try_advisory_xact_lock({_CONTENT_KEY.format(p="$1", f="$2")})
 """
 PENDING_TWIN: Final = f"""
 SELECT min(item_id) FROM items

@@ -352,8 +352,9 @@ class Writer(_write_queue.WriterBase):
             keys = sorted({key for op in ops for key in _lock_keys(op)})
             if keys:
                 await conn.execute(
-                    sql.LOCK_CONTENTS, [key[0] for key in keys], [key[1] for key in keys]
-                )
+                    sql.LOCK_CONTENTS, [key[0] for key in keys], [key[1] for key in keys],
+                    len(keys) > sql.CONTENTS_LOCKED_ONE_BY_ONE,
+                )  # fmt: skip
             # A round claiming for several reaches takes their limit locks all at once,
             # as its first claim runs (`Writer(claim_reaches=)`): not before the units
             # ahead of it (a finish takes row and content locks first, as it does in a
