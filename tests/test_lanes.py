@@ -277,6 +277,30 @@ async def test_preflight_backfills_fingerprints_and_settles_pending_twins(
     assert await verify_ledger(new) == []
 
 
+async def test_a_twin_the_preflight_settles_wakes_its_waiter_at_once(
+    lanes: ControlStore,
+) -> None:
+    # On SQLite the preflight's settles woke no wait() of the process: it saw them at
+    # its next look, poll_interval away, as a settle elsewhere.
+    pending = await lanes.enqueue("alpha", task("q"))
+    await lanes.cancel(pending)
+    await lanes.enqueue("alpha", task("q"))
+    claim = await lanes.claim("w")
+    assert claim is not None
+    await lanes.finish(claim.item_id, fence=claim.fence, result={"answer": 1})
+    await lanes.requeue(pending)  # a pending twin of a done one, for the preflight
+    waiting = asyncio.ensure_future(lanes.wait(pending, poll_interval=3600))
+    await until(lambda: _waits_on(lanes), what="the wait")
+    assert await lanes.dedup_pending_against_done() == 1
+    settled = await asyncio.wait_for(waiting, 30)  # not an hour: at once
+    assert (settled["state"], settled["result"]) == ("done", {"answer": 1})
+
+
+def _waits_on(store: ControlStore) -> bool:
+    """Whether a wait() of ``store`` has looked once and sleeps."""
+    return any(t.get_name().startswith("asyncplane-settles") for t in asyncio.all_tasks())
+
+
 async def test_a_preflight_step_with_no_twin_to_settle_writes_nothing(
     asyncplane_store_factory: Any,
 ) -> None:

@@ -3476,3 +3476,21 @@ async def _first(url: str, query: str) -> Any:
         return await conn.fetchval(query)
     finally:
         await conn.close()
+
+
+async def test_a_read_only_stores_wait_hears_a_settle_at_the_safety_look(url: str) -> None:
+    # A read-only store writes no mark, so no settle notifies it: its waits were to hear
+    # settles at the 5 s safety look, but looked only every poll_interval (an hour here).
+    async with ControlStore(url) as store, ControlStore(url, read_only=True) as reader:
+        await store.create_project("p", "P")
+        item = await store.enqueue("p", {"n": 1})
+        waiting = asyncio.ensure_future(reader.wait(item, poll_interval=3600))
+
+        def asleep() -> bool:  # its first look made: it sleeps on its watch
+            return any(t.get_name() == "asyncplane-settles-local" for t in asyncio.all_tasks())
+
+        await until(asleep, what="the wait asleep")
+        claim = await store.claim("w")
+        assert claim is not None
+        await store.finish(claim.item_id, fence=claim.fence)
+        assert (await asyncio.wait_for(waiting, 30))["state"] == "done"

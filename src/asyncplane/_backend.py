@@ -875,6 +875,10 @@ class Backend(Protocol):
     #: `asyncplane._rules.MAX_IMPORT_RECORD_BYTES` each (PostgreSQL, which indexes them),
     #: or at any length (SQLite: an earlier release's imports recorded longer ones).
     import_records_bounded: bool
+    #: How often, at the longest, `settled_version` must be looked at to see what it says
+    #: (None: whenever a waiter's poll interval says; PostgreSQL's moves on a safety
+    #: look's clock, for a store that hears no settle).
+    settled_looks_within: float | None
 
     async def open(self) -> None:
         """Connect, create or migrate the schema; idempotent."""

@@ -473,6 +473,8 @@ class Engine:
         settled, more = 0, False
         if await backend.any_twin_noted(op):
             settled, more = await backend.settle_pending_twins(op)
+            if settled:
+                self.notify_settled()  # wait() calls of this process: at once, not polled
         _telemetry.dedup_settled(settled, "preflight")
         return settled, seen == chunk or more
 

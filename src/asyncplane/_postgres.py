@@ -62,6 +62,10 @@ T = TypeVar("T")
 _log = logging.getLogger("asyncplane.store")
 
 
+#: However quiet the notifications, a sleeping drainer looks for work this often.
+_SAFETY_POLL_SECONDS = 5.0
+
+
 #: The parameters of a URL's query that hold a secret (libpq's names, in any case and
 #: however percent-encoded), shown as ***.
 class ServerClock:
@@ -251,6 +255,7 @@ class PostgresBackend(_backend.Writes):
     #: docs/architecture.md, "A settle and the next claim in one round").
     settle_with_claim = False
     import_records_bounded = True
+    settled_looks_within: float | None = _SAFETY_POLL_SECONDS
 
     def __init__(
         self,
@@ -874,8 +879,6 @@ async def _close_quietly(conn: asyncpg.Connection) -> None:
         conn.terminate()
 
 
-#: However quiet the notifications, a sleeping drainer looks for work this often.
-_SAFETY_POLL_SECONDS = 5.0
 #: How long a closing store waits to send the twins' wake-ups it owes (`TwinWakes`),
 #: and how soon, then how often at most, a wake-up looks again while a settle of its
 #: content is under way.

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 from asyncplane import _models, _tasks
 
 if TYPE_CHECKING:
-    from asyncplane import _engine
+    from asyncplane import _backend, _engine
 
 __all__ = ("SettleWatch",)
 
@@ -101,20 +101,25 @@ class SettleWatch:
                 ids = list(self._waiting)
                 self._wake(await backend.ended_among(ids, _models.SETTLED_STATES), None)
                 if self._waiting:
-                    await self._until_changed(changed, mark, closes)
+                    await self._until_changed(changed, mark, closes, backend)
         except Exception as exc:  # a failed read: every caller hears it
             self._wake(list(self._waiting), exc)
         finally:
             engine.unwatch(changed)
 
     async def _until_changed(
-        self, changed: asyncio.Event, mark: tuple[int, int], closes: int
-    ) -> None:
+        self, changed: asyncio.Event, mark: tuple[int, int], closes: int,
+        backend: _backend.Backend,
+    ) -> None:  # fmt: skip
         """Until this process writes, the settle mark moves past ``mark`` (looked at every
-        shortest poll interval, never sooner), the store closes, or nobody waits."""
+        shortest poll interval, never sooner, and at least as often as the backend's mark
+        asks: a read-only PostgreSQL store's waits heard settles elsewhere only at their
+        poll interval, not at the 5 s safety look), the store closes, or nobody waits."""
         engine = self._engine
+        within = backend.settled_looks_within
         while self._waiting:
             poll = min(p for entries in self._waiting.values() for _, p in entries)
+            poll = poll if within is None else min(poll, within)
             try:
                 await _tasks.within(changed.wait(), poll, "asyncplane-settles-local")
                 return
