@@ -15,6 +15,7 @@ import signal
 import sqlite3
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -396,6 +397,34 @@ async def test_a_purge_waits_for_the_archive_lock_in_the_kernel(
     finally:
         os.close(fd)
     assert (await purging).purged == 2
+
+
+def test_a_lock_waiter_hands_the_lock_over_or_lets_it_go_never_keeps_it(
+    tmp_path: pathlib.Path,
+) -> None:
+    # It said it was done after letting go of its mutex: an abandon() in between took
+    # the wait for given up, and the waiter kept the lock on a descriptor nobody had (every
+    # later purge waited for the process to end). Done is now said under the mutex.
+    import fcntl
+
+    lock = tmp_path / "a.lock"
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    waiter = _retention._LockWaiter(lock)
+    said_under_the_mutex: list[bool] = []
+
+    class Done(threading.Event):
+        def set(self) -> None:
+            said_under_the_mutex.append(waiter._mutex.locked())
+            super().set()
+
+    waiter.done = Done()
+    waiter.start()
+    os.close(fd)  # let go: the waiter has it
+    waiter.join(30)
+    assert said_under_the_mutex == [True]
+    assert not waiter.abandon()  # done first: its descriptor is the caller's
+    os.close(waiter.taken())
 
 
 async def test_purge_checks_its_arguments_before_the_store_is_made(tmp_path: pathlib.Path) -> None:
@@ -1924,6 +1953,48 @@ async def test_a_long_key_an_earlier_release_recorded_is_passed_over_as_ever(
     conn.close()
     summary = await store.import_pending(source, table="q", columns=columns, project_id="alpha")
     assert (summary.imported, summary.already_imported) == (1, 2)  # z; a and the long one
+
+
+@pytest.mark.sqlite_only
+async def test_a_changed_row_under_a_long_key_an_earlier_release_recorded_is_imported(
+    store: ControlStore, tmp_path: pathlib.Path
+) -> None:
+    # Its payload changed since: refused as a new long record, the chunk failed on every
+    # run and the rows after it never came. Its record moves on to the new item.
+    long = "L" * 1500
+    source = keyed_source(tmp_path / "src.sqlite3", [("a", '{"n": 1}')])
+    columns = {"payload": "body", "key": "k"}
+    await store.import_pending(source, table="q", columns=columns, project_id="alpha")
+    (queued,) = [e for e in await store.events(1) if e["event_type"] == "queued"]
+    name = queued["detail"]["imported_from"]
+    engine = await store._engine.ready()
+    await engine.copy_imports(((name, long, 1, 0.0, "an older payload's digest"),))
+    conn = sqlite3.connect(source)
+    conn.execute("INSERT INTO q VALUES (?, ?)", (long, '{"n": 2}'))
+    conn.commit()
+    conn.close()
+    summary = await store.import_pending(source, table="q", columns=columns, project_id="alpha")
+    assert (summary.imported, summary.changed) == (1, 1)
+
+
+async def test_an_import_that_drops_its_table_refuses_a_name_its_drop_cannot_record(
+    store: ControlStore, tmp_path: pathlib.Path
+) -> None:
+    # The drop's record is kept under the source's name: a long one was written anyway
+    # (then no copy to PostgreSQL took the store), and the table dropped. Refused first.
+    table = "表" * 400
+    source = source_table(
+        tmp_path / "src.sqlite3", f'CREATE TABLE "{table}" (body TEXT, s INTEGER)',
+        f'INSERT INTO "{table}" VALUES (?, ?)', [('{"n": 1}', 1)],
+    )  # fmt: skip
+    with pytest.raises(InvalidInput, match="drops its table"):
+        await store.import_pending(
+            source, table=table, columns={"payload": "body", "state": "s"},
+            project_id="alpha", pending=[0], drop_source=True,
+        )  # fmt: skip
+    conn = sqlite3.connect(source)
+    assert conn.execute(f'SELECT count(*) FROM "{table}"').fetchone() == (1,)  # not dropped
+    conn.close()
 
 
 async def test_import_needs_a_unique_key_and_a_real_pending_collection(

@@ -1004,8 +1004,7 @@ async def test_a_rounds_enqueues_take_their_content_locks_together_in_order(url:
     # content that comes last in that order, held elsewhere, queued ahead of one of the
     # other, waits holding the other's lock already (and both shards', shared).
     # (Both are queued in one turn of the loop, before the idle writer takes a round, so
-    # they share it. The enqueue itself takes its locks again, so this is about the
-    # round's, not about dedup.)
+    # they share it.)
     async with ControlStore(url) as store:
         await store.create_project("p", "P")
         backend: Any = await store._engine.ready()
@@ -3465,6 +3464,13 @@ def test_an_enqueue_of_many_contents_takes_a_bounded_number_of_locks() -> None:
                     *(store.enqueue("p", {"n": n}, fingerprint=f"f{n}") for n in range(10))
                 )
                 assert few == first[:10]
+                # Many callers' batches in one round, each small: the round goes by shards,
+                # and none of them takes its contents' locks besides (each did).
+                more = [Job({"n": n}, fingerprint=f"g{n}") for n in range(1800)]
+                batches = await asyncio.gather(
+                    *(store.enqueue_many("p", more[i : i + 150]) for i in range(0, 1800, 150))
+                )
+                assert len({i for batch in batches for i in batch}) == 1800
                 assert await verify_ledger(store) == []
 
         asyncio.run(scenario())
@@ -3494,3 +3500,40 @@ async def test_a_read_only_stores_wait_hears_a_settle_at_the_safety_look(url: st
         assert claim is not None
         await store.finish(claim.item_id, fence=claim.fence)
         assert (await asyncio.wait_for(waiting, 30))["state"] == "done"
+
+
+async def test_a_waiters_mark_waits_for_no_settle_of_another_item(url: str) -> None:
+    # Migration 16's first version ordered a mark and a settle by a lock one of 64 by item
+    # id: a wait() stood behind an open settle of any item of its share (and the round it
+    # marked in, and the writes behind that), and deadlocked with such settles.
+    async with ControlStore(url) as store:
+        await store.create_project("p", "P")
+        ids = await store.enqueue_many("p", [{"n": n} for n in range(65)])
+        held, awaited = ids[0], ids[64]  # one share of 64 by id, whatever the ids
+        assert held % 64 == awaited % 64
+        settling = await asyncpg.connect(url)
+        try:
+            async with settling.transaction():  # another's settle of held, not committed
+                await settling.execute(
+                    "UPDATE items SET state = 'cancelled', fence = fence + 1 "
+                    "WHERE item_id = $1", held,
+                )  # fmt: skip
+                waiting = asyncio.ensure_future(store.wait(awaited, poll_interval=3600))
+                await asyncio.wait_for(store.enqueue("p", {"after": True}), 10)
+                claim = await asyncio.wait_for(store.claim("w"), 10)
+                assert claim is not None and claim.item_id != held
+                await store.finish(claim.item_id, fence=claim.fence)
+                if claim.item_id == awaited:
+                    assert (await asyncio.wait_for(waiting, 10))["state"] == "done"
+                waiting.cancel()
+                await asyncio.gather(waiting, return_exceptions=True)
+                await settling.execute("SELECT 1")  # (its transaction rolls back)
+                raise _Rollback
+        except _Rollback:
+            pass
+        finally:
+            await settling.close()
+
+
+class _Rollback(Exception):
+    """Leaves a transaction block so that it rolls back."""

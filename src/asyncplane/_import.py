@@ -164,6 +164,13 @@ async def _import(
     known = {p.project_id for p in await backend.list_projects()}
     if project is not None and project not in known:
         raise _rules.unknown_project(project)
+    dropping = _rules.dropped_source(name)
+    if watch is not None and len(dropping.encode()) > _rules.MAX_IMPORT_RECORD_BYTES:
+        raise _errors.InvalidInput(  # its drop is recorded under the name: before a drop
+            f"the source's name (its path and table) is longer than "
+            f"{_rules.MAX_IMPORT_RECORD_BYTES - len('#dropped:')} bytes of UTF-8, more than "
+            "an import that drops its table records: nothing was imported"
+        )
     # As found before any chunk is read: a drop by another import since is refused.
     dropped_up_to = await backend.source_dropped_up_to(name)
     after: Any = None

@@ -620,6 +620,9 @@ class PostgresBackend(_backend.Writes):
         A read-only store writes no mark: it hears other settles at its safety look."""
         if not self._sizing.read_only:
             await self._write(_bind(_mark_awaited, item_id))
+            # Its mark committed: a settle under way, which looked for marks before it,
+            # has committed once this row lock is had (held a moment, by one statement).
+            await self._fetch(sql.SETTLES_UNDER_WAY, item_id)
 
     async def missing_fingerprints(
         self, op: _backend.PreflightOp, after_item_id: int, identity: tuple[str, ...]
@@ -1085,13 +1088,10 @@ async def _enqueue(
     wanted = _rules.dedup_fingerprints(op.items)
     found: dict[str, int] = {}
     if wanted:
-        # One enqueue of a given content at a time (the writer took these locks for the
-        # whole round already, in order; taking them again costs nothing), then one look
-        # for earlier twins of them all.
-        await conn.execute(
-            sql.LOCK_CONTENTS, [op.project_id] * len(wanted), wanted,
-            len(wanted) > sql.CONTENTS_LOCKED_ONE_BY_ONE,
-        )  # fmt: skip
+        # One enqueue of a given content at a time: its caller holds the content's lock
+        # (the writer's round took every lock its enqueues need at its start, in order,
+        # by contents or, past CONTENTS_LOCKED_ONE_BY_ONE, by shards; a tick tried it),
+        # then one look for earlier twins of them all.
         found = {r[0]: r[1] for r in await conn.fetch(sql.FIND_TWINS, op.project_id, wanted)}
     plan = _rules.EnqueuePlan(op.items, found)
     inserted: list[int] = []
@@ -1660,7 +1660,7 @@ async def _import_rows(
         outcomes.append(outcome)
         if outcome not in _rules.IMPORT_COPIES:
             continue
-        if (refused := _rules.unrecordable_import(op.source, key)) is not None:
+        if (refused := _rules.unrecordable_import(op.source, key, recorded)) is not None:
             raise refused
         row = _rules.new_row(op.project_id, item, now)
         (item_id,) = await _insert_items(

@@ -302,13 +302,6 @@ SETTLE_TWINS_12: Final = """
 
 
 #: Migration n takes the schema from version n-1 to n. Append, never edit.
-#: The lock that orders a settle of an item and a waiter's first mark of it (migration
-#: 16, MARK_AWAITED): one of 64, by the item's id.
-_AWAITED_SHARD = (
-    "hashtextextended('asyncplane-awaited-shard:' || current_schema() || chr(1) || "
-    "({item} % 64)::text, 0)"
-)
-
 MIGRATIONS: Final[tuple[str, ...]] = (
     # 1: the whole store as of SQLite schema 3, in one step.
     """
@@ -1002,14 +995,14 @@ MIGRATIONS: Final[tuple[str, ...]] = (
     # 16: migration 6's settle took an advisory lock for each item it settled, and each
     # lock takes an entry of the server's shared lock table to the commit: a cancel_where
     # of 25,000 items, or a finish settling as many twins, failed "out of shared memory"
-    # (other sessions' transactions too). The lock is now one of 64 (the item's id modulo
-    # 64), which a first marker takes alone (MARK_AWAITED): the same order between a mark
-    # and a settle of its item, at most 64 entries a transaction.
-    f"""
+    # (other sessions' transactions too). It takes none now: the row lock its UPDATE
+    # holds to its commit orders it against a waiter, who, its mark committed, reads the
+    # item's row FOR SHARE (SETTLES_UNDER_WAY), so waits for a settle that looked for
+    # marks before the mark was there; a settle that looks after sees it.
+    """
     CREATE OR REPLACE FUNCTION asyncplane_notify_settled() RETURNS trigger
     LANGUAGE plpgsql AS $$
     BEGIN
-        PERFORM pg_advisory_xact_lock_shared({_AWAITED_SHARD.format(item="NEW.item_id")});
         IF EXISTS (SELECT 1 FROM awaited WHERE item_id = NEW.item_id) THEN
             PERFORM pg_notify('asyncplane_settled', current_schema());
         END IF;
@@ -1138,7 +1131,7 @@ SELECT * FROM unnest($1::bigint[], $2::text[], $3::bigint[], $4::text[], $5::tex
 # content's (at most 64 entries, and such a round waits for, and holds back, every
 # enqueue of a content in them). Shards first, then contents, each in one order.
 # ($1 project ids, $2 fingerprints, pairwise; $3 whether by shards alone)
-CONTENTS_LOCKED_ONE_BY_ONE: Final = 256
+CONTENTS_LOCKED_ONE_BY_ONE: Final = 1024
 _CONTENT_KEY = "hashtextextended(current_schema() || chr(1) || {p} || chr(1) || {f}, 0)"
 _SHARD_KEY = (
     "hashtextextended('asyncplane-content-shard:' || current_schema() || chr(1) || "
@@ -1995,16 +1988,12 @@ DELETE FROM items USING doomed WHERE items.item_id = doomed.item_id
 RETURNING items.item_id
 """
 PURGE_EVENTS: Final = "DELETE FROM events WHERE item_id = ANY($1::bigint[])"
-# A waiter marks its item awaited (its settle will notify): the first mark takes the
-# item's lock (migration 16: one of 64, by its id), which a settle of it holds shared
-# while it looks for marks, so it waits for a settle that looked without seeing it, and
-# holds back one that comes, to its commit. ($1 item id)
-MARK_AWAITED: Final = f"""
-WITH marked AS (
-    INSERT INTO awaited (item_id) VALUES ($1) ON CONFLICT DO NOTHING RETURNING item_id)
-SELECT pg_advisory_xact_lock({_AWAITED_SHARD.format(item="item_id")})
-FROM marked
-"""
+# A waiter marks its item awaited (its settle will notify); then, the mark committed, it
+# reads the item's row FOR SHARE, a statement alone, so it waits for a settle under way,
+# which may have looked for marks before the mark was there and holds the row to its
+# commit (migration 16). ($1 item id)
+MARK_AWAITED: Final = "INSERT INTO awaited (item_id) VALUES ($1) ON CONFLICT DO NOTHING"
+SETTLES_UNDER_WAY: Final = "SELECT 1 FROM items WHERE item_id = $1 FOR SHARE"
 PURGE_AWAITED: Final = "DELETE FROM awaited WHERE item_id = ANY($1::bigint[])"
 
 # --- imports --------------------------------------------------------------------------------

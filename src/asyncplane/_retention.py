@@ -517,25 +517,25 @@ class _LockWaiter(threading.Thread):
         self.done = threading.Event()
 
     def run(self) -> None:
+        fd: int | None = None
+        error: OSError | None = None
         try:
             fd = os.open(self._path, os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError as exc:
-            self._error = exc
-            self.done.set()
-            return
-        try:
             _take_lock(fd, wait=True)
         except OSError as exc:
-            os.close(fd)
-            self._error = exc
-            self.done.set()
-            return
+            if fd is not None:
+                os.close(fd)
+            fd, error = None, exc
+        # What it has, handed over or let go under the mutex, as abandon() decides under
+        # it: never a lock kept by a descriptor nobody has (done set outside the mutex,
+        # an abandon between the two took the wait for given up, and the lock was kept).
         with self._mutex:
             if self._abandoned:
-                os.close(fd)
+                if fd is not None:
+                    os.close(fd)
                 return
-            self._fd = fd
-        self.done.set()
+            self._fd, self._error = fd, error
+            self.done.set()
 
     def abandon(self) -> bool:
         """Give the wait up, unless the lock (or an error) came first; whether it did."""

@@ -352,11 +352,16 @@ IMPORT_COPIES: frozenset[_backend.ImportOutcome] = frozenset({"new", "changed"})
 MAX_IMPORT_RECORD_BYTES = 1024
 
 
-def unrecordable_import(source: str, key: str) -> _errors.InvalidInput | None:
+def unrecordable_import(
+    source: str, key: str, recorded: object = None
+) -> _errors.InvalidInput | None:
     """Why an import cannot record a row of ``source`` under ``key`` (too long to go to
     every backend), or None. Asked only of a row about to be recorded, on every backend:
-    a row recorded before (by an earlier release's SQLite import) is passed over as ever,
-    and a store's new records can be copied anywhere."""
+    a row recorded before (by an earlier release's SQLite import: ``recorded``, its
+    record) is passed over as ever, or its record moved on to its new item, and a
+    store's new records can be copied anywhere."""
+    if recorded is not None:
+        return None
     for what, text in (("its key", key), ("the source's name (its path and table)", source)):
         if len(text.encode("utf-8")) > MAX_IMPORT_RECORD_BYTES:
             return _errors.InvalidInput(

@@ -1120,7 +1120,7 @@ def _import_rows(
         outcomes.append(outcome)
         if outcome not in _rules.IMPORT_COPIES:
             continue
-        if (refused := _rules.unrecordable_import(op.source, key)) is not None:
+        if (refused := _rules.unrecordable_import(op.source, key, recorded)) is not None:
             raise refused
         row = _rules.new_row(op.project_id, item, now)
         (item_id,) = db.execute(sql.INSERT_ITEM_RETURNING, row).fetchall()[0]
