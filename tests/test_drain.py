@@ -837,3 +837,31 @@ async def test_an_executor_that_raises_is_logged_with_its_traceback(
     assert record.exc_info is not None and record.exc_info[0] is KeyError
     assert record.item_ids == [item_id]  # type: ignore[attr-defined]
     assert (await store.item(item_id))["error"] == "the executor raised KeyError: 'prompt'"
+
+
+@pytest.mark.sqlite_only
+async def test_a_lock_path_naming_another_file_is_refused_and_the_file_kept(
+    store: ControlStore, tmp_path: pathlib.Path
+) -> None:
+    # The lock's holder line was written over whatever the file held: lock_path given as
+    # the database itself wiped the store (13 bytes were left: "host pid N").
+    await store.enqueue("alpha", {"n": 1})
+
+    async def done(batch: list[ClaimedItem]) -> list[Outcome]:
+        return [Done() for _ in batch]
+
+    assert store.path is not None
+    before = store.path.read_bytes()[:16]
+    for own in (store.path, store.path.with_name(store.path.name + "-wal")):
+        with pytest.raises(InvalidInput, match="the store's own file"):
+            await drain(store, done, lock_path=own)
+    assert store.path.read_bytes()[:16] == before == b"SQLite format 3\x00"
+    precious = tmp_path / "notes.txt"
+    precious.write_text("a file of the user's\n")
+    with pytest.raises(InvalidInput, match="holds something else"):
+        await drain(store, done, lock_path=precious)
+    assert precious.read_text() == "a file of the user's\n"
+    lock = tmp_path / "own.lock"
+    assert (await drain(store, done, lock_path=lock)).done == 1
+    assert (await drain(store, done, lock_path=lock)).done == 0  # its own line: taken again
+    assert (await store.counts())["done"] == 1

@@ -252,6 +252,10 @@ class Engine:
         self._settle_watchers: set[asyncio.Event] = set()
         self._close_watchers: set[asyncio.Event] = set()
         self.backend = backend_for(location, options, self.notify, self.notify_settled)
+        #: The SQLite file (None: a PostgreSQL store), which no lock_path may name.
+        self._database = (
+            None if is_postgres_url(location) else _validate.resolved_path(location, "path")
+        )
         #: The items `wait()` callers wait for, and the one task that watches them.
         self.settles = _settles.SettleWatch(self)
         # Where the preflight's fingerprint backfill has got to, per scope it ran in.
@@ -434,6 +438,7 @@ class Engine:
         file asked for, else the store's own (beside an SQLite file; a session advisory
         lock on PostgreSQL, which holds across hosts)."""
         if lock_path is not None:
+            _validate.lock_file_apart(lock_path, self._database)
             async with _lock.DrainLock(lock_path) as lock:
                 yield _lock.Guard(lock.acquired)
         else:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import re
 import socket
 import sys
 import threading
@@ -155,12 +156,13 @@ class _Attempt:
             if not _lock(fd):
                 os.close(fd)
                 return
+            _check_is_lock_file(fd, self._path)
             # Who holds it, for a person looking at the file; never read back.
             with contextlib.suppress(OSError):
                 os.ftruncate(fd, 0)
                 os.write(fd, f"{socket.gethostname()} pid {os.getpid()}\n".encode())
         except BaseException:
-            os.close(fd)
+            _give_back(fd)
             raise
         with self._mutex:
             if not self._abandoned:
@@ -180,6 +182,23 @@ class _Attempt:
         fd = self.take()
         if fd is not None:
             _give_back(fd)
+
+
+#: What a lock file holds: nothing yet, or its last holder's line (`_Attempt.run`).
+_HOLDER_LINE = re.compile(rb"[^\n]{0,300} pid \d{1,10}\n")
+
+
+def _check_is_lock_file(fd: int, path: pathlib.Path) -> None:
+    """InvalidInput unless the file is empty or holds a holder's line: the line is
+    written over the file, and a lock_path naming another file (a database, say) wiped
+    it."""
+    os.lseek(fd, 0, os.SEEK_SET)
+    head = os.read(fd, 512)
+    if head and not _HOLDER_LINE.fullmatch(head):
+        raise _errors.InvalidInput(
+            f"the lock file {path} holds something else ({_validate.shown(head[:40])}), "
+            "which taking the lock would write over: name a file of the lock's own"
+        )
 
 
 def _give_back(fd: int) -> None:

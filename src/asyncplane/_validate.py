@@ -278,6 +278,19 @@ def search_text(value: object, what: str) -> str | None:
     return storable_text(value, what).translate(_FOLD)
 
 
+def lock_file_apart(path: pathlib.Path, database: pathlib.Path | None) -> None:
+    """InvalidInput when a lock file given (``lock_path``) is the store's own database, or
+    a file of the store's beside it (``-wal``, ``-shm``, ``-writers``...): the lock's
+    holder line is written over the file, and a descriptor of the database opened and
+    closed in this process drops the SQLite locks the process holds on it."""
+    if database is None or path.parent != database.parent:
+        return
+    if path.name == database.name or path.name.startswith(database.name + "-"):
+        raise _errors.InvalidInput(
+            f"lock_path {path} is the store's own file: name a file of the lock's own"
+        )
+
+
 def strict_json(text: str) -> Any:
     """``text`` read as JSON, and JSON alone: ValueError for NaN and the infinities
     (Python's json reads them; JSON has none, nor has any payload), for a number too
