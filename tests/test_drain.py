@@ -865,3 +865,24 @@ async def test_a_lock_path_naming_another_file_is_refused_and_the_file_kept(
     assert (await drain(store, done, lock_path=lock)).done == 1
     assert (await drain(store, done, lock_path=lock)).done == 0  # its own line: taken again
     assert (await store.counts())["done"] == 1
+
+
+async def test_an_executor_that_cancels_itself_has_its_batch_retried_with_attempts(
+    store: ControlStore,
+) -> None:
+    # A CancelledError of the executor's own (a library's timeout leaking one) ended
+    # drain() as if it were cancelled, and parked the batch without spending an attempt:
+    # a daemon's task ended quietly, and the item would run and cancel itself for ever.
+    item = await store.enqueue("alpha", {"n": 1}, max_attempts=1)
+    calls = 0
+
+    async def cancels_itself(batch: list[ClaimedItem]) -> list[Outcome]:
+        nonlocal calls
+        calls += 1
+        raise asyncio.CancelledError
+
+    summary = await drain(store, cancels_itself, empty_rounds=1)
+    assert calls == 1 and summary.failed == 1  # its one attempt spent
+    row = await store.item(item)
+    assert (row["state"], row["attempts"]) == ("failed", 1)
+    assert "cancelled, not by the drain" in row["error"]

@@ -429,7 +429,15 @@ class _Drain:
                     raise asyncio.CancelledError
                 return
             else:
-                result = await executor
+                # Cancelled itself (a library's stray CancelledError), not by the drain:
+                # its batch retried, an attempt spent, as work() retries such a handler
+                # (raised here, it ended the drain as if cancelled, and parked the batch
+                # without an attempt, to be run and cancelled for ever).
+                result = (
+                    asyncio.CancelledError("the executor was cancelled, not by the drain")
+                    if executor.cancelled()
+                    else executor.result()
+                )
                 self.exiting = exit_asked(result, self.exiting, self.stop)  # batch retried
                 outcomes = _checked(batch, result)
         except BaseException:
