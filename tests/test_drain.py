@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import pathlib
+import re
 import signal
 import subprocess
 import sys
@@ -864,6 +865,7 @@ async def test_a_lock_path_naming_another_file_is_refused_and_the_file_kept(
     lock = tmp_path / "own.lock"
     assert (await drain(store, done, lock_path=lock)).done == 1
     assert (await drain(store, done, lock_path=lock)).done == 0  # its own line: taken again
+    assert re.fullmatch(r"\S+ pid \d+\n", lock.read_text())  # one line, from the start
     assert (await store.counts())["done"] == 1
 
 

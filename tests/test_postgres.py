@@ -3537,3 +3537,65 @@ async def test_a_waiters_mark_waits_for_no_settle_of_another_item(url: str) -> N
 
 class _Rollback(Exception):
     """Leaves a transaction block so that it rolls back."""
+
+
+@pytest.mark.parametrize("runtime", ["drain", "work"])
+def test_a_runtime_cancelled_as_its_claims_answer_is_lost_gives_the_claim_back(
+    runtime: str,
+) -> None:
+    # The claim's commit was saved but its answer lost (the session ended while COMMIT
+    # waited), with a cancel already come: to_the_end raises the cancel, the loss its
+    # cause, which the runtimes' CommitOutcomeUnknown handlers never saw. Its items stayed
+    # claimed, unrun, and with one attempt failed once their leases lapsed.
+    with testing.PostgresCluster(settings={"synchronous_commit": "on"}) as cluster:
+
+        async def scenario() -> None:
+            url = cluster.url()
+            async with ControlStore(url, lease_seconds=600) as store:
+                await store.create_project("p", "P")
+                await store.enqueue_many("p", [Job({"n": n}, max_attempts=1) for n in range(3)])
+                backend: Any = await store._engine.ready()
+                writer = backend.writer._conn.get_server_pid()
+                admin = await asyncpg.connect(url)
+                ran: list[int] = []
+
+                async def execute(batch: list[Any]) -> list[Any]:
+                    ran.extend(claim.item_id for claim in batch)
+                    return [Done() for _ in batch]
+
+                async def handle(claim: Any) -> Any:
+                    ran.append(claim.item_id)
+                    return Done()
+
+                try:
+                    await admin.execute("ALTER SYSTEM SET synchronous_standby_names = 'nosuch'")
+                    await admin.execute("SELECT pg_reload_conf()")
+                    running = asyncio.ensure_future(
+                        drain(store, execute, mode="daemon")
+                        if runtime == "drain"
+                        else work(store, handle, concurrency=4)
+                    )
+
+                    async def committing() -> bool:  # the claim's COMMIT waits, saved here
+                        return bool(
+                            await admin.fetchval(
+                                "SELECT count(*) FROM pg_stat_activity "
+                                "WHERE pid = $1 AND wait_event = 'SyncRep'",
+                                writer,
+                            )
+                        )
+
+                    await until(committing, what="the claim's commit waiting")
+                    running.cancel()
+                    await admin.execute("SELECT pg_terminate_backend($1)", writer)
+                    await admin.execute("ALTER SYSTEM RESET synchronous_standby_names")
+                    await admin.execute("SELECT pg_reload_conf()")
+                    with pytest.raises(asyncio.CancelledError):
+                        await asyncio.wait_for(running, 60)
+                finally:
+                    await admin.close()
+                assert ran == []
+                assert (await store.counts()).get("claimed", 0) == 0  # given back, not kept
+                assert await verify_ledger(store) == []
+
+        asyncio.run(scenario())

@@ -320,6 +320,12 @@ class _Drain:
         except _errors.CommitOutcomeUnknown:
             await self._give_back_lost(asked)
             raise
+        except asyncio.CancelledError as cut:
+            # Cancelled as the claim's answer was lost (`to_the_end` raises the cancel,
+            # the loss its cause): given back all the same, then the cancel goes on.
+            if isinstance(cut.__cause__, _errors.CommitOutcomeUnknown):
+                await self._give_back_lost(asked)
+            raise
         if cancelled:  # the claim stands: hand its items back unrun, then stop
             await _tasks.to_the_end(self._put_back(batch, {}), "asyncplane-drain-put-back")
             raise asyncio.CancelledError

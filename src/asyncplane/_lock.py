@@ -194,6 +194,7 @@ def _check_is_lock_file(fd: int, path: pathlib.Path) -> None:
     it."""
     os.lseek(fd, 0, os.SEEK_SET)
     head = os.read(fd, 512)
+    os.lseek(fd, 0, os.SEEK_SET)  # the holder's line is written from the start
     if head and not _HOLDER_LINE.fullmatch(head):
         raise _errors.InvalidInput(
             f"the lock file {path} holds something else ({_validate.shown(head[:40])}), "

@@ -349,6 +349,7 @@ class _Worker:
             await self._claim_while_open()
         except BaseException:
             await _tasks.to_the_end(self._shut_down(0.0), f"asyncplane-work-stop[{self.owner}]")
+            await self._give_back_at_stop()  # (a cancel as a claim's answer was lost, say)
             raise
         cancelled = False
         if self.running and self.grace > 0 and self.failure is None:
@@ -360,21 +361,7 @@ class _Worker:
             self._shut_down(0.0), f"asyncplane-work-stop[{self.owner}]"
         )
         cancelled = cancelled or again
-        if self.unknown_claim_at is not None and not self.store_closed():
-            # A claim whose outcome was unknown, and no claim since to give its items back
-            # after: a stop leaves nothing claimed that it can give back.
-            try:
-                _, again = await _tasks.to_the_end(
-                    self._give_back_unknown(), f"asyncplane-work-give-back[{self.owner}]"
-                )
-            except _errors.StorageError as exc:
-                _log.error(
-                    "asyncplane worker %s: what a claim whose answer was lost may have "
-                    "taken could not be given back (%s): left to its leases",
-                    self.owner, short_error(exc),
-                )  # fmt: skip
-            else:
-                cancelled = cancelled or again
+        cancelled = await self._give_back_at_stop() or cancelled
         if self.failure is not None:
             raise DrainError(
                 f"work() stopped under its running items: {self.failure!r}", self.summary
@@ -383,6 +370,25 @@ class _Worker:
             raise asyncio.CancelledError
         if self.exiting is not None:
             raise self.exiting
+
+    async def _give_back_at_stop(self) -> bool:
+        """At the stop, what a claim whose outcome was unknown may have taken, with no
+        claim since to give it back after: a stop leaves nothing claimed that it can give
+        back (a store that fails leaves it to the leases, said). Whether a cancel came."""
+        if self.unknown_claim_at is None or self.store_closed():
+            return False
+        try:
+            _, cancelled = await _tasks.to_the_end(
+                self._give_back_unknown(), f"asyncplane-work-give-back[{self.owner}]"
+            )
+        except _errors.StorageError as exc:
+            _log.error(
+                "asyncplane worker %s: what a claim whose answer was lost may have "
+                "taken could not be given back (%s): left to its leases",
+                self.owner, short_error(exc),
+            )  # fmt: skip
+            return False
+        return cancelled
 
     async def _grace(self) -> None:
         """After a stop: until every running item has ended, ``grace`` runs out, or a
@@ -570,8 +576,11 @@ class _Worker:
             batch, cancelled = await _tasks.to_the_end(
                 claiming, f"asyncplane-work-claim[{self.owner}]"
             )
-        except _errors.CommitOutcomeUnknown:
-            if self.unknown_claim_at is None:
+        except (_errors.CommitOutcomeUnknown, asyncio.CancelledError) as failed:
+            # (Cancelled as the answer was lost: `to_the_end` raises the cancel, the loss
+            # its cause.) The shutdown gives back what the claim may have taken.
+            lost = failed if isinstance(failed, _errors.CommitOutcomeUnknown) else failed.__cause__
+            if isinstance(lost, _errors.CommitOutcomeUnknown) and self.unknown_claim_at is None:
                 self.unknown_claim_at = asked
             raise
         self._received(asked, batch)
