@@ -3599,3 +3599,27 @@ def test_a_runtime_cancelled_as_its_claims_answer_is_lost_gives_the_claim_back(
                 assert await verify_ledger(store) == []
 
         asyncio.run(scenario())
+
+
+async def test_an_idle_daemon_whose_listener_is_lost_hears_other_hosts_soon(url: str) -> None:
+    # What another host's commit notified while the listener was gone was lost, and the
+    # waiting daemon looked again only at its poll interval (an hour here).
+    async with ControlStore(url) as store, ControlStore(url) as other:
+        await store.create_project("p", "P")
+        done: list[int] = []
+
+        async def execute(batch: list[Any]) -> list[Any]:
+            done.extend(claim.item_id for claim in batch)
+            return [Done() for _ in batch]
+
+        draining = asyncio.ensure_future(drain(store, execute, mode="daemon", poll_interval=3600))
+        try:
+            await until(waiting_on("commit"), what="the daemon idle")
+            backend: Any = await store._engine.ready()
+            listener = backend._listener.get_server_pid()
+            await sql(url, "SELECT pg_terminate_backend($1)", listener)
+            item = await other.enqueue("p", {"n": 1})
+            await until(lambda: done == [item], what="the other host's item drained")
+        finally:
+            draining.cancel()
+            await asyncio.gather(draining, return_exceptions=True)

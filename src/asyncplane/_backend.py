@@ -875,10 +875,11 @@ class Backend(Protocol):
     #: `asyncplane._rules.MAX_IMPORT_RECORD_BYTES` each (PostgreSQL, which indexes them),
     #: or at any length (SQLite: an earlier release's imports recorded longer ones).
     import_records_bounded: bool
-    #: How often, at the longest, `settled_version` must be looked at to see what it says
-    #: (None: whenever a waiter's poll interval says; PostgreSQL's moves on a safety
-    #: look's clock, for a store that hears no settle).
-    settled_looks_within: float | None
+    #: How often, at the longest, `data_version` and `settled_version` must be looked at
+    #: to see what they say (None: whenever a waiter's poll interval says; PostgreSQL's
+    #: move on a safety look's clock too, for a store that hears nothing: read-only, or
+    #: its listener lost).
+    versions_looked_within: float | None
 
     async def open(self) -> None:
         """Connect, create or migrate the schema; idempotent."""

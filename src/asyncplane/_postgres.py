@@ -255,7 +255,7 @@ class PostgresBackend(_backend.Writes):
     #: docs/architecture.md, "A settle and the next claim in one round").
     settle_with_claim = False
     import_records_bounded = True
-    settled_looks_within: float | None = _SAFETY_POLL_SECONDS
+    versions_looked_within: float | None = _SAFETY_POLL_SECONDS
 
     def __init__(
         self,
@@ -474,6 +474,10 @@ class PostgresBackend(_backend.Writes):
         self._deaf = True
         if conn is self._listener:  # its session ended, not closed by this store
             self._listener_lost = True
+            # What was sent meanwhile is lost: this process's waiters look now (and the
+            # store opens afresh), not at their poll interval.
+            if self._on_change is not None:
+                self._on_change()
 
     async def _close_side_connections(
         self,

@@ -116,7 +116,7 @@ class SettleWatch:
         asks: a read-only PostgreSQL store's waits heard settles elsewhere only at their
         poll interval, not at the 5 s safety look), the store closes, or nobody waits."""
         engine = self._engine
-        within = backend.settled_looks_within
+        within = backend.versions_looked_within
         while self._waiting:
             poll = min(p for entries in self._waiting.values() for _, p in entries)
             poll = poll if within is None else min(poll, within)

@@ -62,7 +62,7 @@ class SQLiteBackend(_backend.Writes):
     #: docs/architecture.md, "A settle and the next claim in one round").
     settle_with_claim = True
     import_records_bounded = False
-    settled_looks_within: float | None = None
+    versions_looked_within: float | None = None
 
     def __init__(
         self,

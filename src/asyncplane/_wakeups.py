@@ -115,8 +115,12 @@ async def until_work(
 async def _commit_after(engine: _engine.Engine, version: int, poll_interval: float) -> None:
     # Another process's commit sends no signal here; data_version is the cheap check,
     # made every poll_interval and never sooner (a version that moves on every look, a
-    # PostgreSQL listener gone deaf, must not turn the wait into a busy loop).
+    # PostgreSQL listener gone deaf, must not turn the wait into a busy loop), and at
+    # least as often as the backend's safety look (a deaf PostgreSQL listener's waits
+    # heard other hosts' work only at their poll interval, up to an hour).
+    within = engine.backend.versions_looked_within
+    pause = poll_interval if within is None else min(poll_interval, within)
     while True:
-        await asyncio.sleep(poll_interval)
+        await asyncio.sleep(pause)
         if await engine.data_version() != version:
             return
