@@ -888,3 +888,22 @@ async def test_an_executor_that_cancels_itself_has_its_batch_retried_with_attemp
     row = await store.item(item)
     assert (row["state"], row["attempts"]) == ("failed", 1)
     assert "cancelled, not by the drain" in row["error"]
+
+
+async def test_a_lost_claims_give_back_pages_through_every_item_it_took(
+    store: ControlStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # It listed one page: a lost claim of 10,005 items (batch_size 20,000) gave back the
+    # first 10,000, the rest left to their leases (an attempt each). Pages of two here.
+    from asyncplane import _outcomes
+
+    monkeypatch.setattr(_outcomes, "MAX_LIST_LIMIT", 2)
+    await store.enqueue_many("alpha", [{"n": n} for n in range(5)])
+    asked = store.clock.now()
+    assert len(await store.claim_batch("lost", 5)) == 5  # its answer lost, say
+    summary = _outcomes.DrainSummary()
+    given = await _outcomes.give_back_lost_claim(
+        store, "lost", asked, (), None, None, summary, "test", logging.getLogger("test")
+    )
+    assert given == 5 and summary.released == 5
+    assert (await store.counts())["claimed"] == 0
