@@ -862,11 +862,14 @@ async def test_a_lock_path_naming_another_file_is_refused_and_the_file_kept(
     with pytest.raises(InvalidInput, match="holds something else"):
         await drain(store, done, lock_path=precious)
     assert precious.read_text() == "a file of the user's\n"
+    dashed = store.path.with_name(store.path.name + "-drain.lock")  # not one of the store's
+    assert (await drain(store, done, lock_path=dashed)).done == 1
+    await store.enqueue("alpha", {"n": 2})
     lock = tmp_path / "own.lock"
     assert (await drain(store, done, lock_path=lock)).done == 1
     assert (await drain(store, done, lock_path=lock)).done == 0  # its own line: taken again
     assert re.fullmatch(r"\S+ pid \d+\n", lock.read_text())  # one line, from the start
-    assert (await store.counts())["done"] == 1
+    assert (await store.counts())["done"] == 2
 
 
 async def test_an_executor_that_cancels_itself_has_its_batch_retried_with_attempts(
@@ -907,3 +910,34 @@ async def test_a_lost_claims_give_back_pages_through_every_item_it_took(
     )
     assert given == 5 and summary.released == 5
     assert (await store.counts())["claimed"] == 0
+
+
+async def test_a_renewer_that_ends_cancelled_lets_the_executor_finish_its_batch(
+    store: ControlStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The batch's outcome was read from an executor still running once the renewer ended
+    # cancelled (a stray CancelledError in it): InvalidStateError, the item left deferred.
+    from asyncplane import _drain
+
+    async def renewer_cancelled(self: Any, batch: Any) -> None:
+        raise asyncio.CancelledError
+
+    monkeypatch.setattr(_drain._Drain, "_renew", renewer_cancelled)
+    item = await store.enqueue("alpha", {"n": 1})
+    started, go_on = asyncio.Event(), asyncio.Event()
+
+    async def slow(batch: list[ClaimedItem]) -> list[Outcome]:
+        started.set()
+        await go_on.wait()
+        return [Done() for _ in batch]
+
+    draining = asyncio.ensure_future(drain(store, slow, empty_rounds=1))
+    await started.wait()
+    await until(lambda: draining.done() or _renewer_ended(), what="the renewer ended")
+    go_on.set()
+    assert (await draining).done == 1
+    assert (await store.item(item))["state"] == "done"
+
+
+def _renewer_ended() -> bool:
+    return not any(t.get_name().startswith("asyncplane-drain-renew") for t in asyncio.all_tasks())

@@ -3623,3 +3623,51 @@ async def test_an_idle_daemon_whose_listener_is_lost_hears_other_hosts_soon(url:
         finally:
             draining.cancel()
             await asyncio.gather(draining, return_exceptions=True)
+
+
+async def test_a_first_wait_waits_for_a_settle_under_way_and_holds_no_claimable_item(
+    url: str,
+) -> None:
+    # A settle that looked for marks before a waiter's mark was there notifies nobody: the
+    # waiter reads its item's row FOR SHARE once its mark has committed, so waits for that
+    # settle to commit (migration 16; untested, it could be dropped unseen). A ready item's
+    # row it does not hold: a claim passing it then skipped it, and the drainers slept.
+    async with ControlStore(url) as store:
+        await store.create_project("p", "P")
+        running, ready = await store.enqueue_many("p", [{"n": 1}, {"n": 2}])
+        claim = await store.claim("w")
+        assert claim is not None and claim.item_id == running
+        settling = await asyncpg.connect(url)
+        watcher = await asyncpg.connect(url)
+        try:
+            async with settling.transaction():  # its trigger looks now: no mark yet
+                await settling.execute(
+                    "UPDATE items SET state = 'done' WHERE item_id = $1", running
+                )
+                waiting = asyncio.ensure_future(store.wait(running, poll_interval=3600))
+
+                async def held_up() -> bool:
+                    return bool(
+                        await watcher.fetchval(
+                            "SELECT count(*) FROM pg_stat_activity "
+                            "WHERE wait_event_type = 'Lock' AND datname = current_database()"
+                        )
+                    )
+
+                await until(held_up, what="the first wait held up by the settle under way")
+            assert (await asyncio.wait_for(waiting, 30))["state"] == "done"
+            async with settling.transaction():  # a claimer holding the ready item
+                await settling.execute("SELECT 1 FROM items WHERE item_id = $1 FOR UPDATE", ready)
+                ready_wait = asyncio.ensure_future(store.wait(ready, poll_interval=3600))
+
+                def asleep() -> bool:  # its mark made, and no row of it held: on its watch
+                    return any(
+                        t.get_name() == "asyncplane-settles-local" for t in asyncio.all_tasks()
+                    )
+
+                await until(asleep, what="the wait on the ready item asleep")
+            ready_wait.cancel()
+            await asyncio.gather(ready_wait, return_exceptions=True)
+        finally:
+            await settling.close()
+            await watcher.close()

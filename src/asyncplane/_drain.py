@@ -439,6 +439,8 @@ class _Drain:
                 # its batch retried, an attempt spent, as work() retries such a handler
                 # (raised here, it ended the drain as if cancelled, and parked the batch
                 # without an attempt, to be run and cancelled for ever).
+                if not executor.done():  # (the renewer ended cancelled: it runs on)
+                    await asyncio.wait({executor})
                 result = (
                     asyncio.CancelledError("the executor was cancelled, not by the drain")
                     if executor.cancelled()

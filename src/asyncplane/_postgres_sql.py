@@ -1991,9 +1991,15 @@ PURGE_EVENTS: Final = "DELETE FROM events WHERE item_id = ANY($1::bigint[])"
 # A waiter marks its item awaited (its settle will notify); then, the mark committed, it
 # reads the item's row FOR SHARE, a statement alone, so it waits for a settle under way,
 # which may have looked for marks before the mark was there and holds the row to its
-# commit (migration 16). ($1 item id)
+# commit (migration 16). Not a claimable item's: a claim passing a row held so skips
+# it, and the drainers then slept to their next look (up to 5 s: a producer's enqueue
+# and wait, the wait's read as the enqueue's notification woke them). So a cancel, or a
+# twin's settle, of a ready or deferred item, at the very moment of its first wait, is
+# heard at the wait's safety look, every 5 s. ($1 item id)
 MARK_AWAITED: Final = "INSERT INTO awaited (item_id) VALUES ($1) ON CONFLICT DO NOTHING"
-SETTLES_UNDER_WAY: Final = "SELECT 1 FROM items WHERE item_id = $1 FOR SHARE"
+SETTLES_UNDER_WAY: Final = (
+    "SELECT 1 FROM items WHERE item_id = $1 AND state NOT IN ('ready', 'deferred') FOR SHARE"
+)
 PURGE_AWAITED: Final = "DELETE FROM awaited WHERE item_id = ANY($1::bigint[])"
 
 # --- imports --------------------------------------------------------------------------------

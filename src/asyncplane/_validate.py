@@ -285,7 +285,10 @@ def lock_file_apart(path: pathlib.Path, database: pathlib.Path | None) -> None:
     closed in this process drops the SQLite locks the process holds on it."""
     if database is None or path.parent != database.parent:
         return
-    if path.name == database.name or path.name.startswith(database.name + "-"):
+    own = {database.name + suffix for suffix in ("", "-wal", "-shm", "-journal", "-writers")}
+    # (the writers' board, and its wake-up pipes, one a slot)
+    board = database.name + "-combine"
+    if path.name in own or path.name == board or path.name.startswith(board + "-wake-"):
         raise _errors.InvalidInput(
             f"lock_path {path} is the store's own file: name a file of the lock's own"
         )
