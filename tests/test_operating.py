@@ -1932,26 +1932,40 @@ async def test_an_import_refuses_a_source_name_it_could_not_remember(
     assert sum((await store.counts()).values()) == 0
 
 
+LONG_KEY = "L" * 1500
+KEYED = {"payload": "body", "key": "k"}
+
+
+async def long_key_an_earlier_release_recorded(
+    store: ControlStore, tmp_path: pathlib.Path, digest: str | None
+) -> pathlib.Path:
+    """A keyed source imported once (row "a"), then a row under `LONG_KEY` added, whose
+    record (with ``digest``) an earlier release's SQLite import left: the source."""
+    source = keyed_source(tmp_path / "src.sqlite3", [("a", '{"n": 1}')])
+    await store.import_pending(source, table="q", columns=KEYED, project_id="alpha")
+    (queued,) = [e for e in await store.events(1) if e["event_type"] == "queued"]
+    engine = await store._engine.ready()
+    name = queued["detail"]["imported_from"]
+    await engine.copy_imports(((name, LONG_KEY, 1, 0.0, digest),))  # as that release left it
+    conn = sqlite3.connect(source)
+    conn.execute("INSERT INTO q VALUES (?, ?)", (LONG_KEY, '{"n": 2}'))
+    conn.commit()
+    conn.close()
+    return source
+
+
 @pytest.mark.sqlite_only
 async def test_a_long_key_an_earlier_release_recorded_is_passed_over_as_ever(
     store: ControlStore, tmp_path: pathlib.Path
 ) -> None:
     # An earlier release's SQLite import recorded any key: refusing every long key up
     # front failed each later run of that import on a row it had imported already.
-    long = "L" * 1500
-    source = keyed_source(tmp_path / "src.sqlite3", [("a", '{"n": 1}')])
-    columns = {"payload": "body", "key": "k"}
-    await store.import_pending(source, table="q", columns=columns, project_id="alpha")
-    (queued,) = [e for e in await store.events(1) if e["event_type"] == "queued"]
-    name = queued["detail"]["imported_from"]
-    engine = await store._engine.ready()
-    await engine.copy_imports(((name, long, 1, 0.0, None),))  # as that release left it
+    source = await long_key_an_earlier_release_recorded(store, tmp_path, None)
     conn = sqlite3.connect(source)
-    conn.execute("INSERT INTO q VALUES (?, ?)", (long, '{"n": 2}'))
     conn.execute("INSERT INTO q VALUES ('z', '{\"n\": 3}')")
     conn.commit()
     conn.close()
-    summary = await store.import_pending(source, table="q", columns=columns, project_id="alpha")
+    summary = await store.import_pending(source, table="q", columns=KEYED, project_id="alpha")
     assert (summary.imported, summary.already_imported) == (1, 2)  # z; a and the long one
 
 
@@ -1961,19 +1975,8 @@ async def test_a_changed_row_under_a_long_key_an_earlier_release_recorded_is_imp
 ) -> None:
     # Its payload changed since: refused as a new long record, the chunk failed on every
     # run and the rows after it never came. Its record moves on to the new item.
-    long = "L" * 1500
-    source = keyed_source(tmp_path / "src.sqlite3", [("a", '{"n": 1}')])
-    columns = {"payload": "body", "key": "k"}
-    await store.import_pending(source, table="q", columns=columns, project_id="alpha")
-    (queued,) = [e for e in await store.events(1) if e["event_type"] == "queued"]
-    name = queued["detail"]["imported_from"]
-    engine = await store._engine.ready()
-    await engine.copy_imports(((name, long, 1, 0.0, "an older payload's digest"),))
-    conn = sqlite3.connect(source)
-    conn.execute("INSERT INTO q VALUES (?, ?)", (long, '{"n": 2}'))
-    conn.commit()
-    conn.close()
-    summary = await store.import_pending(source, table="q", columns=columns, project_id="alpha")
+    source = await long_key_an_earlier_release_recorded(store, tmp_path, "an older digest")
+    summary = await store.import_pending(source, table="q", columns=KEYED, project_id="alpha")
     assert (summary.imported, summary.changed) == (1, 1)
 
 
