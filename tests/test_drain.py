@@ -865,6 +865,10 @@ async def test_a_lock_path_naming_another_file_is_refused_and_the_file_kept(
     dashed = store.path.with_name(store.path.name + "-drain.lock")  # not one of the store's
     assert (await drain(store, done, lock_path=dashed)).done == 1
     await store.enqueue("alpha", {"n": 2})
+    assert store.archive_path is not None
+    archive_lock = store.archive_path.with_name(store.archive_path.name + ".lock")
+    with pytest.raises(InvalidInput, match="the store's own file"):  # its purge waited on it
+        await drain(store, done, lock_path=archive_lock)
     lock = tmp_path / "own.lock"
     assert (await drain(store, done, lock_path=lock)).done == 1
     assert (await drain(store, done, lock_path=lock)).done == 0  # its own line: taken again
@@ -912,11 +916,13 @@ async def test_a_lost_claims_give_back_pages_through_every_item_it_took(
     assert (await store.counts())["claimed"] == 0
 
 
-async def test_a_renewer_that_ends_cancelled_lets_the_executor_finish_its_batch(
+async def test_a_renewer_that_ends_cancelled_stops_the_batch_as_a_failure(
     store: ControlStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # The batch's outcome was read from an executor still running once the renewer ended
-    # cancelled (a stray CancelledError in it): InvalidStateError, the item left deferred.
+    # cancelled (a stray CancelledError in it): InvalidStateError, the item left deferred;
+    # waited for instead, unrenewed, its items ran twice once their leases lapsed. It
+    # stops as at a renewer's failure: DrainError, the batch put back.
     from asyncplane import _drain
 
     async def renewer_cancelled(self: Any, batch: Any) -> None:
@@ -924,20 +930,11 @@ async def test_a_renewer_that_ends_cancelled_lets_the_executor_finish_its_batch(
 
     monkeypatch.setattr(_drain._Drain, "_renew", renewer_cancelled)
     item = await store.enqueue("alpha", {"n": 1})
-    started, go_on = asyncio.Event(), asyncio.Event()
 
-    async def slow(batch: list[ClaimedItem]) -> list[Outcome]:
-        started.set()
-        await go_on.wait()
-        return [Done() for _ in batch]
+    async def never_done(batch: list[ClaimedItem]) -> list[Outcome]:
+        await asyncio.Event().wait()
+        raise AssertionError("cancelled first")
 
-    draining = asyncio.ensure_future(drain(store, slow, empty_rounds=1))
-    await started.wait()
-    await until(lambda: draining.done() or _renewer_ended(), what="the renewer ended")
-    go_on.set()
-    assert (await draining).done == 1
-    assert (await store.item(item))["state"] == "done"
-
-
-def _renewer_ended() -> bool:
-    return not any(t.get_name().startswith("asyncplane-drain-renew") for t in asyncio.all_tasks())
+    with pytest.raises(DrainError, match="the lease renewer was cancelled"):
+        await asyncio.wait_for(drain(store, never_done, empty_rounds=1), 30)
+    assert (await store.item(item))["state"] in ("ready", "deferred")  # put back, not held

@@ -420,7 +420,12 @@ class _Drain:
                     f"the single-drainer guard was lost ({self.guard.lost}): another "
                     "drainer may run now"
                 )
-            elif renewer in done and not renewer.cancelled() and renewer.exception() is not None:
+            elif renewer in done and renewer.cancelled() and executor not in done:
+                # Cancelled, not by the drain (a stray CancelledError in a store call):
+                # no lease is kept any more, so the batch stops as at a renewer's failure
+                # (waited for unrenewed, its items ran twice once their leases lapsed).
+                failure = asyncio.CancelledError("the lease renewer was cancelled")
+            elif renewer in done and renewer.exception() is not None:
                 failure = renewer.exception()
             elif renewer in done and not renewer.cancelled():
                 # No item of the batch is this drain's any more (cancelled, taken over, out
@@ -439,8 +444,6 @@ class _Drain:
                 # its batch retried, an attempt spent, as work() retries such a handler
                 # (raised here, it ended the drain as if cancelled, and parked the batch
                 # without an attempt, to be run and cancelled for ever).
-                if not executor.done():  # (the renewer ended cancelled: it runs on)
-                    await asyncio.wait({executor})
                 result = (
                     asyncio.CancelledError("the executor was cancelled, not by the drain")
                     if executor.cancelled()

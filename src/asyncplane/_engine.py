@@ -438,7 +438,7 @@ class Engine:
         file asked for, else the store's own (beside an SQLite file; a session advisory
         lock on PostgreSQL, which holds across hosts)."""
         if lock_path is not None:
-            _validate.lock_file_apart(lock_path, self._database)
+            _validate.lock_file_apart(lock_path, self._database, self.options.archive_path)
             async with _lock.DrainLock(lock_path) as lock:
                 yield _lock.Guard(lock.acquired)
         else:

@@ -278,17 +278,26 @@ def search_text(value: object, what: str) -> str | None:
     return storable_text(value, what).translate(_FOLD)
 
 
-def lock_file_apart(path: pathlib.Path, database: pathlib.Path | None) -> None:
-    """InvalidInput when a lock file given (``lock_path``) is the store's own database, or
-    a file of the store's beside it (``-wal``, ``-shm``, ``-writers``...): the lock's
-    holder line is written over the file, and a descriptor of the database opened and
-    closed in this process drops the SQLite locks the process holds on it."""
+def lock_file_apart(
+    path: pathlib.Path, database: pathlib.Path | None, archive: pathlib.Path | None
+) -> None:
+    """InvalidInput when a lock file given (``lock_path``) is one of the store's own: its
+    database, a file of the store's beside it (``-wal``, ``-shm``, ``-writers``, the
+    writers' board and its files), or its archive's (the archive, ``.1``, ``.lock``): the
+    lock's holder line is written over the file, a descriptor of the database opened and
+    closed in this process drops the SQLite locks the process holds on it, and the
+    archive's lock, held by the drain, held its own purge up for ever."""
+    if archive is not None:
+        suffixes = ("", ".1", ".lock")
+        if path in {archive.with_name(archive.name + suffix) for suffix in suffixes}:
+            raise _errors.InvalidInput(
+                f"lock_path {path} is the store's own file: name a file of the lock's own"
+            )
     if database is None or path.parent != database.parent:
         return
     own = {database.name + suffix for suffix in ("", "-wal", "-shm", "-journal", "-writers")}
-    # (the writers' board, and its wake-up pipes, one a slot)
-    board = database.name + "-combine"
-    if path.name in own or path.name == board or path.name.startswith(board + "-wake-"):
+    board = database.name + "-combine"  # (the writers' board, and its files: -<slot>...)
+    if path.name in own or path.name == board or path.name.startswith(board + "-"):
         raise _errors.InvalidInput(
             f"lock_path {path} is the store's own file: name a file of the lock's own"
         )
