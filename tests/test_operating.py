@@ -321,21 +321,32 @@ async def test_a_purge_never_replaces_a_generation_made_while_it_read_its_first_
     assert older.read_text() == original  # kept: made since this purge began
 
 
-async def test_a_purge_cancelled_while_it_waits_for_the_archive_lock_stops_waiting(
+async def two_due_and_the_archive_lock_held(
     store: ControlStore, clock: ManualClock
-) -> None:
-    # The wait for the lock was inside the section that runs to its end: an operator's
-    # flock (moving the .1 aside), or a child that inherited one, held a purge, and the
-    # drain() round around it, past every cancel until it let go.
+) -> tuple[pathlib.Path, pathlib.Path, int]:
+    """Two settled items due for a purge, and the archive's lock taken by this test (as
+    an operator's flock takes it): the archive, its lock file, the descriptor holding it
+    (close it to let go)."""
     import fcntl
 
     await settle(store, "alpha", 2)
     clock.advance(10)
     archive = store.archive_path
     assert archive is not None
-    fd = os.open(archive.with_name(archive.name + ".lock"), os.O_RDWR | os.O_CREAT, 0o644)
+    lock = archive.with_name(archive.name + ".lock")
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    return archive, lock, fd
+
+
+async def test_a_purge_cancelled_while_it_waits_for_the_archive_lock_stops_waiting(
+    store: ControlStore, clock: ManualClock
+) -> None:
+    # The wait for the lock was inside the section that runs to its end: an operator's
+    # flock (moving the .1 aside), or a child that inherited one, held a purge, and the
+    # drain() round around it, past every cancel until it let go.
+    archive, _, fd = await two_due_and_the_archive_lock_held(store, clock)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
         purging = asyncio.create_task(store.purge(0))
 
         def in_the_section() -> bool:
@@ -373,16 +384,8 @@ async def test_a_purge_waits_for_the_archive_lock_in_the_kernel(
 ) -> None:
     # It tried the lock every 20 ms instead, and lost it again and again to a purge that
     # took it back at once between its chunks (up to 2 s, against 40 ms waiting).
-    import fcntl
-
-    await settle(store, "alpha", 2)
-    clock.advance(10)
-    archive = store.archive_path
-    assert archive is not None
-    lock = archive.with_name(archive.name + ".lock")
-    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    _, lock, fd = await two_due_and_the_archive_lock_held(store, clock)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
         purging = asyncio.create_task(store.purge(0))
         device, inode = os.stat(lock).st_dev, os.stat(lock).st_ino
         where = f"{os.major(device):02x}:{os.minor(device):02x}:{inode} "

@@ -66,6 +66,16 @@ async def sql(url: str, statement: str, *args: Any) -> list[Any]:
         await conn.close()
 
 
+async def lock_waits(conn: asyncpg.Connection) -> int:
+    """How many sessions of the database wait for a lock now (seen through ``conn``)."""
+    return int(
+        await conn.fetchval(
+            "SELECT count(*) FROM pg_stat_activity "
+            "WHERE wait_event_type = 'Lock' AND datname = current_database()"
+        )
+    )
+
+
 def test_a_url_selects_postgresql_and_its_password_stays_out_of_sight() -> None:
     store = ControlStore("postgresql://app:s3cret@db.example:5432/work?search_path=q")
     assert store.backend == "postgresql"
@@ -3348,13 +3358,7 @@ async def test_unassign_waits_for_an_actor_write_that_passed_its_scope_check(
             await holder.execute(_BLOCKERS[blocker], *((item,) if blocker == "item" else ()))
 
             async def waiting(count: int) -> bool:
-                return bool(
-                    await holder.fetchval(
-                        "SELECT count(*) >= $1 FROM pg_stat_activity "
-                        "WHERE wait_event_type = 'Lock' AND datname = current_database()",
-                        count,
-                    )
-                )
+                return await lock_waits(holder) >= count
 
             writing = asyncio.ensure_future(writes[write]())
             await until(lambda: waiting(1), what="the write held up after its check")
@@ -3403,12 +3407,7 @@ async def test_a_claim_takes_no_lapsed_item_of_a_project_unassigned_as_it_waited
             claiming = asyncio.ensure_future(store.claim("w3", actor_id="a1"))
 
             async def waiting() -> bool:
-                return bool(
-                    await unassigning.fetchval(
-                        "SELECT count(*) FROM pg_stat_activity "
-                        "WHERE wait_event_type = 'Lock' AND datname = current_database()"
-                    )
-                )
+                return await lock_waits(unassigning) > 0
 
             await until(waiting, what="the claim waiting on the assignment row")
             await deleting.commit()
@@ -3647,12 +3646,7 @@ async def test_a_first_wait_waits_for_a_settle_under_way_and_holds_no_claimable_
                 waiting = asyncio.ensure_future(store.wait(running, poll_interval=3600))
 
                 async def held_up() -> bool:
-                    return bool(
-                        await watcher.fetchval(
-                            "SELECT count(*) FROM pg_stat_activity "
-                            "WHERE wait_event_type = 'Lock' AND datname = current_database()"
-                        )
-                    )
+                    return await lock_waits(watcher) > 0
 
                 await until(held_up, what="the first wait held up by the settle under way")
             assert (await asyncio.wait_for(waiting, 30))["state"] == "done"

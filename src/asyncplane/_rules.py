@@ -55,7 +55,7 @@ import struct
 from collections.abc import Container, Iterable, Mapping, Sequence
 from typing import Any
 
-from asyncplane import _backend, _errors, _models, _schedule
+from asyncplane import _backend, _errors, _models, _schedule, _validate
 from asyncplane._record import Record
 
 __all__ = (
@@ -365,8 +365,8 @@ def unrecordable_import(
     for what, text in (("its key", key), ("the source's name (its path and table)", source)):
         if len(text.encode("utf-8")) > MAX_IMPORT_RECORD_BYTES:
             return _errors.InvalidInput(
-                f"source row {_shown(key)}: {what} is longer than {MAX_IMPORT_RECORD_BYTES} "
-                "bytes of UTF-8, more than an import records"
+                f"source row {_validate.shown(key)}: {what} is longer than "
+                f"{MAX_IMPORT_RECORD_BYTES} bytes of UTF-8, more than an import records"
             )
     return None
 
@@ -377,16 +377,12 @@ def copy_unrecordable(source: str, key: str) -> _errors.InvalidInput | None:
     for text in (key, source):
         if len(text.encode("utf-8")) > MAX_IMPORT_RECORD_BYTES:
             return _errors.InvalidInput(
-                f"nothing was copied: the source's import record of {_shown(source)} keyed "
-                f"{_shown(key)} is longer than {MAX_IMPORT_RECORD_BYTES} bytes of UTF-8, "
+                "nothing was copied: the source's import record of "
+                f"{_validate.shown(source)} keyed {_validate.shown(key)} is longer than "
+                f"{MAX_IMPORT_RECORD_BYTES} bytes of UTF-8, "
                 "more than this destination keeps (a SQLite destination keeps it)"
             )
     return None
-
-
-def _shown(text: str) -> str:
-    shown = repr(text)
-    return shown if len(shown) <= 80 else shown[:77] + "..."
 
 
 def imported_detail(
