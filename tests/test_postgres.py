@@ -3377,6 +3377,49 @@ async def test_unassign_waits_for_an_actor_write_that_passed_its_scope_check(
         assert await verify_ledger(store) == []
 
 
+async def test_an_unassign_beside_other_writes_meets_no_deadlock(url: str) -> None:
+    # An unassign ran in a round beside this process's other writes, whose row locks it
+    # kept while its DELETE waited for another host's actor write; that write, holding the
+    # assignment row, waited on one of those rows: a deadlock, broken after
+    # deadlock_timeout (a second) and the round run again. An unassign has a round alone.
+    async with ControlStore(url) as operator, ControlStore(url) as host:
+        await operator.create_project("alpha", "A")
+        await operator.assign("alpha", "a1")
+        first, second = await operator.enqueue_many("alpha", [{"n": 1}, {"n": 2}])
+        holder = await asyncpg.connect(url)
+        try:
+            held = holder.transaction()
+            await held.start()
+            await holder.execute("SELECT 1 FROM items WHERE item_id = $1 FOR UPDATE", second)
+            # One round: the first cancel locks its item, the second waits on the holder.
+            operating = asyncio.gather(
+                operator.cancel(first),
+                operator.cancel(second),
+                operator.unassign("alpha", "a1"),
+            )
+            await until(lambda: _waiting(holder, 1), what="the second cancel held up")
+            # The other host's actor write: its scope check holds the assignment row,
+            # then it waits on the first item's row, which the operator's round holds.
+            acting = asyncio.ensure_future(host.cancel(first, actor_id="a1"))
+            await until(lambda: _waiting(holder, 2), what="the actor's cancel held up")
+            await held.commit()
+            await asyncio.wait_for(operating, 60)
+            # Its scope check passed before the unassign, and it committed first: it
+            # finds the item cancelled by the operator (run again after a deadlock, it
+            # found the project unassigned: ScopeDenied).
+            assert await asyncio.wait_for(acting, 60) == "cancelled"
+        finally:
+            await holder.close()
+        backends: list[Any] = [await store._engine.ready() for store in (operator, host)]
+        assert sum(backend.writer.retried_rounds for backend in backends) == 0  # no deadlock
+        assert await operator.visible_projects("a1") == []
+        assert await verify_ledger(operator) == []
+
+
+async def _waiting(conn: asyncpg.Connection, count: int) -> bool:
+    return await lock_waits(conn) >= count
+
+
 async def test_a_claim_takes_no_lapsed_item_of_a_project_unassigned_as_it_waited(
     url: str,
 ) -> None:

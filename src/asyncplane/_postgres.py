@@ -44,6 +44,7 @@ from asyncplane import (
     _rules,
     _schedule,
     _tasks,
+    _write_queue,
 )
 from asyncplane import _postgres_sql as sql
 from asyncplane import _postgres_writer as _writer
@@ -582,7 +583,9 @@ class PostgresBackend(_backend.Writes):
         return [_backend.ProjectRow(*row) for row in await self._fetch(sql.LIST_PROJECTS)]
 
     async def unassign(self, project_id: str, actor_id: str) -> None:
-        await self._write(_bind(_unassign, project_id, actor_id))
+        # A round of its own: its DELETE waits for other hosts' actor writes holding the
+        # assignment row, which may be waiting on rows this process's round holds.
+        await self._write(_write_queue.Apart(_bind(_unassign, project_id, actor_id)))
 
     async def visible_projects(self, actor_id: str) -> list[str]:
         return [row[0] for row in await self._fetch(sql.VISIBLE_PROJECTS, actor_id)]

@@ -50,6 +50,7 @@ from typing import Any, Generic, TypeGuard, TypeVar
 from asyncplane import _clock, _errors, _tasks
 
 __all__ = (
+    "Apart",
     "Grouped",
     "Named",
     "Pending",
@@ -135,6 +136,23 @@ class Named(Generic[T]):
     def __init__(self, write: Callable[[Any, float], T], op: Any) -> None:
         self.write = write
         self.op = op
+
+    def __call__(self, conn: Any, now: float) -> T:
+        return self.write(conn, now)
+
+
+class Apart(Generic[T]):
+    """A write request that has a round of its own (`WriterBase._take_batch`): one that
+    waits for other hosts' writes to commit (an unassign on PostgreSQL waits for every
+    actor write holding the assignment row it deletes) must not meanwhile hold the row
+    locks of the requests beside it, which those writes may be waiting for: the two
+    would wait on each other until the server broke the deadlock. ``write(conn, now)``
+    is the backend's operation."""
+
+    __slots__ = ("write",)
+
+    def __init__(self, write: Callable[[Any, float], T]) -> None:
+        self.write = write
 
     def __call__(self, conn: Any, now: float) -> T:
         return self.write(conn, now)
@@ -483,12 +501,18 @@ class WriterBase:
 
     def _take_batch(self) -> list[Request]:
         """The next round's requests: those queued first, up to ``max_batch``, leaving out
-        any whose caller gave up before it was written."""
+        any whose caller gave up before it was written; an `Apart` one alone."""
         batch: list[Request] = []
-        while self._pending and len(batch) < self._max_batch:
-            request = self._pending.popleft()
+        pending = self._pending
+        while pending and len(batch) < self._max_batch:
+            apart = isinstance(pending[0][0], Apart)
+            if apart and batch:
+                break  # the next round's
+            request = pending.popleft()
             if not request[1].cancelled():
                 batch.append(request)
+                if apart:
+                    break
         return batch
 
     async def stop(self) -> None:
