@@ -866,9 +866,23 @@ async def test_a_lock_path_naming_another_file_is_refused_and_the_file_kept(
     assert (await drain(store, done, lock_path=dashed)).done == 1
     await store.enqueue("alpha", {"n": 2})
     assert store.archive_path is not None
-    archive_lock = store.archive_path.with_name(store.archive_path.name + ".lock")
-    with pytest.raises(InvalidInput, match="the store's own file"):  # its purge waited on it
-        await drain(store, done, lock_path=archive_lock)
+    archive = store.archive_path
+    for own in (
+        archive.with_name(archive.name + ".lock"),  # its purge waited on it for ever
+        archive.with_name(archive.name + ".1"),
+        archive,
+        store.path.with_name(store.path.name + "-combine-7"),  # a board file
+    ):
+        with pytest.raises(InvalidInput, match="the store's own file"):
+            await drain(store, done, lock_path=own)
+    # The same file under another name: a hard link to the archive's lock (a file system
+    # that ignores case gives another spelling of a name the same way).
+    archive_lock = archive.with_name(archive.name + ".lock")
+    archive_lock.write_bytes(b"")
+    linked = tmp_path / "linked.lock"
+    os.link(archive_lock, linked)
+    with pytest.raises(InvalidInput, match="the store's own file"):
+        await drain(store, done, lock_path=linked)
     lock = tmp_path / "own.lock"
     assert (await drain(store, done, lock_path=lock)).done == 1
     assert (await drain(store, done, lock_path=lock)).done == 0  # its own line: taken again
@@ -937,4 +951,60 @@ async def test_a_renewer_that_ends_cancelled_stops_the_batch_as_a_failure(
 
     with pytest.raises(DrainError, match="the lease renewer was cancelled"):
         await asyncio.wait_for(drain(store, never_done, empty_rounds=1), 30)
-    assert (await store.item(item))["state"] in ("ready", "deferred")  # put back, not held
+    assert (await store.item(item))["state"] == "deferred"  # put back, not held
+
+
+async def test_a_renewer_cancelled_as_its_executor_ends_lets_the_batch_settle(
+    store: ControlStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Both ended in the same pass of the loop: the renewer's exception was read, and
+    # raised the renewer's CancelledError out of drain(), which nobody had cancelled.
+    # The outcome was had under held leases: it is settled as any.
+    from asyncplane import _drain
+
+    async def renewer_cancelled(self: Any, batch: Any) -> None:
+        raise asyncio.CancelledError  # at its first step, as the executor returns
+
+    monkeypatch.setattr(_drain._Drain, "_renew", renewer_cancelled)
+    item = await store.enqueue("alpha", {"n": 1})
+
+    async def at_once(batch: list[ClaimedItem]) -> list[Outcome]:
+        return [Done() for _ in batch]
+
+    summary = await drain(store, at_once, empty_rounds=1)
+    assert summary.done == 1
+    assert (await store.item(item))["state"] == "done"
+
+
+async def test_a_drain_cancelled_as_its_renewers_failure_is_cleaned_up_ends_cancelled(
+    store: ControlStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The clean-up after a renewer's failure (the executor stopped, the batch put back)
+    # runs to its end whatever cancels arrive; one that arrived was dropped, and drain()
+    # ended with DrainError: its caller's own cancel went unheard.
+    from asyncplane import _drain
+
+    async def renewer_cancelled(self: Any, batch: Any) -> None:
+        raise asyncio.CancelledError
+
+    monkeypatch.setattr(_drain._Drain, "_renew", renewer_cancelled)
+    item = await store.enqueue("alpha", {"n": 1})
+    stopping, stopped = asyncio.Event(), asyncio.Event()
+
+    async def slow_to_stop(batch: list[ClaimedItem]) -> list[Outcome]:
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            stopping.set()
+            await stopped.wait()  # winds down
+            raise
+        raise AssertionError("cancelled first")
+
+    draining = asyncio.ensure_future(drain(store, slow_to_stop, empty_rounds=1))
+    await stopping.wait()
+    draining.cancel()  # the drain's own cancel, while the executor winds down
+    await asyncio.sleep(0)  # (the cancel reaches the drain's task first)
+    stopped.set()
+    with pytest.raises(asyncio.CancelledError):
+        await draining
+    assert (await store.item(item))["state"] == "deferred"  # put back all the same

@@ -425,7 +425,9 @@ class _Drain:
                 # no lease is kept any more, so the batch stops as at a renewer's failure
                 # (waited for unrenewed, its items ran twice once their leases lapsed).
                 failure = asyncio.CancelledError("the lease renewer was cancelled")
-            elif renewer in done and renewer.exception() is not None:
+            elif renewer in done and not renewer.cancelled() and renewer.exception() is not None:
+                # (Cancelled together with the executor's end: its outcomes were had
+                # under held leases, and are settled as any.)
                 failure = renewer.exception()
             elif renewer in done and not renewer.cancelled():
                 # No item of the batch is this drain's any more (cancelled, taken over, out
@@ -461,11 +463,15 @@ class _Drain:
         if failure is not None:
             # Put back what can be put back, once; a store that cannot take even that (the
             # server down, say) leaves the rest claimed until the leases lapse. Either way
-            # the failure is what the caller hears, as DrainError.
-            await _tasks.stop(renewer)
+            # the failure is what the caller hears, as DrainError; unless the drain itself
+            # was cancelled meanwhile, which its caller hears instead.
+            cut = await _tasks.stop(renewer)
             with contextlib.suppress(_errors.AsyncplaneError):
-                await self._interrupted(batch, settled, executor)
-            raise DrainError(f"{why}: {failure!r}", self.summary) from failure
+                cut = await self._interrupted(batch, settled, executor) or cut
+            error = DrainError(f"{why}: {failure!r}", self.summary)
+            if cut:
+                raise asyncio.CancelledError from error
+            raise error from failure
         # From here on the work is done: stopping the renewer and settling run to their end
         # even if the task is cancelled meanwhile, and the cancellation goes on after.
         cancelled = await _tasks.stop(renewer)
@@ -480,21 +486,30 @@ class _Drain:
         batch: list[_models.ClaimedItem],
         settled: dict[int, bool],
         executor: asyncio.Task[list[Any] | BaseException],
-    ) -> None:
-        """Clean up a batch whose round was cut short; never itself cut short."""
+    ) -> bool:
+        """Clean up a batch whose round was cut short; never itself cut short. Returns
+        whether a cancellation arrived meanwhile."""
+        cut = False
         if executor.done() and not executor.cancelled():
             # The work was done before the interruption: keep its outcomes.
             finished = _checked(batch, executor.result())
-            with contextlib.suppress(Exception):
-                await _tasks.to_the_end(
+            try:
+                _, cut = await _tasks.to_the_end(
                     self._settle(batch, finished, settled), "asyncplane-drain-settle"
                 )
+            except asyncio.CancelledError:  # a cancel arrived, and the settle failed
+                cut = True
+            except Exception:  # what it left unsettled is put back below
+                pass
         else:
             executor.cancel()
-            await _tasks.to_the_end(
+            _, cut = await _tasks.to_the_end(
                 asyncio.gather(executor, return_exceptions=True), "asyncplane-drain-stop-executor"
             )
-        await _tasks.to_the_end(self._put_back(batch, settled), "asyncplane-drain-put-back")
+        _, put_cut = await _tasks.to_the_end(
+            self._put_back(batch, settled), "asyncplane-drain-put-back"
+        )
+        return cut or put_cut
 
     async def _renew(self, batch: list[_models.ClaimedItem]) -> None:
         """Keep the batch's leases; return once no item of it is the drain's any more

@@ -19,6 +19,7 @@ an outcome, the CLI, an import):
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime as dt
 import functools
 import inspect
@@ -286,21 +287,44 @@ def lock_file_apart(
     writers' board and its files), or its archive's (the archive, ``.1``, ``.lock``): the
     lock's holder line is written over the file, a descriptor of the database opened and
     closed in this process drops the SQLite locks the process holds on it, and the
-    archive's lock, held by the drain, held its own purge up for ever."""
+    archive's lock, held by the drain, held its own purge up for ever. By name, and, for
+    a file that exists, by the file itself (a hard link to one of them; another spelling
+    of its name on a file system that ignores case)."""
+    own: list[pathlib.Path] = []
     if archive is not None:
-        suffixes = ("", ".1", ".lock")
-        if path in {archive.with_name(archive.name + suffix) for suffix in suffixes}:
-            raise _errors.InvalidInput(
-                f"lock_path {path} is the store's own file: name a file of the lock's own"
-            )
-    if database is None or path.parent != database.parent:
-        return
-    own = {database.name + suffix for suffix in ("", "-wal", "-shm", "-journal", "-writers")}
-    board = database.name + "-combine"  # (the writers' board, and its files: -<slot>...)
-    if path.name in own or path.name == board or path.name.startswith(board + "-"):
-        raise _errors.InvalidInput(
-            f"lock_path {path} is the store's own file: name a file of the lock's own"
-        )
+        own += [archive.with_name(archive.name + suffix) for suffix in ("", ".1", ".lock")]
+    board = ""
+    if database is not None:
+        suffixes = ("", "-wal", "-shm", "-journal", "-writers")
+        own += [database.with_name(database.name + suffix) for suffix in suffixes]
+        board = database.name + "-combine"  # (the writers' board, and its files: -<slot>...)
+    if path in own or (
+        database is not None
+        and path.parent == database.parent
+        and (path.name == board or path.name.startswith(board + "-"))
+    ):
+        raise _own_file(path)
+    try:
+        found = os.stat(path)
+    except OSError:
+        return  # not there yet: the lock makes a file of its own
+    names: list[str | pathlib.Path] = list(own)
+    if database is not None:
+        with contextlib.suppress(OSError), os.scandir(database.parent) as entries:
+            names += [entry.path for entry in entries if entry.name.startswith(board)]
+    for name in names:
+        try:
+            theirs = os.stat(name)
+        except OSError:
+            continue
+        if (theirs.st_dev, theirs.st_ino) == (found.st_dev, found.st_ino):
+            raise _own_file(path)
+
+
+def _own_file(path: pathlib.Path) -> _errors.InvalidInput:
+    return _errors.InvalidInput(
+        f"lock_path {path} is the store's own file: name a file of the lock's own"
+    )
 
 
 def strict_json(text: str) -> Any:
