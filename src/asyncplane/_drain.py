@@ -424,10 +424,10 @@ class _Drain:
                 # Cancelled, not by the drain (a stray CancelledError in a store call):
                 # no lease is kept any more, so the batch stops as at a renewer's failure
                 # (waited for unrenewed, its items ran twice once their leases lapsed).
+                # Cancelled as the executor ended, the outcomes were had under held
+                # leases: they are settled as any (below).
                 failure = asyncio.CancelledError("the lease renewer was cancelled")
             elif renewer in done and not renewer.cancelled() and renewer.exception() is not None:
-                # (Cancelled together with the executor's end: its outcomes were had
-                # under held leases, and are settled as any.)
                 failure = renewer.exception()
             elif renewer in done and not renewer.cancelled():
                 # No item of the batch is this drain's any more (cancelled, taken over, out
