@@ -494,6 +494,13 @@ def test_cli_shows_and_changes_limits(location_of: Any) -> None:
     assert "burst -" in cli().stdout
     assert cli("alpha", "--max-running", "1234567", "--per-minute", "2500000.5").returncode == 0
     assert "max_running 1234567 (running 1), per_minute 2500000.5" in cli("alpha").stdout
+    # Sixteen digits and more as given too (they read 1.23456789012346e+18 and 1e+15).
+    huge = ("--max-running", "1234567890123456789", "--burst", "1000000000000001")
+    assert cli("alpha", *huge, "--per-minute", "0.1234567890123456").returncode == 0
+    assert (
+        "max_running 1234567890123456789 (running 1), per_minute 0.1234567890123456, "
+        "burst 1000000000000001"
+    ) in cli("alpha").stdout
     for args, words in ((["alpha", "--max-running", "0"], "--max-running must be positive"),
                         (["zeta"], "no project 'zeta'"),
                         (["--burst", "3"], "name the project")):  # fmt: skip

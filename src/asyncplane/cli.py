@@ -1049,8 +1049,13 @@ def _limit_changes(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _show_limits(row: dict[str, Any]) -> str:
-    def shown(value: Any) -> str:  # as given: 1234567, never 1.23457e+06
-        return "-" if value is None else f"{value:.15g}"
+    def shown(value: Any) -> str:  # as given: 1234567 (and 2**63 - 1), never 1.23457e+06
+        if value is None:
+            return "-"
+        if isinstance(value, int):
+            return str(value)
+        text = f"{value:.15g}"  # 600.0 as 600
+        return text if float(text) == value else repr(value)
 
     tokens = "" if row["tokens"] is None else f", tokens {row['tokens']:.2f}"
     return (
