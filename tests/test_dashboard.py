@@ -685,12 +685,65 @@ def test_the_command_serves_until_a_signal(
         ) as served:  # fmt: skip
             try:
                 _look_at(served, needs_token)
-                served.send_signal(signal.SIGTERM)
+                # SIGHUP (its terminal closed) as SIGTERM: it killed the command before.
+                served.send_signal(signal.SIGHUP if env else signal.SIGTERM)
                 assert served.wait(timeout=30) == 0
             finally:
                 if served.poll() is None:
                     served.kill()
                     served.wait()
+
+
+@pytest.mark.postgresql_only
+async def test_a_second_signal_ends_the_command_at_once(url: str) -> None:
+    # A stop waits for the requests in progress (and a store that stopped answering held
+    # its closing up for a minute): further signals did nothing, for minutes.
+    import asyncpg
+    from _signals import until
+
+    async with ControlStore(url) as store:
+        await store.create_project("alpha", "Alpha")
+    holder = await asyncpg.connect(url)
+    held = holder.transaction()
+    await held.start()
+    await holder.execute("LOCK TABLE items IN ACCESS EXCLUSIVE MODE")  # every page waits
+    served = subprocess.Popen(
+        [sys.executable, "-m", "asyncplane.cli", "dashboard", url, "--port", "0",
+         "--log-level", "info"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )  # fmt: skip
+    try:
+        assert served.stdout is not None and served.stderr is not None
+        waiting = "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+
+        async def pages_waiting() -> bool:
+            # (From a connection of its own: a transaction reads the activity once.)
+            looker = await asyncpg.connect(url)
+            try:
+                return bool(await looker.fetchval(waiting))
+            finally:
+                await looker.close()
+
+        # Its first sample waits already (before it serves): the command is stopped then.
+        await until(pages_waiting, what="the dashboard's first read held up")
+        assert served.poll() is None
+        served.send_signal(signal.SIGTERM)
+        line = ""
+        while "stopping" not in line:
+            line = await asyncio.to_thread(served.stderr.readline)
+            assert line, "the command ended"
+        served.send_signal(signal.SIGTERM)
+        assert await asyncio.to_thread(served.wait, 30) == 1
+        assert "stopped at once (a second signal)" in served.stderr.read()
+    finally:
+        if served.poll() is None:
+            served.kill()
+            served.wait()
+        served.stdout.close()  # type: ignore[union-attr]
+        served.stderr.close()  # type: ignore[union-attr]
+        await held.rollback()
+        await holder.close()
 
 
 def _look_at(served: subprocess.Popen[str], needs_token: bool | str) -> None:
@@ -1059,6 +1112,61 @@ async def test_a_form_that_cannot_be_read_is_a_bad_request_with_the_usual_header
                 assert response.headers["X-Frame-Options"] == "DENY"
                 assert "Content-Security-Policy" in response.headers
     assert (await store.item(item_id))["state"] == "ready"  # refused before acting
+
+
+async def test_a_request_the_store_does_not_answer_in_time_is_answered_503(
+    location_of: Callable[[str], str], asyncplane_backend: str
+) -> None:
+    # A store that stopped answering (a server frozen, a file another process locks)
+    # held every page until it was back: 116 s against a frozen server, and the live
+    # page's script, waiting too, never said it was paused.
+    where = location_of("held.db")
+    async with ControlStore(where) as store, serving(
+        store, allow_actions=True, answer_within=0.3
+    ) as (_, url, session):
+        await store.create_project("alpha", "Alpha")
+        item = await store.enqueue("alpha", {"n": 1})
+        token = csrf_of((await text(session, url + "/projects"))[1])  # before the hold
+        async with _store_held(where, asyncplane_backend):
+            status, body, _ = await post(session, url + f"/items/{item}/cancel", {"csrf": token})
+            assert status == 503
+            assert body == (
+                "the store did not answer within 0.3 s (the action may still take effect)\n"
+            )
+            if asyncplane_backend == "postgresql":  # (SQLite's reads go on beside a writer)
+                async with session.get(url + "/") as response:
+                    assert response.status == 503
+                    assert await response.text() == "the store did not answer within 0.3 s\n"
+                    assert "default-src 'none'" in response.headers["Content-Security-Policy"]
+        assert (await text(session, url + "/projects"))[0] == 200  # answered again
+        assert (await store.item(item))["state"] in ("ready", "cancelled")  # whole, or not
+        assert await verify_ledger(store) == []
+
+
+@contextlib.asynccontextmanager
+async def _store_held(where: str, backend: str) -> AsyncIterator[None]:
+    """Hold the store's items from another connection: every write of them waits (and,
+    on PostgreSQL, every read)."""
+    if backend == "sqlite":
+        import sqlite3
+
+        holder = sqlite3.connect(where, isolation_level=None)
+        holder.execute("BEGIN IMMEDIATE")
+        try:
+            yield
+        finally:
+            holder.execute("ROLLBACK")
+            holder.close()
+        return
+    import asyncpg
+
+    conn = await asyncpg.connect(where)
+    try:
+        async with conn.transaction():
+            await conn.execute("LOCK TABLE items IN ACCESS EXCLUSIVE MODE")
+            yield
+    finally:
+        await conn.close()
 
 
 async def test_a_port_in_use_leaves_nothing_behind(store: ControlStore) -> None:

@@ -230,6 +230,31 @@ async def test_the_live_refresh_leaves_selected_text_alone(
         assert browser.errors() == []
 
 
+@pytest.mark.postgresql_only
+async def test_the_live_page_says_it_is_paused_while_the_store_does_not_answer(
+    store: ControlStore, browser: Browser
+) -> None:
+    # A store that stopped answering held the live update's request until it was back,
+    # and the page went on showing its old figures as if they were live.
+    import asyncpg
+
+    await store.enqueue("alpha", {"n": 1})
+    async with fleet(store, failing=set(), answer_within=0.5) as (_, url):
+        await browser.get(url + "/")
+        await browser.until(shows('.card [data-state="done"]', "1"), "the page shows")
+        holder = await asyncpg.connect(store.location)
+        try:
+            async with holder.transaction():
+                await holder.execute("LOCK TABLE items IN ACCESS EXCLUSIVE MODE")
+                await browser.script("return window.asyncplaneRefresh()")
+                status = "live updates paused: the dashboard answered 503"
+                assert await browser.text("#status") == status
+        finally:
+            await holder.close()
+        await browser.script("return window.asyncplaneRefresh()")
+        assert await browser.script("return document.getElementById('status').hidden")
+
+
 async def test_nothing_from_the_store_runs_as_script(store: ControlStore, browser: Browser) -> None:
     hostile = '<script>window.__pwned = 1</script>"><img src=x onerror="window.__pwned=1">'
     await store.create_project("evil", hostile)

@@ -7,7 +7,11 @@ Without ``--allow-actions`` the store is opened read-only (nothing can be writte
 the dashboard, whatever it is sent). Off loopback a token is required: ``--token``, or
 ``$ASYNCPLANE_DASHBOARD_TOKEN`` (off the process list), or one is made and printed. Once
 it serves, it prints ``listening on http://HOST:PORT`` on stdout (``--port 0`` picks a
-free port); SIGINT or SIGTERM stops it.
+free port). SIGINT, SIGTERM or SIGHUP stops it: requests in progress are answered first
+(each within the dashboard's ``answer_within``), and the store is closed. A second signal,
+or a stop not done within `STOP_SECONDS` (a server that stopped answering holds its
+connections' closing up), ends the process at once: the dashboard holds no claim, and
+what an action wrote stands or not as a whole.
 """
 
 from __future__ import annotations
@@ -24,6 +28,14 @@ from asyncplane._store import ControlStore
 from asyncplane.dashboard._server import Dashboard, check_address, checked_token
 
 __all__ = ("TOKEN_VARIABLE", "check", "run")
+
+#: The signals that stop the command (SIGHUP: its terminal closed).
+_SIGNALS = tuple(
+    getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGHUP") if hasattr(signal, name)
+)
+#: Seconds a stop may take before the process ends at once.
+STOP_SECONDS = 30.0
+_log = logging.getLogger("asyncplane.dashboard")
 
 #: Where the command finds its token when ``--token`` does not give one: an environment
 #: is its process's owner's to read, a command line everyone's (``ps``).
@@ -65,8 +77,21 @@ async def _serve(args: argparse.Namespace) -> int:
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    heard = 0
+
+    def stopping() -> None:
+        nonlocal heard
+        heard += 1
+        if heard == 1:
+            _log.info("stopping")
+            stop.set()
+            late = f"not stopped {STOP_SECONDS:g} s after the first signal"
+            loop.call_later(STOP_SECONDS, _stop_now, late)
+        else:
+            _stop_now("a second signal")
+
+    for sig in _SIGNALS:
+        loop.add_signal_handler(sig, stopping)
     try:
         try:
             url = await dashboard.start(args.host, args.port)
@@ -82,6 +107,12 @@ async def _serve(args: argparse.Namespace) -> int:
     finally:
         await dashboard.stop()
         await store.close()
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in _SIGNALS:
             loop.remove_signal_handler(sig)
     return 0
+
+
+def _stop_now(why: str) -> None:
+    _log.error("stopped at once (%s)", why)
+    logging.shutdown()  # the line above reaches its handler first
+    os._exit(1)

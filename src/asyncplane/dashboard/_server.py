@@ -68,6 +68,9 @@ _CSP = (
     "connect-src 'self'; form-action 'self'; frame-ancestors 'none'; base-uri 'none'"
 )
 _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+#: How long a stop waits for the reads it cancels (the sampler's, those of requests
+#: answered 503 for their time) to end.
+_ENDING_SECONDS = 5.0
 
 
 class Dashboard:
@@ -83,6 +86,10 @@ class Dashboard:
             minute).
         allowed_hosts: Host names (beyond loopback's) that requests may name in their
             ``Host`` header when there is no token (a name of this machine, say).
+        answer_within: Seconds a request may wait for the store before it is answered
+            503 (a server that stopped answering, a file locked by another process): the
+            page says so, instead of hanging until the store is back. An action cut
+            short may still take effect.
     """
 
     def __init__(
@@ -94,6 +101,7 @@ class Dashboard:
         token: str | None = None,
         sample_every: float = 10.0,
         allowed_hosts: tuple[str, ...] = (),
+        answer_within: float = 15.0,
     ) -> None:
         if not isinstance(store, ControlStore):
             raise _errors.InvalidType(f"store must be a ControlStore, not {type(store).__name__}")
@@ -102,6 +110,11 @@ class Dashboard:
         self.allow_actions = _validate.boolean(allow_actions, "allow_actions")
         self.token = checked_token(token)
         self.sample_every = _validate.seconds(sample_every, "sample_every", 3600.0)
+        self.answer_within = _validate.seconds(answer_within, "answer_within", 3600.0)
+        #: Requests answered 503 for their time whose reads still wind up (a cancelled
+        #: read of a server that stopped answering ends only once it answers, or its
+        #: connection is given up): waited for at `stop`, for a while.
+        self._overdue: set[asyncio.Task[web.StreamResponse]] = set()
         self.history = _views.History(self.scope)
         self.verdicts = _views.Verdicts(self.scope)
         hosts: object = allowed_hosts
@@ -166,7 +179,11 @@ class Dashboard:
         if not _loopback(host) and self.token is None:
             self.token = secrets.token_urlsafe(24)
         self._allowed_hosts = self._allowed_hosts | {host.lower()}
-        self._runner = web.AppRunner(self.app(), access_log=None, handle_signals=False)
+        # Requests in progress at a stop end first: each within its answer_within.
+        self._runner = web.AppRunner(
+            self.app(), access_log=None, handle_signals=False,
+            shutdown_timeout=self.answer_within + 1.0,
+        )  # fmt: skip
         try:
             await self._runner.setup()  # the application's startup: see _sampling
             await web.TCPSite(self._runner, host, port).start()
@@ -208,11 +225,17 @@ class Dashboard:
         finally:
             self._serving -= 1
             sampler = None if self._serving else self._sampler
+            ending: list[asyncio.Task[Any]] = [] if self._serving else list(self._overdue)
             if sampler is not None:
                 self._sampler = None
                 self._stop_sampling.set()
-                sampler.cancel()  # it only reads: a sample cut short loses nothing
-                await asyncio.gather(sampler, return_exceptions=True)  # reported already
+                ending.append(sampler)
+            for task in ending:
+                task.cancel()  # they only read (an action's write stands or not as a whole)
+            if ending:
+                # A read of a server that stopped answering ends only once it answers:
+                # waited for a while, then left to end with the loop.
+                await asyncio.wait(ending, timeout=_ENDING_SECONDS)
 
     def _sample_on(self) -> None:
         """Start the sampler, if an application of this dashboard serves and none runs."""
@@ -240,6 +263,38 @@ class Dashboard:
     @web.middleware
     async def _guard(self, request: web.Request, handler: _Handler) -> web.StreamResponse:
         self._sample_on()
+        answering = asyncio.get_running_loop().create_task(
+            self._answer(request, handler), name="asyncplane-dashboard-request"
+        )
+        try:
+            done, _ = await asyncio.wait([answering], timeout=self.answer_within)
+        except asyncio.CancelledError:  # the client went away, say
+            answering.cancel()
+            raise
+        if done:
+            response = answering.result()
+        else:
+            answering.cancel()
+            self._overdue.add(answering)
+            answering.add_done_callback(self._overdue.discard)
+            _log.warning(
+                "dashboard: %s %s had no answer from the store within %g s",
+                request.method, request.path, self.answer_within,
+            )  # fmt: skip
+            response = _text(
+                503,
+                f"the store did not answer within {self.answer_within:g} s"
+                + (" (the action may still take effect)" if request.method == "POST" else ""),
+            )
+        response.headers["Content-Security-Policy"] = _CSP
+        response.headers["X-Content-Type-Options"] = "nosniff"
+        response.headers["Referrer-Policy"] = "same-origin"  # "no-referrer" would send Origin: null
+        response.headers["X-Frame-Options"] = "DENY"
+        response.headers.setdefault("Cache-Control", "no-store")
+        return response
+
+    async def _answer(self, request: web.Request, handler: _Handler) -> web.StreamResponse:
+        """The request's answer; a refusal or a failure as a plain response of its own."""
         try:
             response = await self._checked(request, handler)
         except web.HTTPException as exc:  # a redirect, a 404: answered as a plain response
@@ -256,14 +311,9 @@ class Dashboard:
             else:
                 _log.warning("dashboard: %s %s failed: %s", request.method, request.path, exc)
                 response = _text(503, f"the store failed: {type(exc).__name__}")
-        except Exception:  # a bug of ours: still a plain answer, with the headers below
+        except Exception:  # a bug of ours: still a plain answer, with the headers
             _log.exception("dashboard: %s %s failed", request.method, request.path)
             response = _text(500, "the dashboard failed: see its log")
-        response.headers["Content-Security-Policy"] = _CSP
-        response.headers["X-Content-Type-Options"] = "nosniff"
-        response.headers["Referrer-Policy"] = "same-origin"  # "no-referrer" would send Origin: null
-        response.headers["X-Frame-Options"] = "DENY"
-        response.headers.setdefault("Cache-Control", "no-store")
         return response
 
     async def _checked(self, request: web.Request, handler: _Handler) -> web.StreamResponse:

@@ -5,6 +5,9 @@
 "use strict";
 (function () {
   const EVERY_MS = 2000;
+  // The server answers within its own time limit (503 past it); a request still out after
+  // this long (a dashboard process that stopped answering) is given up, and said so.
+  const GIVE_UP_MS = 30000;
   const live = document.getElementById("live");
   const status = document.getElementById("status");
   if (!live || document.body.dataset.live !== "1") return;
@@ -32,6 +35,7 @@
         headers: { "X-Asyncplane-Live": "1" },
         credentials: "same-origin",
         cache: "no-store",
+        signal: AbortSignal.timeout(GIVE_UP_MS),
       });
       if (!response.ok) {
         say("live updates paused: the dashboard answered " + response.status);
@@ -42,7 +46,9 @@
       live.innerHTML = fresh;
       say("");
     } catch (error) {
-      say("live updates paused: the dashboard cannot be reached");
+      say(error && error.name === "TimeoutError"
+        ? "live updates paused: the dashboard did not answer in " + GIVE_UP_MS / 1000 + " s"
+        : "live updates paused: the dashboard cannot be reached");
     } finally {
       busy = false;
     }
