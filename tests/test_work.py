@@ -2129,6 +2129,55 @@ def test_a_signal_while_the_store_opens_stops_the_command_cleanly(tmp_path: Any)
     assert "stopped before it started" in json.loads(err.splitlines()[-1])["message"]
 
 
+@pytest.mark.parametrize("signal_name", ["SIGINT", "SIGTERM", "SIGHUP"])
+def test_a_signal_while_the_handler_is_imported_stops_the_command_cleanly(
+    tmp_path: Any, signal_name: str
+) -> None:
+    # A handler's module that loads a model as it is imported takes a while: a signal
+    # then gave a KeyboardInterrupt's traceback (exit 130), or killed the command outright.
+    (tmp_path / "fleet_handlers.py").write_text(HANDLERS)
+    (tmp_path / "slow_handlers.py").write_text(
+        "import sys, time\n"
+        "print('importing', file=sys.stderr, flush=True)\n"
+        "time.sleep(120)  # a model loading\n"
+        "from fleet_handlers import handle\n"
+    )
+    where = str(tmp_path / "slow.db")
+    asyncio.run(_make_store_with_project(where))
+    child = worker(where, tmp_path, "slow_handlers:handle", "--log-format", "json")
+    assert child.stderr is not None
+    while "importing" not in (line := child.stderr.readline()):
+        assert line, child.communicate(timeout=60)
+    child.send_signal(getattr(signal, signal_name))
+    _, err = child.communicate(timeout=60)
+    assert child.returncode == 0, err
+    assert "Traceback" not in err
+    assert "stopped before it started" in json.loads(err.splitlines()[-1])["message"]
+
+
+@_COMMAND_TEST
+async def test_sighup_stops_the_worker_gracefully(
+    store: ControlStore, location_of: Any, tmp_path: Any
+) -> None:
+    # Its terminal (or ssh session) closed: SIGHUP ended the command at once (exit 129),
+    # its running items left claimed until their leases lapsed.
+    del store
+    async with a_command_store(location_of, tmp_path, "hup.db") as (where, store):
+        await store.enqueue_many("p", [{"n": n, "hang": True} for n in range(2)])
+        child = worker(where, tmp_path, "fleet_handlers:handle", "--grace", "0.2",
+                       "--log-format", "json")  # fmt: skip
+        deadline = time.monotonic() + 60
+        while (await store.counts())["claimed"] < 2:
+            assert time.monotonic() < deadline and child.poll() is None
+            await asyncio.sleep(0.05)
+        child.send_signal(signal.SIGHUP)
+        _, err = await asyncio.to_thread(child.communicate, timeout=60)
+        assert child.returncode == 0, err
+        counts = await store.counts()
+        assert (counts["claimed"], counts["ready"]) == (0, 2)  # given back past the grace
+        assert await verify_ledger(store) == []
+
+
 def _has_open(pid: int, name: str) -> bool:
     """The process has a file named ``name`` open (Linux's /proc)."""
     fds = pathlib.Path(f"/proc/{pid}/fd")

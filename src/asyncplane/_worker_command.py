@@ -6,7 +6,7 @@
 
 The handler is imported as ``module:attribute`` (the working directory is on the import
 path, as for ``python -m``); it must be an ``async def`` taking one ClaimedItem. The
-first SIGTERM or SIGINT stops the worker gracefully (no more claims; running items get
+first SIGTERM, SIGINT or SIGHUP stops the worker gracefully (no more claims; running items get
 ``--grace`` seconds, then are given back unrun); a second one stops it at once, still
 losing nothing (the claims are given back, or lapse). It logs, and on a terminal a
 status line shows what it does beside the log: one INFO line at start and stop, the
@@ -110,7 +110,18 @@ def run(args: argparse.Namespace) -> int:
     # Logging first: a handler's module that sets logging up as it is imported (a
     # basicConfig, say) then finds it set, and does nothing twice.
     _configure_logging(args.log_level, args.log_format)
-    handler = load_handler(args.handler)
+    # Heard from here on: a handler's module can take long to import (a model loaded, a
+    # client made), and a signal then stops the command as before the store opens (it
+    # gave a traceback, or killed the process outright).
+    before = {sig: signal.signal(sig, _stopped_early) for sig in _SIGNALS}
+    try:
+        handler = load_handler(args.handler)
+    except (_StoppedEarly, KeyboardInterrupt):
+        _log.info("stopped before it started")
+        return 0
+    finally:
+        for sig, was in before.items():
+            signal.signal(sig, was)
     try:  # as work() would say, before the store is opened
         for project in args.project or [None]:
             _work.settings(args.owner, args.concurrency, args.timeout, project, args.grace)
@@ -239,10 +250,23 @@ async def _exit_as_value(call: Awaitable[Any]) -> Any:
 
 #: Seconds the workers have to wind up after a second signal before the process exits.
 HARD_STOP_SECONDS = 10.0
+#: The signals that stop the command (SIGHUP: its terminal, or the ssh session it ran
+#: in, closed).
+_SIGNALS = tuple(
+    getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGHUP") if hasattr(signal, name)
+)
+
+
+class _StoppedEarly(BaseException):
+    """A stopping signal heard while the handler's module was imported."""
+
+
+def _stopped_early(signum: int, frame: object) -> None:
+    raise _StoppedEarly
 
 
 class _Signals:
-    """The first SIGTERM or SIGINT sets ``stop``; the second cancels the workers; a third,
+    """The first SIGTERM, SIGINT or SIGHUP sets ``stop``; the second cancels the workers; a third,
     or `HARD_STOP_SECONDS` after the second without the workers done (a handler that
     ignores its cancellation, a store that does not answer), ends the process at once,
     leaving what it still holds to the leases, as a supervisor's SIGKILL would."""
@@ -252,7 +276,7 @@ class _Signals:
         #: The store's opening, while it runs: a signal then cancels it (nothing to finish).
         self.opening: asyncio.Task[Any] | None = None
         self.loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in _SIGNALS:
             self.loop.add_signal_handler(sig, self.heard)
 
     @property
@@ -302,7 +326,7 @@ class _Signals:
         os._exit(1)
 
     def remove(self) -> None:
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in _SIGNALS:
             with contextlib.suppress(Exception):
                 self.loop.remove_signal_handler(sig)
 
