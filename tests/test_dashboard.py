@@ -699,6 +699,7 @@ async def test_a_second_signal_ends_the_command_at_once(url: str) -> None:
     # A stop waits for the requests in progress (and a store that stopped answering held
     # its closing up for a minute): further signals did nothing, for minutes.
     import asyncpg
+
     from _signals import until
 
     async with ControlStore(url) as store:
@@ -707,12 +708,7 @@ async def test_a_second_signal_ends_the_command_at_once(url: str) -> None:
     held = holder.transaction()
     await held.start()
     await holder.execute("LOCK TABLE items IN ACCESS EXCLUSIVE MODE")  # every page waits
-    served = subprocess.Popen(
-        [sys.executable, "-m", "asyncplane.cli", "dashboard", url, "--port", "0",
-         "--log-level", "info"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
-    )  # fmt: skip
+    served = _dashboard_command(url, "--log-level", "info")
     try:
         assert served.stdout is not None and served.stderr is not None
         waiting = "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
@@ -744,6 +740,14 @@ async def test_a_second_signal_ends_the_command_at_once(url: str) -> None:
         served.stderr.close()  # type: ignore[union-attr]
         await held.rollback()
         await holder.close()
+
+
+def _dashboard_command(location: str, *options: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "asyncplane.cli", "dashboard", location, "--port", "0", *options],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )  # fmt: skip
 
 
 def _look_at(served: subprocess.Popen[str], needs_token: bool | str) -> None:
@@ -1121,9 +1125,10 @@ async def test_a_request_the_store_does_not_answer_in_time_is_answered_503(
     # held every page until it was back: 116 s against a frozen server, and the live
     # page's script, waiting too, never said it was paused.
     where = location_of("held.db")
-    async with ControlStore(where) as store, serving(
-        store, allow_actions=True, answer_within=0.3
-    ) as (_, url, session):
+    async with (
+        ControlStore(where) as store,
+        serving(store, allow_actions=True, answer_within=0.3) as (_, url, session),
+    ):
         await store.create_project("alpha", "Alpha")
         item = await store.enqueue("alpha", {"n": 1})
         token = csrf_of((await text(session, url + "/projects"))[1])  # before the hold
