@@ -15,15 +15,19 @@ import pytest
 
 from _signals import until
 from asyncplane import (
+    ClaimedItem,
     ControlStore,
+    Done,
     FenceRejected,
     InvalidInput,
     InvalidPayload,
     InvalidType,
     Job,
+    Outcome,
     ScopeDenied,
     _backend,
     copy_store,
+    drain,
     fingerprint,
     verify_ledger,
 )
@@ -275,6 +279,48 @@ async def test_preflight_backfills_fingerprints_and_settles_pending_twins(
     assert (await new.item(other))["fingerprint"] is not None
     assert await new.dedup_pending_against_done() == 0
     assert await verify_ledger(new) == []
+
+
+async def test_notes_of_pairs_that_cannot_settle_do_not_use_a_step_up(
+    store: ControlStore, tmp_path: Any
+) -> None:
+    # On PostgreSQL a step read `chunk` notes and settled what they held: notes of pairs
+    # whose pending twin runs now (nothing to settle) used it up, a pair noted after them
+    # was left, and the same round's claim ran its pending item again. A step settles up
+    # to `chunk` pairs among every note, as on SQLite.
+
+    async def pair(fingerprint: str) -> int:
+        """A failed, B done, A requeued: a pending item beside a done twin."""
+        first = await store.enqueue("alpha", {"fp": fingerprint, "n": "A"}, fingerprint=fingerprint)
+        claim = await store.claim("w")
+        assert claim is not None and claim.item_id == first
+        await store.finish(first, fence=claim.fence, status="failed", error="x")
+        second = await store.enqueue(
+            "alpha", {"fp": fingerprint, "n": "B"}, fingerprint=fingerprint
+        )
+        claim = await store.claim("w")
+        assert claim is not None and claim.item_id == second
+        await store.finish(second, fence=claim.fence, result=f"answer {fingerprint}")
+        await store.requeue(first)
+        return first
+
+    for n in range(3):  # their pending twins run now
+        pending = await pair(f"f{n}")
+        claim = await store.claim("w")
+        assert claim is not None and claim.item_id == pending
+    free = await pair("h")
+    ran: list[int] = []
+
+    async def execute(batch: list[ClaimedItem]) -> list[Outcome]:
+        ran.extend(claim.item_id for claim in batch)
+        return [Done("computed again") for _ in batch]
+
+    summary = await drain(
+        store, execute, lock_path=tmp_path / "drain.lock", max_iters=1, preflight_chunk=1
+    )
+    assert summary.deduplicated == 1 and ran == []
+    assert (await store.item(free))["result"] == "answer h"
+    assert await verify_ledger(store) == []
 
 
 async def test_a_twin_the_preflight_settles_wakes_its_waiter_at_once(

@@ -2428,7 +2428,7 @@ async def test_a_preflight_steps_plans_never_walk_the_items(url: str) -> None:
         twins = ("items_dedup_twins", "items_settled_twins")  # (the two sides of a pair)
         statements = {
             "look": (pg_sql.ANY_TWIN_NOTED, "NULL, NULL", ()),
-            "notes": (pg_sql.TWIN_NOTES, "500, NULL, NULL", ()),
+            "notes": (pg_sql.TWIN_NOTES, "500, NULL, NULL, 0", ()),
             "pairs": (pg_sql.NOTED_TWIN_PAIRS, "500, '{p}', '{f1}'", twins),
             "forget": (pg_sql.FORGET_TWIN_NOTES, "'{1}'", twins),
             "backfill": (

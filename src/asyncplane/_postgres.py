@@ -648,7 +648,19 @@ class PostgresBackend(_backend.Writes):
         return bool((await self._fetch(sql.ANY_TWIN_NOTED, op.project_id, op.actor_id))[0][0])
 
     async def settle_pending_twins(self, op: _backend.PreflightOp) -> tuple[int, bool]:
-        return await self._write(_bind(_settle_pending_twins, op))
+        # The notes a page at a time, each page a transaction of its own (its contents'
+        # locks are held to its commit: one transaction over every note could run the
+        # server's lock table out), until the step has settled its chunk or read every
+        # note: as on SQLite, which reads them all at once, notes of pairs that cannot
+        # settle (the pending twin claimed since) do not use the step up.
+        settled, after = 0, 0
+        while True:
+            count, full, after = await self._write(
+                _bind(_settle_pending_twins, op, op.chunk - settled, after)
+            )
+            settled += count
+            if settled >= op.chunk or not full:
+                return settled, settled >= op.chunk
 
     async def twin_pairs(self, op: _backend.PreflightOp) -> list[tuple[str, str]]:
         rows = await self._fetch(sql.ALL_TWIN_PAIRS, op.project_id, op.actor_id)
@@ -1584,17 +1596,18 @@ async def _set_fingerprints(
 
 
 async def _settle_pending_twins(
-    op: _backend.PreflightOp, conn: asyncpg.Connection, now: float
-) -> tuple[int, bool]:
-    # A chunk of notes at most: a full one may leave more notes, as may a full chunk of
-    # settles more pairs.
-    notes = await conn.fetch(sql.TWIN_NOTES, op.chunk, op.project_id, op.actor_id)
+    op: _backend.PreflightOp, limit: int, after: int, conn: asyncpg.Connection, now: float
+) -> tuple[int, bool, int]:
+    """A page of ``op.chunk`` notes after note ``after``: up to ``limit`` pairs settled,
+    the notes with no pair left forgotten. (Settled, whether the page was full, the last
+    note read.)"""
+    notes = await conn.fetch(sql.TWIN_NOTES, op.chunk, op.project_id, op.actor_id, after)
     if not notes:
-        return 0, False
+        return 0, False, after
     contents = dict.fromkeys((note[1], note[2]) for note in notes)  # a content noted twice
     projects = [project_id for project_id, _ in contents]
     fingerprints = [fingerprint for _, fingerprint in contents]
-    rows = await conn.fetch(sql.NOTED_TWIN_PAIRS, op.chunk, projects, fingerprints)
+    rows = await conn.fetch(sql.NOTED_TWIN_PAIRS, limit, projects, fingerprints)
     events: list[_rules.Event] = []
     for item_id, fence, done_id, result in rows:
         await conn.execute(sql.SETTLE_ONE_TWIN, result, now, item_id)
@@ -1610,7 +1623,7 @@ async def _settle_pending_twins(
         [note[2] for note in notes],
     )
     await conn.execute(sql.FORGET_TWIN_NOTES, [row[0] for row in had])
-    return len(rows), len(rows) == op.chunk or len(notes) == op.chunk
+    return len(rows), len(notes) == op.chunk, notes[-1][0]
 
 
 async def _note_twin_pairs(

@@ -1644,9 +1644,11 @@ SELECT EXISTS (
       AND ($2::text IS NULL
            OR project_id IN (SELECT project_id FROM assignments WHERE actor_id = $2::text)))
 """
+# $1 how many, $2 project, $3 actor, $4 the last note an earlier page of the step read.
 TWIN_NOTES: Final = """
 SELECT note_id, project_id, fingerprint FROM twin_checks
-WHERE ($2::text IS NULL OR project_id = $2::text)
+WHERE note_id > $4::bigint
+  AND ($2::text IS NULL OR project_id = $2::text)
   AND ($3::text IS NULL OR project_id IN (
            SELECT project_id FROM assignments WHERE actor_id = $3::text FOR KEY SHARE))
 ORDER BY note_id LIMIT $1
