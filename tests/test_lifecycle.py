@@ -285,6 +285,21 @@ async def test_a_failing_clock_fails_one_round_not_the_store(location_of: Any) -
         with pytest.raises(StorageError, match="clock unavailable"):
             await store.enqueue("p", {})
         assert await store.enqueue("p", {}) == 1  # the writer lives on; nothing half-written
+        # The clock's failure in its own words, whichever path a write met it on, on either
+        # backend (SQLite's writes read "the write round failed: StorageError(...)", and
+        # PostgreSQL's claims and finishes too, but not its other writes).
+        writes = {
+            "enqueue": lambda: store.enqueue("p", {}),
+            "claim": lambda: store.claim("w"),
+            "assign": lambda: store.assign("p", "a1"),
+        }
+        for name, write in writes.items():
+            clock.fail = True
+            with pytest.raises(StorageError) as failed:
+                await write()
+            assert str(failed.value) == "the store's clock failed: OSError('clock unavailable')", (
+                name
+            )
 
 
 async def test_absurd_leases_and_ids_are_refused_before_writing(location_of: Any) -> None:

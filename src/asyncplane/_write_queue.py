@@ -280,7 +280,11 @@ def outcomes(result: Any, grouped: bool) -> list[Any]:
 
 def round_failed(exc: BaseException) -> _errors.StorageError:
     """What every caller of a round hears when the round failed outside any operation
-    (the clock raised, say): nothing of it was saved; the writer goes on."""
+    (the clock raised, say): nothing of it was saved; the writer goes on. A failure the
+    store named itself keeps its words (as when an operation meets it: the same failure
+    reads the same in either place, on either backend)."""
+    if isinstance(exc, _errors.StorageError):
+        return caused(_errors.StorageError(str(exc)), exc)
     return caused(_errors.StorageError(f"the write round failed: {exc!r}"), exc)
 
 
