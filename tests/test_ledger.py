@@ -18,6 +18,7 @@ from asyncplane import (
     LEDGER_PROBLEM_KINDS,
     ClaimedItem,
     ControlStore,
+    InvalidInput,
     Job,
     LedgerProblem,
     StorageError,
@@ -53,7 +54,9 @@ async def kinds(store: ControlStore) -> set[str]:
 async def found_item_by_item(store: ControlStore, problems: list[LedgerProblem]) -> None:
     """Each item's own check (its page in the dashboard, which reads that item's rows
     alone) finds exactly the problems the whole store's names for it."""
-    for item_id in {p.item_id for p in problems if p.item_id > 0}:
+    # (Events stored under no integer, on SQLite, are named 0: no one item's check has them.)
+    named = {p.item_id for p in problems if "not an item id" not in p.detail}
+    for item_id in named:
         mine = [p for p in problems if p.item_id == item_id]
         assert await verify_ledger(store, item_id=item_id) == mine, item_id
 
@@ -321,6 +324,23 @@ async def test_orphan_events(store: ControlStore, raw: sqlite3.Connection) -> No
     problems = await verify_ledger(store)
     await found_item_by_item(store, problems)
     assert [(p.kind, p.item_id) for p in problems] == [("orphan_events", claim.item_id)]
+
+
+async def test_orphan_events_under_an_id_no_item_has_are_checked_item_by_item_too(
+    store: ControlStore, raw: Any
+) -> None:
+    # Reported by the whole check under 0 or -3, they could not be asked for one item at a
+    # time: "item_id must be positive".
+    for stored in (0, -3):
+        raw.execute(
+            "INSERT INTO events (item_id, event_type, fence, at) VALUES (?, 'queued', 0, 0)",
+            (stored,),
+        )
+    problems = await verify_ledger(store)
+    assert [(p.kind, p.item_id) for p in problems] == [("orphan_events", -3), ("orphan_events", 0)]
+    await found_item_by_item(store, problems)
+    with pytest.raises(InvalidInput, match="64 bits"):
+        await verify_ledger(store, item_id=2**63)
 
 
 @pytest.mark.sqlite_only  # a PostgreSQL column holds only integers

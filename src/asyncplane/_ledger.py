@@ -79,7 +79,9 @@ async def verify_ledger(
     """
     if limit is not None:
         limit = _validate.positive_int(limit, "limit")
-    one = None if item_id is None else _validate.item_id(item_id)
+    # Any id events may be stored under (a tamperer's 0 or -3 too), as the whole check
+    # reports them.
+    one = None if item_id is None else _validate.stored_int(item_id, "item_id")
     backend = await _store.engine_of(store).ready()
     problems = await backend.verify_ledger(limit, one)
     problems.sort(key=lambda p: (p.item_id, _KIND_ORDER[p.kind]))

@@ -161,6 +161,16 @@ def item_id(value: object) -> int:
     return positive_int(value, "item_id")
 
 
+def stored_int(value: object, what: str) -> int:
+    """Any int a 64-bit integer column can hold, bool excluded: an id to look up as it
+    may be stored, a tamperer's -3 too (`verify_ledger` of one item)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _errors.InvalidType(f"{what} must be an int, not {type(value).__name__}")
+    if not -MAX_INT - 1 <= value <= MAX_INT:
+        raise _errors.InvalidInput(f"{what} must fit in 64 bits, got {shown(value)}")
+    return value
+
+
 def positive_int(value: object, what: str) -> int:
     """A positive int that fits SQLite's 64-bit integers, bool excluded."""
     if isinstance(value, bool) or not isinstance(value, int):
