@@ -954,6 +954,46 @@ async def test_a_renewer_that_ends_cancelled_stops_the_batch_as_a_failure(
     assert (await store.item(item))["state"] == "deferred"  # put back, not held
 
 
+@pytest.mark.parametrize("renewer_fails", [True, False])
+async def test_a_cancelled_drain_ends_cancelled_though_the_store_fails_its_put_back(
+    store: ControlStore, monkeypatch: pytest.MonkeyPatch, renewer_fails: bool
+) -> None:
+    # The put-back's failure (the server down) took the cancellation's place: drain()
+    # raised DrainError (after a renewer's failure) or the StorageError itself.
+    from asyncplane import StorageError, _drain
+
+    if renewer_fails:
+
+        async def renewer_cancelled(self: Any, batch: Any) -> None:
+            raise asyncio.CancelledError
+
+        monkeypatch.setattr(_drain._Drain, "_renew", renewer_cancelled)
+
+    async def put_back_fails(self: Any, batch: Any, settled: Any) -> None:
+        raise StorageError("the server is down")
+
+    monkeypatch.setattr(_drain._Drain, "_put_back", put_back_fails)
+    await store.enqueue("alpha", {"n": 1})
+    stopping, stopped = asyncio.Event(), asyncio.Event()
+
+    async def slow_to_stop(batch: list[ClaimedItem]) -> list[Outcome]:
+        stopping.set()
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            await stopped.wait()  # winds down
+            raise
+        raise AssertionError("cancelled first")
+
+    draining = asyncio.ensure_future(drain(store, slow_to_stop, empty_rounds=1))
+    await stopping.wait()
+    draining.cancel()
+    await asyncio.sleep(0)  # (the cancel reaches the drain's task first)
+    stopped.set()
+    with pytest.raises(asyncio.CancelledError):
+        await draining
+
+
 async def test_a_renewer_cancelled_as_its_executor_ends_lets_the_batch_settle(
     store: ControlStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -453,10 +453,16 @@ class _Drain:
                 )
                 self.exiting = exit_asked(result, self.exiting, self.stop)  # batch retried
                 outcomes = _checked(batch, result)
-        except BaseException:
+        except BaseException as exc:
             await _tasks.stop(renewer)
             if not all(settled.get(claim.item_id) for claim in batch):
-                await self._interrupted(batch, settled, executor)
+                if isinstance(exc, asyncio.CancelledError):
+                    # The cancellation is what the caller hears, even if the store fails
+                    # under the put-back (what is left goes back as its leases lapse).
+                    with contextlib.suppress(_errors.AsyncplaneError):
+                        await self._interrupted(batch, settled, executor)
+                else:
+                    await self._interrupted(batch, settled, executor)
             raise
         finally:
             forget()
@@ -466,8 +472,12 @@ class _Drain:
             # the failure is what the caller hears, as DrainError; unless the drain itself
             # was cancelled meanwhile, which its caller hears instead.
             cut = await _tasks.stop(renewer)
-            with contextlib.suppress(_errors.AsyncplaneError):
+            try:
                 cut = await self._interrupted(batch, settled, executor) or cut
+            except asyncio.CancelledError:  # a cancel arrived, and the put-back failed
+                cut = True
+            except _errors.AsyncplaneError:
+                pass
             error = DrainError(f"{why}: {failure!r}", self.summary)
             if cut:
                 raise asyncio.CancelledError from error
@@ -506,9 +516,14 @@ class _Drain:
             _, cut = await _tasks.to_the_end(
                 asyncio.gather(executor, return_exceptions=True), "asyncplane-drain-stop-executor"
             )
-        _, put_cut = await _tasks.to_the_end(
-            self._put_back(batch, settled), "asyncplane-drain-put-back"
-        )
+        try:
+            _, put_cut = await _tasks.to_the_end(
+                self._put_back(batch, settled), "asyncplane-drain-put-back"
+            )
+        except _errors.AsyncplaneError as exc:  # the store failed under it
+            if cut:  # and a cancellation arrived first: that is what the caller hears
+                raise asyncio.CancelledError from exc
+            raise
         return cut or put_cut
 
     async def _renew(self, batch: list[_models.ClaimedItem]) -> None:
