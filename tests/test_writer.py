@@ -293,3 +293,16 @@ def test_the_lock_is_held_to_its_release_not_to_when_the_thread_runs_again(
     finally:
         db.close()
         lock.close()
+
+
+def test_a_round_failing_for_the_stores_own_reason_keeps_its_class_and_words() -> None:
+    # Outside any operation a StorageError was wrapped ("the write round failed: ..."), and
+    # then (a first fix) made a plain StorageError: `except DatabaseLocked` missed it.
+    from asyncplane import DatabaseLocked, StorageError, _write_queue
+
+    locked = DatabaseLocked("the write lock could not be had")
+    heard = _write_queue.round_failed(locked)
+    assert type(heard) is DatabaseLocked and str(heard) == str(locked)
+    assert heard is not locked and heard.__cause__ is locked  # one per caller, told why
+    other = _write_queue.round_failed(OSError("disk"))
+    assert type(other) is StorageError and str(other) == "the write round failed: OSError('disk')"

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import copy
 import logging
 from collections.abc import Awaitable, Callable, Container, Coroutine, Iterable, Mapping, Sequence
 from typing import Any, Generic, TypeGuard, TypeVar
@@ -142,7 +143,9 @@ class Named(Generic[T]):
 
 
 class Apart(Generic[T]):
-    """A write request that has a round of its own (`WriterBase._take_batch`): one that
+    """A PostgreSQL write request that has a round of its own (`WriterBase._take_batch`;
+    SQLite's rounds hold the database's one write lock, and may take in other processes'
+    posted rounds, so no request there is ever apart, nor needs to be): one that
     waits for other hosts' writes to commit (an unassign on PostgreSQL waits for every
     actor write holding the assignment row it deletes) must not meanwhile hold the row
     locks of the requests beside it, which those writes may be waiting for: the two
@@ -283,8 +286,8 @@ def round_failed(exc: BaseException) -> _errors.StorageError:
     (the clock raised, say): nothing of it was saved; the writer goes on. A failure the
     store named itself keeps its words (as when an operation meets it: the same failure
     reads the same in either place, on either backend)."""
-    if isinstance(exc, _errors.StorageError):
-        return caused(_errors.StorageError(str(exc)), exc)
+    if isinstance(exc, _errors.StorageError):  # its own class too (DatabaseLocked, ...)
+        return caused(copy.copy(exc), exc)
     return caused(_errors.StorageError(f"the write round failed: {exc!r}"), exc)
 
 
@@ -510,7 +513,7 @@ class WriterBase:
         pending = self._pending
         while pending and len(batch) < self._max_batch:
             apart = isinstance(pending[0][0], Apart)
-            if apart and batch:
+            if apart and batch and not pending[0][1].cancelled():
                 break  # the next round's
             request = pending.popleft()
             if not request[1].cancelled():
