@@ -19,7 +19,6 @@ an outcome, the CLI, an import):
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import datetime as dt
 import functools
 import inspect
@@ -318,11 +317,11 @@ def lock_file_apart(
         found = os.stat(path)
     except OSError:
         return  # not there yet: the lock makes a file of its own
-    names: list[str | pathlib.Path] = list(own)
+    if not found.st_ino:
+        return  # a file system that numbers no file (some FUSE mounts): by name alone
     if database is not None:
-        with contextlib.suppress(OSError), os.scandir(database.parent) as entries:
-            names += [entry.path for entry in entries if entry.name.startswith(board)]
-    for name in names:
+        own.append(database.with_name(board))  # (its slots' files: by name above)
+    for name in own:
         try:
             theirs = os.stat(name)
         except OSError:
