@@ -68,6 +68,9 @@ _CSP = (
     "connect-src 'self'; form-action 'self'; frame-ancestors 'none'; base-uri 'none'"
 )
 _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+#: Seconds past `Dashboard.answer_within` the live page's script waits for an answer
+#: before it says the dashboard itself does not answer.
+_GIVE_UP_AFTER_ANSWER = 15.0
 #: How long a stop waits for the reads it cancels (the sampler's, those of requests
 #: answered 503 for their time) to end.
 _ENDING_SECONDS = 5.0
@@ -270,6 +273,8 @@ class Dashboard:
             done, _ = await asyncio.wait([answering], timeout=self.answer_within)
         except asyncio.CancelledError:  # the client went away, say
             answering.cancel()
+            self._overdue.add(answering)  # (waited for at the stop, as any cut short)
+            answering.add_done_callback(self._overdue.discard)
             raise
         if done:
             response = answering.result()
@@ -386,6 +391,9 @@ class Dashboard:
             else request.path,
             "root": _root(request),
             "now": self.scope.now(),
+            # The live script gives up on a request out this long: past the server's own
+            # limit (answered 503 then), so a live page hears the 503, not its own give-up.
+            "give_up_ms": int((self.answer_within + _GIVE_UP_AFTER_ANSWER) * 1000),
             **data,
         }
         if request.headers.get(_LIVE_HEADER) == "1":

@@ -7,7 +7,7 @@
   const EVERY_MS = 2000;
   // The server answers within its own time limit (503 past it); a request still out after
   // this long (a dashboard process that stopped answering) is given up, and said so.
-  const GIVE_UP_MS = 30000;
+  const GIVE_UP_MS = Number(document.body.dataset.giveUpMs) || 30000;
   const live = document.getElementById("live");
   const status = document.getElementById("status");
   if (!live || document.body.dataset.live !== "1") return;
@@ -27,6 +27,16 @@
     return Boolean(selection && !selection.isCollapsed && selection.containsNode(live, true));
   }
 
+  // AbortSignal.timeout where the browser has it (Chrome 103, Safari 16), else its like.
+  function givingUp() {
+    if (typeof AbortSignal.timeout === "function") return AbortSignal.timeout(GIVE_UP_MS);
+    const controller = new AbortController();
+    window.setTimeout(function () {
+      controller.abort(new DOMException("timed out", "TimeoutError"));
+    }, GIVE_UP_MS);
+    return controller.signal;
+  }
+
   async function refresh() {
     if (busy || document.hidden || inUse()) return;
     busy = true;
@@ -35,7 +45,7 @@
         headers: { "X-Asyncplane-Live": "1" },
         credentials: "same-origin",
         cache: "no-store",
-        signal: AbortSignal.timeout(GIVE_UP_MS),
+        signal: givingUp(),
       });
       if (!response.ok) {
         say("live updates paused: the dashboard answered " + response.status);
@@ -47,7 +57,8 @@
       say("");
     } catch (error) {
       say(error && error.name === "TimeoutError"
-        ? "live updates paused: the dashboard did not answer in " + GIVE_UP_MS / 1000 + " s"
+        ? "live updates paused: the dashboard did not answer in " +
+          Math.round(GIVE_UP_MS / 1000) + " s"
         : "live updates paused: the dashboard cannot be reached");
     } finally {
       busy = false;
