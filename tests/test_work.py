@@ -2129,18 +2129,32 @@ def test_a_signal_while_the_store_opens_stops_the_command_cleanly(tmp_path: Any)
     assert "stopped before it started" in json.loads(err.splitlines()[-1])["message"]
 
 
-@pytest.mark.parametrize("signal_name", ["SIGINT", "SIGTERM", "SIGHUP"])
+_SLOW_IMPORTS = {
+    "plain": "time.sleep(120)  # a model loading\n",
+    # A module whose retry loop catches everything: the signal's raise was swallowed, and
+    # the worker started and ran.
+    "swallowing": "try:\n    time.sleep(120)\nexcept BaseException:\n    pass\n",
+    # A client's thread started as it was imported (no daemon): it held the exit up.
+    "threaded": "threading.Thread(target=time.sleep, args=(120,)).start()\ntime.sleep(120)\n",
+}
+
+
+@pytest.mark.parametrize(
+    ("signal_name", "module"),
+    [("SIGINT", "plain"), ("SIGTERM", "plain"), ("SIGHUP", "plain"),
+     ("SIGTERM", "swallowing"), ("SIGTERM", "threaded")],
+)  # fmt: skip
 def test_a_signal_while_the_handler_is_imported_stops_the_command_cleanly(
-    tmp_path: Any, signal_name: str
+    tmp_path: Any, signal_name: str, module: str
 ) -> None:
     # A handler's module that loads a model as it is imported takes a while: a signal
     # then gave a KeyboardInterrupt's traceback (exit 130), or killed the command outright.
     (tmp_path / "fleet_handlers.py").write_text(HANDLERS)
     (tmp_path / "slow_handlers.py").write_text(
-        "import sys, time\n"
+        "import sys, threading, time\n"
         "print('importing', file=sys.stderr, flush=True)\n"
-        "time.sleep(120)  # a model loading\n"
-        "from fleet_handlers import handle\n"
+        + _SLOW_IMPORTS[module]
+        + "from fleet_handlers import handle\n"
     )
     where = str(tmp_path / "slow.db")
     asyncio.run(_make_store_with_project(where))
@@ -2176,6 +2190,50 @@ async def test_sighup_stops_the_worker_gracefully(
         counts = await store.counts()
         assert (counts["claimed"], counts["ready"]) == (0, 2)  # given back past the grace
         assert await verify_ledger(store) == []
+
+
+@_COMMAND_TEST
+@pytest.mark.parametrize("why", ["the module's own", "nohup"])
+async def test_sighup_taken_elsewhere_leaves_the_worker_running(
+    store: ControlStore, location_of: Any, tmp_path: Any, why: str
+) -> None:
+    # SIGHUP stops the command, unless it was ignored when it started (nohup), or the
+    # handler's module took it as it was imported (to reopen its logs, say): the command
+    # took it over, and stopped.
+    del store
+    async with a_command_store(location_of, tmp_path, "hup2.db") as (where, store):
+        module = "fleet_handlers"
+        if why == "the module's own":
+            (tmp_path / "hup_handlers.py").write_text(
+                "import signal\nsignal.signal(signal.SIGHUP, lambda *_: None)\n"
+                "from fleet_handlers import handle\n"
+            )
+            module = "hup_handlers"
+        child = _nohup_worker(where, tmp_path, f"{module}:handle", nohup=why == "nohup")
+        first = await store.enqueue("p", {"n": 1})
+
+        async def done(item_id: int) -> bool:
+            assert child.poll() is None, child.communicate(timeout=60)
+            return (await store.item(item_id))["state"] == "done"
+
+        await until(lambda: done(first), what="the first item done")
+        child.send_signal(signal.SIGHUP)
+        second = await store.enqueue("p", {"n": 2})
+        await until(lambda: done(second), what="an item done after the SIGHUP")
+        child.send_signal(signal.SIGTERM)
+        _, err = await asyncio.to_thread(child.communicate, timeout=60)
+        assert child.returncode == 0, err
+
+
+def _nohup_worker(where: str, cwd: Any, handler: str, *, nohup: bool) -> subprocess.Popen[str]:
+    def ignoring() -> None:
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+
+    return subprocess.Popen(
+        [sys.executable, "-m", "asyncplane.cli", "worker", where, handler],
+        cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        preexec_fn=ignoring if nohup else None,
+    )  # fmt: skip
 
 
 def _has_open(pid: int, name: str) -> bool:

@@ -27,6 +27,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 from collections.abc import Awaitable
 from typing import Any
@@ -113,15 +114,22 @@ def run(args: argparse.Namespace) -> int:
     # Heard from here on: a handler's module can take long to import (a model loaded, a
     # client made), and a signal then stops the command as before the store opens (it
     # gave a traceback, or killed the process outright).
-    before = {sig: signal.signal(sig, _stopped_early) for sig in _SIGNALS}
+    early = _EarlySignals()
     try:
-        handler = load_handler(args.handler)
-    except (_StoppedEarly, KeyboardInterrupt):
-        _log.info("stopped before it started")
-        return 0
+        try:
+            handler = load_handler(args.handler)
+        except (_StoppedEarly, KeyboardInterrupt):
+            early.heard = True
+        early.raising = False  # from here on a signal is noted, and heard at the start
+        if early.heard:  # (also when the module caught what the signal raised)
+            return _stopped_before_start()
+        return _run_with(args, handler, early)
     finally:
-        for sig, was in before.items():
-            signal.signal(sig, was)
+        early.restore()
+
+
+def _run_with(args: argparse.Namespace, handler: _work.Handler, early: _EarlySignals) -> int:
+    """`run`, once the handler is imported."""
     try:  # as work() would say, before the store is opened
         for project in args.project or [None]:
             _work.settings(args.owner, args.concurrency, args.timeout, project, args.grace)
@@ -135,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
         twice = next(p for p in args.project if args.project.count(p) > 1)
         raise Usage(f"--project {twice} is given more than once")
     try:
-        return _loops.run(_main(args, handler))
+        return _loops.run(_main(args, handler, early))
     except (_errors.AsyncplaneError, OSError) as exc:
         if isinstance(
             exc,
@@ -147,12 +155,15 @@ def run(args: argparse.Namespace) -> int:
         return 3
 
 
-async def _main(args: argparse.Namespace, handler: _work.Handler) -> int:
+async def _main(args: argparse.Namespace, handler: _work.Handler, early: _EarlySignals) -> int:
     store = _store.ControlStore(args.db)
     stop = asyncio.Event()
     # Heard from the start: a signal while the store opens (a server slow to answer)
-    # stops the command cleanly, having claimed nothing.
-    signals = _Signals(stop, [])
+    # stops the command cleanly, having claimed nothing; one heard before, as well.
+    signals = _Signals(stop, [], early.taken())
+    if early.heard:
+        signals.remove()
+        return _stopped_before_start()
     opening = asyncio.create_task(store.open(), name="asyncplane-worker-open")
     signals.opening = opening
     try:
@@ -261,8 +272,58 @@ class _StoppedEarly(BaseException):
     """A stopping signal heard while the handler's module was imported."""
 
 
-def _stopped_early(signum: int, frame: object) -> None:
-    raise _StoppedEarly
+def _ignored(sig: int) -> bool:
+    """SIGHUP ignored when the command started (``nohup``): it stays so."""
+    return sig == getattr(signal, "SIGHUP", None) and signal.getsignal(sig) == signal.SIG_IGN
+
+
+class _EarlySignals:
+    """The stopping signals, heard before the event loop's own handlers are in: the
+    first ends the handler's import (``raising``), and any is noted (``heard``) for the
+    command to stop as soon as it looks. SIGHUP is left ignored under ``nohup``, and to a
+    handler's module that takes it for itself (to reopen its logs, say)."""
+
+    def __init__(self) -> None:
+        self.heard = False
+        self.raising = True
+        self._handler = self._heard  # one bound method: compared at `restore`
+        self._before = {
+            sig: signal.signal(sig, self._handler) for sig in _SIGNALS if not _ignored(sig)
+        }
+
+    def _heard(self, signum: int, frame: object) -> None:
+        first = not self.heard
+        self.heard = True
+        if first and self.raising:
+            raise _StoppedEarly
+
+    def taken(self) -> tuple[int, ...]:
+        """The signals the command's loop takes: each, unless a handler's module set
+        one of its own for SIGHUP as it was imported."""
+        hangup = getattr(signal, "SIGHUP", None)
+        return tuple(
+            sig for sig in _SIGNALS
+            if sig != hangup or (sig in self._before and signal.getsignal(sig) is self._handler)
+        )  # fmt: skip
+
+    def restore(self) -> None:
+        """Put back what was there before, where the handler is still this one's."""
+        for sig, was in self._before.items():
+            if signal.getsignal(sig) is self._handler:
+                signal.signal(sig, was)
+
+
+def _stopped_before_start() -> int:
+    """Stopped by a signal before the store was open: nothing was claimed. A thread the
+    handler's module started as it was imported would hold the interpreter's exit up
+    (it joins every thread that is not a daemon): the process then ends at once."""
+    _log.info("stopped before it started")
+    if any(t.is_alive() and not t.daemon for t in threading.enumerate()
+           if t is not threading.main_thread()):  # fmt: skip
+        logging.shutdown()
+        sys.stdout.flush()
+        os._exit(0)
+    return 0
 
 
 class _Signals:
@@ -271,12 +332,14 @@ class _Signals:
     ignores its cancellation, a store that does not answer), ends the process at once,
     leaving what it still holds to the leases, as a supervisor's SIGKILL would."""
 
-    def __init__(self, stop: asyncio.Event, workers: list[asyncio.Task[Any]]) -> None:
-        self.stop, self.workers, self.count = stop, workers, 0
+    def __init__(
+        self, stop: asyncio.Event, workers: list[asyncio.Task[Any]], taken: tuple[int, ...]
+    ) -> None:
+        self.stop, self.workers, self.count, self.taken = stop, workers, 0, taken
         #: The store's opening, while it runs: a signal then cancels it (nothing to finish).
         self.opening: asyncio.Task[Any] | None = None
         self.loop = asyncio.get_running_loop()
-        for sig in _SIGNALS:
+        for sig in taken:
             self.loop.add_signal_handler(sig, self.heard)
 
     @property
@@ -326,7 +389,7 @@ class _Signals:
         os._exit(1)
 
     def remove(self) -> None:
-        for sig in _SIGNALS:
+        for sig in self.taken:
             with contextlib.suppress(Exception):
                 self.loop.remove_signal_handler(sig)
 

@@ -33,6 +33,7 @@ __all__ = ("TOKEN_VARIABLE", "check", "run")
 _SIGNALS = tuple(
     getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGHUP") if hasattr(signal, name)
 )
+_HANGUP = getattr(signal, "SIGHUP", None)
 #: Seconds a stop may take before the process ends at once.
 STOP_SECONDS = 30.0
 _log = logging.getLogger("asyncplane.dashboard")
@@ -90,7 +91,9 @@ async def _serve(args: argparse.Namespace) -> int:
         else:
             _stop_now("a second signal")
 
-    for sig in _SIGNALS:
+    # (SIGHUP ignored when it started, under nohup, stays so.)
+    taken = [s for s in _SIGNALS if not (s == _HANGUP and signal.getsignal(s) == signal.SIG_IGN)]
+    for sig in taken:
         loop.add_signal_handler(sig, stopping)
     try:
         try:
@@ -107,7 +110,7 @@ async def _serve(args: argparse.Namespace) -> int:
     finally:
         await dashboard.stop()
         await store.close()
-        for sig in _SIGNALS:
+        for sig in taken:
             loop.remove_signal_handler(sig)
     return 0
 
