@@ -258,6 +258,36 @@ async def test_the_live_page_says_it_is_paused_while_the_store_does_not_answer(
         assert await browser.script("return document.getElementById('status').hidden")
 
 
+@pytest.mark.postgresql_only
+async def test_the_live_page_gives_up_on_a_dashboard_that_does_not_answer(
+    store: ControlStore, browser: Browser, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Its request had no time limit: a dashboard process that stopped answering left the
+    # page showing its last figures as live. Here the dashboard waits longer (60 s) than
+    # the page does (1 s: answer_within plus a margin made -59 s).
+    import asyncpg
+
+    from asyncplane.dashboard import _server
+
+    monkeypatch.setattr(_server, "_GIVE_UP_AFTER_ANSWER", -59.0)
+    await store.enqueue("alpha", {"n": 1})
+    async with fleet(store, failing=set(), answer_within=60.0) as (dashboard, url):
+        await browser.get(url + "/")
+        await browser.until(shows('.card [data-state="done"]', "1"), "the page shows")
+        assert await browser.script("return document.body.dataset.giveUpMs") == "1000"
+        holder = await asyncpg.connect(store.location)
+        try:
+            async with holder.transaction():
+                await holder.execute("LOCK TABLE items IN ACCESS EXCLUSIVE MODE")
+                await browser.script("return window.asyncplaneRefresh()")
+                status = "live updates paused: the dashboard did not answer in 1 s"
+                assert await browser.text("#status") == status
+        finally:
+            await holder.close()
+        await browser.script("return window.asyncplaneRefresh()")
+        assert await browser.script("return document.getElementById('status').hidden")
+
+
 async def test_nothing_from_the_store_runs_as_script(store: ControlStore, browser: Browser) -> None:
     hostile = '<script>window.__pwned = 1</script>"><img src=x onerror="window.__pwned=1">'
     await store.create_project("evil", hostile)

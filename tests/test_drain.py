@@ -875,6 +875,12 @@ async def test_a_lock_path_naming_another_file_is_refused_and_the_file_kept(
     ):
         with pytest.raises(InvalidInput, match="the store's own file"):
             await drain(store, done, lock_path=own)
+    # No regular file (a directory; a pipe, as the writers' wake pipes are): refused.
+    fifo = tmp_path / "a.fifo"
+    os.mkfifo(fifo)
+    for odd in (tmp_path, fifo):
+        with pytest.raises(InvalidInput, match="not a regular file"):
+            await drain(store, done, lock_path=odd)
     # The same file under another name: a hard link to the archive's lock (a file system
     # that ignores case gives another spelling of a name the same way).
     archive_lock = archive.with_name(archive.name + ".lock")
@@ -988,6 +994,42 @@ async def test_a_cancelled_drain_ends_cancelled_though_the_store_fails_its_put_b
     draining = asyncio.ensure_future(drain(store, slow_to_stop, empty_rounds=1))
     await stopping.wait()
     draining.cancel()
+    await asyncio.sleep(0)  # (the cancel reaches the drain's task first)
+    stopped.set()
+    with pytest.raises(asyncio.CancelledError):
+        await draining
+
+
+async def test_a_drain_cancelled_as_its_renewer_stops_ends_cancelled_though_settling_fails(
+    store: ControlStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The batch done, a cancel that arrived while its renewer stopped was lost to the
+    # settle's failure (the server down): DrainError instead of the cancellation.
+    from asyncplane import StorageError, _drain, _outcomes
+
+    stopping, stopped = asyncio.Event(), asyncio.Event()
+
+    async def slow_to_stop(self: Any, batch: Any) -> None:
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            stopping.set()
+            await stopped.wait()  # winds down
+            raise
+
+    async def settle_fails(self: Any, claim: Any, outcome: Any) -> None:
+        raise StorageError("the server is down")
+
+    monkeypatch.setattr(_drain._Drain, "_renew", slow_to_stop)
+    monkeypatch.setattr(_outcomes.Settler, "settle", settle_fails)
+    await store.enqueue("alpha", {"n": 1})
+
+    async def done(batch: list[ClaimedItem]) -> list[Outcome]:
+        return [Done() for _ in batch]
+
+    draining = asyncio.ensure_future(drain(store, done, empty_rounds=1))
+    await stopping.wait()
+    draining.cancel()  # while the renewer stops
     await asyncio.sleep(0)  # (the cancel reaches the drain's task first)
     stopped.set()
     with pytest.raises(asyncio.CancelledError):

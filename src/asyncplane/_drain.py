@@ -485,9 +485,14 @@ class _Drain:
         # From here on the work is done: stopping the renewer and settling run to their end
         # even if the task is cancelled meanwhile, and the cancellation goes on after.
         cancelled = await _tasks.stop(renewer)
-        _, cut_short = await _tasks.to_the_end(
-            self._settle(batch, outcomes, settled), f"asyncplane-drain-settle[{self.owner}]"
-        )
+        try:
+            _, cut_short = await _tasks.to_the_end(
+                self._settle(batch, outcomes, settled), f"asyncplane-drain-settle[{self.owner}]"
+            )
+        except _errors.AsyncplaneError as exc:  # (DrainError: what failed is put back)
+            if cancelled:  # a cancellation arrived first: that is what the caller hears
+                raise asyncio.CancelledError from exc
+            raise
         if cancelled or cut_short:
             raise asyncio.CancelledError
 

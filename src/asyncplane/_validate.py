@@ -25,6 +25,7 @@ import inspect
 import json
 import math
 import os
+import stat
 import string
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Final
@@ -317,6 +318,10 @@ def lock_file_apart(
         found = os.stat(path)
     except OSError:
         return  # not there yet: the lock makes a file of its own
+    if not stat.S_ISREG(found.st_mode):  # a directory, a device, the writers' wake pipes
+        raise _errors.InvalidInput(
+            f"lock_path {path} is not a regular file: name a file of the lock's own"
+        )
     if not found.st_ino:
         return  # a file system that numbers no file (some FUSE mounts): by name alone
     if database is not None:

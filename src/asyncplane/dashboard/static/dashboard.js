@@ -27,25 +27,32 @@
     return Boolean(selection && !selection.isCollapsed && selection.containsNode(live, true));
   }
 
-  // AbortSignal.timeout where the browser has it (Chrome 103, Safari 16), else its like.
+  // A signal that gives a request up after GIVE_UP_MS; `timedOut()` says whether it did
+  // (a browser without abort reasons rejects with an AbortError all the same).
   function givingUp() {
-    if (typeof AbortSignal.timeout === "function") return AbortSignal.timeout(GIVE_UP_MS);
     const controller = new AbortController();
-    window.setTimeout(function () {
-      controller.abort(new DOMException("timed out", "TimeoutError"));
+    let late = false;
+    const timer = window.setTimeout(function () {
+      late = true;
+      controller.abort();
     }, GIVE_UP_MS);
-    return controller.signal;
+    return {
+      signal: controller.signal,
+      timedOut: function () { return late; },
+      done: function () { window.clearTimeout(timer); },
+    };
   }
 
   async function refresh() {
     if (busy || document.hidden || inUse()) return;
     busy = true;
+    const limit = givingUp();
     try {
       const response = await fetch(window.location.pathname + window.location.search, {
         headers: { "X-Asyncplane-Live": "1" },
         credentials: "same-origin",
         cache: "no-store",
-        signal: givingUp(),
+        signal: limit.signal,
       });
       if (!response.ok) {
         say("live updates paused: the dashboard answered " + response.status);
@@ -56,11 +63,12 @@
       live.innerHTML = fresh;
       say("");
     } catch (error) {
-      say(error && error.name === "TimeoutError"
+      say(limit.timedOut()
         ? "live updates paused: the dashboard did not answer in " +
           Math.round(GIVE_UP_MS / 1000) + " s"
         : "live updates paused: the dashboard cannot be reached");
     } finally {
+      limit.done();
       busy = false;
     }
   }
