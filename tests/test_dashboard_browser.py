@@ -271,7 +271,7 @@ async def test_the_live_page_gives_up_on_a_dashboard_that_does_not_answer(
 
     monkeypatch.setattr(_server, "_GIVE_UP_AFTER_ANSWER", -59.0)
     await store.enqueue("alpha", {"n": 1})
-    async with fleet(store, failing=set(), answer_within=60.0) as (dashboard, url):
+    async with fleet(store, failing=set(), answer_within=60.0) as (_, url):
         await browser.get(url + "/")
         await browser.until(shows('.card [data-state="done"]', "1"), "the page shows")
         assert await browser.script("return document.body.dataset.giveUpMs") == "1000"

@@ -117,10 +117,12 @@ def run(args: argparse.Namespace) -> int:
     early = _EarlySignals()
     try:
         try:
+            early.raising = True  # (inside the try: the raise is always caught here)
             handler = load_handler(args.handler)
         except (_StoppedEarly, KeyboardInterrupt):
             early.heard = True
-        early.raising = False  # from here on a signal is noted, and heard at the start
+        finally:
+            early.raising = False  # from here on a signal is noted, and heard at the start
         if early.heard:  # (also when the module caught what the signal raised)
             return _stopped_before_start()
         return _run_with(args, handler, early)
@@ -176,8 +178,7 @@ async def _main(args: argparse.Namespace, handler: _work.Handler, early: _EarlyS
         finally:
             signals.remove()
         if isinstance(exc, asyncio.CancelledError) and signals.count and opening.cancelled():
-            _log.info("stopped before it started")
-            return 0
+            return _stopped_before_start()
         raise
     signals.opening = None
     projects = args.project or [None]
@@ -285,16 +286,19 @@ class _EarlySignals:
 
     def __init__(self) -> None:
         self.heard = False
-        self.raising = True
+        self.raising = False
         self._handler = self._heard  # one bound method: compared at `restore`
         self._before = {
             sig: signal.signal(sig, self._handler) for sig in _SIGNALS if not _ignored(sig)
         }
 
     def _heard(self, signum: int, frame: object) -> None:
-        first = not self.heard
+        if self.heard:  # a second signal (the module went on past the first): at once
+            _log.error("stopped without winding up (a second signal): nothing was claimed")
+            logging.shutdown()
+            os._exit(1)
         self.heard = True
-        if first and self.raising:
+        if self.raising:
             raise _StoppedEarly
 
     def taken(self) -> tuple[int, ...]:
