@@ -2139,6 +2139,60 @@ _SLOW_IMPORTS = {
 }
 
 
+def test_a_second_signal_while_the_module_swallows_the_first_ends_the_command(
+    tmp_path: Any,
+) -> None:
+    # A second signal changed nothing: the import ran to its end, and the command said
+    # it stopped before it started, with 0, long after.
+    (tmp_path / "fleet_handlers.py").write_text(HANDLERS)
+    (tmp_path / "stubborn_handlers.py").write_text(
+        "import sys, time\n"
+        "for _ in range(3):\n"
+        "    try:\n"
+        "        print('importing', file=sys.stderr, flush=True)\n"
+        "        time.sleep(120)\n"
+        "    except BaseException:\n"
+        "        pass\n"
+        "from fleet_handlers import handle\n"
+    )
+    where = str(tmp_path / "stubborn.db")
+    asyncio.run(_make_store_with_project(where))
+    child = worker(where, tmp_path, "stubborn_handlers:handle", "--log-format", "json")
+    assert child.stderr is not None
+    for _ in range(2):
+        while "importing" not in (line := child.stderr.readline()):
+            assert line, child.communicate(timeout=60)
+        child.send_signal(signal.SIGTERM)
+    _, err = child.communicate(timeout=60)
+    assert child.returncode == 1, err
+    assert "a second signal" in json.loads(err.splitlines()[-1])["message"]
+
+
+def test_a_signal_while_the_store_opens_ends_a_command_whose_module_started_a_thread(
+    tmp_path: Any,
+) -> None:
+    # Stopped before it started while the store opened, it logged so and then waited for
+    # ever on the thread the handler's module had started (the interpreter joins it).
+    (tmp_path / "fleet_handlers.py").write_text(HANDLERS)
+    (tmp_path / "threaded_handlers.py").write_text(
+        "import threading, time\n"
+        "threading.Thread(target=time.sleep, args=(120,)).start()\n"
+        "from fleet_handlers import handle\n"
+    )
+    with socket.socket() as server:  # a "server" that takes the connection, never answers
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        server.settimeout(60)
+        url = f"postgresql://nobody@127.0.0.1:{server.getsockname()[1]}/none"
+        child = worker(url, tmp_path, "threaded_handlers:handle", "--log-format", "json")
+        held, _ = server.accept()  # the store is opening
+        with held:
+            child.send_signal(signal.SIGTERM)
+            _, err = child.communicate(timeout=60)
+    assert child.returncode == 0, err
+    assert "stopped before it started" in json.loads(err.splitlines()[-1])["message"]
+
+
 @pytest.mark.parametrize(
     ("signal_name", "module"),
     [("SIGINT", "plain"), ("SIGTERM", "plain"), ("SIGHUP", "plain"),
