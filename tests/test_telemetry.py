@@ -806,3 +806,45 @@ async def test_a_span_says_an_outcome_by_its_kind_not_its_class_name(
     said = {s.attributes["asyncplane.item_id"]: s.attributes["asyncplane.outcome"]
             for s in otel.spans("asyncplane.execute")}  # fmt: skip
     assert said == {ids[0]: "done", ids[1]: "invalid"}
+
+
+@pytest.mark.postgresql_only
+async def test_a_store_whose_reopen_failed_gives_no_gauge_values(
+    location_of: Callable[[str], str], otel: Otel
+) -> None:
+    # Its connection lost and its reopen failed, the store was open no more: close() had
+    # nothing to close, and its gauges gave their last values for ever (beside those of
+    # the next store of the same name).
+    import asyncpg
+
+    from _signals import until
+    from asyncplane import AsyncplaneError
+
+    url = location_of("reopened")
+    store = ControlStore(url)
+    await store.create_project("p", "P")
+    await store.enqueue("p", {})
+    gauges = engine_of(store).gauges
+    assert gauges is not None
+    gauges.refreshed.clear()
+    otel.points("asyncplane.items")  # a collection asks the store for a snapshot
+    await gauges.refreshed.wait()
+
+    def mine() -> list[Any]:
+        points = otel.points("asyncplane.items")
+        return [p for p in points if p.attributes.get("asyncplane.store") == store.location]
+
+    assert mine()
+    backend: Any = await engine_of(store).ready()
+    writer = backend.writer
+    conn = await asyncpg.connect(url)
+    try:  # the write session ended, the store now a newer release's: its reopen fails
+        await conn.execute("UPDATE asyncplane_meta SET value = '999' WHERE key = 'schema_version'")
+        await conn.execute("SELECT pg_terminate_backend($1)", writer._conn.get_server_pid())
+    finally:
+        await conn.close()
+    await until(lambda: not writer.running, what="the writer ends")
+    with pytest.raises(AsyncplaneError):
+        await store.enqueue("p", {})
+    await store.close()
+    assert not mine()

@@ -293,6 +293,12 @@ class Engine:
                 # The write connection was lost (a server restart, say): start afresh.
                 _log.warning("asyncplane: %s lost its connection; opening again", self.location)
                 self.is_open = False
+                if self.gauges is not None:
+                    # Gone with the connection: a reopen that fails leaves no open store,
+                    # and close() then has nothing to close (its last values stood for
+                    # ever, beside the next store's of the same name).
+                    gauges, self.gauges = self.gauges, None
+                    await gauges.close()
                 await self.backend.close(lost=True)
             if not self.is_open:
                 self._loop = asyncio.get_running_loop()
