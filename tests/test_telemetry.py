@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import pathlib
 import subprocess
@@ -55,8 +56,16 @@ class _Gate(SpanProcessor):
     def __init__(self, inner: SpanProcessor) -> None:
         self.inner = inner
         self.open = False
+        #: Whether it raises instead, at each span's start and end (a broken processor).
+        self.broken = False
+
+    def on_start(self, span: Any, parent_context: Any = None) -> None:
+        if self.broken:
+            raise RuntimeError(f"the processor broke on {span.name}'s start")
 
     def on_end(self, span: ReadableSpan) -> None:
+        if self.broken:
+            raise RuntimeError(f"the processor broke on {span.name}")
         if self.open:
             self.inner.on_end(span)
 
@@ -121,6 +130,7 @@ def otel() -> Iterator[Otel]:
         yield found
     finally:
         found.gate.open = False
+        found.gate.broken = False
         found.exporter.clear()
 
 
@@ -848,3 +858,34 @@ async def test_a_store_whose_reopen_failed_gives_no_gauge_values(
         await store.enqueue("p", {})
     await store.close()
     assert not mine()
+
+
+@pytest.mark.parametrize("where", ["start", "end"])
+async def test_a_span_processor_that_raises_never_breaks_the_work(
+    store: ControlStore, otel: Otel, caplog: pytest.LogCaptureFixture, where: str
+) -> None:
+    # It raised out of asyncplane's spans into the caller: an enqueue committed yet
+    # raising (a retry made a duplicate), work() and drain() stopped with their items
+    # left claimed.
+    from asyncplane import Done, drain, work
+
+    caplog.set_level(logging.DEBUG, logger="asyncplane.store")
+    otel.gate.broken = True
+    if where == "end":  # (the start passes: broken from its end on)
+        otel.gate.on_start = lambda span, parent_context=None: None  # type: ignore[method-assign]
+    first = await store.enqueue("alpha", {"n": 1})  # an enqueue span
+    second = await store.enqueue("alpha", {"n": 2})
+
+    async def executor(batch: list[Any]) -> list[Any]:
+        return [Done() for _ in batch]
+
+    summary = await drain(store, executor, max_iters=1, batch_size=1)  # round, execute
+    assert summary.done == 1
+
+    async def handler(claim: Any) -> Done:
+        return Done()
+
+    assert (await work(store, handler, until_empty=True, timeout=30)).done == 1  # execute
+    assert {(await store.item(i))["state"] for i in (first, second)} == {"done"}
+    # Said (the first of a process at WARNING, with its traceback; the rest at DEBUG).
+    assert any("the tracing of asyncplane." in r.getMessage() for r in caplog.records)

@@ -43,9 +43,11 @@ import threading
 import time
 import weakref
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 from asyncplane import _models, _tasks
+
+_T = TypeVar("_T")
 
 if TYPE_CHECKING:
     from asyncplane._backend import ClaimRow, StoreStats
@@ -326,10 +328,40 @@ def enqueue_span(project_id: str, count: int) -> Iterator[str | None]:
         yield _current_context()
         return
     attributes: dict[str, str | int] = {"asyncplane.project": project_id, "asyncplane.count": count}
-    with otel.tracer.start_as_current_span(
-        "asyncplane.enqueue", kind=otel.trace.SpanKind.PRODUCER, attributes=attributes
+    with _current_span(
+        otel, "asyncplane.enqueue", kind=otel.trace.SpanKind.PRODUCER, attributes=attributes
     ):
         yield _current_context()
+
+
+@contextlib.contextmanager
+def _current_span(otel: _Instruments, name: str, **options: Any) -> Iterator[None]:
+    """``start_as_current_span``, but the span's own start and end never raise into the
+    work it wraps (a span processor that raises, say: the work was done, or saved)."""
+    span = _guarded(lambda: otel.tracer.start_span(name, **options), name)
+    if span is None:
+        yield
+        return
+    try:
+        with otel.trace.use_span(span, end_on_exit=False):  # records an exception, as ever
+            yield
+    finally:
+        _guarded(span.end, name)
+
+
+_SPAN_FAILURES = [0]  # the first is logged with its traceback, the rest at DEBUG
+
+
+def _guarded(call: Callable[[], _T], name: str) -> _T | None:
+    """``call()`` of the tracing API on asyncplane's own span; None if it raised (the
+    application's span processor, say): telemetry never breaks the work it watches."""
+    try:
+        return call()
+    except Exception:
+        _SPAN_FAILURES[0] += 1
+        level = logging.WARNING if _SPAN_FAILURES[0] == 1 else logging.DEBUG
+        _log.log(level, "asyncplane: the tracing of %s failed", name, exc_info=True)
+        return None
 
 
 def _current_context() -> str | None:
@@ -375,7 +407,7 @@ def round_span(owner: str, size: int) -> Iterator[None]:
         yield
         return
     attributes: dict[str, str | int] = {"asyncplane.owner": owner, "asyncplane.count": size}
-    with otel.tracer.start_as_current_span("asyncplane.drain.round", attributes=attributes):
+    with _current_span(otel, "asyncplane.drain.round", attributes=attributes):
         yield
 
 
@@ -391,17 +423,20 @@ class Execution:
         self._span: Any = None
         otel = _tracing()
         if otel is not None:
-            self._span = otel.tracer.start_span(
+            self._span = _guarded(
+                lambda: otel.tracer.start_span(
+                    "asyncplane.execute",
+                    kind=otel.trace.SpanKind.CONSUMER,
+                    attributes={
+                        "asyncplane.item_id": claim.item_id,
+                        "asyncplane.project": claim.project_id,
+                        "asyncplane.attempt": claim.attempts,
+                        "asyncplane.fence": claim.fence,
+                        "asyncplane.owner": claim.owner,
+                    },
+                    links=_links(claim.trace_context),
+                ),
                 "asyncplane.execute",
-                kind=otel.trace.SpanKind.CONSUMER,
-                attributes={
-                    "asyncplane.item_id": claim.item_id,
-                    "asyncplane.project": claim.project_id,
-                    "asyncplane.attempt": claim.attempts,
-                    "asyncplane.fence": claim.fence,
-                    "asyncplane.owner": claim.owner,
-                },
-                links=_links(claim.trace_context),
             )
 
     def finish(self, outcome: object) -> None:
@@ -411,7 +446,7 @@ class Execution:
         seconds = time.perf_counter() - self._started
         otel = _instruments()
         otel.execution.record(seconds, {"asyncplane.project": self._claim.project_id})
-        span = self._span
+        span, self._span = self._span, None  # ended once, whatever happens below
         if span is None:
             return
         if isinstance(outcome, BaseException):
@@ -425,7 +460,7 @@ class Execution:
             from asyncplane import _outcomes  # (it imports the store, which imports this)
 
             span.set_attribute("asyncplane.outcome", _outcomes.given(outcome))
-        span.end()
+        _guarded(span.end, "asyncplane.execute")
 
 
 @contextlib.contextmanager
@@ -434,14 +469,15 @@ def execution_span(claim: ClaimedItem) -> Iterator[Execution]:
     nest in it); the block calls `Execution.finish` with the outcome, or an exception
     leaving the block ends it as failed."""
     run = Execution(claim)
-    if run._span is None:
+    span = run._span
+    if span is None:
         try:
             yield run
         except BaseException as exc:
             run.finish(exc)
             raise
         return
-    with _instruments().trace.use_span(run._span, end_on_exit=False, record_exception=False):
+    with _instruments().trace.use_span(span, end_on_exit=False, record_exception=False):
         try:
             yield run
         except BaseException as exc:
