@@ -83,12 +83,18 @@ def test_with_autoloading_off_the_plugin_loads_by_its_entry_points_name(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # As docs/testing.md says for CI setups with PYTEST_DISABLE_PLUGIN_AUTOLOAD.
+    # Warnings are errors, as in many a project: the order the docs first gave (asyncplane
+    # first) warned that pytest-asyncio was imported before it could rewrite its asserts.
     monkeypatch.setenv("PYTEST_DISABLE_PLUGIN_AUTOLOAD", "1")
     pytester.makeini("[pytest]\nasyncio_default_fixture_loop_scope = function\n")
     pytester.makepyfile(test_user=USER_TESTS)
     pytester.runpytest_subprocess("-q").assert_outcomes(errors=4)  # no fixtures: not loaded
-    result = pytester.runpytest_subprocess("-q", "-p", "asyncplane", "-p", "asyncio")
-    result.assert_outcomes(passed=4)
+    loaded = pytester.runpytest_subprocess("-q", "-W", "error", "-p", "asyncio", "-p", "asyncplane")
+    loaded.assert_outcomes(passed=4)
+    pytester.makeconftest(
+        'pytest_plugins = ["pytest_asyncio.plugin", "asyncplane.pytest_plugin"]\n'
+    )
+    pytester.runpytest_subprocess("-q", "-W", "error").assert_outcomes(passed=4)
 
 
 def test_stores_are_closed_after_each_test(pytester: pytest.Pytester) -> None:
