@@ -889,3 +889,18 @@ async def test_a_span_processor_that_raises_never_breaks_the_work(
     assert {(await store.item(i))["state"] for i in (first, second)} == {"done"}
     # Said (the first of a process at WARNING, with its traceback; the rest at DEBUG).
     assert any("the tracing of asyncplane." in r.getMessage() for r in caplog.records)
+
+
+async def test_closed_gauges_start_no_refresh_for_a_collection_under_way(
+    store: ControlStore, otel: Otel
+) -> None:
+    # A collection that took the live gauges before the store closed asked the closed
+    # ones for a refresh: a task nobody tracked read the closing store's stats.
+    gauges = engine_of(store).gauges
+    assert gauges is not None
+    under_way = _telemetry._live()  # the collection's copy
+    assert gauges in under_way
+    await store.close()
+    assert gauges.request() is False
+    gauges._start()  # (as a request queued before the close would)
+    assert gauges._refreshing is None or gauges._refreshing.done()

@@ -2318,7 +2318,8 @@ async def test_a_second_signal_while_a_cancelled_opening_winds_up_ends_at_once(
         await asyncio.Event().wait()
 
     opening = asyncio.create_task(opens())
-    signals = _worker_command._Signals(asyncio.Event(), [])
+    early = _worker_command._EarlySignals()
+    signals = _worker_command._Signals(asyncio.Event(), [], early)
     try:
         signals.opening = opening
         signals.heard()  # the first: the opening is cancelled
@@ -2330,6 +2331,28 @@ async def test_a_second_signal_while_a_cancelled_opening_winds_up_ends_at_once(
         assert ended == ["now"]
     finally:
         signals.remove()
+        early.restore()
+
+
+async def test_a_signal_once_the_loops_handlers_are_gone_ends_the_command_at_once(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Once the store had closed (or its opening had been given up), the loop's handlers
+    # were taken away and nothing came in their place: a late signal killed the process
+    # (-15, or a KeyboardInterrupt's traceback) after it had said it stopped. It now ends
+    # it at once, with 1 and an ERROR line, as a second signal does everywhere else.
+    early = _worker_command._EarlySignals()
+    signals = _worker_command._Signals(asyncio.Event(), [], early)
+    exits: list[int] = []
+    monkeypatch.setattr(_worker_command.os, "_exit", exits.append)
+    monkeypatch.setattr(_worker_command.logging, "shutdown", lambda: None)
+    try:
+        signals.remove()
+        os.kill(os.getpid(), signal.SIGTERM)  # its Python handler runs at the next step
+        assert exits == [1]
+        assert "a signal as the command ended" in caplog.text
+    finally:
+        early.restore()
 
 
 @_COMMAND_TEST  # (the turns counted are asyncio's loop's)
@@ -2354,7 +2377,11 @@ async def test_a_signal_as_the_opening_ends_stops_the_command_all_the_same(
         exclusive=False, grace=1.0,
     )  # fmt: skip
     handler = _worker_command.load_handler("fleet_handlers:handle")
-    assert await asyncio.wait_for(_worker_command._main(args, handler), 30) == 0
+    early = _worker_command._EarlySignals()
+    try:
+        assert await asyncio.wait_for(_worker_command._main(args, handler, early), 30) == 0
+    finally:
+        early.restore()
 
 
 @_COMMAND_TEST

@@ -296,9 +296,10 @@ class Engine:
                 if self.gauges is not None:
                     # Gone with the connection: a reopen that fails leaves no open store,
                     # and close() then has nothing to close (its last values stood for
-                    # ever, beside the next store's of the same name).
+                    # ever, beside the next store's of the same name). Dropped without a
+                    # wait: no cancellation may land between here and the backend's close.
                     gauges, self.gauges = self.gauges, None
-                    await gauges.close()
+                    gauges.drop()
                 await self.backend.close(lost=True)
             if not self.is_open:
                 self._loop = asyncio.get_running_loop()

@@ -538,6 +538,7 @@ class Gauges:
         self._now = now
         self._loop = loop
         self._refreshing: asyncio.Task[None] | None = None
+        self._closed = False  # no refresh starts once closed (a collection under way)
         #: Every project whose items were counted: a project emptied (purged) reports 0s.
         self._seen_projects: set[str] = set()
         #: The last snapshot: (states by project, oldest ready age), or None before one.
@@ -553,6 +554,8 @@ class Gauges:
         """From any thread: refresh soon, on the store's loop (one refresh at a time);
         False when its loop has closed: the store can say nothing more, and its gauges
         stop giving values (the last would stand for ever)."""
+        if self._closed:
+            return False
         try:
             self._loop.call_soon_threadsafe(self._start)
         except RuntimeError:  # the loop is closed
@@ -561,6 +564,8 @@ class Gauges:
         return True
 
     def _start(self) -> None:
+        if self._closed:  # asked by a collection that began before the close
+            return
         if self._refreshing is None or self._refreshing.done():
             self._refreshing = _tasks.detached(
                 self._refresh(), f"asyncplane-gauges[{self.name}]", self._loop
@@ -595,8 +600,17 @@ class Gauges:
         with _GUARD:
             _LIVE.discard(self)
 
+    def drop(self) -> None:
+        """Stop reading for the gauges at once, waiting for nothing (the store lost its
+        connection: a refresh under way is cancelled, and ends on its own)."""
+        self._closed = True
+        self.forget()
+        if self._refreshing is not None:
+            self._refreshing.cancel()
+
     async def close(self) -> None:
         """Stop reading for the gauges (the store is closing)."""
+        self._closed = True
         self.forget()
         task = self._refreshing
         if task is not None and not task.done():

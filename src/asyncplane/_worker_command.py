@@ -162,7 +162,7 @@ async def _main(args: argparse.Namespace, handler: _work.Handler, early: _EarlyS
     stop = asyncio.Event()
     # Heard from the start: a signal while the store opens (a server slow to answer)
     # stops the command cleanly, having claimed nothing; one heard before, as well.
-    signals = _Signals(stop, [], early.taken())
+    signals = _Signals(stop, [], early)
     if early.heard:
         signals.remove()
         return _stopped_before_start()
@@ -287,6 +287,7 @@ class _EarlySignals:
     def __init__(self) -> None:
         self.heard = False
         self.raising = False
+        self._late = "a second signal: nothing was claimed"  # why a late signal ends it
         self._handler = self._heard  # one bound method: compared at `restore`
         self._before = {
             sig: signal.signal(sig, self._handler) for sig in _SIGNALS if not _ignored(sig)
@@ -294,12 +295,22 @@ class _EarlySignals:
 
     def _heard(self, signum: int, frame: object) -> None:
         if self.heard:  # a second signal (the module went on past the first): at once
-            _log.error("stopped without winding up (a second signal): nothing was claimed")
+            _log.error("stopped without winding up (%s)", self._late)
             logging.shutdown()
             os._exit(1)
         self.heard = True
         if self.raising:
             raise _StoppedEarly
+
+    def take_back(self, taken: tuple[int, ...]) -> None:
+        """The loop's handlers are gone: ``taken`` come here again, and any one of them
+        ends the process at once (`restore` puts back what was there before)."""
+        self.heard, self.raising = True, False
+        self._late = "a signal as the command ended: nothing is held"
+        for sig in taken:
+            with contextlib.suppress(ValueError, OSError):  # (not the main thread: a test's)
+                signal.signal(sig, self._handler)
+                self._before.setdefault(sig, signal.SIG_DFL)
 
     def taken(self) -> tuple[int, ...]:
         """The signals the command's loop takes: each, unless a handler's module set
@@ -337,13 +348,14 @@ class _Signals:
     leaving what it still holds to the leases, as a supervisor's SIGKILL would."""
 
     def __init__(
-        self, stop: asyncio.Event, workers: list[asyncio.Task[Any]], taken: tuple[int, ...]
+        self, stop: asyncio.Event, workers: list[asyncio.Task[Any]], early: _EarlySignals
     ) -> None:
-        self.stop, self.workers, self.count, self.taken = stop, workers, 0, taken
+        self.stop, self.workers, self.count, self.early = stop, workers, 0, early
+        self.taken = early.taken()
         #: The store's opening, while it runs: a signal then cancels it (nothing to finish).
         self.opening: asyncio.Task[Any] | None = None
         self.loop = asyncio.get_running_loop()
-        for sig in taken:
+        for sig in self.taken:
             self.loop.add_signal_handler(sig, self.heard)
 
     @property
@@ -393,9 +405,12 @@ class _Signals:
         os._exit(1)
 
     def remove(self) -> None:
+        """Take the loop's handlers away (the store closed, or never opened): a signal from
+        here to the process's end ends it at once, with 1, as a second one would have."""
         for sig in self.taken:
             with contextlib.suppress(Exception):
                 self.loop.remove_signal_handler(sig)
+        self.early.take_back(self.taken)
 
 
 class _Status:
