@@ -943,12 +943,7 @@ async def test_a_renewer_that_ends_cancelled_stops_the_batch_as_a_failure(
     # cancelled (a stray CancelledError in it): InvalidStateError, the item left deferred;
     # waited for instead, unrenewed, its items ran twice once their leases lapsed. It
     # stops as at a renewer's failure: DrainError, the batch put back.
-    from asyncplane import _drain
-
-    async def renewer_cancelled(self: Any, batch: Any) -> None:
-        raise asyncio.CancelledError
-
-    monkeypatch.setattr(_drain._Drain, "_renew", renewer_cancelled)
+    renewer_ends_cancelled(monkeypatch)
     item = await store.enqueue("alpha", {"n": 1})
 
     async def never_done(batch: list[ClaimedItem]) -> list[Outcome]:
@@ -969,11 +964,7 @@ async def test_a_cancelled_drain_ends_cancelled_though_the_store_fails_its_put_b
     from asyncplane import StorageError, _drain
 
     if renewer_fails:
-
-        async def renewer_cancelled(self: Any, batch: Any) -> None:
-            raise asyncio.CancelledError
-
-        monkeypatch.setattr(_drain._Drain, "_renew", renewer_cancelled)
+        renewer_ends_cancelled(monkeypatch)
 
     async def put_back_fails(self: Any, batch: Any, settled: Any) -> None:
         raise StorageError("the server is down")
@@ -1042,12 +1033,7 @@ async def test_a_renewer_cancelled_as_its_executor_ends_lets_the_batch_settle(
     # Both ended in the same pass of the loop: the renewer's exception was read, and
     # raised the renewer's CancelledError out of drain(), which nobody had cancelled.
     # The outcome was had under held leases: it is settled as any.
-    from asyncplane import _drain
-
-    async def renewer_cancelled(self: Any, batch: Any) -> None:
-        raise asyncio.CancelledError  # at its first step, as the executor returns
-
-    monkeypatch.setattr(_drain._Drain, "_renew", renewer_cancelled)
+    renewer_ends_cancelled(monkeypatch)  # at its first step, as the executor returns
     item = await store.enqueue("alpha", {"n": 1})
 
     async def at_once(batch: list[ClaimedItem]) -> list[Outcome]:
@@ -1064,12 +1050,7 @@ async def test_a_drain_cancelled_as_its_renewers_failure_is_cleaned_up_ends_canc
     # The clean-up after a renewer's failure (the executor stopped, the batch put back)
     # runs to its end whatever cancels arrive; one that arrived was dropped, and drain()
     # ended with DrainError: its caller's own cancel went unheard.
-    from asyncplane import _drain
-
-    async def renewer_cancelled(self: Any, batch: Any) -> None:
-        raise asyncio.CancelledError
-
-    monkeypatch.setattr(_drain._Drain, "_renew", renewer_cancelled)
+    renewer_ends_cancelled(monkeypatch)
     item = await store.enqueue("alpha", {"n": 1})
     stopping, stopped = asyncio.Event(), asyncio.Event()
 
@@ -1090,3 +1071,14 @@ async def test_a_drain_cancelled_as_its_renewers_failure_is_cleaned_up_ends_canc
     with pytest.raises(asyncio.CancelledError):
         await draining
     assert (await store.item(item))["state"] == "deferred"  # put back all the same
+
+
+def renewer_ends_cancelled(monkeypatch: pytest.MonkeyPatch) -> None:
+    """drain()'s lease renewer ends cancelled at its first step, not by the drain (a
+    stray CancelledError in a store call)."""
+    from asyncplane import _drain
+
+    async def renewer_cancelled(self: Any, batch: Any) -> None:
+        raise asyncio.CancelledError
+
+    monkeypatch.setattr(_drain._Drain, "_renew", renewer_cancelled)
