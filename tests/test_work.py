@@ -20,7 +20,7 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
 import pytest
@@ -1831,13 +1831,30 @@ HANDLERS = textwrap.dedent(
 
 
 def worker(where: str, cwd: Any, *args: str) -> subprocess.Popen[str]:
-    return subprocess.Popen(
+    child = subprocess.Popen(
         [sys.executable, "-m", "asyncplane.cli", "worker", where, *args],
         cwd=cwd,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
     )
+    _COMMANDS.append(child)
+    return child
+
+
+#: The worker commands a test started (`worker`, `_nohup_worker`): one a failed test left
+#: running is killed after it (`_no_command_left`), not left idle for the rest of the run.
+_COMMANDS: list[subprocess.Popen[str]] = []
+
+
+@pytest.fixture(autouse=True)
+def _no_command_left() -> Iterator[None]:
+    yield
+    while _COMMANDS:
+        child = _COMMANDS.pop()
+        if child.poll() is None:
+            child.kill()
+            child.communicate(timeout=60)
 
 
 #: The worker command's own loop is the child's; the test's need not run on both.
@@ -2269,11 +2286,13 @@ def _nohup_worker(where: str, cwd: Any, handler: str, *, nohup: bool) -> subproc
     def ignoring() -> None:
         signal.signal(signal.SIGHUP, signal.SIG_IGN)
 
-    return subprocess.Popen(
+    child = subprocess.Popen(
         [sys.executable, "-m", "asyncplane.cli", "worker", where, handler],
         cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         preexec_fn=ignoring if nohup else None,
     )  # fmt: skip
+    _COMMANDS.append(child)
+    return child
 
 
 def _has_open(pid: int, name: str) -> bool:
