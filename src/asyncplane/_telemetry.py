@@ -605,8 +605,11 @@ class Gauges:
         connection: a refresh under way is cancelled, and ends on its own)."""
         self._closed = True
         self.forget()
-        if self._refreshing is not None:
-            self._refreshing.cancel()
+        task = self._refreshing
+        if task is not None and not task.done():
+            task.cancel()
+            _DROPPED.add(task)  # held until it ends (the loop keeps only a weak reference)
+            task.add_done_callback(_DROPPED.discard)
 
     async def close(self) -> None:
         """Stop reading for the gauges (the store is closing)."""
@@ -620,6 +623,8 @@ class Gauges:
 
 
 _LIVE: weakref.WeakSet[Gauges] = weakref.WeakSet()
+#: Refreshes cancelled by `Gauges.drop`, until they end.
+_DROPPED: set[asyncio.Task[None]] = set()
 
 
 def _live() -> list[Gauges]:

@@ -307,10 +307,9 @@ class _EarlySignals:
         ends the process at once (`restore` puts back what was there before)."""
         self.heard, self.raising = True, False
         self._late = "a signal as the command ended: nothing is held"
-        for sig in taken:
+        for sig in taken:  # (each in `_before`: `taken` gives no other)
             with contextlib.suppress(ValueError, OSError):  # (not the main thread: a test's)
                 signal.signal(sig, self._handler)
-                self._before.setdefault(sig, signal.SIG_DFL)
 
     def taken(self) -> tuple[int, ...]:
         """The signals the command's loop takes: each, unless a handler's module set
