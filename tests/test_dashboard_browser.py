@@ -236,23 +236,16 @@ async def test_the_live_page_says_it_is_paused_while_the_store_does_not_answer(
 ) -> None:
     # A store that stopped answering held the live update's request until it was back,
     # and the page went on showing its old figures as if they were live.
-    import asyncpg
-
     await store.enqueue("alpha", {"n": 1})
     async with fleet(store, failing=set()) as (dashboard, url):
         await browser.get(url + "/")
         await browser.until(shows('.card [data-state="done"]', "1"), "the page shows")
         assert await browser.script("return document.body.dataset.giveUpMs") == "30000"
-        holder = await asyncpg.connect(store.location)
-        try:
-            async with holder.transaction():
-                await holder.execute("LOCK TABLE items IN ACCESS EXCLUSIVE MODE")
-                dashboard.answer_within = 0.5  # (only while held: a loaded machine's pages)
-                await browser.script("return window.asyncplaneRefresh()")
-                status = "live updates paused: the dashboard answered 503"
-                assert await browser.text("#status") == status
-        finally:
-            await holder.close()
+        async with _items_locked(store):
+            dashboard.answer_within = 0.5  # (only while held: a loaded machine's pages)
+            await browser.script("return window.asyncplaneRefresh()")
+            status = "live updates paused: the dashboard answered 503"
+            assert await browser.text("#status") == status
         dashboard.answer_within = 15.0
         await browser.script("return window.asyncplaneRefresh()")
         assert await browser.script("return document.getElementById('status').hidden")
@@ -265,8 +258,6 @@ async def test_the_live_page_gives_up_on_a_dashboard_that_does_not_answer(
     # Its request had no time limit: a dashboard process that stopped answering left the
     # page showing its last figures as live. Here the dashboard waits longer (60 s) than
     # the page does (1 s: answer_within plus a margin made -59 s).
-    import asyncpg
-
     from asyncplane.dashboard import _server
 
     monkeypatch.setattr(_server, "_GIVE_UP_AFTER_ANSWER", -59.0)
@@ -275,17 +266,26 @@ async def test_the_live_page_gives_up_on_a_dashboard_that_does_not_answer(
         await browser.get(url + "/")
         await browser.until(shows('.card [data-state="done"]', "1"), "the page shows")
         assert await browser.script("return document.body.dataset.giveUpMs") == "1000"
-        holder = await asyncpg.connect(store.location)
-        try:
-            async with holder.transaction():
-                await holder.execute("LOCK TABLE items IN ACCESS EXCLUSIVE MODE")
-                await browser.script("return window.asyncplaneRefresh()")
-                status = "live updates paused: the dashboard did not answer in 1 s"
-                assert await browser.text("#status") == status
-        finally:
-            await holder.close()
+        async with _items_locked(store):
+            await browser.script("return window.asyncplaneRefresh()")
+            status = "live updates paused: the dashboard did not answer in 1 s"
+            assert await browser.text("#status") == status
         await browser.script("return window.asyncplaneRefresh()")
         assert await browser.script("return document.getElementById('status').hidden")
+
+
+@contextlib.asynccontextmanager
+async def _items_locked(store: ControlStore) -> AsyncIterator[None]:
+    """The store's items locked from another session: every page's read of them waits."""
+    import asyncpg
+
+    holder = await asyncpg.connect(store.location)
+    try:
+        async with holder.transaction():
+            await holder.execute("LOCK TABLE items IN ACCESS EXCLUSIVE MODE")
+            yield
+    finally:
+        await holder.close()
 
 
 async def test_nothing_from_the_store_runs_as_script(store: ControlStore, browser: Browser) -> None:

@@ -983,12 +983,7 @@ async def test_a_cancelled_drain_ends_cancelled_though_the_store_fails_its_put_b
         raise AssertionError("cancelled first")
 
     draining = asyncio.ensure_future(drain(store, slow_to_stop, empty_rounds=1))
-    await stopping.wait()
-    draining.cancel()
-    await asyncio.sleep(0)  # (the cancel reaches the drain's task first)
-    stopped.set()
-    with pytest.raises(asyncio.CancelledError):
-        await draining
+    await cancelled_as_it_winds_down(draining, stopping, stopped)
 
 
 async def test_a_drain_cancelled_as_its_renewer_stops_ends_cancelled_though_settling_fails(
@@ -1019,12 +1014,7 @@ async def test_a_drain_cancelled_as_its_renewer_stops_ends_cancelled_though_sett
         return [Done() for _ in batch]
 
     draining = asyncio.ensure_future(drain(store, done, empty_rounds=1))
-    await stopping.wait()
-    draining.cancel()  # while the renewer stops
-    await asyncio.sleep(0)  # (the cancel reaches the drain's task first)
-    stopped.set()
-    with pytest.raises(asyncio.CancelledError):
-        await draining
+    await cancelled_as_it_winds_down(draining, stopping, stopped)  # while the renewer stops
 
 
 async def test_a_renewer_cancelled_as_its_executor_ends_lets_the_batch_settle(
@@ -1064,12 +1054,7 @@ async def test_a_drain_cancelled_as_its_renewers_failure_is_cleaned_up_ends_canc
         raise AssertionError("cancelled first")
 
     draining = asyncio.ensure_future(drain(store, slow_to_stop, empty_rounds=1))
-    await stopping.wait()
-    draining.cancel()  # the drain's own cancel, while the executor winds down
-    await asyncio.sleep(0)  # (the cancel reaches the drain's task first)
-    stopped.set()
-    with pytest.raises(asyncio.CancelledError):
-        await draining
+    await cancelled_as_it_winds_down(draining, stopping, stopped)  # (the executor winding down)
     assert (await store.item(item))["state"] == "deferred"  # put back all the same
 
 
@@ -1082,3 +1067,16 @@ def renewer_ends_cancelled(monkeypatch: pytest.MonkeyPatch) -> None:
         raise asyncio.CancelledError
 
     monkeypatch.setattr(_drain._Drain, "_renew", renewer_cancelled)
+
+
+async def cancelled_as_it_winds_down(
+    draining: asyncio.Future[Any], stopping: asyncio.Event, stopped: asyncio.Event
+) -> None:
+    """Cancel the drain once something of it winds down (``stopping``), then let that end
+    (``stopped``): the drain must end cancelled."""
+    await stopping.wait()
+    draining.cancel()
+    await asyncio.sleep(0)  # (the cancel reaches the drain's task first)
+    stopped.set()
+    with pytest.raises(asyncio.CancelledError):
+        await draining
